@@ -1,0 +1,42 @@
+# The README's two commands: `make demo` and `make test`. Each creates .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint typecheck pytest docs bench clean
+
+$(BIN)/.installed-demo: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[sim]'
+	touch $@
+
+$(BIN)/.installed-test: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@ $(BIN)/.installed-demo
+
+demo: $(BIN)/.installed-demo
+	$(BIN)/python examples/quickstart.py
+
+lint: $(BIN)/.installed-test
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(BIN)/.installed-test
+	$(BIN)/mypy
+
+pytest: $(BIN)/.installed-test
+	$(BIN)/pytest -q
+
+docs: $(BIN)/.installed-test
+	$(BIN)/mkdocs build --strict --site-dir $(VENV)/site
+
+test: lint typecheck pytest docs
+
+bench: $(BIN)/.installed-test
+	$(BIN)/python benchmarks/bench_route.py
+
+clean:
+	rm -rf $(VENV) build dist .mypy_cache .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,2 @@
+"""prefixroute."""
+__version__ = "0.1.0"

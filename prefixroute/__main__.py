@@ -1,0 +1,7 @@
+"""``python -m prefixroute`` runs the CLI."""
+
+import sys
+
+from prefixroute.cli import main
+
+sys.exit(main())
