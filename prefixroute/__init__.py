@@ -1,2 +1,69 @@
-"""prefixroute."""
+"""prefixroute: route LLM requests to the backend that already holds their prompt prefix in its KV cache.
+
+>>> from prefixroute import Router
+>>> router = Router()
+>>> decision = router.route(list(range(64)), ["http://gpu0:8000", "http://gpu1:8000"])
+>>> decision.reason
+'miss'
+"""
+
+from __future__ import annotations
+
+from prefixroute.errors import (
+    ConfigurationError,
+    InvalidEventError,
+    InvalidPromptError,
+    InvalidTraceError,
+    MetricsError,
+    NoBackendError,
+    PrefixRouteError,
+)
+from prefixroute.hashing import BlockHash, BlockHasher, encode_tokens
+from prefixroute.index import PrefixIndex
+from prefixroute.policies import (
+    BoundedLoad,
+    Candidate,
+    CostAware,
+    LeastLoaded,
+    LinearTTFT,
+    LoadPolicy,
+    PowerOfTwo,
+    PrefixAffinity,
+    Random,
+    RoundRobin,
+    policy_from_name,
+    policy_names,
+)
+from prefixroute.router import Decision, Reason, Router
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "BlockHash",
+    "BlockHasher",
+    "BoundedLoad",
+    "Candidate",
+    "ConfigurationError",
+    "CostAware",
+    "Decision",
+    "InvalidEventError",
+    "InvalidPromptError",
+    "InvalidTraceError",
+    "LeastLoaded",
+    "LinearTTFT",
+    "LoadPolicy",
+    "MetricsError",
+    "NoBackendError",
+    "PowerOfTwo",
+    "PrefixAffinity",
+    "PrefixIndex",
+    "PrefixRouteError",
+    "Random",
+    "Reason",
+    "RoundRobin",
+    "Router",
+    "__version__",
+    "encode_tokens",
+    "policy_from_name",
+    "policy_names",
+]

@@ -1,0 +1,55 @@
+"""The exception tree. Catch :class:`PrefixRouteError` to handle every error prefixroute raises itself.
+
+::
+
+    PrefixRouteError
+    ├── ConfigurationError     a bad option: unknown policy name, negative capacity, wrong block size
+    ├── InvalidPromptError     a token id that is not an int in [0, 2**32), or an unsupported prompt type
+    ├── NoBackendError         route() was given no backend to choose from
+    ├── InvalidEventError      a malformed vLLM KV-cache event
+    ├── InvalidTraceError      a malformed line in a workload trace
+    └── MetricsError           unreadable Prometheus metrics text
+
+``InvalidPromptError`` is also a ``ValueError`` and ``ConfigurationError`` a ``ValueError``, so code written against
+plain Python conventions keeps working. Wrong argument *types* raise ``TypeError``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigurationError",
+    "InvalidEventError",
+    "InvalidPromptError",
+    "InvalidTraceError",
+    "MetricsError",
+    "NoBackendError",
+    "PrefixRouteError",
+]
+
+
+class PrefixRouteError(Exception):
+    """Base class of every error prefixroute raises itself."""
+
+
+class ConfigurationError(PrefixRouteError, ValueError):
+    """An option has a value prefixroute cannot use; the message names the option and the valid values."""
+
+
+class InvalidPromptError(PrefixRouteError, ValueError):
+    """A prompt cannot be hashed: the message names the first bad position and the allowed range."""
+
+
+class NoBackendError(PrefixRouteError):
+    """There is no backend to route to (an empty backend list)."""
+
+
+class InvalidEventError(PrefixRouteError, ValueError):
+    """A vLLM KV-cache event or event batch does not follow vLLM's wire format."""
+
+
+class InvalidTraceError(PrefixRouteError, ValueError):
+    """A workload trace has a malformed record; the message names the file and line."""
+
+
+class MetricsError(PrefixRouteError):
+    """Prometheus metrics text could not be fetched or parsed."""

@@ -1,0 +1,189 @@
+"""Which backend (probably) holds which KV blocks: one LRU of block hashes per backend.
+
+Because a block hash names its whole prefix (see :mod:`prefixroute.hashing`), a flat set of hashes per backend *is*
+that backend's prefix trie: a backend holds the first *k* blocks of a prompt exactly when it holds hashes 0..k-1.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Mapping, Sequence
+from itertools import repeat, takewhile
+
+from prefixroute.errors import ConfigurationError
+
+__all__ = ["PrefixIndex"]
+
+
+class PrefixIndex:
+    """Block hashes held per backend, with an LRU capacity in blocks that mirrors vLLM's ``num_gpu_blocks``.
+
+    ``capacity_blocks`` is an int (the same for every backend), a mapping backend → int (backends not in it are
+    unbounded), or None (unbounded). When a backend exceeds its capacity its least recently used blocks are evicted.
+    :meth:`insert` touches a prompt's blocks leaf first, so a parent is always more recent than its children and
+    eviction removes leaves first: what remains is still a set of whole prefixes, as in vLLM, which frees a
+    request's blocks in reverse order.
+
+    Not thread-safe by itself: :class:`~prefixroute.Router` serialises access with its lock.
+
+    >>> index = PrefixIndex(capacity_blocks=3)
+    >>> index.insert([11, 12, 13], "gpu0")
+    >>> index.match([11, 12, 99], ["gpu0", "gpu1"])
+    {'gpu0': 2, 'gpu1': 0}
+    >>> index.insert([21, 22], "gpu0")          # over capacity: the oldest leaves, 13 then 12, go
+    >>> sorted(index.hashes("gpu0"))
+    [11, 21, 22]
+    """
+
+    __slots__ = ("_blocks", "_block_size", "_capacity", "_default_capacity")
+
+    def __init__(self, block_size: int = 16, *, capacity_blocks: int | Mapping[str, int] | None = None) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ConfigurationError(f"block_size must be a positive int (vLLM's default is 16), not {block_size!r}")
+        self._block_size = block_size
+        self._blocks: dict[str, OrderedDict[int, None]] = {}
+        self._capacity: dict[str, int] = {}
+        self._default_capacity: int | None = None
+        if isinstance(capacity_blocks, Mapping):
+            for backend, capacity in capacity_blocks.items():
+                self.set_capacity(backend, capacity)
+        elif capacity_blocks is not None:
+            self._default_capacity = _check_capacity(capacity_blocks, "capacity_blocks")
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block (the hasher's block size must agree)."""
+        return self._block_size
+
+    def capacity(self, backend: str) -> int | None:
+        """Return ``backend``'s capacity in blocks, or None when unbounded. O(1)."""
+        return self._capacity.get(backend, self._default_capacity)
+
+    def set_capacity(self, backend: str, capacity_blocks: int | None) -> None:
+        """Set one backend's capacity in blocks (None: unbounded), evicting its LRU blocks if it is over. O(evicted)."""
+        if capacity_blocks is None:
+            self._capacity.pop(backend, None)
+            return
+        self._capacity[backend] = _check_capacity(capacity_blocks, f"capacity of {backend!r}")
+        blocks = self._blocks.get(backend)
+        if blocks is not None:
+            self._shrink(backend, blocks)
+
+    def match(self, hashes: Sequence[int], backends: Iterable[str]) -> dict[str, int]:
+        """Return, for each backend, how many leading blocks of ``hashes`` it holds, contiguous from block 0.
+
+        O(B + M) for B backends and M matched blocks summed over them. Does not change recency.
+        """
+        result: dict[str, int] = {}
+        if not hashes:
+            return dict.fromkeys(backends, 0)
+        first = hashes[0]
+        get = self._blocks.get
+        for backend in backends:
+            blocks = get(backend)
+            if blocks is None or first not in blocks:
+                result[backend] = 0
+            else:
+                result[backend] = _leading(blocks, hashes)
+        return result
+
+    def insert(self, hashes: Sequence[int], backend: str) -> None:
+        """Record that ``backend`` holds ``hashes`` (a chain from block 0) and make them its most recent blocks.
+
+        Touches the chain leaf first, so its root ends up most recent, then evicts down to capacity. Blocks after
+        the first one the backend lacked that it already held keep their recency. O(len(hashes) + evicted).
+        """
+        blocks = self._blocks.get(backend)
+        self._insert(hashes, backend, 0 if blocks is None else _leading(blocks, hashes))
+
+    def _insert(self, hashes: Sequence[int], backend: str, held: int) -> None:
+        """:meth:`insert` for a caller that knows the backend holds the first ``held`` blocks (the router does)."""
+        blocks = self._blocks.get(backend)
+        if blocks is None:
+            blocks = self._blocks[backend] = OrderedDict()
+        # C-level loops: append the new tail leaf first, then move the held prefix to the end, leaf first.
+        blocks.update(zip(reversed(hashes[held:]), repeat(None)))
+        deque(map(blocks.move_to_end, reversed(hashes[:held])), maxlen=0)
+        self._shrink(backend, blocks)
+        if not blocks:
+            del self._blocks[backend]
+
+    def remove(self, hashes: Iterable[int], backend: str) -> None:
+        """Forget that ``backend`` holds ``hashes``; hashes it does not hold are ignored. O(len(hashes))."""
+        blocks = self._blocks.get(backend)
+        if blocks is None:
+            return
+        for h in hashes:
+            blocks.pop(h, None)
+        if not blocks:
+            del self._blocks[backend]
+
+    def remove_backend(self, backend: str) -> None:
+        """Forget every block of ``backend`` and its capacity override. O(1) (memory is freed lazily)."""
+        self._blocks.pop(backend, None)
+        self._capacity.pop(backend, None)
+
+    def holds(self, block_hash: int, backend: str) -> bool:
+        """Return whether ``backend`` holds the block ``block_hash``. O(1)."""
+        blocks = self._blocks.get(backend)
+        return blocks is not None and block_hash in blocks
+
+    def hashes(self, backend: str) -> set[int]:
+        """Return every block hash ``backend`` holds. O(blocks of backend)."""
+        return set(self._blocks.get(backend, ()))
+
+    def blocks(self, backend: str) -> int:
+        """Return how many blocks ``backend`` holds. O(1)."""
+        blocks = self._blocks.get(backend)
+        return 0 if blocks is None else len(blocks)
+
+    def backends(self) -> list[str]:
+        """Return the backends that hold at least one block, in first-insert order. O(B)."""
+        return list(self._blocks)
+
+    def clear(self) -> None:
+        """Forget every block of every backend (capacities stay). O(1)."""
+        self._blocks.clear()
+
+    def __len__(self) -> int:
+        """Return the number of (block, backend) entries. O(B)."""
+        return sum(map(len, self._blocks.values()))
+
+    def __repr__(self) -> str:
+        return f"PrefixIndex(block_size={self._block_size}, backends={len(self._blocks)}, entries={len(self)})"
+
+    def _evict(self, backend: str, blocks: OrderedDict[int, None]) -> int:
+        """Remove and return the block to evict from an over-capacity backend: its least recently used one.
+
+        The one hook subclasses override to change the eviction order (as cachetools' ``popitem``).
+        """
+        return blocks.popitem(last=False)[0]
+
+    def _shrink(self, backend: str, blocks: OrderedDict[int, None]) -> None:
+        capacity = self._capacity.get(backend, self._default_capacity)
+        if capacity is not None:
+            while len(blocks) > capacity:
+                self._evict(backend, blocks)
+
+    def _check(self) -> None:
+        """Assert every invariant of the index (for tests; O(entries))."""
+        for backend, blocks in self._blocks.items():
+            assert isinstance(backend, str), backend
+            assert blocks, f"empty block set kept for {backend!r}"
+            capacity = self.capacity(backend)
+            assert capacity is None or len(blocks) <= capacity, (backend, len(blocks), capacity)
+            for h in blocks:
+                assert isinstance(h, int) and 0 <= h < 2**64, h
+        for backend, capacity in self._capacity.items():
+            assert isinstance(capacity, int) and capacity >= 0, (backend, capacity)
+
+
+def _leading(blocks: OrderedDict[int, None], hashes: Sequence[int]) -> int:
+    """How many leading ``hashes`` are in ``blocks``: takewhile over the C-level ``__contains__``, no Python loop."""
+    return len(list(takewhile(blocks.__contains__, hashes)))
+
+
+def _check_capacity(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigurationError(f"{name} must be a non-negative int number of blocks or None, not {value!r}")
+    return value

@@ -1,0 +1,268 @@
+"""Load policies: given the candidates for one request, choose one. Subclass :class:`LoadPolicy` for your own.
+
+Every policy sees the same :class:`Candidate` list: one per backend, in the request's deterministic placement
+order (rendezvous hashing of the prompt's first blocks), so "the first of equals" means the same backend on every
+router replica. Policies run under the router's lock: they must be quick and must not block.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+from prefixroute.errors import ConfigurationError
+
+__all__ = [
+    "BoundedLoad",
+    "Candidate",
+    "CostAware",
+    "LeastLoaded",
+    "LinearTTFT",
+    "LoadPolicy",
+    "PowerOfTwo",
+    "PrefixAffinity",
+    "Random",
+    "RoundRobin",
+    "policy_from_name",
+    "policy_names",
+]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One backend as a policy sees it for one request.
+
+    ``matched_tokens`` of the ``prompt_tokens`` are (predicted to be) in its prefix cache; ``in_flight`` counts
+    this router's requests there that have not finished. ``queue_len`` (requests waiting in the engine) and
+    ``kv_usage`` (KV cache fraction in use, 0–1) come from engine metrics when a poller supplies them, else None.
+    """
+
+    backend: str
+    matched_tokens: int
+    prompt_tokens: int
+    in_flight: int
+    queue_len: int | None = None
+    kv_usage: float | None = None
+
+    @property
+    def load(self) -> int:
+        """Requests this candidate is busy with: in flight from this router plus the engine's waiting queue."""
+        return self.in_flight + (self.queue_len or 0)
+
+
+class LoadPolicy(ABC):
+    """Choose one candidate for a request. Override :meth:`choose`; that is the whole contract.
+
+    ``prefix_aware`` says whether the policy means to follow cached prefixes: the router then labels a choice that
+    is not the best-matching candidate a ``"load-fallback"``; other policies' choices are labelled ``"policy"``.
+
+    >>> class FewestCachedMisses(LoadPolicy):
+    ...     name = "fewest-uncached"
+    ...     prefix_aware = True
+    ...     def choose(self, candidates):
+    ...         return min(candidates, key=lambda c: (c.prompt_tokens - c.matched_tokens, c.load))
+    >>> FewestCachedMisses().choose([Candidate("a", 0, 64, 0), Candidate("b", 48, 64, 3)]).backend
+    'b'
+    """
+
+    name: ClassVar[str] = ""
+    prefix_aware: ClassVar[bool] = False
+
+    @abstractmethod
+    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        """Return one of ``candidates`` (never empty) for this request."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class RoundRobin(LoadPolicy):
+    """Each request to the next candidate in turn, ignoring caches: the baseline prefix routing beats."""
+
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        # Candidates arrive in per-prompt placement order; rotate over a fixed order (by backend id) instead.
+        ordered = sorted(candidates, key=lambda c: c.backend)
+        chosen = ordered[self._turn % len(ordered)]
+        self._turn += 1
+        return chosen
+
+
+class Random(LoadPolicy):
+    """A uniformly random candidate from a seeded ``random.Random`` (pass ``seed`` or ``rng``)."""
+
+    name = "random"
+
+    def __init__(self, *, seed: int | None = None, rng: random.Random | None = None) -> None:
+        self._rng = rng if rng is not None else random.Random(seed)
+
+    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        return candidates[self._rng.randrange(len(candidates))]
+
+
+class LeastLoaded(LoadPolicy):
+    """The candidate with the lowest :attr:`Candidate.load`; ties go to the first in placement order."""
+
+    name = "least-loaded"
+
+    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        return min(candidates, key=_load)
+
+
+class PowerOfTwo(LoadPolicy):
+    """The less loaded of two candidates sampled at random: near least-loaded balance with little state."""
+
+    name = "power-of-two"
+
+    def __init__(self, *, seed: int | None = None, rng: random.Random | None = None) -> None:
+        self._rng = rng if rng is not None else random.Random(seed)
+
+    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        if len(candidates) == 1:
+            return candidates[0]
+        first, second = self._rng.sample(range(len(candidates)), 2)
+        return min(candidates[min(first, second)], candidates[max(first, second)], key=_load)
+
+
+class PrefixAffinity(LoadPolicy):
+    """The longest cached prefix, whatever the load; ties to the least loaded. Pure affinity makes hot spots."""
+
+    name = "prefix-affinity"
+    prefix_aware = True
+
+    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        return min(candidates, key=lambda c: (-c.matched_tokens, c.load))
+
+
+class BoundedLoad(LoadPolicy):
+    """The longest cached prefix among candidates that stay within ``factor`` × the mean load.
+
+    Consistent hashing with bounded loads: a candidate qualifies if its in-flight count after taking this request
+    stays within ``ceil(factor × (total in flight + 1) / len(candidates))``. At ``factor=2`` this is the "divert
+    above 2× the mean" rule; at low load the bound is loose and affinity is never broken. Among equally matched
+    candidates the least loaded wins, except on a miss, where placement order wins so that router replicas agree on
+    where a new prefix goes. If no candidate qualifies, the least loaded.
+    """
+
+    name = "bounded-load"
+    prefix_aware = True
+
+    def __init__(self, factor: float = 2.0) -> None:
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1.0:
+            raise ConfigurationError(f"BoundedLoad factor must be a number >= 1.0, not {factor!r}")
+        self.factor = float(factor)
+
+    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        total = sum(c.in_flight for c in candidates)
+        bound = math.ceil(self.factor * (total + 1) / len(candidates))
+        best: Candidate | None = None
+        best_key: tuple[int, int] = (0, 0)
+        for candidate in candidates:
+            if candidate.in_flight + 1 > bound:
+                continue
+            matched = candidate.matched_tokens
+            key = (-matched, candidate.in_flight if matched else 0)
+            if best is None or key < best_key:
+                best, best_key = candidate, key
+        return best if best is not None else min(candidates, key=lambda c: c.in_flight)
+
+    def __repr__(self) -> str:
+        return f"BoundedLoad(factor={self.factor})"
+
+
+@dataclass(frozen=True)
+class LinearTTFT:
+    """A small time-to-first-token model: queueing behind ``load`` requests plus prefill of the uncached suffix.
+
+    ``ttft = load × per_request_s + uncached × per_token_s + uncached × matched × per_token_pair_s``; the last term
+    is attention of the new tokens over the cached context. Defaults are for a 13B model on one A100.
+    """
+
+    per_request_s: float = 0.05
+    per_token_s: float = 1.2e-4
+    per_token_pair_s: float = 2.0e-9
+
+    def __call__(self, candidate: Candidate) -> float:
+        uncached = candidate.prompt_tokens - candidate.matched_tokens
+        return (
+            candidate.load * self.per_request_s
+            + uncached * self.per_token_s
+            + uncached * candidate.matched_tokens * self.per_token_pair_s
+        )
+
+
+class CostAware(LoadPolicy):
+    """The candidate with the lowest predicted time to first token, from a pluggable cost function.
+
+    ``cost`` maps a :class:`Candidate` to predicted seconds; the default is :class:`LinearTTFT`.
+    """
+
+    name = "cost-aware"
+    prefix_aware = True
+
+    def __init__(self, *, cost: Callable[[Candidate], float] | None = None) -> None:
+        self.cost: Callable[[Candidate], float] = cost if cost is not None else LinearTTFT()
+
+    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        return min(candidates, key=self.cost)
+
+
+def _load(candidate: Candidate) -> int:
+    return candidate.load
+
+
+_REGISTRY: Mapping[str, type[LoadPolicy]] = MappingProxyType(
+    {cls.name: cls for cls in (RoundRobin, Random, LeastLoaded, PowerOfTwo, PrefixAffinity, BoundedLoad, CostAware)}
+)
+
+
+def policy_names() -> list[str]:
+    """Return the registry names of the built-in policies."""
+    return sorted(_REGISTRY)
+
+
+def policy_from_name(name: str, **options: Any) -> LoadPolicy:
+    """Build a policy from its registry name, or from ``"package.module:ClassName"`` for your own subclass.
+
+    Keyword ``options`` go to the class: ``policy_from_name("bounded-load", factor=1.5)``.
+
+    Raises:
+        ConfigurationError: unknown name (the message lists the valid ones), a class that is not a
+            :class:`LoadPolicy`, or options the class does not take.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"policy name must be a str, not {type(name).__name__}")
+    if ":" in name:
+        cls = _import_policy(name)
+    else:
+        found = _REGISTRY.get(name)
+        if found is None:
+            raise ConfigurationError(
+                f"unknown policy {name!r}: use one of {', '.join(policy_names())} or 'package.module:ClassName'"
+            )
+        cls = found
+    try:
+        return cls(**options)
+    except TypeError as exc:
+        raise ConfigurationError(f"policy {name!r} does not accept options {sorted(options)}: {exc}") from exc
+
+
+def _import_policy(path: str) -> type[LoadPolicy]:
+    module_name, _, attribute = path.partition(":")
+    try:
+        obj = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigurationError(f"cannot import policy {path!r}: {exc}") from exc
+    if not (isinstance(obj, type) and issubclass(obj, LoadPolicy)):
+        raise ConfigurationError(f"{path!r} is not a LoadPolicy subclass")
+    return obj
