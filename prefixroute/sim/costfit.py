@@ -1,0 +1,356 @@
+"""Fit the cost-model coefficients to Vidur and SplitwiseSim measurements; writes the packaged profiles.
+
+Not used at run time. Regenerate the package data (and optionally the calibration plot) with::
+
+    python -m prefixroute.sim.costfit --data ../shared/data [--plot docs/cost-model-calibration.png]
+    python -m prefixroute.sim.costfit --data ../shared/data --check     # exit 1 if the package data is stale
+
+Method (see docs/cost-model.md): per (GPU, model, tp) the measured per-layer linear-operator time of
+Vidur's ``mlp.csv`` is fitted by ``max(floor, intercept + per_token * n)``; missing combinations are
+derived (13B by log-log interpolation between 7B and 34B in per-layer weights; H100 Llama-3-8B and
+Llama-2-70B by the H100/A100 ratio of Llama-2-7B and CodeLlama-34B; A100-40GB by scaling the
+memory-bound terms by the HBM bandwidth ratio). The terms Vidur's snapshot lacks (attention, all-reduce,
+per-step overhead) are fitted by linear least squares on relative error to SplitwiseSim's measured
+Llama-2-70B prefill and decode times, per GPU family, and shared by every model on that family.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import statistics
+import sys
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from prefixroute.sim.costmodel import CostCoefficients, ModelSpec, Profile
+from prefixroute.sim.profiles import GPUS, MODELS, TP_DEGREES
+
+__all__ = ["LinearFit", "Measurement", "fit_linear", "fit_profiles", "main"]
+
+_VIDUR_FILES = {
+    "llama-2-7b": "Llama-2-7b-hf__mlp.csv",
+    "llama-3-8b": "Meta-Llama-3-8B__mlp.csv",
+    "codellama-34b": "CodeLlama-34b-Instruct-hf__mlp.csv",
+    "llama-2-70b": "Llama-2-70b-hf__mlp.csv",
+}
+_VIDUR_OPS = (
+    "input_layernorm",
+    "attn_pre_proj",
+    "attn_rope",
+    "attn_post_proj",
+    "post_attention_layernorm",
+    "mlp_up_proj",
+    "mlp_act",
+    "mlp_down_proj",
+    "add",
+)
+_FAMILY_OF = {"a100-80gb": "a100", "a100-40gb": "a100", "h100-80gb": "h100"}
+_FLOOR_MAX_TOKENS = 16  # tokens at or below this are memory-bound: weight reads dominate
+_SLOPE_MIN_TOKENS = 512  # tokens at or above this are compute-bound
+_OUTLIER = 0.5  # SplitwiseSim rows the first fit misses by more than 50 % are dropped (and reported)
+_CALIBRATION_POINTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
+
+
+@dataclass(frozen=True)
+class LinearFit:
+    """Per-layer linear-operator time ``max(floor, intercept + per_token * n)`` in seconds."""
+
+    floor: float
+    intercept: float
+    per_token: float
+
+    def __call__(self, tokens: float) -> float:
+        return max(self.floor, self.intercept + self.per_token * tokens)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One measured point: a Vidur per-layer linear time or a SplitwiseSim prefill/decode time."""
+
+    source: str  # "vidur" | "splitwise"
+    kind: str  # "linear" | "prefill" | "decode"
+    model: str
+    gpu: str
+    tp: int
+    tokens: int  # linear: tokens; prefill: prompt tokens per sequence; decode: context per sequence
+    batch: int
+    seconds: float
+
+
+def fit_linear(points: Sequence[tuple[int, float]]) -> LinearFit:
+    """Fit ``max(floor, intercept + per_token * n)`` to ``(n, seconds)`` points.
+
+    The floor is the median time at ``n <= 16``; intercept and slope minimise the relative squared
+    error over ``n >= 512``. Raises ValueError when either range has fewer than 1 / 2 points.
+    """
+    low = [t for n, t in points if n <= _FLOOR_MAX_TOKENS]
+    high = [(n, t) for n, t in points if n >= _SLOPE_MIN_TOKENS]
+    if not low or len(high) < 2:
+        raise ValueError(f"need points at n <= {_FLOOR_MAX_TOKENS} and >= 2 at n >= {_SLOPE_MIN_TOKENS}")
+    design = np.array([[1.0 / t, n / t] for n, t in high])
+    (intercept, per_token), *_ = np.linalg.lstsq(design, np.ones(len(high)), rcond=None)
+    return LinearFit(float(statistics.median(low)), float(intercept), float(per_token))
+
+
+def read_vidur(data: Path) -> list[Measurement]:
+    """Median per-layer linear time (all ops but the embedding) by GPU family, model, tp and tokens."""
+    out: list[Measurement] = []
+    for family in ("a100", "h100"):
+        for model, filename in _VIDUR_FILES.items():
+            path = data / "vidur-profiling" / family / filename
+            if not path.exists():
+                continue
+            samples: dict[tuple[int, int], list[float]] = defaultdict(list)
+            with path.open(newline="") as handle:
+                for row in csv.DictReader(handle):
+                    ms = sum(float(row[f"time_stats.{op}.median"]) for op in _VIDUR_OPS)
+                    samples[(int(row["num_tensor_parallel_workers"]), int(row["num_tokens"]))].append(ms)
+            for (tp, tokens), values in sorted(samples.items()):
+                seconds = statistics.median(values) / 1e3
+                out.append(Measurement("vidur", "linear", model, family, tp, tokens, 1, seconds))
+    return out
+
+
+def read_splitwise(data: Path) -> list[Measurement]:
+    """Median Llama-2-70B prefill and decode-step times per configuration (A100-80GB, H100-80GB)."""
+    prefill: dict[tuple[str, int, int, int], list[float]] = defaultdict(list)
+    decode: dict[tuple[str, int, int, int], list[float]] = defaultdict(list)
+    with (data / "splitwise-sim" / "perf_model.csv").open(newline="") as handle:
+        for row in csv.DictReader(handle):
+            if row["model"] != "llama2-70b" or row["hardware"] not in ("a100-80gb", "h100-80gb"):
+                continue
+            family = _FAMILY_OF[row["hardware"]]
+            tp, prompt, batch = int(row["tensor_parallel"]), int(row["prompt_size"]), int(row["batch_size"])
+            prefill[(family, tp, prompt, batch)].append(float(row["prompt_time"]) / 1e3)
+            # Mean context over the generation of token_size tokens after the prompt.
+            context = prompt + int(row["token_size"]) // 2
+            decode[(family, tp, context, batch)].append(float(row["token_time"]) / 1e3)
+    out = [
+        Measurement("splitwise", "prefill", "llama-2-70b", f, tp, p, b, statistics.median(v))
+        for (f, tp, p, b), v in sorted(prefill.items())
+    ]
+    out += [
+        Measurement("splitwise", "decode", "llama-2-70b", f, tp, k, b, statistics.median(v))
+        for (f, tp, k, b), v in sorted(decode.items())
+    ]
+    return out
+
+
+def _interpolate(low: LinearFit, high: LinearFit, weight: float) -> LinearFit:
+    """Log-log interpolation of floor and slope, linear of intercept; ``weight`` 0 -> low, 1 -> high."""
+
+    def geo(a: float, b: float) -> float:
+        return math.exp((1 - weight) * math.log(a) + weight * math.log(b))
+
+    intercept = (1 - weight) * low.intercept + weight * high.intercept
+    return LinearFit(geo(low.floor, high.floor), intercept, geo(low.per_token, high.per_token))
+
+
+def _ratio(target: LinearFit, numerator: LinearFit, denominator: LinearFit) -> LinearFit:
+    """``target`` scaled term by term by ``numerator / denominator`` (e.g. H100 over A100)."""
+    return LinearFit(
+        target.floor * numerator.floor / denominator.floor,
+        target.intercept * numerator.per_token / denominator.per_token,
+        target.per_token * numerator.per_token / denominator.per_token,
+    )
+
+
+def linear_fits(vidur: Iterable[Measurement]) -> dict[tuple[str, str, int], tuple[LinearFit, str]]:
+    """Fitted or derived linear coefficients for every (family, model, tp), with how each was made."""
+    points: dict[tuple[str, str, int], list[tuple[int, float]]] = defaultdict(list)
+    for m in vidur:
+        points[(m.gpu, m.model, m.tp)].append((m.tokens, m.seconds))
+    fits = {key: (fit_linear(pts), "Vidur mlp.csv") for key, pts in points.items()}
+    for family in ("a100", "h100"):
+        for tp in TP_DEGREES:
+            low, high = fits[(family, "llama-2-7b", tp)][0], fits[(family, "codellama-34b", tp)][0]
+            w7, w13, w34 = (
+                math.log(MODELS[name].linear_params_per_layer)
+                for name in ("llama-2-7b", "codellama-13b", "codellama-34b")
+            )
+            fits[(family, "codellama-13b", tp)] = (
+                _interpolate(low, high, (w13 - w7) / (w34 - w7)),
+                "log-log interpolation of Vidur llama-2-7b and codellama-34b by per-layer weights",
+            )
+    for tp in TP_DEGREES:
+        for model, reference in (("llama-3-8b", "llama-2-7b"), ("llama-2-70b", "codellama-34b")):
+            if ("h100", model, tp) not in fits:
+                a100, h100_ref, a100_ref = (
+                    fits[key][0] for key in (("a100", model, tp), ("h100", reference, tp), ("a100", reference, tp))
+                )
+                fits[("h100", model, tp)] = (
+                    _ratio(a100, h100_ref, a100_ref),
+                    f"Vidur A100 {model} x H100/A100 ratio of {reference}",
+                )
+    return fits
+
+
+def _comm_bytes_per_token(model: ModelSpec, tp: int) -> float:
+    """Bytes each GPU moves per token and layer in the two ring all-reduces of tensor parallelism."""
+    return 2 * 2 * (tp - 1) / tp * model.hidden_size * model.dtype_bytes
+
+
+@dataclass(frozen=True)
+class SharedTerms:
+    """Terms fitted to SplitwiseSim per GPU family and shared by every model on it."""
+
+    step_overhead_s: float  # per step, any tp
+    allreduce_latency_s: float  # per layer and log2(tp)
+    comm_s_per_byte: float
+    attention_flops_per_s: float
+    kv_read_bytes_per_s: float
+    rows_used: int
+    rows_dropped: int
+
+
+def fit_shared_terms(
+    splitwise: Sequence[Measurement], linear: dict[tuple[str, str, int], tuple[LinearFit, str]], family: str
+) -> SharedTerms:
+    """Least squares (relative error) of overhead, all-reduce, attention and KV-read terms on Llama-2-70B.
+
+    Raises ValueError when no SplitwiseSim rows exist for ``family``.
+    """
+    model = MODELS["llama-2-70b"]
+    # Batched prefill rows (batch > 1) are left out: SplitwiseSim's engine ran them slower than the
+    # same tokens as one prompt (e.g. 16 x 512 > 1 x 8192), which vLLM's flat-token batching does not do.
+    rows = [m for m in splitwise if m.gpu == family and (m.kind == "decode" or m.batch == 1)]
+    if not rows:
+        raise ValueError(f"no SplitwiseSim rows for {family}")
+    layers = model.layers
+    kv_layer = model.kv_heads * model.head_dim * 2 * model.dtype_bytes
+    design, target = [], []
+    for m in rows:
+        lin = linear[(family, model.name, m.tp)][0]
+        tokens = m.batch * m.tokens if m.kind == "prefill" else m.batch
+        attention_flops = (
+            m.batch * 4.0 * model.heads * model.head_dim / m.tp * m.tokens * (m.tokens + 1) / 2
+            if m.kind == "prefill"
+            else 0.0
+        )
+        kv_bytes = m.batch * m.tokens * kv_layer / m.tp if m.kind == "decode" else 0.0
+        features = [
+            1.0,
+            layers * math.log2(m.tp),
+            layers * tokens * _comm_bytes_per_token(model, m.tp),
+            layers * attention_flops,
+            layers * kv_bytes,
+        ]
+        design.append([f / m.seconds for f in features])
+        target.append((m.seconds - layers * lin(tokens)) / m.seconds)
+    a, b = np.array(design), np.array(target)
+    keep = np.ones(len(rows), dtype=bool)
+    for _ in range(2):  # fit, drop gross outliers (inconsistent measurements), refit
+        x = _nonnegative_lstsq(a[keep], b[keep])
+        predicted_rel = a @ x + (1 - b)  # predicted / measured
+        keep = np.abs(predicted_rel - 1) <= _OUTLIER
+    return SharedTerms(
+        float(x[0]), float(x[1]), float(x[2]), 1.0 / float(x[3]), 1.0 / float(x[4]), int(keep.sum()), int((~keep).sum())
+    )
+
+
+def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0: clamp the most negative one to 0 and refit."""
+    free = list(range(a.shape[1]))
+    while True:
+        x = np.zeros(a.shape[1])
+        solution, *_ = np.linalg.lstsq(a[:, free], b, rcond=None)
+        x[free] = solution
+        if (x >= 0).all():
+            return x
+        free.remove(int(np.argmin(x)))
+
+
+def fit_profiles(data: Path) -> tuple[list[dict[str, object]], list[Measurement], dict[str, SharedTerms]]:
+    """Fit every (model, gpu, tp) profile; returns the JSON entries, the measurements and shared terms."""
+    vidur, splitwise = read_vidur(data), read_splitwise(data)
+    linear = linear_fits(vidur)
+    shared = {family: fit_shared_terms(splitwise, linear, family) for family in ("a100", "h100")}
+    reference = GPUS["a100-80gb"]
+    entries: list[dict[str, object]] = []
+    for model in MODELS.values():
+        for gpu in GPUS.values():
+            family = _FAMILY_OF[gpu.name]
+            terms = shared[family]
+            # A100-40GB: same compute, lower HBM bandwidth -> memory-bound terms scale by the ratio.
+            slow = (
+                reference.memory_bandwidth_bytes_per_s / gpu.memory_bandwidth_bytes_per_s if family == "a100" else 1.0
+            )
+            for tp in TP_DEGREES:
+                lin, how = linear[(family, model.name, tp)]
+                coefficients = CostCoefficients(
+                    linear_floor_s=lin.floor * slow,
+                    linear_intercept_s=lin.intercept,
+                    linear_per_token_s=lin.per_token,
+                    comm_per_token_s=terms.comm_s_per_byte * _comm_bytes_per_token(model, tp),
+                    step_overhead_s=terms.step_overhead_s + model.layers * terms.allreduce_latency_s * math.log2(tp),
+                    attention_flops_per_s=terms.attention_flops_per_s,
+                    kv_read_bytes_per_s=terms.kv_read_bytes_per_s / slow,
+                    source=f"linear: {how}; attention/overhead/all-reduce: SplitwiseSim llama2-70b on {family}"
+                    + ("; memory-bound terms x HBM bandwidth ratio to a100-80gb" if slow != 1.0 else ""),
+                )
+                entries.append({"model": model.name, "gpu": gpu.name, "tp": tp, "coefficients": asdict(coefficients)})
+    return entries, vidur + splitwise, shared
+
+
+def predicted_seconds(profile: Profile, m: Measurement) -> float:
+    """What ``profile`` predicts for measurement ``m`` (same units as ``m.seconds``)."""
+    if m.kind == "linear":
+        return profile.linear_seconds(m.tokens)
+    if m.kind == "prefill":
+        return profile.step_seconds([(m.tokens, 0)] * m.batch, ())
+    return profile.step_seconds((), [m.tokens] * m.batch)
+
+
+def _points_csv(measurements: Sequence[Measurement]) -> str:
+    lines = ["source,kind,model,gpu,tp,tokens,batch,seconds"]
+    for m in measurements:
+        if m.kind == "linear" and m.tokens not in _CALIBRATION_POINTS:
+            continue
+        gpu = f"{m.gpu}-80gb"
+        seconds = m.seconds * MODELS[m.model].layers if m.kind == "linear" else m.seconds
+        lines.append(f"{m.source},{m.kind},{m.model},{gpu},{m.tp},{m.tokens},{m.batch},{seconds:.6g}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: fit, then write (or ``--check``) the package data; optionally plot."""
+    parser = argparse.ArgumentParser(prog="python -m prefixroute.sim.costfit", description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=Path("../shared/data"), help="folder of the raw measurements")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "data", help="package data folder")
+    parser.add_argument("--check", action="store_true", help="exit 1 if the package data differs from a refit")
+    parser.add_argument("--plot", type=Path, default=None, help="write the calibration plot (PNG) here")
+    args = parser.parse_args(argv)
+    entries, measurements, shared = fit_profiles(args.data)
+    files = {
+        "profiles.json": json.dumps({"format": 1, "profiles": entries}, indent=1, sort_keys=True) + "\n",
+        "calibration_points.csv": _points_csv(measurements),
+    }
+    for family, terms in shared.items():
+        print(f"{family}: {terms}")
+    if args.check:
+        stale = [name for name, text in files.items() if (args.out / name).read_text(encoding="utf-8") != text]
+        if stale:
+            print(f"stale package data: {', '.join(stale)}; rerun without --check", file=sys.stderr)
+            return 1
+        print("package data is up to date")
+    else:
+        for name, text in files.items():
+            (args.out / name).write_text(text, encoding="utf-8")
+            print(f"wrote {args.out / name}")
+    if args.plot is not None:
+        from prefixroute.sim.costplot import plot_calibration
+
+        plot_calibration(args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,222 @@
+"""GPU cost model: step time and KV capacity of one model served on one GPU type.
+
+A :class:`Profile` answers the two questions a simulated vLLM engine asks: how long does one
+continuous-batching step take (:meth:`Profile.step_seconds`), and how many KV blocks fit in GPU memory
+(:meth:`Profile.kv_capacity_blocks`). The formulas are documented in ``docs/cost-model.md``; every
+coefficient is fitted to measurements (Vidur operator profiles, SplitwiseSim timings) by
+``python -m prefixroute.sim.costfit`` and shipped as package data, so nothing here reads files.
+
+One step that runs ``N`` tokens (every new prefill token plus one per decoding sequence) costs::
+
+    step = overhead + layers * (linear(N) + comm(N) + sum(attention(new_i, cached_i)))
+    linear(N)          = max(floor, intercept + per_token * N)        # measured GEMM/norm time per layer
+    comm(N)            = comm_per_token * N                           # tensor-parallel all-reduce payload
+    attention(n, c)    = max(4 * heads * head_dim / tp * n * (c + (n + 1) / 2) / attention_flops,
+                             (c + n) * kv_bytes_per_token_per_layer / kv_read_bandwidth)
+
+A decoding sequence with context ``k`` is ``attention(1, k - 1)``: reading its KV cache dominates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["CostCoefficients", "GpuSpec", "ModelSpec", "Profile"]
+
+_GIB = 1024**3
+# Runtime memory vLLM cannot give to the KV cache besides weights and activations: the CUDA context,
+# NCCL buffers and captured CUDA graphs (vLLM logs this as "non-torch memory" plus graph memory).
+RUNTIME_OVERHEAD_BYTES = 1 * _GIB
+# vLLM's sampler keeps float32 logits for up to max_num_seqs sequences during its profiling run.
+_LOGIT_BYTES = 4
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One GPU type: name, memory, and the datasheet figures used to transfer measurements."""
+
+    name: str
+    memory_bytes: int
+    memory_bandwidth_bytes_per_s: float
+    peak_bf16_flops: float
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One decoder-only transformer's shape (Llama family: gated MLP, rotary, optional GQA)."""
+
+    name: str
+    layers: int
+    hidden_size: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    params: int
+    max_context: int
+    dtype_bytes: int = 2
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of all weights at this model's dtype."""
+        return self.params * self.dtype_bytes
+
+    @property
+    def linear_params_per_layer(self) -> int:
+        """Weights of the GEMMs in one layer (QKV, O, gate, up, down): the work a token costs."""
+        qkv = self.hidden_size * (self.heads + 2 * self.kv_heads) * self.head_dim
+        out = self.heads * self.head_dim * self.hidden_size
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return qkv + out + mlp
+
+
+@dataclass(frozen=True)
+class CostCoefficients:
+    """Fitted coefficients of one profile, per GPU under its tensor-parallel degree (seconds)."""
+
+    linear_floor_s: float
+    linear_intercept_s: float
+    linear_per_token_s: float
+    comm_per_token_s: float
+    step_overhead_s: float
+    attention_flops_per_s: float
+    kv_read_bytes_per_s: float
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("linear_floor_s", "linear_per_token_s", "comm_per_token_s", "step_overhead_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.attention_flops_per_s <= 0 or self.kv_read_bytes_per_s <= 0:
+            raise ValueError("attention_flops_per_s and kv_read_bytes_per_s must be > 0")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Cost of serving ``model`` on ``tp`` GPUs of type ``gpu`` (one vLLM engine).
+
+    All methods are pure and O(len(inputs)). Times are seconds of wall clock for the whole engine.
+    """
+
+    model: ModelSpec
+    gpu: GpuSpec
+    tp: int
+    coefficients: CostCoefficients
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.tp & (self.tp - 1):
+            raise ValueError(f"tp must be a power of two >= 1, got {self.tp}")
+
+    @property
+    def name(self) -> str:
+        """``model@gpu/tpN``, e.g. ``codellama-13b@a100-40gb/tp1``."""
+        return f"{self.model.name}@{self.gpu.name}/tp{self.tp}"
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes one token occupies on each GPU: layers x KV heads x head dim x 2 x dtype / tp."""
+        m = self.model
+        return m.layers * m.kv_heads * m.head_dim * 2 * m.dtype_bytes // self.tp
+
+    def _linear(self, tokens: int) -> float:
+        c = self.coefficients
+        return max(c.linear_floor_s, c.linear_intercept_s + c.linear_per_token_s * tokens)
+
+    def linear_seconds(self, tokens: int) -> float:
+        """Time of every layer's linear operators (GEMMs, norms, rotary) for ``tokens`` tokens, 0 for 0."""
+        if tokens < 0:
+            raise ValueError(f"tokens must be >= 0, got {tokens}")
+        return self.model.layers * self._linear(tokens) if tokens else 0.0
+
+    def _attention(self, new_tokens: int, cached_tokens: int) -> float:
+        """Per-layer attention of ``new_tokens`` queries over ``cached_tokens + new_tokens`` keys."""
+        m, c = self.model, self.coefficients
+        flops = 4.0 * m.heads * m.head_dim / self.tp * new_tokens * (cached_tokens + (new_tokens + 1) / 2)
+        kv_bytes = (cached_tokens + new_tokens) * self.kv_bytes_per_token / m.layers
+        return max(flops / c.attention_flops_per_s, kv_bytes / c.kv_read_bytes_per_s)
+
+    def step_seconds(self, prefill: Sequence[tuple[int, int]], decode_contexts: Sequence[int]) -> float:
+        """Time of one engine step running prefill chunks and decode sequences together.
+
+        ``prefill`` holds ``(new_tokens, cached_tokens)`` per chunk: ``new_tokens`` are computed in this
+        step, ``cached_tokens`` precede them (prefix-cache hits or earlier chunks). ``decode_contexts``
+        holds each decoding sequence's context length (tokens already in its KV cache, >= 1).
+        An empty step costs 0. Raises ValueError on negative counts.
+        """
+        tokens = 0
+        attention = 0.0
+        for new, cached in prefill:
+            if new < 0 or cached < 0:
+                raise ValueError(f"prefill chunk needs new_tokens, cached_tokens >= 0, got {(new, cached)}")
+            if new:
+                tokens += new
+                attention += self._attention(new, cached)
+        for context in decode_contexts:
+            if context < 1:
+                raise ValueError(f"a decoding sequence has context >= 1, got {context}")
+            tokens += 1
+            attention += self._attention(1, context - 1)
+        if tokens == 0:
+            return 0.0
+        c = self.coefficients
+        per_layer = self._linear(tokens) + c.comm_per_token_s * tokens + attention
+        return c.step_overhead_s + self.model.layers * per_layer
+
+    def prefill_seconds(self, new_tokens: int, cached_tokens: int) -> float:
+        """Time to prefill ``new_tokens`` after ``cached_tokens`` already cached, alone in one step.
+
+        ``new_tokens == 0`` costs 0 (vLLM always recomputes at least the last prompt token, so an
+        engine passes ``new_tokens >= 1`` even on a full hit).
+        """
+        return self.step_seconds(((new_tokens, cached_tokens),), ())
+
+    def decode_seconds(self, batch_size: int, total_context_tokens: int) -> float:
+        """Time of one decode step for ``batch_size`` sequences holding ``total_context_tokens`` in all."""
+        if batch_size < 0 or total_context_tokens < batch_size:
+            raise ValueError(f"need 0 <= batch_size <= total_context_tokens, got {batch_size}, {total_context_tokens}")
+        if batch_size == 0:
+            return 0.0
+        c = self.coefficients
+        kv_bytes = total_context_tokens * self.kv_bytes_per_token / self.model.layers
+        attention = kv_bytes / c.kv_read_bytes_per_s
+        flops = 4.0 * self.model.heads * self.model.head_dim / self.tp * total_context_tokens
+        attention = max(attention, flops / c.attention_flops_per_s)
+        per_layer = self._linear(batch_size) + c.comm_per_token_s * batch_size + attention
+        return c.step_overhead_s + self.model.layers * per_layer
+
+    def activation_bytes(self, *, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256) -> int:
+        """Peak activation memory of vLLM's profiling forward pass on each GPU (an estimate).
+
+        Residual stream and norms (4 x hidden), the QKV output, and the gated MLP's gate/up/down
+        intermediates, for ``max_num_batched_tokens`` tokens; plus float32 logits for ``max_num_seqs``.
+        """
+        m = self.model
+        qkv = (m.heads + 2 * m.kv_heads) * m.head_dim // self.tp
+        per_token = (4 * m.hidden_size + qkv + 3 * m.intermediate_size // self.tp) * m.dtype_bytes
+        logits = max_num_seqs * m.vocab_size * _LOGIT_BYTES // self.tp
+        return max_num_batched_tokens * per_token + logits
+
+    def kv_capacity_blocks(
+        self,
+        block_size: int = 16,
+        *,
+        gpu_memory_utilization: float = 0.9,
+        max_num_batched_tokens: int = 8192,
+        max_num_seqs: int = 256,
+    ) -> int:
+        """KV blocks that fit on each GPU, as vLLM sizes ``num_gpu_blocks`` (0 if none fit).
+
+        ``utilization x memory - weights / tp - activations - runtime overhead``, divided by the
+        bytes of one block. Raises ValueError on a bad block size or utilization.
+        """
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        budget = int(self.gpu.memory_bytes * gpu_memory_utilization)
+        used = self.model.weight_bytes // self.tp + RUNTIME_OVERHEAD_BYTES
+        used += self.activation_bytes(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+        free = budget - used
+        return max(0, free // (self.kv_bytes_per_token * block_size))

@@ -1,0 +1,90 @@
+"""Calibration plot of the cost model: modelled vs measured time by prompt length (needs matplotlib).
+
+Reads only the packaged ``calibration_points.csv`` and profiles, so it runs without the raw data::
+
+    python -m prefixroute.sim.costplot docs/cost-model-calibration.png
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+
+from prefixroute.sim.profiles import load_profile
+
+__all__ = ["plot_calibration", "read_points"]
+
+_PROMPTS = [2**k for k in range(6, 15)]
+
+
+def read_points() -> list[dict[str, str]]:
+    """The packaged measured calibration points, one dict per CSV row."""
+    text = resources.files("prefixroute.sim.data").joinpath("calibration_points.csv").read_text(encoding="utf-8")
+    return list(csv.DictReader(text.splitlines()))
+
+
+def plot_calibration(path: Path) -> None:
+    """Write a PNG: SplitwiseSim Llama-2-70B prefill (A100, H100) and Vidur linear-operator time vs model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = read_points()
+    figure, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    colours = {1: "tab:purple", 2: "tab:blue", 4: "tab:orange", 8: "tab:green"}
+    for axis, gpu in zip(axes[:2], ("a100-80gb", "h100-80gb"), strict=True):
+        for tp in (2, 4, 8):
+            measured = [
+                (int(p["tokens"]), float(p["seconds"]) * 1e3)
+                for p in points
+                if p["kind"] == "prefill" and p["gpu"] == gpu and int(p["tp"]) == tp and p["batch"] == "1"
+            ]
+            profile = load_profile("llama-2-70b", gpu, tp=tp)
+            axis.plot(*zip(*measured, strict=True), "o", color=colours[tp], label=f"measured TP{tp}")
+            modelled = [profile.prefill_seconds(n, 0) * 1e3 for n in _PROMPTS]
+            axis.plot(_PROMPTS, modelled, "-", color=colours[tp], label=f"model TP{tp}")
+        axis.set(title=f"Llama-2-70B prefill on {gpu} (SplitwiseSim)", xlabel="prompt tokens", ylabel="TTFT (ms)")
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.legend(fontsize=7)
+    axis = axes[2]
+    styles = {"llama-2-7b": "tab:blue", "llama-3-8b": "tab:orange", "codellama-34b": "tab:green"}
+    styles["llama-2-70b"] = "tab:red"
+    for model, colour in styles.items():
+        measured = [
+            (int(p["tokens"]), float(p["seconds"]) * 1e3)
+            for p in points
+            if p["kind"] == "linear" and p["model"] == model and p["gpu"] == "a100-80gb" and p["tp"] == "1"
+        ]
+        profile = load_profile(model, "a100-80gb", tp=1)
+        axis.plot(*zip(*measured, strict=True), "o", color=colour, markersize=3, label=f"{model} Vidur")
+        axis.plot(_PROMPTS[:7], [profile.linear_seconds(n) * 1e3 for n in _PROMPTS[:7]], "-", color=colour)
+    derived = load_profile("codellama-13b", "a100-80gb", tp=1)
+    axis.plot(
+        _PROMPTS[:7], [derived.linear_seconds(n) * 1e3 for n in _PROMPTS[:7]], "--", color="k", label="13B (derived)"
+    )
+    axis.set(title="Linear operators, all layers, A100 TP1 (Vidur)", xlabel="tokens", ylabel="ms")
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+    plt.close(figure)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: ``python -m prefixroute.sim.costplot OUT.png``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        print("usage: python -m prefixroute.sim.costplot OUT.png", file=sys.stderr)
+        return 2
+    plot_calibration(Path(args[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

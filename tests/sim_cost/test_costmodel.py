@@ -1,0 +1,121 @@
+"""Properties of the cost model that hold for every packaged profile."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixroute.errors import ConfigurationError
+from prefixroute.sim import Profile, available_profiles, load_profile
+from prefixroute.sim.profiles import GPUS, MODELS, TP_DEGREES
+
+PAIRS = available_profiles()
+tokens = st.integers(min_value=1, max_value=32768)
+cached = st.integers(min_value=0, max_value=32768)
+pair = st.sampled_from(PAIRS)
+
+
+def test_every_model_and_gpu_has_a_profile() -> None:
+    assert sorted(PAIRS) == sorted((m, g) for m in MODELS for g in GPUS)
+    assert {"llama-3-8b", "codellama-13b", "codellama-34b", "llama-2-70b"} <= set(MODELS)
+
+
+@settings(max_examples=60, deadline=None)
+@given(pair, tokens, tokens, cached)
+def test_more_new_tokens_never_cheaper(names: tuple[str, str], a: int, b: int, c: int) -> None:
+    profile = load_profile(*names)
+    low, high = sorted((a, b))
+    assert profile.prefill_seconds(low, c) <= profile.prefill_seconds(high, c)
+
+
+@settings(max_examples=60, deadline=None)
+@given(pair, tokens, st.integers(min_value=16, max_value=32768))
+def test_cached_tokens_cost_less_than_recomputing_them(names: tuple[str, str], new: int, hit: int) -> None:
+    profile = load_profile(*names)
+    assert profile.prefill_seconds(new, hit) <= profile.prefill_seconds(new + hit, 0)
+    if new + hit >= 1024 and hit >= new:  # past the memory-bound floor a hit must save real time
+        assert profile.prefill_seconds(new, hit) < 0.9 * profile.prefill_seconds(new + hit, 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(pair, st.integers(1, 256), st.integers(1, 256), st.integers(1, 8192))
+def test_decode_grows_with_batch_and_context(names: tuple[str, str], b1: int, b2: int, per_seq: int) -> None:
+    profile = load_profile(*names)
+    low, high = sorted((b1, b2))
+    assert profile.decode_seconds(low, low * per_seq) <= profile.decode_seconds(high, high * per_seq)
+    assert profile.decode_seconds(low, low * per_seq) <= profile.decode_seconds(low, low * per_seq + 1000)
+
+
+@settings(max_examples=60, deadline=None)
+@given(pair, st.lists(st.tuples(tokens, cached), max_size=4), st.lists(st.integers(1, 16384), max_size=64))
+def test_step_is_at_least_each_part_and_at_most_their_sum(
+    names: tuple[str, str], prefill: list[tuple[int, int]], decode: list[int]
+) -> None:
+    profile = load_profile(*names)
+    whole = profile.step_seconds(prefill, decode)
+    parts = [profile.step_seconds([chunk], []) for chunk in prefill] + [profile.step_seconds([], decode)]
+    assert whole >= max(parts) * (1 - 1e-12)
+    assert whole <= sum(parts) * (1 + 1e-12)
+    assert profile.step_seconds([], decode) == pytest.approx(
+        profile.decode_seconds(len(decode), sum(decode)) if decode else 0.0
+    )
+
+
+def test_empty_step_is_free_and_negative_counts_are_rejected() -> None:
+    profile = load_profile("llama-3-8b", "h100-80gb")
+    assert profile.step_seconds([], []) == 0.0
+    with pytest.raises(ValueError, match="new_tokens"):
+        profile.step_seconds([(-1, 0)], [])
+    with pytest.raises(ValueError, match="context"):
+        profile.step_seconds([], [0])
+
+
+@pytest.mark.parametrize("gpu", sorted(GPUS))
+def test_capacity_positive_and_smaller_for_bigger_models(gpu: str) -> None:
+    per_gpu = {}
+    for model in ("llama-2-7b", "codellama-13b", "codellama-34b", "llama-2-70b"):
+        profile = load_profile(model, gpu, tp=8)
+        per_gpu[model] = profile.kv_capacity_blocks() * profile.kv_bytes_per_token
+        assert load_profile(model, gpu).kv_capacity_blocks() > 0
+    assert per_gpu["llama-2-7b"] > per_gpu["codellama-13b"] > per_gpu["codellama-34b"] > per_gpu["llama-2-70b"]
+
+
+def test_kv_bytes_per_token_follows_the_shape() -> None:
+    profile = load_profile("llama-2-70b", "a100-80gb", tp=2)
+    assert profile.kv_bytes_per_token == 80 * 8 * 128 * 2 * 2 // 2
+    assert load_profile("codellama-13b", "a100-40gb", tp=1).kv_bytes_per_token == 40 * 40 * 128 * 2 * 2
+
+
+@pytest.mark.parametrize(
+    ("model", "gpu", "tp"),
+    [
+        ("llama-2-70b", "a100-40gb", 4),
+        ("llama-2-70b", "a100-80gb", 2),
+        ("llama-2-70b", "h100-80gb", 2),
+        ("codellama-34b", "a100-40gb", 2),
+        ("codellama-34b", "a100-80gb", 1),
+        ("codellama-13b", "a100-40gb", 1),
+        ("llama-3-8b", "a100-40gb", 1),
+    ],
+)
+def test_tp_is_the_smallest_power_of_two_that_fits(model: str, gpu: str, tp: int) -> None:
+    profile = load_profile(model, gpu)
+    assert profile.tp == tp
+    smaller = [load_profile(model, gpu, tp=d) for d in TP_DEGREES if d < tp]
+    assert all(p.kv_capacity_blocks(1) < 4096 for p in smaller)
+
+
+def test_unknown_names_list_the_valid_ones() -> None:
+    with pytest.raises(ConfigurationError, match="codellama-13b"):
+        load_profile("gpt-5", "a100-40gb")
+    with pytest.raises(ConfigurationError, match="h100-80gb"):
+        load_profile("codellama-13b", "tpu-v5")
+    with pytest.raises(ConfigurationError, match=r"valid tp: \[1, 2, 4, 8\]"):
+        load_profile("codellama-13b", "a100-40gb", tp=3)
+
+
+def test_profile_rejects_a_non_power_of_two_tp() -> None:
+    good = load_profile("llama-2-7b", "a100-80gb")
+    with pytest.raises(ValueError, match="power of two"):
+        Profile(good.model, good.gpu, 3, good.coefficients)
