@@ -192,6 +192,11 @@ def linear_fits(vidur: Iterable[Measurement]) -> dict[tuple[str, str, int], tupl
     return fits
 
 
+def _tp_latency_factor(tp: int) -> float:
+    """Latency steps of a ring all-reduce over ``tp`` GPUs, up to a constant: ``2 (tp - 1)`` hops."""
+    return tp - 1.0
+
+
 def _comm_bytes_per_token(model: ModelSpec, tp: int) -> float:
     """Bytes each GPU moves per token and layer in the two ring all-reduces of tensor parallelism."""
     return 2 * 2 * (tp - 1) / tp * model.hidden_size * model.dtype_bytes
@@ -204,8 +209,8 @@ class SharedTerms:
     step_overhead_s: float  # per step, any tp
     allreduce_latency_s: float  # per layer and log2(tp)
     comm_s_per_byte: float
+    per_sequence_s: float
     attention_flops_per_s: float
-    kv_read_bytes_per_s: float
     rows_used: int
     rows_dropped: int
 
@@ -228,22 +233,23 @@ def fit_shared_terms(
     design, target = [], []
     for m in rows:
         lin = linear[(family, model.name, m.tp)][0]
+        kv_read = m.batch * m.tokens * kv_layer / m.tp / streaming_bandwidth(model, m.tp, lin.floor)
+        known = layers * (lin(m.batch * m.tokens if m.kind == "prefill" else m.batch) + kv_read)
         tokens = m.batch * m.tokens if m.kind == "prefill" else m.batch
         attention_flops = (
             m.batch * 4.0 * model.heads * model.head_dim / m.tp * m.tokens * (m.tokens + 1) / 2
             if m.kind == "prefill"
             else 0.0
         )
-        kv_bytes = m.batch * m.tokens * kv_layer / m.tp if m.kind == "decode" else 0.0
         features = [
             1.0,
-            layers * math.log2(m.tp),
+            layers * _tp_latency_factor(m.tp),
             layers * tokens * _comm_bytes_per_token(model, m.tp),
             layers * attention_flops,
-            layers * kv_bytes,
+            float(m.batch),
         ]
         design.append([f / m.seconds for f in features])
-        target.append((m.seconds - layers * lin(tokens)) / m.seconds)
+        target.append((m.seconds - known) / m.seconds)
     a, b = np.array(design), np.array(target)
     keep = np.ones(len(rows), dtype=bool)
     for _ in range(2):  # fit, drop gross outliers (inconsistent measurements), refit
@@ -251,8 +257,16 @@ def fit_shared_terms(
         predicted_rel = a @ x + (1 - b)  # predicted / measured
         keep = np.abs(predicted_rel - 1) <= _OUTLIER
     return SharedTerms(
-        float(x[0]), float(x[1]), float(x[2]), 1.0 / float(x[3]), 1.0 / float(x[4]), int(keep.sum()), int((~keep).sum())
+        float(x[0]), float(x[1]), float(x[2]), float(x[4]), 1.0 / float(x[3]), int(keep.sum()), int((~keep).sum())
     )
+
+
+def streaming_bandwidth(model: ModelSpec, tp: int, floor_s: float) -> float:
+    """Effective HBM bandwidth a memory-bound layer reaches: its weights per GPU over the measured floor.
+
+    Paged attention in decode streams KV blocks the same way, so this is the KV read bandwidth.
+    """
+    return model.linear_params_per_layer * model.dtype_bytes / tp / floor_s
 
 
 def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -289,9 +303,11 @@ def fit_profiles(data: Path) -> tuple[list[dict[str, object]], list[Measurement]
                     linear_intercept_s=lin.intercept,
                     linear_per_token_s=lin.per_token,
                     comm_per_token_s=terms.comm_s_per_byte * _comm_bytes_per_token(model, tp),
-                    step_overhead_s=terms.step_overhead_s + model.layers * terms.allreduce_latency_s * math.log2(tp),
+                    step_overhead_s=terms.step_overhead_s
+                    + model.layers * terms.allreduce_latency_s * _tp_latency_factor(tp),
+                    per_sequence_s=terms.per_sequence_s,
                     attention_flops_per_s=terms.attention_flops_per_s,
-                    kv_read_bytes_per_s=terms.kv_read_bytes_per_s / slow,
+                    kv_read_bytes_per_s=streaming_bandwidth(model, tp, lin.floor * slow),
                     source=f"linear: {how}; attention/overhead/all-reduce: SplitwiseSim llama2-70b on {family}"
                     + ("; memory-bound terms x HBM bandwidth ratio to a100-80gb" if slow != 1.0 else ""),
                 )

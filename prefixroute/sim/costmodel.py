@@ -6,9 +6,10 @@ continuous-batching step take (:meth:`Profile.step_seconds`), and how many KV bl
 coefficient is fitted to measurements (Vidur operator profiles, SplitwiseSim timings) by
 ``python -m prefixroute.sim.costfit`` and shipped as package data, so nothing here reads files.
 
-One step that runs ``N`` tokens (every new prefill token plus one per decoding sequence) costs::
+One step that runs ``N`` tokens of ``S`` sequences (every new prefill token plus one per decoding
+sequence) costs::
 
-    step = overhead + layers * (linear(N) + comm(N) + sum(attention(new_i, cached_i)))
+    step = overhead + per_sequence * S + layers * (linear(N) + comm(N) + sum(attention(new_i, cached_i)))
     linear(N)          = max(floor, intercept + per_token * N)        # measured GEMM/norm time per layer
     comm(N)            = comm_per_token * N                           # tensor-parallel all-reduce payload
     attention(n, c)    = max(4 * heads * head_dim / tp * n * (c + (n + 1) / 2) / attention_flops,
@@ -81,12 +82,19 @@ class CostCoefficients:
     linear_per_token_s: float
     comm_per_token_s: float
     step_overhead_s: float
+    per_sequence_s: float
     attention_flops_per_s: float
     kv_read_bytes_per_s: float
     source: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("linear_floor_s", "linear_per_token_s", "comm_per_token_s", "step_overhead_s"):
+        for name in (
+            "linear_floor_s",
+            "linear_per_token_s",
+            "comm_per_token_s",
+            "step_overhead_s",
+            "per_sequence_s",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.attention_flops_per_s <= 0 or self.kv_read_bytes_per_s <= 0:
@@ -145,24 +153,26 @@ class Profile:
         holds each decoding sequence's context length (tokens already in its KV cache, >= 1).
         An empty step costs 0. Raises ValueError on negative counts.
         """
-        tokens = 0
+        tokens = sequences = 0
         attention = 0.0
         for new, cached in prefill:
             if new < 0 or cached < 0:
                 raise ValueError(f"prefill chunk needs new_tokens, cached_tokens >= 0, got {(new, cached)}")
             if new:
                 tokens += new
+                sequences += 1
                 attention += self._attention(new, cached)
         for context in decode_contexts:
             if context < 1:
                 raise ValueError(f"a decoding sequence has context >= 1, got {context}")
             tokens += 1
+            sequences += 1
             attention += self._attention(1, context - 1)
         if tokens == 0:
             return 0.0
         c = self.coefficients
         per_layer = self._linear(tokens) + c.comm_per_token_s * tokens + attention
-        return c.step_overhead_s + self.model.layers * per_layer
+        return c.step_overhead_s + c.per_sequence_s * sequences + self.model.layers * per_layer
 
     def prefill_seconds(self, new_tokens: int, cached_tokens: int) -> float:
         """Time to prefill ``new_tokens`` after ``cached_tokens`` already cached, alone in one step.
@@ -184,7 +194,7 @@ class Profile:
         flops = 4.0 * self.model.heads * self.model.head_dim / self.tp * total_context_tokens
         attention = max(attention, flops / c.attention_flops_per_s)
         per_layer = self._linear(batch_size) + c.comm_per_token_s * batch_size + attention
-        return c.step_overhead_s + self.model.layers * per_layer
+        return c.step_overhead_s + c.per_sequence_s * batch_size + self.model.layers * per_layer
 
     def activation_bytes(self, *, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256) -> int:
         """Peak activation memory of vLLM's profiling forward pass on each GPU (an estimate).

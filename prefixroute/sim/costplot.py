@@ -18,6 +18,7 @@ from prefixroute.sim.profiles import load_profile
 __all__ = ["plot_calibration", "read_points"]
 
 _PROMPTS = [2**k for k in range(6, 15)]
+_TOKENS = [2**k for k in range(13)]
 
 
 def read_points() -> list[dict[str, str]]:
@@ -61,11 +62,13 @@ def plot_calibration(path: Path) -> None:
             if p["kind"] == "linear" and p["model"] == model and p["gpu"] == "a100-80gb" and p["tp"] == "1"
         ]
         profile = load_profile(model, "a100-80gb", tp=1)
-        axis.plot(*zip(*measured, strict=True), "o", color=colour, markersize=3, label=f"{model} Vidur")
-        axis.plot(_PROMPTS[:7], [profile.linear_seconds(n) * 1e3 for n in _PROMPTS[:7]], "-", color=colour)
+        axis.plot(
+            *zip(*measured, strict=True), "o", color=colour, markersize=3, label=f"{model}: Vidur (dots), fit (line)"
+        )
+        axis.plot(_TOKENS, [profile.linear_seconds(n) * 1e3 for n in _TOKENS], "-", color=colour)
     derived = load_profile("codellama-13b", "a100-80gb", tp=1)
     axis.plot(
-        _PROMPTS[:7], [derived.linear_seconds(n) * 1e3 for n in _PROMPTS[:7]], "--", color="k", label="13B (derived)"
+        _TOKENS, [derived.linear_seconds(n) * 1e3 for n in _TOKENS], "--", color="k", label="codellama-13b (derived)"
     )
     axis.set(title="Linear operators, all layers, A100 TP1 (Vidur)", xlabel="tokens", ylabel="ms")
     axis.set_xscale("log", base=2)
