@@ -21,7 +21,7 @@ A decoding sequence with context ``k`` is ``attention(1, k - 1)``: reading its K
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["CostCoefficients", "GpuSpec", "ModelSpec", "Profile"]
 
@@ -105,17 +105,26 @@ class CostCoefficients:
 class Profile:
     """Cost of serving ``model`` on ``tp`` GPUs of type ``gpu`` (one vLLM engine).
 
-    All methods are pure and O(len(inputs)). Times are seconds of wall clock for the whole engine.
+    All methods are pure; a step costs O(number of prefill chunks) plus one ``sum`` over the decode
+    contexts. Times are seconds of wall clock for the whole engine.
     """
 
     model: ModelSpec
     gpu: GpuSpec
     tp: int
     coefficients: CostCoefficients
+    # Per-layer constants derived once from the fields above (seconds per query-key pair, per KV token).
+    _query_key_s: float = field(init=False, repr=False, compare=False)
+    _kv_token_s: float = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.tp & (self.tp - 1):
             raise ValueError(f"tp must be a power of two >= 1, got {self.tp}")
+        m, c = self.model, self.coefficients
+        query_key = 4.0 * m.heads * m.head_dim / self.tp / c.attention_flops_per_s
+        kv_token = self.kv_bytes_per_token / m.layers / c.kv_read_bytes_per_s
+        object.__setattr__(self, "_query_key_s", query_key)
+        object.__setattr__(self, "_kv_token_s", kv_token)
 
     @property
     def name(self) -> str:
@@ -128,31 +137,30 @@ class Profile:
         m = self.model
         return m.layers * m.kv_heads * m.head_dim * 2 * m.dtype_bytes // self.tp
 
-    def _linear(self, tokens: int) -> float:
-        c = self.coefficients
-        return max(c.linear_floor_s, c.linear_intercept_s + c.linear_per_token_s * tokens)
-
     def linear_seconds(self, tokens: int) -> float:
         """Time of every layer's linear operators (GEMMs, norms, rotary) for ``tokens`` tokens, 0 for 0."""
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0, got {tokens}")
-        return self.model.layers * self._linear(tokens) if tokens else 0.0
-
-    def _attention(self, new_tokens: int, cached_tokens: int) -> float:
-        """Per-layer attention of ``new_tokens`` queries over ``cached_tokens + new_tokens`` keys."""
-        m, c = self.model, self.coefficients
-        flops = 4.0 * m.heads * m.head_dim / self.tp * new_tokens * (cached_tokens + (new_tokens + 1) / 2)
-        kv_bytes = (cached_tokens + new_tokens) * self.kv_bytes_per_token / m.layers
-        return max(flops / c.attention_flops_per_s, kv_bytes / c.kv_read_bytes_per_s)
+        c = self.coefficients
+        per_layer = max(c.linear_floor_s, c.linear_intercept_s + c.linear_per_token_s * tokens)
+        return self.model.layers * per_layer if tokens else 0.0
 
     def step_seconds(self, prefill: Sequence[tuple[int, int]], decode_contexts: Sequence[int]) -> float:
         """Time of one engine step running prefill chunks and decode sequences together.
 
         ``prefill`` holds ``(new_tokens, cached_tokens)`` per chunk: ``new_tokens`` are computed in this
         step, ``cached_tokens`` precede them (prefix-cache hits or earlier chunks). ``decode_contexts``
-        holds each decoding sequence's context length (tokens already in its KV cache, >= 1).
-        An empty step costs 0. Raises ValueError on negative counts.
+        holds each decoding sequence's context length (tokens in its KV cache, >= 1, the token being
+        decoded included). An empty step costs 0. Raises ValueError on negative counts.
+
+        >>> from prefixroute.sim import load_profile
+        >>> profile = load_profile("codellama-13b", "a100-40gb")
+        >>> miss = profile.step_seconds([(2048, 0)], [])
+        >>> hit = profile.step_seconds([(64, 1984)], [])
+        >>> hit < miss / 5
+        True
         """
+        query_key, kv_token = self._query_key_s, self._kv_token_s
         tokens = sequences = 0
         attention = 0.0
         for new, cached in prefill:
@@ -161,17 +169,20 @@ class Profile:
             if new:
                 tokens += new
                 sequences += 1
-                attention += self._attention(new, cached)
-        for context in decode_contexts:
-            if context < 1:
-                raise ValueError(f"a decoding sequence has context >= 1, got {context}")
-            tokens += 1
-            sequences += 1
-            attention += self._attention(1, context - 1)
+                attention += max(query_key * new * (cached + (new + 1) / 2), kv_token * (cached + new))
+        if decode_contexts:
+            if min(decode_contexts) < 1:
+                raise ValueError(f"a decoding sequence has context >= 1, got {min(decode_contexts)}")
+            # Each sequence is attention(1, context - 1); both roofline terms are proportional to the
+            # context, so the sum of the maxima is the maximum of the sums.
+            tokens += len(decode_contexts)
+            sequences += len(decode_contexts)
+            attention += max(query_key, kv_token) * sum(decode_contexts)
         if tokens == 0:
             return 0.0
         c = self.coefficients
-        per_layer = self._linear(tokens) + c.comm_per_token_s * tokens + attention
+        linear = max(c.linear_floor_s, c.linear_intercept_s + c.linear_per_token_s * tokens)
+        per_layer = linear + c.comm_per_token_s * tokens + attention
         return c.step_overhead_s + c.per_sequence_s * sequences + self.model.layers * per_layer
 
     def prefill_seconds(self, new_tokens: int, cached_tokens: int) -> float:
@@ -183,17 +194,19 @@ class Profile:
         return self.step_seconds(((new_tokens, cached_tokens),), ())
 
     def decode_seconds(self, batch_size: int, total_context_tokens: int) -> float:
-        """Time of one decode step for ``batch_size`` sequences holding ``total_context_tokens`` in all."""
+        """Time of one decode step for ``batch_size`` sequences holding ``total_context_tokens`` in all.
+
+        Equal to :meth:`step_seconds` with those sequences only. Raises ValueError unless
+        ``0 <= batch_size <= total_context_tokens``.
+        """
         if batch_size < 0 or total_context_tokens < batch_size:
             raise ValueError(f"need 0 <= batch_size <= total_context_tokens, got {batch_size}, {total_context_tokens}")
         if batch_size == 0:
             return 0.0
         c = self.coefficients
-        kv_bytes = total_context_tokens * self.kv_bytes_per_token / self.model.layers
-        attention = kv_bytes / c.kv_read_bytes_per_s
-        flops = 4.0 * self.model.heads * self.model.head_dim / self.tp * total_context_tokens
-        attention = max(attention, flops / c.attention_flops_per_s)
-        per_layer = self._linear(batch_size) + c.comm_per_token_s * batch_size + attention
+        linear = max(c.linear_floor_s, c.linear_intercept_s + c.linear_per_token_s * batch_size)
+        attention = max(self._query_key_s, self._kv_token_s) * total_context_tokens
+        per_layer = linear + c.comm_per_token_s * batch_size + attention
         return c.step_overhead_s + c.per_sequence_s * batch_size + self.model.layers * per_layer
 
     def activation_bytes(self, *, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256) -> int:
