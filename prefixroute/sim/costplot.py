@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
-from prefixroute.sim.profiles import load_profile
+from prefixroute.sim.profiles import available_profiles, load_profile
 
-__all__ = ["plot_calibration", "read_points"]
+__all__ = ["calibration_table", "hit_miss_table", "plot_calibration", "read_points", "summary_table"]
 
 _PROMPTS = [2**k for k in range(6, 15)]
 _TOKENS = [2**k for k in range(13)]
@@ -79,13 +79,59 @@ def plot_calibration(path: Path) -> None:
     plt.close(figure)
 
 
+def calibration_table() -> str:
+    """Markdown table: measured vs modelled Llama-2-70B prefill (batch 1) by prompt length, per GPU and tp."""
+    points = read_points()
+    lines = [
+        "| GPU | tp | prompt tokens | measured ms | modelled ms | error |",
+        "|---|---|---|---|---|---|",
+    ]
+    for p in points:
+        if p["kind"] != "prefill" or p["batch"] != "1":
+            continue
+        profile = load_profile(p["model"], p["gpu"], tp=int(p["tp"]))
+        measured = float(p["seconds"]) * 1e3
+        modelled = profile.prefill_seconds(int(p["tokens"]), 0) * 1e3
+        error = modelled / measured - 1
+        lines.append(f"| {p['gpu']} | {p['tp']} | {p['tokens']} | {measured:.0f} | {modelled:.0f} | {error:+.0%} |")
+    return "\n".join(lines)
+
+
+def hit_miss_table(model: str = "codellama-13b", gpu: str = "a100-40gb") -> str:
+    """Markdown table: modelled prefill of a prompt on a miss and on hits leaving 16 or 128 tokens uncached."""
+    profile = load_profile(model, gpu)
+    lines = [
+        f"| {profile.name} prompt | miss ms | hit, 128 new tokens, ms | hit, 16 new tokens, ms |",
+        "|---|---|---|---|",
+    ]
+    for prompt in (2048, 4096, 8192, 16384):
+        miss, hit128, hit16 = (profile.prefill_seconds(new, prompt - new) * 1e3 for new in (prompt, 128, 16))
+        lines.append(f"| {prompt} | {miss:.0f} | {hit128:.1f} | {hit16:.1f} |")
+    return "\n".join(lines)
+
+
+def summary_table() -> str:
+    """Markdown table: every profile at its automatic tp, with KV capacity and a few modelled times."""
+    lines = [
+        "| model | GPU | auto tp | KV blocks per GPU | prefill 2K ms | prefill 8K ms | decode step 8 x 1K ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for model, gpu in available_profiles():
+        p = load_profile(model, gpu)
+        times = [p.prefill_seconds(2048, 0), p.prefill_seconds(8192, 0), p.decode_seconds(8, 8 * 1024)]
+        cells = " | ".join(f"{t * 1e3:.0f}" for t in times)
+        lines.append(f"| {model} | {gpu} | {p.tp} | {p.kv_capacity_blocks()} | {cells} |")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``python -m prefixroute.sim.costplot OUT.png``."""
+    """Command line: ``python -m prefixroute.sim.costplot OUT.png`` writes the plot, prints the tables."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
         print("usage: python -m prefixroute.sim.costplot OUT.png", file=sys.stderr)
         return 2
     plot_calibration(Path(args[0]))
+    print(calibration_table(), hit_miss_table(), summary_table(), sep="\n\n")
     return 0
 
 

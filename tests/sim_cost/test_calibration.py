@@ -18,9 +18,9 @@ from prefixroute.sim.profiles import TP_DEGREES
 # Stated tolerances (docs/cost-model.md, "Calibration error"): |modelled / measured - 1| over each group.
 # Keys: (source, kind); values: (median, 90th percentile, max).
 TOLERANCE = {
-    ("vidur", "linear"): (0.05, 0.20, 0.45),
-    ("splitwise", "prefill"): (0.20, 0.45, 0.45),
-    ("splitwise", "decode"): (0.05, 0.15, 0.30),
+    ("vidur", "linear"): (0.05, 0.15, 0.45),
+    ("splitwise", "prefill"): (0.15, 0.30, 0.45),
+    ("splitwise", "decode"): (0.05, 0.10, 0.30),
 }
 
 
