@@ -87,15 +87,16 @@ class Measurement:
 def fit_linear(points: Sequence[tuple[int, float]]) -> LinearFit:
     """Fit ``max(floor, intercept + per_token * n)`` to ``(n, seconds)`` points.
 
-    The floor is the median time at ``n <= 16``; intercept and slope minimise the relative squared
-    error over ``n >= 512``. Raises ValueError when either range has fewer than 1 / 2 points.
+    The floor is the median time at ``n <= 16``; intercept and slope (both >= 0, so that splitting a
+    batch never makes it cheaper) minimise the relative squared error over ``n >= 512``.
+    Raises ValueError when either range has fewer than 1 / 2 points.
     """
     low = [t for n, t in points if n <= _FLOOR_MAX_TOKENS]
     high = [(n, t) for n, t in points if n >= _SLOPE_MIN_TOKENS]
     if not low or len(high) < 2:
         raise ValueError(f"need points at n <= {_FLOOR_MAX_TOKENS} and >= 2 at n >= {_SLOPE_MIN_TOKENS}")
     design = np.array([[1.0 / t, n / t] for n, t in high])
-    (intercept, per_token), *_ = np.linalg.lstsq(design, np.ones(len(high)), rcond=None)
+    intercept, per_token = _nonnegative_lstsq(design, np.ones(len(high)))
     return LinearFit(float(statistics.median(low)), float(intercept), float(per_token))
 
 

@@ -62,6 +62,14 @@ def test_step_is_at_least_each_part_and_at_most_their_sum(
     )
 
 
+@settings(max_examples=80, deadline=None)
+@given(pair, tokens, tokens, cached)
+def test_chunked_prefill_is_never_cheaper_than_one_chunk(names: tuple[str, str], a: int, b: int, c: int) -> None:
+    profile = load_profile(*names)
+    chunked = profile.prefill_seconds(a, c) + profile.prefill_seconds(b, c + a)
+    assert chunked >= profile.prefill_seconds(a + b, c) * (1 - 1e-12)
+
+
 def test_empty_step_is_free_and_negative_counts_are_rejected() -> None:
     profile = load_profile("llama-3-8b", "h100-80gb")
     assert profile.step_seconds([], []) == 0.0
