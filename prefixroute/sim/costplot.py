@@ -8,6 +8,7 @@ Reads only the packaged ``calibration_points.csv`` and profiles, so it runs with
 from __future__ import annotations
 
 import csv
+import statistics
 import sys
 from collections.abc import Sequence
 from importlib import resources
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from prefixroute.sim.profiles import available_profiles, load_profile
 
-__all__ = ["calibration_table", "hit_miss_table", "plot_calibration", "read_points", "summary_table"]
+__all__ = ["calibration_table", "error_table", "hit_miss_table", "plot_calibration", "read_points", "summary_table"]
 
 _PROMPTS = [2**k for k in range(6, 15)]
 _TOKENS = [2**k for k in range(13)]
@@ -97,6 +98,34 @@ def calibration_table() -> str:
     return "\n".join(lines)
 
 
+def error_table() -> str:
+    """Markdown table: median, 90th percentile and max of ``|modelled / measured - 1|`` per group of points."""
+    from prefixroute.sim.costfit import Measurement, predicted_seconds
+
+    groups: dict[tuple[str, str, str], list[float]] = {}
+    for p in read_points():
+        m = Measurement(
+            p["source"],
+            p["kind"],
+            p["model"],
+            p["gpu"],
+            int(p["tp"]),
+            int(p["tokens"]),
+            int(p["batch"]),
+            float(p["seconds"]),
+        )
+        kind = "prefill, batched (not fitted)" if m.kind == "prefill" and m.batch > 1 else m.kind
+        error = abs(predicted_seconds(load_profile(m.model, m.gpu, tp=m.tp), m) / m.seconds - 1)
+        groups.setdefault((m.source, kind, m.gpu), []).append(error)
+    lines = ["| source | points | GPU | n | median | p90 | max |", "|---|---|---|---|---|---|---|"]
+    for (source, kind, gpu), errors in sorted(groups.items()):
+        errors.sort()
+        median, p90 = statistics.median(errors), errors[int(0.9 * (len(errors) - 1))]
+        cells = f"{median:.1%} | {p90:.1%} | {errors[-1]:.1%}"
+        lines.append(f"| {source} | {kind} | {gpu} | {len(errors)} | {cells} |")
+    return "\n".join(lines)
+
+
 def hit_miss_table(model: str = "codellama-13b", gpu: str = "a100-40gb") -> str:
     """Markdown table: modelled prefill of a prompt on a miss and on hits leaving 16 or 128 tokens uncached."""
     profile = load_profile(model, gpu)
@@ -131,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("usage: python -m prefixroute.sim.costplot OUT.png", file=sys.stderr)
         return 2
     plot_calibration(Path(args[0]))
-    print(calibration_table(), hit_miss_table(), summary_table(), sep="\n\n")
+    print(error_table(), calibration_table(), hit_miss_table(), summary_table(), sep="\n\n")
     return 0
 
 
