@@ -208,7 +208,7 @@ class SharedTerms:
     """Terms fitted to SplitwiseSim per GPU family and shared by every model on it."""
 
     step_overhead_s: float  # per step, any tp
-    allreduce_latency_s: float  # per layer and log2(tp)
+    allreduce_latency_s: float  # per layer and (tp - 1)
     comm_s_per_byte: float
     per_sequence_s: float
     attention_flops_per_s: float
@@ -219,7 +219,7 @@ class SharedTerms:
 def fit_shared_terms(
     splitwise: Sequence[Measurement], linear: dict[tuple[str, str, int], tuple[LinearFit, str]], family: str
 ) -> SharedTerms:
-    """Least squares (relative error) of overhead, all-reduce, attention and KV-read terms on Llama-2-70B.
+    """Least squares (relative error) of overhead, all-reduce, attention and per-sequence terms on Llama-2-70B.
 
     Raises ValueError when no SplitwiseSim rows exist for ``family``.
     """
@@ -234,14 +234,13 @@ def fit_shared_terms(
     design, target = [], []
     for m in rows:
         lin = linear[(family, model.name, m.tp)][0]
-        kv_read = m.batch * m.tokens * kv_layer / m.tp / streaming_bandwidth(model, m.tp, lin.floor)
-        known = layers * (lin(m.batch * m.tokens if m.kind == "prefill" else m.batch) + kv_read)
-        tokens = m.batch * m.tokens if m.kind == "prefill" else m.batch
-        attention_flops = (
-            m.batch * 4.0 * model.heads * model.head_dim / m.tp * m.tokens * (m.tokens + 1) / 2
-            if m.kind == "prefill"
-            else 0.0
-        )
+        if m.kind == "prefill":  # attention is compute-bound: FLOPs of a causal prompt, fitted throughput
+            tokens, kv_read = m.batch * m.tokens, 0.0
+            attention_flops = m.batch * 4.0 * model.heads * model.head_dim / m.tp * m.tokens * (m.tokens + 1) / 2
+        else:  # attention reads every context token's KV at the layer's measured streaming bandwidth
+            tokens, attention_flops = m.batch, 0.0
+            kv_read = m.batch * m.tokens * kv_layer / m.tp / streaming_bandwidth(model, m.tp, lin.floor)
+        known = layers * (lin(tokens) + kv_read)
         features = [
             1.0,
             layers * _tp_latency_factor(m.tp),

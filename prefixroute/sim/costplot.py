@@ -2,21 +2,30 @@
 
 Reads only the packaged ``calibration_points.csv`` and profiles, so it runs without the raw data::
 
-    python -m prefixroute.sim.costplot docs/cost-model-calibration.png
+    python -m prefixroute.sim.costplot docs/cost-model-calibration.png --update docs/cost-model.md
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import statistics
-import sys
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
 from prefixroute.sim.profiles import available_profiles, load_profile
 
-__all__ = ["calibration_table", "error_table", "hit_miss_table", "plot_calibration", "read_points", "summary_table"]
+__all__ = [
+    "calibration_table",
+    "error_table",
+    "hit_miss_table",
+    "plot_calibration",
+    "read_points",
+    "summary_table",
+    "tables",
+    "update_markdown",
+]
 
 _PROMPTS = [2**k for k in range(6, 15)]
 _TOKENS = [2**k for k in range(13)]
@@ -153,14 +162,44 @@ def summary_table() -> str:
     return "\n".join(lines)
 
 
+def tables() -> dict[str, str]:
+    """Every generated table by the marker name it has in docs/cost-model.md."""
+    return {
+        "errors": error_table(),
+        "prefill": calibration_table(),
+        "hit-miss": hit_miss_table(),
+        "profiles": summary_table(),
+    }
+
+
+def update_markdown(text: str, generated: dict[str, str]) -> str:
+    """Replace each ``<!-- costplot:NAME -->`` ... ``<!-- /costplot:NAME -->`` block's body by ``generated[NAME]``.
+
+    Raises ValueError when a marker pair is missing, so a renamed table cannot silently go stale.
+    """
+    for name, table in generated.items():
+        start, end = f"<!-- costplot:{name} -->", f"<!-- /costplot:{name} -->"
+        head, found, rest = text.partition(start)
+        _, found_end, tail = rest.partition(end)
+        if not (found and found_end):
+            raise ValueError(f"markers {start} ... {end} not found")
+        text = f"{head}{start}\n{table}\n{end}{tail}"
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``python -m prefixroute.sim.costplot OUT.png`` writes the plot, prints the tables."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1:
-        print("usage: python -m prefixroute.sim.costplot OUT.png", file=sys.stderr)
-        return 2
-    plot_calibration(Path(args[0]))
-    print(error_table(), calibration_table(), hit_miss_table(), summary_table(), sep="\n\n")
+    """Command line: write the plot; print the tables, or write them into a Markdown page's markers."""
+    parser = argparse.ArgumentParser(prog="python -m prefixroute.sim.costplot", description=__doc__.splitlines()[0])
+    parser.add_argument("png", type=Path, help="where to write the calibration plot")
+    parser.add_argument("--update", type=Path, default=None, help="Markdown page whose costplot tables to rewrite")
+    args = parser.parse_args(argv)
+    plot_calibration(args.png)
+    generated = tables()
+    if args.update is None:
+        print(*generated.values(), sep="\n\n")
+    else:
+        args.update.write_text(update_markdown(args.update.read_text(encoding="utf-8"), generated), encoding="utf-8")
+        print(f"updated {args.update}")
     return 0
 
 

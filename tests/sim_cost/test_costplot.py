@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefixroute.sim.costplot import calibration_table, hit_miss_table, main, summary_table
+import pytest
+
+from prefixroute.sim.costplot import calibration_table, hit_miss_table, main, summary_table, tables, update_markdown
 from prefixroute.sim.profiles import GPUS, MODELS
 
 
@@ -23,3 +25,16 @@ def test_main_writes_a_png(tmp_path: Path) -> None:
     assert main([str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main([]) == 2
+
+
+def test_the_cost_model_page_shows_the_current_tables() -> None:
+    page = Path(__file__).resolve().parents[2] / "docs" / "cost-model.md"
+    text = page.read_text(encoding="utf-8")
+    assert update_markdown(text, tables()) == text, "rerun: python -m prefixroute.sim.costplot ... --update"
+
+
+def test_update_markdown_replaces_between_markers_and_requires_them() -> None:
+    text = "a\n<!-- costplot:x -->\nold\n<!-- /costplot:x -->\nb"
+    assert update_markdown(text, {"x": "new"}) == "a\n<!-- costplot:x -->\nnew\n<!-- /costplot:x -->\nb"
+    with pytest.raises(ValueError, match="costplot:y"):
+        update_markdown(text, {"y": "new"})
