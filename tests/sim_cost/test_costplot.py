@@ -24,7 +24,8 @@ def test_main_writes_a_png(tmp_path: Path) -> None:
     out = tmp_path / "calibration.png"
     assert main([str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert main([]) == 2
+    with pytest.raises(SystemExit):
+        main([])  # the PNG path is required
 
 
 def test_the_cost_model_page_shows_the_current_tables() -> None:
