@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from prefixroute.errors import ConfigurationError
 from prefixroute.sim import Profile, available_profiles, load_profile
+from prefixroute.sim.costmodel import RUNTIME_OVERHEAD_BYTES
 from prefixroute.sim.profiles import GPUS, MODELS, TP_DEGREES
 
 PAIRS = available_profiles()
@@ -127,3 +128,29 @@ def test_profile_rejects_a_non_power_of_two_tp() -> None:
     good = load_profile("llama-2-7b", "a100-80gb")
     with pytest.raises(ValueError, match="power of two"):
         Profile(good.model, good.gpu, 3, good.coefficients)
+
+
+@settings(max_examples=60, deadline=None)
+@given(pair, st.floats(0.5, 0.95), st.floats(0.5, 0.95), st.sampled_from([8, 16, 32]))
+def test_capacity_grows_with_memory_utilization_and_is_counted_in_tokens(
+    names: tuple[str, str], u1: float, u2: float, block_size: int
+) -> None:
+    profile = load_profile(*names)
+    low, high = sorted((u1, u2))
+    assert profile.kv_capacity_blocks(gpu_memory_utilization=low) <= profile.kv_capacity_blocks(
+        gpu_memory_utilization=high
+    )
+    tokens = profile.kv_capacity_blocks(1, gpu_memory_utilization=high)
+    assert profile.kv_capacity_blocks(block_size, gpu_memory_utilization=high) == tokens // block_size
+    # Whenever a KV cache fits, it plus weights, activations and runtime overhead stays within budget.
+    used = tokens * profile.kv_bytes_per_token + profile.model.weight_bytes // profile.tp + profile.activation_bytes()
+    assert tokens == 0 or used + RUNTIME_OVERHEAD_BYTES <= high * profile.gpu.memory_bytes
+
+
+def test_capacity_rejects_bad_arguments() -> None:
+    profile = load_profile("llama-3-8b", "a100-80gb")
+    with pytest.raises(ValueError, match="block_size"):
+        profile.kv_capacity_blocks(0)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        profile.kv_capacity_blocks(gpu_memory_utilization=1.5)
+    assert profile.kv_capacity_blocks(max_num_batched_tokens=65536) < profile.kv_capacity_blocks()
