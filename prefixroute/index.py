@@ -74,16 +74,14 @@ class PrefixIndex:
 
         O(B + M) for B backends and M matched blocks summed over them. Does not change recency.
         """
-        result: dict[str, int] = {}
+        result = dict.fromkeys(backends, 0)
         if not hashes:
-            return dict.fromkeys(backends, 0)
+            return result
         first = hashes[0]
         get = self._blocks.get
-        for backend in backends:
+        for backend in result:
             blocks = get(backend)
-            if blocks is None or first not in blocks:
-                result[backend] = 0
-            else:
+            if blocks is not None and first in blocks:
                 result[backend] = _leading(blocks, hashes)
         return result
 

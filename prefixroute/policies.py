@@ -13,6 +13,7 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from types import MappingProxyType
 from typing import Any, ClassVar
 
@@ -148,10 +149,12 @@ class BoundedLoad(LoadPolicy):
     """The longest cached prefix among candidates that stay within ``factor`` × the mean load.
 
     Consistent hashing with bounded loads: a candidate qualifies if its in-flight count after taking this request
-    stays within ``ceil(factor × (total in flight + 1) / len(candidates))``. At ``factor=2`` this is the "divert
-    above 2× the mean" rule; at low load the bound is loose and affinity is never broken. Among equally matched
-    candidates the least loaded wins, except on a miss, where placement order wins so that router replicas agree on
-    where a new prefix goes. If no candidate qualifies, the least loaded.
+    stays within ``ceil(factor × (total in flight + 1) / len(candidates))``, so no backend ever exceeds
+    ``factor`` × the mean + 1. At ``factor=2`` this is the "divert above 2× the mean" rule. When requests do not
+    overlap (nothing in flight) every candidate qualifies and affinity always holds; under load, a hot prefix spills
+    to the next-best match. Among equally matched candidates the least loaded wins, except on a miss, where placement
+    order wins so that router replicas agree on where a new prefix goes. If no candidate qualifies, the least loaded.
+    O(len(candidates)).
     """
 
     name = "bounded-load"
@@ -163,18 +166,14 @@ class BoundedLoad(LoadPolicy):
         self.factor = float(factor)
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
-        total = sum(c.in_flight for c in candidates)
-        bound = math.ceil(self.factor * (total + 1) / len(candidates))
-        best: Candidate | None = None
-        best_key: tuple[int, int] = (0, 0)
-        for candidate in candidates:
-            if candidate.in_flight + 1 > bound:
-                continue
-            matched = candidate.matched_tokens
-            key = (-matched, candidate.in_flight if matched else 0)
-            if best is None or key < best_key:
-                best, best_key = candidate, key
-        return best if best is not None else min(candidates, key=lambda c: c.in_flight)
+        bound = math.ceil(self.factor * (sum(map(_in_flight, candidates)) + 1) / len(candidates))
+        eligible = [c for c in candidates if c.in_flight < bound]
+        if not eligible:
+            return min(candidates, key=_in_flight)
+        longest = max(map(_matched, eligible))
+        if longest == 0:
+            return eligible[0]
+        return min((c for c in eligible if c.matched_tokens == longest), key=_in_flight)
 
     def __repr__(self) -> str:
         return f"BoundedLoad(factor={self.factor})"
@@ -219,6 +218,10 @@ class CostAware(LoadPolicy):
 
 def _load(candidate: Candidate) -> int:
     return candidate.load
+
+
+_in_flight = attrgetter("in_flight")
+_matched = attrgetter("matched_tokens")
 
 
 _REGISTRY: Mapping[str, type[LoadPolicy]] = MappingProxyType(

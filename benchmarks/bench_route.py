@@ -1,0 +1,109 @@
+"""How fast is Router.route(), and how much memory does the index take per entry?
+
+For prompts of 1K, 8K and 32K tokens (Python lists) and fleets of 8 and 64 backends, with a warm index of at least
+1M (block, backend) entries, prints the median and P99 microseconds per route(), routes per second, and the ratio of
+route() to a floor measured in the same run: converting the list to bytes plus one xxh3_64 over the whole prompt
+(the least any design that hashes the prompt must do). Also prints bytes per index entry, measured by tracemalloc
+while the warm index is built. Method: one warm-up pass, then the median of --runs timed passes.
+
+Run: ``python benchmarks/bench_route.py`` (about a minute), ``--quick`` for a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import random
+import statistics
+import time
+import tracemalloc
+from collections.abc import Callable
+
+import xxhash
+
+from prefixroute import Router
+
+VOCAB = 32_000
+
+
+def floor_cost(prompt: list[int]) -> int:
+    return xxhash.xxh3_64_intdigest(array.array("I", prompt).tobytes())
+
+
+def warm_router(backends: list[str], entries: int, rng: random.Random) -> tuple[Router, float]:
+    """A router whose index holds ``entries`` (block, backend) pairs; returns it and index bytes per entry."""
+    # Realistic sharing: 2K-token prefixes (made before measuring) extended by 2K-token unique suffixes. Each prompt
+    # is freed after its route(), so what tracemalloc still counts at the end is the index.
+    prefixes = [[rng.randrange(VOCAB) for _ in range(2048)] for _ in range(64)]
+    router = Router()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    while len(router.index) < entries:
+        router.route(rng.choice(prefixes) + [rng.randrange(VOCAB) for _ in range(2048)], backends)
+    per_entry = (tracemalloc.get_traced_memory()[0] - before) / len(router.index)
+    tracemalloc.stop()
+    return router, per_entry
+
+
+def measure(router: Router, prompts: list[list[int]], backends: list[str], runs: int) -> tuple[float, float, float]:
+    """Median and P99 seconds per route(), and the median floor, each the median over ``runs`` passes."""
+    medians, p99s, floors = [], [], []
+    for _ in range(runs):
+        samples = time_calls(lambda i: router.route(prompts[i], backends), len(prompts))
+        floor_samples = time_calls(lambda i: floor_cost(prompts[i]), len(prompts))
+        medians.append(statistics.median(samples))
+        p99s.append(statistics.quantiles(samples, n=100)[98])
+        floors.append(statistics.median(floor_samples))
+    return statistics.median(medians), statistics.median(p99s), statistics.median(floors)
+
+
+def time_calls(call: Callable[[int], object], count: int) -> list[float]:
+    """Seconds per call for ``count`` calls."""
+    samples = []
+    clock = time.perf_counter
+    for i in range(count):
+        start = clock()
+        call(i)
+        samples.append(clock() - start)
+    return samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=5, help="timed passes per case (median reported)")
+    parser.add_argument("--calls", type=int, default=200, help="route() calls per pass")
+    parser.add_argument("--entries", type=int, default=1_000_000, help="warm index size in (block, backend) entries")
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
+    args = parser.parse_args()
+    if args.quick:
+        args.runs, args.calls, args.entries = 2, 20, 20_000
+
+    rng = random.Random(0)
+    print(
+        f"route() benchmark: median of {args.runs} passes x {args.calls} calls, warm index >= {args.entries:,} entries"
+    )
+    print(
+        f"{'tokens':>7} {'backends':>8} {'entries':>10} {'B/entry':>8} {'median us':>10} {'p99 us':>8} "
+        f"{'routes/s':>9} {'floor us':>9} {'ratio':>6}"
+    )
+    for backend_count in (8, 64):
+        backends = [f"http://gpu{i}:8000" for i in range(backend_count)]
+        router, per_entry = warm_router(backends, args.entries, rng)
+        for length in (1024, 8192, 32768):
+            # Half of each prompt is a prefix the index already holds, as in a warm fleet.
+            shared = [[rng.randrange(VOCAB) for _ in range(length // 2)] for _ in range(8)]
+            prompts = [
+                rng.choice(shared) + [rng.randrange(VOCAB) for _ in range(length - length // 2)]
+                for _ in range(args.calls)
+            ]
+            for prompt in prompts:  # warm-up pass: seeds the shared prefixes, fills caches
+                router.route(prompt, backends)
+            median, p99, floor = measure(router, prompts, backends, args.runs)
+            print(
+                f"{length:>7} {backend_count:>8} {len(router.index):>10,} {per_entry:>8.0f} {median * 1e6:>10.1f} "
+                f"{p99 * 1e6:>8.1f} {1 / median:>9,.0f} {floor * 1e6:>9.1f} {median / floor:>6.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+from __future__ import annotations
+
+import array
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given
+from hypothesis import strategies as st
+
+from prefixroute import BlockHasher, ConfigurationError, InvalidPromptError, encode_tokens
+
+token_lists = st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=200)
+block_sizes = st.integers(min_value=1, max_value=32)
+
+
+def test_one_hash_per_full_block_only() -> None:
+    hasher = BlockHasher(block_size=16)
+    assert hasher.hash(list(range(15))) == []
+    assert len(hasher.hash(list(range(16)))) == 1
+    assert len(hasher.hash(list(range(47)))) == 2
+    assert hasher.hash([]) == []
+
+
+def test_first_block_is_xxh3_of_little_endian_uint32_bytes_seeded_with_zero() -> None:
+    tokens = list(range(100, 116))
+    data = b"".join(t.to_bytes(4, "little") for t in tokens)
+    assert BlockHasher(16).hash(tokens) == [xxhash.xxh3_64_intdigest(data, 0)]
+
+
+@given(tokens=token_lists, extra=token_lists, block_size=block_sizes)
+def test_hash_of_a_prefix_is_a_prefix_of_the_hashes(tokens: list[int], extra: list[int], block_size: int) -> None:
+    hasher = BlockHasher(block_size)
+    assert hasher.hash(tokens + extra)[: len(tokens) // block_size] == hasher.hash(tokens)
+
+
+@given(tokens=token_lists.filter(lambda t: len(t) >= 1), block_size=block_sizes, data=st.data())
+def test_changing_one_token_changes_its_block_and_every_later_one(
+    tokens: list[int], block_size: int, data: st.DataObject
+) -> None:
+    position = data.draw(st.integers(min_value=0, max_value=len(tokens) - 1))
+    changed = list(tokens)
+    changed[position] = (changed[position] + 1) % 2**32
+    hasher = BlockHasher(block_size)
+    before, after = hasher.hash(tokens), hasher.hash(changed)
+    first_changed = position // block_size
+    assert before[:first_changed] == after[:first_changed]
+    # Chained: every block from the changed one on differs (64-bit collisions are not expected in a test run).
+    assert all(b != a for b, a in zip(before[first_changed:], after[first_changed:], strict=True))
+
+
+@given(tokens=token_lists, block_size=block_sizes)
+def test_every_input_type_hashes_the_same(tokens: list[int], block_size: int) -> None:
+    hasher = BlockHasher(block_size)
+    expected = hasher.hash(tokens)
+    packed = array.array("I", tokens)
+    assert hasher.hash(tuple(tokens)) == expected
+    assert hasher.hash(packed) == expected
+    assert hasher.hash(array.array("q", tokens)) == expected
+    assert hasher.hash(np.array(tokens, dtype=np.uint32)) == expected
+    assert hasher.hash(np.array(tokens, dtype=np.int64)) == expected
+    assert hasher.hash(packed.tobytes()) == expected
+    assert hasher.hash(memoryview(packed)) == expected
+    assert hasher.hash(bytearray(packed.tobytes())) == expected
+
+
+@given(head=token_lists, tail=token_lists, block_size=block_sizes)
+def test_parent_continues_a_chain(head: list[int], tail: list[int], block_size: int) -> None:
+    hasher = BlockHasher(block_size)
+    head = head[: len(head) // block_size * block_size]
+    whole = hasher.hash(head + tail)
+    if head:
+        assert hasher.hash(tail, parent=whole[len(head) // block_size - 1]) == whole[len(head) // block_size :]
+
+
+def test_namespaces_never_share_hashes() -> None:
+    tokens = list(range(64))
+    plain = BlockHasher(16).hash(tokens)
+    llama = BlockHasher(16, namespace="llama-3-8b").hash(tokens)
+    lora = BlockHasher(16, namespace=b"llama-3-8b/sql-lora").hash(tokens)
+    assert len({*plain, *llama, *lora}) == 12
+    assert BlockHasher(16, namespace="llama-3-8b").hash(tokens) == llama
+
+
+@pytest.mark.parametrize(
+    ("tokens", "message"),
+    [
+        ([1, 2, -3], "position 2 is -3"),
+        ([1, 2**32], "position 1 is 4294967296"),
+        ([1, 2.5], "position 1 is 2.5"),
+        ([None], "position 0 is None"),
+        (np.array([4, -1]), "position 1 is -1"),
+        (np.array([4, 2**40]), "position 1 is 1099511627776"),
+        (np.array([1.0, 2.0]), "integer dtype"),
+        (b"\x00\x00\x00", "multiple of 4"),
+    ],
+)
+def test_bad_tokens_name_the_position(tokens: object, message: str) -> None:
+    with pytest.raises(InvalidPromptError, match=message):
+        BlockHasher(16).hash(tokens)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("tokens", ["hello", 42, {1, 2}, None])
+def test_non_sequences_are_type_errors(tokens: object) -> None:
+    with pytest.raises(TypeError):
+        encode_tokens(tokens)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("block_size", [0, -16, 1.5, True, "16"])
+def test_block_size_must_be_a_positive_int(block_size: object) -> None:
+    with pytest.raises(ConfigurationError, match="block_size"):
+        BlockHasher(block_size)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("parent", [-1, 2**64, "x", 1.0])
+def test_parent_must_be_a_64_bit_hash(parent: object) -> None:
+    with pytest.raises(ValueError, match="parent"):
+        BlockHasher(4).hash([1, 2, 3, 4], parent=parent)  # type: ignore[arg-type]

@@ -1,0 +1,238 @@
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import threading
+from collections import Counter
+
+import pytest
+
+from prefixroute import (
+    BoundedLoad,
+    Candidate,
+    InvalidPromptError,
+    LoadPolicy,
+    NoBackendError,
+    PrefixAffinity,
+    PrefixRouteError,
+    RoundRobin,
+    Router,
+)
+from prefixroute.router import _candidate
+
+BACKENDS = [f"http://gpu{i}:8000" for i in range(8)]
+
+
+def prompt(rng: random.Random, prefix: list[int], length: int) -> list[int]:
+    return prefix + [rng.randrange(32000) for _ in range(length)]
+
+
+def test_same_prefix_lands_on_the_same_backend() -> None:
+    rng = random.Random(0)
+    router = Router()
+    system = [rng.randrange(32000) for _ in range(512)]
+    first = router.route(prompt(rng, system, 40), BACKENDS)
+    assert first.reason == "miss" and first.matched_tokens == 0
+    for _ in range(20):
+        decision = router.route(prompt(rng, system, rng.randrange(1, 200)), BACKENDS)
+        assert (decision.backend, decision.reason, decision.matched_tokens) == (first.backend, "prefix", 512)
+
+
+def test_decision_describes_every_candidate() -> None:
+    router = Router(block_size=4)
+    router.route([1, 2, 3, 4, 5, 6, 7, 8], ["a"])
+    decision = router.route([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], ["a", "b"])
+    assert decision.prompt_tokens == 10 and decision.hit_ratio == 0.8
+    assert {c.backend: c.matched_tokens for c in decision.candidates} == {"a": 8, "b": 0}
+    assert all(c.prompt_tokens == 10 for c in decision.candidates)
+
+
+def test_fast_candidate_equals_the_dataclass_constructor() -> None:
+    built = _candidate("a", 16, 32, 2)
+    assert built == Candidate("a", 16, 32, 2) and repr(built) == repr(Candidate("a", 16, 32, 2))
+    with pytest.raises(AttributeError):
+        built.in_flight = 3  # type: ignore[misc]
+
+
+def test_hot_prefix_with_bounded_load_never_exceeds_twice_the_mean_plus_one() -> None:
+    rng = random.Random(1)
+    router = Router(policy=BoundedLoad(2.0))
+    hot = [rng.randrange(32000) for _ in range(1024)]
+    others = [[rng.randrange(32000) for _ in range(1024)] for _ in range(20)]
+    open_requests = []
+    peak_ratio = 0.0
+    for step in range(4000):
+        prefix = hot if rng.random() < 0.8 else rng.choice(others)
+        decision = router.route(prompt(rng, prefix, 32), BACKENDS)
+        router.start(decision)
+        open_requests.append(decision)
+        if len(open_requests) > 40 or (open_requests and rng.random() < 0.45):
+            router.finish(open_requests.pop(rng.randrange(len(open_requests))))
+        loads = [router.in_flight(b) for b in BACKENDS]
+        mean = statistics.mean(loads)
+        assert max(loads) <= 2 * mean + 1, (step, loads)
+        peak_ratio = max(peak_ratio, max(loads) / max(mean, 1e-9))
+    hits = Counter(router.route(prompt(rng, hot, 8), BACKENDS).reason for _ in range(1))
+    assert hits  # the router still answers after the run
+    assert peak_ratio > 1.5  # the hot prefix really did push against the bound
+
+
+def test_pure_affinity_makes_the_hot_spot_that_bounded_load_avoids() -> None:
+    def peak(policy: LoadPolicy) -> int:
+        rng = random.Random(2)
+        router = Router(policy=policy)
+        hot = [rng.randrange(32000) for _ in range(256)]
+        for _ in range(40):
+            router.start(router.route(prompt(rng, hot, 16), BACKENDS))
+        return max(router.in_flight(b) for b in BACKENDS)
+
+    assert peak(PrefixAffinity()) == 40
+    assert peak(BoundedLoad(2.0)) <= 11
+
+
+def test_removed_backend_is_never_returned_again() -> None:
+    rng = random.Random(3)
+    router = Router()
+    system = [rng.randrange(32000) for _ in range(256)]
+    home = router.route(system, BACKENDS).backend
+    router.start(router.route(system, BACKENDS))
+    router.remove_backend(home)
+    remaining = [b for b in BACKENDS if b != home]
+    assert router.index.blocks(home) == 0 and router.in_flight(home) == 0
+    for _ in range(200):
+        assert router.route(prompt(rng, system, 8), remaining).backend != home
+
+
+def test_capacity_eviction_keeps_the_most_recently_used_prefixes() -> None:
+    rng = random.Random(4)
+    router = Router(capacity_blocks=64, policy=PrefixAffinity())
+    prefixes = [[rng.randrange(32000) for _ in range(16 * 16)] for _ in range(8)]  # 16 blocks each
+    for p in prefixes:
+        router.route(p, ["only"])  # 8 x 16 blocks through a 64-block cache
+    matched = [router.route(p, ["only", "other"]).candidates for p in prefixes]
+    held = [next(c.matched_tokens for c in cands if c.backend == "only") for cands in matched]
+    assert router.index.blocks("only") <= 64
+    assert held[-1] == 256  # the most recent prefix is whole
+
+
+def test_replicas_place_new_prefixes_identically() -> None:
+    rng = random.Random(5)
+    one, two = Router(), Router()
+    for _ in range(100):
+        p = [rng.randrange(32000) for _ in range(rng.randrange(0, 300))]
+        assert one.route(p, BACKENDS).backend == two.route(p, list(reversed(BACKENDS))).backend
+
+
+def test_new_prefixes_spread_over_backends() -> None:
+    rng = random.Random(6)
+    router = Router()
+    counts = Counter(router.route([rng.randrange(32000) for _ in range(128)], BACKENDS).backend for _ in range(800))
+    assert set(counts) == set(BACKENDS) and max(counts.values()) < 2 * 800 / 8
+
+
+def test_namespaces_keep_models_apart() -> None:
+    router = Router(block_size=4)
+    tokens = list(range(32))
+    router.route(tokens, ["a"], namespace="model-x")
+    assert router.route(tokens, ["a", "b"], namespace="model-y").matched_tokens == 0
+    assert router.route(tokens, ["a", "b"], namespace="model-x").matched_tokens == 32
+
+
+def test_short_and_empty_prompts_route() -> None:
+    router = Router()
+    assert router.route([], BACKENDS).reason == "miss"
+    assert router.route([1, 2, 3], BACKENDS).reason == "miss"
+    assert Router(policy=RoundRobin()).route([], BACKENDS).reason == "policy"
+    assert len(router.index) == 0
+
+
+@pytest.mark.parametrize(
+    ("tokens", "backends", "error"),
+    [
+        ([1, 2], [], NoBackendError),
+        ([1, 2], ["a", "b", "a"], ValueError),
+        ([1, 2], "a", TypeError),
+        ([1, 2], ["a", 3], TypeError),
+        ([1, -2], ["a"], InvalidPromptError),
+        ([1, 2**40], ["a"], InvalidPromptError),
+        ("text", ["a"], TypeError),
+    ],
+)
+def test_bad_input_raises_and_changes_nothing(tokens: object, backends: object, error: type[Exception]) -> None:
+    router = Router(block_size=1)
+    router.route([7, 8, 9], ["a"])
+    before = (len(router.index), router.index.hashes("a"))
+    with pytest.raises(error):
+        router.route(tokens, backends)  # type: ignore[arg-type]
+    assert (len(router.index), router.index.hashes("a")) == before
+    router.index._check()
+
+
+def test_a_policy_returning_a_foreign_candidate_is_an_error_and_changes_nothing() -> None:
+    class Rogue(LoadPolicy):
+        def choose(self, candidates: object) -> Candidate:
+            return Candidate("elsewhere", 0, 0, 0)
+
+    router = Router(policy=Rogue())
+    with pytest.raises(PrefixRouteError, match="not one of the candidates"):
+        router.route(list(range(64)), ["a"])
+    assert len(router.index) == 0
+
+
+def test_track_counts_until_exit_also_on_exception() -> None:
+    router = Router()
+    decision = router.route(list(range(32)), ["a"])
+    with pytest.raises(RuntimeError), router.track(decision):
+        assert router.in_flight("a") == 1
+        raise RuntimeError("upstream failed")
+    assert router.in_flight("a") == 0
+    with pytest.raises(ValueError, match="more often"):
+        router.finish(decision)
+    router.start(decision)
+    router.remove_backend("a")
+    router.finish(decision)  # finishing after removal is ignored
+    assert router.in_flight("a") == 0
+
+
+def test_async_gateway_usage() -> None:
+    router = Router()
+
+    async def handle(i: int) -> str:
+        decision = router.route(list(range(64)) + [i], BACKENDS)
+        with router.track(decision):
+            await asyncio.sleep(0)
+        return decision.backend
+
+    async def main() -> list[str]:
+        return await asyncio.gather(*(handle(i) for i in range(50)))
+
+    assert len(set(asyncio.run(main()))) >= 1
+    assert all(router.in_flight(b) == 0 for b in BACKENDS)
+
+
+def test_threaded_stress_leaves_every_count_at_zero() -> None:
+    router = Router(capacity_blocks=2000)
+    shared = [list(range(i * 100, i * 100 + 64)) for i in range(10)]
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(8)
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            barrier.wait()
+            for _ in range(20_000):
+                tokens = rng.choice(shared) + [rng.randrange(1000) for _ in range(rng.randrange(0, 24))]
+                with router.track(router.route(tokens, BACKENDS)):
+                    pass
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert [router.in_flight(b) for b in BACKENDS] == [0] * 8
+    router.index._check()

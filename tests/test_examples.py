@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import importlib.util
+import runpy
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from prefixroute import Candidate, Router
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.py")))
+def test_every_example_runs(script: str, capsys: pytest.CaptureFixture[str]) -> None:
+    runpy.run_path(str(EXAMPLES / script), run_name="__main__")
+    assert capsys.readouterr().out.strip()
+
+
+def test_quickstart_reuses_cached_prefixes(capsys: pytest.CaptureFixture[str]) -> None:
+    load("quickstart").main()
+    out = capsys.readouterr().out
+    rate = float(out.split("hit rate: ")[1].split("%")[0])
+    assert rate > 50  # round-robin over 4 backends would land near a quarter of that
+
+
+def test_custom_policy_caps_in_flight_and_skips_full_caches() -> None:
+    policy = load("custom_policy").CacheAwareCapped(max_in_flight=2, max_kv_usage=0.9)
+    full = Candidate("full", 512, 512, 0, kv_usage=0.97)
+    busy = Candidate("busy", 512, 512, 2)
+    cold = Candidate("cold", 0, 512, 1)
+    assert policy.choose([full, busy, cold]) is cold
+    assert policy.choose([busy, Candidate("x", 0, 512, 5)]) is busy  # nobody allowed: least loaded
+    router = Router(policy=policy)
+    for _ in range(3):
+        router.start(router.route(list(range(256)), ["a", "b"]))
+    assert sorted(router.in_flight(b) for b in ("a", "b")) == [1, 2]
