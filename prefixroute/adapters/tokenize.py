@@ -1,0 +1,79 @@
+"""Route text prompts: tokenize them with the model's own tokenizer file, then route the token ids.
+
+The router must see the token ids the engine will see, so use the model's ``tokenizer.json`` (Hugging Face
+``tokenizers`` format) and apply the chat template before calling :meth:`TextRouter.route`. The file is read from a
+local path: prefixroute never downloads anything.
+
+>>> from prefixroute import Router
+>>> text_router = TextRouter(Router(), PromptTokenizer.from_file("path/to/tokenizer.json"))  # doctest: +SKIP
+>>> text_router.route("You are a helpful assistant. ...", ["gpu0", "gpu1"]).backend  # doctest: +SKIP
+'gpu1'
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from prefixroute.errors import ConfigurationError
+from prefixroute.router import Decision, Router
+
+__all__ = ["PromptTokenizer", "TextRouter"]
+
+
+class PromptTokenizer:
+    """Text to token ids with a ``tokenizers.Tokenizer`` (thread-safe; encoding releases the GIL in Rust)."""
+
+    def __init__(self, tokenizer: Tokenizer, *, add_special_tokens: bool = True) -> None:
+        if not isinstance(tokenizer, Tokenizer):
+            raise TypeError(f"tokenizer must be a tokenizers.Tokenizer, not {type(tokenizer).__name__}")
+        self._tokenizer = tokenizer
+        self._add_special_tokens = add_special_tokens
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], *, add_special_tokens: bool = True) -> PromptTokenizer:
+        """Load a local ``tokenizer.json``.
+
+        Raises:
+            ConfigurationError: the file is missing or is not a tokenizer file.
+        """
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigurationError(
+                f"tokenizer file {str(file)!r} not found: pass the path of the model's local tokenizer.json "
+                "(prefixroute never downloads tokenizers)"
+            )
+        try:
+            tokenizer = Tokenizer.from_file(str(file))
+        except Exception as exc:  # tokenizers raises a bare Exception for malformed files
+            raise ConfigurationError(f"{str(file)!r} is not a valid tokenizer.json: {exc}") from exc
+        return cls(tokenizer, add_special_tokens=add_special_tokens)
+
+    def encode(self, text: str) -> list[int]:
+        """Return the token ids of ``text``. O(len(text))."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, not {type(text).__name__}")
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=self._add_special_tokens).ids
+        return ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Return the token ids of each text, encoded in parallel by the Rust library."""
+        if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+            raise TypeError("texts must be a sequence of str")
+        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=self._add_special_tokens)
+        return [encoding.ids for encoding in encodings]
+
+
+class TextRouter:
+    """A :class:`~prefixroute.Router` for gateways that hold text: tokenize, then route the token ids."""
+
+    def __init__(self, router: Router, tokenizer: PromptTokenizer) -> None:
+        self.router = router
+        self.tokenizer = tokenizer
+
+    def route(self, text: str, backends: Sequence[str], *, namespace: str | bytes | None = None) -> Decision:
+        """Tokenize ``text`` and route it; raises what :meth:`Router.route` raises, and ``TypeError`` for non-str."""
+        return self.router.route(self.tokenizer.encode(text), backends, namespace=namespace)
