@@ -1,0 +1,219 @@
+"""The block store of a fake vLLM engine: 16-token blocks, chained hashes of its own, LRU eviction of free blocks.
+
+It behaves as vLLM's prefix cache does where the KV events are concerned: a request hits the longest cached prefix
+of full blocks, computes and caches the rest (one ``BlockStored`` event naming the new blocks and their parent),
+and when it finishes frees its blocks tail first into an LRU queue of evictable blocks. Making room evicts from the
+head of that queue (one ``BlockRemoved`` per physical block). A request scheduled concurrently with an identical
+one (``share=False``) computes its own physical copies, so one hash can be stored, and removed, twice.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Literal
+
+import xxhash
+
+from prefixroute.hashing import BlockHasher, encode_tokens
+from prefixroute.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, ExternalBlockHash
+from prefixroute.vllm.tracker import lora_namespace
+
+__all__ = ["CachedChain", "FakeBlockCache", "FakeRequest"]
+
+
+@dataclass(frozen=True)
+class CachedChain:
+    """A cached block as the prompt prefix it ends: every token from the prompt's start through this block."""
+
+    tokens: tuple[int, ...]
+    lora_name: str | None = None
+
+
+@dataclass
+class FakeRequest:
+    """A request holding blocks (until :meth:`FakeBlockCache.free`)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Block:
+    block_hash: ExternalBlockHash
+    chain: CachedChain
+    refs: int = 1
+
+
+class FakeBlockCache:
+    """An engine's KV block store with capacity ``num_blocks`` and vLLM-like events (see the module docstring).
+
+    ``hash_format`` chooses how block hashes travel: ``"int"`` (uint64) or ``"bytes"`` (32 bytes). The chain seed
+    comes from ``rng``, so each engine (and each restart) names blocks differently, as vLLM does.
+    """
+
+    def __init__(
+        self,
+        *,
+        block_size: int = 16,
+        num_blocks: int = 1024,
+        rng: random.Random,
+        hash_format: Literal["int", "bytes"] = "int",
+        extra_group: bool = False,
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be positive, not {num_blocks}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.hash_format = hash_format
+        self.extra_group = extra_group
+        self._rng = rng
+        self._seed = rng.getrandbits(64)
+        self._blocks: dict[int, _Block] = {}
+        self._by_hash: dict[ExternalBlockHash, list[int]] = {}
+        self._free: OrderedDict[int, None] = OrderedDict()  # evictable blocks, least recently freed first
+        self._next_id = 0
+        self.events: list[Event] = []
+        self.queries = 0  # prompt tokens seen
+        self.hits = 0  # prompt tokens served from the cache
+
+    @property
+    def used_blocks(self) -> int:
+        """Physical blocks allocated (held by requests or cached and free)."""
+        return len(self._blocks)
+
+    def usage(self) -> float:
+        """Fraction of blocks held by running requests (vLLM's ``kv_cache_usage_perc``)."""
+        return (len(self._blocks) - len(self._free)) / self.num_blocks
+
+    def take_events(self) -> list[Event]:
+        """Return and forget the events generated since the last call."""
+        events, self.events = self.events, []
+        return events
+
+    def chains(self) -> list[CachedChain]:
+        """Return the cache's true contents: one chain per distinct cached block hash."""
+        return [self._blocks[ids[0]].chain for ids in self._by_hash.values()]
+
+    def own_hashes(self, *, block_size: int = 16, namespace: str | None = None) -> set[int]:
+        """Return the true contents as prefixroute hashes (what an exact index must hold)."""
+        result: set[int] = set()
+        for chain in self.chains():
+            space = lora_namespace(namespace, chain.lora_name)
+            hashes = BlockHasher(block_size, namespace=space).hash(list(chain.tokens))
+            per_block = self.block_size // block_size
+            result.update(hashes[-per_block:])
+        return result
+
+    def allocate(self, prompt: list[int], *, lora_name: str | None = None, share: bool = True) -> FakeRequest:
+        """Schedule a request: hit the cached prefix, cache its other full blocks (evicting as needed)."""
+        size = self.block_size
+        full = len(prompt) // size
+        hashes = self._hashes(prompt[: full * size], lora_name)
+        request = FakeRequest(prompt_tokens=len(prompt), cached_tokens=0)
+        hit = 0
+        if share:
+            while hit < full and hashes[hit] in self._by_hash:
+                block_id = self._by_hash[hashes[hit]][0]
+                self._blocks[block_id].refs += 1
+                self._free.pop(block_id, None)
+                request.block_ids.append(block_id)
+                hit += 1
+        request.cached_tokens = hit * size
+        self.queries += len(prompt)
+        self.hits += request.cached_tokens
+        new = min(full - hit, self._make_room(full - hit))
+        if new:
+            for i in range(hit, hit + new):
+                block_id = self._next_id
+                self._next_id += 1
+                chain = CachedChain(tuple(prompt[: (i + 1) * size]), lora_name)
+                self._blocks[block_id] = _Block(hashes[i], chain)
+                self._by_hash.setdefault(hashes[i], []).append(block_id)
+                request.block_ids.append(block_id)
+            parent = hashes[hit - 1] if hit else None
+            tokens = prompt[hit * size : (hit + new) * size]
+            self.events.append(
+                BlockStored(
+                    list(hashes[hit : hit + new]),
+                    parent,
+                    tokens,
+                    size,
+                    lora_name=lora_name,
+                    medium="GPU",
+                    group_idx=0,
+                    kv_cache_spec_kind="full_attention",
+                )
+            )
+            if self.extra_group:  # a sliding-window group: its events must not reach the index
+                self.events.append(
+                    BlockStored(
+                        list(hashes[hit : hit + new]),
+                        parent,
+                        tokens,
+                        size,
+                        medium="GPU",
+                        group_idx=1,
+                        kv_cache_spec_kind="sliding_window",
+                    )
+                )
+        return request
+
+    def free(self, request: FakeRequest) -> None:
+        """Finish a request: release its blocks tail first, so its tail is evicted first."""
+        for block_id in reversed(request.block_ids):
+            block = self._blocks[block_id]
+            block.refs -= 1
+            if block.refs == 0:
+                self._free[block_id] = None
+        request.block_ids.clear()
+
+    def clear(self) -> None:
+        """Drop every free cached block and announce it as vLLM's ``reset_prefix_cache`` does."""
+        if len(self._blocks) != len(self._free):
+            raise RuntimeError("clear() with requests running: vLLM only resets an idle prefix cache")
+        for block_id in list(self._free):
+            self._drop(block_id, announce=False)
+        self.events.append(AllBlocksCleared())
+
+    def reset(self) -> None:
+        """Forget everything silently and change the hash seed (the process restarted)."""
+        self._seed = self._rng.getrandbits(64)
+        self._blocks.clear()
+        self._by_hash.clear()
+        self._free.clear()
+        self.events.clear()
+        self.queries = self.hits = 0
+
+    def _make_room(self, wanted: int) -> int:
+        """Evict free blocks until ``wanted`` fit (or nothing more can go); return how many fit."""
+        while len(self._blocks) + wanted > self.num_blocks and self._free:
+            self._drop(next(iter(self._free)), announce=True)
+        return max(0, min(wanted, self.num_blocks - len(self._blocks)))
+
+    def _drop(self, block_id: int, *, announce: bool) -> None:
+        del self._free[block_id]
+        block = self._blocks.pop(block_id)
+        holders = self._by_hash[block.block_hash]
+        holders.remove(block_id)
+        if not holders:
+            del self._by_hash[block.block_hash]
+        if announce:
+            self.events.append(BlockRemoved([block.block_hash], medium="GPU", group_idx=0))
+            if self.extra_group:
+                self.events.append(BlockRemoved([block.block_hash], medium="GPU", group_idx=1))
+
+    def _hashes(self, tokens: list[int], lora_name: str | None) -> list[ExternalBlockHash]:
+        data = encode_tokens(tokens)
+        step = 4 * self.block_size
+        parent = self._seed ^ (xxhash.xxh3_64_intdigest(lora_name.encode()) if lora_name else 0)
+        result: list[ExternalBlockHash] = []
+        for start in range(0, len(data), step):
+            parent = xxhash.xxh3_64_intdigest(data[start : start + step], seed=parent ^ 0x9E3779B97F4A7C15)
+            if self.hash_format == "bytes":
+                result.append(xxhash.xxh3_128_digest(parent.to_bytes(8, "big")) * 2)
+            else:
+                result.append(parent)
+        return result

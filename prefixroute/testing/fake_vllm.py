@@ -1,0 +1,380 @@
+"""A fake vLLM engine on loopback that speaks vLLM's real protocols: KV events over ZMQ, ``/metrics``, completions.
+
+For tests and demos of :mod:`prefixroute.vllm` without a GPU::
+
+    with FakeVLLM(num_blocks=512) as engine:
+        with KVEventSubscriber(index, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint):
+            engine.complete(list(range(64)))      # publishes a BlockStored batch
+            engine.url                            # http://127.0.0.1:PORT (/metrics, /v1/completions)
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import TracebackType
+from typing import Any, Literal
+
+import zmq
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from prefixroute.testing.fake_cache import CachedChain, FakeBlockCache, FakeRequest
+from prefixroute.vllm.events import EventBatch, encode_batch
+
+__all__ = ["Completion", "FakeVLLM"]
+
+# vLLM's TTFT histogram buckets (seconds).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+_END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What the fake did with one prompt."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float
+
+
+def default_ttft(cached_tokens: int, prompt_tokens: int, waiting: int) -> float:
+    """A 13B-on-A100-like TTFT: 15 ms, plus 0.12 ms per uncached prompt token, plus 60 ms per waiting request."""
+    return 0.015 + 0.00012 * (prompt_tokens - cached_tokens) + 0.06 * waiting
+
+
+class FakeVLLM:
+    """A fake engine: KV events on a ZMQ PUB socket and a replay ROUTER, HTTP ``/metrics`` and ``/v1/completions``.
+
+    Every cache-changing call publishes one ``EventBatch`` (as a vLLM scheduler step does) with the next sequence
+    number, in ``encoding`` (``"array"``, ``"map"`` or ``"alternate"``, which switches per batch). Test hooks:
+    :meth:`drop_next` loses published messages (still in the replay buffer), :meth:`restart` simulates a process
+    restart (sequence back to 0, new hash seed, empty cache), :meth:`chains`/:meth:`own_hashes` give the true cache
+    contents. Ports are picked by the OS on ``host``. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        *,
+        block_size: int = 16,
+        num_blocks: int = 1024,
+        model: str = "fake-model",
+        topic: str = "",
+        encoding: Literal["array", "map", "alternate"] = "array",
+        hash_format: Literal["int", "bytes"] = "int",
+        extra_group: bool = False,
+        replay_buffer: int = 10_000,
+        replay: bool = True,
+        legacy_metric_names: bool = False,
+        ttft: Callable[[int, int, int], float] = default_ttft,
+        seed: int = 0,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self._rng = random.Random(seed)
+        self.cache = FakeBlockCache(
+            block_size=block_size, num_blocks=num_blocks, rng=self._rng, hash_format=hash_format,
+            extra_group=extra_group,
+        )  # fmt: skip
+        self.model = model
+        self.topic = topic
+        self.encoding = encoding
+        self.legacy_metric_names = legacy_metric_names
+        self._ttft = ttft
+        self._host = host
+        self._replay_enabled = replay
+        self._lock = threading.RLock()
+        self._seq = 0
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=replay_buffer)
+        self._outbox: queue.SimpleQueue[tuple[int, bytes] | None] = queue.SimpleQueue()
+        self._drop = 0
+        self._running: list[FakeRequest] = []
+        self._extra_running = 0
+        self._waiting = 0
+        self._context: zmq.Context[Any] | None = None
+        self._io_thread: threading.Thread | None = None
+        self._http: ThreadingHTTPServer | None = None
+        self._http_thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.endpoint = ""
+        self.replay_endpoint = ""
+        self.url = ""
+        self._new_metrics()
+
+    # -- lifecycle -------------------------------------------------------------------------------------------------
+
+    def start(self) -> FakeVLLM:
+        """Bind the sockets and the HTTP server on free ports and start serving; return self."""
+        self._context = zmq.Context()
+        pub = self._context.socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, 1_000_000)
+        pub.setsockopt(zmq.LINGER, 0)
+        port = pub.bind_to_random_port(f"tcp://{self._host}")
+        self.endpoint = f"tcp://{self._host}:{port}"
+        router = self._context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        port = router.bind_to_random_port(f"tcp://{self._host}")
+        self.replay_endpoint = f"tcp://{self._host}:{port}"
+        self._stop.clear()
+        self._io_thread = threading.Thread(
+            target=self._serve_zmq, args=(pub, router), name="fake-vllm-zmq", daemon=True
+        )
+        self._io_thread.start()
+        self._http = ThreadingHTTPServer((self._host, 0), _handler_for(self))
+        self._http.daemon_threads = True
+        self.url = f"http://{self._host}:{self._http.server_address[1]}"
+        self._http_thread = threading.Thread(target=self._http.serve_forever, name="fake-vllm-http", daemon=True)
+        self._http_thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and close every socket. Idempotent."""
+        self._stop.set()
+        self._outbox.put(None)
+        if self._io_thread is not None:
+            self._io_thread.join(5)
+            self._io_thread = None
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+        if self._context is not None:
+            self._context.destroy(linger=0)
+            self._context = None
+
+    def __enter__(self) -> FakeVLLM:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # -- the engine ------------------------------------------------------------------------------------------------
+
+    @property
+    def seq(self) -> int:
+        """The sequence number the next published batch gets."""
+        return self._seq
+
+    def complete(
+        self, prompt: list[int], *, lora_name: str | None = None, share: bool = True, hold: bool = False
+    ) -> Completion:
+        """Serve one prompt: hit the cache, store new blocks, record metrics, publish the events.
+
+        ``share=False`` schedules it as if alongside an identical request (its blocks become duplicate copies);
+        ``hold=True`` keeps it running (its blocks stay referenced) until :meth:`finish_all`.
+        """
+        with self._lock:
+            request = self.cache.allocate(list(prompt), lora_name=lora_name, share=share)
+            ttft = self._ttft(request.cached_tokens, request.prompt_tokens, self._waiting)
+            self._m_ttft.observe(ttft)
+            self._m_queries.inc(request.prompt_tokens)
+            self._m_hits.inc(request.cached_tokens)
+            if hold:
+                self._running.append(request)
+            else:
+                self.cache.free(request)
+            self._publish()
+            return Completion(request.prompt_tokens, request.cached_tokens, ttft)
+
+    def finish_all(self) -> None:
+        """Finish every held request (their blocks become evictable)."""
+        with self._lock:
+            for request in self._running:
+                self.cache.free(request)
+            self._running.clear()
+
+    def clear_cache(self) -> None:
+        """Reset the prefix cache (publishes ``AllBlocksCleared``)."""
+        with self._lock:
+            self.cache.clear()
+            self._publish()
+
+    def restart(self) -> None:
+        """Simulate a process restart: empty cache, new hash seed, sequence from 0, empty replay buffer, new metrics."""
+        with self._lock:
+            self._running.clear()
+            self.cache.reset()
+            self._seq = 0
+            self._buffer.clear()
+            self._new_metrics()
+
+    def drop_next(self, count: int = 1) -> None:
+        """Lose the next ``count`` published messages on the PUB socket (they stay replayable)."""
+        with self._lock:
+            self._drop += count
+
+    def set_load(self, *, running: int = 0, waiting: int = 0) -> None:
+        """Report ``running`` extra running and ``waiting`` queued requests (waiting also slows TTFT)."""
+        with self._lock:
+            self._extra_running = running
+            self._waiting = waiting
+
+    def observe_ttft(self, seconds: float) -> None:
+        """Record one TTFT sample directly."""
+        with self._lock:
+            self._m_ttft.observe(seconds)
+
+    def chains(self) -> list[CachedChain]:
+        """The true cache contents, one token chain per cached block."""
+        with self._lock:
+            return self.cache.chains()
+
+    def own_hashes(self, *, block_size: int = 16, namespace: str | None = None) -> set[int]:
+        """The true cache contents as prefixroute block hashes."""
+        with self._lock:
+            return self.cache.own_hashes(block_size=block_size, namespace=namespace)
+
+    def metrics_text(self) -> str:
+        """Return the Prometheus text ``/metrics`` serves."""
+        with self._lock:
+            running = len(self._running) + self._extra_running
+            self._m_running.set(running)
+            self._m_waiting.set(self._waiting)
+            self._m_usage.set(self.cache.usage())
+            text: str = generate_latest(self._registry).decode()
+            return text
+
+    # -- internals -------------------------------------------------------------------------------------------------
+
+    def _publish(self) -> None:
+        events = self.cache.take_events()
+        if not events:
+            return
+        seq = self._seq
+        self._seq += 1
+        alternate: Literal["array", "map"] = "map" if seq % 2 else "array"
+        encoding = alternate if self.encoding == "alternate" else self.encoding
+        payload = encode_batch(EventBatch(time.time(), events, 0), encoding=encoding)
+        self._buffer.append((seq, payload))
+        if self._drop:
+            self._drop -= 1
+        else:
+            self._outbox.put((seq, payload))
+
+    def _serve_zmq(self, pub: zmq.Socket[Any], router: zmq.Socket[Any]) -> None:
+        topic = self.topic.encode()
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                while True:
+                    try:
+                        item = self._outbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is None:
+                        return
+                    pub.send_multipart([topic, item[0].to_bytes(8, "big"), item[1]])
+                if poller.poll(1):
+                    self._serve_replay(router)
+        finally:
+            pub.close(linger=0)
+            router.close(linger=0)
+
+    def _serve_replay(self, router: zmq.Socket[Any]) -> None:
+        frames = router.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            return
+        identity, start = frames[0], int.from_bytes(frames[2], "big")
+        with self._lock:
+            buffered = [item for item in self._buffer if item[0] >= start] if self._replay_enabled else []
+        for seq, payload in buffered:
+            router.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
+        router.send_multipart([identity, b"", _END_OF_REPLAY, b""])
+
+    def _new_metrics(self) -> None:
+        registry = self._registry = CollectorRegistry()
+        labels = ["model_name", "engine"]
+        values = {"model_name": self.model, "engine": "0"}
+        prefix = "vllm:gpu_" if self.legacy_metric_names else "vllm:"
+        self._m_running = Gauge("vllm:num_requests_running", "Running requests.", labels, registry=registry)
+        self._m_waiting = Gauge("vllm:num_requests_waiting", "Waiting requests.", labels, registry=registry)
+        usage = "vllm:gpu_cache_usage_perc" if self.legacy_metric_names else "vllm:kv_cache_usage_perc"
+        self._m_usage = Gauge(usage, "KV cache usage (1 = full).", labels, registry=registry)
+        self._m_queries = Counter(f"{prefix}prefix_cache_queries", "Prompt tokens queried.", labels, registry=registry)
+        self._m_hits = Counter(f"{prefix}prefix_cache_hits", "Prompt tokens hit.", labels, registry=registry)
+        self._m_ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "TTFT.", labels, buckets=TTFT_BUCKETS, registry=registry
+        )
+        info = Gauge(
+            "vllm:cache_config_info", "Cache config.", ["block_size", "num_gpu_blocks", "enable_prefix_caching"],
+            registry=registry,
+        )  # fmt: skip
+        info.labels(str(self.cache.block_size), str(self.cache.num_blocks), "True").set(1)
+        self._m_running = self._m_running.labels(**values)
+        self._m_waiting = self._m_waiting.labels(**values)
+        self._m_usage = self._m_usage.labels(**values)
+        self._m_queries = self._m_queries.labels(**values)
+        self._m_hits = self._m_hits.labels(**values)
+        self._m_ttft = self._m_ttft.labels(**values)
+
+
+def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            if self.path.split("?")[0] != "/metrics":
+                self._reply(404, b"not found\n", "text/plain")
+                return
+            self._reply(200, engine.metrics_text().encode(), "text/plain; version=0.0.4; charset=utf-8")
+
+        def do_POST(self) -> None:  # noqa: N802
+            if self.path != "/v1/completions":
+                self._reply(404, b"not found\n", "text/plain")
+                return
+            try:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
+                prompts = _token_prompts(body.get("prompt"))
+            except (ValueError, TypeError, AttributeError) as exc:
+                error = {"error": {"message": str(exc), "type": "BadRequestError", "code": 400}}
+                self._reply(400, json.dumps(error).encode(), "application/json")
+                return
+            done = [engine.complete(prompt) for prompt in prompts]
+            max_tokens = int(body.get("max_tokens") or 16)
+            prompt_tokens = sum(c.prompt_tokens for c in done)
+            reply = {
+                "id": f"cmpl-{engine.seq}",
+                "object": "text_completion",
+                "model": engine.model,
+                "choices": [{"index": i, "text": "", "finish_reason": "length"} for i in range(len(done))],
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": max_tokens * len(done),
+                    "total_tokens": prompt_tokens + max_tokens * len(done),
+                    "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in done)},
+                },
+            }
+            self._reply(200, json.dumps(reply).encode(), "application/json")
+
+        def _reply(self, status: int, body: bytes, content_type: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet in tests
+            return
+
+    return Handler
+
+
+def _token_prompts(prompt: object) -> list[list[int]]:
+    """Accept ``[ids]`` or ``[[ids], …]`` (the token-id forms of the OpenAI completions API)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        prompts = prompt
+    elif isinstance(prompt, list) and prompt:
+        prompts = [prompt]
+    else:
+        raise ValueError("prompt must be a non-empty list of token ids or a list of such lists")
+    for p in prompts:
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in p):
+            raise ValueError("token ids must be ints in [0, 2**32)")
+    return [list(p) for p in prompts]

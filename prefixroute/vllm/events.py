@@ -1,0 +1,238 @@
+"""vLLM's KV-cache event wire format: decode (and encode) msgpack ``EventBatch`` payloads.
+
+vLLM publishes, per scheduler step, ``EventBatch = [ts, events, data_parallel_rank]`` (a msgpack array). Each event
+is one of :class:`BlockStored`, :class:`BlockRemoved` or :class:`AllBlocksCleared`, in one of two encodings:
+
+* **array** (older vLLM): ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, …]``, the tag
+  first and the fields in declaration order; trailing fields may be missing (they take their defaults) and extra
+  trailing fields are ignored;
+* **map** (newer vLLM): ``{"type": "BlockStored", "block_hashes": […], …}``, omitting fields equal to their default;
+  unknown keys are ignored.
+
+Block hashes arrive as unsigned 64-bit ints or as ``bytes``; they are opaque here (only compared for equality).
+Events of a type this module does not know are skipped, so a newer vLLM does not break an older prefixroute.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeAlias
+
+import msgspec
+
+from prefixroute.errors import InvalidEventError
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EventBatch",
+    "EventDecoder",
+    "ExternalBlockHash",
+    "KVCacheEvent",
+    "encode_batch",
+]
+
+ExternalBlockHash: TypeAlias = int | bytes
+"""vLLM's name for a block: an unsigned 64-bit int, or bytes (newer vLLM with a wider hash)."""
+
+# Kinds of KV-cache group whose blocks hold a full prefix's attention state, so a prefix hit on them is a real
+# prefill saving. Sliding-window, Mamba and other groups keep only part of the prefix and are not indexed.
+FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base class of the KV-cache events (the array encoding; ``Map*`` subclasses decode the map encoding)."""
+
+
+class BlockStored(KVCacheEvent):
+    """Full blocks entered the cache: ``token_ids`` holds ``len(block_hashes) * block_size`` tokens.
+
+    ``parent_block_hash`` names the block before the first one (None when the first block starts the prompt).
+    """
+
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    """Blocks left the cache (one entry per physical block, so a hash stored twice is removed twice)."""
+
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    """The engine dropped its whole prefix cache (``reset_prefix_cache``)."""
+
+
+class _MapBlockStored(BlockStored, array_like=False, tag_field="type", tag="BlockStored"):
+    """BlockStored in the map encoding."""
+
+
+class _MapBlockRemoved(BlockRemoved, array_like=False, tag_field="type", tag="BlockRemoved"):
+    """BlockRemoved in the map encoding."""
+
+
+class _MapAllBlocksCleared(AllBlocksCleared, array_like=False, tag_field="type", tag="AllBlocksCleared"):
+    """AllBlocksCleared in the map encoding."""
+
+
+Event: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventBatch(msgspec.Struct, array_like=True, gc=False):
+    """One published message: publish time (``time.time()`` on the engine), events, data-parallel rank."""
+
+    ts: float
+    events: list[Event]
+    data_parallel_rank: int | None = None
+
+
+class _ArrayBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+class _MapBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_MapBlockStored | _MapBlockRemoved | _MapAllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+class _RawBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+_ArrayEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+_MapEvent: TypeAlias = "_MapBlockStored | _MapBlockRemoved | _MapAllBlocksCleared"
+_KNOWN_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
+
+
+class EventDecoder:
+    """Decode ``EventBatch`` payloads in either encoding, fastest for the encoding seen last.
+
+    A whole batch is decoded by one typed msgspec decoder (C speed); only a batch that mixes encodings or holds an
+    unknown event type falls back to decoding event by event. Not thread-safe: use one decoder per thread.
+
+    >>> payload = encode_batch(EventBatch(1.0, [BlockRemoved([7])]), encoding="map")
+    >>> [(type(e).__name__, e.block_hashes) for e in EventDecoder().decode(payload).events]
+    [('_MapBlockRemoved', [7])]
+    """
+
+    __slots__ = ("_array", "_array_event", "_generic", "_map", "_map_event", "_map_first", "_raw")
+
+    def __init__(self) -> None:
+        self._array = msgspec.msgpack.Decoder(_ArrayBatch)
+        self._map = msgspec.msgpack.Decoder(_MapBatch)
+        self._raw = msgspec.msgpack.Decoder(_RawBatch)
+        self._array_event = msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksCleared)
+        self._map_event = msgspec.msgpack.Decoder(_MapBlockStored | _MapBlockRemoved | _MapAllBlocksCleared)
+        self._generic = msgspec.msgpack.Decoder()
+        self._map_first = False
+
+    def decode(self, payload: bytes) -> EventBatch:
+        """Return the batch in ``payload``; O(size of payload).
+
+        Raises:
+            InvalidEventError: the payload is not msgpack, not an ``[ts, events, rank]`` array, or holds a known
+                event with a missing or mistyped field (the message says which).
+        """
+        first, second = (self._map, self._array) if self._map_first else (self._array, self._map)
+        try:
+            batch: Any = first.decode(payload)
+        except msgspec.ValidationError:  # a subclass of DecodeError: the other encoding, or a mixed batch
+            try:
+                batch = second.decode(payload)
+                self._map_first = not self._map_first
+            except msgspec.ValidationError:
+                return self._decode_mixed(payload)
+        except msgspec.DecodeError as exc:
+            raise InvalidEventError(f"KV event payload is not valid msgpack: {exc}") from exc
+        return EventBatch(batch.ts, batch.events, batch.data_parallel_rank)
+
+    def _decode_mixed(self, payload: bytes) -> EventBatch:
+        try:
+            raw = self._raw.decode(payload)
+        except msgspec.ValidationError as exc:
+            raise InvalidEventError(
+                f"KV event payload is not an EventBatch [ts, events, data_parallel_rank]: {exc}"
+            ) from exc
+        events: list[Event] = []
+        for position, item in enumerate(raw.events):
+            event = self._decode_event(item, position)
+            if event is not None:
+                events.append(event)
+        return EventBatch(raw.ts, events, raw.data_parallel_rank)
+
+    def _decode_event(self, item: msgspec.Raw, position: int) -> Event | None:
+        generic = self._generic.decode(item)
+        if isinstance(generic, dict):
+            tag, decoder = generic.get("type"), self._map_event
+        elif isinstance(generic, list) and generic:
+            tag, decoder = generic[0], self._array_event
+        else:
+            raise InvalidEventError(
+                f"KV event {position} is {type(generic).__name__}, not a tagged array or a map with a 'type' key"
+            )
+        if tag not in _KNOWN_TAGS:
+            if isinstance(tag, str):
+                return None  # an event type from a newer vLLM: skipped, as documented
+            raise InvalidEventError(f"KV event {position} has no event type tag (got {tag!r})")
+        try:
+            event: Event = decoder.decode(item)
+        except msgspec.ValidationError as exc:
+            raise InvalidEventError(f"KV event {position} ({tag}) is malformed: {exc}") from exc
+        return event
+
+
+def encode_batch(batch: EventBatch, *, encoding: Literal["array", "map"] = "array") -> bytes:
+    """Encode ``batch`` as vLLM does: events as tagged arrays (older vLLM) or as maps with a ``"type"`` key.
+
+    The map encoding omits fields equal to their default, as newer vLLM does.
+    """
+    if encoding == "array":
+        events: list[Any] = [_as_array(event) for event in batch.events]
+    elif encoding == "map":
+        events = [_as_map(event) for event in batch.events]
+    else:
+        raise ValueError(f"encoding must be 'array' or 'map', not {encoding!r}")
+    return msgspec.msgpack.encode([batch.ts, events, batch.data_parallel_rank])
+
+
+def _as_array(event: Event) -> Event:
+    if type(event) in (_MapBlockStored, _MapBlockRemoved, _MapAllBlocksCleared):
+        return _convert(event, _MAP_TO_ARRAY)
+    return event
+
+
+def _as_map(event: Event) -> Event:
+    if type(event) in (BlockStored, BlockRemoved, AllBlocksCleared):
+        return _convert(event, _ARRAY_TO_MAP)
+    return event
+
+
+def _convert(event: Event, table: dict[type, type]) -> Event:
+    target = table[type(event)]
+    result: Event = target(**{name: getattr(event, name) for name in event.__struct_fields__})
+    return result
+
+
+_ARRAY_TO_MAP: dict[type, type] = {
+    BlockStored: _MapBlockStored,
+    BlockRemoved: _MapBlockRemoved,
+    AllBlocksCleared: _MapAllBlocksCleared,
+}
+_MAP_TO_ARRAY: dict[type, type] = {value: key for key, value in _ARRAY_TO_MAP.items()}

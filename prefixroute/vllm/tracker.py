@@ -1,0 +1,272 @@
+"""One backend's KV events → exact :class:`~prefixroute.PrefixIndex` updates, by re-hashing the events' tokens.
+
+vLLM names blocks with its own hashes (seeded per process, so they change when the engine restarts). The tracker
+re-hashes every stored block's ``token_ids`` with prefixroute's :class:`~prefixroute.BlockHasher`, continuing the
+chain from the parent block's *own* hash, so the index holds exactly the hashes :meth:`Router.route` computes for a
+prompt. It keeps the map vLLM hash → own hashes for removals and reference-counts both (vLLM may hold two physical
+copies of one block and then removes the same hash twice).
+"""
+
+from __future__ import annotations
+
+import array
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from prefixroute.errors import InvalidEventError
+from prefixroute.hashing import BlockHasher
+from prefixroute.index import PrefixIndex
+from prefixroute.vllm.events import (
+    FULL_ATTENTION_KINDS,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    ExternalBlockHash,
+    KVCacheEvent,
+)
+
+__all__ = ["BlockTracker", "IndexOps", "TrackerStats", "apply_ops", "lora_namespace"]
+
+_log = logging.getLogger(__name__)
+_UINT32 = "I" if array.array("I").itemsize == 4 else "L"
+
+IndexOps = list[tuple[bool, list[int]]]
+"""Index updates in order: ``(True, hashes)`` inserts a chain segment, ``(False, hashes)`` removes hashes."""
+
+
+def lora_namespace(namespace: str | None, lora_name: str | None) -> str | None:
+    """Return the hashing namespace of a request under LoRA adapter ``lora_name`` (None: the base model).
+
+    ``"model:adapter"`` when both are set. Route a LoRA request with ``router.route(..., namespace=...)`` set to
+    this value so its hashes agree with the ones the subscriber indexes.
+    """
+    if lora_name is None:
+        return namespace
+    return lora_name if namespace is None else f"{namespace}:{lora_name}"
+
+
+@dataclass
+class TrackerStats:
+    """Counters of what a :class:`BlockTracker` did with the events it saw."""
+
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    clears: int = 0
+    orphan_blocks: int = 0
+    unknown_removals: int = 0
+    skipped_blocks: int = 0
+    invalid_events: int = 0
+
+
+class BlockTracker:
+    """Turn one backend's KV events into index updates (pure logic: no sockets, no threads, no locks).
+
+    ``block_size`` is prefixroute's block size; vLLM's must be a multiple of it (each vLLM block then maps to
+    ``vllm_block_size // block_size`` own blocks). ``namespace`` seeds the chains of requests without a LoRA adapter.
+
+    Kept: blocks on the GPU (``medium`` None or ``"GPU"``) in full-attention groups (``kv_cache_spec_kind`` None or
+    a full-attention kind). Skipped: other media and groups, blocks carrying ``extra_keys`` (multimodal inputs or a
+    cache salt, which token ids alone do not name) and every block whose parent is unknown (stored before this
+    tracker started and never replayed): a prompt could not reach them through a contiguous prefix anyway.
+
+    >>> tracker = BlockTracker(block_size=2)
+    >>> ops = tracker.apply([BlockStored([0xA, 0xB], None, [1, 2, 3, 4], 2)])
+    >>> [(is_insert, len(hashes)) for is_insert, hashes in ops]
+    [(True, 2)]
+    >>> tracker.held() == set(BlockHasher(2).hash([1, 2, 3, 4]))
+    True
+    """
+
+    __slots__ = ("_block_size", "_hashers", "_namespace", "_own", "_refs", "_skipped_groups", "stats")
+
+    def __init__(self, *, block_size: int = 16, namespace: str | None = None) -> None:
+        self._block_size = BlockHasher(block_size).block_size  # validates
+        self._namespace = namespace
+        self._hashers: dict[str | None, BlockHasher] = {}
+        self._own: dict[ExternalBlockHash, _Entry] = {}
+        self._refs: dict[int, int] = {}  # own hash -> live vLLM blocks naming it
+        self._skipped_groups: set[int] = set()
+        self.stats = TrackerStats()
+
+    @property
+    def block_size(self) -> int:
+        """prefixroute's block size (the hasher's)."""
+        return self._block_size
+
+    def held(self) -> set[int]:
+        """Return the own hashes the backend holds according to the events seen. O(blocks)."""
+        return set(self._refs)
+
+    def __len__(self) -> int:
+        """Return the number of distinct own hashes held. O(1)."""
+        return len(self._refs)
+
+    def apply(self, events: Iterable[KVCacheEvent]) -> IndexOps:
+        """Update the tracker with ``events`` and return the index updates they imply, in order.
+
+        O(tokens stored + blocks removed). An invalid event is logged, counted in ``stats.invalid_events`` and
+        skipped; the others still apply. Use :meth:`apply_strict` to raise instead.
+        """
+        ops: IndexOps = []
+        for event in events:
+            try:
+                self._apply_one(event, ops)
+            except InvalidEventError as exc:
+                self.stats.invalid_events += 1
+                _log.warning("skipping a KV event: %s", exc)
+        return ops
+
+    def apply_strict(self, events: Iterable[KVCacheEvent]) -> IndexOps:
+        """As :meth:`apply`, but raise :class:`InvalidEventError` at the first invalid event (earlier ones apply)."""
+        ops: IndexOps = []
+        for event in events:
+            self._apply_one(event, ops)
+        return ops
+
+    def reset(self) -> IndexOps:
+        """Forget every block (the engine restarted or cleared its cache); return the removals for the index."""
+        held = list(self._refs)
+        self._own.clear()
+        self._refs.clear()
+        self._skipped_groups.clear()
+        return [(False, held)] if held else []
+
+    def _apply_one(self, event: KVCacheEvent, ops: IndexOps) -> None:
+        if isinstance(event, BlockStored):
+            born = self._store(event)
+            if born:
+                ops.append((True, born))
+        elif isinstance(event, BlockRemoved):
+            dead = self._remove(event)
+            if dead:
+                ops.append((False, dead))
+        elif isinstance(event, AllBlocksCleared):
+            self.stats.clears += 1
+            ops.extend(self.reset())
+
+    def _hasher(self, lora_name: str | None) -> BlockHasher:
+        hasher = self._hashers.get(lora_name)
+        if hasher is None:
+            namespace = lora_namespace(self._namespace, lora_name)
+            hasher = self._hashers[lora_name] = BlockHasher(self._block_size, namespace=namespace)
+        return hasher
+
+    def _store(self, event: BlockStored) -> list[int]:
+        vllm_hashes = event.block_hashes
+        per_block = _sub_blocks(event.block_size, self._block_size)
+        if len(event.token_ids) != len(vllm_hashes) * event.block_size:
+            raise InvalidEventError(
+                f"BlockStored carries {len(event.token_ids)} token ids for {len(vllm_hashes)} blocks of "
+                f"{event.block_size} tokens; vLLM sends exactly the stored blocks' tokens"
+            )
+        if not _is_gpu(event.medium) or (
+            event.kv_cache_spec_kind is not None and event.kv_cache_spec_kind not in FULL_ATTENTION_KINDS
+        ):
+            if event.group_idx is not None and _is_gpu(event.medium):
+                self._skipped_groups.add(event.group_idx)
+            self.stats.skipped_blocks += len(vllm_hashes)
+            return []
+        count = _plain_prefix(event.extra_keys, len(vllm_hashes))
+        self.stats.skipped_blocks += len(vllm_hashes) - count
+        own = self._own
+        parent = event.parent_block_hash
+        hasher = self._hasher(event.lora_name)
+        if parent is None:
+            seed = hasher.seed
+        else:
+            entry = own.get(parent)
+            if entry is None:
+                self.stats.orphan_blocks += len(vllm_hashes)
+                return []
+            seed = entry.own[-1]
+        try:
+            data = array.array(_UINT32, event.token_ids[: count * event.block_size]).tobytes()
+        except (OverflowError, TypeError) as exc:
+            raise InvalidEventError(f"BlockStored token ids must be ints in [0, 2**32): {exc}") from exc
+        chain = hasher.hash_encoded(data, seed)
+        refs = self._refs
+        born: list[int] = []
+        for i in range(count):
+            vllm_hash = vllm_hashes[i]
+            entry = own.get(vllm_hash)
+            if entry is None:
+                mine: tuple[int, ...] = tuple(chain[i * per_block : (i + 1) * per_block])
+                own[vllm_hash] = _Entry(mine)
+            else:
+                mine = entry.own
+                entry.copies += 1
+            for h in mine:
+                held = refs.get(h, 0)
+                refs[h] = held + 1
+                if not held:
+                    born.append(h)
+        self.stats.blocks_stored += count
+        return born
+
+    def _remove(self, event: BlockRemoved) -> list[int]:
+        if not _is_gpu(event.medium) or event.group_idx in self._skipped_groups:
+            self.stats.skipped_blocks += len(event.block_hashes)
+            return []
+        own, refs = self._own, self._refs
+        dead: list[int] = []
+        for vllm_hash in event.block_hashes:
+            entry = own.get(vllm_hash)
+            if entry is None:
+                self.stats.unknown_removals += 1
+                continue
+            entry.copies -= 1
+            if not entry.copies:
+                del own[vllm_hash]
+            for h in entry.own:
+                held = refs[h] - 1
+                if held:
+                    refs[h] = held
+                else:
+                    del refs[h]
+                    dead.append(h)
+            self.stats.blocks_removed += 1
+        return dead
+
+
+class _Entry:
+    """What one vLLM hash stands for: its own hashes (one per prefixroute block) and its physical copies."""
+
+    __slots__ = ("copies", "own")
+
+    def __init__(self, own: tuple[int, ...]) -> None:
+        self.own = own
+        self.copies = 1
+
+
+def apply_ops(index: PrefixIndex, backend: str, ops: Sequence[tuple[bool, list[int]]]) -> None:
+    """Apply a tracker's updates to ``index`` for ``backend`` (call it under the lock that guards the index)."""
+    insert, remove = index.insert, index.remove
+    for is_insert, hashes in ops:
+        if is_insert:
+            insert(hashes, backend)
+        else:
+            remove(hashes, backend)
+
+
+def _is_gpu(medium: str | None) -> bool:
+    return medium is None or medium.upper() == "GPU"
+
+
+def _sub_blocks(vllm_block_size: int, block_size: int) -> int:
+    if vllm_block_size <= 0 or vllm_block_size % block_size:
+        raise InvalidEventError(
+            f"vLLM's block size {vllm_block_size} is not a positive multiple of prefixroute's block size "
+            f"{block_size}: configure the router with block_size={vllm_block_size} (vLLM's --block-size)"
+        )
+    return vllm_block_size // block_size
+
+
+def _plain_prefix(extra_keys: list[object] | None, count: int) -> int:
+    """Return how many leading blocks carry no extra keys (the chain stops at the first that does)."""
+    if not extra_keys:
+        return count
+    for i, keys in enumerate(extra_keys[:count]):
+        if keys:
+            return i
+    return count

@@ -1,0 +1,129 @@
+"""Decoding vLLM's EventBatch payloads in both encodings, and rejecting malformed ones clearly."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from prefixroute.errors import InvalidEventError
+from prefixroute.vllm.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    EventDecoder,
+    encode_batch,
+)
+
+hashes = st.one_of(st.integers(0, 2**64 - 1), st.binary(min_size=1, max_size=32))
+maybe_text = st.one_of(st.none(), st.text(max_size=8))
+
+
+@st.composite
+def stored(draw: Any) -> BlockStored:
+    block_size = draw(st.sampled_from([1, 4, 16]))
+    count = draw(st.integers(0, 4))
+    return BlockStored(
+        draw(st.lists(hashes, min_size=count, max_size=count)),
+        draw(st.one_of(st.none(), hashes)),
+        draw(st.lists(st.integers(0, 2**32 - 1), min_size=count * block_size, max_size=count * block_size)),
+        block_size,
+        lora_id=draw(st.one_of(st.none(), st.integers(0, 10))),
+        medium=draw(maybe_text),
+        lora_name=draw(maybe_text),
+        group_idx=draw(st.one_of(st.none(), st.integers(0, 3))),
+        kv_cache_spec_kind=draw(st.one_of(st.none(), st.sampled_from(["full_attention", "sliding_window"]))),
+    )
+
+
+events = st.one_of(
+    stored(),
+    st.builds(BlockRemoved, st.lists(hashes, max_size=4), medium=maybe_text, group_idx=st.none() | st.integers(0, 3)),
+    st.just(AllBlocksCleared()),
+)
+
+
+def fields(event: object) -> tuple[str, dict[str, Any]]:
+    base = next(c for c in type(event).__mro__ if c in (BlockStored, BlockRemoved, AllBlocksCleared))
+    return base.__name__, msgspec.structs.asdict(event)  # type: ignore[arg-type]
+
+
+@given(st.lists(events, max_size=6), st.sampled_from(["array", "map"]), st.none() | st.integers(0, 7))
+def test_round_trip_in_both_encodings(batch_events: list[Any], encoding: str, rank: int | None) -> None:
+    batch = EventBatch(1234.5, batch_events, rank)
+    decoded = EventDecoder().decode(encode_batch(batch, encoding=encoding))  # type: ignore[arg-type]
+    assert decoded.ts == 1234.5
+    assert decoded.data_parallel_rank == rank
+    assert [fields(e) for e in decoded.events] == [fields(e) for e in batch_events]
+
+
+def test_one_decoder_follows_a_change_of_encoding() -> None:
+    decoder = EventDecoder()
+    batch = EventBatch(1.0, [BlockRemoved([1, 2])])
+    for encoding in ["array", "map", "map", "array"]:
+        assert fields(decoder.decode(encode_batch(batch, encoding=encoding)).events[0])[1]["block_hashes"] == [1, 2]  # type: ignore[arg-type]
+
+
+def test_map_encoding_omits_defaults_and_tags_with_type() -> None:
+    payload = encode_batch(EventBatch(1.0, [BlockRemoved([5])]), encoding="map")
+    raw = msgspec.msgpack.decode(payload)
+    assert raw[1] == [{"type": "BlockRemoved", "block_hashes": [5]}]
+
+
+def test_array_encoding_puts_the_tag_first_and_fields_in_order() -> None:
+    payload = encode_batch(EventBatch(1.0, [BlockStored([7], None, [1, 2], 2, lora_id=3)]), encoding="array")
+    raw = msgspec.msgpack.decode(payload)
+    assert raw[1][0][:6] == ["BlockStored", [7], None, [1, 2], 2, 3]
+
+
+def test_unknown_fields_and_unknown_event_types_are_ignored() -> None:
+    payload = msgspec.msgpack.encode(
+        [
+            2.0,
+            [
+                ["BlockStored", [1], None, [9, 9], 2, None, "GPU", None, None, 0, "full_attention", None, "x", "y", 4],
+                {"type": "BlockRemoved", "block_hashes": [b"\x01\x02"], "locality": "LOCAL", "future": {"a": 1}},
+                {"type": "BlockMigrated", "block_hashes": [1]},
+                ["BlockMigrated", [1]],
+                ["AllBlocksCleared", "extra"],
+            ],
+            3,
+        ]
+    )
+    batch = EventDecoder().decode(payload)
+    assert [fields(e)[0] for e in batch.events] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    assert batch.events[1].block_hashes == [b"\x01\x02"]  # type: ignore[union-attr]
+    assert batch.data_parallel_rank == 3
+
+
+def test_a_batch_without_rank_decodes() -> None:
+    batch = EventDecoder().decode(msgspec.msgpack.encode([1.0, [["AllBlocksCleared"]]]))
+    assert batch.data_parallel_rank is None and isinstance(batch.events[0], AllBlocksCleared)
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (b"\xc1", "not valid msgpack"),
+        (msgspec.msgpack.encode({"ts": 1.0}), "not an EventBatch"),
+        (msgspec.msgpack.encode([1.0, [["BlockStored", [1]]]]), "KV event 0 (BlockStored) is malformed"),
+        (msgspec.msgpack.encode([1.0, [["BlockRemoved", "nope"]]]), "KV event 0 (BlockRemoved) is malformed"),
+        (msgspec.msgpack.encode([1.0, [{"type": "BlockRemoved"}]]), "block_hashes"),
+        (msgspec.msgpack.encode([1.0, [5]]), "not a tagged array or a map"),
+        (msgspec.msgpack.encode([1.0, [[3, 4]]]), "no event type tag"),
+        (msgspec.msgpack.encode([1.0, [["BlockRemoved", [1.5]]]]), "malformed"),
+    ],
+)
+def test_malformed_payloads_raise_invalid_event_error(payload: bytes, message: str) -> None:
+    with pytest.raises(InvalidEventError, match=re.escape(message)):
+        EventDecoder().decode(payload)
+
+
+def test_encode_rejects_an_unknown_encoding() -> None:
+    with pytest.raises(ValueError, match="encoding"):
+        encode_batch(EventBatch(1.0, []), encoding="json")  # type: ignore[arg-type]

@@ -1,0 +1,224 @@
+"""A real KVEventSubscriber against a FakeVLLM on loopback: the index converges to the engine's true cache."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from prefixroute import BlockHasher, PrefixIndex, Router
+from prefixroute.errors import ConfigurationError
+from prefixroute.testing import FakeVLLM
+from prefixroute.vllm import KVEventSubscriber
+
+from .conftest import wait_until
+
+STEMS = [[random.Random(stem).randrange(30_000) for _ in range(160)] for stem in range(4)]
+
+
+def workload(engine: FakeVLLM, rng: random.Random, steps: int, *, loss: float = 0.0) -> None:
+    """Shared-stem prompts, some scheduled as concurrent twins (duplicate hashes), some messages lost."""
+    for _ in range(steps):
+        stem = STEMS[rng.randrange(len(STEMS))][: rng.randrange(0, 160)]
+        prompt = stem + [rng.randrange(50) for _ in range(rng.randrange(0, 48))]
+        if rng.random() < loss:
+            engine.drop_next()
+        engine.complete(prompt, share=rng.random() > 0.2, lora_name=rng.choice([None, None, None, "sql"]))
+
+
+def fresh() -> list[int]:
+    """A prompt no other prompt shares, so completing it always publishes a batch."""
+    return [random.randrange(100_000, 2**31) for _ in range(16)]
+
+
+def settle(engine: FakeVLLM, sub: KVEventSubscriber) -> None:
+    """Publish fresh batches until the subscriber has applied the latest one.
+
+    A fresh batch reveals a trailing loss as a gap, and republishing covers a SUB socket that was still connecting
+    (a PUB socket drops what it sends before then) and a pending :meth:`FakeVLLM.drop_next`.
+    """
+    state = {"published_at": 0.0}
+
+    def caught_up() -> bool:
+        if sub.last_seq == engine.seq - 1 and state["published_at"]:
+            return True
+        if time.monotonic() - state["published_at"] > 0.25:
+            engine.complete(fresh())
+            state["published_at"] = time.monotonic()
+        return False
+
+    wait_until(caught_up, what="the subscriber to apply the engine's latest batch")
+
+
+@pytest.mark.parametrize(
+    ("encoding", "hash_format", "extra_group"),
+    [("array", "int", False), ("map", "bytes", True), ("alternate", "int", True)],
+)
+def test_index_equals_true_cache_despite_loss_duplicates_and_eviction(
+    encoding: str, hash_format: str, extra_group: bool
+) -> None:
+    rng = random.Random(hash((encoding, hash_format)))
+    index = PrefixIndex(16)
+    with (
+        FakeVLLM(num_blocks=48, encoding=encoding, hash_format=hash_format, extra_group=extra_group) as engine,  # type: ignore[arg-type]
+        KVEventSubscriber(index, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint) as sub,
+    ):
+        workload(engine, rng, 250, loss=0.1)
+        settle(engine, sub)
+        assert index.hashes("gpu0") == engine.own_hashes()
+        stats = sub.stats()
+    assert stats.gaps > 0 and stats.replayed_batches > 0 and stats.unrecovered_gaps == 0
+    assert stats.tracker.blocks_removed > 0 and stats.tracker.orphan_blocks == 0
+
+
+def test_engine_restart_drops_the_old_blocks_and_follows_the_new_stream() -> None:
+    rng = random.Random(3)
+    index = PrefixIndex(16)
+    with (
+        FakeVLLM(num_blocks=64) as engine,
+        KVEventSubscriber(index, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint) as sub,
+    ):
+        workload(engine, rng, 80)
+        settle(engine, sub)
+        before = engine.own_hashes()
+        engine.restart()
+        workload(engine, rng, 5)
+        settle(engine, sub)
+        assert sub.stats().restarts == 1
+        assert index.hashes("gpu0") == engine.own_hashes()
+        assert before - engine.own_hashes(), "the restart should have dropped some old blocks"
+
+
+def test_a_late_subscriber_replays_from_the_start() -> None:
+    rng = random.Random(4)
+    index = PrefixIndex(16)
+    with FakeVLLM(num_blocks=64, encoding="map") as engine:
+        workload(engine, rng, 60)
+        published = engine.seq
+        with KVEventSubscriber(index, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint) as sub:
+            settle(engine, sub)
+            assert index.hashes("gpu0") == engine.own_hashes()
+            assert sub.stats().replayed_batches >= published > 40
+
+
+def test_without_replay_a_loss_is_counted_as_unrecovered() -> None:
+    index = PrefixIndex(16)
+    with (
+        FakeVLLM(replay=False) as engine,
+        KVEventSubscriber(index, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint) as sub,
+    ):
+        settle(engine, sub)
+        before = sub.stats().unrecovered_gaps  # batches sent while the SUB socket was connecting count too
+        engine.drop_next()
+        engine.complete(STEMS[1][:32])  # lost, and the engine cannot replay it
+        settle(engine, sub)
+        assert sub.stats().unrecovered_gaps == before + 1
+        assert not index.hashes("gpu0") >= engine.own_hashes()
+
+
+def test_clear_cache_empties_the_backends_index_and_topic_filters() -> None:
+    index = PrefixIndex(16)
+    with (
+        FakeVLLM(topic="kv@gpu0@m") as engine,
+        KVEventSubscriber(
+            index, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint, topic="kv@gpu0"
+        ) as sub,
+        KVEventSubscriber(index, "other", engine.endpoint, topic="kv@gpu9") as other,
+    ):
+        workload(engine, random.Random(5), 20)
+        settle(engine, sub)
+        assert index.blocks("gpu0") > 0
+        engine.clear_cache()
+        settle(engine, sub)
+        assert index.hashes("gpu0") == engine.own_hashes()
+        assert sub.stats().tracker.clears == 1
+        assert other.last_seq == -1 and index.blocks("other") == 0
+
+
+def test_malformed_messages_are_counted_and_the_stream_goes_on() -> None:
+    index = PrefixIndex(16)
+    context = zmq.Context()
+    pub = context.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    seq = iter(range(1000))
+    clear = msgspec.msgpack.encode([1.0, [["AllBlocksCleared"]]])
+    try:
+        with KVEventSubscriber(index, "gpu0", f"tcp://127.0.0.1:{port}") as sub:
+            state = {"at": 0.0, "last": -1}
+
+            def heard() -> bool:  # a PUB socket drops what it sends before the SUB connects: resend, numbered
+                if sub.last_seq >= 0:
+                    return True
+                if time.monotonic() - state["at"] > 0.1:
+                    state["last"] = next(seq)
+                    pub.send_multipart([b"", int(state["last"]).to_bytes(8, "big"), clear])
+                    state["at"] = time.monotonic()
+                return False
+
+            wait_until(heard, what="the subscriber to connect")
+            wait_until(lambda: sub.last_seq == state["last"], what="the warm-up drained")
+            base = sub.stats()
+            good = msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, list(range(16)), 16]]])
+            pub.send_multipart([b"", next(seq).to_bytes(8, "big"), good])
+            pub.send_multipart([b"", next(seq).to_bytes(8, "big"), b"\xc1 not msgpack"])
+            pub.send_multipart([b"only two frames", b"x"])
+            last = next(seq)
+            pub.send_multipart([b"", last.to_bytes(8, "big"), good])
+            wait_until(lambda: sub.last_seq == last, what=f"sequence {last}")
+            stats = sub.stats()
+            assert stats.invalid_batches - base.invalid_batches == 2
+            assert stats.gaps == base.gaps and stats.restarts == base.restarts
+            assert stats.tracker.blocks_stored - base.tracker.blocks_stored == 2
+            assert index.hashes("gpu0") == set(BlockHasher(16).hash(list(range(16))))
+    finally:
+        context.destroy(linger=0)
+
+
+def test_event_index_is_right_where_the_prediction_is_wrong_after_eviction() -> None:
+    """Acceptance 3: the router predicts a hit on a backend whose engine evicted the prefix; events know better."""
+    router = Router(block_size=16)
+    exact = PrefixIndex(16)
+    hot = STEMS[2][:64]
+    with (
+        FakeVLLM(num_blocks=8) as engine,
+        KVEventSubscriber(exact, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint) as sub,
+    ):
+        first = router.route(hot, ["gpu0"])
+        engine.complete(hot)
+        for stem in (STEMS[0], STEMS[1], STEMS[3]):  # other traffic fills the 8-block cache: `hot` is evicted
+            engine.complete(stem[:64])
+        settle(engine, sub)
+        predicted = router.route(hot, ["gpu0"])
+        hashes = BlockHasher(16).hash(hot)
+        assert first.matched_tokens == 0 and predicted.matched_tokens == 64  # approximate mode: a (wrong) hit
+        assert exact.match(hashes, ["gpu0"]) == {"gpu0": 0}  # event mode: a miss
+        assert engine.complete(hot).cached_tokens == 0  # ... and the engine agrees
+
+
+def test_updates_are_applied_under_the_given_lock() -> None:
+    lock = threading.Lock()
+    index = PrefixIndex(16)
+    with (
+        FakeVLLM() as engine,
+        KVEventSubscriber(index, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint, lock=lock) as sub,
+    ):
+        settle(engine, sub)
+        before = index.hashes("gpu0")
+        with lock:
+            batches = sub.stats().batches
+            engine.complete(STEMS[3][:64])
+            wait_until(lambda: sub.stats().batches > batches, what="the batch decoded")
+            assert index.hashes("gpu0") == before  # decoded, but it cannot land while the lock is held
+        settle(engine, sub)
+        assert index.hashes("gpu0") == engine.own_hashes()
+
+
+def test_configuration_errors_are_clear() -> None:
+    with pytest.raises(ConfigurationError, match="tcp://host:5557"):
+        KVEventSubscriber(PrefixIndex(), "gpu0", "localhost:5557")
+    with pytest.raises(ConfigurationError, match="block size"):
+        KVEventSubscriber(PrefixIndex(32), "gpu0", "tcp://127.0.0.1:1")

@@ -1,0 +1,164 @@
+"""Events → own hashes: re-hashing, reference counts, filters, and convergence with a fake engine's true cache."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixroute import BlockHasher, PrefixIndex
+from prefixroute.errors import InvalidEventError
+from prefixroute.testing import FakeBlockCache
+from prefixroute.vllm import AllBlocksCleared, BlockRemoved, BlockStored, BlockTracker, apply_ops, lora_namespace
+
+TOKENS = list(range(100, 164))  # four 16-token blocks
+
+
+def own(tokens: list[int], namespace: str | None = None, block_size: int = 16) -> list[int]:
+    return list(BlockHasher(block_size, namespace=namespace).hash(tokens))
+
+
+def test_stored_blocks_are_rehashed_with_prefixroutes_hasher_continuing_from_the_parent() -> None:
+    tracker = BlockTracker()
+    tracker.apply([BlockStored([11, 12], None, TOKENS[:32], 16)])
+    tracker.apply([BlockStored([13, 14], 12, TOKENS[32:], 16)])
+    assert tracker.held() == set(own(TOKENS))
+
+
+def test_a_hash_stored_twice_is_held_until_removed_twice() -> None:
+    tracker = BlockTracker()
+    ops = tracker.apply([BlockStored([11], None, TOKENS[:16], 16), BlockStored([11], None, TOKENS[:16], 16)])
+    assert ops == [(True, own(TOKENS[:16]))]  # the index hears of it once
+    assert tracker.apply([BlockRemoved([11])]) == []
+    assert tracker.held() == set(own(TOKENS[:16]))
+    assert tracker.apply([BlockRemoved([11])]) == [(False, own(TOKENS[:16]))]
+    assert tracker.held() == set()
+    assert tracker.apply([BlockRemoved([11])]) == [] and tracker.stats.unknown_removals == 1
+
+
+def test_blocks_whose_parent_is_unknown_are_skipped() -> None:
+    tracker = BlockTracker()
+    assert tracker.apply([BlockStored([13], 12, TOKENS[16:32], 16)]) == []
+    assert tracker.stats.orphan_blocks == 1 and tracker.held() == set()
+
+
+def test_only_gpu_full_attention_groups_are_indexed() -> None:
+    tracker = BlockTracker()
+    tracker.apply(
+        [
+            BlockStored([11], None, TOKENS[:16], 16, group_idx=0, kv_cache_spec_kind="full_attention"),
+            BlockStored([11], None, TOKENS[:16], 16, group_idx=1, kv_cache_spec_kind="sliding_window"),
+            BlockStored([21], None, TOKENS[16:32], 16, medium="CPU"),
+        ]
+    )
+    assert tracker.held() == set(own(TOKENS[:16]))
+    assert tracker.apply([BlockRemoved([11], group_idx=1), BlockRemoved([11], medium="CPU")]) == []
+    assert tracker.held() == set(own(TOKENS[:16]))
+    assert tracker.apply([BlockRemoved([11], group_idx=0)]) == [(False, own(TOKENS[:16]))]
+
+
+def test_blocks_with_extra_keys_end_the_indexed_chain() -> None:
+    tracker = BlockTracker()
+    tracker.apply([BlockStored([11, 12, 13], None, TOKENS[:48], 16, extra_keys=[None, ["mm-hash"], None])])
+    assert tracker.held() == set(own(TOKENS[:16]))
+
+
+def test_a_lora_adapter_goes_into_the_namespace() -> None:
+    tracker = BlockTracker(namespace="llama")
+    tracker.apply([BlockStored([11], None, TOKENS[:16], 16, lora_name="sql")])
+    assert lora_namespace("llama", "sql") == "llama:sql" and lora_namespace(None, "sql") == "sql"
+    assert tracker.held() == set(own(TOKENS[:16], namespace="llama:sql"))
+    assert tracker.held().isdisjoint(own(TOKENS[:16], namespace="llama"))
+
+
+def test_a_larger_vllm_block_maps_to_several_own_blocks() -> None:
+    tracker = BlockTracker(block_size=16)
+    tracker.apply([BlockStored([11], None, TOKENS[:32], 32), BlockStored([12], 11, TOKENS[32:], 32)])
+    assert tracker.held() == set(own(TOKENS))
+    assert tracker.apply([BlockRemoved([12])]) == [(False, own(TOKENS)[2:])]
+
+
+def test_invalid_events_are_counted_and_skipped_or_raised_in_strict_mode() -> None:
+    tracker = BlockTracker()
+    bad_count = BlockStored([11, 12], None, TOKENS[:16], 16)
+    bad_size = BlockStored([11], None, TOKENS[:8], 8)
+    bad_token = BlockStored([11], None, [-1] * 16, 16)
+    good = BlockStored([31], None, TOKENS[:16], 16)
+    tracker.apply([bad_count, bad_size, bad_token, good])
+    assert tracker.stats.invalid_events == 3 and tracker.held() == set(own(TOKENS[:16]))
+    with pytest.raises(InvalidEventError, match="24 token ids|16 token ids for 2 blocks"):
+        BlockTracker().apply_strict([bad_count])
+    with pytest.raises(InvalidEventError, match="block_size=8"):
+        BlockTracker().apply_strict([bad_size])
+    with pytest.raises(InvalidEventError, match=r"\[0, 2\*\*32\)"):
+        BlockTracker().apply_strict([bad_token])
+
+
+def test_all_blocks_cleared_removes_everything() -> None:
+    tracker = BlockTracker()
+    tracker.apply([BlockStored([11, 12], None, TOKENS[:32], 16)])
+    assert tracker.apply([AllBlocksCleared()]) == [(False, own(TOKENS[:32]))]
+    assert tracker.held() == set() and tracker.stats.clears == 1
+
+
+STEMS = [[random.Random(stem).randrange(1000) for _ in range(128)] for stem in range(3)]
+operations = st.lists(
+    st.tuples(
+        st.sampled_from(["complete", "complete", "complete", "twin", "hold", "finish", "clear"]),
+        st.integers(0, 2**31),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(operations, st.sampled_from([16, 32]), st.booleans(), st.booleans())
+def test_tracker_and_index_equal_the_engines_true_cache_after_every_step(
+    steps: list[tuple[str, int]], engine_block: int, byte_hashes: bool, extra_group: bool
+) -> None:
+    run_and_compare(steps, engine_block, byte_hashes, extra_group)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_seeded_stress_with_duplicates_evictions_and_clears(seed: int) -> None:
+    rng = random.Random(seed)
+    actions = ["complete", "complete", "twin", "twin", "hold", "finish", "clear"]
+    steps = [(rng.choice(actions), rng.randrange(2**31)) for _ in range(150)]
+    run_and_compare(steps, rng.choice([16, 32]), seed % 2 == 0, seed % 3 == 0)
+
+
+def run_and_compare(steps: list[tuple[str, int]], engine_block: int, byte_hashes: bool, extra_group: bool) -> None:
+    """Drive a fake block cache through ``steps``; after each, tracker and index must equal its true contents."""
+    cache = FakeBlockCache(
+        block_size=engine_block, num_blocks=24, rng=random.Random(7), hash_format="bytes" if byte_hashes else "int",
+        extra_group=extra_group,
+    )  # fmt: skip
+    tracker = BlockTracker(block_size=16, namespace="m")
+    index = PrefixIndex(16)
+    held = []
+    for action, seed in steps:
+        rng = random.Random(seed)
+        # Shared stems make prefixes collide, hit, get duplicated and get evicted often.
+        stem = STEMS[rng.randrange(len(STEMS))][: rng.randrange(0, 4 * engine_block)]
+        prompt = stem + [rng.randrange(2) for _ in range(rng.randrange(0, 2 * engine_block))]
+        lora = rng.choice([None, None, "sql"])
+        if action in ("complete", "twin", "hold"):
+            request = cache.allocate(prompt, lora_name=lora, share=action != "twin")
+            if action == "hold":
+                held.append(request)
+            else:
+                cache.free(request)
+        elif action == "finish":
+            for request in held:
+                cache.free(request)
+            held.clear()
+        elif not held:
+            cache.clear()
+        apply_ops(index, "gpu0", tracker.apply(cache.take_events()))
+        truth = cache.own_hashes(block_size=16, namespace="m")
+        assert tracker.held() == truth
+        assert index.hashes("gpu0") == truth
+        index._check()
+    assert tracker.stats.invalid_events == 0 and tracker.stats.orphan_blocks == 0
