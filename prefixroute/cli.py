@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 # Each module defines ``register(subparsers)``, adding its subcommand with ``set_defaults(func=...)`` where
 # ``func(args) -> int`` returns the exit status. Modules are imported only when the CLI runs.
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("prefixroute.sim.cli", "prefixroute.vllm.doctor")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,277 @@
+"""One simulated vLLM engine: continuous batching with chunked prefill over a :class:`BlockCache`.
+
+The scheduler follows vLLM V1's: each step it first continues the running requests in admission order (a decode
+costs one token of the step's budget, a prefill chunk as many as fit), preempting the newest running request by
+recomputation when a running one needs a block and none is free; then, if nothing was preempted, it admits waiting
+requests first come first served while ``max_num_seqs`` and the token budget allow and their blocks fit. A request
+is admitted with its longest cached prefix (contiguous leading full blocks, at most ``tokens - 1`` tokens, because
+vLLM always computes the last prompt token). The step's duration comes from a :class:`CostModel`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from prefixroute.sim.kvcache import BlockCache
+from prefixroute.sim.request import RequestRecord
+
+__all__ = ["Active", "BackendConfig", "CostModel", "SimBackend"]
+
+
+class CostModel(Protocol):
+    """The part of a GPU profile (:class:`prefixroute.sim.Profile`) the simulator uses."""
+
+    def step_seconds(self, prefill: Sequence[tuple[int, int]], decode_contexts: Sequence[int]) -> float:
+        """Seconds one engine step takes: ``prefill`` is (new tokens, tokens already in KV) per chunk."""
+        ...
+
+    def prefill_seconds(self, new_tokens: int, cached_tokens: int) -> float:
+        """Seconds to prefill ``new_tokens`` after ``cached_tokens`` already in KV, alone."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class BackendConfig:
+    """vLLM engine settings that shape scheduling: KV blocks, block size, batch limits (vLLM's names)."""
+
+    capacity_blocks: int | None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.capacity_blocks is not None and self.capacity_blocks < 1:
+            raise ValueError(
+                f"capacity_blocks is {self.capacity_blocks}: the model does not fit on this GPU; "
+                "choose a larger GPU or more tensor parallelism"
+            )
+
+
+class Active:
+    """A request inside one backend: its record, block hashes, and progress."""
+
+    __slots__ = (
+        "blocks",
+        "computed",
+        "decision",
+        "hashes",
+        "held",
+        "next_commit",
+        "private",
+        "record",
+        "tokens",
+    )
+
+    def __init__(self, record: RequestRecord, hashes: list[int], decision: object) -> None:
+        self.record = record
+        self.hashes = hashes  # chained hashes of every full block of prompt (+ output, when known)
+        self.decision = decision  # the router's Decision, handed back when the request finishes
+        self.tokens = record.prompt_tokens  # tokens known so far: prompt + generated
+        self.computed = 0  # tokens whose KV is in memory
+        self.held: list[int] = []  # hashed (cached) blocks this request references, in order
+        self.blocks = 0  # KV blocks covering its tokens: its cached prefix plus blocks allocated to it
+        self.private = 0  # blocks allocated to it that are not in the cache (partial, filling, duplicates)
+        self.next_commit = 0  # index of the next block to cache when it becomes full
+
+
+FleetMatch = Callable[["SimBackend", Sequence[int], int], int]
+
+
+class SimBackend:
+    """A vLLM-like engine: waiting and running queues, a block cache, and one step at a time.
+
+    Drive it with :meth:`enqueue`, :meth:`schedule` (plan a step; returns its duration or None when idle) and
+    :meth:`complete` (apply the planned step at its end time; returns the requests that finished).
+    """
+
+    __slots__ = (
+        "_plan",
+        "block_size",
+        "cache",
+        "config",
+        "cost",
+        "fleet_match",
+        "name",
+        "prefill_tokens",
+        "running",
+        "steps",
+        "waiting",
+    )
+
+    def __init__(
+        self, name: str, *, config: BackendConfig, cost: CostModel, fleet_match: FleetMatch | None = None
+    ) -> None:
+        self.name = name
+        self.config = config
+        self.cost = cost
+        self.block_size = config.block_size
+        self.cache = BlockCache(config.capacity_blocks)
+        self.fleet_match = fleet_match
+        self.waiting: deque[Active] = deque()
+        self.running: list[Active] = []
+        self._plan: list[tuple[Active, int]] = []
+        self.steps = 0
+        self.prefill_tokens = 0  # prompt tokens computed, summed over steps (conservation checks)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a step is planned and not yet completed."""
+        return bool(self._plan)
+
+    @property
+    def load(self) -> int:
+        """Requests in the engine: running plus waiting."""
+        return len(self.running) + len(self.waiting)
+
+    def fits(self, prompt_tokens: int, output_tokens: int) -> bool:
+        """Whether a request could ever run here: its whole sequence's blocks within the KV capacity."""
+        capacity = self.config.capacity_blocks
+        return capacity is None or -(-(prompt_tokens + output_tokens) // self.block_size) <= capacity
+
+    def enqueue(self, active: Active) -> None:
+        """Add a request to the waiting queue."""
+        self.waiting.append(active)
+
+    def schedule(self, now: float) -> float | None:
+        """Plan the step starting at ``now``; return its duration in seconds, or None if there is nothing to run."""
+        assert not self._plan, "schedule() called while a step is in progress"
+        budget = self.config.max_num_batched_tokens
+        size = self.block_size
+        cache = self.cache
+        plan = self._plan
+        prefill: list[tuple[int, int]] = []
+        decode: list[int] = []
+        preempted = False
+        index = 0
+        running = self.running
+        while index < len(running) and budget > 0:
+            active = running[index]
+            n = min(active.tokens - active.computed, budget)
+            need = -(-(active.computed + n) // size) - active.blocks
+            while not cache.allocate(need):
+                victim = running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is active:
+                    break
+            else:
+                if need > 0:
+                    active.blocks += need
+                    active.private += need
+                plan.append((active, n))
+                budget -= n
+                if active.record.generated_tokens and n == 1 and active.tokens - active.computed == 1:
+                    decode.append(active.computed + 1)
+                else:
+                    prefill.append((n, active.computed))
+                index += 1
+        if not preempted:
+            self._admit(now, budget, plan, prefill)
+        if not plan:
+            return None
+        self.steps += 1
+        return self.cost.step_seconds(prefill, decode)
+
+    def _admit(self, now: float, budget: int, plan: list[tuple[Active, int]], prefill: list[tuple[int, int]]) -> None:
+        size = self.block_size
+        cache = self.cache
+        waiting = self.waiting
+        running = self.running
+        while waiting and budget > 0 and len(running) < self.config.max_num_seqs:
+            active = waiting[0]
+            hashes = active.hashes
+            hit = cache.match(hashes, (active.tokens - 1) // size)
+            n = min(active.tokens - hit * size, budget)
+            need = -(-(hit * size + n) // size) - hit
+            available = cache.available()
+            if available is not None and available - cache.unreferenced(hashes[:hit]) < need:
+                break  # first come first served: the head of the queue waits for memory
+            held = hashes[:hit]
+            cache.acquire(held)
+            cache.allocate(need)
+            waiting.popleft()
+            running.append(active)
+            active.held = held
+            active.blocks = hit + need
+            active.private = need
+            active.computed = hit * size
+            active.next_commit = hit
+            record = active.record
+            if record.scheduled is None:  # first admission: what the prefix cache supplied (vLLM's hit counter)
+                record.cached_tokens = hit * size
+                fleet = self.fleet_match(self, hashes, (active.tokens - 1) // size) if self.fleet_match else 0
+                record.fleet_cached_tokens = max(fleet, hit) * size
+                record.scheduled = now
+            plan.append((active, n))
+            prefill.append((n, active.computed))
+            budget -= n
+
+    def _preempt(self, active: Active) -> None:
+        """Free a running request's blocks and put it back at the head of the queue to recompute (vLLM V1)."""
+        self.cache.release(active.held, private=active.private)
+        active.held = []
+        active.blocks = 0
+        active.private = 0
+        active.computed = 0
+        active.next_commit = 0
+        active.record.preemptions += 1
+        self.waiting.appendleft(active)
+
+    def complete(self, now: float) -> list[Active]:
+        """Apply the planned step, ending at ``now``; return the requests that finished in it."""
+        size = self.block_size
+        cache = self.cache
+        finished: list[Active] = []
+        for active, n in self._plan:
+            record = active.record
+            if active.tokens - active.computed > 1 or not record.generated_tokens:
+                record.computed_prompt_tokens += n
+                self.prefill_tokens += n
+            active.computed += n
+            full = min(active.computed // size, len(active.hashes))
+            if full > active.next_commit:
+                active.private -= cache.commit(active.hashes[active.next_commit : full], active.held)
+                active.next_commit = full
+            if active.computed == active.tokens:  # the step sampled a token
+                record.generated_tokens += 1
+                active.tokens += 1
+                if record.first_token is None:
+                    record.first_token = now
+                if record.generated_tokens == record.output_tokens:
+                    record.finished = now
+                    finished.append(active)
+        self._plan.clear()
+        if finished:
+            done = set(map(id, finished))
+            self.running = [a for a in self.running if id(a) not in done]
+            for active in finished:
+                cache.release(active.held, private=active.private)
+        return finished
+
+    def _check(self) -> None:
+        """Assert the cache invariants and that every running request's blocks are pinned and accounted."""
+        cache = self.cache
+        cache._check()
+        refs: dict[int, int] = {}
+        private = 0
+        for active in self.running:
+            for h in active.held:
+                refs[h] = refs.get(h, 0) + 1
+            private += active.private
+            assert active.blocks * self.block_size >= active.computed, "KV tokens beyond allocated blocks"
+            assert active.held == active.hashes[: len(active.held)], "a request holds a gap in its prefix"
+        for h, count in refs.items():
+            assert cache.holds(h), f"block {h:#x} held by a running request was evicted"
+            assert cache._refs[h] == count, f"block {h:#x}: {cache._refs[h]} references, {count} holders"
+        assert all(count == 0 or h in refs for h, count in cache._refs.items()), "reference without a holder"
+        assert private == cache._private, f"{cache._private} private blocks, requests hold {private}"
+        for active in self.waiting:
+            assert active.blocks == 0 and not active.held, "a waiting request holds blocks"
+
+    def __repr__(self) -> str:
+        return f"SimBackend({self.name!r}, running={len(self.running)}, waiting={len(self.waiting)}, {self.cache!r})"

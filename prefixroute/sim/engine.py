@@ -1,0 +1,280 @@
+"""The discrete-event loop: requests arrive, go through the real :class:`~prefixroute.Router`, run on backends.
+
+Time is simulated (no wall clock anywhere); events sit in one heap ordered by (time, sequence number), and every
+random draw comes from one seeded ``random.Random``, so a seed reproduces a run exactly.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from prefixroute.router import Decision, Router
+from prefixroute.sim.backend import Active, BackendConfig, CostModel, SimBackend
+from prefixroute.sim.request import RequestRecord, SimRequest
+
+__all__ = ["Arrivals", "ClosedLoop", "OpenLoop", "SimOutcome", "Simulation", "TraceTimes", "Workload"]
+
+_ARRIVAL, _STEP_END, _WAKE = 0, 1, 2
+
+
+class Workload(Protocol):
+    """A source of requests: ``next_request(user)`` returns the user's next request, or None when exhausted."""
+
+    def next_request(self, user: int) -> SimRequest | None:
+        """Return the next request (``user`` is the closed-loop user or the open-loop arrival's index)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ClosedLoop:
+    """``users`` users, each sending a request, waiting for its last token, thinking, and sending the next.
+
+    Think times are exponential with mean ``think_time`` seconds (0: send at once). Users start at uniformly random
+    times within the first ``ramp`` seconds so they do not all arrive in the same instant.
+    """
+
+    users: int
+    think_time: float = 0.0
+    ramp: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class OpenLoop:
+    """Poisson arrivals at ``rate`` requests per second, independent of how fast they are served."""
+
+    rate: float
+
+
+@dataclass(frozen=True, slots=True)
+class TraceTimes:
+    """Arrivals at each request's own ``arrival`` time (a trace's timestamps), divided by ``speedup``."""
+
+    speedup: float = 1.0
+
+
+Arrivals = ClosedLoop | OpenLoop | TraceTimes
+
+
+@dataclass
+class SimOutcome:
+    """Everything one run produced: a record per request, the simulated makespan, and per-backend counters."""
+
+    records: list[RequestRecord]
+    duration: float
+    steps: dict[str, int]
+    peak_in_flight: dict[str, int]
+    prefill_tokens: dict[str, int]
+    evictions: dict[str, int]
+    load_samples: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
+
+
+class Simulation:
+    """One run of one policy: ``backends`` simulated engines behind ``router``, fed by ``workload``.
+
+    ``max_requests`` and/or ``duration`` (simulated seconds) stop new arrivals; requests already in the system run
+    to completion. ``check`` runs every backend's invariant check after each step (slow; for tests).
+    ``on_progress(done, total)`` is called as requests finish (``total`` is ``max_requests`` or 0).
+    ``gpus_per_backend`` scales recomputation GPU-seconds (tensor parallelism).
+    """
+
+    def __init__(
+        self,
+        *,
+        router: Router,
+        workload: Workload,
+        arrivals: Arrivals,
+        cost: CostModel,
+        config: BackendConfig,
+        backends: int | Sequence[str] = 8,
+        max_requests: int | None = None,
+        duration: float | None = None,
+        seed: int = 0,
+        gpus_per_backend: int = 1,
+        check: bool = False,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        names = [f"gpu{i}" for i in range(backends)] if isinstance(backends, int) else list(backends)
+        if not names or len(set(names)) != len(names):
+            raise ValueError("backends must be a positive count or distinct backend names")
+        if max_requests is None and duration is None and not isinstance(arrivals, (ClosedLoop, TraceTimes)):
+            raise ValueError("give max_requests or duration: open-loop arrivals never stop by themselves")
+        if max_requests is not None and max_requests < 1:
+            raise ValueError(f"max_requests must be >= 1, not {max_requests}")
+        self.router = router
+        self.workload = workload
+        self.arrivals = arrivals
+        self.cost = cost
+        self.names = names
+        self.backends = [SimBackend(name, config=config, cost=cost, fleet_match=self._fleet_match) for name in names]
+        self._by_name = {b.name: i for i, b in enumerate(self.backends)}
+        self.max_requests = max_requests
+        self.duration = duration
+        self.rng = random.Random(seed)
+        self.gpus = gpus_per_backend
+        self.check = check
+        self.on_progress = on_progress
+        self.now = 0.0
+        self._events: list[tuple[float, int, int, object]] = []
+        self._seq = 0
+        self._issued = 0
+        self._done = 0
+        self.records: list[RequestRecord] = []
+        self._in_flight = [0] * len(names)
+        self._peak = [0] * len(names)
+        self._hasher = router.hasher
+        self._load_samples: list[tuple[float, tuple[int, ...]]] = []
+
+    def _push(self, time: float, kind: int, payload: object) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (time, self._seq, kind, payload))
+
+    def _may_issue(self, at: float) -> bool:
+        if self.max_requests is not None and self._issued >= self.max_requests:
+            return False
+        return self.duration is None or at < self.duration
+
+    def run(self) -> SimOutcome:
+        """Run to completion and return the outcome. A Simulation runs once."""
+        if self._seq:
+            raise RuntimeError("a Simulation runs once; build a new one")
+        self._start_arrivals()
+        events = self._events
+        while events:
+            time, _seq, kind, payload = heapq.heappop(events)
+            self.now = time
+            if kind == _STEP_END:
+                self._step_end(payload)  # type: ignore[arg-type]
+            elif kind == _ARRIVAL:
+                assert isinstance(payload, tuple)
+                self._dispatch(payload[0], payload[1])
+                if not isinstance(self.arrivals, ClosedLoop):
+                    self._next_open_arrival()
+            else:
+                self._wake(payload)  # type: ignore[arg-type]
+        names = self.names
+        return SimOutcome(
+            records=self.records,
+            duration=self.now,
+            steps={b.name: b.steps for b in self.backends},
+            peak_in_flight=dict(zip(names, self._peak, strict=True)),
+            prefill_tokens={b.name: b.prefill_tokens for b in self.backends},
+            evictions={b.name: b.cache.evictions for b in self.backends},
+            load_samples=self._load_samples,
+        )
+
+    def _start_arrivals(self) -> None:
+        arrivals = self.arrivals
+        if isinstance(arrivals, ClosedLoop):
+            if arrivals.users < 1:
+                raise ValueError(f"users must be >= 1, not {arrivals.users}")
+            for user in range(arrivals.users):
+                self._push(self.rng.uniform(0.0, arrivals.ramp), _WAKE, user)
+        else:
+            self._next_open_arrival()
+
+    def _next_open_arrival(self) -> None:
+        arrivals = self.arrivals
+        if not self._may_issue(self.now):
+            return
+        request = self.workload.next_request(self._issued)
+        if request is None:
+            return
+        if isinstance(arrivals, OpenLoop):
+            at = self.now + self.rng.expovariate(arrivals.rate)
+        else:
+            assert isinstance(arrivals, TraceTimes)
+            if request.arrival is None:
+                raise ValueError("trace-time arrivals need requests with an arrival time")
+            at = max(self.now, request.arrival / arrivals.speedup)
+        if not self._may_issue(at):
+            return
+        self._issued += 1
+        self._push(at, _ARRIVAL, (self._issued - 1, request))
+
+    def _wake(self, user: int) -> None:
+        if not self._may_issue(self.now):
+            return
+        request = self.workload.next_request(user)
+        if request is None:
+            return
+        self._issued += 1
+        self._dispatch(user, request)
+
+    def _dispatch(self, user: int, request: SimRequest) -> None:
+        """Route one request through the real Router, as a gateway would, and queue it on its backend."""
+        record = RequestRecord(
+            request_id=len(self.records),
+            user=user,
+            tag=request.tag,
+            arrival=self.now,
+            prompt_tokens=request.prompt_tokens,
+            output_tokens=request.output_tokens,
+        )
+        self.records.append(record)
+        decision = self.router.route(request.prompt, self.names)
+        self.router.start(decision)
+        record.backend = decision.backend
+        record.predicted_tokens = decision.matched_tokens
+        index = self._by_name[decision.backend]
+        backend = self.backends[index]
+        self._in_flight[index] += 1
+        self._peak[index] = max(self._peak[index], self._in_flight[index])
+        if not backend.fits(request.prompt_tokens, request.output_tokens):
+            record.rejected = True  # vLLM refuses a sequence longer than its whole KV cache
+            self._finish(index, decision, record)
+            return
+        data = request.prompt if request.output is None else request.prompt + request.output
+        hashes: list[int] = list(self._hasher.hash(data))
+        backend.enqueue(Active(record, hashes, decision))
+        if not backend.busy:
+            self._start_step(index)
+
+    def _start_step(self, index: int) -> None:
+        backend = self.backends[index]
+        seconds = backend.schedule(self.now)
+        if seconds is not None:
+            self._push(self.now + seconds, _STEP_END, index)
+
+    def _step_end(self, index: int) -> None:
+        backend = self.backends[index]
+        for active in backend.complete(self.now):
+            record = active.record
+            if record.cached_tokens < record.fleet_cached_tokens:
+                own, fleet, total = record.cached_tokens, record.fleet_cached_tokens, record.prompt_tokens
+                extra = self.cost.prefill_seconds(total - own, own) - self.cost.prefill_seconds(total - fleet, fleet)
+                record.recompute_seconds = max(0.0, extra) * self.gpus
+            decision = active.decision
+            assert isinstance(decision, Decision)
+            self._finish(index, decision, record)
+        if self.check:
+            backend._check()
+        self._start_step(index)
+
+    def _finish(self, index: int, decision: Decision, record: RequestRecord) -> None:
+        if record.finished is None:
+            record.finished = self.now
+        self.router.finish(decision)
+        self._in_flight[index] -= 1
+        self._done += 1
+        if self._done % 16 == 0:
+            self._load_samples.append((self.now, tuple(self._in_flight)))
+        if self.on_progress is not None:
+            self.on_progress(self._done, self.max_requests or 0)
+        arrivals = self.arrivals
+        if isinstance(arrivals, ClosedLoop):
+            think = self.rng.expovariate(1.0 / arrivals.think_time) if arrivals.think_time > 0 else 0.0
+            self._push(self.now + think, _WAKE, record.user)
+
+    def _fleet_match(self, backend: SimBackend, hashes: Sequence[int], limit: int) -> int:
+        """Longest leading run of ``hashes`` that any other backend holds (what routing could have reused)."""
+        best = 0
+        for other in self.backends:
+            if other is not backend:
+                cache = other.cache
+                if cache.holds(hashes[best]) if best < limit else False:
+                    best = max(best, cache.match(hashes, limit))
+        return best

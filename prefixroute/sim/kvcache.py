@@ -1,0 +1,192 @@
+"""A vLLM-like KV block pool with an automatic prefix cache, counted in blocks (no tensors).
+
+vLLM's semantics, which this class keeps:
+
+- memory is a fixed number of blocks of ``block_size`` tokens, shared by running requests and the prefix cache;
+- only a **full** block is cached, under its chained hash (one hash names the whole prefix up to it);
+- a request reuses only the contiguous leading blocks of its prompt that are cached;
+- a block referenced by a running request is pinned; a cached block nobody references is *free but cached*
+  and sits in an LRU queue, and a new allocation evicts the least recently freed such block first;
+- a request frees its blocks in reverse order, so a prompt's tail is evicted before its head.
+
+A request's blocks are either *hashed* (in the cache, possibly shared with other requests) or *private* (a partial
+block, a block being filled, or a full block whose hash another block already holds). Private blocks are counted,
+not named.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+__all__ = ["BlockCache"]
+
+
+class BlockCache:
+    """Count KV blocks in use, free, and free-but-cached, with LRU eviction of unreferenced cached blocks.
+
+    ``capacity_blocks=None`` makes the pool unbounded (nothing is ever evicted). Every method is O(blocks it
+    touches). ``_check()`` asserts the invariants; tests call it after every simulator step.
+
+    >>> cache = BlockCache(capacity_blocks=4)
+    >>> cache.allocate(2)                  # a new request's two private blocks
+    True
+    >>> held = []
+    >>> cache.commit([11, 12], held)       # both became full: cache them under their hashes
+    2
+    >>> cache.release(held, private=0)  # the request finished: blocks stay cached, unreferenced
+    >>> cache.match([11, 12, 13])
+    2
+    >>> cache.allocate(3)                  # needs one more block than is empty: evicts the tail (12) first
+    True
+    >>> cache.match([11, 12])
+    1
+    """
+
+    __slots__ = ("_capacity", "_lru", "_private", "_refs", "evictions")
+
+    def __init__(self, capacity_blocks: int | None) -> None:
+        if capacity_blocks is not None and (isinstance(capacity_blocks, bool) or capacity_blocks < 1):
+            raise ValueError(f"capacity_blocks must be a positive int or None, not {capacity_blocks!r}")
+        self._capacity = capacity_blocks
+        self._refs: dict[int, int] = {}  # every cached block hash -> requests referencing it (0: free, in _lru)
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks with no reference, oldest first
+        self._private = 0  # blocks owned by one request each, not in the cache
+        self.evictions = 0
+
+    @property
+    def capacity(self) -> int | None:
+        """Blocks in the pool, or None when unbounded."""
+        return self._capacity
+
+    @property
+    def used_blocks(self) -> int:
+        """Blocks referenced by running requests (pinned). O(1)."""
+        return len(self._refs) - len(self._lru) + self._private
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks that hold a cached prefix, referenced or not. O(1)."""
+        return len(self._refs)
+
+    @property
+    def occupied_blocks(self) -> int:
+        """Blocks holding anything: pinned plus free-but-cached. Never above the capacity. O(1)."""
+        return len(self._refs) + self._private
+
+    def available(self) -> int | None:
+        """Blocks an allocation could get now (empty plus evictable), or None when unbounded. O(1)."""
+        if self._capacity is None:
+            return None
+        return self._capacity - self.used_blocks
+
+    def holds(self, block_hash: int) -> bool:
+        """Whether ``block_hash`` is cached. O(1)."""
+        return block_hash in self._refs
+
+    def match(self, hashes: Sequence[int], limit: int | None = None) -> int:
+        """Return how many leading blocks of ``hashes`` (at most ``limit``) are cached. O(log n).
+
+        A binary search: the cache is *prefix-closed* (a cached block's parent is cached: requests hold whole
+        prefixes and free them tail first, so LRU eviction takes children before parents), which makes "block k is
+        cached" true for a leading run of k and false after it. ``_check()`` and the tests verify the property.
+        """
+        refs = self._refs
+        low, high = 0, len(hashes) if limit is None else min(limit, len(hashes))
+        while low < high:  # invariant: hashes[:low] cached; hashes[high:] not
+            middle = (low + high) // 2
+            if hashes[middle] in refs:
+                low = middle + 1
+            else:
+                high = middle
+        return low
+
+    def unreferenced(self, hashes: Sequence[int]) -> int:
+        """Return how many of ``hashes`` (all cached) are free-but-cached: taking them uses up that many. O(n)."""
+        refs = self._refs
+        return sum(1 for h in hashes if refs[h] == 0)
+
+    def acquire(self, hashes: Sequence[int]) -> None:
+        """Reference cached blocks (a request's prefix hit); unreferenced ones leave the LRU queue. O(n)."""
+        refs, lru = self._refs, self._lru
+        for h in hashes:
+            count = refs[h]
+            if count == 0:
+                del lru[h]
+            refs[h] = count + 1
+
+    def allocate(self, blocks: int) -> bool:
+        """Give a request ``blocks`` new private blocks, evicting LRU cached blocks if needed.
+
+        Returns False, changing nothing, when fewer than ``blocks`` are available. O(evicted).
+        """
+        if blocks <= 0:
+            return True
+        capacity = self._capacity
+        if capacity is not None:
+            if capacity - self.used_blocks < blocks:
+                return False
+            overflow = len(self._refs) + self._private + blocks - capacity
+            if overflow > 0:
+                refs, lru = self._refs, self._lru
+                for _ in range(overflow):
+                    victim, _none = lru.popitem(last=False)
+                    del refs[victim]
+                self.evictions += overflow
+        self._private += blocks
+        return True
+
+    def commit(self, hashes: Sequence[int], held: list[int]) -> int:
+        """A request's next private blocks became full: cache them under ``hashes``, appending each to ``held``.
+
+        A block whose hash is already cached (another request computed the same prefix meanwhile) stays a private
+        duplicate, as in vLLM, but the request also references the cached copy, which is what vLLM's hash table
+        finds for that prefix while the duplicate lives. So a request always holds a whole prefix. Returns how
+        many private blocks became cached. O(n).
+        """
+        refs, lru = self._refs, self._lru
+        committed = 0
+        for h in hashes:
+            count = refs.get(h)
+            if count is None:
+                refs[h] = 1
+                committed += 1
+            else:
+                if count == 0:
+                    del lru[h]
+                refs[h] = count + 1
+            held.append(h)
+        self._private -= committed
+        return committed
+
+    def release(self, hashed: Sequence[int], *, private: int) -> None:
+        """Drop a request's references: its hashed blocks (in prompt order) and ``private`` private blocks.
+
+        Blocks are freed tail first, so the LRU queue evicts a prompt's last blocks before its first. O(n).
+        """
+        refs, lru = self._refs, self._lru
+        for h in reversed(hashed):
+            count = refs[h]
+            if count == 1:
+                refs[h] = 0
+                lru[h] = None
+            else:
+                refs[h] = count - 1
+        self._private -= private
+
+    def _check(self) -> None:
+        """Assert the invariants: capacity respected, LRU == unreferenced cached blocks, counts non-negative."""
+        assert self._private >= 0, f"negative private block count {self._private}"
+        assert all(count >= 0 for count in self._refs.values()), "negative reference count"
+        free = {h for h, count in self._refs.items() if count == 0}
+        assert free == set(self._lru), "LRU queue differs from the unreferenced cached blocks"
+        if self._capacity is not None:
+            assert self.occupied_blocks <= self._capacity, (
+                f"{self.occupied_blocks} blocks occupied, capacity {self._capacity}"
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockCache(capacity_blocks={self._capacity}, used={self.used_blocks}, "
+            f"cached={self.cached_blocks}, free_cached={len(self._lru)})"
+        )

@@ -1,0 +1,171 @@
+"""Present per-policy results: a comparison table (rich or Markdown), the ``--json`` document, the ``--plot`` PNG.
+
+rich and matplotlib (the ``prefixroute[sim]`` extra) are imported only by the functions that need them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from prefixroute.errors import ConfigurationError
+from prefixroute.sim.metrics import PolicyResult
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+__all__ = ["json_document", "markdown_table", "rich_table", "table_rows", "write_json", "write_plot"]
+
+_HEADERS = (
+    "policy",
+    "KV hit",
+    "router predicted",
+    "TTFT p50 ms",
+    "TTFT p95 ms",
+    "TTFT p99 ms",
+    "e2e p50 ms",
+    "e2e p99 ms",
+    "req/s",
+    "max backend share",
+    "recompute $/month",
+    "p99 TTFT ratio",
+    "req/s ratio",
+    "hit Δ points",
+)
+# The terminal table leaves out TTFT p95 and e2e p50 (in --json and Markdown) and puts headers on two lines.
+_TERMINAL_COLUMNS = (0, 1, 2, 3, 5, 7, 8, 9, 10, 11, 12, 13)
+_TERMINAL_HEADERS = (
+    "policy",
+    "KV\nhit",
+    "router\npredicted",
+    "TTFT\np50 ms",
+    "TTFT\np99 ms",
+    "e2e\np99 ms",
+    "req/s",
+    "max\nshare",
+    "recompute\n$/month",
+    "p99\nTTFT",
+    "req/s\nratio",
+    "hit Δ\npoints",
+)
+
+
+def _ratio(value: float, base: float) -> str:
+    if not base or math.isnan(base) or math.isnan(value):
+        return "–"
+    return f"{value / base:.2f}×"
+
+
+def table_rows(results: Sequence[PolicyResult]) -> list[list[str]]:
+    """One row of formatted cells per policy; the last three columns compare with the first policy."""
+    rows: list[list[str]] = []
+    base = results[0] if results else None
+    for r in results:
+        assert base is not None
+        rows.append(
+            [
+                r.policy,
+                f"{100 * r.hit_rate:.1f} %",
+                f"{100 * r.predicted_hit_rate:.1f} %",
+                f"{r.ttft_ms['p50']:.0f}",
+                f"{r.ttft_ms['p95']:.0f}",
+                f"{r.ttft_ms['p99']:.0f}",
+                f"{r.e2e_ms['p50']:.0f}",
+                f"{r.e2e_ms['p99']:.0f}",
+                f"{r.throughput_rps:.2f}",
+                f"{100 * r.max_backend_share:.0f} %",
+                f"{r.recompute_usd_per_month:,.0f}",
+                _ratio(r.ttft_ms["p99"], base.ttft_ms["p99"]),
+                _ratio(r.throughput_rps, base.throughput_rps),
+                f"{100 * (r.hit_rate - base.hit_rate):+.1f}",
+            ]
+        )
+    return rows
+
+
+def rich_table(results: Sequence[PolicyResult], *, title: str = "") -> Table:
+    """The comparison table as a :class:`rich.table.Table`."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=title or None, box=box.SIMPLE_HEAD, pad_edge=False)
+    for i, header in enumerate(_TERMINAL_HEADERS):
+        table.add_column(header, justify="left" if i == 0 else "right", no_wrap=True)
+    for row in table_rows(results):
+        table.add_row(*(row[i] for i in _TERMINAL_COLUMNS))
+    return table
+
+
+def markdown_table(results: Sequence[PolicyResult]) -> str:
+    """The comparison table as Markdown (for docs)."""
+    lines = ["| " + " | ".join(_HEADERS) + " |", "|" + "---|" * len(_HEADERS)]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(results)]
+    return "\n".join(lines)
+
+
+def json_document(header: Mapping[str, object], results: Sequence[PolicyResult]) -> dict[str, object]:
+    """The ``--json`` document: ``header`` (scenario, backends, model, gpu, …) and one object per policy."""
+    document = dict(header)
+    document["results"] = [r.to_json() for r in results]
+    return document
+
+
+def write_json(path: str | Path, header: Mapping[str, object], results: Sequence[PolicyResult]) -> None:
+    """Write :func:`json_document` to ``path`` (NaN, from a run with no served request, becomes null)."""
+    document = _nan_to_none(json_document(header, results))
+    Path(path).write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+
+
+def _nan_to_none(value: object) -> object:
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _nan_to_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_nan_to_none(v) for v in value]
+    return value
+
+
+def write_plot(path: str | Path, results: Sequence[PolicyResult], *, title: str = "") -> None:
+    """Write a PNG: TTFT CDF per policy (left) and each backend's share of requests per policy (right).
+
+    Raises ConfigurationError if matplotlib (``pip install 'prefixroute[sim]'``) is missing.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ConfigurationError("--plot needs matplotlib: pip install 'prefixroute[sim]'") from exc
+    figure, (cdf, load) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in results:
+        values = sorted(r.ttfts_ms)
+        if values:
+            cdf.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=r.policy)
+    cdf.set_xscale("log")
+    cdf.set_xlabel("time to first token (ms, log scale)")
+    cdf.set_ylabel("fraction of requests")
+    cdf.set_title("TTFT CDF")
+    cdf.grid(True, which="both", alpha=0.3)
+    cdf.legend()
+    backends = list(results[0].backend_share) if results else []
+    width = 0.8 / max(len(results), 1)
+    for i, r in enumerate(results):
+        xs = [j + (i - (len(results) - 1) / 2) * width for j in range(len(backends))]
+        load.bar(xs, [100 * r.backend_share.get(b, 0.0) for b in backends], width=width, label=r.policy)
+    if backends:
+        load.axhline(100 / len(backends), color="grey", linestyle="--", linewidth=1, label="even share")
+    load.set_xticks(range(len(backends)), backends, rotation=45 if len(backends) > 8 else 0)
+    load.set_ylabel("% of requests")
+    load.set_title("per-backend load")
+    load.legend()
+    if title:
+        figure.suptitle(title)
+    figure.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

@@ -1,0 +1,160 @@
+"""Run one policy on one described setup: the glue between a :class:`SimSpec` and the engine."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from prefixroute.errors import ConfigurationError
+from prefixroute.policies import LoadPolicy, policy_from_name
+from prefixroute.router import Router
+from prefixroute.sim.backend import BackendConfig
+from prefixroute.sim.costmodel import Profile
+from prefixroute.sim.engine import Arrivals, ClosedLoop, OpenLoop, Simulation, TraceTimes, Workload
+from prefixroute.sim.metrics import PolicyResult, summarize
+from prefixroute.sim.profiles import load_profile
+from prefixroute.sim.traces import load_trace
+from prefixroute.sim.workloads import make_workload
+
+__all__ = ["SimSpec", "backend_config", "build_policy", "run_policy", "vllm_defaults"]
+
+_GIB = 2**30
+_SEEDED_POLICIES = frozenset({"random", "power-of-two"})
+
+
+@dataclass(frozen=True)
+class SimSpec:
+    """Everything that defines a run except the policy. ``None`` fields take the scenario's or vLLM's default.
+
+    Arrivals: ``rate`` (Poisson, req/s) if given; else trace timestamps (``trace`` given, ``users`` None); else
+    ``users`` closed-loop users. Stop after ``requests`` arrivals and/or ``duration`` simulated seconds.
+    """
+
+    scenario: str = "seed"
+    trace: str | None = None
+    backends: int = 8
+    users: int | None = 30
+    rate: float | None = None
+    speedup: float = 1.0
+    think_time: float | None = None
+    model: str = "codellama-13b"
+    gpu: str = "a100-40gb"
+    tp: int | None = None
+    requests: int | None = 1500
+    duration: float | None = None
+    seed: int = 0
+    sharing_ratio: float | None = None
+    output_tokens: int | None = None
+    gpu_hour_usd: float = 2.0
+    gpu_memory_utilization: float = 0.9
+    capacity_blocks: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+
+    def with_(self, **changes: object) -> SimSpec:
+        """A copy with some fields changed."""
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def vllm_defaults(gpu_memory_bytes: int) -> tuple[int, int]:
+    """vLLM V1's online-serving defaults for (max_num_seqs, max_num_batched_tokens) on a GPU of that memory."""
+    return (1024, 8192) if gpu_memory_bytes >= 70 * _GIB else (256, 2048)
+
+
+def backend_config(spec: SimSpec) -> tuple[BackendConfig, Profile]:
+    """The engine settings and cost profile ``spec`` describes (KV capacity sized as vLLM sizes it)."""
+    profile = load_profile(spec.model, spec.gpu, tp=spec.tp)
+    seqs, tokens = vllm_defaults(profile.gpu.memory_bytes)
+    seqs = spec.max_num_seqs or seqs
+    tokens = spec.max_num_batched_tokens or tokens
+    capacity = spec.capacity_blocks
+    if capacity is None:
+        capacity = profile.kv_capacity_blocks(
+            16,
+            gpu_memory_utilization=spec.gpu_memory_utilization,
+            max_num_batched_tokens=tokens,
+            max_num_seqs=seqs,
+        )
+    config = BackendConfig(capacity_blocks=capacity, max_num_seqs=seqs, max_num_batched_tokens=tokens)
+    return config, profile
+
+
+def build_policy(name: str, *, seed: int) -> LoadPolicy:
+    """A policy by registry name or ``module:Class``; randomised built-ins get an rng seeded from ``seed``."""
+    if name in _SEEDED_POLICIES:
+        return policy_from_name(name, rng=random.Random(seed))
+    return policy_from_name(name)
+
+
+def _workload(spec: SimSpec) -> tuple[Workload, Arrivals]:
+    if spec.trace is not None:
+        workload: Workload = load_trace(spec.trace, seed=spec.seed, output_tokens=spec.output_tokens)
+        think = spec.think_time or 0.0
+    else:
+        scenario = make_workload(spec.scenario, seed=spec.seed, sharing_ratio=spec.sharing_ratio)
+        workload = scenario
+        think = scenario.think_time if spec.think_time is None else spec.think_time
+    arrivals: Arrivals
+    if spec.rate is not None:
+        if spec.rate <= 0:
+            raise ConfigurationError(f"--rate must be > 0 requests per second, not {spec.rate}")
+        arrivals = OpenLoop(spec.rate)
+    elif spec.users is None:
+        if spec.trace is None:
+            raise ConfigurationError("give --users or --rate (only a trace brings its own arrival times)")
+        arrivals = TraceTimes(spec.speedup)
+    else:
+        if spec.users < 1:
+            raise ConfigurationError(f"--users must be >= 1, not {spec.users}")
+        arrivals = ClosedLoop(spec.users, think_time=think)
+    return workload, arrivals
+
+
+def run_policy(
+    spec: SimSpec,
+    policy: str | Callable[[], LoadPolicy],
+    *,
+    label: str | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+    check: bool = False,
+) -> PolicyResult:
+    """Simulate ``spec`` with one policy (a name, or a factory returning a fresh policy) and summarize it.
+
+    Every run builds a fresh Router, workload and backends from ``spec.seed``: same spec, same result.
+    """
+    if spec.backends < 1:
+        raise ConfigurationError(f"--backends must be >= 1, not {spec.backends}")
+    config, profile = backend_config(spec)
+    workload, arrivals = _workload(spec)
+    load_policy = build_policy(policy, seed=spec.seed) if isinstance(policy, str) else policy()
+    clock = _SimClock()
+    router = Router(policy=load_policy, capacity_blocks=config.capacity_blocks, clock=clock)
+    simulation = Simulation(
+        router=router,
+        workload=workload,
+        arrivals=arrivals,
+        cost=profile,
+        config=config,
+        backends=spec.backends,
+        max_requests=spec.requests,
+        duration=spec.duration,
+        seed=spec.seed,
+        gpus_per_backend=profile.tp,
+        check=check,
+        on_progress=on_progress,
+    )
+    clock.simulation = simulation
+    outcome = simulation.run()
+    name = label or (policy if isinstance(policy, str) else repr(load_policy))
+    return summarize(outcome, policy=name, gpu_hour_usd=spec.gpu_hour_usd)
+
+
+class _SimClock:
+    """The router's clock in a simulation: the simulated time, so decisions carry simulated timestamps."""
+
+    def __init__(self) -> None:
+        self.simulation: Simulation | None = None
+
+    def __call__(self) -> float:
+        return self.simulation.now if self.simulation is not None else 0.0

@@ -1,0 +1,185 @@
+"""Trace readers: Mooncake FAST'25 JSONL (prefix identity as 512-token ``hash_ids``) and Splitwise CSV.
+
+A Mooncake line gives ``timestamp`` (ms), ``input_length``, ``output_length`` and ``hash_ids``, one id per 512-token
+block of the prompt, equal ids at equal positions marking a shared prefix. The reader turns hash id ``h`` into the
+512 token ids ``512*h .. 512*h+511`` (the last block cut to the prompt's length), so the real hasher and index see
+real token lists that share exactly what the trace says they share. A Splitwise/Vidur CSV
+(``arrived_at,num_prefill_tokens,num_decode_tokens``) has no prefix identity: every prompt gets its own tokens.
+
+Readers parse and check the whole file up front (a malformed line raises :class:`InvalidTraceError` naming it)
+but build a prompt's tokens only when the simulator asks for it.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from prefixroute.errors import InvalidTraceError
+from prefixroute.sim.request import SimRequest, token_bytes
+
+__all__ = [
+    "MOONCAKE_BLOCK_TOKENS",
+    "TraceEntry",
+    "TraceWorkload",
+    "load_trace",
+    "mooncake_tokens",
+    "read_mooncake",
+    "read_splitwise",
+]
+
+MOONCAKE_BLOCK_TOKENS = 512
+_MAX_HASH_ID = (2**32) // MOONCAKE_BLOCK_TOKENS - 1
+_UNIQUE_BASE = 2**31  # Splitwise prompts draw their tokens above every Mooncake-derived id
+
+
+@dataclass(frozen=True, slots=True)
+class TraceEntry:
+    """One trace line: arrival (seconds), lengths, and the Mooncake block ids (empty for Splitwise)."""
+
+    arrival: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...] = ()
+
+
+def mooncake_tokens(hash_ids: Sequence[int], input_length: int) -> bytes:
+    """Return the prompt's token ids (uint32 little-endian bytes) for a Mooncake line's ``hash_ids``. O(tokens)."""
+    size = MOONCAKE_BLOCK_TOKENS
+    last = input_length - size * (len(hash_ids) - 1)
+    parts = [token_bytes(h * size, size) for h in hash_ids[:-1]]
+    parts.append(token_bytes(hash_ids[-1] * size, last))
+    return b"".join(parts)
+
+
+class TraceWorkload:
+    """Replay a parsed trace in order: ``next_request`` returns the next line's request, then None.
+
+    With :class:`~prefixroute.sim.engine.TraceTimes` arrivals each request arrives at its timestamp; with closed-loop
+    users the order is kept and the timestamps ignored. ``output_tokens`` overrides every line's output length.
+    """
+
+    def __init__(
+        self, entries: Sequence[TraceEntry], *, kind: str, seed: int = 0, output_tokens: int | None = None
+    ) -> None:
+        self.entries = list(entries)
+        self.kind = kind
+        self._cursor = 0
+        self._rng = random.Random(seed)
+        self._output_tokens = output_tokens
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def next_request(self, user: int) -> SimRequest | None:
+        """Return the next trace line's request, or None at the end of the trace."""
+        if self._cursor >= len(self.entries):
+            return None
+        entry = self.entries[self._cursor]
+        self._cursor += 1
+        if entry.hash_ids:
+            prompt = mooncake_tokens(entry.hash_ids, entry.input_length)
+        else:
+            start = _UNIQUE_BASE + self._rng.randrange(2**31 - entry.input_length)
+            prompt = token_bytes(start, entry.input_length)
+        output = self._output_tokens if self._output_tokens is not None else entry.output_length
+        return SimRequest(prompt, output, arrival=entry.arrival, tag=f"{self.kind}:{self._cursor - 1}")
+
+
+def read_mooncake(path: str | Path) -> list[TraceEntry]:
+    """Parse a Mooncake FAST'25 JSONL trace; raises :class:`InvalidTraceError` naming the first bad line."""
+    entries: list[TraceEntry] = []
+    with _open(path) as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            entries.append(_mooncake_line(line, f"{path}:{number}"))
+    if not entries:
+        raise InvalidTraceError(f"{path}: no requests in the trace")
+    return entries
+
+
+def _mooncake_line(line: str, where: str) -> TraceEntry:
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise InvalidTraceError(f"{where}: not valid JSON ({exc.msg})") from exc
+    if not isinstance(item, dict):
+        raise InvalidTraceError(f"{where}: expected a JSON object, got {type(item).__name__}")
+    missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in item]
+    if missing:
+        raise InvalidTraceError(f"{where}: missing field(s) {', '.join(missing)}")
+    timestamp, input_length, output_length = item["timestamp"], item["input_length"], item["output_length"]
+    hash_ids = item["hash_ids"]
+    if not _is_number(timestamp) or timestamp < 0:
+        raise InvalidTraceError(f"{where}: timestamp must be a non-negative number of ms, not {timestamp!r}")
+    if not _is_int(input_length) or input_length < 1:
+        raise InvalidTraceError(f"{where}: input_length must be a positive int, not {input_length!r}")
+    if not _is_int(output_length) or output_length < 1:
+        raise InvalidTraceError(f"{where}: output_length must be a positive int, not {output_length!r}")
+    if not isinstance(hash_ids, list) or not all(_is_int(h) and 0 <= h <= _MAX_HASH_ID for h in hash_ids):
+        raise InvalidTraceError(f"{where}: hash_ids must be a list of ints in [0, {_MAX_HASH_ID}]")
+    expected = math.ceil(input_length / MOONCAKE_BLOCK_TOKENS)
+    if len(hash_ids) != expected:
+        raise InvalidTraceError(
+            f"{where}: {len(hash_ids)} hash_ids for input_length {input_length}; expected "
+            f"ceil({input_length}/{MOONCAKE_BLOCK_TOKENS}) = {expected}"
+        )
+    return TraceEntry(timestamp / 1000.0, input_length, output_length, tuple(hash_ids))
+
+
+def read_splitwise(path: str | Path) -> list[TraceEntry]:
+    """Parse a Splitwise/Vidur CSV (``arrived_at`` s, ``num_prefill_tokens``, ``num_decode_tokens``)."""
+    columns = ("arrived_at", "num_prefill_tokens", "num_decode_tokens")
+    entries: list[TraceEntry] = []
+    with _open(path) as lines:
+        reader = csv.DictReader(lines)
+        absent = [c for c in columns if c not in (reader.fieldnames or [])]
+        if absent:
+            raise InvalidTraceError(f"{path}:1: header lacks column(s) {', '.join(absent)}")
+        for row in reader:
+            where = f"{path}:{reader.line_num}"
+            try:
+                arrival = float(row["arrived_at"])
+                prefill = int(row["num_prefill_tokens"])
+                decode = int(row["num_decode_tokens"])
+            except (TypeError, ValueError) as exc:
+                raise InvalidTraceError(f"{where}: expected numbers in {', '.join(columns)}: {row}") from exc
+            if not math.isfinite(arrival) or arrival < 0 or prefill < 1 or decode < 1:
+                raise InvalidTraceError(
+                    f"{where}: arrived_at must be >= 0 and token counts >= 1, got {arrival}, {prefill}, {decode}"
+                )
+            entries.append(TraceEntry(arrival, prefill, decode))
+    if not entries:
+        raise InvalidTraceError(f"{path}: no requests in the trace")
+    return entries
+
+
+def load_trace(spec: str, *, seed: int = 0, output_tokens: int | None = None) -> TraceWorkload:
+    """Open ``FORMAT:PATH`` (``mooncake:trace.jsonl`` or ``splitwise:trace.csv``) as a workload."""
+    kind, sep, path = spec.partition(":")
+    readers = {"mooncake": read_mooncake, "splitwise": read_splitwise}
+    if not sep or kind not in readers:
+        raise InvalidTraceError(f"--trace must be FORMAT:PATH with FORMAT one of {sorted(readers)}, not {spec!r}")
+    return TraceWorkload(readers[kind](path), kind=kind, seed=seed, output_tokens=output_tokens)
+
+
+def _open(path: str | Path) -> TextIO:
+    try:
+        return open(path, encoding="utf-8", newline="")  # noqa: SIM115 - returned to a with block
+    except OSError as exc:
+        raise InvalidTraceError(f"cannot read trace {path}: {exc.strerror}") from exc
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)

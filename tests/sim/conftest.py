@@ -1,0 +1,40 @@
+"""Fixtures for the simulator tests: the shared data folder and a simple, exact cost model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+
+class LinearCost:
+    """A cost model simple enough to reason about: fixed step overhead plus per-token and per-sequence terms."""
+
+    def __init__(self, *, overhead: float = 0.01, per_token: float = 1e-4, per_sequence: float = 1e-3) -> None:
+        self.overhead = overhead
+        self.per_token = per_token
+        self.per_sequence = per_sequence
+
+    def step_seconds(self, prefill: Sequence[tuple[int, int]], decode_contexts: Sequence[int]) -> float:
+        tokens = sum(new for new, _cached in prefill)
+        return self.overhead + self.per_token * tokens + self.per_sequence * len(decode_contexts)
+
+    def prefill_seconds(self, new_tokens: int, cached_tokens: int) -> float:
+        return self.overhead + self.per_token * new_tokens
+
+
+@pytest.fixture
+def cost() -> LinearCost:
+    return LinearCost()
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """``../shared/data`` next to the repository root; a missing folder fails the test (it is part of the setup)."""
+    if not SHARED_DATA.is_dir():
+        pytest.fail(f"the shared data folder {SHARED_DATA} is missing: clone prefixroute next to shared/")
+    return SHARED_DATA

@@ -1,0 +1,100 @@
+"""``prefixroute simulate``: the table, --json in the issue's schema, --plot, determinism, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from prefixroute.cli import main
+
+
+def _simulate(tmp_path: Path, name: str, *extra: str) -> dict[str, object]:
+    out = tmp_path / f"{name}.json"
+    status = main(["simulate", "--requests", "120", "--users", "12", "--json", str(out), *extra])
+    assert status == 0
+    document = json.loads(out.read_text())
+    assert isinstance(document, dict)
+    return document
+
+
+def test_json_schema_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plot = tmp_path / "seed.png"
+    document = _simulate(tmp_path, "a", "--plot", str(plot))
+    assert {"scenario", "backends", "model", "gpu", "results"} <= set(document)
+    assert (document["scenario"], document["backends"], document["model"], document["gpu"]) == (
+        "seed",
+        8,
+        "codellama-13b",
+        "a100-40gb",
+    )
+    results = document["results"]
+    assert isinstance(results, list)
+    assert [r["policy"] for r in results] == ["round-robin", "prefix-affinity", "bounded-load"]
+    for result in results:
+        assert {
+            "policy",
+            "requests",
+            "hit_rate",
+            "predicted_hit_rate",
+            "ttft_ms",
+            "e2e_ms",
+            "throughput_rps",
+            "max_backend_share",
+        } <= set(result)
+        assert set(result["ttft_ms"]) == {"p50", "p95", "p99"} and set(result["e2e_ms"]) == {"p50", "p99"}
+        assert result["requests"] == 120 and 0 <= result["hit_rate"] <= 1
+        assert result["ttft_ms"]["p50"] <= result["ttft_ms"]["p95"] <= result["ttft_ms"]["p99"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "round-robin" in printed and "bounded-load" in printed and "1.00×" in printed
+
+
+def test_same_seed_same_json(tmp_path: Path) -> None:
+    first = _simulate(tmp_path, "a", "--policy", "power-of-two", "--policy", "bounded-load", "--seed", "5")
+    second = _simulate(tmp_path, "b", "--policy", "power-of-two", "--policy", "bounded-load", "--seed", "5")
+    assert first == second
+    third = _simulate(tmp_path, "c", "--policy", "power-of-two", "--policy", "bounded-load", "--seed", "6")
+    assert third != first
+
+
+def test_user_policy_class_and_trace_replay(tmp_path: Path, shared_data: Path) -> None:
+    trace = f"splitwise:{shared_data / 'vidur-profiling' / 'processed_traces' / 'splitwise_conv.csv'}"
+    status = main(
+        [
+            "simulate",
+            "--trace",
+            trace,
+            "--requests",
+            "80",
+            "--speedup",
+            "20",
+            "--model",
+            "llama-3-8b",
+            "--gpu",
+            "h100-80gb",
+            "--policy",
+            "prefixroute.policies:LeastLoaded",
+            "--json",
+            str(tmp_path / "t.json"),
+        ]
+    )
+    assert status == 0
+    document = json.loads((tmp_path / "t.json").read_text())
+    assert document["results"][0]["policy"] == "prefixroute.policies:LeastLoaded"
+    assert document["results"][0]["requests"] == 80
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--policy", "nope"], "unknown policy"),
+        (["--model", "gpt-5"], ""),
+        (["--trace", "mooncake:/nonexistent.jsonl"], "cannot read trace"),
+        (["--sharing-ratio", "2"], "between 0 and 1"),
+    ],
+)
+def test_errors_exit_2_with_a_message(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--requests", "10", *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,188 @@
+"""The event loop and simulated backends: invariants after every step, conservation, determinism."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixroute import Router
+from prefixroute.policies import policy_from_name
+from prefixroute.sim.backend import BackendConfig
+from prefixroute.sim.engine import ClosedLoop, OpenLoop, SimOutcome, Simulation, TraceTimes
+from prefixroute.sim.request import SimRequest, token_bytes
+
+from .conftest import LinearCost
+
+
+class ListWorkload:
+    """Hands out a fixed list of requests in order, then None."""
+
+    def __init__(self, requests: list[SimRequest]) -> None:
+        self.requests = requests
+        self.cursor = 0
+
+    def next_request(self, user: int) -> SimRequest | None:
+        if self.cursor >= len(self.requests):
+            return None
+        self.cursor += 1
+        return self.requests[self.cursor - 1]
+
+
+def _request(prefix: int, prefix_tokens: int, suffix: int, suffix_tokens: int, output: int, known: bool) -> SimRequest:
+    prompt = token_bytes(prefix * 100_000, prefix_tokens) + token_bytes(50_000_000 + suffix * 10_000, suffix_tokens)
+    out = token_bytes(90_000_000 + suffix * 10_000, output) if known else None
+    return SimRequest(prompt, output, output=out, arrival=float(suffix) * 0.01)
+
+
+requests_strategy = st.lists(
+    st.builds(
+        _request,
+        prefix=st.integers(0, 3),
+        prefix_tokens=st.integers(0, 300),
+        suffix=st.integers(0, 10**5),
+        suffix_tokens=st.integers(1, 120),
+        output=st.integers(1, 40),
+        known=st.booleans(),
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+
+def _run(
+    requests: list[SimRequest],
+    *,
+    policy: str = "bounded-load",
+    capacity: int | None = 40,
+    users: int = 4,
+    budget: int = 64,
+    seqs: int = 4,
+    check: bool = True,
+) -> tuple[Simulation, SimOutcome]:
+    config = BackendConfig(capacity_blocks=capacity, max_num_seqs=seqs, max_num_batched_tokens=budget)
+    simulation = Simulation(
+        router=Router(policy=policy_from_name(policy), capacity_blocks=capacity),
+        workload=ListWorkload(requests),
+        arrivals=ClosedLoop(users, think_time=0.05),
+        cost=LinearCost(),
+        config=config,
+        backends=3,
+        seed=7,
+        check=check,
+    )
+    return simulation, simulation.run()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    requests=requests_strategy,
+    capacity=st.integers(30, 80),
+    budget=st.integers(8, 200),
+    seqs=st.integers(1, 6),
+    policy=st.sampled_from(["round-robin", "prefix-affinity", "bounded-load"]),
+)
+def test_random_request_mixes_keep_invariants_and_conserve_tokens(
+    requests: list[SimRequest], capacity: int, budget: int, seqs: int, policy: str
+) -> None:
+    # check=True runs every backend's _check() after each step: capacity never exceeded, every running
+    # request's blocks pinned (never evicted), reference counts and private-block counts consistent.
+    simulation, outcome = _run(requests, policy=policy, capacity=capacity, budget=budget, seqs=seqs)
+    records = outcome.records
+    assert len(records) == len(requests)  # every request issued once...
+    assert all(r.finished is not None for r in records)  # ...and finished once (router.finish raises on twice)
+    for backend in simulation.backends:
+        assert not backend.running and not backend.waiting
+        assert backend.cache.used_blocks == 0
+        assert backend.cache.occupied_blocks <= capacity
+    for name in simulation.names:
+        assert simulation.router.in_flight(name) == 0
+    served = [r for r in records if not r.rejected]
+    for r in served:
+        assert r.generated_tokens == r.output_tokens
+        assert r.first_token is not None and r.arrival <= r.first_token <= r.finished  # type: ignore[operator]
+        assert r.cached_tokens % 16 == 0 and r.cached_tokens < r.prompt_tokens
+        if r.preemptions == 0:
+            assert r.cached_tokens + r.computed_prompt_tokens == r.prompt_tokens
+        else:
+            assert r.computed_prompt_tokens >= r.prompt_tokens - r.cached_tokens
+    # tokens the backends prefilled, step by step, are exactly the tokens the records account for
+    assert sum(outcome.prefill_tokens.values()) == sum(r.computed_prompt_tokens for r in served)
+    for r in records:
+        if r.rejected:
+            assert -(-(r.prompt_tokens + r.output_tokens) // 16) > capacity
+
+
+def test_same_seed_gives_identical_results() -> None:
+    requests = [_request(i % 3, 200, i, 40, 10 + i % 7, i % 2 == 0) for i in range(60)]
+    _, first = _run(list(requests), check=False)
+    _, second = _run(list(requests), check=False)
+    assert first.records == second.records
+    assert first.duration == second.duration and first.steps == second.steps
+
+
+def test_a_shared_prefix_is_reused_on_the_same_backend() -> None:
+    requests = [_request(1, 320, i, 20, 5, False) for i in range(10)]
+    _, outcome = _run(requests, policy="prefix-affinity", capacity=None, users=1)
+    assert len({r.backend for r in outcome.records}) == 1
+    assert [r.cached_tokens for r in outcome.records] == [0] + [320] * 9
+    assert [r.predicted_tokens for r in outcome.records] == [0] + [320] * 9
+
+
+def test_multi_turn_output_blocks_are_cached() -> None:
+    first = _request(0, 64, 1, 16, 32, True)
+    assert first.output is not None
+    second = SimRequest(first.prompt + first.output + token_bytes(77_000_000, 16), 4)
+    _, outcome = _run([first, second], policy="prefix-affinity", capacity=None, users=1)
+    # prompt (80) + output (32) tokens were computed except the last sampled token: 111 tokens -> 6 full blocks
+    assert outcome.records[1].cached_tokens == 6 * 16
+
+
+def test_open_loop_poisson_stops_at_the_request_limit() -> None:
+    requests = [_request(0, 100, i, 30, 5, False) for i in range(500)]
+    simulation = Simulation(
+        router=Router(policy=policy_from_name("least-loaded")),
+        workload=ListWorkload(requests),
+        arrivals=OpenLoop(rate=50.0),
+        cost=LinearCost(),
+        config=BackendConfig(capacity_blocks=100),
+        max_requests=120,
+        seed=3,
+    )
+    outcome = simulation.run()
+    assert len(outcome.records) == 120
+    gaps = [b.arrival - a.arrival for a, b in zip(outcome.records, outcome.records[1:], strict=False)]
+    assert all(g >= 0 for g in gaps) and 1 / 80 < sum(gaps) / len(gaps) < 1 / 30
+
+
+def test_trace_times_are_scaled_by_speedup() -> None:
+    requests = [_request(0, 50, i, 30, 3, False) for i in (100, 200, 400)]
+    simulation = Simulation(
+        router=Router(policy=policy_from_name("round-robin")),
+        workload=ListWorkload(requests),
+        arrivals=TraceTimes(speedup=2.0),
+        cost=LinearCost(),
+        config=BackendConfig(capacity_blocks=100),
+    )
+    outcome = simulation.run()
+    assert [r.arrival for r in outcome.records] == pytest.approx([0.5, 1.0, 2.0])
+    assert Counter(r.backend for r in outcome.records) == Counter({"gpu0": 1, "gpu1": 1, "gpu2": 1})
+
+
+def test_a_request_larger_than_the_cache_is_rejected_not_stuck() -> None:
+    requests = [_request(0, 0, 1, 2000, 5, False), _request(0, 0, 2, 100, 5, False)]
+    _, outcome = _run(requests, capacity=40)
+    assert [r.rejected for r in outcome.records] == [True, False]
+
+
+def test_open_loop_needs_a_stop_condition() -> None:
+    with pytest.raises(ValueError, match="max_requests or duration"):
+        Simulation(
+            router=Router(),
+            workload=ListWorkload([]),
+            arrivals=OpenLoop(rate=1.0),
+            cost=LinearCost(),
+            config=BackendConfig(capacity_blocks=10),
+        )

@@ -1,0 +1,118 @@
+"""BlockCache: vLLM block-pool semantics, and its invariants under random operation sequences."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixroute.sim.kvcache import BlockCache
+
+
+def test_unreferenced_blocks_stay_cached_until_space_is_needed() -> None:
+    cache = BlockCache(capacity_blocks=4)
+    held: list[int] = []
+    assert cache.allocate(3)
+    assert cache.commit([1, 2, 3], held) == 3
+    cache.release(held, private=0)
+    assert cache.match([1, 2, 3, 4]) == 3
+    assert cache.used_blocks == 0 and cache.cached_blocks == 3
+    assert cache.allocate(2)  # one empty block plus one eviction: the prompt's tail goes first
+    assert cache.match([1, 2, 3]) == 2
+    assert cache.evictions == 1
+
+
+def test_pinned_blocks_are_never_evicted_and_allocation_fails_instead() -> None:
+    cache = BlockCache(capacity_blocks=3)
+    held: list[int] = []
+    assert cache.allocate(2)
+    cache.commit([7, 8], held)
+    assert not cache.allocate(2)  # only one block is free; the two pinned ones cannot be evicted
+    assert cache.match([7, 8]) == 2
+    assert cache.allocate(1)
+    cache._check()
+
+
+def test_acquire_reuses_a_cached_prefix_and_pins_it() -> None:
+    cache = BlockCache(capacity_blocks=4)
+    held: list[int] = []
+    cache.allocate(2)
+    cache.commit([5, 6], held)
+    cache.release(held, private=0)
+    assert cache.available() == 4
+    cache.acquire([5, 6])
+    assert cache.available() == 2
+    assert cache.unreferenced([5, 6]) == 0
+    assert not cache.allocate(3)
+    cache._check()
+
+
+def test_duplicate_commit_keeps_a_private_copy_and_references_the_cached_one() -> None:
+    cache = BlockCache(capacity_blocks=8)
+    first: list[int] = []
+    second: list[int] = []
+    cache.allocate(1)
+    cache.allocate(1)
+    assert cache.commit([42], first) == 1
+    assert cache.commit([42], second) == 0  # computed twice concurrently: the second copy stays private
+    assert second == [42] and cache.occupied_blocks == 2
+    cache.release(first, private=0)
+    cache.release(second, private=1)
+    assert cache.occupied_blocks == 1 and cache.match([42]) == 1
+    cache._check()
+
+
+def test_bad_capacity_is_rejected() -> None:
+    with pytest.raises(ValueError, match="capacity_blocks"):
+        BlockCache(capacity_blocks=0)
+
+
+# A random request mix driven straight against the cache, as the backend drives it: each request holds a prefix
+# of its own chain of hashes, grows block by block, and finishes.
+chains = st.lists(st.integers(min_value=0, max_value=3), min_size=1, max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    capacity=st.integers(min_value=4, max_value=40),
+    ops=st.lists(st.tuples(st.sampled_from(["start", "grow", "finish"]), chains, st.integers(0, 5)), max_size=60),
+)
+def test_random_operations_keep_invariants(capacity: int, ops: list[tuple[str, list[int], int]]) -> None:
+    cache = BlockCache(capacity_blocks=capacity)
+    running: list[dict[str, object]] = []
+    for op, path, pick in ops:
+        hashes = [hash(tuple(path[: i + 1])) & (2**64 - 1) for i in range(len(path))]
+        if op == "start":
+            hit = cache.match(hashes)
+            assert hit == _linear_match(cache, hashes)
+            need = 1
+            if cache.available() is not None and cache.available() - cache.unreferenced(hashes[:hit]) < need:
+                continue
+            cache.acquire(hashes[:hit])
+            assert cache.allocate(need)
+            running.append({"hashes": hashes, "held": list(hashes[:hit]), "private": need})
+        elif op == "grow" and running:
+            request = running[pick % len(running)]
+            held, private, own = request["held"], request["private"], request["hashes"]
+            assert isinstance(held, list) and isinstance(private, int) and isinstance(own, list)
+            if len(held) < len(own) and private > 0:
+                request["private"] = private - cache.commit(own[len(held) : len(held) + 1], held)
+            elif cache.allocate(1):
+                request["private"] = private + 1
+        elif op == "finish" and running:
+            request = running.pop(pick % len(running))
+            held, private = request["held"], request["private"]
+            assert isinstance(held, list) and isinstance(private, int)
+            cache.release(held, private=private)
+        cache._check()
+        for request in running:
+            held = request["held"]
+            assert isinstance(held, list)
+            assert all(cache.holds(h) for h in held), "a running request's block was evicted"
+
+
+def _linear_match(cache: BlockCache, hashes: list[int]) -> int:
+    matched = 0
+    while matched < len(hashes) and cache.holds(hashes[matched]):
+        matched += 1
+    return matched

@@ -1,0 +1,76 @@
+"""Scenarios: deterministic from their seed, sharing what they say they share."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from prefixroute import BlockHasher
+from prefixroute.errors import ConfigurationError
+from prefixroute.sim.request import SimRequest
+from prefixroute.sim.workloads import make_workload, scenario_names
+
+
+def _draw(name: str, n: int, *, seed: int = 0, sharing_ratio: float | None = None) -> list[SimRequest]:
+    workload = make_workload(name, seed=seed, sharing_ratio=sharing_ratio)
+    requests = [workload.next_request(i % 30) for i in range(n)]
+    assert all(r is not None for r in requests)
+    return [r for r in requests if r is not None]
+
+
+@pytest.mark.parametrize("name", scenario_names())
+def test_scenarios_are_deterministic(name: str) -> None:
+    assert _draw(name, 50, seed=4) == _draw(name, 50, seed=4)
+    assert _draw(name, 50, seed=4) != _draw(name, 50, seed=5)
+
+
+def test_seed_scenario_shape() -> None:
+    requests = _draw("seed", 2000)
+    tags = Counter(r.tag for r in requests)
+    assert set(tags) == {"prefix0", "prefix1", "prefix2", "prefix3", "unique"}
+    assert 0.87 < 1 - tags["unique"] / len(requests) < 0.93
+    assert all(80 <= r.output_tokens <= 120 for r in requests)
+    hasher = BlockHasher(16)
+    by_prefix: dict[str, set[int]] = {}
+    for r in requests[:200]:
+        if r.tag != "unique":
+            first = hasher.hash(r.prompt)[0]
+            by_prefix.setdefault(r.tag, set()).add(first)
+    assert all(len(firsts) == 1 for firsts in by_prefix.values())  # one shared prefix per tag
+    lengths = {tag: min(r.prompt_tokens for r in requests if r.tag == tag) for tag in by_prefix}
+    assert lengths["prefix0"] >= 2048 + 100 and lengths["prefix3"] >= 8192 + 100
+
+
+def test_sharing_ratio_knob() -> None:
+    for ratio in (0.1, 0.5):
+        requests = _draw("seed", 2000, sharing_ratio=ratio)
+        shared = sum(r.tag != "unique" for r in requests) / len(requests)
+        assert abs(shared - ratio) < 0.04
+    with pytest.raises(ConfigurationError, match="between 0 and 1"):
+        make_workload("seed", sharing_ratio=1.5)
+
+
+def test_hot_prefix_share() -> None:
+    tags = Counter(r.tag for r in _draw("hot-prefix", 2000))
+    assert 0.77 < tags["hot"] / 2000 < 0.83
+
+
+def test_multi_turn_prompts_extend_the_previous_turn() -> None:
+    workload = make_workload("multi-turn", seed=2)
+    first = workload.next_request(7)
+    second = workload.next_request(7)
+    assert first is not None and second is not None and first.output is not None
+    if second.prompt.startswith(first.prompt):  # same session: the previous prompt and answer lead the new one
+        assert second.prompt.startswith(first.prompt + first.output)
+
+
+def test_rag_top_documents_follow_zipf() -> None:
+    tags = Counter(r.tag for r in _draw("rag", 3000))
+    assert tags.most_common(1)[0][0] == "doc0"
+    assert tags["doc0"] > tags.get("doc10", 0) * 3
+
+
+def test_unknown_scenario() -> None:
+    with pytest.raises(ConfigurationError, match="unknown scenario 'nope'; choose one of seed"):
+        make_workload("nope")
