@@ -1,0 +1,192 @@
+"""``prefixroute doctor URL|FILE …``: read vLLM ``/metrics`` and say whether cache misses under load hurt TTFT.
+
+For each source it computes TTFT P50/P95/P99 from the ``vllm:time_to_first_token_seconds`` histogram (linear
+interpolation within buckets, as Prometheus' ``histogram_quantile``), the prefix cache hit rate (cached prompt
+tokens / prompt tokens) and the queue figures, and gives a verdict with the reasons and figures behind it.
+Exit status: 0 healthy, 1 suspect, 2 unreadable input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from prefixroute.errors import MetricsError
+from prefixroute.vllm.metrics import EngineMetrics, fetch_metrics, metrics_url, parse_metrics
+
+__all__ = ["Diagnosis", "diagnose", "histogram_quantile", "register", "run"]
+
+Verdict = Literal["healthy", "suspect", "unreadable"]
+EXIT_CODES: dict[str, int] = {"healthy": 0, "suspect": 1, "unreadable": 2}
+MISS_ADVICE = "likely cache misses under load; prefix-aware routing should help"
+
+
+def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
+    """Return the ``q`` quantile of a cumulative histogram, interpolating linearly within the bucket it falls in.
+
+    ``buckets`` are ``(upper bound, cumulative count)`` sorted by bound and ending with ``+inf``. None without
+    observations. A quantile in the ``+inf`` bucket returns the highest finite bound (the histogram cannot say
+    more). O(buckets).
+
+    >>> histogram_quantile(0.5, [(1.0, 0.0), (2.0, 10.0), (math.inf, 10.0)])
+    1.5
+    """
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"q must be in [0, 1], not {q}")
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank and count > lower_count:
+            if math.isinf(bound):
+                return lower_bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
+        lower_bound, lower_count = bound, count
+    return lower_bound
+
+
+@dataclass
+class Diagnosis:
+    """The figures read from one source and the verdict they lead to."""
+
+    source: str
+    verdict: Verdict
+    reasons: list[str] = field(default_factory=list)
+    ttft_p50_s: float | None = None
+    ttft_p95_s: float | None = None
+    ttft_p99_s: float | None = None
+    p99_p50_ratio: float | None = None
+    ttft_samples: float = 0.0
+    prefix_hit_rate: float | None = None
+    prefix_queries_tokens: float | None = None
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage: float | None = None
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+
+    @property
+    def exit_code(self) -> int:
+        """0 healthy, 1 suspect, 2 unreadable."""
+        return EXIT_CODES[self.verdict]
+
+
+def diagnose(
+    metrics: EngineMetrics, *, source: str = "", ratio_threshold: float = 5.0, low_hit_rate: float = 0.5
+) -> Diagnosis:
+    """Judge one engine's figures.
+
+    Suspect when P99/P50 TTFT exceeds ``ratio_threshold`` (with a hit rate under ``low_hit_rate`` the reason is
+    cache misses under load) or when the KV cache is nearly full; healthy otherwise.
+    """
+    p50, p95, p99 = (histogram_quantile(q, metrics.ttft_buckets) for q in (0.5, 0.95, 0.99))
+    ratio = p99 / p50 if p50 and p99 is not None else None
+    hit = metrics.hit_rate
+    result = Diagnosis(
+        source=source, verdict="healthy", ttft_p50_s=p50, ttft_p95_s=p95, ttft_p99_s=p99, p99_p50_ratio=ratio,
+        ttft_samples=metrics.ttft_count, prefix_hit_rate=hit, prefix_queries_tokens=metrics.prefix_queries,
+        running=metrics.running, waiting=metrics.waiting, kv_usage=metrics.kv_usage, block_size=metrics.block_size,
+        num_gpu_blocks=metrics.num_gpu_blocks,
+    )  # fmt: skip
+    reasons = result.reasons
+    hit_text = "unknown" if hit is None else f"{hit:.1%}"
+    queue_text = f"{_num(metrics.running)} running, {_num(metrics.waiting)} waiting"
+    if ratio is None:
+        reasons.append("no TTFT samples yet: nothing to judge (send traffic, then run doctor again)")
+    elif ratio > ratio_threshold:
+        result.verdict = "suspect"
+        figures = f"TTFT P99/P50 = {ratio:.1f} (P50 {p50:.3f}s, P99 {p99:.3f}s) > {ratio_threshold:g}"
+        if hit is not None and hit < low_hit_rate:
+            reasons.append(f"{MISS_ADVICE}: {figures} with a prefix cache hit rate of {hit_text} ({queue_text})")
+        else:
+            reasons.append(
+                f"long TTFT tail not explained by cache misses: {figures}, prefix cache hit rate {hit_text} "
+                f"({queue_text}); look at queueing and prompt lengths"
+            )
+    else:
+        reasons.append(
+            f"TTFT P99/P50 = {ratio:.1f} (P50 {p50:.3f}s, P99 {p99:.3f}s) <= {ratio_threshold:g}; "
+            f"prefix cache hit rate {hit_text}; {queue_text}"
+        )
+    if metrics.kv_usage is not None and metrics.kv_usage >= 0.95:
+        result.verdict = "suspect"
+        reasons.append(f"KV cache {metrics.kv_usage:.0%} full: cached prefixes are evicted quickly")
+    return result
+
+
+def read_source(source: str, *, timeout: float) -> EngineMetrics:
+    """Read one source: an ``http(s)://`` URL (``/metrics`` appended if missing), a file, or ``-`` for stdin."""
+    if source.startswith(("http://", "https://")):
+        with httpx.Client() as client:
+            return fetch_metrics(client, metrics_url(source), timeout=timeout)
+    try:
+        text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MetricsError(f"cannot read {source}: {exc}") from exc
+    return parse_metrics(text)
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``doctor`` subcommand."""
+    parser = subparsers.add_parser(
+        "doctor",
+        help="diagnose vLLM TTFT and prefix cache hit rate from /metrics",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("sources", nargs="+", metavar="URL|FILE", help="vLLM base URL, /metrics URL, saved file or -")
+    parser.add_argument("--json", action="store_true", help="print the figures and verdicts as JSON")
+    parser.add_argument("--timeout", type=float, default=5.0, help="HTTP timeout in seconds (default 5)")
+    parser.add_argument("--ratio-threshold", type=float, default=5.0, help="suspect P99/P50 TTFT above this")
+    parser.add_argument("--low-hit-rate", type=float, default=0.5, help="a hit rate under this is low (0-1)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Diagnose every source; print text or JSON; return the worst exit status."""
+    results: list[Diagnosis] = []
+    for source in args.sources:
+        try:
+            metrics = read_source(source, timeout=args.timeout)
+        except MetricsError as exc:
+            results.append(Diagnosis(source=source, verdict="unreadable", reasons=[str(exc)]))
+            continue
+        results.append(
+            diagnose(metrics, source=source, ratio_threshold=args.ratio_threshold, low_hit_rate=args.low_hit_rate)
+        )
+    status = max(d.exit_code for d in results)
+    if args.json:
+        print(json.dumps({"exit_code": status, "targets": [asdict(d) for d in results]}, indent=2))
+    else:
+        for d in results:
+            print(_render(d))
+    return status
+
+
+def _render(d: Diagnosis) -> str:
+    lines = [f"{d.source}: {d.verdict.upper()}"]
+    if d.verdict != "unreadable":
+        ttft = "n/a"
+        if d.ttft_p50_s is not None:
+            ttft = f"P50 {d.ttft_p50_s:.3f}s  P95 {d.ttft_p95_s or 0:.3f}s  P99 {d.ttft_p99_s or 0:.3f}s"
+        lines.append(f"  TTFT            {ttft}  ({d.ttft_samples:.0f} requests)")
+        hit = "n/a" if d.prefix_hit_rate is None else f"{d.prefix_hit_rate:.1%}"
+        lines.append(f"  prefix hit rate {hit}")
+        lines.append(f"  queue           {_num(d.running)} running, {_num(d.waiting)} waiting")
+        if d.kv_usage is not None:
+            lines.append(f"  KV cache usage  {d.kv_usage:.1%}")
+    lines.extend(f"  - {reason}" for reason in d.reasons)
+    return "\n".join(lines)
+
+
+def _num(value: float | None) -> str:
+    return "?" if value is None else f"{value:g}"

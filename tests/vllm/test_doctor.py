@@ -1,0 +1,144 @@
+"""``prefixroute doctor`` on saved /metrics texts from healthy and miss-heavy fake engines, and on bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from prefixroute.testing import FakeVLLM
+from prefixroute.vllm import doctor
+from prefixroute.vllm.doctor import MISS_ADVICE, histogram_quantile
+
+BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+def cli(*args: str) -> int:
+    parser = argparse.ArgumentParser(prog="prefixroute")
+    doctor.register(parser.add_subparsers())
+    parsed = parser.parse_args(["doctor", *args])
+    status: int = parsed.func(parsed)
+    return status
+
+
+def healthy_text() -> str:
+    """Many requests sharing a long system prompt: nearly every prefill is a cache hit."""
+    rng = random.Random(1)
+    system = [rng.randrange(30_000) for _ in range(1024)]
+    with FakeVLLM(num_blocks=2048) as engine:
+        for _ in range(300):
+            engine.complete(system + [rng.randrange(30_000) for _ in range(rng.randrange(16, 64))])
+        return engine.metrics_text()
+
+
+def miss_heavy_text() -> str:
+    """Unique long prompts and bursts of queueing: every prefill is a miss, and the tail is long."""
+    rng = random.Random(2)
+    with FakeVLLM(num_blocks=256) as engine:
+        for _ in range(300):
+            engine.set_load(running=8, waiting=0 if rng.random() < 0.9 else rng.randrange(20, 40))
+            engine.complete([rng.randrange(30_000) for _ in range(rng.randrange(256, 2048))])
+        return engine.metrics_text()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("metrics")
+    files = {"healthy": folder / "healthy.txt", "miss": folder / "miss.txt"}
+    files["healthy"].write_text(healthy_text())
+    files["miss"].write_text(miss_heavy_text())
+    return files
+
+
+def test_healthy_engine(saved: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli(str(saved["healthy"])) == 0
+    out = capsys.readouterr().out
+    assert "HEALTHY" in out and "prefix hit rate 9" in out and MISS_ADVICE not in out
+
+
+def test_miss_heavy_engine(saved: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli(str(saved["miss"])) == 1
+    out = capsys.readouterr().out
+    assert "SUSPECT" in out and MISS_ADVICE in out and "hit rate of 0.0%" in out
+
+
+def test_json_output_and_worst_status_over_sources(saved: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli("--json", str(saved["healthy"]), str(saved["miss"])) == 1
+    report = json.loads(capsys.readouterr().out)
+    healthy, miss = report["targets"]
+    assert report["exit_code"] == 1 and (healthy["verdict"], miss["verdict"]) == ("healthy", "suspect")
+    assert miss["p99_p50_ratio"] > 5 > healthy["p99_p50_ratio"]
+    assert miss["prefix_hit_rate"] == 0 and healthy["prefix_hit_rate"] > 0.9
+    assert miss["ttft_p50_s"] <= miss["ttft_p95_s"] <= miss["ttft_p99_s"]
+
+
+def test_a_long_tail_with_a_high_hit_rate_is_suspect_for_another_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    with FakeVLLM() as engine:
+        engine.complete(list(range(64)))
+        for i in range(200):
+            engine.complete(list(range(64)))
+            engine.observe_ttft(0.02 if i % 20 else 1.5)
+        engine.set_load(running=4, waiting=9)
+        assert cli(engine.url) == 1  # read over HTTP this time
+    out = capsys.readouterr().out
+    assert "not explained by cache misses" in out and "9 waiting" in out
+
+
+def test_an_idle_engine_is_healthy_with_nothing_to_judge(capsys: pytest.CaptureFixture[str]) -> None:
+    with FakeVLLM() as engine:
+        assert cli(engine.url + "/metrics") == 0
+    assert "no TTFT samples yet" in capsys.readouterr().out
+
+
+def test_unreadable_inputs_exit_2_with_a_clear_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    garbage = tmp_path / "garbage.txt"
+    garbage.write_text("<html>502 Bad Gateway</html>\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    assert cli(str(garbage), str(tmp_path / "missing.txt"), dead) == 2
+    out = capsys.readouterr().out
+    assert out.count("UNREADABLE") == 3
+    assert "not Prometheus text" in out and "cannot read" in out and "Traceback" not in out
+
+
+def test_the_installed_command_prints_no_traceback_on_malformed_text(tmp_path: Path) -> None:
+    garbage = tmp_path / "garbage.txt"
+    garbage.write_text('vllm:num_requests_waiting{engine="0"} many\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "prefixroute", "doctor", str(garbage)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stderr
+    assert "UNREADABLE" in done.stdout and "not Prometheus text" in done.stdout
+    assert "Traceback" not in done.stderr + done.stdout
+
+
+@given(st.lists(st.floats(0.001, 10.0), min_size=1, max_size=200), st.floats(0.0, 1.0))
+def test_quantile_falls_in_the_bucket_that_holds_the_true_quantile(samples: list[float], q: float) -> None:
+    bounds = [*BUCKETS, math.inf]
+    buckets = [(b, float(sum(1 for s in samples if s <= b))) for b in bounds]
+    estimate = histogram_quantile(q, buckets)
+    assert estimate is not None
+    ordered = sorted(samples)
+    true = ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+    upper = next(b for b in bounds if true <= b)
+    lower = max([0.0, *(b for b in bounds if b < upper)])
+    assert lower <= estimate <= (upper if not math.isinf(upper) else BUCKETS[-1])
+    assert histogram_quantile(min(1.0, q + 0.1), buckets) >= estimate  # type: ignore[operator]
+
+
+def test_quantile_edge_cases() -> None:
+    assert histogram_quantile(0.5, []) is None
+    assert histogram_quantile(0.5, [(1.0, 0.0), (math.inf, 0.0)]) is None
+    assert histogram_quantile(0.99, [(1.0, 1.0), (math.inf, 10.0)]) == 1.0  # in +Inf: the highest finite bound
+    with pytest.raises(ValueError, match="q must be"):
+        histogram_quantile(1.5, [(1.0, 1.0)])
