@@ -34,7 +34,7 @@ from prefixroute.policies import (
     policy_from_name,
     policy_names,
 )
-from prefixroute.router import Decision, Reason, Router
+from prefixroute.router import Decision, IndexSource, Reason, Router
 
 __version__ = "0.1.0"
 
@@ -46,6 +46,7 @@ __all__ = [
     "ConfigurationError",
     "CostAware",
     "Decision",
+    "IndexSource",
     "InvalidEventError",
     "InvalidPromptError",
     "InvalidTraceError",

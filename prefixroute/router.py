@@ -7,17 +7,21 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 import cachetools
 import xxhash
 
-from prefixroute.errors import NoBackendError, PrefixRouteError
+from prefixroute.errors import ConfigurationError, NoBackendError, PrefixRouteError
 from prefixroute.hashing import BlockHasher, Tokens, encode_tokens, namespace_seed
 from prefixroute.index import PrefixIndex
 from prefixroute.policies import BoundedLoad, Candidate, LoadPolicy
 
-__all__ = ["Decision", "Reason", "Router"]
+__all__ = ["Decision", "IndexSource", "Reason", "Router"]
+
+IndexSource = Literal["predictions", "events", "hybrid"]
+"""What writes the index: the router's own routing decisions (``"predictions"``), only vLLM's KV-cache events
+(``"events"``), or events plus short-lived speculative entries for just-routed prompts (``"hybrid"``)."""
 
 Reason = Literal["prefix", "load-fallback", "miss", "policy"]
 """Why a backend was chosen: it held the longest prefix (``"prefix"``); a prefix-aware policy passed over a longer
@@ -35,6 +39,8 @@ class Decision:
     reason: Reason
     candidates: tuple[Candidate, ...]
     decided_at: float = 0.0
+    confirmed_tokens: int | None = None
+    """Of ``matched_tokens``, how many vLLM's KV events confirm are cached (None without an event source)."""
 
     @property
     def hit_ratio(self) -> float:
@@ -75,11 +81,17 @@ class Router:
         namespace: str | bytes | None = None,
         clock: Callable[[], float] = time.monotonic,
         placement_blocks: int = 4,
+        index_source: IndexSource | None = None,
+        speculative_ttl: float = 3.0,
     ) -> None:
         if policy is not None and not isinstance(policy, LoadPolicy):
             raise TypeError(f"policy must be a LoadPolicy instance, not {type(policy).__name__}")
         if isinstance(placement_blocks, bool) or not isinstance(placement_blocks, int) or placement_blocks < 1:
             raise ValueError(f"placement_blocks must be a positive int, not {placement_blocks!r}")
+        if index_source not in (None, "predictions", "events", "hybrid"):
+            raise ConfigurationError(f"index_source must be 'predictions', 'events' or 'hybrid', not {index_source!r}")
+        if isinstance(speculative_ttl, bool) or not isinstance(speculative_ttl, (int, float)) or speculative_ttl <= 0:
+            raise ConfigurationError(f"speculative_ttl must be a positive number of seconds, not {speculative_ttl!r}")
         self._hasher = BlockHasher(block_size, namespace=namespace)
         self._index = PrefixIndex(block_size, capacity_blocks=capacity_blocks)
         self._policy: LoadPolicy = policy if policy is not None else BoundedLoad()
@@ -87,6 +99,10 @@ class Router:
         self._placement_blocks = placement_blocks
         self._lock = threading.Lock()
         self._in_flight: dict[str, int] = {}
+        self._engine_load: dict[str, tuple[int | None, float | None]] = {}
+        self._index_source: IndexSource | None = index_source
+        self._speculative = _SpeculativeIndex(block_size, ttl=float(speculative_ttl), clock=clock)
+        self._subscribers: dict[str, _Subscriber] = {}
         # Root seeds of per-request namespaces (model or LoRA names): few, reused, so a small LRU serves.
         self._seeds: cachetools.LRUCache[str | bytes, int] = cachetools.LRUCache(maxsize=1024)
 
@@ -104,6 +120,11 @@ class Router:
     def policy(self) -> LoadPolicy:
         """The load policy in use."""
         return self._policy
+
+    @property
+    def index_source(self) -> IndexSource:
+        """What writes the index; ``"predictions"`` until :meth:`subscribe` makes an unset source ``"hybrid"``."""
+        return self._index_source or "predictions"
 
     @property
     def lock(self) -> threading.Lock:
@@ -129,12 +150,22 @@ class Router:
         hashes = self._hasher.hash_encoded(data, seed)
         prompt_len = len(data) // 4
         order = _placement_order(ids, _placement_key(hashes, data, seed, self._placement_blocks))
+        source = self.index_source
+        block_size = self._hasher.block_size
         with self._lock:
             matched = self._index.match(hashes, order)
+            confirmed = None
+            if source == "hybrid":
+                confirmed = matched
+                matched = self._speculative.match(hashes, order, confirmed)
             in_flight = self._in_flight
-            block_size = self._hasher.block_size
+            engine = self._engine_load
             candidates = tuple(
                 _candidate(backend, matched[backend] * block_size, prompt_len, in_flight.get(backend, 0))
+                if backend not in engine
+                else Candidate(
+                    backend, matched[backend] * block_size, prompt_len, in_flight.get(backend, 0), *engine[backend]
+                )
                 for backend in order
             )
             chosen = self._policy.choose(candidates)
@@ -143,7 +174,12 @@ class Router:
                     f"policy {self._policy!r} returned {chosen!r}, which is not one of the candidates it was given"
                 )
             if hashes:
-                self._index._insert(hashes, chosen.backend, matched[chosen.backend])
+                if source == "predictions":
+                    self._index._insert(hashes, chosen.backend, matched[chosen.backend])
+                elif source == "hybrid":
+                    self._speculative.insert(hashes, chosen.backend)
+        if source == "events":
+            confirmed = matched
         best = max(matched.values()) * block_size
         return Decision(
             chosen.backend,
@@ -152,7 +188,19 @@ class Router:
             _reason(self._policy, chosen.matched_tokens, best),
             candidates,
             self._clock(),
+            None if confirmed is None else confirmed[chosen.backend] * block_size,
         )
+
+    def set_engine_load(self, backend: str, *, queue_len: int | None, kv_usage: float | None) -> None:
+        """Record a backend's engine figures (from its ``/metrics``) for policies to see in :class:`Candidate`.
+
+        Pass None for a figure that is unknown or stale; with both None the backend's entry is dropped. O(1).
+        """
+        with self._lock:
+            if queue_len is None and kv_usage is None:
+                self._engine_load.pop(backend, None)
+            else:
+                self._engine_load[backend] = (queue_len, kv_usage)
 
     def start(self, decision: Decision) -> None:
         """Count ``decision``'s request in flight on its backend (callback-style gateways). O(1)."""
@@ -188,10 +236,54 @@ class Router:
             return self._in_flight.get(backend, 0)
 
     def remove_backend(self, backend: str) -> None:
-        """Forget a backend's predicted blocks and in-flight count (it left the fleet). O(1)."""
+        """Forget a backend (it left the fleet): its blocks, in-flight count, engine figures and event subscriber."""
+        subscriber = self._subscribers.pop(backend, None)
+        if subscriber is not None:
+            subscriber.stop()
         with self._lock:
             self._index.remove_backend(backend)
+            self._speculative.remove_backend(backend)
             self._in_flight.pop(backend, None)
+            self._engine_load.pop(backend, None)
+
+    def subscribe(
+        self,
+        backend: str,
+        endpoint: str,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        namespace: str | None = None,
+    ) -> _Subscriber:
+        """Start a KV-event subscriber that keeps ``backend``'s index entries exact (needs ``prefixroute[vllm]``).
+
+        ``endpoint`` is the engine's ``--kv-events-config`` publisher endpoint (``tcp://gpu0:5557``),
+        ``replay_endpoint`` its replay endpoint. An unset ``index_source`` becomes ``"hybrid"``. Returns the started
+        :class:`prefixroute.vllm.KVEventSubscriber`; :meth:`remove_backend` and :meth:`close` stop it.
+        """
+        from prefixroute.vllm.subscriber import KVEventSubscriber  # optional extra: imported only when used
+
+        if backend in self._subscribers:
+            raise ValueError(f"backend {backend!r} already has a KV-event subscriber; remove_backend() it first")
+        if self._index_source is None:
+            self._index_source = "hybrid"
+        subscriber = KVEventSubscriber(
+            _EventSink(self),  # type: ignore[arg-type]  # duck-types the PrefixIndex methods it calls
+            backend,
+            endpoint,
+            replay_endpoint=replay_endpoint,
+            topic=topic,
+            namespace=namespace,
+            block_size=self._hasher.block_size,
+            lock=self._lock,
+        )
+        self._subscribers[backend] = subscriber
+        return subscriber.start()
+
+    def close(self) -> None:
+        """Stop every KV-event subscriber (the router keeps routing on what it knows)."""
+        while self._subscribers:
+            self._subscribers.popitem()[1].stop()
 
     def _seed(self, namespace: str | bytes) -> int:
         seed = self._seeds.get(namespace)
@@ -201,6 +293,78 @@ class Router:
 
     def __repr__(self) -> str:
         return f"Router(block_size={self._hasher.block_size}, policy={self._policy!r}, index={self._index!r})"
+
+
+class _Subscriber(Protocol):
+    def start(self) -> Any: ...
+
+    def stop(self) -> None: ...
+
+
+class _EventSink:
+    """What a KV-event subscriber writes through: the confirmed index, and the speculative entries it overrides.
+
+    Called with the router's lock held (the subscriber shares it).
+    """
+
+    def __init__(self, router: Router) -> None:
+        self._index = router._index
+        self._speculative = router._speculative
+        self.block_size = router._index.block_size
+
+    def insert(self, hashes: Sequence[int], backend: str) -> None:
+        self._index.insert(hashes, backend)
+
+    def remove(self, hashes: Sequence[int], backend: str) -> None:
+        self._index.remove(hashes, backend)
+        self._speculative.remove(hashes, backend)
+
+    def remove_backend(self, backend: str) -> None:
+        self._index.remove_backend(backend)
+        self._speculative.remove_backend(backend)
+
+
+class _SpeculativeIndex:
+    """Blocks of just-routed prompts, trusted until the engine's events catch up, then forgotten.
+
+    Two generations of :class:`PrefixIndex`: entries go into the current one, which becomes the previous one every
+    ``ttl`` seconds, when the old previous one is dropped whole. An entry thus lives between ``ttl`` and ``2 × ttl``
+    seconds, and expiry costs O(1) instead of a timer per block.
+    """
+
+    def __init__(self, block_size: int, *, ttl: float, clock: Callable[[], float]) -> None:
+        self._block_size = block_size
+        self._ttl = ttl
+        self._clock = clock
+        self._current = PrefixIndex(block_size)
+        self._previous = PrefixIndex(block_size)
+        self._rotated_at = clock()
+
+    def _rotate(self) -> None:
+        now = self._clock()
+        if now - self._rotated_at >= self._ttl:
+            # Two periods idle: the current generation has expired too.
+            self._previous = self._current if now - self._rotated_at < 2 * self._ttl else PrefixIndex(self._block_size)
+            self._current = PrefixIndex(self._block_size)
+            self._rotated_at = now
+
+    def match(self, hashes: Sequence[int], backends: Sequence[str], confirmed: dict[str, int]) -> dict[str, int]:
+        """Per backend, the longer of its confirmed match and its speculative match."""
+        self._rotate()
+        current = self._current.match(hashes, backends)
+        previous = self._previous.match(hashes, backends)
+        return {b: max(confirmed[b], current[b], previous[b]) for b in backends}
+
+    def insert(self, hashes: Sequence[int], backend: str) -> None:
+        self._current.insert(hashes, backend)
+
+    def remove(self, hashes: Sequence[int], backend: str) -> None:
+        self._current.remove(hashes, backend)
+        self._previous.remove(hashes, backend)
+
+    def remove_backend(self, backend: str) -> None:
+        self._current.remove_backend(backend)
+        self._previous.remove_backend(backend)
 
 
 def _candidate(backend: str, matched_tokens: int, prompt_tokens: int, in_flight: int) -> Candidate:

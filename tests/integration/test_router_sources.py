@@ -1,0 +1,159 @@
+"""Router index sources (predictions, events, hybrid) and engine load, against a real FakeVLLM on loopback."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from prefixroute import ConfigurationError, LeastLoaded, Router
+from prefixroute.testing import FakeVLLM
+from prefixroute.vllm import KVEventSubscriber
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def tick(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+def settle(engine: FakeVLLM, subscriber: KVEventSubscriber) -> None:
+    """Publish fresh batches until the subscriber applied the engine's latest one (covers the SUB connect race)."""
+    last = [0.0]
+
+    def caught_up() -> bool:
+        if last[0] and subscriber.last_seq == engine.seq - 1:
+            return True
+        if time.monotonic() - last[0] > 0.25:
+            engine.complete([random.randrange(100_000, 2**31) for _ in range(16)])
+            last[0] = time.monotonic()
+        return False
+
+    wait_until(caught_up, "the subscriber to apply the engine's latest batch")
+
+
+PROMPT = [random.Random(1).randrange(30_000) for _ in range(96)]  # 6 blocks
+
+
+@pytest.fixture
+def engine() -> Iterator[FakeVLLM]:
+    with FakeVLLM(num_blocks=64) as fake:
+        yield fake
+
+
+def test_hybrid_trusts_a_fresh_prediction_until_events_confirm_it(engine: FakeVLLM) -> None:
+    clock = FakeClock()
+    router = Router(clock=clock, speculative_ttl=3.0)
+    subscriber = router.subscribe("gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint)
+    try:
+        assert router.index_source == "hybrid"
+        settle(engine, subscriber)
+        first = router.route(PROMPT, ["gpu0"])
+        again = router.route(PROMPT, ["gpu0"])
+        assert (first.matched_tokens, first.confirmed_tokens) == (0, 0)
+        assert (again.matched_tokens, again.confirmed_tokens) == (96, 0)  # predicted, not yet confirmed
+        engine.complete(PROMPT)
+        settle(engine, subscriber)
+        clock.tick(10.0)  # the speculative entry is long gone: the events alone say 96
+        confirmed = router.route(PROMPT, ["gpu0"])
+        assert (confirmed.matched_tokens, confirmed.confirmed_tokens) == (96, 96)
+    finally:
+        router.close()
+
+
+def test_speculative_entries_expire_between_one_and_two_ttls() -> None:
+    clock = FakeClock()
+    router = Router(index_source="hybrid", clock=clock, speculative_ttl=2.0)
+    router.route(PROMPT, ["gpu0"])
+    clock.tick(1.0)
+    assert router.route(PROMPT, ["gpu0"]).matched_tokens == 96
+    clock.tick(4.1)  # nothing refreshed it for more than two TTLs
+    decision = router.route(PROMPT, ["gpu0"])
+    assert (decision.matched_tokens, decision.confirmed_tokens) == (0, 0)
+    assert len(router.index) == 0  # hybrid never writes predictions into the confirmed index
+
+
+def test_an_eviction_event_overrides_the_speculative_entry() -> None:
+    small = FakeVLLM(num_blocks=8).start()
+    router = Router(clock=FakeClock())
+    subscriber = router.subscribe("gpu0", small.endpoint, replay_endpoint=small.replay_endpoint)
+    try:
+        settle(small, subscriber)
+        decision = router.route(PROMPT, ["gpu0"])
+        small.complete(PROMPT)  # stored: 6 blocks
+        for stem in range(3):  # other prompts fill the 8-block cache and evict PROMPT's blocks
+            small.complete([random.Random(stem + 10).randrange(30_000) for _ in range(64)])
+        settle(small, subscriber)
+        after = router.route(PROMPT, ["gpu0"])
+        assert decision.backend == "gpu0"
+        assert after.confirmed_tokens == 0
+        assert after.matched_tokens < 96  # the removal took the speculative blocks with it
+        assert small.complete(PROMPT).cached_tokens == after.matched_tokens
+    finally:
+        router.close()
+        small.stop()
+
+
+def test_events_mode_never_records_predictions(engine: FakeVLLM) -> None:
+    router = Router(index_source="events")
+    subscriber = router.subscribe("gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint)
+    try:
+        settle(engine, subscriber)
+        router.route(PROMPT, ["gpu0"])
+        assert router.route(PROMPT, ["gpu0"]).matched_tokens == 0
+        engine.complete(PROMPT)
+        settle(engine, subscriber)
+        decision = router.route(PROMPT, ["gpu0"])
+        assert (decision.matched_tokens, decision.confirmed_tokens) == (96, 96)
+        assert router.index.hashes("gpu0") == engine.own_hashes()
+    finally:
+        router.close()
+
+
+def test_remove_backend_stops_its_subscriber(engine: FakeVLLM) -> None:
+    router = Router()
+    subscriber = router.subscribe("gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint)
+    with pytest.raises(ValueError, match="already has"):
+        router.subscribe("gpu0", engine.endpoint)
+    router.remove_backend("gpu0")
+    assert not subscriber.running
+    router.close()
+
+
+def test_predictions_mode_reports_no_confirmation() -> None:
+    decision = Router().route(PROMPT, ["gpu0"])
+    assert decision.confirmed_tokens is None
+
+
+def test_engine_load_reaches_the_policy() -> None:
+    router = Router(policy=LeastLoaded())
+    router.set_engine_load("gpu0", queue_len=7, kv_usage=0.5)
+    decision = router.route(PROMPT, ["gpu0", "gpu1"])
+    seen = {c.backend: (c.queue_len, c.kv_usage) for c in decision.candidates}
+    assert seen == {"gpu0": (7, 0.5), "gpu1": (None, None)}
+    assert decision.backend == "gpu1"
+    router.set_engine_load("gpu0", queue_len=None, kv_usage=None)  # stale: forget it
+    assert all(c.queue_len is None for c in router.route(PROMPT, ["gpu0"]).candidates)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"), [("index_source", "exact"), ("speculative_ttl", 0), ("speculative_ttl", "3")]
+)
+def test_bad_source_options_are_configuration_errors(option: str, value: object) -> None:
+    with pytest.raises(ConfigurationError, match=option):
+        Router(**{option: value})  # type: ignore[arg-type]
