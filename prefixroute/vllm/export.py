@@ -1,0 +1,145 @@
+"""Prometheus metrics of prefixroute itself: decisions, matched tokens, fallbacks, index size, event lag, latency.
+
+Everything goes into the :class:`~prometheus_client.CollectorRegistry` you pass (never the global one), so two
+routers in one process, or a test, keep their figures apart. Serve it with ``prometheus_client.make_asgi_app(
+registry=...)`` or ``generate_latest(registry)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from prefixroute.index import PrefixIndex
+from prefixroute.router import Decision
+from prefixroute.vllm.subscriber import KVEventSubscriber
+
+__all__ = ["ROUTE_LATENCY_BUCKETS", "RouterMetrics"]
+
+ROUTE_LATENCY_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1)
+"""``route()`` latency buckets in seconds: route() is a few microseconds to a fraction of a millisecond."""
+
+
+class RouterMetrics:
+    """Export a router's behaviour as Prometheus metrics in ``registry``.
+
+    Call :meth:`observe` once per routed request (with the seconds ``route()`` took), :meth:`observe_confirmed`
+    when the engine reports how many prompt tokens it actually served from cache (vLLM's
+    ``usage.prompt_tokens_details.cached_tokens``), and :meth:`watch_index` / :meth:`watch_subscriber` once: their
+    figures are read at scrape time. Metric names start with ``prefix`` (default ``prefixroute``):
+
+    ``_decisions_total{backend,reason}``, ``_matched_tokens_total{source="predicted"|"confirmed"}``,
+    ``_prompt_tokens_total``, ``_load_fallbacks_total{backend}``, ``_route_seconds`` (histogram),
+    ``_index_blocks{backend}``, ``_event_lag_seconds{backend}``, ``_event_batches_total{backend}``,
+    ``_event_gaps_total{backend}``, ``_event_unrecovered_gaps_total{backend}``, ``_engine_restarts_total{backend}``.
+
+    >>> from prometheus_client import CollectorRegistry
+    >>> from prefixroute import Router
+    >>> registry = CollectorRegistry()
+    >>> metrics = RouterMetrics(registry)
+    >>> metrics.observe(Router().route(list(range(32)), ["gpu0"]), 0.00002)
+    >>> registry.get_sample_value("prefixroute_decisions_total", {"backend": "gpu0", "reason": "miss"})
+    1.0
+    """
+
+    def __init__(self, registry: CollectorRegistry, *, prefix: str = "prefixroute") -> None:
+        if not isinstance(registry, CollectorRegistry):
+            raise TypeError(f"registry must be a prometheus_client CollectorRegistry, not {type(registry).__name__}")
+        self._prefix = prefix
+        self._decisions = Counter(
+            f"{prefix}_decisions", "Routing decisions by chosen backend and reason.", ["backend", "reason"],
+            registry=registry,
+        )  # fmt: skip
+        self._matched = Counter(
+            f"{prefix}_matched_tokens",
+            "Prompt tokens matched in a backend's prefix cache: predicted by the router, or confirmed by the engine.",
+            ["source"],
+            registry=registry,
+        )
+        self._prompt = Counter(f"{prefix}_prompt_tokens", "Prompt tokens routed.", registry=registry)
+        self._fallbacks = Counter(
+            f"{prefix}_load_fallbacks", "Decisions that left the best-cached backend for load.", ["backend"],
+            registry=registry,
+        )  # fmt: skip
+        self._latency = Histogram(
+            f"{prefix}_route_seconds", "Time spent in Router.route().", buckets=ROUTE_LATENCY_BUCKETS,
+            registry=registry,
+        )  # fmt: skip
+        self._watch_lock = threading.Lock()
+        self._indexes: list[tuple[PrefixIndex, Any]] = []
+        self._subscribers: list[KVEventSubscriber] = []
+        registry.register(_StateCollector(self))
+
+    def observe(self, decision: Decision, seconds: float) -> None:
+        """Count one decision and the seconds its ``route()`` call took. O(1)."""
+        self._decisions.labels(decision.backend, decision.reason).inc()
+        self._matched.labels("predicted").inc(decision.matched_tokens)
+        self._prompt.inc(decision.prompt_tokens)
+        if decision.reason == "load-fallback":
+            self._fallbacks.labels(decision.backend).inc()
+        confirmed = getattr(decision, "confirmed_tokens", None)
+        if isinstance(confirmed, int):
+            self._matched.labels("confirmed").inc(confirmed)
+        self._latency.observe(seconds)
+
+    def observe_confirmed(self, cached_tokens: int) -> None:
+        """Count prompt tokens the engine reported as served from its prefix cache for one request."""
+        if cached_tokens < 0:
+            raise ValueError(f"cached_tokens must be >= 0, not {cached_tokens}")
+        self._matched.labels("confirmed").inc(cached_tokens)
+
+    def watch_index(self, index: PrefixIndex, *, lock: threading.Lock | None = None) -> None:
+        """Export ``index``'s blocks per backend at each scrape (read under ``lock``, e.g. ``router.lock``)."""
+        with self._watch_lock:
+            self._indexes.append((index, lock))
+
+    def watch_subscriber(self, subscriber: KVEventSubscriber) -> None:
+        """Export a KV-event subscriber's lag, batches, gaps and restarts at each scrape."""
+        with self._watch_lock:
+            self._subscribers.append(subscriber)
+
+    def _collect_state(self) -> Iterator[Metric]:
+        p = self._prefix
+        blocks = GaugeMetricFamily(f"{p}_index_blocks", "Block hashes the index holds per backend.", labels=["backend"])
+        lag = GaugeMetricFamily(
+            f"{p}_event_lag_seconds", "Publish-to-index delay of the last KV event batch.", labels=["backend"]
+        )
+        batches = CounterMetricFamily(f"{p}_event_batches", "KV event batches applied.", labels=["backend"])
+        gaps = CounterMetricFamily(f"{p}_event_gaps", "Sequence gaps in KV event streams.", labels=["backend"])
+        lost = CounterMetricFamily(
+            f"{p}_event_unrecovered_gaps", "Gaps the engine's replay buffer could not fill.", labels=["backend"]
+        )
+        restarts = CounterMetricFamily(f"{p}_engine_restarts", "Engine restarts seen.", labels=["backend"])
+        with self._watch_lock:
+            indexes, subscribers = list(self._indexes), list(self._subscribers)
+        for index, lock in indexes:
+            with lock if lock is not None else contextlib.nullcontext():
+                counts = [(backend, index.blocks(backend)) for backend in index.backends()]
+            for backend, count in counts:
+                blocks.add_metric([backend], count)
+        for subscriber in subscribers:
+            stats = subscriber.stats()
+            label = [stats.backend]
+            if stats.last_lag_s is not None:
+                lag.add_metric(label, stats.last_lag_s)
+            batches.add_metric(label, stats.batches)
+            gaps.add_metric(label, stats.gaps)
+            lost.add_metric(label, stats.unrecovered_gaps)
+            restarts.add_metric(label, stats.restarts)
+        yield from (blocks, lag, batches, gaps, lost, restarts)
+
+
+class _StateCollector(Collector):
+    """Reads the watched index and subscribers when the registry is scraped."""
+
+    def __init__(self, owner: RouterMetrics) -> None:
+        self._owner = owner
+
+    def collect(self) -> Iterator[Metric]:
+        return self._owner._collect_state()
