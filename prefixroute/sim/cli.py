@@ -157,8 +157,8 @@ def _describe(spec: SimSpec, profile: str, capacity: int | None) -> str:
         load = f"{spec.users} closed-loop users"
     stop = f"{spec.requests} requests" if spec.requests else (f"{spec.duration:g} s" if spec.duration else "all")
     return (
-        f"{source} · {spec.backends} × {profile} ({capacity} KV blocks of 16 tokens each) · {load} · "
-        f"{stop} per policy · seed {spec.seed}"
+        f"{source} · {spec.backends} × {profile}, {capacity} KV blocks of 16 tokens each\n"
+        f"{load} · {stop} per policy · seed {spec.seed}"
     )
 
 
