@@ -57,7 +57,8 @@ class FakeVLLM:
     number, in ``encoding`` (``"array"``, ``"map"`` or ``"alternate"``, which switches per batch). Test hooks:
     :meth:`drop_next` loses published messages (still in the replay buffer), :meth:`restart` simulates a process
     restart (sequence back to 0, new hash seed, empty cache), :meth:`chains`/:meth:`own_hashes` give the true cache
-    contents. Ports are picked by the OS on ``host``. Thread-safe.
+    contents. ``port`` and ``replay_port`` are picked by the OS on ``host`` unless given (a new engine on an old
+    engine's ports is how a test restarts the process for real). Thread-safe.
     """
 
     def __init__(
@@ -76,6 +77,8 @@ class FakeVLLM:
         ttft: Callable[[int, int, int], float] = default_ttft,
         seed: int = 0,
         host: str = "127.0.0.1",
+        port: int = 0,
+        replay_port: int = 0,
     ) -> None:
         self._rng = random.Random(seed)
         self.cache = FakeBlockCache(
@@ -88,6 +91,7 @@ class FakeVLLM:
         self.legacy_metric_names = legacy_metric_names
         self._ttft = ttft
         self._host = host
+        self._ports = (port, replay_port)
         self._replay_enabled = replay
         self._lock = threading.RLock()
         self._seq = 0
@@ -115,12 +119,10 @@ class FakeVLLM:
         pub = self._context.socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, 1_000_000)
         pub.setsockopt(zmq.LINGER, 0)
-        port = pub.bind_to_random_port(f"tcp://{self._host}")
-        self.endpoint = f"tcp://{self._host}:{port}"
+        self.endpoint = _bind(pub, self._host, self._ports[0])
         router = self._context.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
-        port = router.bind_to_random_port(f"tcp://{self._host}")
-        self.replay_endpoint = f"tcp://{self._host}:{port}"
+        self.replay_endpoint = _bind(router, self._host, self._ports[1])
         self._stop.clear()
         self._io_thread = threading.Thread(
             target=self._serve_zmq, args=(pub, router), name="fake-vllm-zmq", daemon=True
@@ -315,6 +317,15 @@ class FakeVLLM:
         self._m_queries = self._m_queries.labels(**values)
         self._m_hits = self._m_hits.labels(**values)
         self._m_ttft = self._m_ttft.labels(**values)
+
+
+def _bind(socket: zmq.Socket[Any], host: str, port: int) -> str:
+    """Bind to ``port`` (0: a free port the OS picks); return the endpoint to connect to."""
+    if port == 0:
+        port = socket.bind_to_random_port(f"tcp://{host}")
+    else:
+        socket.bind(f"tcp://{host}:{port}")
+    return f"tcp://{host}:{port}"
 
 
 def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:

@@ -203,11 +203,14 @@ class KVEventSubscriber:
             try:
                 self._session()
                 delay = self._backoff[0]
-            except zmq.ZMQError as exc:
+            except Exception as exc:  # noqa: BLE001 - the thread must outlive any one bad moment
                 if self._stop.is_set():
                     return
                 self._counts["reconnects"] += 1
-                _log.warning("KV events from %s: %s; reconnecting in %.1fs", self.endpoint, exc, delay)
+                if isinstance(exc, zmq.ZMQError):
+                    _log.warning("KV events from %s: %s; reconnecting in %.1fs", self.endpoint, exc, delay)
+                else:
+                    _log.exception("KV events from %s: unexpected error; reconnecting in %.1fs", self.endpoint, delay)
                 self._stop.wait(delay)
                 delay = min(delay * 2, self._backoff[1])
 

@@ -93,6 +93,25 @@ def test_engine_restart_drops_the_old_blocks_and_follows_the_new_stream() -> Non
         assert before - engine.own_hashes(), "the restart should have dropped some old blocks"
 
 
+def test_a_new_engine_process_on_the_same_ports_is_reconnected_to_and_seen_as_a_restart() -> None:
+    rng = random.Random(8)
+    index = PrefixIndex(16)
+    first = FakeVLLM(num_blocks=64, seed=1).start()
+    endpoint, replay = first.endpoint, first.replay_endpoint
+    with KVEventSubscriber(index, "gpu0", endpoint, replay_endpoint=replay, reconnect_backoff=(0.05, 0.2)) as sub:
+        try:
+            workload(first, rng, 40)
+            settle(first, sub)
+        finally:
+            first.stop()
+        ports = int(endpoint.rsplit(":", 1)[1]), int(replay.rsplit(":", 1)[1])
+        with FakeVLLM(num_blocks=64, seed=2, port=ports[0], replay_port=ports[1]) as second:
+            workload(second, rng, 3)
+            settle(second, sub)
+            assert sub.stats().restarts == 1
+            assert index.hashes("gpu0") == second.own_hashes()
+
+
 def test_a_late_subscriber_replays_from_the_start() -> None:
     rng = random.Random(4)
     index = PrefixIndex(16)
