@@ -12,6 +12,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -155,7 +156,8 @@ class MetricsPoller:
     URLs uses each URL as the id. Figures older than ``stale_after`` seconds (by ``clock``), or from a backend
     whose last scrape failed, are stale: :meth:`load` then returns ``(None, None)`` so policies fall back to the
     router's own in-flight counts. ``on_health(backend, healthy)`` is called when a backend turns unreachable or
-    comes back (a gateway can stop routing to it). Thread-safe.
+    comes back, and on its first scrape (a gateway can stop routing to it). Backends are scraped concurrently, up to
+    ``max_workers`` at a time, so one slow engine does not delay the others' figures. Thread-safe.
 
     >>> poller = MetricsPoller({"gpu0": "http://gpu0:8000"})   # doctest: +SKIP
     >>> poller.poll_once(); poller.load("gpu0")                   # doctest: +SKIP
@@ -170,6 +172,7 @@ class MetricsPoller:
         timeout: float = 2.0,
         stale_after: float = 5.0,
         on_health: Callable[[str, bool], None] | None = None,
+        max_workers: int = 16,
         client: httpx.Client | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -184,6 +187,9 @@ class MetricsPoller:
         self._timeout = timeout
         self._stale_after = stale_after
         self._on_health = on_health
+        if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
+            raise ConfigurationError(f"max_workers must be a positive int, not {max_workers!r}")
+        self._max_workers = max_workers
         self._client = client if client is not None else httpx.Client()
         self._owns_client = client is None
         self._clock = clock
@@ -199,18 +205,27 @@ class MetricsPoller:
         return list(self._urls)
 
     def poll_once(self) -> None:
-        """Scrape every backend now (sequentially, each bounded by ``timeout``) and fire health callbacks."""
-        for backend, url in self._urls.items():
-            try:
-                metrics = fetch_metrics(self._client, url, timeout=self._timeout)
-            except MetricsError as exc:
-                with self._lock:
-                    previous = self._scrapes[backend]
-                    self._scrapes[backend] = Scrape(previous.metrics, previous.fetched_at, str(exc))
-            else:
-                with self._lock:
-                    self._scrapes[backend] = Scrape(metrics, self._clock(), None)
-            self._report_health(backend)
+        """Scrape every backend now, up to ``max_workers`` at a time, each bounded by ``timeout``; fire health
+        callbacks. Returns when every scrape has finished."""
+        backends = list(self._urls)
+        if len(backends) == 1 or self._max_workers == 1:
+            for backend in backends:
+                self._poll(backend)
+            return
+        with ThreadPoolExecutor(min(self._max_workers, len(backends)), thread_name_prefix="prefixroute-scrape") as pool:
+            list(pool.map(self._poll, backends))
+
+    def _poll(self, backend: str) -> None:
+        try:
+            metrics = fetch_metrics(self._client, self._urls[backend], timeout=self._timeout)
+        except MetricsError as exc:
+            with self._lock:
+                previous = self._scrapes[backend]
+                self._scrapes[backend] = Scrape(previous.metrics, previous.fetched_at, str(exc))
+        else:
+            with self._lock:
+                self._scrapes[backend] = Scrape(metrics, self._clock(), None)
+        self._report_health(backend)
 
     def scrape(self, backend: str) -> Scrape:
         """Return the latest scrape of ``backend`` (KeyError for an unknown backend)."""

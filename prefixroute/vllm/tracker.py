@@ -9,13 +9,12 @@ copies of one block and then removes the same hash twice).
 
 from __future__ import annotations
 
-import array
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from prefixroute.errors import InvalidEventError
-from prefixroute.hashing import BlockHasher
+from prefixroute.errors import InvalidEventError, InvalidPromptError
+from prefixroute.hashing import BlockHasher, encode_tokens
 from prefixroute.index import PrefixIndex
 from prefixroute.vllm.events import (
     FULL_ATTENTION_KINDS,
@@ -29,7 +28,6 @@ from prefixroute.vllm.events import (
 __all__ = ["BlockTracker", "IndexOps", "TrackerStats", "apply_ops", "lora_namespace"]
 
 _log = logging.getLogger(__name__)
-_UINT32 = "I" if array.array("I").itemsize == 4 else "L"
 
 IndexOps = list[tuple[bool, list[int]]]
 """Index updates in order: ``(True, hashes)`` inserts a chain segment, ``(False, hashes)`` removes hashes."""
@@ -181,8 +179,8 @@ class BlockTracker:
                 return []
             seed = entry.own[-1]
         try:
-            data = array.array(_UINT32, event.token_ids[: count * event.block_size]).tobytes()
-        except (OverflowError, TypeError) as exc:
+            data = encode_tokens(event.token_ids[: count * event.block_size])
+        except InvalidPromptError as exc:
             raise InvalidEventError(f"BlockStored token ids must be ints in [0, 2**32): {exc}") from exc
         chain = hasher.hash_encoded(data, seed)
         refs = self._refs

@@ -6,6 +6,7 @@ import random
 import threading
 import time
 
+import httpx
 import msgspec
 import pytest
 import zmq
@@ -241,3 +242,43 @@ def test_configuration_errors_are_clear() -> None:
         KVEventSubscriber(PrefixIndex(), "gpu0", "localhost:5557")
     with pytest.raises(ConfigurationError, match="block size"):
         KVEventSubscriber(PrefixIndex(32), "gpu0", "tcp://127.0.0.1:1")
+
+
+def test_completions_over_http_publish_events_and_report_cached_tokens() -> None:
+    index = PrefixIndex(16)
+    prompt = STEMS[0][:100]
+    with (
+        FakeVLLM() as engine,
+        KVEventSubscriber(index, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint) as sub,
+        httpx.Client(base_url=engine.url, timeout=5) as client,
+    ):
+        first = client.post("/v1/completions", json={"model": "fake-model", "prompt": prompt, "max_tokens": 4})
+        second = client.post("/v1/completions", json={"prompt": [prompt, STEMS[1][:40]]})
+        assert first.status_code == second.status_code == 200
+        assert first.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert second.json()["usage"]["prompt_tokens"] == 140
+        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 96  # six full blocks
+        settle(engine, sub)
+        assert index.match(BlockHasher(16).hash(prompt), ["gpu0"]) == {"gpu0": 6}
+        assert index.hashes("gpu0") == engine.own_hashes()
+        for bad in ({"prompt": "text, not token ids"}, {"prompt": [1, -2]}, {"prompt": []}):
+            reply = client.post("/v1/completions", json=bad)
+            assert reply.status_code == 400, reply.text
+            assert "token ids" in reply.json()["error"]["message"]
+        assert client.get("/nothing").status_code == 404
+
+
+def test_a_subscriber_later_than_the_replay_buffer_holds_only_true_blocks() -> None:
+    rng = random.Random(9)
+    index = PrefixIndex(16)
+    with FakeVLLM(num_blocks=64, replay_buffer=10) as engine:
+        workload(engine, rng, 80)
+        with KVEventSubscriber(index, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint) as sub:
+            settle(engine, sub)
+            workload(engine, rng, 40)
+            settle(engine, sub)
+            stats = sub.stats()
+            # Batches older than the buffer are lost for good: the index misses blocks, but holds no false ones.
+            assert stats.unrecovered_gaps >= 1 and stats.tracker.orphan_blocks > 0
+            assert index.hashes("gpu0") <= engine.own_hashes()
+            assert index.hashes("gpu0") != engine.own_hashes()
