@@ -21,9 +21,13 @@ from .conftest import wait_until
 STEMS = [[random.Random(stem).randrange(30_000) for _ in range(160)] for stem in range(4)]
 
 
-def workload(engine: FakeVLLM, rng: random.Random, steps: int, *, loss: float = 0.0) -> None:
-    """Shared-stem prompts, some scheduled as concurrent twins (duplicate hashes), some messages lost."""
+def workload(engine: FakeVLLM, rng: random.Random, steps: int, *, loss: float = 0.0, clears: float = 0.0) -> None:
+    """Shared-stem prompts, some scheduled as concurrent twins (duplicate hashes), some messages lost, some clears."""
     for _ in range(steps):
+        if rng.random() < clears:
+            if rng.random() < loss:
+                engine.drop_next()
+            engine.clear_cache()
         stem = STEMS[rng.randrange(len(STEMS))][: rng.randrange(0, 160)]
         prompt = stem + [rng.randrange(50) for _ in range(rng.randrange(0, 48))]
         if rng.random() < loss:
@@ -68,12 +72,12 @@ def test_index_equals_true_cache_despite_loss_duplicates_and_eviction(
         FakeVLLM(num_blocks=48, encoding=encoding, hash_format=hash_format, extra_group=extra_group) as engine,  # type: ignore[arg-type]
         KVEventSubscriber(index, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint) as sub,
     ):
-        workload(engine, rng, 250, loss=0.1)
+        workload(engine, rng, 250, loss=0.1, clears=0.02)
         settle(engine, sub)
         assert index.hashes("gpu0") == engine.own_hashes()
         stats = sub.stats()
     assert stats.gaps > 0 and stats.replayed_batches > 0 and stats.unrecovered_gaps == 0
-    assert stats.tracker.blocks_removed > 0 and stats.tracker.orphan_blocks == 0
+    assert stats.tracker.blocks_removed > 0 and stats.tracker.clears > 0 and stats.tracker.orphan_blocks == 0
 
 
 def test_engine_restart_drops_the_old_blocks_and_follows_the_new_stream() -> None:
