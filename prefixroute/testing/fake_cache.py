@@ -97,7 +97,7 @@ class FakeBlockCache:
         """Return the cache's true contents: one chain per distinct cached block hash."""
         return [self._blocks[ids[0]].chain for ids in self._by_hash.values()]
 
-    def own_hashes(self, *, block_size: int = 16, namespace: str | None = None) -> set[int]:
+    def own_hashes(self, *, block_size: int = 16, namespace: str | bytes | None = None) -> set[int]:
         """Return the true contents as prefixroute hashes (what an exact index must hold)."""
         result: set[int] = set()
         for chain in self.chains():

@@ -229,7 +229,7 @@ class FakeVLLM:
         with self._lock:
             return self.cache.chains()
 
-    def own_hashes(self, *, block_size: int = 16, namespace: str | None = None) -> set[int]:
+    def own_hashes(self, *, block_size: int = 16, namespace: str | bytes | None = None) -> set[int]:
         """The true cache contents as prefixroute block hashes."""
         with self._lock:
             return self.cache.own_hashes(block_size=block_size, namespace=namespace)

@@ -75,7 +75,7 @@ class KVEventSubscriber:
         *,
         replay_endpoint: str | None = None,
         topic: str = "",
-        namespace: str | None = None,
+        namespace: str | bytes | None = None,
         block_size: int = 16,
         lock: threading.Lock | threading.RLock | None = None,
         replay_timeout: float = 1.0,

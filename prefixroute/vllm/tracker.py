@@ -33,15 +33,22 @@ IndexOps = list[tuple[bool, list[int]]]
 """Index updates in order: ``(True, hashes)`` inserts a chain segment, ``(False, hashes)`` removes hashes."""
 
 
-def lora_namespace(namespace: str | None, lora_name: str | None) -> str | None:
+def lora_namespace(namespace: str | bytes | None, lora_name: str | None) -> str | bytes | None:
     """Return the hashing namespace of a request under LoRA adapter ``lora_name`` (None: the base model).
 
-    ``"model:adapter"`` when both are set. Route a LoRA request with ``router.route(..., namespace=...)`` set to
-    this value so its hashes agree with the ones the subscriber indexes.
+    ``"model:adapter"`` when both are set (bytes when ``namespace`` is bytes). Route a LoRA request with
+    ``router.route(..., namespace=...)`` set to this value so its hashes agree with the ones the subscriber indexes.
+
+    >>> lora_namespace("llama", "sql"), lora_namespace(None, "sql"), lora_namespace(b"llama", "sql")
+    ('llama:sql', 'sql', b'llama:sql')
     """
     if lora_name is None:
         return namespace
-    return lora_name if namespace is None else f"{namespace}:{lora_name}"
+    if namespace is None:
+        return lora_name
+    if isinstance(namespace, bytes):
+        return namespace + b":" + lora_name.encode()
+    return f"{namespace}:{lora_name}"
 
 
 @dataclass
@@ -78,7 +85,7 @@ class BlockTracker:
 
     __slots__ = ("_block_size", "_hashers", "_namespace", "_own", "_refs", "_skipped_groups", "stats")
 
-    def __init__(self, *, block_size: int = 16, namespace: str | None = None) -> None:
+    def __init__(self, *, block_size: int = 16, namespace: str | bytes | None = None) -> None:
         self._block_size = BlockHasher(block_size).block_size  # validates
         self._namespace = namespace
         self._hashers: dict[str | None, BlockHasher] = {}

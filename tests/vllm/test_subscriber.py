@@ -14,7 +14,7 @@ import zmq
 from prefixroute import BlockHasher, PrefixIndex, Router
 from prefixroute.errors import ConfigurationError
 from prefixroute.testing import FakeVLLM
-from prefixroute.vllm import KVEventSubscriber
+from prefixroute.vllm import KVEventSubscriber, lora_namespace
 
 from .conftest import wait_until
 
@@ -286,3 +286,23 @@ def test_a_subscriber_later_than_the_replay_buffer_holds_only_true_blocks() -> N
             assert stats.unrecovered_gaps >= 1 and stats.tracker.orphan_blocks > 0
             assert index.hashes("gpu0") <= engine.own_hashes()
             assert index.hashes("gpu0") != engine.own_hashes()
+
+
+def test_a_router_routes_by_what_the_events_say_including_lora_namespaces() -> None:
+    router = Router(block_size=16, namespace="llama")
+    base, adapter = STEMS[0][:96], STEMS[1][:64]
+    with (
+        FakeVLLM() as engine,
+        KVEventSubscriber(
+            router.index, "gpu1", engine.endpoint, replay_endpoint=engine.replay_endpoint, namespace="llama",
+            lock=router.lock,
+        ) as sub,
+    ):  # fmt: skip
+        engine.complete(base)  # served without the router: only the events tell it
+        engine.complete(adapter, lora_name="sql")
+        settle(engine, sub)
+        decision = router.route(base + [1, 2, 3], ["gpu0", "gpu1", "gpu2"])
+        assert (decision.backend, decision.matched_tokens, decision.reason) == ("gpu1", 96, "prefix")
+        lora = router.route(adapter, ["gpu0", "gpu1", "gpu2"], namespace=lora_namespace("llama", "sql"))
+        assert (lora.backend, lora.matched_tokens) == ("gpu1", 64)
+        assert router.route(adapter, ["gpu0", "gpu1", "gpu2"]).matched_tokens == 0  # not under the base model
