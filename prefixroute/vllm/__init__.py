@@ -5,6 +5,16 @@ Needs the ``prefixroute[vllm]`` extra (pyzmq, msgspec, httpx, prometheus-client)
 
 from __future__ import annotations
 
+try:
+    import httpx  # noqa: F401
+    import msgspec  # noqa: F401
+    import prometheus_client  # noqa: F401
+    import zmq  # noqa: F401
+except ImportError as exc:  # pragma: no cover - the extra is installed wherever tests run
+    raise ImportError(
+        f"prefixroute.vllm needs the 'vllm' extra ({exc.name} is missing): pip install 'prefixroute[vllm]'"
+    ) from exc
+
 from prefixroute.vllm.events import (
     AllBlocksCleared,
     BlockRemoved,
