@@ -25,7 +25,7 @@ from prefixroute.vllm.events import (
     encode_batch,
 )
 from prefixroute.vllm.subscriber import KVEventSubscriber, SubscriberStats
-from prefixroute.vllm.tracker import BlockTracker, TrackerStats, apply_ops, lora_namespace
+from prefixroute.vllm.tracker import BlockTracker, IndexWriter, TrackerStats, apply_ops, lora_namespace
 
 __all__ = [
     "AllBlocksCleared",
@@ -34,6 +34,7 @@ __all__ = [
     "BlockTracker",
     "EventBatch",
     "EventDecoder",
+    "IndexWriter",
     "KVCacheEvent",
     "KVEventSubscriber",
     "SubscriberStats",

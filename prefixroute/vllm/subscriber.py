@@ -51,6 +51,9 @@ class SubscriberStats:
 class KVEventSubscriber:
     """A background thread that applies one backend's KV events to ``index``.
 
+    Of ``index`` only ``block_size``, ``insert`` and ``remove`` are used (see
+    :class:`~prefixroute.vllm.tracker.IndexWriter`).
+
     ``endpoint`` is the engine's PUB address (``tcp://gpu0:5557``), ``replay_endpoint`` its ROUTER address (without
     it, lost messages cannot be recovered and are counted in ``stats().unrecovered_gaps``). ``topic`` filters by
     prefix as ZMQ does. ``namespace`` and ``block_size`` must be the router's. Index updates are applied under

@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from prefixroute.errors import InvalidEventError, InvalidPromptError
 from prefixroute.hashing import BlockHasher, encode_tokens
-from prefixroute.index import PrefixIndex
 from prefixroute.vllm.events import (
     FULL_ATTENTION_KINDS,
     AllBlocksCleared,
@@ -25,7 +25,7 @@ from prefixroute.vllm.events import (
     KVCacheEvent,
 )
 
-__all__ = ["BlockTracker", "IndexOps", "TrackerStats", "apply_ops", "lora_namespace"]
+__all__ = ["BlockTracker", "IndexOps", "IndexWriter", "TrackerStats", "apply_ops", "lora_namespace"]
 
 _log = logging.getLogger(__name__)
 
@@ -244,7 +244,24 @@ class _Entry:
         self.copies = 1
 
 
-def apply_ops(index: PrefixIndex, backend: str, ops: Sequence[tuple[bool, list[int]]]) -> None:
+class IndexWriter(Protocol):
+    """What event updates are written to: a :class:`~prefixroute.PrefixIndex`, or anything with these methods."""
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        ...
+
+    def insert(self, hashes: Sequence[int], backend: str) -> None:
+        """Record that ``backend`` holds ``hashes`` (a chain segment)."""
+        ...
+
+    def remove(self, hashes: Sequence[int], backend: str) -> None:
+        """Forget that ``backend`` holds ``hashes``."""
+        ...
+
+
+def apply_ops(index: IndexWriter, backend: str, ops: Sequence[tuple[bool, list[int]]]) -> None:
     """Apply a tracker's updates to ``index`` for ``backend`` (call it under the lock that guards the index)."""
     insert, remove = index.insert, index.remove
     for is_insert, hashes in ops:

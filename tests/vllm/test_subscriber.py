@@ -306,3 +306,26 @@ def test_a_router_routes_by_what_the_events_say_including_lora_namespaces() -> N
         lora = router.route(adapter, ["gpu0", "gpu1", "gpu2"], namespace=lora_namespace("llama", "sql"))
         assert (lora.backend, lora.matched_tokens) == ("gpu1", 64)
         assert router.route(adapter, ["gpu0", "gpu1", "gpu2"]).matched_tokens == 0  # not under the base model
+
+
+def test_router_in_events_mode_forgets_what_the_engine_evicted_and_predictions_do_not() -> None:
+    """Acceptance 3 through Router.subscribe: after an eviction only the event-fed router predicts the miss."""
+    hot = STEMS[2][:64]
+    predicting = Router(block_size=16, index_source="predictions")
+    exact = Router(block_size=16, index_source="events")
+    with FakeVLLM(num_blocks=8) as engine:
+        sub = exact.subscribe("gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint)
+        try:
+            predicting.route(hot, ["gpu0"])
+            engine.complete(hot)
+            settle(engine, sub)  # type: ignore[arg-type]
+            assert exact.route(hot, ["gpu0"]).matched_tokens == 64  # the engine holds it: both agree
+            for stem in (STEMS[0], STEMS[1], STEMS[3]):  # other traffic fills the 8-block cache
+                engine.complete(stem[:64])
+            settle(engine, sub)  # type: ignore[arg-type]
+            assert predicting.route(hot, ["gpu0"]).matched_tokens == 64  # still predicts a hit: wrong
+            decision = exact.route(hot, ["gpu0"])
+            assert decision.matched_tokens == decision.confirmed_tokens == 0  # right
+            assert engine.complete(hot).cached_tokens == 0
+        finally:
+            exact.close()
