@@ -156,7 +156,9 @@ class MetricsPoller:
     URLs uses each URL as the id. Figures older than ``stale_after`` seconds (by ``clock``), or from a backend
     whose last scrape failed, are stale: :meth:`load` then returns ``(None, None)`` so policies fall back to the
     router's own in-flight counts. ``on_health(backend, healthy)`` is called when a backend turns unreachable or
-    comes back, and on its first scrape (a gateway can stop routing to it). Backends are scraped concurrently, up to
+    comes back, and on its first scrape (a gateway can stop routing to it). ``on_load(backend, queue_len, kv_usage)``
+    is called after every scrape with :meth:`load`'s figures, e.g. ``lambda b, q, k: router.set_engine_load(b,
+    queue_len=q, kv_usage=k)``. Backends are scraped concurrently, up to
     ``max_workers`` at a time, so one slow engine does not delay the others' figures. Thread-safe.
 
     >>> poller = MetricsPoller({"gpu0": "http://gpu0:8000"})   # doctest: +SKIP
@@ -172,6 +174,7 @@ class MetricsPoller:
         timeout: float = 2.0,
         stale_after: float = 5.0,
         on_health: Callable[[str, bool], None] | None = None,
+        on_load: Callable[[str, int | None, float | None], None] | None = None,
         max_workers: int = 16,
         client: httpx.Client | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -187,6 +190,7 @@ class MetricsPoller:
         self._timeout = timeout
         self._stale_after = stale_after
         self._on_health = on_health
+        self._on_load = on_load
         if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
             raise ConfigurationError(f"max_workers must be a positive int, not {max_workers!r}")
         self._max_workers = max_workers
@@ -226,6 +230,8 @@ class MetricsPoller:
             with self._lock:
                 self._scrapes[backend] = Scrape(metrics, self._clock(), None)
         self._report_health(backend)
+        if self._on_load is not None:
+            self._on_load(backend, *self.load(backend))
 
     def scrape(self, backend: str) -> Scrape:
         """Return the latest scrape of ``backend`` (KeyError for an unknown backend)."""

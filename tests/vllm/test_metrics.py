@@ -120,6 +120,24 @@ def test_cache_config_mismatches_are_warned_not_guessed(caplog: pytest.LogCaptur
     assert "Router(block_size=32)" in caplog.text
 
 
+def test_on_load_pushes_figures_into_a_router_after_every_scrape() -> None:
+    from prefixroute import Router
+
+    router = Router(block_size=16)
+    dead = f"http://127.0.0.1:{closed_port()}"
+    with FakeVLLM() as engine:
+        engine.set_load(waiting=6)
+        poller = MetricsPoller(
+            {"gpu0": engine.url, "gpu1": dead}, timeout=1,
+            on_load=lambda b, q, k: router.set_engine_load(b, queue_len=q, kv_usage=k),
+        )  # fmt: skip
+        with poller:
+            poller.poll_once()
+    candidates = {c.backend: c for c in router.route(list(range(32)), ["gpu0", "gpu1"]).candidates}
+    assert (candidates["gpu0"].queue_len, candidates["gpu0"].kv_usage) == (6, 0.0)
+    assert (candidates["gpu1"].queue_len, candidates["gpu1"].kv_usage) == (None, None)
+
+
 def test_background_polling_and_bad_options() -> None:
     with FakeVLLM() as engine:
         engine.set_load(waiting=7)
