@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from prefixroute.errors import PrefixRouteError
@@ -55,6 +56,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG: TTFT CDF per policy and per-backend load")
     parser.set_defaults(func=run)
+    _register_study(subparsers)
 
 
 def spec_from_args(args: argparse.Namespace) -> SimSpec:
@@ -160,6 +162,24 @@ def _describe(spec: SimSpec, profile: str, capacity: int | None) -> str:
         f"{source} · {spec.backends} × {profile}, {capacity} KV blocks of 16 tokens each\n"
         f"{load} · {stop} per policy · seed {spec.seed}"
     )
+
+
+def _register_study(subparsers: Any) -> None:
+    """Add the ``study`` subcommand."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "study", help="rerun the published claims in the simulator; write docs/study.md"
+    )
+    parser.add_argument("--output", type=Path, default=Path("docs"), help="folder for study.md and its PNGs (docs)")
+    parser.add_argument("--requests", type=int, default=1500, help="requests per simulated run (1500)")
+    parser.set_defaults(func=_run_study)
+
+
+def _run_study(args: argparse.Namespace) -> int:
+    from prefixroute.sim.study import run_study
+
+    path = run_study(args.output, requests=args.requests, progress=lambda m: print(m, flush=True))
+    print(f"wrote {path}")
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

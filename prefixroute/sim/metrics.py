@@ -52,8 +52,15 @@ class PolicyResult:
     recompute_usd_per_month: float
     preemptions: int
     duration_s: float
+    tag_tokens: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
     ttfts_ms: list[float] = field(default_factory=list, repr=False)
     load_samples: list[tuple[float, tuple[int, ...]]] = field(default_factory=list, repr=False)
+
+    def tag_hit_rate(self, *, exclude: str = "unique") -> float:
+        """KV hit rate over the requests whose tag is not ``exclude`` (e.g. only those on a shared prefix)."""
+        cached = sum(c for tag, (c, _p) in self.tag_tokens.items() if tag != exclude)
+        prompt = sum(p for tag, (_c, p) in self.tag_tokens.items() if tag != exclude)
+        return cached / prompt if prompt else 0.0
 
     def to_json(self) -> dict[str, object]:
         """The ``--json`` result object (the issue's schema, plus extra fields after it)."""
@@ -90,6 +97,10 @@ def summarize(outcome: SimOutcome, *, policy: str, gpu_hour_usd: float = 0.0) ->
     backends = list(outcome.peak_in_flight)
     share = {b: counts.get(b, 0) / len(records) if records else 0.0 for b in backends}
     recompute = sum(r.recompute_seconds for r in served)
+    tags: dict[str, tuple[int, int]] = {}
+    for r in served:
+        cached, total = tags.get(r.tag, (0, 0))
+        tags[r.tag] = (cached + r.cached_tokens, total + r.prompt_tokens)
     return PolicyResult(
         policy=policy,
         requests=len(served),
@@ -107,6 +118,7 @@ def summarize(outcome: SimOutcome, *, policy: str, gpu_hour_usd: float = 0.0) ->
         recompute_usd_per_month=recompute / span * SECONDS_PER_MONTH / 3600.0 * gpu_hour_usd,
         preemptions=sum(r.preemptions for r in served),
         duration_s=span,
+        tag_tokens=tags,
         ttfts_ms=ttfts,
         load_samples=list(outcome.load_samples),
     )

@@ -9,7 +9,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prefixroute.errors import ConfigurationError
 from prefixroute.sim.metrics import PolicyResult
@@ -17,7 +17,15 @@ from prefixroute.sim.metrics import PolicyResult
 if TYPE_CHECKING:
     from rich.table import Table
 
-__all__ = ["json_document", "markdown_table", "rich_table", "table_rows", "write_json", "write_plot"]
+__all__ = [
+    "json_document",
+    "markdown_table",
+    "rich_table",
+    "table_rows",
+    "write_json",
+    "write_plot",
+    "write_sweep_plot",
+]
 
 _HEADERS = (
     "policy",
@@ -134,13 +142,7 @@ def write_plot(path: str | Path, results: Sequence[PolicyResult], *, title: str 
 
     Raises ConfigurationError if matplotlib (``pip install 'prefixroute[sim]'``) is missing.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ConfigurationError("--plot needs matplotlib: pip install 'prefixroute[sim]'") from exc
+    plt = _pyplot()
     figure, (cdf, load) = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in results:
         values = sorted(r.ttfts_ms)
@@ -168,4 +170,61 @@ def write_plot(path: str | Path, results: Sequence[PolicyResult], *, title: str 
     figure.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ConfigurationError("plots need matplotlib: pip install 'prefixroute[sim]'") from exc
+    return plt
+
+
+def write_sweep_plot(
+    path: Path,
+    models: list[tuple[str, PolicyResult, PolicyResult]],
+    lengths: list[tuple[int, PolicyResult, PolicyResult]],
+    sharing: list[tuple[float, PolicyResult, PolicyResult]],
+    hot: list[tuple[str, float, PolicyResult]],
+) -> None:
+    """Write the study's four sweep panels: model size, prefix length, sharing ratio, hot-prefix load bound."""
+    plt = _pyplot()
+
+    figure, axes = plt.subplots(2, 2, figsize=(12, 8))
+    ax = axes[0][0]
+    ax.bar(range(len(models)), [bl.ttft_ms["p99"] / rr.ttft_ms["p99"] for _, rr, bl in models])
+    ax.set_xticks(range(len(models)), [m for m, _, _ in models])
+    ax.axhline(1.0, color="grey", linewidth=1)
+    ax.set_title("model size: bounded-load / round-robin P99 TTFT")
+    ax = axes[0][1]
+    ax.plot([n for n, _, _ in lengths], [rr.ttft_ms["p50"] for _, rr, _ in lengths], "o-", label="round-robin p50")
+    ax.plot([n for n, _, _ in lengths], [bl.ttft_ms["p50"] for _, _, bl in lengths], "o-", label="bounded-load p50")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("shared prefix tokens")
+    ax.set_ylabel("TTFT ms")
+    ax.set_title("prefix length")
+    ax.legend()
+    ax = axes[1][0]
+    ax.plot([100 * s for s, _, _ in sharing], [100 * rr.hit_rate for _, rr, _ in sharing], "o-", label="round-robin")
+    ax.plot([100 * s for s, _, _ in sharing], [100 * bl.hit_rate for _, _, bl in sharing], "o-", label="bounded-load")
+    ax.set_xlabel("% of requests on a shared prefix")
+    ax.set_ylabel("KV hit rate %")
+    ax.set_title("sharing ratio")
+    ax.legend()
+    ax = axes[1][1]
+    for mode in dict.fromkeys(m for m, _, _ in hot):
+        pts = [(f, r) for m, f, r in hot if m == mode]
+        ax.plot([f for f, _ in pts], [r.ttft_ms["p99"] for _, r in pts], "o-", label=f"P99 TTFT, {mode}")
+    ax.set_xlabel("bounded-load factor")
+    ax.set_ylabel("ms")
+    ax.set_yscale("log")
+    ax.set_title("hot prefix: load bound")
+    ax.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
     plt.close(figure)

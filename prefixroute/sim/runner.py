@@ -116,23 +116,28 @@ def run_policy(
     policy: str | Callable[[], LoadPolicy],
     *,
     label: str | None = None,
+    workload: Callable[[], Workload] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
     check: bool = False,
 ) -> PolicyResult:
     """Simulate ``spec`` with one policy (a name, or a factory returning a fresh policy) and summarize it.
 
-    Every run builds a fresh Router, workload and backends from ``spec.seed``: same spec, same result.
+    ``workload`` optionally builds the request source instead of ``spec.scenario``/``spec.trace`` (e.g. a scenario
+    with other parameters); ``spec`` still gives its arrivals. Every run builds a fresh Router, workload and
+    backends from ``spec.seed``: same spec, same result.
     """
     if spec.backends < 1:
         raise ConfigurationError(f"--backends must be >= 1, not {spec.backends}")
     config, profile = backend_config(spec)
-    workload, arrivals = _workload(spec)
+    source, arrivals = _workload(spec)
+    if workload is not None:
+        source = workload()
     load_policy = build_policy(policy, seed=spec.seed) if isinstance(policy, str) else policy()
     clock = _SimClock()
     router = Router(policy=load_policy, capacity_blocks=config.capacity_blocks, clock=clock)
     simulation = Simulation(
         router=router,
-        workload=workload,
+        workload=source,
         arrivals=arrivals,
         cost=profile,
         config=config,

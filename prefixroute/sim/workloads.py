@@ -89,7 +89,7 @@ class SeedScenario(Scenario):
 
     name = "seed"
     default_sharing_ratio = 0.9
-    prefix_lengths = (2048, 4096, 6144, 8192)
+    prefix_lengths: tuple[int, ...] = (2048, 4096, 6144, 8192)
 
     def shared_request(self, user: int) -> SimRequest:
         rng = self.rng
