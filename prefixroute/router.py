@@ -253,12 +253,13 @@ class Router:
         *,
         replay_endpoint: str | None = None,
         topic: str = "",
-        namespace: str | None = None,
+        namespace: str | bytes | None = None,
     ) -> _Subscriber:
         """Start a KV-event subscriber that keeps ``backend``'s index entries exact (needs ``prefixroute[vllm]``).
 
         ``endpoint`` is the engine's ``--kv-events-config`` publisher endpoint (``tcp://gpu0:5557``),
-        ``replay_endpoint`` its replay endpoint. An unset ``index_source`` becomes ``"hybrid"``. Returns the started
+        ``replay_endpoint`` its replay endpoint. ``namespace`` defaults to the router's (events must hash exactly
+        as :meth:`route` does). An unset ``index_source`` becomes ``"hybrid"``. Returns the started
         :class:`prefixroute.vllm.KVEventSubscriber`; :meth:`remove_backend` and :meth:`close` stop it.
         """
         from prefixroute.vllm.subscriber import KVEventSubscriber  # optional extra: imported only when used
@@ -268,12 +269,12 @@ class Router:
         if self._index_source is None:
             self._index_source = "hybrid"
         subscriber = KVEventSubscriber(
-            _EventSink(self),  # type: ignore[arg-type]  # duck-types the PrefixIndex methods it calls
+            _EventSink(self),
             backend,
             endpoint,
             replay_endpoint=replay_endpoint,
             topic=topic,
-            namespace=namespace,
+            namespace=namespace if namespace is not None else self._hasher.namespace,
             block_size=self._hasher.block_size,
             lock=self._lock,
         )

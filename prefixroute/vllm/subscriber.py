@@ -19,9 +19,8 @@ from typing import Any
 import zmq
 
 from prefixroute.errors import ConfigurationError, InvalidEventError
-from prefixroute.index import PrefixIndex
 from prefixroute.vllm.events import EventDecoder
-from prefixroute.vllm.tracker import BlockTracker, IndexOps, TrackerStats, apply_ops
+from prefixroute.vllm.tracker import BlockTracker, IndexOps, IndexWriter, TrackerStats, apply_ops
 
 __all__ = ["KVEventSubscriber", "SubscriberStats"]
 
@@ -72,7 +71,7 @@ class KVEventSubscriber:
 
     def __init__(
         self,
-        index: PrefixIndex,
+        index: IndexWriter,
         backend: str,
         endpoint: str,
         *,

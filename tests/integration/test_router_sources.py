@@ -157,3 +157,15 @@ def test_engine_load_reaches_the_policy() -> None:
 def test_bad_source_options_are_configuration_errors(option: str, value: object) -> None:
     with pytest.raises(ConfigurationError, match=option):
         Router(**{option: value})  # type: ignore[arg-type]
+
+
+def test_subscribe_hashes_with_the_routers_namespace(engine: FakeVLLM) -> None:
+    router = Router(namespace="llama", index_source="events")
+    subscriber = router.subscribe("gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint)
+    try:
+        engine.complete(PROMPT)
+        settle(engine, subscriber)
+        assert router.route(PROMPT, ["gpu0"]).matched_tokens == 96
+        assert router.route(PROMPT, ["gpu0"], namespace="other-model").matched_tokens == 0
+    finally:
+        router.close()
