@@ -53,6 +53,18 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--sharing-ratio", type=float, metavar="F", help="fraction of requests on shared prefixes")
     parser.add_argument("--speedup", type=float, default=1.0, help="divide a trace's timestamps by this (1)")
     parser.add_argument("--gpu-hour-usd", type=float, default=2.0, help="$ per GPU-hour for recompute cost (2.0)")
+    parser.add_argument(
+        "--index-source",
+        choices=("predictions", "events"),
+        default="predictions",
+        help="router index fed by its own predictions (default) or by the engines' KV events (exact mode)",
+    )
+    parser.add_argument(
+        "--metrics-interval",
+        type=float,
+        metavar="S",
+        help="poll engine queue length and KV usage into the router every S simulated seconds (off)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG: TTFT CDF per policy and per-backend load")
     parser.set_defaults(func=run)
@@ -80,6 +92,8 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
         seed=args.seed,
         sharing_ratio=args.sharing_ratio,
         gpu_hour_usd=args.gpu_hour_usd,
+        index_source=args.index_source,
+        metrics_interval=args.metrics_interval,
     )
 
 
@@ -146,6 +160,8 @@ def _header(spec: SimSpec, tp: int, capacity: int | None) -> dict[str, object]:
         "users": spec.users,
         "rate": spec.rate,
         "seed": spec.seed,
+        "index_source": spec.index_source,
+        "metrics_interval": spec.metrics_interval,
     }
 
 

@@ -18,7 +18,7 @@ from prefixroute.sim.request import RequestRecord, SimRequest
 
 __all__ = ["Arrivals", "ClosedLoop", "OpenLoop", "SimOutcome", "Simulation", "TraceTimes", "Workload"]
 
-_ARRIVAL, _STEP_END, _WAKE = 0, 1, 2
+_ARRIVAL, _STEP_END, _WAKE, _POLL = 0, 1, 2, 3
 
 
 class Workload(Protocol):
@@ -79,6 +79,11 @@ class Simulation:
     to completion. ``check`` runs every backend's invariant check after each step (slow; for tests).
     ``on_progress(done, total)`` is called as requests finish (``total`` is ``max_requests`` or 0).
     ``gpus_per_backend`` scales recomputation GPU-seconds (tensor parallelism).
+
+    ``kv_events=True`` feeds every backend's cache changes into ``router.index`` as a KV-event subscriber does
+    (exact mode; build the router with ``index_source="events"``), delivered the instant they happen.
+    ``metrics_interval`` polls each engine's waiting-queue length and KV usage into ``router.set_engine_load``
+    every that many simulated seconds, as a ``/metrics`` poller does; policies see them in their candidates.
     """
 
     def __init__(
@@ -96,6 +101,8 @@ class Simulation:
         gpus_per_backend: int = 1,
         check: bool = False,
         on_progress: Callable[[int, int], None] | None = None,
+        kv_events: bool = False,
+        metrics_interval: float | None = None,
     ) -> None:
         names = [f"gpu{i}" for i in range(backends)] if isinstance(backends, int) else list(backends)
         if not names or len(set(names)) != len(names):
@@ -127,6 +134,12 @@ class Simulation:
         self._peak = [0] * len(names)
         self._hasher = router.hasher
         self._load_samples: list[tuple[float, tuple[int, ...]]] = []
+        if metrics_interval is not None and metrics_interval <= 0:
+            raise ValueError(f"metrics_interval must be > 0 seconds, not {metrics_interval}")
+        self.metrics_interval = metrics_interval
+        if kv_events:
+            for backend in self.backends:
+                backend.cache.listener = _IndexFeed(router, backend.name)
 
     def _push(self, time: float, kind: int, payload: object) -> None:
         self._seq += 1
@@ -142,6 +155,8 @@ class Simulation:
         if self._seq:
             raise RuntimeError("a Simulation runs once; build a new one")
         self._start_arrivals()
+        if self.metrics_interval is not None:
+            self._push(0.0, _POLL, None)
         events = self._events
         while events:
             time, _seq, kind, payload = heapq.heappop(events)
@@ -153,12 +168,15 @@ class Simulation:
                 self._dispatch(payload[0], payload[1])
                 if not isinstance(self.arrivals, ClosedLoop):
                     self._next_open_arrival()
-            else:
+            elif kind == _WAKE:
                 self._wake(payload)  # type: ignore[arg-type]
+            else:
+                self._poll()
         names = self.names
+        end = max((r.finished for r in self.records if r.finished is not None), default=self.now)
         return SimOutcome(
             records=self.records,
-            duration=self.now,
+            duration=end,
             steps={b.name: b.steps for b in self.backends},
             peak_in_flight=dict(zip(names, self._peak, strict=True)),
             prefill_tokens={b.name: b.prefill_tokens for b in self.backends},
@@ -269,6 +287,15 @@ class Simulation:
             think = self.rng.expovariate(1.0 / arrivals.think_time) if arrivals.think_time > 0 else 0.0
             self._push(self.now + think, _WAKE, record.user)
 
+    def _poll(self) -> None:
+        """Hand every engine's queue length and KV usage to the router, then poll again while work remains."""
+        for backend in self.backends:
+            capacity = backend.cache.capacity
+            usage = backend.cache.used_blocks / capacity if capacity else None
+            self.router.set_engine_load(backend.name, queue_len=len(backend.waiting), kv_usage=usage)
+        if self._events and self.metrics_interval is not None:
+            self._push(self.now + self.metrics_interval, _POLL, None)
+
     def _fleet_match(self, backend: SimBackend, hashes: Sequence[int], limit: int) -> int:
         """Longest leading run of ``hashes`` that any other backend holds (what routing could have reused)."""
         best = 0
@@ -278,3 +305,21 @@ class Simulation:
                 if cache.holds(hashes[best]) if best < limit else False:
                     best = max(best, cache.match(hashes, limit))
         return best
+
+
+class _IndexFeed:
+    """A backend's cache changes written into the router's index, as its KV-event subscriber would write them."""
+
+    __slots__ = ("backend", "router")
+
+    def __init__(self, router: Router, backend: str) -> None:
+        self.router = router
+        self.backend = backend
+
+    def stored(self, hashes: list[int]) -> None:
+        with self.router.lock:
+            self.router.index.insert(hashes, self.backend)
+
+    def removed(self, hashes: list[int]) -> None:
+        with self.router.lock:
+            self.router.index.remove(hashes, self.backend)

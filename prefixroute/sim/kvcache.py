@@ -18,8 +18,19 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
-__all__ = ["BlockCache"]
+__all__ = ["BlockCache", "CacheListener"]
+
+
+class CacheListener(Protocol):
+    """Receives what vLLM publishes as KV events: block hashes newly cached, and cached blocks evicted."""
+
+    def stored(self, hashes: list[int]) -> None:
+        """``hashes`` (consecutive blocks of one prompt, in order) are now cached."""
+
+    def removed(self, hashes: list[int]) -> None:
+        """``hashes`` were evicted."""
 
 
 class BlockCache:
@@ -43,7 +54,7 @@ class BlockCache:
     1
     """
 
-    __slots__ = ("_capacity", "_lru", "_private", "_refs", "evictions")
+    __slots__ = ("_capacity", "_lru", "_private", "_refs", "evictions", "listener")
 
     def __init__(self, capacity_blocks: int | None) -> None:
         if capacity_blocks is not None and (isinstance(capacity_blocks, bool) or capacity_blocks < 1):
@@ -53,6 +64,7 @@ class BlockCache:
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks with no reference, oldest first
         self._private = 0  # blocks owned by one request each, not in the cache
         self.evictions = 0
+        self.listener: CacheListener | None = None  # told of blocks cached and evicted, as vLLM's KV events do
 
     @property
     def capacity(self) -> int | None:
@@ -129,10 +141,12 @@ class BlockCache:
             overflow = len(self._refs) + self._private + blocks - capacity
             if overflow > 0:
                 refs, lru = self._refs, self._lru
-                for _ in range(overflow):
-                    victim, _none = lru.popitem(last=False)
+                victims = [lru.popitem(last=False)[0] for _ in range(overflow)]
+                for victim in victims:
                     del refs[victim]
                 self.evictions += overflow
+                if self.listener is not None:
+                    self.listener.removed(victims)
         self._private += blocks
         return True
 
@@ -146,17 +160,22 @@ class BlockCache:
         """
         refs, lru = self._refs, self._lru
         committed = 0
+        stored: list[int] | None = [] if self.listener is not None else None
         for h in hashes:
             count = refs.get(h)
             if count is None:
                 refs[h] = 1
                 committed += 1
+                if stored is not None:
+                    stored.append(h)
             else:
                 if count == 0:
                     del lru[h]
                 refs[h] = count + 1
             held.append(h)
         self._private -= committed
+        if stored and self.listener is not None:
+            self.listener.stored(stored)
         return committed
 
     def release(self, hashed: Sequence[int], *, private: int) -> None:

@@ -29,6 +29,9 @@ class SimSpec:
 
     Arrivals: ``rate`` (Poisson, req/s) if given; else trace timestamps (``trace`` given, ``users`` None); else
     ``users`` closed-loop users. Stop after ``requests`` arrivals and/or ``duration`` simulated seconds.
+    ``index_source``: ``"predictions"`` (the router records where it sent each prompt, its index capped at each
+    backend's KV capacity) or ``"events"`` (the simulated engines' KV events keep the index exact).
+    ``metrics_interval``: poll engine queue lengths and KV usage into the router every so many seconds.
     """
 
     scenario: str = "seed"
@@ -51,6 +54,8 @@ class SimSpec:
     capacity_blocks: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    index_source: str = "predictions"
+    metrics_interval: float | None = None
 
     def with_(self, **changes: object) -> SimSpec:
         """A copy with some fields changed."""
@@ -133,8 +138,16 @@ def run_policy(
     if workload is not None:
         source = workload()
     load_policy = build_policy(policy, seed=spec.seed) if isinstance(policy, str) else policy()
+    if spec.index_source not in ("predictions", "events"):
+        raise ConfigurationError(f"index_source must be 'predictions' or 'events', not {spec.index_source!r}")
+    events = spec.index_source == "events"
     clock = _SimClock()
-    router = Router(policy=load_policy, capacity_blocks=config.capacity_blocks, clock=clock)
+    router = Router(
+        policy=load_policy,
+        capacity_blocks=None if events else config.capacity_blocks,
+        clock=clock,
+        index_source="events" if events else "predictions",
+    )
     simulation = Simulation(
         router=router,
         workload=source,
@@ -148,6 +161,8 @@ def run_policy(
         gpus_per_backend=profile.tp,
         check=check,
         on_progress=on_progress,
+        kv_events=events,
+        metrics_interval=spec.metrics_interval,
     )
     clock.simulation = simulation
     outcome = simulation.run()

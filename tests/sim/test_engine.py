@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixroute import Router
-from prefixroute.policies import policy_from_name
+from prefixroute.policies import Candidate, LoadPolicy, policy_from_name
 from prefixroute.sim.backend import BackendConfig
 from prefixroute.sim.engine import ClosedLoop, OpenLoop, SimOutcome, Simulation, TraceTimes
 from prefixroute.sim.request import SimRequest, token_bytes
@@ -186,3 +187,54 @@ def test_open_loop_needs_a_stop_condition() -> None:
             cost=LinearCost(),
             config=BackendConfig(capacity_blocks=10),
         )
+
+
+@settings(max_examples=25, deadline=None)
+@given(requests=requests_strategy, capacity=st.integers(30, 80))
+def test_kv_events_keep_the_router_index_exact(requests: list[SimRequest], capacity: int) -> None:
+    router = Router(policy=policy_from_name("prefix-affinity"), index_source="events")
+    simulation = Simulation(
+        router=router,
+        workload=ListWorkload(requests),
+        arrivals=ClosedLoop(3, think_time=0.05),
+        cost=LinearCost(),
+        config=BackendConfig(capacity_blocks=capacity, max_num_seqs=3, max_num_batched_tokens=64),
+        backends=3,
+        check=True,
+        kv_events=True,
+    )
+    simulation.run()
+    for backend in simulation.backends:
+        cached = set(backend.cache._refs)
+        assert router.index.hashes(backend.name) == cached
+
+
+class RecordingPolicy(LoadPolicy):
+    """Least loaded, remembering the engine figures it was shown."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int | None, float | None]] = []
+
+    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        self.seen += [(c.queue_len, c.kv_usage) for c in candidates]
+        return min(candidates, key=lambda c: c.load)
+
+
+def test_metrics_polling_shows_engine_load_to_the_policy() -> None:
+    policy = RecordingPolicy()
+    requests = [_request(i % 2, 200, i, 40, 20, False) for i in range(40)]
+    simulation = Simulation(
+        router=Router(policy=policy),
+        workload=ListWorkload(requests),
+        arrivals=ClosedLoop(8),
+        cost=LinearCost(),
+        config=BackendConfig(capacity_blocks=60, max_num_seqs=2),
+        backends=2,
+        metrics_interval=0.05,
+    )
+    outcome = simulation.run()
+    assert len(outcome.records) == 40
+    assert all(q is not None and u is not None for q, u in policy.seen)
+    assert any(q for q, _u in policy.seen)  # some engine had a queue when asked
+    assert all(0.0 <= u <= 1.0 for _q, u in policy.seen if u is not None)
+    assert outcome.duration == max(r.finished for r in outcome.records if r.finished is not None)
