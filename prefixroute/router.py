@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -16,12 +17,15 @@ from prefixroute.errors import ConfigurationError, NoBackendError, PrefixRouteEr
 from prefixroute.hashing import BlockHasher, Tokens, encode_tokens, namespace_seed
 from prefixroute.index import PrefixIndex
 from prefixroute.policies import BoundedLoad, Candidate, LoadPolicy
+from prefixroute.speculative import EventSink, SpeculativeIndex
 
 __all__ = ["Decision", "IndexSource", "Reason", "Router"]
 
 IndexSource = Literal["predictions", "events", "hybrid"]
 """What writes the index: the router's own routing decisions (``"predictions"``), only vLLM's KV-cache events
 (``"events"``), or events plus short-lived speculative entries for just-routed prompts (``"hybrid"``)."""
+
+_log = logging.getLogger("prefixroute")
 
 Reason = Literal["prefix", "load-fallback", "miss", "policy"]
 """Why a backend was chosen: it held the longest prefix (``"prefix"``); a prefix-aware policy passed over a longer
@@ -101,7 +105,7 @@ class Router:
         self._in_flight: dict[str, int] = {}
         self._engine_load: dict[str, tuple[int | None, float | None]] = {}
         self._index_source: IndexSource | None = index_source
-        self._speculative = _SpeculativeIndex(block_size, ttl=float(speculative_ttl), clock=clock)
+        self._speculative = SpeculativeIndex(block_size, ttl=float(speculative_ttl), clock=clock)
         self._subscribers: dict[str, _Subscriber] = {}
         # Root seeds of per-request namespaces (model or LoRA names): few, reused, so a small LRU serves.
         self._seeds: cachetools.LRUCache[str | bytes, int] = cachetools.LRUCache(maxsize=1024)
@@ -269,7 +273,7 @@ class Router:
         if self._index_source is None:
             self._index_source = "hybrid"
         subscriber = KVEventSubscriber(
-            _EventSink(self),
+            EventSink(self._index, self._speculative),
             backend,
             endpoint,
             replay_endpoint=replay_endpoint,
@@ -281,8 +285,58 @@ class Router:
         self._subscribers[backend] = subscriber
         return subscriber.start()
 
+    def watch_metrics(
+        self,
+        backends: Mapping[str, str] | Sequence[str],
+        *,
+        interval: float = 1.0,
+        stale_after: float = 5.0,
+        on_health: Callable[[str, bool], None] | None = None,
+    ) -> _Subscriber:
+        """Poll each backend's vLLM ``/metrics`` and feed the router (needs ``prefixroute[vllm]``).
+
+        ``backends`` maps backend id → base URL (or is a list of URLs used as ids). After every scrape the engine's
+        waiting requests and KV usage reach policies as :attr:`Candidate.queue_len` / :attr:`Candidate.kv_usage`
+        (None while stale). From ``vllm:cache_config_info``, the index capacity of a backend is set to its
+        ``num_gpu_blocks`` (in router blocks) when the index holds predictions; a vLLM block size that is not a
+        multiple of the router's is logged as a warning and nothing is guessed. Returns the started
+        :class:`prefixroute.vllm.metrics.MetricsPoller` (for :meth:`~MetricsPoller.healthy_backends`);
+        :meth:`close` stops it.
+        """
+        from prefixroute.vllm.metrics import MetricsPoller  # optional extra: imported only when used
+
+        configured: dict[str, tuple[int | None, int | None]] = {}
+
+        def on_load(backend: str, queue_len: int | None, kv_usage: float | None) -> None:
+            self.set_engine_load(backend, queue_len=queue_len, kv_usage=kv_usage)
+            config = poller.cache_config(backend)
+            if configured.get(backend) != config:  # act (and warn) once per change, not every scrape
+                configured[backend] = config
+                self._apply_cache_config(backend, *config)
+
+        poller = MetricsPoller(
+            backends, interval=interval, stale_after=stale_after, on_health=on_health, on_load=on_load
+        )
+        self._subscribers[f"metrics:{id(poller)}"] = poller
+        return poller.start()
+
+    def _apply_cache_config(self, backend: str, engine_block_size: int | None, num_gpu_blocks: int | None) -> None:
+        block_size = self._hasher.block_size
+        if engine_block_size is None or num_gpu_blocks is None:
+            return
+        if engine_block_size % block_size:
+            _log.warning(
+                "%s: vLLM block_size is %d but the router uses %d: prefix matches will be wrong; set "
+                "Router(block_size=%d) or vLLM's --block-size",
+                backend, engine_block_size, block_size, engine_block_size,
+            )  # fmt: skip
+            return
+        if self.index_source == "predictions":
+            with self._lock:
+                self._index.set_capacity(backend, num_gpu_blocks * (engine_block_size // block_size))
+
     def close(self) -> None:
-        """Stop every KV-event subscriber (the router keeps routing on what it knows)."""
+        """Stop every KV-event subscriber and metrics poller (the router keeps routing on what it knows)."""
         while self._subscribers:
             self._subscribers.popitem()[1].stop()
 
@@ -300,72 +354,6 @@ class _Subscriber(Protocol):
     def start(self) -> Any: ...
 
     def stop(self) -> None: ...
-
-
-class _EventSink:
-    """What a KV-event subscriber writes through: the confirmed index, and the speculative entries it overrides.
-
-    Called with the router's lock held (the subscriber shares it).
-    """
-
-    def __init__(self, router: Router) -> None:
-        self._index = router._index
-        self._speculative = router._speculative
-        self.block_size = router._index.block_size
-
-    def insert(self, hashes: Sequence[int], backend: str) -> None:
-        self._index.insert(hashes, backend)
-
-    def remove(self, hashes: Sequence[int], backend: str) -> None:
-        self._index.remove(hashes, backend)
-        self._speculative.remove(hashes, backend)
-
-    def remove_backend(self, backend: str) -> None:
-        self._index.remove_backend(backend)
-        self._speculative.remove_backend(backend)
-
-
-class _SpeculativeIndex:
-    """Blocks of just-routed prompts, trusted until the engine's events catch up, then forgotten.
-
-    Two generations of :class:`PrefixIndex`: entries go into the current one, which becomes the previous one every
-    ``ttl`` seconds, when the old previous one is dropped whole. An entry thus lives between ``ttl`` and ``2 × ttl``
-    seconds, and expiry costs O(1) instead of a timer per block.
-    """
-
-    def __init__(self, block_size: int, *, ttl: float, clock: Callable[[], float]) -> None:
-        self._block_size = block_size
-        self._ttl = ttl
-        self._clock = clock
-        self._current = PrefixIndex(block_size)
-        self._previous = PrefixIndex(block_size)
-        self._rotated_at = clock()
-
-    def _rotate(self) -> None:
-        now = self._clock()
-        if now - self._rotated_at >= self._ttl:
-            # Two periods idle: the current generation has expired too.
-            self._previous = self._current if now - self._rotated_at < 2 * self._ttl else PrefixIndex(self._block_size)
-            self._current = PrefixIndex(self._block_size)
-            self._rotated_at = now
-
-    def match(self, hashes: Sequence[int], backends: Sequence[str], confirmed: dict[str, int]) -> dict[str, int]:
-        """Per backend, the longer of its confirmed match and its speculative match."""
-        self._rotate()
-        current = self._current.match(hashes, backends)
-        previous = self._previous.match(hashes, backends)
-        return {b: max(confirmed[b], current[b], previous[b]) for b in backends}
-
-    def insert(self, hashes: Sequence[int], backend: str) -> None:
-        self._current.insert(hashes, backend)
-
-    def remove(self, hashes: Sequence[int], backend: str) -> None:
-        self._current.remove(hashes, backend)
-        self._previous.remove(hashes, backend)
-
-    def remove_backend(self, backend: str) -> None:
-        self._current.remove_backend(backend)
-        self._previous.remove_backend(backend)
 
 
 def _candidate(backend: str, matched_tokens: int, prompt_tokens: int, in_flight: int) -> Candidate:

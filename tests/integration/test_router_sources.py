@@ -169,3 +169,32 @@ def test_subscribe_hashes_with_the_routers_namespace(engine: FakeVLLM) -> None:
         assert router.route(PROMPT, ["gpu0"], namespace="other-model").matched_tokens == 0
     finally:
         router.close()
+
+
+def test_watch_metrics_feeds_engine_load_and_capacity(engine: FakeVLLM) -> None:
+    router = Router(policy=LeastLoaded())
+    poller = router.watch_metrics({"gpu0": engine.url}, interval=0.05)
+    try:
+        engine.set_load(running=2, waiting=3)
+        wait_until(lambda: router.index.capacity("gpu0") == 64, "capacity from vllm:cache_config_info")
+
+        def seen() -> int | None:
+            return next(c.queue_len for c in router.route(PROMPT, ["gpu0", "gpu1"]).candidates if c.backend == "gpu0")
+
+        wait_until(lambda: seen() == 3, "the engine's waiting queue in the candidates")
+        assert router.route(PROMPT, ["gpu0", "gpu1"]).backend == "gpu1"  # 3 waiting there, none here
+        assert poller.healthy_backends(["gpu0", "gpu1"]) == ["gpu0", "gpu1"]
+    finally:
+        router.close()
+    assert router.index.capacity("gpu0") == 64
+
+
+def test_watch_metrics_warns_about_a_block_size_it_cannot_use(caplog: pytest.LogCaptureFixture) -> None:
+    with FakeVLLM(block_size=24, num_blocks=32) as odd:
+        router = Router(block_size=16)
+        router.watch_metrics({"gpu0": odd.url}, interval=0.05)
+        try:
+            wait_until(lambda: "block_size is 24" in caplog.text, "a warning about vLLM's block size")
+        finally:
+            router.close()
+        assert router.index.capacity("gpu0") is None  # nothing guessed
