@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint typecheck pytest docs bench clean
+.PHONY: demo test lint typecheck pytest docs bench study clean
 
 $(BIN)/.installed-demo: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,8 +17,13 @@ $(BIN)/.installed-test: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $@ $(BIN)/.installed-demo
 
+# The main job: the seed benchmark on simulated GPUs, three policies, a comparison table and a plot.
 demo: $(BIN)/.installed-demo
-	$(BIN)/python examples/quickstart.py
+	$(BIN)/prefixroute simulate --plot out/seed.png
+
+# Regenerates docs/study.md and its plots (every published claim, rerun in the simulator).
+study: $(BIN)/.installed-demo
+	$(BIN)/prefixroute study
 
 lint: $(BIN)/.installed-test
 	$(BIN)/ruff check .
@@ -37,6 +42,8 @@ test: lint typecheck pytest docs
 
 bench: $(BIN)/.installed-test
 	$(BIN)/python benchmarks/bench_route.py
+	$(BIN)/python benchmarks/bench_events.py
+	$(BIN)/python benchmarks/bench_sim.py
 
 clean:
 	rm -rf $(VENV) build dist .mypy_cache .pytest_cache .ruff_cache .hypothesis

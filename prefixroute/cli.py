@@ -16,7 +16,11 @@ def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser with every subcommand registered."""
     from prefixroute import __version__
 
-    parser = argparse.ArgumentParser(prog="prefixroute", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="prefixroute",
+        description="Prefix-aware, load-bounded routing of LLM requests: simulate policies, rerun the study, "
+        "diagnose a vLLM deployment.",
+    )
     parser.add_argument("--version", action="version", version=f"prefixroute {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in COMMAND_MODULES:
