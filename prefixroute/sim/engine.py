@@ -44,9 +44,13 @@ class ClosedLoop:
 
 @dataclass(frozen=True, slots=True)
 class OpenLoop:
-    """Poisson arrivals at ``rate`` requests per second, independent of how fast they are served."""
+    """Poisson arrivals at ``rate`` requests per second, independent of how fast they are served.
+
+    Arrival *i* is sent on behalf of user ``i % users``, so per-user state (a multi-turn chat session) continues.
+    """
 
     rate: float
+    users: int = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +113,8 @@ class Simulation:
             raise ValueError("backends must be a positive count or distinct backend names")
         if max_requests is None and duration is None and not isinstance(arrivals, (ClosedLoop, TraceTimes)):
             raise ValueError("give max_requests or duration: open-loop arrivals never stop by themselves")
+        if isinstance(arrivals, OpenLoop) and (arrivals.rate <= 0 or arrivals.users < 1):
+            raise ValueError("open-loop arrivals need rate > 0 and users >= 1")
         if max_requests is not None and max_requests < 1:
             raise ValueError(f"max_requests must be >= 1, not {max_requests}")
         self.router = router
@@ -198,7 +204,8 @@ class Simulation:
         arrivals = self.arrivals
         if not self._may_issue(self.now):
             return
-        request = self.workload.next_request(self._issued)
+        user = self._issued % arrivals.users if isinstance(arrivals, OpenLoop) else self._issued
+        request = self.workload.next_request(user)
         if request is None:
             return
         if isinstance(arrivals, OpenLoop):
@@ -211,7 +218,7 @@ class Simulation:
         if not self._may_issue(at):
             return
         self._issued += 1
-        self._push(at, _ARRIVAL, (self._issued - 1, request))
+        self._push(at, _ARRIVAL, (user, request))
 
     def _wake(self, user: int) -> None:
         if not self._may_issue(self.now):

@@ -104,7 +104,7 @@ def _workload(spec: SimSpec) -> tuple[Workload, Arrivals]:
     if spec.rate is not None:
         if spec.rate <= 0:
             raise ConfigurationError(f"--rate must be > 0 requests per second, not {spec.rate}")
-        arrivals = OpenLoop(spec.rate)
+        arrivals = OpenLoop(spec.rate, users=spec.users or 64)
     elif spec.users is None:
         if spec.trace is None:
             raise ConfigurationError("give --users or --rate (only a trace brings its own arrival times)")
