@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from prefixroute.router import Decision
 from prefixroute.sim.kvcache import BlockCache
 from prefixroute.sim.request import RequestRecord
 
@@ -67,7 +68,7 @@ class Active:
         "tokens",
     )
 
-    def __init__(self, record: RequestRecord, hashes: list[int], decision: object) -> None:
+    def __init__(self, record: RequestRecord, hashes: list[int], decision: Decision) -> None:
         self.record = record
         self.hashes = hashes  # chained hashes of every full block of prompt (+ output, when known)
         self.decision = decision  # the router's Decision, handed back when the request finishes

@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = spec_from_args(args)
         config, profile = backend_config(spec)
-        header = _header(spec, profile.tp, config.capacity_blocks)
+        header = _header(spec)
         console.print(_describe(spec, profile.name, config.capacity_blocks))
         results = _run_all(spec, policies, console)
     except (PrefixRouteError, ValueError) as exc:
@@ -149,19 +149,12 @@ def _run_all(spec: SimSpec, policies: list[str], console: Any) -> list[PolicyRes
     return results
 
 
-def _header(spec: SimSpec, tp: int, capacity: int | None) -> dict[str, object]:
+def _header(spec: SimSpec) -> dict[str, object]:
     return {
         "scenario": spec.trace if spec.trace is not None else spec.scenario,
         "backends": spec.backends,
         "model": spec.model,
         "gpu": spec.gpu,
-        "tp": tp,
-        "kv_capacity_blocks": capacity,
-        "users": spec.users,
-        "rate": spec.rate,
-        "seed": spec.seed,
-        "index_source": spec.index_source,
-        "metrics_interval": spec.metrics_interval,
     }
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from prefixroute.router import Decision, Router
@@ -73,7 +73,6 @@ class SimOutcome:
     peak_in_flight: dict[str, int]
     prefill_tokens: dict[str, int]
     evictions: dict[str, int]
-    load_samples: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
 
 
 class Simulation:
@@ -139,7 +138,6 @@ class Simulation:
         self._in_flight = [0] * len(names)
         self._peak = [0] * len(names)
         self._hasher = router.hasher
-        self._load_samples: list[tuple[float, tuple[int, ...]]] = []
         if metrics_interval is not None and metrics_interval <= 0:
             raise ValueError(f"metrics_interval must be > 0 seconds, not {metrics_interval}")
         self.metrics_interval = metrics_interval
@@ -187,7 +185,6 @@ class Simulation:
             peak_in_flight=dict(zip(names, self._peak, strict=True)),
             prefill_tokens={b.name: b.prefill_tokens for b in self.backends},
             evictions={b.name: b.cache.evictions for b in self.backends},
-            load_samples=self._load_samples,
         )
 
     def _start_arrivals(self) -> None:
@@ -272,9 +269,7 @@ class Simulation:
                 own, fleet, total = record.cached_tokens, record.fleet_cached_tokens, record.prompt_tokens
                 extra = self.cost.prefill_seconds(total - own, own) - self.cost.prefill_seconds(total - fleet, fleet)
                 record.recompute_seconds = max(0.0, extra) * self.gpus
-            decision = active.decision
-            assert isinstance(decision, Decision)
-            self._finish(index, decision, record)
+            self._finish(index, active.decision, record)
         if self.check:
             backend._check()
         self._start_step(index)
@@ -285,8 +280,6 @@ class Simulation:
         self.router.finish(decision)
         self._in_flight[index] -= 1
         self._done += 1
-        if self._done % 16 == 0:
-            self._load_samples.append((self.now, tuple(self._in_flight)))
         if self.on_progress is not None:
             self.on_progress(self._done, self.max_requests or 0)
         arrivals = self.arrivals

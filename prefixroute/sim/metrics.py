@@ -54,7 +54,6 @@ class PolicyResult:
     duration_s: float
     tag_tokens: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
     ttfts_ms: list[float] = field(default_factory=list, repr=False)
-    load_samples: list[tuple[float, tuple[int, ...]]] = field(default_factory=list, repr=False)
 
     def tag_hit_rate(self, *, exclude: str = "unique") -> float:
         """KV hit rate over the requests whose tag is not ``exclude`` (e.g. only those on a shared prefix)."""
@@ -63,7 +62,7 @@ class PolicyResult:
         return cached / prompt if prompt else 0.0
 
     def to_json(self) -> dict[str, object]:
-        """The ``--json`` result object (the issue's schema, plus extra fields after it)."""
+        """The ``--json`` result object: exactly the documented keys (the rest is in :meth:`details`)."""
         return {
             "policy": self.policy,
             "requests": self.requests,
@@ -73,6 +72,11 @@ class PolicyResult:
             "e2e_ms": dict(self.e2e_ms),
             "throughput_rps": self.throughput_rps,
             "max_backend_share": self.max_backend_share,
+        }
+
+    def details(self) -> dict[str, object]:
+        """The figures beyond the ``--json`` schema: rejections, token throughput, balance, recompute cost."""
+        return {
             "rejected": self.rejected,
             "prompt_tokens_per_s": self.prompt_tokens_per_s,
             "backend_share": dict(self.backend_share),
@@ -120,5 +124,4 @@ def summarize(outcome: SimOutcome, *, policy: str, gpu_hour_usd: float = 0.0) ->
         duration_s=span,
         tag_tokens=tags,
         ttfts_ms=ttfts,
-        load_samples=list(outcome.load_samples),
     )

@@ -38,13 +38,14 @@ _HEADERS = (
     "e2e p99 ms",
     "req/s",
     "max backend share",
+    "peak in-flight",
     "recompute $/month",
     "p99 TTFT ratio",
     "req/s ratio",
     "hit Δ points",
 )
 # The terminal table leaves out TTFT p95 and e2e p50 (in --json and Markdown) and puts headers on two lines.
-_TERMINAL_COLUMNS = (0, 1, 2, 3, 5, 7, 8, 9, 10, 11, 12, 13)
+_TERMINAL_COLUMNS = (0, 1, 2, 3, 5, 7, 8, 9, 10, 11, 12, 13, 14)
 _TERMINAL_HEADERS = (
     "policy",
     "KV\nhit",
@@ -54,6 +55,7 @@ _TERMINAL_HEADERS = (
     "e2e\np99 ms",
     "req/s",
     "max\nshare",
+    "peak in\nflight",
     "recompute\n$/month",
     "p99\nTTFT",
     "req/s\nratio",
@@ -85,6 +87,7 @@ def table_rows(results: Sequence[PolicyResult]) -> list[list[str]]:
                 f"{r.e2e_ms['p99']:.0f}",
                 f"{r.throughput_rps:.2f}",
                 f"{100 * r.max_backend_share:.0f} %",
+                str(max(r.peak_in_flight.values(), default=0)),
                 f"{r.recompute_usd_per_month:,.0f}",
                 _ratio(r.ttft_ms["p99"], base.ttft_ms["p99"]),
                 _ratio(r.throughput_rps, base.throughput_rps),

@@ -22,7 +22,7 @@ def _simulate(tmp_path: Path, name: str, *extra: str) -> dict[str, object]:
 def test_json_schema_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plot = tmp_path / "seed.png"
     document = _simulate(tmp_path, "a", "--plot", str(plot))
-    assert {"scenario", "backends", "model", "gpu", "results"} <= set(document)
+    assert set(document) == {"scenario", "backends", "model", "gpu", "results"}
     assert (document["scenario"], document["backends"], document["model"], document["gpu"]) == (
         "seed",
         8,
@@ -42,7 +42,7 @@ def test_json_schema_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]
             "e2e_ms",
             "throughput_rps",
             "max_backend_share",
-        } <= set(result)
+        } == set(result)
         assert set(result["ttft_ms"]) == {"p50", "p95", "p99"} and set(result["e2e_ms"]) == {"p50", "p99"}
         assert result["requests"] == 120 and 0 <= result["hit_rate"] <= 1
         assert result["ttft_ms"]["p50"] <= result["ttft_ms"]["p95"] <= result["ttft_ms"]["p99"]
