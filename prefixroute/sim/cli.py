@@ -117,6 +117,12 @@ def run(args: argparse.Namespace) -> int:
     from prefixroute.sim.report import rich_table, write_json, write_plot
 
     console.print(rich_table(results, title=f"{header['scenario']}: ratios against {policies[0]}"))
+    for result in results:
+        if result.rejected:
+            console.print(
+                f"{result.policy}: {result.rejected} requests rejected, longer than one engine's whole KV cache "
+                "(choose a larger --gpu or --tp)"
+            )
     if args.json:
         write_json(args.json, header, results)
         console.print(f"wrote {args.json}")

@@ -127,6 +127,7 @@ def json_document(header: Mapping[str, object], results: Sequence[PolicyResult])
 def write_json(path: str | Path, header: Mapping[str, object], results: Sequence[PolicyResult]) -> None:
     """Write :func:`json_document` to ``path`` (NaN, from a run with no served request, becomes null)."""
     document = _nan_to_none(json_document(header, results))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
 
 

@@ -98,3 +98,11 @@ def test_user_policy_class_and_trace_replay(tmp_path: Path, shared_data: Path) -
 def test_errors_exit_2_with_a_message(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--requests", "10", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_rejections_are_reported(tmp_path: Path, shared_data: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = f"mooncake:{shared_data / 'mooncake-fast25' / 'synthetic_trace.jsonl'}"
+    out = tmp_path / "nested" / "m.json"
+    assert main(["simulate", "--trace", trace, "--requests", "30", "--policy", "round-robin", "--json", str(out)]) == 0
+    assert "requests rejected, longer than one engine's whole KV cache" in capsys.readouterr().out
+    assert json.loads(out.read_text())["results"][0]["requests"] < 30
