@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,3 +109,25 @@ def test_rejections_are_reported(tmp_path: Path, shared_data: Path, capsys: pyte
     assert main(["simulate", "--trace", trace, "--requests", "30", "--policy", "round-robin", "--json", str(out)]) == 0
     assert "requests rejected, longer than one engine's whole KV cache" in capsys.readouterr().out
     assert json.loads(out.read_text())["results"][0]["requests"] < 30
+
+
+def test_same_seed_same_json_across_processes(tmp_path: Path) -> None:
+    # Different PYTHONHASHSEEDs: nothing in a run may depend on set or str-hash iteration order.
+    outputs = []
+    for hash_seed in ("1", "2"):
+        out = tmp_path / f"p{hash_seed}.json"
+        argv = ["simulate", "--requests", "150", "--scenario", "multi-turn", "--policy", "power-of-two"]
+        argv += [
+            "--policy",
+            "bounded-load",
+            "--index-source",
+            "events",
+            "--metrics-interval",
+            "0.5",
+            "--json",
+            str(out),
+        ]
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        subprocess.run([sys.executable, "-m", "prefixroute", *argv], check=True, env=env, capture_output=True)
+        outputs.append(out.read_text())
+    assert outputs[0] == outputs[1]
