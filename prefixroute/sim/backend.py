@@ -194,7 +194,8 @@ class SimBackend:
                 break  # first come first served: the head of the queue waits for memory
             held = hashes[:hit]
             cache.acquire(held)
-            cache.allocate(need)
+            allocated = cache.allocate(need)
+            assert allocated, "admission checked the blocks were available"
             waiting.popleft()
             running.append(active)
             active.held = held
