@@ -152,9 +152,11 @@ class BoundedLoad(LoadPolicy):
     stays within ``ceil(factor × (total in flight + 1) / len(candidates))``, so no backend ever exceeds
     ``factor`` × the mean + 1. At ``factor=2`` this is the "divert above 2× the mean" rule. When requests do not
     overlap (nothing in flight) every candidate qualifies and affinity always holds; under load, a hot prefix spills
-    to the next-best match. Among equally matched candidates the least loaded wins, except on a miss, where placement
-    order wins so that router replicas agree on where a new prefix goes. If no candidate qualifies, the least loaded.
-    O(len(candidates)).
+    to the next-best match, and among equally matched candidates the least loaded wins. A miss has no cached prefix
+    to protect, so it gets the tightest bound (factor 1): the first backend in placement order whose load after
+    placing stays within the mean. With nothing in flight that is the rendezvous choice, so router replicas agree
+    where a new prefix lives; under load, new prefixes avoid busy backends (the simulator's ``seed`` scenario shows
+    the difference: see docs/study.md). If no candidate qualifies, the least loaded. O(len(candidates)).
     """
 
     name = "bounded-load"
@@ -166,13 +168,18 @@ class BoundedLoad(LoadPolicy):
         self.factor = float(factor)
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
-        bound = math.ceil(self.factor * (sum(map(_in_flight, candidates)) + 1) / len(candidates))
+        total = sum(map(_in_flight, candidates))
+        bound = math.ceil(self.factor * (total + 1) / len(candidates))
         eligible = [c for c in candidates if c.in_flight < bound]
         if not eligible:
             return min(candidates, key=_in_flight)
         longest = max(map(_matched, eligible))
         if longest == 0:
-            return eligible[0]
+            # A miss has no cached prefix to protect, so it gets the tightest bound (factor 1): the first backend in
+            # placement order that is at most averagely loaded. One always qualifies, and when nothing is in flight
+            # it is the rendezvous choice, so replicas still agree where a new prefix lives.
+            mean_bound = math.ceil((total + 1) / len(candidates))
+            return next(c for c in candidates if c.in_flight < mean_bound)
         return min((c for c in eligible if c.matched_tokens == longest), key=_in_flight)
 
     def __repr__(self) -> str:

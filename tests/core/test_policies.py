@@ -114,9 +114,12 @@ def test_bounded_load_keeps_affinity_when_requests_do_not_overlap() -> None:
     assert BoundedLoad().choose(candidates).backend == "hot"
 
 
-def test_bounded_load_miss_follows_placement_order_not_load() -> None:
-    candidates = [Candidate("first", 0, 512, 1), Candidate("second", 0, 512, 0), Candidate("third", 0, 512, 0)]
-    assert BoundedLoad().choose(candidates).backend == "first"
+def test_bounded_load_places_a_miss_by_placement_order_among_backends_at_most_averagely_loaded() -> None:
+    idle = [Candidate("first", 0, 512, 0), Candidate("second", 0, 512, 0), Candidate("third", 0, 512, 0)]
+    assert BoundedLoad().choose(idle).backend == "first"  # nothing in flight: the rendezvous choice
+    # 5 in flight + this one over 3 backends: a mean of 2, so "first" (2 already) would go above it.
+    busy_first = [Candidate("first", 0, 512, 2), Candidate("second", 0, 512, 0), Candidate("third", 0, 512, 3)]
+    assert BoundedLoad().choose(busy_first).backend == "second"
 
 
 @given(candidates=candidate_lists, factor=st.floats(1.0, 4.0))
