@@ -5,11 +5,20 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
 
-# Each module defines ``register(subparsers)``, adding its subcommand with ``set_defaults(func=...)`` where
-# ``func(args) -> int`` returns the exit status. Modules are imported only when the CLI runs.
-COMMAND_MODULES: tuple[str, ...] = ("prefixroute.sim.cli", "prefixroute.vllm.doctor")
+# Module → (the extra it needs, the subcommands it registers). Each module defines ``register(subparsers)``, adding
+# its subcommands with ``set_defaults(func=...)`` where ``func(args) -> int`` returns the exit status. Modules are
+# imported only when the CLI runs; one whose extra is not installed still lists its subcommands, which then say
+# what to install.
+COMMAND_MODULES: Mapping[str, tuple[str, tuple[str, ...]]] = MappingProxyType(
+    {
+        "prefixroute.sim.cli": ("sim", ("simulate", "study")),
+        "prefixroute.vllm.doctor": ("vllm", ("doctor",)),
+    }
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,9 +32,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"prefixroute {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module_name in COMMAND_MODULES:
-        importlib.import_module(module_name).register(subparsers)
+    for module_name, (extra, commands) in COMMAND_MODULES.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            for command in commands:
+                unavailable = subparsers.add_parser(command, help=f"(needs: pip install 'prefixroute[{extra}]')")
+                unavailable.add_argument("ignored", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+                unavailable.set_defaults(func=_missing_extra(command, extra, exc))
+            continue
+        module.register(subparsers)
     return parser
+
+
+def _missing_extra(command: str, extra: str, exc: ImportError) -> Callable[[Any], int]:
+    def run(args: Any) -> int:
+        print(
+            f"prefixroute {command} needs the '{extra}' extra: pip install 'prefixroute[{extra}]' ({exc})",
+            file=sys.stderr,
+        )
+        return 2
+
+    return run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
