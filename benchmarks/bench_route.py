@@ -30,16 +30,21 @@ def floor_cost(prompt: list[int]) -> int:
     return xxhash.xxh3_64_intdigest(array.array("I", prompt).tobytes())
 
 
-def warm_router(backends: list[str], entries: int, rng: random.Random) -> tuple[Router, float]:
+def warm_router(
+    backends: list[str], entries: int, rng: random.Random, *, bounded: bool = False
+) -> tuple[Router, float]:
     """A router whose index holds ``entries`` (block, backend) pairs; returns it and index bytes per entry."""
     # Realistic sharing: 2K-token prefixes (made before measuring) extended by 2K-token unique suffixes. Each prompt
     # is freed after its route(), so what tracemalloc still counts at the end is the index.
     prefixes = [[rng.randrange(VOCAB) for _ in range(2048)] for _ in range(64)]
-    router = Router()
+    # Bounded: each backend's capacity is 5/4 of its share of the warm index, so routes soon start evicting.
+    router = Router(capacity_blocks=entries * 5 // (4 * len(backends)) if bounded else None)
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    while len(router.index) < entries:
+    for _ in range(2 * entries // 128):  # each route adds up to 128 blocks; a bounded index may saturate earlier
         router.route(rng.choice(prefixes) + [rng.randrange(VOCAB) for _ in range(2048)], backends)
+        if len(router.index) >= entries:
+            break
     per_entry = (tracemalloc.get_traced_memory()[0] - before) / len(router.index)
     tracemalloc.stop()
     return router, per_entry
@@ -74,13 +79,20 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200, help="route() calls per pass")
     parser.add_argument("--entries", type=int, default=1_000_000, help="warm index size in (block, backend) entries")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
+    parser.add_argument(
+        "--bounded",
+        action="store_true",
+        help="give every backend a capacity (its share of the warm index), so routes also evict LRU blocks",
+    )
     args = parser.parse_args()
     if args.quick:
         args.runs, args.calls, args.entries = 2, 20, 20_000
 
     rng = random.Random(0)
+    bounds = "LRU capacity per backend (5/4 of its share)" if args.bounded else "unbounded backends"
     print(
-        f"route() benchmark: median of {args.runs} passes x {args.calls} calls, warm index >= {args.entries:,} entries"
+        f"route() benchmark: median of {args.runs} passes x {args.calls} calls, "
+        f"warm index of {args.entries:,} entries, {bounds}"
     )
     print(
         f"{'tokens':>7} {'backends':>8} {'entries':>10} {'B/entry':>8} {'median us':>10} {'p99 us':>8} "
@@ -88,7 +100,7 @@ def main() -> None:
     )
     for backend_count in (8, 64):
         backends = [f"http://gpu{i}:8000" for i in range(backend_count)]
-        router, per_entry = warm_router(backends, args.entries, rng)
+        router, per_entry = warm_router(backends, args.entries, rng, bounded=args.bounded)
         for length in (1024, 8192, 32768):
             # Half of each prompt is a prefix the index already holds, as in a warm fleet.
             shared = [[rng.randrange(VOCAB) for _ in range(length // 2)] for _ in range(8)]

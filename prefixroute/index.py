@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
-from itertools import repeat, takewhile
+from itertools import repeat, starmap, takewhile
 
 from prefixroute.errors import ConfigurationError
 
@@ -22,7 +22,9 @@ class PrefixIndex:
     unbounded), or None (unbounded). When a backend exceeds its capacity its least recently used blocks are evicted.
     :meth:`insert` touches a prompt's blocks leaf first, so a parent is always more recent than its children and
     eviction removes leaves first: what remains is still a set of whole prefixes, as in vLLM, which frees a
-    request's blocks in reverse order.
+    request's blocks in reverse order. Recency is kept (in an ``OrderedDict``) only for backends with a capacity;
+    an unbounded backend's blocks sit in a plain ``dict``, a third cheaper to insert into, and a backend that gets a
+    capacity later starts from the order its blocks were first inserted.
 
     Not thread-safe by itself: :class:`~prefixroute.Router` serialises access with its lock.
 
@@ -41,7 +43,7 @@ class PrefixIndex:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ConfigurationError(f"block_size must be a positive int (vLLM's default is 16), not {block_size!r}")
         self._block_size = block_size
-        self._blocks: dict[str, OrderedDict[int, None]] = {}
+        self._blocks: dict[str, dict[int, None]] = {}  # an OrderedDict (LRU order) where a capacity applies
         self._capacity: dict[str, int] = {}
         self._default_capacity: int | None = None
         if isinstance(capacity_blocks, Mapping):
@@ -63,11 +65,18 @@ class PrefixIndex:
         """Set one backend's capacity in blocks (None: unbounded), evicting its LRU blocks if it is over. O(evicted)."""
         if capacity_blocks is None:
             self._capacity.pop(backend, None)
+            blocks = self._blocks.get(backend)
+            if blocks is not None and self.capacity(backend) is None:
+                self._blocks[backend] = dict(blocks)  # unbounded: recency no longer kept
             return
         self._capacity[backend] = _check_capacity(capacity_blocks, f"capacity of {backend!r}")
         blocks = self._blocks.get(backend)
         if blocks is not None:
+            if not isinstance(blocks, OrderedDict):
+                blocks = self._blocks[backend] = OrderedDict(blocks)
             self._shrink(backend, blocks)
+            if not blocks:
+                del self._blocks[backend]
 
     def match(self, hashes: Sequence[int], backends: Iterable[str]) -> dict[str, int]:
         """Return, for each backend, how many leading blocks of ``hashes`` it holds, contiguous from block 0.
@@ -98,13 +107,15 @@ class PrefixIndex:
         """:meth:`insert` for a caller that knows the backend holds the first ``held`` blocks (the router does)."""
         blocks = self._blocks.get(backend)
         if blocks is None:
-            blocks = self._blocks[backend] = OrderedDict()
+            bounded = self.capacity(backend) is not None
+            blocks = self._blocks[backend] = OrderedDict() if bounded else {}
         # C-level loops: append the new tail leaf first, then move the held prefix to the end, leaf first.
         blocks.update(zip(reversed(hashes[held:]), repeat(None)))
-        deque(map(blocks.move_to_end, reversed(hashes[:held])), maxlen=0)
-        self._shrink(backend, blocks)
-        if not blocks:
-            del self._blocks[backend]
+        if isinstance(blocks, OrderedDict):
+            deque(map(blocks.move_to_end, reversed(hashes[:held])), maxlen=0)
+            self._shrink(backend, blocks)
+            if not blocks:
+                del self._blocks[backend]
 
     def remove(self, hashes: Iterable[int], backend: str) -> None:
         """Forget that ``backend`` holds ``hashes``; hashes it does not hold are ignored. O(len(hashes))."""
@@ -117,9 +128,8 @@ class PrefixIndex:
             del self._blocks[backend]
 
     def remove_backend(self, backend: str) -> None:
-        """Forget every block of ``backend`` and its capacity override. O(1) (memory is freed lazily)."""
+        """Forget every block of ``backend`` (its capacity, a setting, stays). O(1); memory is freed lazily."""
         self._blocks.pop(backend, None)
-        self._capacity.pop(backend, None)
 
     def holds(self, block_hash: int, backend: str) -> bool:
         """Return whether ``backend`` holds the block ``block_hash``. O(1)."""
@@ -150,18 +160,18 @@ class PrefixIndex:
     def __repr__(self) -> str:
         return f"PrefixIndex(block_size={self._block_size}, backends={len(self._blocks)}, entries={len(self)})"
 
-    def _evict(self, backend: str, blocks: OrderedDict[int, None]) -> int:
-        """Remove and return the block to evict from an over-capacity backend: its least recently used one.
+    def _evict(self, backend: str, blocks: OrderedDict[int, None], count: int) -> None:
+        """Evict ``count`` blocks from an over-capacity backend: its least recently used ones. O(count).
 
-        The one hook subclasses override to change the eviction order (as cachetools' ``popitem``).
+        The one hook subclasses override to change the eviction order (as cachetools' ``popitem``); ``blocks`` is
+        the backend's LRU, least recent first.
         """
-        return blocks.popitem(last=False)[0]
+        deque(starmap(blocks.popitem, repeat((False,), count)), maxlen=0)
 
     def _shrink(self, backend: str, blocks: OrderedDict[int, None]) -> None:
         capacity = self._capacity.get(backend, self._default_capacity)
-        if capacity is not None:
-            while len(blocks) > capacity:
-                self._evict(backend, blocks)
+        if capacity is not None and len(blocks) > capacity:
+            self._evict(backend, blocks, len(blocks) - capacity)
 
     def _check(self) -> None:
         """Assert every invariant of the index (for tests; O(entries))."""
@@ -170,13 +180,14 @@ class PrefixIndex:
             assert blocks, f"empty block set kept for {backend!r}"
             capacity = self.capacity(backend)
             assert capacity is None or len(blocks) <= capacity, (backend, len(blocks), capacity)
+            assert capacity is None or isinstance(blocks, OrderedDict), f"no LRU order kept for bounded {backend!r}"
             for h in blocks:
                 assert isinstance(h, int) and 0 <= h < 2**64, h
         for backend, capacity in self._capacity.items():
             assert isinstance(capacity, int) and capacity >= 0, (backend, capacity)
 
 
-def _leading(blocks: OrderedDict[int, None], hashes: Sequence[int]) -> int:
+def _leading(blocks: dict[int, None], hashes: Sequence[int]) -> int:
     """How many leading ``hashes`` are in ``blocks``: takewhile over the C-level ``__contains__``, no Python loop."""
     return len(list(takewhile(blocks.__contains__, hashes)))
 

@@ -18,6 +18,7 @@ from types import TracebackType
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from sortedcontainers import SortedDict
 
 from prefixroute.errors import ConfigurationError, MetricsError
 
@@ -70,7 +71,8 @@ def parse_metrics(text: str) -> EngineMetrics:
     """
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
-    buckets: dict[float, float] = {}
+    # Bucket bound → cumulative count, summed over every series (engines, data-parallel ranks), kept in bound order.
+    buckets: SortedDict[float, float] = SortedDict()
     block_size: int | None = None
     num_gpu_blocks: int | None = None
     try:
@@ -108,7 +110,7 @@ def parse_metrics(text: str) -> EngineMetrics:
         prefix_hits=first(_HITS),
         block_size=block_size,
         num_gpu_blocks=num_gpu_blocks,
-        ttft_buckets=tuple(sorted(buckets.items())),
+        ttft_buckets=tuple(buckets.items()),
         ttft_count=sums.get(_TTFT + "_count", 0.0),
         ttft_sum=sums.get(_TTFT + "_sum", 0.0),
     )

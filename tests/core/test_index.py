@@ -96,13 +96,14 @@ def test_memory_per_entry_is_bounded() -> None:
 
 
 class IndexAgainstReference(RuleBasedStateMachine):
-    """Random insert/remove/evict sequences; match() must equal a brute-force model, _check() must hold."""
+    """Random insert/remove/evict/re-capacity sequences; match() must equal a brute-force model, _check() must hold."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.capacity = 12
-        self.index = PrefixIndex(block_size=1, capacity_blocks=self.capacity)
-        # Reference: per backend, held hashes in recency order (least recent first).
+        # "a" is bounded from the start, "b" unbounded until set_capacity(), "c" follows the rule below.
+        self.capacity: dict[str, int | None] = {"a": 12, "b": None, "c": None}
+        self.index = PrefixIndex(block_size=1, capacity_blocks={"a": 12})
+        # Reference: per backend, held hashes in eviction order (least recent first).
         self.model: dict[str, list[int]] = {b: [] for b in BACKENDS}
         self.prompts: list[list[int]] = []
 
@@ -118,10 +119,19 @@ class IndexAgainstReference(RuleBasedStateMachine):
         for h in reversed(hashes[leading:]):  # new tail leaf first; held later blocks keep their place
             if h not in held:
                 held.append(h)
-        for h in reversed(hashes[:leading]):
-            held.remove(h)
-            held.append(h)
-        del held[: max(0, len(held) - self.capacity)]
+        capacity = self.capacity[backend]
+        if capacity is not None:  # only bounded backends track recency
+            for h in reversed(hashes[:leading]):
+                held.remove(h)
+                held.append(h)
+            del held[: max(0, len(held) - capacity)]
+
+    @rule(backend=st.sampled_from(["b", "c"]), capacity=st.none() | st.integers(0, 16))
+    def set_capacity(self, backend: str, capacity: int | None) -> None:
+        self.index.set_capacity(backend, capacity)
+        self.capacity[backend] = capacity
+        if capacity is not None:
+            del self.model[backend][: max(0, len(self.model[backend]) - capacity)]
 
     @precondition(lambda self: self.prompts)
     @rule(data=st.data(), backend=st.sampled_from(BACKENDS))
@@ -153,8 +163,9 @@ class IndexAgainstReference(RuleBasedStateMachine):
         self.index._check()
         for backend, held in self.model.items():
             assert self.index.hashes(backend) == set(held)
-            assert self.index.blocks(backend) <= self.capacity
+            capacity = self.capacity[backend]
+            assert capacity is None or self.index.blocks(backend) <= capacity
 
 
 TestIndexAgainstReference = IndexAgainstReference.TestCase
-TestIndexAgainstReference.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestIndexAgainstReference.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
