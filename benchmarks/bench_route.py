@@ -4,9 +4,11 @@ For prompts of 1K, 8K and 32K tokens (Python lists) and fleets of 8 and 64 backe
 1M (block, backend) entries, prints the median and P99 microseconds per route(), routes per second, and the ratio of
 route() to a floor measured in the same run: converting the list to bytes plus one xxh3_64 over the whole prompt
 (the least any design that hashes the prompt must do). Also prints bytes per index entry, measured by tracemalloc
-while the warm index is built. Method: one warm-up pass, then the median of --runs timed passes.
+while the warm index is built. Each prompt is one of 8 shared prefixes the index holds followed by a part that is
+new to it (--new-fraction, half by default), made fresh for every pass. Method: one warm-up pass, then the median
+of --runs timed passes.
 
-Run: ``python benchmarks/bench_route.py`` (about a minute), ``--quick`` for a smoke run.
+Run: ``python benchmarks/bench_route.py`` (a few minutes), ``--quick`` for a smoke run.
 """
 
 from __future__ import annotations
@@ -50,25 +52,32 @@ def warm_router(
     return router, per_entry
 
 
-def measure(router: Router, prompts: list[list[int]], backends: list[str], runs: int) -> tuple[float, float, float]:
-    """Median and P99 seconds per route(), and the median floor, each the median over ``runs`` passes."""
+def measure(
+    router: Router, make_prompts: Callable[[], list[list[int]]], backends: list[str], runs: int
+) -> tuple[float, float, float]:
+    """Median and P99 seconds per route(), and the median floor, each the median over ``runs`` passes.
+
+    Every pass routes prompts it has just made, so their new part really is new to the index. The floor is timed
+    first, on the same prompts, so neither side finds them already in the CPU cache from the other.
+    """
     medians, p99s, floors = [], [], []
     for _ in range(runs):
-        samples = time_calls(lambda i: router.route(prompts[i], backends), len(prompts))
-        floor_samples = time_calls(lambda i: floor_cost(prompts[i]), len(prompts))
+        prompts = make_prompts()
+        floor_samples = time_calls(floor_cost, prompts)
+        samples = time_calls(lambda prompt: router.route(prompt, backends), prompts)
         medians.append(statistics.median(samples))
         p99s.append(statistics.quantiles(samples, n=100)[98])
         floors.append(statistics.median(floor_samples))
     return statistics.median(medians), statistics.median(p99s), statistics.median(floors)
 
 
-def time_calls(call: Callable[[int], object], count: int) -> list[float]:
-    """Seconds per call for ``count`` calls."""
+def time_calls(call: Callable[[list[int]], object], prompts: list[list[int]]) -> list[float]:
+    """Seconds per call, one call per prompt."""
     samples = []
     clock = time.perf_counter
-    for i in range(count):
+    for prompt in prompts:
         start = clock()
-        call(i)
+        call(prompt)
         samples.append(clock() - start)
     return samples
 
@@ -79,6 +88,12 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200, help="route() calls per pass")
     parser.add_argument("--entries", type=int, default=1_000_000, help="warm index size in (block, backend) entries")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
+    parser.add_argument(
+        "--new-fraction",
+        type=float,
+        default=0.5,
+        help="fraction of each prompt that is new to the index (the rest is a prefix it holds); default 0.5",
+    )
     parser.add_argument(
         "--bounded",
         action="store_true",
@@ -92,7 +107,7 @@ def main() -> None:
     bounds = "LRU capacity per backend (5/4 of its share)" if args.bounded else "unbounded backends"
     print(
         f"route() benchmark: median of {args.runs} passes x {args.calls} calls, "
-        f"warm index of {args.entries:,} entries, {bounds}"
+        f"warm index of {args.entries:,} entries, {bounds}, {args.new_fraction:.0%} of each prompt new"
     )
     print(
         f"{'tokens':>7} {'backends':>8} {'entries':>10} {'B/entry':>8} {'median us':>10} {'p99 us':>8} "
@@ -102,15 +117,16 @@ def main() -> None:
         backends = [f"http://gpu{i}:8000" for i in range(backend_count)]
         router, per_entry = warm_router(backends, args.entries, rng, bounded=args.bounded)
         for length in (1024, 8192, 32768):
-            # Half of each prompt is a prefix the index already holds, as in a warm fleet.
-            shared = [[rng.randrange(VOCAB) for _ in range(length // 2)] for _ in range(8)]
-            prompts = [
-                rng.choice(shared) + [rng.randrange(VOCAB) for _ in range(length - length // 2)]
-                for _ in range(args.calls)
-            ]
-            for prompt in prompts:  # warm-up pass: seeds the shared prefixes, fills caches
+            # Each prompt: one of 8 shared prefixes the index already holds, then a part new to it.
+            new = int(length * args.new_fraction)
+            shared = [[rng.randrange(VOCAB) for _ in range(length - new)] for _ in range(8)]
+
+            def make_prompts(shared: list[list[int]] = shared, new: int = new) -> list[list[int]]:
+                return [rng.choice(shared) + [rng.randrange(VOCAB) for _ in range(new)] for _ in range(args.calls)]
+
+            for prompt in make_prompts():  # warm-up pass: the shared prefixes get a home
                 router.route(prompt, backends)
-            median, p99, floor = measure(router, prompts, backends, args.runs)
+            median, p99, floor = measure(router, make_prompts, backends, args.runs)
             print(
                 f"{length:>7} {backend_count:>8} {len(router.index):>10,} {per_entry:>8.0f} {median * 1e6:>10.1f} "
                 f"{p99 * 1e6:>8.1f} {1 / median:>9,.0f} {floor * 1e6:>9.1f} {median / floor:>6.2f}"

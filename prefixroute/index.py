@@ -37,7 +37,7 @@ class PrefixIndex:
     [11, 21, 22]
     """
 
-    __slots__ = ("_blocks", "_block_size", "_capacity", "_default_capacity")
+    __slots__ = ("_blocks", "_block_size", "_capacity", "_default_capacity", "_open")
 
     def __init__(self, block_size: int = 16, *, capacity_blocks: int | Mapping[str, int] | None = None) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -46,6 +46,9 @@ class PrefixIndex:
         self._blocks: dict[str, dict[int, None]] = {}  # an OrderedDict (LRU order) where a capacity applies
         self._capacity: dict[str, int] = {}
         self._default_capacity: int | None = None
+        # Backends whose blocks may no longer be whole prefixes (after remove(), or after an LRU order was made up
+        # from insertion order), so match() walks them block by block instead of binary-searching.
+        self._open: set[str] = set()
         if isinstance(capacity_blocks, Mapping):
             for backend, capacity in capacity_blocks.items():
                 self.set_capacity(backend, capacity)
@@ -73,29 +76,39 @@ class PrefixIndex:
         blocks = self._blocks.get(backend)
         if blocks is not None:
             if not isinstance(blocks, OrderedDict):
+                # Insertion order is not "every parent more recent than its children": eviction may leave holes.
                 blocks = self._blocks[backend] = OrderedDict(blocks)
+                self._open.add(backend)
             self._shrink(backend, blocks)
             if not blocks:
                 del self._blocks[backend]
+                self._open.discard(backend)
 
     def match(self, hashes: Sequence[int], backends: Iterable[str]) -> dict[str, int]:
         """Return, for each backend, how many leading blocks of ``hashes`` it holds, contiguous from block 0.
 
-        O(B + M) for B backends and M matched blocks summed over them. Does not change recency.
+        O(B + H log n) for B backends, H of them holding block 0, and n blocks: a backend's blocks are whole
+        prefixes (holding block *i* means holding blocks 0..i-1), so a binary search finds where its match ends.
+        After :meth:`remove` has punched holes, that backend is walked block by block, O(matched blocks).
+        Does not change recency.
         """
         result = dict.fromkeys(backends, 0)
         if not hashes:
             return result
         first = hashes[0]
         get = self._blocks.get
+        walk = self._open
         for backend in result:
             blocks = get(backend)
             if blocks is not None and first in blocks:
-                result[backend] = _leading(blocks, hashes)
+                result[backend] = _leading(blocks, hashes) if backend in walk else _boundary(blocks, hashes)
         return result
 
     def insert(self, hashes: Sequence[int], backend: str) -> None:
-        """Record that ``backend`` holds ``hashes`` (a chain from block 0) and make them its most recent blocks.
+        """Record that ``backend`` holds ``hashes`` and make them its most recent blocks.
+
+        ``hashes`` is a chain from block 0, or one that continues a block the backend holds (as a KV event's stored
+        blocks do): what a backend holds must stay whole prefixes.
 
         Touches the chain leaf first, so its root ends up most recent, then evicts down to capacity. Blocks after
         the first one the backend lacked that it already held keep their recency. O(len(hashes) + evicted).
@@ -116,20 +129,27 @@ class PrefixIndex:
             self._shrink(backend, blocks)
             if not blocks:
                 del self._blocks[backend]
+                self._open.discard(backend)
 
     def remove(self, hashes: Iterable[int], backend: str) -> None:
-        """Forget that ``backend`` holds ``hashes``; hashes it does not hold are ignored. O(len(hashes))."""
+        """Forget that ``backend`` holds ``hashes``; hashes it does not hold are ignored. O(len(hashes)).
+
+        Removing a block but not its descendants leaves a hole; from then on :meth:`match` walks this backend.
+        """
         blocks = self._blocks.get(backend)
         if blocks is None:
             return
         for h in hashes:
             blocks.pop(h, None)
+        self._open.add(backend)
         if not blocks:
             del self._blocks[backend]
+            self._open.discard(backend)
 
     def remove_backend(self, backend: str) -> None:
         """Forget every block of ``backend`` (its capacity, a setting, stays). O(1); memory is freed lazily."""
         self._blocks.pop(backend, None)
+        self._open.discard(backend)
 
     def holds(self, block_hash: int, backend: str) -> bool:
         """Return whether ``backend`` holds the block ``block_hash``. O(1)."""
@@ -152,6 +172,7 @@ class PrefixIndex:
     def clear(self) -> None:
         """Forget every block of every backend (capacities stay). O(1)."""
         self._blocks.clear()
+        self._open.clear()
 
     def __len__(self) -> int:
         """Return the number of (block, backend) entries. O(B)."""
@@ -190,6 +211,20 @@ class PrefixIndex:
 def _leading(blocks: dict[int, None], hashes: Sequence[int]) -> int:
     """How many leading ``hashes`` are in ``blocks``: takewhile over the C-level ``__contains__``, no Python loop."""
     return len(list(takewhile(blocks.__contains__, hashes)))
+
+
+def _boundary(blocks: dict[int, None], hashes: Sequence[int]) -> int:
+    """How many leading ``hashes`` are in ``blocks`` (block 0 is), by binary search over whole prefixes. O(log n)."""
+    if hashes[-1] in blocks:
+        return len(hashes)
+    held, missing = 1, len(hashes) - 1  # hashes[:held] are in blocks, hashes[missing] is not
+    while held < missing:
+        middle = (held + missing) // 2
+        if hashes[middle] in blocks:
+            held = middle + 1
+        else:
+            missing = middle
+    return held
 
 
 def _check_capacity(value: object, name: str) -> int:

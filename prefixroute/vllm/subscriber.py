@@ -284,23 +284,29 @@ class KVEventSubscriber:
         timestamps.append(batch.ts)
 
     def _recover(self, start: int, end: int, ops: IndexOps, timestamps: list[float]) -> None:
-        """Replay batches ``start..end`` (inclusive); count an unrecovered gap when some cannot be had."""
+        """Replay batches ``start..end`` (inclusive); count an unrecovered gap when some cannot be had.
+
+        Batches the engine's replay buffer no longer holds are lost; the ones after them are still applied (their
+        blocks whose parent was lost are skipped by the tracker, so the index never holds a false block).
+        """
         replies = self._replay(start, end) if self.replay_endpoint is not None else []
         expected = start
+        lost = False
         for seq, payload in replies:
-            if seq != expected:
-                break
+            if seq < expected or seq > end:
+                continue
+            lost = lost or seq > expected
             self._apply_payload(seq, payload, ops, timestamps)
             self._counts["replayed"] += 1
-            expected += 1
-        if expected <= end:
+            expected = seq + 1
+        if lost or expected <= end:
             self._counts["unrecovered"] += 1
             _log.warning(
-                "KV events from %s: batches %d..%d are lost (replay %s); the index may miss updates",
+                "KV events from %s: some of batches %d..%d are lost (replay %s); the index may miss updates",
                 self.backend,
-                expected,
+                start,
                 end,
-                "not configured" if self.replay_endpoint is None else "could not supply them",
+                "not configured" if self.replay_endpoint is None else "could not supply them all",
             )
 
     def _replay(self, start: int, end: int) -> list[tuple[int, bytes]]:

@@ -159,6 +159,16 @@ class IndexAgainstReference(RuleBasedStateMachine):
         assert self.index.match(hashes, BACKENDS) == expected
 
     @invariant()
+    def closed_backends_hold_whole_prefixes(self) -> None:
+        """What lets match() binary-search: on a backend without holes, a held block's ancestors are all held."""
+        for backend in BACKENDS:
+            if backend in self.index._open:
+                continue
+            for hashes in self.prompts:
+                held = [self.index.holds(h, backend) for h in hashes]
+                assert held == sorted(held, reverse=True), (backend, held)
+
+    @invariant()
     def consistent(self) -> None:
         self.index._check()
         for backend, held in self.model.items():

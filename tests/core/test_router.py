@@ -49,8 +49,8 @@ def test_decision_describes_every_candidate() -> None:
 
 
 def test_fast_candidate_equals_the_dataclass_constructor() -> None:
-    built = _candidate("a", 16, 32, 2)
-    assert built == Candidate("a", 16, 32, 2) and repr(built) == repr(Candidate("a", 16, 32, 2))
+    built = _candidate("a", 16, 32, 2, 5, 0.5)
+    assert built == Candidate("a", 16, 32, 2, 5, 0.5) and repr(built) == repr(Candidate("a", 16, 32, 2, 5, 0.5))
     with pytest.raises(AttributeError):
         built.in_flight = 3  # type: ignore[misc]
 

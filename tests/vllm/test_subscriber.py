@@ -275,7 +275,9 @@ def test_completions_over_http_publish_events_and_report_cached_tokens() -> None
 def test_a_subscriber_later_than_the_replay_buffer_holds_only_true_blocks() -> None:
     rng = random.Random(9)
     index = PrefixIndex(16)
-    with FakeVLLM(num_blocks=64, replay_buffer=10) as engine:
+    # A cache large enough that nothing is evicted: later prompts extend blocks stored in the lost batches, so
+    # their new blocks are orphans whatever the timing.
+    with FakeVLLM(num_blocks=4096, replay_buffer=10) as engine:
         workload(engine, rng, 80)
         with KVEventSubscriber(index, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint) as sub:
             settle(engine, sub)
