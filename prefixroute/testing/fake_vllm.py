@@ -97,6 +97,8 @@ class FakeVLLM:
         self._seq = 0
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=replay_buffer)
         self._outbox: queue.SimpleQueue[tuple[int, bytes] | None] = queue.SimpleQueue()
+        self._queued = 0  # batches put in the outbox
+        self._sent = threading.Semaphore(0)  # released once per batch the I/O thread has sent
         self._drop = 0
         self._running: list[FakeRequest] = []
         self._extra_running = 0
@@ -208,6 +210,16 @@ class FakeVLLM:
             self._buffer.clear()
             self._new_metrics()
 
+    def flush(self, timeout: float = 10.0) -> None:
+        """Wait until every batch published so far has been sent on the PUB socket (a subscriber that connects
+        afterwards cannot receive them live: it has to replay them)."""
+        with self._lock:
+            pending, self._queued = self._queued, 0
+        deadline = time.monotonic() + timeout
+        for _ in range(pending):
+            if not self._sent.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"the fake engine did not send its batches within {timeout}s")
+
     def drop_next(self, count: int = 1) -> None:
         """Lose the next ``count`` published messages on the PUB socket (they stay replayable)."""
         with self._lock:
@@ -259,6 +271,7 @@ class FakeVLLM:
         if self._drop:
             self._drop -= 1
         else:
+            self._queued += 1
             self._outbox.put((seq, payload))
 
     def _serve_zmq(self, pub: zmq.Socket[Any], router: zmq.Socket[Any]) -> None:
@@ -275,6 +288,7 @@ class FakeVLLM:
                     if item is None:
                         return
                     pub.send_multipart([topic, item[0].to_bytes(8, "big"), item[1]])
+                    self._sent.release()
                 if poller.poll(1):
                     self._serve_replay(router)
         finally:

@@ -122,6 +122,7 @@ def test_a_late_subscriber_replays_from_the_start() -> None:
     index = PrefixIndex(16)
     with FakeVLLM(num_blocks=64, encoding="map") as engine:
         workload(engine, rng, 60)
+        engine.flush()  # on the wire before the subscriber connects: it can only replay them
         published = engine.seq
         with KVEventSubscriber(index, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint) as sub:
             settle(engine, sub)
@@ -279,6 +280,7 @@ def test_a_subscriber_later_than_the_replay_buffer_holds_only_true_blocks() -> N
     # their new blocks are orphans whatever the timing.
     with FakeVLLM(num_blocks=4096, replay_buffer=10) as engine:
         workload(engine, rng, 80)
+        engine.flush()
         with KVEventSubscriber(index, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint) as sub:
             settle(engine, sub)
             workload(engine, rng, 40)
