@@ -156,7 +156,7 @@ class BoundedLoad(LoadPolicy):
     to protect, so it gets the tightest bound (factor 1): the first backend in placement order whose load after
     placing stays within the mean. With nothing in flight that is the rendezvous choice, so router replicas agree
     where a new prefix lives; under load, new prefixes avoid busy backends (the simulator's ``seed`` scenario shows
-    the difference: see docs/study.md). If no candidate qualifies, the least loaded. O(len(candidates)).
+    the difference: see docs/simulator.md). If no candidate qualifies, the least loaded. O(len(candidates)).
     """
 
     name = "bounded-load"

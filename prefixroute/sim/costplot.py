@@ -13,14 +13,19 @@ import statistics
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prefixroute.sim.profiles import available_profiles, load_profile
+
+if TYPE_CHECKING:  # costfit needs numpy, a test extra: imported at run time only where used
+    from prefixroute.sim.costfit import Measurement
 
 __all__ = [
     "calibration_table",
     "error_table",
     "hit_miss_table",
     "plot_calibration",
+    "read_measurements",
     "read_points",
     "summary_table",
     "tables",
@@ -35,6 +40,25 @@ def read_points() -> list[dict[str, str]]:
     """The packaged measured calibration points, one dict per CSV row."""
     text = resources.files("prefixroute.sim.data").joinpath("calibration_points.csv").read_text(encoding="utf-8")
     return list(csv.DictReader(text.splitlines()))
+
+
+def read_measurements() -> list[Measurement]:
+    """The packaged calibration points as :class:`~prefixroute.sim.costfit.Measurement` records."""
+    from prefixroute.sim.costfit import Measurement
+
+    return [
+        Measurement(
+            p["source"],
+            p["kind"],
+            p["model"],
+            p["gpu"],
+            int(p["tp"]),
+            int(p["tokens"]),
+            int(p["batch"]),
+            float(p["seconds"]),
+        )
+        for p in read_points()
+    ]
 
 
 def plot_calibration(path: Path) -> None:
@@ -109,20 +133,10 @@ def calibration_table() -> str:
 
 def error_table() -> str:
     """Markdown table: median, 90th percentile and max of ``|modelled / measured - 1|`` per group of points."""
-    from prefixroute.sim.costfit import Measurement, predicted_seconds
+    from prefixroute.sim.costfit import predicted_seconds
 
     groups: dict[tuple[str, str, str], list[float]] = {}
-    for p in read_points():
-        m = Measurement(
-            p["source"],
-            p["kind"],
-            p["model"],
-            p["gpu"],
-            int(p["tp"]),
-            int(p["tokens"]),
-            int(p["batch"]),
-            float(p["seconds"]),
-        )
+    for m in read_measurements():
         kind = "prefill, batched (not fitted)" if m.kind == "prefill" and m.batch > 1 else m.kind
         error = abs(predicted_seconds(load_profile(m.model, m.gpu, tp=m.tp), m) / m.seconds - 1)
         groups.setdefault((m.source, kind, m.gpu), []).append(error)

@@ -11,8 +11,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from prefixroute.sim import load_profile
-from prefixroute.sim.costfit import LinearFit, Measurement, _nonnegative_lstsq, fit_linear, predicted_seconds
-from prefixroute.sim.costplot import read_points
+from prefixroute.sim.costfit import LinearFit, _nonnegative_lstsq, fit_linear, predicted_seconds
+from prefixroute.sim.costplot import read_measurements
 from prefixroute.sim.profiles import TP_DEGREES
 
 # Stated tolerances (docs/cost-model.md, "Calibration error"): |modelled / measured - 1| over each group.
@@ -24,25 +24,9 @@ TOLERANCE = {
 }
 
 
-def _measurements() -> list[Measurement]:
-    return [
-        Measurement(
-            p["source"],
-            p["kind"],
-            p["model"],
-            p["gpu"],
-            int(p["tp"]),
-            int(p["tokens"]),
-            int(p["batch"]),
-            float(p["seconds"]),
-        )
-        for p in read_points()
-    ]
-
-
 def _errors() -> dict[tuple[str, str], list[float]]:
     errors: dict[tuple[str, str], list[float]] = defaultdict(list)
-    for m in _measurements():
+    for m in read_measurements():
         if m.kind == "prefill" and m.batch > 1:
             continue  # batched prefill rows are excluded from the fit (see docs/cost-model.md)
         profile = load_profile(m.model, m.gpu, tp=m.tp)
@@ -67,12 +51,12 @@ def test_modelled_times_are_within_the_stated_tolerance(group: tuple[str, str]) 
     assert errors[-1] <= max_limit
 
 
-def test_prefill_grows_from_1k_to_8k_like_the_measurements() -> None:
+def test_prefill_grows_from_1k_to_8k_like_theread_measurements() -> None:
     # 8x the prompt costs 8-10x the time in the measurements (quadratic attention); the model must
     # reproduce that growth within 35 % on every GPU and tp (worst: H100 TP8, 7.4x vs 10.8x measured).
     measured = {
         (m.gpu, m.tp, m.tokens): m.seconds
-        for m in _measurements()
+        for m in read_measurements()
         if m.kind == "prefill" and m.batch == 1 and m.tokens in (1024, 8192)
     }
     assert len(measured) == 12
