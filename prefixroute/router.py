@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import cachetools
 import xxhash
@@ -18,6 +18,10 @@ from prefixroute.hashing import BlockHasher, Tokens, encode_tokens, namespace_se
 from prefixroute.index import PrefixIndex
 from prefixroute.policies import BoundedLoad, Candidate, LoadPolicy
 from prefixroute.speculative import EventSink, SpeculativeIndex
+
+if TYPE_CHECKING:  # the vllm extra is imported only when subscribe() or watch_metrics() is called
+    from prefixroute.vllm.metrics import MetricsPoller
+    from prefixroute.vllm.subscriber import KVEventSubscriber
 
 __all__ = ["Decision", "IndexSource", "Reason", "Router"]
 
@@ -106,7 +110,7 @@ class Router:
         self._engine_load: dict[str, tuple[int | None, float | None]] = {}
         self._index_source: IndexSource | None = index_source
         self._speculative = SpeculativeIndex(block_size, ttl=float(speculative_ttl), clock=clock)
-        self._subscribers: dict[str, _Subscriber] = {}
+        self._subscribers: dict[str, _Stoppable] = {}  # KV-event subscribers and metrics pollers, for close()
         # Root seeds of per-request namespaces (model or LoRA names): few, reused, so a small LRU serves.
         self._seeds: cachetools.LRUCache[str | bytes, int] = cachetools.LRUCache(maxsize=1024)
 
@@ -261,7 +265,7 @@ class Router:
         replay_endpoint: str | None = None,
         topic: str = "",
         namespace: str | bytes | None = None,
-    ) -> _Subscriber:
+    ) -> KVEventSubscriber:
         """Start a KV-event subscriber that keeps ``backend``'s index entries exact (needs ``prefixroute[vllm]``).
 
         ``endpoint`` is the engine's ``--kv-events-config`` publisher endpoint (``tcp://gpu0:5557``),
@@ -295,7 +299,7 @@ class Router:
         interval: float = 1.0,
         stale_after: float = 5.0,
         on_health: Callable[[str, bool], None] | None = None,
-    ) -> _Subscriber:
+    ) -> MetricsPoller:
         """Poll each backend's vLLM ``/metrics`` and feed the router (needs ``prefixroute[vllm]``).
 
         ``backends`` maps backend id → base URL (or is a list of URLs used as ids). After every scrape the engine's
@@ -353,9 +357,7 @@ class Router:
         return f"Router(block_size={self._hasher.block_size}, policy={self._policy!r}, index={self._index!r})"
 
 
-class _Subscriber(Protocol):
-    def start(self) -> Any: ...
-
+class _Stoppable(Protocol):
     def stop(self) -> None: ...
 
 

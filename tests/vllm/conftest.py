@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 
 import pytest
+
+from prefixroute.testing import FakeVLLM
+from prefixroute.vllm import KVEventSubscriber
 
 DEADLINE_S = 10.0
 
@@ -17,3 +21,40 @@ def wait_until(predicate: Callable[[], bool], *, timeout: float = DEADLINE_S, wh
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.005)
+
+
+class FakeClock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def tick(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def fresh() -> list[int]:
+    """A prompt no other prompt shares, so completing it always publishes a batch."""
+    return [random.randrange(100_000, 2**31) for _ in range(16)]
+
+
+def settle(engine: FakeVLLM, sub: KVEventSubscriber) -> None:
+    """Publish fresh batches until the subscriber has applied the latest one.
+
+    A fresh batch reveals a trailing loss as a gap, and republishing covers a SUB socket that was still connecting
+    (a PUB socket drops what it sends before then) and a pending :meth:`FakeVLLM.drop_next`.
+    """
+    state = {"published_at": 0.0}
+
+    def caught_up() -> bool:
+        if sub.last_seq == engine.seq - 1 and state["published_at"]:
+            return True
+        if time.monotonic() - state["published_at"] > 0.25:
+            engine.complete(fresh())
+            state["published_at"] = time.monotonic()
+        return False
+
+    wait_until(caught_up, what="the subscriber to apply the engine's latest batch")

@@ -11,18 +11,7 @@ from prefixroute.errors import ConfigurationError, MetricsError
 from prefixroute.testing import FakeVLLM
 from prefixroute.vllm.metrics import MetricsPoller, parse_metrics
 
-
-class FakeClock:
-    """A clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def tick(self, seconds: float) -> None:
-        self.now += seconds
+from .conftest import FakeClock
 
 
 def closed_port() -> int:

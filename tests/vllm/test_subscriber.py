@@ -16,7 +16,7 @@ from prefixroute.errors import ConfigurationError
 from prefixroute.testing import FakeVLLM
 from prefixroute.vllm import KVEventSubscriber, lora_namespace
 
-from .conftest import wait_until
+from .conftest import settle, wait_until
 
 STEMS = [[random.Random(stem).randrange(30_000) for _ in range(160)] for stem in range(4)]
 
@@ -33,30 +33,6 @@ def workload(engine: FakeVLLM, rng: random.Random, steps: int, *, loss: float = 
         if rng.random() < loss:
             engine.drop_next()
         engine.complete(prompt, share=rng.random() > 0.2, lora_name=rng.choice([None, None, None, "sql"]))
-
-
-def fresh() -> list[int]:
-    """A prompt no other prompt shares, so completing it always publishes a batch."""
-    return [random.randrange(100_000, 2**31) for _ in range(16)]
-
-
-def settle(engine: FakeVLLM, sub: KVEventSubscriber) -> None:
-    """Publish fresh batches until the subscriber has applied the latest one.
-
-    A fresh batch reveals a trailing loss as a gap, and republishing covers a SUB socket that was still connecting
-    (a PUB socket drops what it sends before then) and a pending :meth:`FakeVLLM.drop_next`.
-    """
-    state = {"published_at": 0.0}
-
-    def caught_up() -> bool:
-        if sub.last_seq == engine.seq - 1 and state["published_at"]:
-            return True
-        if time.monotonic() - state["published_at"] > 0.25:
-            engine.complete(fresh())
-            state["published_at"] = time.monotonic()
-        return False
-
-    wait_until(caught_up, what="the subscriber to apply the engine's latest batch")
 
 
 @pytest.mark.parametrize(

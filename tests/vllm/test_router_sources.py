@@ -3,49 +3,14 @@
 from __future__ import annotations
 
 import random
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
 from prefixroute import ConfigurationError, LeastLoaded, Router
 from prefixroute.testing import FakeVLLM
-from prefixroute.vllm import KVEventSubscriber
 
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def tick(self, seconds: float) -> None:
-        self.now += seconds
-
-
-def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.005)
-
-
-def settle(engine: FakeVLLM, subscriber: KVEventSubscriber) -> None:
-    """Publish fresh batches until the subscriber applied the engine's latest one (covers the SUB connect race)."""
-    last = [0.0]
-
-    def caught_up() -> bool:
-        if last[0] and subscriber.last_seq == engine.seq - 1:
-            return True
-        if time.monotonic() - last[0] > 0.25:
-            engine.complete([random.randrange(100_000, 2**31) for _ in range(16)])
-            last[0] = time.monotonic()
-        return False
-
-    wait_until(caught_up, "the subscriber to apply the engine's latest batch")
-
+from .conftest import FakeClock, settle, wait_until
 
 PROMPT = [random.Random(1).randrange(30_000) for _ in range(96)]  # 6 blocks
 
@@ -176,12 +141,12 @@ def test_watch_metrics_feeds_engine_load_and_capacity(engine: FakeVLLM) -> None:
     poller = router.watch_metrics({"gpu0": engine.url}, interval=0.05)
     try:
         engine.set_load(running=2, waiting=3)
-        wait_until(lambda: router.index.capacity("gpu0") == 64, "capacity from vllm:cache_config_info")
+        wait_until(lambda: router.index.capacity("gpu0") == 64, what="capacity from vllm:cache_config_info")
 
         def seen() -> int | None:
             return next(c.queue_len for c in router.route(PROMPT, ["gpu0", "gpu1"]).candidates if c.backend == "gpu0")
 
-        wait_until(lambda: seen() == 3, "the engine's waiting queue in the candidates")
+        wait_until(lambda: seen() == 3, what="the engine's waiting queue in the candidates")
         assert router.route(PROMPT, ["gpu0", "gpu1"]).backend == "gpu1"  # 3 waiting there, none here
         assert poller.healthy_backends(["gpu0", "gpu1"]) == ["gpu0", "gpu1"]
     finally:
@@ -194,7 +159,7 @@ def test_watch_metrics_warns_about_a_block_size_it_cannot_use(caplog: pytest.Log
         router = Router(block_size=16)
         router.watch_metrics({"gpu0": odd.url}, interval=0.05)
         try:
-            wait_until(lambda: "block_size is 24" in caplog.text, "a warning about vLLM's block size")
+            wait_until(lambda: "block_size is 24" in caplog.text, what="a warning about vLLM's block size")
         finally:
             router.close()
         assert router.index.capacity("gpu0") is None  # nothing guessed
