@@ -7,7 +7,7 @@ that backend's prefix trie: a backend holds the first *k* blocks of a prompt exa
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from itertools import repeat, starmap, takewhile
 
 from prefixroute.errors import ConfigurationError
@@ -214,17 +214,24 @@ def _leading(blocks: dict[int, None], hashes: Sequence[int]) -> int:
 
 
 def _boundary(blocks: dict[int, None], hashes: Sequence[int]) -> int:
-    """How many leading ``hashes`` are in ``blocks`` (block 0 is), by binary search over whole prefixes. O(log n)."""
-    if hashes[-1] in blocks:
-        return len(hashes)
-    held, missing = 1, len(hashes) - 1  # hashes[:held] are in blocks, hashes[missing] is not
-    while held < missing:
-        middle = (held + missing) // 2
-        if hashes[middle] in blocks:
-            held = middle + 1
+    """How many leading ``hashes`` are in ``blocks``, for a backend whose blocks are whole prefixes. O(log n)."""
+    return len(hashes) if hashes[-1] in blocks else leading_run(blocks, hashes)
+
+
+def leading_run(held: Container[int], hashes: Sequence[int], limit: int | None = None) -> int:
+    """How many leading ``hashes`` (at most ``limit``) are in ``held``, by binary search. O(log n).
+
+    Valid only when ``held`` is prefix-closed (holding a block means holding its parent), so that "block k is held"
+    is true for a leading run and false after it. The simulator's vLLM cache uses it too.
+    """
+    low, high = 0, len(hashes) if limit is None else min(limit, len(hashes))
+    while low < high:  # invariant: hashes[:low] held, hashes[high:] not
+        middle = (low + high) // 2
+        if hashes[middle] in held:
+            low = middle + 1
         else:
-            missing = middle
-    return held
+            high = middle
+    return low
 
 
 def _check_capacity(value: object, name: str) -> int:

@@ -20,6 +20,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
+from prefixroute.index import leading_run
+
 __all__ = ["BlockCache", "CacheListener"]
 
 
@@ -103,15 +105,7 @@ class BlockCache:
         prefixes and free them tail first, so LRU eviction takes children before parents), which makes "block k is
         cached" true for a leading run of k and false after it. ``_check()`` and the tests verify the property.
         """
-        refs = self._refs
-        low, high = 0, len(hashes) if limit is None else min(limit, len(hashes))
-        while low < high:  # invariant: hashes[:low] cached; hashes[high:] not
-            middle = (low + high) // 2
-            if hashes[middle] in refs:
-                low = middle + 1
-            else:
-                high = middle
-        return low
+        return leading_run(self._refs, hashes, limit)
 
     def unreferenced(self, hashes: Sequence[int]) -> int:
         """Return how many of ``hashes`` (all cached) are free-but-cached: taking them uses up that many. O(n)."""
