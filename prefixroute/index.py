@@ -1,4 +1,4 @@
-"""Which backend (probably) holds which KV blocks: one LRU of block hashes per backend.
+"""Which backend (probably) holds which KV blocks: one set (or LRU) of block hashes per backend.
 
 Because a block hash names its whole prefix (see :mod:`prefixroute.hashing`), a flat set of hashes per backend *is*
 that backend's prefix trie: a backend holds the first *k* blocks of a prompt exactly when it holds hashes 0..k-1.
@@ -23,8 +23,8 @@ class PrefixIndex:
     :meth:`insert` touches a prompt's blocks leaf first, so a parent is always more recent than its children and
     eviction removes leaves first: what remains is still a set of whole prefixes, as in vLLM, which frees a
     request's blocks in reverse order. Recency is kept (in an ``OrderedDict``) only for backends with a capacity;
-    an unbounded backend's blocks sit in a plain ``dict``, a third cheaper to insert into, and a backend that gets a
-    capacity later starts from the order its blocks were first inserted.
+    an unbounded backend's blocks sit in a ``set``, half as costly to insert into, and a backend that gets a
+    capacity later starts from an arbitrary order (and is walked block by block in :meth:`match` from then on).
 
     Not thread-safe by itself: :class:`~prefixroute.Router` serialises access with its lock.
 
@@ -43,11 +43,11 @@ class PrefixIndex:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ConfigurationError(f"block_size must be a positive int (vLLM's default is 16), not {block_size!r}")
         self._block_size = block_size
-        self._blocks: dict[str, dict[int, None]] = {}  # an OrderedDict (LRU order) where a capacity applies
+        self._blocks: dict[str, set[int] | OrderedDict[int, None]] = {}  # an LRU where a capacity applies
         self._capacity: dict[str, int] = {}
         self._default_capacity: int | None = None
-        # Backends whose blocks may no longer be whole prefixes (after remove(), or after an LRU order was made up
-        # from insertion order), so match() walks them block by block instead of binary-searching.
+        # Backends whose blocks may no longer be whole prefixes (after remove(), or after an LRU order was made
+        # up), so match() walks them block by block instead of binary-searching.
         self._open: set[str] = set()
         if isinstance(capacity_blocks, Mapping):
             for backend, capacity in capacity_blocks.items():
@@ -70,14 +70,15 @@ class PrefixIndex:
             self._capacity.pop(backend, None)
             blocks = self._blocks.get(backend)
             if blocks is not None and self.capacity(backend) is None:
-                self._blocks[backend] = dict(blocks)  # unbounded: recency no longer kept
+                self._blocks[backend] = set(blocks)  # unbounded: recency no longer kept
             return
         self._capacity[backend] = _check_capacity(capacity_blocks, f"capacity of {backend!r}")
         blocks = self._blocks.get(backend)
         if blocks is not None:
             if not isinstance(blocks, OrderedDict):
-                # Insertion order is not "every parent more recent than its children": eviction may leave holes.
-                blocks = self._blocks[backend] = OrderedDict(blocks)
+                # A set has no order, let alone "every parent more recent than its children": eviction may leave
+                # holes.
+                blocks = self._blocks[backend] = OrderedDict.fromkeys(blocks)
                 self._open.add(backend)
             self._shrink(backend, blocks)
             if not blocks:
@@ -120,11 +121,12 @@ class PrefixIndex:
         """:meth:`insert` for a caller that knows the backend holds the first ``held`` blocks (the router does)."""
         blocks = self._blocks.get(backend)
         if blocks is None:
-            bounded = self.capacity(backend) is not None
-            blocks = self._blocks[backend] = OrderedDict() if bounded else {}
-        # C-level loops: append the new tail leaf first, then move the held prefix to the end, leaf first.
-        blocks.update(zip(reversed(hashes[held:]), repeat(None)))
-        if isinstance(blocks, OrderedDict):
+            blocks = self._blocks[backend] = set() if self.capacity(backend) is None else OrderedDict()
+        if isinstance(blocks, set):
+            blocks.update(hashes[held:])
+        else:
+            # C-level loops: append the new tail leaf first, then move the held prefix to the end, leaf first.
+            blocks.update(zip(reversed(hashes[held:]), repeat(None)))
             deque(map(blocks.move_to_end, reversed(hashes[:held])), maxlen=0)
             self._shrink(backend, blocks)
             if not blocks:
@@ -139,8 +141,11 @@ class PrefixIndex:
         blocks = self._blocks.get(backend)
         if blocks is None:
             return
-        for h in hashes:
-            blocks.pop(h, None)
+        if isinstance(blocks, set):
+            blocks.difference_update(hashes)
+        else:
+            for h in hashes:
+                blocks.pop(h, None)
         self._open.add(backend)
         if not blocks:
             del self._blocks[backend]
@@ -201,19 +206,19 @@ class PrefixIndex:
             assert blocks, f"empty block set kept for {backend!r}"
             capacity = self.capacity(backend)
             assert capacity is None or len(blocks) <= capacity, (backend, len(blocks), capacity)
-            assert capacity is None or isinstance(blocks, OrderedDict), f"no LRU order kept for bounded {backend!r}"
+            assert isinstance(blocks, set if capacity is None else OrderedDict), (backend, type(blocks), capacity)
             for h in blocks:
                 assert isinstance(h, int) and 0 <= h < 2**64, h
         for backend, capacity in self._capacity.items():
             assert isinstance(capacity, int) and capacity >= 0, (backend, capacity)
 
 
-def _leading(blocks: dict[int, None], hashes: Sequence[int]) -> int:
+def _leading(blocks: Container[int], hashes: Sequence[int]) -> int:
     """How many leading ``hashes`` are in ``blocks``: takewhile over the C-level ``__contains__``, no Python loop."""
     return len(list(takewhile(blocks.__contains__, hashes)))
 
 
-def _boundary(blocks: dict[int, None], hashes: Sequence[int]) -> int:
+def _boundary(blocks: Container[int], hashes: Sequence[int]) -> int:
     """How many leading ``hashes`` are in ``blocks``, for a backend whose blocks are whole prefixes. O(log n)."""
     return len(hashes) if hashes[-1] in blocks else leading_run(blocks, hashes)
 

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import repeat
 from typing import TYPE_CHECKING, Literal, Protocol
 
 import cachetools
@@ -107,7 +108,8 @@ class Router:
         self._placement_blocks = placement_blocks
         self._lock = threading.Lock()
         self._in_flight: dict[str, int] = {}
-        self._engine_load: dict[str, tuple[int | None, float | None]] = {}
+        self._queue_len: dict[str, int | None] = {}  # engine figures from set_engine_load()
+        self._kv_usage: dict[str, float | None] = {}
         self._index_source: IndexSource | None = index_source
         self._speculative = SpeculativeIndex(block_size, ttl=float(speculative_ttl), clock=clock)
         self._subscribers: dict[str, _Stoppable] = {}  # KV-event subscribers and metrics pollers, for close()
@@ -167,17 +169,17 @@ class Router:
             if source == "hybrid":
                 confirmed = matched
                 matched = self._speculative.match(hashes, order, confirmed)
-            in_flight = self._in_flight
-            engine = self._engine_load
+            # C-level maps feed the candidates' fields: with 64 backends a generator would cost a fifth more.
             candidates = tuple(
-                _candidate(
-                    backend,
-                    matched[backend] * block_size,
-                    prompt_len,
-                    in_flight.get(backend, 0),
-                    *engine.get(backend, _UNKNOWN_LOAD),
+                map(
+                    _candidate,
+                    order,
+                    map(block_size.__mul__, map(matched.__getitem__, order)),
+                    repeat(prompt_len),
+                    map(self._in_flight.get, order, repeat(0)),
+                    map(self._queue_len.get, order),
+                    map(self._kv_usage.get, order),
                 )
-                for backend in order
             )
             chosen = self._policy.choose(candidates)
             if not isinstance(chosen, Candidate) or chosen.backend not in matched:
@@ -209,9 +211,11 @@ class Router:
         """
         with self._lock:
             if queue_len is None and kv_usage is None:
-                self._engine_load.pop(backend, None)
+                self._queue_len.pop(backend, None)
+                self._kv_usage.pop(backend, None)
             else:
-                self._engine_load[backend] = (queue_len, kv_usage)
+                self._queue_len[backend] = queue_len
+                self._kv_usage[backend] = kv_usage
 
     def start(self, decision: Decision) -> None:
         """Count ``decision``'s request in flight on its backend (callback-style gateways). O(1)."""
@@ -255,7 +259,8 @@ class Router:
             self._index.remove_backend(backend)
             self._speculative.remove_backend(backend)
             self._in_flight.pop(backend, None)
-            self._engine_load.pop(backend, None)
+            self._queue_len.pop(backend, None)
+            self._kv_usage.pop(backend, None)
 
     def subscribe(
         self,
@@ -380,7 +385,6 @@ def _candidate(
     return candidate
 
 
-_UNKNOWN_LOAD: tuple[None, None] = (None, None)
 _new_object = object.__new__
 
 
@@ -389,13 +393,13 @@ def _check_backends(backends: Sequence[str]) -> Sequence[str]:
         raise TypeError("backends must be a sequence of backend ids, not a single str: wrap it in a list")
     if not backends:
         raise NoBackendError("route() needs at least one backend, but the backend list is empty")
+    if not all(map(isinstance, backends, repeat(str))):
+        backend = next(b for b in backends if not isinstance(b, str))
+        raise TypeError(f"backend ids must be str, not {type(backend).__name__} ({backend!r})")
     if len(set(backends)) != len(backends):
         seen: set[str] = set()
         duplicate = next(b for b in backends if b in seen or seen.add(b))  # type: ignore[func-returns-value]
         raise ValueError(f"backend {duplicate!r} appears more than once in backends; pass each backend once")
-    for backend in backends:
-        if not isinstance(backend, str):
-            raise TypeError(f"backend ids must be str, not {type(backend).__name__} ({backend!r})")
     return backends
 
 
