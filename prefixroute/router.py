@@ -393,9 +393,9 @@ def _check_backends(backends: Sequence[str]) -> Sequence[str]:
         raise TypeError("backends must be a sequence of backend ids, not a single str: wrap it in a list")
     if not backends:
         raise NoBackendError("route() needs at least one backend, but the backend list is empty")
-    if not all(map(isinstance, backends, repeat(str))):
-        backend = next(b for b in backends if not isinstance(b, str))
-        raise TypeError(f"backend ids must be str, not {type(backend).__name__} ({backend!r})")
+    for backend in backends:  # before the duplicate check, which needs hashable ids
+        if not isinstance(backend, str):
+            raise TypeError(f"backend ids must be str, not {type(backend).__name__} ({backend!r})")
     if len(set(backends)) != len(backends):
         seen: set[str] = set()
         duplicate = next(b for b in backends if b in seen or seen.add(b))  # type: ignore[func-returns-value]

@@ -154,6 +154,7 @@ def test_short_and_empty_prompts_route() -> None:
         ([1, 2], ["a", "b", "a"], ValueError),
         ([1, 2], "a", TypeError),
         ([1, 2], ["a", 3], TypeError),
+        ([1, 2], ["a", ["b"]], TypeError),  # unhashable: still the "backend ids must be str" message
         ([1, -2], ["a"], InvalidPromptError),
         ([1, 2**40], ["a"], InvalidPromptError),
         ("text", ["a"], TypeError),
@@ -163,8 +164,9 @@ def test_bad_input_raises_and_changes_nothing(tokens: object, backends: object, 
     router = Router(block_size=1)
     router.route([7, 8, 9], ["a"])
     before = (len(router.index), router.index.hashes("a"))
-    with pytest.raises(error):
+    with pytest.raises(error) as raised:
         router.route(tokens, backends)  # type: ignore[arg-type]
+    assert "unhashable" not in str(raised.value)
     assert (len(router.index), router.index.hashes("a")) == before
     router.index._check()
 
