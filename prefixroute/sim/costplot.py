@@ -32,8 +32,8 @@ __all__ = [
     "update_markdown",
 ]
 
-_PROMPTS = [2**k for k in range(6, 15)]
-_TOKENS = [2**k for k in range(13)]
+_PROMPTS = tuple(2**k for k in range(6, 15))
+_TOKENS = tuple(2**k for k in range(13))
 
 
 def read_points() -> list[dict[str, str]]:
