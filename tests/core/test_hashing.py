@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import array
+import random
 
 import numpy as np
 import pytest
@@ -26,6 +27,28 @@ def test_first_block_is_xxh3_of_little_endian_uint32_bytes_seeded_with_zero() ->
     tokens = list(range(100, 116))
     data = b"".join(t.to_bytes(4, "little") for t in tokens)
     assert BlockHasher(16).hash(tokens) == [xxhash.xxh3_64_intdigest(data, 0)]
+
+
+@given(
+    blocks=st.integers(min_value=0, max_value=200),
+    partial=st.integers(min_value=0, max_value=3),
+    block_size=st.integers(min_value=4, max_value=16),
+    seed=st.integers(min_value=0),
+    namespace=st.none() | st.text(max_size=8),
+)
+def test_hashes_follow_the_definition_across_every_split(
+    blocks: int, partial: int, block_size: int, seed: int, namespace: str | None
+) -> None:
+    """Block i is xxh3_64(its uint32 bytes, seed=hash of block i-1): also past the 64-block runs the hasher cuts."""
+    rng = random.Random(seed)
+    tokens = [rng.randrange(2**32) for _ in range(blocks * block_size + partial)]
+    hasher = BlockHasher(block_size, namespace=namespace)
+    expected, h = [], hasher.seed
+    for start in range(0, blocks * block_size, block_size):
+        block = b"".join(t.to_bytes(4, "little") for t in tokens[start : start + block_size])
+        h = xxhash.xxh3_64_intdigest(block, h)
+        expected.append(h)
+    assert hasher.hash(tokens) == expected
 
 
 @given(tokens=token_lists, extra=token_lists, block_size=block_sizes)
