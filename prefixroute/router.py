@@ -256,11 +256,12 @@ class Router:
         if subscriber is not None:
             subscriber.stop()
         with self._lock:
-            self._index.remove_backend(backend)
+            blocks = self._index._detach(backend)
             self._speculative.remove_backend(backend)
             self._in_flight.pop(backend, None)
             self._queue_len.pop(backend, None)
             self._kv_usage.pop(backend, None)
+        del blocks  # freed here, outside the lock: routes wait ~40 ms per million blocks otherwise
 
     def subscribe(
         self,

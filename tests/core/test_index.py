@@ -76,6 +76,8 @@ def test_remove_backend_clear_len_and_backends() -> None:
     index.insert(chain(1), "c")
     index.clear()
     assert len(index) == 0
+    index.insert(chain(4, 5), "d")  # what the Router frees outside its lock
+    assert set(index._detach("d")) == set(chain(4, 5)) and index.blocks("d") == 0 and index._detach("d") == ()
 
 
 def test_zero_capacity_holds_nothing() -> None:
