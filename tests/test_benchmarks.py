@@ -1,0 +1,29 @@
+"""The benchmarks still run and print their tables (smoke sizes; their figures are never asserted here)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run(script: str, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_bench_route_prints_every_case_with_a_ratio() -> None:
+    rows = [line.split() for line in run("bench_route.py", "--quick", "--bounded").splitlines()]
+    cases = {(row[0], row[1]): float(row[-1]) for row in rows if len(row) == 9 and row[0].isdigit()}
+    assert set(cases) == {(tokens, backends) for tokens in ("1024", "8192", "32768") for backends in ("8", "64")}
+    assert all(ratio > 0 for ratio in cases.values())
+
+
+def test_bench_sim_and_bench_events_run() -> None:
+    assert "bounded-load" in run("bench_sim.py", "--quick")
+    assert "block events/s" in run("bench_events.py", "--runs", "1", "--requests", "20")
