@@ -34,9 +34,9 @@ def test_options_are_keyword_only() -> None:
     for cls in (prefixroute.Router,):
         for parameter in list(inspect.signature(cls).parameters.values()):
             assert parameter.kind is inspect.Parameter.KEYWORD_ONLY, (cls, parameter)
-    for cls in (prefixroute.BlockHasher, prefixroute.PrefixIndex):
-        options = list(inspect.signature(cls).parameters.values())[1:]
-        assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in options), cls
+    for with_block_size in (prefixroute.BlockHasher, prefixroute.PrefixIndex):
+        options = list(inspect.signature(with_block_size).parameters.values())[1:]
+        assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in options), with_block_size
 
 
 def test_package_ships_type_information() -> None:

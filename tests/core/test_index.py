@@ -13,7 +13,7 @@ BACKENDS = ["a", "b", "c"]
 
 
 def chain(*tokens: int, block_size: int = 1) -> list[int]:
-    return BlockHasher(block_size).hash(list(tokens))
+    return list(BlockHasher(block_size).hash(list(tokens)))
 
 
 def test_match_counts_contiguous_leading_blocks() -> None:

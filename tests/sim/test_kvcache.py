@@ -86,7 +86,8 @@ def test_random_operations_keep_invariants(capacity: int, ops: list[tuple[str, l
             hit = cache.match(hashes)
             assert hit == _linear_match(cache, hashes)
             need = 1
-            if cache.available() is not None and cache.available() - cache.unreferenced(hashes[:hit]) < need:
+            available = cache.available()
+            if available is not None and available - cache.unreferenced(hashes[:hit]) < need:
                 continue
             cache.acquire(hashes[:hit])
             assert cache.allocate(need)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TypedDict
 
 import pytest
 
@@ -28,18 +29,24 @@ from .conftest import LinearCost
 BACKENDS = 8
 
 
-def _trace(shared_data: Path) -> list[dict[str, object]]:
+class _Line(TypedDict):
+    """The fields of a Mooncake trace line these tests read."""
+
+    input_length: int
+    hash_ids: list[int]
+
+
+def _trace(shared_data: Path) -> list[_Line]:
     path = shared_data / "mooncake-fast25" / "synthetic_trace.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _reference_hits(trace: list[dict[str, object]], assign: str) -> list[int]:
+def _reference_hits(trace: list[_Line], assign: str) -> list[int]:
     """Leading hash_ids each request finds in its backend's set of every hash id it has seen (no simulator)."""
     seen: list[set[int]] = [set() for _ in range(BACKENDS if assign == "round-robin" else 1)]
     hits = []
     for i, line in enumerate(trace):
         ids = line["hash_ids"]
-        assert isinstance(ids, list)
         cache = seen[i % len(seen)]
         k = 0
         while k < len(ids) and ids[k] in cache:
@@ -76,14 +83,13 @@ def test_simulated_hits_match_the_reference(shared_data: Path, policy: str, assi
     assert len(trace) == 3993
     reference = _reference_hits(trace, assign)
     cached, predicted = _simulated_hits(shared_data, policy)
-    total_blocks = sum(len(line["hash_ids"]) for line in trace)  # type: ignore[arg-type]
+    total_blocks = sum(len(line["hash_ids"]) for line in trace)
     assert sum(reference) / total_blocks == pytest.approx(expected, abs=5e-4)
 
     simulated = []
     boundary = 0
     for line, tokens, ref in zip(trace, cached, reference, strict=True):
-        length, blocks = line["input_length"], len(line["hash_ids"])  # type: ignore[arg-type]
-        assert isinstance(length, int)
+        length, blocks = line["input_length"], len(line["hash_ids"])
         hit = _trace_blocks_hit(tokens, length, blocks)
         simulated.append(hit)
         if length % 16 == 0 or length - MOONCAKE_BLOCK_TOKENS * (blocks - 1) < 16:

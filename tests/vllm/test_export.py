@@ -11,7 +11,7 @@ from prefixroute.testing import FakeVLLM
 from prefixroute.vllm import KVEventSubscriber
 from prefixroute.vllm.export import RouterMetrics
 
-from .test_subscriber import settle
+from .conftest import settle
 
 
 def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:

@@ -242,8 +242,9 @@ def test_completions_over_http_publish_events_and_report_cached_tokens() -> None
         settle(engine, sub)
         assert index.match(BlockHasher(16).hash(prompt), ["gpu0"]) == {"gpu0": 6}
         assert index.hashes("gpu0") == engine.own_hashes()
-        for bad in ({"prompt": "text, not token ids"}, {"prompt": [1, -2]}, {"prompt": []}):
-            reply = client.post("/v1/completions", json=bad)
+        bad_prompts: list[object] = ["text, not token ids", [1, -2], []]
+        for bad_prompt in bad_prompts:
+            reply = client.post("/v1/completions", json={"prompt": bad_prompt})
             assert reply.status_code == 400, reply.text
             assert "token ids" in reply.json()["error"]["message"]
         assert client.get("/nothing").status_code == 404
@@ -298,11 +299,11 @@ def test_router_in_events_mode_forgets_what_the_engine_evicted_and_predictions_d
         try:
             predicting.route(hot, ["gpu0"])
             engine.complete(hot)
-            settle(engine, sub)  # type: ignore[arg-type]
+            settle(engine, sub)
             assert exact.route(hot, ["gpu0"]).matched_tokens == 64  # the engine holds it: both agree
             for stem in (STEMS[0], STEMS[1], STEMS[3]):  # other traffic fills the 8-block cache
                 engine.complete(stem[:64])
-            settle(engine, sub)  # type: ignore[arg-type]
+            settle(engine, sub)
             assert predicting.route(hot, ["gpu0"]).matched_tokens == 64  # still predicts a hit: wrong
             decision = exact.route(hot, ["gpu0"])
             assert decision.matched_tokens == decision.confirmed_tokens == 0  # right
