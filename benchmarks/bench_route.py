@@ -8,6 +8,9 @@ while the warm index is built. Each prompt is one of 8 shared prefixes the index
 new to it (--new-fraction, half by default), made fresh for every pass. Method: one warm-up pass, then the median
 of --runs timed passes.
 
+``--steps`` prints, instead, where route()'s time goes at 8K tokens: each of its steps timed alone on fresh prompts
+(encode, hash, place, match, candidates, policy, record), beside route() and the floor.
+
 Run: ``python benchmarks/bench_route.py`` (a few minutes), ``--quick`` for a smoke run.
 """
 
@@ -20,10 +23,13 @@ import statistics
 import time
 import tracemalloc
 from collections.abc import Callable
+from itertools import repeat
 
 import xxhash
 
 from prefixroute import Router
+from prefixroute.hashing import encode_tokens
+from prefixroute.router import _candidate, _placement_key, _placement_order
 
 VOCAB = 32_000
 
@@ -77,6 +83,48 @@ def measure(
     return statistics.median(medians), statistics.median(p99s), statistics.median(floors)
 
 
+STEPS = ("encode", "hash", "place", "match", "candidates", "policy", "record")
+
+
+def time_steps(router: Router, prompts: list[list[int]], backends: list[str]) -> dict[str, float]:
+    """Median seconds of each step of route(), timed alone, over ``prompts`` (with the default index source).
+
+    The steps call the router's private helpers as Router.route does: when route() changes, change this with it
+    (tests/test_benchmarks.py runs it).
+    """
+    hasher, index, policy, clock = router.hasher, router.index, router.policy, time.perf_counter
+    samples: dict[str, list[float]] = {name: [] for name in STEPS}
+    for prompt in prompts:
+        marks = [clock()]
+        data = encode_tokens(prompt)
+        marks.append(clock())
+        hashes = hasher.hash_encoded(data, hasher.seed)
+        marks.append(clock())
+        order = _placement_order(backends, _placement_key(hashes, data, hasher.seed, 4))
+        marks.append(clock())
+        matched = index.match(hashes, order)
+        marks.append(clock())
+        candidates = tuple(
+            map(
+                _candidate,
+                order,
+                map(hasher.block_size.__mul__, map(matched.__getitem__, order)),
+                repeat(len(data) // 4),
+                map(router._in_flight.get, order, repeat(0)),
+                map(router._queue_len.get, order),
+                map(router._kv_usage.get, order),
+            )
+        )
+        marks.append(clock())
+        chosen = policy.choose(candidates)
+        marks.append(clock())
+        index._insert(hashes, chosen.backend, matched[chosen.backend])
+        marks.append(clock())
+        for name, begin, end in zip(STEPS, marks[:-1], marks[1:], strict=True):
+            samples[name].append(end - begin)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
 def time_calls(call: Callable[[list[int]], object], prompts: list[list[int]]) -> list[float]:
     """Seconds per call, one call per prompt."""
     samples = []
@@ -106,6 +154,9 @@ def main() -> None:
         help="give every backend an LRU capacity (5/4 of its share of the warm index) and warm it until it has "
         "turned over, so routes also evict and bytes per entry is the steady state",
     )
+    parser.add_argument(
+        "--steps", action="store_true", help="time each step of route() alone at 8K tokens instead of the table"
+    )
     args = parser.parse_args()
     if args.quick:
         args.runs, args.calls, args.entries = 2, 20, 20_000
@@ -116,14 +167,18 @@ def main() -> None:
         f"route() benchmark: median of {args.runs} passes x {args.calls} calls, "
         f"warm index of {args.entries:,} entries, {bounds}, {args.new_fraction:.0%} of each prompt new"
     )
-    print(
-        f"{'tokens':>7} {'backends':>8} {'entries':>10} {'B/entry':>8} {'median us':>10} {'p99 us':>8} "
-        f"{'routes/s':>9} {'floor us':>9} {'ratio':>6}"
-    )
+    if args.steps:
+        columns = (*STEPS, "sum", "route()", "floor")
+        print(f"8K tokens, median us per step\n{'backends':>8} " + " ".join(f"{name:>10}" for name in columns))
+    else:
+        print(
+            f"{'tokens':>7} {'backends':>8} {'entries':>10} {'B/entry':>8} {'median us':>10} {'p99 us':>8} "
+            f"{'routes/s':>9} {'floor us':>9} {'ratio':>6}"
+        )
     for backend_count in (8, 64):
         backends = [f"http://gpu{i}:8000" for i in range(backend_count)]
         router, per_entry = warm_router(backends, args.entries, rng, bounded=args.bounded)
-        for length in (1024, 8192, 32768):
+        for length in (8192,) if args.steps else (1024, 8192, 32768):
             # Each prompt: one of 8 shared prefixes the index already holds, then a part new to it.
             new = int(length * args.new_fraction)
             shared = [[rng.randrange(VOCAB) for _ in range(length - new)] for _ in range(8)]
@@ -134,6 +189,12 @@ def main() -> None:
             for prompt in make_prompts():  # warm-up pass: the shared prefixes get a home
                 router.route(prompt, backends)
             median, p99, floor = measure(router, make_prompts, backends, args.runs)
+            if args.steps:
+                passes = [time_steps(router, make_prompts(), backends) for _ in range(args.runs)]
+                steps = {name: statistics.median(p[name] for p in passes) * 1e6 for name in STEPS}
+                figures = (*steps.values(), sum(steps.values()), median * 1e6, floor * 1e6)
+                print(f"{backend_count:>8} " + " ".join(f"{figure:>10.1f}" for figure in figures))
+                continue
             print(
                 f"{length:>7} {backend_count:>8} {len(router.index):>10,} {per_entry:>8.0f} {median * 1e6:>10.1f} "
                 f"{p99 * 1e6:>8.1f} {1 / median:>9,.0f} {floor * 1e6:>9.1f} {median / floor:>6.2f}"

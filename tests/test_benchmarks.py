@@ -24,6 +24,11 @@ def test_bench_route_prints_every_case_with_a_ratio() -> None:
     assert all(ratio > 0 for ratio in cases.values())
 
 
+def test_bench_route_steps_prints_each_step_for_both_fleets() -> None:
+    rows = [line.split() for line in run("bench_route.py", "--quick", "--steps").splitlines()]
+    assert [row[0] for row in rows if len(row) == 11 and row[0].isdigit()] == ["8", "64"]
+
+
 def test_bench_sim_and_bench_events_run() -> None:
     assert "bounded-load" in run("bench_sim.py", "--quick")
     assert "block events/s" in run("bench_events.py", "--runs", "1", "--requests", "20")
