@@ -23,13 +23,12 @@ import statistics
 import time
 import tracemalloc
 from collections.abc import Callable
-from itertools import repeat
 
 import xxhash
 
 from prefixroute import Router
 from prefixroute.hashing import encode_tokens
-from prefixroute.router import _candidate, _placement_key, _placement_order
+from prefixroute.router import _placement_key, _placement_order
 
 VOCAB = 32_000
 
@@ -104,17 +103,7 @@ def time_steps(router: Router, prompts: list[list[int]], backends: list[str]) ->
         marks.append(clock())
         matched = index.match(hashes, order)
         marks.append(clock())
-        candidates = tuple(
-            map(
-                _candidate,
-                order,
-                map(hasher.block_size.__mul__, map(matched.__getitem__, order)),
-                repeat(len(data) // 4),
-                map(router._in_flight.get, order, repeat(0)),
-                map(router._queue_len.get, order),
-                map(router._kv_usage.get, order),
-            )
-        )
+        candidates = router._candidates(order, matched, len(data) // 4)
         marks.append(clock())
         chosen = policy.choose(candidates)
         marks.append(clock())
