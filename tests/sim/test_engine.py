@@ -108,7 +108,10 @@ def test_random_request_mixes_keep_invariants_and_conserve_tokens(
         if r.preemptions == 0:
             assert r.cached_tokens + r.computed_prompt_tokens == r.prompt_tokens
         else:
-            assert r.computed_prompt_tokens >= r.prompt_tokens - r.cached_tokens
+            # Readmitted after a preemption, a request may find more of its prompt cached than at its first
+            # admission (others committed those blocks meanwhile), as in vLLM; so only bounds hold: every admission
+            # computes at least one token and at most the prompt plus what it had generated.
+            assert 1 <= r.computed_prompt_tokens <= (r.preemptions + 1) * (r.prompt_tokens + r.output_tokens)
     # tokens the backends prefilled, step by step, are exactly the tokens the records account for
     assert sum(outcome.prefill_tokens.values()) == sum(r.computed_prompt_tokens for r in served)
     for r in records:
