@@ -21,7 +21,7 @@ from pathlib import Path
 
 from prefixroute.sim.runner import SimSpec, run_policy
 
-MOONCAKE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake-fast25" / "synthetic_trace.jsonl"
+MOONCAKE = Path(__file__).resolve().parents[1] / "data" / "mooncake-fast25" / "synthetic_trace.jsonl"
 
 
 def measure(spec: SimSpec, policy: str, runs: int) -> tuple[float, int]:

@@ -2,8 +2,8 @@
 
 Not used at run time. Regenerate the package data (and optionally the calibration plot) with::
 
-    python -m prefixroute.sim.costfit --data ../shared/data [--plot docs/cost-model-calibration.png]
-    python -m prefixroute.sim.costfit --data ../shared/data --check     # exit 1 if the package data is stale
+    python -m prefixroute.sim.costfit --data data [--plot docs/cost-model-calibration.png]
+    python -m prefixroute.sim.costfit --data data --check     # exit 1 if the package data is stale
 
 Method (see docs/cost-model.md): per (GPU, model, tp) the measured per-layer linear-operator time of
 Vidur's ``mlp.csv`` is fitted by ``max(floor, intercept + per_token * n)``; missing combinations are
@@ -338,7 +338,7 @@ def _points_csv(measurements: Sequence[Measurement]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: fit, then write (or ``--check``) the package data; optionally plot."""
     parser = argparse.ArgumentParser(prog="python -m prefixroute.sim.costfit", description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=Path("../shared/data"), help="folder of the raw measurements")
+    parser.add_argument("--data", type=Path, default=Path("data"), help="folder of the raw measurements")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "data", help="package data folder")
     parser.add_argument("--check", action="store_true", help="exit 1 if the package data differs from a refit")
     parser.add_argument("--plot", type=Path, default=None, help="write the calibration plot (PNG) here")

@@ -1,4 +1,4 @@
-"""Fixtures for the simulator tests: the shared data folder and a simple, exact cost model."""
+"""Fixtures for the simulator tests: the repository's data folder and a simple, exact cost model."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+DATA = REPO_ROOT / "data"
 
 
 class LinearCost:
@@ -33,8 +33,7 @@ def cost() -> LinearCost:
 
 
 @pytest.fixture(scope="session")
-def shared_data() -> Path:
-    """``../shared/data`` next to the repository root; a missing folder fails the test (it is part of the setup)."""
-    if not SHARED_DATA.is_dir():
-        pytest.fail(f"the shared data folder {SHARED_DATA} is missing: clone prefixroute next to shared/")
-    return SHARED_DATA
+def data_dir() -> Path:
+    """The repository's ``data/`` folder (real traces and profiles, each with its licence and SOURCE.md)."""
+    assert DATA.is_dir(), f"{DATA} is missing: it is part of the repository"
+    return DATA

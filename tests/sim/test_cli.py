@@ -62,8 +62,8 @@ def test_same_seed_same_json(tmp_path: Path) -> None:
     assert third != first
 
 
-def test_user_policy_class_and_trace_replay(tmp_path: Path, shared_data: Path) -> None:
-    trace = f"splitwise:{shared_data / 'vidur-profiling' / 'processed_traces' / 'splitwise_conv.csv'}"
+def test_user_policy_class_and_trace_replay(tmp_path: Path, data_dir: Path) -> None:
+    trace = f"splitwise:{data_dir / 'vidur-profiling' / 'processed_traces' / 'splitwise_conv.csv'}"
     status = main(
         [
             "simulate",
@@ -103,8 +103,8 @@ def test_errors_exit_2_with_a_message(argv: list[str], message: str, capsys: pyt
     assert message in capsys.readouterr().err
 
 
-def test_rejections_are_reported(tmp_path: Path, shared_data: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    trace = f"mooncake:{shared_data / 'mooncake-fast25' / 'synthetic_trace.jsonl'}"
+def test_rejections_are_reported(tmp_path: Path, data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = f"mooncake:{data_dir / 'mooncake-fast25' / 'synthetic_trace.jsonl'}"
     out = tmp_path / "nested" / "m.json"
     assert main(["simulate", "--trace", trace, "--requests", "30", "--policy", "round-robin", "--json", str(out)]) == 0
     assert "requests rejected, longer than one engine's whole KV cache" in capsys.readouterr().out

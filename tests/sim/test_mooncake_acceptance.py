@@ -36,8 +36,8 @@ class _Line(TypedDict):
     hash_ids: list[int]
 
 
-def _trace(shared_data: Path) -> list[_Line]:
-    path = shared_data / "mooncake-fast25" / "synthetic_trace.jsonl"
+def _trace(data_dir: Path) -> list[_Line]:
+    path = data_dir / "mooncake-fast25" / "synthetic_trace.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -56,8 +56,8 @@ def _reference_hits(trace: list[_Line], assign: str) -> list[int]:
     return hits
 
 
-def _simulated_hits(shared_data: Path, policy: str) -> tuple[list[int], list[int]]:
-    spec = f"mooncake:{shared_data / 'mooncake-fast25' / 'synthetic_trace.jsonl'}"
+def _simulated_hits(data_dir: Path, policy: str) -> tuple[list[int], list[int]]:
+    spec = f"mooncake:{data_dir / 'mooncake-fast25' / 'synthetic_trace.jsonl'}"
     simulation = Simulation(
         router=Router(policy=policy_from_name(policy)),
         workload=load_trace(spec, output_tokens=1),
@@ -78,11 +78,11 @@ def _trace_blocks_hit(cached_tokens: int, input_length: int, blocks: int) -> int
 @pytest.mark.parametrize(
     ("policy", "assign", "expected"), [("round-robin", "round-robin", 0.226), ("prefix-affinity", "ideal", 0.640)]
 )
-def test_simulated_hits_match_the_reference(shared_data: Path, policy: str, assign: str, expected: float) -> None:
-    trace = _trace(shared_data)
+def test_simulated_hits_match_the_reference(data_dir: Path, policy: str, assign: str, expected: float) -> None:
+    trace = _trace(data_dir)
     assert len(trace) == 3993
     reference = _reference_hits(trace, assign)
-    cached, predicted = _simulated_hits(shared_data, policy)
+    cached, predicted = _simulated_hits(data_dir, policy)
     total_blocks = sum(len(line["hash_ids"]) for line in trace)
     assert sum(reference) / total_blocks == pytest.approx(expected, abs=5e-4)
 

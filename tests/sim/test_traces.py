@@ -85,7 +85,7 @@ def test_trace_spec_errors(tmp_path: Path) -> None:
         load_trace(f"mooncake:{tmp_path / 'missing.jsonl'}")
 
 
-def test_shared_traces_parse(shared_data: Path) -> None:
-    assert len(read_mooncake(shared_data / "mooncake-fast25" / "synthetic_trace.jsonl")) == 3993
-    code = read_splitwise(shared_data / "vidur-profiling" / "processed_traces" / "splitwise_code.csv")
+def test_shared_traces_parse(data_dir: Path) -> None:
+    assert len(read_mooncake(data_dir / "mooncake-fast25" / "synthetic_trace.jsonl")) == 3993
+    code = read_splitwise(data_dir / "vidur-profiling" / "processed_traces" / "splitwise_code.csv")
     assert len(code) == 8819 and all(e.input_length >= 1 for e in code)
