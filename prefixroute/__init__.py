@@ -16,6 +16,7 @@ from prefixroute.errors import (
     InvalidTraceError,
     MetricsError,
     NoBackendError,
+    PolicyError,
     PrefixRouteError,
 )
 from prefixroute.hashing import BlockHash, BlockHasher, encode_tokens
@@ -34,7 +35,7 @@ from prefixroute.policies import (
     policy_from_name,
     policy_names,
 )
-from prefixroute.router import Decision, IndexSource, Reason, Router
+from prefixroute.router import Decision, Reason, Router, RouterStats
 
 __version__ = "0.1.0"
 
@@ -46,7 +47,6 @@ __all__ = [
     "ConfigurationError",
     "CostAware",
     "Decision",
-    "IndexSource",
     "InvalidEventError",
     "InvalidPromptError",
     "InvalidTraceError",
@@ -55,6 +55,7 @@ __all__ = [
     "LoadPolicy",
     "MetricsError",
     "NoBackendError",
+    "PolicyError",
     "PowerOfTwo",
     "PrefixAffinity",
     "PrefixIndex",
@@ -63,6 +64,7 @@ __all__ = [
     "Reason",
     "RoundRobin",
     "Router",
+    "RouterStats",
     "__version__",
     "encode_tokens",
     "policy_from_name",

@@ -5,13 +5,15 @@
     PrefixRouteError
     ├── ConfigurationError     a bad option: unknown policy name, negative capacity, wrong block size
     ├── InvalidPromptError     a token id that is not an int in [0, 2**32), or an unsupported prompt type
-    ├── NoBackendError         route() was given no backend to choose from
+    ├── NoBackendError         route() was given no backend to choose from (also a LookupError)
+    ├── PolicyError            a policy returned something that is not one of its candidates (also a TypeError)
     ├── InvalidEventError      a malformed vLLM KV-cache event
     ├── InvalidTraceError      a malformed line in a workload trace
     └── MetricsError           unreadable Prometheus metrics text
 
-``InvalidPromptError`` is also a ``ValueError`` and ``ConfigurationError`` a ``ValueError``, so code written against
-plain Python conventions keeps working. Wrong argument *types* raise ``TypeError``.
+Each error is also the builtin a Python user would catch: ``ConfigurationError``, ``InvalidPromptError``,
+``InvalidEventError`` and ``InvalidTraceError`` are ``ValueError``, ``NoBackendError`` a ``LookupError``,
+``PolicyError`` a ``TypeError``. Wrong argument *types* raise ``TypeError``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ __all__ = [
     "InvalidTraceError",
     "MetricsError",
     "NoBackendError",
+    "PolicyError",
     "PrefixRouteError",
 ]
 
@@ -39,8 +42,12 @@ class InvalidPromptError(PrefixRouteError, ValueError):
     """A prompt cannot be hashed: the message names the first bad position and the allowed range."""
 
 
-class NoBackendError(PrefixRouteError):
+class NoBackendError(PrefixRouteError, LookupError):
     """There is no backend to route to (an empty backend list)."""
+
+
+class PolicyError(PrefixRouteError, TypeError):
+    """A :class:`~prefixroute.LoadPolicy` returned something other than one of the candidates it was given."""
 
 
 class InvalidEventError(PrefixRouteError, ValueError):

@@ -12,7 +12,11 @@ from itertools import repeat, starmap, takewhile
 
 from prefixroute.errors import ConfigurationError
 
-__all__ = ["PrefixIndex"]
+__all__ = ["IndexUpdate", "PrefixIndex"]
+
+IndexUpdate = tuple[bool, Sequence[int], "int | None"]
+"""One index update: ``(True, hashes, parent)`` stores a chain continuing block ``parent`` (None: from block 0),
+``(False, hashes, None)`` removes blocks."""
 
 
 class PrefixIndex:
@@ -105,7 +109,19 @@ class PrefixIndex:
                 result[backend] = _leading(blocks, hashes) if backend in walk else _boundary(blocks, hashes)
         return result
 
-    def insert(self, hashes: Sequence[int], backend: str) -> None:
+    def predict(self, hashes: Sequence[int], backend: str, held: int) -> None:
+        """Record a routing decision: the router sent a prompt with ``hashes`` to ``backend``, which held ``held``.
+
+        The hook that decides what routing writes: this class inserts the prompt's blocks. O(len(hashes)).
+        """
+        blocks = self._blocks.get(backend)
+        self._insert(hashes, backend, 0 if blocks is None else _leading(blocks, hashes))
+
+    def match_confirmed(self, hashes: Sequence[int], backend: str) -> int | None:
+        """How many leading blocks of ``hashes`` an exact source (KV events) confirms ``backend`` holds; None here."""
+        return None
+
+    def insert(self, hashes: Sequence[int], backend: str, *, parent: int | None = None) -> None:
         """Record that ``backend`` holds ``hashes`` and make them its most recent blocks.
 
         ``hashes`` is a chain from block 0, or one that continues a block the backend holds (as a KV event's stored
@@ -151,9 +167,9 @@ class PrefixIndex:
             del self._blocks[backend]
             self._open.discard(backend)
 
-    def remove_backend(self, backend: str) -> None:
-        """Forget every block of ``backend`` (its capacity, a setting, stays). O(blocks), the time to free them."""
-        self._detach(backend)
+    def remove_backend(self, backend: str) -> Collection[int]:
+        """Forget every block of ``backend`` (its capacity, a setting, stays) and return them to be freed. O(1)."""
+        return self._detach(backend)
 
     def _detach(self, backend: str) -> Collection[int]:
         """Forget ``backend``'s blocks and return them, for a caller that frees them outside its lock. O(1).

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from prefixroute.errors import ConfigurationError
 
@@ -35,13 +35,20 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """One backend as a policy sees it for one request.
+class Candidate(NamedTuple):
+    """One backend as a policy sees it for one request (immutable).
 
     ``matched_tokens`` of the ``prompt_tokens`` are (predicted to be) in its prefix cache; ``in_flight`` counts
     this router's requests there that have not finished. ``queue_len`` (requests waiting in the engine) and
     ``kv_usage`` (KV cache fraction in use, 0–1) come from engine metrics when a poller supplies them, else None.
+
+    The router's own work accounting, from the request lifecycle (:meth:`Router.start`,
+    :meth:`~Router.first_token`, :meth:`~Router.finish`): ``pending_prefill_tokens`` is the uncached prompt tokens
+    of its requests there still in prefill, ``held_blocks`` the KV blocks of its prompts in flight there,
+    ``capacity_blocks`` its KV capacity in blocks when known, and ``prefill_tokens_per_s`` the prefill speed
+    observed from first-token times (None until a first token was reported there).
+
+    A ``NamedTuple``: built once per backend per request, it costs a quarter of a frozen dataclass.
     """
 
     backend: str
@@ -50,11 +57,20 @@ class Candidate:
     in_flight: int
     queue_len: int | None = None
     kv_usage: float | None = None
+    pending_prefill_tokens: int = 0
+    held_blocks: int = 0
+    capacity_blocks: int | None = None
+    prefill_tokens_per_s: float | None = None
 
     @property
     def load(self) -> int:
         """Requests this candidate is busy with: in flight from this router plus the engine's waiting queue."""
         return self.in_flight + (self.queue_len or 0)
+
+    @property
+    def uncached_tokens(self) -> int:
+        """This request's prompt tokens that this backend would have to prefill."""
+        return self.prompt_tokens - self.matched_tokens
 
 
 class LoadPolicy(ABC):

@@ -1,34 +1,28 @@
-"""The Router: hash once, match, ask the policy, record the prediction, return a Decision."""
+"""The Router: the pure decision core. Hash once, match, ask the policy, record, and follow each request's life."""
 
 from __future__ import annotations
 
+import heapq
 import logging
+import math
+import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from itertools import repeat
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import Literal
 
 import cachetools
 import xxhash
 
-from prefixroute.errors import ConfigurationError, NoBackendError, PrefixRouteError
+from prefixroute.errors import ConfigurationError, NoBackendError, PolicyError
 from prefixroute.hashing import BlockHasher, Tokens, encode_tokens, namespace_seed
-from prefixroute.index import PrefixIndex
+from prefixroute.index import IndexUpdate, PrefixIndex
 from prefixroute.policies import BoundedLoad, Candidate, LoadPolicy
-from prefixroute.speculative import EventSink, SpeculativeIndex
 
-if TYPE_CHECKING:  # the vllm extra is imported only when subscribe() or watch_metrics() is called
-    from prefixroute.vllm.metrics import MetricsPoller
-    from prefixroute.vllm.subscriber import KVEventSubscriber
-
-__all__ = ["Decision", "IndexSource", "Reason", "Router"]
-
-IndexSource = Literal["predictions", "events", "hybrid"]
-"""What writes the index: the router's own routing decisions (``"predictions"``), only vLLM's KV-cache events
-(``"events"``), or events plus short-lived speculative entries for just-routed prompts (``"hybrid"``)."""
+__all__ = ["Decision", "Reason", "Router", "RouterStats"]
 
 _log = logging.getLogger("prefixroute")
 
@@ -37,11 +31,20 @@ Reason = Literal["prefix", "load-fallback", "miss", "policy"]
 match because of load (``"load-fallback"``); no backend held any of the prompt (``"miss"``); or a policy that
 ignores prefixes chose (``"policy"``)."""
 
+# A prefill-speed estimate follows observed first tokens with this weight per observation (unit-free).
+_SPEED_WEIGHT = 0.2
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """Where one request goes and why. Pass it back to :meth:`Router.track` (or start/finish)."""
+    """Where one request goes and why; its ``id`` names it in :meth:`Router.start`, ``first_token`` and ``finish``.
 
+    ``matched_tokens`` of ``prompt_tokens`` are (predicted) cached on ``backend``; ``candidates`` are every backend
+    as the policy saw them. ``confirmed_tokens`` is the part of ``matched_tokens`` that vLLM's KV events confirm
+    (None when the index has no confirmed part, e.g. a plain :class:`~prefixroute.PrefixIndex`).
+    """
+
+    id: str
     backend: str
     matched_tokens: int
     prompt_tokens: int
@@ -49,7 +52,7 @@ class Decision:
     candidates: tuple[Candidate, ...]
     decided_at: float = 0.0
     confirmed_tokens: int | None = None
-    """Of ``matched_tokens``, how many vLLM's KV events confirm are cached (None without an event source)."""
+    _hashes: Sequence[int] = field(default=(), repr=False, compare=False)
 
     @property
     def hit_ratio(self) -> float:
@@ -57,17 +60,60 @@ class Decision:
         return self.matched_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+@dataclass(frozen=True)
+class RouterStats:
+    """Counters of a :class:`Router`'s decisions and request lifecycle (a snapshot)."""
+
+    decisions: int
+    """Decisions made (:meth:`Router.decide` and :meth:`Router.route`)."""
+    commits: int
+    """Decisions recorded in the index (:meth:`Router.commit`, and every :meth:`Router.route`)."""
+    in_flight: int
+    """Requests started and neither finished nor expired."""
+    ignored: int
+    """Lifecycle calls ignored: a second start, a finish or first token of a request that is not in flight (a
+    second finish, an expired or removed one, or a decision of another router)."""
+    leases_expired: int
+    """Requests that stopped counting because their lease ran out before :meth:`Router.finish`."""
+
+
+class _Request:
+    """One started request: what it adds to its backend's counters, so finish() takes exactly that back."""
+
+    __slots__ = ("backend", "blocks", "deadline", "pending_before", "prefilling", "started_at", "uncached")
+
+    def __init__(
+        self, backend: str, uncached: int, blocks: int, pending_before: int, started_at: float, deadline: float | None
+    ) -> None:
+        self.backend = backend
+        self.uncached = uncached
+        self.blocks = blocks
+        self.pending_before = pending_before
+        self.started_at = started_at
+        self.deadline = deadline
+        self.prefilling = True
+
+
 class Router:
-    """Route prompts to the backend that holds their prefix, within a load bound.
+    """Route prompts to the backend that holds their prefix, within the policy's load rule.
 
-    ``policy`` defaults to :class:`~prefixroute.BoundedLoad` (factor 2). ``capacity_blocks`` bounds each backend's
-    predicted cache like vLLM's ``num_gpu_blocks`` (see :class:`~prefixroute.PrefixIndex`). ``namespace`` seeds the
-    block hashes (model or adapter name); :meth:`route` can override it per request. ``placement_blocks`` is how many
-    leading blocks decide where a never-seen prefix goes (rendezvous hashing), so gateway replicas that share no
-    state still agree.
+    ``policy`` defaults to :class:`~prefixroute.BoundedLoad`. ``index`` is the prefix index the router reads and
+    writes (default: a :class:`~prefixroute.PrefixIndex` with ``capacity_blocks``, which mirrors vLLM's
+    ``num_gpu_blocks``); the index class decides what a routing decision writes (:meth:`PrefixIndex.predict`), so
+    the router's mode is fixed at construction. ``namespace`` seeds the block hashes (model or adapter name);
+    :meth:`route` can override it per request. ``placement_blocks`` is how many leading blocks decide where a
+    never-seen prefix goes (rendezvous hashing), so gateway replicas that share no state still agree. ``lease``
+    is the default lease of :meth:`start` in seconds (None: requests count until finished). ``clock`` and ``rng``
+    (which draws the decision ids) are injectable.
 
-    Thread-safe: one lock guards the index, the in-flight counts and the policy; hashing runs outside it and nothing
-    inside it does I/O or sleeps, so calling :meth:`route` from an asyncio coroutine does not stall the loop.
+    A request's life: :meth:`route` (or :meth:`decide`, then :meth:`commit` to the backend actually used) →
+    :meth:`start` → :meth:`first_token` (optional) → :meth:`finish`. Lifecycle calls name the decision by its id and
+    are idempotent; a finish that matches no request in flight is ignored and counted (:meth:`stats`), never raised.
+
+    Thread-safe: one lock guards the index, the counters and the policy; hashing runs outside it and nothing inside
+    it does I/O or sleeps, so calling :meth:`route` from an asyncio coroutine does not stall the loop. Other
+    components write the index only through :meth:`store`, :meth:`evict`, :meth:`write` and
+    :meth:`clear_backend`, which take the lock.
 
     >>> router = Router(block_size=4)
     >>> first = router.route([1, 2, 3, 4, 5, 6, 7, 8], ["gpu0", "gpu1", "gpu2"])
@@ -78,6 +124,9 @@ class Router:
     (True, 'prefix', 8)
     >>> with router.track(again):
     ...     router.in_flight(again.backend)
+    1
+    >>> router.finish(again)  # a second finish is ignored, and counted
+    >>> router.stats().ignored
     1
     """
 
@@ -90,35 +139,57 @@ class Router:
         namespace: str | bytes | None = None,
         clock: Callable[[], float] = time.monotonic,
         placement_blocks: int = 4,
-        index_source: IndexSource | None = None,
-        speculative_ttl: float = 3.0,
+        index: PrefixIndex | None = None,
+        lease: float | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         if policy is not None and not isinstance(policy, LoadPolicy):
             raise TypeError(f"policy must be a LoadPolicy instance, not {type(policy).__name__}")
         if isinstance(placement_blocks, bool) or not isinstance(placement_blocks, int) or placement_blocks < 1:
-            raise ValueError(f"placement_blocks must be a positive int, not {placement_blocks!r}")
-        if index_source not in (None, "predictions", "events", "hybrid"):
-            raise ConfigurationError(f"index_source must be 'predictions', 'events' or 'hybrid', not {index_source!r}")
-        if isinstance(speculative_ttl, bool) or not isinstance(speculative_ttl, (int, float)) or speculative_ttl <= 0:
-            raise ConfigurationError(f"speculative_ttl must be a positive number of seconds, not {speculative_ttl!r}")
+            raise ConfigurationError(f"placement_blocks must be a positive int, not {placement_blocks!r}")
+        if not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds, not {type(clock).__name__}")
+        if rng is not None and not isinstance(rng, random.Random):
+            raise TypeError(f"rng must be a random.Random, not {type(rng).__name__}")
         self._hasher = BlockHasher(block_size, namespace=namespace)
-        self._index = PrefixIndex(block_size, capacity_blocks=capacity_blocks)
+        if index is None:
+            index = PrefixIndex(block_size, capacity_blocks=capacity_blocks)
+        elif not isinstance(index, PrefixIndex):
+            raise TypeError(f"index must be a PrefixIndex (or a subclass), not {type(index).__name__}")
+        elif capacity_blocks is not None:
+            raise ConfigurationError("pass capacity_blocks to the PrefixIndex you give as index=, not to the Router")
+        elif index.block_size != block_size:
+            raise ConfigurationError(
+                f"index.block_size is {index.block_size} but block_size is {block_size}: they must agree"
+            )
+        self._index = index
         self._policy: LoadPolicy = policy if policy is not None else BoundedLoad()
         self._clock = clock
         self._placement_blocks = placement_blocks
+        self._lease = _check_lease(lease)
         self._lock = threading.Lock()
+        # Per backend: requests in flight, uncached prompt tokens still in prefill, prompt blocks in flight.
         self._in_flight: dict[str, int] = {}
+        self._pending: dict[str, int] = {}
+        self._held: dict[str, int] = {}
+        self._speed: dict[str, float] = {}  # observed prefill tokens/s
         self._queue_len: dict[str, int | None] = {}  # engine figures from set_engine_load()
         self._kv_usage: dict[str, float | None] = {}
-        self._index_source: IndexSource | None = index_source
-        self._speculative = SpeculativeIndex(block_size, ttl=float(speculative_ttl), clock=clock)
-        self._subscribers: dict[str, _Stoppable] = {}  # KV-event subscribers and metrics pollers, for close()
-        # Root seeds of per-request namespaces (model or LoRA names): few, reused, so a small LRU serves.
-        self._seeds: cachetools.LRUCache[str | bytes, int] = cachetools.LRUCache(maxsize=1024)
+        self._live: dict[str, _Request] = {}
+        self._leases: list[tuple[float, str]] = []  # a heap of (deadline, id); stale entries are skipped
+        self._counts = dict.fromkeys(("decisions", "commits", "ignored", "leases_expired"), 0)
+        # Decision ids: a random per-router prefix and a counter, so ids of two routers never collide.
+        self._id_prefix = f"{(rng if rng is not None else random.Random()).getrandbits(48):012x}-"
+        self._next_id = 0
+        # Root seeds of per-request namespaces (model or LoRA names): few, reused, so a small LRU serves; cachetools
+        # holds its own lock around the cache, so concurrent routes with many namespaces stay consistent.
+        self._seed: Callable[[str | bytes], int] = cachetools.cached(
+            cachetools.LRUCache(maxsize=1024), lock=threading.Lock()
+        )(namespace_seed)
 
     @property
     def index(self) -> PrefixIndex:
-        """The prefix index (hold :attr:`lock` while you change it from another thread)."""
+        """The prefix index, for reading (write through :meth:`store`, :meth:`evict`, :meth:`write`)."""
         return self._index
 
     @property
@@ -127,24 +198,21 @@ class Router:
         return self._hasher
 
     @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self._hasher.block_size
+
+    @property
     def policy(self) -> LoadPolicy:
         """The load policy in use."""
         return self._policy
 
-    @property
-    def index_source(self) -> IndexSource:
-        """What writes the index; ``"predictions"`` until :meth:`subscribe` makes an unset source ``"hybrid"``."""
-        return self._index_source or "predictions"
-
-    @property
-    def lock(self) -> threading.Lock:
-        """The lock that guards the index and in-flight counts; event subscribers share it."""
-        return self._lock
+    # -- deciding ------------------------------------------------------------------------------------------------
 
     def route(
         self, prompt_tokens: Tokens, backends: Sequence[str], *, namespace: str | bytes | None = None
     ) -> Decision:
-        """Choose a backend for a prompt and record that it will cache the prompt's blocks.
+        """Choose a backend for a prompt and record that it will cache the prompt's blocks (decide + commit).
 
         O(n/block_size + B log B + H log n) for a prompt of n tokens, B backends and H backends holding its first
         block (see :meth:`PrefixIndex.match`).
@@ -154,253 +222,369 @@ class Router:
             ValueError: ``backends`` names a backend twice.
             TypeError: a backend id is not a str, or the prompt is not a token sequence.
             InvalidPromptError: a token id is not an int in [0, 2**32) (the message names its position).
+            PolicyError: the policy returned something that is not one of its candidates (nothing is recorded).
         """
+        return self._decide(prompt_tokens, backends, namespace, commit=True)
+
+    def decide(
+        self, prompt_tokens: Tokens, backends: Sequence[str], *, namespace: str | bytes | None = None
+    ) -> Decision:
+        """Choose a backend like :meth:`route`, but record nothing: :meth:`commit` the backend actually used.
+
+        For frameworks that override or repeat the pick (retries, spill to another replica), so the index only
+        learns what really happened. Same cost and errors as :meth:`route`.
+        """
+        return self._decide(prompt_tokens, backends, namespace, commit=False)
+
+    def commit(self, decision: Decision, backend: str | None = None) -> Decision:
+        """Record that ``decision``'s request went to ``backend`` (default: the chosen one); return that decision.
+
+        ``backend`` must be one of the decision's candidates; the returned :class:`Decision` keeps the id and
+        describes that backend (its match, reason and confirmed tokens). Committing again only refreshes recency.
+        O(n/block_size) for a prompt of n tokens.
+
+        Raises:
+            ValueError: the decision comes from another router, or ``backend`` is not one of its candidates.
+        """
+        self._check_own(decision)
+        target = decision.backend if backend is None else backend
+        chosen = next((c for c in decision.candidates if c.backend == target), None)
+        if chosen is None:
+            raise ValueError(
+                f"backend {target!r} was not a candidate of decision {decision.id!r}: commit one of "
+                f"{[c.backend for c in decision.candidates]}"
+            )
+        hashes = decision._hashes
+        with self._lock:
+            held = self._index.match(hashes, (target,))[target]
+            confirmed = self._index.match_confirmed(hashes, target)
+            if hashes:
+                self._index.predict(hashes, target, held)
+            self._counts["commits"] += 1
+        if target == decision.backend:
+            return replace(decision, confirmed_tokens=_tokens(confirmed, self.block_size))
+        best = max(c.matched_tokens for c in decision.candidates)
+        return replace(
+            decision,
+            backend=target,
+            matched_tokens=chosen.matched_tokens,
+            reason=_reason(self._policy, chosen.matched_tokens, best),
+            confirmed_tokens=_tokens(confirmed, self.block_size),
+        )
+
+    def _decide(
+        self, prompt_tokens: Tokens, backends: Sequence[str], namespace: str | bytes | None, *, commit: bool
+    ) -> Decision:
         ids = _check_backends(backends)
         data = encode_tokens(prompt_tokens)
         seed = self._hasher.seed if namespace is None else self._seed(namespace)
         hashes = self._hasher.hash_encoded(data, seed)
         prompt_len = len(data) // 4
         order = _placement_order(ids, _placement_key(hashes, data, seed, self._placement_blocks))
-        source = self.index_source
         block_size = self._hasher.block_size
+        index = self._index
         with self._lock:
-            matched = self._index.match(hashes, order)
-            confirmed = None
-            if source == "hybrid":
-                confirmed = matched
-                matched = self._speculative.match(hashes, order, confirmed)
+            now = self._clock()
+            if self._leases and self._leases[0][0] <= now:
+                self._expire(now)
+            matched = index.match(hashes, order)
             candidates = self._candidates(order, matched, prompt_len)
             chosen = self._policy.choose(candidates)
-            if not isinstance(chosen, Candidate) or chosen.backend not in matched:
-                raise PrefixRouteError(
-                    f"policy {self._policy!r} returned {chosen!r}, which is not one of the candidates it was given"
+            if not _is_one_of(chosen, candidates):
+                raise PolicyError(
+                    f"policy {self._policy!r} returned {chosen!r}, which is not one of the candidates it was given: "
+                    "choose() must return one of its candidates itself, unchanged"
                 )
-            if hashes:
-                if source == "predictions":
-                    self._index._insert(hashes, chosen.backend, matched[chosen.backend])
-                elif source == "hybrid":
-                    self._speculative.insert(hashes, chosen.backend)
-        if source == "events":
-            confirmed = matched
+            backend = chosen.backend
+            confirmed = index.match_confirmed(hashes, backend)
+            if commit:
+                if hashes:
+                    index.predict(hashes, backend, matched[backend])
+                self._counts["commits"] += 1
+            self._counts["decisions"] += 1
+            decision_id = f"{self._id_prefix}{self._next_id:x}"
+            self._next_id += 1
         best = max(matched.values()) * block_size
         return Decision(
-            chosen.backend,
+            decision_id,
+            backend,
             chosen.matched_tokens,
             prompt_len,
             _reason(self._policy, chosen.matched_tokens, best),
             candidates,
-            self._clock(),
-            None if confirmed is None else confirmed[chosen.backend] * block_size,
+            now,
+            _tokens(confirmed, block_size),
+            hashes,
         )
 
     def _candidates(self, order: list[str], matched: dict[str, int], prompt_len: int) -> tuple[Candidate, ...]:
         """One Candidate per backend, in placement order (call under the lock)."""
         # C-level maps feed the candidates' fields: with 64 backends a generator would cost a fifth more.
+        capacity = self._index.capacity
         return tuple(
             map(
-                _candidate,
+                Candidate,
                 order,
                 map(self._hasher.block_size.__mul__, map(matched.__getitem__, order)),
                 repeat(prompt_len),
                 map(self._in_flight.get, order, repeat(0)),
                 map(self._queue_len.get, order),
                 map(self._kv_usage.get, order),
+                map(self._pending.get, order, repeat(0)),
+                map(self._held.get, order, repeat(0)),
+                map(capacity, order),
+                map(self._speed.get, order),
             )
         )
 
-    def set_engine_load(self, backend: str, *, queue_len: int | None, kv_usage: float | None) -> None:
-        """Record a backend's engine figures (from its ``/metrics``) for policies to see in :class:`Candidate`.
+    # -- the request lifecycle -----------------------------------------------------------------------------------
 
-        Pass None for a figure that is unknown or stale; with both None the backend's entry is dropped. O(1).
-        """
-        with self._lock:
-            if queue_len is None and kv_usage is None:
-                self._queue_len.pop(backend, None)
-                self._kv_usage.pop(backend, None)
-            else:
-                self._queue_len[backend] = queue_len
-                self._kv_usage[backend] = kv_usage
+    def start(self, decision: Decision, *, lease: float | None = None) -> None:
+        """Count ``decision``'s request in flight on its backend until :meth:`finish` (or its lease ends). O(log L).
 
-    def start(self, decision: Decision) -> None:
-        """Count ``decision``'s request in flight on its backend (callback-style gateways). O(1)."""
-        with self._lock:
-            self._in_flight[decision.backend] = self._in_flight.get(decision.backend, 0) + 1
-
-    def finish(self, decision: Decision) -> None:
-        """Stop counting ``decision``'s request; ignored if its backend was removed meanwhile. O(1).
+        ``lease`` (seconds; default the router's ``lease``) bounds how long an unfinished request counts, for
+        gateways that may never release (a client that aborts before the gateway acts): an expired request stops
+        counting and is counted in :attr:`RouterStats.leases_expired`. A second start of the same id is ignored.
 
         Raises:
-            ValueError: more finishes than starts for that backend.
+            ValueError: the decision comes from another router, or ``lease`` is not a positive number.
         """
+        self._check_own(decision)
+        lease = self._lease if lease is None else _check_lease(lease)
+        backend = decision.backend
+        uncached = decision.prompt_tokens - decision.matched_tokens
+        blocks = -(-decision.prompt_tokens // self._hasher.block_size)
         with self._lock:
-            count = self._in_flight.get(decision.backend)
-            if count is None:
+            now = self._clock()
+            if self._leases and self._leases[0][0] <= now:
+                self._expire(now)
+            if decision.id in self._live:
+                self._counts["ignored"] += 1
                 return
-            if count == 0:
-                raise ValueError(f"finish() called more often than start() for backend {decision.backend!r}")
-            self._in_flight[decision.backend] = count - 1
+            deadline = None if lease is None else now + lease
+            pending = self._pending.get(backend, 0)
+            self._live[decision.id] = _Request(backend, uncached, blocks, pending, now, deadline)
+            self._in_flight[backend] = self._in_flight.get(backend, 0) + 1
+            self._pending[backend] = pending + uncached
+            self._held[backend] = self._held.get(backend, 0) + blocks
+            if deadline is not None:
+                heapq.heappush(self._leases, (deadline, decision.id))
+
+    def first_token(self, decision: Decision | str) -> None:
+        """Note that the request's prefill is done (its first token came back); optional, idempotent. O(1).
+
+        Its uncached tokens leave the backend's pending prefill work, and the time since :meth:`start` updates the
+        backend's observed prefill speed. A request that is not in flight is ignored and counted.
+        """
+        decision_id = _id_of(decision)
+        with self._lock:
+            request = self._live.get(decision_id)
+            if request is None or not request.prefilling:
+                self._counts["ignored"] += request is None
+                return
+            request.prefilling = False
+            backend = request.backend
+            self._pending[backend] -= request.uncached
+            elapsed = self._clock() - request.started_at
+            work = request.pending_before + request.uncached
+            if elapsed > 0 and work > 0:
+                observed = work / elapsed
+                previous = self._speed.get(backend)
+                self._speed[backend] = (
+                    observed if previous is None else previous + _SPEED_WEIGHT * (observed - previous)
+                )
+
+    def finish(self, decision: Decision | str) -> None:
+        """Stop counting the request (its response ended, or it failed). Idempotent by id; never raises. O(1).
+
+        A finish that matches no request in flight — a second finish, an expired lease, a request whose backend
+        was removed, a decision of another router, an unknown id — is ignored and counted in
+        :attr:`RouterStats.ignored`, so it is safe in a ``finally`` block.
+        """
+        decision_id = _id_of(decision)
+        with self._lock:
+            request = self._live.pop(decision_id, None)
+            if request is None:
+                self._counts["ignored"] += 1
+                return
+            self._release(request)
 
     @contextmanager
-    def track(self, decision: Decision) -> Iterator[Decision]:
+    def track(self, decision: Decision, *, lease: float | None = None) -> Iterator[Decision]:
         """Count the request in flight for the duration of the ``with`` block, also when it raises."""
-        self.start(decision)
+        self.start(decision, lease=lease)
         try:
             yield decision
         finally:
             self.finish(decision)
+
+    def expire(self) -> int:
+        """End every request whose lease has run out; return how many. Route and start also do it. O(k log L)."""
+        with self._lock:
+            return self._expire(self._clock())
 
     def in_flight(self, backend: str) -> int:
         """Return how many of this router's requests are in flight on ``backend``. O(1)."""
         with self._lock:
             return self._in_flight.get(backend, 0)
 
-    def remove_backend(self, backend: str) -> None:
-        """Forget a backend (it left the fleet): its blocks, in-flight count, engine figures and event subscriber."""
-        subscriber = self._subscribers.pop(backend, None)
-        if subscriber is not None:
-            subscriber.stop()
+    def stats(self) -> RouterStats:
+        """Return a snapshot of the decision and lifecycle counters. O(1)."""
         with self._lock:
-            blocks = self._index._detach(backend)
-            self._speculative.remove_backend(backend)
-            self._in_flight.pop(backend, None)
-            self._queue_len.pop(backend, None)
-            self._kv_usage.pop(backend, None)
-        del blocks  # freed here, outside the lock: routes wait ~40 ms per million blocks otherwise
+            c = self._counts
+            return RouterStats(c["decisions"], c["commits"], len(self._live), c["ignored"], c["leases_expired"])
 
-    def subscribe(
-        self,
-        backend: str,
-        endpoint: str,
-        *,
-        replay_endpoint: str | None = None,
-        topic: str = "",
-        namespace: str | bytes | None = None,
-    ) -> KVEventSubscriber:
-        """Start a KV-event subscriber that keeps ``backend``'s index entries exact (needs ``prefixroute[vllm]``).
+    def _release(self, request: _Request) -> None:
+        backend = request.backend
+        self._in_flight[backend] -= 1
+        self._held[backend] -= request.blocks
+        if request.prefilling:
+            self._pending[backend] -= request.uncached
 
-        ``endpoint`` is the engine's ``--kv-events-config`` publisher endpoint (``tcp://gpu0:5557``),
-        ``replay_endpoint`` its replay endpoint. ``namespace`` defaults to the router's (events must hash exactly
-        as :meth:`route` does). An unset ``index_source`` becomes ``"hybrid"``. Returns the started
-        :class:`prefixroute.vllm.KVEventSubscriber`; :meth:`remove_backend` and :meth:`close` stop it.
+    def _expire(self, now: float) -> int:
+        expired = 0
+        leases = self._leases
+        while leases and leases[0][0] <= now:
+            deadline, decision_id = heapq.heappop(leases)
+            request = self._live.get(decision_id)
+            if request is not None and request.deadline == deadline:
+                del self._live[decision_id]
+                self._release(request)
+                expired += 1
+                _log.warning("request %s on %s: lease expired before finish(); no longer counted", decision_id,
+                             request.backend)  # fmt: skip
+        self._counts["leases_expired"] += expired
+        return expired
+
+    def _check_own(self, decision: Decision) -> None:
+        if not isinstance(decision, Decision):
+            raise TypeError(f"expected a Decision, not {type(decision).__name__}")
+        if not decision.id.startswith(self._id_prefix):
+            raise ValueError(f"decision {decision.id!r} was made by another router: pass it back to that one")
+
+    # -- engine figures and backends -----------------------------------------------------------------------------
+
+    def set_engine_load(self, backend: str, *, queue_len: int | None, kv_usage: float | None) -> None:
+        """Record a backend's engine figures (from its ``/metrics``) for policies to see in :class:`Candidate`.
+
+        Pass None for a figure that is unknown or stale; with both None the backend's entry is dropped. O(1).
+
+        Raises:
+            ValueError: ``queue_len`` is negative or ``kv_usage`` is not a number in [0, 1].
         """
-        from prefixroute.vllm.subscriber import KVEventSubscriber  # optional extra: imported only when used
+        _check_backend_id(backend)
+        if queue_len is not None and (isinstance(queue_len, bool) or not isinstance(queue_len, int) or queue_len < 0):
+            raise ConfigurationError(f"queue_len must be a non-negative int or None, not {queue_len!r}")
+        if kv_usage is not None and (
+            isinstance(kv_usage, bool) or not isinstance(kv_usage, (int, float)) or not 0.0 <= kv_usage <= 1.0
+        ):
+            raise ConfigurationError(f"kv_usage must be a fraction in [0, 1] or None, not {kv_usage!r}")
+        with self._lock:
+            if queue_len is None and kv_usage is None:
+                self._queue_len.pop(backend, None)
+                self._kv_usage.pop(backend, None)
+            else:
+                self._queue_len[backend] = queue_len
+                self._kv_usage[backend] = None if kv_usage is None else float(kv_usage)
 
-        if backend in self._subscribers:
-            raise ValueError(f"backend {backend!r} already has a KV-event subscriber; remove_backend() it first")
-        if self._index_source is None:
-            self._index_source = "hybrid"
-        subscriber = KVEventSubscriber(
-            EventSink(self._index, self._speculative),
-            backend,
-            endpoint,
-            replay_endpoint=replay_endpoint,
-            topic=topic,
-            namespace=namespace if namespace is not None else self._hasher.namespace,
-            block_size=self._hasher.block_size,
-            lock=self._lock,
-        )
-        self._subscribers[backend] = subscriber
-        return subscriber.start()
+    def set_capacity(self, backend: str, capacity_blocks: int | None) -> None:
+        """Set ``backend``'s index capacity in router blocks (see :meth:`PrefixIndex.set_capacity`). O(evicted)."""
+        _check_backend_id(backend)
+        with self._lock:
+            self._index.set_capacity(backend, capacity_blocks)
 
-    def watch_metrics(
-        self,
-        backends: Mapping[str, str] | Sequence[str],
-        *,
-        interval: float = 1.0,
-        stale_after: float = 5.0,
-        on_health: Callable[[str, bool], None] | None = None,
-    ) -> MetricsPoller:
-        """Poll each backend's vLLM ``/metrics`` and feed the router (needs ``prefixroute[vllm]``).
+    def remove_backend(self, backend: str) -> None:
+        """Forget a backend (it left the fleet): its blocks, its requests in flight and its figures.
 
-        ``backends`` maps backend id → base URL (or is a list of URLs used as ids). After every scrape the engine's
-        waiting requests and KV usage reach policies as :attr:`Candidate.queue_len` / :attr:`Candidate.kv_usage`
-        (None while stale). From ``vllm:cache_config_info``, the index capacity of a backend is set to its
-        ``num_gpu_blocks`` (in router blocks) when the index holds predictions; a vLLM block size that is not a
-        multiple of the router's is logged as a warning and nothing is guessed. Returns the started
-        :class:`prefixroute.vllm.metrics.MetricsPoller` (for :meth:`~MetricsPoller.healthy_backends`);
-        :meth:`close` stops it.
+        A later :meth:`finish` of one of its requests is ignored. O(requests in flight) under the lock; the blocks
+        are freed after it is released (a million take ~40 ms).
         """
-        from prefixroute.vllm.metrics import MetricsPoller  # optional extra: imported only when used
+        _check_backend_id(backend)
+        with self._lock:
+            blocks = self._index.remove_backend(backend)
+            for decision_id in [i for i, r in self._live.items() if r.backend == backend]:
+                del self._live[decision_id]
+            for figures in (self._in_flight, self._pending, self._held, self._speed, self._queue_len, self._kv_usage):
+                figures.pop(backend, None)
+        del blocks  # freed here, outside the lock
 
-        configured: dict[str, tuple[int | None, int | None]] = {}
+    # -- the public write path into the index --------------------------------------------------------------------
 
-        def on_load(backend: str, queue_len: int | None, kv_usage: float | None) -> None:
-            self.set_engine_load(backend, queue_len=queue_len, kv_usage=kv_usage)
-            config = poller.cache_config(backend)
-            if configured.get(backend) != config:  # act (and warn) once per change, not every scrape
-                configured[backend] = config
-                self._apply_cache_config(backend, *config)
+    def store(self, backend: str, hashes: Sequence[int], *, parent: int | None = None) -> None:
+        """Record that ``backend`` holds the chain ``hashes`` (continuing block ``parent``; None: from block 0).
 
-        poller = MetricsPoller(
-            backends, interval=interval, stale_after=stale_after, on_health=on_health, on_load=on_load
-        )
-        self._subscribers[f"metrics:{id(poller)}"] = poller
-        return poller.start()
+        The write path of KV events and of the simulator. O(len(hashes) + evicted).
+        """
+        self.write(backend, ((True, hashes, parent),))
 
-    def _apply_cache_config(self, backend: str, engine_block_size: int | None, num_gpu_blocks: int | None) -> None:
-        block_size = self._hasher.block_size
-        if engine_block_size is None or num_gpu_blocks is None:
-            return
-        if engine_block_size % block_size:
-            _log.warning(
-                "%s: vLLM block_size is %d but the router uses %d: prefix matches will be wrong; set "
-                "Router(block_size=%d) or vLLM's --block-size",
-                backend, engine_block_size, block_size, engine_block_size,
-            )  # fmt: skip
-            return
-        if self.index_source == "predictions":
-            with self._lock:
-                self._index.set_capacity(backend, num_gpu_blocks * (engine_block_size // block_size))
+    def evict(self, backend: str, hashes: Iterable[int]) -> None:
+        """Record that ``backend`` no longer holds ``hashes``. O(len(hashes))."""
+        self.write(backend, ((False, list(hashes), None),))
 
-    def close(self) -> None:
-        """Stop every KV-event subscriber and metrics poller (the router keeps routing on what it knows)."""
-        while self._subscribers:
-            self._subscribers.popitem()[1].stop()
+    def write(self, backend: str, updates: Iterable[IndexUpdate]) -> None:
+        """Apply index updates for ``backend`` in order, under one lock acquisition.
 
-    def _seed(self, namespace: str | bytes) -> int:
-        seed = self._seeds.get(namespace)
-        if seed is None:
-            seed = self._seeds[namespace] = namespace_seed(namespace)
-        return seed
+        Each update is ``(True, hashes, parent)`` (stored, as :meth:`store`) or ``(False, hashes, None)``
+        (removed, as :meth:`evict`). O(total hashes + evicted).
+        """
+        _check_backend_id(backend)
+        updates = list(updates)
+        index = self._index
+        with self._lock:
+            for stored, hashes, parent in updates:
+                if stored:
+                    index.insert(hashes, backend, parent=parent)
+                else:
+                    index.remove(hashes, backend)
+
+    def clear_backend(self, backend: str) -> None:
+        """Forget every block ``backend`` holds (its engine restarted or cleared its cache); counts stay. O(1)."""
+        _check_backend_id(backend)
+        with self._lock:
+            blocks = self._index.remove_backend(backend)
+        del blocks  # freed outside the lock
 
     def __repr__(self) -> str:
         return f"Router(block_size={self._hasher.block_size}, policy={self._policy!r}, index={self._index!r})"
 
 
-class _Stoppable(Protocol):
-    def stop(self) -> None: ...
+def _id_of(decision: Decision | str) -> str:
+    return decision if isinstance(decision, str) else getattr(decision, "id", "")
 
 
-def _candidate(
-    backend: str, matched_tokens: int, prompt_tokens: int, in_flight: int, queue_len: int | None, kv_usage: float | None
-) -> Candidate:
-    """``Candidate(backend, matched_tokens, ...)``, built at twice the speed.
-
-    A frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``; filling ``__dict__`` directly
-    gives an identical object (tests compare the two) and matters with 64 backends per request.
-    """
-    candidate = _new_object(Candidate)
-    fields = candidate.__dict__
-    fields["backend"] = backend
-    fields["matched_tokens"] = matched_tokens
-    fields["prompt_tokens"] = prompt_tokens
-    fields["in_flight"] = in_flight
-    fields["queue_len"] = queue_len
-    fields["kv_usage"] = kv_usage
-    return candidate
+def _is_one_of(chosen: object, candidates: tuple[Candidate, ...]) -> bool:
+    return any(chosen is candidate for candidate in candidates)
 
 
-_new_object = object.__new__
+def _tokens(blocks: int | None, block_size: int) -> int | None:
+    return None if blocks is None else blocks * block_size
+
+
+def _check_lease(lease: object) -> float | None:
+    if lease is None:
+        return None
+    if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not (0 < lease < math.inf):
+        raise ConfigurationError(f"lease must be a positive, finite number of seconds or None, not {lease!r}")
+    return float(lease)
+
+
+def _check_backend_id(backend: object) -> None:
+    if not isinstance(backend, str):
+        raise TypeError(f"backend ids must be str, not {type(backend).__name__} ({backend!r})")
 
 
 def _check_backends(backends: Sequence[str]) -> Sequence[str]:
     if isinstance(backends, str):
         raise TypeError("backends must be a sequence of backend ids, not a single str: wrap it in a list")
+    if not isinstance(backends, (list, tuple)):
+        try:
+            backends = list(backends)
+        except TypeError:
+            raise TypeError(f"backends must be a sequence of backend ids, not {type(backends).__name__}") from None
     if not backends:
         raise NoBackendError("route() needs at least one backend, but the backend list is empty")
     for backend in backends:  # before the duplicate check, which needs hashable ids
-        if not isinstance(backend, str):
-            raise TypeError(f"backend ids must be str, not {type(backend).__name__} ({backend!r})")
+        _check_backend_id(backend)
     if len(set(backends)) != len(backends):
         seen: set[str] = set()
         duplicate = next(b for b in backends if b in seen or seen.add(b))  # type: ignore[func-returns-value]

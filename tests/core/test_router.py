@@ -3,7 +3,6 @@ from __future__ import annotations
 import asyncio
 import random
 import statistics
-import threading
 from collections import Counter
 
 import pytest
@@ -14,12 +13,11 @@ from prefixroute import (
     InvalidPromptError,
     LoadPolicy,
     NoBackendError,
+    PolicyError,
     PrefixAffinity,
-    PrefixRouteError,
     RoundRobin,
     Router,
 )
-from prefixroute.router import _candidate
 
 BACKENDS = [f"http://gpu{i}:8000" for i in range(8)]
 
@@ -46,13 +44,6 @@ def test_decision_describes_every_candidate() -> None:
     assert decision.prompt_tokens == 10 and decision.hit_ratio == 0.8
     assert {c.backend: c.matched_tokens for c in decision.candidates} == {"a": 8, "b": 0}
     assert all(c.prompt_tokens == 10 for c in decision.candidates)
-
-
-def test_fast_candidate_equals_the_dataclass_constructor() -> None:
-    built = _candidate("a", 16, 32, 2, 5, 0.5)
-    assert built == Candidate("a", 16, 32, 2, 5, 0.5) and repr(built) == repr(Candidate("a", 16, 32, 2, 5, 0.5))
-    with pytest.raises(AttributeError):
-        built.in_flight = 3  # type: ignore[misc]
 
 
 def test_hot_prefix_with_bounded_load_never_exceeds_twice_the_mean_plus_one() -> None:
@@ -177,7 +168,7 @@ def test_a_policy_returning_a_foreign_candidate_is_an_error_and_changes_nothing(
             return Candidate("elsewhere", 0, 0, 0)
 
     router = Router(policy=Rogue())
-    with pytest.raises(PrefixRouteError, match="not one of the candidates"):
+    with pytest.raises(PolicyError, match="not one of the candidates"):
         router.route(list(range(64)), ["a"])
     assert len(router.index) == 0
 
@@ -189,12 +180,8 @@ def test_track_counts_until_exit_also_on_exception() -> None:
         assert router.in_flight("a") == 1
         raise RuntimeError("upstream failed")
     assert router.in_flight("a") == 0
-    with pytest.raises(ValueError, match="more often"):
-        router.finish(decision)
-    router.start(decision)
-    router.remove_backend("a")
-    router.finish(decision)  # finishing after removal is ignored
-    assert router.in_flight("a") == 0
+    router.finish(decision)  # a second finish is ignored and counted, never raised
+    assert router.stats().ignored == 1
 
 
 def test_async_gateway_usage() -> None:
@@ -211,30 +198,3 @@ def test_async_gateway_usage() -> None:
 
     assert len(set(asyncio.run(main()))) >= 1
     assert all(router.in_flight(b) == 0 for b in BACKENDS)
-
-
-def test_threaded_stress_leaves_every_count_at_zero() -> None:
-    router = Router(capacity_blocks=2000)
-    shared = [list(range(i * 100, i * 100 + 64)) for i in range(10)]
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(8)
-
-    def worker(seed: int) -> None:
-        rng = random.Random(seed)
-        try:
-            barrier.wait()
-            for _ in range(20_000):
-                tokens = rng.choice(shared) + [rng.randrange(1000) for _ in range(rng.randrange(0, 24))]
-                with router.track(router.route(tokens, BACKENDS)):
-                    pass
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors
-    assert [router.in_flight(b) for b in BACKENDS] == [0] * 8
-    router.index._check()

@@ -1,0 +1,331 @@
+"""Request identity, the lifecycle (start / first_token / finish, leases), route-then-commit and the write path."""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+from prefixroute import (
+    Candidate,
+    ConfigurationError,
+    LoadPolicy,
+    PolicyError,
+    PrefixIndex,
+    Router,
+    RouterStats,
+)
+from prefixroute.hashing import BlockHasher
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def tick(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def counters(router: Router, backend: str) -> tuple[int, int, int]:
+    """(in flight, pending prefill tokens, held blocks) as a policy sees them."""
+    candidate = router.decide([1], [backend]).candidates[0]
+    return candidate.in_flight, candidate.pending_prefill_tokens, candidate.held_blocks
+
+
+def test_every_decision_has_its_own_id_and_ids_differ_across_routers() -> None:
+    one, two = Router(rng=random.Random(1)), Router(rng=random.Random(2))
+    ids = {one.route([i], ["a"]).id for i in range(100)} | {two.route([i], ["a"]).id for i in range(100)}
+    assert len(ids) == 200
+    # Same rng seed, same ids: reproducible.
+    assert Router(rng=random.Random(1)).route([0], ["a"]).id == Router(rng=random.Random(1)).route([0], ["a"]).id
+
+
+def test_finish_is_idempotent_and_never_uncounts_another_request() -> None:
+    router = Router(block_size=4)
+    first = router.route(list(range(8)), ["a"])
+    second = router.route(list(range(8)), ["a"])
+    router.start(first)
+    router.start(second)
+    router.start(second)  # a second start of the same id: ignored
+    assert router.in_flight("a") == 2
+    router.finish(first)
+    router.finish(first)
+    router.finish(first.id)
+    assert router.in_flight("a") == 1  # the second request still counts
+    router.finish("no-such-id")
+    router.finish(second.id)
+    assert router.in_flight("a") == 0
+    assert router.stats() == RouterStats(decisions=2, commits=2, in_flight=0, ignored=4, leases_expired=0)
+
+
+def test_a_finish_after_the_backend_was_removed_is_ignored_and_counts_stay_exact() -> None:
+    router = Router(block_size=4)
+    old = router.route(list(range(8)), ["a", "b"])
+    router.start(old)
+    router.remove_backend(old.backend)
+    assert router.in_flight(old.backend) == 0
+    new = router.route(list(range(8)), [old.backend])
+    router.start(new)
+    router.finish(old)  # made before the removal: must not un-count the new request
+    assert router.in_flight(old.backend) == 1
+    router.finish(new)
+    assert counters(router, old.backend) == (0, 0, 0)
+    assert router.stats().ignored == 1
+
+
+def test_a_decision_of_another_router_is_refused_by_start_and_commit_and_ignored_by_finish() -> None:
+    mine, theirs = Router(), Router()
+    foreign = theirs.route([1, 2, 3], ["a"])
+    with pytest.raises(ValueError, match="another router"):
+        mine.start(foreign)
+    with pytest.raises(ValueError, match="another router"):
+        mine.commit(foreign)
+    mine.finish(foreign)
+    mine.first_token(foreign)
+    assert mine.stats().ignored == 2 and mine.in_flight("a") == 0
+
+
+def test_first_token_moves_work_out_of_pending_prefill_and_learns_the_prefill_speed() -> None:
+    clock = FakeClock()
+    router = Router(block_size=4, clock=clock)
+    warm = router.route(list(range(16)), ["a"])
+    decision = router.route(list(range(16)) + list(range(100, 110)), ["a"])  # 16 cached, 10 new
+    assert decision.matched_tokens == 16
+    router.start(decision)
+    assert counters(router, "a") == (1, 10, 7)  # ceil(26 / 4) blocks
+    clock.tick(0.5)
+    router.first_token(decision)
+    router.first_token(decision)  # idempotent
+    assert counters(router, "a") == (1, 0, 7)
+    speed = router.decide([1], ["a"]).candidates[0].prefill_tokens_per_s
+    assert speed == pytest.approx(10 / 0.5)
+    router.finish(decision)
+    assert counters(router, "a") == (0, 0, 0)
+    router.first_token(warm)  # never started: ignored
+    assert router.stats().ignored == 1
+
+
+def test_finish_without_first_token_takes_back_the_pending_prefill_too() -> None:
+    router = Router(block_size=4)
+    decision = router.route(list(range(40)), ["a"])
+    with router.track(decision):
+        assert counters(router, "a") == (1, 40, 10)
+    assert counters(router, "a") == (0, 0, 0)
+
+
+def test_leases_end_requests_that_are_never_finished() -> None:
+    clock = FakeClock()
+    router = Router(block_size=4, clock=clock, lease=10.0)
+    forever = router.route(list(range(8)), ["a"])
+    short = router.route(list(range(8)), ["a"])
+    router.start(forever, lease=100.0)
+    router.start(short)  # the router's default lease, 10 s
+    clock.tick(9.9)
+    assert router.expire() == 0 and router.in_flight("a") == 2
+    clock.tick(0.2)
+    router.route([5], ["a"])  # routing expires due leases by itself
+    assert router.in_flight("a") == 1 and router.stats().leases_expired == 1
+    router.finish(short)  # too late: ignored
+    assert router.stats().ignored == 1
+    clock.tick(100)
+    assert router.expire() == 1
+    assert counters(router, "a") == (0, 0, 0)
+
+
+@pytest.mark.parametrize("lease", [0, -1, math.nan, math.inf, True, "5"])
+def test_nonsense_leases_are_refused_when_given(lease: object) -> None:
+    with pytest.raises((ConfigurationError, TypeError)):
+        Router(lease=lease)  # type: ignore[arg-type]
+    router = Router()
+    decision = router.route([1], ["a"])
+    with pytest.raises((ConfigurationError, TypeError)):
+        router.start(decision, lease=lease)  # type: ignore[arg-type]
+    assert router.in_flight("a") == 0
+
+
+def test_decide_records_nothing_and_commit_records_the_backend_actually_used() -> None:
+    router = Router(block_size=4)
+    tokens = list(range(32))
+    decision = router.decide(tokens, ["a", "b", "c"])
+    assert len(router.index) == 0 and router.stats().commits == 0
+    other = next(c.backend for c in decision.candidates if c.backend != decision.backend)
+    committed = router.commit(decision, other)
+    assert (committed.id, committed.backend) == (decision.id, other)
+    assert router.index.hashes(other) and not router.index.hashes(decision.backend)
+    again = router.route(tokens, ["a", "b", "c"])
+    assert (again.backend, again.matched_tokens) == (other, 32)
+    with pytest.raises(ValueError, match="not a candidate"):
+        router.commit(decision, "z")
+
+
+def test_commit_of_a_stale_decision_is_safe_when_the_index_changed_meanwhile() -> None:
+    router = Router(block_size=4, capacity_blocks=4)
+    decision = router.decide(list(range(16)), ["a"])
+    router.route(list(range(16)), ["a"])
+    router.route(list(range(100, 116)), ["a"])  # evicts the first prompt
+    router.commit(decision)
+    router.index._check()
+    assert router.route(list(range(16)), ["a"]).matched_tokens == 16
+
+
+def test_a_policy_returning_an_equal_but_new_candidate_is_an_error_and_nothing_is_recorded() -> None:
+    class Copycat(LoadPolicy):
+        def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+            return candidates[0]._replace()  # equal fields, another object
+
+    router = Router(policy=Copycat())
+    with pytest.raises(PolicyError, match="not one of the candidates"):
+        router.route(list(range(64)), ["a"])
+    assert len(router.index) == 0 and router.stats().decisions == 0
+
+
+@pytest.mark.parametrize(
+    ("queue_len", "kv_usage"), [(-1, None), (None, 1.5), (None, math.nan), (None, -0.1), (1.5, None), (True, None)]
+)
+def test_engine_figures_are_validated(queue_len: object, kv_usage: object) -> None:
+    router = Router()
+    with pytest.raises(ConfigurationError):
+        router.set_engine_load("a", queue_len=queue_len, kv_usage=kv_usage)  # type: ignore[arg-type]
+
+
+def test_the_write_path_stores_chains_continuations_and_removals() -> None:
+    router = Router(block_size=2)
+    hashes = BlockHasher(2).hash([1, 2, 3, 4, 5, 6])
+    router.store("a", hashes[:1])
+    router.store("a", hashes[1:], parent=hashes[0])
+    assert router.route([1, 2, 3, 4, 5, 6], ["a", "b"]).matched_tokens == 6
+    router.evict("a", hashes[2:])
+    assert router.decide([1, 2, 3, 4, 5, 6], ["a"]).matched_tokens == 4
+    router.write("a", [(False, hashes[1:2], None), (True, hashes[1:], hashes[0])])
+    assert router.decide([1, 2, 3, 4, 5, 6], ["a"]).matched_tokens == 6
+    router.clear_backend("a")
+    assert router.decide([1, 2, 3, 4, 5, 6], ["a"]).matched_tokens == 0
+    router.index._check()
+
+
+def test_a_user_index_subclass_is_the_one_used() -> None:
+    class Recording(PrefixIndex):
+        def __init__(self) -> None:
+            super().__init__(4)
+            self.predicted: list[str] = []
+
+        def predict(self, hashes: Sequence[int], backend: str, held: int) -> None:
+            self.predicted.append(backend)
+            super().predict(hashes, backend, held)
+
+    index = Recording()
+    router = Router(block_size=4, index=index)
+    decision = router.route(list(range(8)), ["a"])
+    assert index.predicted == [decision.backend] and router.index is index
+    with pytest.raises(ConfigurationError, match="block_size"):
+        Router(block_size=8, index=Recording())
+    with pytest.raises(ConfigurationError, match="capacity_blocks"):
+        Router(block_size=4, index=Recording(), capacity_blocks=10)
+
+
+@pytest.fixture
+def switchy() -> Iterator[None]:
+    """Force thread switches every few bytecodes, so races show up in a short run."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def test_concurrent_routes_namespaces_removals_capacity_changes_and_clears_leave_exact_counts(switchy: None) -> None:
+    clock_lock = threading.Lock()
+    ticks = [0.0]
+
+    def clock() -> float:
+        with clock_lock:
+            ticks[0] += 1e-4
+            return ticks[0]
+
+    router = Router(block_size=4, capacity_blocks=500, clock=clock, lease=5.0)
+    backends = [f"gpu{i}" for i in range(6)]
+    prefixes = [list(range(i * 100, i * 100 + 32)) for i in range(10)]
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(8)
+
+    def requests(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            barrier.wait()
+            for n in range(1500):
+                tokens = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(0, 12))]
+                namespace = f"model-{seed}-{n % 300}"  # 8 threads x 300 > the seed cache's 1,024 entries
+                decision = router.decide(tokens, backends, namespace=namespace)
+                decision = router.commit(decision, rng.choice([c.backend for c in decision.candidates]))
+                router.start(decision)
+                if rng.random() < 0.5:
+                    router.first_token(decision)
+                if rng.random() < 0.9:  # the rest are abandoned: their leases end them
+                    router.finish(decision)
+                if rng.random() < 0.05:
+                    router.finish(decision)  # a duplicate finish
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    def churn(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            barrier.wait()
+            for _ in range(400):
+                backend = rng.choice(backends)
+                action = rng.randrange(5)
+                if action == 0:
+                    router.remove_backend(backend)
+                elif action == 1:
+                    router.set_capacity(backend, rng.choice([None, 0, 50, 500]))
+                elif action == 2:
+                    router.clear_backend(backend)
+                elif action == 3:
+                    router.set_engine_load(backend, queue_len=rng.randrange(5), kv_usage=rng.random())
+                else:
+                    router.expire()
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=requests, args=(seed,)) for seed in range(6)]
+    threads += [threading.Thread(target=churn, args=(seed,)) for seed in (100, 101)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors[:3]
+    ticks[0] += 10.0  # every lease is over
+    router.expire()
+    assert router.stats().in_flight == 0
+    assert [counters(router, b) for b in backends] == [(0, 0, 0)] * len(backends)
+    router.index._check()
+
+
+def test_many_namespaces_from_many_threads(switchy: None) -> None:
+    """More namespaces than the router's seed cache holds, from 8 threads: the cache is shared state too."""
+    router = Router(block_size=4)
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(20_000):
+                router.decide([], ["a"], namespace=f"model-{rng.randrange(3000)}")
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors[:3]
+    assert router.stats().decisions == 8 * 20_000
