@@ -126,8 +126,7 @@ class BlockHasher:
     __slots__ = ("_block_bytes", "_block_size", "_namespace", "_seed", "_split_one", "_split_run")
 
     def __init__(self, block_size: int = 16, *, namespace: str | bytes | None = None) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ConfigurationError(f"block_size must be a positive int (vLLM's default is 16), not {block_size!r}")
+        block_size = check_block_size(block_size)
         self._block_size = block_size
         self._block_bytes = 4 * block_size
         # Structs cut the blocks out in C, _RUN blocks per step and then one at a time: a sixth faster than one
@@ -181,12 +180,25 @@ class BlockHasher:
         return f"BlockHasher(block_size={self._block_size}, namespace={self._namespace!r})"
 
 
+MAX_BLOCK_SIZE = 65536
+"""The largest block size accepted, far above any vLLM attention backend's (they use 1 to a few hundred tokens)."""
+
+
+def check_block_size(block_size: object) -> int:
+    """Return ``block_size`` if it is an int in [1, :data:`MAX_BLOCK_SIZE`], else raise ConfigurationError."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ConfigurationError(
+            f"block_size must be an int in [1, {MAX_BLOCK_SIZE}] (vLLM's default is 16), not {block_size!r}"
+        )
+    return block_size
+
+
 def namespace_seed(namespace: str | bytes | None) -> int:
     """Return the root seed of a namespace's hash chains: 0 for None, else a 64-bit hash of its UTF-8 bytes."""
     if namespace is None:
         return 0
     if isinstance(namespace, str):
-        namespace = namespace.encode()
+        namespace = namespace.encode("utf-8", "surrogatepass")  # any str, even one with lone surrogates
     if not isinstance(namespace, bytes):
         raise TypeError(f"namespace must be a str, bytes or None, not {type(namespace).__name__}")
     return xxhash.xxh3_64_intdigest(b"prefixroute.namespace:" + namespace)

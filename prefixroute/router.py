@@ -8,6 +8,7 @@ import math
 import random
 import threading
 import time
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -17,7 +18,7 @@ from typing import Literal
 import cachetools
 import xxhash
 
-from prefixroute.errors import ConfigurationError, NoBackendError, PolicyError
+from prefixroute.errors import ConfigurationError, InvalidEventError, NoBackendError, PolicyError
 from prefixroute.hashing import BlockHasher, Tokens, encode_tokens, namespace_seed
 from prefixroute.index import IndexUpdate, PrefixIndex
 from prefixroute.policies import BoundedLoad, Candidate, LoadPolicy
@@ -519,16 +520,20 @@ class Router:
 
     def evict(self, backend: str, hashes: Iterable[int]) -> None:
         """Record that ``backend`` no longer holds ``hashes``. O(len(hashes))."""
-        self.write(backend, ((False, list(hashes), None),))
+        self.write(backend, ((False, list(hashes) if not isinstance(hashes, Sequence) else hashes, None),))
 
     def write(self, backend: str, updates: Iterable[IndexUpdate]) -> None:
         """Apply index updates for ``backend`` in order, under one lock acquisition.
 
         Each update is ``(True, hashes, parent)`` (stored, as :meth:`store`) or ``(False, hashes, None)``
-        (removed, as :meth:`evict`). O(total hashes + evicted).
+        (removed, as :meth:`evict`). Every update is checked before any is applied. O(total hashes + evicted).
+
+        Raises:
+            TypeError: an update is not such a tuple.
+            InvalidEventError: a hash or parent is not an int in [0, 2**64).
         """
         _check_backend_id(backend)
-        updates = list(updates)
+        updates = [_check_update(update) for update in updates]
         index = self._index
         with self._lock:
             for stored, hashes, parent in updates:
@@ -558,6 +563,26 @@ def _is_one_of(chosen: object, candidates: tuple[Candidate, ...]) -> bool:
 
 def _tokens(blocks: int | None, block_size: int) -> int | None:
     return None if blocks is None else blocks * block_size
+
+
+def _check_update(update: object) -> IndexUpdate:
+    """Validate one index update before anything is written: a bad one must not leave a batch half applied."""
+    if not isinstance(update, tuple) or len(update) != 3:
+        raise TypeError(f"an index update is a tuple (stored, hashes, parent), not {update!r}")
+    stored, hashes, parent = update
+    if not isinstance(stored, bool):
+        raise TypeError(f"an index update's first item says stored (True) or removed (False), not {stored!r}")
+    if isinstance(hashes, (str, bytes)) or not isinstance(hashes, Iterable):
+        raise TypeError(f"an index update's hashes must be a sequence of block hashes, not {type(hashes).__name__}")
+    try:
+        array("Q", hashes)  # checks, in C, that every hash is an int in [0, 2**64)
+    except (TypeError, OverflowError) as exc:
+        raise InvalidEventError(f"block hashes must be ints in [0, 2**64): {exc}") from None
+    if parent is not None and (isinstance(parent, bool) or not isinstance(parent, int) or not 0 <= parent < 2**64):
+        raise InvalidEventError(f"parent must be a block hash, an int in [0, 2**64), or None, not {parent!r}")
+    if parent is not None and not stored:
+        raise ValueError("a removal has no parent: pass (False, hashes, None)")
+    return (stored, hashes if isinstance(hashes, Sequence) else list(hashes), parent)
 
 
 def _check_lease(lease: object) -> float | None:
@@ -602,7 +627,7 @@ def _placement_key(hashes: Sequence[int], data: bytes, seed: int, placement_bloc
 def _placement_order(backends: Sequence[str], key: int) -> list[str]:
     """Backends by descending rendezvous score for ``key``: the same order on every replica."""
     digest = xxhash.xxh3_64_intdigest
-    return sorted(backends, key=lambda backend: digest(backend.encode(), key), reverse=True)
+    return sorted(backends, key=lambda backend: digest(backend.encode("utf-8", "surrogatepass"), key), reverse=True)
 
 
 def _reason(policy: LoadPolicy, matched_tokens: int, best: int) -> Reason:
