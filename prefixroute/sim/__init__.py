@@ -8,6 +8,7 @@ from __future__ import annotations
 from prefixroute.sim.backend import BackendConfig, SimBackend
 from prefixroute.sim.costmodel import CostCoefficients, GpuSpec, ModelSpec, Profile
 from prefixroute.sim.engine import ClosedLoop, OpenLoop, SimOutcome, Simulation, TraceTimes
+from prefixroute.sim.index import EventsOnlyIndex
 from prefixroute.sim.kvcache import BlockCache
 from prefixroute.sim.metrics import PolicyResult, summarize
 from prefixroute.sim.profiles import available_profiles, load_profile
@@ -21,6 +22,7 @@ __all__ = [
     "BlockCache",
     "ClosedLoop",
     "CostCoefficients",
+    "EventsOnlyIndex",
     "GpuSpec",
     "ModelSpec",
     "OpenLoop",

@@ -88,6 +88,7 @@ class SimBackend:
 
     Drive it with :meth:`enqueue`, :meth:`schedule` (plan a step; returns its duration or None when idle) and
     :meth:`complete` (apply the planned step at its end time; returns the requests that finished).
+    ``on_first_token(active)`` is called in :meth:`complete` when a request's first token is sampled.
     """
 
     __slots__ = (
@@ -98,6 +99,7 @@ class SimBackend:
         "cost",
         "fleet_match",
         "name",
+        "on_first_token",
         "prefill_tokens",
         "running",
         "steps",
@@ -105,9 +107,16 @@ class SimBackend:
     )
 
     def __init__(
-        self, name: str, *, config: BackendConfig, cost: CostModel, fleet_match: FleetMatch | None = None
+        self,
+        name: str,
+        *,
+        config: BackendConfig,
+        cost: CostModel,
+        fleet_match: FleetMatch | None = None,
+        on_first_token: Callable[[Active], None] | None = None,
     ) -> None:
         self.name = name
+        self.on_first_token = on_first_token
         self.config = config
         self.cost = cost
         self.block_size = config.block_size
@@ -244,6 +253,8 @@ class SimBackend:
                 active.tokens += 1
                 if record.first_token is None:
                     record.first_token = now
+                    if self.on_first_token is not None:
+                        self.on_first_token(active)
                 if record.generated_tokens == record.output_tokens:
                     record.finished = now
                     finished.append(active)

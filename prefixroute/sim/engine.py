@@ -83,8 +83,10 @@ class Simulation:
     ``on_progress(done, total)`` is called as requests finish (``total`` is ``max_requests`` or 0).
     ``gpus_per_backend`` scales recomputation GPU-seconds (tensor parallelism).
 
-    ``kv_events=True`` feeds every backend's cache changes into ``router.index`` as a KV-event subscriber does
-    (exact mode; build the router with ``index_source="events"``), delivered the instant they happen.
+    ``kv_events=True`` writes every backend's cache changes through :meth:`Router.store` and :meth:`Router.evict`
+    as a KV-event subscriber does, delivered the instant they happen (exact mode: build the router with an index
+    that records nothing on routing, such as :class:`~prefixroute.sim.EventsOnlyIndex`).
+    When a request's first token is produced the simulation calls :meth:`Router.first_token`, as a gateway does.
     ``metrics_interval`` polls each engine's waiting-queue length and KV usage into ``router.set_engine_load``
     every that many simulated seconds, as a ``/metrics`` poller does; policies see them in their candidates.
     """
@@ -121,7 +123,10 @@ class Simulation:
         self.arrivals = arrivals
         self.cost = cost
         self.names = names
-        self.backends = [SimBackend(name, config=config, cost=cost, fleet_match=self._fleet_match) for name in names]
+        self.backends = [
+            SimBackend(name, config=config, cost=cost, fleet_match=self._fleet_match, on_first_token=self._first_token)
+            for name in names
+        ]
         self._by_name = {b.name: i for i, b in enumerate(self.backends)}
         self.max_requests = max_requests
         self.duration = duration
@@ -274,6 +279,9 @@ class Simulation:
             backend._check()
         self._start_step(index)
 
+    def _first_token(self, active: Active) -> None:
+        self.router.first_token(active.decision)
+
     def _finish(self, index: int, decision: Decision, record: RequestRecord) -> None:
         if record.finished is None:
             record.finished = self.now
@@ -308,7 +316,7 @@ class Simulation:
 
 
 class _IndexFeed:
-    """A backend's cache changes written into the router's index, as its KV-event subscriber would write them."""
+    """A backend's cache changes written through the router's public write path, as a KV-event subscriber does."""
 
     __slots__ = ("backend", "router")
 
@@ -316,10 +324,8 @@ class _IndexFeed:
         self.router = router
         self.backend = backend
 
-    def stored(self, hashes: list[int]) -> None:
-        with self.router.lock:
-            self.router.index.insert(hashes, self.backend)
+    def stored(self, hashes: list[int], parent: int | None) -> None:
+        self.router.store(self.backend, hashes, parent=parent)
 
     def removed(self, hashes: list[int]) -> None:
-        with self.router.lock:
-            self.router.index.remove(hashes, self.backend)
+        self.router.evict(self.backend, hashes)

@@ -28,8 +28,12 @@ __all__ = ["BlockCache", "CacheListener"]
 class CacheListener(Protocol):
     """Receives what vLLM publishes as KV events: block hashes newly cached, and cached blocks evicted."""
 
-    def stored(self, hashes: list[int]) -> None:
-        """``hashes`` (consecutive blocks of one prompt, in order) are now cached."""
+    def stored(self, hashes: list[int], parent: int | None) -> None:
+        """``hashes`` (consecutive blocks of one prompt, in order) are now cached, continuing block ``parent``.
+
+        ``parent`` is the hash of the block before the first of them (None: they start at block 0), as in vLLM's
+        ``BlockStored`` event.
+        """
 
     def removed(self, hashes: list[int]) -> None:
         """``hashes`` were evicted."""
@@ -154,22 +158,31 @@ class BlockCache:
         """
         refs, lru = self._refs, self._lru
         committed = 0
-        stored: list[int] | None = [] if self.listener is not None else None
+        listener = self.listener
+        stored: list[int] = []
+        parent = held[-1] if held else None  # the block the chain continues: ``held`` is a whole prefix
+        run_parent: int | None = None
         for h in hashes:
             count = refs.get(h)
             if count is None:
                 refs[h] = 1
                 committed += 1
-                if stored is not None:
+                if listener is not None:
+                    if not stored:
+                        run_parent = parent
                     stored.append(h)
             else:
                 if count == 0:
                     del lru[h]
                 refs[h] = count + 1
+                if stored and listener is not None:
+                    listener.stored(stored, run_parent)  # one event per run of newly cached blocks, as vLLM
+                    stored = []
             held.append(h)
+            parent = h
         self._private -= committed
-        if stored and self.listener is not None:
-            self.listener.stored(stored)
+        if stored and listener is not None:
+            listener.stored(stored, run_parent)
         return committed
 
     def release(self, hashed: Sequence[int], *, private: int) -> None:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import inspect
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from prefixroute.errors import ConfigurationError
+from prefixroute.index import PrefixIndex
 from prefixroute.policies import LoadPolicy, policy_from_name
 from prefixroute.router import Router
 from prefixroute.sim.backend import BackendConfig
 from prefixroute.sim.costmodel import Profile
 from prefixroute.sim.engine import Arrivals, ClosedLoop, OpenLoop, Simulation, TraceTimes, Workload
+from prefixroute.sim.index import EventsOnlyIndex
 from prefixroute.sim.metrics import PolicyResult, summarize
 from prefixroute.sim.profiles import load_profile
 from prefixroute.sim.traces import load_trace
@@ -20,7 +23,6 @@ from prefixroute.sim.workloads import make_workload
 __all__ = ["SimSpec", "backend_config", "build_policy", "run_policy", "vllm_defaults"]
 
 _GIB = 2**30
-_SEEDED_POLICIES = frozenset({"random", "power-of-two"})
 
 
 @dataclass(frozen=True)
@@ -86,10 +88,31 @@ def backend_config(spec: SimSpec) -> tuple[BackendConfig, Profile]:
 
 
 def build_policy(name: str, *, seed: int) -> LoadPolicy:
-    """A policy by registry name or ``module:Class``; randomised built-ins get an rng seeded from ``seed``."""
-    if name in _SEEDED_POLICIES:
-        return policy_from_name(name, rng=random.Random(seed))
-    return policy_from_name(name)
+    """A policy by registry name or ``module:Class``, seeded from ``seed`` when it takes randomness.
+
+    A policy class whose constructor takes an ``rng`` keyword gets ``random.Random(seed)``; otherwise one that
+    takes ``seed`` gets ``seed``: so "same seed, same result" holds for built-in and user policies alike. (The
+    class is found by building it once with no options.)
+
+    Raises:
+        ConfigurationError: as :func:`~prefixroute.policy_from_name` (unknown name, a path that fails to import,
+            a class that is not a :class:`LoadPolicy`).
+    """
+    policy = policy_from_name(name)
+    keyword = _seed_keyword(type(policy))
+    if keyword is None:
+        return policy
+    return policy_from_name(name, **{keyword: random.Random(seed) if keyword == "rng" else seed})
+
+
+def _seed_keyword(cls: type) -> str | None:
+    """``"rng"`` or ``"seed"``: the keyword ``cls``'s constructor takes its randomness by, if any."""
+    try:
+        parameters = inspect.signature(cls).parameters
+    except (TypeError, ValueError):  # a constructor without a signature (a C extension type)
+        return None
+    by_keyword = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return next((k for k in ("rng", "seed") if k in parameters and parameters[k].kind in by_keyword), None)
 
 
 def _workload(spec: SimSpec) -> tuple[Workload, Arrivals]:
@@ -140,13 +163,17 @@ def run_policy(
     load_policy = build_policy(policy, seed=spec.seed) if isinstance(policy, str) else policy()
     if spec.index_source not in ("predictions", "events"):
         raise ConfigurationError(f"index_source must be 'predictions' or 'events', not {spec.index_source!r}")
-    events = spec.index_source == "events"
     clock = _SimClock()
+    events = spec.index_source == "events"
+    # Events: the engines' KV events are the only writer (exact). Predictions: the router records where it sent
+    # each prompt, its index capped at each engine's KV capacity.
+    index = (
+        EventsOnlyIndex(config.block_size)
+        if events
+        else PrefixIndex(config.block_size, capacity_blocks=config.capacity_blocks)
+    )
     router = Router(
-        policy=load_policy,
-        capacity_blocks=None if events else config.capacity_blocks,
-        clock=clock,
-        index_source="events" if events else "predictions",
+        block_size=config.block_size, policy=load_policy, clock=clock, index=index, rng=random.Random(spec.seed)
     )
     simulation = Simulation(
         router=router,

@@ -13,6 +13,7 @@ from prefixroute import Router
 from prefixroute.policies import Candidate, LoadPolicy, policy_from_name
 from prefixroute.sim.backend import BackendConfig
 from prefixroute.sim.engine import ClosedLoop, OpenLoop, SimOutcome, Simulation, TraceTimes
+from prefixroute.sim.index import EventsOnlyIndex
 from prefixroute.sim.request import SimRequest, token_bytes
 
 from .conftest import LinearCost
@@ -93,7 +94,8 @@ def test_random_request_mixes_keep_invariants_and_conserve_tokens(
     simulation, outcome = _run(requests, policy=policy, capacity=capacity, budget=budget, seqs=seqs)
     records = outcome.records
     assert len(records) == len(requests)  # every request issued once...
-    assert all(r.finished is not None for r in records)  # ...and finished once (router.finish raises on twice)
+    assert all(r.finished is not None for r in records)  # ...and finished once: no finish was ignored
+    assert simulation.router.stats().ignored == 0 and simulation.router.stats().in_flight == 0
     for backend in simulation.backends:
         assert not backend.running and not backend.waiting
         assert backend.cache.used_blocks == 0
@@ -195,7 +197,7 @@ def test_open_loop_needs_a_stop_condition() -> None:
 @settings(max_examples=25, deadline=None)
 @given(requests=requests_strategy, capacity=st.integers(30, 80))
 def test_kv_events_keep_the_router_index_exact(requests: list[SimRequest], capacity: int) -> None:
-    router = Router(policy=policy_from_name("prefix-affinity"), index_source="events")
+    router = Router(policy=policy_from_name("prefix-affinity"), index=EventsOnlyIndex(16))
     simulation = Simulation(
         router=router,
         workload=ListWorkload(requests),
@@ -207,9 +209,25 @@ def test_kv_events_keep_the_router_index_exact(requests: list[SimRequest], capac
         kv_events=True,
     )
     simulation.run()
+    router.index._check()
     for backend in simulation.backends:
         cached = set(backend.cache._refs)
         assert router.index.hashes(backend.name) == cached
+
+
+def test_lifecycle_is_reported_to_the_router_and_every_count_returns_to_zero() -> None:
+    requests = [_request(i % 3, 200, i, 40, 5, False) for i in range(30)]
+    simulation, outcome = _run(requests, capacity=60)
+    router = simulation.router
+    stats = router.stats()
+    assert stats.in_flight == 0 and stats.ignored == 0
+    assert stats.decisions == stats.commits == len(outcome.records)
+    probe = router.decide([1] * 64, [f"gpu{i}" for i in range(3)])
+    used = {r.backend for r in outcome.records if not r.rejected}
+    for candidate in probe.candidates:
+        assert (candidate.in_flight, candidate.pending_prefill_tokens, candidate.held_blocks) == (0, 0, 0)
+        # first_token() was called on every backend that served a request: the router observed its prefill speed
+        assert (candidate.prefill_tokens_per_s is not None) == (candidate.backend in used)
 
 
 class RecordingPolicy(LoadPolicy):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from prefixroute.errors import ConfigurationError
-from prefixroute.sim.runner import SimSpec, run_policy, vllm_defaults
+from prefixroute.policies import LoadPolicy
+from prefixroute.sim.runner import SimSpec, build_policy, run_policy, vllm_defaults
 from prefixroute.sim.workloads import scenario_names
 
 
@@ -44,3 +47,44 @@ def test_configuration_errors() -> None:
 def test_vllm_defaults_follow_gpu_memory() -> None:
     assert vllm_defaults(40 * 2**30) == (256, 2048)
     assert vllm_defaults(80 * 2**30) == (1024, 8192)
+
+
+USER_POLICIES = '''
+import random
+
+from prefixroute.policies import LoadPolicy
+
+
+class RngPolicy(LoadPolicy):
+    """Uniformly random; unseeded unless the simulator passes rng."""
+
+    def __init__(self, *, rng=None):
+        self.rng = rng if rng is not None else random.Random()
+
+    def choose(self, candidates):
+        return candidates[self.rng.randrange(len(candidates))]
+
+
+class SeedPolicy(LoadPolicy):
+    """Uniformly random; unseeded unless the simulator passes seed."""
+
+    def __init__(self, seed=None):
+        self.rng = random.Random(seed)
+
+    def choose(self, candidates):
+        return candidates[self.rng.randrange(len(candidates))]
+'''
+
+
+@pytest.mark.parametrize("policy", ["RngPolicy", "SeedPolicy"])
+def test_user_policies_taking_rng_or_seed_are_seeded(
+    policy: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "my_seeded_policies.py").write_text(USER_POLICIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    name = f"my_seeded_policies:{policy}"
+    spec = SimSpec(requests=60, users=6)
+    first, second = run_policy(spec, name), run_policy(spec, name)
+    assert first.to_json() == second.to_json()  # same seed, same result
+    assert run_policy(spec.with_(seed=1), name).to_json() != first.to_json()  # the seed reaches the policy
+    assert isinstance(build_policy(name, seed=3), LoadPolicy)
