@@ -41,3 +41,31 @@ def test_options_are_keyword_only() -> None:
 
 def test_package_ships_type_information() -> None:
     assert (Path(prefixroute.__file__).parent / "py.typed").exists()
+
+
+CORE = ("errors", "hashing", "index", "policies", "router")
+
+
+def test_core_modules_import_nothing_above_them() -> None:
+    """The decision core imports no layer above it: not vllm/, sim/, adapters/ or testing/."""
+    import ast
+
+    for name in CORE:
+        tree = ast.parse((ROOT / "prefixroute" / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                modules = [node.module]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            else:
+                continue
+            for module in modules:
+                if module.startswith("prefixroute."):
+                    assert module.removeprefix("prefixroute.") in CORE, f"{name}.py imports {module}"
+
+
+def test_every_public_name_is_used_by_some_test() -> None:
+    sources = "\n".join(path.read_text() for path in (ROOT / "tests").rglob("*.py") if path.name != Path(__file__).name)
+    for name in prefixroute.__all__:
+        if name != "__version__":
+            assert name in sources, f"{name} is exported but no test uses it"

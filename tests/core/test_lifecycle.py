@@ -329,3 +329,22 @@ def test_many_namespaces_from_many_threads(switchy: None) -> None:
         thread.join()
     assert not errors, errors[:3]
     assert router.stats().decisions == 8 * 20_000
+
+
+def test_decisions_are_immutable_and_their_reasons_are_the_documented_ones() -> None:
+    import dataclasses
+    import typing
+
+    from prefixroute import BoundedLoad, Decision, Reason, RoundRobin
+
+    seen = set()
+    for policy in (BoundedLoad(), RoundRobin()):
+        router = Router(block_size=4, policy=policy)
+        for i in range(40):
+            decision = router.route(list(range(12)) + [i], ["a", "b", "c", "d"])  # one hot prefix
+            assert isinstance(decision, Decision)
+            router.start(decision)  # in flight: the bound diverts some repeats ("load-fallback")
+            seen.add(decision.reason)
+    assert seen == set(typing.get_args(Reason))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        decision.backend = "b"  # type: ignore[misc]
