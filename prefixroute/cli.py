@@ -1,4 +1,9 @@
-"""The ``prefixroute`` command: one subcommand per layer, each registered by its own module."""
+"""The ``prefixroute`` command: one subcommand per layer, each registered by its own module.
+
+Bad input of any kind (a usage error, an option out of range, a file that cannot be read or written, a
+:class:`~prefixroute.errors.PrefixRouteError` from the library) ends the command with exit status 2 and one line on
+stderr, ``prefixroute COMMAND: error: what to fix``, never a traceback.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,9 @@ import importlib
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NoReturn
+
+from prefixroute.errors import PrefixRouteError
 
 # Module → (the extra it needs, the subcommands it registers). Each module defines ``register(subparsers)``, adding
 # its subcommands with ``set_defaults(func=...)`` where ``func(args) -> int`` returns the exit status. Modules are
@@ -25,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser with every subcommand registered."""
     from prefixroute import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="prefixroute",
         description="Prefix-aware, load-bounded routing of LLM requests: simulate policies, rerun the study, "
         "diagnose a vLLM deployment.",
@@ -56,15 +63,45 @@ def _missing_extra(command: str, extra: str, exc: ImportError) -> Callable[[Any]
     return run
 
 
+class UsageError(Exception):
+    """A command line argparse rejected: its one-line message names the command and what to fix."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser that reports a usage error as one line (subcommands' parsers are of this class too)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; return the process exit status."""
+    """Run the CLI; return the process exit status (2, with one line on stderr, for any bad input)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except UsageError as exc:
+        return _fail(str(exc))
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help(sys.stderr)
         return 2
-    status: int = func(args)
+    command = f"{parser.prog} {args.command}"
+    if unknown:
+        return _fail(f"{command}: error: unrecognized arguments: {' '.join(unknown)} (see {command} --help)")
+    try:
+        status: int = func(args)
+    except PrefixRouteError as exc:
+        return _fail(f"{command}: error: {exc}")
+    except OSError as exc:  # a path that cannot be read or written
+        where = f": {exc.filename}" if exc.filename is not None else ""
+        return _fail(f"{command}: error: {exc.strerror or exc}{where}")
+    except KeyboardInterrupt:
+        return _fail(f"{command}: interrupted", status=130)
+    return status
+
+
+def _fail(message: str, *, status: int = 2) -> int:
+    print(" ".join(message.split()), file=sys.stderr)  # one line, whatever the message holds
     return status
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from prefixroute.errors import ConfigurationError
 from prefixroute.router import Decision
 from prefixroute.sim.kvcache import BlockCache
 from prefixroute.sim.request import RequestRecord
@@ -45,9 +46,9 @@ class BackendConfig:
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+            raise ConfigurationError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.capacity_blocks is not None and self.capacity_blocks < 1:
-            raise ValueError(
+            raise ConfigurationError(
                 f"capacity_blocks is {self.capacity_blocks}: the model does not fit on this GPU; "
                 "choose a larger GPU or more tensor parallelism"
             )

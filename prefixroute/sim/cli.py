@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from prefixroute.errors import PrefixRouteError
+from prefixroute.errors import ConfigurationError
 from prefixroute.sim.metrics import PolicyResult
-from prefixroute.sim.runner import SimSpec, backend_config, run_policy
+from prefixroute.sim.runner import SimSpec, backend_config, build_policy, run_policy
 from prefixroute.sim.workloads import scenario_names
 
-__all__ = ["register", "run"]
+__all__ = ["check_writable", "register", "run"]
 
 DEFAULT_POLICIES = ("round-robin", "prefix-affinity", "bounded-load")
 
@@ -98,22 +99,27 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run every policy, print the comparison table, write --json/--plot; return the exit status."""
+    """Run every policy, print the comparison table, write --json/--plot; return the exit status.
+
+    Everything a run needs is checked before the first simulation (the options, every policy, the output paths),
+    so bad input fails at once. Raises :class:`PrefixRouteError` or :class:`OSError` for bad input, which
+    :func:`prefixroute.cli.main` reports as one line and exit status 2.
+    """
     from rich.console import Console
 
     # Piped output (make demo's log, a README) gets a table-wide console instead of rich's 80 columns.
     console = Console() if sys.stdout.isatty() else Console(width=130)
-    errors = Console(stderr=True)
     policies = list(args.policy or DEFAULT_POLICIES)
-    try:
-        spec = spec_from_args(args)
-        config, profile = backend_config(spec)
-        header = _header(spec)
-        console.print(_describe(spec, profile.name, config.capacity_blocks))
-        results = _run_all(spec, policies, console)
-    except (PrefixRouteError, ValueError) as exc:
-        errors.print(f"[bold red]error:[/] {exc}", highlight=False)
-        return 2
+    spec = spec_from_args(args)
+    config, profile = backend_config(spec)
+    for name in policies:
+        build_policy(name, seed=spec.seed)
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None:
+            check_writable(path, option)
+    header = _header(spec)
+    console.print(_describe(spec, profile.name, config.capacity_blocks))
+    results = _run_all(spec, policies, console)
     from prefixroute.sim.report import rich_table, write_json, write_plot
 
     console.print(rich_table(results, title=f"{header['scenario']}: ratios against {policies[0]}"))
@@ -127,13 +133,26 @@ def run(args: argparse.Namespace) -> int:
         write_json(args.json, header, results)
         console.print(f"wrote {args.json}")
     if args.plot:
-        try:
-            write_plot(args.plot, results, title=f"{header['scenario']} · {profile.name} × {spec.backends}")
-        except PrefixRouteError as exc:
-            errors.print(f"[bold red]error:[/] {exc}", highlight=False)
-            return 2
+        write_plot(args.plot, results, title=f"{header['scenario']} · {profile.name} × {spec.backends}")
         console.print(f"wrote {args.plot}")
     return 0
+
+
+def check_writable(path: str | Path, option: str) -> None:
+    """Fail now, not after the run, if a file cannot be written at ``path`` (its folder is created).
+
+    Raises:
+        ConfigurationError: ``path`` is a folder, or its folder cannot be created or written.
+    """
+    target = Path(path)
+    if target.is_dir():
+        raise ConfigurationError(f"{option} {path} is a folder: give a file path")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigurationError(f"{option} {path}: cannot create its folder ({exc.strerror or exc})") from exc
+    if not os.access(target.parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ConfigurationError(f"{option} {path}: not writable")
 
 
 def _run_all(spec: SimSpec, policies: list[str], console: Any) -> list[PolicyResult]:

@@ -7,11 +7,13 @@ random draw comes from one seeded ``random.Random``, so a seed reproduces a run 
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from prefixroute.errors import ConfigurationError
 from prefixroute.router import Decision, Router
 from prefixroute.sim.backend import Active, BackendConfig, CostModel, SimBackend
 from prefixroute.sim.request import RequestRecord, SimRequest
@@ -111,13 +113,15 @@ class Simulation:
     ) -> None:
         names = [f"gpu{i}" for i in range(backends)] if isinstance(backends, int) else list(backends)
         if not names or len(set(names)) != len(names):
-            raise ValueError("backends must be a positive count or distinct backend names")
+            raise ConfigurationError("backends must be a positive count or distinct backend names")
         if max_requests is None and duration is None and not isinstance(arrivals, (ClosedLoop, TraceTimes)):
-            raise ValueError("give max_requests or duration: open-loop arrivals never stop by themselves")
-        if isinstance(arrivals, OpenLoop) and (arrivals.rate <= 0 or arrivals.users < 1):
-            raise ValueError("open-loop arrivals need rate > 0 and users >= 1")
+            raise ConfigurationError("give max_requests or duration: open-loop arrivals never stop by themselves")
+        if isinstance(arrivals, OpenLoop) and not (
+            math.isfinite(arrivals.rate) and arrivals.rate > 0 and arrivals.users >= 1
+        ):
+            raise ConfigurationError("open-loop arrivals need rate > 0 and users >= 1")
         if max_requests is not None and max_requests < 1:
-            raise ValueError(f"max_requests must be >= 1, not {max_requests}")
+            raise ConfigurationError(f"max_requests must be >= 1, not {max_requests}")
         self.router = router
         self.workload = workload
         self.arrivals = arrivals
@@ -143,8 +147,8 @@ class Simulation:
         self._in_flight = [0] * len(names)
         self._peak = [0] * len(names)
         self._hasher = router.hasher
-        if metrics_interval is not None and metrics_interval <= 0:
-            raise ValueError(f"metrics_interval must be > 0 seconds, not {metrics_interval}")
+        if metrics_interval is not None and not (math.isfinite(metrics_interval) and metrics_interval > 0):
+            raise ConfigurationError(f"metrics_interval must be > 0 seconds, not {metrics_interval}")
         self.metrics_interval = metrics_interval
         if kv_events:
             for backend in self.backends:
@@ -196,7 +200,7 @@ class Simulation:
         arrivals = self.arrivals
         if isinstance(arrivals, ClosedLoop):
             if arrivals.users < 1:
-                raise ValueError(f"users must be >= 1, not {arrivals.users}")
+                raise ConfigurationError(f"users must be >= 1, not {arrivals.users}")
             for user in range(arrivals.users):
                 self._push(self.rng.uniform(0.0, arrivals.ramp), _WAKE, user)
         else:
@@ -215,7 +219,7 @@ class Simulation:
         else:
             assert isinstance(arrivals, TraceTimes)
             if request.arrival is None:
-                raise ValueError("trace-time arrivals need requests with an arrival time")
+                raise ConfigurationError("trace-time arrivals need requests with an arrival time")
             at = max(self.now, request.arrival / arrivals.speedup)
         if not self._may_issue(at):
             return

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
+from prefixroute.errors import ConfigurationError
 from prefixroute.index import leading_run
 
 __all__ = ["BlockCache", "CacheListener"]
@@ -64,7 +65,7 @@ class BlockCache:
 
     def __init__(self, capacity_blocks: int | None) -> None:
         if capacity_blocks is not None and (isinstance(capacity_blocks, bool) or capacity_blocks < 1):
-            raise ValueError(f"capacity_blocks must be a positive int or None, not {capacity_blocks!r}")
+            raise ConfigurationError(f"capacity_blocks must be a positive int or None, not {capacity_blocks!r}")
         self._capacity = capacity_blocks
         self._refs: dict[int, int] = {}  # every cached block hash -> requests referencing it (0: free, in _lru)
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks with no reference, oldest first

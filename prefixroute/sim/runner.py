@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from prefixroute.errors import ConfigurationError
+from prefixroute.errors import ConfigurationError, PrefixRouteError
 from prefixroute.index import PrefixIndex
 from prefixroute.policies import LoadPolicy, policy_from_name
 from prefixroute.router import Router
@@ -18,7 +20,7 @@ from prefixroute.sim.index import EventsOnlyIndex
 from prefixroute.sim.metrics import PolicyResult, summarize
 from prefixroute.sim.profiles import load_profile
 from prefixroute.sim.traces import load_trace
-from prefixroute.sim.workloads import make_workload
+from prefixroute.sim.workloads import make_workload, scenario_names
 
 __all__ = ["SimSpec", "backend_config", "build_policy", "run_policy", "vllm_defaults"]
 
@@ -34,6 +36,11 @@ class SimSpec:
     ``index_source``: ``"predictions"`` (the router records where it sent each prompt, its index capped at each
     backend's KV capacity) or ``"events"`` (the simulated engines' KV events keep the index exact).
     ``metrics_interval``: poll engine queue lengths and KV usage into the router every so many seconds.
+
+    Raises:
+        ConfigurationError: a count that is not a positive int, a number that is NaN, infinite, negative or (where
+            it makes no sense) zero, a fraction outside its range, an unknown ``index_source`` or scenario, or
+            open-loop arrivals with no stop (neither ``requests`` nor ``duration``). Checked when the spec is made.
     """
 
     scenario: str = "seed"
@@ -59,9 +66,63 @@ class SimSpec:
     index_source: str = "predictions"
     metrics_interval: float | None = None
 
+    def __post_init__(self) -> None:
+        _check_spec(self)
+
     def with_(self, **changes: object) -> SimSpec:
         """A copy with some fields changed."""
         return replace(self, **changes)  # type: ignore[arg-type]
+
+
+_POSITIVE_INTS = (
+    "backends",
+    "users",
+    "tp",
+    "requests",
+    "output_tokens",
+    "capacity_blocks",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+)
+_POSITIVE_NUMBERS = ("rate", "speedup", "duration", "metrics_interval")
+_NON_NEGATIVE_NUMBERS = ("think_time", "gpu_hour_usd")
+# Options the CLI has: their messages name the flag.
+_FLAGS = frozenset(
+    {"backends", "users", "tp", "requests", "rate", "speedup", "duration", "metrics_interval", "think_time"}
+    | {"gpu_hour_usd", "sharing_ratio", "seed", "index_source"}
+)
+
+
+def _name(field: str) -> str:
+    return "--" + field.replace("_", "-") if field in _FLAGS else field
+
+
+def _check_spec(spec: SimSpec) -> None:
+    for field in _POSITIVE_INTS:
+        value = getattr(spec, field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigurationError(f"{_name(field)} must be a positive int, not {value!r}")
+    for field, low in [(f, "> 0") for f in _POSITIVE_NUMBERS] + [(f, ">= 0") for f in _NON_NEGATIVE_NUMBERS]:
+        value = getattr(spec, field)
+        if value is not None and not (_is_finite(value) and (value > 0 if low == "> 0" else value >= 0)):
+            raise ConfigurationError(f"{_name(field)} must be a finite number {low}, not {value!r}")
+    if spec.sharing_ratio is not None and not (_is_finite(spec.sharing_ratio) and 0 <= spec.sharing_ratio <= 1):
+        raise ConfigurationError(f"--sharing-ratio must be between 0 and 1, not {spec.sharing_ratio!r}")
+    utilization = spec.gpu_memory_utilization
+    if not (_is_finite(utilization) and 0 < utilization <= 1):
+        raise ConfigurationError(f"gpu_memory_utilization must be in (0, 1], not {utilization!r}")
+    if isinstance(spec.seed, bool) or not isinstance(spec.seed, int):
+        raise ConfigurationError(f"--seed must be an int, not {spec.seed!r}")
+    if spec.index_source not in ("predictions", "events"):
+        raise ConfigurationError(f"--index-source must be 'predictions' or 'events', not {spec.index_source!r}")
+    if spec.trace is None and spec.scenario not in scenario_names():
+        raise ConfigurationError(f"unknown scenario {spec.scenario!r}; choose one of {', '.join(scenario_names())}")
+    if spec.rate is not None and spec.requests is None and spec.duration is None:
+        raise ConfigurationError("open-loop arrivals (--rate) never stop by themselves: give --requests or --duration")
+
+
+def _is_finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def vllm_defaults(gpu_memory_bytes: int) -> tuple[int, int]:
@@ -95,9 +156,25 @@ def build_policy(name: str, *, seed: int) -> LoadPolicy:
     class is found by building it once with no options.)
 
     Raises:
-        ConfigurationError: as :func:`~prefixroute.policy_from_name` (unknown name, a path that fails to import,
-            a class that is not a :class:`LoadPolicy`).
+        ConfigurationError: as :func:`~prefixroute.policy_from_name` (an unknown name, a class that is not a
+            :class:`LoadPolicy`), and for a ``module:Class`` whose import or constructor raises anything.
     """
+    if ":" not in name:
+        return _seeded(name, seed)
+    # The user's own module and class: any error in them is the user's to fix, so it becomes a clear message.
+    try:
+        importlib.import_module(name.partition(":")[0])
+    except Exception as exc:
+        raise ConfigurationError(f"cannot import policy {name!r}: {type(exc).__name__}: {exc}") from exc
+    try:
+        return _seeded(name, seed)
+    except PrefixRouteError:
+        raise
+    except Exception as exc:
+        raise ConfigurationError(f"cannot build policy {name!r}: {type(exc).__name__}: {exc}") from exc
+
+
+def _seeded(name: str, seed: int) -> LoadPolicy:
     policy = policy_from_name(name)
     keyword = _seed_keyword(type(policy))
     if keyword is None:
@@ -125,16 +202,12 @@ def _workload(spec: SimSpec) -> tuple[Workload, Arrivals]:
         think = scenario.think_time if spec.think_time is None else spec.think_time
     arrivals: Arrivals
     if spec.rate is not None:
-        if spec.rate <= 0:
-            raise ConfigurationError(f"--rate must be > 0 requests per second, not {spec.rate}")
         arrivals = OpenLoop(spec.rate, users=spec.users or 64)
     elif spec.users is None:
         if spec.trace is None:
             raise ConfigurationError("give --users or --rate (only a trace brings its own arrival times)")
         arrivals = TraceTimes(spec.speedup)
     else:
-        if spec.users < 1:
-            raise ConfigurationError(f"--users must be >= 1, not {spec.users}")
         arrivals = ClosedLoop(spec.users, think_time=think)
     return workload, arrivals
 
@@ -154,15 +227,11 @@ def run_policy(
     with other parameters); ``spec`` still gives its arrivals. Every run builds a fresh Router, workload and
     backends from ``spec.seed``: same spec, same result.
     """
-    if spec.backends < 1:
-        raise ConfigurationError(f"--backends must be >= 1, not {spec.backends}")
     config, profile = backend_config(spec)
     source, arrivals = _workload(spec)
     if workload is not None:
         source = workload()
     load_policy = build_policy(policy, seed=spec.seed) if isinstance(policy, str) else policy()
-    if spec.index_source not in ("predictions", "events"):
-        raise ConfigurationError(f"index_source must be 'predictions' or 'events', not {spec.index_source!r}")
     clock = _SimClock()
     events = spec.index_source == "events"
     # Events: the engines' KV events are the only writer (exact). Predictions: the router records where it sent

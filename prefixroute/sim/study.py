@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
+from prefixroute.errors import ConfigurationError
 from prefixroute.policies import BoundedLoad, LoadPolicy
 from prefixroute.sim.engine import Workload
 from prefixroute.sim.metrics import PolicyResult
@@ -458,6 +459,10 @@ def _section_dollars(study: _Study) -> list[str]:
 
 def run_study(out: Path, *, requests: int = 1500, progress: Callable[[str], None] = lambda _m: None) -> Path:
     """Run every section and write ``out/study.md`` plus its PNGs; return the Markdown path."""
+    if isinstance(requests, bool) or not isinstance(requests, int) or requests < 1:
+        raise ConfigurationError(f"--requests must be a positive int, not {requests!r}")
+    if out.exists() and not out.is_dir():
+        raise ConfigurationError(f"--output {out} is not a folder")
     out.mkdir(parents=True, exist_ok=True)
     study = _Study(requests=requests, progress=progress, runs=[])
     lines = [

@@ -16,7 +16,7 @@ import csv
 import json
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -37,6 +37,7 @@ __all__ = [
 MOONCAKE_BLOCK_TOKENS = 512
 _MAX_HASH_ID = (2**32) // MOONCAKE_BLOCK_TOKENS - 1
 _UNIQUE_BASE = 2**31  # Splitwise prompts draw their tokens above every Mooncake-derived id
+_MAX_TOKENS = 2**20  # longer than any profiled model's context: a larger length is a broken trace
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +97,7 @@ def read_mooncake(path: str | Path) -> list[TraceEntry]:
     """Parse a Mooncake FAST'25 JSONL trace; raises :class:`InvalidTraceError` naming the first bad line."""
     entries: list[TraceEntry] = []
     with _open(path) as lines:
-        for number, line in enumerate(lines, start=1):
+        for number, line in enumerate(_read(lines, path), start=1):
             if not line.strip():
                 continue
             entries.append(_mooncake_line(line, f"{path}:{number}"))
@@ -110,6 +111,8 @@ def _mooncake_line(line: str, where: str) -> TraceEntry:
         item = json.loads(line)
     except json.JSONDecodeError as exc:
         raise InvalidTraceError(f"{where}: not valid JSON ({exc.msg})") from exc
+    except RecursionError as exc:
+        raise InvalidTraceError(f"{where}: JSON nested too deeply") from exc
     if not isinstance(item, dict):
         raise InvalidTraceError(f"{where}: expected a JSON object, got {type(item).__name__}")
     missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in item]
@@ -119,10 +122,10 @@ def _mooncake_line(line: str, where: str) -> TraceEntry:
     hash_ids = item["hash_ids"]
     if not _is_number(timestamp) or timestamp < 0:
         raise InvalidTraceError(f"{where}: timestamp must be a non-negative number of ms, not {timestamp!r}")
-    if not _is_int(input_length) or input_length < 1:
-        raise InvalidTraceError(f"{where}: input_length must be a positive int, not {input_length!r}")
-    if not _is_int(output_length) or output_length < 1:
-        raise InvalidTraceError(f"{where}: output_length must be a positive int, not {output_length!r}")
+    if not _is_int(input_length) or not 1 <= input_length <= _MAX_TOKENS:
+        raise InvalidTraceError(f"{where}: input_length must be an int in [1, {_MAX_TOKENS}], not {input_length!r}")
+    if not _is_int(output_length) or not 1 <= output_length <= _MAX_TOKENS:
+        raise InvalidTraceError(f"{where}: output_length must be an int in [1, {_MAX_TOKENS}], not {output_length!r}")
     if not isinstance(hash_ids, list) or not all(_is_int(h) and 0 <= h <= _MAX_HASH_ID for h in hash_ids):
         raise InvalidTraceError(f"{where}: hash_ids must be a list of ints in [0, {_MAX_HASH_ID}]")
     expected = math.ceil(input_length / MOONCAKE_BLOCK_TOKENS)
@@ -139,11 +142,15 @@ def read_splitwise(path: str | Path) -> list[TraceEntry]:
     columns = ("arrived_at", "num_prefill_tokens", "num_decode_tokens")
     entries: list[TraceEntry] = []
     with _open(path) as lines:
-        reader = csv.DictReader(lines)
-        absent = [c for c in columns if c not in (reader.fieldnames or [])]
+        reader = csv.DictReader(_read(lines, path))
+        try:
+            fieldnames = reader.fieldnames
+        except csv.Error as exc:
+            raise InvalidTraceError(f"{path}:1: not a CSV header ({exc})") from exc
+        absent = [c for c in columns if c not in (fieldnames or [])]
         if absent:
             raise InvalidTraceError(f"{path}:1: header lacks column(s) {', '.join(absent)}")
-        for row in reader:
+        for row in _rows(reader, path):
             where = f"{path}:{reader.line_num}"
             try:
                 arrival = float(row["arrived_at"])
@@ -151,9 +158,12 @@ def read_splitwise(path: str | Path) -> list[TraceEntry]:
                 decode = int(row["num_decode_tokens"])
             except (TypeError, ValueError) as exc:
                 raise InvalidTraceError(f"{where}: expected numbers in {', '.join(columns)}: {row}") from exc
-            if not math.isfinite(arrival) or arrival < 0 or prefill < 1 or decode < 1:
+            if not (
+                math.isfinite(arrival) and arrival >= 0 and 1 <= prefill <= _MAX_TOKENS and 1 <= decode <= _MAX_TOKENS
+            ):
                 raise InvalidTraceError(
-                    f"{where}: arrived_at must be >= 0 and token counts >= 1, got {arrival}, {prefill}, {decode}"
+                    f"{where}: arrived_at must be a finite number >= 0 and token counts in [1, {_MAX_TOKENS}], got "
+                    f"{arrival}, {prefill}, {decode}"
                 )
             entries.append(TraceEntry(arrival, prefill, decode))
     if not entries:
@@ -175,6 +185,23 @@ def _open(path: str | Path) -> TextIO:
         return open(path, encoding="utf-8", newline="")  # noqa: SIM115 - returned to a with block
     except OSError as exc:
         raise InvalidTraceError(f"cannot read trace {path}: {exc.strerror}") from exc
+
+
+def _read(lines: Iterable[str], path: str | Path) -> Iterator[str]:
+    """The file's lines; a file that is not UTF-8 text, or fails while read, is an :class:`InvalidTraceError`."""
+    try:
+        yield from lines
+    except UnicodeDecodeError as exc:
+        raise InvalidTraceError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    except OSError as exc:
+        raise InvalidTraceError(f"cannot read trace {path}: {exc.strerror or exc}") from exc
+
+
+def _rows(reader: csv.DictReader[str], path: str | Path) -> Iterator[dict[str, str]]:
+    try:
+        yield from reader
+    except csv.Error as exc:
+        raise InvalidTraceError(f"{path}:{reader.line_num}: not valid CSV ({exc})") from exc
 
 
 def _is_int(value: object) -> bool:

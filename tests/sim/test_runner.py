@@ -35,13 +35,30 @@ def test_events_mode_predicts_what_the_engines_hold() -> None:
     assert abs(result.predicted_hit_rate - result.hit_rate) < 0.05
 
 
-def test_configuration_errors() -> None:
-    with pytest.raises(ConfigurationError, match="index_source"):
-        run_policy(SimSpec(requests=5, index_source="gossip"), "round-robin")
+def test_configuration_errors_are_raised_when_the_spec_is_made() -> None:
+    with pytest.raises(ConfigurationError, match="--index-source"):
+        SimSpec(requests=5, index_source="gossip")
     with pytest.raises(ConfigurationError, match="--users or --rate"):
         run_policy(SimSpec(requests=5, users=None), "round-robin")
-    with pytest.raises(ConfigurationError, match="--backends"):
-        run_policy(SimSpec(requests=5, backends=0), "round-robin")
+    for field, value in [
+        ("backends", 0),
+        ("backends", True),
+        ("rate", float("nan")),
+        ("rate", float("inf")),
+        ("speedup", -1.0),
+        ("think_time", float("nan")),
+        ("sharing_ratio", 1.5),
+        ("gpu_memory_utilization", 0.0),
+        ("capacity_blocks", 0),
+        ("max_num_seqs", -1),
+        ("metrics_interval", 0.0),
+        ("seed", 1.5),
+        ("scenario", "nope"),
+    ]:
+        with pytest.raises(ConfigurationError):
+            SimSpec(**{field: value})  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="never stop"):
+        SimSpec(rate=2.0, users=None, requests=None)
 
 
 def test_vllm_defaults_follow_gpu_memory() -> None:

@@ -1,0 +1,211 @@
+"""Every bad input to ``prefixroute simulate`` and ``prefixroute study``: exit status 2, one line on stderr."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prefixroute.cli import main
+
+TINY = ["--requests", "5"]  # a later --requests wins
+
+
+def _fails_with_one_line(argv: list[str], capsys: pytest.CaptureFixture[str], expected: str) -> str:
+    status = main(argv)
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert err.endswith("\n") and err.count("\n") == 1, f"not one line: {err!r}"
+    assert "Traceback" not in err
+    assert err.startswith(f"prefixroute {argv[0]}: "), err
+    assert expected in err, err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--scenario", "nope"], "invalid choice: 'nope'"),
+        (["--policy", "nope"], "unknown policy 'nope'"),
+        (["--policy", "round-robin", "--policy", "nope"], "unknown policy 'nope'"),  # checked before any run
+        (["--policy", "no_such_module_for_prefixroute:Policy"], "cannot import policy"),
+        (["--policy", "prefixroute.policies:NoSuchPolicy"], "cannot import policy"),
+        (["--policy", "json:JSONDecoder"], "not a LoadPolicy subclass"),
+        (["--backends", "0"], "--backends must be a positive int, not 0"),
+        (["--backends", "-3"], "--backends must be a positive int"),
+        (["--backends", "two"], "invalid int value: 'two'"),
+        (["--users", "0"], "--users must be a positive int"),
+        (["--requests", "0"], "--requests must be a positive int"),
+        (["--requests", "1e3"], "invalid int value"),
+        (["--tp", "0"], "--tp must be a positive int"),
+        (["--tp", "3"], "valid tp"),
+        (["--rate", "nan"], "--rate must be a finite number > 0, not nan"),
+        (["--rate", "inf"], "--rate must be a finite number > 0, not inf"),
+        (["--rate", "-1"], "--rate must be a finite number > 0"),
+        (["--rate", "0"], "--rate must be a finite number > 0"),
+        (["--duration", "nan"], "--duration must be a finite number > 0"),
+        (["--duration", "-5"], "--duration must be a finite number > 0"),
+        (["--think-time", "-1"], "--think-time must be a finite number >= 0"),
+        (["--think-time", "nan"], "--think-time must be a finite number >= 0"),
+        (["--sharing-ratio", "2"], "between 0 and 1"),
+        (["--sharing-ratio", "nan"], "between 0 and 1"),
+        (["--sharing-ratio", "-0.1"], "between 0 and 1"),
+        (["--speedup", "0"], "--speedup must be a finite number > 0"),
+        (["--speedup", "inf"], "--speedup must be a finite number > 0"),
+        (["--gpu-hour-usd", "nan"], "--gpu-hour-usd must be a finite number >= 0"),
+        (["--gpu-hour-usd", "-2"], "--gpu-hour-usd must be a finite number >= 0"),
+        (["--metrics-interval", "0"], "--metrics-interval must be a finite number > 0"),
+        (["--metrics-interval", "inf"], "--metrics-interval must be a finite number > 0"),
+        (["--seed", "x"], "invalid int value"),
+        (["--model", "gpt-5"], "unknown model 'gpt-5'"),
+        (["--gpu", "abacus"], "unknown GPU 'abacus'"),
+        (["--index-source", "gossip"], "invalid choice"),
+        (["--frobnicate"], "unrecognized arguments"),
+        (["--rate"], "expected one argument"),
+        (["--trace", "mooncake:/nonexistent/trace.jsonl"], "cannot read trace /nonexistent/trace.jsonl"),
+        (["--trace", "nope:/x"], "--trace must be FORMAT:PATH"),
+        (["--trace", "no-colon"], "--trace must be FORMAT:PATH"),
+    ],
+)
+def test_simulate_bad_input(argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    base = [] if "--duration" in argv else TINY  # --duration and --requests are exclusive
+    _fails_with_one_line(["simulate", *base, *argv], capsys, expected)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "expected"),
+    [
+        ("bad.jsonl", '{"timestamp": 0, "input_length": 10}\n', "bad.jsonl:1: missing field(s)"),
+        ("garbage.jsonl", "this is not json\n", "garbage.jsonl:1: not valid JSON"),
+        ("deep.jsonl", "[" * 100_000 + "]" * 100_000 + "\n", "nested too deeply"),
+        ("empty.jsonl", "", "no requests in the trace"),
+        ("nan.jsonl", '{"timestamp": NaN, "input_length": 1, "output_length": 1, "hash_ids": [0]}\n', "timestamp"),
+        ("huge.jsonl", '{"timestamp": 0, "input_length": 1e30, "output_length": 1, "hash_ids": [0]}\n', "input_length"),
+        ("binary.jsonl", b"\xff\xfe\x00garbage", "not UTF-8 text"),
+        ("nul.csv", "arrived_at,num_prefill_tokens,num_decode_tokens\n0,1\x00,1\n", "nul.csv"),
+        ("columns.csv", "a,b\n1,2\n", "header lacks column(s)"),
+        ("words.csv", "arrived_at,num_prefill_tokens,num_decode_tokens\nsoon,many,few\n", "expected numbers"),
+        ("short.csv", "arrived_at,num_prefill_tokens,num_decode_tokens\n0\n", "expected numbers"),
+        ("inf.csv", "arrived_at,num_prefill_tokens,num_decode_tokens\ninf,10,10\n", "finite number"),
+        ("huge.csv", "arrived_at,num_prefill_tokens,num_decode_tokens\n0,99999999999,1\n", "token counts in"),
+    ],
+)
+def test_malformed_trace_files(
+    name: str, content: str | bytes, expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content, encoding="utf-8")
+    kind = "mooncake" if name.endswith(".jsonl") else "splitwise"
+    _fails_with_one_line(["simulate", "--trace", f"{kind}:{path}", "--requests", "5"], capsys, expected)
+
+
+def test_trace_that_is_a_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _fails_with_one_line(["simulate", "--trace", f"mooncake:{tmp_path}"], capsys, "cannot read trace")
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root reads any file")
+def test_unreadable_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "secret.jsonl"
+    path.write_text("{}\n")
+    path.chmod(0)
+    _fails_with_one_line(["simulate", "--trace", f"mooncake:{path}"], capsys, "cannot read trace")
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_output_paths_checked_before_the_run(option: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _fails_with_one_line(["simulate", *TINY, option, str(tmp_path)], capsys, "is a folder")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    _fails_with_one_line(["simulate", *TINY, option, str(blocker / "out")], capsys, "cannot create its folder")
+    assert "round-robin" not in capsys.readouterr().out  # nothing ran
+
+
+def test_output_that_fails_when_written(capsys: pytest.CaptureFixture[str]) -> None:
+    # /proc passes the up-front check as root but refuses the file: still one line, exit 2.
+    if not Path("/proc/self").exists():
+        pytest.skip("needs /proc")
+    _fails_with_one_line(["simulate", *TINY, "--policy", "round-robin", "--json", "/proc/nope.json"], capsys, "")
+
+
+USER_MODULES = {
+    "pr_syntax_error": "def broken(:\n",
+    "pr_import_raises": "raise RuntimeError('no GPU here')\n",
+    "pr_init_raises": (
+        "from prefixroute.policies import LoadPolicy\n"
+        "class P(LoadPolicy):\n"
+        "    def __init__(self):\n"
+        "        raise ValueError('needs a config file')\n"
+        "    def choose(self, candidates):\n"
+        "        return candidates[0]\n"
+    ),
+    "pr_needs_args": (
+        "from prefixroute.policies import LoadPolicy\n"
+        "class P(LoadPolicy):\n"
+        "    def __init__(self, table):\n"
+        "        self.table = table\n"
+        "    def choose(self, candidates):\n"
+        "        return candidates[0]\n"
+    ),
+    "pr_wrong_answer": (
+        "from prefixroute.policies import Candidate, LoadPolicy\n"
+        "class P(LoadPolicy):\n"
+        "    def choose(self, candidates):\n"
+        "        return Candidate(candidates[0].backend, 0, 0, 0)\n"
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("module", "expected"),
+    [
+        ("pr_syntax_error", "SyntaxError"),
+        ("pr_import_raises", "RuntimeError: no GPU here"),
+        ("pr_init_raises", "ValueError: needs a config file"),
+        ("pr_needs_args", "does not accept options"),
+        ("pr_wrong_answer", "not one of the candidates"),
+    ],
+)
+def test_user_policy_that_fails(
+    module: str, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / f"{module}.py").write_text(USER_MODULES[module])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    attribute = "Anything" if module in ("pr_syntax_error", "pr_import_raises") else "P"
+    _fails_with_one_line(["simulate", *TINY, "--policy", f"{module}:{attribute}"], capsys, expected)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--requests", "0"], "--requests must be a positive int, not 0"),
+        (["--requests", "-5"], "--requests must be a positive int"),
+        (["--requests", "many"], "invalid int value"),
+    ],
+)
+def test_study_bad_input(argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    _fails_with_one_line(["study", *argv], capsys, expected)
+
+
+def test_study_output_that_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    _fails_with_one_line(["study", "--output", str(blocker), "--requests", "5"], capsys, "is not a folder")
+
+
+def test_no_traceback_from_a_real_process(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    for argv in (
+        ["simulate", "--rate", "nan"],
+        ["simulate", "--trace", f"mooncake:{bad}"],
+        ["study", "--requests", "0"],
+    ):
+        done = subprocess.run([sys.executable, "-m", "prefixroute", *argv], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
