@@ -27,9 +27,11 @@ __all__ = [
     "LinearTTFT",
     "LoadPolicy",
     "PowerOfTwo",
+    "PredictedTTFT",
     "PrefixAffinity",
     "Random",
     "RoundRobin",
+    "kv_fraction",
     "policy_from_name",
     "policy_names",
 ]
@@ -239,6 +241,71 @@ class CostAware(LoadPolicy):
         return min(candidates, key=self.cost)
 
 
+class PredictedTTFT(LoadPolicy):
+    """The candidate with the lowest predicted time to first token, from the router's own work accounting.
+
+    A request's first token waits for the prefill work ahead of it on a backend and for its own uncached tokens
+    (:attr:`Candidate.uncached_tokens`), at that backend's speed, and slows down as the backend's KV memory fills
+    (a fuller cache admits fewer requests at once, so work waits longer)::
+
+        cost = (pending_prefill_tokens + uncached_tokens) / speed / (1 - kv_fraction)
+
+    Every part is a measurement, not a tuned constant: ``speed`` is :attr:`Candidate.prefill_tokens_per_s` learned
+    online from first tokens (a backend without an estimate yet takes the median of those that have one; with
+    none, work is compared in tokens, which is unit-free); ``kv_fraction`` is the engine's ``kv_usage`` when
+    metrics supply it, else the router's ``held_blocks / capacity_blocks``, else 0, capped at ``kv_cap`` (so a
+    full backend costs ``1 / (1 - kv_cap)`` = 20× its work, never infinity).
+
+    Affinity holds while it pays: a cached prefix removes its tokens from the cost, so a request follows its
+    prefix until the work queued there outweighs the prefill it saves. It spreads when it does not: a long system
+    prompt that every backend holds cancels out, leaving the queued work to decide, so one shared first block
+    cannot pull all traffic to one backend. Ties go to the first candidate in placement order, so router
+    replicas agree and a choice is deterministic given the candidates. O(len(candidates)).
+    """
+
+    name = "predicted-ttft"
+    prefix_aware = True
+
+    def __init__(self, *, kv_cap: float = 0.95) -> None:
+        if isinstance(kv_cap, bool) or not isinstance(kv_cap, (int, float)) or not 0.0 <= kv_cap < 1.0:
+            raise ConfigurationError(f"PredictedTTFT kv_cap must be a fraction in [0, 1), not {kv_cap!r}")
+        self.kv_cap = float(kv_cap)
+
+    def cost(self, candidate: Candidate, *, default_speed: float = 1.0) -> float:
+        """Predicted time to first token on ``candidate``: seconds, or tokens when no speed is known. O(1)."""
+        work = candidate.pending_prefill_tokens + candidate.prompt_tokens - candidate.matched_tokens
+        speed = candidate.prefill_tokens_per_s or default_speed
+        return work / speed / (1.0 - min(kv_fraction(candidate), self.kv_cap))
+
+    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        speeds = sorted(c.prefill_tokens_per_s for c in candidates if c.prefill_tokens_per_s)
+        default_speed = speeds[len(speeds) // 2] if speeds else 1.0
+        cost = self.cost
+        best = candidates[0]
+        best_cost = math.inf
+        for candidate in candidates:  # strict < keeps the first of equals: placement order breaks ties
+            predicted = cost(candidate, default_speed=default_speed)
+            if predicted < best_cost:
+                best, best_cost = candidate, predicted
+        return best
+
+    def __repr__(self) -> str:
+        return f"PredictedTTFT(kv_cap={self.kv_cap})"
+
+
+def kv_fraction(candidate: Candidate) -> float:
+    """The fraction of ``candidate``'s KV memory in use: engine ``kv_usage``, else router-held blocks, else 0.
+
+    The router's figure counts every in-flight prompt's blocks, shared prefixes once per request, so it can
+    exceed the engine's: it is clamped to 1. O(1).
+    """
+    if candidate.kv_usage is not None:
+        return candidate.kv_usage
+    if candidate.capacity_blocks:
+        return min(1.0, candidate.held_blocks / candidate.capacity_blocks)
+    return 0.0
+
+
 def _load(candidate: Candidate) -> int:
     return candidate.load
 
@@ -248,7 +315,10 @@ _matched = attrgetter("matched_tokens")
 
 
 _REGISTRY: Mapping[str, type[LoadPolicy]] = MappingProxyType(
-    {cls.name: cls for cls in (RoundRobin, Random, LeastLoaded, PowerOfTwo, PrefixAffinity, BoundedLoad, CostAware)}
+    {
+        cls.name: cls
+        for cls in (RoundRobin, Random, LeastLoaded, PowerOfTwo, PrefixAffinity, BoundedLoad, CostAware, PredictedTTFT)
+    }
 )
 
 

@@ -22,6 +22,7 @@ from prefixroute import (
     policy_from_name,
     policy_names,
 )
+from prefixroute.policies import PredictedTTFT
 
 # One line per policy: a new built-in is covered by the whole contract suite by adding it here.
 POLICIES: dict[str, Callable[[], LoadPolicy]] = {
@@ -32,6 +33,7 @@ POLICIES: dict[str, Callable[[], LoadPolicy]] = {
     "prefix-affinity": PrefixAffinity,
     "bounded-load": BoundedLoad,
     "cost-aware": CostAware,
+    "predicted-ttft": PredictedTTFT,
 }
 
 candidate_lists = st.lists(
