@@ -24,6 +24,7 @@ COMMAND_MODULES: Mapping[str, tuple[str, tuple[str, ...]]] = MappingProxyType(
     {
         "prefixroute.sim.cli": ("sim", ("simulate", "study")),
         "prefixroute.vllm.doctor": ("vllm", ("doctor",)),
+        "prefixroute.testing.openai_engine": ("proxy", ("fake-engines",)),
     }
 )
 

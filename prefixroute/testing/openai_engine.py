@@ -1,0 +1,559 @@
+"""A fake vLLM OpenAI-compatible HTTP engine on loopback, for tests and demos of gateways (needs ``[proxy]``).
+
+It serves what ``vllm serve`` serves, in vLLM's formats: ``POST /v1/completions`` and ``/v1/chat/completions``
+(streamed as Server-Sent Events, chunk by chunk, ending in ``data: [DONE]``, or one JSON body with ``usage``
+including ``prompt_tokens_details.cached_tokens``), ``GET /v1/models``, ``/metrics`` (vLLM's Prometheus names) and
+``/health``. Behind them is a real block-level prefix cache (:class:`~prefixroute.testing.FakeBlockCache`): a
+request hits the longest cached prefix of full blocks and its time to first token grows with its *uncached*
+tokens, so a router that keeps prefixes together measurably wins. Prompts are token ids or text; text is split on
+whitespace, each word one token (or pass ``tokenizer=``).
+
+::
+
+    with OpenAIEngine(prefill_per_token_s=50e-6, token_delay_s=0.002) as engine:
+        engine.url                  # http://127.0.0.1:PORT
+        engine.fail_next(2)         # the next two requests get HTTP 500
+        engine.refuse()             # stop listening (and drop open connections); engine.accept() listens again
+        engine.stall(after_tokens=1)  # requests hang after one streamed token until engine.resume()
+
+From the command line, N engines on consecutive ports (Ctrl-C stops them)::
+
+    python -m prefixroute.testing.openai_engine --count 3 --base-port 8100
+    prefixroute fake-engines --count 3 --base-port 8100
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import threading
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from aiohttp import web
+
+from prefixroute.testing.fake_cache import FakeBlockCache
+
+__all__ = ["EngineStats", "OpenAIEngine", "main", "register", "whitespace_tokens"]
+
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_POLL_S = 0.005  # how often a stalled request looks for resume() or its client leaving
+
+
+def whitespace_tokens(text: str) -> list[int]:
+    """The fake's tokenizer: one token per whitespace-separated word, its id a CRC32 of the word. O(len(text))."""
+    return [zlib.crc32(word.encode("utf-8", "surrogatepass")) for word in text.split()]
+
+
+def render_chat(messages: object) -> str:
+    """The fake's chat template: ``<|role|> content`` per message, then ``<|assistant|>``.
+
+    Raises:
+        ValueError: a message is not ``{"role": str, "content": str | [{"type": "text", "text": str}, ...]}``.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("'messages' must be a non-empty list of {role, content} objects")
+    parts = []
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError("each message must be an object with a string 'role'")
+        content = message.get("content")
+        if isinstance(content, list):
+            content = " ".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+        if not isinstance(content, str):
+            raise ValueError("a message's 'content' must be a string or a list of text parts")
+        parts.append(f"<|{message['role']}|> {content}")
+    return "\n".join(parts) + "\n<|assistant|>"
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What an :class:`OpenAIEngine` has done so far (a snapshot)."""
+
+    requests: int
+    """Completion requests received (including failed and bad ones)."""
+    completed: int
+    """Requests answered in full."""
+    failed: int
+    """Requests answered with an injected error (:meth:`OpenAIEngine.fail_next`)."""
+    disconnected: int
+    """Requests whose client went away before the answer was complete."""
+    running: int
+    """Requests being answered now."""
+    waiting: int
+    """Requests queued behind ``max_running``."""
+    prompt_tokens: int
+    """Prompt tokens of admitted requests."""
+    cached_tokens: int
+    """Of those, tokens served from the prefix cache."""
+
+
+class OpenAIEngine:
+    """One fake engine (see the module docstring). Every option is keyword-only.
+
+    Args:
+        model: the model name it serves (``/v1/models``; requests naming another model get 404 as from vLLM).
+        block_size: tokens per KV block of its prefix cache.
+        num_blocks: KV blocks; a request that does not fit evicts free cached blocks, least recently freed first.
+        prefill_s: time to first token of a fully cached prompt, seconds.
+        prefill_per_token_s: added time to first token per uncached prompt token.
+        token_delay_s: time between generated tokens.
+        max_tokens: tokens generated when a request names no ``max_tokens``.
+        max_running: requests generated at once (vLLM's ``max_num_seqs``); others wait (None: no limit).
+        tokenizer: text to token ids (default :func:`whitespace_tokens`).
+        seed: seeds the cache's block hashes.
+        host, port: where to listen (port 0: a free one the OS picks; kept across :meth:`refuse`/:meth:`accept`).
+
+    :meth:`start` serves on a thread of its own (its own event loop), so synchronous and asynchronous tests alike
+    can use it; :meth:`serve` runs it on the caller's loop instead. The test hooks are thread-safe.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: str = "fake-model",
+        block_size: int = 16,
+        num_blocks: int = 4096,
+        prefill_s: float = 0.0,
+        prefill_per_token_s: float = 0.0,
+        token_delay_s: float = 0.0,
+        max_tokens: int = 16,
+        max_running: int | None = None,
+        tokenizer: Callable[[str], list[int]] = whitespace_tokens,
+        seed: int = 0,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        for option, value in (("prefill_s", prefill_s), ("prefill_per_token_s", prefill_per_token_s),
+                              ("token_delay_s", token_delay_s)):  # fmt: skip
+            if not value >= 0:
+                raise ValueError(f"{option} must be a non-negative number of seconds, not {value!r}")
+        if max_tokens < 1 or (max_running is not None and max_running < 1):
+            raise ValueError("max_tokens and max_running must be positive")
+        self.model = model
+        self.cache = FakeBlockCache(block_size=block_size, num_blocks=num_blocks, rng=random.Random(seed))
+        self.prefill_s = prefill_s
+        self.prefill_per_token_s = prefill_per_token_s
+        self.token_delay_s = token_delay_s
+        self.max_tokens = max_tokens
+        self._tokenizer = tokenizer
+        self._host = host
+        self._port = port
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(("requests", "completed", "failed", "disconnected", "prompt", "cached"), 0)
+        self._running = 0
+        self._waiting = 0
+        self._max_running = max_running
+        self._fail: tuple[int, int] = (0, 500)
+        self._stall_after: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped: asyncio.Event | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """``http://host:port``, once started."""
+        if not self._port:
+            raise RuntimeError("the engine is not started: call start() (or await serve()) first")
+        return f"http://{self._host}:{self._port}"
+
+    async def serve(self) -> None:
+        """Start listening on the running event loop and return (stop with :meth:`aclose`)."""
+        self._loop = asyncio.get_running_loop()
+        self._slots = asyncio.Semaphore(self._max_running) if self._max_running else None
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/health", self._health)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        await self._listen()
+
+    async def aclose(self) -> None:
+        """Stop serving (open connections are dropped). Idempotent."""
+        if self._runner is not None:
+            runner, self._runner, self._site = self._runner, None, None
+            await runner.cleanup()
+
+    def start(self) -> OpenAIEngine:
+        """Serve on a thread of its own; return self once listening."""
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        async def main() -> None:
+            try:
+                await self.serve()
+            except BaseException as exc:  # reported to start()'s caller
+                failure.append(exc)
+                ready.set()
+                return
+            self._stopped = asyncio.Event()
+            ready.set()
+            await self._stopped.wait()
+            await self.aclose()
+
+        self._thread = threading.Thread(target=asyncio.run, args=(main(),), name="fake-openai-engine", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failure:
+            raise failure[0]
+        return self
+
+    def stop(self) -> None:
+        """Stop the thread :meth:`start` started. Idempotent."""
+        if self._thread is not None and self._loop is not None and self._stopped is not None:
+            self._loop.call_soon_threadsafe(self._stopped.set)
+            self._thread.join(10)
+            self._thread = None
+
+    def __enter__(self) -> OpenAIEngine:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # -- test hooks ------------------------------------------------------------------------------------------------
+
+    def fail_next(self, count: int = 1, *, status: int = 500) -> None:
+        """Answer the next ``count`` completion requests with HTTP ``status`` and an OpenAI-style error body."""
+        with self._lock:
+            self._fail = (count, status)
+
+    def stall(self, *, after_tokens: int = 0) -> None:
+        """Make requests hang once they have streamed ``after_tokens`` tokens (0: before any answer), until
+        :meth:`resume`. Requests already past that point are not held."""
+        with self._lock:
+            self._stall_after = after_tokens
+
+    def resume(self) -> None:
+        """Let stalled requests go on."""
+        with self._lock:
+            self._stall_after = None
+
+    def refuse(self) -> None:
+        """Stop listening and drop every open connection: new connections are refused, as from a dead engine."""
+        self._call(self._unlisten())
+
+    def accept(self) -> None:
+        """Listen again, on the same port, after :meth:`refuse`."""
+        self._call(self._listen())
+
+    def stats(self) -> EngineStats:
+        """Return what the engine has done so far."""
+        with self._lock:
+            c = self._counts
+            return EngineStats(c["requests"], c["completed"], c["failed"], c["disconnected"], self._running,
+                               self._waiting, c["prompt"], c["cached"])  # fmt: skip
+
+    def metrics_text(self) -> str:
+        """The Prometheus text ``/metrics`` serves, with vLLM's metric names."""
+        labels = f'{{engine="0",model_name="{self.model}"}}'
+        with self._lock:
+            figures = [
+                ("gauge", "vllm:num_requests_running", self._running),
+                ("gauge", "vllm:num_requests_waiting", self._waiting),
+                ("gauge", "vllm:kv_cache_usage_perc", self.cache.usage()),
+                ("counter", "vllm:prefix_cache_queries", self.cache.queries),
+                ("counter", "vllm:prefix_cache_hits", self.cache.hits),
+            ]
+        lines = []
+        for kind, name, value in figures:
+            suffix = "_total" if kind == "counter" else ""
+            lines += [f"# TYPE {name}{suffix} {kind}", f"{name}{suffix}{labels} {float(value)}"]
+        cache = self.cache
+        info = f'block_size="{cache.block_size}",enable_prefix_caching="True",num_gpu_blocks="{cache.num_blocks}"'
+        lines += ["# TYPE vllm:cache_config_info gauge", f"vllm:cache_config_info{{{info}}} 1.0"]
+        return "\n".join(lines) + "\n"
+
+    # -- serving ---------------------------------------------------------------------------------------------------
+
+    def _call(self, coroutine: Any) -> None:
+        if self._loop is None:
+            coroutine.close()
+            raise RuntimeError("the engine is not started")
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(10)
+        else:  # on the engine's own loop (serve()): schedule it
+            self._loop.create_task(coroutine)
+
+    async def _listen(self) -> None:
+        assert self._runner is not None
+        if self._site is not None:
+            return
+        self._site = web.TCPSite(self._runner, self._host, self._port, reuse_address=True)
+        await self._site.start()
+        sockets = self._runner.addresses
+        self._port = self._port or int(sockets[0][1])
+
+    async def _unlisten(self) -> None:
+        if self._site is None or self._runner is None:
+            return
+        site, self._site = self._site, None
+        await site.stop()
+        server = self._runner.server
+        for handler in server.connections if server is not None else ():
+            if handler.transport is not None:
+                handler.transport.abort()
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def _models(self, request: web.Request) -> web.Response:
+        card = {"id": self.model, "object": "model", "created": 0, "owned_by": "vllm", "root": self.model,
+                "parent": None, "max_model_len": 1 << 20}  # fmt: skip
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.metrics_text(), content_type="text/plain", charset="utf-8")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        with self._lock:
+            self._counts["requests"] += 1
+            failures, status = self._fail
+            if failures:
+                self._fail = (failures - 1, status)
+                self._counts["failed"] += 1
+        if failures:
+            return _error(status, "injected failure (OpenAIEngine.fail_next)", "InternalServerError")
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise ValueError("the request body must be a JSON object")
+            prompt = self._prompt(body, chat=chat)
+            max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or self.max_tokens)
+            if max_tokens < 1:
+                raise ValueError("max_tokens must be at least 1")
+        except (ValueError, TypeError) as exc:
+            return _error(400, str(exc), "BadRequestError")
+        if body.get("model") not in (None, self.model):
+            return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
+        if self._slots is not None:
+            with self._lock:
+                self._waiting += 1
+            try:
+                await self._slots.acquire()
+            finally:
+                with self._lock:
+                    self._waiting -= 1
+        try:
+            return await self._answer(request, body, prompt, max_tokens, chat=chat)
+        finally:
+            if self._slots is not None:
+                self._slots.release()
+
+    def _prompt(self, body: dict[str, Any], *, chat: bool) -> list[int]:
+        if chat:
+            return self._tokenizer(render_chat(body.get("messages")))
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            return self._tokenizer(prompt)
+        if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < 2**32 for t in prompt):
+            return list(prompt)
+        raise ValueError("'prompt' must be a string or a non-empty list of token ids (batches are not supported)")
+
+    async def _answer(
+        self, request: web.Request, body: dict[str, Any], prompt: list[int], max_tokens: int, *, chat: bool
+    ) -> web.StreamResponse:
+        with self._lock:
+            held = self.cache.allocate(prompt)
+            self._running += 1
+            self._counts["prompt"] += held.prompt_tokens
+            self._counts["cached"] += held.cached_tokens
+        stream = bool(body.get("stream"))
+        chunks = _Chunks(self.model, chat=chat)
+        usage = {"prompt_tokens": held.prompt_tokens, "completion_tokens": max_tokens,
+                 "total_tokens": held.prompt_tokens + max_tokens,
+                 "prompt_tokens_details": {"cached_tokens": held.cached_tokens}}  # fmt: skip
+        response: web.StreamResponse | None = None
+        finished = False
+        try:
+            await self._pause(request, sent=0)
+            await asyncio.sleep(self.prefill_s + self.prefill_per_token_s * (held.prompt_tokens - held.cached_tokens))
+            if not stream:
+                for sent in range(1, max_tokens):
+                    await self._pause(request, sent=sent)
+                    await asyncio.sleep(self.token_delay_s)
+                finished = True
+                return web.json_response(chunks.whole(max_tokens, usage))
+            response = web.StreamResponse(headers=_SSE_HEADERS)
+            await response.prepare(request)
+            if chat:
+                await response.write(chunks.sse(chunks.role()))
+            for sent in range(max_tokens):
+                if sent:
+                    await self._pause(request, sent=sent)
+                    await asyncio.sleep(self.token_delay_s)
+                await response.write(chunks.sse(chunks.token(sent, last=sent == max_tokens - 1)))
+            options = body.get("stream_options")
+            if isinstance(options, dict) and options.get("include_usage"):
+                await response.write(chunks.sse(chunks.usage(usage)))
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            finished = True
+            return response
+        except (ConnectionError, asyncio.CancelledError, _ClientGone):
+            if isinstance(request.transport, asyncio.Transport):
+                request.transport.abort()
+            raise
+        finally:
+            with self._lock:
+                self.cache.free(held)
+                self._running -= 1
+                self._counts["completed" if finished else "disconnected"] += 1
+
+    async def _pause(self, request: web.Request, *, sent: int) -> None:
+        """Hold a request while stalled at ``sent`` tokens; raise when its client has gone."""
+        while True:
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                raise _ClientGone
+            with self._lock:
+                stalled = self._stall_after == sent
+            if not stalled:
+                return
+            await asyncio.sleep(_POLL_S)
+
+
+class _ClientGone(Exception):
+    """The client closed its connection while its request was being answered."""
+
+
+class _Chunks:
+    """vLLM's response bodies for one request: stream chunks and the whole answer."""
+
+    def __init__(self, model: str, *, chat: bool) -> None:
+        self.chat = chat
+        self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{random.getrandbits(64):016x}",
+                     "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": int(time.time()), "model": model}  # fmt: skip
+
+    @staticmethod
+    def sse(data: dict[str, Any]) -> bytes:
+        return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+    def role(self) -> dict[str, Any]:
+        delta = {"role": "assistant", "content": ""}
+        return {**self.head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
+
+    def token(self, i: int, *, last: bool) -> dict[str, Any]:
+        reason = "length" if last else None
+        if self.chat:
+            choice = {"index": 0, "delta": {"content": f" t{i}"}, "logprobs": None, "finish_reason": reason,
+                      "stop_reason": None}  # fmt: skip
+        else:
+            choice = {"index": 0, "text": f" t{i}", "logprobs": None, "finish_reason": reason, "stop_reason": None}
+        return {**self.head, "choices": [choice]}
+
+    def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return {**self.head, "choices": [], "usage": usage}
+
+    def whole(self, tokens: int, usage: dict[str, Any]) -> dict[str, Any]:
+        text = "".join(f" t{i}" for i in range(tokens))
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []}}
+        else:
+            choice = {"index": 0, "text": text, "prompt_logprobs": None}
+        choice.update(logprobs=None, finish_reason="length", stop_reason=None)
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {**self.head, "object": kind, "choices": [choice], "usage": usage}
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return web.json_response(body, status=status)
+
+
+# -- the command line ----------------------------------------------------------------------------------------------
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``fake-engines`` subcommand to the ``prefixroute`` CLI."""
+    parser = subparsers.add_parser(
+        "fake-engines", help="serve fake vLLM OpenAI-compatible engines on loopback (for demos and tests)"
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``fake-engines`` (also ``python -m prefixroute.testing.openai_engine``)."""
+    parser.add_argument("--count", type=int, default=3, help="engines to start (default 3)")
+    parser.add_argument("--base-port", type=int, default=8100, help="port of the first; the others follow")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--model", default="fake-model", help="the model name served (default fake-model)")
+    parser.add_argument("--prefill-us-per-token", type=float, default=50.0,
+                        help="added TTFT per uncached prompt token, microseconds (default 50)")  # fmt: skip
+    parser.add_argument("--token-delay-ms", type=float, default=5.0, help="time between tokens (default 5 ms)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens when a request names none (16)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve ``args.count`` engines until interrupted; return the exit status."""
+    from prefixroute.errors import ConfigurationError
+
+    if args.count < 1 or not 0 < args.base_port < 65536 - args.count:
+        raise ConfigurationError("--count must be positive and --base-port a port with room for --count engines")
+    engines = [
+        OpenAIEngine(
+            model=args.model,
+            host=args.host,
+            port=args.base_port + i,
+            max_tokens=args.max_tokens,
+            prefill_per_token_s=args.prefill_us_per_token * 1e-6,
+            token_delay_s=args.token_delay_ms / 1e3,
+            seed=i,
+        )  # fmt: skip
+        for i in range(args.count)
+    ]
+
+    async def serve() -> None:
+        for engine in engines:
+            await engine.serve()
+            print(f"fake vLLM engine serving {engine.model!r} at {engine.url}", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            for engine in engines:
+                await engine.aclose()
+
+    try:
+        asyncio.run(serve())
+    except KeyboardInterrupt:
+        return 0
+    except OSError as exc:
+        raise ConfigurationError(f"cannot listen on {args.host}:{args.base_port}+: {exc.strerror or exc}") from exc
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m prefixroute.testing.openai_engine``: the ``fake-engines`` command."""
+    parser = argparse.ArgumentParser(prog="python -m prefixroute.testing.openai_engine", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,176 @@
+"""The fake vLLM OpenAI-compatible engine the proxy tests (and the README's demo) run against."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from prefixroute.testing.openai_engine import OpenAIEngine, render_chat, whitespace_tokens
+from prefixroute.vllm.metrics import parse_metrics
+
+
+@pytest.fixture
+def engine() -> Iterator[OpenAIEngine]:
+    with OpenAIEngine(block_size=4, num_blocks=64, max_tokens=3) as running:
+        yield running
+
+
+def sse_events(text: str) -> list[str]:
+    assert text.endswith("\n\n")
+    return [block.removeprefix("data: ") for block in text.strip().split("\n\n")]
+
+
+def test_streamed_completion_is_vllm_sse_ending_in_done(engine: OpenAIEngine) -> None:
+    body = {"model": "fake-model", "prompt": list(range(10)), "stream": True, "max_tokens": 4,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    reply = httpx.post(f"{engine.url}/v1/completions", json=body)
+    assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(reply.text)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert [c["choices"][0]["text"] for c in chunks[:4]] == [" t0", " t1", " t2", " t3"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:4]] == [None, None, None, "length"]
+    assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[4]["choices"] == [] and chunks[4]["usage"]["prompt_tokens"] == 10
+
+
+def test_chat_stream_starts_with_the_role_and_caches_the_rendered_prompt(engine: OpenAIEngine) -> None:
+    messages = [{"role": "system", "content": "a b c d e f g h i"}, {"role": "user", "content": "hi"}]
+    body = {"messages": messages, "stream": True}
+    first = sse_events(httpx.post(f"{engine.url}/v1/chat/completions", json=body).text)
+    chunks = [json.loads(event) for event in first[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[0]["object"] == "chat.completion.chunk" and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    whole = httpx.post(f"{engine.url}/v1/chat/completions", json={"messages": messages}).json()
+    assert whole["object"] == "chat.completion"
+    assert whole["choices"][0]["message"]["content"] == " t0 t1 t2"
+    prompt = len(whitespace_tokens(render_chat(messages)))
+    assert whole["usage"]["prompt_tokens"] == prompt
+    assert whole["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt // 4 * 4
+
+
+def test_the_prefix_cache_is_per_engine_and_block_level(engine: OpenAIEngine) -> None:
+    def cached(prompt: Any, url: str = engine.url) -> int:
+        usage = httpx.post(f"{url}/v1/completions", json={"prompt": prompt}).json()["usage"]
+        return int(usage["prompt_tokens_details"]["cached_tokens"])
+
+    assert cached(list(range(10))) == 0
+    assert cached([*range(10), 99]) == 8  # two full blocks of 4
+    assert cached("w x y z") == 0 and cached("w x y z q") == 4  # text: one token per word
+    with OpenAIEngine(block_size=4) as other:
+        assert cached(list(range(10)), other.url) == 0
+    stats = engine.stats()
+    assert (stats.requests, stats.completed, stats.running, stats.cached_tokens) == (4, 4, 0, 12)
+
+
+def test_ttft_grows_with_uncached_tokens() -> None:
+    with OpenAIEngine(prefill_per_token_s=2e-3, max_tokens=1) as engine:
+
+        def timed(prompt: list[int]) -> float:
+            start = time.perf_counter()
+            httpx.post(f"{engine.url}/v1/completions", json={"prompt": prompt}).raise_for_status()
+            return time.perf_counter() - start
+
+        cold = timed(list(range(64)))
+        warm = timed(list(range(64)))
+    assert cold >= 0.128 and warm < cold / 2
+
+
+def test_metrics_parse_as_vllm_metrics(engine: OpenAIEngine) -> None:
+    httpx.post(f"{engine.url}/v1/completions", json={"prompt": list(range(8))})
+    httpx.post(f"{engine.url}/v1/completions", json={"prompt": list(range(8))})
+    metrics = parse_metrics(httpx.get(f"{engine.url}/metrics").text)
+    assert (metrics.running, metrics.waiting, metrics.block_size, metrics.num_gpu_blocks) == (0, 0, 4, 64)
+    assert metrics.hit_rate == 0.5
+    assert httpx.get(f"{engine.url}/health").status_code == 200
+    assert httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"] == "fake-model"
+
+
+def test_bad_requests_get_openai_errors(engine: OpenAIEngine) -> None:
+    for body, status in (({"prompt": [-1]}, 400), ({"prompt": 3}, 400), ({"model": "other", "prompt": "a"}, 404)):
+        reply = httpx.post(f"{engine.url}/v1/completions", json=body)
+        assert reply.status_code == status and reply.json()["error"]["code"] == status
+    assert httpx.post(f"{engine.url}/v1/chat/completions", json={"messages": "hi"}).status_code == 400
+
+
+def test_fail_next_fails_exactly_that_many(engine: OpenAIEngine) -> None:
+    engine.fail_next(2, status=503)
+    statuses = [httpx.post(f"{engine.url}/v1/completions", json={"prompt": "a"}).status_code for _ in range(3)]
+    assert statuses == [503, 503, 200] and engine.stats().failed == 2
+
+
+def test_refuse_and_accept_keep_the_port(engine: OpenAIEngine) -> None:
+    url = engine.url
+    with httpx.Client() as client:
+        assert client.get(f"{url}/health").status_code == 200  # a kept-alive connection
+        engine.refuse()
+        with pytest.raises(httpx.TransportError):
+            client.get(f"{url}/health")
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/health")
+        engine.accept()
+        assert engine.url == url and httpx.get(f"{url}/health").status_code == 200
+
+
+def test_a_stalled_stream_counts_its_client_leaving(engine: OpenAIEngine) -> None:
+    engine.stall(after_tokens=1)
+    body = {"prompt": list(range(8)), "stream": True}
+    with httpx.Client() as client, client.stream("POST", f"{engine.url}/v1/completions", json=body) as reply:
+        first = next(reply.iter_raw())
+        assert b'" t0"' in first
+        assert engine.stats().running == 1
+    deadline = time.monotonic() + 5
+    while engine.stats().running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stats = engine.stats()
+    assert (stats.running, stats.disconnected, stats.completed) == (0, 1, 0)
+    engine.resume()
+    assert httpx.post(f"{engine.url}/v1/completions", json=body).status_code == 200
+
+
+def test_max_running_queues_the_rest() -> None:
+    with OpenAIEngine(max_running=1) as engine:
+        engine.stall()
+        with httpx.Client(timeout=5) as client:
+            threads = [threading.Thread(target=client.post, args=(f"{engine.url}/v1/completions",),
+                                        kwargs={"json": {"prompt": "a b"}}) for _ in range(2)]  # fmt: skip
+            for thread in threads:
+                thread.start()
+            deadline = time.monotonic() + 5
+            while (engine.stats().running, engine.stats().waiting) != (1, 1) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert parse_metrics(engine.metrics_text()).waiting == 1
+            engine.resume()
+            for thread in threads:
+                thread.join()
+        assert engine.stats().completed == 2
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_the_command_line_starts_n_engines() -> None:
+    base = free_port()
+    command = [sys.executable, "-m", "prefixroute.testing.openai_engine", "--count", "2", "--base-port", str(base)]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as process:
+        try:
+            assert process.stdout is not None
+            lines = [process.stdout.readline() for _ in range(2)]
+            urls = [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
+            assert [line.split()[-1] for line in lines] == urls
+            reply = httpx.post(f"{urls[1]}/v1/completions", json={"prompt": "hello"})
+            assert reply.json()["usage"]["prompt_tokens"] == 1
+        finally:
+            process.terminate()
