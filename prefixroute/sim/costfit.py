@@ -5,6 +5,10 @@ Not used at run time. Regenerate the package data (and optionally the calibratio
     python -m prefixroute.sim.costfit --data data [--plot docs/cost-model-calibration.png]
     python -m prefixroute.sim.costfit --data data --check     # exit 1 if the package data is stale
 
+``--check`` compares every number of a refit with the packaged one within a relative tolerance (default 1e-5:
+numpy and BLAS builds differ in the last digits of a least-squares fit, ~2e-7 here), and every string and key
+exactly. Exit status: 0 up to date, 1 stale (the differences are listed), 2 bad input (a missing data folder).
+
 Method (see docs/cost-model.md): per (GPU, model, tp) the measured per-layer linear-operator time of
 Vidur's ``mlp.csv`` is fitted by ``max(floor, intercept + per_token * n)``; missing combinations are
 derived (13B by log-log interpolation between 7B and 34B in per-layer weights; H100 Llama-3-8B and
@@ -29,10 +33,12 @@ from pathlib import Path
 
 import numpy as np
 
-from prefixroute.sim.costmodel import CostCoefficients, ModelSpec, Profile
+from prefixroute.sim.calibration import Measurement
+from prefixroute.sim.costmodel import CostCoefficients, ModelSpec
+from prefixroute.sim.costplot import plot_calibration
 from prefixroute.sim.profiles import GPUS, MODELS, TP_DEGREES
 
-__all__ = ["LinearFit", "Measurement", "fit_linear", "fit_profiles", "main"]
+__all__ = ["LinearFit", "Measurement", "compare_files", "fit_linear", "fit_profiles", "main"]
 
 _VIDUR_FILES = {
     "llama-2-7b": "Llama-2-7b-hf__mlp.csv",
@@ -68,20 +74,6 @@ class LinearFit:
 
     def __call__(self, tokens: float) -> float:
         return max(self.floor, self.intercept + self.per_token * tokens)
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """One measured point: a Vidur per-layer linear time or a SplitwiseSim prefill/decode time."""
-
-    source: str  # "vidur" | "splitwise"
-    kind: str  # "linear" | "prefill" | "decode"
-    model: str
-    gpu: str
-    tp: int
-    tokens: int  # linear: tokens; prefill: prompt tokens per sequence; decode: context per sequence
-    batch: int
-    seconds: float
 
 
 def fit_linear(points: Sequence[tuple[int, float]]) -> LinearFit:
@@ -315,15 +307,6 @@ def fit_profiles(data: Path) -> tuple[list[dict[str, object]], list[Measurement]
     return entries, vidur + splitwise, shared
 
 
-def predicted_seconds(profile: Profile, m: Measurement) -> float:
-    """What ``profile`` predicts for measurement ``m`` (same units as ``m.seconds``)."""
-    if m.kind == "linear":
-        return profile.linear_seconds(m.tokens)
-    if m.kind == "prefill":
-        return profile.step_seconds([(m.tokens, 0)] * m.batch, ())
-    return profile.step_seconds((), [m.tokens] * m.batch)
-
-
 def _points_csv(measurements: Sequence[Measurement]) -> str:
     lines = ["source,kind,model,gpu,tp,tokens,batch,seconds"]
     for m in measurements:
@@ -335,14 +318,87 @@ def _points_csv(measurements: Sequence[Measurement]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def compare_files(name: str, packaged: str, refit: str, *, rel_tol: float) -> list[str]:
+    """Differences between a packaged data file and its refit (``profiles.json`` or ``calibration_points.csv``).
+
+    Numbers are equal within ``rel_tol`` (relative) or 1e-12 (absolute, for zeros); keys, strings, lengths and
+    CSV rows exactly. Returns one line per difference (empty: equal). O(size of the files).
+    """
+    if name.endswith(".json"):
+        differences: list[str] = []
+        _compare_json(json.loads(packaged), json.loads(refit), name, rel_tol, differences)
+        return differences
+    old_rows, new_rows = list(csv.reader(packaged.splitlines())), list(csv.reader(refit.splitlines()))
+    if len(old_rows) != len(new_rows):
+        return [f"{name}: {len(old_rows)} rows packaged, {len(new_rows)} refitted"]
+    differences = []
+    for number, (old, new) in enumerate(zip(old_rows, new_rows, strict=True), start=1):
+        if len(old) != len(new) or not all(_same(a, b, rel_tol) for a, b in zip(old, new, strict=True)):
+            differences.append(f"{name}:{number}: packaged {','.join(old)} / refitted {','.join(new)}")
+    return differences
+
+
+def _compare_json(old: object, new: object, where: str, rel_tol: float, out: list[str]) -> None:
+    if isinstance(old, dict) and isinstance(new, dict):
+        if old.keys() != new.keys():
+            out.append(f"{where}: keys {sorted(old)} packaged, {sorted(new)} refitted")
+            return
+        for key in old:
+            _compare_json(old[key], new[key], f"{where}.{key}", rel_tol, out)
+    elif isinstance(old, list) and isinstance(new, list):
+        if len(old) != len(new):
+            out.append(f"{where}: {len(old)} items packaged, {len(new)} refitted")
+            return
+        for i, (a, b) in enumerate(zip(old, new, strict=True)):
+            _compare_json(a, b, f"{where}[{i}]", rel_tol, out)
+    elif not _same(old, new, rel_tol):
+        out.append(f"{where}: packaged {old!r}, refitted {new!r}")
+
+
+def _same(old: object, new: object, rel_tol: float) -> bool:
+    """Equal, or two numbers (or numeric strings) within the tolerance."""
+    if old == new:
+        return True
+    a, b = _number(old), _number(new)
+    return a is not None and b is not None and math.isclose(a, b, rel_tol=rel_tol, abs_tol=1e-12)
+
+
+def _number(value: object) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _tolerance(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and 0 <= value < 1):
+        raise argparse.ArgumentTypeError(f"must be a finite number in [0, 1), not {text!r}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: fit, then write (or ``--check``) the package data; optionally plot."""
     parser = argparse.ArgumentParser(prog="python -m prefixroute.sim.costfit", description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=Path("data"), help="folder of the raw measurements")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "data", help="package data folder")
     parser.add_argument("--check", action="store_true", help="exit 1 if the package data differs from a refit")
+    parser.add_argument(
+        "--rel-tol", type=_tolerance, default=1e-5, help="--check: relative tolerance on numbers (1e-5)"
+    )
     parser.add_argument("--plot", type=Path, default=None, help="write the calibration plot (PNG) here")
     args = parser.parse_args(argv)
+    for folder in ("vidur-profiling", "splitwise-sim"):
+        if not (args.data / folder).is_dir():
+            message = f"{args.data / folder} is missing: --data must be the repository's data/ folder"
+            print(f"costfit: error: {message}", file=sys.stderr)
+            return 2
     entries, measurements, shared = fit_profiles(args.data)
     files = {
         "profiles.json": json.dumps({"format": 1, "profiles": entries}, indent=1, sort_keys=True) + "\n",
@@ -351,18 +407,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     for family, terms in shared.items():
         print(f"{family}: {terms}")
     if args.check:
-        stale = [name for name, text in files.items() if (args.out / name).read_text(encoding="utf-8") != text]
-        if stale:
-            print(f"stale package data: {', '.join(stale)}; rerun without --check", file=sys.stderr)
+        differences: list[str] = []
+        for name, text in files.items():
+            path = args.out / name
+            if not path.is_file():
+                differences.append(f"{path}: missing")
+                continue
+            differences += compare_files(name, path.read_text(encoding="utf-8"), text, rel_tol=args.rel_tol)
+        if differences:
+            print(*differences[:20], sep="\n", file=sys.stderr)
+            more = f" (first 20 of {len(differences)} shown)" if len(differences) > 20 else ""
+            print(f"stale package data: {len(differences)} differences{more}; rerun without --check", file=sys.stderr)
             return 1
-        print("package data is up to date")
+        print(f"package data is up to date (numbers within a relative {args.rel_tol:g})")
     else:
         for name, text in files.items():
             (args.out / name).write_text(text, encoding="utf-8")
             print(f"wrote {args.out / name}")
     if args.plot is not None:
-        from prefixroute.sim.costplot import plot_calibration
-
         plot_calibration(args.plot)
         print(f"wrote {args.plot}")
     return 0

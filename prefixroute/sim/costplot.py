@@ -8,25 +8,18 @@ Reads only the packaged ``calibration_points.csv`` and profiles, so it runs with
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 from collections.abc import Sequence
-from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from prefixroute.sim.calibration import predicted_seconds, read_measurements, read_points
 from prefixroute.sim.profiles import available_profiles, load_profile
-
-if TYPE_CHECKING:  # costfit needs numpy, a test extra: imported at run time only where used
-    from prefixroute.sim.costfit import Measurement
 
 __all__ = [
     "calibration_table",
     "error_table",
     "hit_miss_table",
     "plot_calibration",
-    "read_measurements",
-    "read_points",
     "summary_table",
     "tables",
     "update_markdown",
@@ -34,31 +27,6 @@ __all__ = [
 
 _PROMPTS = tuple(2**k for k in range(6, 15))
 _TOKENS = tuple(2**k for k in range(13))
-
-
-def read_points() -> list[dict[str, str]]:
-    """The packaged measured calibration points, one dict per CSV row."""
-    text = resources.files("prefixroute.sim.data").joinpath("calibration_points.csv").read_text(encoding="utf-8")
-    return list(csv.DictReader(text.splitlines()))
-
-
-def read_measurements() -> list[Measurement]:
-    """The packaged calibration points as :class:`~prefixroute.sim.costfit.Measurement` records."""
-    from prefixroute.sim.costfit import Measurement
-
-    return [
-        Measurement(
-            p["source"],
-            p["kind"],
-            p["model"],
-            p["gpu"],
-            int(p["tp"]),
-            int(p["tokens"]),
-            int(p["batch"]),
-            float(p["seconds"]),
-        )
-        for p in read_points()
-    ]
 
 
 def plot_calibration(path: Path) -> None:
@@ -133,8 +101,6 @@ def calibration_table() -> str:
 
 def error_table() -> str:
     """Markdown table: median, 90th percentile and max of ``|modelled / measured - 1|`` per group of points."""
-    from prefixroute.sim.costfit import predicted_seconds
-
     groups: dict[tuple[str, str, str], list[float]] = {}
     for m in read_measurements():
         kind = "prefill, batched (not fitted)" if m.kind == "prefill" and m.batch > 1 else m.kind

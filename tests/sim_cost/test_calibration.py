@@ -11,8 +11,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from prefixroute.sim import load_profile
-from prefixroute.sim.costfit import LinearFit, _nonnegative_lstsq, fit_linear, predicted_seconds
-from prefixroute.sim.costplot import read_measurements
+from prefixroute.sim.calibration import predicted_seconds, read_measurements
+from prefixroute.sim.costfit import LinearFit, _nonnegative_lstsq, fit_linear
 from prefixroute.sim.profiles import TP_DEGREES
 
 # Stated tolerances (docs/cost-model.md, "Calibration error"): |modelled / measured - 1| over each group.
