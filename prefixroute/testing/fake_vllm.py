@@ -2,10 +2,14 @@
 
 For tests and demos of :mod:`prefixroute.vllm` without a GPU::
 
-    with FakeVLLM(num_blocks=512) as engine:
-        with KVEventSubscriber(index, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint):
-            engine.complete(list(range(64)))      # publishes a BlockStored batch
-            engine.url                            # http://127.0.0.1:PORT (/metrics, /v1/completions)
+    with FakeVLLM(num_blocks=512) as engine, Fleet(Router(index=EventIndex(16))) as fleet:
+        fleet.add_backend("gpu0", kv_events=engine.endpoint, replay=engine.replay_endpoint, metrics_url=engine.url)
+        engine.complete(list(range(64)))      # publishes a BlockStored batch
+        engine.url                            # http://127.0.0.1:PORT (/metrics, /v1/completions)
+
+Faults, for tests of what a client does with a misbehaving engine: :meth:`FakeVLLM.set_metrics_fault` (any
+``/metrics`` text, a delay, a body trickled byte by byte) and :meth:`FakeVLLM.publish_raw` (any ZMQ frames: garbage,
+truncated payloads, odd sequence numbers).
 """
 
 from __future__ import annotations
@@ -96,7 +100,7 @@ class FakeVLLM:
         self._lock = threading.RLock()
         self._seq = 0
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=replay_buffer)
-        self._outbox: queue.SimpleQueue[tuple[int, bytes] | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
         self._queued = 0  # batches put in the outbox
         self._sent = threading.Semaphore(0)  # released once per batch the I/O thread has sent
         self._drop = 0
@@ -108,6 +112,7 @@ class FakeVLLM:
         self._http: ThreadingHTTPServer | None = None
         self._http_thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._metrics_fault: tuple[str | None, float, float | None] = (None, 0.0, None)
         self.endpoint = ""
         self.replay_endpoint = ""
         self.url = ""
@@ -231,6 +236,33 @@ class FakeVLLM:
             self._extra_running = running
             self._waiting = waiting
 
+    def set_metrics_fault(self, *, text: str | None = None, delay: float = 0.0, trickle: float | None = None) -> None:
+        """Make ``/metrics`` misbehave: serve ``text`` instead of the real figures (None: the real ones), answer
+        after ``delay`` seconds, and with ``trickle`` send the body one byte every ``trickle`` seconds. Call with no
+        arguments to behave again. Requests already being answered keep their fault."""
+        with self._lock:
+            self._metrics_fault = (text, delay, trickle)
+
+    def metrics_fault(self) -> tuple[str | None, float, float | None]:
+        """The fault set by :meth:`set_metrics_fault`: ``(text, delay, trickle)``."""
+        with self._lock:
+            return self._metrics_fault
+
+    def publish_payload(self, payload: bytes) -> None:
+        """Publish ``payload`` as the next batch, numbered and kept for replay as a real one (e.g. corrupt bytes)."""
+        with self._lock:
+            seq = self._seq
+            self._seq += 1
+            self._buffer.append((seq, payload))
+            self._queued += 1
+            self._outbox.put([self.topic.encode(), seq.to_bytes(8, "big"), payload])
+
+    def publish_raw(self, frames: list[bytes]) -> None:
+        """Send ``frames`` as one message on the PUB socket, as they are (not numbered, not buffered for replay)."""
+        with self._lock:
+            self._queued += 1
+            self._outbox.put(list(frames))
+
     def observe_ttft(self, seconds: float) -> None:
         """Record one TTFT sample directly."""
         with self._lock:
@@ -272,10 +304,9 @@ class FakeVLLM:
             self._drop -= 1
         else:
             self._queued += 1
-            self._outbox.put((seq, payload))
+            self._outbox.put([self.topic.encode(), seq.to_bytes(8, "big"), payload])
 
     def _serve_zmq(self, pub: zmq.Socket[Any], router: zmq.Socket[Any]) -> None:
-        topic = self.topic.encode()
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         try:
@@ -287,7 +318,7 @@ class FakeVLLM:
                         break
                     if item is None:
                         return
-                    pub.send_multipart([topic, item[0].to_bytes(8, "big"), item[1]])
+                    pub.send_multipart(item)
                     self._sent.release()
                 if poller.poll(1):
                     self._serve_replay(router)
@@ -348,7 +379,25 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
             if self.path.split("?")[0] != "/metrics":
                 self._reply(404, b"not found\n", "text/plain")
                 return
-            self._reply(200, engine.metrics_text().encode(), "text/plain; version=0.0.4; charset=utf-8")
+            text, delay, trickle = engine.metrics_fault()
+            body = (engine.metrics_text() if text is None else text).encode()
+            if delay:
+                time.sleep(delay)
+            if trickle is None:
+                self._reply(200, body, "text/plain; version=0.0.4; charset=utf-8")
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            try:
+                for i in range(len(body)):
+                    self.wfile.write(body[i : i + 1])
+                    self.wfile.flush()
+                    if engine._stop.wait(trickle):
+                        return
+            except OSError:  # the client gave up
+                return
 
         def do_POST(self) -> None:  # noqa: N802
             if self.path != "/v1/completions":
@@ -383,7 +432,10 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body)
+            try:
+                self.wfile.write(body)
+            except OSError:  # the client gave up (a timeout in a test): nothing to tell it
+                return
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet in tests
             return

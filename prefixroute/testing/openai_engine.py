@@ -389,17 +389,19 @@ class OpenAIEngine:
                  "prompt_tokens_details": {"cached_tokens": held.cached_tokens}}  # fmt: skip
         response: web.StreamResponse | None = None
         finished = False
+        prefill = self.prefill_s + self.prefill_per_token_s * (held.prompt_tokens - held.cached_tokens)
         try:
+            if stream:  # vLLM (Starlette) sends the headers at once, the first chunk after prefill
+                response = web.StreamResponse(headers=_SSE_HEADERS)
+                await response.prepare(request)
             await self._pause(request, sent=0)
-            await asyncio.sleep(self.prefill_s + self.prefill_per_token_s * (held.prompt_tokens - held.cached_tokens))
-            if not stream:
+            await asyncio.sleep(prefill)
+            if response is None:
                 for sent in range(1, max_tokens):
                     await self._pause(request, sent=sent)
                     await asyncio.sleep(self.token_delay_s)
                 finished = True
                 return web.json_response(chunks.whole(max_tokens, usage))
-            response = web.StreamResponse(headers=_SSE_HEADERS)
-            await response.prepare(request)
             if chat:
                 await response.write(chunks.sse(chunks.role()))
             for sent in range(max_tokens):

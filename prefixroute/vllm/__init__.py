@@ -1,4 +1,5 @@
-"""vLLM integration: exact prefix index from KV-cache events, engine load from ``/metrics``, ``prefixroute doctor``.
+"""vLLM integration: a :class:`Fleet` that drives a router from KV-cache events and ``/metrics``, the
+:class:`EventIndex` those events write, and ``prefixroute doctor``.
 
 Needs the ``prefixroute[vllm]`` extra (pyzmq, msgspec, httpx, prometheus-client).
 """
@@ -24,16 +25,24 @@ from prefixroute.vllm.events import (
     KVCacheEvent,
     encode_batch,
 )
+from prefixroute.vllm.fleet import BackendStats, Fleet, FleetStats
+from prefixroute.vllm.index import EventIndex
+from prefixroute.vllm.metrics import EngineMetrics, fetch_metrics, parse_metrics
 from prefixroute.vllm.subscriber import KVEventSubscriber, SubscriberStats
 from prefixroute.vllm.tracker import BlockTracker, IndexWriter, TrackerStats, apply_ops, lora_namespace
 
 __all__ = [
     "AllBlocksCleared",
+    "BackendStats",
     "BlockRemoved",
     "BlockStored",
     "BlockTracker",
+    "EngineMetrics",
     "EventBatch",
     "EventDecoder",
+    "EventIndex",
+    "Fleet",
+    "FleetStats",
     "IndexWriter",
     "KVCacheEvent",
     "KVEventSubscriber",
@@ -41,5 +50,7 @@ __all__ = [
     "TrackerStats",
     "apply_ops",
     "encode_batch",
+    "fetch_metrics",
     "lora_namespace",
+    "parse_metrics",
 ]

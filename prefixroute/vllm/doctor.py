@@ -2,8 +2,9 @@
 
 For each source it computes TTFT P50/P95/P99 from the ``vllm:time_to_first_token_seconds`` histogram (linear
 interpolation within buckets, as Prometheus' ``histogram_quantile``), the prefix cache hit rate (cached prompt
-tokens / prompt tokens) and the queue figures, and gives a verdict with the reasons and figures behind it.
-Exit status: 0 healthy, 1 suspect, 2 unreadable input.
+tokens / prompt tokens) and the queue figures, and gives a verdict with the reasons and figures behind it. URLs are read
+concurrently, each within --timeout seconds (connecting, headers and body), so the whole run takes at most about
+--timeout. Exit status: 0 healthy, 1 suspect, 2 unreadable input or a bad option (one line on stderr).
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ import json
 import math
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
-
-from prefixroute.errors import MetricsError
+from prefixroute.errors import ConfigurationError, MetricsError
+from prefixroute.vllm._checks import check_seconds
 from prefixroute.vllm.metrics import EngineMetrics, fetch_metrics, metrics_url, parse_metrics
 
 __all__ = ["Diagnosis", "diagnose", "histogram_quantile", "register", "run"]
@@ -87,7 +88,14 @@ def diagnose(
 
     Suspect when P99/P50 TTFT exceeds ``ratio_threshold`` (with a hit rate under ``low_hit_rate`` the reason is
     cache misses under load) or when the KV cache is nearly full; healthy otherwise.
+
+    Raises:
+        ConfigurationError: ``ratio_threshold`` is not a finite number >= 1 or ``low_hit_rate`` not in [0, 1].
     """
+    if isinstance(ratio_threshold, bool) or not (math.isfinite(ratio_threshold) and ratio_threshold >= 1):
+        raise ConfigurationError(f"ratio_threshold must be a finite number >= 1, not {ratio_threshold!r}")
+    if isinstance(low_hit_rate, bool) or not 0 <= low_hit_rate <= 1:
+        raise ConfigurationError(f"low_hit_rate must be a fraction in [0, 1], not {low_hit_rate!r}")
     p50, p95, p99 = (histogram_quantile(q, metrics.ttft_buckets) for q in (0.5, 0.95, 0.99))
     ratio = p99 / p50 if p50 and p99 is not None else None
     hit = metrics.hit_rate
@@ -124,10 +132,16 @@ def diagnose(
 
 
 def read_source(source: str, *, timeout: float) -> EngineMetrics:
-    """Read one source: an ``http(s)://`` URL (``/metrics`` appended if missing), a file, or ``-`` for stdin."""
+    """Read one source: an ``http(s)://`` URL (``/metrics`` appended if missing), a file, or ``-`` for stdin.
+
+    ``timeout`` bounds the whole read of a URL (see :func:`~prefixroute.vllm.fetch_metrics`); files and stdin are
+    read without one.
+
+    Raises:
+        MetricsError: the source cannot be read or is not vLLM metrics (the message says why).
+    """
     if source.startswith(("http://", "https://")):
-        with httpx.Client() as client:
-            return fetch_metrics(client, metrics_url(source), timeout=timeout)
+        return fetch_metrics(metrics_url(source), timeout=timeout)
     try:
         text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -143,26 +157,40 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("sources", nargs="+", metavar="URL|FILE", help="vLLM base URL, /metrics URL, saved file or -")
+    # Numbers are taken as text and checked in run(), so a bad value gets one line and exit status 2.
+    parser.add_argument("sources", nargs="*", metavar="URL|FILE", help="vLLM base URL, /metrics URL, saved file or -")
     parser.add_argument("--json", action="store_true", help="print the figures and verdicts as JSON")
-    parser.add_argument("--timeout", type=float, default=5.0, help="HTTP timeout in seconds (default 5)")
-    parser.add_argument("--ratio-threshold", type=float, default=5.0, help="suspect P99/P50 TTFT above this")
-    parser.add_argument("--low-hit-rate", type=float, default=0.5, help="a hit rate under this is low (0-1)")
+    parser.add_argument(
+        "--timeout", default="5", help="seconds for reading each URL, all of it; URLs are read at once (default 5)"
+    )
+    parser.add_argument("--ratio-threshold", default="5", help="suspect P99/P50 TTFT above this (default 5)")
+    parser.add_argument("--low-hit-rate", default="0.5", help="a hit rate under this is low, 0-1 (default 0.5)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Diagnose every source; print text or JSON; return the worst exit status."""
+    """Diagnose every source; print text or JSON; return the worst exit status (2 for a bad option)."""
+    try:
+        timeout, ratio_threshold, low_hit_rate = _options(args)
+    except ConfigurationError as exc:
+        print(f"prefixroute doctor: {exc}", file=sys.stderr)
+        return 2
+    readings: dict[int, EngineMetrics | MetricsError] = {}
+    urls = [i for i, source in enumerate(args.sources) if source.startswith(("http://", "https://"))]
+    for i, source in enumerate(args.sources):
+        if i not in urls:
+            readings[i] = _read(source, timeout)
+    if urls:  # at once: the run takes one timeout, not one per URL
+        with ThreadPoolExecutor(len(urls), thread_name_prefix="prefixroute-doctor") as pool:
+            for i, reading in zip(urls, pool.map(lambda i: _read(args.sources[i], timeout), urls), strict=True):
+                readings[i] = reading
     results: list[Diagnosis] = []
-    for source in args.sources:
-        try:
-            metrics = read_source(source, timeout=args.timeout)
-        except MetricsError as exc:
-            results.append(Diagnosis(source=source, verdict="unreadable", reasons=[str(exc)]))
-            continue
-        results.append(
-            diagnose(metrics, source=source, ratio_threshold=args.ratio_threshold, low_hit_rate=args.low_hit_rate)
-        )
+    for i, source in enumerate(args.sources):
+        reading = readings[i]
+        if isinstance(reading, MetricsError):
+            results.append(Diagnosis(source=source, verdict="unreadable", reasons=[str(reading)]))
+        else:
+            results.append(diagnose(reading, source=source, ratio_threshold=ratio_threshold, low_hit_rate=low_hit_rate))
     status = max(d.exit_code for d in results)
     if args.json:
         print(json.dumps({"exit_code": status, "targets": [asdict(d) for d in results]}, indent=2))
@@ -170,6 +198,33 @@ def run(args: argparse.Namespace) -> int:
         for d in results:
             print(_render(d))
     return status
+
+
+def _options(args: argparse.Namespace) -> tuple[float, float, float]:
+    if not args.sources:
+        raise ConfigurationError("give at least one source: a vLLM URL, a saved /metrics file, or - for stdin")
+    timeout = check_seconds(_number(args.timeout, "--timeout"), "--timeout")
+    ratio = _number(args.ratio_threshold, "--ratio-threshold")
+    if not (math.isfinite(ratio) and ratio >= 1):
+        raise ConfigurationError(f"--ratio-threshold must be a finite number >= 1, not {args.ratio_threshold!r}")
+    low = _number(args.low_hit_rate, "--low-hit-rate")
+    if not 0 <= low <= 1:
+        raise ConfigurationError(f"--low-hit-rate must be a fraction in [0, 1], not {args.low_hit_rate!r}")
+    return timeout, ratio, low
+
+
+def _number(text: str, option: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigurationError(f"{option} must be a number, not {text!r}") from None
+
+
+def _read(source: str, timeout: float) -> EngineMetrics | MetricsError:
+    try:
+        return read_source(source, timeout=timeout)
+    except MetricsError as exc:
+        return exc
 
 
 def _render(d: Diagnosis) -> str:

@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from prefixroute.index import PrefixIndex
 from prefixroute.router import Decision
+from prefixroute.vllm.fleet import Fleet
 from prefixroute.vllm.subscriber import KVEventSubscriber
 
 __all__ = ["ROUTE_LATENCY_BUCKETS", "RouterMetrics"]
@@ -29,12 +30,15 @@ ROUTE_LATENCY_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5
 class RouterMetrics:
     """Export a router's behaviour as Prometheus metrics in ``registry``.
 
-    Call :meth:`observe` once per routed request (with the seconds ``route()`` took), :meth:`observe_confirmed`
+    Call :meth:`observe` once per routed request (with the seconds ``route()`` took), :meth:`observe_served`
     when the engine reports how many prompt tokens it actually served from cache (vLLM's
-    ``usage.prompt_tokens_details.cached_tokens``), and :meth:`watch_index` / :meth:`watch_subscriber` once: their
+    ``usage.prompt_tokens_details.cached_tokens``), and :meth:`watch_index` / :meth:`watch_fleet` once: their
     figures are read at scrape time. Metric names start with ``prefix`` (default ``prefixroute``):
 
-    ``_decisions_total{backend,reason}``, ``_matched_tokens_total{source="predicted"|"confirmed"}``,
+    ``_decisions_total{backend,reason}``, ``_matched_tokens_total{source}`` where ``source`` is ``"predicted"``
+    (the decision's ``matched_tokens``), ``"confirmed"`` (its ``confirmed_tokens``: what the KV events confirmed
+    when it was made) or ``"served"`` (what the engine reported serving from cache); each token is counted once
+    per source, so ``served / predicted`` is the share of predictions that held.
     ``_prompt_tokens_total``, ``_load_fallbacks_total{backend}``, ``_route_seconds`` (histogram),
     ``_index_blocks{backend}``, ``_event_lag_seconds{backend}``, ``_event_batches_total{backend}``,
     ``_event_gaps_total{backend}``, ``_event_unrecovered_gaps_total{backend}``, ``_engine_restarts_total{backend}``.
@@ -74,6 +78,7 @@ class RouterMetrics:
         self._watch_lock = threading.Lock()
         self._indexes: list[tuple[PrefixIndex, Any]] = []
         self._subscribers: list[KVEventSubscriber] = []
+        self._fleets: list[Fleet] = []
         registry.register(_StateCollector(self))
 
     def observe(self, decision: Decision, seconds: float) -> None:
@@ -83,19 +88,25 @@ class RouterMetrics:
         self._prompt.inc(decision.prompt_tokens)
         if decision.reason == "load-fallback":
             self._fallbacks.labels(decision.backend).inc()
-        confirmed = getattr(decision, "confirmed_tokens", None)
-        if isinstance(confirmed, int):
-            self._matched.labels("confirmed").inc(confirmed)
+        if decision.confirmed_tokens is not None:
+            self._matched.labels("confirmed").inc(decision.confirmed_tokens)
         self._latency.observe(seconds)
 
-    def observe_confirmed(self, cached_tokens: int) -> None:
-        """Count prompt tokens the engine reported as served from its prefix cache for one request."""
-        if cached_tokens < 0:
-            raise ValueError(f"cached_tokens must be >= 0, not {cached_tokens}")
-        self._matched.labels("confirmed").inc(cached_tokens)
+    def observe_served(self, cached_tokens: int) -> None:
+        """Count prompt tokens the engine reported as served from its prefix cache for one request. O(1).
+
+        Raises:
+            ValueError: ``cached_tokens`` is not a non-negative int.
+        """
+        if isinstance(cached_tokens, bool) or not isinstance(cached_tokens, int) or cached_tokens < 0:
+            raise ValueError(f"cached_tokens must be an int >= 0, not {cached_tokens!r}")
+        self._matched.labels("served").inc(cached_tokens)
 
     def watch_index(self, index: PrefixIndex, *, lock: threading.Lock | None = None) -> None:
-        """Export ``index``'s blocks per backend at each scrape (read under ``lock``, e.g. ``router.lock``)."""
+        """Export ``index``'s blocks per backend at each scrape (read under ``lock`` when given).
+
+        A router's index (``router.index``) needs no lock: the per-backend counts are read as a snapshot.
+        """
         with self._watch_lock:
             self._indexes.append((index, lock))
 
@@ -103,6 +114,11 @@ class RouterMetrics:
         """Export a KV-event subscriber's lag, batches, gaps and restarts at each scrape."""
         with self._watch_lock:
             self._subscribers.append(subscriber)
+
+    def watch_fleet(self, fleet: Fleet) -> None:
+        """Export the KV-event figures of every backend ``fleet`` has at each scrape (backends come and go)."""
+        with self._watch_lock:
+            self._fleets.append(fleet)
 
     def _collect_state(self) -> Iterator[Metric]:
         p = self._prefix
@@ -117,14 +133,15 @@ class RouterMetrics:
         )
         restarts = CounterMetricFamily(f"{p}_engine_restarts", "Engine restarts seen.", labels=["backend"])
         with self._watch_lock:
-            indexes, subscribers = list(self._indexes), list(self._subscribers)
+            indexes, subscribers, fleets = list(self._indexes), list(self._subscribers), list(self._fleets)
         for index, lock in indexes:
             with lock if lock is not None else contextlib.nullcontext():
                 counts = [(backend, index.blocks(backend)) for backend in index.backends()]
             for backend, count in counts:
                 blocks.add_metric([backend], count)
-        for subscriber in subscribers:
-            stats = subscriber.stats()
+        streams = [subscriber.stats() for subscriber in subscribers]
+        streams += [b.events for fleet in fleets for b in fleet.stats().backends if b.events is not None]
+        for stats in streams:
             label = [stats.backend]
             if stats.last_lag_s is not None:
                 lag.add_metric(label, stats.last_lag_s)

@@ -1,4 +1,4 @@
-"""Subscribe to one vLLM engine's KV-cache events and keep a :class:`~prefixroute.PrefixIndex` exact.
+"""Subscribe to one vLLM engine's KV-cache events and keep a router's index exact.
 
 vLLM (``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557",
 "replay_endpoint": "tcp://*:5558", "topic": "kv@gpu0@llama"}'``) publishes on a ZMQ PUB socket messages of three
@@ -9,6 +9,7 @@ messages: a DEALER sends ``[b"", start_seq]`` and receives ``[b"", seq, payload]
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -19,8 +20,9 @@ from typing import Any
 import zmq
 
 from prefixroute.errors import ConfigurationError, InvalidEventError
+from prefixroute.vllm._checks import check_count, check_seconds
 from prefixroute.vllm.events import EventDecoder
-from prefixroute.vllm.tracker import BlockTracker, IndexOps, IndexWriter, TrackerStats, apply_ops
+from prefixroute.vllm.tracker import BlockTracker, IndexOps, IndexWriter, TrackerStats
 
 __all__ = ["KVEventSubscriber", "SubscriberStats"]
 
@@ -41,6 +43,11 @@ class SubscriberStats:
     unrecovered_gaps: int
     restarts: int
     invalid_batches: int
+    """Messages skipped: not three frames, an 8-byte sequence number and a decodable ``EventBatch``."""
+    bad_sequences: int
+    """Messages skipped for their sequence number: negative, or out of line and not continued by the next one."""
+    write_errors: int
+    """Index writes that raised (logged; the thread goes on)."""
     reconnects: int
     last_lag_s: float | None
     blocks_held: int
@@ -48,72 +55,86 @@ class SubscriberStats:
 
 
 class KVEventSubscriber:
-    """A background thread that applies one backend's KV events to ``index``.
-
-    Of ``index`` only ``block_size``, ``insert`` and ``remove`` are used (see
-    :class:`~prefixroute.vllm.tracker.IndexWriter`).
+    """A background thread that applies one backend's KV events to ``writer``, usually a
+    :class:`~prefixroute.Router` (whose :meth:`~prefixroute.Router.write` takes its lock). A
+    :class:`~prefixroute.vllm.Fleet` starts and stops these for you.
 
     ``endpoint`` is the engine's PUB address (``tcp://gpu0:5557``), ``replay_endpoint`` its ROUTER address (without
     it, lost messages cannot be recovered and are counted in ``stats().unrecovered_gaps``). ``topic`` filters by
-    prefix as ZMQ does. ``namespace`` and ``block_size`` must be the router's. Index updates are applied under
-    ``lock`` (share the lock that guards every other reader and writer of ``index``; None: a private lock, enough
-    only when nothing else touches the index concurrently). Decoding and re-hashing happen outside the lock, so a
-    concurrent ``route()`` waits at most for a handful of dict updates.
+    prefix as ZMQ does. ``namespace`` must be the router's (events must hash exactly as ``route()`` does).
+    Decoding and re-hashing happen in this thread; each drained group of messages reaches ``writer`` in one
+    :meth:`~prefixroute.vllm.IndexWriter.write` call.
 
     Sequence handling: a gap triggers a replay request; a sequence that goes backwards means the engine restarted,
     and the backend's blocks are dropped before the new stream applies; a subscriber that starts late replays from
-    sequence 0 (as far back as the engine's replay buffer reaches).
+    sequence 0 (as far back as the engine's replay buffer reaches). A sequence number that is negative is skipped;
+    one that goes backwards or jumps more than ``max_sequence_jump`` ahead is believed only when the next message
+    continues from it (so a restart is acted on one batch late, and one corrupt number costs one batch, not the
+    backend's blocks).
 
-    >>> from prefixroute import PrefixIndex
-    >>> with KVEventSubscriber(PrefixIndex(), "gpu0", "tcp://127.0.0.1:5557") as sub:   # doctest: +SKIP
+    Nothing kills the thread: a malformed message, a bad sequence number or a failing write is logged, counted in
+    :meth:`stats` and skipped; a socket error reconnects with exponential backoff (``reconnect_backoff``, seconds).
+
+    Raises:
+        ConfigurationError: an endpoint is not a ZMQ address, ``writer.block_size`` differs from the hasher's, or an
+            option is not a finite positive number (an int where a count).
+
+    >>> with KVEventSubscriber(router, "gpu0", "tcp://127.0.0.1:5557") as sub:   # doctest: +SKIP
     ...     ...
     """
 
     def __init__(
         self,
-        index: IndexWriter,
+        writer: IndexWriter,
         backend: str,
         endpoint: str,
         *,
         replay_endpoint: str | None = None,
         topic: str = "",
         namespace: str | bytes | None = None,
-        block_size: int = 16,
-        lock: threading.Lock | threading.RLock | None = None,
         replay_timeout: float = 1.0,
         max_batches_per_apply: int = 512,
+        max_sequence_jump: int = 100_000,
         reconnect_backoff: tuple[float, float] = (0.1, 5.0),
         lag_observer: Callable[[float], None] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a str id, not {type(backend).__name__}")
         if not isinstance(endpoint, str) or "://" not in endpoint:
             raise ConfigurationError(f"endpoint must be a ZMQ address like 'tcp://host:5557', not {endpoint!r}")
-        if replay_endpoint is not None and "://" not in replay_endpoint:
+        if replay_endpoint is not None and (not isinstance(replay_endpoint, str) or "://" not in replay_endpoint):
             raise ConfigurationError(
                 f"replay_endpoint must be a ZMQ address like 'tcp://host:5558' or None, not {replay_endpoint!r}"
             )
-        if index.block_size != block_size:
+        if not isinstance(topic, str):
+            raise TypeError(f"topic must be a str, not {type(topic).__name__}")
+        check_seconds(replay_timeout, "replay_timeout")
+        check_count(max_batches_per_apply, "max_batches_per_apply")
+        check_count(max_sequence_jump, "max_sequence_jump")
+        try:
+            low, high = reconnect_backoff
+        except (TypeError, ValueError):
             raise ConfigurationError(
-                f"block_size={block_size} differs from the index's block size {index.block_size}: pass the same"
-            )
-        low, high = reconnect_backoff
-        if not 0 < low <= high:
-            raise ConfigurationError(
-                f"reconnect_backoff must be (low, high) with 0 < low <= high, not {reconnect_backoff}"
-            )
-        self.index = index
+                f"reconnect_backoff must be a pair (low, high) of seconds, not {reconnect_backoff!r}"
+            ) from None
+        check_seconds(low, "reconnect_backoff's low")
+        check_seconds(high, "reconnect_backoff's high")
+        if low > high:
+            raise ConfigurationError(f"reconnect_backoff must be (low, high) with low <= high, not {reconnect_backoff}")
+        self._tracker = BlockTracker(block_size=writer.block_size, namespace=namespace)  # validates the block size
+        self.writer = writer
         self.backend = backend
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic
-        self._lock: Any = lock if lock is not None else threading.Lock()
         # Guards the tracker: the thread holds it while handling messages, reset() and held() take it too.
         self._state_lock = threading.Lock()
-        self._tracker = BlockTracker(block_size=block_size, namespace=namespace)
         self._decoder = EventDecoder()
         self._replay_timeout_ms = max(1, int(replay_timeout * 1000))
-        self._max_batches = max(1, max_batches_per_apply)
-        self._backoff = (low, high)
+        self._max_batches = max_batches_per_apply
+        self._max_jump = max_sequence_jump
+        self._backoff = (float(low), float(high))
         self._lag_observer = lag_observer
         self._clock = clock
         self._stop = threading.Event()
@@ -121,9 +142,14 @@ class KVEventSubscriber:
         self._context: zmq.Context[Any] | None = None
         self._last_seq = -1  # last sequence number received and decoded (only the thread writes it)
         self._applied_seq = -1  # last sequence number whose updates are in the index
+        self._pending: tuple[int, bytes] | None = None  # an out-of-line message, until the next one says
         self._counts = dict.fromkeys(
-            ("batches", "events", "gaps", "replayed", "unrecovered", "restarts", "invalid", "reconnects"), 0
-        )
+            (
+                "batches", "events", "gaps", "replayed", "unrecovered", "restarts", "invalid", "bad_sequences",
+                "write_errors", "reconnects",
+            ),
+            0,
+        )  # fmt: skip
         self._last_lag: float | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
@@ -167,16 +193,14 @@ class KVEventSubscriber:
         return self._applied_seq
 
     def held(self) -> set[int]:
-        """Return the own block hashes the events say the backend holds (read under the lock)."""
+        """Return the own block hashes the events say the backend holds."""
         with self._state_lock:
             return self._tracker.held()
 
     def reset(self) -> None:
         """Drop the backend's blocks from the index, e.g. when a health check sees the engine restart."""
         with self._state_lock:
-            ops = self._tracker.reset()
-            with self._lock:
-                apply_ops(self.index, self.backend, ops)
+            self._write(self._tracker.reset())
 
     def stats(self) -> SubscriberStats:
         """Return a snapshot of the counters."""
@@ -191,6 +215,8 @@ class KVEventSubscriber:
             unrecovered_gaps=c["unrecovered"],
             restarts=c["restarts"],
             invalid_batches=c["invalid"],
+            bad_sequences=c["bad_sequences"],
+            write_errors=c["write_errors"],
             reconnects=c["reconnects"],
             last_lag_s=self._last_lag,
             blocks_held=len(self._tracker),
@@ -244,24 +270,12 @@ class KVEventSubscriber:
         ops: IndexOps = []
         timestamps: list[float] = []
         for frames in messages:
-            if len(frames) != 3 or len(frames[1]) != 8:
+            try:
+                self._handle_message(frames, ops, timestamps)
+            except Exception:  # noqa: BLE001 - one bad message must not cost the others
                 self._counts["invalid"] += 1
-                _log.warning("KV events from %s: a message of %d frames, expected 3", self.backend, len(frames))
-                continue
-            seq = int.from_bytes(frames[1], "big", signed=True)
-            last = self._last_seq
-            if last >= 0 and seq <= last:
-                self._counts["restarts"] += 1
-                _log.warning("KV events from %s: sequence went back %d -> %d: engine restart", self.backend, last, seq)
-                ops.extend(self._tracker.reset())
-                last = self._last_seq = -1
-            if seq > last + 1:
-                if last >= 0:
-                    self._counts["gaps"] += 1
-                self._recover(last + 1, seq - 1, ops, timestamps)
-            self._apply_payload(seq, frames[2], ops, timestamps)
-        with self._lock:
-            apply_ops(self.index, self.backend, ops)
+                _log.exception("KV events from %s: skipping a message that could not be handled", self.backend)
+        self._write(ops)
         self._applied_seq = self._last_seq
         if timestamps:
             now = self._clock()
@@ -269,6 +283,57 @@ class KVEventSubscriber:
             if self._lag_observer is not None:
                 for ts in timestamps:
                     self._lag_observer(now - ts)
+
+    def _write(self, ops: IndexOps) -> None:
+        if not ops:
+            return
+        try:
+            self.writer.write(self.backend, ops)
+        except Exception:  # noqa: BLE001 - the thread outlives a failing writer; the failure is counted
+            self._counts["write_errors"] += 1
+            _log.exception("KV events from %s: writing %d index updates failed", self.backend, len(ops))
+
+    def _handle_message(self, frames: list[bytes], ops: IndexOps, timestamps: list[float]) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self._counts["invalid"] += 1
+            _log.warning(
+                "KV events from %s: a message of %d frames, expected 3 (topic, 8-byte sequence, payload)",
+                self.backend,
+                len(frames),
+            )
+            return
+        seq = int.from_bytes(frames[1], "big", signed=True)
+        if seq < 0:
+            self._bad_sequence(seq, "negative")
+            return
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            if seq == pending[0] + 1:  # the stream really moved there: an engine restart, or a long loss
+                self._accept(*pending, ops, timestamps)
+            else:
+                self._bad_sequence(pending[0], f"out of line after {self._last_seq}, and {seq} did not follow it")
+        last = self._last_seq
+        if last < seq <= last + 1 + self._max_jump:
+            self._accept(seq, frames[2], ops, timestamps)
+        else:
+            self._pending = (seq, frames[2])
+
+    def _bad_sequence(self, seq: int, why: str) -> None:
+        self._counts["bad_sequences"] += 1
+        _log.warning("KV events from %s: skipping the batch numbered %d: %s", self.backend, seq, why)
+
+    def _accept(self, seq: int, payload: bytes, ops: IndexOps, timestamps: list[float]) -> None:
+        last = self._last_seq
+        if last >= 0 and seq <= last:
+            self._counts["restarts"] += 1
+            _log.warning("KV events from %s: sequence went back %d -> %d: engine restart", self.backend, last, seq)
+            ops.extend(self._tracker.reset())
+            last = self._last_seq = -1
+        if seq > last + 1:
+            if last >= 0:
+                self._counts["gaps"] += 1
+            self._recover(last + 1, seq - 1, ops, timestamps)
+        self._apply_payload(seq, payload, ops, timestamps)
 
     def _apply_payload(self, seq: int, payload: bytes, ops: IndexOps, timestamps: list[float]) -> None:
         self._last_seq = seq
@@ -281,7 +346,8 @@ class KVEventSubscriber:
         self._counts["batches"] += 1
         self._counts["events"] += len(batch.events)
         ops.extend(self._tracker.apply(batch.events))
-        timestamps.append(batch.ts)
+        if math.isfinite(batch.ts):
+            timestamps.append(batch.ts)
 
     def _recover(self, start: int, end: int, ops: IndexOps, timestamps: list[float]) -> None:
         """Replay batches ``start..end`` (inclusive); count an unrecovered gap when some cannot be had.

@@ -10,12 +10,13 @@ copies of one block and then removes the same hash twice).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
 from prefixroute.errors import InvalidEventError, InvalidPromptError
 from prefixroute.hashing import BlockHasher, encode_tokens
+from prefixroute.index import IndexUpdate, PrefixIndex
 from prefixroute.vllm.events import (
     FULL_ATTENTION_KINDS,
     AllBlocksCleared,
@@ -25,12 +26,12 @@ from prefixroute.vllm.events import (
     KVCacheEvent,
 )
 
-__all__ = ["BlockTracker", "IndexOps", "IndexWriter", "TrackerStats", "apply_ops", "lora_namespace"]
+__all__ = ["BlockTracker", "IndexOps", "IndexUpdate", "IndexWriter", "TrackerStats", "apply_ops", "lora_namespace"]
 
 _log = logging.getLogger(__name__)
 
-IndexOps = list[tuple[bool, list[int]]]
-"""Index updates in order: ``(True, hashes)`` inserts a chain segment, ``(False, hashes)`` removes hashes."""
+IndexOps: TypeAlias = list[IndexUpdate]
+"""Index updates in the order they must be applied."""
 
 
 def lora_namespace(namespace: str | bytes | None, lora_name: str | None) -> str | bytes | None:
@@ -77,8 +78,8 @@ class BlockTracker:
 
     >>> tracker = BlockTracker(block_size=2)
     >>> ops = tracker.apply([BlockStored([0xA, 0xB], None, [1, 2, 3, 4], 2)])
-    >>> [(is_insert, len(hashes)) for is_insert, hashes in ops]
-    [(True, 2)]
+    >>> [(stored, len(hashes), parent) for stored, hashes, parent in ops]
+    [(True, 2, None)]
     >>> tracker.held() == set(BlockHasher(2).hash([1, 2, 3, 4]))
     True
     """
@@ -135,17 +136,15 @@ class BlockTracker:
         self._own.clear()
         self._refs.clear()
         self._skipped_groups.clear()
-        return [(False, held)] if held else []
+        return [(False, held, None)] if held else []
 
     def _apply_one(self, event: KVCacheEvent, ops: IndexOps) -> None:
         if isinstance(event, BlockStored):
-            born = self._store(event)
-            if born:
-                ops.append((True, born))
+            self._store(event, ops)
         elif isinstance(event, BlockRemoved):
             dead = self._remove(event)
             if dead:
-                ops.append((False, dead))
+                ops.append((False, dead, None))
         elif isinstance(event, AllBlocksCleared):
             self.stats.clears += 1
             ops.extend(self.reset())
@@ -157,7 +156,9 @@ class BlockTracker:
             hasher = self._hashers[lora_name] = BlockHasher(self._block_size, namespace=namespace)
         return hasher
 
-    def _store(self, event: BlockStored) -> list[int]:
+    def _store(self, event: BlockStored, ops: IndexOps) -> None:
+        """Append the stores ``event`` implies: one per run of own hashes the backend did not hold yet, each with
+        the own hash of the block it continues (a block held twice is stored once, so runs can have holes)."""
         vllm_hashes = event.block_hashes
         per_block = _sub_blocks(event.block_size, self._block_size)
         if len(event.token_ids) != len(vllm_hashes) * event.block_size:
@@ -171,7 +172,7 @@ class BlockTracker:
             if event.group_idx is not None and _is_gpu(event.medium):
                 self._skipped_groups.add(event.group_idx)
             self.stats.skipped_blocks += len(vllm_hashes)
-            return []
+            return
         count = _plain_prefix(event.extra_keys, len(vllm_hashes))
         self.stats.skipped_blocks += len(vllm_hashes) - count
         own = self._own
@@ -179,19 +180,21 @@ class BlockTracker:
         hasher = self._hasher(event.lora_name)
         if parent is None:
             seed = hasher.seed
+            parent_own: int | None = None
         else:
             entry = own.get(parent)
             if entry is None:
                 self.stats.orphan_blocks += len(vllm_hashes)
-                return []
-            seed = entry.own[-1]
+                return
+            seed = parent_own = entry.own[-1]
         try:
             data = encode_tokens(event.token_ids[: count * event.block_size])
         except InvalidPromptError as exc:
             raise InvalidEventError(f"BlockStored token ids must be ints in [0, 2**32): {exc}") from exc
         chain = hasher.hash_encoded(data, seed)
         refs = self._refs
-        born: list[int] = []
+        born: list[int] = []  # the current run of newly held own hashes
+        before = run_parent = parent_own  # the own hash just before the current position; the run's parent
         for i in range(count):
             vllm_hash = vllm_hashes[i]
             entry = own.get(vllm_hash)
@@ -205,9 +208,16 @@ class BlockTracker:
                 held = refs.get(h, 0)
                 refs[h] = held + 1
                 if not held:
+                    if not born:
+                        run_parent = before
                     born.append(h)
+                elif born:
+                    ops.append((True, born, run_parent))
+                    born = []
+                before = h
+        if born:
+            ops.append((True, born, run_parent))
         self.stats.blocks_stored += count
-        return born
 
     def _remove(self, event: BlockRemoved) -> list[int]:
         if not _is_gpu(event.medium) or event.group_idx in self._skipped_groups:
@@ -245,28 +255,29 @@ class _Entry:
 
 
 class IndexWriter(Protocol):
-    """What event updates are written to: a :class:`~prefixroute.PrefixIndex`, or anything with these methods."""
+    """What a :class:`~prefixroute.vllm.KVEventSubscriber` writes to: a :class:`~prefixroute.Router` (its public,
+    locked write path), or anything with these two members."""
 
     @property
     def block_size(self) -> int:
         """Tokens per block."""
         ...
 
-    def insert(self, hashes: Sequence[int], backend: str) -> None:
-        """Record that ``backend`` holds ``hashes`` (a chain segment)."""
-        ...
-
-    def remove(self, hashes: Sequence[int], backend: str) -> None:
-        """Forget that ``backend`` holds ``hashes``."""
+    def write(self, backend: str, updates: Iterable[IndexUpdate]) -> None:
+        """Apply ``updates`` for ``backend`` in order, atomically for concurrent readers."""
         ...
 
 
-def apply_ops(index: IndexWriter, backend: str, ops: Sequence[tuple[bool, list[int]]]) -> None:
-    """Apply a tracker's updates to ``index`` for ``backend`` (call it under the lock that guards the index)."""
+def apply_ops(index: PrefixIndex, backend: str, ops: Iterable[IndexUpdate]) -> None:
+    """Apply a tracker's updates to a bare ``index`` for ``backend``. O(hashes in ``ops``).
+
+    For an index no other thread uses (tests, benchmarks, offline replays); a router's index is written through
+    :meth:`Router.write <prefixroute.Router.write>`, which holds the router's lock.
+    """
     insert, remove = index.insert, index.remove
-    for is_insert, hashes in ops:
-        if is_insert:
-            insert(hashes, backend)
+    for stored, hashes, parent in ops:
+        if stored:
+            insert(hashes, backend, parent=parent)
         else:
             remove(hashes, backend)
 

@@ -8,8 +8,9 @@ from collections.abc import Callable
 
 import pytest
 
+from prefixroute import Router
 from prefixroute.testing import FakeVLLM
-from prefixroute.vllm import KVEventSubscriber
+from prefixroute.vllm import EventIndex, KVEventSubscriber
 
 DEADLINE_S = 10.0
 
@@ -34,6 +35,11 @@ class FakeClock:
 
     def tick(self, seconds: float) -> None:
         self.now += seconds
+
+
+def events_router(**options: object) -> Router:
+    """A router whose index only KV events write (no speculative entries)."""
+    return Router(index=EventIndex(16, speculative_ttl=0), **options)  # type: ignore[arg-type]
 
 
 def fresh() -> list[int]:

@@ -9,14 +9,16 @@ import random
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from prefixroute.errors import ConfigurationError
 from prefixroute.testing import FakeVLLM
-from prefixroute.vllm import doctor
+from prefixroute.vllm import EngineMetrics, doctor
 from prefixroute.vllm.doctor import MISS_ADVICE, histogram_quantile
 
 BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -142,3 +144,70 @@ def test_quantile_edge_cases() -> None:
     assert histogram_quantile(0.99, [(1.0, 1.0), (math.inf, 10.0)]) == 1.0  # in +Inf: the highest finite bound
     with pytest.raises(ValueError, match="q must be"):
         histogram_quantile(1.5, [(1.0, 1.0)])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--timeout", "nan", "x.txt"], "--timeout must be a finite positive number"),
+        (["--timeout", "inf", "x.txt"], "--timeout must be a finite positive number"),
+        (["--timeout", "-1", "x.txt"], "--timeout must be a finite positive number"),
+        (["--timeout", "0", "x.txt"], "--timeout must be a finite positive number"),
+        (["--timeout", "soon", "x.txt"], "--timeout must be a number"),
+        (["--ratio-threshold", "0.5", "x.txt"], "--ratio-threshold must be a finite number >= 1"),
+        (["--ratio-threshold", "nan", "x.txt"], "--ratio-threshold"),
+        (["--low-hit-rate", "1.5", "x.txt"], "--low-hit-rate must be a fraction"),
+        (["--low-hit-rate", "nan", "x.txt"], "--low-hit-rate"),
+        ([], "give at least one source"),
+    ],
+)
+def test_bad_options_exit_2_with_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli(*args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and message in captured.err
+
+
+def test_the_installed_command_answers_a_bad_option_with_one_line() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "prefixroute", "doctor", "--timeout", "nan", "x"], capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().count("\n") == 0 and "--timeout" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_timeout_bounds_the_whole_run_over_slow_and_trickling_engines(capsys: pytest.CaptureFixture[str]) -> None:
+    with FakeVLLM() as slow, FakeVLLM() as trickling, FakeVLLM() as slower:
+        slow.set_metrics_fault(delay=5.0)
+        trickling.set_metrics_fault(trickle=0.05)
+        slower.set_metrics_fault(delay=8.0)
+        began = time.monotonic()
+        assert cli("--timeout", "0.5", slow.url, trickling.url, slower.url) == 2
+        assert time.monotonic() - began < 1.5  # one timeout for the run, not one per engine nor per read
+    out = capsys.readouterr().out
+    assert out.count("UNREADABLE") == 3 and out.count("within 0.5s") == 3
+
+
+@pytest.mark.parametrize("nonsense", ["NaN", "-2", "+Inf"])
+def test_nonsense_figures_are_unreadable_not_judged(
+    nonsense: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    saved = tmp_path / "metrics.txt"
+    saved.write_text(f'vllm:num_requests_waiting{{engine="0"}} {nonsense}\n')
+    assert cli(str(saved)) == 2
+    out = capsys.readouterr().out
+    assert "UNREADABLE" in out and "vllm:num_requests_waiting is" in out
+
+
+def test_an_http_error_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with FakeVLLM() as engine:
+        assert cli(engine.url + "/nothing") == 2
+    reason = capsys.readouterr().out.splitlines()[1]
+    assert "HTTP 404" in reason
+
+
+def test_diagnose_rejects_nonsense_thresholds() -> None:
+    with pytest.raises(ConfigurationError, match="ratio_threshold"):
+        doctor.diagnose(EngineMetrics(), ratio_threshold=float("nan"))
+    with pytest.raises(ConfigurationError, match="low_hit_rate"):
+        doctor.diagnose(EngineMetrics(), low_hit_rate=-0.1)

@@ -6,9 +6,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixroute import BoundedLoad, PrefixIndex, Router
+from prefixroute import BlockHasher, BoundedLoad, Router
 from prefixroute.testing import FakeVLLM
-from prefixroute.vllm import KVEventSubscriber
+from prefixroute.vllm import EventIndex, Fleet
 from prefixroute.vllm.export import RouterMetrics
 
 from .conftest import settle
@@ -28,11 +28,12 @@ def test_decisions_tokens_fallbacks_and_latency_are_counted() -> None:
     metrics.observe(first, 0.00003)
     second = router.route(prompt, backends)
     metrics.observe(second, 0.0002)
-    metrics.observe_confirmed(48)
+    metrics.observe_served(48)
     assert value(registry, "prefixroute_decisions_total", backend=first.backend, reason="miss") == 1
     assert value(registry, "prefixroute_decisions_total", backend=second.backend, reason=second.reason) == 1
     assert value(registry, "prefixroute_matched_tokens_total", source="predicted") == second.matched_tokens == 64
-    assert value(registry, "prefixroute_matched_tokens_total", source="confirmed") == 48
+    assert value(registry, "prefixroute_matched_tokens_total", source="served") == 48
+    assert value(registry, "prefixroute_matched_tokens_total", source="confirmed") is None  # no events here
     assert value(registry, "prefixroute_prompt_tokens_total") == 128
     assert value(registry, "prefixroute_route_seconds_count") == 2
     assert value(registry, "prefixroute_route_seconds_bucket", le="5e-05") == 1
@@ -42,19 +43,34 @@ def test_decisions_tokens_fallbacks_and_latency_are_counted() -> None:
     assert third.reason == "load-fallback"
     assert value(registry, "prefixroute_load_fallbacks_total", backend=third.backend) == 1
     with pytest.raises(ValueError, match=">= 0"):
-        metrics.observe_confirmed(-1)
+        metrics.observe_served(-1)
+
+
+def test_confirmed_and_served_tokens_are_counted_once_each() -> None:
+    registry = CollectorRegistry()
+    metrics = RouterMetrics(registry)
+    router = Router(index=EventIndex(16, speculative_ttl=0))
+    prompt = list(range(64))
+    router.store("gpu0", BlockHasher(16).hash(prompt)[:2])
+    decision = router.route(prompt, ["gpu0"])
+    metrics.observe(decision, 0.0)
+    metrics.observe_served(32)  # what the engine then reported for the same request
+    assert decision.confirmed_tokens == 32
+    assert value(registry, "prefixroute_matched_tokens_total", source="confirmed") == 32
+    assert value(registry, "prefixroute_matched_tokens_total", source="served") == 32
 
 
 def test_index_and_event_stream_state_is_read_at_scrape_time() -> None:
     registry = CollectorRegistry()
     metrics = RouterMetrics(registry, prefix="pr")
-    index = PrefixIndex(16)
-    with (
-        FakeVLLM() as engine,
-        KVEventSubscriber(index, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint) as sub,
-    ):
+    router = Router(index=EventIndex(16))
+    index = router.index
+    with FakeVLLM() as engine, Fleet(router) as fleet:
+        fleet.add_backend("gpu0", kv_events=engine.endpoint, replay=engine.replay_endpoint)
+        sub = fleet.subscriber("gpu0")
+        assert sub is not None
         metrics.watch_index(index)
-        metrics.watch_subscriber(sub)
+        metrics.watch_fleet(fleet)
         engine.drop_next()
         engine.complete(list(range(64)))
         settle(engine, sub)

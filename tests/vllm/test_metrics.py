@@ -1,17 +1,16 @@
-"""Parsing vLLM /metrics and polling engines: load figures, cache config, staleness, health hook."""
+"""Parsing vLLM /metrics (nonsense figures rejected) and reading it within a deadline, over real HTTP."""
 
 from __future__ import annotations
 
 import math
 import socket
+import time
 
 import pytest
 
 from prefixroute.errors import ConfigurationError, MetricsError
 from prefixroute.testing import FakeVLLM
-from prefixroute.vllm.metrics import MetricsPoller, parse_metrics
-
-from .conftest import FakeClock
+from prefixroute.vllm.metrics import fetch_metrics, parse_metrics
 
 
 def closed_port() -> int:
@@ -71,70 +70,72 @@ def test_unreadable_text_raises_metrics_error(text: str, message: str) -> None:
         parse_metrics(text)
 
 
-def test_poller_serves_load_then_marks_it_stale_and_reports_health() -> None:
-    clock = FakeClock()
-    events: list[tuple[str, bool]] = []
-    dead = f"http://127.0.0.1:{closed_port()}"
-    with FakeVLLM(num_blocks=100) as engine:
-        engine.set_load(running=1, waiting=4)
-        poller = MetricsPoller(
-            {"gpu0": engine.url, "gpu1": dead}, stale_after=5, timeout=1, clock=clock,
-            on_health=lambda b, ok: events.append((b, ok)),
-        )  # fmt: skip
-        try:
-            assert poller.load("gpu0") == (None, None) and poller.is_stale("gpu0")
-            poller.poll_once()
-            assert poller.load("gpu0") == (4, 0.0)
-            assert poller.cache_config("gpu0") == (16, 100) and poller.capacities() == {"gpu0": 100}
-            assert poller.load("gpu1") == (None, None) and "cannot read" in (poller.scrape("gpu1").error or "")
-            assert poller.healthy_backends(["gpu0", "gpu1", "unknown"]) == ["gpu0", "unknown"]
-            assert sorted(events) == [("gpu0", True), ("gpu1", False)]
-            clock.tick(6)
-            assert poller.load("gpu0") == (None, None)  # too old to trust
-            poller.poll_once()
-            assert poller.load("gpu0") == (4, 0.0)
-        finally:
-            poller.stop()
-        engine.stop()
-        poller = MetricsPoller({"gpu0": engine.url}, clock=clock, timeout=1)
-    assert poller.load("gpu0") == (None, None)
+GOOD = """# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0"} 2
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",num_gpu_blocks="100"} 1
+"""
 
 
-def test_cache_config_mismatches_are_warned_not_guessed(caplog: pytest.LogCaptureFixture) -> None:
-    with FakeVLLM(block_size=32, num_blocks=50) as engine, MetricsPoller([engine.url], timeout=1) as poller:
-        poller.poll_once()
-        warnings = poller.check_cache_config(block_size=16, capacity_blocks=80)
-    assert len(warnings) == 2
-    assert "Router(block_size=32)" in warnings[0] and "50 GPU blocks" in warnings[1]
-    assert "Router(block_size=32)" in caplog.text
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (GOOD.replace("} 2", "} NaN"), "is nan"),
+        (GOOD.replace("} 2", "} +Inf"), "is inf"),
+        (GOOD.replace("} 2", "} -3"), "is -3"),
+        ('# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0"} 1.5\n', "KV cache usage"),
+        (GOOD.replace('block_size="16"', 'block_size="0"'), "block_size is '0'"),
+        (GOOD.replace('block_size="16"', 'block_size="-16"'), "block_size"),
+        (GOOD.replace('block_size="16"', 'block_size="nan"'), "block_size"),
+        (GOOD.replace('block_size="16"', 'block_size="sixteen"'), "not a number"),
+        (GOOD.replace('num_gpu_blocks="100"', 'num_gpu_blocks="0"'), "num_gpu_blocks"),
+        (GOOD.replace('num_gpu_blocks="100"', 'num_gpu_blocks="1e400"'), "num_gpu_blocks"),
+        (GOOD.replace('num_gpu_blocks="100"', 'num_gpu_blocks="1e30"'), "at most"),
+        (GOOD.replace('num_gpu_blocks="100"', 'num_gpu_blocks="12.5"'), "positive int"),
+        (
+            "# TYPE vllm:time_to_first_token_seconds histogram\n"
+            'vllm:time_to_first_token_seconds_bucket{le="0.1"} 5\n'
+            'vllm:time_to_first_token_seconds_bucket{le="+Inf"} 3\n',
+            "not cumulative",
+        ),
+    ],
+)
+def test_nonsense_figures_are_metrics_errors_naming_the_figure(text: str, message: str) -> None:
+    with pytest.raises(MetricsError, match=message):
+        parse_metrics(text)
 
 
-def test_on_load_pushes_figures_into_a_router_after_every_scrape() -> None:
-    from prefixroute import Router
+def test_unset_cache_config_labels_are_unknown_not_errors() -> None:
+    metrics = parse_metrics(GOOD.replace('num_gpu_blocks="100"', 'num_gpu_blocks="None"'))
+    assert (metrics.block_size, metrics.num_gpu_blocks) == (16, None)
 
-    router = Router(block_size=16)
-    dead = f"http://127.0.0.1:{closed_port()}"
+
+def test_fetch_reads_a_live_engine_and_reports_failures_as_metrics_errors() -> None:
+    with FakeVLLM(num_blocks=77) as engine:
+        engine.set_load(waiting=3)
+        assert fetch_metrics(engine.url + "/metrics", timeout=2).num_gpu_blocks == 77
+        with pytest.raises(MetricsError, match="404"):
+            fetch_metrics(engine.url + "/nothing", timeout=2)
+        engine.set_metrics_fault(text="<html>502</html>")
+        with pytest.raises(MetricsError, match="not Prometheus text"):
+            fetch_metrics(engine.url + "/metrics", timeout=2)
+    with pytest.raises(MetricsError, match="cannot read"):
+        fetch_metrics(f"http://127.0.0.1:{closed_port()}/metrics", timeout=2)
+    with pytest.raises(MetricsError, match="cannot read"):
+        fetch_metrics("http://", timeout=2)
+
+
+@pytest.mark.parametrize(("delay", "trickle"), [(3.0, None), (0.0, 0.05)])
+def test_the_timeout_bounds_the_whole_read_of_a_slow_or_trickling_engine(delay: float, trickle: float | None) -> None:
     with FakeVLLM() as engine:
-        engine.set_load(waiting=6)
-        poller = MetricsPoller(
-            {"gpu0": engine.url, "gpu1": dead}, timeout=1,
-            on_load=lambda b, q, k: router.set_engine_load(b, queue_len=q, kv_usage=k),
-        )  # fmt: skip
-        with poller:
-            poller.poll_once()
-    candidates = {c.backend: c for c in router.route(list(range(32)), ["gpu0", "gpu1"]).candidates}
-    assert (candidates["gpu0"].queue_len, candidates["gpu0"].kv_usage) == (6, 0.0)
-    assert (candidates["gpu1"].queue_len, candidates["gpu1"].kv_usage) == (None, None)
+        engine.set_metrics_fault(delay=delay, trickle=trickle)  # a trickled body: ~100 bytes x 0.05 s, far past 0.5 s
+        began = time.monotonic()
+        with pytest.raises(MetricsError, match="within 0.5s"):
+            fetch_metrics(engine.url + "/metrics", timeout=0.5)
+        assert time.monotonic() - began < 1.0
 
 
-def test_background_polling_and_bad_options() -> None:
-    with FakeVLLM() as engine:
-        engine.set_load(waiting=7)
-        with MetricsPoller({"gpu0": engine.url + "/metrics"}, interval=0.05, timeout=1) as poller:
-            from .conftest import wait_until
-
-            wait_until(lambda: poller.load("gpu0")[0] == 7, what="a background scrape")
-    with pytest.raises(ConfigurationError, match="interval"):
-        MetricsPoller(["http://x"], interval=0)
-    with pytest.raises(TypeError, match="not a str"):
-        MetricsPoller("http://x")
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf"), "2"])
+def test_fetch_rejects_a_nonsense_timeout(timeout: object) -> None:
+    with pytest.raises(ConfigurationError, match="timeout"):
+        fetch_metrics("http://127.0.0.1:1", timeout=timeout)  # type: ignore[arg-type]

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import random
-import threading
 import time
+from collections.abc import Iterable
 
 import httpx
 import msgspec
 import pytest
 import zmq
 
-from prefixroute import BlockHasher, PrefixIndex, Router
+from prefixroute import BlockHasher, Router
 from prefixroute.errors import ConfigurationError
+from prefixroute.index import IndexUpdate
 from prefixroute.testing import FakeVLLM
-from prefixroute.vllm import KVEventSubscriber, lora_namespace
+from prefixroute.vllm import EventIndex, Fleet, KVEventSubscriber, lora_namespace
 
-from .conftest import settle, wait_until
+from .conftest import events_router, settle, wait_until
 
 STEMS = [[random.Random(stem).randrange(30_000) for _ in range(160)] for stem in range(4)]
 
@@ -43,10 +44,11 @@ def test_index_equals_true_cache_despite_loss_duplicates_and_eviction(
     encoding: str, hash_format: str, extra_group: bool
 ) -> None:
     rng = random.Random(f"{encoding}-{hash_format}")  # a str seed: the same workload in every process
-    index = PrefixIndex(16)
+    router = events_router()
+    index = router.index
     with (
         FakeVLLM(num_blocks=48, encoding=encoding, hash_format=hash_format, extra_group=extra_group) as engine,  # type: ignore[arg-type]
-        KVEventSubscriber(index, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint) as sub,
+        KVEventSubscriber(router, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint) as sub,
     ):
         workload(engine, rng, 250, loss=0.1, clears=0.02)
         settle(engine, sub)
@@ -58,10 +60,11 @@ def test_index_equals_true_cache_despite_loss_duplicates_and_eviction(
 
 def test_engine_restart_drops_the_old_blocks_and_follows_the_new_stream() -> None:
     rng = random.Random(3)
-    index = PrefixIndex(16)
+    router = events_router()
+    index = router.index
     with (
         FakeVLLM(num_blocks=64) as engine,
-        KVEventSubscriber(index, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint) as sub,
+        KVEventSubscriber(router, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint) as sub,
     ):
         workload(engine, rng, 80)
         settle(engine, sub)
@@ -76,10 +79,11 @@ def test_engine_restart_drops_the_old_blocks_and_follows_the_new_stream() -> Non
 
 def test_a_new_engine_process_on_the_same_ports_is_reconnected_to_and_seen_as_a_restart() -> None:
     rng = random.Random(8)
-    index = PrefixIndex(16)
+    router = events_router()
+    index = router.index
     first = FakeVLLM(num_blocks=64, seed=1).start()
     endpoint, replay = first.endpoint, first.replay_endpoint
-    with KVEventSubscriber(index, "gpu0", endpoint, replay_endpoint=replay, reconnect_backoff=(0.05, 0.2)) as sub:
+    with KVEventSubscriber(router, "gpu0", endpoint, replay_endpoint=replay, reconnect_backoff=(0.05, 0.2)) as sub:
         try:
             workload(first, rng, 40)
             settle(first, sub)
@@ -95,22 +99,24 @@ def test_a_new_engine_process_on_the_same_ports_is_reconnected_to_and_seen_as_a_
 
 def test_a_late_subscriber_replays_from_the_start() -> None:
     rng = random.Random(4)
-    index = PrefixIndex(16)
+    router = events_router()
+    index = router.index
     with FakeVLLM(num_blocks=64, encoding="map") as engine:
         workload(engine, rng, 60)
         engine.flush()  # on the wire before the subscriber connects: it can only replay them
         published = engine.seq
-        with KVEventSubscriber(index, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint) as sub:
+        with KVEventSubscriber(router, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint) as sub:
             settle(engine, sub)
             assert index.hashes("gpu0") == engine.own_hashes()
             assert sub.stats().replayed_batches >= published > 40
 
 
 def test_without_replay_a_loss_is_counted_as_unrecovered() -> None:
-    index = PrefixIndex(16)
+    router = events_router()
+    index = router.index
     with (
         FakeVLLM(replay=False) as engine,
-        KVEventSubscriber(index, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint) as sub,
+        KVEventSubscriber(router, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint) as sub,
     ):
         settle(engine, sub)
         before = sub.stats().unrecovered_gaps  # batches sent while the SUB socket was connecting count too
@@ -122,13 +128,14 @@ def test_without_replay_a_loss_is_counted_as_unrecovered() -> None:
 
 
 def test_clear_cache_empties_the_backends_index_and_topic_filters() -> None:
-    index = PrefixIndex(16)
+    router = events_router()
+    index = router.index
     with (
         FakeVLLM(topic="kv@gpu0@m") as engine,
         KVEventSubscriber(
-            index, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint, topic="kv@gpu0"
+            router, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint, topic="kv@gpu0"
         ) as sub,
-        KVEventSubscriber(index, "other", engine.endpoint, topic="kv@gpu9") as other,
+        KVEventSubscriber(router, "other", engine.endpoint, topic="kv@gpu9") as other,
     ):
         workload(engine, random.Random(5), 20)
         settle(engine, sub)
@@ -141,14 +148,15 @@ def test_clear_cache_empties_the_backends_index_and_topic_filters() -> None:
 
 
 def test_malformed_messages_are_counted_and_the_stream_goes_on() -> None:
-    index = PrefixIndex(16)
+    router = events_router()
+    index = router.index
     context = zmq.Context()
     pub = context.socket(zmq.PUB)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     seq = iter(range(1000))
     clear = msgspec.msgpack.encode([1.0, [["AllBlocksCleared"]]])
     try:
-        with KVEventSubscriber(index, "gpu0", f"tcp://127.0.0.1:{port}") as sub:
+        with KVEventSubscriber(router, "gpu0", f"tcp://127.0.0.1:{port}") as sub:
             state = {"at": 0.0, "last": -1}
 
             def heard() -> bool:  # a PUB socket drops what it sends before the SUB connects: resend, numbered
@@ -182,7 +190,7 @@ def test_malformed_messages_are_counted_and_the_stream_goes_on() -> None:
 def test_event_index_is_right_where_the_prediction_is_wrong_after_eviction() -> None:
     """Acceptance 3: the router predicts a hit on a backend whose engine evicted the prefix; events know better."""
     router = Router(block_size=16)
-    exact = PrefixIndex(16)
+    exact = events_router()
     hot = STEMS[2][:64]
     with (
         FakeVLLM(num_blocks=8) as engine,
@@ -190,47 +198,86 @@ def test_event_index_is_right_where_the_prediction_is_wrong_after_eviction() -> 
     ):
         first = router.route(hot, ["gpu0"])
         engine.complete(hot)
+        settle(engine, sub)
+        assert exact.index.match(BlockHasher(16).hash(hot), ["gpu0"]) == {"gpu0": 4}  # stored, then evicted:
         for stem in (STEMS[0], STEMS[1], STEMS[3]):  # other traffic fills the 8-block cache: `hot` is evicted
             engine.complete(stem[:64])
         settle(engine, sub)
         predicted = router.route(hot, ["gpu0"])
         hashes = BlockHasher(16).hash(hot)
         assert first.matched_tokens == 0 and predicted.matched_tokens == 64  # approximate mode: a (wrong) hit
-        assert exact.match(hashes, ["gpu0"]) == {"gpu0": 0}  # event mode: a miss
+        assert exact.index.match(hashes, ["gpu0"]) == {"gpu0": 0}  # event mode: a miss
         assert engine.complete(hot).cached_tokens == 0  # ... and the engine agrees
 
 
-def test_updates_are_applied_under_the_given_lock() -> None:
-    lock = threading.Lock()
-    index = PrefixIndex(16)
+class FlakyWriter:
+    """A writer that fails every other write, recording the ones it took."""
+
+    block_size = 16
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.taken: list[IndexUpdate] = []
+
+    def write(self, backend: str, updates: Iterable[IndexUpdate]) -> None:
+        self.calls += 1
+        if self.calls % 2:
+            raise RuntimeError("the index is having a bad day")
+        self.taken.extend(updates)
+
+
+def test_a_failing_writer_is_counted_and_the_thread_goes_on() -> None:
+    writer = FlakyWriter()
     with (
         FakeVLLM() as engine,
-        KVEventSubscriber(index, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint, lock=lock) as sub,
+        KVEventSubscriber(writer, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint) as sub,
     ):
         settle(engine, sub)
-        before = index.hashes("gpu0")
-        with lock:
-            batches = sub.stats().batches
-            engine.complete(STEMS[3][:64])
-            wait_until(lambda: sub.stats().batches > batches, what="the batch decoded")
-            assert index.hashes("gpu0") == before  # decoded, but it cannot land while the lock is held
-        settle(engine, sub)
-        assert index.hashes("gpu0") == engine.own_hashes()
+        for stem in STEMS:
+            engine.complete(stem[:64])
+            settle(engine, sub)
+        assert sub.running
+        stats = sub.stats()
+    assert stats.write_errors >= 1 and writer.taken  # some writes failed, later ones still arrived
+    assert stats.write_errors == (writer.calls + 1) // 2
 
 
 def test_configuration_errors_are_clear() -> None:
+    router = events_router()
     with pytest.raises(ConfigurationError, match="tcp://host:5557"):
-        KVEventSubscriber(PrefixIndex(), "gpu0", "localhost:5557")
-    with pytest.raises(ConfigurationError, match="block size"):
-        KVEventSubscriber(PrefixIndex(32), "gpu0", "tcp://127.0.0.1:1")
+        KVEventSubscriber(router, "gpu0", "localhost:5557")
+    with pytest.raises(ConfigurationError, match="tcp://host:5558"):
+        KVEventSubscriber(router, "gpu0", "tcp://127.0.0.1:1", replay_endpoint="localhost")
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("replay_timeout", 0),
+        ("replay_timeout", float("nan")),
+        ("replay_timeout", float("inf")),
+        ("replay_timeout", -1.0),
+        ("max_batches_per_apply", 0),
+        ("max_batches_per_apply", 2.5),
+        ("max_sequence_jump", -3),
+        ("reconnect_backoff", (0.0, 1.0)),
+        ("reconnect_backoff", (2.0, 1.0)),
+        ("reconnect_backoff", (0.1, float("inf"))),
+        ("reconnect_backoff", 5),
+    ],
+)
+def test_nonsense_options_are_rejected_when_given(option: str, value: object) -> None:
+    with pytest.raises(ConfigurationError, match=option.split("_")[0]):
+        KVEventSubscriber(events_router(), "gpu0", "tcp://127.0.0.1:1", **{option: value})  # type: ignore[arg-type]
 
 
 def test_completions_over_http_publish_events_and_report_cached_tokens() -> None:
-    index = PrefixIndex(16)
+    router = events_router()
+    index = router.index
     prompt = STEMS[0][:100]
     with (
         FakeVLLM() as engine,
-        KVEventSubscriber(index, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint) as sub,
+        KVEventSubscriber(router, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint) as sub,
         httpx.Client(base_url=engine.url, timeout=5) as client,
     ):
         first = client.post("/v1/completions", json={"model": "fake-model", "prompt": prompt, "max_tokens": 4})
@@ -252,13 +299,14 @@ def test_completions_over_http_publish_events_and_report_cached_tokens() -> None
 
 def test_a_subscriber_later_than_the_replay_buffer_holds_only_true_blocks() -> None:
     rng = random.Random(9)
-    index = PrefixIndex(16)
+    router = events_router()
+    index = router.index
     # A cache large enough that nothing is evicted: later prompts extend blocks stored in the lost batches, so
     # their new blocks are orphans whatever the timing.
     with FakeVLLM(num_blocks=4096, replay_buffer=10) as engine:
         workload(engine, rng, 80)
         engine.flush()
-        with KVEventSubscriber(index, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint) as sub:
+        with KVEventSubscriber(router, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint) as sub:
             settle(engine, sub)
             workload(engine, rng, 40)
             settle(engine, sub)
@@ -270,15 +318,14 @@ def test_a_subscriber_later_than_the_replay_buffer_holds_only_true_blocks() -> N
 
 
 def test_a_router_routes_by_what_the_events_say_including_lora_namespaces() -> None:
-    router = Router(block_size=16, namespace="llama")
+    router = Router(block_size=16, namespace="llama", index=EventIndex(16, speculative_ttl=0))
     base, adapter = STEMS[0][:96], STEMS[1][:64]
     with (
         FakeVLLM() as engine,
         KVEventSubscriber(
-            router.index, "gpu1", engine.endpoint, replay_endpoint=engine.replay_endpoint, namespace="llama",
-            lock=router.lock,
+            router, "gpu1", engine.endpoint, replay_endpoint=engine.replay_endpoint, namespace="llama"
         ) as sub,
-    ):  # fmt: skip
+    ):
         engine.complete(base)  # served without the router: only the events tell it
         engine.complete(adapter, lora_name="sql")
         settle(engine, sub)
@@ -290,23 +337,22 @@ def test_a_router_routes_by_what_the_events_say_including_lora_namespaces() -> N
 
 
 def test_router_in_events_mode_forgets_what_the_engine_evicted_and_predictions_do_not() -> None:
-    """Acceptance 3 through Router.subscribe: after an eviction only the event-fed router predicts the miss."""
+    """Acceptance 3 through a Fleet: after an eviction only the event-fed router predicts the miss."""
     hot = STEMS[2][:64]
-    predicting = Router(block_size=16, index_source="predictions")
-    exact = Router(block_size=16, index_source="events")
-    with FakeVLLM(num_blocks=8) as engine:
-        sub = exact.subscribe("gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint)
-        try:
-            predicting.route(hot, ["gpu0"])
-            engine.complete(hot)
-            settle(engine, sub)
-            assert exact.route(hot, ["gpu0"]).matched_tokens == 64  # the engine holds it: both agree
-            for stem in (STEMS[0], STEMS[1], STEMS[3]):  # other traffic fills the 8-block cache
-                engine.complete(stem[:64])
-            settle(engine, sub)
-            assert predicting.route(hot, ["gpu0"]).matched_tokens == 64  # still predicts a hit: wrong
-            decision = exact.route(hot, ["gpu0"])
-            assert decision.matched_tokens == decision.confirmed_tokens == 0  # right
-            assert engine.complete(hot).cached_tokens == 0
-        finally:
-            exact.close()
+    predicting = Router(block_size=16)
+    exact = Router(block_size=16, index=EventIndex(16, speculative_ttl=0))
+    with FakeVLLM(num_blocks=8) as engine, Fleet(exact) as fleet:
+        fleet.add_backend("gpu0", kv_events=engine.endpoint, replay=engine.replay_endpoint)
+        sub = fleet.subscriber("gpu0")
+        assert sub is not None
+        predicting.route(hot, ["gpu0"])
+        engine.complete(hot)
+        settle(engine, sub)
+        assert exact.route(hot, ["gpu0"]).matched_tokens == 64  # the engine holds it: both agree
+        for stem in (STEMS[0], STEMS[1], STEMS[3]):  # other traffic fills the 8-block cache
+            engine.complete(stem[:64])
+        settle(engine, sub)
+        assert predicting.route(hot, ["gpu0"]).matched_tokens == 64  # still predicts a hit: wrong
+        decision = exact.route(hot, ["gpu0"])
+        assert decision.matched_tokens == decision.confirmed_tokens == 0  # right
+        assert engine.complete(hot).cached_tokens == 0

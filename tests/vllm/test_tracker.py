@@ -30,12 +30,33 @@ def test_stored_blocks_are_rehashed_with_prefixroutes_hasher_continuing_from_the
 def test_a_hash_stored_twice_is_held_until_removed_twice() -> None:
     tracker = BlockTracker()
     ops = tracker.apply([BlockStored([11], None, TOKENS[:16], 16), BlockStored([11], None, TOKENS[:16], 16)])
-    assert ops == [(True, own(TOKENS[:16]))]  # the index hears of it once
+    assert ops == [(True, own(TOKENS[:16]), None)]  # the index hears of it once
     assert tracker.apply([BlockRemoved([11])]) == []
     assert tracker.held() == set(own(TOKENS[:16]))
-    assert tracker.apply([BlockRemoved([11])]) == [(False, own(TOKENS[:16]))]
+    assert tracker.apply([BlockRemoved([11])]) == [(False, own(TOKENS[:16]), None)]
     assert tracker.held() == set()
     assert tracker.apply([BlockRemoved([11])]) == [] and tracker.stats.unknown_removals == 1
+
+
+def test_stores_carry_the_own_hash_of_the_block_they_continue() -> None:
+    tracker = BlockTracker()
+    hashes = own(TOKENS)
+    assert tracker.apply([BlockStored([11, 12], None, TOKENS[:32], 16)]) == [(True, hashes[:2], None)]
+    assert tracker.apply([BlockStored([13, 14], 12, TOKENS[32:], 16)]) == [(True, hashes[2:], hashes[1])]
+
+
+def test_a_chain_with_a_block_already_held_is_stored_as_runs_each_with_its_parent() -> None:
+    tracker = BlockTracker()
+    hashes = own(TOKENS)
+    tracker.apply([BlockStored([11], None, TOKENS[:16], 16), BlockStored([13], 12, TOKENS[32:48], 16)])  # 13 orphan
+    tracker.apply([BlockStored([11, 12], None, TOKENS[:32], 16)])
+    tracker.apply([BlockRemoved([11])])  # block 0's first copy goes; the second (from the last store) stays
+    ops = tracker.apply([BlockStored([21, 22, 23], None, TOKENS[:48], 16)])
+    assert ops == [(True, hashes[2:3], hashes[1])]  # blocks 0 and 1 are still held: only block 2 is new
+    tracker.apply([BlockRemoved([12]), BlockRemoved([22])])  # block 1 is gone, blocks 0 and 2 stay
+    assert tracker.held() == {hashes[0], hashes[2]}
+    ops = tracker.apply([BlockStored([31, 32, 33, 34], None, TOKENS, 16)])
+    assert ops == [(True, hashes[1:2], hashes[0]), (True, hashes[3:4], hashes[2])]
 
 
 def test_blocks_whose_parent_is_unknown_are_skipped() -> None:
@@ -56,7 +77,7 @@ def test_only_gpu_full_attention_groups_are_indexed() -> None:
     assert tracker.held() == set(own(TOKENS[:16]))
     assert tracker.apply([BlockRemoved([11], group_idx=1), BlockRemoved([11], medium="CPU")]) == []
     assert tracker.held() == set(own(TOKENS[:16]))
-    assert tracker.apply([BlockRemoved([11], group_idx=0)]) == [(False, own(TOKENS[:16]))]
+    assert tracker.apply([BlockRemoved([11], group_idx=0)]) == [(False, own(TOKENS[:16]), None)]
 
 
 def test_blocks_with_extra_keys_end_the_indexed_chain() -> None:
@@ -77,7 +98,7 @@ def test_a_larger_vllm_block_maps_to_several_own_blocks() -> None:
     tracker = BlockTracker(block_size=16)
     tracker.apply([BlockStored([11], None, TOKENS[:32], 32), BlockStored([12], 11, TOKENS[32:], 32)])
     assert tracker.held() == set(own(TOKENS))
-    assert tracker.apply([BlockRemoved([12])]) == [(False, own(TOKENS)[2:])]
+    assert tracker.apply([BlockRemoved([12])]) == [(False, own(TOKENS)[2:], None)]
 
 
 def test_invalid_events_are_counted_and_skipped_or_raised_in_strict_mode() -> None:
@@ -99,7 +120,7 @@ def test_invalid_events_are_counted_and_skipped_or_raised_in_strict_mode() -> No
 def test_all_blocks_cleared_removes_everything() -> None:
     tracker = BlockTracker()
     tracker.apply([BlockStored([11, 12], None, TOKENS[:32], 16)])
-    assert tracker.apply([AllBlocksCleared()]) == [(False, own(TOKENS[:32]))]
+    assert tracker.apply([AllBlocksCleared()]) == [(False, own(TOKENS[:32]), None)]
     assert tracker.held() == set() and tracker.stats.clears == 1
 
 

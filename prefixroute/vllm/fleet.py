@@ -1,0 +1,459 @@
+"""A vLLM fleet driving a router: per backend a KV-event subscriber and a ``/metrics`` poller, each in its thread.
+
+The :class:`~prefixroute.Router` decides and owns no thread; the :class:`Fleet` owns every thread and writes the
+router only through its public write path (:meth:`~prefixroute.Router.write`, :meth:`~prefixroute.Router.
+set_engine_load`, :meth:`~prefixroute.Router.set_capacity`). Each backend's threads write through a gate that
+:meth:`Fleet.remove_backend` closes first, so once it returns nothing of that backend's is ever written again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from types import TracebackType
+
+import httpx
+
+from prefixroute.errors import ConfigurationError, MetricsError
+from prefixroute.index import IndexUpdate
+from prefixroute.router import Router
+from prefixroute.vllm._checks import check_seconds
+from prefixroute.vllm.index import EventIndex
+from prefixroute.vllm.metrics import EngineMetrics, fetch_metrics
+from prefixroute.vllm.metrics import metrics_url as _metrics_endpoint
+from prefixroute.vllm.subscriber import KVEventSubscriber, SubscriberStats
+
+__all__ = ["BackendStats", "Fleet", "FleetStats"]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BackendStats:
+    """One backend as the fleet sees it (a snapshot; see :meth:`Fleet.stats`)."""
+
+    backend: str
+    healthy: bool
+    metrics_url: str | None
+    scrapes: int
+    """Scrapes of ``/metrics`` that returned figures."""
+    failed_scrapes: int
+    """Scrapes that failed: unreachable, too slow, unreadable or nonsense figures (``last_error`` says which)."""
+    last_error: str | None
+    """Why the latest scrape failed; None when it succeeded or none has finished yet."""
+    queue_len: int | None
+    kv_usage: float | None
+    engine_block_size: int | None
+    num_gpu_blocks: int | None
+    events: SubscriberStats | None
+    """The KV-event subscriber's counters; None without ``kv_events``."""
+
+
+@dataclass(frozen=True)
+class FleetStats:
+    """Every backend of a :class:`Fleet` (in the order they were added) and the fleet's own counters."""
+
+    backends: tuple[BackendStats, ...]
+    callback_errors: int
+    """Exceptions raised by the ``on_health`` callback (logged and swallowed)."""
+
+    def __getitem__(self, backend: str) -> BackendStats:
+        """The stats of ``backend`` (KeyError if the fleet does not have it). O(backends)."""
+        for stats in self.backends:
+            if stats.backend == backend:
+                return stats
+        raise KeyError(backend)
+
+
+class Fleet:
+    """Drive ``router`` from a vLLM fleet: KV events keep its index exact, ``/metrics`` feed it engine load.
+
+    :meth:`add_backend` takes a backend id (as passed to ``route()``) and its endpoints: ``kv_events`` (the engine's
+    ``--kv-events-config`` publisher, ``tcp://gpu0:5557``) with ``replay`` (its replay endpoint), and ``metrics_url``
+    (``http://gpu0:8000``, ``/metrics`` appended). KV events need a router built on an
+    :class:`~prefixroute.vllm.EventIndex`; the metrics poller sets each backend's index capacity from vLLM's
+    ``num_gpu_blocks`` only when the router's index holds predictions (with events, the events carry evictions).
+
+    Every ``interval`` seconds each backend's ``/metrics`` is read in that backend's own thread, the whole read
+    bounded by ``timeout``, so a slow engine never delays the others. After each scrape the router gets the
+    engine's waiting requests and KV usage (:meth:`Router.set_engine_load`), or None for both when it failed.
+    Health (:meth:`healthy_backends`): a backend is healthy while its latest scrape succeeded within
+    ``stale_after`` seconds (by ``clock``); before its first scrape finishes it counts as healthy for
+    ``stale_after`` seconds from :meth:`add_backend`, unless a scrape fails first. A backend without
+    ``metrics_url`` is always healthy. ``on_health(backend, healthy)`` is called from the poller thread when a
+    backend's health changes (and after its first scrape).
+
+    Nothing stops a thread but :meth:`remove_backend` and :meth:`close`: nonsense ``/metrics`` (NaN, negative or
+    zero figures), a slow or trickling endpoint, malformed KV-event messages or sequence numbers mark only that
+    backend or batch bad, are logged and counted (:meth:`stats`), and the rest goes on.
+
+    Raises:
+        ConfigurationError: an interval or timeout is not a finite positive number of seconds, or ``stale_after``
+            is not longer than both ``interval`` and ``timeout`` (figures would turn stale between two scrapes).
+
+    >>> from prefixroute.vllm import EventIndex
+    >>> router = Router(index=EventIndex(16))
+    >>> with Fleet(router) as fleet:                                                     # doctest: +SKIP
+    ...     fleet.add_backend("gpu0", kv_events="tcp://gpu0:5557", replay="tcp://gpu0:5558",
+    ...                       metrics_url="http://gpu0:8000")
+    ...     decision = router.route(tokens, fleet.healthy_backends())
+    """
+
+    def __init__(
+        self,
+        router: Router,
+        *,
+        interval: float = 1.0,
+        timeout: float = 2.0,
+        stale_after: float = 5.0,
+        on_health: Callable[[str, bool], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not isinstance(router, Router):
+            raise TypeError(f"router must be a prefixroute.Router, not {type(router).__name__}")
+        self._interval = check_seconds(interval, "interval")
+        self._timeout = check_seconds(timeout, "timeout")
+        self._stale_after = check_seconds(stale_after, "stale_after")
+        if self._stale_after <= max(self._interval, self._timeout):
+            raise ConfigurationError(
+                f"stale_after ({stale_after}) must be longer than interval ({interval}) and timeout ({timeout}): "
+                "otherwise every engine's figures turn stale between two scrapes"
+            )
+        if on_health is not None and not callable(on_health):
+            raise TypeError(f"on_health must be a callable (backend, healthy) or None, not {type(on_health).__name__}")
+        if not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds, not {type(clock).__name__}")
+        self._router = router
+        self._on_health = on_health
+        self._clock = clock
+        self._lock = threading.Lock()  # guards _members and _closed (never held while calling the router)
+        self._members: dict[str, _Member] = {}
+        self._closed = False
+        self._callback_errors = 0
+
+    @property
+    def router(self) -> Router:
+        """The router this fleet drives."""
+        return self._router
+
+    def add_backend(
+        self,
+        backend: str,
+        *,
+        kv_events: str | None = None,
+        replay: str | None = None,
+        topic: str = "",
+        metrics_url: str | None = None,
+        namespace: str | bytes | None = None,
+    ) -> None:
+        """Start watching ``backend``: its KV events (``kv_events``, ``replay``, ``topic``) and its ``/metrics``.
+
+        ``namespace`` is what the events' tokens are hashed in: the router's by default (it must be what
+        ``route()`` uses). Starts one thread per endpoint; returns at once.
+
+        Raises:
+            ConfigurationError: the backend is already in the fleet, the fleet is closed, an endpoint is malformed,
+                ``replay`` comes without ``kv_events``, or ``kv_events`` is given to a router whose index is not an
+                :class:`~prefixroute.vllm.EventIndex`.
+            TypeError: ``backend`` is not a str.
+        """
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a str id, not {type(backend).__name__}")
+        if replay is not None and kv_events is None:
+            raise ConfigurationError(f"replay={replay!r} without kv_events: pass the engine's publisher endpoint too")
+        if kv_events is not None and not isinstance(self._router.index, EventIndex):
+            raise ConfigurationError(
+                "kv_events needs a router that reads the events: build it with "
+                "Router(index=prefixroute.vllm.EventIndex(block_size)), not a prediction index"
+            )
+        if metrics_url is not None and (
+            not isinstance(metrics_url, str) or not metrics_url.startswith(("http://", "https://"))
+        ):
+            raise ConfigurationError(
+                f"metrics_url must be an http(s):// URL like 'http://gpu0:8000', not {metrics_url!r}"
+            )
+        gate = _Gate(self._router)
+        member = _Member(backend, gate)
+        if kv_events is not None:
+            member.subscriber = KVEventSubscriber(
+                gate,
+                backend,
+                kv_events,
+                replay_endpoint=replay,
+                topic=topic,
+                namespace=namespace if namespace is not None else self._router.hasher.namespace,
+            )
+        if metrics_url is not None:
+            member.poller = _Poller(self, backend, _metrics_endpoint(metrics_url), gate)
+        with self._lock:
+            if self._closed:
+                raise ConfigurationError("this Fleet is closed: make a new one")
+            if backend in self._members:
+                raise ConfigurationError(f"backend {backend!r} is already in the fleet: remove_backend() it first")
+            self._members[backend] = member
+        if member.subscriber is not None:
+            member.subscriber.start()
+        if member.poller is not None:
+            member.poller.start()
+
+    def remove_backend(self, backend: str) -> None:
+        """Stop everything ``backend`` had (its subscriber and its poller), then :meth:`Router.remove_backend` it.
+
+        Once this returns, nothing of the backend's is written to the router again (its threads write through a
+        gate that is closed first). A backend the fleet does not have is still removed from the router.
+        Waits for the backend's threads to end, at most about ``timeout`` seconds.
+        """
+        with self._lock:
+            member = self._members.pop(backend, None)
+        if member is not None:
+            member.stop()
+        self._router.remove_backend(backend)
+
+    def close(self) -> None:
+        """Stop every thread; each backend's engine figures are dropped from the router (they would only go
+        stale), its blocks stay (the router keeps routing on what it knows). Idempotent."""
+        with self._lock:
+            self._closed = True
+            members = list(self._members.values())
+            self._members.clear()
+        for member in members:
+            member.gate.close()
+            member.signal_stop()
+        for member in members:
+            member.stop()
+            if member.poller is not None:
+                self._router.set_engine_load(member.backend, queue_len=None, kv_usage=None)
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def backends(self) -> list[str]:
+        """The backends in the fleet, in the order they were added. O(B)."""
+        with self._lock:
+            return list(self._members)
+
+    def healthy_backends(self, backends: Iterable[str] | None = None) -> list[str]:
+        """The healthy ones of ``backends`` (default: every backend of the fleet), in their order. O(B).
+
+        Backends the fleet does not have pass through (it knows nothing against them); see the class docstring
+        for when a backend is healthy.
+        """
+        with self._lock:
+            members = dict(self._members)
+        names = list(members) if backends is None else list(backends)
+        now = self._clock()
+        return [b for b in names if b not in members or members[b].healthy(now)]
+
+    def subscriber(self, backend: str) -> KVEventSubscriber | None:
+        """``backend``'s KV-event subscriber (for :meth:`RouterMetrics.watch_subscriber`), None without one."""
+        with self._lock:
+            member = self._members.get(backend)
+        return None if member is None else member.subscriber
+
+    def stats(self) -> FleetStats:
+        """A snapshot of every backend's health, figures and counters. O(B)."""
+        with self._lock:
+            members = list(self._members.values())
+        now = self._clock()
+        return FleetStats(tuple(member.stats(now) for member in members), self._callback_errors)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.backends())
+
+    def __repr__(self) -> str:
+        return f"Fleet(backends={self.backends()!r}, interval={self._interval:g}, timeout={self._timeout:g})"
+
+    def _health_changed(self, backend: str, healthy: bool) -> None:
+        if self._on_health is None:
+            return
+        try:
+            self._on_health(backend, healthy)
+        except Exception:  # noqa: BLE001 - a user's callback must not stop the poller
+            with self._lock:
+                self._callback_errors += 1
+            _log.exception("on_health(%r, %r) raised", backend, healthy)
+
+
+class _Gate:
+    """One backend's write path into the router: open until its backend is removed, then a no-op for good.
+
+    Writes happen under the gate's lock, so :meth:`close` waits for a write in progress and none starts after.
+    """
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+        self._lock = threading.Lock()
+        self._open = True
+        self.block_size = router.block_size
+
+    def write(self, backend: str, updates: Iterable[IndexUpdate]) -> None:
+        with self._lock:
+            if self._open:
+                self._router.write(backend, updates)
+
+    def run(self, action: Callable[[Router], None]) -> None:
+        with self._lock:
+            if self._open:
+                action(self._router)
+
+    def close(self) -> None:
+        with self._lock:
+            self._open = False
+
+
+class _Member:
+    """What the fleet runs for one backend."""
+
+    def __init__(self, backend: str, gate: _Gate) -> None:
+        self.backend = backend
+        self.gate = gate
+        self.subscriber: KVEventSubscriber | None = None
+        self.poller: _Poller | None = None
+
+    def healthy(self, now: float) -> bool:
+        return self.poller is None or self.poller.healthy(now)
+
+    def signal_stop(self) -> None:
+        if self.poller is not None:
+            self.poller.signal_stop()
+
+    def stop(self) -> None:
+        self.gate.close()
+        self.signal_stop()
+        if self.subscriber is not None:
+            self.subscriber.stop()
+        if self.poller is not None:
+            self.poller.stop()
+
+    def stats(self, now: float) -> BackendStats:
+        events = None if self.subscriber is None else self.subscriber.stats()
+        if self.poller is None:
+            return BackendStats(self.backend, True, None, 0, 0, None, None, None, None, None, events)
+        return self.poller.stats(now, events)
+
+
+class _Poller:
+    """One backend's ``/metrics`` poller thread."""
+
+    def __init__(self, fleet: Fleet, backend: str, url: str, gate: _Gate) -> None:
+        self._fleet = fleet
+        self._backend = backend
+        self._url = url
+        self._gate = gate
+        self._client = httpx.Client()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"prefixroute-metrics[{backend}]", daemon=True)
+        self._lock = threading.Lock()  # guards the figures below (read by healthy() and stats())
+        self._added_at = fleet._clock()
+        self._ok_at: float | None = None
+        self._error: str | None = None
+        self._metrics: EngineMetrics | None = None
+        self._scrapes = 0
+        self._failures = 0
+        self._reported: bool | None = None  # the health last passed to on_health
+        self._configured: tuple[int | None, int | None] = (None, None)  # the cache config last acted on
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def signal_stop(self) -> None:
+        self._stop.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(self._fleet._timeout + 1.0)
+        self._client.close()
+
+    def healthy(self, now: float) -> bool:
+        with self._lock:
+            if self._error is not None:
+                return False
+            since = self._added_at if self._ok_at is None else self._ok_at
+        return now - since <= self._fleet._stale_after
+
+    def stats(self, now: float, events: SubscriberStats | None) -> BackendStats:
+        healthy = self.healthy(now)
+        with self._lock:
+            metrics = self._metrics if self._error is None else None
+            return BackendStats(
+                self._backend,
+                healthy,
+                self._url,
+                self._scrapes,
+                self._failures,
+                self._error,
+                _queue_len(metrics) if healthy else None,
+                metrics.kv_usage if metrics is not None and healthy else None,
+                None if self._metrics is None else self._metrics.block_size,
+                None if self._metrics is None else self._metrics.num_gpu_blocks,
+                events,
+            )
+
+    def _run(self) -> None:
+        fleet = self._fleet
+        while not self._stop.is_set():
+            began = time.monotonic()
+            try:
+                self.scrape_once()
+            except Exception:  # noqa: BLE001 - the thread must outlive any one bad moment
+                _log.exception("metrics of %s: unexpected error; polling goes on", self._backend)
+            self._stop.wait(max(0.0, fleet._interval - (time.monotonic() - began)))
+
+    def scrape_once(self) -> None:
+        """Read ``/metrics`` once (within the fleet's timeout) and hand the figures to the router."""
+        try:
+            metrics = fetch_metrics(self._url, timeout=self._fleet._timeout, client=self._client)
+        except MetricsError as exc:
+            if self._stop.is_set():
+                return
+            with self._lock:
+                first_failure = self._error is None
+                self._error = str(exc)
+                self._failures += 1
+            (_log.warning if first_failure else _log.debug)("metrics of %s: %s", self._backend, exc)
+            self._gate.run(lambda router: router.set_engine_load(self._backend, queue_len=None, kv_usage=None))
+        else:
+            with self._lock:
+                self._error = None
+                self._metrics = metrics
+                self._ok_at = self._fleet._clock()
+                self._scrapes += 1
+            self._gate.run(lambda router: self._apply(router, metrics))
+        healthy = self.healthy(self._fleet._clock())
+        if healthy != self._reported and not self._stop.is_set():
+            self._reported = healthy
+            self._fleet._health_changed(self._backend, healthy)
+
+    def _apply(self, router: Router, metrics: EngineMetrics) -> None:
+        """Called through the gate: the backend is still in the fleet."""
+        router.set_engine_load(self._backend, queue_len=_queue_len(metrics), kv_usage=metrics.kv_usage)
+        config = (metrics.block_size, metrics.num_gpu_blocks)
+        if config == self._configured:  # act (and warn) once per change, not every scrape
+            return
+        self._configured = config
+        engine_block_size, num_gpu_blocks = config
+        if engine_block_size is None or num_gpu_blocks is None:
+            return
+        block_size = router.block_size
+        if engine_block_size % block_size:
+            _log.warning(
+                "%s: vLLM block_size is %d but the router uses %d: prefix matches will be wrong; set "
+                "Router(block_size=%d) or vLLM's --block-size",
+                self._backend, engine_block_size, block_size, engine_block_size,
+            )  # fmt: skip
+            return
+        if not isinstance(router.index, EventIndex):  # with events, the events carry the evictions
+            router.set_capacity(self._backend, num_gpu_blocks * (engine_block_size // block_size))
+
+
+def _queue_len(metrics: EngineMetrics | None) -> int | None:
+    return None if metrics is None or metrics.waiting is None else int(metrics.waiting)

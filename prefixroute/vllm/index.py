@@ -1,0 +1,143 @@
+"""An index written by vLLM's KV events, which can also trust just-routed prompts for a few seconds."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Collection, Iterable, Sequence
+
+from prefixroute.errors import ConfigurationError
+from prefixroute.index import PrefixIndex
+
+__all__ = ["EventIndex"]
+
+
+class EventIndex(PrefixIndex):
+    """The index of a router fed by KV events: *confirmed* blocks (what the engines' events say they hold) plus
+    short-lived *speculative* entries for prompts the router has just sent, until the engines' events catch up.
+
+    Give it to the router (``Router(index=EventIndex(16))``) and add each engine's event endpoint to a
+    :class:`~prefixroute.vllm.Fleet`. What each method acts on:
+
+    * :meth:`match` (what routing sees): per backend, the longer of its confirmed and its unexpired speculative
+      match; :meth:`match_confirmed`: the confirmed match alone (``Decision.confirmed_tokens``);
+    * :meth:`predict` (called for every routing decision): records a speculative entry; with
+      ``speculative_ttl=0`` it does nothing and the index holds only what the events say;
+    * :meth:`insert`, :meth:`set_capacity`, :meth:`hashes`, :meth:`blocks`, ``len()``: the confirmed part;
+    * :meth:`remove` (a block the engine evicted): both parts, so an eviction overrides a speculation;
+    * :meth:`remove_backend` and :meth:`clear`: both parts.
+
+    A speculative entry lives between ``speculative_ttl`` and twice that (two generations that rotate every
+    ``speculative_ttl`` seconds of ``clock``, so expiry is O(1), not a timer per block). Not thread-safe by itself:
+    the :class:`~prefixroute.Router` calls it under its lock.
+
+    Raises:
+        ConfigurationError: ``speculative_ttl`` is not a finite number of seconds >= 0.
+
+    >>> clock = iter([0.0, 0.0, 1.0, 7.0]).__next__
+    >>> index = EventIndex(4, speculative_ttl=3.0, clock=clock)
+    >>> index.predict([11, 12], "gpu0", 0)                         # routed there just now
+    >>> index.match([11, 12], ["gpu0"]), index.match_confirmed([11, 12], "gpu0")
+    ({'gpu0': 2}, 0)
+    >>> index.match([11, 12], ["gpu0"])                             # 7 s later, no event confirmed it
+    {'gpu0': 0}
+    """
+
+    __slots__ = ("_clock", "_current", "_previous", "_rotated_at", "_ttl")
+
+    def __init__(
+        self, block_size: int = 16, *, speculative_ttl: float = 3.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        super().__init__(block_size)
+        if (
+            isinstance(speculative_ttl, bool)
+            or not isinstance(speculative_ttl, (int, float))
+            or not math.isfinite(speculative_ttl)
+            or speculative_ttl < 0
+        ):
+            raise ConfigurationError(
+                f"speculative_ttl must be a finite number of seconds >= 0 (0: events only), not {speculative_ttl!r}"
+            )
+        if not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds, not {type(clock).__name__}")
+        self._ttl = float(speculative_ttl)
+        self._clock = clock
+        self._current = PrefixIndex(block_size)
+        self._previous = PrefixIndex(block_size)
+        self._rotated_at = clock() if self._ttl else 0.0
+
+    @property
+    def speculative_ttl(self) -> float:
+        """Seconds a speculative entry is trusted at least (0: never recorded)."""
+        return self._ttl
+
+    def match(self, hashes: Sequence[int], backends: Iterable[str]) -> dict[str, int]:
+        """Per backend, the longer of its confirmed match and its speculative match.
+
+        O(cost of :meth:`PrefixIndex.match`) for each of the two generations and the confirmed part.
+        """
+        confirmed = super().match(hashes, backends)
+        if not self._ttl:
+            return confirmed
+        self._rotate()
+        current = self._current.match(hashes, confirmed)
+        previous = self._previous.match(hashes, confirmed)
+        return {b: max(held, current[b], previous[b]) for b, held in confirmed.items()}
+
+    def match_confirmed(self, hashes: Sequence[int], backend: str) -> int:
+        """How many leading blocks of ``hashes`` the events confirm ``backend`` holds. O(log len(hashes))."""
+        return super().match(hashes, (backend,))[backend]
+
+    def predict(self, hashes: Sequence[int], backend: str, held: int) -> None:
+        """Trust for a while that ``backend`` now holds ``hashes`` (nothing with ``speculative_ttl=0``). O(n)."""
+        if self._ttl:
+            self._rotate()
+            self._current.insert(hashes, backend)
+
+    def remove(self, hashes: Iterable[int], backend: str) -> None:
+        """Forget that ``backend`` holds ``hashes``, confirmed or speculative. O(len(hashes))."""
+        hashes = hashes if isinstance(hashes, Collection) else list(hashes)
+        super().remove(hashes, backend)
+        self._current.remove(hashes, backend)
+        self._previous.remove(hashes, backend)
+
+    def remove_backend(self, backend: str) -> Collection[int]:
+        """Forget every block of ``backend``, confirmed or speculative; return the confirmed ones, to be freed
+        outside the caller's lock. O(speculative blocks of the backend)."""
+        self._current.remove_backend(backend)
+        self._previous.remove_backend(backend)
+        return super().remove_backend(backend)
+
+    def clear(self) -> None:
+        """Forget every block of every backend, confirmed or speculative. O(entries)."""
+        super().clear()
+        self._current.clear()
+        self._previous.clear()
+
+    def speculative_blocks(self, backend: str) -> int:
+        """How many distinct blocks of ``backend`` are trusted speculatively now (for tests and metrics). O(n)."""
+        self._rotate()
+        return len(self._current.hashes(backend) | self._previous.hashes(backend))
+
+    def _rotate(self) -> None:
+        if not self._ttl:
+            return
+        now = self._clock()
+        elapsed = now - self._rotated_at
+        if elapsed >= self._ttl or elapsed < 0:  # a clock that went back: start over rather than trust forever
+            # Idle for two periods: the current generation has expired too.
+            self._previous = self._current if 0 <= elapsed < 2 * self._ttl else PrefixIndex(self.block_size)
+            self._current = PrefixIndex(self.block_size)
+            self._rotated_at = now
+
+    def _check(self) -> None:
+        """Assert the invariants of both parts (for tests). O(entries)."""
+        super()._check()
+        self._current._check()
+        self._previous._check()
+
+    def __repr__(self) -> str:
+        return (
+            f"EventIndex(block_size={self.block_size}, speculative_ttl={self._ttl:g}, entries={len(self)}, "
+            f"speculative={len(self._current) + len(self._previous)})"
+        )

@@ -1,0 +1,269 @@
+"""Fleet: KV events and /metrics of real loopback engines driving a Router; removal, faults, health, options."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+
+from prefixroute import ConfigurationError, LeastLoaded, Router
+from prefixroute.testing import FakeVLLM
+from prefixroute.vllm import EventIndex, Fleet
+
+from .conftest import FakeClock, events_router, fresh, settle, wait_until
+
+PROMPT = [random.Random(1).randrange(30_000) for _ in range(96)]  # 6 blocks
+
+
+@pytest.fixture
+def engine() -> Iterator[FakeVLLM]:
+    with FakeVLLM(num_blocks=64) as fake:
+        yield fake
+
+
+def seen(router: Router, backend: str) -> tuple[int | None, float | None]:
+    """(queue_len, kv_usage) the policy sees for ``backend``."""
+    candidate = next(c for c in router.decide(PROMPT, [backend, "other"]).candidates if c.backend == backend)
+    return candidate.queue_len, candidate.kv_usage
+
+
+def threads_of(backend: str) -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.endswith(f"[{backend}]")]
+
+
+def test_metrics_feed_engine_load_capacity_and_health(engine: FakeVLLM) -> None:
+    router = Router(policy=LeastLoaded())
+    with Fleet(router, interval=0.05) as fleet:
+        engine.set_load(running=2, waiting=3)
+        fleet.add_backend("gpu0", metrics_url=engine.url)
+        wait_until(lambda: router.index.capacity("gpu0") == 64, what="capacity from vllm:cache_config_info")
+        wait_until(lambda: seen(router, "gpu0") == (3, 0.0), what="the engine's waiting queue in the candidates")
+        assert router.route(PROMPT, ["gpu0", "gpu1"]).backend == "gpu1"  # 3 waiting there, none here
+        assert fleet.healthy_backends() == ["gpu0"]
+        assert fleet.healthy_backends(["gpu0", "gpu1"]) == ["gpu0", "gpu1"]  # gpu1 is not the fleet's: passes
+        stats = fleet.stats()["gpu0"]
+        assert stats.healthy and stats.scrapes >= 1 and stats.failed_scrapes == 0
+        assert (stats.queue_len, stats.engine_block_size, stats.num_gpu_blocks) == (3, 16, 64)
+    assert seen(router, "gpu0") == (None, None)  # close() drops figures that would only go stale
+    assert router.index.capacity("gpu0") == 64 and threads_of("gpu0") == []
+
+
+def test_an_event_index_gets_no_capacity_from_metrics(engine: FakeVLLM) -> None:
+    router = events_router()
+    with Fleet(router, interval=0.05) as fleet:
+        fleet.add_backend("gpu0", kv_events=engine.endpoint, metrics_url=engine.url)
+        wait_until(lambda: fleet.stats()["gpu0"].scrapes >= 2, what="two scrapes")
+        assert router.index.capacity("gpu0") is None  # the events carry the evictions
+
+
+def test_a_block_size_it_cannot_use_is_warned_about_not_guessed(caplog: pytest.LogCaptureFixture) -> None:
+    with FakeVLLM(block_size=24, num_blocks=32) as odd, Fleet(Router(block_size=16), interval=0.05) as fleet:
+        fleet.add_backend("gpu0", metrics_url=odd.url)
+        wait_until(lambda: "block_size is 24" in caplog.text, what="a warning about vLLM's block size")
+        assert fleet.router.index.capacity("gpu0") is None
+
+
+def test_remove_backend_stops_its_subscriber_and_poller_and_nothing_is_written_back(engine: FakeVLLM) -> None:
+    router = events_router(policy=LeastLoaded())
+    with Fleet(router, interval=0.02) as fleet:
+        fleet.add_backend("gpu0", kv_events=engine.endpoint, replay=engine.replay_endpoint, metrics_url=engine.url)
+        subscriber = fleet.subscriber("gpu0")
+        assert subscriber is not None
+        engine.set_load(waiting=5)
+        engine.complete(PROMPT)
+        settle(engine, subscriber)
+        wait_until(lambda: seen(router, "gpu0")[0] == 5, what="the first figures")
+        assert router.index.blocks("gpu0") > 0 and len(threads_of("gpu0")) == 2
+        fleet.remove_backend("gpu0")
+        assert not subscriber.running and threads_of("gpu0") == []
+        assert seen(router, "gpu0") == (None, None) and router.index.blocks("gpu0") == 0
+        engine.set_load(waiting=9)
+        for _ in range(5):  # events and figures keep coming from the engine: none may reach the router
+            engine.complete(fresh())
+        time.sleep(0.3)  # fifteen poll intervals
+        assert seen(router, "gpu0") == (None, None) and router.index.blocks("gpu0") == 0
+        assert fleet.backends() == [] and fleet.healthy_backends() == []
+        fleet.add_backend("gpu0", metrics_url=engine.url)  # and it can come back
+        wait_until(lambda: seen(router, "gpu0")[0] == 9, what="figures after re-adding")
+
+
+def test_an_unknown_backend_is_still_removed_from_the_router() -> None:
+    router = Router()
+    router.route(PROMPT, ["gpu0"])
+    with Fleet(router) as fleet:
+        fleet.remove_backend("gpu0")
+    assert router.index.blocks("gpu0") == 0
+
+
+def test_nonsense_metrics_mark_only_that_engine_bad_and_polling_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    events: list[tuple[str, bool]] = []
+    router = Router()
+    with (
+        FakeVLLM() as good,
+        FakeVLLM() as bad,
+        Fleet(router, interval=0.02, on_health=lambda b, ok: events.append((b, ok))) as fleet,
+    ):
+        good.set_load(waiting=1)
+        bad.set_load(waiting=2)
+        fleet.add_backend("good", metrics_url=good.url)
+        fleet.add_backend("bad", metrics_url=bad.url)
+        wait_until(lambda: len(fleet.healthy_backends()) == 2 and seen(router, "bad")[0] == 2, what="first figures")
+        for nonsense in ("nan", "+Inf", "-4"):
+            bad.set_metrics_fault(text=f'vllm:num_requests_waiting{{engine="0"}} {nonsense}\n')
+            wait_until(lambda: fleet.healthy_backends() == ["good"], what=f"the bad engine marked bad ({nonsense})")
+            assert seen(router, "bad") == (None, None) and seen(router, "good")[0] == 1
+            bad.set_metrics_fault()
+            wait_until(lambda: len(fleet.healthy_backends()) == 2, what="the bad engine back")
+        bad.set_metrics_fault(text=good.metrics_text().replace('block_size="16"', 'block_size="0"'))
+        wait_until(lambda: fleet.healthy_backends() == ["good"], what="a zero block size marked bad")
+        stats = fleet.stats()
+    assert stats["bad"].failed_scrapes >= 4 and "block_size" in (stats["bad"].last_error or "")
+    assert stats["good"].failed_scrapes == 0
+    assert ("bad", False) in events and events.count(("bad", True)) >= 3 and ("good", False) not in events
+    assert "metrics of bad" in caplog.text
+
+
+def test_a_slow_engine_never_makes_the_others_stale() -> None:
+    router = Router()
+    with FakeVLLM() as slow, FakeVLLM() as fast, Fleet(router, interval=0.05, timeout=0.5, stale_after=1.0) as fleet:
+        slow.set_metrics_fault(trickle=0.05)
+        fleet.add_backend("slow", metrics_url=slow.url)
+        fleet.add_backend("fast", metrics_url=fast.url)
+        assert fleet.healthy_backends() == ["slow", "fast"]  # nothing scraped yet: unknown counts as healthy
+        wait_until(lambda: fleet.stats()["fast"].scrapes >= 5, what="the fast engine's scrapes")
+        assert fleet.stats()["slow"].failed_scrapes == 0  # still waiting on its first answer
+        wait_until(lambda: fleet.stats()["slow"].failed_scrapes >= 1, what="the slow engine's timeout")
+        stats = fleet.stats()
+        assert stats["slow"].scrapes == 0 and "within 0.5s" in (stats["slow"].last_error or "")
+        assert stats["fast"].scrapes >= 8 and stats["fast"].failed_scrapes == 0  # not held up by the slow one
+        assert fleet.healthy_backends() == ["fast"]
+        began = time.monotonic()
+        fleet.remove_backend("slow")  # waits for the scrape in flight, at most about the timeout
+        assert time.monotonic() - began < 2.0
+
+
+def test_unknown_is_healthy_until_the_stale_window_passes() -> None:
+    clock = FakeClock()
+    with FakeVLLM() as engine, Fleet(Router(), interval=0.05, timeout=0.5, stale_after=5.0, clock=clock) as fleet:
+        engine.set_metrics_fault(delay=3.0)  # no scrape finishes within the timeout
+        fleet.add_backend("gpu0", metrics_url=engine.url)
+        fleet.add_backend("events-only")
+        clock.tick(4.9)
+        assert fleet.healthy_backends() == ["gpu0", "events-only"]
+        clock.tick(0.2)
+        assert fleet.healthy_backends() == ["events-only"]  # a backend without metrics is always healthy
+
+
+def test_figures_older_than_stale_after_are_not_trusted() -> None:
+    clock = FakeClock()
+    with FakeVLLM() as engine, Fleet(Router(), interval=0.05, stale_after=5.0, clock=clock) as fleet:
+        fleet.add_backend("gpu0", metrics_url=engine.url)
+        wait_until(lambda: fleet.stats()["gpu0"].scrapes >= 1, what="a scrape")
+        engine.stop()  # every later scrape fails
+        wait_until(lambda: fleet.stats()["gpu0"].failed_scrapes >= 1, what="a failed scrape")
+        assert fleet.healthy_backends() == []
+        assert fleet.stats()["gpu0"].queue_len is None
+
+
+def test_garbage_kv_event_messages_cost_only_their_batch(engine: FakeVLLM) -> None:
+    router = events_router()
+    with Fleet(router) as fleet:
+        fleet.add_backend("gpu0", kv_events=engine.endpoint, replay=engine.replay_endpoint)
+        sub = fleet.subscriber("gpu0")
+        assert sub is not None
+        engine.complete(PROMPT)
+        settle(engine, sub)
+        before = sub.stats()
+        stored = msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, list(range(16)), 16]]])
+        for payload in (  # corrupt batches: each costs its own sequence number, as a real one would
+            b"\xc1 not msgpack",
+            stored[: len(stored) // 2],  # truncated
+            msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, list(range(16)), 0]]]),  # block size 0
+        ):
+            engine.publish_payload(payload)
+        for frames in (  # malformed messages: they take no sequence number
+            [b"", engine.seq.to_bytes(8, "big")],  # a frame missing
+            [b"", b"\x00\x01", stored],  # a 2-byte sequence number
+            [b"", (-5).to_bytes(8, "big", signed=True), stored],  # negative
+            [b"", (2**62).to_bytes(8, "big"), stored],  # absurd, and the next one does not continue it
+        ):
+            engine.publish_raw(frames)
+        engine.complete(fresh())  # the real stream goes on
+        settle(engine, sub)
+        after = sub.stats()
+        assert sub.running and after.restarts == before.restarts and after.gaps == before.gaps
+        assert after.bad_sequences - before.bad_sequences == 2
+        assert after.invalid_batches - before.invalid_batches == 4  # two payloads, two messages
+        assert after.tracker.invalid_events - before.tracker.invalid_events == 1  # the zero block size
+        assert router.index.hashes("gpu0") == engine.own_hashes()
+
+
+def test_a_jump_that_the_next_message_continues_is_believed(engine: FakeVLLM) -> None:
+    router = events_router()
+    with Fleet(router) as fleet:
+        fleet.add_backend("gpu0", kv_events=engine.endpoint)  # no replay: the jump is an unrecovered gap
+        sub = fleet.subscriber("gpu0")
+        assert sub is not None
+        settle(engine, sub)
+        far = engine.seq + 10**9
+        for seq in (far, far + 1):
+            engine.publish_raw([b"", seq.to_bytes(8, "big"), msgspec.msgpack.encode([1.0, []])])
+        wait_until(lambda: sub.last_seq == far + 1, what="the jump believed")
+        assert sub.stats().bad_sequences == 0 and sub.stats().unrecovered_gaps >= 1
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"interval": 0}, "interval"),
+        ({"interval": float("nan")}, "interval"),
+        ({"timeout": float("inf")}, "timeout"),
+        ({"timeout": -1}, "timeout"),
+        ({"stale_after": "5"}, "stale_after"),
+        ({"stale_after": 1.0, "interval": 2.0}, "longer than interval"),
+        ({"stale_after": 1.0, "timeout": 1.0, "interval": 0.5}, "longer than interval"),
+    ],
+)
+def test_nonsense_options_are_rejected_when_given(options: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        Fleet(Router(), **options)  # type: ignore[arg-type]
+
+
+def test_bad_backends_and_endpoints_are_clear_errors() -> None:
+    with Fleet(Router()) as fleet:
+        with pytest.raises(ConfigurationError, match="EventIndex"):
+            fleet.add_backend("gpu0", kv_events="tcp://127.0.0.1:1")
+        with pytest.raises(ConfigurationError, match="http"):
+            fleet.add_backend("gpu0", metrics_url="gpu0:8000")
+        with pytest.raises(ConfigurationError, match="without kv_events"):
+            fleet.add_backend("gpu0", replay="tcp://127.0.0.1:2")
+        with pytest.raises(TypeError, match="str"):
+            fleet.add_backend(7)  # type: ignore[arg-type]
+        fleet.add_backend("gpu0")
+        with pytest.raises(ConfigurationError, match="already in the fleet"):
+            fleet.add_backend("gpu0")
+    with pytest.raises(ConfigurationError, match="closed"):
+        fleet.add_backend("gpu1")
+    with Fleet(Router(index=EventIndex(16))) as fleet, pytest.raises(ConfigurationError, match="tcp://host"):
+        fleet.add_backend("gpu0", kv_events="gpu0:5557")
+    with pytest.raises(TypeError, match="Router"):
+        Fleet(object())  # type: ignore[arg-type]
+
+
+def test_a_failing_health_callback_is_counted_and_polling_goes_on(
+    engine: FakeVLLM, caplog: pytest.LogCaptureFixture
+) -> None:
+    def explode(backend: str, healthy: bool) -> None:
+        raise RuntimeError("callback bug")
+
+    caplog.set_level(logging.ERROR)
+    with Fleet(Router(), interval=0.02, on_health=explode) as fleet:
+        fleet.add_backend("gpu0", metrics_url=engine.url)
+        wait_until(lambda: fleet.stats().callback_errors == 1, what="the callback's error counted")
+        wait_until(lambda: fleet.stats()["gpu0"].scrapes >= 3, what="polling going on")
+    assert "callback bug" in caplog.text
