@@ -1,10 +1,24 @@
-"""``prefixroute study`` writes every section of the study, with its plots (tiny runs here)."""
+"""``prefixroute study``: every section written, every verdict computed from the figures by one table of rules."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
 
+import pytest
+
 from prefixroute.cli import main
+from prefixroute.sim.study.claims import CLAIMS, PUBLISHED, Check, Claim, Rule, judge, verdict_of
+from prefixroute.sim.study.render import render
+from prefixroute.sim.study.runs import StudyRuns, run_all
+
+VERDICTS = ("reproduced", "direction only", "not reproduced")
+
+
+@pytest.fixture(scope="module")
+def runs() -> StudyRuns:
+    return run_all(40, lambda _m: None)
 
 
 def test_study_writes_every_section(tmp_path: Path) -> None:
@@ -12,9 +26,74 @@ def test_study_writes_every_section(tmp_path: Path) -> None:
     text = (tmp_path / "study.md").read_text()
     for number in range(1, 9):
         assert f"## {number}. " in text
-    for claim in ("12.5 %", "6,800", "36.3", "638 / 448", "91 %", "P99/P50", "$2 per GPU-hour"):
-        assert claim in text
+    for claim in CLAIMS:
+        assert claim.statement in text
     for image in ("study-seed.png", "study-sweeps.png"):
         assert f"]({image})" in text
         assert (tmp_path / image).read_bytes()[:4] == b"\x89PNG"
-    assert "40 requests per run" in text
+    assert "40 requests per run, 41 runs" in text
+
+
+def test_runs_cover_every_section(runs: StudyRuns) -> None:
+    assert len(runs.all) == 41
+    assert set(runs.seed) == {"round-robin", "prefix-affinity", "bounded-load"}
+    assert all(len(by_factor) == 5 for by_factor in runs.hot_bounded.values())
+    assert runs.route_ms > 0 and runs.decode_step_ms > 0
+    for miss, hit in runs.prefill_ms.values():
+        assert 0 < hit < miss
+
+
+def test_every_verdict_on_the_page_is_computed(runs: StudyRuns, tmp_path: Path) -> None:
+    judged = judge(CLAIMS, runs)
+    assert {j.verdict for j in judged} <= set(VERDICTS)
+    assert len(judged) == sum(len(c.checks) for c in CLAIMS)
+    page = render(runs, judged, tmp_path)
+    for claim in CLAIMS:
+        assert f"| {claim.statement} | **{verdict_of(judged, claim)}** |" in page
+    # Move one published figure to what was simulated: its verdict, and only its, follows.
+    first = judged[0]
+    moved = dataclasses.replace(first.check, published=first.simulated)
+    claim = dataclasses.replace(first.claim, checks=(moved,))
+    assert judge([claim], runs)[0].verdict == "reproduced"
+    far = dataclasses.replace(first.check, published=first.simulated * 10)
+    assert judge([dataclasses.replace(first.claim, checks=(far,))], runs)[0].verdict != "reproduced"
+
+
+def _judge(rule: Rule, published: float, simulated: float, no_effect: float | None = None) -> str:
+    check = Check("x", published, lambda _runs: simulated, rule, "×", no_effect)
+    return judge([Claim(0, "claim", (check,))], StudyRuns(requests=1))[0].verdict
+
+
+@pytest.mark.parametrize(
+    ("rule", "published", "simulated", "no_effect", "verdict"),
+    [
+        (Rule.FACTOR, 0.15, 0.16, 1.0, "reproduced"),
+        (Rule.FACTOR, 0.15, 0.22, 1.0, "reproduced"),  # within 1.5x
+        (Rule.FACTOR, 0.15, 0.5, 1.0, "direction only"),  # below 1, but more than 1.5x away
+        (Rule.FACTOR, 0.15, 1.2, 1.0, "not reproduced"),  # the other side of "no effect"
+        (Rule.FACTOR, 36.3, 3.4, None, "not reproduced"),
+        (Rule.FACTOR, 85.0, -3.0, 0.0, "not reproduced"),
+        (Rule.POINTS, 91.0, 87.0, None, "reproduced"),
+        (Rule.POINTS, 91.0, 80.0, None, "not reproduced"),
+        (Rule.AT_LEAST, 36.0, 57.0, 0.0, "reproduced"),
+        (Rule.AT_LEAST, 45.0, 12.0, 0.0, "direction only"),
+        (Rule.AT_LEAST, 45.0, -5.0, 0.0, "not reproduced"),
+        (Rule.AT_MOST, 0.0, 0.0, None, "reproduced"),
+        (Rule.AT_MOST, 0.0, 1.0, None, "not reproduced"),
+        (Rule.AT_MOST, 1.0, math.nan, None, "not reproduced"),
+    ],
+)
+def test_rules(rule: Rule, published: float, simulated: float, no_effect: float | None, verdict: str) -> None:
+    assert _judge(rule, published, simulated, no_effect) == verdict
+
+
+def test_published_figures_live_in_one_table() -> None:
+    # Every check's published value is one of PUBLISHED's figures or derived from them (no number retyped).
+    values = set(PUBLISHED.values())
+    derived = {100 * v for v in values} | {0.0, 1.0}
+    derived |= {PUBLISHED["prefix-aware P99 TTFT ms"] / PUBLISHED["round-robin P99 TTFT ms"]}
+    derived |= {PUBLISHED["prefix-aware req/s"] / PUBLISHED["round-robin req/s"]}
+    derived |= {100 * (PUBLISHED["prefix-aware hit rate"] - PUBLISHED["round-robin hit rate"])}
+    for claim in CLAIMS:
+        for check in claim.checks:
+            assert check.published in values | derived, check.figure
