@@ -1,0 +1,361 @@
+"""The decision sidecar: a :class:`~prefixroute.Router` behind a small HTTP contract, as a raw ASGI app.
+
+=====================================  ========================================================================
+``POST /route``                        ``{"prompt_token_ids" | "prompt" | "messages", "model"?, "lease"?,
+                                       "backends"?}`` → 200 ``{"id", "backend", "matched_tokens",
+                                       "prompt_tokens", "reason"}``; the request counts in flight until finished
+``POST /first_token``, ``/finish``     ``{"id"}`` → 200 ``{"id"}``, also when repeated or unknown (counted)
+``POST /v1/completions``,              the client's own OpenAI request, forwarded by a proxy: 200 with the
+``POST /v1/chat/completions``          decision in headers (``X-Prefixroute-Backend``, ``-Upstream``, ``-Id``)
+                                       and ``X-Accel-Redirect`` for nginx
+``GET /metrics``, ``/healthz``,        Prometheus text; liveness; the counters as JSON
+``/stats``
+=====================================  ========================================================================
+
+Bad input answers 4xx with ``{"error": "what to fix"}`` and changes no count. The app holds no routing logic: it
+decodes, calls the router, and encodes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
+
+from prefixroute.adapters.serve.contract import (
+    BadRequest,
+    LifecycleBody,
+    Prompt,
+    RouteBody,
+    decode,
+    openai_prompt,
+    route_prompt,
+)
+from prefixroute.adapters.serve.metrics import SidecarMetrics
+from prefixroute.adapters.serve.text import PromptEncoder
+from prefixroute.errors import ConfigurationError, NoBackendError, PrefixRouteError
+from prefixroute.router import Decision, Router
+
+__all__ = ["PICK_PATHS", "Sidecar", "upstream_of"]
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+PICK_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+"""OpenAI paths the sidecar answers with a pick (the decision in headers) for proxies that forward the request."""
+
+_JSON = (b"content-type", b"application/json")
+_MAX_SEEN_BACKENDS = 4096  # per-request backend ids listed in /metrics; past this only the counts go on
+
+
+class Sidecar:
+    """The HTTP face of a router: decode a request, route it, count it in flight, answer.
+
+    ``backends`` is the fixed backend list (each request may give its own ``backends`` instead). ``encoder``
+    tokenizes text and chat prompts (without it they are refused with 400). ``models``, when given, are the only
+    ``model`` values accepted; the first is the router's own namespace (so KV events hashed without a namespace
+    match it), any other is its own namespace. ``lease`` is the default lease of every request in seconds (None:
+    counted until finished). ``healthy`` filters the backends to route to (e.g. :meth:`prefixroute.vllm.Fleet.
+    healthy_backends`); when it leaves none, all are used (fail open). ``accel_redirect`` is the nginx named
+    location a pick answer redirects to. ``clock`` times decisions for the latency histogram.
+
+    Use it as an ASGI app (``uvicorn.run(sidecar)``) or call :meth:`route`, :meth:`pick` and :meth:`finish`
+    directly (the ext_proc server and the UDP release listener do). Not thread-safe by itself: run it on one
+    event loop (the router underneath is thread-safe).
+
+    >>> sidecar = Sidecar(Router(block_size=4), backends=["http://10.0.0.1:8000", "http://10.0.0.2:8000"])
+    >>> decision = sidecar.route(b'{"prompt_token_ids": [1, 2, 3, 4, 5]}')
+    >>> decision.reason, sidecar.router.in_flight(decision.backend)
+    ('miss', 1)
+    >>> sidecar.finish(decision.id); sidecar.finish(decision.id)  # idempotent
+    >>> sidecar.router.in_flight(decision.backend)
+    0
+
+    Raises:
+        ConfigurationError: a fixed backend is not an ``http(s)://host:port`` URL, or ``lease`` is not positive.
+    """
+
+    def __init__(
+        self,
+        router: Router,
+        *,
+        backends: Sequence[str] = (),
+        encoder: PromptEncoder | None = None,
+        models: Sequence[str] | None = None,
+        lease: float | None = 600.0,
+        healthy: Callable[[Sequence[str]], list[str]] | None = None,
+        accel_redirect: str = "@prefixroute_upstream",
+        max_body_bytes: int = 32 * 2**20,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if not isinstance(router, Router):
+            raise TypeError(f"router must be a prefixroute.Router, not {type(router).__name__}")
+        for backend in backends:
+            upstream_of(backend, strict=True)
+        if len(set(backends)) != len(backends):
+            raise ConfigurationError("a backend is listed twice: list each backend URL once")
+        if lease is not None and not (isinstance(lease, (int, float)) and 0 < lease < float("inf")):
+            raise ConfigurationError(f"lease must be a positive number of seconds or None, not {lease!r}")
+        if models is not None and (not models or not all(isinstance(m, str) and m for m in models)):
+            raise ConfigurationError("models must be a non-empty list of model names (or None to accept any)")
+        self.router = router
+        self.backends = tuple(backends)
+        self.metrics = SidecarMetrics()
+        self._encoder = encoder
+        self._models = tuple(models) if models is not None else None
+        self._lease = lease
+        self._healthy = healthy
+        self._accel_redirect = accel_redirect.encode("latin-1")
+        self._max_body = max_body_bytes
+        self._clock = clock
+        self._seen: dict[str, None] = dict.fromkeys(self.backends)
+        self._upstreams: dict[str, bytes] = {}
+
+    # -- the operations (also used by the ext_proc server and the UDP release listener) -------------------------------
+
+    def route(self, body: bytes) -> Decision:
+        """Decide for a ``/route`` body and count the request in flight. O(prompt + backends).
+
+        Raises:
+            BadRequest: the body breaks the contract, the model is unknown, or there is no backend.
+        """
+        request: RouteBody = decode(body, RouteBody)
+        prompt = route_prompt(request)
+        return self.decide(prompt, model=request.model, backends=request.backends, lease=request.lease)
+
+    def pick(self, path: str, body: bytes) -> Decision:
+        """Decide for a client's OpenAI request body (``path`` says which kind) and count it in flight.
+
+        Raises:
+            BadRequest: the body is not a completion or chat completion request, or as :meth:`route`.
+        """
+        prompt, model = openai_prompt(path, body)
+        return self.decide(prompt, model=model, backends=None, lease=None)
+
+    def decide(
+        self, prompt: Prompt, *, model: str | None, backends: Sequence[str] | None, lease: float | None
+    ) -> Decision:
+        """Tokenize ``prompt`` if needed, route it among ``backends`` (default: the fixed ones), start it.
+
+        Raises:
+            BadRequest: 400 text without a tokenizer, token ids out of the tokenizer's range, no backend; 404 an
+                unknown model.
+        """
+        namespace = self._namespace(model)
+        tokens = self._tokens(prompt)
+        if backends is None:
+            backends = self.backends
+            if not backends:
+                raise BadRequest(400, "no backends: send 'backends' or start the sidecar with --backends URL ...")
+            if self._healthy is not None:
+                backends = self._healthy(backends) or backends
+        else:
+            self._see(backends)
+        try:
+            decision = self.router.route(tokens, backends, namespace=namespace)
+        except NoBackendError as exc:
+            raise BadRequest(400, str(exc)) from None
+        except (PrefixRouteError, ValueError, TypeError) as exc:
+            raise BadRequest(400, str(exc)) from None
+        self.router.start(decision, lease=self._lease if lease is None else lease)
+        return decision
+
+    def first_token(self, decision_id: str, *, via: str = "http") -> None:
+        """Report that the request's first token came back. Idempotent; unknown ids are ignored and counted."""
+        self.router.first_token(decision_id)
+        self.metrics.released(via)
+
+    def finish(self, decision_id: str, *, via: str = "http") -> None:
+        """Stop counting the request. Idempotent; unknown ids are ignored and counted (never raises)."""
+        self.router.finish(decision_id)
+        self.metrics.released(via)
+
+    def answer(self, decision: Decision) -> bytes:
+        """The JSON answer of ``/route`` for ``decision``."""
+        return msgspec.json.encode(
+            {
+                "id": decision.id,
+                "backend": decision.backend,
+                "matched_tokens": decision.matched_tokens,
+                "prompt_tokens": decision.prompt_tokens,
+                "reason": decision.reason,
+            }
+        )
+
+    def upstream(self, backend: str) -> bytes:
+        """``host:port`` of a backend URL (what a proxy connects to), cached. O(1) after the first call."""
+        upstream = self._upstreams.get(backend)
+        if upstream is None:
+            upstream = upstream_of(backend).encode("latin-1", "replace")
+            if len(self._upstreams) < _MAX_SEEN_BACKENDS:
+                self._upstreams[backend] = upstream
+        return upstream
+
+    def stats(self) -> dict[str, Any]:
+        """The counters as a JSON-ready dict (``GET /stats``)."""
+        stats = self.router.stats()
+        return {
+            "decisions": dict(self.metrics.decisions),
+            "in_flight": {backend: self.router.in_flight(backend) for backend in self._seen},
+            "in_flight_total": stats.in_flight,
+            "leases_expired": stats.leases_expired,
+            "unknown_finishes": stats.ignored,
+            "releases": dict(self.metrics.releases),
+            "bad_requests": {str(k): v for k, v in self.metrics.bad_requests.items()},
+        }
+
+    def _namespace(self, model: str | None) -> str | None:
+        if model is None:
+            return None
+        if self._models is None:
+            return model
+        if model not in self._models:
+            raise BadRequest(404, f"unknown model {model!r}: this sidecar routes {list(self._models)}")
+        return None if model == self._models[0] else model
+
+    def _tokens(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, list) and type(prompt[0]) is int:
+            tokens: list[int] = prompt
+            if self._encoder is not None and max(tokens) >= self._encoder.vocab_size:
+                raise BadRequest(
+                    400, f"token id {max(tokens)} is out of range: the model's tokenizer has {self._encoder.vocab_size}"
+                )
+            return tokens
+        if self._encoder is None:
+            raise BadRequest(400, "text prompts need a tokenizer: send 'prompt_token_ids', or start with --tokenizer")
+        try:
+            if isinstance(prompt, str):
+                return self._encoder.encode(prompt)
+            return self._encoder.encode_chat(prompt)  # type: ignore[arg-type]
+        except (ValueError, TypeError) as exc:
+            raise BadRequest(400, str(exc)) from None
+
+    def _see(self, backends: Sequence[str]) -> None:
+        if len(self._seen) < _MAX_SEEN_BACKENDS:
+            for backend in backends:
+                if isinstance(backend, str):
+                    self._seen.setdefault(backend, None)
+
+    # -- ASGI ----------------------------------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serve one ASGI connection scope (``http``; ``lifespan`` is acknowledged)."""
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        method: str = scope["method"]
+        path: str = scope["path"]
+        try:
+            if method == "POST":
+                body = await self._body(receive)
+                await self._post(path, body, send)
+            elif method in ("GET", "HEAD"):
+                await self._get(path, send)
+            else:
+                raise BadRequest(405, f"{method} is not served: use POST for decisions and GET for metrics")
+        except BadRequest as exc:
+            self.metrics.refused(exc.status)
+            await _respond(send, exc.status, msgspec.json.encode({"error": exc.message}))
+
+    async def _post(self, path: str, body: bytes, send: Send) -> None:
+        started = self._clock()
+        if path == "/route":
+            decision = self.route(body)
+            answer = self.answer(decision)
+            self.metrics.decided(decision, self._clock() - started)
+            await _respond(send, 200, answer)
+        elif path == "/finish" or path == "/first_token":
+            request: LifecycleBody = decode(body, LifecycleBody)
+            (self.finish if path == "/finish" else self.first_token)(request.id)
+            await _respond(send, 200, msgspec.json.encode({"id": request.id}))
+        elif path in PICK_PATHS:
+            decision = self.pick(path, body)
+            answer = self.answer(decision)
+            headers = [
+                _JSON,
+                (b"x-accel-redirect", self._accel_redirect),
+                (b"x-prefixroute-backend", decision.backend.encode("latin-1", "replace")),
+                (b"x-prefixroute-upstream", self.upstream(decision.backend)),
+                (b"x-prefixroute-id", decision.id.encode()),
+                (b"x-prefixroute-reason", decision.reason.encode()),
+                (b"x-prefixroute-matched-tokens", str(decision.matched_tokens).encode()),
+            ]
+            self.metrics.decided(decision, self._clock() - started)
+            await _respond(send, 200, answer, headers)
+        else:
+            raise BadRequest(404, f"no such endpoint {path!r}: POST /route, /first_token, /finish")
+
+    async def _get(self, path: str, send: Send) -> None:
+        if path == "/metrics":
+            text = self.metrics.render(self.router, self._seen).encode()
+            await _respond(send, 200, text, [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")])
+        elif path == "/healthz":
+            await _respond(send, 200, msgspec.json.encode({"status": "ok", "backends": list(self.backends)}))
+        elif path == "/stats":
+            await _respond(send, 200, msgspec.json.encode(self.stats()))
+        else:
+            raise BadRequest(404, f"no such endpoint {path!r}: GET /metrics, /healthz, /stats")
+
+    async def _body(self, receive: Receive) -> bytes:
+        message = await receive()
+        body: bytes = message.get("body", b"")
+        if not message.get("more_body", False):
+            return body
+        chunks = [body]
+        size = len(body)
+        while message.get("more_body", False):
+            message = await receive()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self._max_body:
+                raise BadRequest(413, f"the request body is over {self._max_body} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+async def _respond(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [*(headers or [_JSON]), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def upstream_of(backend: str, *, strict: bool = False) -> str:
+    """``host:port`` of a backend URL (``http://gpu0:8000`` → ``gpu0:8000``); the backend itself if not a URL.
+
+    Raises:
+        ConfigurationError: with ``strict``, ``backend`` is not an ``http(s)://host:port`` URL without a path.
+    """
+    if not isinstance(backend, str):
+        raise TypeError(f"a backend is a URL str, not {type(backend).__name__}")
+    try:
+        parts = urlsplit(backend)
+        port = parts.port
+    except ValueError:
+        parts, port = None, None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+        if strict:
+            raise ConfigurationError(
+                f"backend {backend!r} is not a URL like http://10.0.0.1:8000: give each engine's scheme, host and "
+                "port, without a path"
+            )
+        return backend
+    if port is None:
+        port = 443 if parts.scheme == "https" else 80
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{host}:{port}"

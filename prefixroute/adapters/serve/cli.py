@@ -1,0 +1,246 @@
+"""``prefixroute serve``: run the decision sidecar (HTTP, and optionally Envoy ext_proc and a UDP release listener).
+
+Listens on ``--host``/``--port`` (HTTP), ``--ext-proc PORT`` (gRPC, Envoy's endpoint picker) and
+``--release-port PORT`` (UDP syslog lines carrying ``prefixroute_finish=<id>``), all on ``--host``. Prints one line
+per listener on stdout once it is bound. Bad options, a tokenizer path that does not exist and a port that cannot be
+bound end it with exit status 2 and one line on stderr. ``--kv-events BACKEND=ENDPOINT[,REPLAY]`` and
+``--metrics-from-backends`` need the ``vllm`` extra: the index then follows each engine's KV events (so replicas of
+the sidecar agree without talking to each other) and unhealthy engines are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import socket
+import sys
+from collections.abc import Coroutine
+from typing import Any
+
+from prefixroute.errors import ConfigurationError
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``serve`` subcommand."""
+    parser = subparsers.add_parser(
+        "serve",
+        help="run the HTTP decision sidecar for nginx, HAProxy and Envoy",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--backends", nargs="+", default=[], metavar="URL", help="engine URLs, http://host:port")
+    parser.add_argument("--policy", default="bounded-load", help="load policy name (default bounded-load)")
+    parser.add_argument(
+        "--policy-option", action="append", default=[], metavar="KEY=VALUE", help="policy option, e.g. factor=1.5"
+    )
+    parser.add_argument("--tokenizer", metavar="PATH", help="local tokenizer.json, or a model folder holding one")
+    parser.add_argument("--block-size", type=_positive_int, default=16, metavar="N", help="tokens per block")
+    parser.add_argument("--host", default="127.0.0.1", help="address of every listener (default 127.0.0.1)")
+    parser.add_argument("--port", type=_port, default=8100, metavar="P", help="HTTP port (default 8100; 0: any)")
+    parser.add_argument(
+        "--lease", type=_seconds, default=600.0, metavar="SECONDS", help="default lease of a request (default 600)"
+    )
+    parser.add_argument("--models", nargs="+", metavar="NAME", help="the only accepted models (the first: default)")
+    parser.add_argument("--kv-events", nargs="+", default=[], metavar="BACKEND=ENDPOINT[,REPLAY]")
+    parser.add_argument("--metrics-from-backends", action="store_true", help="poll each engine's /metrics")
+    parser.add_argument("--ext-proc", type=_port, metavar="PORT", help="serve Envoy's ext_proc endpoint picker")
+    parser.add_argument("--release-port", type=_port, metavar="PORT", help="UDP port for syslog release lines")
+    parser.add_argument(
+        "--accel-redirect", default="@prefixroute_upstream", metavar="LOCATION", help="nginx named location"
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the sidecar from the options, bind its ports, serve until SIGINT/SIGTERM; return 0.
+
+    Raises:
+        ConfigurationError: a bad option (the CLI turns it into one line and exit status 2).
+    """
+    from prefixroute import Router, policy_from_name
+    from prefixroute.adapters.serve.app import Sidecar
+    from prefixroute.adapters.serve.text import PromptEncoder
+
+    encoder = PromptEncoder(args.tokenizer) if args.tokenizer is not None else None
+    events = [_kv_events(spec, args.backends) for spec in args.kv_events]
+    policy = policy_from_name(args.policy, **dict(_policy_option(option) for option in args.policy_option))
+    fleet: Any = None
+    if events or args.metrics_from_backends:
+        try:
+            from prefixroute.vllm import EventIndex, Fleet
+        except ImportError as exc:
+            raise ConfigurationError(f"--kv-events and --metrics-from-backends need: pip install 'prefixroute[vllm]' "
+                                     f"({exc})") from None  # fmt: skip
+        index = EventIndex(args.block_size) if events else None
+        router = Router(block_size=args.block_size, policy=policy, index=index)
+        fleet = Fleet(router)
+    else:
+        router = Router(block_size=args.block_size, policy=policy)
+    sidecar = Sidecar(
+        router,
+        backends=args.backends,
+        encoder=encoder,
+        models=args.models,
+        lease=args.lease,
+        healthy=fleet.healthy_backends if fleet is not None and args.metrics_from_backends else None,
+        accel_redirect=args.accel_redirect,
+    )
+    http_socket = _bind(socket.SOCK_STREAM, args.host, args.port)
+    udp_socket = _bind(socket.SOCK_DGRAM, args.host, args.release_port) if args.release_port is not None else None
+    try:
+        if fleet is not None:
+            by_backend = dict(events)
+            for backend in args.backends:
+                endpoints = by_backend.get(backend)
+                fleet.add_backend(
+                    backend,
+                    kv_events=endpoints[0] if endpoints else None,
+                    replay=endpoints[1] if endpoints else None,
+                    metrics_url=backend if args.metrics_from_backends else None,
+                )
+        _run_loop(_serve(sidecar, http_socket, udp_socket, args))
+    finally:
+        if fleet is not None:
+            fleet.close()
+    return 0
+
+
+async def _serve(sidecar: Any, http_socket: socket.socket, udp_socket: socket.socket | None, args: Any) -> None:
+    import uvicorn
+
+    from prefixroute.adapters.serve.release import ReleaseProtocol
+
+    loop = asyncio.get_running_loop()
+    transport = None
+    grpc_server = None
+    try:
+        if udp_socket is not None:
+            transport, _ = await loop.create_datagram_endpoint(lambda: ReleaseProtocol(sidecar), sock=udp_socket)
+            _say(f"release listener on udp://{_address(udp_socket)}")
+        if args.ext_proc is not None:
+            from prefixroute.adapters.serve.ext_proc import start_ext_proc
+
+            try:
+                grpc_server, port = await start_ext_proc(sidecar, args.host, args.ext_proc)
+            except (OSError, RuntimeError) as exc:
+                raise ConfigurationError(f"cannot listen for ext_proc on {args.host}:{args.ext_proc}: {exc}") from None
+            _say(f"ext_proc endpoint picker on {args.host}:{port}")
+        config = uvicorn.Config(
+            sidecar, http=_http_impl(), lifespan="off", access_log=False, log_level="warning", ws="none",
+            timeout_keep_alive=75, backlog=4096,
+        )  # fmt: skip
+        server = uvicorn.Server(config)
+        _say(f"http://{_address(http_socket)} ({len(sidecar.backends)} backends, policy {sidecar.router.policy!r})")
+        await server.serve(sockets=[http_socket])
+    finally:
+        if grpc_server is not None:
+            await grpc_server.stop(grace=1.0)
+        if transport is not None:
+            transport.close()
+
+
+def _run_loop(main: Coroutine[Any, Any, None]) -> None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is in the serve extra, absent on Windows
+        asyncio.run(main)
+        return
+    uvloop.run(main)
+
+
+def _http_impl() -> str:
+    try:
+        import httptools  # noqa: F401
+    except ImportError:  # pragma: no cover
+        return "h11"
+    return "httptools"
+
+
+def _bind(kind: int, host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, kind)
+    try:
+        if kind == socket.SOCK_STREAM:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        if kind == socket.SOCK_STREAM:
+            sock.listen(4096)
+    except OSError as exc:
+        sock.close()
+        what = "HTTP" if kind == socket.SOCK_STREAM else "UDP"
+        raise ConfigurationError(f"cannot listen ({what}) on {host}:{port}: {exc.strerror or exc}") from None
+    sock.setblocking(False)
+    return sock
+
+
+def _address(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _say(line: str) -> None:
+    print(f"prefixroute serve: {line}", flush=True)
+
+
+def _kv_events(spec: str, backends: list[str]) -> tuple[str, tuple[str, str | None]]:
+    backend, sep, endpoints = spec.partition("=")
+    if not sep or not backend or not endpoints:
+        raise ConfigurationError(f"--kv-events takes BACKEND=ENDPOINT[,REPLAY], like "
+                                 f"http://gpu0:8000=tcp://gpu0:5557, not {spec!r}")  # fmt: skip
+    if backend not in backends:
+        raise ConfigurationError(f"--kv-events names backend {backend!r}, which is not one of --backends {backends}")
+    publisher, _, replay = endpoints.partition(",")
+    return backend, (publisher, replay or None)
+
+
+def _policy_option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise ConfigurationError(f"--policy-option takes KEY=VALUE, like factor=1.5, not {text!r}")
+    for kind in (int, float):
+        try:
+            return key, kind(value)
+        except ValueError:
+            pass
+    return key, value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, not {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, not {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, not {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, not {text!r}")
+    return value
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from prefixroute.cli import main
+
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main(["serve", *sys.argv[1:]]))

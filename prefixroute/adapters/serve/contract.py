@@ -1,0 +1,128 @@
+"""The sidecar's HTTP contract: the JSON bodies it reads, checked once, and the bad-input answer it gives.
+
+``POST /route`` takes exactly one of ``prompt_token_ids`` (a list of ints in [0, 2**32)), ``prompt`` (a str) or
+``messages`` (OpenAI chat messages), and optionally ``model`` (a str: the hash namespace), ``lease`` (seconds, > 0)
+and ``backends`` (a non-empty list of str). ``POST /first_token`` and ``POST /finish`` take ``{"id": str}``.
+Unknown fields are ignored, so a client may send more than the contract names. Any violation becomes
+:class:`BadRequest`: an HTTP status (4xx) and one message that says what to fix.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+__all__ = ["BadRequest", "LifecycleBody", "Prompt", "RouteBody", "decode", "openai_prompt", "route_prompt"]
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
+
+
+class BadRequest(Exception):
+    """Input the sidecar refuses: ``status`` (4xx) and a message naming the field and what to send instead."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class RouteBody(msgspec.Struct):
+    """The body of ``POST /route``."""
+
+    prompt_token_ids: list[TokenId] | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    model: str | None = None
+    lease: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    backends: list[str] | None = None
+
+
+class LifecycleBody(msgspec.Struct):
+    """The body of ``POST /first_token`` and ``POST /finish``."""
+
+    id: str
+
+
+Prompt = list[int] | str | list[dict[str, Any]]
+"""What a request asks to route: token ids, a text prompt, or chat messages (to render with a chat template)."""
+
+
+def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    """Decode and check a JSON body as ``kind``. O(len(body)).
+
+    Raises:
+        BadRequest: 400 for malformed JSON, a missing field or a field of the wrong type or range (the message
+            names the field, e.g. ``$.prompt_token_ids[3]``).
+    """
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(400, f"invalid request body: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(400, f"the request body is not valid JSON: {exc}") from None
+
+
+def route_prompt(body: RouteBody) -> Prompt:
+    """The one prompt of a ``/route`` body.
+
+    Raises:
+        BadRequest: 400 unless exactly one of ``prompt_token_ids``, ``prompt`` and ``messages`` is given and
+            non-empty, or when ``backends`` is given empty.
+    """
+    given = [
+        name
+        for name, value in (
+            ("prompt_token_ids", body.prompt_token_ids),
+            ("prompt", body.prompt),
+            ("messages", body.messages),
+        )
+        if value is not None
+    ]
+    if len(given) != 1:
+        raise BadRequest(
+            400,
+            "send exactly one of 'prompt_token_ids' (token ids), 'prompt' (text) or 'messages' (chat), "
+            f"not {' and '.join(given) if given else 'none of them'}",
+        )
+    if body.backends is not None and not body.backends:
+        raise BadRequest(400, "'backends' is empty: list at least one backend URL, or omit it to use the sidecar's")
+    prompt: Prompt | None = body.prompt_token_ids
+    if prompt is None:
+        prompt = body.prompt if body.prompt is not None else body.messages
+    assert prompt is not None
+    if not prompt:
+        raise BadRequest(400, f"'{given[0]}' is empty: send the prompt to route")
+    return prompt
+
+
+def openai_prompt(path: str, body: bytes) -> tuple[Prompt, str | None]:
+    """The prompt and model of an OpenAI ``/v1/completions`` or ``/v1/chat/completions`` request body.
+
+    A batch of prompts is routed by its first one. O(len(body)).
+
+    Raises:
+        BadRequest: 400 when the body is not such a request (no usable ``prompt`` or ``messages``).
+    """
+    try:
+        request = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(request, dict):
+        raise BadRequest(400, "an OpenAI request body is a JSON object")
+    model = request.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest(400, "'model' must be a string")
+    if path.endswith("/chat/completions"):
+        messages = request.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise BadRequest(400, "a chat completion needs 'messages', a non-empty list of message objects")
+        return messages, model
+    prompt = request.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+        prompt = prompt[0]  # a batch: its first prompt decides
+    if isinstance(prompt, str) and prompt:
+        return prompt, model
+    if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < 2**32 for t in prompt):
+        return prompt, model
+    raise BadRequest(400, "a completion needs 'prompt': a non-empty string or list of token ids in [0, 2**32)")

@@ -1,0 +1,130 @@
+"""An Envoy external processor that is a Gateway API Inference Extension endpoint picker.
+
+Envoy's ``ext_proc`` filter opens one gRPC stream per HTTP request and sends it the request headers, the buffered
+request body, the response headers and each response body chunk. The picker reads the OpenAI body, routes it
+(:meth:`Sidecar.pick`), and answers the body message with the destination in the ``x-gateway-destination-endpoint``
+header (which an ``ORIGINAL_DST`` cluster with ``use_http_header`` connects to) and in the ``envoy.lb`` dynamic
+metadata, as the endpoint-picker contract says. The first response body chunk reports the first token; the last
+one, or the stream's end for any other reason (upstream error, client abort: Envoy resets the stream), finishes the
+request, exactly once. A body the picker cannot route gets no header, so Envoy's route falls back to its plain
+balancer cluster.
+
+Needs the ``prefixroute[serve]`` extra (grpcio and the generated Envoy protos of ``xds-protos``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf import struct_pb2
+
+from prefixroute.adapters.serve.app import PICK_PATHS, Sidecar
+from prefixroute.adapters.serve.contract import BadRequest
+
+__all__ = ["DESTINATION_HEADER", "EndpointPicker", "start_ext_proc"]
+
+_log = logging.getLogger(__name__)
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+"""Where the picked endpoint (``host:port``) goes: a request header and a key of the ``envoy.lb`` metadata."""
+
+
+class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """The ``envoy.service.ext_proc.v3.ExternalProcessor`` service over a :class:`Sidecar` (grpc.aio)."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self._sidecar = sidecar
+
+    async def Process(  # noqa: N802 - the gRPC method's name
+        self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        """Handle one HTTP request's processing stream; release its decision when the stream ends, however."""
+        path = ""
+        body: list[bytes] = []
+        decision_id: str | None = None
+        answered_first = False
+        try:
+            async for request in requests:
+                kind = request.WhichOneof("request")
+                if kind == "request_headers":
+                    path = _header(request.request_headers.headers, ":path").split("?", 1)[0]
+                    yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+                elif kind == "request_body":
+                    body.append(request.request_body.body)
+                    if not request.request_body.end_of_stream:
+                        yield pb.ProcessingResponse(request_body=pb.BodyResponse())
+                        continue
+                    decision_id, response = self._pick(path, b"".join(body))
+                    yield response
+                elif kind == "response_headers":
+                    yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+                elif kind == "response_body":
+                    if decision_id is not None:
+                        if not answered_first:
+                            answered_first = True
+                            self._sidecar.first_token(decision_id, via="ext_proc")
+                        if request.response_body.end_of_stream:
+                            self._sidecar.finish(decision_id, via="ext_proc")
+                            decision_id = None
+                    yield pb.ProcessingResponse(response_body=pb.BodyResponse())
+                elif kind == "request_trailers":
+                    yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+                elif kind == "response_trailers":
+                    yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+        finally:
+            if decision_id is not None:  # the stream ended before the response did: error, reset or abort
+                self._sidecar.finish(decision_id, via="ext_proc")
+
+    def _pick(self, path: str, body: bytes) -> tuple[str | None, Any]:
+        if path not in PICK_PATHS:
+            return None, pb.ProcessingResponse(request_body=pb.BodyResponse())
+        try:
+            decision = self._sidecar.pick(path, body)
+        except BadRequest as exc:  # not routable: no header, so Envoy's route falls back to its plain balancer
+            self._sidecar.metrics.refused(exc.status)
+            _log.debug("ext_proc: not routed (%s)", exc.message)
+            return None, pb.ProcessingResponse(request_body=pb.BodyResponse())
+        endpoint = self._sidecar.upstream(decision.backend)
+        mutation = pb.HeaderMutation(
+            set_headers=[
+                base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=endpoint)),
+                base_pb2.HeaderValueOption(
+                    header=base_pb2.HeaderValue(key="x-prefixroute-id", raw_value=decision.id.encode())
+                ),
+            ]
+        )
+        metadata = struct_pb2.Struct()
+        metadata.update({"envoy.lb": {DESTINATION_HEADER: endpoint.decode("latin-1")}})
+        response = pb.ProcessingResponse(
+            request_body=pb.BodyResponse(response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)),
+            dynamic_metadata=metadata,
+        )
+        return decision.id, response
+
+
+def _header(headers: Any, name: str) -> str:
+    for header in headers.headers:
+        if header.key == name:
+            return header.raw_value.decode("latin-1") if header.raw_value else str(header.value)
+    return ""
+
+
+async def start_ext_proc(sidecar: Sidecar, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """Start the endpoint picker on ``host:port`` (0: any free port); return the server and its port.
+
+    Raises:
+        OSError: the port cannot be bound.
+    """
+    server = grpc.aio.server()
+    pb_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(sidecar), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind the ext_proc port {host}:{port}")
+    await server.start()
+    return server, bound

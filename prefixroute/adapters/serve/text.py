@@ -1,0 +1,136 @@
+"""Text and chat prompts to token ids, as the engine will see them: the model's tokenizer and chat template.
+
+:class:`PromptEncoder` loads a local ``tokenizer.json`` (a file, or a model folder holding one). Chat messages are
+rendered with the model's chat template when the folder has one (``chat_template`` in ``tokenizer_config.json``, or
+``chat_template.jinja``), with ``add_generation_prompt=True`` as vLLM's OpenAI server does, then tokenized without
+adding special tokens (the template writes them). Without a template, messages are serialised as::
+
+    <|role|>
+    content
+    ...
+    <|assistant|>
+
+one block per message (list contents joined by their ``text`` parts), which keeps conversations that share their
+first messages sharing a token prefix, though not the engine's exact tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from prefixroute.adapters.tokenize import PromptTokenizer
+from prefixroute.errors import ConfigurationError
+
+__all__ = ["PromptEncoder"]
+
+
+class PromptEncoder:
+    """Encode text prompts and chat messages with one model's tokenizer (thread-safe).
+
+    Raises:
+        ConfigurationError: the path holds no tokenizer.json, the file is not one, or the chat template does not
+            compile.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        location = Path(path)
+        file = location / "tokenizer.json" if location.is_dir() else location
+        PromptTokenizer.from_file(file)  # its checks and messages for a missing or malformed file
+        tokenizer = Tokenizer.from_file(str(file))
+        self._text = PromptTokenizer(tokenizer)
+        self._chat = PromptTokenizer(tokenizer, add_special_tokens=False)
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        """Token ids at or above this are out of the model's range."""
+        self._template = _load_template(file.parent)
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether chat messages are rendered with the model's own template."""
+        return self._template is not None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a text prompt (special tokens added as the tokenizer defines). O(len(text))."""
+        return self._text.encode(text)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Token ids of chat messages with the generation prompt appended. O(total length).
+
+        Raises:
+            ValueError: a message is not an object with a string ``role``, or the template rejects the messages.
+        """
+        for message in messages:
+            if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+                raise ValueError("each chat message must be an object with a string 'role' and a 'content'")
+        if self._template is None:
+            return self._chat.encode(_serialise(messages))
+        try:
+            text = self._template(messages=list(messages), add_generation_prompt=True)
+        except Exception as exc:  # the template's own raise_exception(), or a jinja error on odd messages
+            raise ValueError(f"the model's chat template rejected the messages: {exc}") from exc
+        return self._chat.encode(text)
+
+
+def _serialise(messages: Sequence[Mapping[str, Any]]) -> str:
+    parts = [f"<|{message['role']}|>\n{_content(message.get('content'))}\n" for message in messages]
+    parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
+def _content(content: object) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return ""
+
+
+def _load_template(folder: Path) -> Callable[..., str] | None:
+    """The folder's chat template as a render function, or None when it has none."""
+    source: str | None = None
+    config: dict[str, Any] = {}
+    config_file = folder / "tokenizer_config.json"
+    if config_file.is_file():
+        try:
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ConfigurationError(f"{str(config_file)!r} is not readable JSON: {exc}") from exc
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: the "default" one
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        source = template if isinstance(template, str) else None
+    jinja_file = folder / "chat_template.jinja"
+    if source is None and jinja_file.is_file():
+        source = jinja_file.read_text(encoding="utf-8")
+    if source is None:
+        return None
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(message)
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    environment.globals["raise_exception"] = raise_exception
+    environment.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    try:
+        compiled = environment.from_string(source)
+    except jinja2.TemplateError as exc:
+        raise ConfigurationError(f"the chat template in {str(folder)!r} does not compile: {exc}") from exc
+    specials = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+
+    def render(**variables: Any) -> str:
+        return compiled.render(**specials, **variables)
+
+    return render
+
+
+def _token_text(token: object) -> str:
+    if isinstance(token, dict):  # {"content": "<s>", ...} in older tokenizer_config.json files
+        token = token.get("content")
+    return token if isinstance(token, str) else ""

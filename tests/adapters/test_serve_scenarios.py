@@ -1,0 +1,251 @@
+"""The checks every proxy set-up must pass (imported by test_nginx.py, test_haproxy.py, test_envoy.py).
+
+A :class:`Stack` is real processes on loopback: two fake vLLM engines (OpenAI-compatible, streaming SSE), the
+sidecar (``prefixroute serve`` in its own process) and the proxy under its example configuration. Under CI=true a
+missing proxy binary fails the test; elsewhere it skips.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+
+from prefixroute.adapters.serve.loopback import Process, find_binary, free_port, start_sidecar
+from prefixroute.testing.openai_engine import OpenAIEngine
+
+SHARED = list(range(1000, 1256))  # a 256-token system prompt
+DEADLINE_S = 10.0
+
+
+def need_binary(name: str) -> str:
+    """The binary's path; skip without it, except under CI=true, where its absence is a failure."""
+    path = find_binary(name)
+    if path is None:
+        message = f"{name} is not installed (.ci/run installs it)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float = DEADLINE_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.01)
+
+
+class Stack:
+    """Engines, the sidecar and one proxy, all on free loopback ports."""
+
+    def __init__(self, workdir: Path, start_proxy: Callable[[Path, dict[str, int]], Process], mode: str) -> None:
+        self.workdir = workdir
+        self.mode = mode
+        self._exit = ExitStack()
+        self.engines = [
+            self._exit.enter_context(OpenAIEngine(token_delay_s=0.002, max_tokens=8, seed=i)) for i in range(2)
+        ]
+        self.ports = {
+            "proxy": free_port(),
+            "engine0": int(self.engines[0].url.rsplit(":", 1)[1]),
+            "engine1": int(self.engines[1].url.rsplit(":", 1)[1]),
+            "sidecar": free_port(),
+            "release": free_port(),
+            "ext_proc": free_port(),
+        }
+        self.sidecar: Process | None = None
+        self.start_sidecar()
+        self.proxy = start_proxy(workdir, self.ports)
+        self.url = f"http://127.0.0.1:{self.ports['proxy']}"
+
+    def start_sidecar(self) -> None:
+        options = ["--lease", "60", "--policy-option", "factor=1.0", "--release-port", str(self.ports["release"])]
+        if self.mode == "ext_proc":
+            options += ["--ext-proc", str(self.ports["ext_proc"])]
+        self.sidecar = start_sidecar(
+            self.workdir, [engine.url for engine in self.engines], port=self.ports["sidecar"], options=options
+        )
+
+    def stop_sidecar(self) -> None:
+        assert self.sidecar is not None
+        self.sidecar.stop()
+        self.sidecar = None
+
+    def stats(self) -> dict[str, object]:
+        reply = httpx.get(f"http://127.0.0.1:{self.ports['sidecar']}/stats", timeout=5)
+        assert reply.status_code == 200
+        stats: dict[str, object] = reply.json()
+        return stats
+
+    def in_flight(self) -> int:
+        count = self.stats()["in_flight_total"]
+        assert isinstance(count, int)
+        return count
+
+    def served(self) -> list[int]:
+        return [engine.stats().requests for engine in self.engines]
+
+    def close(self) -> None:
+        for process in (self.proxy, self.sidecar):
+            if process is not None:
+                process.stop()
+        self._exit.close()
+
+
+def make_stack(tmp: Path, start_proxy: Callable[[Path, dict[str, int]], Process], mode: str) -> Iterator[Stack]:
+    stack = Stack(tmp, start_proxy, mode)
+    try:
+        yield stack
+    finally:
+        stack.close()
+
+
+def body(suffix: int, *, stream: bool = True, chat: bool = False) -> dict[str, object]:
+    if chat:
+        return {"model": "fake-model", "messages": [{"role": "user", "content": f"question {suffix}"}],
+                "stream": stream, "max_tokens": 8}  # fmt: skip
+    return {"model": "fake-model", "prompt": [*SHARED, suffix, suffix + 1], "stream": stream, "max_tokens": 8}
+
+
+def stream_request(url: str, payload: dict[str, object], *, chat: bool = False) -> tuple[int, list[str]]:
+    """POST a streaming completion; return the status and the SSE data lines."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    with httpx.Client(timeout=DEADLINE_S) as client, client.stream("POST", url + path, json=payload) as reply:
+        lines = [line[6:] for line in reply.iter_lines() if line.startswith("data: ")]
+        return reply.status_code, lines
+
+
+# -- the checks ------------------------------------------------------------------------------------------------------
+
+
+def check_same_prefix_same_upstream(stack: Stack) -> None:
+    before = stack.served()
+    for i in range(6):
+        status, lines = stream_request(stack.url, body(i * 7))
+        assert status == 200 and lines[-1] == "[DONE]" and len(lines) >= 8
+        wait_until(lambda: stack.in_flight() == 0, "the stream's release")
+    added = [after - start for after, start in zip(stack.served(), before, strict=True)]
+    assert sorted(added) == [0, 6], f"a shared prefix was split across engines: {added}"
+    decisions = stack.stats()["decisions"]
+    assert isinstance(decisions, dict) and decisions.get("prefix", 0) >= 5
+
+
+def check_sse_is_not_buffered(stack: Stack) -> None:
+    for engine in stack.engines:
+        engine.stall(after_tokens=1)
+    try:
+        with (
+            httpx.Client(timeout=DEADLINE_S) as client,
+            client.stream("POST", stack.url + "/v1/completions", json=body(99)) as reply,
+        ):
+            assert reply.status_code == 200
+            lines = reply.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            # The engine is stalled after one token: that token got here before the stream could end.
+            assert json.loads(first[6:])["choices"]
+            for engine in stack.engines:
+                engine.resume()
+            rest = [line for line in lines if line.startswith("data: ")]
+            assert rest[-1] == "data: [DONE]"
+    finally:
+        for engine in stack.engines:
+            engine.resume()
+    wait_until(lambda: stack.in_flight() == 0, "the release after a stream")
+
+
+def check_load_fallback(stack: Stack) -> None:
+    """Concurrent streams with one prefix: past the policy's bound they spill to the other engine."""
+    stream_request(stack.url, body(5000))  # the prefix is cached somewhere
+    wait_until(lambda: stack.in_flight() == 0, "the release of the warm-up")
+    for engine in stack.engines:
+        engine.stall(after_tokens=1)
+    started = threading.Barrier(5)
+    results: list[int] = []
+
+    def one(i: int) -> None:
+        with (
+            httpx.Client(timeout=DEADLINE_S) as client,
+            client.stream("POST", stack.url + "/v1/completions", json=body(6000 + i)) as reply,
+        ):
+            lines = reply.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            started.wait()
+            results.append(sum(1 for line in lines if line == "data: [DONE]"))
+
+    before = stack.served()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    try:
+        for thread in threads:
+            thread.start()
+        started.wait(timeout=DEADLINE_S)
+        assert stack.in_flight() == 4
+        added = [after - start for after, start in zip(stack.served(), before, strict=True)]
+        assert min(added) >= 1, f"four concurrent streams of one prefix never spilled: {added}"
+        decisions = stack.stats()["decisions"]
+        assert isinstance(decisions, dict) and decisions.get("load-fallback", 0) >= 1
+    finally:
+        for engine in stack.engines:
+            engine.resume()
+        for thread in threads:
+            thread.join(DEADLINE_S)
+    assert results == [1, 1, 1, 1]
+    wait_until(lambda: stack.in_flight() == 0, "every release after the concurrent streams")
+
+
+def check_release_after_error_and_abort(stack: Stack) -> None:
+    # A backend error: both engines fail their next request.
+    for engine in stack.engines:
+        engine.fail_next(1)
+    status, _ = stream_request(stack.url, body(7000))
+    assert status == 500
+    wait_until(lambda: stack.in_flight() == 0, "the release after an engine error")
+    for engine in stack.engines:
+        engine.fail_next(0)
+    # A client abort mid-stream.
+    for engine in stack.engines:
+        engine.stall(after_tokens=1)
+    try:
+        with (
+            httpx.Client(timeout=DEADLINE_S) as client,
+            client.stream("POST", stack.url + "/v1/completions", json=body(7100)) as reply,
+        ):
+            lines = reply.iter_lines()  # held: dropping the iterator would close the connection already
+            next(line for line in lines if line.startswith("data: "))
+            assert stack.in_flight() == 1
+        # leaving the block closes the connection mid-stream
+        wait_until(lambda: stack.in_flight() == 0, "the release after a client abort")
+    finally:
+        for engine in stack.engines:
+            engine.resume()
+    stats = stack.stats()
+    assert stats["in_flight_total"] == 0 and stats["leases_expired"] == 0
+
+
+def check_chat_routes_by_prefix(stack: Stack) -> None:
+    status, lines = stream_request(stack.url, body(1, chat=True), chat=True)
+    assert status == 200 and lines[-1] == "[DONE]"
+    wait_until(lambda: stack.in_flight() == 0, "the release of a chat stream")
+
+
+def check_fail_open(stack: Stack) -> None:
+    """With the sidecar down, the proxy still serves every request from its plain balancer."""
+    stack.stop_sidecar()
+    try:
+        before = stack.served()
+        for i in range(4):
+            status, lines = stream_request(stack.url, body(8000 + i))
+            assert status == 200 and lines[-1] == "[DONE]"
+        assert sum(stack.served()) - sum(before) == 4
+    finally:
+        stack.start_sidecar()
+    status, _ = stream_request(stack.url, body(8100))
+    assert status == 200
