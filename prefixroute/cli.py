@@ -24,6 +24,8 @@ COMMAND_MODULES: Mapping[str, tuple[str, tuple[str, ...]]] = MappingProxyType(
     {
         "prefixroute.sim.cli": ("sim", ("simulate", "study")),
         "prefixroute.vllm.doctor": ("vllm", ("doctor",)),
+        "prefixroute.adapters.serve.cli": ("serve", ("serve",)),
+        "prefixroute.adapters.proxy.cli": ("proxy", ("proxy",)),
         "prefixroute.testing.openai_engine": ("proxy", ("fake-engines",)),
     }
 )

@@ -358,6 +358,8 @@ class OpenAIEngine:
                     self._waiting -= 1
         try:
             return await self._answer(request, body, prompt, max_tokens, chat=chat)
+        except _ClientGone:  # counted; nobody is left to answer
+            return web.Response(status=499)
         finally:
             if self._slots is not None:
                 self._slots.release()

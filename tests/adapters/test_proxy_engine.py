@@ -125,7 +125,8 @@ def test_a_stalled_stream_counts_its_client_leaving(engine: OpenAIEngine) -> Non
     engine.stall(after_tokens=1)
     body = {"prompt": list(range(8)), "stream": True}
     with httpx.Client() as client, client.stream("POST", f"{engine.url}/v1/completions", json=body) as reply:
-        first = next(reply.iter_raw())
+        chunks = reply.iter_raw()  # held: a dropped iterator closes the connection
+        first = next(chunks)
         assert b'" t0"' in first
         assert engine.stats().running == 1
     deadline = time.monotonic() + 5

@@ -1,0 +1,395 @@
+"""The OpenAI-compatible proxy: route each completion to a vLLM backend with a :class:`~prefixroute.Router`, relay it.
+
+One request's life: decode the body, take its token ids (:func:`~prefixroute.adapters.proxy.prompts.request_tokens`),
+:meth:`Router.decide` among the healthy backends, :meth:`Router.commit` and :meth:`Router.start`, forward the body
+unmodified, relay the answer unmodified (SSE chunk by chunk), :meth:`Router.first_token` on the first streamed chunk,
+and :meth:`Router.finish` in a ``finally`` whatever happens: success, an error answer, a failed connection, or the
+client leaving (the handler is cancelled, which also closes the upstream request so the engine stops generating).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens
+from prefixroute.errors import ConfigurationError, InvalidPromptError
+from prefixroute.router import Decision, Router
+
+if TYPE_CHECKING:
+    from prefixroute.vllm.fleet import Fleet
+
+__all__ = ["Proxy", "ProxyStats"]
+
+_log = logging.getLogger("prefixroute.proxy")
+
+# Failures of a connection before any answer: the request never reached the engine, so sending it elsewhere is safe.
+_UNREACHED = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+_OUTCOMES = ("ok", "backend_error", "unreachable", "client_disconnect", "bad_request")
+
+
+@dataclass(frozen=True)
+class ProxyStats:
+    """What a :class:`Proxy` has done (a snapshot). Each completion request has exactly one outcome."""
+
+    ok: int
+    """Answered by a backend (any status below 500), relayed in full."""
+    backend_error: int
+    """A backend answered 5xx or broke off mid-answer."""
+    unreachable: int
+    """No backend could be reached, retry included (the client got 502)."""
+    client_disconnect: int
+    """The client left before the answer was complete."""
+    bad_request: int
+    """Refused before routing (400): not JSON, no prompt, bad token ids."""
+    retries: int
+    """Requests sent to another backend after the chosen one refused the connection."""
+    unhealthy: tuple[str, ...]
+    """Backends taken out of rotation now, after failing ``max_failures`` times in a row."""
+
+
+class Proxy:
+    """An OpenAI-compatible router in front of vLLM servers (``prefixroute proxy``; see the module docstring).
+
+    Args:
+        router: decides; the proxy holds no routing logic. Its backend ids are the backends' base URLs.
+        backends: base URLs of the vLLM OpenAI servers (``http://gpu0:8000``).
+        encoder: text and chat messages to token ids for requests that send text (default: UTF-8 bytes,
+            :class:`~prefixroute.adapters.proxy.prompts.ByteEncoder`; pass the model's tokenizer).
+        fleet: a :class:`~prefixroute.vllm.Fleet` whose health (``/metrics`` scrapes) also filters the backends;
+            its owner starts and closes it.
+        retries: how many times a request whose connection failed goes to another backend.
+        max_failures: consecutive failures (unreachable, or a 5xx answer) that take a backend out of rotation for
+            ``cooldown`` seconds. While every backend is out, all are tried.
+        connect_timeout: seconds to open a connection to a backend.
+        clock: for the cooldowns.
+
+    Raises:
+        ConfigurationError: no backends, a backend that is not an http(s) URL, or a duplicate.
+
+    :meth:`serve` runs it on the caller's event loop; :meth:`start` on a thread of its own (tests, examples).
+    """
+
+    def __init__(
+        self,
+        router: Router,
+        backends: Sequence[str],
+        *,
+        encoder: PromptEncoding | None = None,
+        fleet: Fleet | None = None,
+        retries: int = 1,
+        max_failures: int = 3,
+        cooldown: float = 10.0,
+        connect_timeout: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not isinstance(router, Router):
+            raise TypeError(f"router must be a prefixroute.Router, not {type(router).__name__}")
+        urls = [str(url).rstrip("/") for url in backends]
+        if not urls:
+            raise ConfigurationError("the proxy needs at least one backend URL, like http://127.0.0.1:8000")
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigurationError(f"backend {url!r} is not an http(s):// URL like http://gpu0:8000")
+        if len(set(urls)) != len(urls):
+            raise ConfigurationError(f"a backend URL appears twice in {urls}: name each backend once")
+        if retries < 0 or max_failures < 1 or not cooldown > 0 or not connect_timeout > 0:
+            raise ConfigurationError("retries must be >= 0, max_failures >= 1, cooldown and connect_timeout > 0")
+        self.router = router
+        self.backends: tuple[str, ...] = tuple(urls)
+        self._encoder: PromptEncoding = encoder if encoder is not None else ByteEncoder()
+        self._fleet = fleet
+        self._retries = retries
+        self._max_failures = max_failures
+        self._cooldown = cooldown
+        self._connect_timeout = connect_timeout
+        self._clock = clock
+        self._counts = dict.fromkeys((*_OUTCOMES, "retries"), 0)
+        self._failures = dict.fromkeys(self.backends, 0)
+        self._down_until: dict[str, float] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped: asyncio.Event | None = None
+        self.url = ""
+
+    # -- running ---------------------------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        """The aiohttp application (routes and error middleware)."""
+        app = web.Application(middlewares=[_json_errors], client_max_size=64 << 20)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/health", self._healthz)
+        return app
+
+    async def serve(self, *, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Listen on the running loop; return the proxy's URL (port 0: one the OS picks). Stop with :meth:`aclose`."""
+        self._loop = asyncio.get_running_loop()
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+        # handler_cancellation: a client that leaves cancels its handler, wherever it waits (also non-streaming).
+        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, reuse_address=True)
+        await site.start()
+        self.url = f"http://{host}:{self._runner.addresses[0][1]}"
+        return self.url
+
+    async def aclose(self) -> None:
+        """Stop listening and close the upstream connections. Idempotent."""
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+        if self._session is not None:
+            session, self._session = self._session, None
+            await session.close()
+
+    def start(self, *, host: str = "127.0.0.1", port: int = 0) -> Proxy:
+        """Serve on a thread of its own (with its own event loop); return self once listening (see :attr:`url`)."""
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        async def main() -> None:
+            try:
+                await self.serve(host=host, port=port)
+            except BaseException as exc:  # reported to start()'s caller
+                failure.append(exc)
+                ready.set()
+                return
+            self._stopped = asyncio.Event()
+            ready.set()
+            await self._stopped.wait()
+            await self.aclose()
+
+        self._thread = threading.Thread(target=asyncio.run, args=(main(),), name="prefixroute-proxy", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failure:
+            raise failure[0]
+        return self
+
+    def stop(self) -> None:
+        """Stop the thread :meth:`start` started. Idempotent."""
+        if self._thread is not None and self._loop is not None and self._stopped is not None:
+            self._loop.call_soon_threadsafe(self._stopped.set)
+            self._thread.join(10)
+            self._thread = None
+
+    def __enter__(self) -> Proxy:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def stats(self) -> ProxyStats:
+        """Return the outcome counters and the backends out of rotation now."""
+        counts = dict(self._counts)
+        now = self._clock()
+        down = tuple(b for b, until in list(self._down_until.items()) if until > now)
+        return ProxyStats(
+            ok=counts["ok"],
+            backend_error=counts["backend_error"],
+            unreachable=counts["unreachable"],
+            client_disconnect=counts["client_disconnect"],
+            bad_request=counts["bad_request"],
+            retries=counts["retries"],
+            unhealthy=down,
+        )
+
+    def healthy_backends(self) -> list[str]:
+        """Backends in rotation: not cooling down after failures, and healthy in the fleet when there is one.
+
+        When none is, every backend (better a try than a certain 502).
+        """
+        now = self._clock()
+        healthy = [b for b in self.backends if self._down_until.get(b, 0.0) <= now]
+        if self._fleet is not None:
+            healthy = self._fleet.healthy_backends(healthy)
+        return healthy or list(self.backends)
+
+    # -- completions -----------------------------------------------------------------------------------------------
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._proxy(request, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._proxy(request, chat=True)
+
+    async def _proxy(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = _decode(raw)
+            tokens = request_tokens(body, chat=chat, encoder=self._encoder)
+            backends = self.healthy_backends()
+            decision = self.router.commit(self.router.decide(tokens, backends))
+        except (BadRequest, InvalidPromptError, TypeError) as exc:
+            self._counts["bad_request"] += 1
+            status, kind = (exc.status, exc.kind) if isinstance(exc, BadRequest) else (400, "BadRequestError")
+            return error_response(status, str(exc), kind)
+        headers = {"Content-Type": "application/json"}
+        if "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]
+        session = self._session
+        assert session is not None, "serve() opens the session"
+        upstream: aiohttp.ClientResponse | None = None
+        outcome = "client_disconnect"
+        tried: list[str] = []
+        try:
+            while upstream is None:
+                self.router.start(decision)
+                try:
+                    upstream = await session.post(decision.backend + request.path, data=raw, headers=headers)
+                except _UNREACHED as exc:
+                    self.router.finish(decision)
+                    self._failed(decision.backend)
+                    tried.append(decision.backend)
+                    remaining = [b for b in backends if b not in tried]
+                    if len(tried) > self._retries or not remaining:
+                        outcome = "unreachable"
+                        return error_response(502, f"backend {decision.backend} is unreachable: {exc}", "BadGateway")
+                    self._counts["retries"] += 1
+                    decision = self.router.commit(decision, self.router.decide(tokens, remaining).backend)
+            response, outcome = await self._relay(request, upstream, decision, stream=body.get("stream") is True)
+            return response
+        finally:
+            self.router.finish(decision)
+            if upstream is not None and outcome != "ok":
+                upstream.close()  # a half-read answer closes its connection: the engine stops generating
+            self._counts[outcome] += 1
+
+    async def _relay(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, decision: Decision, *, stream: bool
+    ) -> tuple[web.StreamResponse, str]:
+        """Send ``upstream``'s answer to the client as it comes; return the response and the request's outcome."""
+        content_type = upstream.headers.get("Content-Type", "application/json")
+        headers = {"Content-Type": content_type, **_decision_headers(decision)}
+        if upstream.status >= 500:
+            self._failed(decision.backend)
+        else:
+            self._failures[decision.backend] = 0
+        if not stream or upstream.status != 200:
+            answer = web.Response(status=upstream.status, body=await upstream.read(), headers=headers)
+            return answer, "ok" if upstream.status < 500 else "backend_error"
+        response = web.StreamResponse(status=200, headers=headers)
+        await response.prepare(request)
+        first = True
+        try:
+            async for chunk in upstream.content.iter_any():
+                if first:
+                    self.router.first_token(decision)
+                    first = False
+                await response.write(chunk)
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            _log.warning("backend %s broke off a streamed answer: %s", decision.backend, exc)
+            self._failed(decision.backend)
+            response.force_close()  # the client sees the stream end without [DONE]
+            return response, "backend_error"
+        except ConnectionError:  # writing to a client that has gone
+            return response, "client_disconnect"
+        await response.write_eof()
+        return response, "ok"
+
+    def _failed(self, backend: str) -> None:
+        failures = self._failures[backend] = self._failures.get(backend, 0) + 1
+        if failures >= self._max_failures:
+            self._down_until[backend] = self._clock() + self._cooldown
+            self._failures[backend] = 0
+            _log.warning("backend %s failed %d times in a row: out of rotation for %.0f s", backend, failures,
+                         self._cooldown)  # fmt: skip
+
+    # -- the other endpoints ---------------------------------------------------------------------------------------
+
+    async def _models(self, request: web.Request) -> web.Response:
+        """``/v1/models`` merged from every backend in rotation (by model id; unreachable ones skipped)."""
+        session = self._session
+        assert session is not None
+
+        async def models(backend: str) -> list[dict[str, Any]]:
+            async with session.get(f"{backend}/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as reply:
+                reply.raise_for_status()
+                data = (await reply.json()).get("data")
+                return [card for card in data if isinstance(card, dict)] if isinstance(data, list) else []
+
+        answers = await asyncio.gather(*(models(b) for b in self.healthy_backends()), return_exceptions=True)
+        merged: dict[str, dict[str, Any]] = {}
+        for answer in answers:
+            for card in answer if isinstance(answer, list) else ():
+                merged.setdefault(str(card.get("id")), card)
+        if not any(isinstance(answer, list) for answer in answers):
+            return error_response(502, "no backend answered /v1/models", "BadGateway")
+        return web.json_response({"object": "list", "data": list(merged.values())})
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        now = self._clock()
+        down = {b for b, until in self._down_until.items() if until > now}
+        healthy = [b for b in self.healthy_backends() if b not in down]
+        body = {"status": "ok" if healthy else "unavailable", "healthy_backends": healthy}
+        return web.json_response(body, status=200 if healthy else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.metrics_text(), content_type="text/plain", charset="utf-8")
+
+    def metrics_text(self) -> str:
+        """The proxy's Prometheus text: request outcomes, retries, and per backend in-flight and health."""
+        stats = self.stats()
+        router = self.router.stats()
+        lines = ["# TYPE prefixroute_proxy_requests_total counter"]
+        lines += [f'prefixroute_proxy_requests_total{{outcome="{o}"}} {getattr(stats, o)}' for o in _OUTCOMES]
+        lines += ["# TYPE prefixroute_proxy_retries_total counter", f"prefixroute_proxy_retries_total {stats.retries}"]
+        lines += ["# TYPE prefixroute_router_decisions_total counter",
+                  f"prefixroute_router_decisions_total {router.decisions}",
+                  "# TYPE prefixroute_router_in_flight gauge", "# TYPE prefixroute_proxy_backend_up gauge"]  # fmt: skip
+        for backend in self.backends:
+            label = backend.replace("\\", "\\\\").replace('"', '\\"')
+            lines.append(f'prefixroute_router_in_flight{{backend="{label}"}} {self.router.in_flight(backend)}')
+            lines.append(f'prefixroute_proxy_backend_up{{backend="{label}"}} {int(backend not in stats.unhealthy)}')
+        return "\n".join(lines) + "\n"
+
+
+_decoder = msgspec.json.Decoder()
+
+
+def _decode(raw: bytes) -> Any:
+    try:
+        return _decoder.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+
+
+def _decision_headers(decision: Decision) -> dict[str, str]:
+    return {"X-Prefixroute-Backend": decision.backend, "X-Prefixroute-Reason": decision.reason,
+            "X-Prefixroute-Matched-Tokens": str(decision.matched_tokens)}  # fmt: skip
+
+
+def error_response(status: int, message: str, kind: str) -> web.Response:
+    """An OpenAI-style error answer, as vLLM writes it."""
+    return web.json_response(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status
+    )
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+    """aiohttp's own refusals (404, 405, 413) as OpenAI-style JSON errors too."""
+    try:
+        response: web.StreamResponse = await handler(request)
+        return response
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(exc.status, f"{exc.reason}: {request.method} {request.path}", exc.reason.replace(" ", ""))

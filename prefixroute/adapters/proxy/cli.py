@@ -1,0 +1,125 @@
+"""``prefixroute proxy``: build a :class:`~prefixroute.adapters.proxy.Proxy` from command-line options and serve."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from prefixroute.adapters.proxy.app import Proxy
+from prefixroute.adapters.proxy.prompts import PromptEncoding, TokenizerEncoder
+from prefixroute.adapters.tokenize import PromptTokenizer
+from prefixroute.errors import ConfigurationError
+from prefixroute.policies import policy_from_name, policy_names
+from prefixroute.router import Router
+
+__all__ = ["build", "register", "run"]
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``proxy`` subcommand to the ``prefixroute`` CLI."""
+    parser = subparsers.add_parser(
+        "proxy",
+        help="an OpenAI-compatible, prefix-aware router in front of vLLM servers",
+        description="Serve /v1/completions and /v1/chat/completions (streamed or not), /v1/models, /metrics and "
+        "/healthz, sending each request to the vLLM backend that holds its prompt's prefix, within the policy's "
+        "load bound.",
+    )
+    parser.add_argument("--backends", nargs="+", required=True, metavar="URL",
+                        help="base URLs of the vLLM OpenAI servers, e.g. http://gpu0:8000")  # fmt: skip
+    parser.add_argument("--tokenizer", metavar="PATH",
+                        help="the model's local tokenizer.json (or its folder), to route text prompts on real "
+                        "token ids; without it text routes on its bytes")  # fmt: skip
+    parser.add_argument("--policy", default="bounded-load", help=f"one of {', '.join(policy_names())}")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (vLLM's block size, 16)")
+    parser.add_argument("--kv-events", nargs="+", metavar="ENDPOINT",
+                        help="per backend, in --backends order, its KV-event publisher (tcp://gpu0:5557), "
+                        "optionally ',REPLAY' (tcp://gpu0:5557,tcp://gpu0:5558): the index follows what the "
+                        "engines really cache")  # fmt: skip
+    parser.add_argument("--metrics-from-backends", action="store_true",
+                        help="read each backend's /metrics: its queue and KV usage feed the policy, failed "
+                        "scrapes take it out of rotation")  # fmt: skip
+    parser.add_argument("--retries", type=int, default=1, help="resends after a refused connection (1)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
+    parser.set_defaults(func=run)
+
+
+def build(args: argparse.Namespace) -> tuple[Proxy, Any]:
+    """The proxy the options describe, and the :class:`~prefixroute.vllm.Fleet` it needs (None without one).
+
+    Raises:
+        ConfigurationError: options that do not fit together (the message says which).
+    """
+    policy = policy_from_name(args.policy)
+    encoder: PromptEncoding | None = None
+    if args.tokenizer is not None:
+        path = Path(args.tokenizer)
+        encoder = TokenizerEncoder(PromptTokenizer.from_file(path / "tokenizer.json" if path.is_dir() else path))
+    backends = [url.rstrip("/") for url in args.backends]
+    kv_events = args.kv_events or []
+    if kv_events and len(kv_events) != len(backends):
+        raise ConfigurationError(
+            f"--kv-events names {len(kv_events)} endpoints for {len(backends)} backends: give one per backend, "
+            "in --backends order"
+        )
+    if kv_events and encoder is None:
+        raise ConfigurationError("--kv-events needs --tokenizer: KV events carry token ids, text must route on them")
+    if not (kv_events or args.metrics_from_backends):
+        router = Router(block_size=args.block_size, policy=policy)
+        return Proxy(router, backends, encoder=encoder, retries=args.retries), None
+    from prefixroute.vllm import EventIndex, Fleet
+
+    index = EventIndex(args.block_size) if kv_events else None
+    router = Router(block_size=args.block_size, policy=policy, index=index)
+    fleet = Fleet(router)
+    try:
+        for i, backend in enumerate(backends):
+            publisher, _, replay = kv_events[i].partition(",") if kv_events else ("", "", "")
+            fleet.add_backend(
+                backend,
+                kv_events=publisher or None,
+                replay=replay or None,
+                metrics_url=backend if args.metrics_from_backends else None,
+            )
+    except BaseException:
+        fleet.close()
+        raise
+    return Proxy(router, backends, encoder=encoder, fleet=fleet, retries=args.retries), fleet
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until interrupted; return the exit status."""
+    if not 0 <= args.port < 65536:
+        raise ConfigurationError(f"--port must be a port number, not {args.port}")
+    proxy, fleet = build(args)
+
+    async def serve() -> None:
+        url = await proxy.serve(host=args.host, port=args.port)
+        print(f"prefixroute proxy at {url}, routing to {len(proxy.backends)} backends", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await proxy.aclose()
+
+    try:
+        _run(serve())
+    except KeyboardInterrupt:
+        return 0
+    except OSError as exc:
+        raise ConfigurationError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from exc
+    finally:
+        if fleet is not None:
+            fleet.close()
+    return 0
+
+
+def _run(main: Any) -> None:
+    """Run on uvloop when it is installed (less CPU per proxied request), else on asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+    else:
+        uvloop.run(main)

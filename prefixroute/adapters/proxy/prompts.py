@@ -1,0 +1,102 @@
+"""The token ids an OpenAI request routes on: the client's own token ids, else its text through an encoder."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from prefixroute.adapters.tokenize import PromptTokenizer
+
+__all__ = ["BadRequest", "ByteEncoder", "PromptEncoding", "TokenizerEncoder", "request_tokens"]
+
+
+class BadRequest(Exception):
+    """A request the proxy answers with an OpenAI-style error: ``status`` and a message saying what to fix."""
+
+    def __init__(self, message: str, *, status: int = 400, kind: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+
+
+@runtime_checkable
+class PromptEncoding(Protocol):
+    """What turns a request's text into the token ids it routes on (e.g. the model's tokenizer and template)."""
+
+    def encode(self, text: str) -> list[int]:
+        """The token ids of a completion prompt."""
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The token ids of a chat conversation, as rendered for the model."""
+
+
+def serialise_chat(messages: Sequence[Mapping[str, Any]]) -> str:
+    """Messages as ``<|role|>\\ncontent`` blocks then ``<|assistant|>``, for encoders without a chat template.
+
+    Conversations that share their first messages then share a text prefix (not the engine's exact tokens).
+    """
+    parts = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+        parts.append(f"<|{message.get('role', '')}|>\n{'' if content is None else content}\n")
+    return "".join(parts) + "<|assistant|>\n"
+
+
+class TokenizerEncoder:
+    """Encode with the model's local ``tokenizer.json`` (chat messages serialised by :func:`serialise_chat`)."""
+
+    def __init__(self, tokenizer: PromptTokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        """O(len(text)); the Rust tokenizer releases the GIL."""
+        return self._tokenizer.encode(text)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """O(total text)."""
+        return self._tokenizer.encode(serialise_chat(messages))
+
+
+class ByteEncoder:
+    """Route text on its UTF-8 bytes, one "token" a byte: for a proxy without the model's tokenizer.
+
+    Prompts that share a text prefix still share a backend, but the router's token counts (matched and pending
+    prefill tokens) are bytes, about four per real token, and KV events (which carry real token ids) cannot
+    confirm these predictions: pass ``--tokenizer`` for those.
+    """
+
+    def encode(self, text: str) -> list[int]:
+        """O(len(text))."""
+        return list(text.encode("utf-8", "surrogatepass"))
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """O(total text)."""
+        return self.encode(serialise_chat(messages))
+
+
+def request_tokens(body: object, *, chat: bool, encoder: PromptEncoding) -> list[int]:
+    """The token ids ``body`` (a decoded OpenAI request) routes on. O(prompt).
+
+    Completions: ``prompt`` as token ids is used as sent; as text it is encoded; a batch routes on its first
+    prompt. Chat: ``messages`` are encoded with the encoder's chat rendering.
+
+    Raises:
+        BadRequest: the body is not an object, or has no usable ``prompt`` / ``messages``.
+    """
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise BadRequest('\'messages\' must be a non-empty list of {"role", "content"} objects')
+        return encoder.encode_chat(messages)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch: route on its first prompt
+    if isinstance(prompt, str):
+        return encoder.encode(prompt)
+    if isinstance(prompt, list) and prompt:
+        return prompt  # token ids; the router checks each one and says which is bad
+    raise BadRequest("'prompt' must be a string, a non-empty list of token ids, or a batch of those")

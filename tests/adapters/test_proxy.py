@@ -1,0 +1,203 @@
+"""``prefixroute proxy`` against real aiohttp fake vLLM engines on loopback: routing, relaying, and the lifecycle."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from prefixroute import Router
+from prefixroute.adapters.proxy import Proxy
+from prefixroute.testing.openai_engine import OpenAIEngine
+
+SYSTEM = " ".join(f"rule{i}" for i in range(64))  # 64 words: four 16-token blocks for the engines
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[list[OpenAIEngine]]:
+    started = [OpenAIEngine(seed=i, max_tokens=4).start() for i in range(3)]
+    yield started
+    for engine in started:
+        engine.stop()
+
+
+@pytest.fixture
+def healthy(engines: list[OpenAIEngine]) -> Iterator[list[OpenAIEngine]]:
+    """The module's engines, put back to normal after each test (the test may refuse, stall or fail them)."""
+    yield engines
+    for engine in engines:
+        engine.resume()
+        engine.accept()
+        engine.fail_next(0)
+
+
+@pytest.fixture
+def proxy(healthy: list[OpenAIEngine]) -> Iterator[Proxy]:
+    with Proxy(Router(), [engine.url for engine in healthy]) as running:
+        yield running
+
+
+def eventually(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def assert_idle(proxy: Proxy) -> None:
+    """Every counter the lifecycle moves is back to exactly 0, on every backend."""
+    eventually(lambda: proxy.router.stats().in_flight == 0)
+    for candidate in proxy.router.decide([7] * 64, proxy.backends).candidates:
+        assert (candidate.in_flight, candidate.pending_prefill_tokens, candidate.held_blocks) == (0, 0, 0)
+
+
+def complete(proxy: Proxy, body: dict[str, object], *, chat: bool = False) -> httpx.Response:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    return httpx.post(proxy.url + path, json=body, timeout=10)
+
+
+def served_by(engines: list[OpenAIEngine]) -> list[int]:
+    return [engine.stats().requests for engine in engines]
+
+
+def test_the_same_prefix_goes_to_the_same_backend_and_hits_its_cache(proxy: Proxy, healthy: list[Any]) -> None:
+    first = complete(proxy, {"prompt": SYSTEM + " question one"})
+    second = complete(proxy, {"prompt": SYSTEM + " question two", "stream": True})
+    chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
+    third = complete(proxy, {"messages": chat}, chat=True)
+    fourth = complete(proxy, {"messages": [*chat, {"role": "user", "content": "more"}]}, chat=True)
+    assert first.headers["x-prefixroute-backend"] == second.headers["x-prefixroute-backend"]
+    assert second.headers["x-prefixroute-reason"] == "prefix"
+    assert third.headers["x-prefixroute-backend"] == fourth.headers["x-prefixroute-backend"]
+    assert int(fourth.headers["x-prefixroute-matched-tokens"]) > 0
+    assert fourth.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64  # the engine's own cache hit
+    tokens = list(range(100, 164))
+    ids = {complete(proxy, {"prompt": [*tokens, i]}).headers["x-prefixroute-backend"] for i in range(4)}
+    assert len(ids) == 1
+    assert_idle(proxy)
+    assert proxy.stats().ok == 8
+
+
+def test_streams_are_relayed_unmodified(proxy: Proxy) -> None:
+    body = {"prompt": list(range(40)), "stream": True, "max_tokens": 3, "stream_options": {"include_usage": True}}
+    reply = complete(proxy, body)
+    assert reply.headers["content-type"].startswith("text/event-stream")
+    events = reply.text.strip().split("\n\n")
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
+    assert [c["choices"][0]["text"] for c in chunks[:3]] == [" t0", " t1", " t2"]
+    assert chunks[-1]["usage"]["prompt_tokens"] == 40
+    assert_idle(proxy)
+
+
+def test_a_backend_error_is_relayed_and_releases_the_request(proxy: Proxy, healthy: list[OpenAIEngine]) -> None:
+    for engine in healthy:
+        engine.fail_next(2)
+    for stream in (False, True):
+        reply = complete(proxy, {"prompt": SYSTEM, "stream": stream})
+        assert reply.status_code == 500 and "injected failure" in reply.json()["error"]["message"]
+    assert proxy.stats().backend_error == 2
+    assert_idle(proxy)
+
+
+def test_a_refused_connection_is_retried_once_on_another_backend(healthy: list[OpenAIEngine]) -> None:
+    urls = [engine.url for engine in healthy]
+    with Proxy(Router(), urls, max_failures=1) as proxy:
+        prompt = list(range(500, 564))
+        chosen = proxy.router.decide(prompt, urls).backend
+        refused = healthy[urls.index(chosen)]
+        refused.refuse()
+        before = served_by(healthy)
+        for stream in (False, True):
+            reply = complete(proxy, {"prompt": prompt, "stream": stream})
+            assert reply.status_code == 200
+            assert reply.headers["x-prefixroute-backend"] != chosen
+        assert sum(served_by(healthy)) - sum(before) == 2 and refused.stats().requests == before[urls.index(chosen)]
+        stats = proxy.stats()
+        assert (stats.retries, stats.ok, stats.unhealthy) == (1, 2, (chosen,))  # the second never tried it
+        assert httpx.get(proxy.url + "/healthz").json()["healthy_backends"] == [u for u in urls if u != chosen]
+        assert_idle(proxy)
+
+
+def test_with_every_backend_down_the_client_gets_502(healthy: list[OpenAIEngine]) -> None:
+    with Proxy(Router(), [engine.url for engine in healthy[:2]]) as proxy:
+        for engine in healthy[:2]:
+            engine.refuse()
+        reply = complete(proxy, {"prompt": "hello"})
+        assert reply.status_code == 502 and reply.json()["error"]["type"] == "BadGateway"
+        assert (proxy.stats().unreachable, proxy.stats().retries) == (1, 1)
+        assert_idle(proxy)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_releases_its_request_and_the_engine(
+    proxy: Proxy, healthy: list[OpenAIEngine], stream: bool
+) -> None:
+    for engine in healthy:
+        engine.stall(after_tokens=1 if stream else 0)
+    disconnected = sum(engine.stats().disconnected for engine in healthy)
+    body = {"prompt": SYSTEM + " leave", "stream": stream}
+    with httpx.Client(timeout=httpx.Timeout(10, read=0.3)) as client:
+        if stream:
+            with client.stream("POST", proxy.url + "/v1/completions", json=body) as reply:
+                chunks = reply.iter_raw()  # held: a dropped iterator closes the connection
+                assert b" t0" in next(chunks)
+                assert proxy.router.stats().in_flight == 1
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                client.post(proxy.url + "/v1/completions", json=body)
+    assert_idle(proxy)
+    eventually(lambda: proxy.stats().client_disconnect == 1)
+    eventually(lambda: sum(engine.stats().disconnected for engine in healthy) == disconnected + 1)
+
+
+def test_load_spills_to_other_backends_under_concurrency(proxy: Proxy, healthy: list[OpenAIEngine]) -> None:
+    for engine in healthy:
+        engine.stall(after_tokens=1)
+    replies: list[httpx.Response] = []
+
+    def ask(i: int) -> None:
+        replies.append(complete(proxy, {"prompt": f"{SYSTEM} user {i}", "stream": True}))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(9)]
+    for thread in threads:
+        thread.start()
+    eventually(lambda: proxy.router.stats().in_flight == 9)
+    loads = sorted(proxy.router.in_flight(backend) for backend in proxy.backends)
+    assert loads[-1] < 9 and loads[0] + loads[1] > 0  # the prefix's backend is bounded; the rest spill over
+    for engine in healthy:
+        engine.resume()
+    for thread in threads:
+        thread.join()
+    assert {r.headers["x-prefixroute-reason"] for r in replies} >= {"load-fallback"}
+    assert all(r.status_code == 200 and r.text.endswith("data: [DONE]\n\n") for r in replies)
+    assert_idle(proxy)
+
+
+def test_bad_requests_get_openai_errors_and_route_nothing(proxy: Proxy) -> None:
+    cases = [(b"{not json", 400), (b"[1, 2]", 400), (b'{"prompt": 5}', 400), (b'{"prompt": [1, -1]}', 400),
+             (b'{"messages": []}', 400)]  # fmt: skip
+    for raw, status in cases:
+        path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
+        reply = httpx.post(proxy.url + path, content=raw)
+        assert reply.status_code == status, raw
+        assert reply.json()["error"]["code"] == status
+    assert httpx.get(proxy.url + "/v1/nowhere").json()["error"]["code"] == 404
+    assert httpx.get(proxy.url + "/v1/completions").json()["error"]["code"] == 405
+    assert proxy.stats().bad_request == len(cases) and proxy.router.stats().decisions == 0
+
+
+def test_models_are_merged_and_metrics_and_health_served(healthy: list[OpenAIEngine]) -> None:
+    with OpenAIEngine(model="other-model") as other, Proxy(Router(), [healthy[0].url, other.url]) as proxy:
+        models = httpx.get(proxy.url + "/v1/models").json()
+        assert sorted(card["id"] for card in models["data"]) == ["fake-model", "other-model"]
+        complete(proxy, {"prompt": "a b c"})
+        metrics = httpx.get(proxy.url + "/metrics").text
+        assert 'prefixroute_proxy_requests_total{outcome="ok"} 1' in metrics
+        assert f'prefixroute_router_in_flight{{backend="{other.url}"}} 0' in metrics
+        assert httpx.get(proxy.url + "/healthz").status_code == 200
