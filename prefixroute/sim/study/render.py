@@ -72,6 +72,8 @@ def _checks(judged: Sequence[Judged], section: int) -> list[str]:
 def _value(value: float, unit: str) -> str:
     if math.isnan(value):
         return "–"
+    if math.isinf(value):
+        return "∞"
     if unit == "×":
         return f"{value:,.2f}×"
     if unit == "ms":
@@ -79,7 +81,7 @@ def _value(value: float, unit: str) -> str:
     if unit == "req/s":
         return f"{value:.2f} req/s"
     if unit == "%":
-        return f"{value:.1f} %"
+        return f"{value:.2g} %" if 0 < abs(value) < 1 else f"{value:.1f} %"
     if unit == "points":
         return f"{value:+.1f}"
     return f"{value:.0f}"
