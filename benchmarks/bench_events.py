@@ -3,10 +3,11 @@
 Method: a fake engine (:class:`prefixroute.testing.FakeBlockCache`, 16-token blocks, LRU eviction) serves a
 shared-prefix workload; its events are grouped into batches as a vLLM scheduler step would publish them and
 encoded once (msgpack, both encodings). **Throughput** times decode + re-hash + index update of the whole stream
-(``EventDecoder`` → ``BlockTracker`` → ``PrefixIndex``) in this process: median of ``--runs`` runs after a warm-up.
-A *block event* is one block stored or removed. **Lag** runs a real :class:`KVEventSubscriber` against a ZMQ
-PUB socket fed by a separate process at ``--rate`` block events/s (publish time stamped into each batch as it is
-sent), and reports the delay from publish to index update (P50/P99), median of the runs.
+(``EventDecoder`` → ``BlockTracker`` → ``Router.write``, the router's public locked write path, into an
+``EventIndex``) in this process: median of ``--runs`` runs after a warm-up. A *block event* is one block stored or
+removed. **Lag** runs a real :class:`KVEventSubscriber` writing into a router against a ZMQ PUB socket fed by a
+separate process at ``--rate`` block events/s (publish time stamped into each batch as it is sent), and reports the
+delay from publish to index update (P50/P99), median of the runs.
 
 Run: ``python benchmarks/bench_events.py [--runs 5] [--rate 200000]``.
 """
@@ -23,9 +24,17 @@ from typing import Any, Literal
 
 import zmq
 
-from prefixroute import PrefixIndex
+from prefixroute import PrefixIndex, Router
 from prefixroute.testing import FakeBlockCache
-from prefixroute.vllm import BlockTracker, EventBatch, EventDecoder, KVEventSubscriber, apply_ops, encode_batch
+from prefixroute.vllm import (
+    BlockTracker,
+    EventBatch,
+    EventDecoder,
+    EventIndex,
+    KVEventSubscriber,
+    apply_ops,
+    encode_batch,
+)
 from prefixroute.vllm.events import BlockRemoved, BlockStored
 
 
@@ -50,18 +59,36 @@ def make_stream(
     return payloads, sizes
 
 
-def apply_stream(payloads: list[bytes]) -> float:
-    """Decode, re-hash and index a stream once; return the seconds it took."""
-    decoder, tracker, index = EventDecoder(), BlockTracker(block_size=16), PrefixIndex(16)
+def apply_stream(payloads: list[bytes], *, bare: bool = False) -> float:
+    """Decode, re-hash and index a stream once; return the seconds it took.
+
+    ``bare``: into a bare ``PrefixIndex`` with ``apply_ops`` (no router, no lock): the baseline of the write path.
+    """
+    decoder, tracker, router = EventDecoder(), BlockTracker(block_size=16), events_router()
+    index = PrefixIndex(16)
     begin = time.perf_counter()
-    for payload in payloads:
-        apply_ops(index, "gpu0", tracker.apply(decoder.decode(payload).events))
+    if bare:
+        for payload in payloads:
+            apply_ops(index, "gpu0", tracker.apply(decoder.decode(payload).events))
+    else:
+        for payload in payloads:
+            router.write("gpu0", tracker.apply(decoder.decode(payload).events))
     return time.perf_counter() - begin
 
 
-def throughput(payloads: list[bytes], blocks: int, runs: int) -> list[float]:
+def events_router() -> Router:
+    """A router whose index only KV events write."""
+    return Router(block_size=16, index=EventIndex(16, speculative_ttl=0))
+
+
+def throughput(payloads: list[bytes], blocks: int, runs: int) -> tuple[list[float], list[float]]:
+    """Block events/s through the router and into a bare index, runs interleaved so both see the same machine."""
     apply_stream(payloads)  # warm-up
-    return [blocks / apply_stream(payloads) for _ in range(runs)]
+    routed, bare = [], []
+    for _ in range(runs):
+        routed.append(blocks / apply_stream(payloads))
+        bare.append(blocks / apply_stream(payloads, bare=True))
+    return routed, bare
 
 
 def publish(endpoint: str, payloads: list[bytes], sizes: list[int], rate: float, ready: Any) -> None:
@@ -92,12 +119,12 @@ def lag_run(payloads: list[bytes], sizes: list[int], rate: float) -> tuple[float
         port = probe.socket(zmq.PUB).bind_to_random_port("tcp://127.0.0.1")
     endpoint = f"tcp://127.0.0.1:{port}"
     lags: list[float] = []
-    index = PrefixIndex(16)
+    router = events_router()
     ctx = multiprocessing.get_context("fork")
     ready = ctx.Event()
     child = ctx.Process(target=publish, args=(endpoint, payloads, sizes, rate, ready))
     child.start()
-    sub = KVEventSubscriber(index, "gpu0", endpoint, lag_observer=lags.append)
+    sub = KVEventSubscriber(router, "gpu0", endpoint, lag_observer=lags.append)
     with sub:
         ready.set()
         deadline = time.monotonic() + 30 + sum(sizes) / rate
@@ -121,10 +148,14 @@ def main() -> None:
     print(f"bench_events: median of {args.runs} runs after a warm-up, one core")
     for encoding in ("array", "map"):
         payloads, sizes = make_stream(requests=args.requests, per_batch=args.per_batch, encoding=encoding)
-        rates = throughput(payloads, sum(sizes), args.runs)
+        rates, bare = throughput(payloads, sum(sizes), args.runs)
         print(
             f"  apply ({encoding:5} encoding): {statistics.median(rates):>10,.0f} block events/s "
             f"(min {min(rates):,.0f}, max {max(rates):,.0f}; {sum(sizes):,} block events in {len(payloads)} batches)"
+        )
+        print(
+            f"        bare PrefixIndex:  {statistics.median(bare):>10,.0f} block events/s "
+            f"(Router.write costs {statistics.median(bare) / statistics.median(rates):.2f}x the bare index's time)"
         )
     payloads, sizes = make_stream(requests=args.requests, per_batch=args.per_batch, encoding="array", seed=1)
     runs = [lag_run(payloads, sizes, args.rate) for _ in range(max(1, args.runs // 2))]

@@ -96,7 +96,10 @@ class EventIndex(PrefixIndex):
 
     def remove(self, hashes: Iterable[int], backend: str) -> None:
         """Forget that ``backend`` holds ``hashes``, confirmed or speculative. O(len(hashes))."""
-        hashes = hashes if isinstance(hashes, Collection) else list(hashes)
+        if not self._ttl:
+            super().remove(hashes, backend)
+            return
+        hashes = hashes if isinstance(hashes, (list, tuple)) else list(hashes)  # read three times
         super().remove(hashes, backend)
         self._current.remove(hashes, backend)
         self._previous.remove(hashes, backend)
@@ -130,9 +133,10 @@ class EventIndex(PrefixIndex):
             self._current = PrefixIndex(self.block_size)
             self._rotated_at = now
 
-    def _check(self) -> None:
-        """Assert the invariants of both parts (for tests). O(entries)."""
-        super()._check()
+    def _check(self, *, chains: Iterable[Sequence[int]] = ()) -> None:
+        """Assert the invariants of both parts (for tests; ``chains`` as :meth:`PrefixIndex._check`, for the
+        confirmed part). O(entries + chains × backends)."""
+        super()._check(chains=chains)
         self._current._check()
         self._previous._check()
 

@@ -7,6 +7,8 @@ import socket
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefixroute.errors import ConfigurationError, MetricsError
 from prefixroute.testing import FakeVLLM
@@ -139,3 +141,46 @@ def test_the_timeout_bounds_the_whole_read_of_a_slow_or_trickling_engine(delay: 
 def test_fetch_rejects_a_nonsense_timeout(timeout: object) -> None:
     with pytest.raises(ConfigurationError, match="timeout"):
         fetch_metrics("http://127.0.0.1:1", timeout=timeout)  # type: ignore[arg-type]
+
+
+NAMES = st.sampled_from(
+    [
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_hits_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:cache_config_info",
+        "other_metric",
+    ]
+)
+VALUES = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True).map(repr), st.sampled_from(["NaN", "+Inf", "-Inf", "x", ""])
+)
+LABELS = st.dictionaries(
+    st.sampled_from(["le", "block_size", "num_gpu_blocks", "engine"]),
+    st.one_of(VALUES, st.text(max_size=6)),
+    max_size=3,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(NAMES, LABELS, VALUES), max_size=8), st.binary(max_size=40))
+def test_any_text_parses_or_raises_metrics_error_and_what_parses_is_sane(
+    samples: list[tuple[str, dict[str, str], str]], noise: bytes
+) -> None:
+    lines = []
+    for name, labels, value in samples:
+        rendered = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        lines.append(f"{name}{{{rendered}}} {value}")
+    text = "\n".join(lines) + "\n" + noise.decode("latin-1")
+    try:
+        metrics = parse_metrics(text)
+    except MetricsError:
+        return
+    figures = [metrics.running, metrics.waiting, metrics.kv_usage, metrics.prefix_queries, metrics.prefix_hits]
+    assert all(f is None or (math.isfinite(f) and f >= 0) for f in figures)
+    assert metrics.kv_usage is None or metrics.kv_usage <= 1
+    assert all(v is None or v >= 1 for v in (metrics.block_size, metrics.num_gpu_blocks))
+    counts = [count for _, count in metrics.ttft_buckets]
+    assert counts == sorted(counts) and all(math.isfinite(c) for c in counts)
