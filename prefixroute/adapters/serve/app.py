@@ -61,7 +61,7 @@ class Sidecar:
     match it), any other is its own namespace. ``lease`` is the default lease of every request in seconds (None:
     counted until finished). ``healthy`` filters the backends to route to (e.g. :meth:`prefixroute.vllm.Fleet.
     healthy_backends`); when it leaves none, all are used (fail open). ``accel_redirect`` is the nginx named
-    location a pick answer redirects to. ``clock`` times decisions for the latency histogram.
+    location a pick answer redirects to. ``clock`` times each decision (decode, route, start) for the histogram.
 
     Use it as an ASGI app (``uvicorn.run(sidecar)``) or call :meth:`route`, :meth:`pick` and :meth:`finish`
     directly (the ext_proc server and the UDP release listener do). Not thread-safe by itself: run it on one
@@ -123,9 +123,12 @@ class Sidecar:
         Raises:
             BadRequest: the body breaks the contract, the model is unknown, or there is no backend.
         """
+        started = self._clock()
         request: RouteBody = decode(body, RouteBody)
         prompt = route_prompt(request)
-        return self.decide(prompt, model=request.model, backends=request.backends, lease=request.lease)
+        decision = self.decide(prompt, model=request.model, backends=request.backends, lease=request.lease)
+        self.metrics.decided(decision, self._clock() - started)
+        return decision
 
     def pick(self, path: str, body: bytes) -> Decision:
         """Decide for a client's OpenAI request body (``path`` says which kind) and count it in flight.
@@ -133,8 +136,11 @@ class Sidecar:
         Raises:
             BadRequest: the body is not a completion or chat completion request, or as :meth:`route`.
         """
+        started = self._clock()
         prompt, model = openai_prompt(path, body)
-        return self.decide(prompt, model=model, backends=None, lease=None)
+        decision = self.decide(prompt, model=model, backends=None, lease=None)
+        self.metrics.decided(decision, self._clock() - started)
+        return decision
 
     def decide(
         self, prompt: Prompt, *, model: str | None, backends: Sequence[str] | None, lease: float | None
@@ -269,12 +275,8 @@ class Sidecar:
             await _respond(send, exc.status, msgspec.json.encode({"error": exc.message}))
 
     async def _post(self, path: str, body: bytes, send: Send) -> None:
-        started = self._clock()
         if path == "/route":
-            decision = self.route(body)
-            answer = self.answer(decision)
-            self.metrics.decided(decision, self._clock() - started)
-            await _respond(send, 200, answer)
+            await _respond(send, 200, self.answer(self.route(body)))
         elif path == "/finish" or path == "/first_token":
             request: LifecycleBody = decode(body, LifecycleBody)
             (self.finish if path == "/finish" else self.first_token)(request.id)
@@ -291,7 +293,6 @@ class Sidecar:
                 (b"x-prefixroute-reason", decision.reason.encode()),
                 (b"x-prefixroute-matched-tokens", str(decision.matched_tokens).encode()),
             ]
-            self.metrics.decided(decision, self._clock() - started)
             await _respond(send, 200, answer, headers)
         else:
             raise BadRequest(404, f"no such endpoint {path!r}: POST /route, /first_token, /finish")
