@@ -166,15 +166,17 @@ class PrefixAffinity(LoadPolicy):
 class BoundedLoad(LoadPolicy):
     """The longest cached prefix among candidates that stay within ``factor`` × the mean load.
 
-    Consistent hashing with bounded loads: a candidate qualifies if its in-flight count after taking this request
-    stays within ``ceil(factor × (total in flight + 1) / len(candidates))``, so no backend ever exceeds
-    ``factor`` × the mean + 1. At ``factor=2`` this is the "divert above 2× the mean" rule. When requests do not
-    overlap (nothing in flight) every candidate qualifies and affinity always holds; under load, a hot prefix spills
-    to the next-best match, and among equally matched candidates the least loaded wins. A miss has no cached prefix
-    to protect, so it gets the tightest bound (factor 1): the first backend in placement order whose load after
-    placing stays within the mean. With nothing in flight that is the rendezvous choice, so router replicas agree
-    where a new prefix lives; under load, new prefixes avoid busy backends (the simulator's ``seed`` scenario shows
-    the difference: see docs/simulator.md). If no candidate qualifies, the least loaded. O(len(candidates)).
+    Consistent hashing with bounded loads, on :attr:`Candidate.load` (this router's requests in flight plus the
+    engine's waiting queue when metrics supply it; without metrics, the requests in flight): a candidate qualifies
+    if its load after taking this request stays within ``ceil(factor × (total load + 1) / len(candidates))``, so no
+    backend ever exceeds ``factor`` × the mean + 1. At ``factor=2`` this is the "divert above 2× the mean" rule.
+    When requests do not overlap (nothing in flight) every candidate qualifies and affinity always holds; under
+    load, a hot prefix spills to the next-best match, and among equally matched candidates the least loaded wins.
+    A miss has no cached prefix to protect, so it gets the tightest bound (factor 1): the first backend in
+    placement order whose load after placing stays within the mean. With nothing in flight that is the rendezvous
+    choice, so router replicas agree where a new prefix lives; under load, new prefixes avoid busy backends (the
+    simulator's ``seed`` scenario shows the difference: see docs/simulator.md). If no candidate qualifies, the
+    least loaded. O(len(candidates)).
     """
 
     name = "bounded-load"
@@ -186,19 +188,20 @@ class BoundedLoad(LoadPolicy):
         self.factor = float(factor)
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
-        total = sum(map(_in_flight, candidates))
+        loads = [c.load for c in candidates]
+        total = sum(loads)
         bound = math.ceil(self.factor * (total + 1) / len(candidates))
-        eligible = [c for c in candidates if c.in_flight < bound]
+        eligible = [c for c, load in zip(candidates, loads, strict=True) if load < bound]
         if not eligible:
-            return min(candidates, key=_in_flight)
+            return min(candidates, key=_load)
         longest = max(map(_matched, eligible))
         if longest == 0:
             # A miss has no cached prefix to protect, so it gets the tightest bound (factor 1): the first backend in
             # placement order that is at most averagely loaded. One always qualifies, and when nothing is in flight
             # it is the rendezvous choice, so replicas still agree where a new prefix lives.
             mean_bound = math.ceil((total + 1) / len(candidates))
-            return next(c for c in candidates if c.in_flight < mean_bound)
-        return min((c for c in eligible if c.matched_tokens == longest), key=_in_flight)
+            return next(c for c, load in zip(candidates, loads, strict=True) if load < mean_bound)
+        return min((c for c in eligible if c.matched_tokens == longest), key=_load)
 
     def __repr__(self) -> str:
         return f"BoundedLoad(factor={self.factor})"
@@ -244,53 +247,68 @@ class CostAware(LoadPolicy):
 class PredictedTTFT(LoadPolicy):
     """The candidate with the lowest predicted time to first token, from the router's own work accounting.
 
-    A request's first token waits for the prefill work ahead of it on a backend and for its own uncached tokens
-    (:attr:`Candidate.uncached_tokens`), at that backend's speed, and slows down as the backend's KV memory fills
-    (a fuller cache admits fewer requests at once, so work waits longer)::
+    A request's first token waits for the prefill work queued ahead of it on a backend and for its own uncached
+    tokens (:attr:`Candidate.uncached_tokens`), and that wait stretches as the backend's KV memory fills (a fuller
+    cache admits fewer requests at once, and decoding long contexts slows every step)::
 
-        cost = (pending_prefill_tokens + uncached_tokens) / speed / (1 - kv_fraction)
+        cost = (pending_prefill_tokens + uncached_tokens) / (1 - min(kv_fraction, kv_cap))
 
-    Every part is a measurement, not a tuned constant: ``speed`` is :attr:`Candidate.prefill_tokens_per_s` learned
-    online from first tokens (a backend without an estimate yet takes the median of those that have one; with
-    none, work is compared in tokens, which is unit-free); ``kv_fraction`` is the engine's ``kv_usage`` when
-    metrics supply it, else the router's ``held_blocks / capacity_blocks``, else 0, capped at ``kv_cap`` (so a
-    full backend costs ``1 / (1 - kv_cap)`` = 20× its work, never infinity).
+    No constant depends on the model or the GPU: work is counted in tokens, which compares backends of one fleet
+    without knowing their speed, and ``kv_fraction`` (:func:`kv_fraction`) is the engine's ``kv_usage`` when
+    metrics supply it, else the router's ``held_blocks / capacity_blocks``, else 0. ``kv_cap`` (0.95) bounds the
+    stretch at 20×, so a full backend is a poor choice but never an impossible one. With ``use_speed=True`` the
+    work is divided by each backend's :attr:`Candidate.prefill_tokens_per_s` (learned online from first tokens; a
+    backend without an estimate takes the median of those with one), for fleets of unlike GPUs; it is off by
+    default because that estimate includes the time a request waited for memory, so on a fleet of equal GPUs it
+    is noise that moves traffic away from whichever backend was last slow (see docs/policies.md).
 
     Affinity holds while it pays: a cached prefix removes its tokens from the cost, so a request follows its
-    prefix until the work queued there outweighs the prefill it saves. It spreads when it does not: a long system
-    prompt that every backend holds cancels out, leaving the queued work to decide, so one shared first block
-    cannot pull all traffic to one backend. Ties go to the first candidate in placement order, so router
-    replicas agree and a choice is deterministic given the candidates. O(len(candidates)).
+    prefix until the work queued there, stretched by its memory use, outweighs the prefill it saves. It spreads
+    when it does not: a long system prompt that every backend holds cancels out of the comparison, leaving queued
+    work and memory to decide, so one shared first block cannot pull all traffic to one backend. Ties go to the
+    first candidate in placement order, so a choice is deterministic given the candidates and router replicas
+    agree. O(len(candidates)).
+
+    >>> busy_cached = Candidate("a", 4096, 4224, 3, pending_prefill_tokens=6000)
+    >>> idle_cold = Candidate("b", 0, 4224, 0)
+    >>> PredictedTTFT().choose([busy_cached, idle_cold]).backend  # 6128 queued tokens > 4224 to prefill
+    'b'
     """
 
     name = "predicted-ttft"
     prefix_aware = True
 
-    def __init__(self, *, kv_cap: float = 0.95) -> None:
+    def __init__(self, *, kv_cap: float = 0.95, use_speed: bool = False) -> None:
         if isinstance(kv_cap, bool) or not isinstance(kv_cap, (int, float)) or not 0.0 <= kv_cap < 1.0:
             raise ConfigurationError(f"PredictedTTFT kv_cap must be a fraction in [0, 1), not {kv_cap!r}")
+        if not isinstance(use_speed, bool):
+            raise ConfigurationError(f"PredictedTTFT use_speed must be True or False, not {use_speed!r}")
         self.kv_cap = float(kv_cap)
+        self.use_speed = use_speed
 
-    def cost(self, candidate: Candidate, *, default_speed: float = 1.0) -> float:
-        """Predicted time to first token on ``candidate``: seconds, or tokens when no speed is known. O(1)."""
+    def cost(self, candidate: Candidate, *, speed: float = 1.0) -> float:
+        """Predicted time to first token on ``candidate``, in tokens of work (in seconds given a ``speed``). O(1)."""
         work = candidate.pending_prefill_tokens + candidate.prompt_tokens - candidate.matched_tokens
-        speed = candidate.prefill_tokens_per_s or default_speed
         return work / speed / (1.0 - min(kv_fraction(candidate), self.kv_cap))
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
-        speeds = sorted(c.prefill_tokens_per_s for c in candidates if c.prefill_tokens_per_s)
-        default_speed = speeds[len(speeds) // 2] if speeds else 1.0
+        speeds: list[float] = []
+        default_speed = 1.0
+        if self.use_speed:
+            known = sorted(c.prefill_tokens_per_s for c in candidates if c.prefill_tokens_per_s)
+            default_speed = known[len(known) // 2] if known else 1.0
+            speeds = [c.prefill_tokens_per_s or default_speed for c in candidates]
         cost = self.cost
         best = candidates[0]
         best_cost = math.inf
-        for candidate in candidates:  # strict < keeps the first of equals: placement order breaks ties
-            predicted = cost(candidate, default_speed=default_speed)
+        for position, candidate in enumerate(candidates):  # strict < keeps the first of equals (placement order)
+            predicted = cost(candidate, speed=speeds[position] if speeds else default_speed)
             if predicted < best_cost:
                 best, best_cost = candidate, predicted
         return best
 
     def __repr__(self) -> str:
-        return f"PredictedTTFT(kv_cap={self.kv_cap})"
+        return f"PredictedTTFT(kv_cap={self.kv_cap}, use_speed={self.use_speed})"
 
 
 def kv_fraction(candidate: Candidate) -> float:
@@ -310,7 +328,6 @@ def _load(candidate: Candidate) -> int:
     return candidate.load
 
 
-_in_flight = attrgetter("in_flight")
 _matched = attrgetter("matched_tokens")
 
 

@@ -19,10 +19,12 @@ from prefixroute import (
     PrefixAffinity,
     Random,
     RoundRobin,
+    Router,
     policy_from_name,
     policy_names,
 )
-from prefixroute.policies import PredictedTTFT
+from prefixroute.policies import PredictedTTFT, kv_fraction
+from prefixroute.sim.baselines import BASELINES
 
 # One line per policy: a new built-in is covered by the whole contract suite by adding it here.
 POLICIES: dict[str, Callable[[], LoadPolicy]] = {
@@ -35,6 +37,8 @@ POLICIES: dict[str, Callable[[], LoadPolicy]] = {
     "cost-aware": CostAware,
     "predicted-ttft": PredictedTTFT,
 }
+# The contract holds for every policy the project ships: the built-ins and the published baselines.
+CONTRACT: dict[str, Callable[[], LoadPolicy]] = {**POLICIES, **BASELINES}
 
 candidate_lists = st.lists(
     st.builds(
@@ -45,6 +49,10 @@ candidate_lists = st.lists(
         in_flight=st.integers(0, 50),
         queue_len=st.none() | st.integers(0, 20),
         kv_usage=st.none() | st.floats(0, 1),
+        pending_prefill_tokens=st.integers(0, 100_000),
+        held_blocks=st.integers(0, 5000),
+        capacity_blocks=st.none() | st.integers(1, 4000),
+        prefill_tokens_per_s=st.none() | st.floats(1.0, 1e5),
     ),
     min_size=1,
     max_size=12,
@@ -56,10 +64,10 @@ def test_registry_lists_every_builtin() -> None:
     assert policy_names() == sorted(POLICIES)
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", sorted(CONTRACT))
 @given(candidates=candidate_lists)
 def test_contract_returns_one_of_the_candidates_unchanged(name: str, candidates: list[Candidate]) -> None:
-    policy = policy_from_name(name)
+    policy = CONTRACT[name]()
     snapshot = list(candidates)
     for _ in range(3):
         chosen = policy.choose(candidates)
@@ -67,17 +75,20 @@ def test_contract_returns_one_of_the_candidates_unchanged(name: str, candidates:
     assert candidates == snapshot
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", sorted(CONTRACT))
 def test_contract_single_candidate(name: str) -> None:
     only = Candidate("only", 0, 100, 7)
-    assert POLICIES[name]().choose([only]) is only
+    assert CONTRACT[name]().choose([only]) is only
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", sorted(CONTRACT))
 def test_contract_same_input_same_choice_for_fresh_instances(name: str) -> None:
     rng = random.Random(5)
-    candidates = [Candidate(f"b{i}", rng.randrange(0, 512, 16), 512, rng.randrange(5)) for i in range(8)]
-    assert POLICIES[name]().choose(candidates) == POLICIES[name]().choose(candidates)
+    candidates = [
+        Candidate(f"b{i}", rng.randrange(0, 512, 16), 512, rng.randrange(5), pending_prefill_tokens=rng.randrange(900))
+        for i in range(8)
+    ]
+    assert CONTRACT[name]().choose(candidates) == CONTRACT[name]().choose(candidates)
 
 
 def test_round_robin_cycles_in_backend_order_whatever_the_candidate_order() -> None:
@@ -128,14 +139,25 @@ def test_bounded_load_places_a_miss_by_placement_order_among_backends_at_most_av
 def test_bounded_load_respects_the_bound_whenever_someone_can(candidates: list[Candidate], factor: float) -> None:
     import math
 
-    bound = math.ceil(factor * (sum(c.in_flight for c in candidates) + 1) / len(candidates))
+    bound = math.ceil(factor * (sum(c.load for c in candidates) + 1) / len(candidates))
     chosen = BoundedLoad(factor).choose(candidates)
-    qualifying = [c for c in candidates if c.in_flight + 1 <= bound]
+    qualifying = [c for c in candidates if c.load + 1 <= bound]
     if qualifying:
-        assert chosen.in_flight + 1 <= bound
+        assert chosen.load + 1 <= bound
         assert chosen.matched_tokens == max(c.matched_tokens for c in qualifying)
     else:
-        assert chosen.in_flight == min(c.in_flight for c in candidates)
+        assert chosen.load == min(c.load for c in candidates)
+
+
+def test_bounded_load_bounds_the_load_it_documents_engine_queue_included() -> None:
+    # Two in flight each; "hot" also has 6 waiting in its engine: load 8 of 10 + 1, bound ceil(2 * 11 / 2) = 11,
+    # so it still qualifies; with 12 waiting (load 14 of 16 + 1, bound 17) it qualifies too, but a factor of 1
+    # (bound ceil(17 / 2) = 9) sends the request to the other backend, which the in-flight count alone would not.
+    hot = Candidate("hot", 512, 512, 2, queue_len=12)
+    cold = Candidate("cold", 0, 512, 2)
+    assert BoundedLoad(2.0).choose([hot, cold]) is hot
+    assert BoundedLoad(1.0).choose([hot, cold]) is cold
+    assert BoundedLoad(1.0).choose([hot._replace(queue_len=None), cold]).backend == "hot"
 
 
 def test_cost_aware_trades_cache_against_queue() -> None:
@@ -165,3 +187,96 @@ def test_policy_from_name_options_and_errors() -> None:
 def test_policy_from_name_imports_a_user_subclass() -> None:
     policy = policy_from_name("prefixroute.policies:LeastLoaded")
     assert isinstance(policy, LeastLoaded)
+
+
+# -- PredictedTTFT, the default: its choices in situations built by hand --------------------------------------------
+
+
+def test_predicted_ttft_prefers_a_decode_heavy_backend_to_a_prefill_heavy_one() -> None:
+    # "prefill" has 2 requests in flight, both still prefilling 8K uncached tokens; "decode" has 10 in flight that
+    # are past their first token (no pending prefill), holding some KV. A request count says "prefill" is idle-er;
+    # the work ahead of a new 1K-token prompt says the opposite.
+    prefill_heavy = Candidate("prefill", 0, 1024, 2, pending_prefill_tokens=16_384, held_blocks=1024,
+                              capacity_blocks=4000)  # fmt: skip
+    decode_heavy = Candidate("decode", 0, 1024, 10, pending_prefill_tokens=0, held_blocks=640, capacity_blocks=4000)
+    assert PredictedTTFT().choose([prefill_heavy, decode_heavy]) is decode_heavy
+    assert LeastLoaded().choose([prefill_heavy, decode_heavy]) is prefill_heavy
+
+
+def test_predicted_ttft_leaves_a_nearly_full_kv_cache_even_when_it_holds_the_prefix() -> None:
+    cached = Candidate("cached", 2048, 2240, 4, kv_usage=0.5)
+    cold = Candidate("cold", 0, 2240, 0, kv_usage=0.0)
+    assert PredictedTTFT().choose([cached, cold]) is cached  # 192 tokens, stretched 2x, against 2240
+    nearly_full = cached._replace(kv_usage=0.99)
+    assert PredictedTTFT().choose([nearly_full, cold]) is cold  # stretched 20x: 3840 > 2240
+    # Without engine metrics the router's own figures say the same: 990 of 1000 blocks held.
+    by_router = cached._replace(kv_usage=None, held_blocks=990, capacity_blocks=1000)
+    assert PredictedTTFT().choose([by_router, cold._replace(kv_usage=None, capacity_blocks=1000)]).backend == "cold"
+
+
+def test_predicted_ttft_keeps_affinity_while_queued_work_is_less_than_the_prefill_it_saves() -> None:
+    cold = Candidate("cold", 0, 4224, 0)
+    for pending, expected in ((0, "cached"), (4000, "cached"), (4200, "cold")):
+        cached = Candidate("cached", 4096, 4224, 1, pending_prefill_tokens=pending)
+        assert PredictedTTFT().choose([cold, cached]).backend == expected, pending
+
+
+def test_predicted_ttft_breaks_ties_by_placement_order() -> None:
+    equal = [Candidate(name, 256, 512, 3, pending_prefill_tokens=100) for name in ("second", "first", "third")]
+    assert PredictedTTFT().choose(equal).backend == "second"
+    assert PredictedTTFT().choose(equal[::-1]).backend == "third"
+
+
+def test_predicted_ttft_shared_system_prompt_spreads_concurrent_traffic_and_keeps_idle_traffic() -> None:
+    system = list(range(1024))  # one long system prompt in front of every request: the placement blocks agree
+    backends = ["gpu0", "gpu1", "gpu2", "gpu3"]
+    router = Router(block_size=16, policy=PredictedTTFT())
+    chosen = []
+    for user in range(40):  # concurrent: every request stays in flight
+        decision = router.route(system + [100_000 + user * 64 + i for i in range(64)], backends)
+        router.start(decision)
+        chosen.append(decision)
+    shares = {b: sum(d.backend == b for d in chosen) for b in backends}
+    assert min(shares.values()) >= 8, shares  # one shared first block does not pull the traffic to one backend
+    assert sum(d.matched_tokens >= 1024 for d in chosen) >= 40 - len(backends)  # each backend pays it once
+    for decision in chosen:
+        router.finish(decision)
+    idle = Router(block_size=16, policy=PredictedTTFT())
+    sequential = []
+    for user in range(10):  # one at a time: nothing queued, so the cached prompt always pays
+        decision = idle.route(system + [200_000 + user * 64 + i for i in range(64)], backends)
+        with idle.track(decision):
+            sequential.append(decision.backend)
+    assert len(set(sequential)) == 1
+
+
+def test_predicted_ttft_uses_learned_speeds_only_when_asked() -> None:
+    slow = Candidate("slow", 0, 1000, 1, pending_prefill_tokens=1000, prefill_tokens_per_s=1000.0)
+    fast = Candidate("fast", 0, 1000, 1, pending_prefill_tokens=3000, prefill_tokens_per_s=8000.0)
+    assert PredictedTTFT().choose([slow, fast]) is slow  # 2000 tokens of work against 4000
+    assert PredictedTTFT(use_speed=True).choose([slow, fast]) is fast  # 2.0 s against 0.5 s
+    unknown = Candidate("unknown", 0, 1000, 1, pending_prefill_tokens=4000)  # the median speed, 8000: 0.625 s
+    assert PredictedTTFT(use_speed=True).choose([slow, unknown, fast]) is fast
+    assert PredictedTTFT(use_speed=True).cost(unknown, speed=8000.0) == pytest.approx(5000 / 8000)
+
+
+def test_predicted_ttft_options_and_kv_fraction() -> None:
+    for bad in (1.0, -0.1, True, "0.9"):
+        with pytest.raises(ConfigurationError, match="kv_cap"):
+            PredictedTTFT(kv_cap=bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="use_speed"):
+        PredictedTTFT(use_speed=1)  # type: ignore[arg-type]
+    assert isinstance(policy_from_name("predicted-ttft", kv_cap=0.9), PredictedTTFT)
+    assert kv_fraction(Candidate("a", 0, 1, 0)) == 0.0
+    assert kv_fraction(Candidate("a", 0, 1, 0, held_blocks=50, capacity_blocks=200)) == 0.25
+    assert kv_fraction(Candidate("a", 0, 1, 0, held_blocks=500, capacity_blocks=200)) == 1.0  # shared prefixes
+    assert kv_fraction(Candidate("a", 0, 1, 0, kv_usage=0.4, held_blocks=500, capacity_blocks=200)) == 0.4
+
+
+@given(candidates=candidate_lists)
+def test_predicted_ttft_chooses_a_lowest_cost_candidate(candidates: list[Candidate]) -> None:
+    policy = PredictedTTFT()
+    chosen = policy.choose(candidates)
+    costs = [policy.cost(c) for c in candidates]
+    assert policy.cost(chosen) == min(costs)
+    assert candidates.index(chosen) == costs.index(min(costs))

@@ -1,0 +1,159 @@
+"""Each published baseline's decision rule, on candidates built by hand (the contract suite covers the rest)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from prefixroute import Candidate, ConfigurationError, LoadPolicy, policy_from_name
+from prefixroute.sim.baselines import (
+    BASELINES,
+    AIBrixPrefixCache,
+    DynamoKvRouter,
+    LlmdDefaultProfile,
+    ProductionStackPrefixAware,
+    RayServePrefixAware,
+    SGLangCacheAware,
+)
+
+
+def test_every_baseline_is_selectable_by_its_name_and_by_path() -> None:
+    assert sorted(BASELINES) == ["aibrix", "dynamo", "llm-d", "production-stack", "ray-serve", "sglang"]
+    for name, cls in BASELINES.items():
+        assert cls.name == name and issubclass(cls, LoadPolicy)
+        assert isinstance(policy_from_name(f"prefixroute.sim.baselines:{cls.__name__}"), cls)
+        assert cls.__doc__ is not None and "Source:" in cls.__doc__
+
+
+# -- SGLang cache_aware --------------------------------------------------------------------------------------------
+
+
+def test_sglang_follows_a_match_above_the_cache_threshold_while_balanced() -> None:
+    cached = Candidate("cached", 400, 1000, 10)  # match rate 0.4 > 0.3
+    idle = Candidate("idle", 0, 1000, 0)
+    assert SGLangCacheAware().choose([idle, cached]) is cached
+
+
+def test_sglang_goes_to_the_smallest_tree_below_the_cache_threshold() -> None:
+    policy = SGLangCacheAware()
+    first = policy.choose([Candidate("a", 0, 1000, 0), Candidate("b", 0, 1000, 0)])  # trees equal: first
+    assert first.backend == "a"
+    weak = [Candidate("a", 300, 1000, 0), Candidate("b", 0, 1000, 0)]  # rate exactly 0.3 is not above it
+    assert policy.choose(weak).backend == "b"  # "a" holds 1000 routed tokens, "b" none
+
+
+def test_sglang_switches_to_shortest_queue_only_when_both_thresholds_are_crossed() -> None:
+    hot = Candidate("hot", 1000, 1000, 100)
+    # 100 - 30 = 70 > 64, but 100 > 1.5 * 30 = 45 as well: imbalanced, so the shortest queue.
+    assert SGLangCacheAware().choose([hot, Candidate("cool", 0, 1000, 30)]).backend == "cool"
+    # 100 - 70 = 30 is within the absolute threshold: balanced, so the match.
+    assert SGLangCacheAware().choose([hot, Candidate("warm", 0, 1000, 70)]).backend == "hot"
+    # With a relative threshold of 4, 100 > 4 * 30 fails: balanced.
+    relaxed = SGLangCacheAware(balance_rel_threshold=4.0)
+    assert relaxed.choose([hot, Candidate("cool", 0, 1000, 30)]).backend == "hot"
+
+
+# -- Dynamo KV router ----------------------------------------------------------------------------------------------
+
+
+def test_dynamo_logit_is_prefill_blocks_plus_decode_blocks() -> None:
+    candidate = Candidate("w", 320, 480, 2, pending_prefill_tokens=160, held_blocks=40)
+    # prefill blocks (160 + 160) / 16 = 20; decode blocks 40 held + (30 - 20) new = 50.
+    assert DynamoKvRouter().logit(candidate) == 70.0
+    assert DynamoKvRouter(overlap_score_weight=2.0).logit(candidate) == 90.0
+
+
+def test_dynamo_picks_the_lowest_logit_and_breaks_ties_by_smallest_tree() -> None:
+    cached = Candidate("cached", 480, 480, 1, held_blocks=30)  # 0 + 30 + 0 = 30
+    busy_cold = Candidate("cold", 0, 480, 0, held_blocks=5)  # 30 + 5 + 30 = 65
+    assert DynamoKvRouter().choose([busy_cold, cached]) is cached
+    policy = DynamoKvRouter()
+    tied = [Candidate("a", 0, 160, 0), Candidate("b", 0, 160, 0)]
+    assert [policy.choose(tied).backend for _ in range(3)] == ["a", "b", "a"]  # each took 160 tokens in turn
+
+
+def test_dynamo_samples_by_softmax_above_temperature_zero() -> None:
+    low = Candidate("low", 0, 160, 0)  # logit 20
+    high = Candidate("high", 0, 160, 0, held_blocks=200)  # logit 220
+    picks = [
+        DynamoKvRouter(temperature=1.0, rng=random.Random(seed)).choose([low, high]).backend for seed in range(400)
+    ]
+    # Normalised logits 0 and 1: probabilities 1 / (1 + e^-1) = 0.73 and 0.27.
+    assert 0.65 < picks.count("low") / len(picks) < 0.81
+    with pytest.raises(ConfigurationError):
+        DynamoKvRouter(temperature=-1.0)
+
+
+# -- llm-d default profile -----------------------------------------------------------------------------------------
+
+
+def test_llmd_sums_prefix_queue_and_kv_scorers_with_weights_3_2_2() -> None:
+    cached = Candidate("cached", 500, 1000, 0, queue_len=10, kv_usage=0.5)  # 3*0.5 + 2*0 + 2*0.5 = 2.5
+    idle = Candidate("idle", 0, 1000, 0, queue_len=0, kv_usage=0.25)  # 0 + 2*1 + 2*0.75 = 3.5
+    policy = LlmdDefaultProfile()
+    assert policy.scores([cached, idle]) == [pytest.approx(2.5), pytest.approx(3.5)]
+    assert policy.choose([cached, idle]) is idle
+    full_match = cached._replace(matched_tokens=1000)  # 3 + 0 + 1 = 4
+    assert policy.choose([full_match, idle]) is full_match
+
+
+def test_llmd_without_metrics_uses_the_router_accounting() -> None:
+    a = Candidate("a", 0, 1000, 4, held_blocks=90, capacity_blocks=100)  # queue 4 -> 0, kv 0.9
+    b = Candidate("b", 0, 1000, 2, held_blocks=10, capacity_blocks=100)  # queue 2 -> 1, kv 0.1
+    assert LlmdDefaultProfile().scores([a, b]) == [pytest.approx(0.2), pytest.approx(3.8)]
+    equal = [Candidate("x", 0, 1000, 3), Candidate("y", 0, 1000, 3)]  # equal queues score 1, no capacity: kv 1
+    assert LlmdDefaultProfile().scores(equal) == [4.0, 4.0]
+
+
+# -- AIBrix prefix-cache -------------------------------------------------------------------------------------------
+
+
+def test_aibrix_takes_the_best_match_within_one_standard_deviation() -> None:
+    counts = [Candidate("best", 900, 1000, 6), Candidate("good", 500, 1000, 1)]
+    counts += [Candidate(f"c{i}", 0, 1000, 1) for i in range(3)]
+    # counts 6, 1, 1, 1, 1: mean 2, sigma 2 -> "best" (6 > 4) is skipped for the next match, "good".
+    assert AIBrixPrefixCache().choose(counts).backend == "good"
+    calm = [c._replace(in_flight=1) if c.backend == "best" else c for c in counts]  # all 1: sigma 0
+    assert AIBrixPrefixCache().choose(calm).backend == "best"
+
+
+def test_aibrix_least_requests_when_imbalanced_or_nothing_matches() -> None:
+    hot = Candidate("hot", 1000, 1000, 11)
+    # 11 - 3 = 8 is not above 8: balanced, and 11 is within mean 7 + sigma 4.
+    assert AIBrixPrefixCache().choose([hot, Candidate("idle", 0, 1000, 3)]).backend == "hot"
+    assert AIBrixPrefixCache().choose([hot, Candidate("idle", 0, 1000, 2)]).backend == "idle"  # 9 > 8
+    misses = [Candidate("a", 0, 1000, 2), Candidate("b", 0, 1000, 1)]
+    assert AIBrixPrefixCache().choose(misses).backend == "b"
+
+
+# -- Ray Serve PrefixCacheAffinityRouter ---------------------------------------------------------------------------
+
+
+def test_ray_serve_follows_a_match_rate_of_at_least_ten_percent_to_the_shortest_queue_among_the_best() -> None:
+    a = Candidate("a", 100, 1000, 5)
+    b = Candidate("b", 100, 1000, 3)
+    c = Candidate("c", 0, 1000, 0)
+    assert RayServePrefixAware().choose([a, b, c]).backend == "b"  # rate 0.1 qualifies; b has the shorter queue
+    below = [a._replace(matched_tokens=99), c]  # 0.099 < 0.1: smallest tree (both empty), shortest queue
+    assert RayServePrefixAware().choose(below).backend == "c"
+
+
+def test_ray_serve_falls_back_to_power_of_two_when_imbalanced() -> None:
+    hot = Candidate("hot", 1000, 1000, 20)
+    others = [Candidate(f"c{i}", 0, 1000, 5) for i in range(3)]  # 20 - 5 = 15 > 10
+    picks = {RayServePrefixAware(seed=s).choose([hot, *others]).backend for s in range(30)}
+    assert "hot" not in picks and len(picks) > 1
+
+
+# -- production-stack prefixaware ----------------------------------------------------------------------------------
+
+
+def test_production_stack_picks_at_random_among_the_longest_matches_whatever_the_load() -> None:
+    a = Candidate("a", 512, 1000, 50)
+    b = Candidate("b", 512, 1000, 40)
+    c = Candidate("c", 0, 1000, 0)
+    picks = {ProductionStackPrefixAware(seed=s).choose([a, b, c]).backend for s in range(30)}
+    assert picks == {"a", "b"}
+    misses = [c, c._replace(backend="d")]
+    assert {ProductionStackPrefixAware(seed=s).choose(misses).backend for s in range(30)} == {"c", "d"}
