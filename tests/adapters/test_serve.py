@@ -1,0 +1,313 @@
+"""The sidecar's HTTP contract, in process (ASGI) and as the ``prefixroute serve`` command."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from prefixroute import Router
+from prefixroute.adapters.serve import PromptEncoder, Sidecar, release_ids, upstream_of
+from prefixroute.adapters.serve.loopback import free_port, start_sidecar
+from prefixroute.errors import ConfigurationError
+
+BACKENDS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"]
+CORPUS = ["You are a helpful assistant that answers questions about SQL databases.",
+          "SELECT name, count(*) FROM orders GROUP BY name ORDER BY 2 DESC;"] * 20  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model folder: a BPE tokenizer.json trained here and a tokenizer_config.json with a chat template."""
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=200, special_tokens=["[UNK]", "<s>"]))
+    folder = tmp_path_factory.mktemp("model")
+    tokenizer.save(str(folder / "tokenizer.json"))
+    template = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}"
+    template += "{% if add_generation_prompt %}[assistant]{% endif %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "<s>"}))
+    return folder
+
+
+def call(sidecar: Sidecar, method: str, path: str, payload: Any = None, raw: bytes | None = None) -> httpx.Response:
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=sidecar)
+        async with httpx.AsyncClient(transport=transport, base_url="http://sidecar") as client:
+            content = raw if raw is not None else (json.dumps(payload).encode() if payload is not None else None)
+            return await client.request(method, path, content=content)
+
+    return asyncio.run(go())
+
+
+def ids(n: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n))
+
+
+def test_route_answers_the_contract_and_counts_in_flight() -> None:
+    sidecar = Sidecar(Router(block_size=16), backends=BACKENDS)
+    first = call(sidecar, "POST", "/route", {"prompt_token_ids": ids(64)})
+    assert first.status_code == 200
+    answer = first.json()
+    assert set(answer) == {"id", "backend", "matched_tokens", "prompt_tokens", "reason"}
+    assert answer["backend"] in BACKENDS and answer["reason"] == "miss" and answer["prompt_tokens"] == 64
+    again = call(sidecar, "POST", "/route", {"prompt_token_ids": ids(80)}).json()
+    assert (again["backend"], again["reason"], again["matched_tokens"]) == (answer["backend"], "prefix", 64)
+    assert sidecar.router.in_flight(answer["backend"]) == 2
+    for decision_id in (answer["id"], answer["id"], again["id"], "never-issued"):
+        reply = call(sidecar, "POST", "/finish", {"id": decision_id})
+        assert reply.status_code == 200 and reply.json() == {"id": decision_id}
+    assert sidecar.router.in_flight(answer["backend"]) == 0
+    assert call(sidecar, "POST", "/first_token", {"id": "never-issued"}).status_code == 200
+    stats = call(sidecar, "GET", "/stats").json()
+    assert stats["unknown_finishes"] == 3 and stats["in_flight_total"] == 0
+
+
+def test_backends_lease_and_model_per_request() -> None:
+    clock = [0.0]
+    router = Router(block_size=4, clock=lambda: clock[0])
+    sidecar = Sidecar(router, models=["llama", "qwen"])
+    assert call(sidecar, "POST", "/route", {"prompt_token_ids": ids(8)}).status_code == 400  # no backends at all
+    one = call(sidecar, "POST", "/route", {"prompt_token_ids": ids(8), "backends": ["a", "b"], "lease": 5}).json()
+    assert router.in_flight(one["backend"]) == 1
+    clock[0] = 6.0
+    other = call(sidecar, "POST", "/route", {"prompt_token_ids": ids(8), "backends": ["a", "b"], "model": "qwen"})
+    assert other.json()["reason"] == "miss"  # another model: another namespace, nothing cached
+    assert router.in_flight(one["backend"]) + router.in_flight("a" if one["backend"] == "b" else "b") == 1
+    assert router.stats().leases_expired == 1
+    default = call(sidecar, "POST", "/route", {"prompt_token_ids": ids(8), "backends": ["a", "b"], "model": "llama"})
+    assert default.json()["reason"] == "prefix"  # the first model is the default namespace
+    unknown = call(sidecar, "POST", "/route", {"prompt_token_ids": ids(8), "backends": ["a"], "model": "gpt"})
+    assert unknown.status_code == 404 and "qwen" in unknown.json()["error"]
+
+
+BAD_BODIES: list[tuple[bytes, str]] = [
+    (b"{not json", "not valid JSON"),
+    (b"[1, 2]", "object"),
+    (b"{}", "exactly one of"),
+    (b'{"prompt_token_ids": [1, 2], "prompt": "x"}', "exactly one of"),
+    (b'{"prompt_token_ids": []}', "empty"),
+    (b'{"prompt_token_ids": [1, "2"]}', "$.prompt_token_ids[1]"),
+    (b'{"prompt_token_ids": [1, true]}', "$.prompt_token_ids[1]"),
+    (b'{"prompt_token_ids": [1, -1]}', ">= 0"),
+    (b'{"prompt_token_ids": [4294967296]}', "$.prompt_token_ids[0]"),
+    (b'{"prompt_token_ids": [1], "lease": 0}', "$.lease"),
+    (b'{"prompt_token_ids": [1], "lease": "long"}', "$.lease"),
+    (b'{"prompt_token_ids": [1], "backends": []}', "'backends' is empty"),
+    (b'{"prompt_token_ids": [1], "backends": ["a", "a"]}', "more than once"),
+    (b'{"prompt_token_ids": [1], "backends": "a"}', "$.backends"),
+    (b'{"prompt_token_ids": [1], "model": 3}', "$.model"),
+    (b'{"prompt": "hello"}', "--tokenizer"),
+]
+
+
+@pytest.mark.parametrize(("raw", "message"), BAD_BODIES)
+def test_bad_input_is_a_4xx_with_a_message_and_changes_no_count(raw: bytes, message: str) -> None:
+    sidecar = Sidecar(Router(), backends=BACKENDS)
+    reply = call(sidecar, "POST", "/route", raw=raw)
+    assert 400 <= reply.status_code < 500
+    assert message in reply.json()["error"]
+    stats = sidecar.router.stats()
+    assert (stats.decisions, stats.in_flight) == (0, 0)
+
+
+def test_lifecycle_and_endpoint_errors() -> None:
+    sidecar = Sidecar(Router(), backends=BACKENDS)
+    assert call(sidecar, "POST", "/finish", raw=b'{"id": 7}').status_code == 400
+    assert call(sidecar, "POST", "/finish", raw=b"{}").status_code == 400
+    assert call(sidecar, "POST", "/nope", {}).status_code == 404
+    assert call(sidecar, "GET", "/route").status_code == 404
+    assert call(sidecar, "PUT", "/route", {}).status_code == 405
+    assert call(sidecar, "GET", "/healthz").json()["status"] == "ok"
+    metrics = call(sidecar, "GET", "/metrics").text
+    assert 'prefixroute_bad_requests_total{status="400"} 2' in metrics
+    assert sidecar.router.stats().ignored == 0
+
+
+def test_metrics_expose_every_figure() -> None:
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    decision = sidecar.route(b'{"prompt_token_ids": [1, 2, 3, 4, 5]}')
+    sidecar.route(b'{"prompt_token_ids": [1, 2, 3, 4, 6]}')
+    sidecar.finish(decision.id)
+    sidecar.finish(decision.id)
+    text = call(sidecar, "GET", "/metrics").text
+    for line in ('prefixroute_decisions_total{reason="miss"} 1', 'prefixroute_decisions_total{reason="prefix"} 1',
+                 "prefixroute_hit_tokens_total 4", "prefixroute_prompt_tokens_total 10",
+                 f'prefixroute_in_flight{{backend="{decision.backend}"}} 1', "prefixroute_leases_expired_total 0",
+                 "prefixroute_unknown_finishes_total 1", "prefixroute_decision_seconds_count 2"):  # fmt: skip
+        assert line in text.splitlines(), line
+
+
+def test_pick_mode_answers_in_headers_for_nginx_and_haproxy() -> None:
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, accel_redirect="@up")
+    reply = call(sidecar, "POST", "/v1/completions", {"model": "m", "prompt": ids(12), "stream": True})
+    assert reply.status_code == 200 and reply.headers["x-accel-redirect"] == "@up"
+    assert reply.headers["x-prefixroute-backend"] == reply.json()["backend"]
+    assert reply.headers["x-prefixroute-upstream"] == upstream_of(reply.json()["backend"])
+    assert sidecar.router.in_flight(reply.json()["backend"]) == 1
+    batch = call(sidecar, "POST", "/v1/completions", {"model": "m", "prompt": [ids(12), ids(4)]})
+    assert batch.json()["backend"] == reply.json()["backend"]  # a batch goes where its first prompt goes
+    assert call(sidecar, "POST", "/v1/chat/completions", {"messages": "hi"}).status_code == 400
+    assert call(sidecar, "POST", "/v1/completions", {"prompt": [1, -2]}).status_code == 400
+
+
+def test_text_and_chat_prompts_use_the_model_tokenizer_and_template(model_dir: Path) -> None:
+    encoder = PromptEncoder(model_dir)
+    assert encoder.has_chat_template
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, encoder=encoder)
+    system = {"role": "system", "content": " ".join(CORPUS[:2])}
+    first = call(sidecar, "POST", "/route", {"messages": [system, {"role": "user", "content": "count rows"}]}).json()
+    second = call(sidecar, "POST", "/route", {"messages": [system, {"role": "user", "content": "an index?"}]}).json()
+    assert second["backend"] == first["backend"] and second["reason"] == "prefix" and second["matched_tokens"] >= 8
+    expected = encoder.encode_chat([system, {"role": "user", "content": "count rows"}])
+    assert first["prompt_tokens"] == len(expected) and expected[0] == Tokenizer.from_file(
+        str(model_dir / "tokenizer.json")
+    ).token_to_id("<s>")
+    text = call(sidecar, "POST", "/route", {"prompt": CORPUS[0]}).json()
+    assert text["prompt_tokens"] == len(encoder.encode(CORPUS[0]))
+    out_of_range = call(sidecar, "POST", "/route", {"prompt_token_ids": [1, encoder.vocab_size]})
+    assert out_of_range.status_code == 400 and "out of range" in out_of_range.json()["error"]
+
+
+def test_chat_without_a_template_uses_the_documented_serialisation(model_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    encoder = PromptEncoder(tmp_path / "tokenizer.json")
+    assert not encoder.has_chat_template
+    messages = [{"role": "user", "content": [{"type": "text", "text": "SELECT name"}]}]
+    plain = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert encoder.encode_chat(messages) == plain.encode("<|user|>\nSELECT name\n<|assistant|>\n").ids
+    with pytest.raises(ValueError, match="role"):
+        encoder.encode_chat([{"content": "no role"}])
+
+
+def test_construction_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match="not a URL"):
+        Sidecar(Router(), backends=["gpu0"])
+    with pytest.raises(ConfigurationError, match="twice"):
+        Sidecar(Router(), backends=[BACKENDS[0], BACKENDS[0]])
+    with pytest.raises(ConfigurationError, match="never downloads"):
+        PromptEncoder(tmp_path)
+    with pytest.raises(TypeError):
+        Sidecar("router", backends=BACKENDS)  # type: ignore[arg-type]
+
+
+@given(st.lists(st.sampled_from(["route", "finish", "first_token", "finish_unknown", "bad"]), max_size=30))
+@settings(max_examples=60, deadline=None)
+def test_any_sequence_of_calls_leaves_in_flight_equal_to_unfinished_routes(calls: list[str]) -> None:
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    open_ids: list[str] = []
+    for i, what in enumerate(calls):
+        if what == "route":
+            open_ids.append(sidecar.route(json.dumps({"prompt_token_ids": ids(8, i)}).encode()).id)
+        elif what in ("finish", "first_token") and open_ids:
+            decision_id = open_ids[-1]
+            (sidecar.finish if what == "finish" else sidecar.first_token)(decision_id)
+            if what == "finish":
+                open_ids.pop()
+        elif what == "finish_unknown":
+            sidecar.finish(f"unknown-{i}")
+        else:
+            with pytest.raises(Exception, match="exactly one"):
+                sidecar.route(b"{}")
+    assert sidecar.router.stats().in_flight == len(open_ids)
+    assert sum(sidecar.router.in_flight(b) for b in BACKENDS) == len(open_ids)
+
+
+def test_release_lines_are_parsed_from_any_syslog_format() -> None:
+    line = b"<190>Dec  1 08:13:13 haproxy[1]: prefixroute_finish=ab-1 status=200 prefixroute_first_token=cd-2"
+    assert release_ids(line) == [("finish", "ab-1"), ("first_token", "cd-2")]
+    assert release_ids(b"prefixroute_finish=- status=400") == [("finish", "-")]
+    assert release_ids(b"nothing here") == []
+
+
+# -- the command ------------------------------------------------------------------------------------------------------
+
+
+def serve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "prefixroute", "serve", *args], capture_output=True, text=True,
+                          timeout=60, check=False)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tokenizer", "/no/such/tokenizer.json"], "not found"),
+        (["--backends", "gpu0"], "not a URL"),
+        (["--port", "70000"], "--port"),
+        (["--lease", "0"], "--lease"),
+        (["--policy", "nope"], "nope"),
+        (["--policy-option", "factor"], "KEY=VALUE"),
+        (["--backends", "http://a:1", "--kv-events", "http://b:1=tcp://b:5557"], "not one of --backends"),
+    ],
+)
+def test_bad_command_lines_exit_2_with_one_line(args: list[str], message: str) -> None:
+    done = serve(*args)
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr
+    assert done.stderr.startswith("prefixroute serve")
+
+
+def test_a_port_in_use_exits_2(tmp_path: Path) -> None:
+    port = free_port()
+    with start_sidecar(tmp_path, BACKENDS, port=port):
+        done = serve("--port", str(port))
+    assert done.returncode == 2 and "cannot listen" in done.stderr
+
+
+@pytest.fixture
+def sidecar_url(tmp_path: Path) -> Iterator[str]:
+    port = free_port()
+    with start_sidecar(tmp_path, BACKENDS, port=port):
+        yield f"http://127.0.0.1:{port}"
+
+
+def test_the_command_serves_the_contract(sidecar_url: str) -> None:
+    with httpx.Client(base_url=sidecar_url) as client:
+        decision = client.post("/route", json={"prompt_token_ids": ids(40)}).json()
+        assert decision["backend"] in BACKENDS
+        assert client.post("/finish", json={"id": decision["id"]}).status_code == 200
+        assert client.post("/finish", json={"id": decision["id"]}).status_code == 200
+        assert client.post("/route", content=b"{").status_code == 400
+        assert "prefixroute_unknown_finishes_total 1" in client.get("/metrics").text
+
+
+def test_two_replicas_following_kv_events_agree(tmp_path: Path) -> None:
+    """Two sidecars that share nothing but the engines' KV events route a prefix to the engine that holds it."""
+    from prefixroute.testing import FakeVLLM
+
+    with FakeVLLM(block_size=16, seed=1) as engine0, FakeVLLM(block_size=16, seed=2) as engine1:
+        engines = [engine0, engine1]
+        urls = [engine.url for engine in engines]
+        events = [f"{e.url}={e.endpoint},{e.replay_endpoint}" for e in engines]
+        ports = [free_port(), free_port()]
+        prefixes = [ids(64, 10_000), ids(64, 20_000)]
+        with (
+            start_sidecar(tmp_path, urls, port=ports[0], options=["--kv-events", *events]) as first,
+            start_sidecar(tmp_path, urls, port=ports[1], options=["--kv-events", *events]),
+        ):
+            assert first.popen.poll() is None
+            for engine, prefix in zip(engines, prefixes, strict=True):
+                engine.complete(prefix)
+            for port in ports:
+                for engine, prefix in zip(engines, prefixes, strict=True):
+                    url = f"http://127.0.0.1:{port}/route"
+                    deadline = 100
+                    while True:
+                        answer = httpx.post(url, json={"prompt_token_ids": [*prefix, 1, 2, 3]}).json()
+                        httpx.post(f"http://127.0.0.1:{port}/finish", json={"id": answer["id"]})
+                        if answer["reason"] == "prefix" or deadline == 0:
+                            break
+                        deadline -= 1
+                        time.sleep(0.05)
+                    assert (answer["backend"], answer["reason"], answer["matched_tokens"]) == (engine.url, "prefix", 64)
