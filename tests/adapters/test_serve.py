@@ -137,10 +137,10 @@ def test_lifecycle_and_endpoint_errors() -> None:
 
 def test_metrics_expose_every_figure() -> None:
     sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
-    decision = sidecar.route(b'{"prompt_token_ids": [1, 2, 3, 4, 5]}')
-    sidecar.route(b'{"prompt_token_ids": [1, 2, 3, 4, 6]}')
-    sidecar.finish(decision.id)
-    sidecar.finish(decision.id)
+    first = sidecar.route(b'{"prompt_token_ids": [1, 2, 3, 4, 5]}')
+    sidecar.finish(first.id)
+    sidecar.finish(first.id)
+    decision = sidecar.route(b'{"prompt_token_ids": [1, 2, 3, 4, 6]}')
     text = call(sidecar, "GET", "/metrics").text
     for line in ('prefixroute_decisions_total{reason="miss"} 1', 'prefixroute_decisions_total{reason="prefix"} 1',
                  "prefixroute_hit_tokens_total 4", "prefixroute_prompt_tokens_total 10",
@@ -168,6 +168,7 @@ def test_text_and_chat_prompts_use_the_model_tokenizer_and_template(model_dir: P
     sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, encoder=encoder)
     system = {"role": "system", "content": " ".join(CORPUS[:2])}
     first = call(sidecar, "POST", "/route", {"messages": [system, {"role": "user", "content": "count rows"}]}).json()
+    sidecar.finish(first["id"])  # no load: the prefix alone decides
     second = call(sidecar, "POST", "/route", {"messages": [system, {"role": "user", "content": "an index?"}]}).json()
     assert second["backend"] == first["backend"] and second["reason"] == "prefix" and second["matched_tokens"] >= 8
     expected = encoder.encode_chat([system, {"role": "user", "content": "count rows"}])
