@@ -1,58 +1,352 @@
-"""Which backend (probably) holds which KV blocks: one set (or LRU) of block hashes per backend.
+"""Which backend (probably) holds which KV blocks: one store of block hashes per backend.
 
 Because a block hash names its whole prefix (see :mod:`prefixroute.hashing`), a flat set of hashes per backend *is*
 that backend's prefix trie: a backend holds the first *k* blocks of a prompt exactly when it holds hashes 0..k-1.
+Each backend's blocks live in a store of one of two kinds, chosen by its capacity:
+
+* :class:`UnboundedStore` (no capacity): one ``set``;
+* :class:`LRUStore` (a capacity in blocks, as vLLM's ``num_gpu_blocks``): the same blocks split into generations
+  of plain sets, newest last; a touched block moves to the newest one and eviction drops the oldest whole.
+
+:class:`PrefixIndex` owns the stores and the accounting, and calls one hook, :meth:`PrefixIndex.evict`, when a
+store is over its capacity (as cachetools' ``Cache`` calls ``popitem``). Internals and invariants:
+``docs/internals.md``.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Collection, Container, Iterable, Mapping, Sequence
-from itertools import repeat, starmap, takewhile
+from array import array
+from collections.abc import Collection, Container, Iterable, Iterator, Mapping, Sequence
+from itertools import chain, islice, takewhile
 
 from prefixroute.errors import ConfigurationError
 
-__all__ = ["IndexUpdate", "PrefixIndex"]
+__all__ = ["IndexUpdate", "LRUStore", "PrefixIndex", "UnboundedStore", "apply_updates", "leading_run"]
 
 IndexUpdate = tuple[bool, Sequence[int], "int | None"]
 """One index update: ``(True, hashes, parent)`` stores a chain continuing block ``parent`` (None: from block 0),
 ``(False, hashes, None)`` removes blocks."""
 
 
-class PrefixIndex:
-    """Block hashes held per backend, with an LRU capacity in blocks that mirrors vLLM's ``num_gpu_blocks``.
+class UnboundedStore:
+    """One backend's blocks without a capacity: a ``set`` of block hashes, and the subset that are roots (block 0).
 
-    ``capacity_blocks`` is an int (the same for every backend), a mapping backend → int (backends not in it are
-    unbounded), or None (unbounded). When a backend exceeds its capacity its least recently used blocks are evicted.
-    :meth:`insert` touches a prompt's blocks leaf first, so a parent is always more recent than its children and
-    eviction removes leaves first: what remains is still a set of whole prefixes, as in vLLM, which frees a
-    request's blocks in reverse order. Recency is kept (in an ``OrderedDict``) only for backends with a capacity;
-    an unbounded backend's blocks sit in a ``set``, half as costly to insert into, and a backend that gets a
-    capacity later starts from an arbitrary order (and is walked block by block in :meth:`match` from then on).
+    Prefix-closed (a held block's parent is held) unless :meth:`discard` punched a hole; while it may hold such
+    orphans, :meth:`match` walks block by block instead of binary-searching. Not thread-safe.
+    """
+
+    __slots__ = ("blocks", "roots", "_open")
+
+    def __init__(self, blocks: Iterable[int] = (), *, roots: set[int] | None = None, open: bool = False) -> None:
+        self.blocks: set[int] = set(blocks)
+        self.roots: set[int] = set() if roots is None else roots  # block-0 hashes held: match()'s first probe
+        self._open = open and bool(self.blocks)
+
+    @property
+    def size(self) -> int:
+        """Blocks held. O(1)."""
+        return len(self.blocks)
+
+    @property
+    def open(self) -> bool:
+        """Whether the store may hold a block whose parent it lacks (after :meth:`discard`)."""
+        return self._open
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self.blocks
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.blocks)
+
+    def match(self, hashes: Sequence[int]) -> int:
+        """How many leading ``hashes`` the store holds. O(log n), or O(matched) while :attr:`open`."""
+        return _leading(self.blocks, hashes) if self._open else _boundary(self.blocks, hashes)
+
+    def put(self, hashes: Sequence[int], parent: int | None, held: int = 0) -> bool:
+        """Hold the chain ``hashes`` continuing block ``parent``; False (nothing stored) when ``parent`` is not held.
+
+        ``held`` is a hint: how many leading blocks the caller believes are held; a wrong one costs one probe.
+        O(len(hashes) - held).
+        """
+        blocks = self.blocks
+        if parent is not None:
+            if parent not in blocks:
+                return False
+            held = 0
+        else:
+            self.roots.add(hashes[0])
+            if self._open or not 0 < held <= len(hashes) or hashes[held - 1] not in blocks:
+                held = 0
+        blocks.update(hashes[held:] if held else hashes)
+        return True
+
+    def discard(self, hashes: Collection[int]) -> int:
+        """Forget ``hashes`` (those not held are ignored); return how many were held. O(len(hashes))."""
+        before = len(self.blocks)
+        self.blocks.difference_update(hashes)
+        self.roots.difference_update(hashes)
+        removed = before - len(self.blocks)
+        self._open = bool(self.blocks) and (self._open or removed > 0)
+        return removed
+
+    def _check(self, capacity: int | None = None) -> None:
+        assert capacity is None, capacity
+        assert self.roots <= self.blocks, "a root that is not held"
+        assert self.blocks or not self._open
+
+
+class LRUStore:
+    """One backend's blocks under a capacity: generations of plain sets, oldest first, with approximate LRU eviction.
+
+    A routed prompt's blocks all move to the newest generation; a chain that continues a block (a KV event) joins
+    its parent's generation; a new generation starts when the newest holds ``capacity // generations`` blocks; and
+    :meth:`drop_oldest` evicts the oldest generations whole. The invariant that makes this safe: a held block's
+    parent is held and in the same or a newer generation, so dropping the oldest generation never leaves a child
+    without its parent, and the blocks of a prompt that one generation holds are a contiguous run, found by binary
+    search. Compared with an exact LRU it keeps on average ``capacity / (2 * generations)`` fewer blocks and orders
+    blocks only to the generation; ``benchmarks/bench_route.py --bounded`` measures the hit-rate cost (Zipf prefix
+    workload). Not thread-safe.
+
+    Holes (a :meth:`discard` of a block whose children are held, or a capacity set on more blocks than it allows)
+    make :meth:`match` walk block by block until every generation that existed then has been evicted.
+    """
+
+    __slots__ = ("roots", "size", "_first", "_gens", "_generations", "_open_until", "_span")
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        generations: int = 16,
+        blocks: Iterable[int] = (),
+        roots: set[int] | None = None,
+        open: bool = False,
+    ) -> None:
+        if isinstance(generations, bool) or not isinstance(generations, int) or generations < 1:
+            raise ConfigurationError(f"generations must be a positive int, not {generations!r}")
+        self._generations = generations
+        self._span = max(1, capacity // generations)
+        self._gens: list[set[int]] = [set(blocks)]  # oldest first; the last one is the newest
+        self._first = 0  # the id of _gens[0]; ids only grow
+        self.size = len(self._gens[0])
+        if self.size:  # blocks without recency: the oldest generation, so new blocks never share its fate
+            self._gens.append(set())
+        self.roots: set[int] = set() if roots is None else roots
+        self._open_until = 0 if open and self.size else -1  # open while a generation with id <= this is alive
+
+    @property
+    def open(self) -> bool:
+        """Whether the store may hold a block whose parent it lacks (holes): :meth:`match` walks then."""
+        return self._open_until >= self._first
+
+    @property
+    def generations(self) -> int:
+        """How many generations a full store is split into (more: closer to exact LRU, slower misses)."""
+        return self._generations
+
+    def resize(self, capacity: int) -> None:
+        """Size new generations for ``capacity`` (the caller evicts any excess). O(1)."""
+        self._span = max(1, capacity // self._generations)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __contains__(self, block_hash: object) -> bool:
+        return any(block_hash in gen for gen in self._gens)
+
+    def __iter__(self) -> Iterator[int]:
+        return chain.from_iterable(self._gens)
+
+    def match(self, hashes: Sequence[int]) -> int:
+        """How many leading ``hashes`` the store holds. O(G + log n) for G generations; O(G + matched) if open."""
+        if self.open:
+            return self._segments(hashes, 0, None)
+        count = len(hashes)
+        position = 0
+        for gen in reversed(self._gens):
+            if hashes[position] in gen:
+                position = _run(gen, hashes, position)
+                if position == count:
+                    break
+        return position
+
+    def _segments(self, hashes: Sequence[int], position: int, into: set[int] | None) -> int:
+        """Walk the held run of ``hashes`` from ``position`` in any generation order (a store with holes may hold a
+        block in a newer generation than its parent); move what is found into ``into`` if given. O(G * runs + n)."""
+        gens = self._gens
+        count = len(hashes)
+        while position < count:
+            block = hashes[position]
+            gen = next((gen for gen in reversed(gens) if block in gen), None)
+            if gen is None:
+                break
+            end = _walk_run(gen, hashes, position)
+            if into is not None and gen is not into:
+                moved = hashes[position:end]
+                left = len(gen)
+                gen.difference_update(moved)
+                into.update(moved)
+                self.size -= left - len(gen)  # counted again as they join ``into``
+            position = end
+        return position
+
+    def put(self, hashes: Sequence[int], parent: int | None) -> bool:
+        """Hold the chain ``hashes`` continuing block ``parent``; False (nothing stored) when ``parent`` is not held.
+
+        A chain from block 0 (``parent`` None) moves to the newest generation, its held blocks included; a
+        continuation joins its parent's generation. O(G + len(hashes)) for G generations.
+        """
+        gens = self._gens
+        target = len(gens) - 1
+        if parent is not None:
+            while target >= 0 and parent not in gens[target]:
+                target -= 1
+            if target < 0:
+                return False
+        else:
+            self.roots.add(hashes[0])
+        into = gens[target]
+        count = len(hashes)
+        before = len(into)
+        if self.open:
+            position = self._segments(hashes, 0, into)
+            if position < count:  # orphans of a hole may sit in other generations: this chain reaches them again
+                new = hashes[position:]
+                for gen in gens:
+                    if gen is not into:
+                        left = len(gen)
+                        gen.difference_update(new)
+                        self.size -= left - len(gen)
+                into.update(new)
+        else:
+            position = _run(into, hashes, 0) if hashes[0] in into else 0
+            # The held blocks in older generations: by the invariant, contiguous runs, newest generation first.
+            for older in reversed(gens[:target]):
+                if position == count:
+                    break
+                if hashes[position] in older:
+                    end = _run(older, hashes, position)
+                    moved = hashes[position:end]
+                    left = len(older)
+                    older.difference_update(moved)
+                    into.update(moved)
+                    self.size -= left - len(older)  # counted again as they join ``into``
+                    position = end
+            if position < count:
+                into.update(hashes[position:])
+        self.size += len(into) - before
+        if into is gens[-1] and len(into) >= self._span:
+            gens.append(set())
+        return True
+
+    def discard(self, hashes: Collection[int]) -> int:
+        """Forget ``hashes`` (those not held are ignored); return how many were held. O(G * len(hashes))."""
+        before = self.size
+        for gen in self._gens:
+            left = len(gen)
+            gen.difference_update(hashes)
+            self.size -= left - len(gen)
+        self.roots.difference_update(hashes)
+        removed = before - self.size
+        if not self.size:
+            self._open_until = -1
+        elif removed:
+            self._open_until = self._first + len(self._gens) - 1
+        return removed
+
+    def drop_oldest(self, count: int) -> int:
+        """Evict whole generations, oldest first, until at least ``count`` blocks went; return how many did.
+
+        Never orphans a block (children sit in the same or an older generation than their parent). O(1) per
+        generation plus the time to free its blocks.
+        """
+        gens = self._gens
+        roots = self.roots
+        dropped = 0
+        while dropped < count and self.size:
+            oldest = gens.pop(0)
+            self._first += 1
+            if not gens:
+                gens.append(set())
+            dropped += len(oldest)
+            self.size -= len(oldest)
+            if roots:
+                roots -= roots & oldest  # iterates the smaller of the two
+        if not self.size:
+            self._open_until = -1
+        return dropped
+
+    def generation_sizes(self) -> list[int]:
+        """Blocks per generation, oldest first (for tests and metrics). O(G)."""
+        return [len(gen) for gen in self._gens]
+
+    def _check(self, capacity: int | None = None) -> None:
+        gens = self._gens
+        assert gens, "no current generation"
+        assert self.size == sum(map(len, gens)), (self.size, [len(g) for g in gens])
+        assert capacity is None or self.size <= capacity, (self.size, capacity)
+        seen: set[int] = set()
+        for gen in gens:
+            assert seen.isdisjoint(gen), "a block in two generations"
+            seen |= gen
+        assert self.roots <= seen, "a root that is not held"
+        assert self.size or not self.open
+
+
+class PrefixIndex:
+    """Block hashes held per backend, with an optional capacity in blocks that mirrors vLLM's ``num_gpu_blocks``.
+
+    ``capacity_blocks`` is an int (the default for every backend), a mapping backend → int (the other backends are
+    unbounded), or None (unbounded). A backend without a capacity keeps an :class:`UnboundedStore`; one with a
+    capacity an :class:`LRUStore`, and when it is over capacity the index calls :meth:`evict`, the one hook a
+    subclass overrides to change or observe eviction. A capacity can change at any time (:meth:`set_capacity`).
+
+    Every store is *prefix-closed*: a held block's parent is held, as in vLLM, which frees a request's blocks in
+    reverse order. :meth:`insert` skips (and counts in :attr:`orphan_inserts`) a chain whose parent block is not
+    held, and :meth:`match` binary-searches whole prefixes. Only :meth:`remove` can punch holes; a store then walks
+    block by block until the holes are gone (see ``docs/internals.md``).
 
     Not thread-safe by itself: :class:`~prefixroute.Router` serialises access with its lock.
 
-    >>> index = PrefixIndex(capacity_blocks=3)
+    >>> index = PrefixIndex(capacity_blocks=1000)
     >>> index.insert([11, 12, 13], "gpu0")
-    >>> index.match([11, 12, 99], ["gpu0", "gpu1"])
-    {'gpu0': 2, 'gpu1': 0}
-    >>> index.insert([21, 22], "gpu0")          # over capacity: the oldest leaves, 13 then 12, go
-    >>> sorted(index.hashes("gpu0"))
-    [11, 21, 22]
+    >>> index.insert([14, 15], "gpu0", parent=13)   # a KV event: a chain that continues block 13
+    >>> index.insert([99], "gpu0", parent=98)       # its parent is not held: skipped and counted
+    >>> index.match([11, 12, 13, 14, 77], ["gpu0", "gpu1"]), index.orphan_inserts
+    ({'gpu0': 4, 'gpu1': 0}, 1)
+
+    A subclass that observes eviction (the hook receives the store and how many blocks it is over):
+
+    >>> class CountingIndex(PrefixIndex):
+    ...     evicted = 0
+    ...     def evict(self, backend: str, store: LRUStore, excess: int) -> int:
+    ...         dropped = super().evict(backend, store, excess)
+    ...         CountingIndex.evicted += dropped
+    ...         return dropped
+    >>> index = CountingIndex(capacity_blocks=32)
+    >>> for root in range(8):
+    ...     index.insert([1000 * root + i for i in range(8)], "gpu0")
+    >>> index.blocks("gpu0") <= 32 < index.blocks("gpu0") + CountingIndex.evicted
+    True
     """
 
-    __slots__ = ("_blocks", "_block_size", "_capacity", "_default_capacity", "_open")
+    __slots__ = ("_block_size", "_capacity", "_default_capacity", "_orphans", "_roots", "_stores")
+
+    #: Generations of a new :class:`LRUStore` (a subclass may change it).
+    generations: int = 16
 
     def __init__(self, block_size: int = 16, *, capacity_blocks: int | Mapping[str, int] | None = None) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ConfigurationError(f"block_size must be a positive int (vLLM's default is 16), not {block_size!r}")
         self._block_size = block_size
-        self._blocks: dict[str, set[int] | OrderedDict[int, None]] = {}  # an LRU where a capacity applies
+        self._stores: dict[str, UnboundedStore | LRUStore] = {}
+        self._roots: dict[str, set[int]] = {}  # each store's roots, so match() probes one small set per backend
         self._capacity: dict[str, int] = {}
         self._default_capacity: int | None = None
-        # Backends whose blocks may no longer be whole prefixes (after remove(), or after an LRU order was made
-        # up), so match() walks them block by block instead of binary-searching.
-        self._open: set[str] = set()
+        self._orphans = 0
         if isinstance(capacity_blocks, Mapping):
             for backend, capacity in capacity_blocks.items():
                 self.set_capacity(backend, capacity)
@@ -64,176 +358,258 @@ class PrefixIndex:
         """Tokens per block (the hasher's block size must agree)."""
         return self._block_size
 
+    @property
+    def orphan_inserts(self) -> int:
+        """How many chains :meth:`insert` skipped because the backend did not hold their parent block."""
+        return self._orphans
+
     def capacity(self, backend: str) -> int | None:
-        """Return ``backend``'s capacity in blocks, or None when unbounded. O(1)."""
+        """Return ``backend``'s capacity in blocks: its own, else the index's default; None when unbounded. O(1)."""
         return self._capacity.get(backend, self._default_capacity)
 
     def set_capacity(self, backend: str, capacity_blocks: int | None) -> None:
-        """Set one backend's capacity in blocks (None: unbounded), evicting its LRU blocks if it is over. O(evicted)."""
+        """Set ``backend``'s capacity in blocks; None returns it to the index's default (unbounded if none).
+
+        Evicts down to the new capacity. A store that gains a capacity keeps its blocks as one generation (an
+        unbounded store has no recency), so the fast match path stays on unless it held more than the capacity.
+        O(1), or O(blocks) when the store changes kind.
+
+        Raises:
+            ConfigurationError: ``capacity_blocks`` is not a non-negative int or None.
+            TypeError: ``backend`` is not a str.
+        """
+        _check_backend(backend)
         if capacity_blocks is None:
             self._capacity.pop(backend, None)
-            blocks = self._blocks.get(backend)
-            if blocks is not None and self.capacity(backend) is None:
-                self._blocks[backend] = set(blocks)  # unbounded: recency no longer kept
+        else:
+            self._capacity[backend] = _check_capacity(capacity_blocks, f"capacity of {backend!r}")
+        store = self._stores.get(backend)
+        if store is None:
             return
-        self._capacity[backend] = _check_capacity(capacity_blocks, f"capacity of {backend!r}")
-        blocks = self._blocks.get(backend)
-        if blocks is not None:
-            if not isinstance(blocks, OrderedDict):
-                # A set has no order, let alone "every parent more recent than its children": eviction may leave
-                # holes.
-                blocks = self._blocks[backend] = OrderedDict.fromkeys(blocks)
-                self._open.add(backend)
-            self._shrink(backend, blocks)
-            if not blocks:
-                del self._blocks[backend]
-                self._open.discard(backend)
+        capacity = self.capacity(backend)
+        if capacity is None:
+            if isinstance(store, LRUStore):
+                self._stores[backend] = UnboundedStore(store, roots=store.roots, open=store.open)
+            return
+        if isinstance(store, UnboundedStore):
+            over = len(store) > capacity
+            store = self._stores[backend] = LRUStore(
+                capacity, generations=self.generations, blocks=store.blocks, roots=store.roots, open=store.open
+            )
+            if over:  # a set has no order: what goes is arbitrary and may leave holes
+                store.discard(list(islice(store, len(store) - capacity)))
+        store.resize(capacity)
+        self._fit(backend, store, capacity)
 
     def match(self, hashes: Sequence[int], backends: Iterable[str]) -> dict[str, int]:
-        """Return, for each backend, how many leading blocks of ``hashes`` it holds, contiguous from block 0.
+        """Return, for each backend, how many leading blocks of ``hashes`` (a prompt's, from block 0) it holds.
 
-        O(B + H log n) for B backends, H of them holding block 0, and n blocks: a backend's blocks are whole
-        prefixes (holding block *i* means holding blocks 0..i-1), so a binary search finds where its match ends.
-        After :meth:`remove` has punched holes, that backend is walked block by block, O(matched blocks).
-        Does not change recency.
+        O(B + H (G + log n)) for B backends, H of them holding block 0, G generations per bounded store and n
+        blocks: a store's blocks are whole prefixes, so a binary search finds where its match ends (a store with
+        holes walks, O(matched)). Does not change recency.
         """
         result = dict.fromkeys(backends, 0)
         if not hashes:
             return result
         first = hashes[0]
-        get = self._blocks.get
-        walk = self._open
+        roots = self._roots.get
+        stores = self._stores
         for backend in result:
-            blocks = get(backend)
-            if blocks is not None and first in blocks:
-                result[backend] = _leading(blocks, hashes) if backend in walk else _boundary(blocks, hashes)
+            held = roots(backend)
+            if held is not None and first in held:
+                result[backend] = stores[backend].match(hashes)
         return result
 
     def predict(self, hashes: Sequence[int], backend: str, held: int) -> None:
         """Record a routing decision: the router sent a prompt with ``hashes`` to ``backend``, which held ``held``.
 
-        The hook that decides what routing writes: this class inserts the prompt's blocks. O(len(hashes)).
+        The hook that decides what routing writes; this class inserts the prompt's blocks (from block 0) and makes
+        them most recent. ``held`` (from :meth:`match`) saves a search; a stale value costs one. O(len(hashes)).
+        ``hashes`` are not validated (the router's hot path passes its hasher's): use :meth:`insert` for others.
         """
-        blocks = self._blocks.get(backend)
-        self._insert(hashes, backend, 0 if blocks is None else _leading(blocks, hashes))
+        if hashes:
+            self._put(hashes, backend, None, held)
 
     def match_confirmed(self, hashes: Sequence[int], backend: str) -> int | None:
         """How many leading blocks of ``hashes`` an exact source (KV events) confirms ``backend`` holds; None here."""
         return None
 
     def insert(self, hashes: Sequence[int], backend: str, *, parent: int | None = None) -> None:
-        """Record that ``backend`` holds ``hashes`` and make them its most recent blocks.
+        """Record that ``backend`` holds the chain ``hashes``, continuing block ``parent`` (None: from block 0).
 
-        ``hashes`` is a chain from block 0, or one that continues a block the backend holds (as a KV event's stored
-        blocks do): what a backend holds must stay whole prefixes.
+        A chain from block 0 becomes the backend's most recent blocks; a continuation (a KV event's stored blocks)
+        joins its parent's recency. A continuation whose parent the backend does not hold is skipped and counted
+        (:attr:`orphan_inserts`): the engine could not reuse it through this index. O(len(hashes) + evicted).
 
-        Touches the chain leaf first, so its root ends up most recent, then evicts down to capacity. Blocks after
-        the first one the backend lacked that it already held keep their recency. O(len(hashes) + evicted).
+        Raises:
+            TypeError: a hash or ``parent`` is not an int in [0, 2**64), or ``backend`` is not a str (nothing is
+                stored).
         """
-        blocks = self._blocks.get(backend)
-        self._insert(hashes, backend, 0 if blocks is None else _leading(blocks, hashes))
+        hashes = _check_hashes(hashes)
+        _check_backend(backend)
+        if parent is not None and (isinstance(parent, bool) or not isinstance(parent, int) or not 0 <= parent < 2**64):
+            raise TypeError(f"parent must be a block hash, an int in [0, 2**64), or None, not {parent!r}")
+        if hashes:
+            self._put(hashes, backend, parent, 0)
 
-    def _insert(self, hashes: Sequence[int], backend: str, held: int) -> None:
-        """:meth:`insert` for a caller that knows the backend holds the first ``held`` blocks (the router does)."""
-        blocks = self._blocks.get(backend)
-        if blocks is None:
-            blocks = self._blocks[backend] = set() if self.capacity(backend) is None else OrderedDict()
-        if isinstance(blocks, set):
-            blocks.update(hashes[held:])
-        else:
-            # C-level loops: append the new tail leaf first, then move the held prefix to the end, leaf first.
-            blocks.update(zip(reversed(hashes[held:]), repeat(None)))
-            deque(map(blocks.move_to_end, reversed(hashes[:held])), maxlen=0)
-            self._shrink(backend, blocks)
-            if not blocks:
-                del self._blocks[backend]
-                self._open.discard(backend)
+    def _put(self, hashes: Sequence[int], backend: str, parent: int | None, held: int) -> None:
+        store = self._stores.get(backend)
+        if store is None:
+            if parent is not None:
+                self._orphans += 1
+                return
+            capacity = self.capacity(backend)
+            store = UnboundedStore() if capacity is None else LRUStore(capacity, generations=self.generations)
+            self._stores[backend] = store
+            self._roots[backend] = store.roots
+        if isinstance(store, UnboundedStore):
+            if not store.put(hashes, parent, held):
+                self._orphans += 1
+            return
+        if not store.put(hashes, parent):
+            self._orphans += 1
+            return
+        capacity = self.capacity(backend)
+        if capacity is not None and store.size > capacity:
+            self._fit(backend, store, capacity)
+
+    def evict(self, backend: str, store: LRUStore, excess: int) -> int:
+        """The eviction hook: ``backend``'s store is ``excess`` blocks over capacity; drop at least that many.
+
+        Called by the index after an insert or a capacity change (cachetools' ``popitem`` pattern); a subclass
+        overrides it to observe or change eviction, and must leave ``store`` prefix-closed (evict children before
+        parents, as :meth:`LRUStore.drop_oldest` and :meth:`LRUStore.discard` of leaves do). Returns how many blocks
+        went. This class drops the oldest generations: O(generations dropped) plus freeing their blocks.
+        """
+        return store.drop_oldest(excess)
+
+    def _fit(self, backend: str, store: LRUStore, capacity: int) -> None:
+        if store.size > capacity:
+            self.evict(backend, store, store.size - capacity)
+            if store.size > capacity:  # a hook that did not do its job: the capacity is the index's to keep
+                store.drop_oldest(store.size - capacity)
+        if not store.size:
+            self._detach(backend)
 
     def remove(self, hashes: Iterable[int], backend: str) -> None:
-        """Forget that ``backend`` holds ``hashes``; hashes it does not hold are ignored. O(len(hashes)).
+        """Forget that ``backend`` holds ``hashes``; hashes it does not hold are ignored. O(G * len(hashes)).
 
-        Removing a block but not its descendants leaves a hole; from then on :meth:`match` walks this backend.
+        Removing a block but not its held descendants leaves a hole: :meth:`match` stops at it, and walks that
+        backend block by block until the orphans are gone (an :class:`LRUStore` evicts them with the generations
+        that held them; an :class:`UnboundedStore` stays walked until emptied).
+
+        Raises:
+            TypeError: a hash is not an int in [0, 2**64) (nothing is removed).
         """
-        blocks = self._blocks.get(backend)
-        if blocks is None:
+        hashes = _check_hashes(hashes)
+        store = self._stores.get(backend)
+        if store is None:
             return
-        if isinstance(blocks, set):
-            blocks.difference_update(hashes)
-        else:
-            for h in hashes:
-                blocks.pop(h, None)
-        self._open.add(backend)
-        if not blocks:
-            del self._blocks[backend]
-            self._open.discard(backend)
+        store.discard(hashes)
+        if not store.size:
+            self._detach(backend)
 
     def remove_backend(self, backend: str) -> Collection[int]:
-        """Forget every block of ``backend`` (its capacity, a setting, stays) and return them to be freed. O(1)."""
+        """Forget every block of ``backend`` (its capacity, a setting, stays); return its detached store. O(1).
+
+        Freeing a million blocks takes ~40 ms: a caller holding a lock drops the returned store after releasing it.
+        """
         return self._detach(backend)
 
     def _detach(self, backend: str) -> Collection[int]:
-        """Forget ``backend``'s blocks and return them, for a caller that frees them outside its lock. O(1).
-
-        Freeing a million blocks takes ~40 ms, which the :class:`~prefixroute.Router` keeps out of its lock.
-        """
-        self._open.discard(backend)
-        return self._blocks.pop(backend, ())
+        self._roots.pop(backend, None)
+        return self._stores.pop(backend, ())
 
     def holds(self, block_hash: int, backend: str) -> bool:
-        """Return whether ``backend`` holds the block ``block_hash``. O(1)."""
-        blocks = self._blocks.get(backend)
-        return blocks is not None and block_hash in blocks
+        """Return whether ``backend`` holds the block ``block_hash``. O(G)."""
+        store = self._stores.get(backend)
+        return store is not None and block_hash in store
 
     def hashes(self, backend: str) -> set[int]:
         """Return every block hash ``backend`` holds. O(blocks of backend)."""
-        return set(self._blocks.get(backend, ()))
+        return set(self._stores.get(backend, ()))
 
     def blocks(self, backend: str) -> int:
         """Return how many blocks ``backend`` holds. O(1)."""
-        blocks = self._blocks.get(backend)
-        return 0 if blocks is None else len(blocks)
+        store = self._stores.get(backend)
+        return 0 if store is None else store.size
+
+    def store(self, backend: str) -> UnboundedStore | LRUStore | None:
+        """Return ``backend``'s store (for inspection: write through the index), None if it holds nothing. O(1)."""
+        return self._stores.get(backend)
 
     def backends(self) -> list[str]:
         """Return the backends that hold at least one block, in first-insert order. O(B)."""
-        return list(self._blocks)
+        return list(self._stores)
 
     def clear(self) -> None:
         """Forget every block of every backend (capacities stay). O(entries), the time to free them."""
-        self._blocks.clear()
-        self._open.clear()
+        self._stores.clear()
+        self._roots.clear()
 
     def __len__(self) -> int:
         """Return the number of (block, backend) entries. O(B)."""
-        return sum(map(len, self._blocks.values()))
+        return sum(store.size for store in self._stores.values())
 
     def __repr__(self) -> str:
-        return f"PrefixIndex(block_size={self._block_size}, backends={len(self._blocks)}, entries={len(self)})"
+        return f"PrefixIndex(block_size={self._block_size}, backends={len(self._stores)}, entries={len(self)})"
 
-    def _evict(self, backend: str, blocks: OrderedDict[int, None], count: int) -> None:
-        """Evict ``count`` blocks from an over-capacity backend: its least recently used ones. O(count).
+    def _check(self, *, chains: Iterable[Sequence[int]] = ()) -> None:
+        """Assert every invariant of the index (for tests). O(entries + chains × backends).
 
-        The one hook subclasses override to change the eviction order (as cachetools' ``popitem``); ``blocks`` is
-        the backend's LRU, least recent first.
+        The stores keep no parent pointers (they would cost ~40 bytes per entry), so prefix-closedness is checked
+        on ``chains``, prompts' hashes from block 0 that the caller knows: on a store without holes, the blocks of
+        each chain that it holds are a prefix of it, and their generations never grow along the chain.
         """
-        deque(starmap(blocks.popitem, repeat((False,), count)), maxlen=0)
-
-    def _shrink(self, backend: str, blocks: OrderedDict[int, None]) -> None:
-        capacity = self._capacity.get(backend, self._default_capacity)
-        if capacity is not None and len(blocks) > capacity:
-            self._evict(backend, blocks, len(blocks) - capacity)
-
-    def _check(self) -> None:
-        """Assert every invariant of the index (for tests; O(entries))."""
-        for backend, blocks in self._blocks.items():
+        assert self._stores.keys() == self._roots.keys(), "roots out of step with stores"
+        assert self._orphans >= 0
+        for backend, store in self._stores.items():
             assert isinstance(backend, str), backend
-            assert blocks, f"empty block set kept for {backend!r}"
+            assert store.size, f"empty store kept for {backend!r}"
+            assert self._roots[backend] is store.roots, backend
             capacity = self.capacity(backend)
-            assert capacity is None or len(blocks) <= capacity, (backend, len(blocks), capacity)
-            assert isinstance(blocks, set if capacity is None else OrderedDict), (backend, type(blocks), capacity)
-            for h in blocks:
+            assert isinstance(store, UnboundedStore if capacity is None else LRUStore), (backend, capacity)
+            store._check(capacity)
+            for h in store:
                 assert isinstance(h, int) and 0 <= h < 2**64, h
         for backend, capacity in self._capacity.items():
             assert isinstance(capacity, int) and capacity >= 0, (backend, capacity)
+        for hashes in chains:
+            for backend, store in self._stores.items():
+                if store.open:
+                    continue
+                held = [h in store for h in hashes]
+                assert held == sorted(held, reverse=True), f"{backend!r} holds a block of a chain but not its parent"
+                if isinstance(store, LRUStore) and any(held):
+                    ages = [_generation(store, h) for h, there in zip(hashes, held, strict=True) if there]
+                    assert ages == sorted(ages, reverse=True), f"{backend!r}: a block newer than its parent"
+
+
+def apply_updates(index: PrefixIndex, backend: str, updates: Iterable[IndexUpdate]) -> None:
+    """Apply ``updates`` for ``backend`` to ``index`` in order (no lock: a router's index is written through
+    :meth:`Router.write <prefixroute.Router.write>`). O(total hashes + evicted)."""
+    insert, remove = index.insert, index.remove
+    for stored, hashes, parent in updates:
+        if stored:
+            insert(hashes, backend, parent=parent)
+        else:
+            remove(hashes, backend)
+
+
+def _generation(store: LRUStore, block_hash: int) -> int:
+    return next(i for i, gen in enumerate(store._gens) if block_hash in gen)
+
+
+def _run(gen: Container[int], hashes: Sequence[int], start: int) -> int:
+    """End of the run of ``hashes`` from ``start`` (held) that ``gen`` holds, by binary search. O(log n)."""
+    if hashes[-1] in gen:
+        return len(hashes)
+    return leading_run(gen, hashes, low=start + 1)
+
+
+def _walk_run(gen: Container[int], hashes: Sequence[int], start: int) -> int:
+    """End of the run of ``hashes`` from ``start`` that ``gen`` holds, block by block (C-level). O(run)."""
+    return start + len(list(takewhile(gen.__contains__, islice(hashes, start, None))))
 
 
 def _leading(blocks: Container[int], hashes: Sequence[int]) -> int:
@@ -246,13 +622,14 @@ def _boundary(blocks: Container[int], hashes: Sequence[int]) -> int:
     return len(hashes) if hashes[-1] in blocks else leading_run(blocks, hashes)
 
 
-def leading_run(held: Container[int], hashes: Sequence[int], limit: int | None = None) -> int:
+def leading_run(held: Container[int], hashes: Sequence[int], limit: int | None = None, *, low: int = 0) -> int:
     """How many leading ``hashes`` (at most ``limit``) are in ``held``, by binary search. O(log n).
 
     Valid only when ``held`` is prefix-closed (holding a block means holding its parent), so that "block k is held"
-    is true for a leading run and false after it. The simulator's vLLM cache uses it too.
+    is true for a leading run and false after it. ``low``: a count already known to be held. The simulator's vLLM
+    cache uses it too.
     """
-    low, high = 0, len(hashes) if limit is None else min(limit, len(hashes))
+    high = len(hashes) if limit is None else min(limit, len(hashes))
     while low < high:  # invariant: hashes[:low] held, hashes[high:] not
         middle = (low + high) // 2
         if hashes[middle] in held:
@@ -260,6 +637,23 @@ def leading_run(held: Container[int], hashes: Sequence[int], limit: int | None =
         else:
             high = middle
     return low
+
+
+def _check_hashes(hashes: object) -> Sequence[int]:
+    """Validate block hashes before anything is written (a bad one must not leave a chain half stored). O(n)."""
+    if isinstance(hashes, (str, bytes)) or not isinstance(hashes, Iterable):
+        raise TypeError(f"block hashes must be a sequence of ints, not {type(hashes).__name__}")
+    checked = hashes if isinstance(hashes, Sequence) else list(hashes)
+    try:
+        array("Q", checked)  # checks, in C, that every hash is an int in [0, 2**64)
+    except (TypeError, OverflowError) as exc:
+        raise TypeError(f"block hashes must be ints in [0, 2**64) (as BlockHasher computes them): {exc}") from None
+    return checked
+
+
+def _check_backend(backend: object) -> None:
+    if not isinstance(backend, str):
+        raise TypeError(f"a backend id is a str, not {type(backend).__name__}")
 
 
 def _check_capacity(value: object, name: str) -> int:
