@@ -8,8 +8,13 @@ while the warm index is built. Each prompt is one of 8 shared prefixes the index
 new to it (--new-fraction, half by default), made fresh for every pass. Method: one warm-up pass, then the median
 of --runs timed passes.
 
-``--steps`` prints, instead, where route()'s time goes at 8K tokens: each of its steps timed alone on fresh prompts
-(encode, hash, place, match, candidates, policy, record), beside route() and the floor.
+``--steps`` prints, instead, where route()'s time goes at 8K tokens, from public pieces timed alone on fresh prompts:
+encoding, hashing, PrefixIndex.match over the fleet, the rest of Router.decide (placement, candidates, policy: decide
+minus the first three), recording (PrefixIndex.predict), their sum, then Router.decide, Router.commit and route() whole,
+and the floor.
+
+``--bounded`` also prints the hit rate of the bounded store (generations of sets) against an exact LRU on a Zipf
+prefix workload, at several capacities: the cost of its approximation, in percentage points.
 
 Run: ``python benchmarks/bench_route.py`` (a few minutes), ``--quick`` for a smoke run.
 """
@@ -22,13 +27,13 @@ import random
 import statistics
 import time
 import tracemalloc
+from collections import OrderedDict
 from collections.abc import Callable
 
 import xxhash
 
-from prefixroute import Router
+from prefixroute import PrefixIndex, Router
 from prefixroute.hashing import encode_tokens
-from prefixroute.router import _placement_key, _placement_order
 
 VOCAB = 32_000
 
@@ -50,7 +55,7 @@ def warm_router(
     # is freed after its route(), so what tracemalloc still counts at the end is the index.
     prefixes = [[rng.randrange(VOCAB) for _ in range(2048)] for _ in range(64)]
     capacity = entries * 5 // (4 * len(backends)) if bounded else None
-    router = Router(capacity_blocks=capacity)
+    router = Router(index=PrefixIndex(16, capacity_blocks=capacity))
     routes = 2 * entries // 128 if capacity is None else 3 * capacity * len(backends) // 128  # 128 new blocks each
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
@@ -82,36 +87,104 @@ def measure(
     return statistics.median(medians), statistics.median(p99s), statistics.median(floors)
 
 
-STEPS = ("encode", "hash", "place", "match", "candidates", "policy", "record")
+STEPS = ("encode", "hash", "match", "choose", "record")
+WHOLE = ("decide()", "commit()")
 
 
-def time_steps(router: Router, prompts: list[list[int]], backends: list[str]) -> dict[str, float]:
-    """Median seconds of each step of route(), timed alone, over ``prompts`` (with the default index source).
+def time_steps(
+    router: Router, prompts: list[list[int]], others: list[list[int]], backends: list[str]
+) -> dict[str, float]:
+    """Median seconds of each public piece of route(), timed alone, over ``prompts``.
 
-    The steps call the router's private helpers as Router.route does: when route() changes, change this with it
-    (tests/test_benchmarks.py runs it).
+    "choose" is Router.decide minus encoding, hashing and matching (placement, candidates and the policy); "record"
+    is PrefixIndex.predict for the chosen backend. Router.commit is timed on ``others``, as fresh as ``prompts``.
     """
-    hasher, index, policy, clock = router.hasher, router.index, router.policy, time.perf_counter
-    samples: dict[str, list[float]] = {name: [] for name in STEPS}
-    for prompt in prompts:
+    hasher, index, clock = router.hasher, router.index, time.perf_counter
+    samples: dict[str, list[float]] = {name: [] for name in (*STEPS, *WHOLE)}
+    for prompt, other in zip(prompts, others, strict=True):
         marks = [clock()]
         data = encode_tokens(prompt)
         marks.append(clock())
         hashes = hasher.hash_encoded(data, hasher.seed)
         marks.append(clock())
-        order = _placement_order(backends, _placement_key(hashes, data, hasher.seed, 4))
+        matched = index.match(hashes, backends)
         marks.append(clock())
-        matched = index.match(hashes, order)
+        decision = router.decide(prompt, backends)
         marks.append(clock())
-        candidates = router._candidates(order, matched, len(data) // 4)
+        index.predict(hashes, decision.backend, matched[decision.backend])
         marks.append(clock())
-        chosen = policy.choose(candidates)
-        marks.append(clock())
-        index._insert(hashes, chosen.backend, matched[chosen.backend])
-        marks.append(clock())
-        for name, begin, end in zip(STEPS, marks[:-1], marks[1:], strict=True):
-            samples[name].append(end - begin)
+        spans = [end - begin for begin, end in zip(marks[:-1], marks[1:], strict=True)]
+        encode, hashing, matching, decide, record = spans
+        samples["encode"].append(encode)
+        samples["hash"].append(hashing)
+        samples["match"].append(matching)
+        samples["choose"].append(max(0.0, decide - encode - hashing - matching))
+        samples["record"].append(record)
+        samples["decide()"].append(decide)
+        decision = router.decide(other, backends)
+        start = clock()
+        router.commit(decision)
+        samples["commit()"].append(clock() - start)
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+class ExactLRU:
+    """The reference for the hit-rate comparison: one backend's blocks in an exact LRU (an ``OrderedDict``) that
+    touches a prompt's blocks leaf first, so a parent is always more recent than its children (the index's design
+    before generations)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+
+    def match(self, hashes: list[int]) -> int:
+        count = 0
+        for h in hashes:
+            if h not in self.blocks:
+                break
+            count += 1
+        return count
+
+    def insert(self, hashes: list[int]) -> None:
+        blocks = self.blocks
+        for h in reversed(hashes):
+            blocks[h] = None
+            blocks.move_to_end(h)
+        while len(blocks) > self.capacity:
+            blocks.popitem(last=False)
+
+
+def zipf_hit_rates(
+    rng: random.Random, *, requests: int, fractions: tuple[float, ...]
+) -> list[tuple[float, int, float, float]]:
+    """Hit rate (cached blocks / prompt blocks) of one backend's PrefixIndex store and of an exact LRU on the same
+    Zipf prefix workload, per capacity (a fraction of the blocks the workload touches).
+
+    Workload: 40 system prompts (4-16 blocks) x 50 documents (4-60 blocks) each, documents drawn Zipf(1.0), each
+    request the system prompt, the document and a 1-8-block question of its own.
+    """
+    stems = [[rng.getrandbits(64) for _ in range(rng.randint(4, 16))] for _ in range(40)]
+    documents = [stem + [rng.getrandbits(64) for _ in range(rng.randint(4, 60))] for stem in stems for _ in range(50)]
+    rng.shuffle(documents)
+    weights = [1 / rank for rank in range(1, len(documents) + 1)]
+    picks = rng.choices(range(len(documents)), weights, k=requests)
+    prompts = [documents[i] + [rng.getrandbits(64) for _ in range(rng.randint(1, 8))] for i in picks]
+    touched = len({h for prompt in prompts for h in prompt})
+    rows = []
+    for fraction in fractions:
+        capacity = int(touched * fraction)
+        index, exact = PrefixIndex(16, capacity_blocks=capacity), ExactLRU(capacity)
+        total = hits = exact_hits = 0
+        for prompt in prompts:
+            held = index.match(prompt, ("b",))["b"]
+            index.predict(prompt, "b", held)
+            exact_held = exact.match(prompt)
+            exact.insert(prompt)
+            total += len(prompt)
+            hits += held
+            exact_hits += exact_held
+        rows.append((fraction, capacity, exact_hits / total, hits / total))
+    return rows
 
 
 def time_calls(call: Callable[[list[int]], object], prompts: list[list[int]]) -> list[float]:
@@ -146,9 +219,16 @@ def main() -> None:
     parser.add_argument(
         "--steps", action="store_true", help="time each step of route() alone at 8K tokens instead of the table"
     )
+    parser.add_argument(
+        "--zipf-only", action="store_true", help="print only the hit-rate comparison with an exact LRU (Zipf workload)"
+    )
+    parser.add_argument("--zipf-requests", type=int, default=100_000, help="requests of the Zipf hit-rate workload")
     args = parser.parse_args()
     if args.quick:
-        args.runs, args.calls, args.entries = 2, 20, 20_000
+        args.runs, args.calls, args.entries, args.zipf_requests = 2, 20, 20_000, 3_000
+    if args.zipf_only:
+        print_hit_rates(args.zipf_requests)
+        return
 
     rng = random.Random(0)
     bounds = "LRU capacity per backend (5/4 of its share)" if args.bounded else "unbounded backends"
@@ -157,7 +237,7 @@ def main() -> None:
         f"warm index of {args.entries:,} entries, {bounds}, {args.new_fraction:.0%} of each prompt new"
     )
     if args.steps:
-        columns = (*STEPS, "sum", "route()", "floor")
+        columns = (*STEPS, "sum", *WHOLE, "route()", "floor")
         print(f"8K tokens, median us per step\n{'backends':>8} " + " ".join(f"{name:>10}" for name in columns))
     else:
         print(
@@ -179,15 +259,27 @@ def main() -> None:
                 router.route(prompt, backends)
             median, p99, floor = measure(router, make_prompts, backends, args.runs)
             if args.steps:
-                passes = [time_steps(router, make_prompts(), backends) for _ in range(args.runs)]
-                steps = {name: statistics.median(p[name] for p in passes) * 1e6 for name in STEPS}
-                figures = (*steps.values(), sum(steps.values()), median * 1e6, floor * 1e6)
+                passes = [time_steps(router, make_prompts(), make_prompts(), backends) for _ in range(args.runs)]
+                steps = {name: statistics.median(p[name] for p in passes) * 1e6 for name in (*STEPS, *WHOLE)}
+                parts = [steps[name] for name in STEPS]
+                figures = (*parts, sum(parts), *(steps[name] for name in WHOLE), median * 1e6, floor * 1e6)
                 print(f"{backend_count:>8} " + " ".join(f"{figure:>10.1f}" for figure in figures))
                 continue
             print(
                 f"{length:>7} {backend_count:>8} {len(router.index):>10,} {per_entry:>8.0f} {median * 1e6:>10.1f} "
                 f"{p99 * 1e6:>8.1f} {1 / median:>9,.0f} {floor * 1e6:>9.1f} {median / floor:>6.2f}"
             )
+    if args.bounded and not args.steps:
+        print_hit_rates(args.zipf_requests)
+
+
+def print_hit_rates(requests: int) -> None:
+    print(f"\nhit rate on a Zipf prefix workload ({requests:,} requests), one backend: exact LRU vs PrefixIndex")
+    print(f"{'capacity':>9} {'blocks':>9} {'exact LRU':>10} {'index':>8} {'loss':>12}")
+    for fraction, capacity, exact, ours in zipf_hit_rates(
+        random.Random(1), requests=requests, fractions=(0.05, 0.1, 0.2, 0.4)
+    ):
+        print(f"{fraction:>8.0%} {capacity:>9,} {exact:>10.2%} {ours:>8.2%} {(exact - ours) * 100:>+7.2f} points")
 
 
 if __name__ == "__main__":
