@@ -183,8 +183,8 @@ class BoundedLoad(LoadPolicy):
     prefix_aware = True
 
     def __init__(self, factor: float = 2.0) -> None:
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1.0:
-            raise ConfigurationError(f"BoundedLoad factor must be a number >= 1.0, not {factor!r}")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1.0 <= factor < math.inf:
+            raise ConfigurationError(f"BoundedLoad factor must be a finite number >= 1.0, not {factor!r}")
         self.factor = float(factor)
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
@@ -279,7 +279,7 @@ class PredictedTTFT(LoadPolicy):
     prefix_aware = True
 
     def __init__(self, *, kv_cap: float = 0.95, use_speed: bool = False) -> None:
-        if isinstance(kv_cap, bool) or not isinstance(kv_cap, (int, float)) or not 0.0 <= kv_cap < 1.0:
+        if isinstance(kv_cap, bool) or not isinstance(kv_cap, (int, float)) or not 0.0 <= kv_cap < 1.0:  # NaN too
             raise ConfigurationError(f"PredictedTTFT kv_cap must be a fraction in [0, 1), not {kv_cap!r}")
         if not isinstance(use_speed, bool):
             raise ConfigurationError(f"PredictedTTFT use_speed must be True or False, not {use_speed!r}")
