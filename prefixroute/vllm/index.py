@@ -128,10 +128,12 @@ class EventIndex(PrefixIndex):
         now = self._clock()
         elapsed = now - self._rotated_at
         if elapsed >= self._ttl or elapsed < 0:  # a clock that went back: start over rather than trust forever
-            # Idle for two periods: the current generation has expired too.
-            self._previous = self._current if 0 <= elapsed < 2 * self._ttl else PrefixIndex(self.block_size)
+            # Generations turn on whole periods from the first, however late this call comes, so an entry made in
+            # one period is dropped at the end of the next: it lives at least ttl and less than 2 x ttl.
+            periods = math.floor(elapsed / self._ttl) if elapsed >= 0 else 2
+            self._previous = self._current if periods == 1 else PrefixIndex(self.block_size)
             self._current = PrefixIndex(self.block_size)
-            self._rotated_at = now
+            self._rotated_at = self._rotated_at + periods * self._ttl if elapsed >= 0 else now
 
     def _check(self, *, chains: Iterable[Sequence[int]] = ()) -> None:
         """Assert the invariants of both parts (for tests; ``chains`` as :meth:`PrefixIndex._check`, for the
