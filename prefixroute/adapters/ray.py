@@ -1,0 +1,138 @@
+"""Prefix-aware replica choice for Ray Serve deployments (extra ``prefixroute[ray]``).
+
+:class:`PrefixRouteRequestRouter` is a ``ray.serve.request_router.RequestRouter``: Ray asks it to rank the replicas
+for each request, and it ranks them with prefixroute's index and policy, on token ids (Ray's own prefix router
+matches characters) and within the policy's load bound. It plugs in through the deployment's
+``request_router_config``::
+
+    @serve.deployment(num_replicas=3, request_router_config=RequestRouterConfig(
+        request_router_class="prefixroute.adapters.ray:PrefixRouteRequestRouter",
+        request_router_kwargs={"policy": "bounded-load", "tokenizer": "/models/llama/tokenizer.json"}))
+    class LLMServer: ...
+
+How it pairs Ray's callbacks: :meth:`choose_replicas` may run several times for one request (every routing attempt
+after replicas reject it); each run :meth:`Router.decide` s afresh, counts the request in flight at once (Ray routes
+many requests concurrently before it reports any of them routed) and keeps the latest decision by request id,
+finishing the earlier attempt's. :meth:`on_request_routed` names the replica Ray actually used: the decision is
+committed there (:meth:`Router.commit`; it may differ from prefixroute's first choice, and the count moves with it).
+:meth:`on_request_completed` finishes it only when it names that same request *and* replica: notices of rejected
+attempts are ignored. Each process that holds a handle (every Serve proxy, every upstream replica) has its
+own router; they share no state but place new prefixes alike (rendezvous hashing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens
+from prefixroute.errors import InvalidPromptError
+from prefixroute.policies import policy_from_name
+from prefixroute.router import Decision, Router
+
+__all__ = ["PrefixRouteRequestRouter", "request_body"]
+
+# Requests whose routing has begun but not ended are few (bounded by Ray's queue); past this many the oldest
+# undecided ones are dropped, so requests Ray abandons between choose and route cannot grow the table without end.
+_MAX_PENDING = 10_000
+
+
+def request_body(pending_request: PendingRequest | None) -> Mapping[str, Any] | None:
+    """The OpenAI-style body of a Serve request: its first positional argument or its ``body`` keyword, when that
+    is a dict with ``prompt`` or ``messages``; None otherwise (such requests are ranked by load alone)."""
+    if pending_request is None:
+        return None
+    for value in (*pending_request.args[:1], pending_request.kwargs.get("body"), pending_request.kwargs):
+        if isinstance(value, Mapping) and ("prompt" in value or "messages" in value):
+            return value
+    return None
+
+
+class PrefixRouteRequestRouter(RequestRouter):
+    """Rank a deployment's replicas by prefixroute (see the module docstring).
+
+    ``request_router_kwargs`` (JSON, from the deployment's ``RequestRouterConfig``) go to :meth:`initialize_state`:
+    ``policy`` (a registry name, default ``"bounded-load"``), ``block_size`` (16), ``tokenizer`` (a local
+    ``tokenizer.json`` path: without it text routes on its UTF-8 bytes) and ``lease`` (seconds after which a
+    request Ray never reports complete stops counting; default 600).
+    """
+
+    def initialize_state(
+        self,
+        *,
+        policy: str = "bounded-load",
+        block_size: int = 16,
+        tokenizer: str | None = None,
+        lease: float | None = 600.0,
+        **options: Any,
+    ) -> None:
+        """Build the router from ``request_router_kwargs`` (extra ``options`` go to the policy)."""
+        self.router = Router(block_size=block_size, policy=policy_from_name(policy, **options))
+        self._encoder: PromptEncoding = ByteEncoder()
+        if tokenizer is not None:
+            from prefixroute.adapters.proxy.prompts import TokenizerEncoder
+            from prefixroute.adapters.tokenize import PromptTokenizer
+
+            self._encoder = TokenizerEncoder(PromptTokenizer.from_file(tokenizer))
+        self._lease = lease
+        self._decided: dict[str, Decision] = {}  # by internal request id: the latest decision, not yet routed
+        self._started: dict[str, Decision] = {}  # by internal request id: committed and in flight
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        """Rank ``candidate_replicas``: prefixroute's choice first, then the rest (Ray tries them in turn)."""
+        if not candidate_replicas:
+            return []
+        body = request_body(pending_request)
+        if body is None or pending_request is None:
+            return [candidate_replicas]
+        try:
+            tokens = request_tokens(dict(body), chat="messages" in body, encoder=self._encoder)
+            by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
+            decision = self.router.decide(tokens, list(by_id))
+        except (BadRequest, InvalidPromptError, TypeError):
+            return [candidate_replicas]
+        request_id = pending_request.metadata.internal_request_id
+        earlier = self._decided.pop(request_id, None)
+        if earlier is not None:  # an earlier attempt for this request led nowhere
+            self.router.finish(earlier)
+        if len(self._decided) >= _MAX_PENDING:
+            self.router.finish(self._decided.pop(next(iter(self._decided))))
+        # Counted at once: Ray routes many requests concurrently, before it reports any of them routed.
+        self.router.start(decision, lease=self._lease)
+        self._decided[request_id] = decision
+        chosen = by_id[decision.backend]
+        return [[chosen], [replica for replica in candidate_replicas if replica is not chosen]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        """Ray sent the request to ``replica_id``: commit the decision there and count it in flight."""
+        super().on_request_routed(pending_request, replica_id, result)
+        decision = self._decided.pop(pending_request.metadata.internal_request_id, None)
+        if decision is None:
+            return
+        used = replica_id.unique_id
+        if decision.backend != used:  # Ray used another replica than the first ranked: move the count there
+            self.router.finish(decision)
+            if not any(c.backend == used for c in decision.candidates):
+                return
+        decision = self.router.commit(decision, used)
+        self.router.start(decision, lease=self._lease)  # ignored when already counted there
+        self._started[pending_request.metadata.internal_request_id] = decision
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """A request ended on ``replica_id``: finish it if it is the one started there (else a rejected attempt)."""
+        super().on_request_completed(replica_id, internal_request_id)
+        decision = self._started.get(internal_request_id)
+        if decision is not None and decision.backend == replica_id.unique_id:
+            del self._started[internal_request_id]
+            self.router.finish(decision)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        """A replica is gone: forget its blocks and its requests."""
+        super().on_replica_actor_died(replica_id)
+        self.router.remove_backend(replica_id.unique_id)
+        for request_id in [i for i, d in self._started.items() if d.backend == replica_id.unique_id]:
+            del self._started[request_id]
