@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from prefixroute.errors import ConfigurationError
+from prefixroute.sim.compare import THROUGHPUT_TOLERANCE
 from prefixroute.sim.metrics import PolicyResult
 from prefixroute.sim.runner import SimSpec, backend_config, build_policy, run_policy
 from prefixroute.sim.workloads import scenario_names
 
-__all__ = ["check_writable", "register", "run"]
+__all__ = ["add_workload_arguments", "check_writable", "register", "register_compare", "run", "run_compare"]
 
 DEFAULT_POLICIES = ("round-robin", "prefix-affinity", "bounded-load")
 
@@ -28,17 +29,29 @@ def register(subparsers: Any) -> None:
             "(continuous batching, block prefix cache, calibrated GPU cost model) and compare policies."
         ),
     )
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--scenario", choices=scenario_names(), default="seed", help="synthetic workload (seed)")
-    source.add_argument("--trace", metavar="FORMAT:PATH", help="replay mooncake:FILE.jsonl or splitwise:FILE.csv")
+    add_workload_arguments(parser)
     parser.add_argument(
         "--policy",
         action="append",
         metavar="NAME",
-        help="policy by registry name or module:Class; repeat to compare (default: "
-        + ", ".join(DEFAULT_POLICIES)
-        + ")",
+        help="policy by registry name, baseline name (sglang, dynamo, llm-d, aibrix, ray-serve, production-stack) "
+        "or module:Class; repeat to compare (default: " + ", ".join(DEFAULT_POLICIES) + ")",
     )
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG: TTFT CDF per policy and per-backend load")
+    parser.set_defaults(func=run)
+    _register_study(subparsers)
+    register_compare(subparsers)
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> argparse._MutuallyExclusiveGroup:
+    """Add the options that describe a workload and its fleet (shared by ``simulate`` and ``compare``).
+
+    Returns the group that holds ``--scenario`` and ``--trace``, so a command can add another exclusive source.
+    """
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--scenario", choices=scenario_names(), default="seed", help="synthetic workload (seed)")
+    source.add_argument("--trace", metavar="FORMAT:PATH", help="replay mooncake:FILE.jsonl or splitwise:FILE.csv")
     parser.add_argument("--backends", type=int, default=8, metavar="N", help="simulated vLLM engines (8)")
     arrivals = parser.add_mutually_exclusive_group()
     arrivals.add_argument("--users", type=int, metavar="N", help="closed-loop users (30; a trace: its timestamps)")
@@ -66,10 +79,7 @@ def register(subparsers: Any) -> None:
         metavar="S",
         help="poll engine queue length and KV usage into the router every S simulated seconds (off)",
     )
-    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    parser.add_argument("--plot", metavar="PATH", help="write a PNG: TTFT CDF per policy and per-backend load")
-    parser.set_defaults(func=run)
-    _register_study(subparsers)
+    return source
 
 
 def spec_from_args(args: argparse.Namespace) -> SimSpec:
@@ -196,6 +206,143 @@ def _describe(spec: SimSpec, profile: str, capacity: int | None) -> str:
         f"{source} · {spec.backends} × {profile}, {capacity} KV blocks of 16 tokens each\n"
         f"{load} · {stop} per policy · seed {spec.seed}"
     )
+
+
+def register_compare(subparsers: Any) -> None:
+    """Add the ``compare`` subcommand: every built-in and baseline policy on one workload, or on the whole suite."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "compare",
+        help="rank every built-in and baseline policy on a workload and recommend one",
+        description=(
+            "Run every built-in and baseline policy on a scenario or your own trace, print them ranked (P50/P99 "
+            "TTFT, throughput, KV hit rate, max share) and recommend the one with the lowest P99 TTFT among those "
+            f"within {100 * THROUGHPUT_TOLERANCE:g} %% of the best throughput. --suite runs the project's whole "
+            "benchmark suite and writes docs/policies-benchmark.md."
+        ),
+    )
+    source = add_workload_arguments(parser)
+    source.add_argument(
+        "--suite", action="store_true", help="every scenario and the repository's traces; writes --output (a page)"
+    )
+    parser.add_argument(
+        "--policy",
+        action="append",
+        metavar="NAME",
+        help="compare only these (repeat; registry, baseline or module:Class name; 'all' = every built-in and "
+        "baseline, the default)",
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 1, metavar="N", help="simulations run at once (CPU cores)"
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the ranked results and the recommendation as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG: TTFT and throughput per policy, ranked")
+    parser.add_argument(
+        "--output",
+        metavar="PATH",
+        help=f"with --suite: the page to write ({_SUITE_PAGE}; its plot goes next to it as .png)",
+    )
+    parser.set_defaults(func=lambda args: run_compare(args, defaults=parser))
+
+
+_SUITE_PAGE = "docs/policies-benchmark.md"
+# Options the suite fixes per workload (docs/policies-benchmark.md states each workload's settings).
+_SUITE_FIXED = (
+    "backends", "users", "rate", "model", "gpu", "tp", "requests", "duration", "think_time", "sharing_ratio",
+    "speedup", "gpu_hour_usd", "index_source", "metrics_interval", "policy", "json", "plot",
+)  # fmt: skip
+
+
+def run_compare(args: argparse.Namespace, *, defaults: argparse.ArgumentParser) -> int:
+    """Run ``prefixroute compare``: rank every policy on the workload (or run the suite); return the exit status.
+
+    Everything is checked before the first simulation (the options, every policy, the trace, the output paths).
+    Raises :class:`PrefixRouteError` or :class:`OSError` for bad input, which :func:`prefixroute.cli.main` reports
+    as one line and exit status 2.
+    """
+    from rich.console import Console
+
+    from prefixroute.sim.compare import (
+        compared_policies,
+        default_policy_name,
+        rank,
+        recommendation,
+        rich_table,
+        run_grid,
+        write_plot,
+    )
+    from prefixroute.sim.report import write_json
+
+    console = Console() if sys.stdout.isatty() else Console(width=130)
+    if isinstance(args.jobs, bool) or args.jobs < 1:
+        raise ConfigurationError(f"--jobs must be a positive int, not {args.jobs!r}")
+    if args.suite:
+        return _run_suite(args, defaults, console)
+    if args.output is not None:
+        raise ConfigurationError("--output goes with --suite (use --json or --plot for one workload)")
+    spec = spec_from_args(args)
+    _, profile = backend_config(spec)
+    names: list[str] = []
+    for name in args.policy or ["all"]:
+        for one in compared_policies() if name == "all" else [name]:
+            if one not in names:
+                names.append(one)
+    for name in names:
+        build_policy(name, seed=spec.seed)
+    if spec.trace is not None:
+        from prefixroute.sim.traces import load_trace
+
+        load_trace(spec.trace, seed=spec.seed)  # a malformed trace fails now, not in every worker
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None:
+            check_writable(path, option)
+    config, _ = backend_config(spec)
+    console.print(_describe(spec, profile.name, config.capacity_blocks))
+    jobs = min(args.jobs, len(names))
+    console.print(f"{len(names)} policies, {jobs} at a time")
+    done = [0]
+
+    def on_done(_index: int, result: PolicyResult) -> None:
+        done[0] += 1
+        console.print(f"  [{done[0]}/{len(names)}] {result.policy}")
+
+    results = run_grid([(spec, name) for name in names], jobs=jobs, on_done=on_done)
+    ranking = rank(results)
+    default = default_policy_name()
+    header = _header(spec)
+    console.print(rich_table(ranking, default=default, title=f"{header['scenario']}: policies ranked"))
+    console.print(
+        "Rank in parentheses: more than "
+        f"{100 * ranking.tolerance:g} % below the best throughput, ranked after the others."
+    )
+    console.print(recommendation(ranking, default=default))
+    for result in results:
+        if result.rejected:
+            console.print(f"{result.policy}: {result.rejected} requests rejected, longer than one engine's KV cache")
+    if args.json:
+        header |= {"default": default, "recommended": ranking.recommended.policy, "tolerance": ranking.tolerance}
+        write_json(args.json, header, ranking.results)
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        write_plot(
+            args.plot, ranking, default=default, title=f"{header['scenario']} · {profile.name} × {spec.backends}"
+        )
+        console.print(f"wrote {args.plot}")
+    return 0
+
+
+def _run_suite(args: argparse.Namespace, defaults: argparse.ArgumentParser, console: Any) -> int:
+    from prefixroute.sim.suite import run_suite
+
+    for dest in _SUITE_FIXED:
+        if getattr(args, dest) != defaults.get_default(dest):
+            flag = "--" + dest.replace("_", "-")
+            raise ConfigurationError(f"--suite fixes each workload's settings: drop {flag}")
+    output = Path(args.output or _SUITE_PAGE)
+    check_writable(output, "--output")
+    page, verdicts = run_suite(output, seed=args.seed, jobs=args.jobs, progress=console.print)
+    passed = sum(v.passed for v in verdicts)
+    console.print(f"the default meets every check on {passed} of {len(verdicts)} workloads; wrote {page}")
+    return 0
 
 
 def _register_study(subparsers: Any) -> None:

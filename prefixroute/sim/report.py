@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 __all__ = [
     "json_document",
     "markdown_table",
+    "pyplot",
     "rich_table",
     "table_rows",
     "write_json",
@@ -146,7 +147,7 @@ def write_plot(path: str | Path, results: Sequence[PolicyResult], *, title: str 
 
     Raises ConfigurationError if matplotlib (``pip install 'prefixroute[sim]'``) is missing.
     """
-    plt = _pyplot()
+    plt = pyplot()
     figure, (cdf, load) = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in results:
         values = sorted(r.ttfts_ms)
@@ -177,7 +178,12 @@ def write_plot(path: str | Path, results: Sequence[PolicyResult], *, title: str 
     plt.close(figure)
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend.
+
+    Raises:
+        ConfigurationError: matplotlib (the ``prefixroute[sim]`` extra) is missing.
+    """
     try:
         import matplotlib
 
@@ -196,7 +202,7 @@ def write_sweep_plot(
     hot: list[tuple[str, float, PolicyResult]],
 ) -> None:
     """Write the study's four sweep panels: model size, prefix length, sharing ratio, hot-prefix load bound."""
-    plt = _pyplot()
+    plt = pyplot()
 
     figure, axes = plt.subplots(2, 2, figsize=(12, 8))
     ax = axes[0][0]

@@ -11,9 +11,10 @@ from dataclasses import dataclass, replace
 
 from prefixroute.errors import ConfigurationError, PrefixRouteError
 from prefixroute.index import PrefixIndex
-from prefixroute.policies import LoadPolicy, policy_from_name
+from prefixroute.policies import LoadPolicy, policy_from_name, policy_names
 from prefixroute.router import Router
 from prefixroute.sim.backend import BackendConfig
+from prefixroute.sim.baselines import BASELINES
 from prefixroute.sim.costmodel import Profile
 from prefixroute.sim.engine import Arrivals, ClosedLoop, OpenLoop, Simulation, TraceTimes, Workload
 from prefixroute.sim.index import EventsOnlyIndex
@@ -149,18 +150,29 @@ def backend_config(spec: SimSpec) -> tuple[BackendConfig, Profile]:
 
 
 def build_policy(name: str, *, seed: int) -> LoadPolicy:
-    """A policy by registry name or ``module:Class``, seeded from ``seed`` when it takes randomness.
+    """A policy by registry name, baseline name or ``module:Class``, seeded from ``seed`` when it takes randomness.
 
-    A policy class whose constructor takes an ``rng`` keyword gets ``random.Random(seed)``; otherwise one that
-    takes ``seed`` gets ``seed``: so "same seed, same result" holds for built-in and user policies alike. (The
-    class is found by building it once with no options.)
+    Names are looked up in the core registry (:func:`~prefixroute.policy_names`) first, then among the simulator's
+    reference baselines (:data:`~prefixroute.sim.baselines.BASELINES`: ``sglang``, ``dynamo``, ...), which are not
+    in the core registry. A policy class whose constructor takes an ``rng`` keyword gets ``random.Random(seed)``;
+    otherwise one that takes ``seed`` gets ``seed``: so "same seed, same result" holds for built-in, baseline and
+    user policies alike. (A registry or user class is found by building it once with no options.)
 
     Raises:
-        ConfigurationError: as :func:`~prefixroute.policy_from_name` (an unknown name, a class that is not a
-            :class:`LoadPolicy`), and for a ``module:Class`` whose import or constructor raises anything.
+        ConfigurationError: an unknown name (the message lists the built-in and baseline names), a class that is not
+            a :class:`LoadPolicy`, and a ``module:Class`` whose import or constructor raises anything.
     """
     if ":" not in name:
-        return _seeded(name, seed)
+        if name in policy_names():
+            return _seeded(name, seed)
+        baseline = BASELINES.get(name)
+        if baseline is None:
+            raise ConfigurationError(
+                f"unknown policy {name!r}: use a built-in ({', '.join(policy_names())}), a baseline "
+                f"({', '.join(BASELINES)}) or 'package.module:ClassName'"
+            )
+        keyword = _seed_keyword(baseline)
+        return baseline() if keyword is None else baseline(**{keyword: _seed_value(keyword, seed)})
     # The user's own module and class: any error in them is the user's to fix, so it becomes a clear message.
     try:
         importlib.import_module(name.partition(":")[0])
@@ -179,7 +191,11 @@ def _seeded(name: str, seed: int) -> LoadPolicy:
     keyword = _seed_keyword(type(policy))
     if keyword is None:
         return policy
-    return policy_from_name(name, **{keyword: random.Random(seed) if keyword == "rng" else seed})
+    return policy_from_name(name, **{keyword: _seed_value(keyword, seed)})
+
+
+def _seed_value(keyword: str, seed: int) -> object:
+    return random.Random(seed) if keyword == "rng" else seed
 
 
 def _seed_keyword(cls: type) -> str | None:

@@ -1,4 +1,4 @@
-"""Synthetic workloads by name: ``seed``, ``hot-prefix``, ``shared-prefix``, ``multi-turn``, ``rag``.
+"""Synthetic workloads by name: ``seed``, ``hot-prefix``, ``shared-prefix``, ``multi-turn``, ``rag``, ``system-prompt``.
 
 Every scenario is a :class:`~prefixroute.sim.engine.Workload`: ``next_request(user)`` draws the user's next request
 from one seeded ``random.Random``. Prompts are token-id runs: each shared piece (a system prompt, a document) has
@@ -171,6 +171,21 @@ class MultiTurnScenario(Scenario):
         return SimRequest(prompt, output_tokens, output=output, tag=f"session{user}")
 
 
+class SystemPromptScenario(MultiTurnScenario):
+    """Chats behind one long system prompt: every conversation opens with the same 4,096 tokens, then its turns.
+
+    The shape of an assistant or agent deployment, whose instructions and tool definitions lead every request: one
+    4,096-token system prompt shared by all users (by ``sharing_ratio`` of the sessions; all by default), then
+    conversations as in ``multi-turn`` (2–8 turns, 50–300-token user messages, 100–300-token answers that the next
+    turn carries, 2 s mean think time). Every prompt shares its first 256 blocks with every other, so a policy that
+    follows the longest match alone sends all traffic to one backend; what should decide is where each
+    conversation's own history lives and how busy each backend is.
+    """
+
+    name = "system-prompt"
+    system_tokens = 4096
+
+
 class RagScenario(Scenario):
     """Retrieval-augmented prompts: a shared 512-token instruction, three retrieved documents, a question.
 
@@ -208,7 +223,17 @@ class RagScenario(Scenario):
 
 
 SCENARIOS: Mapping[str, Callable[..., Scenario]] = MappingProxyType(
-    {cls.name: cls for cls in (SeedScenario, HotPrefixScenario, SharedPrefixScenario, MultiTurnScenario, RagScenario)}
+    {
+        cls.name: cls
+        for cls in (
+            SeedScenario,
+            HotPrefixScenario,
+            SharedPrefixScenario,
+            MultiTurnScenario,
+            RagScenario,
+            SystemPromptScenario,
+        )
+    }
 )
 """Scenario classes by name (read-only)."""
 
