@@ -264,6 +264,10 @@ class Proxy:
                         return error_response(502, f"backend {decision.backend} is unreachable: {exc}", "BadGateway")
                     self._counts["retries"] += 1
                     decision = self.router.commit(decision, self.router.decide(tokens, remaining).backend)
+                except aiohttp.ClientError as exc:  # it answered, but not in HTTP we can relay
+                    self._failed(decision.backend)
+                    outcome = "backend_error"
+                    return error_response(502, f"backend {decision.backend} answered badly: {exc}", "BadGateway")
             response, outcome = await self._relay(request, upstream, decision, stream=body.get("stream") is True)
             return response
         finally:
