@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import math
 import socket
 import sys
@@ -52,6 +53,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--accel-redirect", default="@prefixroute_upstream", metavar="LOCATION", help="nginx named location"
     )
+    parser.add_argument(
+        "--log-level", default="error", choices=["debug", "info", "warning", "error"],
+        help="prefixroute's log level (default error: expired leases are counted in /metrics, not logged one by one)",
+    )  # fmt: skip
     parser.set_defaults(func=run)
 
 
@@ -65,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
     from prefixroute.adapters.serve.app import Sidecar
     from prefixroute.adapters.serve.text import PromptEncoder
 
+    logging.basicConfig(format="prefixroute serve: %(levelname)s %(message)s")
+    logging.getLogger("prefixroute").setLevel(args.log_level.upper())
     encoder = PromptEncoder(args.tokenizer) if args.tokenizer is not None else None
     events = [_kv_events(spec, args.backends) for spec in args.kv_events]
     policy = policy_from_name(args.policy, **dict(_policy_option(option) for option in args.policy_option))

@@ -15,8 +15,6 @@ import msgspec
 
 __all__ = ["BadRequest", "LifecycleBody", "Prompt", "RouteBody", "decode", "openai_prompt", "route_prompt"]
 
-TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
-
 
 class BadRequest(Exception):
     """Input the sidecar refuses: ``status`` (4xx) and a message naming the field and what to send instead."""
@@ -30,7 +28,7 @@ class BadRequest(Exception):
 class RouteBody(msgspec.Struct):
     """The body of ``POST /route``."""
 
-    prompt_token_ids: list[TokenId] | None = None
+    prompt_token_ids: list[int] | None = None  # the range is checked by the router, in C
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     model: str | None = None
