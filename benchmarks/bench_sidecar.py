@@ -40,6 +40,12 @@ from prefixroute.adapters.serve.loopback import (
 )
 
 CONNECTIONS = 32
+PLAIN_NGINX = """upstream vllm_pool { least_conn; server 127.0.0.1:8001; server 127.0.0.1:8002; keepalive 32; }
+server {
+    listen 127.0.0.1:8080;
+    location / { proxy_pass http://vllm_pool; proxy_http_version 1.1; proxy_set_header Connection ""; }
+}
+"""
 
 
 def build_tokenizer(folder: Path) -> Path:
@@ -69,7 +75,10 @@ def bodies(tokens: int, *, text: bool, count: int = 64, seed: int = 0) -> list[b
 
 
 def request_bytes(body: bytes) -> bytes:
-    head = f"POST /route HTTP/1.1\r\nhost: sidecar\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    head = (
+        "POST /route HTTP/1.1\r\nhost: sidecar\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    )
     return head.encode() + body
 
 
@@ -208,9 +217,7 @@ def proxy_cpu(workdir: Path, *, requests: int) -> None:
                 proxy.stop()
                 sidecar.stop()
             if name == "nginx":
-                plain = ("upstream vllm_pool { least_conn; server 127.0.0.1:8001; server 127.0.0.1:8002; keepalive 32; }"
-                         "\nserver { listen 127.0.0.1:8080; location / { proxy_pass http://vllm_pool; "
-                         "proxy_http_version 1.1; proxy_set_header Connection \"\"; proxy_buffering off; } }\n")  # fmt: skip
+                plain = PLAIN_NGINX
                 folder = Path(tempfile.mkdtemp(dir=workdir))
                 with start_nginx(folder, ports, site=plain) as proxy:
                     print(f"{name:>8} {'plain proxy_pass':>28} {_cpu(proxy, ports['proxy'], requests):>15.0f}")
