@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint typecheck pytest docs bench study clean
+.PHONY: demo test lint typecheck pytest docs bench study policies clean
 
 $(BIN)/.installed-demo: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ demo: $(BIN)/.installed-demo
 # Regenerates docs/study.md and its plots (every published claim, rerun in the simulator).
 study: $(BIN)/.installed-demo
 	$(BIN)/prefixroute study
+
+# Regenerates docs/policies-benchmark.md and its plot: every built-in and baseline policy on every workload of the
+# suite (six scenarios, two real traces, without and with engine metrics), the default judged against issue 9.
+policies: $(BIN)/.installed-demo
+	$(BIN)/prefixroute compare --suite
 
 lint: $(BIN)/.installed-test
 	$(BIN)/ruff check .

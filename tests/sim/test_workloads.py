@@ -74,3 +74,27 @@ def test_rag_top_documents_follow_zipf() -> None:
 def test_unknown_scenario() -> None:
     with pytest.raises(ConfigurationError, match="unknown scenario 'nope'; choose one of seed"):
         make_workload("nope")
+
+
+def test_system_prompt_scenario_shares_one_long_prefix_then_grows_each_conversation() -> None:
+    workload = make_workload("system-prompt", seed=3)
+    hasher = BlockHasher(16)
+    system_blocks = 4096 // 16
+    requests = [(user, workload.next_request(user)) for _ in range(6) for user in range(20)]
+    first_blocks = set()
+    previous: dict[int, SimRequest] = {}
+    extended = 0
+    for user, request in requests:
+        assert request is not None and request.output is not None
+        hashes = hasher.hash(request.prompt)
+        assert len(hashes) > system_blocks  # the system prompt, then the conversation
+        first_blocks.add(tuple(hashes[:system_blocks]))
+        before = previous.get(user)
+        if before is not None and before.output is not None and request.prompt.startswith(before.prompt):
+            assert request.prompt.startswith(before.prompt + before.output)  # history grows by answer + message
+            extended += 1
+        previous[user] = request
+    assert len(first_blocks) == 1  # every request of every user opens with the same 4,096 tokens
+    assert extended >= 60  # most turns continue their conversation (2–8 turns per session)
+    fresh = make_workload("system-prompt", seed=3, sharing_ratio=0.0).next_request(0)
+    assert fresh is not None and hasher.hash(fresh.prompt)[0] not in {blocks[0] for blocks in first_blocks}
