@@ -29,9 +29,11 @@ from prefixroute.policies import (
     LinearTTFT,
     LoadPolicy,
     PowerOfTwo,
+    PredictedTTFT,
     PrefixAffinity,
     Random,
     RoundRobin,
+    kv_fraction,
     policy_from_name,
     policy_names,
 )
@@ -57,6 +59,7 @@ __all__ = [
     "NoBackendError",
     "PolicyError",
     "PowerOfTwo",
+    "PredictedTTFT",
     "PrefixAffinity",
     "PrefixIndex",
     "PrefixRouteError",
@@ -67,6 +70,7 @@ __all__ = [
     "RouterStats",
     "__version__",
     "encode_tokens",
+    "kv_fraction",
     "policy_from_name",
     "policy_names",
 ]

@@ -21,7 +21,7 @@ import xxhash
 from prefixroute.errors import ConfigurationError, InvalidEventError, NoBackendError, PolicyError
 from prefixroute.hashing import BlockHasher, Tokens, encode_tokens, namespace_seed
 from prefixroute.index import IndexUpdate, PrefixIndex
-from prefixroute.policies import BoundedLoad, Candidate, LoadPolicy
+from prefixroute.policies import Candidate, LoadPolicy, PredictedTTFT
 
 __all__ = ["Decision", "Reason", "Router", "RouterStats"]
 
@@ -98,14 +98,14 @@ class _Request:
 class Router:
     """Route prompts to the backend that holds their prefix, within the policy's load rule.
 
-    ``policy`` defaults to :class:`~prefixroute.BoundedLoad`. ``index`` is the prefix index the router reads and
-    writes (default: a :class:`~prefixroute.PrefixIndex` with ``capacity_blocks``, which mirrors vLLM's
-    ``num_gpu_blocks``); the index class decides what a routing decision writes (:meth:`PrefixIndex.predict`), so
-    the router's mode is fixed at construction. ``namespace`` seeds the block hashes (model or adapter name);
-    :meth:`route` can override it per request. ``placement_blocks`` is how many leading blocks decide where a
-    never-seen prefix goes (rendezvous hashing), so gateway replicas that share no state still agree. ``lease``
-    is the default lease of :meth:`start` in seconds (None: requests count until finished). ``clock`` and ``rng``
-    (which draws the decision ids) are injectable.
+    ``policy`` defaults to :class:`~prefixroute.PredictedTTFT` (the lowest predicted time to first token). ``index``
+    is the prefix index the router reads and writes (default: a :class:`~prefixroute.PrefixIndex` with
+    ``capacity_blocks``, which mirrors vLLM's ``num_gpu_blocks``); the index class decides what a routing decision
+    writes (:meth:`PrefixIndex.predict`), so the router's mode is fixed at construction. ``namespace`` seeds the
+    block hashes (model or adapter name); :meth:`route` can override it per request. ``placement_blocks`` is how
+    many leading blocks decide where a never-seen prefix goes (rendezvous hashing), so gateway replicas that share
+    no state still agree. ``lease`` is the default lease of :meth:`start` in seconds (None: requests count until
+    finished). ``clock`` and ``rng`` (which draws the decision ids) are injectable.
 
     A request's life: :meth:`route` (or :meth:`decide`, then :meth:`commit` to the backend actually used) →
     :meth:`start` → :meth:`first_token` (optional) → :meth:`finish`. Lifecycle calls name the decision by its id and
@@ -164,7 +164,7 @@ class Router:
                 f"index.block_size is {index.block_size} but block_size is {block_size}: they must agree"
             )
         self._index = index
-        self._policy: LoadPolicy = policy if policy is not None else BoundedLoad()
+        self._policy: LoadPolicy = policy if policy is not None else PredictedTTFT()
         self._clock = clock
         self._placement_blocks = placement_blocks
         self._lease = _check_lease(lease)

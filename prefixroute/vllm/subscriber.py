@@ -27,6 +27,7 @@ from prefixroute.vllm.tracker import BlockTracker, IndexOps, IndexWriter, Tracke
 __all__ = ["KVEventSubscriber", "SubscriberStats"]
 
 _log = logging.getLogger(__name__)
+_LATEST = 2**62  # replay "to the end of the buffer"
 _END_OF_REPLAY = -1
 
 
@@ -252,9 +253,17 @@ class KVEventSubscriber:
             sub.setsockopt(zmq.RECONNECT_IVL_MAX, int(self._backoff[1] * 1000))
             sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
             sub.connect(self.endpoint)
+            caught_up = self.replay_endpoint is None
             while not self._stop.is_set():
                 if not sub.poll(50):
+                    if not caught_up:
+                        # Quiet since connecting: batches published before the subscription took effect (ZMQ's
+                        # slow joiner) would only be noticed at the next batch; fetch them from the replay now.
+                        caught_up = True
+                        with self._state_lock:
+                            self._catch_up()
                     continue
+                caught_up = True
                 messages = [sub.recv_multipart(copy=True)]
                 while len(messages) < self._max_batches:
                     try:
@@ -275,6 +284,10 @@ class KVEventSubscriber:
             except Exception:  # noqa: BLE001 - one bad message must not cost the others
                 self._counts["invalid"] += 1
                 _log.exception("KV events from %s: skipping a message that could not be handled", self.backend)
+        self._finish(ops, timestamps)
+
+    def _finish(self, ops: IndexOps, timestamps: list[float]) -> None:
+        """Write what a round of messages produced, then note how far the index is and how late it is."""
         self._write(ops)
         self._applied_seq = self._last_seq
         if timestamps:
@@ -348,6 +361,16 @@ class KVEventSubscriber:
         ops.extend(self._tracker.apply(batch.events))
         if math.isfinite(batch.ts):
             timestamps.append(batch.ts)
+
+    def _catch_up(self) -> None:
+        """Apply every batch the engine's replay buffer holds after the last one seen."""
+        ops: IndexOps = []
+        timestamps: list[float] = []
+        for seq, payload in self._replay(self._last_seq + 1, _LATEST):
+            if seq > self._last_seq:
+                self._apply_payload(seq, payload, ops, timestamps)
+                self._counts["replayed"] += 1
+        self._finish(ops, timestamps)
 
     def _recover(self, start: int, end: int, ops: IndexOps, timestamps: list[float]) -> None:
         """Replay batches ``start..end`` (inclusive); count an unrecovered gap when some cannot be had.

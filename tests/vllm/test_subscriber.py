@@ -356,3 +356,15 @@ def test_router_in_events_mode_forgets_what_the_engine_evicted_and_predictions_d
         decision = exact.route(hot, ["gpu0"])
         assert decision.matched_tokens == decision.confirmed_tokens == 0  # right
         assert engine.complete(hot).cached_tokens == 0
+
+
+def test_batches_published_before_the_subscription_took_effect_are_fetched_without_waiting_for_the_next() -> None:
+    """ZMQ's slow joiner: an idle engine's last batches would otherwise only show up at its next batch."""
+    router = events_router()
+    with FakeVLLM(num_blocks=64) as engine:
+        engine.complete(list(range(64)))
+        engine.flush()
+        with KVEventSubscriber(router, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint):
+            # Nothing more is published: only the catch-up on a quiet subscription can bring these blocks.
+            wait_until(lambda: router.index.hashes("gpu0") == engine.own_hashes(), what="the catch-up replay")
+            assert router.index.blocks("gpu0") == 4
