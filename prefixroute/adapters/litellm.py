@@ -7,6 +7,11 @@
   (so LiteLLM's cooldowns, retries and fallbacks work as before), then commits and starts the decision;
 * ``async_log_success_event`` and ``async_log_failure_event``: they finish it.
 
+Each model group routes in a namespace of its own, its name, so a group serving a LoRA adapter never shares prefixes
+with the base model's group or another adapter's, even where their deployments share ``model_info.id`` (to share
+in-flight counts per server). Groups named in ``base_groups`` route in the router's own namespace instead, where KV
+events of the base model land (:class:`~prefixroute.vllm.Fleet`).
+
 The decision id travels in the request's ``metadata`` (``prefixroute_decision``), which LiteLLM hands to both.
 A retry runs the filter again: the failed attempt's decision is finished, and the deployments that already failed
 this request are passed over while others remain, so the retry lands elsewhere and every count is balanced.
@@ -25,7 +30,6 @@ from typing import Any
 from litellm.integrations.custom_logger import CustomLogger
 
 from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens
-from prefixroute.errors import InvalidPromptError
 from prefixroute.router import Router
 
 __all__ = ["METADATA_KEY", "PrefixRouteHook"]
@@ -42,6 +46,8 @@ class PrefixRouteHook(CustomLogger):
         encoder: text and chat messages to token ids (default: UTF-8 bytes; pass the model's tokenizer,
             :class:`~prefixroute.adapters.proxy.TokenizerEncoder`, so counts are in tokens).
         model_groups: the model groups to route (default: every group).
+        base_groups: the groups that serve the base model itself: they route in the router's namespace (None);
+            every other group in the namespace of its name.
         lease: seconds after which a request whose callbacks never came (a cancelled call) stops counting.
 
     Requests it cannot read (no messages nor prompt, bad token ids) keep LiteLLM's own choice.
@@ -53,6 +59,7 @@ class PrefixRouteHook(CustomLogger):
         *,
         encoder: PromptEncoding | None = None,
         model_groups: Collection[str] | None = None,
+        base_groups: Collection[str] = (),
         lease: float | None = 600.0,
     ) -> None:
         super().__init__()
@@ -61,6 +68,7 @@ class PrefixRouteHook(CustomLogger):
         self.router = router
         self._encoder: PromptEncoding = encoder if encoder is not None else ByteEncoder()
         self._groups = None if model_groups is None else frozenset(model_groups)
+        self._base_groups = frozenset(base_groups)
         self._lease = lease
 
     async def async_filter_deployments(
@@ -89,8 +97,9 @@ class PrefixRouteHook(CustomLogger):
         body = {"messages": messages} if messages else {"prompt": request.get("prompt")}
         try:
             tokens = request_tokens(body, chat=bool(messages), encoder=self._encoder)
-            decision = self.router.route(tokens, candidates)
-        except (BadRequest, InvalidPromptError, TypeError):
+            namespace = None if model in self._base_groups else model
+            decision = self.router.route(tokens, candidates, namespace=namespace)
+        except (BadRequest, ValueError, TypeError):  # ValueError: bad ids, messages a template refuses
             return healthy_deployments
         self.router.start(decision, lease=self._lease)
         metadata[METADATA_KEY] = decision.id

@@ -28,7 +28,6 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens
-from prefixroute.errors import InvalidPromptError
 from prefixroute.policies import policy_from_name
 from prefixroute.router import Decision, Router
 
@@ -54,9 +53,10 @@ class PrefixRouteRequestRouter(RequestRouter):
     """Rank a deployment's replicas by prefixroute (see the module docstring).
 
     ``request_router_kwargs`` (JSON, from the deployment's ``RequestRouterConfig``) go to :meth:`initialize_state`:
-    ``policy`` (a registry name, default ``"bounded-load"``), ``block_size`` (16), ``tokenizer`` (a local
-    ``tokenizer.json`` path: without it text routes on its UTF-8 bytes) and ``lease`` (seconds after which a
-    request Ray never reports complete stops counting; default 600).
+    ``policy`` (a registry name, default ``"bounded-load"``), ``block_size`` (16), ``tokenizer`` (the model's local
+    folder or its ``tokenizer.json``; chat messages through its chat template when the folder has one; without it
+    text routes on its UTF-8 bytes) and ``lease`` (seconds after which a request Ray never reports complete stops
+    counting; default 600).
     """
 
     def initialize_state(
@@ -72,10 +72,9 @@ class PrefixRouteRequestRouter(RequestRouter):
         self.router = Router(block_size=block_size, policy=policy_from_name(policy, **options))
         self._encoder: PromptEncoding = ByteEncoder()
         if tokenizer is not None:
-            from prefixroute.adapters.proxy.prompts import TokenizerEncoder
-            from prefixroute.adapters.tokenize import PromptTokenizer
+            from prefixroute.adapters.serve.text import PromptEncoder
 
-            self._encoder = TokenizerEncoder(PromptTokenizer.from_file(tokenizer))
+            self._encoder = PromptEncoder(tokenizer)
         self._lease = lease
         self._decided: dict[str, Decision] = {}  # by internal request id: the latest decision, not yet routed
         self._started: dict[str, Decision] = {}  # by internal request id: committed and in flight
@@ -93,7 +92,7 @@ class PrefixRouteRequestRouter(RequestRouter):
             tokens = request_tokens(dict(body), chat="messages" in body, encoder=self._encoder)
             by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
             decision = self.router.decide(tokens, list(by_id))
-        except (BadRequest, InvalidPromptError, TypeError):
+        except (BadRequest, ValueError, TypeError):  # ValueError: bad ids, messages a template refuses
             return [candidate_replicas]
         request_id = pending_request.metadata.internal_request_id
         earlier = self._decided.pop(request_id, None)

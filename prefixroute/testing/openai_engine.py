@@ -99,6 +99,8 @@ class OpenAIEngine:
 
     Args:
         model: the model name it serves (``/v1/models``; requests naming another model get 404 as from vLLM).
+        lora_adapters: LoRA adapter names it also serves, as vLLM's ``--lora-modules`` do: listed in
+            ``/v1/models`` with ``model`` as their ``parent``, and cached apart from the base model and each other.
         block_size: tokens per KV block of its prefix cache.
         num_blocks: KV blocks; a request that does not fit evicts free cached blocks, least recently freed first.
         prefill_s: time to first token of a fully cached prompt, seconds.
@@ -118,6 +120,7 @@ class OpenAIEngine:
         self,
         *,
         model: str = "fake-model",
+        lora_adapters: Sequence[str] = (),
         block_size: int = 16,
         num_blocks: int = 4096,
         prefill_s: float = 0.0,
@@ -137,6 +140,7 @@ class OpenAIEngine:
         if max_tokens < 1 or (max_running is not None and max_running < 1):
             raise ValueError("max_tokens and max_running must be positive")
         self.model = model
+        self.lora_adapters = tuple(lora_adapters)
         self.cache = FakeBlockCache(block_size=block_size, num_blocks=num_blocks, rng=random.Random(seed))
         self.prefill_s = prefill_s
         self.prefill_per_token_s = prefill_per_token_s
@@ -316,7 +320,9 @@ class OpenAIEngine:
     async def _models(self, request: web.Request) -> web.Response:
         card = {"id": self.model, "object": "model", "created": 0, "owned_by": "vllm", "root": self.model,
                 "parent": None, "max_model_len": 1 << 20}  # fmt: skip
-        return web.json_response({"object": "list", "data": [card]})
+        adapters = [{**card, "id": name, "root": f"/adapters/{name}", "parent": self.model}
+                    for name in self.lora_adapters]  # fmt: skip
+        return web.json_response({"object": "list", "data": [card, *adapters]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(text=self.metrics_text(), content_type="text/plain", charset="utf-8")
@@ -346,7 +352,7 @@ class OpenAIEngine:
                 raise ValueError("max_tokens must be at least 1")
         except (ValueError, TypeError) as exc:
             return _error(400, str(exc), "BadRequestError")
-        if body.get("model") not in (None, self.model):
+        if body.get("model") not in (None, self.model, *self.lora_adapters):
             return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
         if self._slots is not None:
             with self._lock:
@@ -379,8 +385,9 @@ class OpenAIEngine:
     async def _answer(
         self, request: web.Request, body: dict[str, Any], prompt: list[int], max_tokens: int, *, chat: bool
     ) -> web.StreamResponse:
+        lora_name = body.get("model") if body.get("model") in self.lora_adapters else None
         with self._lock:
-            held = self.cache.allocate(prompt)
+            held = self.cache.allocate(prompt, lora_name=lora_name)
             self._running += 1
             self._counts["prompt"] += held.prompt_tokens
             self._counts["cached"] += held.cached_tokens
@@ -508,6 +515,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-port", type=int, default=8100, help="port of the first; the others follow")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--model", default="fake-model", help="the model name served (default fake-model)")
+    parser.add_argument("--lora-adapters", nargs="+", default=(), metavar="NAME",
+                        help="LoRA adapter names also served (cached apart from the base model)")  # fmt: skip
     parser.add_argument("--prefill-us-per-token", type=float, default=50.0,
                         help="added TTFT per uncached prompt token, microseconds (default 50)")  # fmt: skip
     parser.add_argument("--token-delay-ms", type=float, default=5.0, help="time between tokens (default 5 ms)")
@@ -523,6 +532,7 @@ def run(args: argparse.Namespace) -> int:
     engines = [
         OpenAIEngine(
             model=args.model,
+            lora_adapters=args.lora_adapters,
             host=args.host,
             port=args.base_port + i,
             max_tokens=args.max_tokens,

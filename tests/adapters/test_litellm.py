@@ -152,3 +152,29 @@ def test_the_proxy_config_loads_the_hook() -> None:
     instance = get_instance_fn(callback, config_file_path=str(config_file))
     assert isinstance(instance, PrefixRouteHook)
     assert {entry["model_name"] for entry in config["model_list"]} == set(instance._groups or ())
+
+
+def test_each_model_group_routes_in_its_own_namespace(engines: list[OpenAIEngine]) -> None:
+    """A LoRA adapter's group never matches the base group's prefixes, even on deployments with the same ids."""
+    hook = PrefixRouteHook(Router(), base_groups=["fake"])
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
+
+    def deployments(group: str) -> list[dict[str, Any]]:
+        return [{"model_name": group, "model_info": {"id": f"gpu{i}"}} for i in range(3)]
+
+    async def pick(group: str) -> str:
+        metadata: dict[str, Any] = {}
+        (chosen,) = await hook.async_filter_deployments(group, deployments(group), messages, {"metadata": metadata})
+        hook.router.finish(metadata["prefixroute_decision"])
+        return str(chosen["model_info"]["id"])
+
+    async def run() -> None:
+        base = await pick("fake")
+        tokens = hook._encoder.encode_chat(messages)
+        ids = [f"gpu{i}" for i in range(3)]
+        assert hook.router.decide(tokens, ids).backend == base  # the base group: the router's own namespace
+        assert all(c.matched_tokens == 0 for c in hook.router.decide(tokens, ids, namespace="sql").candidates)
+        await pick("sql")
+        assert hook.router.decide(tokens, ids, namespace="sql").matched_tokens > 0
+
+    asyncio.run(run())

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from prefixroute import Router
+from prefixroute import BoundedLoad, Router
 from prefixroute.adapters.proxy import Proxy
 from prefixroute.testing.openai_engine import OpenAIEngine
 
@@ -38,7 +38,8 @@ def healthy(engines: list[OpenAIEngine]) -> Iterator[list[OpenAIEngine]]:
 
 @pytest.fixture
 def proxy(healthy: list[OpenAIEngine]) -> Iterator[Proxy]:
-    with Proxy(Router(), [engine.url for engine in healthy]) as running:
+    # bounded-load: the CLI's default policy, whose load rule the spill-over test checks
+    with Proxy(Router(policy=BoundedLoad()), [engine.url for engine in healthy]) as running:
         yield running
 
 

@@ -1,10 +1,11 @@
 """The OpenAI-compatible proxy: route each completion to a vLLM backend with a :class:`~prefixroute.Router`, relay it.
 
-One request's life: decode the body, take its token ids (:func:`~prefixroute.adapters.proxy.prompts.request_tokens`),
-:meth:`Router.decide` among the healthy backends, :meth:`Router.commit` and :meth:`Router.start`, forward the body
-unmodified, relay the answer unmodified (SSE chunk by chunk), :meth:`Router.first_token` on the first streamed chunk,
-and :meth:`Router.finish` in a ``finally`` whatever happens: success, an error answer, a failed connection, or the
-client leaving (the handler is cancelled, which also closes the upstream request so the engine stops generating).
+One request's life: decode the body, take its token ids (:func:`~prefixroute.adapters.proxy.prompts.request_tokens`)
+and its namespace (:meth:`Proxy.namespace`: the model it names), :meth:`Router.decide` among the healthy backends,
+:meth:`Router.commit` and :meth:`Router.start`, forward the body unmodified, relay the answer unmodified (SSE chunk
+by chunk), :meth:`Router.first_token` on the first streamed chunk, and :meth:`Router.finish` in a ``finally``
+whatever happens: success, an error answer, a failed connection, or the client leaving (the handler is cancelled,
+which also closes the upstream request so the engine stops generating).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,7 @@ import msgspec
 from aiohttp import web
 
 from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens
-from prefixroute.errors import ConfigurationError, InvalidPromptError
+from prefixroute.errors import ConfigurationError
 from prefixroute.router import Decision, Router
 
 if TYPE_CHECKING:
@@ -71,6 +72,10 @@ class Proxy:
         max_failures: consecutive failures (unreachable, or a 5xx answer) that take a backend out of rotation for
             ``cooldown`` seconds. While every backend is out, all are tried.
         connect_timeout: seconds to open a connection to a backend.
+        base_models: the model names that are the backends' base model. A request naming another model (a LoRA
+            adapter) routes in a namespace of its own, so it never shares prefixes with the base model or other
+            adapters (see :meth:`namespace`). Default: learned from the backends' ``/v1/models`` (cards without
+            a ``parent``), when the proxy starts and whenever it serves ``/v1/models``.
         clock: for the cooldowns.
 
     Raises:
@@ -90,6 +95,7 @@ class Proxy:
         max_failures: int = 3,
         cooldown: float = 10.0,
         connect_timeout: float = 2.0,
+        base_models: Collection[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(router, Router):
@@ -113,6 +119,10 @@ class Proxy:
         self._cooldown = cooldown
         self._connect_timeout = connect_timeout
         self._clock = clock
+        self._learn_models = base_models is None
+        self._base_models: frozenset[str] = frozenset(() if base_models is None else base_models)
+        self._learning: asyncio.Task[list[dict[str, Any]] | None] | None = None
+        self._next_learning = 0.0
         self._counts = dict.fromkeys((*_OUTCOMES, "retries"), 0)
         self._failures = dict.fromkeys(self.backends, 0)
         self._down_until: dict[str, float] = {}
@@ -148,10 +158,14 @@ class Proxy:
         site = web.TCPSite(self._runner, host, port, reuse_address=True)
         await site.start()
         self.url = f"http://{host}:{self._runner.addresses[0][1]}"
+        if self._learn_models:
+            await self._backend_models()  # at once, so the first requests already know the base models
         return self.url
 
     async def aclose(self) -> None:
         """Stop listening and close the upstream connections. Idempotent."""
+        if self._learning is not None:
+            self._learning.cancel()
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()
@@ -211,6 +225,21 @@ class Proxy:
             unhealthy=down,
         )
 
+    def namespace(self, body: dict[str, Any]) -> str | None:
+        """The router namespace of a request: None for the base model (or no ``model``), else the model's name.
+
+        A LoRA adapter's requests thus hash apart from the base model's and from other adapters', as vLLM caches
+        them; and the name is what :func:`~prefixroute.vllm.lora_namespace` gives the adapter's KV events (the
+        router's own namespace being None), so ``--kv-events`` confirm them too. O(1).
+        """
+        model = body.get("model")
+        return None if not isinstance(model, str) or model in self._base_models else model
+
+    @property
+    def base_models(self) -> frozenset[str]:
+        """The model names that route in the base namespace (given, or learned from the backends so far)."""
+        return self._base_models
+
     def healthy_backends(self) -> list[str]:
         """Backends in rotation: not cooling down after failures, and healthy in the fleet when there is one.
 
@@ -235,9 +264,12 @@ class Proxy:
         try:
             body = _decode(raw)
             tokens = request_tokens(body, chat=chat, encoder=self._encoder)
+            namespace = self.namespace(body)
+            if namespace is not None and self._learn_models and not self._base_models:
+                self._learn_later()
             backends = self.healthy_backends()
-            decision = self.router.commit(self.router.decide(tokens, backends))
-        except (BadRequest, InvalidPromptError, TypeError) as exc:
+            decision = self.router.commit(self.router.decide(tokens, backends, namespace=namespace))
+        except (BadRequest, ValueError, TypeError) as exc:  # ValueError: bad token ids, messages a template refuses
             self._counts["bad_request"] += 1
             status, kind = (exc.status, exc.kind) if isinstance(exc, BadRequest) else (400, "BadRequestError")
             return error_response(status, str(exc), kind)
@@ -263,7 +295,8 @@ class Proxy:
                         outcome = "unreachable"
                         return error_response(502, f"backend {decision.backend} is unreachable: {exc}", "BadGateway")
                     self._counts["retries"] += 1
-                    decision = self.router.commit(decision, self.router.decide(tokens, remaining).backend)
+                    retry = self.router.decide(tokens, remaining, namespace=namespace)
+                    decision = self.router.commit(decision, retry.backend)
                 except aiohttp.ClientError as exc:  # it answered, but not in HTTP we can relay
                     self._failed(decision.backend)
                     outcome = "backend_error"
@@ -308,6 +341,12 @@ class Proxy:
         await response.write_eof()
         return response, "ok"
 
+    def _learn_later(self) -> None:
+        """No backend has told us its base model yet: ask again, at most every 10 s (meanwhile models stay apart)."""
+        if self._clock() >= self._next_learning:
+            self._next_learning = self._clock() + 10.0
+            self._learning = asyncio.get_running_loop().create_task(self._backend_models())
+
     def _failed(self, backend: str) -> None:
         failures = self._failures[backend] = self._failures.get(backend, 0) + 1
         if failures >= self._max_failures:
@@ -320,6 +359,16 @@ class Proxy:
 
     async def _models(self, request: web.Request) -> web.Response:
         """``/v1/models`` merged from every backend in rotation (by model id; unreachable ones skipped)."""
+        cards = await self._backend_models()
+        if cards is None:
+            return error_response(502, "no backend answered /v1/models", "BadGateway")
+        return web.json_response({"object": "list", "data": cards})
+
+    async def _backend_models(self) -> list[dict[str, Any]] | None:
+        """The model cards of the backends in rotation, merged by id (None: none answered); learn the base models.
+
+        A card without a ``parent`` is a base model (vLLM gives LoRA adapters their base model as parent).
+        """
         session = self._session
         assert session is not None
 
@@ -335,8 +384,10 @@ class Proxy:
             for card in answer if isinstance(answer, list) else ():
                 merged.setdefault(str(card.get("id")), card)
         if not any(isinstance(answer, list) for answer in answers):
-            return error_response(502, "no backend answered /v1/models", "BadGateway")
-        return web.json_response({"object": "list", "data": list(merged.values())})
+            return None
+        if self._learn_models:
+            self._base_models = frozenset(name for name, card in merged.items() if card.get("parent") is None)
+        return list(merged.values())
 
     async def _healthz(self, request: web.Request) -> web.Response:
         now = self._clock()

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from pathlib import Path
 from typing import Any
 
 from prefixroute.adapters.proxy.app import Proxy
-from prefixroute.adapters.proxy.prompts import PromptEncoding, TokenizerEncoder
-from prefixroute.adapters.tokenize import PromptTokenizer
+from prefixroute.adapters.proxy.prompts import PromptEncoding
+from prefixroute.adapters.serve.text import PromptEncoder
 from prefixroute.errors import ConfigurationError
 from prefixroute.policies import policy_from_name, policy_names
 from prefixroute.router import Router
@@ -29,8 +28,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--backends", nargs="+", required=True, metavar="URL",
                         help="base URLs of the vLLM OpenAI servers, e.g. http://gpu0:8000")  # fmt: skip
     parser.add_argument("--tokenizer", metavar="PATH",
-                        help="the model's local tokenizer.json (or its folder), to route text prompts on real "
-                        "token ids; without it text routes on its bytes")  # fmt: skip
+                        help="the model's local folder (tokenizer.json, and the chat template from "
+                        "tokenizer_config.json or chat_template.jinja) or its tokenizer.json, to route text and chat "
+                        "on the engine's token ids; without it text routes on its bytes")  # fmt: skip
+    parser.add_argument("--base-model", nargs="+", metavar="NAME",
+                        help="the backends' base model name(s); requests naming any other model (LoRA adapters) "
+                        "route apart. Default: learned from the backends' /v1/models")  # fmt: skip
     parser.add_argument("--policy", default="bounded-load", help=f"one of {', '.join(policy_names())}")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (vLLM's block size, 16)")
     parser.add_argument("--kv-events", nargs="+", metavar="ENDPOINT",
@@ -53,10 +56,8 @@ def build(args: argparse.Namespace) -> tuple[Proxy, Any]:
         ConfigurationError: options that do not fit together (the message says which).
     """
     policy = policy_from_name(args.policy)
-    encoder: PromptEncoding | None = None
-    if args.tokenizer is not None:
-        path = Path(args.tokenizer)
-        encoder = TokenizerEncoder(PromptTokenizer.from_file(path / "tokenizer.json" if path.is_dir() else path))
+    encoder: PromptEncoding | None = None if args.tokenizer is None else PromptEncoder(args.tokenizer)
+    options: dict[str, Any] = {"encoder": encoder, "retries": args.retries, "base_models": args.base_model}
     backends = [url.rstrip("/") for url in args.backends]
     kv_events = args.kv_events or []
     if kv_events and len(kv_events) != len(backends):
@@ -68,7 +69,7 @@ def build(args: argparse.Namespace) -> tuple[Proxy, Any]:
         raise ConfigurationError("--kv-events needs --tokenizer: KV events carry token ids, text must route on them")
     if not (kv_events or args.metrics_from_backends):
         router = Router(block_size=args.block_size, policy=policy)
-        return Proxy(router, backends, encoder=encoder, retries=args.retries), None
+        return Proxy(router, backends, **options), None
     from prefixroute.vllm import EventIndex, Fleet
 
     index = EventIndex(args.block_size) if kv_events else None
@@ -86,7 +87,7 @@ def build(args: argparse.Namespace) -> tuple[Proxy, Any]:
     except BaseException:
         fleet.close()
         raise
-    return Proxy(router, backends, encoder=encoder, fleet=fleet, retries=args.retries), fleet
+    return Proxy(router, backends, fleet=fleet, **options), fleet
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,210 @@
+"""``prefixroute proxy`` as vLLM users run it: model namespaces (LoRA), KV events and engine metrics, chat templates."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from prefixroute import Router
+from prefixroute.adapters.proxy import Proxy
+from prefixroute.adapters.proxy.cli import build, register
+from prefixroute.adapters.proxy.prompts import serialise_chat
+from prefixroute.adapters.serve.text import PromptEncoder
+from prefixroute.testing.fake_vllm import FakeVLLM
+from prefixroute.testing.openai_engine import OpenAIEngine
+
+WORDS = [f"w{i}" for i in range(200)]
+
+
+def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def make_tokenizer(folder: Path, *, chat_template: str | None = None) -> Path:
+    """A word-level tokenizer (``w{i}`` is token ``i``; roles are words too) and optionally a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocabulary = {word: i for i, word in enumerate([*WORDS, "system", "user", "assistant", "[UNK]"])}
+    tokenizer = Tokenizer(models.WordLevel(vocabulary, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    if chat_template is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": chat_template}))
+    return folder
+
+
+def proxy_from_command_line(*options: str) -> tuple[Proxy, object]:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    return build(parser.parse_args(["proxy", *options]))
+
+
+def post(proxy: Proxy, body: dict[str, object], *, chat: bool = False) -> httpx.Response:
+    reply = httpx.post(proxy.url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body, timeout=10)
+    assert reply.status_code == 200, reply.text
+    return reply
+
+
+# -- the model field is the namespace --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def lora_engines() -> Iterator[list[OpenAIEngine]]:
+    started = [OpenAIEngine(seed=i, max_tokens=2, lora_adapters=("sql", "chat")).start() for i in range(3)]
+    yield started
+    for engine in started:
+        engine.stop()
+
+
+def test_lora_adapters_named_in_model_never_share_prefixes(lora_engines: list[OpenAIEngine]) -> None:
+    prompt = list(range(1000, 1064))
+    with Proxy(Router(), [engine.url for engine in lora_engines]) as proxy:
+        assert proxy.base_models == {"fake-model"}  # learned from /v1/models: adapters have a parent
+        base = post(proxy, {"model": "fake-model", "prompt": prompt})
+        again = post(proxy, {"prompt": prompt})  # no model: the base model, as vLLM reads it
+        assert again.headers["x-prefixroute-backend"] == base.headers["x-prefixroute-backend"]
+        assert again.headers["x-prefixroute-matched-tokens"] == "64"
+        sql = post(proxy, {"model": "sql", "prompt": prompt})
+        assert sql.headers["x-prefixroute-matched-tokens"] == "0"  # the base model's blocks are not the adapter's
+        assert sql.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        sql_again = post(proxy, {"model": "sql", "prompt": prompt, "stream": True})
+        assert sql_again.headers["x-prefixroute-matched-tokens"] == "64"
+        assert sql_again.headers["x-prefixroute-backend"] == sql.headers["x-prefixroute-backend"]
+        assert post(proxy, {"model": "chat", "prompt": prompt}).headers["x-prefixroute-matched-tokens"] == "0"
+        assert proxy.namespace({"model": "sql"}) == "sql"
+        assert proxy.namespace({"model": "fake-model"}) is None and proxy.namespace({}) is None
+        assert proxy.router.stats().in_flight == 0
+
+
+def test_base_models_given_or_learned_once_a_backend_answers(lora_engines: list[OpenAIEngine]) -> None:
+    urls = [engine.url for engine in lora_engines]
+    with Proxy(Router(), urls, base_models=["sql"]) as given:
+        assert given.namespace({"model": "sql"}) is None and given.namespace({"model": "fake-model"}) == "fake-model"
+    for engine in lora_engines:
+        engine.refuse()
+    try:
+        with Proxy(Router(), urls) as proxy:
+            assert proxy.base_models == frozenset()  # nobody answered: every named model keeps to itself
+            for engine in lora_engines:
+                engine.accept()
+            assert post(proxy, {"model": "fake-model", "prompt": [1, 2, 3]}).status_code == 200
+            eventually(lambda: proxy.base_models == {"fake-model"})  # that request asked the backends again
+    finally:
+        for engine in lora_engines:
+            engine.accept()
+
+
+def test_the_fake_engine_lists_and_caches_its_adapters_apart(lora_engines: list[OpenAIEngine]) -> None:
+    url = lora_engines[0].url
+    cards = httpx.get(url + "/v1/models").json()["data"]
+    assert [(c["id"], c["parent"]) for c in cards] == [("fake-model", None), ("sql", "fake-model"),
+                                                        ("chat", "fake-model")]  # fmt: skip
+
+    def cached(model: str) -> int:
+        body = {"model": model, "prompt": list(range(32))}
+        usage = httpx.post(url + "/v1/completions", json=body).json()["usage"]
+        return int(usage["prompt_tokens_details"]["cached_tokens"])
+
+    assert (cached("sql"), cached("sql"), cached("fake-model"), cached("chat")) == (0, 32, 0, 0)
+    assert httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": [1]}).status_code == 404
+
+
+# -- KV events and engine metrics ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def vllm_proxy(tmp_path: Path) -> Iterator[tuple[Proxy, list[FakeVLLM]]]:
+    """The command line's proxy with --kv-events and --metrics-from-backends in front of two FakeVLLM engines."""
+    engines = [FakeVLLM(seed=i, num_blocks=256).start() for i in range(2)]
+    try:
+        events = [f"{engine.endpoint},{engine.replay_endpoint}" for engine in engines]
+        options = ["--backends", *[e.url for e in engines], "--kv-events", *events, "--metrics-from-backends",
+                   "--tokenizer", str(make_tokenizer(tmp_path))]  # fmt: skip
+        proxy, fleet = proxy_from_command_line(*options)
+        try:
+            with proxy:
+                yield proxy, engines
+        finally:
+            fleet.close()  # type: ignore[attr-defined]
+    finally:
+        for engine in engines:
+            engine.stop()
+
+
+def test_the_router_follows_the_engines_kv_events(vllm_proxy: tuple[Proxy, list[FakeVLLM]]) -> None:
+    proxy, engines = vllm_proxy
+    urls = list(proxy.backends)
+    prompt = list(range(2000, 2064))
+    engines[1].complete(prompt)  # cached on engine 1 by someone else: only its KV events tell the proxy
+    eventually(lambda: proxy.router.decide(prompt, urls).confirmed_tokens == 64)
+    reply = post(proxy, {"prompt": [*prompt, 7, 8, 9]})
+    assert reply.headers["x-prefixroute-backend"] == urls[1]
+    assert reply.headers["x-prefixroute-matched-tokens"] == "64"
+    assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 64  # the engine's own hit
+    other = list(range(3000, 3048))
+    engines[0].complete(other)
+    eventually(lambda: proxy.router.decide(other, urls).backend == urls[0])
+    engines[0].clear_cache()  # AllBlocksCleared: what engine 0 held is forgotten
+    eventually(lambda: all(c.matched_tokens == 0 for c in proxy.router.decide(other, urls).candidates))
+    assert proxy.router.stats().in_flight == 0
+
+
+def test_engine_metrics_feed_the_policy_and_a_failing_scrape_takes_a_backend_out(
+    vllm_proxy: tuple[Proxy, list[FakeVLLM]],
+) -> None:
+    proxy, engines = vllm_proxy
+    urls = list(proxy.backends)
+    engines[0].set_load(waiting=7)
+
+    def queue() -> dict[str, int | None]:
+        return {c.backend: c.queue_len for c in proxy.router.decide([1] * 32, urls).candidates}
+
+    eventually(lambda: queue() == {urls[0]: 7, urls[1]: 0})
+    prompt = list(range(4000, 4064))
+    engines[0].complete(prompt)
+    eventually(lambda: proxy.router.decide(prompt, urls).backend == urls[0])
+    engines[0].set_metrics_fault(text="not prometheus {")
+    eventually(lambda: proxy.healthy_backends() == [urls[1]])
+    assert httpx.get(proxy.url + "/healthz").json()["healthy_backends"] == [urls[1]]
+    reply = post(proxy, {"prompt": prompt})
+    assert reply.headers["x-prefixroute-backend"] == urls[1]  # engine 0 holds the prefix but is out of rotation
+    engines[0].set_metrics_fault()
+    eventually(lambda: proxy.healthy_backends() == urls)
+
+
+# -- the model's chat template ---------------------------------------------------------------------------------------
+
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant{% endif %}"
+)
+
+
+def test_chat_routes_on_the_models_chat_template(tmp_path: Path) -> None:
+    folder = make_tokenizer(tmp_path / "model", chat_template=TEMPLATE)
+    messages = [{"role": "system", "content": " ".join(WORDS[:70])}, {"role": "user", "content": "w5 w6"}]
+    encoder = PromptEncoder(folder)
+    templated = encoder.encode_chat(messages)
+    assert templated[:2] == [200, 0] and len(templated) == 75  # "system w0 ... user w5 w6 assistant"
+    assert encoder.encode(serialise_chat(messages))[0] != templated[0]  # without the template: "<|system|>"
+    with OpenAIEngine(max_tokens=2) as engine:
+        proxy, _ = proxy_from_command_line("--backends", engine.url, "--tokenizer", str(folder))
+        with proxy:
+            post(proxy, {"messages": messages}, chat=True)
+            reply = post(proxy, {"messages": messages}, chat=True)
+            assert reply.headers["x-prefixroute-matched-tokens"] == "64"
+            same_ids = post(proxy, {"prompt": [*templated, 1, 2]})  # the engine's own token ids of that chat
+            assert same_ids.headers["x-prefixroute-matched-tokens"] == "64"
+            bad = httpx.post(proxy.url + "/v1/chat/completions", json={"messages": [{"content": "no role"}]})
+            assert bad.status_code == 400 and "role" in bad.json()["error"]["message"]
+            assert proxy.stats().bad_request == 1 and proxy.router.stats().in_flight == 0
