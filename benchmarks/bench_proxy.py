@@ -296,7 +296,7 @@ def measure(args: argparse.Namespace, ports: dict[str, list[int]], servers: dict
                 rates.append((done / wall, cpu / done))
         wall_rate = statistics.median(r[0] for r in rates)
         per_request = statistics.median(r[1] for r in rates)
-        per_core = f"{1 / per_request:>20,.0f}" if per_request else f"{'(too short)':>20}"
+        per_core = f"{1 / per_request:>20,.0f}" if per_request else f"{'n/a':>20}"
         print(f"{'text' if text else 'ids':<6} {way:<6} {wall_rate:>18,.0f} {per_request * 1e3:>15.3f} {per_core}")
     if args.profile:
         profile(args, ports["proxy"][0], servers["proxy"], run_loop)

@@ -32,3 +32,11 @@ def test_bench_route_steps_prints_each_step_for_both_fleets() -> None:
 def test_bench_sim_and_bench_events_run() -> None:
     assert "bounded-load" in run("bench_sim.py", "--quick")
     assert "block events/s" in run("bench_events.py", "--runs", "1", "--requests", "20")
+
+
+def test_bench_proxy_prints_latency_and_rate_rows() -> None:
+    rows = [line.split() for line in run("bench_proxy.py", "--quick").splitlines()]
+    assert [row[:2] for row in rows if len(row) == 8] == [["ids", "TTFT"], ["ids", "total"], ["text", "TTFT"],
+                                                         ["text", "total"]]  # fmt: skip
+    assert [row[:2] for row in rows if len(row) == 5 and row[1] in ("relay", "proxy")] == [
+        ["ids", "relay"], ["ids", "proxy"], ["text", "proxy"]]  # fmt: skip
