@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import statistics
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,7 +13,9 @@ import pytest
 from prefixroute.adapters.serve.loopback import start_haproxy
 
 from .test_serve_scenarios import (
+    FAIL_OPEN_SLACK_S,
     Stack,
+    body,
     check_chat_routes_by_prefix,
     check_fail_open,
     check_load_fallback,
@@ -19,6 +24,8 @@ from .test_serve_scenarios import (
     check_sse_is_not_buffered,
     make_stack,
     need_binary,
+    timed_stream,
+    wait_until,
 )
 
 
@@ -52,7 +59,30 @@ def test_fails_open_when_the_sidecar_is_down(stack: Stack) -> None:
     check_fail_open(stack)
 
 
+def test_a_hung_sidecar_is_skipped_once_its_health_check_fails(stack: Stack) -> None:
+    """A sidecar that accepts but never answers costs at most the Lua timeout until HAProxy's check marks it down."""
+    assert stack.sidecar is not None
+    direct = statistics.median(timed_stream(stack.engines[0].url, body(8500 + i)) for i in range(3))
+    process = stack.sidecar.popen
+    process.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(1.5)  # the check runs every 500 ms and gives up after 200 ms: down after one failure
+        took = [timed_stream(stack.url, body(8600 + i)) for i in range(4)]
+        assert max(took) - direct < FAIL_OPEN_SLACK_S, f"a hung sidecar still delays requests: {took} vs {direct}"
+    finally:
+        process.send_signal(signal.SIGCONT)
+    wait_until(lambda: routed(stack), "HAProxy to route through the sidecar again")
+
+
+def routed(stack: Stack) -> bool:
+    """Whether a request sent now is decided by the sidecar (rather than the plain balancer)."""
+    before = stack.stats()["decisions"]
+    timed_stream(stack.url, body(8700))
+    return stack.stats()["decisions"] != before
+
+
 def test_the_example_files_are_the_ones_tested() -> None:
     folder = Path(__file__).resolve().parents[2] / "examples" / "haproxy"
     assert "lua.prefixroute_pick" in (folder / "haproxy.cfg").read_text()
     assert "prefixroute_pick" in (folder / "prefixroute.lua").read_text()
+    assert "nbsrv(prefixroute_sidecar)" in (folder / "haproxy.cfg").read_text()

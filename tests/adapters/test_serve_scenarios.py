@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -237,16 +238,40 @@ def check_chat_routes_by_prefix(stack: Stack) -> None:
     wait_until(lambda: stack.in_flight() == 0, "the release of a chat stream")
 
 
+FAIL_OPEN_SLACK_S = 0.1  # what failing open may add to a request: a functional bound, far above loopback noise
+
+
+def timed_stream(url: str, payload: dict[str, object]) -> float:
+    """Seconds a streaming completion takes, end to end; it must succeed."""
+    started = time.perf_counter()
+    status, lines = stream_request(url, payload)
+    assert status == 200 and lines[-1] == "[DONE]"
+    return time.perf_counter() - started
+
+
 def check_fail_open(stack: Stack) -> None:
-    """With the sidecar down, the proxy still serves every request from its plain balancer."""
+    """With the sidecar down, the proxy still serves every request from its plain balancer, without waiting."""
+    direct = statistics.median(timed_stream(stack.engines[0].url, body(7900 + i)) for i in range(3))
     stack.stop_sidecar()
     try:
         before = stack.served()
-        for i in range(4):
-            status, lines = stream_request(stack.url, body(8000 + i))
-            assert status == 200 and lines[-1] == "[DONE]"
+        took = [timed_stream(stack.url, body(8000 + i)) for i in range(4)]
         assert sum(stack.served()) - sum(before) == 4
+        assert max(took) - direct < FAIL_OPEN_SLACK_S, (
+            f"failing open added {max(took) - direct:.3f}s to a request (direct {direct:.3f}s, through the proxy "
+            f"with the sidecar down {[round(t, 3) for t in took]})"
+        )
     finally:
         stack.start_sidecar()
     status, _ = stream_request(stack.url, body(8100))
     assert status == 200
+
+
+def test_the_docs_show_every_proxy_example_file_as_it_is() -> None:
+    """docs/adapters.md quotes each file of examples/nginx, haproxy and envoy whole, under its path."""
+    root = Path(__file__).resolve().parents[2]
+    docs = (root / "docs" / "adapters.md").read_text()
+    for folder in ("nginx", "haproxy", "envoy"):
+        for example in sorted((root / "examples" / folder).iterdir()):
+            label = f"# examples/{folder}/{example.name}\n"
+            assert label + example.read_text() + "```" in docs, f"docs/adapters.md does not show {example} as it is"
