@@ -1,14 +1,22 @@
 """The sidecar's decision rate and latency, and the CPU a proxy spends per request with and without it.
 
-Method. ``prefixroute serve`` runs in its own process pinned to one core (CPU 0); a separate load process (pinned
-elsewhere) sends ``POST /route`` over 32 keep-alive loopback connections with raw sockets. *Rate*: closed loop, as
-fast as the sidecar answers, decisions per second over the run. *Latency*: open loop at half that rate, P50/P99 of
-each request's round trip as the client sees it. Prompts of 2K and 8K tokens, as token ids and as text (a BPE
-tokenizer trained here, ~1 token per word), each a shared 1K/4K-token prefix of one of 8 system prompts plus a
-unique suffix; requests carry ``"lease": 1`` so the in-flight counts stay bounded. Each figure is the median of
-``--runs`` runs after a warm-up. *Proxy CPU*: user+system CPU of the proxy's processes (from /proc) per request for
-non-streaming completions to fake engines, with the sidecar (the example configuration) and with the sidecar down
-(the same configuration failing open to its plain balancer), and for nginx a plain ``proxy_pass`` configuration.
+Method. ``prefixroute serve`` runs in its own process pinned to one core (CPU 0); a separate load process pinned to
+the other cores sends ``POST /route`` over 32 keep-alive loopback connections. The load process is plain sockets
+under one epoll loop (no asyncio: its timers round up to the millisecond, which alone put ~0.8 ms at P50 and ~4 ms at
+P99 into every figure), and it spins for the last 1.5 ms before each send, so requests leave on time. *Rate*:
+closed loop, as fast as the sidecar answers, decisions per second over the run. *Latency*: open loop at half that
+rate, P50/P99 from when each request was due (so the load process's own lateness counts against it, never hides a
+queue) to its answer. *Floor*: the same open loop against a server that answers at once without reading the body
+(uvloop, pinned where the sidecar was): what the load process and loopback add to every latency figure. Prompts of
+2K and 8K tokens, as token ids and as text (a word-level tokenizer built here, 1 token per word), each a shared
+1K/4K-token prefix of one of 8 system prompts plus a unique suffix; requests carry ``"lease": 1`` so the in-flight
+counts stay bounded. Each figure is the median of ``--runs`` runs after a warm-up. *Proxy CPU*: user+system CPU of
+the proxy's processes (from /proc) per request for non-streaming completions to fake engines, with the sidecar (the
+example configuration), with the sidecar down (the same configuration failing open), and the example without its
+sidecar call (nginx: a plain ``proxy_pass``; HAProxy: no Lua action; Envoy: no ext_proc filter).
+
+The machine has 2 cores, so the sidecar's core and the load's are the whole machine: anything else running (other
+test suites) takes from one of them, and P99 shows it first. Each run prints the 1-minute load average beside it.
 
 Run: ``python benchmarks/bench_sidecar.py`` (``--quick`` for a smoke run).
 """
@@ -16,14 +24,20 @@ Run: ``python benchmarks/bench_sidecar.py`` (``--quick`` for a smoke run).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import multiprocessing
 import os
 import random
+import re
+import select
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from collections import deque
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -82,78 +96,92 @@ def request_bytes(body: bytes) -> bytes:
     return head.encode() + body
 
 
-async def _one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> None:
-    writer.write(request)
-    head = await reader.readuntil(b"\r\n\r\n")
-    length = int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
-    await reader.readexactly(length)
-    if not head.startswith(b"HTTP/1.1 200"):
-        raise RuntimeError(head.decode())
+def _connect(port: int, request: bytes) -> socket.socket:
+    """A keep-alive connection that has carried one request (so the server has accepted it before timing)."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.sendall(request)
+    data = b""
+    while (end := data.find(b"\r\n\r\n")) < 0 or len(data) < end + 4 + _length(data, end):
+        data += sock.recv(1 << 16)
+    sock.setblocking(False)
+    return sock
 
 
-async def _load(port: int, requests: list[bytes], seconds: float, rate: float | None) -> dict[str, Any]:
-    connections = [await asyncio.open_connection("127.0.0.1", port) for _ in range(CONNECTIONS)]
+def _length(data: bytes, head_end: int) -> int:
+    at = data.find(b"content-length: ", 0, head_end)
+    return int(data[at + 16 : data.find(b"\r\n", at)])
+
+
+def _load(port: int, requests: list[bytes], seconds: float, rate: float | None) -> dict[str, Any]:
+    """Send ``requests`` (round robin) for ``seconds``: closed loop (``rate`` None) or open loop at ``rate``/s.
+
+    One epoll loop over raw keep-alive sockets, one request outstanding per connection. Open loop: requests fall due
+    every 1/rate s; a due request waits in a backlog for a free connection, and its latency counts from when it was
+    due. The loop sleeps in epoll until 1.5 ms before the next due time and then spins (epoll's timeout is in ms).
+    """
+    sockets = [_connect(port, requests[0]) for _ in range(CONNECTIONS)]
+    poller = select.epoll()
+    by_fd = {}
+    for i, sock in enumerate(sockets):
+        poller.register(sock.fileno(), select.EPOLLIN)
+        by_fd[sock.fileno()] = i
+    free = deque(range(CONNECTIONS))
+    due_at = [0.0] * CONNECTIONS
+    partial = [b""] * CONNECTIONS
+    backlog: deque[float] = deque()
     latencies: list[float] = []
-    done = 0
-    deadline = time.perf_counter() + seconds
-
-    async def closed(i: int) -> None:
-        nonlocal done
-        reader, writer = connections[i]
-        k = i
-        while time.perf_counter() < deadline:
-            await _one(reader, writer, requests[k % len(requests)])
-            k += CONNECTIONS
-            done += 1
-
-    async def opened() -> None:
-        nonlocal done
-        assert rate is not None
-        free = asyncio.Queue[int]()
-        for i in range(CONNECTIONS):
-            free.put_nowait(i)
-        start = time.perf_counter()
-        tasks = []
-
-        async def send(k: int, due: float) -> None:
-            nonlocal done
-            i = await free.get()
-            reader, writer = connections[i]
-            await _one(reader, writer, requests[k % len(requests)])
-            latencies.append(time.perf_counter() - due)
-            done += 1
-            free.put_nowait(i)
-
-        k = 0
-        while True:
-            due = start + k / rate
-            if due > deadline:
-                break
-            delay = due - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(send(k, due)))
-            k += 1
-        await asyncio.gather(*tasks)
-
-    started = time.perf_counter()
-    if rate is None:
-        await asyncio.gather(*(closed(i) for i in range(CONNECTIONS)))
-    else:
-        await opened()
-    elapsed = time.perf_counter() - started
-    for _, writer in connections:
-        writer.close()
-    return {"rate": done / elapsed, "latencies": latencies}
+    clock = time.perf_counter
+    sent = outstanding = 0
+    started = clock()
+    deadline = started + seconds
+    next_due = started
+    interval = 0.0 if rate is None else 1.0 / rate
+    while True:
+        now = clock()
+        if rate is None:
+            if now < deadline:
+                backlog.extend(repeat(now, len(free)))
+        else:
+            while next_due <= now and next_due < deadline:
+                backlog.append(next_due)
+                next_due += interval
+        while backlog and free:
+            i = free.popleft()
+            sockets[i].send(requests[sent % len(requests)])
+            due_at[i] = backlog.popleft()
+            sent += 1
+            outstanding += 1
+        if now >= deadline and not outstanding:
+            break
+        wait = 0.05 if rate is None or next_due >= deadline else next_due - clock()
+        for fd, _ in poller.poll(0 if wait < 0.0015 else wait - 0.0011):
+            i = by_fd[fd]
+            data = partial[i] + sockets[i].recv(1 << 16)
+            head_end = data.find(b"\r\n\r\n")
+            if head_end < 0 or len(data) < head_end + 4 + _length(data, head_end):
+                partial[i] = data
+                continue
+            if not data.startswith(b"HTTP/1.1 200"):
+                raise RuntimeError(data[:head_end].decode())
+            partial[i] = b""
+            latencies.append(clock() - due_at[i])
+            outstanding -= 1
+            free.append(i)
+    elapsed = clock() - started
+    for sock in sockets:
+        sock.close()
+    poller.close()
+    return {"rate": len(latencies) / elapsed, "latencies": latencies}
 
 
 def _load_process(port: int, requests: list[bytes], seconds: float, rate: float | None, out: Any) -> None:
     os.sched_setaffinity(0, set(range(1, os.cpu_count() or 2)) or {0})
-    out.send(asyncio.run(_load(port, requests, seconds, rate)))
+    out.send(_load(port, requests, seconds, rate))
 
 
 def load(port: int, requests: list[bytes], seconds: float, rate: float | None = None) -> dict[str, Any]:
-    """Run the load in a separate process (spawned) and return its figures."""
+    """Run the load in a separate process (spawned, pinned off CPU 0) and return its figures."""
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
     process = context.Process(target=_load_process, args=(port, requests, seconds, rate, send))
@@ -161,6 +189,46 @@ def load(port: int, requests: list[bytes], seconds: float, rate: float | None = 
     result: dict[str, Any] = receive.recv()
     process.join()
     return result
+
+
+INSTANT_SERVER = """
+import asyncio, os, sys, uvloop
+os.sched_setaffinity(0, {0})
+ANSWER = b"HTTP/1.1 200 OK\\r\\ncontent-type: application/json\\r\\ncontent-length: 2\\r\\n\\r\\n{}"
+class Instant(asyncio.Protocol):
+    def connection_made(self, transport): self.transport, self.data = transport, b""
+    def data_received(self, data):
+        self.data += data
+        while (end := self.data.find(b"\\r\\n\\r\\n")) >= 0:
+            at = self.data.find(b"content-length: ", 0, end)
+            size = end + 4 + int(self.data[at + 16 : self.data.find(b"\\r\\n", at)])
+            if len(self.data) < size: return
+            self.data = self.data[size:]
+            self.transport.write(ANSWER)
+async def main():
+    await asyncio.get_running_loop().create_server(Instant, "127.0.0.1", int(sys.argv[1]))
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+uvloop.run(main())
+"""
+"""A server that answers every request at once: the latency floor of the load process and loopback."""
+
+
+def floor(rate: float, requests: list[bytes], *, runs: int, seconds: float) -> tuple[float, float]:
+    """Median P50 and P99 (ms) of the open loop at ``rate`` against :data:`INSTANT_SERVER`."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", INSTANT_SERVER, str(port)], stdout=subprocess.PIPE)
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == b"ready"
+        p50s, p99s = [], []
+        for _ in range(runs):
+            latencies = load(port, requests, seconds, rate)["latencies"]
+            p50s.append(percentile(latencies, 0.5) * 1000)
+            p99s.append(percentile(latencies, 0.99) * 1000)
+        return statistics.median(p50s), statistics.median(p99s)
+    finally:
+        server.terminate()
+        server.wait()
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -173,7 +241,8 @@ def bench_decisions(workdir: Path, *, runs: int, seconds: float, quick: bool) ->
     port = free_port()
     backends = [f"http://10.0.0.{i}:8000" for i in range(1, 9)]
     print(f"POST /route, sidecar on one core, {CONNECTIONS} connections, median of {runs} runs of {seconds:g} s")
-    print(f"{'prompt':>8} {'as':>5} {'decisions/s':>12} {'P50 ms':>8} {'P99 ms':>8}   (latency at half the rate)")
+    print(f"{'prompt':>8} {'as':>5} {'decisions/s':>12} {'P50 ms':>8} {'P99 ms':>8}   (latency at half the rate)"
+          f"  floor P50/P99 ms  load avg")  # fmt: skip
     with start_sidecar(workdir, backends, port=port, options=["--tokenizer", str(tokenizer)]) as sidecar:
         os.sched_setaffinity(sidecar.pid, {0})
         for tokens in (2048, 8192):
@@ -189,7 +258,18 @@ def bench_decisions(workdir: Path, *, runs: int, seconds: float, quick: bool) ->
                     p99s.append(percentile(latencies, 0.99) * 1000)
                 kind = "text" if text else "ids"
                 print(f"{tokens:>8} {kind:>5} {rate:>12,.0f} {statistics.median(p50s):>8.2f} "
-                      f"{statistics.median(p99s):>8.2f}")  # fmt: skip
+                      f"{statistics.median(p99s):>8.2f}", end="", flush=True)  # fmt: skip
+                floor_p50, floor_p99 = floor(rate / 2, requests, runs=runs, seconds=seconds)
+                print(f"  {floor_p50:>7.3f} / {floor_p99:.3f}  {os.getloadavg()[0]:>9.2f}")
+
+
+PLAIN = {
+    "haproxy": lambda text: re.sub(r"\n *http-request lua\.prefixroute_pick[^\n]*", "", text),
+    "envoy": lambda text: re.sub(
+        r"\n( *)- name: envoy\.filters\.http\.ext_proc\n.*?(?=\n\1- name: )", "", text, flags=re.S
+    ),
+}
+"""Each example configuration without its sidecar call (the nginx counterpart is :data:`PLAIN_NGINX`)."""
 
 
 def proxy_cpu(workdir: Path, *, requests: int) -> None:
@@ -216,11 +296,15 @@ def proxy_cpu(workdir: Path, *, requests: int) -> None:
             finally:
                 proxy.stop()
                 sidecar.stop()
+            folder = Path(tempfile.mkdtemp(dir=workdir))
             if name == "nginx":
-                plain = PLAIN_NGINX
-                folder = Path(tempfile.mkdtemp(dir=workdir))
-                with start_nginx(folder, ports, site=plain) as proxy:
-                    print(f"{name:>8} {'plain proxy_pass':>28} {_cpu(proxy, ports['proxy'], requests):>15.0f}")
+                plain = start_nginx(folder, ports, site=PLAIN_NGINX)
+            elif name == "haproxy":
+                plain = start_haproxy(folder, ports, edit=PLAIN["haproxy"])
+            else:
+                plain = start_envoy(folder, ports, edit=PLAIN["envoy"])
+            with plain:
+                print(f"{name:>8} {'without the sidecar call':>28} {_cpu(plain, ports['proxy'], requests):>15.0f}")
 
 
 def _cpu(proxy: Process, port: int, requests: int) -> float:

