@@ -312,3 +312,16 @@ def test_two_replicas_following_kv_events_agree(tmp_path: Path) -> None:
                         deadline -= 1
                         time.sleep(0.05)
                     assert (answer["backend"], answer["reason"], answer["matched_tokens"]) == (engine.url, "prefix", 64)
+
+
+def test_the_sidecar_quickstart_routes_shared_prefixes_to_one_engine_and_releases_all() -> None:
+    script = Path(__file__).resolve().parents[2] / "examples" / "sidecar_quickstart.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=True).stdout
+    lines = out.splitlines()
+    engine_of: dict[str, set[str]] = {}
+    for line in lines[:-1]:
+        name, engine = line.split()[0], line.split("-> ")[1].split()[0]
+        engine_of.setdefault(name, set()).add(engine)
+    assert len(lines) == 10 and all(len(engines) == 1 for engines in engine_of.values())
+    assert sum("engine cached 400" in line for line in lines) == 6  # every later turn hit the engine's cache
+    assert lines[-1] == "decisions by reason {'miss': 3, 'prefix': 6}, in flight now 0"
