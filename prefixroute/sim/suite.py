@@ -299,6 +299,7 @@ def render(
         )
     if plot is not None:
         lines += ["", f"![The default's P99 TTFT against round-robin and the best policy]({plot})"]
+    lines += ["", *_across_the_suite(verdicts, default=default)]
     for v in verdicts:
         lines += [
             "",
@@ -321,6 +322,35 @@ def render(
         f"{runs} simulations in {wall_s:.0f} s wall time on {jobs} processes.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _across_the_suite(verdicts: Sequence[WorkloadVerdict], *, default: str) -> list[str]:
+    """Each policy over all workloads: how often recommended, its median and worst P99 ÷ best, its lowest req/s."""
+    names = [r.policy for r in verdicts[0].ranking.results] if verdicts else []
+    rows = []
+    for name in names:
+        p99_ratios, rate_ratios, recommended = [], [], 0
+        for v in verdicts:
+            mine = v.ranking.of(name)
+            if mine is None:
+                continue
+            p99_ratios.append(_or_inf(mine.ttft_ms["p99"]) / v.ranking.best_p99_ms)
+            rate_ratios.append(mine.throughput_rps / v.ranking.best_throughput if v.ranking.best_throughput else 0.0)
+            recommended += v.ranking.recommended.policy == name
+        p99_ratios.sort()
+        rows.append((max(p99_ratios), p99_ratios[len(p99_ratios) // 2], min(rate_ratios), recommended, name))
+    lines = [
+        "### Across the suite",
+        "",
+        "Each policy over all workloads, ordered by its worst P99 TTFT ÷ the best policy's (lower is more robust).",
+        "",
+        "| policy | recommended on | median P99 ÷ best | worst P99 ÷ best | lowest req/s ÷ best |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for worst, median, lowest_rate, recommended, name in sorted(rows):
+        label = f"{name} (default)" if name == default else name
+        lines.append(f"| {label} | {recommended} | {median:.2f}× | {worst:.2f}× | {lowest_rate:.2f}× |")
+    return lines
 
 
 def _mark(check: Check) -> str:

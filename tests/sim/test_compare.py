@@ -278,6 +278,9 @@ def test_judge_applies_issue_9_acceptance_at_its_boundaries(
     assert cells[11] == ("**PASS**" if verdict.passed else "**MISS**")
     assert cells[12] == verdict.ranking.recommended.policy
     assert f"**{int(verdict.passed)} of 1**" in page
+    across = page[page.index("### Across the suite") :].splitlines()
+    best_row = next(line for line in across if line.startswith(f"| {verdict.ranking.recommended.policy}"))
+    assert "| 1 |" in best_row  # recommended on the one workload
 
 
 def test_judge_needs_the_default_and_round_robin(data_dir: Path) -> None:
