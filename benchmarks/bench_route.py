@@ -220,6 +220,9 @@ def main() -> None:
         "--steps", action="store_true", help="time each step of route() alone at 8K tokens instead of the table"
     )
     parser.add_argument(
+        "--backends", type=int, nargs="+", default=[8, 64], help="fleet sizes to measure (default: 8 64)"
+    )
+    parser.add_argument(
         "--zipf-only", action="store_true", help="print only the hit-rate comparison with an exact LRU (Zipf workload)"
     )
     parser.add_argument("--zipf-requests", type=int, default=100_000, help="requests of the Zipf hit-rate workload")
@@ -244,7 +247,7 @@ def main() -> None:
             f"{'tokens':>7} {'backends':>8} {'entries':>10} {'B/entry':>8} {'median us':>10} {'p99 us':>8} "
             f"{'routes/s':>9} {'floor us':>9} {'ratio':>6}"
         )
-    for backend_count in (8, 64):
+    for backend_count in args.backends:
         backends = [f"http://gpu{i}:8000" for i in range(backend_count)]
         router, per_entry = warm_router(backends, args.entries, rng, bounded=args.bounded)
         for length in (8192,) if args.steps else (1024, 8192, 32768):
