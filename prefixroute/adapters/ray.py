@@ -53,16 +53,16 @@ class PrefixRouteRequestRouter(RequestRouter):
     """Rank a deployment's replicas by prefixroute (see the module docstring).
 
     ``request_router_kwargs`` (JSON, from the deployment's ``RequestRouterConfig``) go to :meth:`initialize_state`:
-    ``policy`` (a registry name, default ``"bounded-load"``), ``block_size`` (16), ``tokenizer`` (the model's local
-    folder or its ``tokenizer.json``; chat messages through its chat template when the folder has one; without it
-    text routes on its UTF-8 bytes) and ``lease`` (seconds after which a request Ray never reports complete stops
-    counting; default 600).
+    ``policy`` (a registry name, default ``"predicted-ttft"``, the library's), ``block_size`` (16), ``tokenizer``
+    (the model's local folder or its ``tokenizer.json``; chat messages through its chat template when the folder has
+    one; without it text routes on its UTF-8 bytes) and ``lease`` (seconds after which a request Ray never reports
+    complete stops counting; default 600).
     """
 
     def initialize_state(
         self,
         *,
-        policy: str = "bounded-load",
+        policy: str = "predicted-ttft",
         block_size: int = 16,
         tokenizer: str | None = None,
         lease: float | None = 600.0,

@@ -69,7 +69,16 @@ class Stack:
         self.url = f"http://127.0.0.1:{self.ports['proxy']}"
 
     def start_sidecar(self) -> None:
-        options = ["--lease", "60", "--policy-option", "factor=1.0", "--release-port", str(self.ports["release"])]
+        options = [
+            "--lease",
+            "60",
+            "--policy",
+            "bounded-load",
+            "--policy-option",
+            "factor=1.0",
+            "--release-port",
+            str(self.ports["release"]),
+        ]
         if self.mode == "ext_proc":
             options += ["--ext-proc", str(self.ports["ext_proc"])]
         self.sidecar = start_sidecar(

@@ -34,7 +34,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--base-model", nargs="+", metavar="NAME",
                         help="the backends' base model name(s); requests naming any other model (LoRA adapters) "
                         "route apart. Default: learned from the backends' /v1/models")  # fmt: skip
-    parser.add_argument("--policy", default="bounded-load", help=f"one of {', '.join(policy_names())}")
+    parser.add_argument(
+        "--policy",
+        default="predicted-ttft",
+        help=f"one of {', '.join(policy_names())} (default predicted-ttft, the library's)",
+    )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (vLLM's block size, 16)")
     parser.add_argument("--kv-events", nargs="+", metavar="ENDPOINT",
                         help="per backend, in --backends order, its KV-event publisher (tcp://gpu0:5557), "
