@@ -103,12 +103,13 @@ class LRUStore:
     """One backend's blocks under a capacity: generations of plain sets, oldest first, with approximate LRU eviction.
 
     A routed prompt's blocks all move to the newest generation; a chain that continues a block (a KV event) joins
-    its parent's generation; a new generation starts when the newest holds ``capacity // generations`` blocks (or
-    half that, when the next prompt would make its set grow its table, so generations stay densely packed); and
+    its parent's generation; a new generation starts when the newest holds twice ``capacity // generations``
+    blocks, or from half that when the next prompt would make its set grow its table (so generations stay densely
+    packed: between ``generations / 2`` and ``2 * generations`` of them fill the capacity); and
     :meth:`drop_oldest` evicts the oldest generations whole. The invariant that makes this safe: a held block's
     parent is held and in the same or a newer generation, so dropping the oldest generation never leaves a child
     without its parent, and the blocks of a prompt that one generation holds are a contiguous run, found by binary
-    search. Compared with an exact LRU it keeps on average ``capacity / (2 * generations)`` fewer blocks and orders
+    search. Compared with an exact LRU it keeps on average half a generation fewer blocks and orders
     blocks only to the generation; ``benchmarks/bench_route.py --bounded`` measures the hit-rate cost (Zipf prefix
     workload). Not thread-safe.
 
@@ -212,9 +213,10 @@ class LRUStore:
         else:
             self.roots.add(hashes[0])
             newest = gens[-1]
-            # Start a new generation at the newest's target size, or from half of it when this chain could make
-            # CPython grow the set's table (x4 below 50K blocks): generations then stay 3/5 full, not 3/20.
-            if len(newest) >= self._span or (
+            # Start a new generation at twice the target size, or from half of it when this chain could make
+            # CPython grow the set's table (x4 below 50K blocks, x2 above): as the window spans a factor of 4, every
+            # generation ends near a 3/5-full table, not a 3/20-full one.
+            if len(newest) >= 2 * self._span or (
                 len(newest) * 2 >= self._span
                 and count - (_run(newest, hashes, 0) if hashes[0] in newest else 0) > _room(newest)
             ):

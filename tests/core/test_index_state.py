@@ -104,7 +104,7 @@ class IndexMachine(RuleBasedStateMachine):
     def _recent_is_held(self, hashes: list[int], backend: str) -> None:
         """A prompt just routed is held whole unless it is too big for the newest generation's room."""
         capacity = self.index.capacity(backend)
-        room = None if capacity is None else capacity - capacity // PrefixIndex.generations
+        room = None if capacity is None else capacity - 2 * (capacity // PrefixIndex.generations)
         if room is None or len(set(hashes)) <= room // 2:
             assert self.index.match(hashes, [backend])[backend] == len(hashes)
 
