@@ -46,9 +46,13 @@ class Candidate(NamedTuple):
 
     The router's own work accounting, from the request lifecycle (:meth:`Router.start`,
     :meth:`~Router.first_token`, :meth:`~Router.finish`): ``pending_prefill_tokens`` is the uncached prompt tokens
-    of its requests there still in prefill, ``held_blocks`` the KV blocks of its prompts in flight there,
-    ``capacity_blocks`` its KV capacity in blocks when known, and ``prefill_tokens_per_s`` the prefill speed
-    observed from first-token times (None until a first token was reported there).
+    of its requests there still in prefill, ``held_blocks`` the KV blocks of its prompts in flight there (each
+    prompt counted whole), ``capacity_blocks`` its KV capacity in blocks when known, and ``prefill_tokens_per_s``
+    the prefill speed observed from first-token times (None until a first token was reported there).
+    ``active_blocks`` is the distinct KV blocks of its requests in flight there, a prefix they share counted once
+    (an estimate, see docs/policies.md: what their memory use is, where ``held_blocks`` is what their attention
+    reads); ``in_prefill`` how many of its requests there have no first token yet; ``block_size`` the router's
+    tokens per block, the unit of the block figures.
 
     A ``NamedTuple``: built once per backend per request, it costs a quarter of a frozen dataclass.
     """
@@ -63,6 +67,9 @@ class Candidate(NamedTuple):
     held_blocks: int = 0
     capacity_blocks: int | None = None
     prefill_tokens_per_s: float | None = None
+    active_blocks: int = 0
+    in_prefill: int = 0
+    block_size: int = 16
 
     @property
     def load(self) -> int:
@@ -245,33 +252,42 @@ class CostAware(LoadPolicy):
 
 
 class PredictedTTFT(LoadPolicy):
-    """The candidate with the lowest predicted time to first token, from the router's own work accounting.
+    """The candidate where this request adds the least predicted waiting: its own time to first token and the delay
+    its prefill imposes on the requests already there, from the router's own work accounting.
 
-    A request's first token waits for the prefill work queued ahead of it on a backend and for its own uncached
-    tokens (:attr:`Candidate.uncached_tokens`), and that wait stretches as the backend's KV memory fills (a fuller
-    cache admits fewer requests at once, and decoding long contexts slows every step)::
+    A request's first token waits for the prefill work queued ahead of it (``pending_prefill_tokens``) and for its
+    own uncached tokens (:attr:`Candidate.uncached_tokens`). While those tokens are prefilled, every request in flight
+    on that backend waits as long (a vLLM step carries the prefill chunk and every decode together), so the request's
+    own prefill counts once for itself and once for each request in flight there. All of it stretches as the KV
+    memory fills (a fuller cache admits fewer requests at once, and a request that does not fit waits for others to
+    finish)::
 
-        cost = (pending_prefill_tokens + uncached_tokens) / (1 - min(kv_fraction, kv_cap))
+        cost = (pending_prefill_tokens + uncached_tokens × (1 + in_flight)) / (1 - min(kv_fraction, kv_cap))
 
-    No constant depends on the model or the GPU: work is counted in tokens, which compares backends of one fleet
-    without knowing their speed, and ``kv_fraction`` (:func:`kv_fraction`) is the engine's ``kv_usage`` when
-    metrics supply it, else the router's ``held_blocks / capacity_blocks``, else 0. ``kv_cap`` (0.95) bounds the
-    stretch at 20×, so a full backend is a poor choice but never an impossible one. With ``use_speed=True`` the
-    work is divided by each backend's :attr:`Candidate.prefill_tokens_per_s` (learned online from first tokens; a
-    backend without an estimate takes the median of those with one), for fleets of unlike GPUs; it is off by
-    default because that estimate includes the time a request waited for memory, so on a fleet of equal GPUs it
-    is noise that moves traffic away from whichever backend was last slow (see docs/policies.md).
+    That is the increase of the sum of every request's wait, in tokens of prefill work; no constant depends on the
+    model or the GPU: tokens compare the backends of one fleet without knowing their speed, and the in-flight
+    factor is a count. ``kv_fraction`` (:func:`kv_fraction`) is the router's distinct in-flight blocks over the
+    backend's capacity when that is known (a shared prefix counted once; requests still waiting for memory
+    included), else the engine's ``kv_usage`` from metrics, else 0. ``kv_cap`` (0.95) bounds the stretch at 20×, so
+    a full backend is a poor choice but never an impossible one. With ``use_speed=True`` the work is divided by each
+    backend's :attr:`Candidate.prefill_tokens_per_s` (learned online from first tokens; a backend without an
+    estimate takes the median of those with one), for fleets of unlike GPUs; it is off by default because that
+    estimate includes the time a request waited for memory, so on a fleet of equal GPUs it is noise that moves
+    traffic away from whichever backend was last slow (see docs/policies.md).
 
-    Affinity holds while it pays: a cached prefix removes its tokens from the cost, so a request follows its
-    prefix until the work queued there, stretched by its memory use, outweighs the prefill it saves. It spreads
-    when it does not: a long system prompt that every backend holds cancels out of the comparison, leaving queued
-    work and memory to decide, so one shared first block cannot pull all traffic to one backend. Ties go to the
-    first candidate in placement order, so a choice is deterministic given the candidates and router replicas
-    agree. O(len(candidates)).
+    Affinity holds while it pays: a cached prefix removes its tokens from the cost, so a request follows its prefix
+    until the work queued there, the requests it would hold up and the memory in use outweigh the prefill it saves.
+    It spreads when it does not: a long system prompt that every backend holds cancels out, and one that a single
+    backend holds costs the others its length once while each request already on the holder multiplies what is
+    left, so one shared first block cannot pull all traffic to one backend. Ties go to the first candidate in
+    placement order, so a choice is deterministic given the candidates and router replicas agree.
+    O(len(candidates)).
 
-    >>> busy_cached = Candidate("a", 4096, 4224, 3, pending_prefill_tokens=6000)
+    >>> busy_cached = Candidate("a", 4096, 4224, 3, pending_prefill_tokens=3000)
     >>> idle_cold = Candidate("b", 0, 4224, 0)
-    >>> PredictedTTFT().choose([busy_cached, idle_cold]).backend  # 6128 queued tokens > 4224 to prefill
+    >>> PredictedTTFT().choose([busy_cached, idle_cold]).backend  # 3000 + 128 × 4 = 3512 < 4224
+    'a'
+    >>> PredictedTTFT().choose([busy_cached._replace(in_flight=12), idle_cold]).backend  # 3000 + 128 × 13 = 4664
     'b'
     """
 
@@ -287,8 +303,8 @@ class PredictedTTFT(LoadPolicy):
         self.use_speed = use_speed
 
     def cost(self, candidate: Candidate, *, speed: float = 1.0) -> float:
-        """Predicted time to first token on ``candidate``, in tokens of work (in seconds given a ``speed``). O(1)."""
-        work = candidate.pending_prefill_tokens + candidate.prompt_tokens - candidate.matched_tokens
+        """Predicted added waiting on ``candidate``, in tokens of prefill work (in seconds given a ``speed``). O(1)."""
+        work = candidate.pending_prefill_tokens + candidate.uncached_tokens * (1 + candidate.in_flight)
         return work / speed / (1.0 - min(kv_fraction(candidate), self.kv_cap))
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
@@ -312,15 +328,19 @@ class PredictedTTFT(LoadPolicy):
 
 
 def kv_fraction(candidate: Candidate) -> float:
-    """The fraction of ``candidate``'s KV memory in use: engine ``kv_usage``, else router-held blocks, else 0.
+    """The fraction of ``candidate``'s KV memory in use or claimed, as well as the router knows it. O(1).
 
-    The router's figure counts every in-flight prompt's blocks, shared prefixes once per request, so it can
-    exceed the engine's: it is clamped to 1. O(1).
+    When the capacity is known: the router's :attr:`~Candidate.active_blocks` (distinct blocks of its requests in
+    flight there, a shared prefix counted once, requests still waiting for memory included) over
+    ``capacity_blocks``, clamped to 1. Else the engine's ``kv_usage`` from metrics, else 0. The router's figure
+    comes first because the engine's leaves out the requests waiting for memory, which are the ones a new request
+    would queue behind, and lags by a polling interval; with several router replicas, each counts only its own
+    requests (see docs/policies.md).
     """
+    if candidate.capacity_blocks:
+        return min(1.0, candidate.active_blocks / candidate.capacity_blocks)
     if candidate.kv_usage is not None:
         return candidate.kv_usage
-    if candidate.capacity_blocks:
-        return min(1.0, candidate.held_blocks / candidate.capacity_blocks)
     return 0.0
 
 

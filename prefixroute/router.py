@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from itertools import repeat
-from typing import Literal
+from typing import Any, Literal
 
 import cachetools
 import xxhash
@@ -34,6 +34,99 @@ ignores prefixes chose (``"policy"``)."""
 
 # A prefill-speed estimate follows observed first tokens with this weight per observation (unit-free).
 _SPEED_WEIGHT = 0.2
+
+
+def _anchor_depths(limit: int = 1 << 26) -> tuple[int, ...]:
+    """Block positions where :class:`_Footprint` samples prompts: every block up to 8, then 1/4 further each."""
+    depths = [0]
+    while depths[-1] < limit:
+        depths.append(depths[-1] + max(1, depths[-1] // 4))
+    return tuple(depths)
+
+
+# Anchors grow by a quarter, so a prompt of n blocks has O(log n) of them (28 at 512 blocks, 42 at 12K) and an
+# estimate misses at most the quarter of a prompt between the block where two prompts part and the next anchor.
+_ANCHORS = _anchor_depths()
+
+
+class _Footprint:
+    """Distinct KV blocks of one backend's in-flight requests, a prefix they share counted once (an estimate).
+
+    A request's blocks past its matched prefix are its own (the backend computes them for it). Its prompt is sampled
+    at anchor blocks (:data:`_ANCHORS`); the span from one anchor to the next is a segment, and requests whose
+    chained hash at an anchor agrees share everything before it, so their segments there are counted once, at the
+    longest; the last segment counts only up to the matched prefix, the rest is the request's own. The estimate is
+    exact for one request and for requests that share whole matched prefixes (one system prompt, one document); it
+    falls short by at most the part of a segment after two matched prefixes part, and counts twice a prefix that
+    one request is still computing while another already matches it. ``add``/``remove`` are O(log n) for n blocks.
+    """
+
+    __slots__ = ("_groups", "blocks")
+
+    def __init__(self) -> None:
+        self.blocks = 0
+        # anchor hash -> [longest segment, {segment length: requests}]
+        self._groups: dict[int, list[Any]] = {}
+
+    def add(self, hashes: Sequence[int], total: int, matched: int) -> tuple[tuple[int, int], ...]:
+        """Count a request of ``total`` blocks, ``matched`` of them cached, whose full blocks hash to ``hashes``.
+
+        Returns what :meth:`remove` needs to take exactly this request back.
+        """
+        full = len(hashes)
+        if full == 0:
+            self.blocks += total
+            return ((-1, total),)
+        groups, depths = self._groups, _ANCHORS
+        taken: list[tuple[int, int]] = []
+        added = 0
+        position = 0
+        while True:
+            depth, following = depths[position], depths[position + 1]
+            last = following >= full
+            segment = max(0, min(matched, full) - depth) if last else following - depth
+            if segment:
+                key = hashes[depth]
+                group = groups.get(key)
+                if group is None:
+                    groups[key] = [segment, {segment: 1}]
+                    added += segment
+                else:
+                    counts = group[1]
+                    counts[segment] = counts.get(segment, 0) + 1
+                    if segment > group[0]:
+                        added += segment - group[0]
+                        group[0] = segment
+                taken.append((key, segment))
+            if last:
+                own = total - depth - segment
+                taken.append((-1, own))
+                self.blocks += added + own
+                return tuple(taken)
+            position += 1
+
+    def remove(self, taken: tuple[tuple[int, int], ...]) -> None:
+        """Stop counting a request: ``taken`` is what :meth:`add` returned for it."""
+        groups = self._groups
+        removed = 0
+        for key, segment in taken:
+            if key == -1:
+                removed += segment
+                continue
+            group = groups[key]
+            counts = group[1]
+            left = counts[segment] - 1
+            if left:
+                counts[segment] = left
+                continue
+            del counts[segment]
+            if segment == group[0]:
+                longest = max(counts) if counts else 0  # a group holds one or a few segment lengths
+                removed += segment - longest
+                group[0] = longest
+            if not counts:
+                del groups[key]
+        self.blocks -= removed
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,10 +174,26 @@ class RouterStats:
 class _Request:
     """One started request: what it adds to its backend's counters, so finish() takes exactly that back."""
 
-    __slots__ = ("backend", "blocks", "deadline", "pending_before", "prefilling", "started_at", "uncached")
+    __slots__ = (
+        "backend",
+        "blocks",
+        "deadline",
+        "footprint",
+        "pending_before",
+        "prefilling",
+        "started_at",
+        "uncached",
+    )
 
     def __init__(
-        self, backend: str, uncached: int, blocks: int, pending_before: int, started_at: float, deadline: float | None
+        self,
+        backend: str,
+        uncached: int,
+        blocks: int,
+        pending_before: int,
+        started_at: float,
+        deadline: float | None,
+        footprint: tuple[tuple[int, int], ...],
     ) -> None:
         self.backend = backend
         self.uncached = uncached
@@ -92,6 +201,7 @@ class _Request:
         self.pending_before = pending_before
         self.started_at = started_at
         self.deadline = deadline
+        self.footprint = footprint  # its anchors in the backend's _Footprint
         self.prefilling = True
 
 
@@ -173,6 +283,9 @@ class Router:
         self._in_flight: dict[str, int] = {}
         self._pending: dict[str, int] = {}
         self._held: dict[str, int] = {}
+        self._prefilling: dict[str, int] = {}  # requests in flight without a first token
+        self._footprints: dict[str, _Footprint] = {}
+        self._active: dict[str, int] = {}  # distinct KV blocks in flight: each footprint's figure, for _candidates
         self._speed: dict[str, float] = {}  # observed prefill tokens/s
         self._queue_len: dict[str, int | None] = {}  # engine figures from set_engine_load()
         self._kv_usage: dict[str, float | None] = {}
@@ -335,6 +448,9 @@ class Router:
                 map(self._held.get, order, repeat(0)),
                 map(capacity, order),
                 map(self._speed.get, order),
+                map(self._active.get, order, repeat(0)),
+                map(self._prefilling.get, order, repeat(0)),
+                repeat(self._hasher.block_size),
             )
         )
 
@@ -364,10 +480,16 @@ class Router:
                 return
             deadline = None if lease is None else now + lease
             pending = self._pending.get(backend, 0)
-            self._live[decision.id] = _Request(backend, uncached, blocks, pending, now, deadline)
+            footprint = self._footprints.get(backend)
+            if footprint is None:
+                footprint = self._footprints[backend] = _Footprint()
+            taken = footprint.add(decision._hashes, blocks, decision.matched_tokens // self._hasher.block_size)
+            self._active[backend] = footprint.blocks
+            self._live[decision.id] = _Request(backend, uncached, blocks, pending, now, deadline, taken)
             self._in_flight[backend] = self._in_flight.get(backend, 0) + 1
             self._pending[backend] = pending + uncached
             self._held[backend] = self._held.get(backend, 0) + blocks
+            self._prefilling[backend] = self._prefilling.get(backend, 0) + 1
             if deadline is not None:
                 heapq.heappush(self._leases, (deadline, decision.id))
 
@@ -386,6 +508,7 @@ class Router:
             request.prefilling = False
             backend = request.backend
             self._pending[backend] -= request.uncached
+            self._prefilling[backend] -= 1
             elapsed = self._clock() - request.started_at
             work = request.pending_before + request.uncached
             if elapsed > 0 and work > 0:
@@ -439,8 +562,12 @@ class Router:
         backend = request.backend
         self._in_flight[backend] -= 1
         self._held[backend] -= request.blocks
+        footprint = self._footprints[backend]
+        footprint.remove(request.footprint)
+        self._active[backend] = footprint.blocks
         if request.prefilling:
             self._pending[backend] -= request.uncached
+            self._prefilling[backend] -= 1
 
     def _expire(self, now: float) -> int:
         expired = 0
@@ -505,7 +632,17 @@ class Router:
             blocks = self._index.remove_backend(backend)
             for decision_id in [i for i, r in self._live.items() if r.backend == backend]:
                 del self._live[decision_id]
-            for figures in (self._in_flight, self._pending, self._held, self._speed, self._queue_len, self._kv_usage):
+            for figures in (
+                self._in_flight,
+                self._pending,
+                self._held,
+                self._prefilling,
+                self._footprints,
+                self._active,
+                self._speed,
+                self._queue_len,
+                self._kv_usage,
+            ):
                 figures.pop(backend, None)
         del blocks  # freed here, outside the lock
 

@@ -4,7 +4,7 @@ import random
 from collections.abc import Callable
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixroute import (
@@ -24,7 +24,20 @@ from prefixroute import (
     policy_names,
 )
 from prefixroute.policies import PredictedTTFT, kv_fraction
+from prefixroute.router import Decision
 from prefixroute.sim.baselines import BASELINES
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def tick(self, seconds: float) -> None:
+        self.now += seconds
+
 
 # One line per policy: a new built-in is covered by the whole contract suite by adding it here.
 POLICIES: dict[str, Callable[[], LoadPolicy]] = {
@@ -53,6 +66,8 @@ candidate_lists = st.lists(
         held_blocks=st.integers(0, 5000),
         capacity_blocks=st.none() | st.integers(1, 4000),
         prefill_tokens_per_s=st.none() | st.floats(1.0, 1e5),
+        active_blocks=st.integers(0, 5000),
+        in_prefill=st.integers(0, 50),
     ),
     min_size=1,
     max_size=12,
@@ -195,7 +210,7 @@ def test_policy_from_name_imports_a_user_subclass() -> None:
 def test_predicted_ttft_prefers_a_decode_heavy_backend_to_a_prefill_heavy_one() -> None:
     # "prefill" has 2 requests in flight, both still prefilling 8K uncached tokens; "decode" has 10 in flight that
     # are past their first token (no pending prefill), holding some KV. A request count says "prefill" is idle-er;
-    # the work ahead of a new 1K-token prompt says the opposite.
+    # the work ahead of a new 1K-token prompt says the opposite: 16384 + 1024 x 3 against 1024 x 11.
     prefill_heavy = Candidate("prefill", 0, 1024, 2, pending_prefill_tokens=16_384, held_blocks=1024,
                               capacity_blocks=4000)  # fmt: skip
     decode_heavy = Candidate("decode", 0, 1024, 10, pending_prefill_tokens=0, held_blocks=640, capacity_blocks=4000)
@@ -209,14 +224,19 @@ def test_predicted_ttft_leaves_a_nearly_full_kv_cache_even_when_it_holds_the_pre
     assert PredictedTTFT().choose([cached, cold]) is cached  # 192 tokens, stretched 2x, against 2240
     nearly_full = cached._replace(kv_usage=0.99)
     assert PredictedTTFT().choose([nearly_full, cold]) is cold  # stretched 20x: 3840 > 2240
-    # Without engine metrics the router's own figures say the same: 990 of 1000 blocks held.
-    by_router = cached._replace(kv_usage=None, held_blocks=990, capacity_blocks=1000)
+    # Without engine metrics the router's own figures say the same: 990 of 1000 distinct blocks in flight.
+    by_router = cached._replace(kv_usage=None, active_blocks=990, capacity_blocks=1000)
     assert PredictedTTFT().choose([by_router, cold._replace(kv_usage=None, capacity_blocks=1000)]).backend == "cold"
+    # Many requests holding one shared prefix are not a full cache: 4 x 300 blocks held, 400 of them distinct.
+    shared = cached._replace(kv_usage=None, held_blocks=1200, active_blocks=400, capacity_blocks=1000)
+    assert PredictedTTFT().choose([shared, cold._replace(kv_usage=None, capacity_blocks=1000)]) is shared
 
 
 def test_predicted_ttft_keeps_affinity_while_queued_work_is_less_than_the_prefill_it_saves() -> None:
     cold = Candidate("cold", 0, 4224, 0)
-    for pending, expected in ((0, "cached"), (4000, "cached"), (4200, "cold")):
+    # The cached backend costs its queued work plus 128 uncached tokens, once for this request and once for the
+    # request in flight there that they hold up: 4224 - 256 = 3968 queued tokens is where affinity stops paying.
+    for pending, expected in ((0, "cached"), (3960, "cached"), (3970, "cold")):
         cached = Candidate("cached", 4096, 4224, 1, pending_prefill_tokens=pending)
         assert PredictedTTFT().choose([cold, cached]).backend == expected, pending
 
@@ -255,9 +275,9 @@ def test_predicted_ttft_uses_learned_speeds_only_when_asked() -> None:
     fast = Candidate("fast", 0, 1000, 1, pending_prefill_tokens=3000, prefill_tokens_per_s=8000.0)
     assert PredictedTTFT().choose([slow, fast]) is slow  # 2000 tokens of work against 4000
     assert PredictedTTFT(use_speed=True).choose([slow, fast]) is fast  # 2.0 s against 0.5 s
-    unknown = Candidate("unknown", 0, 1000, 1, pending_prefill_tokens=4000)  # the median speed, 8000: 0.625 s
+    unknown = Candidate("unknown", 0, 1000, 1, pending_prefill_tokens=4000)  # the median speed, 8000: 0.75 s
     assert PredictedTTFT(use_speed=True).choose([slow, unknown, fast]) is fast
-    assert PredictedTTFT(use_speed=True).cost(unknown, speed=8000.0) == pytest.approx(5000 / 8000)
+    assert PredictedTTFT(use_speed=True).cost(unknown, speed=8000.0) == pytest.approx(6000 / 8000)
 
 
 def test_predicted_ttft_options_and_kv_fraction() -> None:
@@ -268,9 +288,11 @@ def test_predicted_ttft_options_and_kv_fraction() -> None:
         PredictedTTFT(use_speed=1)  # type: ignore[arg-type]
     assert isinstance(policy_from_name("predicted-ttft", kv_cap=0.9), PredictedTTFT)
     assert kv_fraction(Candidate("a", 0, 1, 0)) == 0.0
-    assert kv_fraction(Candidate("a", 0, 1, 0, held_blocks=50, capacity_blocks=200)) == 0.25
-    assert kv_fraction(Candidate("a", 0, 1, 0, held_blocks=500, capacity_blocks=200)) == 1.0  # shared prefixes
-    assert kv_fraction(Candidate("a", 0, 1, 0, kv_usage=0.4, held_blocks=500, capacity_blocks=200)) == 0.4
+    assert kv_fraction(Candidate("a", 0, 1, 0, active_blocks=50, held_blocks=500, capacity_blocks=200)) == 0.25
+    assert kv_fraction(Candidate("a", 0, 1, 0, active_blocks=500, capacity_blocks=200)) == 1.0
+    assert kv_fraction(Candidate("a", 0, 1, 0, kv_usage=0.4)) == 0.4  # no capacity known: the engine's figure
+    # The router's figure comes first: it counts the requests still waiting for memory, which the engine's leaves out.
+    assert kv_fraction(Candidate("a", 0, 1, 0, kv_usage=0.4, active_blocks=180, capacity_blocks=200)) == 0.9
 
 
 @given(candidates=candidate_lists)
@@ -280,3 +302,116 @@ def test_predicted_ttft_chooses_a_lowest_cost_candidate(candidates: list[Candida
     costs = [policy.cost(c) for c in candidates]
     assert policy.cost(chosen) == min(costs)
     assert candidates.index(chosen) == costs.index(min(costs))
+
+
+# -- the router's work accounting as policies see it ------------------------------------------------------------------
+
+
+def _figures(router: Router, backend: str) -> tuple[int, int, int, int, int]:
+    """(in flight, in prefill, pending prefill tokens, held blocks, active blocks) on ``backend``."""
+    c = router.decide([1], [backend]).candidates[0]
+    return c.in_flight, c.in_prefill, c.pending_prefill_tokens, c.held_blocks, c.active_blocks
+
+
+def _distinct_blocks(decisions: list[Decision], block_size: int) -> int:
+    """The exact figure: distinct full blocks of the prompts in flight, plus each prompt's partial last block."""
+    full: set[int] = set()
+    partial = 0
+    for decision in decisions:
+        hashes = decision._hashes
+        full.update(hashes)
+        partial += -(-decision.prompt_tokens // block_size) - len(hashes)
+    return len(full) + partial
+
+
+def test_active_blocks_count_a_shared_prefix_once_where_held_blocks_count_it_per_request() -> None:
+    router = Router(block_size=16)
+    system = list(range(4096))  # 256 blocks
+    warm = router.route(system, ["a"])
+    started = []
+    for user in range(5):
+        decision = router.route(system + [50_000 + user * 200 + i for i in range(200)], ["a"])  # 12.5 more blocks
+        router.start(decision)
+        started.append(decision)
+    in_flight, in_prefill, pending, held, active = _figures(router, "a")
+    assert (in_flight, in_prefill, pending) == (5, 5, 5 * 200)
+    assert held == 5 * 269  # each prompt whole: ceil(4296 / 16)
+    assert active == 256 + 5 * 13 == _distinct_blocks(started, 16)
+    router.first_token(started[0])
+    assert _figures(router, "a")[:3] == (5, 4, 4 * 200)
+    for decision in started:
+        router.finish(decision)
+    assert _figures(router, "a") == (0, 0, 0, 0, 0)
+    router.finish(warm)  # never started: ignored, nothing goes negative
+    assert _figures(router, "a") == (0, 0, 0, 0, 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 300), st.integers(0, 2), st.booleans()), min_size=1, max_size=60
+    )
+)
+def test_active_blocks_stay_near_the_exact_distinct_count_and_return_to_zero(
+    steps: list[tuple[int, int, int, bool]],
+) -> None:
+    clock = FakeClock()
+    router = Router(block_size=4, clock=clock, lease=50.0)
+    prefixes = [list(range(p * 10_000, p * 10_000 + length)) for p, length in enumerate((0, 64, 400, 1000))]
+    live: list[Decision] = []
+    for n, (prefix, extra, action, first) in enumerate(steps):
+        if action == 2 and live:
+            router.finish(live.pop(extra % len(live)))
+        else:
+            prompt = prefixes[prefix] + [900_000 + n * 1000 + i for i in range(extra)]
+            decision = router.route(prompt or [7], ["a"])
+            router.start(decision)
+            if first:
+                router.first_token(decision)
+            live.append(decision)
+        active = _figures(router, "a")[4]
+        exact = _distinct_blocks(live, 4)
+        # At most a quarter of each prompt (a segment past where two prompts part) is missed; a prefix still being
+        # computed by one request while another matches it is counted twice.
+        assert 0.75 * exact - 1 <= active <= sum(-(-d.prompt_tokens // 4) for d in live)
+        assert (active == 0) == (not live)
+    clock.tick(100.0)  # every lease is over: the abandoned requests expire
+    router.expire()
+    assert _figures(router, "a") == (0, 0, 0, 0, 0)
+    assert router.stats().in_flight == 0
+
+
+def test_active_blocks_are_exact_for_requests_that_share_whole_matched_prefixes() -> None:
+    rng = random.Random(3)
+    router = Router(block_size=16)
+    prefixes = [[rng.randrange(30_000) for _ in range(length)] for length in (2048, 4096, 6144, 8192)]
+    for prefix in prefixes:
+        router.route(prefix, ["a"])  # cached before the traffic starts
+    live: list[Decision] = []
+    for _ in range(400):
+        if live and rng.random() < 0.5:
+            router.finish(live.pop(rng.randrange(len(live))))
+        else:
+            prompt = rng.choice(prefixes) + [rng.randrange(30_000) for _ in range(rng.randint(100, 400))]
+            decision = router.route(prompt, ["a"])
+            router.start(decision)
+            live.append(decision)
+        assert _figures(router, "a")[4] == _distinct_blocks(live, 16)
+    for decision in live:
+        router.finish(decision)
+    assert _figures(router, "a") == (0, 0, 0, 0, 0)
+
+
+def test_removing_a_backend_drops_its_accounting_and_later_finishes_are_ignored() -> None:
+    router = Router(block_size=4)
+    decision = router.route(list(range(40)), ["a", "b"])
+    router.start(decision)
+    assert _figures(router, decision.backend)[4] == 10
+    router.remove_backend(decision.backend)
+    assert _figures(router, decision.backend) == (0, 0, 0, 0, 0)
+    router.finish(decision)
+    assert router.stats().ignored == 1
+    again = router.route(list(range(40)), [decision.backend])
+    with router.track(again):
+        assert _figures(router, decision.backend)[4] == 10
+    assert _figures(router, decision.backend) == (0, 0, 0, 0, 0)
