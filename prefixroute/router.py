@@ -457,7 +457,10 @@ class Router:
     # -- the request lifecycle -----------------------------------------------------------------------------------
 
     def start(self, decision: Decision, *, lease: float | None = None) -> None:
-        """Count ``decision``'s request in flight on its backend until :meth:`finish` (or its lease ends). O(log L).
+        """Count ``decision``'s request in flight on its backend until :meth:`finish` (or its lease ends).
+
+        O(log L + log n) for L leases and a prompt of n blocks (its anchors in the backend's distinct-block count,
+        :attr:`Candidate.active_blocks`).
 
         ``lease`` (seconds; default the router's ``lease``) bounds how long an unfinished request counts, for
         gateways that may never release (a client that aborts before the gateway acts): an expired request stops
@@ -519,7 +522,7 @@ class Router:
                 )
 
     def finish(self, decision: Decision | str) -> None:
-        """Stop counting the request (its response ended, or it failed). Idempotent by id; never raises. O(1).
+        """Stop counting the request (its response ended, or it failed). Idempotent by id; never raises. O(log n).
 
         A finish that matches no request in flight — a second finish, an expired lease, a request whose backend
         was removed, a decision of another router, an unknown id — is ignored and counted in
