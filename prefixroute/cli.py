@@ -22,7 +22,7 @@ from prefixroute.errors import PrefixRouteError
 # what to install.
 COMMAND_MODULES: Mapping[str, tuple[str, tuple[str, ...]]] = MappingProxyType(
     {
-        "prefixroute.sim.cli": ("sim", ("simulate", "study")),
+        "prefixroute.sim.cli": ("sim", ("simulate", "compare", "study")),
         "prefixroute.vllm.doctor": ("vllm", ("doctor",)),
         "prefixroute.adapters.serve.cli": ("serve", ("serve",)),
         "prefixroute.adapters.proxy.cli": ("proxy", ("proxy",)),

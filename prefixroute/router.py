@@ -619,7 +619,10 @@ class Router:
                 self._kv_usage[backend] = None if kv_usage is None else float(kv_usage)
 
     def set_capacity(self, backend: str, capacity_blocks: int | None) -> None:
-        """Set ``backend``'s index capacity in router blocks (see :meth:`PrefixIndex.set_capacity`). O(evicted)."""
+        """Set ``backend``'s index capacity in router blocks; None returns it to the index's default capacity.
+
+        See :meth:`PrefixIndex.set_capacity`. O(evicted).
+        """
         _check_backend_id(backend)
         with self._lock:
             self._index.set_capacity(backend, capacity_blocks)

@@ -92,7 +92,7 @@ class EventIndex(PrefixIndex):
         """Trust for a while that ``backend`` now holds ``hashes`` (nothing with ``speculative_ttl=0``). O(n)."""
         if self._ttl:
             self._rotate()
-            self._current.insert(hashes, backend)
+            self._current.predict(hashes, backend, 0)
 
     def remove(self, hashes: Iterable[int], backend: str) -> None:
         """Forget that ``backend`` holds ``hashes``, confirmed or speculative. O(len(hashes))."""
