@@ -16,7 +16,7 @@ from prefixroute.sim.workloads import scenario_names
 
 __all__ = ["add_workload_arguments", "check_writable", "register", "register_compare", "run", "run_compare"]
 
-DEFAULT_POLICIES = ("round-robin", "prefix-affinity", "bounded-load")
+DEFAULT_POLICIES = ("round-robin", "prefix-affinity", "bounded-load", "predicted-ttft")
 
 
 def register(subparsers: Any) -> None:

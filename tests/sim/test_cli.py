@@ -34,7 +34,7 @@ def test_json_schema_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     )
     results = document["results"]
     assert isinstance(results, list)
-    assert [r["policy"] for r in results] == ["round-robin", "prefix-affinity", "bounded-load"]
+    assert [r["policy"] for r in results] == ["round-robin", "prefix-affinity", "bounded-load", "predicted-ttft"]
     for result in results:
         assert {
             "policy",
