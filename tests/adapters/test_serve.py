@@ -62,6 +62,8 @@ def test_route_answers_the_contract_and_counts_in_flight() -> None:
     answer = first.json()
     assert set(answer) == {"id", "backend", "matched_tokens", "prompt_tokens", "reason"}
     assert answer["backend"] in BACKENDS and answer["reason"] == "miss" and answer["prompt_tokens"] == 64
+    # Its prefill is done: the default policy then follows the cached prefix (while it prefills, it may spread).
+    assert call(sidecar, "POST", "/first_token", {"id": answer["id"]}).status_code == 200
     again = call(sidecar, "POST", "/route", {"prompt_token_ids": ids(80)}).json()
     assert (again["backend"], again["reason"], again["matched_tokens"]) == (answer["backend"], "prefix", 64)
     assert sidecar.router.in_flight(answer["backend"]) == 2
