@@ -368,6 +368,10 @@ class KVEventSubscriber:
         timestamps: list[float] = []
         for seq, payload in self._replay(self._last_seq + 1, _LATEST):
             if seq > self._last_seq:
+                if seq > self._last_seq + 1:  # the buffer no longer holds what came before: those updates are lost
+                    self._counts["unrecovered"] += 1
+                    _log.warning("KV events from %s: batches %d..%d are no longer in the replay buffer; the index "
+                                 "may miss updates", self.backend, self._last_seq + 1, seq - 1)  # fmt: skip
                 self._apply_payload(seq, payload, ops, timestamps)
                 self._counts["replayed"] += 1
         self._finish(ops, timestamps)
