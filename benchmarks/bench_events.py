@@ -25,6 +25,7 @@ from typing import Any, Literal
 import zmq
 
 from prefixroute import PrefixIndex, Router
+from prefixroute.index import apply_updates
 from prefixroute.testing import FakeBlockCache
 from prefixroute.vllm import (
     BlockTracker,
@@ -32,7 +33,6 @@ from prefixroute.vllm import (
     EventDecoder,
     EventIndex,
     KVEventSubscriber,
-    apply_ops,
     encode_batch,
 )
 from prefixroute.vllm.events import BlockRemoved, BlockStored
@@ -62,14 +62,14 @@ def make_stream(
 def apply_stream(payloads: list[bytes], *, bare: bool = False) -> float:
     """Decode, re-hash and index a stream once; return the seconds it took.
 
-    ``bare``: into a bare ``PrefixIndex`` with ``apply_ops`` (no router, no lock): the baseline of the write path.
+    ``bare``: into a bare ``PrefixIndex`` with ``apply_updates`` (no router, no lock): the baseline of the write path.
     """
     decoder, tracker, router = EventDecoder(), BlockTracker(block_size=16), events_router()
     index = PrefixIndex(16)
     begin = time.perf_counter()
     if bare:
         for payload in payloads:
-            apply_ops(index, "gpu0", tracker.apply(decoder.decode(payload).events))
+            apply_updates(index, "gpu0", tracker.apply(decoder.decode(payload).events))
     else:
         for payload in payloads:
             router.write("gpu0", tracker.apply(decoder.decode(payload).events))

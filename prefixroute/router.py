@@ -13,14 +13,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from itertools import repeat
-from typing import Any, Literal
+from typing import Literal
 
 import cachetools
 import xxhash
 
 from prefixroute.errors import ConfigurationError, InvalidEventError, NoBackendError, PolicyError
 from prefixroute.hashing import BlockHasher, Tokens, encode_tokens, namespace_seed
-from prefixroute.index import IndexUpdate, PrefixIndex
+from prefixroute.index import IndexUpdate, PrefixIndex, apply_updates
 from prefixroute.policies import Candidate, LoadPolicy, PredictedTTFT
 
 __all__ = ["Decision", "Reason", "Router", "RouterStats"]
@@ -45,86 +45,62 @@ def _anchor_depths(limit: int = 1 << 26) -> tuple[int, ...]:
 
 
 # Anchors grow by a quarter, so a prompt of n blocks has O(log n) of them (28 at 512 blocks, 42 at 12K) and an
-# estimate misses at most the quarter of a prompt between the block where two prompts part and the next anchor.
+# estimate counts twice at most the quarter of a prompt between the anchor before two prompts part and that block.
 _ANCHORS = _anchor_depths()
 
 
 class _Footprint:
     """Distinct KV blocks of one backend's in-flight requests, a prefix they share counted once (an estimate).
 
-    A request's blocks past its matched prefix are its own (the backend computes them for it). Its prompt is sampled
-    at anchor blocks (:data:`_ANCHORS`); the span from one anchor to the next is a segment, and requests whose
-    chained hash at an anchor agrees share everything before it, so their segments there are counted once, at the
-    longest; the last segment counts only up to the matched prefix, the rest is the request's own. The estimate is
-    exact for one request and for requests that share whole matched prefixes (one system prompt, one document); it
-    falls short by at most the part of a segment after two matched prefixes part, and counts twice a prefix that
-    one request is still computing while another already matches it. ``add``/``remove`` are O(log n) for n blocks.
+    A request's blocks past its matched prefix are its own (the backend computes them for it). Its matched prefix is
+    cut at anchor blocks (:data:`_ANCHORS`) into segments, each keyed by the chained hash of its last block: requests
+    whose hash agrees there share that whole segment (and all before it), so it is counted once. The estimate never
+    falls short of the exact count; it is exact for one request and for requests that share whole matched prefixes
+    (one system prompt, one document), and counts twice the part of a segment before two matched prefixes part, and
+    a prefix that one request is still computing while another already matches it. ``add``/``remove`` are
+    O(log n) for a matched prefix of n blocks.
     """
 
     __slots__ = ("_groups", "blocks")
 
     def __init__(self) -> None:
         self.blocks = 0
-        # anchor hash -> [longest segment, {segment length: requests}]
-        self._groups: dict[int, list[Any]] = {}
+        self._groups: dict[int, list[int]] = {}  # last block's hash -> [segment length, requests holding it]
 
-    def add(self, hashes: Sequence[int], total: int, matched: int) -> tuple[tuple[int, int], ...]:
-        """Count a request of ``total`` blocks, ``matched`` of them cached, whose full blocks hash to ``hashes``.
+    def add(self, hashes: Sequence[int], total: int, matched: int) -> tuple[tuple[int, ...], int]:
+        """Count a request of ``total`` blocks whose first ``matched`` blocks are cached; ``hashes``: its full blocks.
 
-        Returns what :meth:`remove` needs to take exactly this request back.
+        Returns what :meth:`remove` needs to take exactly this request back: its segment keys and its own blocks.
         """
-        full = len(hashes)
-        if full == 0:
-            self.blocks += total
-            return ((-1, total),)
+        end = min(matched, len(hashes))
         groups, depths = self._groups, _ANCHORS
-        taken: list[tuple[int, int]] = []
-        added = 0
+        keys: list[int] = []
+        added = total - end
         position = 0
-        while True:
-            depth, following = depths[position], depths[position + 1]
-            last = following >= full
-            segment = max(0, min(matched, full) - depth) if last else following - depth
-            if segment:
-                key = hashes[depth]
-                group = groups.get(key)
-                if group is None:
-                    groups[key] = [segment, {segment: 1}]
-                    added += segment
-                else:
-                    counts = group[1]
-                    counts[segment] = counts.get(segment, 0) + 1
-                    if segment > group[0]:
-                        added += segment - group[0]
-                        group[0] = segment
-                taken.append((key, segment))
-            if last:
-                own = total - depth - segment
-                taken.append((-1, own))
-                self.blocks += added + own
-                return tuple(taken)
+        while depths[position] < end:
+            depth = depths[position]
             position += 1
+            stop = min(depths[position], end)
+            key = hashes[stop - 1]
+            group = groups.get(key)
+            if group is None:
+                groups[key] = [stop - depth, 1]
+                added += stop - depth
+            else:
+                group[1] += 1
+            keys.append(key)
+        self.blocks += added
+        return tuple(keys), total - end
 
-    def remove(self, taken: tuple[tuple[int, int], ...]) -> None:
+    def remove(self, taken: tuple[tuple[int, ...], int]) -> None:
         """Stop counting a request: ``taken`` is what :meth:`add` returned for it."""
+        keys, removed = taken
         groups = self._groups
-        removed = 0
-        for key, segment in taken:
-            if key == -1:
-                removed += segment
-                continue
+        for key in keys:
             group = groups[key]
-            counts = group[1]
-            left = counts[segment] - 1
-            if left:
-                counts[segment] = left
-                continue
-            del counts[segment]
-            if segment == group[0]:
-                longest = max(counts) if counts else 0  # a group holds one or a few segment lengths
-                removed += segment - longest
-                group[0] = longest
-            if not counts:
+            group[1] -= 1
+            if not group[1]:
+                removed += group[0]
                 del groups[key]
         self.blocks -= removed
 
@@ -193,7 +169,7 @@ class _Request:
         pending_before: int,
         started_at: float,
         deadline: float | None,
-        footprint: tuple[tuple[int, int], ...],
+        footprint: tuple[tuple[int, ...], int],
     ) -> None:
         self.backend = backend
         self.uncached = uncached
@@ -677,13 +653,8 @@ class Router:
         """
         _check_backend_id(backend)
         updates = [_check_update(update) for update in updates]
-        index = self._index
         with self._lock:
-            for stored, hashes, parent in updates:
-                if stored:
-                    index.insert(hashes, backend, parent=parent)
-                else:
-                    index.remove(hashes, backend)
+            apply_updates(self._index, backend, updates)
 
     def clear_backend(self, backend: str) -> None:
         """Forget every block ``backend`` holds (its engine restarted or cleared its cache); counts stay. O(1)."""

@@ -29,7 +29,7 @@ from prefixroute.vllm.fleet import BackendStats, Fleet, FleetStats
 from prefixroute.vllm.index import EventIndex
 from prefixroute.vllm.metrics import EngineMetrics, fetch_metrics, parse_metrics
 from prefixroute.vllm.subscriber import KVEventSubscriber, SubscriberStats
-from prefixroute.vllm.tracker import BlockTracker, IndexWriter, TrackerStats, apply_ops, lora_namespace
+from prefixroute.vllm.tracker import BlockTracker, IndexWriter, TrackerStats, lora_namespace
 
 __all__ = [
     "AllBlocksCleared",
@@ -48,7 +48,6 @@ __all__ = [
     "KVEventSubscriber",
     "SubscriberStats",
     "TrackerStats",
-    "apply_ops",
     "encode_batch",
     "fetch_metrics",
     "lora_namespace",

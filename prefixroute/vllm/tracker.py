@@ -16,7 +16,7 @@ from typing import Protocol, TypeAlias
 
 from prefixroute.errors import InvalidEventError, InvalidPromptError
 from prefixroute.hashing import BlockHasher, encode_tokens
-from prefixroute.index import IndexUpdate, PrefixIndex
+from prefixroute.index import IndexUpdate
 from prefixroute.vllm.events import (
     FULL_ATTENTION_KINDS,
     AllBlocksCleared,
@@ -26,7 +26,7 @@ from prefixroute.vllm.events import (
     KVCacheEvent,
 )
 
-__all__ = ["BlockTracker", "IndexOps", "IndexUpdate", "IndexWriter", "TrackerStats", "apply_ops", "lora_namespace"]
+__all__ = ["BlockTracker", "IndexOps", "IndexUpdate", "IndexWriter", "TrackerStats", "lora_namespace"]
 
 _log = logging.getLogger(__name__)
 
@@ -266,20 +266,6 @@ class IndexWriter(Protocol):
     def write(self, backend: str, updates: Iterable[IndexUpdate]) -> None:
         """Apply ``updates`` for ``backend`` in order, atomically for concurrent readers."""
         ...
-
-
-def apply_ops(index: PrefixIndex, backend: str, ops: Iterable[IndexUpdate]) -> None:
-    """Apply a tracker's updates to a bare ``index`` for ``backend``. O(hashes in ``ops``).
-
-    For an index no other thread uses (tests, benchmarks, offline replays); a router's index is written through
-    :meth:`Router.write <prefixroute.Router.write>`, which holds the router's lock.
-    """
-    insert, remove = index.insert, index.remove
-    for stored, hashes, parent in ops:
-        if stored:
-            insert(hashes, backend, parent=parent)
-        else:
-            remove(hashes, backend)
 
 
 def _is_gpu(medium: str | None) -> bool:

@@ -21,16 +21,7 @@ from prefixroute import (
 )
 from prefixroute.hashing import BlockHasher
 
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def tick(self, seconds: float) -> None:
-        self.now += seconds
+from .conftest import FakeClock
 
 
 def counters(router: Router, backend: str) -> tuple[int, int, int]:

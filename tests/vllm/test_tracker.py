@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from prefixroute import BlockHasher, PrefixIndex
 from prefixroute.errors import InvalidEventError
+from prefixroute.index import apply_updates
 from prefixroute.testing import FakeBlockCache
-from prefixroute.vllm import AllBlocksCleared, BlockRemoved, BlockStored, BlockTracker, apply_ops, lora_namespace
+from prefixroute.vllm import AllBlocksCleared, BlockRemoved, BlockStored, BlockTracker, lora_namespace
 
 TOKENS = list(range(100, 164))  # four 16-token blocks
 
@@ -177,7 +178,7 @@ def run_and_compare(steps: list[tuple[str, int]], engine_block: int, byte_hashes
             held.clear()
         elif not held:
             cache.clear()
-        apply_ops(index, "gpu0", tracker.apply(cache.take_events()))
+        apply_updates(index, "gpu0", tracker.apply(cache.take_events()))
         truth = cache.own_hashes(block_size=16, namespace="m")
         assert tracker.held() == truth
         assert index.hashes("gpu0") == truth
