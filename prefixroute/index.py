@@ -344,7 +344,7 @@ class PrefixIndex:
     True
     """
 
-    __slots__ = ("_block_size", "_capacity", "_default_capacity", "_orphans", "_roots", "_stores")
+    __slots__ = ("_block_size", "_capacity", "_capacity_changes", "_default_capacity", "_orphans", "_roots", "_stores")
 
     #: Generations of a new :class:`LRUStore` (a subclass may change it).
     generations: int = 16
@@ -357,6 +357,7 @@ class PrefixIndex:
         self._roots: dict[str, set[int]] = {}  # each store's roots, so match() probes one small set per backend
         self._capacity: dict[str, int] = {}
         self._default_capacity: int | None = None
+        self._capacity_changes = 0  # a Router caches capacities in its candidates' figures until this moves
         self._orphans = 0
         if isinstance(capacity_blocks, Mapping):
             for backend, capacity in capacity_blocks.items():
@@ -390,6 +391,7 @@ class PrefixIndex:
             TypeError: ``backend`` is not a str.
         """
         _check_backend(backend)
+        self._capacity_changes += 1
         if capacity_blocks is None:
             self._capacity.pop(backend, None)
         else:

@@ -308,6 +308,8 @@ class PredictedTTFT(LoadPolicy):
         return work / speed / (1.0 - min(kv_fraction(candidate), self.kv_cap))
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        if not self.use_speed and type(self).cost is PredictedTTFT.cost:
+            return self._choose_fast(candidates)
         speeds: list[float] = []
         default_speed = 1.0
         if self.use_speed:
@@ -319,6 +321,26 @@ class PredictedTTFT(LoadPolicy):
         best_cost = math.inf
         for position, candidate in enumerate(candidates):  # strict < keeps the first of equals (placement order)
             predicted = cost(candidate, speed=speeds[position] if speeds else default_speed)
+            if predicted < best_cost:
+                best, best_cost = candidate, predicted
+        return best
+
+    def _choose_fast(self, candidates: Sequence[Candidate]) -> Candidate:
+        """:meth:`choose` with :meth:`cost` inlined and the fields unpacked (half the time with 64 candidates)."""
+        cap = self.kv_cap
+        best = candidates[0]
+        best_cost = math.inf
+        for candidate in candidates:
+            _, matched, prompt, in_flight, _, usage, pending, _, capacity, _, active, _, _ = candidate
+            if capacity:
+                fraction = active / capacity  # kv_fraction(), inlined
+                if fraction > 1.0:
+                    fraction = 1.0
+            else:
+                fraction = 0.0 if usage is None else usage
+            if fraction > cap:
+                fraction = cap
+            predicted = (pending + (prompt - matched) * (1 + in_flight)) / (1.0 - fraction)
             if predicted < best_cost:
                 best, best_cost = candidate, predicted
         return best

@@ -294,6 +294,16 @@ def test_predicted_ttft_chooses_a_lowest_cost_candidate(candidates: list[Candida
     assert candidates.index(chosen) == costs.index(min(costs))
 
 
+def test_predicted_ttft_subclass_cost_is_what_choose_minimises() -> None:
+    class MostCostly(PredictedTTFT):
+        def cost(self, candidate: Candidate, *, speed: float = 1.0) -> float:
+            return -super().cost(candidate, speed=speed)
+
+    cached, cold = Candidate("a", 4096, 4224, 0), Candidate("b", 0, 4224, 0)
+    assert PredictedTTFT().choose([cached, cold]) is cached
+    assert MostCostly().choose([cached, cold]) is cold
+
+
 # -- the router's work accounting as policies see it ------------------------------------------------------------------
 
 
@@ -405,3 +415,42 @@ def test_removing_a_backend_drops_its_accounting_and_later_finishes_are_ignored(
     with router.track(again):
         assert _figures(router, decision.backend)[4] == 10
     assert _figures(router, decision.backend) == (0, 0, 0, 0, 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    operations=st.lists(st.tuples(st.integers(0, 6), st.sampled_from(["a", "b", "c"]), st.integers(0, 40)), max_size=40)
+)
+def test_candidates_show_every_figure_as_it_is_now(operations: list[tuple[int, str, int]]) -> None:
+    """The router caches each backend's figures between routes: every change must reach the next candidates."""
+    router = Router(block_size=4, capacity_blocks=64)
+    backends = ["a", "b", "c"]
+    engine: dict[str, tuple[int | None, float | None]] = {}
+    live: list[Decision] = []
+    for kind, backend, number in operations:
+        if kind == 0:
+            decision = router.decide(list(range(number, number + 9)), [backend])
+            router.start(router.commit(decision))
+            live.append(decision)
+        elif kind == 1 and live:
+            router.first_token(live[number % len(live)])
+        elif kind == 2 and live:
+            router.finish(live.pop(number % len(live)))
+        elif kind == 3:
+            figures = (number, number / 40) if number % 3 else (None, None)
+            router.set_engine_load(backend, queue_len=figures[0], kv_usage=figures[1])
+            engine[backend] = figures
+        elif kind == 4:
+            router.set_capacity(backend, number or None)
+        elif kind == 5:
+            router.index.set_capacity(backend, number)  # straight on the index: the router must still see it
+        elif kind == 6:
+            router.remove_backend(backend)
+            engine.pop(backend, None)
+            live = [d for d in live if d.backend != backend]
+        for candidate in router.decide([1, 2, 3, 4, 5], backends).candidates:
+            name = candidate.backend
+            assert candidate.in_flight == router.in_flight(name) == sum(d.backend == name for d in live)
+            assert candidate.capacity_blocks == router.index.capacity(name)
+            assert (candidate.queue_len, candidate.kv_usage) == engine.get(name, (None, None))
+            assert candidate.in_prefill <= candidate.in_flight
