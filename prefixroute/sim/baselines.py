@@ -36,8 +36,9 @@ __all__ = [
 class _TreeSizes:
     """Tokens a router has inserted per backend: the size of a per-backend prefix tree that never evicts.
 
-    SGLang's, Ray Serve's and Dynamo's routers prefer the backend whose tree is smallest when nothing matches
-    well; a routed request adds the part of its prompt the chosen backend's tree lacks, its uncached tokens.
+    Ray Serve's router prefers the backend whose tree is smallest when nothing matches well, and Dynamo's breaks
+    cost ties by it; a routed request adds the part of its prompt the chosen backend's tree lacks, its uncached
+    tokens.
     """
 
     __slots__ = ("_sizes",)
@@ -69,13 +70,16 @@ def _match_rate(candidate: Candidate) -> float:
 class SGLangCacheAware(LoadPolicy):
     """SGLang router's ``cache_aware`` policy: shortest queue when imbalanced, else the best prefix match.
 
-    Source: ``sgl-project/sglang``, ``sgl-router/src/policies/cache_aware.rs`` (``CacheAwarePolicy.select_worker``);
-    defaults from the router's CLI (``--cache-threshold 0.3 --balance-abs-threshold 64
-    --balance-rel-threshold 1.5``). Loads are the router's pending requests per worker (``in_flight``). The system
-    is imbalanced when ``max - min > balance_abs_threshold`` **and** ``max > min × balance_rel_threshold``: then the
-    least loaded worker. Otherwise the worker with the longest match if its match rate (matched / prompt) is above
-    ``cache_threshold``, else the worker with the smallest tree (the tokens routed to it, :class:`_TreeSizes`).
-    SGLang matches characters of the request text; this matches the router's blocks. O(len(candidates)).
+    Source: ``sgl-project/sglang``, ``sgl-model-gateway/src/policies/cache_aware.rs``
+    (``CacheAwarePolicy.select_worker``, ``select_worker_min_load``); defaults from
+    ``sgl-router/py_src/sglang_router/router_args.py`` (``cache_threshold = 0.3``, ``balance_abs_threshold = 64``,
+    ``balance_rel_threshold = 1.5``). Loads are the router's in-flight requests per worker (``in_flight``). The
+    system is imbalanced when ``max - min > balance_abs_threshold`` **and** ``max > min × balance_rel_threshold``:
+    then the least loaded worker. Otherwise the worker with the longest match if its match rate (matched / prompt)
+    is above ``cache_threshold``, else again the least loaded worker (sglang PR #14650; before it, the older
+    ``sgl-router/src/policies/cache_aware.rs`` took the worker with the smallest tree here). Ties go to the first
+    in placement order, as Rust's ``min_by_key`` takes the first of equals. SGLang matches characters of the
+    request text; this matches the router's blocks. O(len(candidates)).
     """
 
     name = "sglang"
@@ -87,17 +91,15 @@ class SGLangCacheAware(LoadPolicy):
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
-        self._trees = _TreeSizes()
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        least_loaded = min(candidates, key=lambda c: c.in_flight)
         loads = [c.in_flight for c in candidates]
         high, low = max(loads), min(loads)
         if high - low > self.balance_abs_threshold and high > low * self.balance_rel_threshold:
-            return self._trees.record(min(candidates, key=lambda c: c.in_flight))
+            return least_loaded
         best = max(candidates, key=lambda c: c.matched_tokens)
-        if _match_rate(best) > self.cache_threshold:
-            return self._trees.record(best)
-        return self._trees.record(self._trees.smallest(candidates))
+        return best if _match_rate(best) > self.cache_threshold else least_loaded
 
     def __repr__(self) -> str:
         return (
@@ -109,15 +111,24 @@ class SGLangCacheAware(LoadPolicy):
 class DynamoKvRouter(LoadPolicy):
     """NVIDIA Dynamo's KV router cost: ``overlap_score_weight × prefill_blocks + decode_blocks``, lowest wins.
 
-    Source: ``ai-dynamo/dynamo``, ``lib/llm/src/kv_router/scheduler.rs`` (``DefaultWorkerSelector.select_worker``
-    and ``softmax_sample``); defaults ``overlap_score_weight = 1.0`` and ``router_temperature = 0.0``. Per worker,
-    ``prefill_blocks`` is the prefill tokens it would have with this request (its active prefill tokens plus this
-    request's uncached tokens) over the block size, and ``decode_blocks`` the KV blocks of its active requests plus
-    this request's new blocks. Dynamo tracks both router-side; here they come from the router's accounting
-    (``pending_prefill_tokens``, ``held_blocks``), and ``block_size`` is the router's (16 by default). At
-    temperature 0 the lowest logit wins, ties to the smallest tree (tokens routed there), then placement order;
-    above 0, logits are min-max normalised and sampled by ``softmax(-normalised / temperature)`` from ``rng``.
-    O(len(candidates)).
+    Source: ``ai-dynamo/dynamo``, ``lib/llm/src/kv_router/scheduler.rs`` (``DefaultWorkerSelector.select_worker``,
+    ``softmax_sample``) over ``lib/llm/src/kv_router/sequence.rs`` (``ActiveSequences``:
+    ``potential_blocks_and_tokens``, ``new_blocks``, ``new_tokens``, ``active_blocks``); defaults
+    ``overlap_score_weight = 1.0`` and ``router_temperature = 0.0``. Per worker, ``prefill_blocks`` is the prefill
+    tokens it would have with this request (its active prefill tokens plus ``isl - overlap_blocks × block_size``)
+    over the block size, and ``decode_blocks`` its *distinct* active KV blocks (every in-flight request's full
+    blocks, a shared prefix counted once) plus this request's full blocks (``isl // block_size``) not among them.
+    Here the active prefill tokens are ``pending_prefill_tokens``, the distinct active blocks ``active_blocks``, and
+    the block size the candidate's ``block_size``. Which of the request's blocks are already active there the
+    candidate does not say: an active block of this prompt is one of its matched blocks and one of the worker's
+    active blocks, so at most ``min(matched blocks, active_blocks)`` of them are, and that many are taken as
+    shared (exact when nothing is in flight there, or when what is in flight shares this prompt's prefix).
+
+    At temperature 0 the lowest logit wins, ties to the smallest tree (Dynamo's indexer tree size; here the tokens
+    routed there), then placement order where Dynamo draws at random; above 0, a worker is drawn from ``rng`` with
+    probability ``softmax(-logit / ((max - min) × temperature))``, uniform when all logits are equal. Dynamo's
+    current ``lib/kv-router/src/scheduling/selector/default.rs`` renames the weight ``prefill_load_scale`` (with
+    ``overlap_score_credit = 1``) and gives the same logit at the defaults. O(len(candidates)).
     """
 
     name = "dynamo"
@@ -128,25 +139,25 @@ class DynamoKvRouter(LoadPolicy):
         *,
         overlap_score_weight: float = 1.0,
         temperature: float = 0.0,
-        block_size: int = 16,
         seed: int | None = None,
         rng: random.Random | None = None,
     ) -> None:
-        if temperature < 0 or block_size < 1:
-            raise ConfigurationError("temperature must be >= 0 and block_size >= 1")
+        if temperature < 0:
+            raise ConfigurationError(f"temperature must be >= 0, not {temperature}")
         self.overlap_score_weight = overlap_score_weight
         self.temperature = temperature
-        self.block_size = block_size
         self._rng = _rng(seed, rng)
         self._trees = _TreeSizes()
 
     def logit(self, candidate: Candidate) -> float:
         """The worker's cost for this request (lower is better). O(1)."""
-        size = self.block_size
+        size = candidate.block_size
         prefill_blocks = (candidate.pending_prefill_tokens + candidate.uncached_tokens) / size
-        request_blocks = -(-candidate.prompt_tokens // size)
-        new_blocks = request_blocks - candidate.matched_tokens // size
-        return self.overlap_score_weight * prefill_blocks + candidate.held_blocks + new_blocks
+        request_blocks = candidate.prompt_tokens // size
+        matched_blocks = min(candidate.matched_tokens // size, request_blocks)
+        already_active = min(matched_blocks, candidate.active_blocks)
+        decode_blocks = candidate.active_blocks + request_blocks - already_active
+        return self.overlap_score_weight * prefill_blocks + decode_blocks
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         logits = [self.logit(c) for c in candidates]
@@ -168,23 +179,44 @@ class DynamoKvRouter(LoadPolicy):
 class LlmdDefaultProfile(LoadPolicy):
     """llm-d's default scheduling profile: prefix-cache (weight 3) + queue (2) + KV-utilisation (2) scorers.
 
-    Source: ``llm-d/llm-d-inference-scheduler`` default ``EndpointPickerConfig`` (``prefix-cache-scorer`` 3,
-    ``queue-scorer`` 2, ``kv-cache-utilization-scorer`` 2, ``max-score-picker``) and the scorers of
-    ``kubernetes-sigs/gateway-api-inference-extension`` ``pkg/epp/scheduling/framework/plugins/scorer/``: prefix =
-    matched blocks / the request's blocks (here matched / prompt tokens); queue = ``(max - q) / (max - min)`` over
-    the endpoints, 1 for all when equal; KV = ``1 - kv_usage``. The highest weighted sum wins (ties: placement
+    Source: ``llm-d/llm-d-inference-scheduler``, ``pkg/epp/config/loader/defaults.go`` (``loadDefaultConfig``:
+    ``queue-scorer`` 2, ``kv-cache-utilization-scorer`` 2, ``prefix-cache-scorer`` 3; ``ensureSchedulingLayer``
+    adds the ``max-score-picker``) and, under ``pkg/epp/framework/plugins/``, ``scheduling/scorer/prefix/plugin.go``,
+    ``scheduling/scorer/queuedepth/queue.go``, ``scheduling/scorer/kvcacheutilization/kvcache_utilization.go``,
+    ``scheduling/picker/maxscore/picker.go`` and ``requestcontrol/dataproducer/approximateprefix/`` (``hashing.go``,
+    ``types.go``); the same scorers as ``kubernetes-sigs/gateway-api-inference-extension``. Prefix = matched blocks
+    / the request's blocks, where the request's blocks count a partial last block and both stop at
+    ``max_prefix_blocks = 256`` (``defaultMaxPrefixBlocks``); queue = ``(max - q) / (max - min)`` over the endpoints'
+    waiting queues, 1 for all when equal; KV = ``1 - kv_usage``. The highest weighted sum wins (ties: placement
     order, where the picker shuffles). The queue is the engine's ``queue_len`` when metrics supply it, else the
-    router's ``in_flight``; KV use is the engine's ``kv_usage``, else ``held_blocks / capacity_blocks``, else 0.
+    router's ``in_flight``; KV use is the engine's ``kv_usage``, else ``active_blocks / capacity_blocks`` (the KV
+    memory its requests hold), else 0; blocks are the candidate's ``block_size`` (llm-d's default is 16 tokens).
     O(len(candidates)).
     """
 
     name = "llm-d"
     prefix_aware = True
 
-    def __init__(self, *, prefix_weight: float = 3.0, queue_weight: float = 2.0, kv_weight: float = 2.0) -> None:
+    def __init__(
+        self,
+        *,
+        prefix_weight: float = 3.0,
+        queue_weight: float = 2.0,
+        kv_weight: float = 2.0,
+        max_prefix_blocks: int = 256,
+    ) -> None:
+        if max_prefix_blocks < 1:
+            raise ConfigurationError(f"max_prefix_blocks must be >= 1, not {max_prefix_blocks}")
         self.prefix_weight = prefix_weight
         self.queue_weight = queue_weight
         self.kv_weight = kv_weight
+        self.max_prefix_blocks = max_prefix_blocks
+
+    def prefix_score(self, candidate: Candidate) -> float:
+        """The prefix-cache scorer's value: matched blocks over the request's blocks, both capped. O(1)."""
+        size = candidate.block_size
+        total = min(-(-candidate.prompt_tokens // size), self.max_prefix_blocks)
+        return min(candidate.matched_tokens // size, total) / total if total else 0.0
 
     def scores(self, candidates: Sequence[Candidate]) -> list[float]:
         """Each candidate's weighted score, in order. O(len(candidates))."""
@@ -194,9 +226,10 @@ class LlmdDefaultProfile(LoadPolicy):
         for candidate, queue in zip(candidates, queues, strict=True):
             queue_score = 1.0 if high == low else (high - queue) / (high - low)
             kv_score = 1.0 - _kv_used(candidate)
-            prefix_score = _match_rate(candidate)
             result.append(
-                self.prefix_weight * prefix_score + self.queue_weight * queue_score + self.kv_weight * kv_score
+                self.prefix_weight * self.prefix_score(candidate)
+                + self.queue_weight * queue_score
+                + self.kv_weight * kv_score
             )
         return result
 
@@ -205,20 +238,28 @@ class LlmdDefaultProfile(LoadPolicy):
         return candidates[scores.index(max(scores))]
 
     def __repr__(self) -> str:
-        return f"LlmdDefaultProfile(prefix={self.prefix_weight}, queue={self.queue_weight}, kv={self.kv_weight})"
+        return (
+            f"LlmdDefaultProfile(prefix={self.prefix_weight}, queue={self.queue_weight}, kv={self.kv_weight}, "
+            f"max_prefix_blocks={self.max_prefix_blocks})"
+        )
 
 
 class AIBrixPrefixCache(LoadPolicy):
-    """AIBrix gateway's ``prefix-cache`` routing: least requests when imbalanced, else the best match within σ.
+    """AIBrix gateway's ``prefix-cache`` routing: the best match within ``mean + σ`` requests, else the fewest.
 
-    Source: ``vllm-project/aibrix``, ``pkg/plugins/gateway/algorithms/prefix_cache.go`` (``Route``,
-    ``getTargetPodOnLoadImbalance``, ``getTargetPodFromMatchedPods``); defaults
+    Source: ``vllm-project/aibrix``, ``pkg/plugins/gateway/algorithms/prefix_cache.go`` (``routeOriginal``,
+    ``getTargetPodListOnLoadImbalance``, ``getTargetPodFromMatchedPods``), ``algorithms/util.go`` (``mean``,
+    ``standardDeviation``), ``algorithms/least_request.go`` (``selectTargetPodWithLeastRequestCount``) and
+    ``pkg/utils/prefixcacheindexer/hash.go`` (``seqSearchPrefix``, ``getPrefixHashes``); defaults
     ``AIBRIX_PREFIX_CACHE_POD_RUNNING_REQUEST_IMBALANCE_ABS_COUNT = 8`` and
-    ``AIBRIX_PREFIX_CACHE_STANDARD_DEVIATION_FACTOR = 1``. Request counts are the gateway's per pod (``in_flight``).
-    If ``max - min > 8``: the pod with the fewest requests. Otherwise the pods that match any of the prompt, by
-    decreasing match percentage then increasing requests; the first whose requests are within ``mean + 1 × σ`` of
-    all pods' (population σ) wins; with no match or none within, the fewest requests. AIBrix hashes 128-token
-    blocks; this matches the router's blocks. O(B log B) for B candidates.
+    ``AIBRIX_PREFIX_CACHE_STANDARD_DEVIATION_FACTOR = 1``. Request counts are the gateway's running requests per pod
+    (``in_flight``). If ``max - min > 8`` only the pods with the fewest requests are matched against; otherwise
+    all. Of the matched pods (a matched block, even one under 1 %), by decreasing match percentage
+    (``matched × 100 // total`` full blocks) then increasing requests, the first whose requests are at most
+    ``mean + 1 × σ`` over *all* pods (σ the sample standard deviation, 0 for one pod) wins; with no match or none
+    within, the pod with the fewest requests. Ties go to placement order where AIBrix shuffles or draws at random.
+    AIBrix hashes 4-character blocks of the text by default; this matches the router's blocks (the candidate's
+    ``block_size``). O(B log B) for B candidates.
     """
 
     name = "aibrix"
@@ -230,17 +271,20 @@ class AIBrixPrefixCache(LoadPolicy):
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         counts = [c.in_flight for c in candidates]
-        fewest = min(candidates, key=lambda c: c.in_flight)
-        if max(counts) - min(counts) > self.imbalance_abs_count:
-            return fewest
+        fewest = min(counts)
+        searched: Sequence[Candidate] = candidates
+        if max(counts) - fewest > self.imbalance_abs_count:
+            searched = [c for c in candidates if c.in_flight == fewest]
         mean = sum(counts) / len(counts)
-        sigma = math.sqrt(sum((n - mean) ** 2 for n in counts) / len(counts))
+        spread = sum((n - mean) ** 2 for n in counts)
+        sigma = math.sqrt(spread / (len(counts) - 1)) if len(counts) > 1 else 0.0
         limit = mean + self.standard_deviation_factor * sigma
         matched = sorted(
-            (c for c in candidates if c.matched_tokens > 0),
-            key=lambda c: (-(c.matched_tokens * 100 // c.prompt_tokens), c.in_flight),
+            (c for c in searched if c.matched_tokens >= c.block_size),
+            key=lambda c: (-_match_percent(c), c.in_flight),
         )
-        return next((c for c in matched if c.in_flight <= limit), fewest)
+        least = next(c for c in candidates if c.in_flight == fewest)
+        return next((c for c in matched if c.in_flight <= limit), least)
 
     def __repr__(self) -> str:
         return (
@@ -249,17 +293,25 @@ class AIBrixPrefixCache(LoadPolicy):
         )
 
 
+def _match_percent(candidate: Candidate) -> int:
+    """AIBrix's match percentage: matched full blocks × 100 // the prompt's full blocks."""
+    total = candidate.prompt_tokens // candidate.block_size
+    return min(candidate.matched_tokens // candidate.block_size, total) * 100 // total if total else 0
+
+
 class RayServePrefixAware(LoadPolicy):
     """Ray Serve LLM's ``PrefixCacheAffinityRouter``: power of two when imbalanced, else prefix match.
 
     Source: ``ray-project/ray``,
     ``python/ray/llm/_internal/serve/request_router/prefix_aware/prefix_aware_router.py``
-    (``PrefixAwarePow2ReplicaRouter``); defaults ``imbalanced_threshold = 10`` and ``match_rate_threshold = 0.1``.
-    Queue lengths are the replicas' ongoing requests (``in_flight``). If ``max - min > imbalanced_threshold``: power
-    of two choices (two replicas sampled from ``rng``, the shorter queue). Otherwise the replicas with the longest
-    match if its rate (matched / prompt) is at least ``match_rate_threshold``, else the replicas with the smallest
-    tree (tokens routed there, :class:`_TreeSizes`); of those the shortest queue, ties by placement order. Ray matches
-    characters of the prompt text; this matches the router's blocks. O(len(candidates)).
+    (``PrefixCacheAffinityRouter.initialize_state``, ``_prefix_match_best_replicas``, ``choose_replicas``) over
+    ``prefix_tree.py`` (``prefix_match``, ``get_smallest_tenants``); defaults ``imbalanced_threshold = 10`` and
+    ``match_rate_threshold = 0.1``. Queue lengths are the replicas' ongoing requests (``in_flight``). If
+    ``max - min > imbalanced_threshold``: power of two choices (two replicas sampled from ``rng``, the shorter
+    queue). Otherwise the replicas with the longest match if its rate (matched / prompt) is at least
+    ``match_rate_threshold``, else the replicas with the smallest tree (tokens routed there, :class:`_TreeSizes`);
+    of those the shortest queue, ties by placement order. Ray matches characters of the prompt text; this matches
+    the router's blocks. O(len(candidates)).
     """
 
     name = "ray-serve"
@@ -303,10 +355,11 @@ class RayServePrefixAware(LoadPolicy):
 class ProductionStackPrefixAware(LoadPolicy):
     """vLLM production-stack's ``prefixaware`` routing: a random endpoint among those with the longest match.
 
-    Source: ``vllm-project/production-stack``, ``src/vllm_router/routers/routing_logic.py`` (``PrefixAwareRouter``,
-    over ``vllm_router/prefix/hashtrie.py``): the endpoints at the longest matched prefix, or every endpoint when
-    nothing matches, and ``random.choice`` among them; load is not considered. The choice is drawn from ``rng``.
-    O(len(candidates)).
+    Source: ``vllm-project/production-stack``, ``src/vllm_router/routers/routing_logic.py``
+    (``PrefixAwareRouter.route_request``) over ``src/vllm_router/prefix/hashtrie.py`` (``longest_prefix_match`` of
+    128-character chunks): the endpoints at the longest matched prefix, or every endpoint when nothing matches, and
+    ``random.choice`` among them; load is not considered (the QPS fallback applies only below
+    ``prefix_min_match_length``, 0 by default, so never). The choice is drawn from ``rng``. O(len(candidates)).
     """
 
     name = "production-stack"
@@ -325,7 +378,7 @@ def _kv_used(candidate: Candidate) -> float:
     if candidate.kv_usage is not None:
         return candidate.kv_usage
     if candidate.capacity_blocks:
-        return min(1.0, candidate.held_blocks / candidate.capacity_blocks)
+        return min(1.0, candidate.active_blocks / candidate.capacity_blocks)
     return 0.0
 
 

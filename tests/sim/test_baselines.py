@@ -35,12 +35,14 @@ def test_sglang_follows_a_match_above_the_cache_threshold_while_balanced() -> No
     assert SGLangCacheAware().choose([idle, cached]) is cached
 
 
-def test_sglang_goes_to_the_smallest_tree_below_the_cache_threshold() -> None:
+def test_sglang_goes_to_the_least_loaded_below_the_cache_threshold() -> None:
+    # sgl-model-gateway (sglang PR #14650) falls back to the minimum load, not the smallest tree.
+    weak = [Candidate("a", 300, 1000, 5), Candidate("b", 0, 1000, 2)]  # rate exactly 0.3 is not above it
+    assert SGLangCacheAware().choose(weak).backend == "b"
+    misses = [Candidate("a", 0, 1000, 1), Candidate("b", 0, 1000, 1), Candidate("c", 0, 1000, 0)]
     policy = SGLangCacheAware()
-    first = policy.choose([Candidate("a", 0, 1000, 0), Candidate("b", 0, 1000, 0)])  # trees equal: first
-    assert first.backend == "a"
-    weak = [Candidate("a", 300, 1000, 0), Candidate("b", 0, 1000, 0)]  # rate exactly 0.3 is not above it
-    assert policy.choose(weak).backend == "b"  # "a" holds 1000 routed tokens, "b" none
+    assert [policy.choose(misses).backend for _ in range(2)] == ["c", "c"]  # no tree rotation, load only
+    assert policy.choose(misses[:2]).backend == "a"  # equal loads: the first, as min_by_key
 
 
 def test_sglang_switches_to_shortest_queue_only_when_both_thresholds_are_crossed() -> None:
@@ -57,16 +59,31 @@ def test_sglang_switches_to_shortest_queue_only_when_both_thresholds_are_crossed
 # -- Dynamo KV router ----------------------------------------------------------------------------------------------
 
 
-def test_dynamo_logit_is_prefill_blocks_plus_decode_blocks() -> None:
-    candidate = Candidate("w", 320, 480, 2, pending_prefill_tokens=160, held_blocks=40)
-    # prefill blocks (160 + 160) / 16 = 20; decode blocks 40 held + (30 - 20) new = 50.
-    assert DynamoKvRouter().logit(candidate) == 70.0
-    assert DynamoKvRouter(overlap_score_weight=2.0).logit(candidate) == 90.0
+def test_dynamo_logit_is_prefill_blocks_plus_distinct_decode_blocks() -> None:
+    candidate = Candidate("w", 320, 480, 2, pending_prefill_tokens=160, held_blocks=400, active_blocks=25)
+    # prefill blocks (160 + 160) / 16 = 20; decode blocks 25 active + 30 request blocks - min(20 matched, 25) = 35.
+    # held_blocks (every in-flight prompt counted whole) plays no part: Dynamo counts unique active blocks.
+    assert DynamoKvRouter().logit(candidate) == 55.0
+    assert DynamoKvRouter(overlap_score_weight=2.0).logit(candidate) == 75.0
+    # Few active blocks: at most 5 of the request's blocks can be among them, so 25 are new: 20 + 5 + 25.
+    assert DynamoKvRouter().logit(candidate._replace(active_blocks=5)) == 50.0
+    # Nothing in flight: every one of the request's blocks is a new decode block, cached or not: 10 + 0 + 30.
+    assert DynamoKvRouter().logit(candidate._replace(active_blocks=0, pending_prefill_tokens=0)) == 40.0
+    # Only full blocks are decode blocks (isl // block_size); the partial one still counts as prefill.
+    assert DynamoKvRouter().logit(Candidate("w", 0, 170, 0)) == pytest.approx(170 / 16 + 10)
+    assert DynamoKvRouter().logit(Candidate("w", 0, 170, 0, block_size=32)) == pytest.approx(170 / 32 + 5)
+
+
+def test_dynamo_counts_a_shared_prefix_in_flight_once() -> None:
+    # "shared": ten requests in flight share one 10-block prompt (100 held, 10 distinct); "spread": 30 distinct.
+    shared = Candidate("shared", 0, 160, 10, held_blocks=100, active_blocks=10)  # 10 + 10 + 10 = 30
+    spread = Candidate("spread", 0, 160, 3, held_blocks=30, active_blocks=30)  # 10 + 30 + 10 = 50
+    assert DynamoKvRouter().choose([spread, shared]) is shared
 
 
 def test_dynamo_picks_the_lowest_logit_and_breaks_ties_by_smallest_tree() -> None:
-    cached = Candidate("cached", 480, 480, 1, held_blocks=30)  # 0 + 30 + 0 = 30
-    busy_cold = Candidate("cold", 0, 480, 0, held_blocks=5)  # 30 + 5 + 30 = 65
+    cached = Candidate("cached", 480, 480, 1, active_blocks=30)  # 0 + 30 + 0 = 30
+    busy_cold = Candidate("cold", 0, 480, 0, active_blocks=5)  # 30 + 5 + 30 = 65
     assert DynamoKvRouter().choose([busy_cold, cached]) is cached
     policy = DynamoKvRouter()
     tied = [Candidate("a", 0, 160, 0), Candidate("b", 0, 160, 0)]
@@ -75,7 +92,7 @@ def test_dynamo_picks_the_lowest_logit_and_breaks_ties_by_smallest_tree() -> Non
 
 def test_dynamo_samples_by_softmax_above_temperature_zero() -> None:
     low = Candidate("low", 0, 160, 0)  # logit 20
-    high = Candidate("high", 0, 160, 0, held_blocks=200)  # logit 220
+    high = Candidate("high", 0, 160, 0, active_blocks=200)  # logit 220
     picks = [
         DynamoKvRouter(temperature=1.0, rng=random.Random(seed)).choose([low, high]).backend for seed in range(400)
     ]
@@ -89,19 +106,36 @@ def test_dynamo_samples_by_softmax_above_temperature_zero() -> None:
 
 
 def test_llmd_sums_prefix_queue_and_kv_scorers_with_weights_3_2_2() -> None:
-    cached = Candidate("cached", 500, 1000, 0, queue_len=10, kv_usage=0.5)  # 3*0.5 + 2*0 + 2*0.5 = 2.5
-    idle = Candidate("idle", 0, 1000, 0, queue_len=0, kv_usage=0.25)  # 0 + 2*1 + 2*0.75 = 3.5
+    cached = Candidate("cached", 512, 1024, 0, queue_len=10, kv_usage=0.5)  # 3*0.5 + 2*0 + 2*0.5 = 2.5
+    idle = Candidate("idle", 0, 1024, 0, queue_len=0, kv_usage=0.25)  # 0 + 2*1 + 2*0.75 = 3.5
     policy = LlmdDefaultProfile()
     assert policy.scores([cached, idle]) == [pytest.approx(2.5), pytest.approx(3.5)]
     assert policy.choose([cached, idle]) is idle
-    full_match = cached._replace(matched_tokens=1000)  # 3 + 0 + 1 = 4
+    full_match = cached._replace(matched_tokens=1024)  # 3 + 0 + 1 = 4
     assert policy.choose([full_match, idle]) is full_match
 
 
+def test_llmd_prefix_score_counts_blocks_a_partial_one_included_up_to_256() -> None:
+    policy = LlmdDefaultProfile()
+    assert policy.prefix_score(Candidate("a", 96, 100, 0)) == pytest.approx(6 / 7)  # 6 of 7 blocks (one partial)
+    # A prompt of 500 blocks is hashed up to its first 256 (defaultMaxPrefixBlocks): matching them scores 1.
+    long_cached = Candidate("cached", 4096, 8000, 0, queue_len=10, kv_usage=0.5)  # 3*1 + 0 + 2*0.5 = 4
+    idle = Candidate("idle", 0, 8000, 0, queue_len=0, kv_usage=0.25)  # 0 + 2 + 1.5 = 3.5
+    assert policy.prefix_score(long_cached) == 1.0
+    assert policy.choose([idle, long_cached]) is long_cached
+    assert LlmdDefaultProfile(max_prefix_blocks=500).choose([idle, long_cached]) is idle  # 3*0.512 + 1 < 3.5
+    with pytest.raises(ConfigurationError):
+        LlmdDefaultProfile(max_prefix_blocks=0)
+
+
 def test_llmd_without_metrics_uses_the_router_accounting() -> None:
-    a = Candidate("a", 0, 1000, 4, held_blocks=90, capacity_blocks=100)  # queue 4 -> 0, kv 0.9
-    b = Candidate("b", 0, 1000, 2, held_blocks=10, capacity_blocks=100)  # queue 2 -> 1, kv 0.1
+    a = Candidate("a", 0, 1000, 4, held_blocks=10, active_blocks=90, capacity_blocks=100)  # queue 4 -> 0, kv 0.9
+    b = Candidate("b", 0, 1000, 2, held_blocks=90, active_blocks=10, capacity_blocks=100)  # queue 2 -> 1, kv 0.1
     assert LlmdDefaultProfile().scores([a, b]) == [pytest.approx(0.2), pytest.approx(3.8)]
+    # KV use is the memory held, distinct blocks (a shared prefix once), not every in-flight prompt summed.
+    shared = Candidate("shared", 0, 1000, 3, held_blocks=90, active_blocks=10, capacity_blocks=100)
+    spread = Candidate("spread", 0, 1000, 3, held_blocks=50, active_blocks=50, capacity_blocks=100)
+    assert LlmdDefaultProfile().choose([spread, shared]) is shared
     equal = [Candidate("x", 0, 1000, 3), Candidate("y", 0, 1000, 3)]  # equal queues score 1, no capacity: kv 1
     assert LlmdDefaultProfile().scores(equal) == [4.0, 4.0]
 
@@ -118,11 +152,40 @@ def test_aibrix_takes_the_best_match_within_one_standard_deviation() -> None:
     assert AIBrixPrefixCache().choose(calm).backend == "best"
 
 
-def test_aibrix_least_requests_when_imbalanced_or_nothing_matches() -> None:
+def test_aibrix_limit_uses_the_sample_standard_deviation() -> None:
+    # counts 2, 0, 1: mean 1, sample sigma 1 -> "best" (2 <= 2) qualifies; a population sigma (0.82) would not.
+    pods = [Candidate("best", 800, 1000, 2), Candidate("a", 0, 1000, 0), Candidate("b", 0, 1000, 1)]
+    assert AIBrixPrefixCache().choose(pods).backend == "best"
+    assert AIBrixPrefixCache().choose(pods[:1]).backend == "best"  # one pod: sigma 0, 2 <= 2
+
+
+def test_aibrix_match_percentage_counts_full_blocks() -> None:
+    # A 1620-token prompt has 101 full blocks: 82 matched blocks (1312 tokens) are 81 %, 81 (1296 tokens) 80 %.
+    # By tokens both would be 80 % and the tie would go to the fewer requests; by blocks the deeper match wins.
+    pods = [Candidate("fewer", 1296, 1620, 1), Candidate("deeper", 1312, 1620, 2)]
+    assert AIBrixPrefixCache().choose(pods).backend == "deeper"
+    # One matched block of 200 is 0 %, yet the pod is a matched pod and within mean + sigma (0.5 + 0.71).
+    assert AIBrixPrefixCache().choose([Candidate("idle", 0, 3200, 0), Candidate("tiny", 16, 3200, 1)]).backend == (
+        "tiny"
+    )
+
+
+def test_aibrix_when_imbalanced_matches_only_among_the_least_loaded() -> None:
+    pods = [Candidate("hot", 1000, 1000, 20), Candidate("cold", 0, 1000, 5), Candidate("warm", 512, 1000, 5)]
+    pods.append(Candidate("mid", 800, 1000, 11))
+    # 20 - 5 = 15 > 8: only "cold" and "warm" (5 requests) are matched against; "warm" matches, so it wins.
+    assert AIBrixPrefixCache().choose(pods).backend == "warm"
+    # With no match among the least loaded: the fewest requests (the first of them).
+    unmatched = [p._replace(matched_tokens=0) if p.backend == "warm" else p for p in pods]
+    assert AIBrixPrefixCache().choose(unmatched).backend == "cold"
+
+
+def test_aibrix_least_requests_when_nothing_matches_within_the_limit() -> None:
     hot = Candidate("hot", 1000, 1000, 11)
-    # 11 - 3 = 8 is not above 8: balanced, and 11 is within mean 7 + sigma 4.
+    # 11 - 3 = 8 is not above 8: balanced, and 11 is within mean 7 + sample sigma 5.66.
     assert AIBrixPrefixCache().choose([hot, Candidate("idle", 0, 1000, 3)]).backend == "hot"
-    assert AIBrixPrefixCache().choose([hot, Candidate("idle", 0, 1000, 2)]).backend == "idle"  # 9 > 8
+    # 11 - 2 = 9 > 8: imbalanced, "hot" is not among the least loaded.
+    assert AIBrixPrefixCache().choose([hot, Candidate("idle", 0, 1000, 2)]).backend == "idle"
     misses = [Candidate("a", 0, 1000, 2), Candidate("b", 0, 1000, 1)]
     assert AIBrixPrefixCache().choose(misses).backend == "b"
 
