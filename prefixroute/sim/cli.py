@@ -51,7 +51,9 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> argparse._Mutuall
     """
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--scenario", choices=scenario_names(), default="seed", help="synthetic workload (seed)")
-    source.add_argument("--trace", metavar="FORMAT:PATH", help="replay mooncake:FILE.jsonl or splitwise:FILE.csv")
+    source.add_argument(
+        "--trace", metavar="FORMAT:PATH", help="replay mooncake:FILE.jsonl, or splitwise:, azure: or burstgpt:FILE.csv"
+    )
     parser.add_argument("--backends", type=int, default=8, metavar="N", help="simulated vLLM engines (8)")
     arrivals = parser.add_mutually_exclusive_group()
     arrivals.add_argument("--users", type=int, metavar="N", help="closed-loop users (30; a trace: its timestamps)")

@@ -1,10 +1,12 @@
-"""Trace readers: Mooncake FAST'25 JSONL (prefix identity as 512-token ``hash_ids``) and Splitwise CSV.
+"""Trace readers: Mooncake FAST'25 JSONL (prefix identity as 512-token ``hash_ids``) and CSVs of lengths.
 
 A Mooncake line gives ``timestamp`` (ms), ``input_length``, ``output_length`` and ``hash_ids``, one id per 512-token
 block of the prompt, equal ids at equal positions marking a shared prefix. The reader turns hash id ``h`` into the
 512 token ids ``512*h .. 512*h+511`` (the last block cut to the prompt's length), so the real hasher and index see
 real token lists that share exactly what the trace says they share. A Splitwise/Vidur CSV
-(``arrived_at,num_prefill_tokens,num_decode_tokens``) has no prefix identity: every prompt gets its own tokens.
+(``arrived_at,num_prefill_tokens,num_decode_tokens``), an Azure LLM inference trace
+(``TIMESTAMP,ContextTokens,GeneratedTokens``) and a BurstGPT CSV (``Timestamp``, ``Request tokens``, ``Response
+tokens``) have no prefix identity: every prompt gets its own tokens.
 
 Readers parse and check the whole file up front (a malformed line raises :class:`InvalidTraceError` naming it)
 but build a prompt's tokens only when the simulator asks for it.
@@ -16,8 +18,10 @@ import csv
 import json
 import math
 import random
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TextIO
 
@@ -30,6 +34,8 @@ __all__ = [
     "TraceWorkload",
     "load_trace",
     "mooncake_tokens",
+    "read_azure",
+    "read_burstgpt",
     "read_mooncake",
     "read_splitwise",
 ]
@@ -137,44 +143,111 @@ def _mooncake_line(line: str, where: str) -> TraceEntry:
     return TraceEntry(timestamp / 1000.0, input_length, output_length, tuple(hash_ids))
 
 
+@dataclass(frozen=True, slots=True)
+class _LengthsFormat:
+    """A CSV trace of arrivals and lengths: its three columns and how its arrival column reads."""
+
+    arrival: str
+    prompt: str
+    output: str
+    dated: bool  # arrival is a date and time (relative to the first row), else seconds
+
+
+_LENGTHS_FORMATS = {
+    "splitwise": _LengthsFormat("arrived_at", "num_prefill_tokens", "num_decode_tokens", dated=False),
+    "azure": _LengthsFormat("TIMESTAMP", "ContextTokens", "GeneratedTokens", dated=True),
+    "burstgpt": _LengthsFormat("Timestamp", "Request tokens", "Response tokens", dated=False),
+}
+_DATETIME = re.compile(r"(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:\.(\d+))?(Z|[+-]\d\d:?\d\d)?")
+
+
 def read_splitwise(path: str | Path) -> list[TraceEntry]:
-    """Parse a Splitwise/Vidur CSV (``arrived_at`` s, ``num_prefill_tokens``, ``num_decode_tokens``)."""
-    columns = ("arrived_at", "num_prefill_tokens", "num_decode_tokens")
+    """Parse a Splitwise/Vidur CSV (``arrived_at`` s, ``num_prefill_tokens``, ``num_decode_tokens``).
+
+    In this and the other CSV formats a request that generated no token counts as one (vLLM always computes one).
+    """
+    return _read_lengths(path, _LENGTHS_FORMATS["splitwise"])
+
+
+def read_azure(path: str | Path) -> list[TraceEntry]:
+    """Parse an Azure LLM inference trace CSV (``TIMESTAMP``, ``ContextTokens``, ``GeneratedTokens``).
+
+    The format of ``Azure/AzurePublicDataset``'s ``AzureLLMInferenceTrace_{code,conv}.csv`` (2023) and
+    ``AzureLLMInferenceTrace_{code,conv}_1week.csv`` (2024), which Splitwise replays: ``TIMESTAMP`` is a date and
+    time (``2023-11-16 18:15:46.6805900``, an optional UTC offset), arrivals are seconds after the first row's.
+    """
+    return _read_lengths(path, _LENGTHS_FORMATS["azure"])
+
+
+def read_burstgpt(path: str | Path) -> list[TraceEntry]:
+    """Parse a BurstGPT CSV (``Timestamp`` s, ``Request tokens``, ``Response tokens``; other columns ignored)."""
+    return _read_lengths(path, _LENGTHS_FORMATS["burstgpt"])
+
+
+def _read_lengths(path: str | Path, form: _LengthsFormat) -> list[TraceEntry]:
+    columns = (form.arrival, form.prompt, form.output)
     entries: list[TraceEntry] = []
+    first: float | None = None
     with _open(path) as lines:
         reader = csv.DictReader(_read(lines, path))
         try:
-            fieldnames = reader.fieldnames
+            fieldnames = [name.strip() for name in reader.fieldnames or []]
         except csv.Error as exc:
             raise InvalidTraceError(f"{path}:1: not a CSV header ({exc})") from exc
-        absent = [c for c in columns if c not in (fieldnames or [])]
+        reader.fieldnames = fieldnames
+        absent = [c for c in columns if c not in fieldnames]
         if absent:
             raise InvalidTraceError(f"{path}:1: header lacks column(s) {', '.join(absent)}")
         for row in _rows(reader, path):
             where = f"{path}:{reader.line_num}"
             try:
-                arrival = float(row["arrived_at"])
-                prefill = int(row["num_prefill_tokens"])
-                decode = int(row["num_decode_tokens"])
+                arrival = _datetime_seconds(row[form.arrival]) if form.dated else float(row[form.arrival])
+                prefill = int(row[form.prompt])
+                decode = int(row[form.output])
             except (TypeError, ValueError) as exc:
-                raise InvalidTraceError(f"{where}: expected numbers in {', '.join(columns)}: {row}") from exc
-            if not (
-                math.isfinite(arrival) and arrival >= 0 and 1 <= prefill <= _MAX_TOKENS and 1 <= decode <= _MAX_TOKENS
-            ):
+                kind = "a date and time" if form.dated else "numbers"
                 raise InvalidTraceError(
-                    f"{where}: arrived_at must be a finite number >= 0 and token counts in [1, {_MAX_TOKENS}], got "
-                    f"{arrival}, {prefill}, {decode}"
+                    f"{where}: expected {kind} and token counts in {', '.join(columns)}: {row}"
+                ) from exc
+            if form.dated:
+                first = arrival if first is None else first
+                arrival -= first
+            if not (
+                math.isfinite(arrival) and arrival >= 0 and 1 <= prefill <= _MAX_TOKENS and 0 <= decode <= _MAX_TOKENS
+            ):
+                start = "after the first row's" if form.dated else "a finite number >= 0"
+                raise InvalidTraceError(
+                    f"{where}: {form.arrival} must be {start} and token counts in [1, {_MAX_TOKENS}] "
+                    f"({form.output} may be 0), got {row}"
                 )
-            entries.append(TraceEntry(arrival, prefill, decode))
+            entries.append(TraceEntry(arrival, prefill, max(1, decode)))
     if not entries:
         raise InvalidTraceError(f"{path}: no requests in the trace")
     return entries
 
 
+def _datetime_seconds(value: str | None) -> float:
+    """Seconds since the epoch of ``2023-11-16 18:15:46.6805900`` (any number of fractional digits; an optional
+    UTC offset, else UTC), which ``datetime.fromisoformat`` reads only from Python 3.11."""
+    match = _DATETIME.fullmatch((value or "").strip())
+    if match is None:
+        raise ValueError(f"not a date and time: {value!r}")
+    year, month, day, hour, minute, second = (int(part) for part in match.groups()[:6])
+    fraction, offset = match.group(7), match.group(8)
+    zone = timezone.utc
+    if offset and offset != "Z":
+        sign = -1 if offset[0] == "-" else 1
+        digits = offset[1:].replace(":", "")
+        zone = timezone(sign * timedelta(hours=int(digits[:2]), minutes=int(digits[2:])))
+    moment = datetime(year, month, day, hour, minute, second, tzinfo=zone)  # ValueError: no such date
+    return moment.timestamp() + (float(f"0.{fraction}") if fraction else 0.0)
+
+
 def load_trace(spec: str, *, seed: int = 0, output_tokens: int | None = None) -> TraceWorkload:
-    """Open ``FORMAT:PATH`` (``mooncake:trace.jsonl`` or ``splitwise:trace.csv``) as a workload."""
+    """Open ``FORMAT:PATH`` as a workload: ``mooncake:trace.jsonl``, or one of ``splitwise:``, ``azure:`` and
+    ``burstgpt:`` with a CSV of arrivals and lengths (every prompt its own tokens)."""
     kind, sep, path = spec.partition(":")
-    readers = {"mooncake": read_mooncake, "splitwise": read_splitwise}
+    readers = {"mooncake": read_mooncake, "splitwise": read_splitwise, "azure": read_azure, "burstgpt": read_burstgpt}
     if not sep or kind not in readers:
         raise InvalidTraceError(f"--trace must be FORMAT:PATH with FORMAT one of {sorted(readers)}, not {spec!r}")
     return TraceWorkload(readers[kind](path), kind=kind, seed=seed, output_tokens=output_tokens)

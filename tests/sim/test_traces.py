@@ -9,7 +9,14 @@ import pytest
 
 from prefixroute import BlockHasher
 from prefixroute.errors import InvalidTraceError
-from prefixroute.sim.traces import load_trace, mooncake_tokens, read_mooncake, read_splitwise
+from prefixroute.sim.traces import (
+    load_trace,
+    mooncake_tokens,
+    read_azure,
+    read_burstgpt,
+    read_mooncake,
+    read_splitwise,
+)
 
 
 def _line(**fields: object) -> str:
@@ -78,9 +85,51 @@ def test_read_splitwise_and_its_errors(tmp_path: Path) -> None:
         read_splitwise(path)
 
 
+def test_read_azure_dates_and_offsets(tmp_path: Path) -> None:
+    path = tmp_path / "AzureLLMInferenceTrace_conv.csv"  # as published: seven fractional digits, no offset
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                    "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:50.9951690,396,0\n"
+                    "2023-11-16 18:16:00,91,16\n")  # fmt: skip
+    entries = read_azure(path)
+    assert [e.arrival for e in entries] == pytest.approx([0.0, 4.314579, 13.31941])
+    assert [(e.input_length, e.output_length) for e in entries] == [(374, 44), (396, 1), (91, 16)]
+    assert len(load_trace(f"azure:{path}")) == 3
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                    "2024-05-10 00:00:00.009930+00:00,10,2\n2024-05-10 02:00:01.5+02:00,10,2\n")  # fmt: skip
+    assert [e.arrival for e in read_azure(path)] == pytest.approx([0.0, 1.490070])  # the same hour in UTC+2
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ("yesterday,10,2", "expected a date and time"),
+        ("2023-02-30 00:00:00,10,2", "expected a date and time"),
+        ("2023-11-16 18:15:40,10,2", "after the first row's"),
+        ("2023-11-16 18:15:50,0,2", r"token counts in \[1,"),
+        ("2023-11-16 18:15:50,10,-1", "may be 0"),
+    ],
+)
+def test_bad_azure_rows_name_the_line(tmp_path: Path, row: str, message: str) -> None:
+    path = tmp_path / "a.csv"
+    path.write_text(f"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,10,2\n{row}\n")
+    with pytest.raises(InvalidTraceError, match=rf"a\.csv:3: .*{message}"):
+        read_azure(path)
+
+
+def test_read_burstgpt_ignores_other_columns(tmp_path: Path) -> None:
+    path = tmp_path / "BurstGPT_1.csv"
+    path.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                    "5,ChatGPT,472,18,490,Conversation log\n45,GPT-4,1087,0,1087,API log\n")  # fmt: skip
+    entries = read_burstgpt(path)
+    assert [(e.arrival, e.input_length, e.output_length) for e in entries] == [(5.0, 472, 18), (45.0, 1087, 1)]
+    path.write_text("Timestamp,Model,Request tokens\n5,ChatGPT,472\n")
+    with pytest.raises(InvalidTraceError, match="header lacks column.s. Response tokens"):
+        read_burstgpt(path)
+
+
 def test_trace_spec_errors(tmp_path: Path) -> None:
     with pytest.raises(InvalidTraceError, match="FORMAT:PATH"):
-        load_trace("azure:x.csv")
+        load_trace("sharegpt:x.csv")
     with pytest.raises(InvalidTraceError, match="cannot read trace"):
         load_trace(f"mooncake:{tmp_path / 'missing.jsonl'}")
 
