@@ -72,6 +72,25 @@ def render_chat(messages: object) -> str:
     return "\n".join(parts) + "\n<|assistant|>"
 
 
+_FLAGS = {"1": True, "on": True, "t": True, "true": True, "y": True, "yes": True,
+          "0": False, "off": False, "f": False, "false": False, "n": False, "no": False}  # fmt: skip
+
+
+def _stream_flag(value: object) -> bool:
+    """``stream`` as vLLM reads it (pydantic's lax bool): JSON true/false or null, 0/1, or "true"/"no"-like text.
+
+    Raises:
+        ValueError: any other value (vLLM answers 400).
+    """
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if type(value) is int and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _FLAGS:
+        return _FLAGS[value.lower()]
+    raise ValueError(f"'stream' must be a boolean, not {value!r}")
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """What an :class:`OpenAIEngine` has done so far (a snapshot)."""
@@ -135,8 +154,8 @@ class OpenAIEngine:
     ) -> None:
         for option, value in (("prefill_s", prefill_s), ("prefill_per_token_s", prefill_per_token_s),
                               ("token_delay_s", token_delay_s)):  # fmt: skip
-            if not value >= 0:
-                raise ValueError(f"{option} must be a non-negative number of seconds, not {value!r}")
+            if not 0 <= value < float("inf"):  # an infinite delay would hold every request forever
+                raise ValueError(f"{option} must be a finite, non-negative number of seconds, not {value!r}")
         if max_tokens < 1 or (max_running is not None and max_running < 1):
             raise ValueError("max_tokens and max_running must be positive")
         self.model = model
@@ -347,6 +366,7 @@ class OpenAIEngine:
             if not isinstance(body, dict):
                 raise ValueError("the request body must be a JSON object")
             prompt = self._prompt(body, chat=chat)
+            _stream_flag(body.get("stream"))
             max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or self.max_tokens)
             if max_tokens < 1:
                 raise ValueError("max_tokens must be at least 1")
@@ -391,7 +411,7 @@ class OpenAIEngine:
             self._running += 1
             self._counts["prompt"] += held.prompt_tokens
             self._counts["cached"] += held.cached_tokens
-        stream = bool(body.get("stream"))
+        stream = _stream_flag(body.get("stream"))
         chunks = _Chunks(self.model, chat=chat)
         usage = {"prompt_tokens": held.prompt_tokens, "completion_tokens": max_tokens,
                  "total_tokens": held.prompt_tokens + max_tokens,
@@ -529,6 +549,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.count < 1 or not 0 < args.base_port < 65536 - args.count:
         raise ConfigurationError("--count must be positive and --base-port a port with room for --count engines")
+    if args.max_tokens < 1:
+        raise ConfigurationError(f"--max-tokens must be at least 1, not {args.max_tokens}")
+    for option, value in (("--prefill-us-per-token", args.prefill_us_per_token),
+                          ("--token-delay-ms", args.token_delay_ms)):  # fmt: skip
+        if not 0 <= value < float("inf"):
+            raise ConfigurationError(f"{option} must be a finite, non-negative number, not {value}")
     engines = [
         OpenAIEngine(
             model=args.model,
@@ -563,10 +589,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m prefixroute.testing.openai_engine``: the ``fake-engines`` command."""
-    parser = argparse.ArgumentParser(prog="python -m prefixroute.testing.openai_engine", description=__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """``python -m prefixroute.testing.openai_engine``: the ``fake-engines`` command (bad options: exit 2, one line)."""
+    import sys
+
+    from prefixroute.cli import main as cli_main
+
+    return cli_main(["fake-engines", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":  # pragma: no cover

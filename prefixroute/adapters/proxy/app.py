@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
@@ -34,7 +35,10 @@ __all__ = ["Proxy", "ProxyStats"]
 _log = logging.getLogger("prefixroute.proxy")
 
 # Failures of a connection before any answer: the request never reached the engine, so sending it elsewhere is safe.
-_UNREACHED = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+_UNREACHED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, aiohttp.ServerDisconnectedError,
+              aiohttp.ClientOSError)  # fmt: skip
+# A backend that breaks off its answer midway (closes, or sends less than it announced).
+_BROKE_OFF = (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 _OUTCOMES = ("ok", "backend_error", "unreachable", "client_disconnect", "bad_request")
 
 
@@ -104,7 +108,7 @@ class Proxy:
         if not urls:
             raise ConfigurationError("the proxy needs at least one backend URL, like http://127.0.0.1:8000")
         for url in urls:
-            if not url.startswith(("http://", "https://")):
+            if not _is_http_url(url):
                 raise ConfigurationError(f"backend {url!r} is not an http(s):// URL like http://gpu0:8000")
         if len(set(urls)) != len(urls):
             raise ConfigurationError(f"a backend URL appears twice in {urls}: name each backend once")
@@ -154,9 +158,13 @@ class Proxy:
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
         # handler_cancellation: a client that leaves cancels its handler, wherever it waits (also non-streaming).
         self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, handler_cancellation=True)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, reuse_address=True)
-        await site.start()
+        try:
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, host, port, reuse_address=True)
+            await site.start()
+        except BaseException:  # e.g. the port is taken: close the session too, so nothing is left to warn about
+            await self.aclose()
+            raise
         self.url = f"http://{host}:{self._runner.addresses[0][1]}"
         if self._learn_models:
             await self._backend_models()  # at once, so the first requests already know the base models
@@ -319,8 +327,16 @@ class Proxy:
             self._failed(decision.backend)
         else:
             self._failures[decision.backend] = 0
-        if not stream or upstream.status != 200:
-            answer = web.Response(status=upstream.status, body=await upstream.read(), headers=headers)
+        # A stream is what the engine streams: it may read a "stream" that is not the JSON true as true (vLLM does).
+        if upstream.status != 200 or not (stream or content_type.startswith("text/event-stream")):
+            try:
+                body = await upstream.read()
+            except _BROKE_OFF as exc:
+                if upstream.status < 500:  # a 5xx has counted as a failure already
+                    self._failed(decision.backend)
+                message = f"backend {decision.backend} broke off its answer: {exc}"
+                return error_response(502, message, "BadGateway"), "backend_error"
+            answer = web.Response(status=upstream.status, body=body, headers=headers)
             return answer, "ok" if upstream.status < 500 else "backend_error"
         response = web.StreamResponse(status=200, headers=headers)
         await response.prepare(request)
@@ -331,7 +347,7 @@ class Proxy:
                     self.router.first_token(decision)
                     first = False
                 await response.write(chunk)
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+        except _BROKE_OFF as exc:
             _log.warning("backend %s broke off a streamed answer: %s", decision.backend, exc)
             self._failed(decision.backend)
             response.force_close()  # the client sees the stream end without [DONE]
@@ -417,6 +433,16 @@ class Proxy:
 
 
 _decoder = msgspec.json.Decoder()
+
+
+def _is_http_url(url: str) -> bool:
+    """Whether ``url`` is an ``http(s)://host[:port][/path]`` URL (a valid port, no blank)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in [0, 65535]
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and not any(c.isspace() for c in url)
 
 
 def _decode(raw: bytes) -> Any:

@@ -76,7 +76,8 @@ class Sidecar:
     0
 
     Raises:
-        ConfigurationError: a fixed backend is not an ``http(s)://host:port`` URL, or ``lease`` is not positive.
+        ConfigurationError: a fixed backend is not an ``http(s)://host:port`` URL, ``lease`` is not positive, or
+            ``accel_redirect`` is not printable ASCII (it is a header value).
     """
 
     def __init__(
@@ -102,6 +103,10 @@ class Sidecar:
             raise ConfigurationError(f"lease must be a positive number of seconds or None, not {lease!r}")
         if models is not None and (not models or not all(isinstance(m, str) and m for m in models)):
             raise ConfigurationError("models must be a non-empty list of model names (or None to accept any)")
+        if not (isinstance(accel_redirect, str) and accel_redirect.isascii() and accel_redirect.isprintable()
+                and accel_redirect.strip()):  # fmt: skip
+            raise ConfigurationError(f"accel_redirect must be an nginx location like @prefixroute_upstream (printable "
+                                     f"ASCII, it is sent as a header value), not {accel_redirect!r}")  # fmt: skip
         self.router = router
         self.backends = tuple(backends)
         self.metrics = SidecarMetrics()
@@ -265,6 +270,8 @@ class Sidecar:
         try:
             if method == "POST":
                 body = await self._body(receive)
+                if body is None:  # the client left before sending the whole body: decide nothing, answer no one
+                    return
                 await self._post(path, body, send)
             elif method in ("GET", "HEAD"):
                 await self._get(path, send)
@@ -308,21 +315,25 @@ class Sidecar:
         else:
             raise BadRequest(404, f"no such endpoint {path!r}: GET /metrics, /healthz, /stats")
 
-    async def _body(self, receive: Receive) -> bytes:
-        message = await receive()
-        body: bytes = message.get("body", b"")
-        if not message.get("more_body", False):
-            return body
-        chunks = [body]
-        size = len(body)
-        while message.get("more_body", False):
+    async def _body(self, receive: Receive) -> bytes | None:
+        """The request body, or None when the client disconnected before sending all of it.
+
+        Raises:
+            BadRequest: 413 once the body is over ``max_body_bytes`` (the first chunk too).
+        """
+        chunks: list[bytes] = []
+        size = 0
+        while True:
             message = await receive()
-            chunk = message.get("body", b"")
+            if message["type"] == "http.disconnect":
+                return None
+            chunk: bytes = message.get("body", b"")
             size += len(chunk)
             if size > self._max_body:
                 raise BadRequest(413, f"the request body is over {self._max_body} bytes")
             chunks.append(chunk)
-        return b"".join(chunks)
+            if not message.get("more_body", False):
+                return chunk if len(chunks) == 1 else b"".join(chunks)
 
 
 async def _respond(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
