@@ -205,8 +205,8 @@ class LlmdDefaultProfile(LoadPolicy):
         kv_weight: float = 2.0,
         max_prefix_blocks: int = 256,
     ) -> None:
-        if max_prefix_blocks < 1:
-            raise ConfigurationError(f"max_prefix_blocks must be >= 1, not {max_prefix_blocks}")
+        if isinstance(max_prefix_blocks, bool) or not isinstance(max_prefix_blocks, int) or max_prefix_blocks < 1:
+            raise ConfigurationError(f"max_prefix_blocks must be an int >= 1, not {max_prefix_blocks!r}")
         self.prefix_weight = prefix_weight
         self.queue_weight = queue_weight
         self.kv_weight = kv_weight

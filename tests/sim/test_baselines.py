@@ -124,8 +124,9 @@ def test_llmd_prefix_score_counts_blocks_a_partial_one_included_up_to_256() -> N
     assert policy.prefix_score(long_cached) == 1.0
     assert policy.choose([idle, long_cached]) is long_cached
     assert LlmdDefaultProfile(max_prefix_blocks=500).choose([idle, long_cached]) is idle  # 3*0.512 + 1 < 3.5
-    with pytest.raises(ConfigurationError):
-        LlmdDefaultProfile(max_prefix_blocks=0)
+    for bad in (0, 2.5, True, "256"):
+        with pytest.raises(ConfigurationError, match="max_prefix_blocks must be an int"):
+            LlmdDefaultProfile(max_prefix_blocks=bad)  # type: ignore[arg-type]
 
 
 def test_llmd_without_metrics_uses_the_router_accounting() -> None:
