@@ -113,8 +113,8 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
 def run(args: argparse.Namespace) -> int:
     """Run every policy, print the comparison table, write --json/--plot; return the exit status.
 
-    Everything a run needs is checked before the first simulation (the options, every policy, the output paths),
-    so bad input fails at once. Raises :class:`PrefixRouteError` or :class:`OSError` for bad input, which
+    Everything a run needs is checked before the first simulation (the options, every policy, the trace, the output
+    paths), so bad input fails at once. Raises :class:`PrefixRouteError` or :class:`OSError` for bad input, which
     :func:`prefixroute.cli.main` reports as one line and exit status 2.
     """
     from rich.console import Console
@@ -126,6 +126,10 @@ def run(args: argparse.Namespace) -> int:
     config, profile = backend_config(spec)
     for name in policies:
         build_policy(name, seed=spec.seed)
+    if spec.trace is not None:
+        from prefixroute.sim.traces import load_trace
+
+        load_trace(spec.trace, seed=spec.seed)  # a missing or malformed trace fails now, before anything is printed
     for option, path in (("--json", args.json), ("--plot", args.plot)):
         if path is not None:
             check_writable(path, option)

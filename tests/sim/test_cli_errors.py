@@ -14,10 +14,14 @@ from prefixroute.cli import main
 TINY = ["--requests", "5"]  # a later --requests wins
 
 
-def _fails_with_one_line(argv: list[str], capsys: pytest.CaptureFixture[str], expected: str) -> str:
+def _fails_with_one_line(
+    argv: list[str], capsys: pytest.CaptureFixture[str], expected: str, *, during_run: bool = False
+) -> str:
+    """``argv`` exits 2 with one line on stderr; unless the failure can only show ``during_run``, before any output."""
     status = main(argv)
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert status == 2, err
+    assert during_run or out == "", f"bad input is refused before anything runs or prints: {out!r}"
     assert err.endswith("\n") and err.count("\n") == 1, f"not one line: {err!r}"
     assert "Traceback" not in err
     assert err.startswith(f"prefixroute {argv[0]}: "), err
@@ -130,7 +134,8 @@ def test_output_that_fails_when_written(capsys: pytest.CaptureFixture[str]) -> N
     # /proc passes the up-front check as root but refuses the file: still one line, exit 2.
     if not Path("/proc/self").exists():
         pytest.skip("needs /proc")
-    _fails_with_one_line(["simulate", *TINY, "--policy", "round-robin", "--json", "/proc/nope.json"], capsys, "")
+    argv = ["simulate", *TINY, "--policy", "round-robin", "--json", "/proc/nope.json"]
+    _fails_with_one_line(argv, capsys, "", during_run=True)
 
 
 USER_MODULES = {
@@ -177,7 +182,8 @@ def test_user_policy_that_fails(
     (tmp_path / f"{module}.py").write_text(USER_MODULES[module])
     monkeypatch.syspath_prepend(str(tmp_path))
     attribute = "Anything" if module in ("pr_syntax_error", "pr_import_raises") else "P"
-    _fails_with_one_line(["simulate", *TINY, "--policy", f"{module}:{attribute}"], capsys, expected)
+    argv = ["simulate", *TINY, "--policy", f"{module}:{attribute}"]
+    _fails_with_one_line(argv, capsys, expected, during_run=module == "pr_wrong_answer")  # found by running it
 
 
 @pytest.mark.parametrize(
