@@ -57,6 +57,20 @@ class _TreeSizes:
         return chosen
 
 
+def _number(name: str, value: object) -> float:
+    """``value`` if it is a finite number >= 0, else a ConfigurationError naming the option."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ConfigurationError(f"{name} must be a finite number >= 0, not {value!r}")
+    return value
+
+
+def _count(name: str, value: object) -> int:
+    """``value`` if it is an int >= 0, else a ConfigurationError naming the option."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigurationError(f"{name} must be an int >= 0, not {value!r}")
+    return value
+
+
 def _rng(seed: int | None, rng: random.Random | None) -> random.Random:
     if rng is not None and not isinstance(rng, random.Random):
         raise ConfigurationError(f"rng must be a random.Random, not {type(rng).__name__}")
@@ -88,9 +102,9 @@ class SGLangCacheAware(LoadPolicy):
     def __init__(
         self, *, cache_threshold: float = 0.3, balance_abs_threshold: int = 64, balance_rel_threshold: float = 1.5
     ) -> None:
-        self.cache_threshold = cache_threshold
-        self.balance_abs_threshold = balance_abs_threshold
-        self.balance_rel_threshold = balance_rel_threshold
+        self.cache_threshold = _number("cache_threshold", cache_threshold)
+        self.balance_abs_threshold = _count("balance_abs_threshold", balance_abs_threshold)
+        self.balance_rel_threshold = _number("balance_rel_threshold", balance_rel_threshold)
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         least_loaded = min(candidates, key=lambda c: c.in_flight)
@@ -142,10 +156,8 @@ class DynamoKvRouter(LoadPolicy):
         seed: int | None = None,
         rng: random.Random | None = None,
     ) -> None:
-        if temperature < 0:
-            raise ConfigurationError(f"temperature must be >= 0, not {temperature}")
-        self.overlap_score_weight = overlap_score_weight
-        self.temperature = temperature
+        self.overlap_score_weight = _number("overlap_score_weight", overlap_score_weight)
+        self.temperature = _number("temperature", temperature)
         self._rng = _rng(seed, rng)
         self._trees = _TreeSizes()
 
@@ -207,9 +219,9 @@ class LlmdDefaultProfile(LoadPolicy):
     ) -> None:
         if isinstance(max_prefix_blocks, bool) or not isinstance(max_prefix_blocks, int) or max_prefix_blocks < 1:
             raise ConfigurationError(f"max_prefix_blocks must be an int >= 1, not {max_prefix_blocks!r}")
-        self.prefix_weight = prefix_weight
-        self.queue_weight = queue_weight
-        self.kv_weight = kv_weight
+        self.prefix_weight = _number("prefix_weight", prefix_weight)
+        self.queue_weight = _number("queue_weight", queue_weight)
+        self.kv_weight = _number("kv_weight", kv_weight)
         self.max_prefix_blocks = max_prefix_blocks
 
     def prefix_score(self, candidate: Candidate) -> float:
@@ -266,8 +278,8 @@ class AIBrixPrefixCache(LoadPolicy):
     prefix_aware = True
 
     def __init__(self, *, imbalance_abs_count: int = 8, standard_deviation_factor: float = 1.0) -> None:
-        self.imbalance_abs_count = imbalance_abs_count
-        self.standard_deviation_factor = standard_deviation_factor
+        self.imbalance_abs_count = _count("imbalance_abs_count", imbalance_abs_count)
+        self.standard_deviation_factor = _number("standard_deviation_factor", standard_deviation_factor)
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         counts = [c.in_flight for c in candidates]
@@ -325,8 +337,8 @@ class RayServePrefixAware(LoadPolicy):
         seed: int | None = None,
         rng: random.Random | None = None,
     ) -> None:
-        self.imbalanced_threshold = imbalanced_threshold
-        self.match_rate_threshold = match_rate_threshold
+        self.imbalanced_threshold = _count("imbalanced_threshold", imbalanced_threshold)
+        self.match_rate_threshold = _number("match_rate_threshold", match_rate_threshold)
         self._rng = _rng(seed, rng)
         self._trees = _TreeSizes()
 

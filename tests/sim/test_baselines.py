@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -221,3 +222,26 @@ def test_production_stack_picks_at_random_among_the_longest_matches_whatever_the
     assert picks == {"a", "b"}
     misses = [c, c._replace(backend="d")]
     assert {ProductionStackPrefixAware(seed=s).choose(misses).backend for s in range(30)} == {"c", "d"}
+
+
+@pytest.mark.parametrize(
+    ("cls", "option"),
+    [
+        (SGLangCacheAware, "cache_threshold"),
+        (SGLangCacheAware, "balance_abs_threshold"),
+        (SGLangCacheAware, "balance_rel_threshold"),
+        (DynamoKvRouter, "overlap_score_weight"),
+        (DynamoKvRouter, "temperature"),
+        (LlmdDefaultProfile, "prefix_weight"),
+        (LlmdDefaultProfile, "queue_weight"),
+        (LlmdDefaultProfile, "kv_weight"),
+        (AIBrixPrefixCache, "imbalance_abs_count"),
+        (AIBrixPrefixCache, "standard_deviation_factor"),
+        (RayServePrefixAware, "imbalanced_threshold"),
+        (RayServePrefixAware, "match_rate_threshold"),
+    ],
+)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1, True, "1", None])
+def test_baseline_options_are_checked_when_given(cls: type, option: str, bad: object) -> None:
+    with pytest.raises(ConfigurationError, match=option):
+        cls(**{option: bad})
