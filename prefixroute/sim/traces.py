@@ -19,10 +19,11 @@ import json
 import math
 import random
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from types import MappingProxyType
 from typing import TextIO
 
 from prefixroute.errors import InvalidTraceError
@@ -153,11 +154,13 @@ class _LengthsFormat:
     dated: bool  # arrival is a date and time (relative to the first row), else seconds
 
 
-_LENGTHS_FORMATS = {
-    "splitwise": _LengthsFormat("arrived_at", "num_prefill_tokens", "num_decode_tokens", dated=False),
-    "azure": _LengthsFormat("TIMESTAMP", "ContextTokens", "GeneratedTokens", dated=True),
-    "burstgpt": _LengthsFormat("Timestamp", "Request tokens", "Response tokens", dated=False),
-}
+_LENGTHS_FORMATS: Mapping[str, _LengthsFormat] = MappingProxyType(
+    {
+        "splitwise": _LengthsFormat("arrived_at", "num_prefill_tokens", "num_decode_tokens", dated=False),
+        "azure": _LengthsFormat("TIMESTAMP", "ContextTokens", "GeneratedTokens", dated=True),
+        "burstgpt": _LengthsFormat("Timestamp", "Request tokens", "Response tokens", dated=False),
+    }
+)
 _DATETIME = re.compile(r"(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:\.(\d+))?(Z|[+-]\d\d:?\d\d)?")
 
 
