@@ -12,7 +12,7 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import cachetools
 import xxhash
@@ -662,8 +662,15 @@ class Router:
         self.write(backend, ((True, hashes, parent),))
 
     def evict(self, backend: str, hashes: Iterable[int]) -> None:
-        """Record that ``backend`` no longer holds ``hashes``. O(len(hashes))."""
-        self.write(backend, ((False, list(hashes) if not isinstance(hashes, Sequence) else hashes, None),))
+        """Record that ``backend`` no longer holds ``hashes``. O(len(hashes)).
+
+        Raises:
+            TypeError: ``hashes`` is not an iterable of block hashes.
+            InvalidEventError: a hash is not an int in [0, 2**64).
+        """
+        if not isinstance(hashes, Sequence):
+            hashes = list(_iterable(hashes, "evict() hashes", "block hashes"))
+        self.write(backend, ((False, hashes, None),))
 
     def write(self, backend: str, updates: Iterable[IndexUpdate]) -> None:
         """Apply index updates for ``backend`` in order, under one lock acquisition.
@@ -672,11 +679,11 @@ class Router:
         (removed, as :meth:`evict`). Every update is checked before any is applied. O(total hashes + evicted).
 
         Raises:
-            TypeError: an update is not such a tuple.
+            TypeError: ``updates`` is not iterable, or an update is not such a tuple.
             InvalidEventError: a hash or parent is not an int in [0, 2**64).
         """
         _check_backend_id(backend)
-        updates = [_check_update(update) for update in updates]
+        updates = [_check_update(update) for update in _iterable(updates, "write() updates", "index updates")]
         with self._lock:
             apply_updates(self._index, backend, updates)
 
@@ -689,6 +696,13 @@ class Router:
 
     def __repr__(self) -> str:
         return f"Router(block_size={self._hasher.block_size}, policy={self._policy!r}, index={self._index!r})"
+
+
+def _iterable(value: object, what: str, items: str) -> Iterable[Any]:
+    """``value`` if it is iterable (a str is not), else a TypeError that says what ``what`` must be."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"{what} must be an iterable of {items}, not {type(value).__name__}")
+    return value
 
 
 def _id_of(decision: Decision | str) -> str:

@@ -198,3 +198,14 @@ def test_async_gateway_usage() -> None:
 
     assert len(set(asyncio.run(main()))) >= 1
     assert all(router.in_flight(b) == 0 for b in BACKENDS)
+
+
+def test_the_write_path_names_what_is_not_iterable() -> None:
+    router = Router()
+    with pytest.raises(TypeError, match=r"evict\(\) hashes must be an iterable of block hashes, not NoneType"):
+        router.evict("a", None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"write\(\) updates must be an iterable of index updates, not int"):
+        router.write("a", 5)  # type: ignore[arg-type]
+    router.store("a", [1, 2])
+    router.evict("a", iter([2]))  # any iterable of hashes will do
+    assert router.index.match([1, 2], ["a"])["a"] == 1
