@@ -86,8 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(str(exc))
     func = getattr(args, "func", None)
     if func is None:
-        parser.print_help(sys.stderr)
-        return 2
+        commands = ", ".join(c for _extra, names in COMMAND_MODULES.values() for c in names)
+        return _fail(f"{parser.prog}: error: give a command, one of {commands} (see {parser.prog} --help)")
     command = f"{parser.prog} {args.command}"
     if unknown:
         return _fail(f"{command}: error: unrecognized arguments: {' '.join(unknown)} (see {command} --help)")

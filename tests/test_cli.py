@@ -9,9 +9,10 @@ import pytest
 from prefixroute import cli
 
 
-def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+def test_no_command_lists_every_subcommand_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main([]) == 2
     listed = capsys.readouterr().err
+    assert listed.count("\n") == 1 and "--help" in listed, listed
     for _extra, commands in cli.COMMAND_MODULES.values():
         for command in commands:
             assert command in listed
