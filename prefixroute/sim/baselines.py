@@ -64,10 +64,10 @@ def _number(name: str, value: object) -> float:
     return value
 
 
-def _count(name: str, value: object) -> int:
-    """``value`` if it is an int >= 0, else a ConfigurationError naming the option."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigurationError(f"{name} must be an int >= 0, not {value!r}")
+def _count(name: str, value: object, *, minimum: int = 0) -> int:
+    """``value`` if it is an int >= ``minimum``, else a ConfigurationError naming the option."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigurationError(f"{name} must be an int >= {minimum}, not {value!r}")
     return value
 
 
@@ -217,12 +217,10 @@ class LlmdDefaultProfile(LoadPolicy):
         kv_weight: float = 2.0,
         max_prefix_blocks: int = 256,
     ) -> None:
-        if isinstance(max_prefix_blocks, bool) or not isinstance(max_prefix_blocks, int) or max_prefix_blocks < 1:
-            raise ConfigurationError(f"max_prefix_blocks must be an int >= 1, not {max_prefix_blocks!r}")
         self.prefix_weight = _number("prefix_weight", prefix_weight)
         self.queue_weight = _number("queue_weight", queue_weight)
         self.kv_weight = _number("kv_weight", kv_weight)
-        self.max_prefix_blocks = max_prefix_blocks
+        self.max_prefix_blocks = _count("max_prefix_blocks", max_prefix_blocks, minimum=1)
 
     def prefix_score(self, candidate: Candidate) -> float:
         """The prefix-cache scorer's value: matched blocks over the request's blocks, both capped. O(1)."""
