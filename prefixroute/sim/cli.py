@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -124,15 +125,7 @@ def run(args: argparse.Namespace) -> int:
     policies = list(args.policy or DEFAULT_POLICIES)
     spec = spec_from_args(args)
     config, profile = backend_config(spec)
-    for name in policies:
-        build_policy(name, seed=spec.seed)
-    if spec.trace is not None:
-        from prefixroute.sim.traces import load_trace
-
-        load_trace(spec.trace, seed=spec.seed)  # a missing or malformed trace fails now, before anything is printed
-    for option, path in (("--json", args.json), ("--plot", args.plot)):
-        if path is not None:
-            check_writable(path, option)
+    _check_before_running(spec, policies, args)
     header = _header(spec)
     console.print(_describe(spec, profile.name, config.capacity_blocks))
     results = _run_all(spec, policies, console)
@@ -152,6 +145,24 @@ def run(args: argparse.Namespace) -> int:
         write_plot(args.plot, results, title=f"{header['scenario']} · {profile.name} × {spec.backends}")
         console.print(f"wrote {args.plot}")
     return 0
+
+
+def _check_before_running(spec: SimSpec, policies: Sequence[str], args: argparse.Namespace) -> None:
+    """Build every policy once, read the trace, and check ``--json``/``--plot`` can be written: bad input fails
+    now, before anything is printed or simulated (and not once in every worker).
+
+    Raises:
+        PrefixRouteError: a policy, trace or output path that will not do (the message says which and why).
+    """
+    for name in policies:
+        build_policy(name, seed=spec.seed)
+    if spec.trace is not None:
+        from prefixroute.sim.traces import load_trace
+
+        load_trace(spec.trace, seed=spec.seed)
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None:
+            check_writable(path, option)
 
 
 def check_writable(path: str | Path, option: str) -> None:
@@ -292,15 +303,7 @@ def run_compare(args: argparse.Namespace, *, defaults: argparse.ArgumentParser) 
         for one in compared_policies() if name == "all" else [name]:
             if one not in names:
                 names.append(one)
-    for name in names:
-        build_policy(name, seed=spec.seed)
-    if spec.trace is not None:
-        from prefixroute.sim.traces import load_trace
-
-        load_trace(spec.trace, seed=spec.seed)  # a malformed trace fails now, not in every worker
-    for option, path in (("--json", args.json), ("--plot", args.plot)):
-        if path is not None:
-            check_writable(path, option)
+    _check_before_running(spec, names, args)
     config, _ = backend_config(spec)
     console.print(_describe(spec, profile.name, config.capacity_blocks))
     jobs = min(args.jobs, len(names))
