@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import random
+import sys
 import threading
 import time
 import zlib
@@ -590,9 +591,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m prefixroute.testing.openai_engine``: the ``fake-engines`` command (bad options: exit 2, one line)."""
-    import sys
-
-    from prefixroute.cli import main as cli_main
+    from prefixroute.cli import main as cli_main  # here: prefixroute.cli loads this module on demand
 
     return cli_main(["fake-engines", *(sys.argv[1:] if argv is None else argv)])
 
