@@ -40,3 +40,8 @@ def test_bench_proxy_prints_latency_and_rate_rows() -> None:
                                                          ["text", "total"]]  # fmt: skip
     assert [row[:2] for row in rows if len(row) == 5 and row[1] in ("relay", "proxy")] == [
         ["ids", "relay"], ["ids", "proxy"], ["text", "proxy"]]  # fmt: skip
+
+
+def test_default_variants_prints_a_row_per_variant() -> None:
+    rows = [line for line in run("default_variants.py", "--quick", "--jobs", "1").splitlines() if line[-1:].isdigit()]
+    assert len(rows) == 7 and rows[0].startswith("predicted-ttft (the default)")
