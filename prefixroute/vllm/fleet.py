@@ -415,12 +415,14 @@ class _Poller:
         except MetricsError as exc:
             if self._stop.is_set():
                 return
+            # The router forgets the figures before the backend reads as unhealthy: whoever sees it unhealthy
+            # never sees its old queue length still counted.
+            self._gate.run(lambda router: router.set_engine_load(self._backend, queue_len=None, kv_usage=None))
             with self._lock:
                 first_failure = self._error is None
                 self._error = str(exc)
                 self._failures += 1
             (_log.warning if first_failure else _log.debug)("metrics of %s: %s", self._backend, exc)
-            self._gate.run(lambda router: router.set_engine_load(self._backend, queue_len=None, kv_usage=None))
         else:
             with self._lock:
                 self._error = None
