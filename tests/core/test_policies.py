@@ -27,7 +27,7 @@ from prefixroute.policies import PredictedTTFT, kv_fraction
 from prefixroute.router import Decision
 from prefixroute.sim.baselines import BASELINES
 
-from .conftest import FakeClock
+from ..conftest import FakeClock
 
 # One line per policy: a new built-in is covered by the whole contract suite by adding it here.
 POLICIES: dict[str, Callable[[], LoadPolicy]] = {
@@ -58,6 +58,7 @@ candidate_lists = st.lists(
         prefill_tokens_per_s=st.none() | st.floats(1.0, 1e5),
         active_blocks=st.integers(0, 5000),
         in_prefill=st.integers(0, 50),
+        block_size=st.integers(1, 256),  # the router's block size: never below 1
     ),
     min_size=1,
     max_size=12,
