@@ -13,8 +13,9 @@ local path: prefixroute never downloads anything.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -67,6 +68,27 @@ class PromptTokenizer:
             raise TypeError("texts must be a sequence of str")
         encodings = self._tokenizer.encode_batch_fast(list(texts), add_special_tokens=self._add_special_tokens)
         return [encoding.ids for encoding in encodings]
+
+
+def serialise_chat(messages: Sequence[Mapping[str, Any]]) -> str:
+    """Messages as ``<|role|>\\ncontent\\n`` blocks then ``<|assistant|>\\n``, for models without a chat template.
+
+    A list content is joined from its parts' string ``text``; any other non-string content counts as empty.
+    Conversations that share their first messages then share a text prefix (not the engine's exact tokens).
+    O(total length).
+    """
+    parts = [f"<|{message.get('role', '')}|>\n{_content(message.get('content'))}\n" for message in messages]
+    parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
+def _content(content: object) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = (part.get("text") for part in content if isinstance(part, Mapping))
+        return "".join(text for text in texts if isinstance(text, str))
+    return ""
 
 
 class TextRouter:

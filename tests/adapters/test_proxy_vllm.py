@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -14,19 +13,14 @@ import pytest
 from prefixroute import Router
 from prefixroute.adapters.proxy import Proxy
 from prefixroute.adapters.proxy.cli import build, register
-from prefixroute.adapters.proxy.prompts import serialise_chat
 from prefixroute.adapters.serve.text import PromptEncoder
+from prefixroute.adapters.tokenize import serialise_chat
 from prefixroute.testing.fake_vllm import FakeVLLM
 from prefixroute.testing.openai_engine import OpenAIEngine
 
+from ..conftest import wait_until
+
 WORDS = [f"w{i}" for i in range(200)]
-
-
-def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
 
 
 def make_tokenizer(folder: Path, *, chat_template: str | None = None) -> Path:
@@ -98,7 +92,7 @@ def test_base_models_given_or_learned_once_a_backend_answers(lora_engines: list[
             for engine in lora_engines:
                 engine.accept()
             assert post(proxy, {"model": "fake-model", "prompt": [1, 2, 3]}).status_code == 200
-            eventually(lambda: proxy.base_models == {"fake-model"})  # that request asked the backends again
+            wait_until(lambda: proxy.base_models == {"fake-model"})  # that request asked the backends again
     finally:
         for engine in lora_engines:
             engine.accept()
@@ -146,16 +140,16 @@ def test_the_router_follows_the_engines_kv_events(vllm_proxy: tuple[Proxy, list[
     urls = list(proxy.backends)
     prompt = list(range(2000, 2064))
     engines[1].complete(prompt)  # cached on engine 1 by someone else: only its KV events tell the proxy
-    eventually(lambda: proxy.router.decide(prompt, urls).confirmed_tokens == 64)
+    wait_until(lambda: proxy.router.decide(prompt, urls).confirmed_tokens == 64)
     reply = post(proxy, {"prompt": [*prompt, 7, 8, 9]})
     assert reply.headers["x-prefixroute-backend"] == urls[1]
     assert reply.headers["x-prefixroute-matched-tokens"] == "64"
     assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 64  # the engine's own hit
     other = list(range(3000, 3048))
     engines[0].complete(other)
-    eventually(lambda: proxy.router.decide(other, urls).backend == urls[0])
+    wait_until(lambda: proxy.router.decide(other, urls).backend == urls[0])
     engines[0].clear_cache()  # AllBlocksCleared: what engine 0 held is forgotten
-    eventually(lambda: all(c.matched_tokens == 0 for c in proxy.router.decide(other, urls).candidates))
+    wait_until(lambda: all(c.matched_tokens == 0 for c in proxy.router.decide(other, urls).candidates))
     assert proxy.router.stats().in_flight == 0
 
 
@@ -169,17 +163,17 @@ def test_engine_metrics_feed_the_policy_and_a_failing_scrape_takes_a_backend_out
     def queue() -> dict[str, int | None]:
         return {c.backend: c.queue_len for c in proxy.router.decide([1] * 32, urls).candidates}
 
-    eventually(lambda: queue() == {urls[0]: 7, urls[1]: 0})
+    wait_until(lambda: queue() == {urls[0]: 7, urls[1]: 0})
     prompt = list(range(4000, 4064))
     engines[0].complete(prompt)
-    eventually(lambda: proxy.router.decide(prompt, urls).backend == urls[0])
+    wait_until(lambda: proxy.router.decide(prompt, urls).backend == urls[0])
     engines[0].set_metrics_fault(text="not prometheus {")
-    eventually(lambda: proxy.healthy_backends() == [urls[1]])
+    wait_until(lambda: proxy.healthy_backends() == [urls[1]])
     assert httpx.get(proxy.url + "/healthz").json()["healthy_backends"] == [urls[1]]
     reply = post(proxy, {"prompt": prompt})
     assert reply.headers["x-prefixroute-backend"] == urls[1]  # engine 0 holds the prefix but is out of rotation
     engines[0].set_metrics_fault()
-    eventually(lambda: proxy.healthy_backends() == urls)
+    wait_until(lambda: proxy.healthy_backends() == urls)
 
 
 # -- the model's chat template ---------------------------------------------------------------------------------------

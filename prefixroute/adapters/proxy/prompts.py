@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from prefixroute.adapters.tokenize import PromptTokenizer
+from prefixroute.adapters.tokenize import PromptTokenizer, serialise_chat
 
 __all__ = ["BadRequest", "ByteEncoder", "PromptEncoding", "TokenizerEncoder", "request_tokens"]
 
@@ -28,20 +28,6 @@ class PromptEncoding(Protocol):
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """The token ids of a chat conversation, as rendered for the model."""
-
-
-def serialise_chat(messages: Sequence[Mapping[str, Any]]) -> str:
-    """Messages as ``<|role|>\\ncontent`` blocks then ``<|assistant|>``, for encoders without a chat template.
-
-    Conversations that share their first messages then share a text prefix (not the engine's exact tokens).
-    """
-    parts = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, list):
-            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
-        parts.append(f"<|{message.get('role', '')}|>\n{'' if content is None else content}\n")
-    return "".join(parts) + "<|assistant|>\n"
 
 
 class TokenizerEncoder:

@@ -24,7 +24,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from prefixroute.adapters.tokenize import PromptTokenizer
+from prefixroute.adapters.tokenize import PromptTokenizer, serialise_chat
 from prefixroute.errors import ConfigurationError
 
 __all__ = ["PromptEncoder"]
@@ -68,26 +68,12 @@ class PromptEncoder:
             if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
                 raise ValueError("each chat message must be an object with a string 'role' and a 'content'")
         if self._template is None:
-            return self._chat.encode(_serialise(messages))
+            return self._chat.encode(serialise_chat(messages))
         try:
             text = self._template(messages=list(messages), add_generation_prompt=True)
         except Exception as exc:  # the template's own raise_exception(), or a jinja error on odd messages
             raise ValueError(f"the model's chat template rejected the messages: {exc}") from exc
         return self._chat.encode(text)
-
-
-def _serialise(messages: Sequence[Mapping[str, Any]]) -> str:
-    parts = [f"<|{message['role']}|>\n{_content(message.get('content'))}\n" for message in messages]
-    parts.append("<|assistant|>\n")
-    return "".join(parts)
-
-
-def _content(content: object) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str))
-    return ""
 
 
 def _load_template(folder: Path) -> Callable[..., str] | None:
