@@ -12,6 +12,7 @@ import pytest
 
 from prefixroute.adapters.serve.loopback import start_haproxy
 
+from ..conftest import wait_until
 from .test_serve_scenarios import (
     FAIL_OPEN_SLACK_S,
     Stack,
@@ -25,7 +26,6 @@ from .test_serve_scenarios import (
     make_stack,
     need_binary,
     timed_stream,
-    wait_until,
 )
 
 
@@ -71,7 +71,7 @@ def test_a_hung_sidecar_is_skipped_once_its_health_check_fails(stack: Stack) -> 
         assert max(took) - direct < FAIL_OPEN_SLACK_S, f"a hung sidecar still delays requests: {took} vs {direct}"
     finally:
         process.send_signal(signal.SIGCONT)
-    wait_until(lambda: routed(stack), "HAProxy to route through the sidecar again")
+    wait_until(lambda: routed(stack), what="HAProxy to route through the sidecar again")
 
 
 def routed(stack: Stack) -> bool:

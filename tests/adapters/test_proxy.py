@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -14,6 +13,8 @@ import pytest
 from prefixroute import BoundedLoad, Router
 from prefixroute.adapters.proxy import Proxy
 from prefixroute.testing.openai_engine import OpenAIEngine
+
+from ..conftest import wait_until
 
 SYSTEM = " ".join(f"rule{i}" for i in range(64))  # 64 words: four 16-token blocks for the engines
 
@@ -43,16 +44,9 @@ def proxy(healthy: list[OpenAIEngine]) -> Iterator[Proxy]:
         yield running
 
 
-def eventually(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
-
-
 def assert_idle(proxy: Proxy) -> None:
     """Every counter the lifecycle moves is back to exactly 0, on every backend."""
-    eventually(lambda: proxy.router.stats().in_flight == 0)
+    wait_until(lambda: proxy.router.stats().in_flight == 0)
     for candidate in proxy.router.decide([7] * 64, proxy.backends).candidates:
         assert (candidate.in_flight, candidate.pending_prefill_tokens, candidate.held_blocks) == (0, 0, 0)
 
@@ -119,7 +113,7 @@ def test_a_refused_connection_is_retried_once_on_another_backend(healthy: list[O
             assert reply.status_code == 200
             assert reply.headers["x-prefixroute-backend"] != chosen
         assert sum(served_by(healthy)) - sum(before) == 2 and refused.stats().requests == before[urls.index(chosen)]
-        eventually(lambda: proxy.stats().ok == 2)  # a stream is counted once its handler ends, after the client's read
+        wait_until(lambda: proxy.stats().ok == 2)  # a stream is counted once its handler ends, after the client's read
         stats = proxy.stats()
         assert (stats.retries, stats.ok, stats.unhealthy) == (1, 2, (chosen,))  # the second never tried it
         assert httpx.get(proxy.url + "/healthz").json()["healthy_backends"] == [u for u in urls if u != chosen]
@@ -154,8 +148,8 @@ def test_a_client_that_leaves_releases_its_request_and_the_engine(
             with pytest.raises(httpx.ReadTimeout):
                 client.post(proxy.url + "/v1/completions", json=body)
     assert_idle(proxy)
-    eventually(lambda: proxy.stats().client_disconnect == 1)
-    eventually(lambda: sum(engine.stats().disconnected for engine in healthy) == disconnected + 1)
+    wait_until(lambda: proxy.stats().client_disconnect == 1)
+    wait_until(lambda: sum(engine.stats().disconnected for engine in healthy) == disconnected + 1)
 
 
 def test_load_spills_to_other_backends_under_concurrency(proxy: Proxy, healthy: list[OpenAIEngine]) -> None:
@@ -169,7 +163,7 @@ def test_load_spills_to_other_backends_under_concurrency(proxy: Proxy, healthy: 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(9)]
     for thread in threads:
         thread.start()
-    eventually(lambda: proxy.router.stats().in_flight == 9)
+    wait_until(lambda: proxy.router.stats().in_flight == 9)
     loads = sorted(proxy.router.in_flight(backend) for backend in proxy.backends)
     assert loads[-1] < 9 and loads[0] + loads[1] > 0  # the prefix's backend is bounded; the rest spill over
     for engine in healthy:

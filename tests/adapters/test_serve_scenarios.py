@@ -22,6 +22,8 @@ import pytest
 from prefixroute.adapters.serve.loopback import Process, find_binary, free_port, start_sidecar
 from prefixroute.testing.openai_engine import OpenAIEngine
 
+from ..conftest import wait_until
+
 SHARED = list(range(1000, 1256))  # a 256-token system prompt
 DEADLINE_S = 10.0
 
@@ -35,14 +37,6 @@ def need_binary(name: str) -> str:
             pytest.fail(message)
         pytest.skip(message)
     return path
-
-
-def wait_until(predicate: Callable[[], bool], what: str, timeout: float = DEADLINE_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
 
 
 class Stack:
@@ -142,7 +136,7 @@ def check_same_prefix_same_upstream(stack: Stack) -> None:
     for i in range(6):
         status, lines = stream_request(stack.url, body(i * 7))
         assert status == 200 and lines[-1] == "[DONE]" and len(lines) >= 8
-        wait_until(lambda: stack.in_flight() == 0, "the stream's release")
+        wait_until(lambda: stack.in_flight() == 0, what="the stream's release")
     added = [after - start for after, start in zip(stack.served(), before, strict=True)]
     assert sorted(added) == [0, 6], f"a shared prefix was split across engines: {added}"
     decisions = stack.stats()["decisions"]
@@ -169,13 +163,13 @@ def check_sse_is_not_buffered(stack: Stack) -> None:
     finally:
         for engine in stack.engines:
             engine.resume()
-    wait_until(lambda: stack.in_flight() == 0, "the release after a stream")
+    wait_until(lambda: stack.in_flight() == 0, what="the release after a stream")
 
 
 def check_load_fallback(stack: Stack) -> None:
     """Concurrent streams with one prefix: past the policy's bound they spill to the other engine."""
     stream_request(stack.url, body(5000))  # the prefix is cached somewhere
-    wait_until(lambda: stack.in_flight() == 0, "the release of the warm-up")
+    wait_until(lambda: stack.in_flight() == 0, what="the release of the warm-up")
     for engine in stack.engines:
         engine.stall(after_tokens=1)
     started = threading.Barrier(5)
@@ -208,7 +202,7 @@ def check_load_fallback(stack: Stack) -> None:
         for thread in threads:
             thread.join(DEADLINE_S)
     assert results == [1, 1, 1, 1]
-    wait_until(lambda: stack.in_flight() == 0, "every release after the concurrent streams")
+    wait_until(lambda: stack.in_flight() == 0, what="every release after the concurrent streams")
 
 
 def check_release_after_error_and_abort(stack: Stack) -> None:
@@ -217,7 +211,7 @@ def check_release_after_error_and_abort(stack: Stack) -> None:
         engine.fail_next(1)
     status, _ = stream_request(stack.url, body(7000))
     assert status == 500
-    wait_until(lambda: stack.in_flight() == 0, "the release after an engine error")
+    wait_until(lambda: stack.in_flight() == 0, what="the release after an engine error")
     for engine in stack.engines:
         engine.fail_next(0)
     # A client abort mid-stream: a stream that would run for minutes, dropped after two tokens.
@@ -232,10 +226,10 @@ def check_release_after_error_and_abort(stack: Stack) -> None:
             next(line for line in lines if line.startswith("data: "))
         assert stack.in_flight() == 1
     # leaving the block closed the connection mid-stream: the proxy ends the engine's stream and releases
-    wait_until(lambda: stack.in_flight() == 0, "the release after a client abort")
+    wait_until(lambda: stack.in_flight() == 0, what="the release after a client abort")
     wait_until(
         lambda: sum(engine.stats().disconnected for engine in stack.engines) == disconnected + 1,
-        "the engine's stream to be cut",
+        what="the engine's stream to be cut",
     )
     stats = stack.stats()
     assert stats["in_flight_total"] == 0 and stats["leases_expired"] == 0
@@ -244,7 +238,7 @@ def check_release_after_error_and_abort(stack: Stack) -> None:
 def check_chat_routes_by_prefix(stack: Stack) -> None:
     status, lines = stream_request(stack.url, body(1, chat=True), chat=True)
     assert status == 200 and lines[-1] == "[DONE]"
-    wait_until(lambda: stack.in_flight() == 0, "the release of a chat stream")
+    wait_until(lambda: stack.in_flight() == 0, what="the release of a chat stream")
 
 
 FAIL_OPEN_SLACK_S = 0.1  # what failing open may add to a request: a functional bound, far above loopback noise

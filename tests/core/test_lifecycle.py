@@ -21,7 +21,7 @@ from prefixroute import (
 )
 from prefixroute.hashing import BlockHasher
 
-from .conftest import FakeClock
+from ..conftest import FakeClock
 
 
 def counters(router: Router, backend: str) -> tuple[int, int, int]:

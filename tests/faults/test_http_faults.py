@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -30,19 +30,14 @@ from prefixroute.adapters.serve import Sidecar
 from prefixroute.errors import ConfigurationError
 from prefixroute.testing.openai_engine import OpenAIEngine
 
+from ..conftest import wait_until
+
 BACKENDS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
-
-
-def eventually(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
 
 
 def assert_idle(router: Router, backends: list[str]) -> None:
     """Every count the lifecycle moves is back to exactly 0, on every backend."""
-    eventually(lambda: router.stats().in_flight == 0)
+    wait_until(lambda: router.stats().in_flight == 0)
     for candidate in router.decide([7] * 64, backends).candidates:
         assert (candidate.in_flight, candidate.pending_prefill_tokens, candidate.held_blocks) == (0, 0, 0)
 
@@ -64,7 +59,7 @@ def serving(sidecar: Sidecar) -> Iterator[int]:
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
-    eventually(lambda: server.started)
+    wait_until(lambda: server.started)
     try:
         yield listener.getsockname()[1]
     finally:
@@ -229,7 +224,7 @@ def test_a_backend_that_breaks_off_a_plain_answer_gets_a_502_json_error(answer: 
         reply = httpx.post(proxy.url + "/v1/completions", json={"prompt": "a b c"}, timeout=10)
         assert_openai_error(reply, 502)
         assert "broke off" in reply.json()["error"]["message"]
-        eventually(lambda: proxy.stats().backend_error == 1)
+        wait_until(lambda: proxy.stats().backend_error == 1)
         stats = proxy.stats()
         assert (stats.ok, stats.client_disconnect, stats.unhealthy) == (0, 0, (url,))
         assert_idle(proxy.router, [url])
@@ -257,7 +252,7 @@ def test_what_the_engine_streams_is_relayed_as_a_stream(
         for engine in engines:
             engine.resume()
         assert b"".join(chunks).endswith(b"data: [DONE]\n\n")
-    eventually(lambda: proxy.stats().ok == 1)
+    wait_until(lambda: proxy.stats().ok == 1)
     assert_idle(proxy.router, list(proxy.backends))
 
 
@@ -309,7 +304,7 @@ def test_a_connect_timeout_is_retried_on_another_backend(engines: list[OpenAIEng
             prompt = next(p for p in prompts if proxy.router.decide(p, urls).backend == dead)
             reply = httpx.post(proxy.url + "/v1/completions", json={"prompt": prompt}, timeout=10)
             assert reply.status_code == 200 and reply.headers["x-prefixroute-backend"] == engines[0].url
-            eventually(lambda: proxy.stats().ok == 1)
+            wait_until(lambda: proxy.stats().ok == 1)
             assert (proxy.stats().retries, proxy.stats().backend_error, proxy.stats().unreachable) == (1, 0, 0)
             assert_idle(proxy.router, urls)
 

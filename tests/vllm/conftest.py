@@ -4,37 +4,12 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
-
-import pytest
 
 from prefixroute import Router
 from prefixroute.testing import FakeVLLM
 from prefixroute.vllm import EventIndex, KVEventSubscriber
 
-DEADLINE_S = 10.0
-
-
-def wait_until(predicate: Callable[[], bool], *, timeout: float = DEADLINE_S, what: str = "condition") -> None:
-    """Poll ``predicate`` every few ms until it holds; fail the test with ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.005)
-
-
-class FakeClock:
-    """A clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def tick(self, seconds: float) -> None:
-        self.now += seconds
+from ..conftest import wait_until
 
 
 def events_router(**options: object) -> Router:

@@ -12,7 +12,8 @@ from prefixroute import BlockHasher, ConfigurationError, Router
 from prefixroute.testing import FakeVLLM
 from prefixroute.vllm import EventIndex, Fleet
 
-from .conftest import FakeClock, settle
+from ..conftest import FakeClock
+from .conftest import settle
 
 PROMPT = [random.Random(1).randrange(30_000) for _ in range(96)]  # 6 blocks
 HASHES = BlockHasher(16).hash(PROMPT)

@@ -15,7 +15,8 @@ from prefixroute import ConfigurationError, LeastLoaded, Router
 from prefixroute.testing import FakeVLLM
 from prefixroute.vllm import EventIndex, Fleet
 
-from .conftest import FakeClock, events_router, fresh, settle, wait_until
+from ..conftest import FakeClock, wait_until
+from .conftest import events_router, fresh, settle
 
 PROMPT = [random.Random(1).randrange(30_000) for _ in range(96)]  # 6 blocks
 

@@ -17,7 +17,8 @@ from prefixroute.index import IndexUpdate
 from prefixroute.testing import FakeVLLM
 from prefixroute.vllm import EventIndex, Fleet, KVEventSubscriber, lora_namespace
 
-from .conftest import events_router, settle, wait_until
+from ..conftest import wait_until
+from .conftest import events_router, settle
 
 STEMS = [[random.Random(stem).randrange(30_000) for _ in range(160)] for stem in range(4)]
 

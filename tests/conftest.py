@@ -1,0 +1,33 @@
+"""Helpers every test folder shares (imported as ``from ..conftest import ...``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+DEADLINE_S = 10.0
+"""How long a test waits for something another thread or process does (generous: CI machines are slow)."""
+
+
+def wait_until(predicate: Callable[[], bool], *, timeout: float = DEADLINE_S, what: str = "condition") -> None:
+    """Poll ``predicate`` every few ms until it holds; fail the test, naming ``what``, at the deadline."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.005)
+
+
+class FakeClock:
+    """A clock the test moves by hand (``Router(clock=...)``)."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def tick(self, seconds: float) -> None:
+        self.now += seconds
