@@ -17,7 +17,7 @@ from operator import attrgetter
 from types import MappingProxyType
 from typing import Any, ClassVar, NamedTuple
 
-from prefixroute.errors import ConfigurationError
+from prefixroute.errors import ConfigurationError, NoBackendError
 
 __all__ = [
     "BoundedLoad",
@@ -102,10 +102,17 @@ class LoadPolicy(ABC):
 
     @abstractmethod
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
-        """Return one of ``candidates`` (never empty) for this request."""
+        """Return one of ``candidates`` for this request (the router never passes an empty list; the built-in
+        policies raise :class:`~prefixroute.NoBackendError` for one)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def _require_candidates(candidates: Sequence[Candidate]) -> None:
+    """Raise a clear error for an empty candidate list (the router never passes one; a direct caller might)."""
+    if not candidates:
+        raise NoBackendError("choose() was given no candidates: pass at least one Candidate")
 
 
 class RoundRobin(LoadPolicy):
@@ -117,6 +124,7 @@ class RoundRobin(LoadPolicy):
         self._turn = 0
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        _require_candidates(candidates)
         # Candidates arrive in per-prompt placement order; rotate over a fixed order (by backend id) instead.
         ordered = sorted(candidates, key=lambda c: c.backend)
         chosen = ordered[self._turn % len(ordered)]
@@ -133,6 +141,7 @@ class Random(LoadPolicy):
         self._rng = rng if rng is not None else random.Random(seed)
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        _require_candidates(candidates)
         return candidates[self._rng.randrange(len(candidates))]
 
 
@@ -142,6 +151,7 @@ class LeastLoaded(LoadPolicy):
     name = "least-loaded"
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        _require_candidates(candidates)
         return min(candidates, key=_load)
 
 
@@ -154,6 +164,7 @@ class PowerOfTwo(LoadPolicy):
         self._rng = rng if rng is not None else random.Random(seed)
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        _require_candidates(candidates)
         if len(candidates) == 1:
             return candidates[0]
         first, second = self._rng.sample(range(len(candidates)), 2)
@@ -167,6 +178,7 @@ class PrefixAffinity(LoadPolicy):
     prefix_aware = True
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        _require_candidates(candidates)
         return min(candidates, key=lambda c: (-c.matched_tokens, c.load))
 
 
@@ -195,6 +207,7 @@ class BoundedLoad(LoadPolicy):
         self.factor = float(factor)
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        _require_candidates(candidates)
         loads = [c.load for c in candidates]
         total = sum(loads)
         bound = math.ceil(self.factor * (total + 1) / len(candidates))
@@ -248,6 +261,7 @@ class CostAware(LoadPolicy):
         self.cost: Callable[[Candidate], float] = cost if cost is not None else LinearTTFT()
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        _require_candidates(candidates)
         return min(candidates, key=self.cost)
 
 
@@ -308,6 +322,7 @@ class PredictedTTFT(LoadPolicy):
         return work / speed / (1.0 - min(kv_fraction(candidate), self.kv_cap))
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        _require_candidates(candidates)
         if not self.use_speed and type(self).cost is PredictedTTFT.cost:
             return self._choose_fast(candidates)
         speeds: list[float] = []

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
 from prefixroute.errors import ConfigurationError
-from prefixroute.policies import Candidate, LoadPolicy
+from prefixroute.policies import Candidate, LoadPolicy, _require_candidates
 
 __all__ = [
     "BASELINES",
@@ -107,6 +107,7 @@ class SGLangCacheAware(LoadPolicy):
         self.balance_rel_threshold = _number("balance_rel_threshold", balance_rel_threshold)
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        _require_candidates(candidates)
         least_loaded = min(candidates, key=lambda c: c.in_flight)
         loads = [c.in_flight for c in candidates]
         high, low = max(loads), min(loads)
@@ -172,6 +173,7 @@ class DynamoKvRouter(LoadPolicy):
         return self.overlap_score_weight * prefill_blocks + decode_blocks
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        _require_candidates(candidates)
         logits = [self.logit(c) for c in candidates]
         if self.temperature == 0.0:
             lowest = min(logits)
@@ -244,6 +246,7 @@ class LlmdDefaultProfile(LoadPolicy):
         return result
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        _require_candidates(candidates)
         scores = self.scores(candidates)
         return candidates[scores.index(max(scores))]
 
@@ -280,6 +283,7 @@ class AIBrixPrefixCache(LoadPolicy):
         self.standard_deviation_factor = _number("standard_deviation_factor", standard_deviation_factor)
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        _require_candidates(candidates)
         counts = [c.in_flight for c in candidates]
         fewest = min(counts)
         searched: Sequence[Candidate] = candidates
@@ -341,6 +345,7 @@ class RayServePrefixAware(LoadPolicy):
         self._trees = _TreeSizes()
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        _require_candidates(candidates)
         queues = [c.in_flight for c in candidates]
         if max(queues) - min(queues) > self.imbalanced_threshold:
             if len(candidates) == 1:
@@ -379,6 +384,7 @@ class ProductionStackPrefixAware(LoadPolicy):
         self._rng = _rng(seed, rng)
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        _require_candidates(candidates)
         longest = max(c.matched_tokens for c in candidates)
         tied = [c for c in candidates if c.matched_tokens == longest]
         return tied[self._rng.randrange(len(tied))]

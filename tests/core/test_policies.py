@@ -15,6 +15,7 @@ from prefixroute import (
     LeastLoaded,
     LinearTTFT,
     LoadPolicy,
+    NoBackendError,
     PowerOfTwo,
     PrefixAffinity,
     Random,
@@ -79,6 +80,12 @@ def test_contract_returns_one_of_the_candidates_unchanged(name: str, candidates:
         chosen = policy.choose(candidates)
         assert any(chosen is c for c in candidates)
     assert candidates == snapshot
+
+
+@pytest.mark.parametrize("name", sorted(CONTRACT))
+def test_contract_no_candidates_is_a_clear_error(name: str) -> None:
+    with pytest.raises(NoBackendError, match="at least one Candidate"):
+        CONTRACT[name]().choose([])
 
 
 @pytest.mark.parametrize("name", sorted(CONTRACT))
