@@ -5,7 +5,9 @@ tokens each ``--token-delay-ms`` apart, so every token is its own SSE chunk as f
 ``prefixroute proxy`` in front of them (with a word-level ``tokenizer.json`` built here) run as separate processes
 on loopback; this process is the load. The proxy is pinned to CPU 0, the engines and the load to the other CPUs.
 Prompts are 2K tokens: one of 8 shared 1K-token system prompts plus a unique 1K-token suffix, sent as token ids
-(``ids``) or as text that the proxy tokenizes (``text``). The load speaks raw HTTP/1.1 on keep-alive connections,
+(``ids``), as text that the proxy tokenizes (``text``), or as chat messages, the shared half the system message and the
+unique half the user's (``chat``: the tokenizer has the chat markers as special tokens, as a chat model's has, so the
+proxy's piece cache encodes only the user's message). The load speaks raw HTTP/1.1 on keep-alive connections,
 so its own cost is small and the same both ways.
 
 * **Added latency**: sequential streamed requests, each prompt sent once straight to an engine and once through
@@ -57,6 +59,7 @@ def build_tokenizer(folder: Path) -> Path:
     words = {f"w{i}": i + 1 for i in range(VOCABULARY)}
     tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, **words}, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(["<|system|>", "<|user|>", "<|assistant|>"])  # the markers of serialise_chat
     path = folder / "tokenizer.json"
     tokenizer.save(str(path))
     return path
@@ -70,12 +73,25 @@ def prompts(count: int, *, tokens: int, seed: int) -> list[list[int]]:
     return [systems[i % 8] + [rng.randrange(1, VOCABULARY) for _ in range(tokens - half)] for i in range(count)]
 
 
-def request_bytes(prompt: list[int], *, text: bool, answer_tokens: int) -> bytes:
-    """One streamed ``/v1/completions`` HTTP/1.1 request, keep-alive."""
-    body = {"model": "fake-model", "stream": True, "max_tokens": answer_tokens,
-            "prompt": " ".join(f"w{t - 1}" for t in prompt) if text else prompt}  # fmt: skip
+KINDS = ("ids", "text", "chat")
+
+
+def words(tokens: list[int]) -> str:
+    return " ".join(f"w{t - 1}" for t in tokens)
+
+
+def request_bytes(prompt: list[int], *, kind: str, answer_tokens: int) -> bytes:
+    """One streamed ``/v1/completions`` (or, for ``chat``, ``/v1/chat/completions``) HTTP/1.1 request, keep-alive."""
+    body: dict[str, Any] = {"model": "fake-model", "stream": True, "max_tokens": answer_tokens}
+    if kind == "chat":
+        half = len(prompt) // 2
+        body["messages"] = [{"role": "system", "content": words(prompt[:half])},
+                            {"role": "user", "content": words(prompt[half:])}]  # fmt: skip
+    else:
+        body["prompt"] = words(prompt) if kind == "text" else prompt
     payload = json.dumps(body, separators=(",", ":")).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(payload)}\r\n\r\n")  # fmt: skip
     return head.encode() + payload
 
@@ -215,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--answer-tokens", type=int, default=16, help="streamed tokens per answer (16)")
     parser.add_argument("--token-delay-ms", type=float, default=1.0, help="engine time between tokens (1 ms)")
     parser.add_argument("--profile", metavar="FILE",
-                        help="py-spy profiles of the proxy under the closed loop: FILE's stem + -ids / -text; "
+                        help="py-spy profiles of the proxy under the closed loop: FILE's stem + -ids / -text / -chat; "
                         "a .txt suffix writes collapsed stacks, others a flame graph")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, one run")
     parser.add_argument("--bare-relay", nargs="+", metavar="ARG", help=argparse.SUPPRESS)  # PORT URL...: baseline
@@ -264,10 +280,10 @@ def measure(args: argparse.Namespace, ports: dict[str, list[int]], servers: dict
     print("Latency of a streamed completion; relay, proxy: added to direct (ms)")
     print(f"{'prompt':<6} {'metric':<6} {'direct P50':>11} {'relay P50':>10} {'proxy P50':>10} "
           f"{'direct P99':>11} {'relay P99':>10} {'proxy P99':>10}")  # fmt: skip
-    for text in (False, True):
+    for kind in KINDS:
         figures: dict[str, list[list[float]]] = {"TTFT": [], "total": []}
         for run in range(args.runs + 1):
-            requests = make_requests(args, count=args.requests, text=text, seed=run)
+            requests = make_requests(args, count=args.requests, kind=kind, seed=run)
             times = run_loop(latency_run(ports, requests))
             if run == 0:
                 continue  # the warm-up
@@ -280,15 +296,15 @@ def measure(args: argparse.Namespace, ports: dict[str, list[int]], servers: dict
         for metric, rows in figures.items():
             cells = " ".join(f"{statistics.median(r[i] for r in rows) * 1e3:>{w}.3f}"
                              for i, w in enumerate((11, 10, 10, 11, 10, 10)))  # fmt: skip
-            print(f"{'text' if text else 'ids':<6} {metric:<6} {cells}")
+            print(f"{kind:<6} {metric:<6} {cells}")
     print()
     print(f"Closed loop, {args.concurrency} connections; per core = requests per CPU-second of the server process")
     print(f"{'prompt':<6} {'server':<6} {'requests/s (wall)':>18} {'CPU ms/request':>15} {'requests/s per core':>20}")
-    for text, way in ((False, "relay"), (False, "proxy"), (True, "proxy")):
+    for kind, way in (("ids", "relay"), ("ids", "proxy"), ("text", "proxy"), ("chat", "proxy")):
         server, port = servers[way], ports[way][0]
         rates: list[tuple[float, float]] = []
         for run in range(args.runs + 1):
-            requests = make_requests(args, count=args.loop_requests, text=text, seed=100 + run)
+            requests = make_requests(args, count=args.loop_requests, kind=kind, seed=100 + run)
             cpu, begin = server.cpu_seconds(), time.perf_counter()
             done = run_loop(closed_loop(port, requests, concurrency=args.concurrency))
             wall, cpu = time.perf_counter() - begin, server.cpu_seconds() - cpu
@@ -297,14 +313,14 @@ def measure(args: argparse.Namespace, ports: dict[str, list[int]], servers: dict
         wall_rate = statistics.median(r[0] for r in rates)
         per_request = statistics.median(r[1] for r in rates)
         per_core = f"{1 / per_request:>20,.0f}" if per_request else f"{'n/a':>20}"
-        print(f"{'text' if text else 'ids':<6} {way:<6} {wall_rate:>18,.0f} {per_request * 1e3:>15.3f} {per_core}")
+        print(f"{kind:<6} {way:<6} {wall_rate:>18,.0f} {per_request * 1e3:>15.3f} {per_core}")
     if args.profile:
         profile(args, ports["proxy"][0], servers["proxy"], run_loop)
 
 
-def make_requests(args: argparse.Namespace, *, count: int, text: bool, seed: int) -> list[bytes]:
+def make_requests(args: argparse.Namespace, *, count: int, kind: str, seed: int) -> list[bytes]:
     bodies = prompts(count, tokens=args.prompt_tokens, seed=seed)
-    return [request_bytes(p, text=text, answer_tokens=args.answer_tokens) for p in bodies]
+    return [request_bytes(p, kind=kind, answer_tokens=args.answer_tokens) for p in bodies]
 
 
 def bare_relay(port: int, backends: list[str]) -> None:
@@ -335,6 +351,7 @@ def bare_relay(port: int, backends: list[str]) -> None:
         sessions.append(aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False))
         app = web.Application()
         app.router.add_post("/v1/completions", relay)
+        app.router.add_post("/v1/chat/completions", relay)
         app.router.add_get("/healthz", healthz)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -351,9 +368,9 @@ def profile(args: argparse.Namespace, proxy_port: int, proxy: Process, loop_runn
         print("py-spy is not installed: no profile")
         return
     stem, _, suffix = args.profile.rpartition(".")
-    for text in (False, True):
-        output = f"{stem}-{'text' if text else 'ids'}.{suffix}"
-        requests = make_requests(args, count=args.loop_requests, text=text, seed=999)
+    for kind in KINDS:
+        output = f"{stem}-{kind}.{suffix}"
+        requests = make_requests(args, count=args.loop_requests, kind=kind, seed=999)
         command = [spy, "record", "--pid", str(proxy.pid), "--output", output, "--rate", "1000", "--nonblocking",
                    "--format", "raw" if suffix == "txt" else "flamegraph"]  # fmt: skip
         recorder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -1,9 +1,14 @@
 from __future__ import annotations
 
+import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from prefixroute import ConfigurationError, Router
 from prefixroute.adapters.tokenize import PromptTokenizer, TextRouter
@@ -64,3 +69,211 @@ def test_wrong_types_are_type_errors(tokenizer_file: Path) -> None:
         prompt_tokenizer.encode_batch("one string")
     with pytest.raises(TypeError):
         PromptTokenizer("tokenizer.json")  # type: ignore[arg-type]
+
+
+# Piece cache: exactly the ids of one encode of the whole text, for every kind of tokenizer a model ships.
+
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<s>", "</s>", "[INST]", "[/INST]"]
+
+
+def _trained(tokenizer: Tokenizer, *, specials: list[str] = SPECIALS) -> Tokenizer:
+    tokenizer.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=["[UNK]", *specials]))
+    return tokenizer
+
+
+def _id(tokenizer: Tokenizer, token: str) -> int:
+    token_id = tokenizer.token_to_id(token)
+    assert token_id is not None
+    return token_id
+
+
+def _byte_level(*, add_prefix_space: bool = False) -> Tokenizer:
+    """GPT-2 / Qwen style: byte-level BPE, BOS and EOS added around every text."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer = _trained(tokenizer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>",
+        special_tokens=[("<s>", tokenizer.token_to_id("<s>")), ("</s>", tokenizer.token_to_id("</s>"))],
+    )
+    return tokenizer
+
+
+def _llama3() -> Tokenizer:
+    """Llama-3 style: a split regex then byte-level without its own regex, BOS before every text."""
+    tokenizer = Tokenizer(models.BPE())
+    pattern = (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+        r"|\s+(?!\S)|\s+"
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer = _trained(tokenizer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))]
+    )
+    return tokenizer
+
+
+def _word_piece() -> Tokenizer:
+    """BERT style: WordPiece, lower-cased, ``[CLS] ... [SEP]`` around every text."""
+    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.train_from_iterator(
+        CORPUS, trainers.WordPieceTrainer(vocab_size=400, special_tokens=["[UNK]", "[CLS]", "[SEP]", *SPECIALS])
+    )
+    tokenizer.post_processor = processors.BertProcessing(
+        ("[SEP]", _id(tokenizer, "[SEP]")), ("[CLS]", _id(tokenizer, "[CLS]"))
+    )
+    return tokenizer
+
+
+def _metaspace(scheme: str) -> Tokenizer:
+    """SentencePiece style (Llama 2, Mistral): ``▁`` marks words; ``first`` marks only the text's first."""
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=scheme)
+    return _trained(tokenizer)
+
+
+def _lowercase_word_level() -> Tokenizer:
+    """A normalizer, word-level ids, an added token matched after normalization and one that strips spaces."""
+    tokenizer = Tokenizer(
+        models.WordLevel(
+            {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(["a", "b", "c", "hello", "world"])}}, unk_token="[UNK]"
+        )
+    )
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(
+        [
+            AddedToken("<|im_start|>", normalized=False),
+            AddedToken("<|IM_END|>", normalized=True),
+            AddedToken("[INST]", lstrip=True, rstrip=True, normalized=False),
+        ]
+    )
+    tokenizer.add_tokens([AddedToken("<|im_start|>x", normalized=False), "hello world"])
+    return tokenizer
+
+
+TOKENIZERS: dict[str, Callable[[], Tokenizer]] = {
+    "byte-level": _byte_level,
+    "byte-level-prefix-space": lambda: _byte_level(add_prefix_space=True),
+    "word-piece": _word_piece,
+    "llama3": _llama3,
+    "metaspace-first": lambda: _metaspace("first"),
+    "metaspace-always": lambda: _metaspace("always"),
+    "lowercase-word-level": _lowercase_word_level,
+}
+FRAGMENTS = [
+    *SPECIALS,
+    "<|IM_END|>",
+    "<|im_start|>x",
+    "hello world",
+    "<|im",
+    "start|>",
+    "<",
+    "|>",
+    "hello",
+    "World",
+    " ",
+    "  ",
+    "\n",
+    "\n\n",
+    "\t",
+    "a",
+    "b c",
+    "SELECT",
+    "'s",
+    ".",
+    ",",
+    "12345",
+    "é",
+    "日本",
+    "🙂",
+]
+
+
+@pytest.fixture(scope="module", params=sorted(TOKENIZERS))
+def any_tokenizer(request: pytest.FixtureRequest) -> Tokenizer:
+    return TOKENIZERS[request.param]()
+
+
+@settings(max_examples=150, deadline=None)
+@given(parts=st.lists(st.sampled_from(FRAGMENTS), max_size=30), add_special_tokens=st.booleans())
+def test_cached_pieces_give_exactly_the_ids_of_one_encode(
+    any_tokenizer: Tokenizer, parts: list[str], add_special_tokens: bool
+) -> None:
+    text = "".join(parts)
+    expected = any_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+    for cache_tokens in (262_144, 4):  # 4: most pieces do not fit, the others are evicted at once
+        prompt_tokenizer = PromptTokenizer(
+            any_tokenizer, add_special_tokens=add_special_tokens, cache_tokens=cache_tokens
+        )
+        assert prompt_tokenizer.encode(text) == expected
+        assert prompt_tokenizer.encode(text) == expected  # the second time from the cache
+
+
+def test_which_tokenizers_cut_their_texts() -> None:
+    cuts = {name: PromptTokenizer(make()).caches_pieces for name, make in TOKENIZERS.items()}
+    assert cuts == {"byte-level": True, "byte-level-prefix-space": True, "word-piece": True, "llama3": True,
+                    "metaspace-first": False, "metaspace-always": True, "lowercase-word-level": False}  # fmt: skip
+    # lowercase-word-level: its only plain special token, <|im_start|>, is inside another added token
+    assert not PromptTokenizer(_byte_level(), cache_tokens=0).caches_pieces
+
+
+def test_a_shared_system_prompt_is_encoded_once() -> None:
+    tokenizer = _byte_level()
+    prompt_tokenizer = PromptTokenizer(tokenizer)
+    system = "<|im_start|>system\n" + " ".join(CORPUS[:4]) + "<|im_end|>\n"
+    for question in ("What is a join?", "Why is the sky blue?"):
+        text = system + f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+        assert prompt_tokenizer.encode(text) == tokenizer.encode(text).ids
+    cached = list(prompt_tokenizer._pieces)
+    assert cached.count("system\n" + " ".join(CORPUS[:4])) == 1
+    assert sorted(piece for piece in cached if piece.startswith("user\n")) == [
+        "user\nWhat is a join?",
+        "user\nWhy is the sky blue?",
+    ]
+
+
+@pytest.mark.parametrize("cache_tokens", [-1, 1.5, True, "8"])
+def test_cache_size_is_checked(cache_tokens: object) -> None:
+    with pytest.raises(ConfigurationError, match="cache_tokens"):
+        PromptTokenizer(_byte_level(), cache_tokens=cache_tokens)  # type: ignore[arg-type]
+
+
+def test_threads_share_the_cache_safely() -> None:
+    tokenizer = _byte_level()
+    texts = [
+        f"<|im_start|>system\n{CORPUS[s % 4]}<|im_end|>\n<|im_start|>user\n{CORPUS[q % 4]} {q}<|im_end|>\n"
+        for s in range(4)
+        for q in range(12)
+    ]
+    expected = [tokenizer.encode(text).ids for text in texts]
+    prompt_tokenizer = PromptTokenizer(tokenizer, cache_tokens=64)  # a few pieces at a time: constant eviction
+    failures: list[int] = []
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+
+        def work(offset: int) -> None:
+            for i in range(200):
+                n = (i + offset) % len(texts)
+                if prompt_tokenizer.encode(texts[n]) != expected[n]:
+                    failures.append(n)
+
+        threads = [threading.Thread(target=work, args=(k * 7,)) for k in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert failures == []
+    assert sum(map(len, prompt_tokenizer._pieces.values())) <= 64
