@@ -233,7 +233,7 @@ def register_compare(subparsers: Any) -> None:
         description=(
             "Run every built-in and baseline policy on a scenario or your own trace, print them ranked (P50/P99 "
             "TTFT, throughput, KV hit rate, max share) and recommend the one with the lowest P99 TTFT among those "
-            f"within {100 * THROUGHPUT_TOLERANCE:g} %% of the best throughput. --suite runs the project's whole "
+            f"within {100 * THROUGHPUT_TOLERANCE:g} % of the best throughput. --suite runs the project's whole "
             "benchmark suite and writes docs/policies-benchmark.md."
         ),
     )
