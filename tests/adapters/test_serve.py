@@ -129,8 +129,12 @@ def test_lifecycle_and_endpoint_errors() -> None:
     assert call(sidecar, "POST", "/finish", raw=b'{"id": 7}').status_code == 400
     assert call(sidecar, "POST", "/finish", raw=b"{}").status_code == 400
     assert call(sidecar, "POST", "/nope", {}).status_code == 404
-    assert call(sidecar, "GET", "/route").status_code == 404
-    assert call(sidecar, "PUT", "/route", {}).status_code == 405
+    assert call(sidecar, "PUT", "/nope", {}).status_code == 404
+    wrong_methods = (("GET", "/route", "POST"), ("PUT", "/route", "POST"), ("POST", "/metrics", "GET, HEAD"))
+    for method, path, allowed in wrong_methods:
+        refused = call(sidecar, method, path, {} if method != "GET" else None)
+        assert (refused.status_code, refused.headers["allow"]) == (405, allowed)
+        assert allowed in refused.json()["error"]
     assert call(sidecar, "GET", "/healthz").json()["status"] == "ok"
     metrics = call(sidecar, "GET", "/metrics").text
     assert 'prefixroute_bad_requests_total{status="400"} 2' in metrics

@@ -48,6 +48,8 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 PICK_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 """OpenAI paths the sidecar answers with a pick (the decision in headers) for proxies that forward the request."""
 
+_POST_PATHS = frozenset({"/route", "/first_token", "/finish", *PICK_PATHS})
+_GET_PATHS = frozenset({"/metrics", "/healthz", "/stats"})
 _JSON = (b"content-type", b"application/json")
 _MAX_SEEN_BACKENDS = 4096  # per-request backend ids listed in /metrics; past this only the counts go on
 
@@ -268,18 +270,25 @@ class Sidecar:
         method: str = scope["method"]
         path: str = scope["path"]
         try:
-            if method == "POST":
+            if method == "POST" and path in _POST_PATHS:
                 body = await self._body(receive)
                 if body is None:  # the client left before sending the whole body: decide nothing, answer no one
                     return
                 await self._post(path, body, send)
-            elif method in ("GET", "HEAD"):
+            elif method in ("GET", "HEAD") and path in _GET_PATHS:
                 await self._get(path, send)
+            elif path in _POST_PATHS or path in _GET_PATHS:
+                allowed = "POST" if path in _POST_PATHS else "GET, HEAD"
+                raise BadRequest(405, f"{method} {path} is not served: use {allowed}")
             else:
-                raise BadRequest(405, f"{method} is not served: use POST for decisions and GET for metrics")
+                endpoints = "POST /route, /first_token, /finish; GET /metrics, /healthz, /stats"
+                raise BadRequest(404, f"no such endpoint {path!r}: {endpoints}")
         except BadRequest as exc:
             self.metrics.refused(exc.status)
-            await _respond(send, exc.status, msgspec.json.encode({"error": exc.message}))
+            headers = [_JSON]
+            if exc.status == 405:  # RFC 9110: a 405 names the methods the resource serves
+                headers.append((b"allow", b"POST" if path in _POST_PATHS else b"GET, HEAD"))
+            await _respond(send, exc.status, msgspec.json.encode({"error": exc.message}), headers)
 
     async def _post(self, path: str, body: bytes, send: Send) -> None:
         if path == "/route":
@@ -288,7 +297,7 @@ class Sidecar:
             request: LifecycleBody = decode(body, LifecycleBody)
             (self.finish if path == "/finish" else self.first_token)(request.id)
             await _respond(send, 200, msgspec.json.encode({"id": request.id}))
-        elif path in PICK_PATHS:
+        else:  # PICK_PATHS
             decision = self.pick(path, body)
             answer = self.answer(decision)
             headers = [
@@ -301,8 +310,6 @@ class Sidecar:
                 (b"x-prefixroute-matched-tokens", str(decision.matched_tokens).encode()),
             ]
             await _respond(send, 200, answer, headers)
-        else:
-            raise BadRequest(404, f"no such endpoint {path!r}: POST /route, /first_token, /finish")
 
     async def _get(self, path: str, send: Send) -> None:
         if path == "/metrics":
@@ -310,10 +317,8 @@ class Sidecar:
             await _respond(send, 200, text, [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")])
         elif path == "/healthz":
             await _respond(send, 200, msgspec.json.encode({"status": "ok", "backends": list(self.backends)}))
-        elif path == "/stats":
+        else:  # /stats
             await _respond(send, 200, msgspec.json.encode(self.stats()))
-        else:
-            raise BadRequest(404, f"no such endpoint {path!r}: GET /metrics, /healthz, /stats")
 
     async def _body(self, receive: Receive) -> bytes | None:
         """The request body, or None when the client disconnected before sending all of it.
