@@ -1,4 +1,4 @@
-"""The checks every proxy set-up must pass (imported by test_nginx.py, test_haproxy.py, test_envoy.py).
+"""The checks every proxy set-up must pass (imported by test_gateways.py and test_haproxy.py).
 
 A :class:`Stack` is real processes on loopback: two fake vLLM engines (OpenAI-compatible, streaming SSE), the
 sidecar (``prefixroute serve`` in its own process) and the proxy under its example configuration. Under CI=true a
