@@ -39,6 +39,7 @@ from typing import Any
 
 from aiohttp import web
 
+from prefixroute.adapters.threaded import ServerThread
 from prefixroute.testing.fake_cache import FakeBlockCache
 
 __all__ = ["EngineStats", "OpenAIEngine", "main", "register", "whitespace_tokens"]
@@ -180,8 +181,7 @@ class OpenAIEngine:
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._slots: asyncio.Semaphore | None = None
-        self._thread: threading.Thread | None = None
-        self._stopped: asyncio.Event | None = None
+        self._serving: ServerThread | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
 
@@ -214,34 +214,15 @@ class OpenAIEngine:
 
     def start(self) -> OpenAIEngine:
         """Serve on a thread of its own; return self once listening."""
-        ready = threading.Event()
-        failure: list[BaseException] = []
-
-        async def main() -> None:
-            try:
-                await self.serve()
-            except BaseException as exc:  # reported to start()'s caller
-                failure.append(exc)
-                ready.set()
-                return
-            self._stopped = asyncio.Event()
-            ready.set()
-            await self._stopped.wait()
-            await self.aclose()
-
-        self._thread = threading.Thread(target=asyncio.run, args=(main(),), name="fake-openai-engine", daemon=True)
-        self._thread.start()
-        ready.wait()
-        if failure:
-            raise failure[0]
+        self._serving = ServerThread(self.serve, self.aclose, name="fake-openai-engine")
+        self._serving.start()
         return self
 
     def stop(self) -> None:
         """Stop the thread :meth:`start` started. Idempotent."""
-        if self._thread is not None and self._loop is not None and self._stopped is not None:
-            self._loop.call_soon_threadsafe(self._stopped.set)
-            self._thread.join(10)
-            self._thread = None
+        if self._serving is not None:
+            self._serving.stop()
+            self._serving = None
 
     def __enter__(self) -> OpenAIEngine:
         return self.start()
@@ -310,7 +291,7 @@ class OpenAIEngine:
         if self._loop is None:
             coroutine.close()
             raise RuntimeError("the engine is not started")
-        if self._thread is not None and threading.current_thread() is not self._thread:
+        if self._serving is not None and not self._serving.is_current():
             asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(10)
         else:  # on the engine's own loop (serve()): schedule it
             self._loop.create_task(coroutine)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import msgspec
 from aiohttp import web
 
 from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens
+from prefixroute.adapters.threaded import ServerThread
 from prefixroute.errors import ConfigurationError
 from prefixroute.router import Decision, Router
 
@@ -133,8 +133,7 @@ class Proxy:
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stopped: asyncio.Event | None = None
+        self._serving: ServerThread | None = None
         self.url = ""
 
     # -- running ---------------------------------------------------------------------------------------------------
@@ -183,34 +182,15 @@ class Proxy:
 
     def start(self, *, host: str = "127.0.0.1", port: int = 0) -> Proxy:
         """Serve on a thread of its own (with its own event loop); return self once listening (see :attr:`url`)."""
-        ready = threading.Event()
-        failure: list[BaseException] = []
-
-        async def main() -> None:
-            try:
-                await self.serve(host=host, port=port)
-            except BaseException as exc:  # reported to start()'s caller
-                failure.append(exc)
-                ready.set()
-                return
-            self._stopped = asyncio.Event()
-            ready.set()
-            await self._stopped.wait()
-            await self.aclose()
-
-        self._thread = threading.Thread(target=asyncio.run, args=(main(),), name="prefixroute-proxy", daemon=True)
-        self._thread.start()
-        ready.wait()
-        if failure:
-            raise failure[0]
+        self._serving = ServerThread(lambda: self.serve(host=host, port=port), self.aclose, name="prefixroute-proxy")
+        self._serving.start()
         return self
 
     def stop(self) -> None:
         """Stop the thread :meth:`start` started. Idempotent."""
-        if self._thread is not None and self._loop is not None and self._stopped is not None:
-            self._loop.call_soon_threadsafe(self._stopped.set)
-            self._thread.join(10)
-            self._thread = None
+        if self._serving is not None:
+            self._serving.stop()
+            self._serving = None
 
     def __enter__(self) -> Proxy:
         return self.start()
