@@ -79,7 +79,22 @@ class PrefillCountedTwice(_Variant):
         return c.pending_prefill_tokens + c.uncached_tokens * (1 + c.in_flight + c.in_prefill)
 
 
-VARIANTS = (HalfInFlight, QuarterInFlight, NoFactor, PastPrefillOnly, QueuedTimesFactor, PrefillCountedTwice)
+class InPrefillOnly(_Variant):
+    label = "× (1 + requests in prefill only)"
+
+    def work(self, c: Candidate) -> float:
+        return c.pending_prefill_tokens + c.uncached_tokens * (1 + c.in_prefill)
+
+
+VARIANTS = (
+    HalfInFlight,
+    QuarterInFlight,
+    NoFactor,
+    PastPrefillOnly,
+    InPrefillOnly,
+    QueuedTimesFactor,
+    PrefillCountedTwice,
+)
 
 
 def main() -> int:

@@ -66,20 +66,23 @@ class UnboundedStore:
         """How many leading ``hashes`` the store holds. O(log n), or O(matched) while :attr:`open`."""
         return _leading(self.blocks, hashes) if self._open else _boundary(self.blocks, hashes)
 
-    def put(self, hashes: Sequence[int], parent: int | None, held: int = 0) -> bool:
+    def put(self, hashes: Sequence[int], parent: int | None, held: int = 0, *, checked: bool = False) -> bool:
         """Hold the chain ``hashes`` continuing block ``parent``; False (nothing stored) when ``parent`` is not held.
 
         ``held`` is a hint: how many leading blocks the caller believes are held; a wrong one costs one probe.
-        O(len(hashes) - held).
+        O(len(hashes) - held). ``checked``: a chain that holds a block the store holds under another parent (see
+        :meth:`LRUStore.put`) makes the store walk block by block from then on, so :meth:`match` stays exact. O(n).
         """
         blocks = self.blocks
+        if parent is not None and parent not in blocks:
+            return False
+        if checked and not self._open and not blocks.isdisjoint(hashes[_leading(blocks, hashes) :]):
+            self._open = True
         if parent is not None:
-            if parent not in blocks:
-                return False
             held = 0
         else:
             self.roots.add(hashes[0])
-            if self._open or not 0 < held <= len(hashes) or hashes[held - 1] not in blocks:
+            if self._open or not 0 < held <= len(hashes) or hashes[held - 1] not in blocks or hashes[0] not in blocks:
                 held = 0
         blocks.update(hashes[held:] if held else hashes)
         return True
@@ -196,11 +199,15 @@ class LRUStore:
             position = end
         return position
 
-    def put(self, hashes: Sequence[int], parent: int | None) -> bool:
+    def put(self, hashes: Sequence[int], parent: int | None, *, checked: bool = False) -> bool:
         """Hold the chain ``hashes`` continuing block ``parent``; False (nothing stored) when ``parent`` is not held.
 
         A chain from block 0 (``parent`` None) moves to the newest generation, its held blocks included; a
-        continuation joins its parent's generation. O(G + len(hashes)) for G generations.
+        continuation joins its parent's generation. O(G + len(hashes)) for G generations. ``checked`` first looks
+        for a block the store holds under another parent (a chain no consistent hashing makes, so never the
+        router's own, but a hostile or broken KV-event source can send one): the store then walks block by block
+        (:attr:`open`) until every generation alive now has been evicted, so no block sits in two generations and
+        :meth:`match` stays exact. O(G * len(hashes)) more, in C.
         """
         gens = self._gens
         target = len(gens) - 1
@@ -210,7 +217,8 @@ class LRUStore:
                 target -= 1
             if target < 0:
                 return False
-        else:
+        contradicts = checked and self._contradicts(hashes, target)
+        if parent is None:
             self.roots.add(hashes[0])
             newest = gens[-1]
             # Start a new generation at twice the target size, or from half of it when this chain could make
@@ -222,6 +230,8 @@ class LRUStore:
             ):
                 gens.append(set())
                 target += 1
+        if contradicts:  # open (again, or longer) while any generation alive now lives, this chain's included
+            self._open_until = self._first + len(gens) - 1
         into = gens[target]
         before = len(into)
         if self.open:
@@ -252,6 +262,21 @@ class LRUStore:
                 into.update(hashes[position:])
         self.size += len(into) - before
         return True
+
+    def _contradicts(self, hashes: Sequence[int], target: int) -> bool:
+        """Whether a block of ``hashes`` is held but not in the chain's leading run (from generation ``target`` down,
+        or anywhere while open), walked block by block since a contradicting store can fool a binary search.
+        O(G * len(hashes)), in C."""
+        gens = self._gens
+        if self.open:  # the held run may be spread over generations in any order
+            position = _leading(self, hashes)
+        else:
+            position = 0
+            for gen in reversed(gens[: target + 1]):
+                if position < len(hashes) and hashes[position] in gen:
+                    position = _walk_run(gen, hashes, position)
+        rest = hashes[position:]
+        return bool(rest) and any(not gen.isdisjoint(rest) for gen in gens)
 
     def discard(self, hashes: Collection[int]) -> int:
         """Forget ``hashes`` (those not held are ignored); return how many were held. O(G * len(hashes))."""
@@ -463,9 +488,11 @@ class PrefixIndex:
         if parent is not None and (isinstance(parent, bool) or not isinstance(parent, int) or not 0 <= parent < 2**64):
             raise TypeError(f"parent must be a block hash, an int in [0, 2**64), or None, not {parent!r}")
         if hashes:
-            self._put(hashes, backend, parent, 0)
+            self._put(hashes, backend, parent, 0, checked=True)
 
-    def _put(self, hashes: Sequence[int], backend: str, parent: int | None, held: int) -> None:
+    def _put(
+        self, hashes: Sequence[int], backend: str, parent: int | None, held: int, *, checked: bool = False
+    ) -> None:
         store = self._stores.get(backend)
         if store is None:
             if parent is not None:
@@ -476,10 +503,10 @@ class PrefixIndex:
             self._stores[backend] = store
             self._roots[backend] = store.roots
         if isinstance(store, UnboundedStore):
-            if not store.put(hashes, parent, held):
+            if not store.put(hashes, parent, held, checked=checked):
                 self._orphans += 1
             return
-        if not store.put(hashes, parent):
+        if not store.put(hashes, parent, checked=checked):
             self._orphans += 1
             return
         capacity = self.capacity(backend)

@@ -67,6 +67,27 @@ def test_a_continuation_joins_its_parent_and_never_outlives_it() -> None:
     assert index.match(full, ["a"]) == {"a": 0} and not any(index.holds(h, "a") for h in full)
 
 
+@pytest.mark.parametrize("parent", [None, 900])
+def test_a_chain_holding_a_block_under_another_parent_keeps_the_store_exact(parent: int | None) -> None:
+    """Found by the long fault campaign: a KV event whose chain reaches a held block after blocks the store lacks
+    (a block under two parents: no consistent hashing makes one) put that block in two generations."""
+    for capacity in (None, 64):
+        index = PrefixIndex(block_size=1, capacity_blocks=capacity)
+        index.insert([900], "a")
+        index.insert([1, 2, 3], "a")
+        index.insert([50, 51], "a")
+        index.insert([0, 1, 51], "a", parent=parent)  # 1 and 51 are held, each under another parent
+        index._check(chains=[[1, 2, 3], [50, 51]])
+        assert index.match([1, 2, 3], ["a"]) == {"a": 3} and index.match([50, 51], ["a"]) == {"a": 2}
+        full = [0, 1, 51] if parent is None else [900, 0, 1, 51]
+        assert index.match(full, ["a"]) == {"a": len(full)}
+        for p in range(200):  # every generation turns over: the store is exact again, and closed
+            index.insert([10_000 + 10 * p + k for k in range(4)], "a")
+            index._check()
+        store = index.store("a")
+        assert store is not None and (capacity is None or not store.open)
+
+
 def test_an_insert_whose_parent_is_not_held_is_skipped_and_counted() -> None:
     for capacity in (None, 100):
         index = PrefixIndex(block_size=1, capacity_blocks=capacity)

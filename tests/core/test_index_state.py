@@ -38,6 +38,7 @@ class IndexMachine(RuleBasedStateMachine):
         self.exact = dict.fromkeys(BACKENDS, True)
         self.chains: list[list[int]] = []
         self.orphans = 0
+        self.fresh = 4  # hashes of contradicting chains' fresh blocks count down from 2**64 - 1
 
     @initialize(default=CAPACITIES, own=st.dictionaries(st.sampled_from(BACKENDS), st.integers(0, 24)))
     def build(self, default: int | None, own: dict[str, int]) -> None:
@@ -84,6 +85,24 @@ class IndexMachine(RuleBasedStateMachine):
         else:
             assert self.index.orphan_inserts == before + 1
             assert self.index.hashes(backend) == blocks, "an orphan insert changed what the backend holds"
+        self._sync(backend)
+
+    @precondition(lambda self: any(self.index.blocks(b) for b in BACKENDS))
+    @rule(data=st.data(), fresh=st.integers(1, 3), continuation=st.booleans())
+    def insert_contradicting(self, data: st.DataObject, fresh: int, continuation: bool) -> None:
+        """A chain no consistent hashing makes, as a hostile or broken KV-event source may send: fresh blocks, then
+        blocks the backend holds, each now under another parent. The store sees the contradiction, walks block by
+        block until every generation of that time is evicted, and stays exact."""
+        backend = data.draw(st.sampled_from([b for b in BACKENDS if self.index.blocks(b)]))
+        held = sorted(self.index.hashes(backend))
+        borrowed = data.draw(st.lists(st.sampled_from(held), min_size=1, max_size=4, unique=True))
+        self.fresh += fresh
+        hashes = [2**64 - self.fresh + k for k in range(fresh)] + borrowed
+        parent = data.draw(st.sampled_from(held)) if continuation else None
+        if parent is not None and parent in borrowed:
+            parent = None
+        self.index.insert(hashes, backend, parent=parent)
+        self.model[backend].update(hashes)
         self._sync(backend)
 
     def _long(self) -> bool:
