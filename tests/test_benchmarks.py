@@ -36,12 +36,13 @@ def test_bench_sim_and_bench_events_run() -> None:
 
 def test_bench_proxy_prints_latency_and_rate_rows() -> None:
     rows = [line.split() for line in run("bench_proxy.py", "--quick").splitlines()]
-    assert [row[:2] for row in rows if len(row) == 8] == [["ids", "TTFT"], ["ids", "total"], ["text", "TTFT"],
-                                                         ["text", "total"]]  # fmt: skip
+    kinds = ("ids", "text", "chat")
+    latency = [[kind, metric] for kind in kinds for metric in ("TTFT", "total")]
+    assert [row[:2] for row in rows if len(row) == 8] == latency
     assert [row[:2] for row in rows if len(row) == 5 and row[1] in ("relay", "proxy")] == [
-        ["ids", "relay"], ["ids", "proxy"], ["text", "proxy"]]  # fmt: skip
+        ["ids", "relay"], ["ids", "proxy"], ["text", "proxy"], ["chat", "proxy"]]  # fmt: skip
 
 
 def test_default_variants_prints_a_row_per_variant() -> None:
     rows = [line for line in run("default_variants.py", "--quick", "--jobs", "1").splitlines() if line[-1:].isdigit()]
-    assert len(rows) == 7 and rows[0].startswith("predicted-ttft (the default)")
+    assert len(rows) == 8 and rows[0].startswith("predicted-ttft (the default)")  # the default and 7 variants
