@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from prefixroute import ConfigurationError, Router
+from prefixroute import ConfigurationError, InvalidPromptError, Router
 from prefixroute.adapters.tokenize import PromptTokenizer, TextRouter
 
 CORPUS = [
@@ -277,3 +277,14 @@ def test_threads_share_the_cache_safely() -> None:
         sys.setswitchinterval(interval)
     assert failures == []
     assert sum(map(len, prompt_tokenizer._pieces.values())) <= 64
+
+
+@pytest.mark.parametrize(("text", "position"), [("a \ud800 b", 2), ("<|im_start|>user\nhi\udfff<|im_end|>", 19)])
+def test_a_lone_surrogate_is_a_clear_prompt_error(text: str, position: int) -> None:
+    """JSON can carry one (a ``\\ud800`` escape); the library itself only says its input has the wrong type."""
+    prompt_tokenizer = PromptTokenizer(_byte_level())
+    assert prompt_tokenizer.caches_pieces
+    with pytest.raises(InvalidPromptError, match=f"lone surrogate .* at character {position}: send valid Unicode"):
+        prompt_tokenizer.encode(text)
+    with pytest.raises(InvalidPromptError, match="lone surrogate"):
+        prompt_tokenizer.encode_batch(["fine", text])
