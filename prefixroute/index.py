@@ -71,7 +71,7 @@ class UnboundedStore:
 
         ``held`` is a hint: how many leading blocks the caller believes are held; a wrong one costs one probe.
         O(len(hashes) - held). ``checked``: a chain that holds a block the store holds under another parent (see
-        :meth:`LRUStore.put`) makes the store walk block by block from then on, so :meth:`match` stays exact. O(n).
+        :meth:`LRUStore.put`) makes the store walk block by block from then on, as after a hole. O(n) more.
         """
         blocks = self.blocks
         if parent is not None and parent not in blocks:
@@ -206,8 +206,8 @@ class LRUStore:
         continuation joins its parent's generation. O(G + len(hashes)) for G generations. ``checked`` first looks
         for a block the store holds under another parent (a chain no consistent hashing makes, so never the
         router's own, but a hostile or broken KV-event source can send one): the store then walks block by block
-        (:attr:`open`) until every generation alive now has been evicted, so no block sits in two generations and
-        :meth:`match` stays exact. O(G * len(hashes)) more, in C.
+        (:attr:`open`) until every generation alive now has been evicted, so this chain leaves no block in two
+        generations and :meth:`match` exact (docs/internals.md says what no store can see). O(G * len(hashes)) more.
         """
         gens = self._gens
         target = len(gens) - 1

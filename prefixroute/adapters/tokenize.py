@@ -180,7 +180,7 @@ def _cut_tokens(tokenizer: Tokenizer) -> dict[str, int]:
 
 def _overlapping(cuts: Iterable[str], contents: Iterable[str]) -> set[str]:
     """The ``cuts`` that another of the added tokens' ``contents`` contains, lies inside, or can overlap in a text (an
-    end of one the start of the other). O(sum of each content's length squared): ~50 ms for 256 special tokens."""
+    end of one the start of the other). O(sum of each content's length squared), once per tokenizer."""
     tokens = set(contents)
     inner: set[str] = set()  # every substring of a token but the token itself
     starts: set[str] = set()  # proper prefixes
