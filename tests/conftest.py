@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from prefixroute.testing.openai_engine import OpenAIEngine
 
 DEADLINE_S = 10.0
 """How long a test waits for something another thread or process does (generous: CI machines are slow)."""
@@ -31,3 +35,18 @@ class FakeClock:
 
     def tick(self, seconds: float) -> None:
         self.now += seconds
+
+
+def running_engines(count: int, **options: Any) -> Iterator[list[OpenAIEngine]]:
+    """``count`` fake OpenAI engines (seeds 0, 1, ...; ``options`` for each) on loopback, stopped after the yield.
+
+    For a fixture: ``yield from running_engines(3, max_tokens=4)``.
+    """
+    from prefixroute.testing.openai_engine import OpenAIEngine
+
+    started = [OpenAIEngine(seed=i, **options).start() for i in range(count)]
+    try:
+        yield started
+    finally:
+        for engine in started:
+            engine.stop()

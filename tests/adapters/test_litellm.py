@@ -22,6 +22,8 @@ from prefixroute import Router  # noqa: E402
 from prefixroute.adapters.litellm import PrefixRouteHook  # noqa: E402
 from prefixroute.testing.openai_engine import OpenAIEngine  # noqa: E402
 
+from ..conftest import running_engines
+
 SYSTEM = "You are a careful assistant. " * 20
 yaml: Any = importlib.import_module("yaml")  # a LiteLLM dependency; its stubs are not
 EXAMPLES = Path(__file__).parents[2] / "examples"
@@ -29,10 +31,7 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[list[OpenAIEngine]]:
-    started = [OpenAIEngine(seed=i, max_tokens=3).start() for i in range(3)]
-    yield started
-    for engine in started:
-        engine.stop()
+    yield from running_engines(3, max_tokens=3)
 
 
 @pytest.fixture

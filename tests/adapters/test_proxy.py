@@ -14,17 +14,14 @@ from prefixroute import BoundedLoad, Router
 from prefixroute.adapters.proxy import Proxy
 from prefixroute.testing.openai_engine import OpenAIEngine
 
-from ..conftest import wait_until
+from ..conftest import running_engines, wait_until
 
 SYSTEM = " ".join(f"rule{i}" for i in range(64))  # 64 words: four 16-token blocks for the engines
 
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[list[OpenAIEngine]]:
-    started = [OpenAIEngine(seed=i, max_tokens=4).start() for i in range(3)]
-    yield started
-    for engine in started:
-        engine.stop()
+    yield from running_engines(3, max_tokens=4)
 
 
 @pytest.fixture

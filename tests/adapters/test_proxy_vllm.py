@@ -18,7 +18,7 @@ from prefixroute.adapters.tokenize import serialise_chat
 from prefixroute.testing.fake_vllm import FakeVLLM
 from prefixroute.testing.openai_engine import OpenAIEngine
 
-from ..conftest import wait_until
+from ..conftest import running_engines, wait_until
 
 WORDS = [f"w{i}" for i in range(200)]
 
@@ -54,10 +54,7 @@ def post(proxy: Proxy, body: dict[str, object], *, chat: bool = False) -> httpx.
 
 @pytest.fixture
 def lora_engines() -> Iterator[list[OpenAIEngine]]:
-    started = [OpenAIEngine(seed=i, max_tokens=2, lora_adapters=("sql", "chat")).start() for i in range(3)]
-    yield started
-    for engine in started:
-        engine.stop()
+    yield from running_engines(3, max_tokens=2, lora_adapters=("sql", "chat"))
 
 
 def test_lora_adapters_named_in_model_never_share_prefixes(lora_engines: list[OpenAIEngine]) -> None:

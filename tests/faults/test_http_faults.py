@@ -30,7 +30,7 @@ from prefixroute.adapters.serve import Sidecar
 from prefixroute.errors import ConfigurationError
 from prefixroute.testing.openai_engine import OpenAIEngine
 
-from ..conftest import wait_until
+from ..conftest import running_engines, wait_until
 
 BACKENDS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
 
@@ -162,10 +162,7 @@ def test_any_json_body_is_answered_4xx_json_or_decided_and_nothing_else_counts(b
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[list[OpenAIEngine]]:
-    started = [OpenAIEngine(seed=i, max_tokens=3).start() for i in range(2)]
-    yield started
-    for engine in started:
-        engine.stop()
+    yield from running_engines(2, max_tokens=3)
 
 
 @pytest.fixture
