@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from prefixroute.errors import (
     ConfigurationError,
+    DecisionError,
     InvalidEventError,
     InvalidPromptError,
     InvalidTraceError,
@@ -49,6 +50,7 @@ __all__ = [
     "ConfigurationError",
     "CostAware",
     "Decision",
+    "DecisionError",
     "InvalidEventError",
     "InvalidPromptError",
     "InvalidTraceError",

@@ -3,23 +3,25 @@
 ::
 
     PrefixRouteError
-    ├── ConfigurationError     a bad option: unknown policy name, negative capacity, wrong block size
+    ├── ConfigurationError     a bad option or argument: unknown policy name, negative capacity, a backend twice
     ├── InvalidPromptError     a token id that is not an int in [0, 2**32), or an unsupported prompt type
     ├── NoBackendError         route() was given no backend to choose from (also a LookupError)
     ├── PolicyError            a policy returned something that is not one of its candidates (also a TypeError)
+    ├── DecisionError          a decision given to a router that did not make it, or committed elsewhere
     ├── InvalidEventError      a malformed vLLM KV-cache event
     ├── InvalidTraceError      a malformed line in a workload trace
     └── MetricsError           unreadable Prometheus metrics text
 
 Each error is also the builtin a Python user would catch: ``ConfigurationError``, ``InvalidPromptError``,
-``InvalidEventError`` and ``InvalidTraceError`` are ``ValueError``, ``NoBackendError`` a ``LookupError``,
-``PolicyError`` a ``TypeError``. Wrong argument *types* raise ``TypeError``.
+``DecisionError``, ``InvalidEventError`` and ``InvalidTraceError`` are ``ValueError``, ``NoBackendError`` a
+``LookupError``, ``PolicyError`` a ``TypeError``. Wrong argument *types* raise ``TypeError``.
 """
 
 from __future__ import annotations
 
 __all__ = [
     "ConfigurationError",
+    "DecisionError",
     "InvalidEventError",
     "InvalidPromptError",
     "InvalidTraceError",
@@ -50,8 +52,14 @@ class PolicyError(PrefixRouteError, TypeError):
     """A :class:`~prefixroute.LoadPolicy` returned something other than one of the candidates it was given."""
 
 
+class DecisionError(PrefixRouteError, ValueError):
+    """A :class:`~prefixroute.Decision` was passed to a router that did not make it, or committed to a backend that
+    was not one of its candidates."""
+
+
 class InvalidEventError(PrefixRouteError, ValueError):
-    """A vLLM KV-cache event or event batch does not follow vLLM's wire format."""
+    """A malformed index update: a vLLM KV-cache event or event batch that does not follow vLLM's wire format, or a
+    block hash outside [0, 2**64) given to the index's write path."""
 
 
 class InvalidTraceError(PrefixRouteError, ValueError):

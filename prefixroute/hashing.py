@@ -156,12 +156,13 @@ class BlockHasher:
         """Return one chained hash per full block of ``tokens``; O(n).
 
         ``parent`` continues a chain: the first block of ``tokens`` is hashed as the block after the block whose
-        hash is ``parent``. Raises :class:`InvalidPromptError` for bad token ids (see :func:`encode_tokens`).
+        hash is ``parent``. Raises :class:`InvalidPromptError` for bad token ids (see :func:`encode_tokens`) or a
+        ``parent`` that is not a block hash.
         """
         seed = self._seed
         if parent is not None:
             if isinstance(parent, bool) or not isinstance(parent, int) or not 0 <= parent < _HASH_LIMIT:
-                raise ValueError(f"parent must be a block hash, an int in [0, 2**64), not {parent!r}")
+                raise InvalidPromptError(f"parent must be a block hash, an int in [0, 2**64), not {parent!r}")
             seed = parent
         return self.hash_encoded(encode_tokens(tokens), seed)
 

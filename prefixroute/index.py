@@ -20,7 +20,8 @@ from array import array
 from collections.abc import Collection, Container, Iterable, Iterator, Mapping, Sequence
 from itertools import chain, islice, takewhile
 
-from prefixroute.errors import ConfigurationError
+from prefixroute.errors import ConfigurationError, InvalidEventError
+from prefixroute.hashing import check_block_size
 
 __all__ = ["IndexUpdate", "LRUStore", "PrefixIndex", "UnboundedStore", "apply_updates", "leading_run"]
 
@@ -375,9 +376,7 @@ class PrefixIndex:
     generations: int = 16
 
     def __init__(self, block_size: int = 16, *, capacity_blocks: int | Mapping[str, int] | None = None) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ConfigurationError(f"block_size must be a positive int (vLLM's default is 16), not {block_size!r}")
-        self._block_size = block_size
+        self._block_size = check_block_size(block_size)
         self._stores: dict[str, UnboundedStore | LRUStore] = {}
         self._roots: dict[str, set[int]] = {}  # each store's roots, so match() probes one small set per backend
         self._capacity: dict[str, int] = {}
@@ -480,13 +479,15 @@ class PrefixIndex:
         (:attr:`orphan_inserts`): the engine could not reuse it through this index. O(len(hashes) + evicted).
 
         Raises:
-            TypeError: a hash or ``parent`` is not an int in [0, 2**64), or ``backend`` is not a str (nothing is
-                stored).
+            TypeError: a hash or ``parent`` is not an int, or ``backend`` is not a str (nothing is stored).
+            InvalidEventError: a hash or ``parent`` is outside [0, 2**64) (nothing is stored).
         """
         hashes = _check_hashes(hashes)
         _check_backend(backend)
-        if parent is not None and (isinstance(parent, bool) or not isinstance(parent, int) or not 0 <= parent < 2**64):
+        if parent is not None and (isinstance(parent, bool) or not isinstance(parent, int)):
             raise TypeError(f"parent must be a block hash, an int in [0, 2**64), or None, not {parent!r}")
+        if parent is not None and not 0 <= parent < 2**64:
+            raise InvalidEventError(f"parent must be a block hash, an int in [0, 2**64), or None, not {parent!r}")
         if hashes:
             self._put(hashes, backend, parent, 0, checked=True)
 
@@ -539,7 +540,8 @@ class PrefixIndex:
         that held them; an :class:`UnboundedStore` stays walked until emptied).
 
         Raises:
-            TypeError: a hash is not an int in [0, 2**64) (nothing is removed).
+            TypeError: a hash is not an int (nothing is removed).
+            InvalidEventError: a hash is outside [0, 2**64) (nothing is removed).
         """
         hashes = _check_hashes(hashes)
         store = self._stores.get(backend)
@@ -693,12 +695,21 @@ def _check_hashes(hashes: object) -> Sequence[int]:
     """Validate block hashes before anything is written (a bad one must not leave a chain half stored). O(n)."""
     if isinstance(hashes, (str, bytes)) or not isinstance(hashes, Iterable):
         raise TypeError(f"block hashes must be a sequence of ints, not {type(hashes).__name__}")
-    checked = hashes if isinstance(hashes, Sequence) else list(hashes)
     try:
-        array("Q", checked)  # checks, in C, that every hash is an int in [0, 2**64)
-    except (TypeError, OverflowError) as exc:
-        raise TypeError(f"block hashes must be ints in [0, 2**64) (as BlockHasher computes them): {exc}") from None
-    return checked
+        packed = array("Q", hashes)  # checks, in C, that every hash is an int in [0, 2**64); reads an iterator once
+    except TypeError as exc:
+        raise TypeError(f"block hashes must be ints (as BlockHasher computes them): {exc}") from None
+    except OverflowError as exc:
+        raise InvalidEventError(f"block hashes must be ints in [0, 2**64), as BlockHasher makes them: {exc}") from None
+    return _python_ints(hashes, packed)
+
+
+def _python_ints(hashes: object, packed: array[int]) -> list[int] | Sequence[int]:
+    """``hashes`` itself when it is a sequence of Python ints (its int objects are shared, not copied), else the
+    checked ``packed`` hashes as Python ints (from an iterator, numpy's ints, bools). O(n), in C."""
+    if isinstance(hashes, Sequence) and set(map(type, hashes)) <= {int}:
+        return hashes
+    return packed.tolist()
 
 
 def _check_backend(backend: object) -> None:

@@ -8,6 +8,7 @@ router replica. Policies run under the router's lock: they must be quick and mus
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import random
 from abc import ABC, abstractmethod
@@ -138,7 +139,7 @@ class Random(LoadPolicy):
     name = "random"
 
     def __init__(self, *, seed: int | None = None, rng: random.Random | None = None) -> None:
-        self._rng = rng if rng is not None else random.Random(seed)
+        self._rng = _rng(seed, rng, "Random")
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         _require_candidates(candidates)
@@ -161,7 +162,7 @@ class PowerOfTwo(LoadPolicy):
     name = "power-of-two"
 
     def __init__(self, *, seed: int | None = None, rng: random.Random | None = None) -> None:
-        self._rng = rng if rng is not None else random.Random(seed)
+        self._rng = _rng(seed, rng, "PowerOfTwo")
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         _require_candidates(candidates)
@@ -202,9 +203,10 @@ class BoundedLoad(LoadPolicy):
     prefix_aware = True
 
     def __init__(self, factor: float = 2.0) -> None:
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1.0 <= factor < math.inf:
+        value = _finite(factor)
+        if value is None or value < 1.0:
             raise ConfigurationError(f"BoundedLoad factor must be a finite number >= 1.0, not {factor!r}")
-        self.factor = float(factor)
+        self.factor = value
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         _require_candidates(candidates)
@@ -239,6 +241,13 @@ class LinearTTFT:
     per_token_s: float = 1.2e-4
     per_token_pair_s: float = 2.0e-9
 
+    def __post_init__(self) -> None:
+        for name in ("per_request_s", "per_token_s", "per_token_pair_s"):
+            value = _finite(getattr(self, name))
+            if value is None or value < 0:
+                raise ConfigurationError(f"LinearTTFT {name} must be a finite number of seconds >= 0, not "
+                                         f"{getattr(self, name)!r}")  # fmt: skip
+
     def __call__(self, candidate: Candidate) -> float:
         uncached = candidate.prompt_tokens - candidate.matched_tokens
         return (
@@ -258,6 +267,8 @@ class CostAware(LoadPolicy):
     prefix_aware = True
 
     def __init__(self, *, cost: Callable[[Candidate], float] | None = None) -> None:
+        if cost is not None and not callable(cost):
+            raise TypeError(f"CostAware cost must be a callable from a Candidate to seconds, not {cost!r}")
         self.cost: Callable[[Candidate], float] = cost if cost is not None else LinearTTFT()
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
@@ -381,6 +392,27 @@ def kv_fraction(candidate: Candidate) -> float:
     return 0.0
 
 
+def _finite(value: object) -> float | None:
+    """``value`` as a float if it is a finite int or float (not a bool), else None (an int too large included)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _rng(seed: object, rng: object, policy: str) -> random.Random:
+    if rng is not None:
+        if not isinstance(rng, random.Random):
+            raise TypeError(f"{policy} rng must be a random.Random, not {type(rng).__name__}")
+        return rng
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, str, bytes))):
+        raise TypeError(f"{policy} seed must be an int, str, bytes or None, not {type(seed).__name__}")
+    return random.Random(seed)
+
+
 def _load(candidate: Candidate) -> int:
     return candidate.load
 
@@ -421,17 +453,25 @@ def policy_from_name(name: str, **options: Any) -> LoadPolicy:
                 f"unknown policy {name!r}: use one of {', '.join(policy_names())} or 'package.module:ClassName'"
             )
         cls = found
+    if inspect.isabstract(cls):
+        raise ConfigurationError(f"policy {name!r} is abstract: name a subclass that implements choose()")
     try:
-        return cls(**options)
+        inspect.signature(cls).bind(**options)
     except TypeError as exc:
         raise ConfigurationError(f"policy {name!r} does not accept options {sorted(options)}: {exc}") from exc
+    try:
+        return cls(**options)
+    except TypeError as exc:  # an option of the wrong type
+        raise ConfigurationError(f"policy {name!r}: {exc}") from exc
 
 
 def _import_policy(path: str) -> type[LoadPolicy]:
     module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute:
+        raise ConfigurationError(f"policy {path!r} must name a module and a class, like 'mypackage.policies:MyPolicy'")
     try:
         obj = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as exc:
+    except (ImportError, AttributeError, ValueError, TypeError) as exc:  # a relative name ('.x') raises TypeError
         raise ConfigurationError(f"cannot import policy {path!r}: {exc}") from exc
     if not (isinstance(obj, type) and issubclass(obj, LoadPolicy)):
         raise ConfigurationError(f"{path!r} is not a LoadPolicy subclass")

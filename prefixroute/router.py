@@ -17,9 +17,9 @@ from typing import Any, Literal, TypeAlias
 import cachetools
 import xxhash
 
-from prefixroute.errors import ConfigurationError, InvalidEventError, NoBackendError, PolicyError
+from prefixroute.errors import ConfigurationError, DecisionError, InvalidEventError, NoBackendError, PolicyError
 from prefixroute.hashing import BlockHasher, Tokens, encode_tokens, namespace_seed
-from prefixroute.index import IndexUpdate, PrefixIndex, apply_updates
+from prefixroute.index import IndexUpdate, PrefixIndex, _python_ints, apply_updates
 from prefixroute.policies import Candidate, LoadPolicy, PredictedTTFT
 
 __all__ = ["Decision", "Reason", "Router", "RouterStats"]
@@ -321,7 +321,7 @@ class Router:
 
         Raises:
             NoBackendError: ``backends`` is empty.
-            ValueError: ``backends`` names a backend twice.
+            ConfigurationError: ``backends`` names a backend twice.
             TypeError: a backend id is not a str, or the prompt is not a token sequence.
             InvalidPromptError: a token id is not an int in [0, 2**32) (the message names its position).
             PolicyError: the policy returned something that is not one of its candidates (nothing is recorded).
@@ -346,13 +346,13 @@ class Router:
         O(n/block_size) for a prompt of n tokens.
 
         Raises:
-            ValueError: the decision comes from another router, or ``backend`` is not one of its candidates.
+            DecisionError: the decision comes from another router, or ``backend`` is not one of its candidates.
         """
         self._check_own(decision)
         target = decision.backend if backend is None else backend
         chosen = next((c for c in decision.candidates if c.backend == target), None)
         if chosen is None:
-            raise ValueError(
+            raise DecisionError(
                 f"backend {target!r} was not a candidate of decision {decision.id!r}: commit one of "
                 f"{[c.backend for c in decision.candidates]}"
             )
@@ -379,7 +379,12 @@ class Router:
     ) -> Decision:
         ids = _check_backends(backends)
         data = encode_tokens(prompt_tokens)
-        seed = self._hasher.seed if namespace is None else self._seed(namespace)
+        if namespace is None:
+            seed = self._hasher.seed
+        elif isinstance(namespace, (str, bytes)):
+            seed = self._seed(namespace)
+        else:
+            raise TypeError(f"namespace must be a str, bytes or None, not {type(namespace).__name__}")
         hashes = self._hasher.hash_encoded(data, seed)
         prompt_len = len(data) // 4
         order = self._order(ids, _placement_key(hashes, data, seed, self._placement_blocks))
@@ -462,7 +467,8 @@ class Router:
         counting and is counted in :attr:`RouterStats.leases_expired`. A second start of the same id is ignored.
 
         Raises:
-            ValueError: the decision comes from another router, or ``lease`` is not a positive number.
+            DecisionError: the decision comes from another router.
+            ConfigurationError: ``lease`` is not a positive, finite number of seconds.
         """
         self._check_own(decision)
         lease = self._lease if lease is None else _check_lease(lease)
@@ -548,13 +554,17 @@ class Router:
             return self._expire(self._clock())
 
     def in_flight(self, backend: str) -> int:
-        """Return how many of this router's requests are in flight on ``backend``. O(1)."""
+        """Return how many of this router's requests are in flight on ``backend``, after ending those whose lease
+        has run out. O(1) when none has."""
         with self._lock:
+            self._expire_due()
             return self._in_flight.get(backend, 0)
 
     def stats(self) -> RouterStats:
-        """Return a snapshot of the decision and lifecycle counters. O(1)."""
+        """Return a snapshot of the decision and lifecycle counters, after ending the requests whose lease has run
+        out. O(1) when none has."""
         with self._lock:
+            self._expire_due()
             c = self._counts
             return RouterStats(c["decisions"], c["commits"], len(self._live), c["ignored"], c["leases_expired"])
 
@@ -569,6 +579,13 @@ class Router:
             self._pending[backend] -= request.uncached
             self._prefilling[backend] -= 1
         self._figures.pop(backend, None)
+
+    def _expire_due(self) -> None:
+        """End the requests whose lease has run out, if any (call under the lock)."""
+        if self._leases:
+            now = self._clock()
+            if self._leases[0][0] <= now:
+                self._expire(now)
 
     def _expire(self, now: float) -> int:
         expired = 0
@@ -588,8 +605,8 @@ class Router:
     def _check_own(self, decision: Decision) -> None:
         if not isinstance(decision, Decision):
             raise TypeError(f"expected a Decision, not {type(decision).__name__}")
-        if not decision.id.startswith(self._id_prefix):
-            raise ValueError(f"decision {decision.id!r} was made by another router: pass it back to that one")
+        if not isinstance(decision.id, str) or not decision.id.startswith(self._id_prefix):
+            raise DecisionError(f"decision {decision.id!r} was made by another router: pass it back to that one")
 
     # -- engine figures and backends -----------------------------------------------------------------------------
 
@@ -599,7 +616,7 @@ class Router:
         Pass None for a figure that is unknown or stale; with both None the backend's entry is dropped. O(1).
 
         Raises:
-            ValueError: ``queue_len`` is negative or ``kv_usage`` is not a number in [0, 1].
+            ConfigurationError: ``queue_len`` is negative or ``kv_usage`` is not a number in [0, 1].
         """
         _check_backend_id(backend)
         if queue_len is not None and (isinstance(queue_len, bool) or not isinstance(queue_len, int) or queue_len < 0):
@@ -727,22 +744,26 @@ def _check_update(update: object) -> IndexUpdate:
     if isinstance(hashes, (str, bytes)) or not isinstance(hashes, Iterable):
         raise TypeError(f"an index update's hashes must be a sequence of block hashes, not {type(hashes).__name__}")
     try:
-        array("Q", hashes)  # checks, in C, that every hash is an int in [0, 2**64)
+        packed = array("Q", hashes)  # checks, in C, that every hash is an int in [0, 2**64); reads an iterator once
     except (TypeError, OverflowError) as exc:
         raise InvalidEventError(f"block hashes must be ints in [0, 2**64): {exc}") from None
     if parent is not None and (isinstance(parent, bool) or not isinstance(parent, int) or not 0 <= parent < 2**64):
         raise InvalidEventError(f"parent must be a block hash, an int in [0, 2**64), or None, not {parent!r}")
     if parent is not None and not stored:
-        raise ValueError("a removal has no parent: pass (False, hashes, None)")
-    return (stored, hashes if isinstance(hashes, Sequence) else list(hashes), parent)
+        raise InvalidEventError("a removal has no parent: pass (False, hashes, None)")
+    return (stored, _python_ints(hashes, packed), parent)
 
 
 def _check_lease(lease: object) -> float | None:
     if lease is None:
         return None
-    if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not (0 < lease < math.inf):
+    try:
+        seconds = float(lease) if isinstance(lease, (int, float)) and not isinstance(lease, bool) else math.nan
+    except OverflowError:  # an int too large for a float
+        seconds = math.inf
+    if not 0 < seconds < math.inf:
         raise ConfigurationError(f"lease must be a positive, finite number of seconds or None, not {lease!r}")
-    return float(lease)
+    return seconds
 
 
 def _check_backend_id(backend: object) -> None:
@@ -766,7 +787,7 @@ def _check_backends(backends: Sequence[str]) -> Sequence[str]:
     if len(set(backends)) != len(backends):
         seen: set[str] = set()
         duplicate = next(b for b in backends if b in seen or seen.add(b))  # type: ignore[func-returns-value]
-        raise ValueError(f"backend {duplicate!r} appears more than once in backends; pass each backend once")
+        raise ConfigurationError(f"backend {duplicate!r} appears more than once in backends; pass each backend once")
     return backends
 
 
