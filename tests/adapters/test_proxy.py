@@ -122,7 +122,7 @@ def test_with_every_backend_down_the_client_gets_502(healthy: list[OpenAIEngine]
         for engine in healthy[:2]:
             engine.refuse()
         reply = complete(proxy, {"prompt": "hello"})
-        assert reply.status_code == 502 and reply.json()["error"]["type"] == "BadGateway"
+        assert reply.status_code == 502 and reply.json()["error"]["type"] == "BadGatewayError"
         assert (proxy.stats().unreachable, proxy.stats().retries) == (1, 1)
         assert_idle(proxy)
 

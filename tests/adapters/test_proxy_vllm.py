@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prefixroute import Router
+from prefixroute import ConfigurationError, Router
 from prefixroute.adapters.proxy import Proxy
 from prefixroute.adapters.proxy.cli import build, register
 from prefixroute.adapters.serve.text import PromptEncoder
@@ -199,3 +199,29 @@ def test_chat_routes_on_the_models_chat_template(tmp_path: Path) -> None:
             bad = httpx.post(proxy.url + "/v1/chat/completions", json={"messages": [{"content": "no role"}]})
             assert bad.status_code == 400 and "role" in bad.json()["error"]["message"]
             assert proxy.stats().bad_request == 1 and proxy.router.stats().in_flight == 0
+
+
+def test_content_parts_render_as_vllm_passes_them_to_a_string_template(tmp_path: Path) -> None:
+    encoder = PromptEncoder(make_tokenizer(tmp_path / "model", chat_template=TEMPLATE))
+    parts = [{"type": "text", "text": "w1 w2"}, {"type": "image_url", "image_url": {"url": "x"}}, {"type": "text",
+             "text": "w3"}]  # fmt: skip
+    assert encoder.encode_chat([{"role": "user", "content": parts}]) == encoder.encode_chat(
+        [{"role": "user", "content": "w1 w2\nw3"}]
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [
+        ("tokenizer_config.json", b"[1, 2]"),
+        ("tokenizer_config.json", b'{"chat_template": ["x", 1]}'),
+        ("chat_template.jinja", b"\xff\xfe not utf-8"),
+    ],
+)
+def test_a_model_folder_with_a_malformed_template_file_is_a_configuration_error(
+    tmp_path: Path, name: str, content: bytes
+) -> None:
+    folder = make_tokenizer(tmp_path / "model")
+    (folder / name).write_bytes(content)
+    with pytest.raises(ConfigurationError, match=name):  # the CLI's one line (exit 2)
+        proxy_from_command_line("--backends", "http://127.0.0.1:9", "--tokenizer", str(folder))

@@ -308,7 +308,7 @@ def test_a_connect_timeout_is_retried_on_another_backend(engines: list[OpenAIEng
 
 @pytest.mark.parametrize("url", ["http://gpu0:99999", "http://[::1", "http://gpu 0:8000", "http://:8000"])
 def test_a_backend_url_that_cannot_be_connected_to_is_refused_up_front(url: str) -> None:
-    with pytest.raises(ConfigurationError, match="not an http"):
+    with pytest.raises(ConfigurationError, match="backend"):
         Proxy(Router(), [url])
 
 
@@ -322,7 +322,7 @@ def test_bad_command_lines_exit_2_with_one_line() -> None:
     port = str(taken.getsockname()[1])
     cases = [
         (["serve", "--accel-redirect", "@upstréam€"], "accel_redirect"),
-        (["proxy", "--backends", "http://gpu0:99999"], "not an http"),
+        (["proxy", "--backends", "http://gpu0:99999"], "not a valid URL"),
         (["proxy", "--backends", "http://127.0.0.1:9", "--port", port], "cannot listen"),
         (["fake-engines", "--max-tokens", "0"], "--max-tokens"),
         (["fake-engines", "--token-delay-ms", "nan"], "--token-delay-ms"),

@@ -11,12 +11,12 @@ which also closes the upstream request so the engine stops generating).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
@@ -24,6 +24,7 @@ from aiohttp import web
 
 from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens
 from prefixroute.adapters.threaded import ServerThread
+from prefixroute.adapters.urls import check_backend_url
 from prefixroute.errors import ConfigurationError
 from prefixroute.router import Decision, Router
 
@@ -34,12 +35,15 @@ __all__ = ["Proxy", "ProxyStats"]
 
 _log = logging.getLogger("prefixroute.proxy")
 
-# Failures of a connection before any answer: the request never reached the engine, so sending it elsewhere is safe.
-_UNREACHED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, aiohttp.ServerDisconnectedError,
-              aiohttp.ClientOSError)  # fmt: skip
+# Failures to connect: the request never reached the engine, so sending it elsewhere is safe. (A connection that
+# breaks after the request was sent is not retried: the engine may be generating it already.)
+_UNREACHED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 # A backend that breaks off its answer midway (closes, or sends less than it announced).
 _BROKE_OFF = (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 _OUTCOMES = ("ok", "backend_error", "unreachable", "client_disconnect", "bad_request")
+# Headers that belong to one connection (RFC 9110 7.6.1), or that the proxy sets itself: not relayed either way.
+_HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+                         "te", "trailer", "transfer-encoding", "upgrade", "host", "content-length"))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,8 @@ class Proxy:
         clock: for the cooldowns.
 
     Raises:
-        ConfigurationError: no backends, a backend that is not an http(s) URL, or a duplicate.
+        ConfigurationError: no backends, a backend that is not an http(s) URL
+            (:func:`~prefixroute.adapters.urls.check_backend_url`), or a duplicate.
 
     :meth:`serve` runs it on the caller's event loop; :meth:`start` on a thread of its own (tests, examples).
     """
@@ -104,12 +109,9 @@ class Proxy:
     ) -> None:
         if not isinstance(router, Router):
             raise TypeError(f"router must be a prefixroute.Router, not {type(router).__name__}")
-        urls = [str(url).rstrip("/") for url in backends]
+        urls = [check_backend_url(url) for url in backends]
         if not urls:
             raise ConfigurationError("the proxy needs at least one backend URL, like http://127.0.0.1:8000")
-        for url in urls:
-            if not _is_http_url(url):
-                raise ConfigurationError(f"backend {url!r} is not an http(s):// URL like http://gpu0:8000")
         if len(set(urls)) != len(urls):
             raise ConfigurationError(f"a backend URL appears twice in {urls}: name each backend once")
         if retries < 0 or max_failures < 1 or not cooldown > 0 or not connect_timeout > 0:
@@ -164,7 +166,8 @@ class Proxy:
         except BaseException:  # e.g. the port is taken: close the session too, so nothing is left to warn about
             await self.aclose()
             raise
-        self.url = f"http://{host}:{self._runner.addresses[0][1]}"
+        address = self._runner.addresses[0]
+        self.url = f"http://[{address[0]}]:{address[1]}" if ":" in address[0] else f"http://{address[0]}:{address[1]}"
         if self._learn_models:
             await self._backend_models()  # at once, so the first requests already know the base models
         return self.url
@@ -229,15 +232,16 @@ class Proxy:
         return self._base_models
 
     def healthy_backends(self) -> list[str]:
-        """Backends in rotation: not cooling down after failures, and healthy in the fleet when there is one.
+        """The backends requests go to: those in rotation (not cooling down after failures, and healthy in the
+        fleet when there is one), or every backend when none is (better a try than a certain 502)."""
+        return self._in_rotation() or list(self.backends)
 
-        When none is, every backend (better a try than a certain 502).
-        """
+    def _in_rotation(self) -> list[str]:
         now = self._clock()
         healthy = [b for b in self.backends if self._down_until.get(b, 0.0) <= now]
         if self._fleet is not None:
             healthy = self._fleet.healthy_backends(healthy)
-        return healthy or list(self.backends)
+        return healthy
 
     # -- completions -----------------------------------------------------------------------------------------------
 
@@ -254,45 +258,56 @@ class Proxy:
             tokens = request_tokens(body, chat=chat, encoder=self._encoder)
             namespace = self.namespace(body)
             if namespace is not None and self._learn_models and not self._base_models:
-                self._learn_later()
+                self._learn_later(_auth(request))
             backends = self.healthy_backends()
             decision = self.router.commit(self.router.decide(tokens, backends, namespace=namespace))
         except (BadRequest, ValueError, TypeError) as exc:  # ValueError: bad token ids, messages a template refuses
             self._counts["bad_request"] += 1
             status, kind = (exc.status, exc.kind) if isinstance(exc, BadRequest) else (400, "BadRequestError")
             return error_response(status, str(exc), kind)
-        headers = {"Content-Type": "application/json"}
-        if "Authorization" in request.headers:
-            headers["Authorization"] = request.headers["Authorization"]
+        # The client's own headers go on (Authorization, request ids, tracing), but not an encoding the client did
+        # not ask for: the answer is relayed as it comes.
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        headers.setdefault("Accept-Encoding", "identity")
         session = self._session
         assert session is not None, "serve() opens the session"
         upstream: aiohttp.ClientResponse | None = None
         outcome = "client_disconnect"
         tried: list[str] = []
+        started = False
         try:
             while upstream is None:
                 self.router.start(decision)
+                started = True
                 try:
-                    upstream = await session.post(decision.backend + request.path, data=raw, headers=headers)
+                    upstream = await session.post(decision.backend + request.path_qs, data=raw, headers=headers)
                 except _UNREACHED as exc:
                     self.router.finish(decision)
+                    started = False
                     self._failed(decision.backend)
                     tried.append(decision.backend)
                     remaining = [b for b in backends if b not in tried]
                     if len(tried) > self._retries or not remaining:
                         outcome = "unreachable"
-                        return error_response(502, f"backend {decision.backend} is unreachable: {exc}", "BadGateway")
+                        message = f"backend {decision.backend} is unreachable: {exc}"
+                        return error_response(502, message, "BadGatewayError")
                     self._counts["retries"] += 1
                     retry = self.router.decide(tokens, remaining, namespace=namespace)
                     decision = self.router.commit(decision, retry.backend)
-                except aiohttp.ClientError as exc:  # it answered, but not in HTTP we can relay
+                except aiohttp.ClientError as exc:  # it took the request, then failed or answered in broken HTTP
                     self._failed(decision.backend)
                     outcome = "backend_error"
-                    return error_response(502, f"backend {decision.backend} answered badly: {exc}", "BadGateway")
+                    message = f"backend {decision.backend} failed to answer: {exc}"
+                    return error_response(502, message, "BadGatewayError")
+                except Exception as exc:  # anything else on the way out is the proxy's fault: say so, in JSON
+                    _log.exception("forwarding to backend %s failed", decision.backend)
+                    outcome = "backend_error"
+                    return error_response(502, f"the proxy could not forward the request: {exc}", "BadGatewayError")
             response, outcome = await self._relay(request, upstream, decision, stream=body.get("stream") is True)
             return response
         finally:
-            self.router.finish(decision)
+            if started:
+                self.router.finish(decision)
             if upstream is not None and outcome != "ok":
                 upstream.close()  # a half-read answer closes its connection: the engine stops generating
             self._counts[outcome] += 1
@@ -302,7 +317,8 @@ class Proxy:
     ) -> tuple[web.StreamResponse, str]:
         """Send ``upstream``'s answer to the client as it comes; return the response and the request's outcome."""
         content_type = upstream.headers.get("Content-Type", "application/json")
-        headers = {"Content-Type": content_type, **_decision_headers(decision)}
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP}
+        headers.update(_decision_headers(decision))
         if upstream.status >= 500:
             self._failed(decision.backend)
         else:
@@ -315,7 +331,7 @@ class Proxy:
                 if upstream.status < 500:  # a 5xx has counted as a failure already
                     self._failed(decision.backend)
                 message = f"backend {decision.backend} broke off its answer: {exc}"
-                return error_response(502, message, "BadGateway"), "backend_error"
+                return error_response(502, message, "BadGatewayError"), "backend_error"
             answer = web.Response(status=upstream.status, body=body, headers=headers)
             return answer, "ok" if upstream.status < 500 else "backend_error"
         response = web.StreamResponse(status=200, headers=headers)
@@ -330,18 +346,20 @@ class Proxy:
         except _BROKE_OFF as exc:
             _log.warning("backend %s broke off a streamed answer: %s", decision.backend, exc)
             self._failed(decision.backend)
-            response.force_close()  # the client sees the stream end without [DONE]
+            # Break the client's connection too, before the last chunk: it sees an incomplete answer, not a whole one.
+            if request.transport is not None:
+                request.transport.abort()
             return response, "backend_error"
         except ConnectionError:  # writing to a client that has gone
             return response, "client_disconnect"
         await response.write_eof()
         return response, "ok"
 
-    def _learn_later(self) -> None:
+    def _learn_later(self, headers: dict[str, str]) -> None:
         """No backend has told us its base model yet: ask again, at most every 10 s (meanwhile models stay apart)."""
         if self._clock() >= self._next_learning:
             self._next_learning = self._clock() + 10.0
-            self._learning = asyncio.get_running_loop().create_task(self._backend_models())
+            self._learning = asyncio.get_running_loop().create_task(self._backend_models(headers))
 
     def _failed(self, backend: str) -> None:
         failures = self._failures[backend] = self._failures.get(backend, 0) + 1
@@ -355,21 +373,23 @@ class Proxy:
 
     async def _models(self, request: web.Request) -> web.Response:
         """``/v1/models`` merged from every backend in rotation (by model id; unreachable ones skipped)."""
-        cards = await self._backend_models()
+        cards = await self._backend_models(_auth(request))
         if cards is None:
-            return error_response(502, "no backend answered /v1/models", "BadGateway")
+            return error_response(502, "no backend answered /v1/models", "BadGatewayError")
         return web.json_response({"object": "list", "data": cards})
 
-    async def _backend_models(self) -> list[dict[str, Any]] | None:
+    async def _backend_models(self, headers: dict[str, str] | None = None) -> list[dict[str, Any]] | None:
         """The model cards of the backends in rotation, merged by id (None: none answered); learn the base models.
 
         A card without a ``parent`` is a base model (vLLM gives LoRA adapters their base model as parent).
+        ``headers``: the client's ``Authorization``, for backends that require an API key.
         """
         session = self._session
         assert session is not None
+        timeout = aiohttp.ClientTimeout(total=5)
 
         async def models(backend: str) -> list[dict[str, Any]]:
-            async with session.get(f"{backend}/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as reply:
+            async with session.get(f"{backend}/v1/models", timeout=timeout, headers=headers) as reply:
                 reply.raise_for_status()
                 data = (await reply.json()).get("data")
                 return [card for card in data if isinstance(card, dict)] if isinstance(data, list) else []
@@ -386,9 +406,7 @@ class Proxy:
         return list(merged.values())
 
     async def _healthz(self, request: web.Request) -> web.Response:
-        now = self._clock()
-        down = {b for b, until in self._down_until.items() if until > now}
-        healthy = [b for b in self.healthy_backends() if b not in down]
+        healthy = self._in_rotation()
         body = {"status": "ok" if healthy else "unavailable", "healthy_backends": healthy}
         return web.json_response(body, status=200 if healthy else 503)
 
@@ -399,37 +417,44 @@ class Proxy:
         """The proxy's Prometheus text: request outcomes, retries, and per backend in-flight and health."""
         stats = self.stats()
         router = self.router.stats()
+        up = set(self._in_rotation())
+        # Backend URLs are printable ASCII (check_backend_url): only a backslash or a quote needs escaping.
+        labels = {b: b.replace("\\", "\\\\").replace('"', '\\"') for b in self.backends}
         lines = ["# TYPE prefixroute_proxy_requests_total counter"]
         lines += [f'prefixroute_proxy_requests_total{{outcome="{o}"}} {getattr(stats, o)}' for o in _OUTCOMES]
         lines += ["# TYPE prefixroute_proxy_retries_total counter", f"prefixroute_proxy_retries_total {stats.retries}"]
         lines += ["# TYPE prefixroute_router_decisions_total counter",
-                  f"prefixroute_router_decisions_total {router.decisions}",
-                  "# TYPE prefixroute_router_in_flight gauge", "# TYPE prefixroute_proxy_backend_up gauge"]  # fmt: skip
-        for backend in self.backends:
-            label = backend.replace("\\", "\\\\").replace('"', '\\"')
-            lines.append(f'prefixroute_router_in_flight{{backend="{label}"}} {self.router.in_flight(backend)}')
-            lines.append(f'prefixroute_proxy_backend_up{{backend="{label}"}} {int(backend not in stats.unhealthy)}')
+                  f"prefixroute_router_decisions_total {router.decisions}"]  # fmt: skip
+        lines.append("# TYPE prefixroute_router_in_flight gauge")
+        lines += [f'prefixroute_router_in_flight{{backend="{labels[b]}"}} {self.router.in_flight(b)}' for b in labels]
+        lines.append("# TYPE prefixroute_proxy_backend_up gauge")
+        lines += [f'prefixroute_proxy_backend_up{{backend="{labels[b]}"}} {int(b in up)}' for b in labels]
         return "\n".join(lines) + "\n"
 
 
 _decoder = msgspec.json.Decoder()
 
 
-def _is_http_url(url: str) -> bool:
-    """Whether ``url`` is an ``http(s)://host[:port][/path]`` URL (a valid port, no blank)."""
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in [0, 65535]
-    except ValueError:
-        return False
-    return parts.scheme in ("http", "https") and bool(parts.hostname) and not any(c.isspace() for c in url)
-
-
 def _decode(raw: bytes) -> Any:
     try:
         return _decoder.decode(raw)
+    except RecursionError:
+        raise BadRequest("the request body nests JSON arrays or objects too deeply") from None
     except msgspec.DecodeError as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+        try:  # only on this error path: is it valid JSON that holds no valid text?
+            json.loads(raw)
+        except (ValueError, RecursionError):
+            raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+        raise BadRequest(
+            "the request body holds a lone UTF-16 surrogate escape (such as \\ud800), which is not text: "
+            "send valid Unicode"
+        ) from None
+
+
+def _auth(request: web.Request) -> dict[str, str]:
+    """The client's ``Authorization`` header, to pass on to the backends (empty without one)."""
+    value = request.headers.get("Authorization")
+    return {} if value is None else {"Authorization": value}
 
 
 def _decision_headers(decision: Decision) -> dict[str, str]:
@@ -453,4 +478,8 @@ async def _json_errors(request: web.Request, handler: Callable[[web.Request], An
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error_response(exc.status, f"{exc.reason}: {request.method} {request.path}", exc.reason.replace(" ", ""))
+        answer = error_response(exc.status, f"{exc.reason}: {request.method} {request.path}",
+                                exc.reason.replace(" ", "") + "Error")  # fmt: skip
+        if "Allow" in exc.headers:  # a 405 says which methods the path takes
+            answer.headers["Allow"] = exc.headers["Allow"]
+        return answer

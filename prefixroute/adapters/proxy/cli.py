@@ -82,6 +82,8 @@ def build(args: argparse.Namespace) -> tuple[Proxy, Any]:
     try:
         for i, backend in enumerate(backends):
             publisher, _, replay = kv_events[i].partition(",") if kv_events else ("", "", "")
+            if kv_events and not publisher:
+                raise ConfigurationError(f"--kv-events gives no endpoint for {backend}: give tcp://HOST:PORT")
             fleet.add_backend(
                 backend,
                 kv_events=publisher or None,

@@ -2,8 +2,9 @@
 
 :class:`PromptEncoder` loads a local ``tokenizer.json`` (a file, or a model folder holding one). Chat messages are
 rendered with the model's chat template when the folder has one (``chat_template`` in ``tokenizer_config.json``, or
-``chat_template.jinja``), with ``add_generation_prompt=True`` as vLLM's OpenAI server does, then tokenized without
-adding special tokens (the template writes them). Without a template, messages are serialised as::
+``chat_template.jinja``), with ``add_generation_prompt=True`` as vLLM's OpenAI server does (a content given as a
+list of parts becomes its text parts joined by newlines, as vLLM passes it to a template that expects a string), then
+tokenized without adding special tokens (the template writes them). Without a template, messages are serialised as::
 
     <|role|>
     content
@@ -70,10 +71,20 @@ class PromptEncoder:
         if self._template is None:
             return self._chat.encode(serialise_chat(messages))
         try:
-            text = self._template(messages=list(messages), add_generation_prompt=True)
+            text = self._template(messages=[_flattened(m) for m in messages], add_generation_prompt=True)
         except Exception as exc:  # the template's own raise_exception(), or a jinja error on odd messages
             raise ValueError(f"the model's chat template rejected the messages: {exc}") from exc
         return self._chat.encode(text)
+
+
+def _flattened(message: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``message`` with a list content (OpenAI's content parts) as one string of its text parts joined by newlines,
+    as vLLM renders them for a template that expects string contents (most do); other messages unchanged."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = (part.get("text") for part in content if isinstance(part, Mapping) and part.get("type", "text") == "text")
+    return {**message, "content": "\n".join(text for text in texts if isinstance(text, str))}
 
 
 def _load_template(folder: Path) -> Callable[..., str] | None:
@@ -86,13 +97,22 @@ def _load_template(folder: Path) -> Callable[..., str] | None:
             config = json.loads(config_file.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise ConfigurationError(f"{str(config_file)!r} is not readable JSON: {exc}") from exc
+        if not isinstance(config, dict):
+            raise ConfigurationError(f"{str(config_file)!r} must hold a JSON object, not {type(config).__name__}")
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: the "default" one
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+            if not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in template):
+                raise ConfigurationError(
+                    f'{str(config_file)!r}: a chat_template list must hold {{"name", "template"}} objects'
+                )
+            template = next((t.get("template") for t in template if t["name"] == "default"), None)
         source = template if isinstance(template, str) else None
     jinja_file = folder / "chat_template.jinja"
     if source is None and jinja_file.is_file():
-        source = jinja_file.read_text(encoding="utf-8")
+        try:
+            source = jinja_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigurationError(f"{str(jinja_file)!r} is not readable UTF-8 text: {exc}") from exc
     if source is None:
         return None
     import jinja2

@@ -1,0 +1,49 @@
+"""The one check of a backend URL that the proxy and the sidecar accept (they put it in request lines and headers)."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from prefixroute.errors import ConfigurationError
+
+__all__ = ["check_backend_url"]
+
+
+def check_backend_url(url: object, *, path: bool = True) -> str:
+    """Return ``url`` without a trailing ``/`` if it is an ``http(s)://host[:port]`` URL (with a ``/path`` when
+    ``path``), else raise. O(len(url)).
+
+    Refused: anything but printable ASCII (a CR or LF from a file with Windows line endings, which ``urlsplit`` would
+    silently drop, or a host not yet in its ``xn--`` form), credentials (``user:pass@``: they would leak into the
+    decision headers and metrics labels), a query or fragment, and a port outside 0-65535.
+
+    Raises:
+        ConfigurationError: the message says what is wrong with the URL.
+        TypeError: ``url`` is not a str.
+    """
+    if not isinstance(url, str):
+        raise TypeError(f"a backend URL is a str, not {type(url).__name__}")
+    example = "http://gpu0:8000"
+    if not url.isascii() or not url.isprintable() or " " in url:
+        raise ConfigurationError(
+            f"backend URL {url!r} holds a blank, a control character or a non-ASCII character: write it like "
+            f"{example} (an internationalised host in its xn-- form)"
+        )
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in [0, 65535]
+    except ValueError as exc:
+        raise ConfigurationError(f"backend URL {url!r} is not a valid URL ({exc}): write it like {example}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigurationError(f"backend {url!r} is not an http(s):// URL with a host, like {example}")
+    if parts.username is not None or parts.password is not None:
+        raise ConfigurationError(
+            f"backend URL {url!r} holds credentials: give the host alone (clients' Authorization headers are forwarded)"
+        )
+    if parts.query or parts.fragment or url.endswith(("?", "#")):
+        raise ConfigurationError(f"backend URL {url!r} has a query or fragment: give scheme, host and port only")
+    if not path and parts.path not in ("", "/"):
+        raise ConfigurationError(
+            f"backend {url!r} has a path: give each engine's scheme, host and port only, like {example}"
+        )
+    return url.rstrip("/")

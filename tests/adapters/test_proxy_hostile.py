@@ -1,0 +1,224 @@
+"""``prefixroute proxy`` against clients and backends that an independent audit found mishandled (each failed before).
+
+The backends here are small aiohttp apps or raw sockets on loopback, each misbehaving in one way a real server can.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import socketserver
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+
+import httpx
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from prefixroute import ConfigurationError, Router
+from prefixroute.adapters.proxy import Proxy
+from prefixroute.adapters.proxy.cli import build
+from prefixroute.adapters.threaded import ServerThread
+from prefixroute.testing.openai_engine import OpenAIEngine
+
+from ..conftest import running_engines, wait_until
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Backend = tuple[Callable[[Handler], str], list[web.Request]]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture
+def backend() -> Iterator[Backend]:
+    """Start an aiohttp backend whose POST /v1/completions and GET /v1/models are the given handler; return its URL.
+
+    Also yields the requests it saw."""
+    seen: list[web.Request] = []
+    threads: list[ServerThread] = []
+
+    def start(handler: Handler) -> str:
+        port = free_port()
+        runner: list[web.AppRunner] = []
+
+        async def recording(request: web.Request) -> web.StreamResponse:
+            seen.append(request)
+            return await handler(request)
+
+        async def serve() -> None:
+            app = web.Application()
+            app.router.add_post("/v1/completions", recording)
+            app.router.add_get("/v1/models", recording)
+            runner.append(web.AppRunner(app))
+            await runner[0].setup()
+            await web.TCPSite(runner[0], "127.0.0.1", port).start()
+
+        async def close() -> None:
+            await runner[0].cleanup()
+
+        thread = ServerThread(serve, close, name="test-backend")
+        thread.start()
+        threads.append(thread)
+        return f"http://127.0.0.1:{port}"
+
+    yield start, seen
+    for thread in threads:
+        thread.stop()
+
+
+@pytest.fixture(scope="module")
+def good() -> Iterator[OpenAIEngine]:
+    for engines in running_engines(1):
+        yield engines[0]
+
+
+def idle(proxy: Proxy) -> bool:
+    wait_until(lambda: proxy.router.stats().in_flight == 0, what="no request in flight")
+    return True
+
+
+def test_a_compressing_backend_is_asked_for_identity_and_its_encoding_relayed(backend: Backend) -> None:
+    start, seen = backend
+
+    async def compressing(request: web.Request) -> web.StreamResponse:
+        if (await request.json()).get("stream"):
+            stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            stream.enable_compression()
+            await stream.prepare(request)
+            await stream.write(b'data: {"x": 1}\n\ndata: [DONE]\n\n')
+            await stream.write_eof()
+            return stream
+        answer = web.json_response({"choices": [{"text": "hello"}]})
+        answer.enable_compression()  # compresses only when the request accepts it
+        return answer
+
+    with Proxy(Router(), [start(compressing)], base_models=[]) as proxy:
+        plain = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x"}, headers={"Accept-Encoding": "identity"})
+        streamed = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x", "stream": True},
+                              headers={"Accept-Encoding": "identity"})  # fmt: skip
+        gzipped = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x"}, headers={"Accept-Encoding": "gzip"})
+        assert plain.json() == {"choices": [{"text": "hello"}]}
+        assert streamed.text == 'data: {"x": 1}\n\ndata: [DONE]\n\n'
+        assert gzipped.headers["content-encoding"] == "gzip" and gzipped.json() == {"choices": [{"text": "hello"}]}
+        assert [r.headers["Accept-Encoding"] for r in seen] == ["identity", "identity", "gzip"]
+        assert idle(proxy)
+
+
+def test_client_headers_query_and_answer_headers_go_through(backend: Backend) -> None:
+    start, seen = backend
+
+    async def strict(request: web.Request) -> web.StreamResponse:
+        if request.headers.get("Authorization") != "Bearer k":
+            return web.json_response({"error": {"message": "no key"}}, status=401)
+        if request.path == "/v1/models":
+            return web.json_response({"object": "list", "data": [{"id": "m", "object": "model", "parent": None}]})
+        return web.json_response({"ok": True}, status=201, headers={"X-Request-Id": "abc", "Retry-After": "3"})
+
+    headers = {"Authorization": "Bearer k", "X-Request-Id": "client-1", "traceparent": "00-1-2-01"}
+    with Proxy(Router(), [start(strict)]) as proxy:
+        reply = httpx.post(proxy.url + "/v1/completions?api-version=1", json={"prompt": "x"}, headers=headers)
+        assert (reply.status_code, reply.headers["x-request-id"], reply.headers["retry-after"]) == (201, "abc", "3")
+        completion = next(r for r in seen if r.path == "/v1/completions")
+        assert completion.path_qs == "/v1/completions?api-version=1"
+        assert completion.headers["X-Request-Id"] == "client-1" and completion.headers["traceparent"] == "00-1-2-01"
+        models = httpx.get(proxy.url + "/v1/models", headers={"Authorization": "Bearer k"})
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == "m"
+        assert proxy.base_models == frozenset({"m"})  # learned once a client's key opened /v1/models
+
+
+def test_a_stream_the_backend_breaks_off_reaches_the_client_broken(backend: Backend) -> None:
+    start, _ = backend
+
+    async def breaking(request: web.Request) -> web.StreamResponse:
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await stream.prepare(request)
+        await stream.write(b'data: {"x": 1}\n\n')
+        assert request.transport is not None
+        request.transport.abort()  # the engine dies mid-answer
+        return stream
+
+    with Proxy(Router(), [start(breaking)], base_models=[]) as proxy:
+        with pytest.raises(httpx.RemoteProtocolError):  # an incomplete answer, not a complete 200
+            httpx.post(proxy.url + "/v1/completions", json={"prompt": "x", "stream": True})
+        assert idle(proxy) and proxy.stats().backend_error == 1
+
+
+def test_a_request_that_reached_a_backend_is_not_sent_again(good: OpenAIEngine) -> None:
+    received = []
+
+    class TakesAndCloses(socketserver.BaseRequestHandler):
+        def handle(self) -> None:
+            received.append(self.request.recv(65536))
+            self.request.close()
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), TakesAndCloses)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        closer = f"http://127.0.0.1:{server.server_address[1]}"
+        before = good.stats().requests
+        with Proxy(Router(), [closer, good.url], base_models=[]) as proxy:
+            replies = [httpx.post(proxy.url + "/v1/completions", json={"prompt": f"x{i}"}) for i in range(6)]
+            taken = sum(1 for reply in replies if reply.status_code == 502)
+            assert taken == len(received) > 0  # each request the closer took was answered 502, not resent
+            assert good.stats().requests - before == len(replies) - taken and proxy.stats().retries == 0
+            assert idle(proxy)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_request_no_backend_could_take_is_finished_once() -> None:
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    with Proxy(Router(), dead, base_models=[]) as proxy:
+        for i in range(3):
+            assert httpx.post(proxy.url + "/v1/completions", json={"prompt": f"p{i}"}).status_code == 502
+        assert idle(proxy) and proxy.stats().retries == 3
+        assert proxy.router.stats().ignored == 0  # no second finish of the request the failed retry had finished
+
+
+def test_metrics_group_each_family_and_health_follows_the_fleet() -> None:
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    args = argparse.Namespace(backends=dead, tokenizer=None, base_model=None, policy="predicted-ttft",
+                              block_size=16, kv_events=None, metrics_from_backends=True, retries=1)  # fmt: skip
+    proxy, fleet = build(args)
+    try:
+        with proxy:
+            wait_until(lambda: fleet.healthy_backends() == [], what="both scrapes failed")
+            health = httpx.get(proxy.url + "/healthz")
+            assert health.status_code == 503 and health.json()["healthy_backends"] == []
+            families = {f.name: f for f in text_string_to_metric_families(httpx.get(proxy.url + "/metrics").text)}
+            assert families["prefixroute_router_in_flight"].type == "gauge"
+            assert len(families["prefixroute_router_in_flight"].samples) == 2
+            assert [s.value for s in families["prefixroute_proxy_backend_up"].samples] == [0, 0]
+    finally:
+        fleet.close()
+
+
+def test_refusals_say_what_to_fix() -> None:
+    with Proxy(Router(), [f"http://127.0.0.1:{free_port()}"], base_models=[]) as proxy:
+        deep = b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+        reply = httpx.post(proxy.url + "/v1/completions", content=deep)
+        assert reply.status_code == 400 and "deeply" in reply.json()["error"]["message"]
+        reply = httpx.post(proxy.url + "/v1/completions", content=b'{"prompt": "\\ud800 hi"}')
+        assert reply.status_code == 400 and "surrogate" in reply.json()["error"]["message"]
+        wrong = httpx.get(proxy.url + "/v1/completions")
+        assert wrong.status_code == 405 and "POST" in wrong.headers["allow"]
+        assert wrong.json()["error"]["type"] == "MethodNotAllowedError"
+        assert httpx.get(proxy.url + "/nowhere").json()["error"]["type"] == "NotFoundError"
+        assert proxy.stats().bad_request == 2
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://user:secret@127.0.0.1:8000", "http://a\n:1", "http://a:1\r", "http://\u4f8b.jp:8000", "http://c:3?x=1"]
+    + ["http://c:3#f", "http://c:99999", "ftp://c:1"],
+)
+def test_backend_urls_that_cannot_go_in_a_request_line_are_refused(url: str) -> None:
+    with pytest.raises(ConfigurationError):
+        Proxy(Router(), [url])
