@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -199,7 +202,7 @@ def test_chat_without_a_template_uses_the_documented_serialisation(model_dir: Pa
 
 
 def test_construction_errors(tmp_path: Path) -> None:
-    with pytest.raises(ConfigurationError, match="not a URL"):
+    with pytest.raises(ConfigurationError, match=r"not an http\(s\):// URL"):
         Sidecar(Router(), backends=["gpu0"])
     with pytest.raises(ConfigurationError, match="twice"):
         Sidecar(Router(), backends=[BACKENDS[0], BACKENDS[0]])
@@ -207,6 +210,132 @@ def test_construction_errors(tmp_path: Path) -> None:
         PromptEncoder(tmp_path)
     with pytest.raises(TypeError):
         Sidecar("router", backends=BACKENDS)  # type: ignore[arg-type]
+
+
+BAD_URLS: list[tuple[str, str]] = [
+    ("http://a\n:1", "control character"),
+    ("http://a:1\r", "control character"),
+    ("http://user:pw@b:2", "credentials"),
+    ("http://c:3?x=1", "query or fragment"),
+    ("http://c:3#top", "query or fragment"),
+    ("http://gpü0:8000", "non-ASCII"),
+]
+
+
+@pytest.mark.parametrize(("url", "message"), BAD_URLS)
+def test_a_backend_url_that_would_break_a_header_or_leak_is_refused(url: str, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        Sidecar(Router(), backends=[BACKENDS[0], url])
+
+
+def deep(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+DEEP_BODIES: list[tuple[str, bytes]] = [
+    ("/finish", b'{"id": "a", "x": ' + deep(1000) + b"}"),  # 2 KB, an ignored field
+    ("/first_token", b'{"id": "a", "x": ' + deep(1000) + b"}"),
+    ("/route", b'{"prompt_token_ids": [1], "x": ' + deep(200_000) + b"}"),
+    ("/route", b'{"x": ' + b'{"a":' * 5000 + b"1" + b"}" * 5000 + b', "prompt_token_ids": [1]}'),
+    ("/v1/completions", b'{"prompt": ' + deep(1000) + b"}"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": ' + deep(1000) + b"}]}"),
+]
+
+
+def test_json_nested_too_deep_is_a_400_saying_so_and_counted() -> None:
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    for path, raw in DEEP_BODIES:
+        reply = call(sidecar, "POST", path, raw=raw)
+        assert reply.status_code == 400, (path, reply.text)
+        assert reply.headers["content-type"] == "application/json"
+        assert "nests arrays or objects deeper than" in reply.json()["error"], path
+    stats = call(sidecar, "GET", "/stats").json()
+    assert stats["bad_requests"] == {"400": len(DEEP_BODIES)} and stats["in_flight_total"] == 0
+    assert sidecar.router.stats().decisions == 0 and stats["unknown_finishes"] == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "raw"),
+    [
+        ("/route", b'{"prompt": "SELECT \\ud800 name"}'),
+        ("/finish", b'{"id": "\\udc00"}'),
+        ("/v1/completions", b'{"prompt": "a\\ud83d"}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}'),
+    ],
+)
+def test_a_lone_surrogate_escape_is_named_in_the_error(path: str, raw: bytes) -> None:
+    reply = call(Sidecar(Router(), backends=BACKENDS), "POST", path, raw=raw)
+    assert reply.status_code == 400
+    assert "lone UTF-16 surrogate escape" in reply.json()["error"]
+    assert "truncated" not in reply.json()["error"]
+
+
+def test_a_surrogate_pair_is_text_and_other_bad_json_keeps_its_message(model_dir: Path) -> None:
+    sidecar = Sidecar(Router(), backends=BACKENDS, encoder=PromptEncoder(model_dir))
+    assert call(sidecar, "POST", "/route", raw=b'{"prompt": "SELECT \\ud83d\\ude00"}').status_code == 200
+    for raw in (b'{"prompt": "\\ud800", }', b'{"prompt": "\\ud800", "x": NaN}', b'{"prompt": "\\ud800'):
+        reply = call(sidecar, "POST", "/route", raw=raw)
+        assert reply.status_code == 400 and "not valid JSON" in reply.json()["error"], raw
+
+
+def test_expired_leases_stop_counting_in_metrics_and_stats_without_new_requests() -> None:
+    clock = [0.0]
+    sidecar = Sidecar(Router(block_size=4, clock=lambda: clock[0]), backends=BACKENDS, lease=5.0)
+    for start in (0, 100):
+        assert call(sidecar, "POST", "/route", {"prompt_token_ids": ids(8, start)}).status_code == 200
+    assert call(sidecar, "GET", "/stats").json()["in_flight_total"] == 2
+    clock[0] = 6.0  # both leases are over; nothing else arrives
+    lines = call(sidecar, "GET", "/metrics").text.splitlines()
+    assert [line for line in lines if line.startswith("prefixroute_in_flight{")] == [
+        f'prefixroute_in_flight{{backend="{backend}"}} 0' for backend in BACKENDS
+    ]
+    assert "prefixroute_leases_expired_total 2" in lines
+    stats = call(sidecar, "GET", "/stats").json()
+    assert (stats["in_flight_total"], stats["leases_expired"]) == (0, 2)
+    assert set(stats["in_flight"].values()) == {0}
+
+
+def test_metrics_list_per_request_backends_only_once_routed_and_at_most_4096() -> None:
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    for body in ({"prompt_token_ids": [1], "backends": ["http://dup:1", "http://dup:1"]},
+                 {"prompt_token_ids": [1, -5], "backends": ["http://bad-tokens:1"]},
+                 {"prompt_token_ids": [1], "backends": ["http://not-routed:1"], "model": 3}):  # fmt: skip
+        assert call(sidecar, "POST", "/route", body).status_code == 400
+    text = call(sidecar, "GET", "/metrics").text
+    assert "dup" not in text and "bad-tokens" not in text and "not-routed" not in text
+    assert set(call(sidecar, "GET", "/stats").json()["in_flight"]) == set(BACKENDS)
+    many = [f"http://junk-{i}:1" for i in range(5000)]
+    assert call(sidecar, "POST", "/route", {"prompt_token_ids": [1], "backends": many}).status_code == 200
+    assert call(sidecar, "POST", "/route", {"prompt_token_ids": [2], "backends": ["http://late:1"]}).status_code == 200
+    text = call(sidecar, "GET", "/metrics").text
+    assert text.count("prefixroute_in_flight{") == 4096 and "late:1" not in text
+    assert len(call(sidecar, "GET", "/stats").json()["in_flight"]) == 4096
+    assert sidecar.router.stats().in_flight == 2  # past the cap only the listing stops: the counts go on
+
+
+def test_only_a_long_text_prompt_is_tokenized_on_a_worker_thread(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hops: list[int] = []
+
+    async def to_thread(function: Any, *args: Any) -> Any:
+        hops.append(len(args[0]))
+        return function(*args)
+
+    monkeypatch.setattr("prefixroute.adapters.serve.app.asyncio.to_thread", to_thread)
+    encoder = PromptEncoder(model_dir)
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, encoder=encoder)
+    short, long = CORPUS[0], CORPUS[0] * 1000  # 70 KB: over the 64 KiB inline limit
+    for payload in ({"prompt": short}, {"messages": [{"role": "user", "content": short}]},
+                    {"prompt_token_ids": [i % 100 for i in range(20_000)]}):  # fmt: skip
+        assert call(sidecar, "POST", "/route", payload).status_code == 200
+    assert hops == []
+    assert call(sidecar, "POST", "/route", {"prompt": long}).json()["prompt_tokens"] == len(encoder.encode(long))
+    assert call(sidecar, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": long}]}).json()[
+        "prompt_tokens"
+    ] == len(encoder.encode_chat([{"role": "user", "content": long}]))
+    assert hops == [len(long), 1]  # the text, then the one message
+    assert call(sidecar, "POST", "/route", {"prompt": long, "model": "x"}).status_code == 200
 
 
 @given(st.lists(st.sampled_from(["route", "finish", "first_token", "finish_unknown", "bad"]), max_size=30))
@@ -250,7 +379,7 @@ def serve(*args: str) -> subprocess.CompletedProcess[str]:
     ("args", "message"),
     [
         (["--tokenizer", "/no/such/tokenizer.json"], "not found"),
-        (["--backends", "gpu0"], "not a URL"),
+        (["--backends", "gpu0"], "not an http(s):// URL"),
         (["--port", "70000"], "--port"),
         (["--lease", "0"], "--lease"),
         (["--policy", "nope"], "nope"),
@@ -272,6 +401,58 @@ def test_a_port_in_use_exits_2(tmp_path: Path) -> None:
     assert done.returncode == 2 and "cannot listen" in done.stderr
 
 
+@pytest.mark.parametrize(("url", "message"), BAD_URLS)
+def test_a_bad_backend_url_on_the_command_line_exits_2_with_one_line(url: str, message: str) -> None:
+    done = serve("--port", "0", "--backends", BACKENDS[0], url)
+    assert done.returncode == 2 and done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr
+
+
+def test_a_busy_ext_proc_port_exits_2_with_one_line_and_announces_nothing() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = serve("--port", "0", "--backends", BACKENDS[0], "--release-port", "0", "--ext-proc", str(port))
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        f"prefixroute serve: error: cannot listen (ext_proc) on 127.0.0.1:{port}: Address already in use"
+    ]
+
+
+def test_sigterm_stops_every_listener_and_exits_0(tmp_path: Path) -> None:
+    port = free_port()
+    options = ["--release-port", str(free_port(socket.SOCK_DGRAM)), "--ext-proc", "0"]
+    with start_sidecar(tmp_path, BACKENDS, port=port, options=options) as process:
+        assert httpx.post(f"http://127.0.0.1:{port}/route", json={"prompt_token_ids": ids(8)}).status_code == 200
+        process.popen.send_signal(signal.SIGTERM)
+        assert process.popen.wait(20) == 0, process.output()
+    assert "Traceback" not in process.output()
+    assert process.output().count("prefixroute serve: ") == 3  # the three listeners, announced once each
+
+
+def test_a_long_text_prompt_does_not_hold_up_other_requests(tmp_path: Path, model_dir: Path) -> None:
+    port = free_port()
+    text = "SELECT name, count(*) FROM orders " * 120_000  # 4 MB: seconds of tokenizing
+    took: dict[str, float] = {}
+
+    def health() -> None:
+        time.sleep(0.3)  # the long prompt is being tokenized by now
+        started = time.perf_counter()
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=60).status_code == 200
+        took["healthz"] = time.perf_counter() - started
+
+    with start_sidecar(tmp_path, BACKENDS, port=port, options=["--tokenizer", str(model_dir)]):
+        probe = threading.Thread(target=health)
+        started = time.perf_counter()
+        probe.start()
+        reply = httpx.post(f"http://127.0.0.1:{port}/route", json={"prompt": text}, timeout=60)
+        took["route"] = time.perf_counter() - started
+        probe.join()
+    assert reply.status_code == 200 and reply.json()["prompt_tokens"] > 100_000
+    assert took["route"] > 0.5 and took["healthz"] < took["route"] / 4, took
+
+
 @pytest.fixture
 def sidecar_url(tmp_path: Path) -> Iterator[str]:
     port = free_port()
@@ -286,6 +467,8 @@ def test_the_command_serves_the_contract(sidecar_url: str) -> None:
         assert client.post("/finish", json={"id": decision["id"]}).status_code == 200
         assert client.post("/finish", json={"id": decision["id"]}).status_code == 200
         assert client.post("/route", content=b"{").status_code == 400
+        too_deep = client.post("/finish", content=b'{"id": "a", "x": ' + deep(1000) + b"}")  # under uvicorn too
+        assert too_deep.status_code == 400 and "nests" in too_deep.json()["error"]
         assert "prefixroute_unknown_finishes_total 1" in client.get("/metrics").text
 
 

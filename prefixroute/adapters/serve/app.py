@@ -18,9 +18,10 @@ decodes, calls the router, and encodes.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 from urllib.parse import urlsplit
 
 import msgspec
@@ -36,6 +37,7 @@ from prefixroute.adapters.serve.contract import (
 )
 from prefixroute.adapters.serve.metrics import SidecarMetrics
 from prefixroute.adapters.serve.text import PromptEncoder
+from prefixroute.adapters.urls import check_backend_url
 from prefixroute.errors import ConfigurationError, NoBackendError, PrefixRouteError
 from prefixroute.router import Decision, Router
 
@@ -52,6 +54,7 @@ _POST_PATHS = frozenset({"/route", "/first_token", "/finish", *PICK_PATHS})
 _GET_PATHS = frozenset({"/metrics", "/healthz", "/stats"})
 _JSON = (b"content-type", b"application/json")
 _MAX_SEEN_BACKENDS = 4096  # per-request backend ids listed in /metrics; past this only the counts go on
+_INLINE_TEXT_BYTES = 64 * 2**10  # a text or chat body over this is tokenized on a worker thread, off the event loop
 
 
 class Sidecar:
@@ -137,6 +140,22 @@ class Sidecar:
         self.metrics.decided(decision, self._clock() - started)
         return decision
 
+    async def route_async(self, body: bytes) -> Decision:
+        """:meth:`route` for the event loop: a text or chat prompt in a body over 64 KiB is tokenized on a worker
+        thread, so one long prompt does not hold up every other request; a smaller one inline (no thread hop).
+
+        Raises:
+            BadRequest: as :meth:`route`.
+        """
+        started = self._clock()
+        request: RouteBody = decode(body, RouteBody)
+        prompt = route_prompt(request)
+        decision = await self._decide_async(
+            prompt, len(body), model=request.model, backends=request.backends, lease=request.lease
+        )
+        self.metrics.decided(decision, self._clock() - started)
+        return decision
+
     def pick(self, path: str, body: bytes) -> Decision:
         """Decide for a client's OpenAI request body (``path`` says which kind) and count it in flight.
 
@@ -146,6 +165,18 @@ class Sidecar:
         started = self._clock()
         prompt, model = openai_prompt(path, body)
         decision = self.decide(prompt, model=model, backends=None, lease=None)
+        self.metrics.decided(decision, self._clock() - started)
+        return decision
+
+    async def pick_async(self, path: str, body: bytes) -> Decision:
+        """:meth:`pick` for the event loop, tokenizing a long prompt on a worker thread as :meth:`route_async`.
+
+        Raises:
+            BadRequest: as :meth:`pick`.
+        """
+        started = self._clock()
+        prompt, model = openai_prompt(path, body)
+        decision = await self._decide_async(prompt, len(body), model=model, backends=None, lease=None)
         self.metrics.decided(decision, self._clock() - started)
         return decision
 
@@ -159,15 +190,31 @@ class Sidecar:
                 unknown model.
         """
         namespace = self._namespace(model)
-        tokens = self._tokens(prompt)
+        return self._start(self._tokens(prompt), namespace, backends, lease)
+
+    async def _decide_async(
+        self, prompt: Prompt, body_bytes: int, *, model: str | None, backends: Sequence[str] | None,
+        lease: float | None,
+    ) -> Decision:  # fmt: skip
+        """:meth:`decide`, with a text or chat prompt from a body over ``_INLINE_TEXT_BYTES`` tokenized on a worker
+        thread (the tokenizer releases the GIL) and a smaller one inline. The model is checked first: an unknown one
+        costs no tokenizing."""
+        if body_bytes <= _INLINE_TEXT_BYTES or self._encoder is None or _is_token_ids(prompt):
+            return self.decide(prompt, model=model, backends=backends, lease=lease)
+        namespace = self._namespace(model)
+        tokens = await asyncio.to_thread(self._tokens, prompt)
+        return self._start(tokens, namespace, backends, lease)
+
+    def _start(
+        self, tokens: list[int], namespace: str | None, backends: Sequence[str] | None, lease: float | None
+    ) -> Decision:
+        given = backends is not None
         if backends is None:
             backends = self.backends
             if not backends:
                 raise BadRequest(400, "no backends: send 'backends' or start the sidecar with --backends URL ...")
             if self._healthy is not None:
                 backends = self._healthy(backends) or backends
-        else:
-            self._see(backends)
         try:
             decision = self.router.route(tokens, backends, namespace=namespace)
         except NoBackendError as exc:
@@ -175,6 +222,8 @@ class Sidecar:
         except (PrefixRouteError, ValueError, TypeError) as exc:
             raise BadRequest(400, str(exc)) from None
         self.router.start(decision, lease=self._lease if lease is None else lease)
+        if given:  # the router accepted the list: its backends are listed in /metrics from now on (up to the cap)
+            self._see(backends)
         return decision
 
     def first_token(self, decision_id: str, *, via: str = "http") -> None:
@@ -231,8 +280,8 @@ class Sidecar:
         return None if model == self._models[0] else model
 
     def _tokens(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, list) and type(prompt[0]) is int:
-            tokens: list[int] = prompt
+        if _is_token_ids(prompt):
+            tokens = prompt
             if self._encoder is not None and max(tokens) >= self._encoder.vocab_size:
                 raise BadRequest(
                     400, f"token id {max(tokens)} is out of range: the model's tokenizer has {self._encoder.vocab_size}"
@@ -248,10 +297,12 @@ class Sidecar:
             raise BadRequest(400, str(exc)) from None
 
     def _see(self, backends: Sequence[str]) -> None:
-        if len(self._seen) < _MAX_SEEN_BACKENDS:
-            for backend in backends:
-                if isinstance(backend, str):
-                    self._seen.setdefault(backend, None)
+        seen = self._seen
+        for backend in backends:
+            if len(seen) >= _MAX_SEEN_BACKENDS:
+                break
+            if isinstance(backend, str):
+                seen.setdefault(backend, None)
 
     # -- ASGI ----------------------------------------------------------------------------------------------------------
 
@@ -292,13 +343,13 @@ class Sidecar:
 
     async def _post(self, path: str, body: bytes, send: Send) -> None:
         if path == "/route":
-            await _respond(send, 200, self.answer(self.route(body)))
+            await _respond(send, 200, self.answer(await self.route_async(body)))
         elif path == "/finish" or path == "/first_token":
             request: LifecycleBody = decode(body, LifecycleBody)
             (self.finish if path == "/finish" else self.first_token)(request.id)
             await _respond(send, 200, msgspec.json.encode({"id": request.id}))
         else:  # PICK_PATHS
-            decision = self.pick(path, body)
+            decision = await self.pick_async(path, body)
             answer = self.answer(decision)
             headers = [
                 _JSON,
@@ -341,6 +392,10 @@ class Sidecar:
                 return chunk if len(chunks) == 1 else b"".join(chunks)
 
 
+def _is_token_ids(prompt: Prompt) -> TypeGuard[list[int]]:
+    return isinstance(prompt, list) and type(prompt[0]) is int
+
+
 async def _respond(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
     await send(
         {
@@ -356,21 +411,19 @@ def upstream_of(backend: str, *, strict: bool = False) -> str:
     """``host:port`` of a backend URL (``http://gpu0:8000`` → ``gpu0:8000``); the backend itself if not a URL.
 
     Raises:
-        ConfigurationError: with ``strict``, ``backend`` is not an ``http(s)://host:port`` URL without a path.
+        ConfigurationError: with ``strict``, ``backend`` is not an ``http(s)://host:port`` URL without a path
+            (see :func:`~prefixroute.adapters.urls.check_backend_url`).
     """
     if not isinstance(backend, str):
         raise TypeError(f"a backend is a URL str, not {type(backend).__name__}")
+    if strict:
+        check_backend_url(backend, path=False)
     try:
         parts = urlsplit(backend)
         port = parts.port
     except ValueError:
-        parts, port = None, None
-    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
-        if strict:
-            raise ConfigurationError(
-                f"backend {backend!r} is not a URL like http://10.0.0.1:8000: give each engine's scheme, host and "
-                "port, without a path"
-            )
+        return backend
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
         return backend
     if port is None:
         port = 443 if parts.scheme == "https" else 80

@@ -2,8 +2,9 @@
 
 Listens on ``--host``/``--port`` (HTTP), ``--ext-proc PORT`` (gRPC, Envoy's endpoint picker) and
 ``--release-port PORT`` (UDP syslog lines carrying ``prefixroute_finish=<id>``), all on ``--host``. Prints one line
-per listener on stdout once it is bound. Bad options, a tokenizer path that does not exist and a port that cannot be
-bound end it with exit status 2 and one line on stderr. ``--kv-events BACKEND=ENDPOINT[,REPLAY]`` and
+per listener on stdout once all of them are bound. Bad options, a tokenizer path that does not exist and a port that
+cannot be bound end it with exit status 2 and one line on stderr (and nothing on stdout). SIGINT or SIGTERM stops it
+gracefully, with exit status 0. ``--kv-events BACKEND=ENDPOINT[,REPLAY]`` and
 ``--metrics-from-backends`` need the ``vllm`` extra: the index then follows each engine's KV events (so replicas of
 the sidecar agree without talking to each other) and unhealthy engines are skipped.
 """
@@ -16,9 +17,11 @@ import contextlib
 import gc
 import logging
 import math
+import signal
 import socket
 import sys
-from collections.abc import Coroutine
+import threading
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
 from prefixroute.errors import ConfigurationError
@@ -101,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     )
     http_socket = _bind(socket.SOCK_STREAM, args.host, args.port)
     udp_socket = _bind(socket.SOCK_DGRAM, args.host, args.release_port) if args.release_port is not None else None
+    if args.ext_proc:  # gRPC binds it itself, later: try it now, so a busy port is refused in our words alone
+        _bind(socket.SOCK_STREAM, args.host, args.ext_proc, what="ext_proc").close()
     try:
         if fleet is not None:
             by_backend = dict(events)
@@ -124,13 +129,31 @@ async def _serve(sidecar: Any, http_socket: socket.socket, udp_socket: socket.so
 
     from prefixroute.adapters.serve.release import ReleaseProtocol
 
+    class Server(uvicorn.Server):
+        """uvicorn's server, except that a SIGINT or SIGTERM only asks it to stop: uvicorn's own re-raises the
+        signal once it has stopped, which would kill the process (status 143 for SIGTERM) before the listeners are
+        closed below."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
     loop = asyncio.get_running_loop()
     transport = None
     grpc_server = None
     try:
+        # Every listener is bound before any is announced: a failure leaves nothing on stdout.
         if udp_socket is not None:
             transport, _ = await loop.create_datagram_endpoint(lambda: ReleaseProtocol(sidecar), sock=udp_socket)
-            _say(f"release listener on udp://{_address(udp_socket)}")
         if args.ext_proc is not None:
             from prefixroute.adapters.serve.ext_proc import start_ext_proc
 
@@ -138,13 +161,16 @@ async def _serve(sidecar: Any, http_socket: socket.socket, udp_socket: socket.so
                 grpc_server, port = await start_ext_proc(sidecar, args.host, args.ext_proc)
             except (OSError, RuntimeError) as exc:
                 raise ConfigurationError(f"cannot listen for ext_proc on {args.host}:{args.ext_proc}: {exc}") from None
-            _say(f"ext_proc endpoint picker on {args.host}:{port}")
         # No proxy-headers middleware, Server or Date header: each costs every request and a proxy needs none.
         config = uvicorn.Config(
             sidecar, http=_http_impl(), lifespan="off", access_log=False, log_level="warning", ws="none",
             timeout_keep_alive=75, backlog=4096, proxy_headers=False, server_header=False, date_header=False,
         )  # fmt: skip
-        server = uvicorn.Server(config)
+        server = Server(config)
+        if udp_socket is not None:
+            _say(f"release listener on udp://{_address(udp_socket)}")
+        if grpc_server is not None:
+            _say(f"ext_proc endpoint picker on {args.host}:{port}")
         _say(f"http://{_address(http_socket)} ({len(sidecar.backends)} backends, policy {sidecar.router.policy!r})")
         # What start-up made (modules, the tokenizer, gRPC) lives as long as the process: move it out of the
         # collector's reach, so a full collection under load walks only what serving made (ms less per pause).
@@ -175,7 +201,7 @@ def _http_impl() -> str:
     return "httptools"
 
 
-def _bind(kind: int, host: str, port: int) -> socket.socket:
+def _bind(kind: int, host: str, port: int, *, what: str | None = None) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, kind)
     try:
@@ -186,7 +212,7 @@ def _bind(kind: int, host: str, port: int) -> socket.socket:
             sock.listen(4096)
     except OSError as exc:
         sock.close()
-        what = "HTTP" if kind == socket.SOCK_STREAM else "UDP"
+        what = what or ("HTTP" if kind == socket.SOCK_STREAM else "UDP")
         raise ConfigurationError(f"cannot listen ({what}) on {host}:{port}: {exc.strerror or exc}") from None
     sock.setblocking(False)
     return sock

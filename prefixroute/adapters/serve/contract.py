@@ -9,6 +9,9 @@ Unknown fields are ignored, so a client may send more than the contract names. A
 
 from __future__ import annotations
 
+import json
+import re
+import sys
 from typing import Annotated, Any
 
 import msgspec
@@ -50,15 +53,18 @@ def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
     """Decode and check a JSON body as ``kind``. O(len(body)).
 
     Raises:
-        BadRequest: 400 for malformed JSON, a missing field or a field of the wrong type or range (the message
-            names the field, e.g. ``$.prompt_token_ids[3]``).
+        BadRequest: 400 for malformed JSON (nested too deep, or holding a lone surrogate escape, included), a
+            missing field or a field of the wrong type or range (the message names the field, e.g.
+            ``$.prompt_token_ids[3]``).
     """
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
         raise BadRequest(400, f"invalid request body: {exc}") from None
     except msgspec.DecodeError as exc:
-        raise BadRequest(400, f"the request body is not valid JSON: {exc}") from None
+        raise _not_json(body, exc) from None
+    except RecursionError:
+        raise _too_deep() from None
 
 
 def route_prompt(body: RouteBody) -> Prompt:
@@ -105,7 +111,9 @@ def openai_prompt(path: str, body: bytes) -> tuple[Prompt, str | None]:
     try:
         request = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
-        raise BadRequest(400, f"the request body is not valid JSON: {exc}") from None
+        raise _not_json(body, exc) from None
+    except RecursionError:
+        raise _too_deep() from None
     if not isinstance(request, dict):
         raise BadRequest(400, "an OpenAI request body is a JSON object")
     model = request.get("model")
@@ -124,3 +132,38 @@ def openai_prompt(path: str, body: bytes) -> tuple[Prompt, str | None]:
     if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < 2**32 for t in prompt):
         return prompt, model
     raise BadRequest(400, "a completion needs 'prompt': a non-empty string or list of token ids in [0, 2**32)")
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _not_json(body: bytes, exc: msgspec.DecodeError) -> BadRequest:
+    """The 400 for a body msgspec cannot decode. On this error path only: a body that holds a UTF-16 surrogate
+    escape, that Python's own parser reads and whose strings then hold a lone surrogate (msgspec's message for it
+    is "Input data was truncated") gets a message saying so."""
+    if _SURROGATE_ESCAPE.search(body) is not None:
+        try:
+            msgspec.json.encode(json.loads(body, parse_constant=_no_constant))
+        except UnicodeEncodeError:
+            return BadRequest(
+                400,
+                "the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair) in a "
+                "string: send text as valid Unicode (a character outside the BMP as UTF-8 or as an escaped pair "
+                "like \\ud83d\\ude00)",
+            )
+        except Exception:  # noqa: BLE001, S110 - not JSON for Python either, or nested too deep: msgspec's message
+            pass
+    return BadRequest(400, f"the request body is not valid JSON: {exc}")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _too_deep() -> BadRequest:
+    """The 400 for a body whose arrays and objects nest deeper than the decoder recurses (Python's limit)."""
+    return BadRequest(
+        400,
+        f"the request body nests arrays or objects deeper than about {sys.getrecursionlimit()} levels: send a "
+        "flatter body (no OpenAI request nests more than a few levels)",
+    )

@@ -60,7 +60,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     if not request.request_body.end_of_stream:
                         yield pb.ProcessingResponse(request_body=pb.BodyResponse())
                         continue
-                    decision_id, response = self._pick(path, b"".join(body))
+                    decision_id, response = await self._pick(path, b"".join(body))
                     yield response
                 elif kind == "response_headers":
                     yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
@@ -81,11 +81,11 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             if decision_id is not None:  # the stream ended before the response did: error, reset or abort
                 self._sidecar.finish(decision_id, via="ext_proc")
 
-    def _pick(self, path: str, body: bytes) -> tuple[str | None, Any]:
+    async def _pick(self, path: str, body: bytes) -> tuple[str | None, Any]:
         if path not in PICK_PATHS:
             return None, pb.ProcessingResponse(request_body=pb.BodyResponse())
         try:
-            decision = self._sidecar.pick(path, body)
+            decision = await self._sidecar.pick_async(path, body)  # a long prompt is tokenized off the event loop
         except BadRequest as exc:  # not routable: no header, so Envoy's route falls back to its plain balancer
             self._sidecar.metrics.refused(exc.status)
             _log.debug("ext_proc: not routed (%s)", exc.message)
@@ -118,10 +118,13 @@ def _header(headers: Any, name: str) -> str:
 async def start_ext_proc(sidecar: Sidecar, host: str, port: int) -> tuple[grpc.aio.Server, int]:
     """Start the endpoint picker on ``host:port`` (0: any free port); return the server and its port.
 
+    The port is bound without ``SO_REUSEPORT`` (gRPC's default sets it), so a port another process already
+    serves is refused rather than shared with it.
+
     Raises:
         OSError: the port cannot be bound.
     """
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(sidecar), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

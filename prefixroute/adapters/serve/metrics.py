@@ -1,7 +1,9 @@
 """The sidecar's own Prometheus metrics, counted in plain ints (the hot path pays a dict increment, not a lock).
 
 Every figure is read on the event loop's thread, which is the only writer; :meth:`SidecarMetrics.render` adds the
-router's own counters (:meth:`~prefixroute.Router.stats`) and each backend's requests in flight.
+router's own counters (:meth:`~prefixroute.Router.stats`) and each backend's requests in flight
+(:meth:`~prefixroute.Router.in_flight`), both of which first end the requests whose lease has run out: an expired
+request stops counting at the next scrape even when no request arrives.
 """
 
 from __future__ import annotations
