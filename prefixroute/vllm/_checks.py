@@ -2,20 +2,61 @@
 
 from __future__ import annotations
 
-import math
+import threading
 
 from prefixroute.errors import ConfigurationError
 
+__all__ = ["MAX_SECONDS", "check_callable", "check_count", "check_endpoint", "check_seconds", "show"]
+
+MAX_SECONDS = float(threading.TIMEOUT_MAX)
+"""The longest wait a thread can be told to make (``threading.TIMEOUT_MAX``, about 292 years on 64-bit Linux):
+a longer one would raise OverflowError in the thread that waits."""
+
 
 def check_seconds(value: object, name: str) -> float:
-    """Return ``value`` as float if it is a finite positive number of seconds; else raise ConfigurationError."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ConfigurationError(f"{name} must be a finite positive number of seconds, not {value!r}")
+    """Return ``value`` as float if it is a finite positive number of seconds; else raise ConfigurationError.
+
+    The comparisons are exact (an int is never converted to float first), so a huge int such as ``10**400`` is
+    refused like ``inf`` rather than raising OverflowError; so is anything over :data:`MAX_SECONDS`.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_SECONDS:
+        raise ConfigurationError(
+            f"{name} must be a finite positive number of seconds (at most {MAX_SECONDS:.0f}), not {show(value)}"
+        )
     return float(value)
 
 
 def check_count(value: object, name: str) -> int:
     """Return ``value`` if it is a positive int; else raise ConfigurationError."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigurationError(f"{name} must be a positive int, not {value!r}")
+        raise ConfigurationError(f"{name} must be a positive int, not {show(value)}")
     return value
+
+
+def check_callable(value: object, name: str, what: str, *, optional: bool = False) -> None:
+    """Raise TypeError unless ``value`` is callable (or None when ``optional``); ``what`` describes the call."""
+    if value is None and optional:
+        return
+    if not callable(value):
+        raise TypeError(f"{name} must be a callable {what}{' or None' if optional else ''}, not {type(value).__name__}")
+
+
+def check_endpoint(value: object, name: str, example: str) -> str:
+    """Return ``value`` if it is a ZMQ address a socket can connect to, else raise ConfigurationError: ``tcp://``
+    with a host and a port in 1-65535 (``*`` binds, it does not connect), or a named ``ipc://`` or ``inproc://``."""
+    if isinstance(value, str) and value.isprintable() and " " not in value:
+        scheme, _, address = value.partition("://")
+        host, _, port = address.rpartition(":")
+        if scheme == "tcp" and host not in ("", "*") and port.isdigit() and 0 < int(port) < 65536:
+            return value
+        if scheme in ("ipc", "inproc") and address:
+            return value
+    raise ConfigurationError(f"{name} must be a ZMQ address to connect to, like {example!r}, not {show(value)}")
+
+
+def show(value: object) -> str:
+    """``repr(value)`` for an error message, short even for a huge int (whose repr may be refused or endless)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an int of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -9,6 +9,7 @@ set_engine_load`, :meth:`~prefixroute.Router.set_capacity`). Each backend's thre
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -18,6 +19,7 @@ from types import TracebackType
 import httpx
 
 from prefixroute.errors import ConfigurationError, MetricsError
+from prefixroute.hashing import namespace_seed
 from prefixroute.index import IndexUpdate
 from prefixroute.router import Router
 from prefixroute.vllm._checks import check_seconds
@@ -43,7 +45,8 @@ class BackendStats:
     failed_scrapes: int
     """Scrapes that failed: unreachable, too slow, unreadable or nonsense figures (``last_error`` says which)."""
     last_error: str | None
-    """Why the latest scrape failed; None when it succeeded or none has finished yet."""
+    """Why the latest scrape failed; None when it succeeded or none has finished yet. A scrape that failed in an
+    unexpected way (a bug, or figures the router refused) counts as failed too, its error starting ``unexpected``."""
     queue_len: int | None
     kv_usage: float | None
     engine_block_size: int | None
@@ -158,10 +161,11 @@ class Fleet:
             ConfigurationError: the backend is already in the fleet, the fleet is closed, an endpoint is malformed,
                 ``replay`` comes without ``kv_events``, or ``kv_events`` is given to a router whose index is not an
                 :class:`~prefixroute.vllm.EventIndex`.
-            TypeError: ``backend`` is not a str.
+            TypeError: ``backend`` is not a str, ``namespace`` not a str, bytes or None.
         """
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str id, not {type(backend).__name__}")
+        namespace_seed(namespace)  # a TypeError here, with or without kv_events, not in a thread later
         if replay is not None and kv_events is None:
             raise ConfigurationError(f"replay={replay!r} without kv_events: pass the engine's publisher endpoint too")
         if kv_events is not None and not isinstance(self._router.index, EventIndex):
@@ -245,10 +249,20 @@ class Fleet:
 
         Backends the fleet does not have pass through (it knows nothing against them); see the class docstring
         for when a backend is healthy.
+
+        Raises:
+            TypeError: ``backends`` is a str or bytes (not a collection of ids), or holds something not a str.
         """
+        if isinstance(backends, (str, bytes, bytearray)):
+            raise TypeError(
+                f"backends must be an iterable of str ids, not a {type(backends).__name__}: wrap one id in a list"
+            )
         with self._lock:
             members = dict(self._members)
         names = list(members) if backends is None else list(backends)
+        for name in names:
+            if not isinstance(name, str):
+                raise TypeError(f"backends must hold str ids, not {type(name).__name__}")
         now = self._clock()
         return [b for b in names if b not in members or members[b].healthy(now)]
 
@@ -404,8 +418,14 @@ class _Poller:
             began = time.monotonic()
             try:
                 self.scrape_once()
-            except Exception:  # noqa: BLE001 - the thread must outlive any one bad moment
+            except Exception as exc:  # noqa: BLE001 - the thread must outlive any one bad moment
+                # A bug, not a bad engine, but it costs only this backend: counted and marked like a failed scrape.
                 _log.exception("metrics of %s: unexpected error; polling goes on", self._backend)
+                try:
+                    self._failed(f"unexpected {type(exc).__name__}: {exc}", logged=True)
+                    self._report_health()
+                except Exception:  # noqa: BLE001
+                    _log.exception("metrics of %s: could not mark the backend unhealthy", self._backend)
             self._stop.wait(max(0.0, fleet._interval - (time.monotonic() - began)))
 
     def scrape_once(self) -> None:
@@ -413,23 +433,32 @@ class _Poller:
         try:
             metrics = fetch_metrics(self._url, timeout=self._fleet._timeout, client=self._client)
         except MetricsError as exc:
-            if self._stop.is_set():
-                return
-            # The router forgets the figures before the backend reads as unhealthy: whoever sees it unhealthy
-            # never sees its old queue length still counted.
-            self._gate.run(lambda router: router.set_engine_load(self._backend, queue_len=None, kv_usage=None))
-            with self._lock:
-                first_failure = self._error is None
-                self._error = str(exc)
-                self._failures += 1
-            (_log.warning if first_failure else _log.debug)("metrics of %s: %s", self._backend, exc)
+            self._failed(str(exc))
         else:
+            # Figures the router refuses raise here, before the scrape counts as a success (see _run).
+            self._gate.run(lambda router: self._apply(router, metrics))
             with self._lock:
                 self._error = None
                 self._metrics = metrics
                 self._ok_at = self._fleet._clock()
                 self._scrapes += 1
-            self._gate.run(lambda router: self._apply(router, metrics))
+        self._report_health()
+
+    def _failed(self, error: str, *, logged: bool = False) -> None:
+        """Count a failed scrape, keep why, and drop the backend's figures from the router."""
+        if self._stop.is_set():
+            return
+        # The router forgets the figures before the backend reads as unhealthy: whoever sees it unhealthy never
+        # sees its old queue length still counted.
+        self._gate.run(lambda router: router.set_engine_load(self._backend, queue_len=None, kv_usage=None))
+        with self._lock:
+            first_failure = self._error is None
+            self._error = error
+            self._failures += 1
+        if not logged:
+            (_log.warning if first_failure else _log.debug)("metrics of %s: %s", self._backend, error)
+
+    def _report_health(self) -> None:
         healthy = self.healthy(self._fleet._clock())
         if healthy != self._reported and not self._stop.is_set():
             self._reported = healthy
@@ -458,4 +487,8 @@ class _Poller:
 
 
 def _queue_len(metrics: EngineMetrics | None) -> int | None:
-    return None if metrics is None or metrics.waiting is None else int(metrics.waiting)
+    """The waiting requests as an int; None when unknown or not a finite number (never raises on figures)."""
+    waiting = None if metrics is None else metrics.waiting
+    if waiting is None or not math.isfinite(waiting) or waiting < 0:
+        return None
+    return int(waiting)

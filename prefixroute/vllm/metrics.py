@@ -70,9 +70,10 @@ def parse_metrics(text: str) -> EngineMetrics:
 
     Raises:
         MetricsError: the text is not Prometheus exposition format, holds no ``vllm:`` metric at all, or holds a
-            figure no engine can report (the message names it): NaN, infinite or negative values, a KV usage
-            above 1, a TTFT histogram whose cumulative counts fall, a ``block_size`` or ``num_gpu_blocks`` that
-            is not a positive int (or is absurdly large).
+            figure no engine can report (the message names it): NaN, infinite or negative values (or finite
+            ones whose sum over the series overflows to infinity), a KV usage above 1, a TTFT histogram whose
+            cumulative counts fall, a ``block_size`` or ``num_gpu_blocks`` that is not a positive int (or is
+            absurdly large).
     """
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
@@ -89,13 +90,14 @@ def parse_metrics(text: str) -> EngineMetrics:
                 if name == _TTFT + "_bucket":
                     bound = float(sample.labels.get("le", "nan"))
                     if not math.isnan(bound):
-                        buckets[bound] = buckets.get(bound, 0.0) + value
+                        buckets[bound] = _add(buckets.get(bound, 0.0), value, f"{name}{{le={bound:g}}}")
                     continue
                 if name in (_CACHE_INFO, _CACHE_INFO[: -len("_info")]):
                     block_size = _int_label(sample.labels, "block_size", block_size)
                     num_gpu_blocks = _int_label(sample.labels, "num_gpu_blocks", num_gpu_blocks)
                     continue
-                sums[name] = sums.get(name, 0.0) + value
+                total = sums.get(name, 0.0)
+                sums[name] = _add(total, value, name) if name.startswith("vllm:") else total + value
                 counts[name] = counts.get(name, 0) + 1
     except (ValueError, TypeError, IndexError, KeyError, OverflowError) as exc:
         raise MetricsError(f"not Prometheus text exposition format: {exc}") from exc
@@ -129,6 +131,14 @@ def parse_metrics(text: str) -> EngineMetrics:
         ttft_count=sums.get(_TTFT + "_count", 0.0),
         ttft_sum=sums.get(_TTFT + "_sum", 0.0),
     )
+
+
+def _add(total: float, value: float, name: str) -> float:
+    """``total + value``, a MetricsError when the sum of finite samples overflows to infinity."""
+    result = total + value
+    if not math.isfinite(result):
+        raise MetricsError(f"{name} sums to {result} over its series: no engine reports figures that large")
+    return result
 
 
 def _int_label(labels: Mapping[str, str], key: str, default: int | None) -> int | None:

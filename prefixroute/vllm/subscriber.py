@@ -20,7 +20,7 @@ from typing import Any
 import zmq
 
 from prefixroute.errors import ConfigurationError, InvalidEventError
-from prefixroute.vllm._checks import check_count, check_seconds
+from prefixroute.vllm._checks import check_callable, check_count, check_endpoint, check_seconds
 from prefixroute.vllm.events import EventDecoder
 from prefixroute.vllm.tracker import BlockTracker, IndexOps, IndexWriter, TrackerStats
 
@@ -29,6 +29,9 @@ __all__ = ["KVEventSubscriber", "SubscriberStats"]
 _log = logging.getLogger(__name__)
 _LATEST = 2**62  # replay "to the end of the buffer"
 _END_OF_REPLAY = -1
+MAX_REPLAY_BATCHES = 100_000
+"""The most batches one replay keeps: an endpoint that never stops answering cannot grow the replies without bound."""
+_STOP_POLL_MS = 50  # how often a waiting thread looks whether stop() was called
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,9 @@ class SubscriberStats:
     gaps: int
     replayed_batches: int
     unrecovered_gaps: int
+    failed_replays: int
+    """Replays that did not end as the protocol says within ``replay_timeout`` (no answer, no end-of-replay, or
+    over :data:`MAX_REPLAY_BATCHES` batches): what they had supplied by then is applied, live events go on."""
     restarts: int
     invalid_batches: int
     """Messages skipped: not three frames, an 8-byte sequence number and a decodable ``EventBatch``."""
@@ -73,12 +79,18 @@ class KVEventSubscriber:
     continues from it (so a restart is acted on one batch late, and one corrupt number costs one batch, not the
     backend's blocks).
 
+    A replay is bounded as a whole: ``replay_timeout`` seconds from the request to the end-of-replay frame (not per
+    frame), and at most :data:`MAX_REPLAY_BATCHES` batches kept; a replay that runs past either is counted in
+    ``stats().failed_replays``, logged, and live events go on.
+
     Nothing kills the thread: a malformed message, a bad sequence number or a failing write is logged, counted in
     :meth:`stats` and skipped; a socket error reconnects with exponential backoff (``reconnect_backoff``, seconds).
 
     Raises:
         ConfigurationError: an endpoint is not a ZMQ address, ``writer.block_size`` differs from the hasher's, or an
             option is not a finite positive number (an int where a count).
+        TypeError: ``backend`` or ``topic`` is not a str, ``namespace`` not a str, bytes or None, ``lag_observer``
+            not a callable or None, ``clock`` not a callable.
 
     >>> with KVEventSubscriber(router, "gpu0", "tcp://127.0.0.1:5557") as sub:   # doctest: +SKIP
     ...     ...
@@ -102,12 +114,9 @@ class KVEventSubscriber:
     ) -> None:
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str id, not {type(backend).__name__}")
-        if not isinstance(endpoint, str) or "://" not in endpoint:
-            raise ConfigurationError(f"endpoint must be a ZMQ address like 'tcp://host:5557', not {endpoint!r}")
-        if replay_endpoint is not None and (not isinstance(replay_endpoint, str) or "://" not in replay_endpoint):
-            raise ConfigurationError(
-                f"replay_endpoint must be a ZMQ address like 'tcp://host:5558' or None, not {replay_endpoint!r}"
-            )
+        check_endpoint(endpoint, "endpoint", "tcp://gpu0:5557")
+        if replay_endpoint is not None:
+            check_endpoint(replay_endpoint, "replay_endpoint", "tcp://gpu0:5558")
         if not isinstance(topic, str):
             raise TypeError(f"topic must be a str, not {type(topic).__name__}")
         check_seconds(replay_timeout, "replay_timeout")
@@ -123,6 +132,8 @@ class KVEventSubscriber:
         check_seconds(high, "reconnect_backoff's high")
         if low > high:
             raise ConfigurationError(f"reconnect_backoff must be (low, high) with low <= high, not {reconnect_backoff}")
+        check_callable(lag_observer, "lag_observer", "taking a lag in seconds", optional=True)
+        check_callable(clock, "clock", "returning seconds since the epoch")
         self._tracker = BlockTracker(block_size=writer.block_size, namespace=namespace)  # validates the block size
         self.writer = writer
         self.backend = backend
@@ -132,7 +143,7 @@ class KVEventSubscriber:
         # Guards the tracker: the thread holds it while handling messages, reset() and held() take it too.
         self._state_lock = threading.Lock()
         self._decoder = EventDecoder()
-        self._replay_timeout_ms = max(1, int(replay_timeout * 1000))
+        self._replay_timeout = float(replay_timeout)
         self._max_batches = max_batches_per_apply
         self._max_jump = max_sequence_jump
         self._backoff = (float(low), float(high))
@@ -140,14 +151,13 @@ class KVEventSubscriber:
         self._clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._context: zmq.Context[Any] | None = None
         self._last_seq = -1  # last sequence number received and decoded (only the thread writes it)
         self._applied_seq = -1  # last sequence number whose updates are in the index
         self._pending: tuple[int, bytes] | None = None  # an out-of-line message, until the next one says
         self._counts = dict.fromkeys(
             (
-                "batches", "events", "gaps", "replayed", "unrecovered", "restarts", "invalid", "bad_sequences",
-                "write_errors", "reconnects",
+                "batches", "events", "gaps", "replayed", "unrecovered", "failed_replays", "restarts", "invalid",
+                "bad_sequences", "write_errors", "reconnects",
             ),
             0,
         )  # fmt: skip
@@ -156,24 +166,45 @@ class KVEventSubscriber:
     # -- lifecycle -------------------------------------------------------------------------------------------------
 
     def start(self) -> KVEventSubscriber:
-        """Start the background thread (idempotent); return self."""
-        if self._thread is not None and self._thread.is_alive():
-            return self
+        """Start the background thread (idempotent); return self.
+
+        After a :meth:`stop` whose wait timed out, first waits (up to 5 s) for that thread to end.
+
+        Raises:
+            RuntimeError: the thread of an earlier :meth:`stop` is still running after that wait.
+        """
+        old = self._thread
+        if old is not None and old.is_alive():
+            if not self._stop.is_set():
+                return self
+            old.join(5.0)
+            if old.is_alive():
+                raise RuntimeError(f"the KV-event thread of {self.backend} has not ended since stop(): try again")
         self._stop.clear()
-        self._context = zmq.Context()
-        self._thread = threading.Thread(target=self._run, name=f"prefixroute-kv-events[{self.backend}]", daemon=True)
+        context: zmq.Context[Any] = zmq.Context()
+        self._thread = threading.Thread(
+            target=self._run, args=(context,), name=f"prefixroute-kv-events[{self.backend}]", daemon=True
+        )
         self._thread.start()
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop the thread and close the sockets; the index keeps what was applied. Idempotent."""
+        """Stop the thread, waiting at most ``timeout`` seconds; the index keeps what was applied. Idempotent.
+
+        The thread closes its own sockets as it ends. When it has not ended within ``timeout`` (a writer that
+        blocks), this logs a warning and returns; :attr:`running` stays True until the thread really ends.
+        """
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
-        if self._context is not None:
-            self._context.destroy(linger=0)
-            self._context = None
+        thread = self._thread
+        if thread is None:
+            return
+        if thread is not threading.current_thread():
+            thread.join(timeout)
+        if thread.is_alive():
+            if thread is not threading.current_thread():
+                _log.warning("KV events from %s: the thread has not ended within %gs of stop()", self.backend, timeout)
+            return
+        self._thread = None
 
     def __enter__(self) -> KVEventSubscriber:
         return self.start()
@@ -214,6 +245,7 @@ class KVEventSubscriber:
             gaps=c["gaps"],
             replayed_batches=c["replayed"],
             unrecovered_gaps=c["unrecovered"],
+            failed_replays=c["failed_replays"],
             restarts=c["restarts"],
             invalid_batches=c["invalid"],
             bad_sequences=c["bad_sequences"],
@@ -226,31 +258,36 @@ class KVEventSubscriber:
 
     # -- the thread ------------------------------------------------------------------------------------------------
 
-    def _run(self) -> None:
-        delay = self._backoff[0]
-        while not self._stop.is_set():
-            try:
-                self._session()
-                delay = self._backoff[0]
-            except Exception as exc:  # noqa: BLE001 - the thread must outlive any one bad moment
-                if self._stop.is_set():
-                    return
-                self._counts["reconnects"] += 1
-                if isinstance(exc, zmq.ZMQError):
-                    _log.warning("KV events from %s: %s; reconnecting in %.1fs", self.endpoint, exc, delay)
-                else:
-                    _log.exception("KV events from %s: unexpected error; reconnecting in %.1fs", self.endpoint, delay)
-                self._stop.wait(delay)
-                delay = min(delay * 2, self._backoff[1])
+    def _run(self, context: zmq.Context[Any]) -> None:
+        try:
+            delay = self._backoff[0]
+            while not self._stop.is_set():
+                try:
+                    self._session(context)
+                    delay = self._backoff[0]
+                except Exception as exc:  # noqa: BLE001 - the thread must outlive any one bad moment
+                    if self._stop.is_set():
+                        return
+                    self._counts["reconnects"] += 1
+                    if isinstance(exc, zmq.ZMQError):
+                        _log.warning("KV events from %s: %s; reconnecting in %.1fs", self.endpoint, exc, delay)
+                    else:
+                        _log.exception(
+                            "KV events from %s: unexpected error; reconnecting in %.1fs", self.endpoint, delay
+                        )
+                    self._stop.wait(delay)
+                    delay = min(delay * 2, self._backoff[1])
+        finally:
+            context.destroy(linger=0)  # by the thread that used its sockets, which ZMQ requires
 
-    def _session(self) -> None:
-        assert self._context is not None
-        sub = self._context.socket(zmq.SUB)
+    def _session(self, context: zmq.Context[Any]) -> None:
+        sub = context.socket(zmq.SUB)
         try:
             sub.setsockopt(zmq.LINGER, 0)
-            # libzmq reconnects a dropped TCP connection by itself, backing off up to RECONNECT_IVL_MAX.
-            sub.setsockopt(zmq.RECONNECT_IVL, int(self._backoff[0] * 1000))
-            sub.setsockopt(zmq.RECONNECT_IVL_MAX, int(self._backoff[1] * 1000))
+            # libzmq reconnects a dropped TCP connection by itself, backing off up to RECONNECT_IVL_MAX (both are
+            # C ints of milliseconds: a longer backoff is clamped, not an error in the thread).
+            sub.setsockopt(zmq.RECONNECT_IVL, _socket_ms(self._backoff[0]))
+            sub.setsockopt(zmq.RECONNECT_IVL_MAX, _socket_ms(self._backoff[1]))
             sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
             sub.connect(self.endpoint)
             caught_up = self.replay_endpoint is None
@@ -261,7 +298,7 @@ class KVEventSubscriber:
                         # slow joiner) would only be noticed at the next batch; fetch them from the replay now.
                         caught_up = True
                         with self._state_lock:
-                            self._catch_up()
+                            self._catch_up(context)
                     continue
                 caught_up = True
                 messages = [sub.recv_multipart(copy=True)]
@@ -271,16 +308,16 @@ class KVEventSubscriber:
                     except zmq.Again:
                         break
                 with self._state_lock:
-                    self._handle(messages)
+                    self._handle(messages, context)
         finally:
             sub.close(linger=0)
 
-    def _handle(self, messages: list[list[bytes]]) -> None:
+    def _handle(self, messages: list[list[bytes]], context: zmq.Context[Any]) -> None:
         ops: IndexOps = []
         timestamps: list[float] = []
         for frames in messages:
             try:
-                self._handle_message(frames, ops, timestamps)
+                self._handle_message(frames, ops, timestamps, context)
             except Exception:  # noqa: BLE001 - one bad message must not cost the others
                 self._counts["invalid"] += 1
                 _log.exception("KV events from %s: skipping a message that could not be handled", self.backend)
@@ -306,7 +343,9 @@ class KVEventSubscriber:
             self._counts["write_errors"] += 1
             _log.exception("KV events from %s: writing %d index updates failed", self.backend, len(ops))
 
-    def _handle_message(self, frames: list[bytes], ops: IndexOps, timestamps: list[float]) -> None:
+    def _handle_message(
+        self, frames: list[bytes], ops: IndexOps, timestamps: list[float], context: zmq.Context[Any]
+    ) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
             self._counts["invalid"] += 1
             _log.warning(
@@ -322,12 +361,12 @@ class KVEventSubscriber:
         pending, self._pending = self._pending, None
         if pending is not None:
             if seq == pending[0] + 1:  # the stream really moved there: an engine restart, or a long loss
-                self._accept(*pending, ops, timestamps)
+                self._accept(*pending, ops, timestamps, context)
             else:
                 self._bad_sequence(pending[0], f"out of line after {self._last_seq}, and {seq} did not follow it")
         last = self._last_seq
         if last < seq <= last + 1 + self._max_jump:
-            self._accept(seq, frames[2], ops, timestamps)
+            self._accept(seq, frames[2], ops, timestamps, context)
         else:
             self._pending = (seq, frames[2])
 
@@ -335,7 +374,9 @@ class KVEventSubscriber:
         self._counts["bad_sequences"] += 1
         _log.warning("KV events from %s: skipping the batch numbered %d: %s", self.backend, seq, why)
 
-    def _accept(self, seq: int, payload: bytes, ops: IndexOps, timestamps: list[float]) -> None:
+    def _accept(
+        self, seq: int, payload: bytes, ops: IndexOps, timestamps: list[float], context: zmq.Context[Any]
+    ) -> None:
         last = self._last_seq
         if last >= 0 and seq <= last:
             self._counts["restarts"] += 1
@@ -345,7 +386,7 @@ class KVEventSubscriber:
         if seq > last + 1:
             if last >= 0:
                 self._counts["gaps"] += 1
-            self._recover(last + 1, seq - 1, ops, timestamps)
+            self._recover(last + 1, seq - 1, ops, timestamps, context)
         self._apply_payload(seq, payload, ops, timestamps)
 
     def _apply_payload(self, seq: int, payload: bytes, ops: IndexOps, timestamps: list[float]) -> None:
@@ -362,11 +403,11 @@ class KVEventSubscriber:
         if math.isfinite(batch.ts):
             timestamps.append(batch.ts)
 
-    def _catch_up(self) -> None:
+    def _catch_up(self, context: zmq.Context[Any]) -> None:
         """Apply every batch the engine's replay buffer holds after the last one seen."""
         ops: IndexOps = []
         timestamps: list[float] = []
-        for seq, payload in self._replay(self._last_seq + 1, _LATEST):
+        for seq, payload in self._replay(context, self._last_seq + 1, _LATEST):
             if seq > self._last_seq:
                 if seq > self._last_seq + 1:  # the buffer no longer holds what came before: those updates are lost
                     self._counts["unrecovered"] += 1
@@ -376,13 +417,13 @@ class KVEventSubscriber:
                 self._counts["replayed"] += 1
         self._finish(ops, timestamps)
 
-    def _recover(self, start: int, end: int, ops: IndexOps, timestamps: list[float]) -> None:
+    def _recover(self, start: int, end: int, ops: IndexOps, timestamps: list[float], context: zmq.Context[Any]) -> None:
         """Replay batches ``start..end`` (inclusive); count an unrecovered gap when some cannot be had.
 
         Batches the engine's replay buffer no longer holds are lost; the ones after them are still applied (their
         blocks whose parent was lost are skipped by the tracker, so the index never holds a false block).
         """
-        replies = self._replay(start, end) if self.replay_endpoint is not None else []
+        replies = self._replay(context, start, end) if self.replay_endpoint is not None else []
         expected = start
         lost = False
         for seq, payload in replies:
@@ -402,26 +443,60 @@ class KVEventSubscriber:
                 "not configured" if self.replay_endpoint is None else "could not supply them all",
             )
 
-    def _replay(self, start: int, end: int) -> list[tuple[int, bytes]]:
-        assert self._context is not None and self.replay_endpoint is not None
+    def _replay(self, context: zmq.Context[Any], start: int, end: int) -> list[tuple[int, bytes]]:
+        """Ask for batches ``start..end`` and return the ones received, in increasing sequence order.
+
+        The whole exchange is bounded: ``replay_timeout`` seconds in all (a deadline, not a wait per frame) and at
+        most :data:`MAX_REPLAY_BATCHES` batches. A replay cut short by either (or that never ends) is counted in
+        ``failed_replays`` and what it supplied is returned. Duplicates and batches out of order are dropped.
+        """
+        assert self.replay_endpoint is not None
         replies: list[tuple[int, bytes]] = []
+        deadline = time.monotonic() + self._replay_timeout
+        failure: str | None = None
         # A fresh DEALER per request: a late reply to an abandoned request can never be mistaken for this one's.
-        dealer = self._context.socket(zmq.DEALER)
+        dealer = context.socket(zmq.DEALER)
         try:
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.connect(self.replay_endpoint)
             dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            while dealer.poll(self._replay_timeout_ms):
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    failure = f"no end of replay within {self._replay_timeout:g}s"
+                    break
+                if self._stop.is_set():
+                    break
+                if not dealer.poll(max(1, min(_STOP_POLL_MS, math.ceil(left * 1000)))):
+                    continue
                 frames = dealer.recv_multipart()
                 if len(frames) != 3 or len(frames[1]) != 8:
                     continue
                 seq = int.from_bytes(frames[1], "big", signed=True)
                 if seq == _END_OF_REPLAY:
                     break
-                if seq >= start:
-                    replies.append((seq, frames[2]))
-                if seq >= end:
+                if seq < start or (replies and seq <= replies[-1][0]):
+                    continue  # before what was asked for, or a duplicate or out of order: nothing to apply
+                if seq > end:
+                    break
+                replies.append((seq, frames[2]))
+                if seq == end:
+                    break
+                if len(replies) >= MAX_REPLAY_BATCHES:
+                    failure = f"over {MAX_REPLAY_BATCHES} batches"
                     break
         finally:
             dealer.close(linger=0)
+        if failure is not None:
+            self._counts["failed_replays"] += 1
+            _log.warning(
+                "KV events from %s: the replay of batches from %d from %s failed (%s); %d batches kept, live events "
+                "go on",
+                self.backend, start, self.replay_endpoint, failure, len(replies),
+            )  # fmt: skip
         return replies
+
+
+def _socket_ms(seconds: float) -> int:
+    """``seconds`` as a ZMQ socket option in milliseconds (a C int): at least 1, at most 2**31 - 1."""
+    return max(1, min(2**31 - 1, round(seconds * 1000)))

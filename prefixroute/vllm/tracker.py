@@ -87,7 +87,8 @@ class BlockTracker:
     __slots__ = ("_block_size", "_hashers", "_namespace", "_own", "_refs", "_skipped_groups", "stats")
 
     def __init__(self, *, block_size: int = 16, namespace: str | bytes | None = None) -> None:
-        self._block_size = BlockHasher(block_size).block_size  # validates
+        # Both validated here, not at the first BlockStored (which would fail in a subscriber's thread).
+        self._block_size = BlockHasher(block_size, namespace=namespace).block_size
         self._namespace = namespace
         self._hashers: dict[str | None, BlockHasher] = {}
         self._own: dict[ExternalBlockHash, _Entry] = {}

@@ -250,7 +250,7 @@ def test_bad_backends_and_endpoints_are_clear_errors() -> None:
             fleet.add_backend("gpu0")
     with pytest.raises(ConfigurationError, match="closed"):
         fleet.add_backend("gpu1")
-    with Fleet(Router(index=EventIndex(16))) as fleet, pytest.raises(ConfigurationError, match="tcp://host"):
+    with Fleet(Router(index=EventIndex(16))) as fleet, pytest.raises(ConfigurationError, match="ZMQ address"):
         fleet.add_backend("gpu0", kv_events="gpu0:5557")
     with pytest.raises(TypeError, match="Router"):
         Fleet(object())  # type: ignore[arg-type]
@@ -268,3 +268,81 @@ def test_a_failing_health_callback_is_counted_and_polling_goes_on(
         wait_until(lambda: fleet.stats().callback_errors == 1, what="the callback's error counted")
         wait_until(lambda: fleet.stats()["gpu0"].scrapes >= 3, what="polling going on")
     assert "callback bug" in caplog.text
+
+
+def test_waiting_figures_summing_to_infinity_mark_only_that_engine_bad_and_stats_still_work() -> None:
+    router = Router()
+    overflow = (
+        'vllm:num_requests_waiting{model_name="m"} 1e308\n'
+        'vllm:num_requests_waiting{model_name="n"} 1e308\n'
+        'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n'
+    )  # each sample is finite, their sum is not
+    with FakeVLLM() as good, FakeVLLM() as bad, Fleet(router, interval=0.02) as fleet:
+        good.set_load(waiting=1)
+        bad.set_metrics_fault(text=overflow)
+        fleet.add_backend("good", metrics_url=good.url)
+        fleet.add_backend("bad", metrics_url=bad.url)
+        wait_until(lambda: fleet.stats()["bad"].failed_scrapes >= 2, what="the overflowing engine's failures")
+        stats = fleet.stats()  # never raises for one engine's figures
+        assert "sums to inf" in (stats["bad"].last_error or "") and not stats["bad"].healthy
+        assert stats["bad"].queue_len is None and stats["bad"].scrapes == 0
+        assert stats["good"].healthy and stats["good"].queue_len == 1 and stats["good"].failed_scrapes == 0
+        assert fleet.healthy_backends() == ["good"]
+        assert seen(router, "bad") == (None, None)
+
+
+class RefusingRouter(Router):
+    """A router that refuses the engine figures of one backend (as a bug in the write path would)."""
+
+    def set_engine_load(self, backend: str, *, queue_len: int | None, kv_usage: float | None) -> None:
+        if backend == "bad" and queue_len is not None:
+            raise OverflowError("figures this router cannot take")
+        super().set_engine_load(backend, queue_len=queue_len, kv_usage=kv_usage)
+
+
+def test_an_unexpected_error_in_a_scrape_counts_as_a_failed_scrape_of_only_that_backend(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    events: list[tuple[str, bool]] = []
+    router = RefusingRouter()
+    with (
+        FakeVLLM() as good,
+        FakeVLLM() as bad,
+        Fleet(router, interval=0.02, on_health=lambda b, ok: events.append((b, ok))) as fleet,
+    ):
+        good.set_load(waiting=1)
+        bad.set_load(waiting=2)
+        fleet.add_backend("good", metrics_url=good.url)
+        fleet.add_backend("bad", metrics_url=bad.url)
+        wait_until(lambda: fleet.stats()["bad"].failed_scrapes >= 3, what="the unexpected errors counted")
+        stats = fleet.stats()
+        assert (stats["bad"].last_error or "").startswith("unexpected OverflowError")
+        assert not stats["bad"].healthy and stats["bad"].scrapes == 0 and stats["bad"].queue_len is None
+        assert stats["good"].healthy and stats["good"].failed_scrapes == 0 and stats["good"].scrapes >= 1
+        assert fleet.healthy_backends() == ["good"]
+        assert ("bad", False) in events and ("bad", True) not in events  # no flapping between scrapes
+    assert "metrics of bad: unexpected error" in caplog.text
+
+
+def test_options_of_the_wrong_type_are_type_errors_when_given() -> None:
+    with Fleet(Router(index=EventIndex(16))) as fleet:
+        for namespace in (5, ["model"]):
+            with pytest.raises(TypeError, match="namespace"):
+                fleet.add_backend("gpu0", kv_events="tcp://127.0.0.1:1", namespace=namespace)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match="namespace"):
+                fleet.add_backend("gpu0", namespace=namespace)  # type: ignore[arg-type]
+        assert fleet.backends() == []
+        fleet.add_backend("ab")
+        for backends in ("ab", b"ab"):
+            with pytest.raises(TypeError, match="iterable of str ids"):
+                fleet.healthy_backends(backends)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="str ids"):
+            fleet.healthy_backends(["ab", 5])  # type: ignore[list-item]
+        assert fleet.healthy_backends(["ab", "other"]) == ["ab", "other"]
+
+
+@pytest.mark.parametrize("option", ["interval", "timeout", "stale_after"])
+@pytest.mark.parametrize("value", [10**400, 10**5000, 1e300], ids=["10**400", "10**5000", "1e300"])
+def test_a_huge_number_of_seconds_is_a_configuration_error_not_an_overflow(option: str, value: object) -> None:
+    with pytest.raises(ConfigurationError, match=option):
+        Fleet(Router(), **{option: value})  # type: ignore[arg-type]

@@ -85,6 +85,13 @@ vllm:cache_config_info{block_size="16",num_gpu_blocks="100"} 1
         (GOOD.replace("} 2", "} NaN"), "is nan"),
         (GOOD.replace("} 2", "} +Inf"), "is inf"),
         (GOOD.replace("} 2", "} -3"), "is -3"),
+        (GOOD.replace("} 2", '} 1e308\nvllm:num_requests_waiting{engine="1"} 1e308'), "waiting sums to inf"),
+        (
+            "# TYPE vllm:time_to_first_token_seconds histogram\n"
+            'vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf"} 1e308\n'
+            'vllm:time_to_first_token_seconds_bucket{engine="1",le="+Inf"} 1e308\n',
+            "bucket.*sums to inf",
+        ),
         ('# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0"} 1.5\n', "KV cache usage"),
         (GOOD.replace('block_size="16"', 'block_size="0"'), "block_size is '0'"),
         (GOOD.replace('block_size="16"', 'block_size="-16"'), "block_size"),
@@ -137,7 +144,19 @@ def test_the_timeout_bounds_the_whole_read_of_a_slow_or_trickling_engine(delay: 
         assert time.monotonic() - began < 1.0
 
 
-@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf"), "2"])
+@pytest.mark.parametrize(
+    "timeout",
+    [
+        0,
+        -1.0,
+        float("nan"),
+        float("inf"),
+        "2",
+        pytest.param(10**400, id="10**400"),
+        pytest.param(10**5000, id="10**5000"),
+        1e300,
+    ],
+)
 def test_fetch_rejects_a_nonsense_timeout(timeout: object) -> None:
     with pytest.raises(ConfigurationError, match="timeout"):
         fetch_metrics("http://127.0.0.1:1", timeout=timeout)  # type: ignore[arg-type]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import httpx
 import msgspec
@@ -16,9 +17,10 @@ from prefixroute.errors import ConfigurationError
 from prefixroute.index import IndexUpdate
 from prefixroute.testing import FakeVLLM
 from prefixroute.vllm import EventIndex, Fleet, KVEventSubscriber, lora_namespace
+from prefixroute.vllm import subscriber as subscriber_module
 
 from ..conftest import wait_until
-from .conftest import events_router, settle
+from .conftest import events_router, fresh, settle
 
 STEMS = [[random.Random(stem).randrange(30_000) for _ in range(160)] for stem in range(4)]
 
@@ -245,9 +247,9 @@ def test_a_failing_writer_is_counted_and_the_thread_goes_on() -> None:
 
 def test_configuration_errors_are_clear() -> None:
     router = events_router()
-    with pytest.raises(ConfigurationError, match="tcp://host:5557"):
+    with pytest.raises(ConfigurationError, match="ZMQ address"):
         KVEventSubscriber(router, "gpu0", "localhost:5557")
-    with pytest.raises(ConfigurationError, match="tcp://host:5558"):
+    with pytest.raises(ConfigurationError, match="replay_endpoint must be a ZMQ address"):
         KVEventSubscriber(router, "gpu0", "tcp://127.0.0.1:1", replay_endpoint="localhost")
 
 
@@ -369,3 +371,196 @@ def test_batches_published_before_the_subscription_took_effect_are_fetched_witho
             # Nothing more is published: only the catch-up on a quiet subscription can bring these blocks.
             wait_until(lambda: router.index.hashes("gpu0") == engine.own_hashes(), what="the catch-up replay")
             assert router.index.blocks("gpu0") == 4
+
+
+class EndlessReplay:
+    """A replay ROUTER on loopback that never sends the end of a replay: after each request it keeps answering its
+    latest requester, every ``every`` seconds, with ``reply(n)`` for n = 0, 1, 2..."""
+
+    def __init__(self, reply: Callable[[int], list[bytes]], every: float) -> None:
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self.endpoint = f"tcp://127.0.0.1:{self._socket.bind_to_random_port('tcp://127.0.0.1')}"
+        self._reply = reply
+        self._every = every
+        self.requests = 0
+        self.sent = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def __enter__(self) -> EndlessReplay:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._context.destroy(linger=0)
+
+    def _serve(self) -> None:
+        ident = None
+        n = 0
+        while not self._stop.is_set():
+            if self._socket.poll(0 if ident is not None else 20):
+                ident = self._socket.recv_multipart()[0]
+                self.requests += 1
+                n = 0
+            if ident is not None:
+                try:
+                    self._socket.send_multipart([ident, b"", *self._reply(n)], zmq.NOBLOCK)
+                    self.sent += 1
+                except zmq.Again:
+                    pass
+                n += 1
+                time.sleep(self._every)
+
+
+def numbered(seq: int) -> bytes:
+    return seq.to_bytes(8, "big", signed=True)
+
+
+STORED = msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, list(range(16)), 16]]])
+
+
+def test_a_replay_that_never_ends_is_cut_at_replay_timeout_and_live_events_go_on() -> None:
+    """The timeout bounds the whole replay, not each frame: an endpoint answering forever cannot hold the thread."""
+    context = zmq.Context()
+    pub = context.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    seq = iter(range(10, 1000))  # the first batch heard comes after a gap: it needs a replay of 0..9
+    try:
+        with (
+            EndlessReplay(lambda n: [numbered(1), b"\xc1"], every=0.02) as replay,
+            KVEventSubscriber(
+                events_router(), "gpu0", f"tcp://127.0.0.1:{port}", replay_endpoint=replay.endpoint,
+                replay_timeout=0.3,
+            ) as sub,
+        ):  # fmt: skip
+            state = {"at": 0.0}
+
+            def applied_live() -> bool:  # keep publishing (a PUB drops what it sends before the SUB connects)
+                if sub.stats().batches >= 3:
+                    return True
+                if time.monotonic() - state["at"] > 0.05:
+                    pub.send_multipart([b"", numbered(next(seq)), STORED])
+                    state["at"] = time.monotonic()
+                return False
+
+            began = time.monotonic()
+            wait_until(applied_live, timeout=10.0, what="live batches applied despite the endless replay")
+            assert time.monotonic() - began < 5.0
+            stats = sub.stats()
+            assert replay.requests >= 1 and replay.sent > 1  # the endpoint did keep answering
+            assert stats.failed_replays >= 1 and stats.last_seq >= 0
+            assert sub.held()  # the state lock is free again: live events were applied
+            began = time.monotonic()
+            sub.stop(timeout=3)
+            assert time.monotonic() - began < 1.0 and not sub.running
+    finally:
+        context.destroy(linger=0)
+
+
+def test_a_replay_keeps_at_most_max_replay_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(subscriber_module, "MAX_REPLAY_BATCHES", 5)
+    context = zmq.Context()
+    pub = context.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        # Batches 0, 1, 2... for ever, well within the timeout: only the cap ends this replay.
+        with (
+            EndlessReplay(lambda n: [numbered(n), STORED], every=0.001) as replay,
+            KVEventSubscriber(
+                events_router(), "gpu0", f"tcp://127.0.0.1:{port}", replay_endpoint=replay.endpoint,
+                replay_timeout=30.0,
+            ) as sub,
+        ):  # fmt: skip
+            wait_until(lambda: sub.stats().failed_replays >= 1, timeout=10.0, what="the capped catch-up replay")
+            stats = sub.stats()
+            assert stats.replayed_batches == 5 and stats.last_seq == 4
+    finally:
+        context.destroy(linger=0)
+
+
+class BlockingWriter:
+    """A writer whose writes wait until ``release`` is set (a stuck index)."""
+
+    block_size = 16
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def write(self, backend: str, updates: Iterable[IndexUpdate]) -> None:
+        self.entered.set()
+        self.release.wait(10)
+
+
+def test_running_stays_true_while_a_stop_that_timed_out_leaves_the_thread_alive() -> None:
+    writer = BlockingWriter()
+    with FakeVLLM() as engine:
+        sub = KVEventSubscriber(writer, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint).start()
+        try:
+            state = {"at": 0.0}
+
+            def stuck() -> bool:  # publish until one batch reaches the writer (and blocks there)
+                if writer.entered.is_set():
+                    return True
+                if time.monotonic() - state["at"] > 0.1:
+                    engine.complete(fresh())
+                    state["at"] = time.monotonic()
+                return False
+
+            wait_until(stuck, what="a write that blocks")
+            sub.stop(timeout=0.2)
+            assert sub.running  # the truth: the thread is still in the writer
+            assert [t for t in threading.enumerate() if t.name == "prefixroute-kv-events[gpu0]"]
+        finally:
+            writer.release.set()
+        wait_until(lambda: not sub.running, what="the thread to end once the writer returns")
+        sub.stop()  # idempotent, and nothing left to wait for
+        assert not sub.running
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "error"),
+    [
+        ("namespace", 5, "namespace"),
+        ("namespace", ["model"], "namespace"),
+        ("lag_observer", 5, "lag_observer"),
+        ("clock", 5, "clock"),
+        ("clock", None, "clock"),
+    ],
+)
+def test_options_of_the_wrong_type_are_type_errors_when_given(option: str, value: object, error: str) -> None:
+    with pytest.raises(TypeError, match=error):
+        KVEventSubscriber(events_router(), "gpu0", "tcp://127.0.0.1:1", **{option: value})  # type: ignore[arg-type]
+
+
+def test_a_huge_int_timeout_is_a_configuration_error_not_an_overflow() -> None:
+    for value in (10**400, 10**5000, 1e300):
+        with pytest.raises(ConfigurationError, match="replay_timeout"):
+            KVEventSubscriber(events_router(), "gpu0", "tcp://127.0.0.1:1", replay_timeout=value)
+        with pytest.raises(ConfigurationError, match="reconnect_backoff"):
+            KVEventSubscriber(events_router(), "gpu0", "tcp://127.0.0.1:1", reconnect_backoff=(0.1, value))
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        "tcp://127.0.0.1:99999",
+        "tcp://127.0.0.1:0",
+        "tcp://127.0.0.1:x",
+        "tcp://:5557",
+        "tcp://*:5557",
+        "ipc://",
+        "udp://127.0.0.1:5557",
+        "tcp://127.0.0.1:5557\n",
+        "gpu0:5557",
+        "",
+    ],  # fmt: skip
+)
+def test_an_endpoint_no_socket_can_connect_to_is_refused_when_given(endpoint: str) -> None:
+    with pytest.raises(ConfigurationError, match="ZMQ address"):
+        KVEventSubscriber(events_router(), "gpu0", endpoint)
+    with pytest.raises(ConfigurationError, match="replay_endpoint"):
+        KVEventSubscriber(events_router(), "gpu0", "tcp://127.0.0.1:1", replay_endpoint=endpoint)

@@ -184,3 +184,10 @@ def run_and_compare(steps: list[tuple[str, int]], engine_block: int, byte_hashes
         assert index.hashes("gpu0") == truth
         index._check()
     assert tracker.stats.invalid_events == 0 and tracker.stats.orphan_blocks == 0
+
+
+@pytest.mark.parametrize("namespace", [5, ["model"], 1.5])
+def test_a_namespace_of_the_wrong_type_is_a_type_error_when_given_not_at_the_first_event(namespace: object) -> None:
+    with pytest.raises(TypeError, match="namespace must be a str, bytes or None"):
+        BlockTracker(block_size=4, namespace=namespace)  # type: ignore[arg-type]
+    assert BlockTracker(block_size=4, namespace=b"model").apply([BlockStored([1], None, [1, 2, 3, 4], 4)])
