@@ -21,6 +21,7 @@ from types import MappingProxyType
 
 from prefixroute.errors import ConfigurationError
 from prefixroute.policies import Candidate, LoadPolicy, _require_candidates
+from prefixroute.sim._checks import is_finite_number, shown
 
 __all__ = [
     "BASELINES",
@@ -59,8 +60,8 @@ class _TreeSizes:
 
 def _number(name: str, value: object) -> float:
     """``value`` if it is a finite number >= 0, else a ConfigurationError naming the option."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-        raise ConfigurationError(f"{name} must be a finite number >= 0, not {value!r}")
+    if not is_finite_number(value) or value < 0:
+        raise ConfigurationError(f"{name} must be a finite number >= 0, not {shown(value)}")
     return value
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections.abc import Sequence
@@ -168,8 +169,13 @@ def _check_before_running(spec: SimSpec, policies: Sequence[str], args: argparse
 def check_writable(path: str | Path, option: str) -> None:
     """Fail now, not after the run, if a file cannot be written at ``path`` (its folder is created).
 
+    The file is opened for append (which leaves an existing file as it is) and removed again if it did not exist,
+    so what the OS refuses (a read-only mount, /proc, permissions even root lacks) is found now; ``os.access`` alone
+    says yes to root everywhere.
+
     Raises:
-        ConfigurationError: ``path`` is a folder, or its folder cannot be created or written.
+        ConfigurationError: ``path`` is a folder, or its folder cannot be created, or the file cannot be opened for
+            writing.
     """
     target = Path(path)
     if target.is_dir():
@@ -178,8 +184,14 @@ def check_writable(path: str | Path, option: str) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigurationError(f"{option} {path}: cannot create its folder ({exc.strerror or exc})") from exc
-    if not os.access(target.parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise ConfigurationError(f"{option} {path}: not writable")
+    existed = target.exists() or target.is_symlink()  # a dangling link: leave it (and what it now points to)
+    try:  # non-blocking, so a FIFO nobody reads yet does not hang the check (ENXIO: cannot tell, let it be)
+        os.close(os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o666))
+    except OSError as exc:
+        if exc.errno != errno.ENXIO:
+            raise ConfigurationError(f"{option} {path}: not writable ({exc.strerror or exc})") from exc
+    if not existed:
+        target.unlink(missing_ok=True)
 
 
 def _run_all(spec: SimSpec, policies: list[str], console: Any) -> list[PolicyResult]:

@@ -2,12 +2,16 @@
 
 Not used at run time. Regenerate the package data (and optionally the calibration plot) with::
 
-    python -m prefixroute.sim.costfit --data data [--plot docs/cost-model-calibration.png]
+    python -m prefixroute.sim.costfit --data data --out prefixroute/sim/data [--plot docs/cost-model-calibration.png]
     python -m prefixroute.sim.costfit --data data --check     # exit 1 if the package data is stale
+
+It writes only to an explicit ``--out`` (without it, and without ``--check``, it refuses: exit 2), so a stray run
+never overwrites the installed package data.
 
 ``--check`` compares every number of a refit with the packaged one within a relative tolerance (default 1e-5:
 numpy and BLAS builds differ in the last digits of a least-squares fit, ~2e-7 here), and every string and key
-exactly. Exit status: 0 up to date, 1 stale (the differences are listed), 2 bad input (a missing data folder).
+exactly. Exit status: 0 up to date, 1 stale (the differences are listed), 2 bad input (a usage error, a missing or
+malformed data folder, an output that cannot be written; one line on stderr).
 
 Method (see docs/cost-model.md): per (GPU, model, tp) the measured per-layer linear-operator time of
 Vidur's ``mlp.csv`` is fitted by ``max(floor, intercept + per_token * n)``; missing combinations are
@@ -33,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from prefixroute.errors import ConfigurationError, PrefixRouteError
 from prefixroute.sim.calibration import Measurement
 from prefixroute.sim.costmodel import CostCoefficients, ModelSpec
 from prefixroute.sim.costplot import plot_calibration
@@ -377,29 +382,92 @@ def _number(value: object) -> float | None:
 
 
 def _tolerance(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
     if not (math.isfinite(value) and 0 <= value < 1):
         raise argparse.ArgumentTypeError(f"must be a finite number in [0, 1), not {text!r}")
     return value
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: fit, then write (or ``--check``) the package data; optionally plot."""
-    parser = argparse.ArgumentParser(prog="python -m prefixroute.sim.costfit", description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=Path("data"), help="folder of the raw measurements")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "data", help="package data folder")
+PROG = "python -m prefixroute.sim.costfit"
+PACKAGE_DATA = Path(__file__).parent / "data"
+_OUTPUTS = ("profiles.json", "calibration_points.csv")
+# The raw files the fit cannot do without (H100 Llama-3-8B and Llama-2-70B are derived when absent).
+_REQUIRED = (
+    *(Path("vidur-profiling") / "a100" / name for name in _VIDUR_FILES.values()),
+    *(Path("vidur-profiling") / "h100" / _VIDUR_FILES[model] for model in ("llama-2-7b", "codellama-34b")),
+    Path("splitwise-sim") / "perf_model.csv",
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from prefixroute.cli import _Parser
+
+    parser = _Parser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=Path("data"), help="folder of the raw measurements (data)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder to write profiles.json and calibration_points.csv to (the package data is "
+        "prefixroute/sim/data); with --check, the folder to compare (default: the package data)",
+    )
     parser.add_argument("--check", action="store_true", help="exit 1 if the package data differs from a refit")
     parser.add_argument(
         "--rel-tol", type=_tolerance, default=1e-5, help="--check: relative tolerance on numbers (1e-5)"
     )
     parser.add_argument("--plot", type=Path, default=None, help="write the calibration plot (PNG) here")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: fit, then write to ``--out`` (or ``--check`` the package data); optionally plot.
+
+    Writes only where ``--out`` says: without it (and without ``--check``) nothing is fitted or written, so a
+    stray run never overwrites the installed package data. Bad input (a usage error, a missing or malformed data
+    folder, an output that cannot be written) is exit status 2 and one line on stderr, never a traceback.
+    """
+    from prefixroute.cli import UsageError, _fail
+
+    try:
+        args = _parser().parse_args(argv)
+    except UsageError as exc:
+        return _fail(str(exc))
+    try:
+        return _run(args)
+    except PrefixRouteError as exc:
+        return _fail(f"{PROG}: error: {exc}")
+    except OSError as exc:
+        where = f": {exc.filename}" if exc.filename is not None else ""
+        return _fail(f"{PROG}: error: {exc.strerror or exc}{where}")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from prefixroute.sim.cli import check_writable
+
+    if not args.check and args.out is None:
+        raise ConfigurationError(
+            f"give --out FOLDER to write the refit (the package data: --out {PACKAGE_DATA}), or --check to compare"
+        )
     for folder in ("vidur-profiling", "splitwise-sim"):
         if not (args.data / folder).is_dir():
-            message = f"{args.data / folder} is missing: --data must be the repository's data/ folder"
-            print(f"costfit: error: {message}", file=sys.stderr)
-            return 2
-    entries, measurements, shared = fit_profiles(args.data)
+            raise ConfigurationError(f"{args.data / folder} is missing: --data must be the repository's data/ folder")
+    missing = [str(name) for name in _REQUIRED if not (args.data / name).is_file()]
+    if missing:
+        raise ConfigurationError(f"--data {args.data} lacks {', '.join(missing)}")
+    if not args.check:
+        for name in _OUTPUTS:
+            check_writable(args.out / name, "--out")
+    if args.plot is not None:
+        check_writable(args.plot, "--plot")
+    try:
+        entries, measurements, shared = fit_profiles(args.data)
+    except KeyError as exc:
+        raise ConfigurationError(f"--data {args.data}: cannot fit, missing {exc} (a column or a combination)") from exc
+    except (ValueError, ArithmeticError, csv.Error, UnicodeDecodeError) as exc:
+        raise ConfigurationError(f"--data {args.data}: cannot fit ({type(exc).__name__}: {exc})") from exc
     files = {
         "profiles.json": json.dumps({"format": 1, "profiles": entries}, indent=1, sort_keys=True) + "\n",
         "calibration_points.csv": _points_csv(measurements),
@@ -407,17 +475,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     for family, terms in shared.items():
         print(f"{family}: {terms}")
     if args.check:
+        out = args.out if args.out is not None else PACKAGE_DATA
         differences: list[str] = []
         for name, text in files.items():
-            path = args.out / name
+            path = out / name
             if not path.is_file():
                 differences.append(f"{path}: missing")
                 continue
-            differences += compare_files(name, path.read_text(encoding="utf-8"), text, rel_tol=args.rel_tol)
+            packaged = path.read_text(encoding="utf-8", errors="replace")
+            try:
+                differences += compare_files(name, packaged, text, rel_tol=args.rel_tol)
+            except ValueError as exc:  # not JSON (or not CSV): stale, a rewrite fixes it
+                differences.append(f"{path}: unreadable ({exc})")
         if differences:
             print(*differences[:20], sep="\n", file=sys.stderr)
             more = f" (first 20 of {len(differences)} shown)" if len(differences) > 20 else ""
-            print(f"stale package data: {len(differences)} differences{more}; rerun without --check", file=sys.stderr)
+            print(f"stale package data: {len(differences)} differences{more}; rerun with --out {out}", file=sys.stderr)
             return 1
         print(f"package data is up to date (numbers within a relative {args.rel_tol:g})")
     else:
@@ -425,7 +498,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             (args.out / name).write_text(text, encoding="utf-8")
             print(f"wrote {args.out / name}")
     if args.plot is not None:
-        plot_calibration(args.plot)
+        try:
+            plot_calibration(args.plot)
+        except ImportError as exc:
+            raise ConfigurationError(f"--plot needs matplotlib: pip install 'prefixroute[sim]' ({exc})") from exc
         print(f"wrote {args.plot}")
     return 0
 

@@ -7,7 +7,6 @@ random draw comes from one seeded ``random.Random``, so a seed reproduces a run 
 from __future__ import annotations
 
 import heapq
-import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from typing import Protocol
 
 from prefixroute.errors import ConfigurationError
 from prefixroute.router import Decision, Router
+from prefixroute.sim._checks import is_finite_number, shown
 from prefixroute.sim.backend import Active, BackendConfig, CostModel, SimBackend
 from prefixroute.sim.request import RequestRecord, SimRequest
 
@@ -117,7 +117,7 @@ class Simulation:
         if max_requests is None and duration is None and not isinstance(arrivals, (ClosedLoop, TraceTimes)):
             raise ConfigurationError("give max_requests or duration: open-loop arrivals never stop by themselves")
         if isinstance(arrivals, OpenLoop) and not (
-            math.isfinite(arrivals.rate) and arrivals.rate > 0 and arrivals.users >= 1
+            is_finite_number(arrivals.rate) and arrivals.rate > 0 and arrivals.users >= 1
         ):
             raise ConfigurationError("open-loop arrivals need rate > 0 and users >= 1")
         if max_requests is not None and max_requests < 1:
@@ -147,8 +147,10 @@ class Simulation:
         self._in_flight = [0] * len(names)
         self._peak = [0] * len(names)
         self._hasher = router.hasher
-        if metrics_interval is not None and not (math.isfinite(metrics_interval) and metrics_interval > 0):
-            raise ConfigurationError(f"metrics_interval must be > 0 seconds, not {metrics_interval}")
+        if metrics_interval is not None and not (is_finite_number(metrics_interval) and metrics_interval > 0):
+            raise ConfigurationError(
+                f"metrics_interval must be a finite number > 0 of seconds, not {shown(metrics_interval)}"
+            )
         self.metrics_interval = metrics_interval
         if kv_events:
             for backend in self.backends:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -13,6 +12,7 @@ from prefixroute.errors import ConfigurationError, PrefixRouteError
 from prefixroute.index import PrefixIndex
 from prefixroute.policies import LoadPolicy, policy_from_name, policy_names
 from prefixroute.router import Router
+from prefixroute.sim._checks import is_finite_number, shown
 from prefixroute.sim.backend import BackendConfig
 from prefixroute.sim.baselines import BASELINES
 from prefixroute.sim.costmodel import Profile
@@ -102,16 +102,16 @@ def _check_spec(spec: SimSpec) -> None:
     for field in _POSITIVE_INTS:
         value = getattr(spec, field)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigurationError(f"{_name(field)} must be a positive int, not {value!r}")
+            raise ConfigurationError(f"{_name(field)} must be a positive int, not {shown(value)}")
     for field, low in [(f, "> 0") for f in _POSITIVE_NUMBERS] + [(f, ">= 0") for f in _NON_NEGATIVE_NUMBERS]:
         value = getattr(spec, field)
-        if value is not None and not (_is_finite(value) and (value > 0 if low == "> 0" else value >= 0)):
-            raise ConfigurationError(f"{_name(field)} must be a finite number {low}, not {value!r}")
-    if spec.sharing_ratio is not None and not (_is_finite(spec.sharing_ratio) and 0 <= spec.sharing_ratio <= 1):
-        raise ConfigurationError(f"--sharing-ratio must be between 0 and 1, not {spec.sharing_ratio!r}")
+        if value is not None and not (is_finite_number(value) and (value > 0 if low == "> 0" else value >= 0)):
+            raise ConfigurationError(f"{_name(field)} must be a finite number {low}, not {shown(value)}")
+    if spec.sharing_ratio is not None and not (is_finite_number(spec.sharing_ratio) and 0 <= spec.sharing_ratio <= 1):
+        raise ConfigurationError(f"--sharing-ratio must be between 0 and 1, not {shown(spec.sharing_ratio)}")
     utilization = spec.gpu_memory_utilization
-    if not (_is_finite(utilization) and 0 < utilization <= 1):
-        raise ConfigurationError(f"gpu_memory_utilization must be in (0, 1], not {utilization!r}")
+    if not (is_finite_number(utilization) and 0 < utilization <= 1):
+        raise ConfigurationError(f"gpu_memory_utilization must be in (0, 1], not {shown(utilization)}")
     if isinstance(spec.seed, bool) or not isinstance(spec.seed, int):
         raise ConfigurationError(f"--seed must be an int, not {spec.seed!r}")
     if spec.index_source not in ("predictions", "events"):
@@ -120,10 +120,6 @@ def _check_spec(spec: SimSpec) -> None:
         raise ConfigurationError(f"unknown scenario {spec.scenario!r}; choose one of {', '.join(scenario_names())}")
     if spec.rate is not None and spec.requests is None and spec.duration is None:
         raise ConfigurationError("open-loop arrivals (--rate) never stop by themselves: give --requests or --duration")
-
-
-def _is_finite(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def vllm_defaults(gpu_memory_bytes: int) -> tuple[int, int]:

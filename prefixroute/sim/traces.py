@@ -27,6 +27,7 @@ from types import MappingProxyType
 from typing import TextIO
 
 from prefixroute.errors import InvalidTraceError
+from prefixroute.sim._checks import is_finite_number, shown
 from prefixroute.sim.request import SimRequest, token_bytes
 
 __all__ = [
@@ -127,8 +128,8 @@ def _mooncake_line(line: str, where: str) -> TraceEntry:
         raise InvalidTraceError(f"{where}: missing field(s) {', '.join(missing)}")
     timestamp, input_length, output_length = item["timestamp"], item["input_length"], item["output_length"]
     hash_ids = item["hash_ids"]
-    if not _is_number(timestamp) or timestamp < 0:
-        raise InvalidTraceError(f"{where}: timestamp must be a non-negative number of ms, not {timestamp!r}")
+    if not is_finite_number(timestamp) or timestamp < 0:
+        raise InvalidTraceError(f"{where}: timestamp must be a non-negative number of ms, not {shown(timestamp)}")
     if not _is_int(input_length) or not 1 <= input_length <= _MAX_TOKENS:
         raise InvalidTraceError(f"{where}: input_length must be an int in [1, {_MAX_TOKENS}], not {input_length!r}")
     if not _is_int(output_length) or not 1 <= output_length <= _MAX_TOKENS:
@@ -282,7 +283,3 @@ def _rows(reader: csv.DictReader[str], path: str | Path) -> Iterator[dict[str, s
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)

@@ -130,12 +130,25 @@ def test_output_paths_checked_before_the_run(option: str, tmp_path: Path, capsys
     assert "round-robin" not in capsys.readouterr().out  # nothing ran
 
 
-def test_output_that_fails_when_written(capsys: pytest.CaptureFixture[str]) -> None:
-    # /proc passes the up-front check as root but refuses the file: still one line, exit 2.
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_output_the_os_refuses_fails_before_the_run(option: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # os.access says yes to root for /proc, but the file cannot be created: the up-front check opens it to find out.
     if not Path("/proc/self").exists():
         pytest.skip("needs /proc")
-    argv = ["simulate", *TINY, "--policy", "round-robin", "--json", "/proc/nope.json"]
-    _fails_with_one_line(argv, capsys, "", during_run=True)
+    argv = ["simulate", *TINY, "--policy", "round-robin", option, "/proc/nope.json"]
+    _fails_with_one_line(argv, capsys, f"{option} /proc/nope.json: not writable")
+
+
+def test_writability_check_leaves_no_file_behind(tmp_path: Path) -> None:
+    from prefixroute.sim.cli import check_writable
+
+    new = tmp_path / "sub" / "new.json"
+    check_writable(new, "--json")
+    assert not new.exists() and new.parent.is_dir()
+    old = tmp_path / "old.json"
+    old.write_text("kept")
+    check_writable(old, "--json")
+    assert old.read_text() == "kept"  # opened for append: not truncated
 
 
 USER_MODULES = {

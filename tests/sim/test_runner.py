@@ -61,6 +61,47 @@ def test_configuration_errors_are_raised_when_the_spec_is_made() -> None:
         SimSpec(rate=2.0, users=None, requests=None)
 
 
+@pytest.mark.parametrize(
+    ("field", "flag"),
+    [
+        ("rate", "--rate"),
+        ("speedup", "--speedup"),
+        ("duration", "--duration"),
+        ("metrics_interval", "--metrics-interval"),
+        ("think_time", "--think-time"),
+        ("gpu_hour_usd", "--gpu-hour-usd"),
+        ("sharing_ratio", "--sharing-ratio"),
+        ("gpu_memory_utilization", "gpu_memory_utilization"),
+    ],
+)
+def test_an_int_too_large_for_a_float_is_not_finite(field: str, flag: str) -> None:
+    # math.isfinite(10**400) raises OverflowError: the check must say which option instead.
+    extra = {"users": None, "requests": 5} if field == "rate" else {"requests": None} if field == "duration" else {}
+    for huge in (10**400, -(10**400), 10**5000):  # 10**5000: past the int-to-str limit, so its repr would fail too
+        with pytest.raises(ConfigurationError, match=f"^{flag} ") as caught:
+            SimSpec(**{field: huge, **extra})  # type: ignore[arg-type]
+        assert "an int of" in str(caught.value) and len(str(caught.value)) < 200
+
+
+def test_open_loop_and_metrics_interval_refuse_huge_ints() -> None:
+    from prefixroute.router import Router
+    from prefixroute.sim.backend import BackendConfig
+    from prefixroute.sim.baselines import DynamoKvRouter
+    from prefixroute.sim.engine import OpenLoop, Simulation
+    from prefixroute.sim.workloads import make_workload
+
+    from .conftest import LinearCost
+
+    common = {"router": Router(), "workload": make_workload("seed"), "cost": LinearCost()}
+    common |= {"config": BackendConfig(capacity_blocks=10), "max_requests": 1}
+    with pytest.raises(ConfigurationError, match="rate > 0"):
+        Simulation(arrivals=OpenLoop(rate=10**400), **common)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="metrics_interval must be a finite number"):
+        Simulation(arrivals=OpenLoop(rate=1.0), metrics_interval=10**400, **common)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="temperature must be a finite number"):
+        DynamoKvRouter(temperature=10**400)
+
+
 def test_vllm_defaults_follow_gpu_memory() -> None:
     assert vllm_defaults(40 * 2**30) == (256, 2048)
     assert vllm_defaults(80 * 2**30) == (1024, 8192)

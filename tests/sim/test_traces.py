@@ -58,6 +58,7 @@ def test_read_mooncake_parses_and_converts_timestamps(tmp_path: Path) -> None:
         (_line(input_length=0), "input_length"),
         (_line(output_length="5"), "output_length"),
         (_line(timestamp=-1), "timestamp"),
+        (_line(timestamp=10**400), "timestamp must be a non-negative number of ms, not an int of"),
         (_line(hash_ids=[1, -2]), "hash_ids"),
     ],
 )
