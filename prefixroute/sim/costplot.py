@@ -7,11 +7,11 @@ Reads only the packaged ``calibration_points.csv`` and profiles, so it runs with
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+from prefixroute.errors import PrefixRouteError
 from prefixroute.sim.calibration import predicted_seconds, read_measurements, read_points
 from prefixroute.sim.profiles import available_profiles, load_profile
 
@@ -168,17 +168,37 @@ def update_markdown(text: str, generated: dict[str, str]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: write the plot; print the tables, or write them into a Markdown page's markers."""
-    parser = argparse.ArgumentParser(prog="python -m prefixroute.sim.costplot", description=__doc__.splitlines()[0])
+    """Command line: write the plot; print the tables, or write them into a Markdown page's markers.
+
+    Bad input (a usage error, a page without the markers, a path that cannot be read or written, matplotlib
+    missing) is exit status 2 and one line on stderr, never a traceback; nothing is written then.
+    """
+    from prefixroute.cli import UsageError, _fail, _Parser
+    from prefixroute.sim.cli import check_writable
+
+    prog = "python -m prefixroute.sim.costplot"
+    parser = _Parser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("png", type=Path, help="where to write the calibration plot")
     parser.add_argument("--update", type=Path, default=None, help="Markdown page whose costplot tables to rewrite")
-    args = parser.parse_args(argv)
-    plot_calibration(args.png)
-    generated = tables()
-    if args.update is None:
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as exc:
+        return _fail(str(exc))
+    try:
+        generated = tables()
+        page = None
+        if args.update is not None:  # read and check the page before anything is written
+            page = update_markdown(args.update.read_text(encoding="utf-8"), generated)
+            check_writable(args.update, "--update")
+        check_writable(args.png, "png")
+        plot_calibration(args.png)
+    except (OSError, ValueError, ImportError, PrefixRouteError) as exc:  # a missing marker is a ValueError
+        detail = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return _fail(f"{prog}: error: {detail}")
+    if page is None:
         print(*generated.values(), sep="\n\n")
     else:
-        args.update.write_text(update_markdown(args.update.read_text(encoding="utf-8"), generated), encoding="utf-8")
+        args.update.write_text(page, encoding="utf-8")
         print(f"updated {args.update}")
     return 0
 

@@ -24,8 +24,6 @@ def test_main_writes_a_png(tmp_path: Path) -> None:
     out = tmp_path / "calibration.png"
     assert main([str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    with pytest.raises(SystemExit):
-        main([])  # the PNG path is required
 
 
 def test_the_cost_model_page_shows_the_current_tables() -> None:
@@ -39,3 +37,15 @@ def test_update_markdown_replaces_between_markers_and_requires_them() -> None:
     assert update_markdown(text, {"x": "new"}) == "a\n<!-- costplot:x -->\nnew\n<!-- /costplot:x -->\nb"
     with pytest.raises(ValueError, match="costplot:y"):
         update_markdown(text, {"y": "new"})
+
+
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("no markers here\n")
+    png = tmp_path / "plot.png"
+    for argv in ([], ["--bogus", str(png)], ["/proc/x.png"], [str(png), "--update", str(tmp_path / "none.md")],
+                 [str(png), "--update", str(page)]):  # fmt: skip
+        assert main(argv) == 2, argv
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and "error:" in lines[0], (argv, lines)
+    assert not png.exists() and page.read_text() == "no markers here\n"
