@@ -12,7 +12,9 @@ with the base model's group or another adapter's, even where their deployments s
 in-flight counts per server). Groups named in ``base_groups`` route in the router's own namespace instead, where KV
 events of the base model land (:class:`~prefixroute.vllm.Fleet`).
 
-The decision id travels in the request's ``metadata`` (``prefixroute_decision``), which LiteLLM hands to both.
+The decision id travels in the request's ``metadata`` (``prefixroute_decision``, with its deployment in
+``prefixroute_deployment``), which LiteLLM hands to both; a callback that names another deployment than the latest
+attempt's is a failed attempt's, already finished by the retry, and is ignored.
 A retry runs the filter again: the failed attempt's decision is finished, and the deployments that already failed
 this request are passed over while others remain, so the retry lands elsewhere and every count is balanced.
 
@@ -24,18 +26,26 @@ this request are passed over while others remain, so the retry lands elsewhere a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Mapping
 from typing import Any
 
 from litellm.integrations.custom_logger import CustomLogger
 
 from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens
-from prefixroute.router import Router
+from prefixroute.router import Router, _check_lease
 
-__all__ = ["METADATA_KEY", "PrefixRouteHook"]
+__all__ = ["DEPLOYMENT_KEY", "METADATA_KEY", "PrefixRouteHook"]
 
 METADATA_KEY = "prefixroute_decision"
 """The request metadata key that carries the decision id from the filter to the success or failure callback."""
+
+DEPLOYMENT_KEY = "prefixroute_deployment"
+"""The request metadata key that names the deployment of the attempt :data:`METADATA_KEY` belongs to: LiteLLM shares
+one metadata dict among a request's attempts, so a failed attempt's callback that runs after the retry's filter reads
+the retry's decision; its own deployment (``litellm_params.model_info.id``) tells them apart."""
+
+_log = logging.getLogger("prefixroute.litellm")
 
 
 class PrefixRouteHook(CustomLogger):
@@ -50,7 +60,14 @@ class PrefixRouteHook(CustomLogger):
             every other group in the namespace of its name.
         lease: seconds after which a request whose callbacks never came (a cancelled call) stops counting.
 
-    Requests it cannot read (no messages nor prompt, bad token ids) keep LiteLLM's own choice.
+    Requests it cannot read (no messages nor prompt, bad token ids) keep LiteLLM's own choice. So does a request
+    whose routing fails unexpectedly (an encoder or a policy that raises): the error is logged and counted in
+    :attr:`errors`, never raised into LiteLLM.
+
+    Raises:
+        TypeError: ``router`` is not a :class:`~prefixroute.Router`, ``encoder`` lacks ``encode`` /
+            ``encode_chat``, or ``model_groups`` / ``base_groups`` is not a collection of str (a single str is not).
+        ConfigurationError: ``lease`` is not a positive, finite number of seconds or None.
     """
 
     def __init__(
@@ -65,11 +82,16 @@ class PrefixRouteHook(CustomLogger):
         super().__init__()
         if not isinstance(router, Router):
             raise TypeError(f"router must be a prefixroute.Router, not {type(router).__name__}")
+        if encoder is not None and not (callable(getattr(encoder, "encode", None))
+                                        and callable(getattr(encoder, "encode_chat", None))):  # fmt: skip
+            raise TypeError(f"encoder must have encode() and encode_chat(), not {type(encoder).__name__}")
         self.router = router
         self._encoder: PromptEncoding = encoder if encoder is not None else ByteEncoder()
-        self._groups = None if model_groups is None else frozenset(model_groups)
-        self._base_groups = frozenset(base_groups)
-        self._lease = lease
+        self._groups = None if model_groups is None else _group_names(model_groups, "model_groups")
+        self._base_groups = _group_names(base_groups, "base_groups")
+        self._lease = _check_lease(lease)
+        self.errors = 0
+        """Requests whose routing failed unexpectedly (logged; they kept LiteLLM's choice)."""
 
     async def async_filter_deployments(
         self,
@@ -79,22 +101,43 @@ class PrefixRouteHook(CustomLogger):
         request_kwargs: dict[str, Any] | None = None,
         parent_otel_span: Any = None,
     ) -> list[Any]:
-        """Keep the one deployment prefixroute chooses among ``healthy_deployments``. O(prompt + deployments)."""
-        request = request_kwargs if request_kwargs is not None else {}
-        metadata = request.get("metadata")
-        if not isinstance(metadata, dict) or not healthy_deployments:
+        """Keep the one deployment prefixroute chooses among ``healthy_deployments``. O(prompt + deployments).
+
+        Never raises: a request it cannot route keeps ``healthy_deployments`` as given."""
+        try:
+            return self._filter(model, healthy_deployments, messages, request_kwargs)
+        except Exception:  # an encoder or policy that raises, garbage LiteLLM never sends: keep LiteLLM's choice
+            self.errors += 1
+            _log.exception("prefixroute could not route a request to model group %r; LiteLLM chooses", model)
+            return healthy_deployments
+
+    def _filter(
+        self, model: str, healthy_deployments: list[Any], messages: list[Any] | None, request: dict[str, Any] | None
+    ) -> list[Any]:
+        metadata = request.get("metadata") if isinstance(request, Mapping) else None
+        if not isinstance(metadata, dict):
             return healthy_deployments
         earlier = metadata.pop(METADATA_KEY, None)
-        if earlier is not None:  # a retry: the earlier attempt is over
+        metadata.pop(DEPLOYMENT_KEY, None)
+        if isinstance(earlier, str):  # a retry (or a fallback to another group): the earlier attempt is over
             self.router.finish(earlier)
-        if self._groups is not None and model not in self._groups:
+        if not healthy_deployments or (self._groups is not None and model not in self._groups):
             return healthy_deployments
-        by_id = {i: d for d in healthy_deployments if (i := _deployment_id(d)) is not None}
-        failed = {p.get("deployment_id") for p in metadata.get("previous_models") or () if isinstance(p, Mapping)}
+        by_id: dict[str, Any] = {}
+        for deployment in healthy_deployments:
+            identifier = _deployment_id(deployment)
+            if identifier is not None:
+                by_id.setdefault(identifier, deployment)
+        previous = metadata.get("previous_models")
+        failed = {
+            p.get("deployment_id")
+            for p in (previous if isinstance(previous, (list, tuple)) else ())
+            if isinstance(p, Mapping) and isinstance(p.get("deployment_id"), str)
+        }
         candidates = [i for i in by_id if i not in failed] or list(by_id)
         if not candidates:
             return healthy_deployments
-        body = {"messages": messages} if messages else {"prompt": request.get("prompt")}
+        body = {"messages": messages} if messages else {"prompt": request.get("prompt")} if request else {}
         try:
             tokens = request_tokens(body, chat=bool(messages), encoder=self._encoder)
             namespace = None if model in self._base_groups else model
@@ -103,6 +146,7 @@ class PrefixRouteHook(CustomLogger):
             return healthy_deployments
         self.router.start(decision, lease=self._lease)
         metadata[METADATA_KEY] = decision.id
+        metadata[DEPLOYMENT_KEY] = decision.backend
         return [by_id[decision.backend]]
 
     async def async_log_success_event(self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any) -> None:
@@ -114,10 +158,29 @@ class PrefixRouteHook(CustomLogger):
         self._finish(kwargs)
 
     def _finish(self, kwargs: Any) -> None:
-        params = kwargs.get("litellm_params") if isinstance(kwargs, Mapping) else None
-        metadata = params.get("metadata") if isinstance(params, Mapping) else None
-        if isinstance(metadata, Mapping) and isinstance(metadata.get(METADATA_KEY), str):
+        try:
+            params = kwargs.get("litellm_params") if isinstance(kwargs, Mapping) else None
+            metadata = params.get("metadata") if isinstance(params, Mapping) else None
+            if not isinstance(metadata, Mapping) or not isinstance(metadata.get(METADATA_KEY), str):
+                return
+            info = params.get("model_info") if isinstance(params, Mapping) else None
+            used = info.get("id") if isinstance(info, Mapping) else None
+            routed = metadata.get(DEPLOYMENT_KEY)
+            if isinstance(used, str) and isinstance(routed, str) and used != routed:
+                return  # an earlier attempt's callback, after the retry's filter finished it and routed again
             self.router.finish(metadata[METADATA_KEY])
+        except Exception:  # a Mapping whose get() raises: log, count, go on
+            self.errors += 1
+            _log.exception("prefixroute could not finish a LiteLLM request")
+
+
+def _group_names(groups: object, what: str) -> frozenset[str]:
+    if isinstance(groups, (str, bytes)) or not isinstance(groups, Collection):
+        raise TypeError(f"{what} must be a collection of model group names, not {type(groups).__name__}")
+    for group in groups:
+        if not isinstance(group, str):
+            raise TypeError(f"{what} must hold model group names (str), not {type(group).__name__} ({group!r})")
+    return frozenset(groups)
 
 
 def _deployment_id(deployment: object) -> str | None:

@@ -22,6 +22,7 @@ own router; they share no state but place new prefixes alike (rendezvous hashing
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,9 +30,11 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens
 from prefixroute.policies import policy_from_name
-from prefixroute.router import Decision, Router
+from prefixroute.router import Decision, Router, _check_lease
 
 __all__ = ["PrefixRouteRequestRouter", "request_body"]
+
+_log = logging.getLogger("prefixroute.ray")
 
 # Requests whose routing has begun but not ended are few (bounded by Ray's queue); past this many the oldest
 # undecided ones are dropped, so requests Ray abandons between choose and route cannot grow the table without end.
@@ -56,7 +59,11 @@ class PrefixRouteRequestRouter(RequestRouter):
     ``policy`` (a registry name, default ``"predicted-ttft"``, the library's), ``block_size`` (16), ``tokenizer``
     (the model's local folder or its ``tokenizer.json``; chat messages through its chat template when the folder has
     one; without it text routes on its UTF-8 bytes) and ``lease`` (seconds after which a request Ray never reports
-    complete stops counting; default 600).
+    complete stops counting; default 600). Bad options raise there, when Ray builds the router: TypeError for a
+    wrong type, :class:`~prefixroute.errors.ConfigurationError` for a bad value.
+
+    Its callbacks never raise into Ray: a request it cannot route (no prompt, bad token ids, a policy or tokenizer
+    that raises) keeps Ray's ranking; unexpected errors are logged and counted in :attr:`errors`.
     """
 
     def initialize_state(
@@ -68,14 +75,24 @@ class PrefixRouteRequestRouter(RequestRouter):
         lease: float | None = 600.0,
         **options: Any,
     ) -> None:
-        """Build the router from ``request_router_kwargs`` (extra ``options`` go to the policy)."""
+        """Build the router from ``request_router_kwargs`` (extra ``options`` go to the policy).
+
+        Raises:
+            TypeError: ``tokenizer`` is not a str (a path), or ``policy`` / ``block_size`` has a wrong type.
+            ConfigurationError: an unknown policy or options it does not take, a bad ``block_size``, or ``lease``
+                not a positive, finite number of seconds or None.
+        """
+        if tokenizer is not None and not isinstance(tokenizer, str):
+            raise TypeError(f"tokenizer must be a path (str) or None, not {type(tokenizer).__name__}")
+        self._lease = _check_lease(lease)
         self.router = Router(block_size=block_size, policy=policy_from_name(policy, **options))
         self._encoder: PromptEncoding = ByteEncoder()
         if tokenizer is not None:
             from prefixroute.adapters.serve.text import PromptEncoder
 
             self._encoder = PromptEncoder(tokenizer)
-        self._lease = lease
+        self.errors = 0
+        """Callbacks that failed unexpectedly (logged; the request kept Ray's ranking or stopped counting)."""
         self._decided: dict[str, Decision] = {}  # by internal request id: the latest decision, not yet routed
         self._started: dict[str, Decision] = {}  # by internal request id: committed and in flight
 
@@ -85,16 +102,28 @@ class PrefixRouteRequestRouter(RequestRouter):
         """Rank ``candidate_replicas``: prefixroute's choice first, then the rest (Ray tries them in turn)."""
         if not candidate_replicas:
             return []
+        try:
+            return self._choose(candidate_replicas, pending_request)
+        except Exception:  # a policy or tokenizer that raises: keep Ray's ranking, never fail the request
+            self.errors += 1
+            _log.exception("prefixroute could not rank replicas; Ray's ranking is kept")
+            return [candidate_replicas]
+
+    def _choose(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
+    ) -> list[list[RunningReplica]]:
         body = request_body(pending_request)
         if body is None or pending_request is None:
             return [candidate_replicas]
+        request_id = pending_request.metadata.internal_request_id
         try:
             tokens = request_tokens(dict(body), chat="messages" in body, encoder=self._encoder)
-            by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
+            by_id: dict[str, RunningReplica] = {}
+            for replica in candidate_replicas:
+                by_id.setdefault(replica.replica_id.unique_id, replica)
             decision = self.router.decide(tokens, list(by_id))
         except (BadRequest, ValueError, TypeError):  # ValueError: bad ids, messages a template refuses
             return [candidate_replicas]
-        request_id = pending_request.metadata.internal_request_id
         earlier = self._decided.pop(request_id, None)
         if earlier is not None:  # an earlier attempt for this request led nowhere
             self.router.finish(earlier)
@@ -109,29 +138,46 @@ class PrefixRouteRequestRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         """Ray sent the request to ``replica_id``: commit the decision there and count it in flight."""
         super().on_request_routed(pending_request, replica_id, result)
-        decision = self._decided.pop(pending_request.metadata.internal_request_id, None)
+        try:
+            self._routed(pending_request.metadata.internal_request_id, replica_id.unique_id)
+        except Exception:
+            self.errors += 1
+            _log.exception("prefixroute could not record a routed request")
+
+    def _routed(self, request_id: str, used: str) -> None:
+        decision = self._decided.pop(request_id, None)
         if decision is None:
             return
-        used = replica_id.unique_id
         if decision.backend != used:  # Ray used another replica than the first ranked: move the count there
             self.router.finish(decision)
             if not any(c.backend == used for c in decision.candidates):
                 return
         decision = self.router.commit(decision, used)
         self.router.start(decision, lease=self._lease)  # ignored when already counted there
-        self._started[pending_request.metadata.internal_request_id] = decision
+        replaced = self._started.pop(request_id, None)
+        if replaced is not None and replaced.id != decision.id:  # routed again, no completion notice between
+            self.router.finish(replaced)
+        self._started[request_id] = decision
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """A request ended on ``replica_id``: finish it if it is the one started there (else a rejected attempt)."""
         super().on_request_completed(replica_id, internal_request_id)
-        decision = self._started.get(internal_request_id)
-        if decision is not None and decision.backend == replica_id.unique_id:
-            del self._started[internal_request_id]
-            self.router.finish(decision)
+        try:
+            decision = self._started.get(internal_request_id)
+            if decision is not None and decision.backend == replica_id.unique_id:
+                del self._started[internal_request_id]
+                self.router.finish(decision)
+        except Exception:  # an unhashable id, a replica id without unique_id: garbage Ray never sends
+            self.errors += 1
+            _log.exception("prefixroute could not finish a completed request")
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         """A replica is gone: forget its blocks and its requests."""
         super().on_replica_actor_died(replica_id)
-        self.router.remove_backend(replica_id.unique_id)
-        for request_id in [i for i, d in self._started.items() if d.backend == replica_id.unique_id]:
-            del self._started[request_id]
+        try:
+            self.router.remove_backend(replica_id.unique_id)
+            for request_id in [i for i, d in self._started.items() if d.backend == replica_id.unique_id]:
+                del self._started[request_id]
+        except Exception:
+            self.errors += 1
+            _log.exception("prefixroute could not remove a dead replica")

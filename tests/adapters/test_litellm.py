@@ -9,7 +9,7 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 import asyncio  # noqa: E402
 import importlib  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
+from collections.abc import Iterator, Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -18,8 +18,9 @@ import pytest  # noqa: E402
 from litellm.exceptions import InternalServerError  # noqa: E402
 from litellm.router import Router as LiteLLMRouter  # noqa: E402
 
-from prefixroute import Router  # noqa: E402
-from prefixroute.adapters.litellm import PrefixRouteHook  # noqa: E402
+from prefixroute import Candidate, LoadPolicy, Router  # noqa: E402
+from prefixroute.adapters.litellm import METADATA_KEY, PrefixRouteHook  # noqa: E402
+from prefixroute.errors import ConfigurationError  # noqa: E402
 from prefixroute.testing.openai_engine import OpenAIEngine  # noqa: E402
 
 from ..conftest import running_engines
@@ -177,3 +178,158 @@ def test_each_model_group_routes_in_its_own_namespace(engines: list[OpenAIEngine
         assert hook.router.decide(tokens, ids, namespace="sql").matched_tokens > 0
 
     asyncio.run(run())
+
+
+class Exploding(LoadPolicy):
+    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        raise RuntimeError("policy bug")
+
+
+def group(n: int = 3, name: str = "fake") -> list[dict[str, Any]]:
+    return [{"model_name": name, "model_info": {"id": f"gpu{i}"}} for i in range(n)]
+
+
+CHAT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
+
+
+def test_bad_options_raise_when_given() -> None:
+    with pytest.raises(ConfigurationError, match="lease"):
+        PrefixRouteHook(Router(), lease=-1)
+    with pytest.raises(ConfigurationError, match="lease"):
+        PrefixRouteHook(Router(), lease="600")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="model_groups"):
+        PrefixRouteHook(Router(), model_groups="llama")  # a str would be a set of letters
+    with pytest.raises(TypeError, match="base_groups"):
+        PrefixRouteHook(Router(), base_groups=[1])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="encoder"):
+        PrefixRouteHook(Router(), encoder=object())  # type: ignore[arg-type]
+    assert PrefixRouteHook(Router(), lease=None, model_groups=["llama"])._groups == frozenset({"llama"})
+
+
+def test_a_policy_that_raises_keeps_litellms_choice() -> None:
+    hook = PrefixRouteHook(Router(policy=Exploding()))
+    deployments = group()
+    metadata: dict[str, Any] = {}
+    kept = asyncio.run(hook.async_filter_deployments("fake", deployments, CHAT, {"metadata": metadata}))
+    assert kept == deployments and hook.errors == 1 and "prefixroute_decision" not in metadata
+    assert hook.router.stats().in_flight == 0
+
+
+@pytest.mark.parametrize(
+    "previous", [5, "gpu0", [{"deployment_id": ["unhashable"]}], [None, {"deployment_id": None}], {"gpu0": 1}]
+)
+def test_garbage_in_previous_models_still_routes(previous: object) -> None:
+    hook = PrefixRouteHook(Router())
+    metadata: dict[str, Any] = {"previous_models": previous}
+    (chosen,) = asyncio.run(hook.async_filter_deployments("fake", group(), CHAT, {"metadata": metadata}))
+    assert hook.router.in_flight(chosen["model_info"]["id"]) == 1 and hook.errors == 0
+    asyncio.run(hook.async_log_success_event({"litellm_params": {"metadata": metadata}}, None, None, None))
+    assert hook.router.stats().in_flight == 0
+
+
+def test_odd_requests_keep_litellms_choice_and_count_nothing() -> None:
+    hook = PrefixRouteHook(Router())
+
+    async def run() -> None:
+        odd: list[tuple[Any, Any]] = [
+            (None, {"metadata": {}}),  # no messages, no prompt
+            ([{"role": None, "content": None}], {"metadata": {}}),
+            ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], {"metadata": {}}),
+            (["not a dict"], {"metadata": {}}),
+            (None, {"metadata": {}, "prompt": [1, -5]}),  # a bad token id
+            (None, {"metadata": {}, "prompt": ["a", "b"]}),
+            (CHAT, None),  # no request kwargs: no metadata to carry the decision
+            (CHAT, {"metadata": None}),
+            (CHAT, "garbage"),
+        ]
+        for messages, request in odd:
+            kept = await hook.async_filter_deployments("fake", group(), messages, request)
+            assert len(kept) in (1, 3)
+            if isinstance(request, dict) and isinstance(request["metadata"], dict):
+                await hook.async_log_success_event({"litellm_params": request}, None, None, None)
+        assert await hook.async_filter_deployments("fake", [], CHAT, {"metadata": {}}) == []
+        tokens = {"metadata": {}, "prompt": [1, 2, 3]}
+        (one,) = await hook.async_filter_deployments("fake", group(1), None, tokens)
+        assert one["model_info"]["id"] == "gpu0"
+        await hook.async_log_success_event({"litellm_params": tokens}, None, None, None)
+        # deployments lacking an id, or sharing one, are never a crash
+        mixed: list[Any] = [{"model_info": {}}, {}, None, {"model_info": {"id": 7}}, *group(2), *group(2)]
+        metadata: dict[str, Any] = {}
+        (chosen,) = await hook.async_filter_deployments("fake", mixed, CHAT, {"metadata": metadata})
+        assert chosen in group(2)
+        for _ in range(2):  # fired twice, success then failure: finish() is idempotent
+            await hook.async_log_success_event({"litellm_params": {"metadata": metadata}}, None, None, None)
+            await hook.async_log_failure_event({"litellm_params": {"metadata": metadata}}, None, None, None)
+        for kwargs in (None, {}, {"litellm_params": None}, {"litellm_params": {"metadata": {METADATA_KEY: 3}}},
+                       {"litellm_params": {"metadata": {METADATA_KEY: "never-seen"}}}):  # fmt: skip
+            await hook.async_log_failure_event(kwargs, None, None, None)
+            await hook.async_log_success_event(kwargs, None, None, None)
+
+    asyncio.run(run())
+    assert hook.router.stats().in_flight == 0 and hook.errors == 0
+    for candidate in hook.router.decide([1] * 64, ["gpu0", "gpu1", "gpu2"]).candidates:
+        assert (candidate.in_flight, candidate.pending_prefill_tokens, candidate.held_blocks) == (0, 0, 0)
+
+
+def test_a_retry_finishes_the_earlier_attempt_even_with_no_healthy_deployment() -> None:
+    hook = PrefixRouteHook(Router())
+    metadata: dict[str, Any] = {}
+    asyncio.run(hook.async_filter_deployments("fake", group(), CHAT, {"metadata": metadata}))
+    assert hook.router.stats().in_flight == 1
+    assert asyncio.run(hook.async_filter_deployments("fake", [], CHAT, {"metadata": metadata})) == []
+    assert hook.router.stats().in_flight == 0
+
+
+def test_a_failed_attempts_late_callback_does_not_finish_the_retry() -> None:
+    """LiteLLM shares one metadata dict among a request's attempts and logs on a worker, a moment later."""
+    hook = PrefixRouteHook(Router())
+    metadata: dict[str, Any] = {}
+    request = {"metadata": metadata}
+
+    async def run() -> None:
+        (first,) = await hook.async_filter_deployments("fake", group(), CHAT, request)
+        failed = first["model_info"]["id"]
+        metadata["previous_models"] = ({"deployment_id": failed},)
+        (retry,) = await hook.async_filter_deployments("fake", group(), CHAT, request)  # finishes the first attempt
+        assert retry["model_info"]["id"] != failed and hook.router.stats().in_flight == 1
+        late = {"litellm_params": {"metadata": metadata, "model_info": {"id": failed}}}
+        await hook.async_log_failure_event(late, None, None, None)
+        assert hook.router.in_flight(retry["model_info"]["id"]) == 1  # the retry still counts
+        done = {"litellm_params": {"metadata": metadata, "model_info": retry["model_info"]}}
+        await hook.async_log_success_event(done, None, None, None)
+        assert hook.router.stats().in_flight == 0
+
+    asyncio.run(run())
+
+
+def test_a_sync_call_keeps_litellms_choice_and_counts_nothing(
+    hook: PrefixRouteHook, engines: list[OpenAIEngine]
+) -> None:
+    """LiteLLM runs deployment filters on async calls only: a sync call never reaches the hook's filter."""
+    router = LiteLLMRouter(model_list=model_list(engines))
+    messages: list[Any] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "sync"}]
+    router.completion(model="fake", messages=messages)
+    for engine in engines:
+        engine.fail_next(1)
+    with pytest.raises(InternalServerError):
+        LiteLLMRouter(model_list=model_list(engines), num_retries=0).completion(model="fake", messages=messages)
+    assert hook.router.stats().decisions == 0
+    asyncio.run(settled(hook))
+
+
+def test_text_completions_route_on_their_prompt() -> None:
+    """``atext_completion``'s prompt (text, token ids or a batch) comes in ``request_kwargs``, no messages."""
+    hook = PrefixRouteHook(Router())
+
+    async def pick(prompt: object) -> str:
+        request: dict[str, Any] = {"metadata": {}, "prompt": prompt}
+        (chosen,) = await hook.async_filter_deployments("fake", group(), None, request)
+        await hook.async_log_success_event({"litellm_params": request}, None, None, None)
+        return str(chosen["model_info"]["id"])
+
+    async def run() -> None:
+        assert len({await pick(SYSTEM + "one"), await pick([SYSTEM + "two", "x"])}) == 1
+        assert len({await pick([*range(100, 164), i]) for i in range(3)}) == 1
+
+    asyncio.run(run())
+    assert hook.router.stats().commits == 5 and hook.router.stats().in_flight == 0
