@@ -41,7 +41,8 @@ class RouterMetrics:
     per source, so ``served / predicted`` is the share of predictions that held.
     ``_prompt_tokens_total``, ``_load_fallbacks_total{backend}``, ``_route_seconds`` (histogram),
     ``_index_blocks{backend}``, ``_event_lag_seconds{backend}``, ``_event_batches_total{backend}``,
-    ``_event_gaps_total{backend}``, ``_event_unrecovered_gaps_total{backend}``, ``_engine_restarts_total{backend}``.
+    ``_event_gaps_total{backend}``, ``_event_unrecovered_gaps_total{backend}``,
+    ``_event_failed_replays_total{backend}``, ``_engine_restarts_total{backend}``.
 
     >>> from prometheus_client import CollectorRegistry
     >>> from prefixroute import Router
@@ -131,6 +132,9 @@ class RouterMetrics:
         lost = CounterMetricFamily(
             f"{p}_event_unrecovered_gaps", "Gaps the engine's replay buffer could not fill.", labels=["backend"]
         )
+        failed = CounterMetricFamily(
+            f"{p}_event_failed_replays", "Replays cut at replay_timeout or the batch cap.", labels=["backend"]
+        )
         restarts = CounterMetricFamily(f"{p}_engine_restarts", "Engine restarts seen.", labels=["backend"])
         with self._watch_lock:
             indexes, subscribers, fleets = list(self._indexes), list(self._subscribers), list(self._fleets)
@@ -148,8 +152,9 @@ class RouterMetrics:
             batches.add_metric(label, stats.batches)
             gaps.add_metric(label, stats.gaps)
             lost.add_metric(label, stats.unrecovered_gaps)
+            failed.add_metric(label, stats.failed_replays)
             restarts.add_metric(label, stats.restarts)
-        yield from (blocks, lag, batches, gaps, lost, restarts)
+        yield from (blocks, lag, batches, gaps, lost, failed, restarts)
 
 
 class _StateCollector(Collector):

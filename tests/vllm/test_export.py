@@ -78,6 +78,7 @@ def test_index_and_event_stream_state_is_read_at_scrape_time() -> None:
         assert value(registry, "pr_index_blocks", backend="gpu0") == index.blocks("gpu0") > 0
         assert value(registry, "pr_event_batches_total", backend="gpu0") == sub.stats().batches
         assert value(registry, "pr_event_gaps_total", backend="gpu0") == sub.stats().gaps
+        assert value(registry, "pr_event_failed_replays_total", backend="gpu0") == sub.stats().failed_replays == 0
         assert (value(registry, "pr_event_lag_seconds", backend="gpu0") or -1) >= 0
     names = {family.name for family in text_string_to_metric_families(text)}
     assert {"pr_decisions", "pr_route_seconds", "pr_index_blocks", "pr_engine_restarts"} <= names
