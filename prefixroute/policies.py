@@ -18,6 +18,7 @@ from operator import attrgetter
 from types import MappingProxyType
 from typing import Any, ClassVar, NamedTuple
 
+from prefixroute._numbers import is_finite_number
 from prefixroute.errors import ConfigurationError, NoBackendError
 
 __all__ = [
@@ -394,13 +395,7 @@ def kv_fraction(candidate: Candidate) -> float:
 
 def _finite(value: object) -> float | None:
     """``value`` as a float if it is a finite int or float (not a bool), else None (an int too large included)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) else None
+    return float(value) if is_finite_number(value) else None
 
 
 def _rng(seed: object, rng: object, policy: str) -> random.Random:

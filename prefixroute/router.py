@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import math
 import random
 import threading
 import time
@@ -17,6 +16,7 @@ from typing import Any, Literal, TypeAlias
 import cachetools
 import xxhash
 
+from prefixroute._numbers import is_finite_number, shown
 from prefixroute.errors import ConfigurationError, DecisionError, InvalidEventError, NoBackendError, PolicyError
 from prefixroute.hashing import BlockHasher, Tokens, encode_tokens, namespace_seed
 from prefixroute.index import IndexUpdate, PrefixIndex, _python_ints, apply_updates
@@ -757,13 +757,9 @@ def _check_update(update: object) -> IndexUpdate:
 def _check_lease(lease: object) -> float | None:
     if lease is None:
         return None
-    try:
-        seconds = float(lease) if isinstance(lease, (int, float)) and not isinstance(lease, bool) else math.nan
-    except OverflowError:  # an int too large for a float
-        seconds = math.inf
-    if not 0 < seconds < math.inf:
-        raise ConfigurationError(f"lease must be a positive, finite number of seconds or None, not {lease!r}")
-    return seconds
+    if not (is_finite_number(lease) and lease > 0):
+        raise ConfigurationError(f"lease must be a positive, finite number of seconds or None, not {shown(lease)}")
+    return float(lease)
 
 
 def _check_backend_id(backend: object) -> None:

@@ -43,7 +43,7 @@ def test_package_ships_type_information() -> None:
     assert (Path(prefixroute.__file__).parent / "py.typed").exists()
 
 
-CORE = ("errors", "hashing", "index", "policies", "router")
+CORE = ("_numbers", "errors", "hashing", "index", "policies", "router")
 
 
 def test_core_modules_import_nothing_above_them() -> None:

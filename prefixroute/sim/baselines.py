@@ -19,9 +19,9 @@ import random
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
+from prefixroute._numbers import is_finite_number, shown
 from prefixroute.errors import ConfigurationError
 from prefixroute.policies import Candidate, LoadPolicy, _require_candidates
-from prefixroute.sim._checks import is_finite_number, shown
 
 __all__ = [
     "BASELINES",

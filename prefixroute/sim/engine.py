@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from prefixroute._numbers import is_finite_number, shown
 from prefixroute.errors import ConfigurationError
 from prefixroute.router import Decision, Router
-from prefixroute.sim._checks import is_finite_number, shown
 from prefixroute.sim.backend import Active, BackendConfig, CostModel, SimBackend
 from prefixroute.sim.request import RequestRecord, SimRequest
 

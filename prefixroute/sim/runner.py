@@ -8,11 +8,11 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from prefixroute._numbers import is_finite_number, shown
 from prefixroute.errors import ConfigurationError, PrefixRouteError
 from prefixroute.index import PrefixIndex
 from prefixroute.policies import LoadPolicy, policy_from_name, policy_names
 from prefixroute.router import Router
-from prefixroute.sim._checks import is_finite_number, shown
 from prefixroute.sim.backend import BackendConfig
 from prefixroute.sim.baselines import BASELINES
 from prefixroute.sim.costmodel import Profile

@@ -26,8 +26,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TextIO
 
+from prefixroute._numbers import is_finite_number, shown
 from prefixroute.errors import InvalidTraceError
-from prefixroute.sim._checks import is_finite_number, shown
 from prefixroute.sim.request import SimRequest, token_bytes
 
 __all__ = [

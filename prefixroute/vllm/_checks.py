@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import threading
 
+from prefixroute._numbers import shown
 from prefixroute.errors import ConfigurationError
 
-__all__ = ["MAX_SECONDS", "check_callable", "check_count", "check_endpoint", "check_seconds", "show"]
+__all__ = ["MAX_SECONDS", "check_callable", "check_count", "check_endpoint", "check_seconds"]
 
 MAX_SECONDS = float(threading.TIMEOUT_MAX)
 """The longest wait a thread can be told to make (``threading.TIMEOUT_MAX``, about 292 years on 64-bit Linux):
@@ -21,7 +22,7 @@ def check_seconds(value: object, name: str) -> float:
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_SECONDS:
         raise ConfigurationError(
-            f"{name} must be a finite positive number of seconds (at most {MAX_SECONDS:.0f}), not {show(value)}"
+            f"{name} must be a finite positive number of seconds (at most {MAX_SECONDS:.0f}), not {shown(value)}"
         )
     return float(value)
 
@@ -29,7 +30,7 @@ def check_seconds(value: object, name: str) -> float:
 def check_count(value: object, name: str) -> int:
     """Return ``value`` if it is a positive int; else raise ConfigurationError."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigurationError(f"{name} must be a positive int, not {show(value)}")
+        raise ConfigurationError(f"{name} must be a positive int, not {shown(value)}")
     return value
 
 
@@ -51,12 +52,4 @@ def check_endpoint(value: object, name: str, example: str) -> str:
             return value
         if scheme in ("ipc", "inproc") and address:
             return value
-    raise ConfigurationError(f"{name} must be a ZMQ address to connect to, like {example!r}, not {show(value)}")
-
-
-def show(value: object) -> str:
-    """``repr(value)`` for an error message, short even for a huge int (whose repr may be refused or endless)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
-        return f"an int of {value.bit_length()} bits"
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    raise ConfigurationError(f"{name} must be a ZMQ address to connect to, like {example!r}, not {shown(value)}")

@@ -1,4 +1,4 @@
-"""Number checks shared by the simulator's option checks (a nonsense number is refused when it is given)."""
+"""Number checks shared by every layer's option checks (a nonsense number is refused when it is given)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ import math
 from typing import TypeGuard
 
 __all__ = ["is_finite_number", "shown"]
-
-_MAX_DIGITS_SHOWN = 30
 
 
 def is_finite_number(value: object) -> TypeGuard[int | float]:
@@ -25,8 +23,9 @@ def is_finite_number(value: object) -> TypeGuard[int | float]:
 
 
 def shown(value: object) -> str:
-    """``repr(value)`` for an error message, with a huge int shortened (its repr can be thousands of digits, or
-    refused past Python's int string conversion limit)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 3 * _MAX_DIGITS_SHOWN:
+    """``repr(value)`` for an error message, short even for a huge int (its repr can be thousands of digits, or
+    refused past Python's int string conversion limit) or a long value."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
         return f"an int of {value.bit_length()} bits"
-    return repr(value)
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
