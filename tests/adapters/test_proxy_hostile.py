@@ -204,7 +204,7 @@ def test_refusals_say_what_to_fix() -> None:
     with Proxy(Router(), [f"http://127.0.0.1:{free_port()}"], base_models=[]) as proxy:
         deep = b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
         reply = httpx.post(proxy.url + "/v1/completions", content=deep)
-        assert reply.status_code == 400 and "deeply" in reply.json()["error"]["message"]
+        assert reply.status_code == 400 and "nests arrays or objects deeper" in reply.json()["error"]["message"]
         reply = httpx.post(proxy.url + "/v1/completions", content=b'{"prompt": "\\ud800 hi"}')
         assert reply.status_code == 400 and "surrogate" in reply.json()["error"]["message"]
         wrong = httpx.get(proxy.url + "/v1/completions")

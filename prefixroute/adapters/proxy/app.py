@@ -11,7 +11,6 @@ which also closes the upstream request so the engine stops generating).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -23,6 +22,7 @@ import msgspec
 from aiohttp import web
 
 from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens
+from prefixroute.adapters.serve.contract import json_error
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.adapters.urls import check_backend_url
 from prefixroute.errors import ConfigurationError
@@ -438,17 +438,8 @@ _decoder = msgspec.json.Decoder()
 def _decode(raw: bytes) -> Any:
     try:
         return _decoder.decode(raw)
-    except RecursionError:
-        raise BadRequest("the request body nests JSON arrays or objects too deeply") from None
-    except msgspec.DecodeError as exc:
-        try:  # only on this error path: is it valid JSON that holds no valid text?
-            json.loads(raw)
-        except (ValueError, RecursionError):
-            raise BadRequest(f"the request body is not valid JSON: {exc}") from None
-        raise BadRequest(
-            "the request body holds a lone UTF-16 surrogate escape (such as \\ud800), which is not text: "
-            "send valid Unicode"
-        ) from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise BadRequest(json_error(raw, exc)) from None
 
 
 def _auth(request: web.Request) -> dict[str, str]:

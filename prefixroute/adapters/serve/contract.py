@@ -16,7 +16,16 @@ from typing import Annotated, Any
 
 import msgspec
 
-__all__ = ["BadRequest", "LifecycleBody", "Prompt", "RouteBody", "decode", "openai_prompt", "route_prompt"]
+__all__ = [
+    "BadRequest",
+    "LifecycleBody",
+    "Prompt",
+    "RouteBody",
+    "decode",
+    "json_error",
+    "openai_prompt",
+    "route_prompt",
+]
 
 
 class BadRequest(Exception):
@@ -61,10 +70,8 @@ def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
         raise BadRequest(400, f"invalid request body: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise _not_json(body, exc) from None
-    except RecursionError:
-        raise _too_deep() from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise BadRequest(400, json_error(body, exc)) from None
 
 
 def route_prompt(body: RouteBody) -> Prompt:
@@ -110,10 +117,8 @@ def openai_prompt(path: str, body: bytes) -> tuple[Prompt, str | None]:
     """
     try:
         request = msgspec.json.decode(body)
-    except msgspec.DecodeError as exc:
-        raise _not_json(body, exc) from None
-    except RecursionError:
-        raise _too_deep() from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise BadRequest(400, json_error(body, exc)) from None
     if not isinstance(request, dict):
         raise BadRequest(400, "an OpenAI request body is a JSON object")
     model = request.get("model")
@@ -137,33 +142,32 @@ def openai_prompt(path: str, body: bytes) -> tuple[Prompt, str | None]:
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
-def _not_json(body: bytes, exc: msgspec.DecodeError) -> BadRequest:
-    """The 400 for a body msgspec cannot decode. On this error path only: a body that holds a UTF-16 surrogate
-    escape, that Python's own parser reads and whose strings then hold a lone surrogate (msgspec's message for it
-    is "Input data was truncated") gets a message saying so."""
+def json_error(body: bytes, exc: msgspec.DecodeError | RecursionError) -> str:
+    """What to tell a client whose body msgspec could not decode (the sidecar's and the proxy's 400s).
+
+    Nested deeper than the decoder recurses (Python's limit): says so. Otherwise, on this error path only, a body
+    that holds a UTF-16 surrogate escape, that Python's own parser reads and whose strings then hold a lone
+    surrogate (msgspec's message for it is "Input data was truncated"), gets a message saying so; any other body
+    msgspec's own message.
+    """
+    if isinstance(exc, RecursionError):
+        return (
+            f"the request body nests arrays or objects deeper than about {sys.getrecursionlimit()} levels: send a "
+            "flatter body (no OpenAI request nests more than a few levels)"
+        )
     if _SURROGATE_ESCAPE.search(body) is not None:
         try:
             msgspec.json.encode(json.loads(body, parse_constant=_no_constant))
         except UnicodeEncodeError:
-            return BadRequest(
-                400,
+            return (
                 "the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair) in a "
                 "string: send text as valid Unicode (a character outside the BMP as UTF-8 or as an escaped pair "
-                "like \\ud83d\\ude00)",
+                "like \\ud83d\\ude00)"
             )
         except Exception:  # noqa: BLE001, S110 - not JSON for Python either, or nested too deep: msgspec's message
             pass
-    return BadRequest(400, f"the request body is not valid JSON: {exc}")
+    return f"the request body is not valid JSON: {exc}"
 
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
-
-
-def _too_deep() -> BadRequest:
-    """The 400 for a body whose arrays and objects nest deeper than the decoder recurses (Python's limit)."""
-    return BadRequest(
-        400,
-        f"the request body nests arrays or objects deeper than about {sys.getrecursionlimit()} levels: send a "
-        "flatter body (no OpenAI request nests more than a few levels)",
-    )
