@@ -7,6 +7,7 @@ import random
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import msgspec
 import pytest
@@ -101,9 +102,9 @@ def test_an_unknown_backend_is_still_removed_from_the_router() -> None:
     assert router.index.blocks("gpu0") == 0
 
 
-def test_nonsense_metrics_mark_only_that_engine_bad_and_polling_goes_on(caplog: pytest.LogCaptureFixture) -> None:
-    events: list[tuple[str, bool]] = []
-    router = Router()
+@contextmanager
+def good_and_bad(router: Router, events: list[tuple[str, bool]]) -> Iterator[tuple[FakeVLLM, FakeVLLM, Fleet]]:
+    """Engines "good" (1 waiting) and "bad" (2 waiting) polled every 20 ms, health changes appended to ``events``."""
     with (
         FakeVLLM() as good,
         FakeVLLM() as bad,
@@ -113,6 +114,13 @@ def test_nonsense_metrics_mark_only_that_engine_bad_and_polling_goes_on(caplog: 
         bad.set_load(waiting=2)
         fleet.add_backend("good", metrics_url=good.url)
         fleet.add_backend("bad", metrics_url=bad.url)
+        yield good, bad, fleet
+
+
+def test_nonsense_metrics_mark_only_that_engine_bad_and_polling_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    events: list[tuple[str, bool]] = []
+    router = Router()
+    with good_and_bad(router, events) as (good, bad, fleet):
         wait_until(lambda: len(fleet.healthy_backends()) == 2 and seen(router, "bad")[0] == 2, what="first figures")
         for nonsense in ("nan", "+Inf", "-4"):
             bad.set_metrics_fault(text=f'vllm:num_requests_waiting{{engine="0"}} {nonsense}\n')
@@ -305,15 +313,7 @@ def test_an_unexpected_error_in_a_scrape_counts_as_a_failed_scrape_of_only_that_
 ) -> None:
     events: list[tuple[str, bool]] = []
     router = RefusingRouter()
-    with (
-        FakeVLLM() as good,
-        FakeVLLM() as bad,
-        Fleet(router, interval=0.02, on_health=lambda b, ok: events.append((b, ok))) as fleet,
-    ):
-        good.set_load(waiting=1)
-        bad.set_load(waiting=2)
-        fleet.add_backend("good", metrics_url=good.url)
-        fleet.add_backend("bad", metrics_url=bad.url)
+    with good_and_bad(router, events) as (good, bad, fleet):
         wait_until(lambda: fleet.stats()["bad"].failed_scrapes >= 3, what="the unexpected errors counted")
         stats = fleet.stats()
         assert (stats["bad"].last_error or "").startswith("unexpected OverflowError")
