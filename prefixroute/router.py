@@ -432,9 +432,12 @@ class Router:
         cached = self._figures.get
         build = self._build_figures
         block_size = self._hasher.block_size
+        # The NamedTuple's own constructor from one tuple (a NamedTuple cannot override __new__, so it builds exactly
+        # what Candidate(...) does): with 64 backends, candidates cost half what unpacking into Candidate(...) did.
+        make = Candidate._make
         return tuple(
             [
-                Candidate(backend, matched[backend] * block_size, prompt_len, *(cached(backend) or build(backend)))
+                make((backend, matched[backend] * block_size, prompt_len) + (cached(backend) or build(backend)))
                 for backend in order
             ]
         )
