@@ -39,7 +39,9 @@ class SimSpec:
     ``metrics_interval``: poll engine queue lengths and KV usage into the router every so many seconds.
 
     Raises:
-        ConfigurationError: a count that is not a positive int, a number that is NaN, infinite, negative or (where
+        ConfigurationError: a count that is not a positive int or is absurdly large (``--backends`` over 4,096,
+            ``--requests`` over :data:`MAX_REQUESTS`, ``--rate`` × ``--duration`` over that, ``--duration`` over
+            10^7 s, ``--metrics-interval`` under 1 ms), a number that is NaN, infinite, negative or (where
             it makes no sense) zero, a fraction outside its range, an unknown ``index_source`` or scenario, or
             open-loop arrivals with no stop (neither ``requests`` nor ``duration``). Checked when the spec is made.
     """
@@ -75,16 +77,22 @@ class SimSpec:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
-_POSITIVE_INTS = (
-    "backends",
-    "users",
-    "tp",
-    "requests",
-    "output_tokens",
-    "capacity_blocks",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-)
+# Each count's largest value: far above any real fleet or run, low enough that a typo (an extra zero, 10**13) is an
+# error, not a run that fills the memory or never ends.
+_POSITIVE_INTS = {
+    "backends": 4096,
+    "users": 1_000_000,
+    "tp": 1024,
+    "requests": 100_000_000,  # MAX_REQUESTS
+    "output_tokens": 10_000_000,
+    "capacity_blocks": 2**40,
+    "max_num_seqs": 1_000_000,
+    "max_num_batched_tokens": 100_000_000,
+}
+MAX_REQUESTS = _POSITIVE_INTS["requests"]
+"""The most requests one simulated run may have (``--requests``, or ``--rate`` × ``--duration``)."""
+_MIN_METRICS_INTERVAL = 0.001  # seconds of simulated time between polls: below that the run is all polling
+_MAX_DURATION = 10_000_000.0  # simulated seconds (16 weeks)
 _POSITIVE_NUMBERS = ("rate", "speedup", "duration", "metrics_interval")
 _NON_NEGATIVE_NUMBERS = ("think_time", "gpu_hour_usd")
 # Options the CLI has: their messages name the flag.
@@ -99,10 +107,10 @@ def _name(field: str) -> str:
 
 
 def _check_spec(spec: SimSpec) -> None:
-    for field in _POSITIVE_INTS:
+    for field, most in _POSITIVE_INTS.items():
         value = getattr(spec, field)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigurationError(f"{_name(field)} must be a positive int, not {shown(value)}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most):
+            raise ConfigurationError(f"{_name(field)} must be an int in [1, {most:,}], not {shown(value)}")
     for field, low in [(f, "> 0") for f in _POSITIVE_NUMBERS] + [(f, ">= 0") for f in _NON_NEGATIVE_NUMBERS]:
         value = getattr(spec, field)
         if value is not None and not (is_finite_number(value) and (value > 0 if low == "> 0" else value >= 0)):
@@ -120,6 +128,18 @@ def _check_spec(spec: SimSpec) -> None:
         raise ConfigurationError(f"unknown scenario {spec.scenario!r}; choose one of {', '.join(scenario_names())}")
     if spec.rate is not None and spec.requests is None and spec.duration is None:
         raise ConfigurationError("open-loop arrivals (--rate) never stop by themselves: give --requests or --duration")
+    if spec.metrics_interval is not None and spec.metrics_interval < _MIN_METRICS_INTERVAL:
+        raise ConfigurationError(
+            f"--metrics-interval must be at least {_MIN_METRICS_INTERVAL} s, not {shown(spec.metrics_interval)}"
+        )
+    if spec.duration is not None and spec.duration > _MAX_DURATION:
+        raise ConfigurationError(f"--duration must be at most {_MAX_DURATION:,.0f} s, not {shown(spec.duration)}")
+    arrivals = (spec.rate or 0) * (spec.duration or 0) if spec.requests is None else 0
+    if arrivals > MAX_REQUESTS:
+        raise ConfigurationError(
+            f"--rate {shown(spec.rate)} for --duration {shown(spec.duration)} s makes more than "
+            f"{MAX_REQUESTS:,} requests: lower one, or give --requests"
+        )
 
 
 def vllm_defaults(gpu_memory_bytes: int) -> tuple[int, int]:

@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from prefixroute._numbers import shown
 from prefixroute.errors import ConfigurationError
+from prefixroute.sim.runner import MAX_REQUESTS
 from prefixroute.sim.study.claims import CLAIMS, judge
 from prefixroute.sim.study.render import render
 from prefixroute.sim.study.runs import run_all
@@ -24,11 +26,11 @@ def run_study(out: Path, *, requests: int = 1500, progress: Callable[[str], None
     Takes about a minute at 1,500 requests per run (41 runs).
 
     Raises:
-        ConfigurationError: ``requests`` is not a positive int, or ``out`` exists and is not a folder.
+        ConfigurationError: ``requests`` is not an int in [1, ``MAX_REQUESTS``], or ``out`` exists and is not a folder.
         OSError: ``out`` cannot be created or written.
     """
-    if isinstance(requests, bool) or not isinstance(requests, int) or requests < 1:
-        raise ConfigurationError(f"--requests must be a positive int, not {requests!r}")
+    if isinstance(requests, bool) or not isinstance(requests, int) or not 1 <= requests <= MAX_REQUESTS:
+        raise ConfigurationError(f"--requests must be an int in [1, {MAX_REQUESTS:,}], not {shown(requests)}")
     if out.exists() and not out.is_dir():
         raise ConfigurationError(f"--output {out} is not a folder")
     out.mkdir(parents=True, exist_ok=True)
