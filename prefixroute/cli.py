@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser with every subcommand registered."""
     from prefixroute import __version__
 
-    parser = _Parser(
+    parser = OneLineParser(
         prog="prefixroute",
         description="Prefix-aware, load-bounded routing of LLM requests: simulate policies, rerun the study, "
         "diagnose a vLLM deployment.",
@@ -70,8 +70,9 @@ class UsageError(Exception):
     """A command line argparse rejected: its one-line message names the command and what to fix."""
 
 
-class _Parser(argparse.ArgumentParser):
-    """An argument parser that reports a usage error as one line (subcommands' parsers are of this class too)."""
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser that reports a usage error as one line (subcommands' parsers are of this class too, and
+    so are the ``python -m prefixroute.sim.costfit`` and ``costplot`` commands')."""
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
@@ -83,27 +84,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args, unknown = parser.parse_known_args(argv)
     except UsageError as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     func = getattr(args, "func", None)
     if func is None:
         commands = ", ".join(c for _extra, names in COMMAND_MODULES.values() for c in names)
-        return _fail(f"{parser.prog}: error: give a command, one of {commands} (see {parser.prog} --help)")
+        return fail(f"{parser.prog}: error: give a command, one of {commands} (see {parser.prog} --help)")
     command = f"{parser.prog} {args.command}"
     if unknown:
-        return _fail(f"{command}: error: unrecognized arguments: {' '.join(unknown)} (see {command} --help)")
+        return fail(f"{command}: error: unrecognized arguments: {' '.join(unknown)} (see {command} --help)")
     try:
         status: int = func(args)
     except PrefixRouteError as exc:
-        return _fail(f"{command}: error: {exc}")
+        return fail(f"{command}: error: {exc}")
     except OSError as exc:  # a path that cannot be read or written
         where = f": {exc.filename}" if exc.filename is not None else ""
-        return _fail(f"{command}: error: {exc.strerror or exc}{where}")
+        return fail(f"{command}: error: {exc.strerror or exc}{where}")
     except KeyboardInterrupt:
-        return _fail(f"{command}: interrupted", status=130)
+        return fail(f"{command}: interrupted", status=130)
     return status
 
 
-def _fail(message: str, *, status: int = 2) -> int:
+def fail(message: str, *, status: int = 2) -> int:
+    """Print ``message`` to stderr as one line; return ``status`` (the exit status of bad input)."""
     print(" ".join(message.split()), file=sys.stderr)  # one line, whatever the message holds
     return status
 

@@ -558,7 +558,12 @@ class Router:
 
     def in_flight(self, backend: str) -> int:
         """Return how many of this router's requests are in flight on ``backend``, after ending those whose lease
-        has run out. O(1) when none has."""
+        has run out. O(1) when none has.
+
+        Raises:
+            TypeError: ``backend`` is not a str.
+        """
+        _check_backend_id(backend)
         with self._lock:
             self._expire_due()
             return self._in_flight.get(backend, 0)

@@ -403,9 +403,9 @@ _REQUIRED = (
 
 
 def _parser() -> argparse.ArgumentParser:
-    from prefixroute.cli import _Parser
+    from prefixroute.cli import OneLineParser
 
-    parser = _Parser(prog=PROG, description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=Path("data"), help="folder of the raw measurements (data)")
     parser.add_argument(
         "--out",
@@ -429,19 +429,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     stray run never overwrites the installed package data. Bad input (a usage error, a missing or malformed data
     folder, an output that cannot be written) is exit status 2 and one line on stderr, never a traceback.
     """
-    from prefixroute.cli import UsageError, _fail
+    from prefixroute.cli import UsageError, fail
 
     try:
         args = _parser().parse_args(argv)
     except UsageError as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     try:
         return _run(args)
     except PrefixRouteError as exc:
-        return _fail(f"{PROG}: error: {exc}")
+        return fail(f"{PROG}: error: {exc}")
     except OSError as exc:
         where = f": {exc.filename}" if exc.filename is not None else ""
-        return _fail(f"{PROG}: error: {exc.strerror or exc}{where}")
+        return fail(f"{PROG}: error: {exc.strerror or exc}{where}")
 
 
 def _run(args: argparse.Namespace) -> int:

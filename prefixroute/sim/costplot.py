@@ -173,17 +173,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     Bad input (a usage error, a page without the markers, a path that cannot be read or written, matplotlib
     missing) is exit status 2 and one line on stderr, never a traceback; nothing is written then.
     """
-    from prefixroute.cli import UsageError, _fail, _Parser
+    from prefixroute.cli import OneLineParser, UsageError, fail
     from prefixroute.sim.cli import check_writable
 
     prog = "python -m prefixroute.sim.costplot"
-    parser = _Parser(prog=prog, description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("png", type=Path, help="where to write the calibration plot")
     parser.add_argument("--update", type=Path, default=None, help="Markdown page whose costplot tables to rewrite")
     try:
         args = parser.parse_args(argv)
     except UsageError as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     try:
         generated = tables()
         page = None
@@ -194,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot_calibration(args.png)
     except (OSError, ValueError, ImportError, PrefixRouteError) as exc:  # a missing marker is a ValueError
         detail = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and exc.strerror else str(exc)
-        return _fail(f"{prog}: error: {detail}")
+        return fail(f"{prog}: error: {detail}")
     if page is None:
         print(*generated.values(), sep="\n\n")
     else:

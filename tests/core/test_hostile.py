@@ -112,6 +112,14 @@ def test_in_flight_and_stats_end_expired_leases_without_a_new_route() -> None:
     assert (stats.in_flight, stats.leases_expired) == (0, 2)
 
 
+def test_in_flight_of_a_backend_id_that_is_not_a_str_says_so() -> None:
+    router = Router(block_size=4)
+    router.start(router.route([1, 2, 3, 4], ["5"]))
+    with pytest.raises(TypeError, match="backend ids must be str, not int"):
+        router.in_flight(5)  # type: ignore[arg-type]
+    assert router.in_flight("5") == 1
+
+
 def test_a_block_size_beyond_the_hashers_limit_is_refused_by_the_index_too() -> None:
     for bad in (65537, 10**9, 0, True, 1.5):
         with pytest.raises(ConfigurationError, match="block_size"):
