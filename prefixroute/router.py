@@ -433,7 +433,7 @@ class Router:
         build = self._build_figures
         block_size = self._hasher.block_size
         # The NamedTuple's own constructor from one tuple (a NamedTuple cannot override __new__, so it builds exactly
-        # what Candidate(...) does): with 64 backends, candidates cost half what unpacking into Candidate(...) did.
+        # what Candidate(...) does) skips the generated Python-level __new__: one per backend on every route.
         make = Candidate._make
         return tuple(
             [

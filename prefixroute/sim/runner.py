@@ -83,7 +83,7 @@ _POSITIVE_INTS = {
     "backends": 4096,
     "users": 1_000_000,
     "tp": 1024,
-    "requests": 100_000_000,  # MAX_REQUESTS
+    "requests": 100_000_000,
     "output_tokens": 10_000_000,
     "capacity_blocks": 2**40,
     "max_num_seqs": 1_000_000,
