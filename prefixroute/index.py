@@ -63,9 +63,15 @@ class UnboundedStore:
     def __iter__(self) -> Iterator[int]:
         return iter(self.blocks)
 
-    def match(self, hashes: Sequence[int]) -> int:
-        """How many leading ``hashes`` the store holds. O(log n), or O(matched) while :attr:`open`."""
-        return _leading(self.blocks, hashes) if self._open else _boundary(self.blocks, hashes)
+    def match(self, hashes: Sequence[int], guess: int = 0) -> int:
+        """How many leading ``hashes`` the store holds. O(log n), or O(matched) while :attr:`open`.
+
+        ``guess``: a likely answer (another backend's), tried first: two probes when right, one more when wrong.
+        """
+        if self._open:
+            return _leading(self.blocks, hashes)
+        blocks = self.blocks
+        return len(hashes) if hashes[-1] in blocks else leading_run(blocks, hashes, guess=guess)
 
     def put(self, hashes: Sequence[int], parent: int | None, held: int = 0, *, checked: bool = False) -> bool:
         """Hold the chain ``hashes`` continuing block ``parent``; False (nothing stored) when ``parent`` is not held.
@@ -167,15 +173,18 @@ class LRUStore:
     def __iter__(self) -> Iterator[int]:
         return chain.from_iterable(self._gens)
 
-    def match(self, hashes: Sequence[int]) -> int:
-        """How many leading ``hashes`` the store holds. O(G + log n) for G generations; O(G + matched) if open."""
+    def match(self, hashes: Sequence[int], guess: int = 0) -> int:
+        """How many leading ``hashes`` the store holds. O(G + log n) for G generations; O(G + matched) if open.
+
+        ``guess``: a likely answer (another backend's), tried first: two probes when right, one more when wrong.
+        """
         if self.open:
             return self._segments(hashes, 0, None)
         count = len(hashes)
         position = 0
         for gen in reversed(self._gens):
             if hashes[position] in gen:
-                position = _run(gen, hashes, position)
+                position = _run(gen, hashes, position, guess)
                 if position == count:
                     break
         return position
@@ -451,10 +460,11 @@ class PrefixIndex:
         first = hashes[0]
         roots = self._roots.get
         stores = self._stores
+        guess = 0  # backends that hold a prefix tend to hold the same one (a system prompt): the last match first
         for backend in result:
             held = roots(backend)
             if held is not None and first in held:
-                result[backend] = stores[backend].match(hashes)
+                result[backend] = guess = stores[backend].match(hashes, guess)
         return result
 
     def predict(self, hashes: Sequence[int], backend: str, held: int) -> None:
@@ -652,11 +662,11 @@ def _generation(store: LRUStore, block_hash: int) -> int:
     return next(i for i, gen in enumerate(store._gens) if block_hash in gen)
 
 
-def _run(gen: Container[int], hashes: Sequence[int], start: int) -> int:
+def _run(gen: Container[int], hashes: Sequence[int], start: int, guess: int = 0) -> int:
     """End of the run of ``hashes`` from ``start`` (held) that ``gen`` holds, by binary search. O(log n)."""
     if hashes[-1] in gen:
         return len(hashes)
-    return leading_run(gen, hashes, low=start + 1)
+    return leading_run(gen, hashes, len(hashes) - 1, low=start + 1, guess=guess)
 
 
 def _walk_run(gen: Container[int], hashes: Sequence[int], start: int) -> int:
@@ -669,19 +679,24 @@ def _leading(blocks: Container[int], hashes: Sequence[int]) -> int:
     return len(list(takewhile(blocks.__contains__, hashes)))
 
 
-def _boundary(blocks: Container[int], hashes: Sequence[int]) -> int:
-    """How many leading ``hashes`` are in ``blocks``, for a backend whose blocks are whole prefixes. O(log n)."""
-    return len(hashes) if hashes[-1] in blocks else leading_run(blocks, hashes)
-
-
-def leading_run(held: Container[int], hashes: Sequence[int], limit: int | None = None, *, low: int = 0) -> int:
+def leading_run(
+    held: Container[int], hashes: Sequence[int], limit: int | None = None, *, low: int = 0, guess: int = 0
+) -> int:
     """How many leading ``hashes`` (at most ``limit``) are in ``held``, by binary search. O(log n).
 
     Valid only when ``held`` is prefix-closed (holding a block means holding its parent), so that "block k is held"
-    is true for a leading run and false after it. ``low``: a count already known to be held. The simulator's vLLM
-    cache uses it too.
+    is true for a leading run and false after it. ``low``: a count already known to be held. ``guess``: a likely
+    answer, tried first (two probes when it is right, and either way the search goes on in what it left). The
+    simulator's vLLM cache uses it too.
     """
     high = len(hashes) if limit is None else min(limit, len(hashes))
+    if low < guess < high:
+        if hashes[guess - 1] not in held:
+            high = guess - 1
+        elif hashes[guess] not in held:
+            return guess
+        else:
+            low = guess + 1
     while low < high:  # invariant: hashes[:low] held, hashes[high:] not
         middle = (low + high) // 2
         if hashes[middle] in held:

@@ -5,7 +5,7 @@ import tracemalloc
 import pytest
 
 from prefixroute import BlockHasher, ConfigurationError, PrefixIndex
-from prefixroute.index import LRUStore, UnboundedStore, apply_updates
+from prefixroute.index import LRUStore, UnboundedStore, apply_updates, leading_run
 
 
 def chain(*tokens: int, block_size: int = 1) -> list[int]:
@@ -22,6 +22,31 @@ def test_match_counts_contiguous_leading_blocks() -> None:
     assert index.match(hashes, ["a"]) == {"a": 1}
     assert index.match([], ["a"]) == {"a": 0}
     index._check(chains=[hashes])
+
+
+def test_a_guess_never_changes_a_leading_run() -> None:
+    hashes = list(range(100, 120))
+    for held_count in range(len(hashes) + 1):
+        held = set(hashes[:held_count])
+        for limit in (None, 7, 20):
+            for low in range(min(held_count, 5) + 1):
+                expected = leading_run(held, hashes, limit, low=low)
+                assert expected == min(held_count, len(hashes) if limit is None else limit)
+                for guess in range(-1, len(hashes) + 2):
+                    assert leading_run(held, hashes, limit, low=low, guess=guess) == expected, (held_count, guess)
+
+
+def test_backends_that_hold_different_runs_of_one_prompt_each_match_theirs() -> None:
+    # match() tries each backend's answer as the next one's guess: right, too long and too short.
+    hashes = chain(*range(40))
+    for capacity in (None, 1000):
+        index = PrefixIndex(block_size=1, capacity_blocks=capacity)
+        lengths = {"a": 30, "b": 30, "c": 12, "d": 35, "e": 40, "f": 1, "g": 30}
+        for backend, length in lengths.items():
+            index.insert(hashes[:length], backend)
+        assert index.match(hashes, list(lengths)) == lengths
+        assert index.match(hashes, list(reversed(lengths))) == lengths
+        index._check(chains=[hashes])
 
 
 def test_each_backend_kind_has_its_store() -> None:
