@@ -5,8 +5,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 
 from prefixroute._numbers import is_finite_number, shown
 from prefixroute.errors import ConfigurationError, PrefixRouteError
@@ -79,16 +80,18 @@ class SimSpec:
 
 # Each count's largest value: far above any real fleet or run, low enough that a typo (an extra zero, 10**13) is an
 # error, not a run that fills the memory or never ends.
-_POSITIVE_INTS = {
-    "backends": 4096,
-    "users": 1_000_000,
-    "tp": 1024,
-    "requests": 100_000_000,
-    "output_tokens": 10_000_000,
-    "capacity_blocks": 2**40,
-    "max_num_seqs": 1_000_000,
-    "max_num_batched_tokens": 100_000_000,
-}
+_POSITIVE_INTS: Mapping[str, int] = MappingProxyType(
+    {
+        "backends": 4096,
+        "users": 1_000_000,
+        "tp": 1024,
+        "requests": 100_000_000,
+        "output_tokens": 10_000_000,
+        "capacity_blocks": 2**40,
+        "max_num_seqs": 1_000_000,
+        "max_num_batched_tokens": 100_000_000,
+    }
+)
 MAX_REQUESTS = _POSITIVE_INTS["requests"]
 """The most requests one simulated run may have (``--requests``, or ``--rate`` × ``--duration``)."""
 _MIN_METRICS_INTERVAL = 0.001  # seconds of simulated time between polls: below that the run is all polling
