@@ -13,6 +13,10 @@ encoding, hashing, PrefixIndex.match over the fleet, the rest of Router.decide (
 minus the first three), recording (PrefixIndex.predict), their sum, then Router.decide, Router.commit and route() whole,
 and the floor.
 
+``--shared-match`` prints, instead, PrefixIndex.match() when every backend holds the prompt's 256-block system prompt
+(as behind one shared instruction), against matching each backend's store alone without the previous backend's
+answer as a guess (interleaved, fresh prompts), unbounded and bounded.
+
 ``--bounded`` also prints the hit rate of the bounded store (generations of sets) against an exact LRU on a Zipf
 prefix workload, at several capacities: the cost of its approximation, in percentage points.
 
@@ -223,6 +227,11 @@ def main() -> None:
         "--backends", type=int, nargs="+", default=[8, 64], help="fleet sizes to measure (default: 8 64)"
     )
     parser.add_argument(
+        "--shared-match",
+        action="store_true",
+        help="time match() when every backend holds one system prompt, with and without the guess",
+    )
+    parser.add_argument(
         "--zipf-only", action="store_true", help="print only the hit-rate comparison with an exact LRU (Zipf workload)"
     )
     parser.add_argument("--zipf-requests", type=int, default=100_000, help="requests of the Zipf hit-rate workload")
@@ -231,6 +240,9 @@ def main() -> None:
         args.runs, args.calls, args.entries, args.zipf_requests = 2, 20, 20_000, 3_000
     if args.zipf_only:
         print_hit_rates(args.zipf_requests)
+        return
+    if args.shared_match:
+        print_shared_match(args.backends, args.calls * args.runs)
         return
 
     rng = random.Random(0)
@@ -274,6 +286,39 @@ def main() -> None:
             )
     if args.bounded and not args.steps:
         print_hit_rates(args.zipf_requests)
+
+
+def print_shared_match(fleets: list[int], calls: int) -> None:
+    """PrefixIndex.match() against each store's own match() without a guess, every backend holding the prompt's
+    256-block system prompt and 40 conversations of its own on it; prompts: the system prompt and 256 new blocks."""
+    rng = random.Random(2)
+    print(f"match() with every backend holding a 256-block system prompt, median us of {calls} interleaved calls")
+    print(f"{'backends':>8} {'store':>10} {'no guess':>9} {'match()':>8} {'ratio':>6}")
+    clock = time.perf_counter
+    for count in fleets:
+        backends = [f"http://gpu{i}:8000" for i in range(count)]
+        for capacity in (None, 20_000):
+            index = PrefixIndex(16, capacity_blocks=capacity)
+            system = [rng.getrandbits(64) for _ in range(256)]
+            for backend in backends:
+                for _ in range(40):
+                    index.predict(system + [rng.getrandbits(64) for _ in range(200)], backend, 0)
+            stores = [index.store(backend) for backend in backends]
+            alone: list[float] = []
+            guessed: list[float] = []
+            for call in range(calls):
+                prompts = [system + [rng.getrandbits(64) for _ in range(256)] for _ in range(2)]
+                for kind in (0, 1) if call % 2 else (1, 0):
+                    hashes = prompts[kind]
+                    start = clock()
+                    if kind:
+                        index.match(hashes, backends)
+                    else:
+                        [store.match(hashes) for store in stores if store is not None]
+                    (guessed if kind else alone).append(clock() - start)
+            no_guess, with_guess = statistics.median(alone) * 1e6, statistics.median(guessed) * 1e6
+            label = "unbounded" if capacity is None else "bounded"
+            print(f"{count:>8} {label:>10} {no_guess:>9.1f} {with_guess:>8.1f} {with_guess / no_guess:>6.2f}")
 
 
 def print_hit_rates(requests: int) -> None:

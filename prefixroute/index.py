@@ -66,7 +66,8 @@ class UnboundedStore:
     def match(self, hashes: Sequence[int], guess: int = 0) -> int:
         """How many leading ``hashes`` the store holds. O(log n), or O(matched) while :attr:`open`.
 
-        ``guess``: a likely answer (another backend's), tried first: two probes when right, one more when wrong.
+        ``guess``: a likely answer (another backend's), tried first: two probes when right; when wrong, the search
+        goes on in what they left.
         """
         if self._open:
             return _leading(self.blocks, hashes)
@@ -176,7 +177,8 @@ class LRUStore:
     def match(self, hashes: Sequence[int], guess: int = 0) -> int:
         """How many leading ``hashes`` the store holds. O(G + log n) for G generations; O(G + matched) if open.
 
-        ``guess``: a likely answer (another backend's), tried first: two probes when right, one more when wrong.
+        ``guess``: a likely answer (another backend's), tried first: two probes when right; when wrong, the search
+        goes on in what they left.
         """
         if self.open:
             return self._segments(hashes, 0, None)

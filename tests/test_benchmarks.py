@@ -29,6 +29,12 @@ def test_bench_route_steps_prints_each_step_for_both_fleets() -> None:
     assert [row[0] for row in rows if len(row) == 11 and row[0].isdigit()] == ["8", "64"]
 
 
+def test_bench_route_shared_match_prints_both_stores_per_fleet() -> None:
+    rows = [line.split() for line in run("bench_route.py", "--quick", "--shared-match").splitlines()]
+    assert [row[:2] for row in rows if len(row) == 5 and row[0].isdigit()] == [
+        ["8", "unbounded"], ["8", "bounded"], ["64", "unbounded"], ["64", "bounded"]]  # fmt: skip
+
+
 def test_bench_sim_and_bench_events_run() -> None:
     assert "bounded-load" in run("bench_sim.py", "--quick")
     assert "block events/s" in run("bench_events.py", "--runs", "1", "--requests", "20")
