@@ -83,6 +83,12 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> argparse._Mutuall
         metavar="S",
         help="poll engine queue length and KV usage into the router every S simulated seconds (off)",
     )
+    parser.add_argument(
+        "--no-first-token",
+        dest="first_token",
+        action="store_false",
+        help="report no first tokens to the router, as a gateway that sees none (LiteLLM's Router, Ray Serve)",
+    )
     return source
 
 
@@ -109,6 +115,7 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
         gpu_hour_usd=args.gpu_hour_usd,
         index_source=args.index_source,
         metrics_interval=args.metrics_interval,
+        first_token=args.first_token,
     )
 
 
@@ -231,9 +238,10 @@ def _describe(spec: SimSpec, profile: str, capacity: int | None) -> str:
     else:
         load = f"{spec.users} closed-loop users"
     stop = f"{spec.requests} requests" if spec.requests else (f"{spec.duration:g} s" if spec.duration else "all")
+    lifecycle = "" if spec.first_token else " · no first tokens reported"
     return (
         f"{source} · {spec.backends} × {profile}, {capacity} KV blocks of 16 tokens each\n"
-        f"{load} · {stop} per policy · seed {spec.seed}"
+        f"{load} · {stop} per policy · seed {spec.seed}{lifecycle}"
     )
 
 
@@ -277,7 +285,7 @@ _SUITE_PAGE = "docs/policies-benchmark.md"
 # Options the suite fixes per workload (docs/policies-benchmark.md states each workload's settings).
 _SUITE_FIXED = (
     "backends", "users", "rate", "model", "gpu", "tp", "requests", "duration", "think_time", "sharing_ratio",
-    "speedup", "gpu_hour_usd", "index_source", "metrics_interval", "policy", "json", "plot",
+    "speedup", "gpu_hour_usd", "index_source", "metrics_interval", "first_token", "policy", "json", "plot",
 )  # fmt: skip
 
 
@@ -356,7 +364,7 @@ def _run_suite(args: argparse.Namespace, defaults: argparse.ArgumentParser, cons
 
     for dest in _SUITE_FIXED:
         if getattr(args, dest) != defaults.get_default(dest):
-            flag = "--" + dest.replace("_", "-")
+            flag = "--no-first-token" if dest == "first_token" else "--" + dest.replace("_", "-")
             raise ConfigurationError(f"--suite fixes each workload's settings: drop {flag}")
     output = Path(args.output or _SUITE_PAGE)
     check_writable(output, "--output")

@@ -88,7 +88,8 @@ class Simulation:
     ``kv_events=True`` writes every backend's cache changes through :meth:`Router.store` and :meth:`Router.evict`
     as a KV-event subscriber does, delivered the instant they happen (exact mode: build the router with an index
     that records nothing on routing, such as :class:`~prefixroute.sim.EventsOnlyIndex`).
-    When a request's first token is produced the simulation calls :meth:`Router.first_token`, as a gateway does.
+    When a request's first token is produced the simulation calls :meth:`Router.first_token`, as a streaming
+    gateway does (``first_token=False``: never, as a gateway that sees no first token).
     ``metrics_interval`` polls each engine's waiting-queue length and KV usage into ``router.set_engine_load``
     every that many simulated seconds, as a ``/metrics`` poller does; policies see them in their candidates.
     """
@@ -110,6 +111,7 @@ class Simulation:
         on_progress: Callable[[int, int], None] | None = None,
         kv_events: bool = False,
         metrics_interval: float | None = None,
+        first_token: bool = True,
     ) -> None:
         names = [f"gpu{i}" for i in range(backends)] if isinstance(backends, int) else list(backends)
         if not names or len(set(names)) != len(names):
@@ -128,7 +130,13 @@ class Simulation:
         self.cost = cost
         self.names = names
         self.backends = [
-            SimBackend(name, config=config, cost=cost, fleet_match=self._fleet_match, on_first_token=self._first_token)
+            SimBackend(
+                name,
+                config=config,
+                cost=cost,
+                fleet_match=self._fleet_match,
+                on_first_token=self._first_token if first_token else None,
+            )
             for name in names
         ]
         self._by_name = {b.name: i for i, b in enumerate(self.backends)}

@@ -38,6 +38,9 @@ class SimSpec:
     ``index_source``: ``"predictions"`` (the router records where it sent each prompt, its index capped at each
     backend's KV capacity) or ``"events"`` (the simulated engines' KV events keep the index exact).
     ``metrics_interval``: poll engine queue lengths and KV usage into the router every so many seconds.
+    ``first_token``: call :meth:`Router.first_token` when a request's first token is produced, as a streaming proxy
+    does; False simulates a gateway that reports none (LiteLLM's Router, Ray Serve), where a request's uncached
+    tokens count as pending prefill until it finishes.
 
     Raises:
         ConfigurationError: a count that is not a positive int or is absurdly large (``--backends`` over 4,096,
@@ -69,6 +72,7 @@ class SimSpec:
     max_num_batched_tokens: int | None = None
     index_source: str = "predictions"
     metrics_interval: float | None = None
+    first_token: bool = True
 
     def __post_init__(self) -> None:
         _check_spec(self)
@@ -125,6 +129,8 @@ def _check_spec(spec: SimSpec) -> None:
         raise ConfigurationError(f"gpu_memory_utilization must be in (0, 1], not {shown(utilization)}")
     if isinstance(spec.seed, bool) or not isinstance(spec.seed, int):
         raise ConfigurationError(f"--seed must be an int, not {spec.seed!r}")
+    if not isinstance(spec.first_token, bool):
+        raise ConfigurationError(f"first_token must be True or False, not {spec.first_token!r}")
     if spec.index_source not in ("predictions", "events"):
         raise ConfigurationError(f"--index-source must be 'predictions' or 'events', not {spec.index_source!r}")
     if spec.trace is None and spec.scenario not in scenario_names():
@@ -294,6 +300,7 @@ def run_policy(
         on_progress=on_progress,
         kv_events=events,
         metrics_interval=spec.metrics_interval,
+        first_token=spec.first_token,
     )
     clock.simulation = simulation
     outcome = simulation.run()

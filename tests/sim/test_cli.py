@@ -62,6 +62,18 @@ def test_same_seed_same_json(tmp_path: Path) -> None:
     assert third != first
 
 
+def test_no_first_token_changes_only_what_the_router_is_told(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    told = _simulate(tmp_path, "a", "--policy", "bounded-load", "--policy", "predicted-ttft")
+    untold = _simulate(tmp_path, "b", "--policy", "bounded-load", "--policy", "predicted-ttft", "--no-first-token")
+    assert "no first tokens reported" in capsys.readouterr().out
+    told_results, untold_results = told["results"], untold["results"]
+    assert isinstance(told_results, list) and isinstance(untold_results, list)
+    assert told_results[0] == untold_results[0]  # bounded-load does not read pending prefill work
+    assert told_results[1] != untold_results[1]  # the default does
+
+
 def test_user_policy_class_and_trace_replay(tmp_path: Path, data_dir: Path) -> None:
     trace = f"splitwise:{data_dir / 'vidur-profiling' / 'processed_traces' / 'splitwise_conv.csv'}"
     status = main(

@@ -63,6 +63,7 @@ def _run(
     budget: int = 64,
     seqs: int = 4,
     check: bool = True,
+    first_token: bool = True,
 ) -> tuple[Simulation, SimOutcome]:
     config = BackendConfig(capacity_blocks=capacity, max_num_seqs=seqs, max_num_batched_tokens=budget)
     simulation = Simulation(
@@ -74,6 +75,7 @@ def _run(
         backends=3,
         seed=7,
         check=check,
+        first_token=first_token,
     )
     return simulation, simulation.run()
 
@@ -228,6 +230,17 @@ def test_lifecycle_is_reported_to_the_router_and_every_count_returns_to_zero() -
         assert (candidate.in_flight, candidate.pending_prefill_tokens, candidate.held_blocks) == (0, 0, 0)
         # first_token() was called on every backend that served a request: the router observed its prefill speed
         assert (candidate.prefill_tokens_per_s is not None) == (candidate.backend in used)
+
+
+def test_without_first_tokens_prefill_counts_until_finish() -> None:
+    requests = [_request(i % 3, 200, i, 40, 5, False) for i in range(30)]
+    simulation, outcome = _run(requests, capacity=60, first_token=False)
+    router = simulation.router
+    assert router.stats().in_flight == 0 and router.stats().ignored == 0
+    for candidate in router.decide([1] * 64, [f"gpu{i}" for i in range(3)]).candidates:
+        assert (candidate.in_flight, candidate.pending_prefill_tokens, candidate.prefill_tokens_per_s) == (0, 0, None)
+    reported, _ = _run(requests, capacity=60)
+    assert [r.first_token for r in outcome.records] == [r.first_token for r in reported.records]  # same engines
 
 
 class RecordingPolicy(LoadPolicy):

@@ -38,6 +38,8 @@ def test_events_mode_predicts_what_the_engines_hold() -> None:
 def test_configuration_errors_are_raised_when_the_spec_is_made() -> None:
     with pytest.raises(ConfigurationError, match="--index-source"):
         SimSpec(requests=5, index_source="gossip")
+    with pytest.raises(ConfigurationError, match="first_token must be True or False"):
+        SimSpec(requests=5, first_token="no")  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="--users or --rate"):
         run_policy(SimSpec(requests=5, users=None), "round-robin")
     for field, value in [
