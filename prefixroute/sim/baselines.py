@@ -132,8 +132,10 @@ class DynamoKvRouter(LoadPolicy):
     ``potential_blocks_and_tokens``, ``new_blocks``, ``new_tokens``, ``active_blocks``); defaults
     ``overlap_score_weight = 1.0`` and ``router_temperature = 0.0``. Per worker, ``prefill_blocks`` is the prefill
     tokens it would have with this request (its active prefill tokens plus ``isl - overlap_blocks × block_size``)
-    over the block size, and ``decode_blocks`` its *distinct* active KV blocks (every in-flight request's full
-    blocks, a shared prefix counted once) plus this request's full blocks (``isl // block_size``) not among them.
+    over the block size (the overlap counts whole blocks only, so a match ending mid-block credits its full blocks
+    and a fully matched prompt still prefills its partial last block), and ``decode_blocks`` its *distinct* active
+    KV blocks (every in-flight request's full blocks, a shared prefix counted once) plus this request's full blocks
+    (``isl // block_size``) not among them.
     Here the active prefill tokens are ``pending_prefill_tokens``, the distinct active blocks ``active_blocks``, and
     the block size the candidate's ``block_size``. Which of the request's blocks are already active there the
     candidate does not say: an active block of this prompt is one of its matched blocks and one of the worker's
@@ -144,7 +146,8 @@ class DynamoKvRouter(LoadPolicy):
     routed there), then placement order where Dynamo draws at random; above 0, a worker is drawn from ``rng`` with
     probability ``softmax(-logit / ((max - min) × temperature))``, uniform when all logits are equal. Dynamo's
     current ``lib/kv-router/src/scheduling/selector/default.rs`` renames the weight ``prefill_load_scale`` (with
-    ``overlap_score_credit = 1``) and gives the same logit at the defaults. O(len(candidates)).
+    ``overlap_score_credit = 1``) and gives the same logit at the defaults, but breaks a temperature-0 tie at
+    random without the tree-size step. O(len(candidates)).
     """
 
     name = "dynamo"
@@ -166,9 +169,9 @@ class DynamoKvRouter(LoadPolicy):
     def logit(self, candidate: Candidate) -> float:
         """The worker's cost for this request (lower is better). O(1)."""
         size = candidate.block_size
-        prefill_blocks = (candidate.pending_prefill_tokens + candidate.uncached_tokens) / size
         request_blocks = candidate.prompt_tokens // size
         matched_blocks = min(candidate.matched_tokens // size, request_blocks)
+        prefill_blocks = (candidate.pending_prefill_tokens + candidate.prompt_tokens - matched_blocks * size) / size
         already_active = min(matched_blocks, candidate.active_blocks)
         decode_blocks = candidate.active_blocks + request_blocks - already_active
         return self.overlap_score_weight * prefill_blocks + decode_blocks
@@ -200,12 +203,14 @@ class LlmdDefaultProfile(LoadPolicy):
     ``scheduling/scorer/queuedepth/queue.go``, ``scheduling/scorer/kvcacheutilization/kvcache_utilization.go``,
     ``scheduling/picker/maxscore/picker.go`` and ``requestcontrol/dataproducer/approximateprefix/`` (``hashing.go``,
     ``types.go``); the same scorers as ``kubernetes-sigs/gateway-api-inference-extension``. Prefix = matched blocks
-    / the request's blocks, where the request's blocks count a partial last block and both stop at
-    ``max_prefix_blocks = 256`` (``defaultMaxPrefixBlocks``); queue = ``(max - q) / (max - min)`` over the endpoints'
-    waiting queues, 1 for all when equal; KV = ``1 - kv_usage``. The highest weighted sum wins (ties: placement
-    order, where the picker shuffles). The queue is the engine's ``queue_len`` when metrics supply it, else the
-    router's ``in_flight``; KV use is the engine's ``kv_usage``, else ``active_blocks / capacity_blocks`` (the KV
-    memory its requests hold), else 0; blocks are the candidate's ``block_size`` (llm-d's default is 16 tokens).
+    / the request's blocks, where the request's blocks count a partial last block (matched only when the whole
+    prompt is, 0 for a prompt under one block) and both stop at ``max_prefix_blocks = 256``
+    (``defaultMaxPrefixBlocks``); queue = ``(max - q) / (max - min)`` over the endpoints' waiting queues, 1 for all
+    when equal; KV = ``1 - kv_usage``; each clamped to [0, 1] before weighting (``enforceScoreRange`` in
+    ``pkg/epp/scheduling/scheduler_profile.go``). The highest weighted sum wins (ties: placement order, where the
+    picker shuffles). The queue is the engine's ``queue_len`` when metrics supply it, else the router's
+    ``in_flight``; KV use is the engine's ``kv_usage``, else ``active_blocks / capacity_blocks`` (the KV memory its
+    requests hold), else 0; blocks are the candidate's ``block_size`` (llm-d's default is 16 tokens).
     O(len(candidates)).
     """
 
@@ -226,10 +231,18 @@ class LlmdDefaultProfile(LoadPolicy):
         self.max_prefix_blocks = _count("max_prefix_blocks", max_prefix_blocks, minimum=1)
 
     def prefix_score(self, candidate: Candidate) -> float:
-        """The prefix-cache scorer's value: matched blocks over the request's blocks, both capped. O(1)."""
+        """The prefix-cache scorer's value: matched blocks over the request's blocks, both capped. O(1).
+
+        llm-d hashes a partial last block too, so it matches only when the whole prompt is cached; a prompt shorter
+        than one block is not hashed at all and scores 0.
+        """
         size = candidate.block_size
+        if candidate.prompt_tokens < size:
+            return 0.0
         total = min(-(-candidate.prompt_tokens // size), self.max_prefix_blocks)
-        return min(candidate.matched_tokens // size, total) / total if total else 0.0
+        whole = candidate.matched_tokens >= candidate.prompt_tokens
+        matched = total if whole else min(candidate.matched_tokens // size, total)
+        return matched / total
 
     def scores(self, candidates: Sequence[Candidate]) -> list[float]:
         """Each candidate's weighted score, in order. O(len(candidates))."""
@@ -238,7 +251,7 @@ class LlmdDefaultProfile(LoadPolicy):
         result = []
         for candidate, queue in zip(candidates, queues, strict=True):
             queue_score = 1.0 if high == low else (high - queue) / (high - low)
-            kv_score = 1.0 - _kv_used(candidate)
+            kv_score = min(1.0, max(0.0, 1.0 - _kv_used(candidate)))  # enforceScoreRange clamps every scorer
             result.append(
                 self.prefix_weight * self.prefix_score(candidate)
                 + self.queue_weight * queue_score

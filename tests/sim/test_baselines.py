@@ -75,6 +75,13 @@ def test_dynamo_logit_is_prefill_blocks_plus_distinct_decode_blocks() -> None:
     assert DynamoKvRouter().logit(Candidate("w", 0, 170, 0, block_size=32)) == pytest.approx(170 / 32 + 5)
 
 
+def test_dynamo_credits_only_whole_overlap_blocks_against_prefill() -> None:
+    # Dynamo's overlap is in blocks: new prefill tokens are isl - overlap_blocks x block_size, so a match that ends
+    # mid-block credits only its full blocks, and a fully matched 170-token prompt still prefills its partial block.
+    assert DynamoKvRouter().logit(Candidate("w", 100, 170, 0)) == pytest.approx((170 - 96) / 16 + 10)
+    assert DynamoKvRouter().logit(Candidate("w", 170, 170, 0)) == pytest.approx((170 - 160) / 16 + 10)
+
+
 def test_dynamo_counts_a_shared_prefix_in_flight_once() -> None:
     # "shared": ten requests in flight share one 10-block prompt (100 held, 10 distinct); "spread": 30 distinct.
     shared = Candidate("shared", 0, 160, 10, held_blocks=100, active_blocks=10)  # 10 + 10 + 10 = 30
@@ -128,6 +135,21 @@ def test_llmd_prefix_score_counts_blocks_a_partial_one_included_up_to_256() -> N
     for bad in (0, 2.5, True, "256"):
         with pytest.raises(ConfigurationError, match="max_prefix_blocks must be an int"):
             LlmdDefaultProfile(max_prefix_blocks=bad)  # type: ignore[arg-type]
+
+
+def test_llmd_prefix_score_matches_the_partial_last_block_only_when_the_whole_prompt_is_cached() -> None:
+    policy = LlmdDefaultProfile()
+    # llm-d hashes the partial last block too, so an identical prompt matches all 7 of its blocks.
+    assert policy.prefix_score(Candidate("a", 100, 100, 0)) == 1.0
+    assert policy.prefix_score(Candidate("a", 99, 100, 0)) == pytest.approx(6 / 7)
+    # A prompt shorter than one block is not hashed at all (hashPrompt returns no blocks): score 0.
+    assert policy.prefix_score(Candidate("a", 10, 10, 0)) == 0.0
+
+
+def test_llmd_clamps_each_scorer_to_the_unit_range() -> None:
+    # The scheduler profile clamps every scorer's value to [0, 1] (enforceScoreRange) before weighting it.
+    over = Candidate("over", 0, 1000, 0, queue_len=0, kv_usage=1.5)
+    assert LlmdDefaultProfile().scores([over]) == [pytest.approx(2.0)]  # 0 + 2 x 1 + 2 x max(0, 1 - 1.5)
 
 
 def test_llmd_without_metrics_uses_the_router_accounting() -> None:
