@@ -86,9 +86,11 @@ class SGLangCacheAware(LoadPolicy):
     """SGLang router's ``cache_aware`` policy: shortest queue when imbalanced, else the best prefix match.
 
     Source: ``sgl-project/sglang``, ``sgl-model-gateway/src/policies/cache_aware.rs``
-    (``CacheAwarePolicy.select_worker``, ``select_worker_min_load``); defaults from
-    ``sgl-router/py_src/sglang_router/router_args.py`` (``cache_threshold = 0.3``, ``balance_abs_threshold = 64``,
-    ``balance_rel_threshold = 1.5``). Loads are the router's in-flight requests per worker (``in_flight``). The
+    (``CacheAwarePolicy.select_worker``, ``select_worker_min_load``); defaults from the launcher's
+    ``sgl-model-gateway/bindings/python/sglang_router/router_args.py`` (formerly
+    ``sgl-router/py_src/sglang_router/router_args.py``: ``cache_threshold = 0.3``, ``balance_abs_threshold = 64``,
+    ``balance_rel_threshold = 1.5``; the Rust ``CacheAwareConfig::default()``, 0.5 / 32 / 1.1, applies only when
+    the policy is built in code). Loads are the router's in-flight requests per worker (``in_flight``). The
     system is imbalanced when ``max - min > balance_abs_threshold`` **and** ``max > min × balance_rel_threshold``:
     then the least loaded worker. Otherwise the worker with the longest match if its match rate (matched / prompt)
     is above ``cache_threshold``, else again the least loaded worker (sglang PR #14650; before it, the older
