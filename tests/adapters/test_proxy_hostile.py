@@ -222,3 +222,20 @@ def test_refusals_say_what_to_fix() -> None:
 def test_backend_urls_that_cannot_go_in_a_request_line_are_refused(url: str) -> None:
     with pytest.raises(ConfigurationError):
         Proxy(Router(), [url])
+
+
+def test_models_a_backend_refuses_relay_its_refusal_not_a_502(backend: Backend, good: OpenAIEngine) -> None:
+    start, _ = backend
+
+    async def keyed(request: web.Request) -> web.StreamResponse:
+        if request.headers.get("Authorization") != "Bearer k":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    with Proxy(Router(), [start(keyed), start(keyed)], base_models=[]) as proxy:
+        refused = httpx.get(proxy.url + "/v1/models")  # a wrong key is the client's to fix: 401, as the engine says
+        assert (refused.status_code, refused.json()) == (401, {"error": "Unauthorized"})
+        assert httpx.get(proxy.url + "/v1/models", headers={"Authorization": "Bearer k"}).json()["data"][0]["id"] == "m"
+    with Proxy(Router(), [start(keyed), good.url], base_models=[]) as proxy:
+        merged = httpx.get(proxy.url + "/v1/models")  # one backend answered: its models, not the other's refusal
+        assert merged.status_code == 200 and [card["id"] for card in merged.json()["data"]] == ["fake-model"]

@@ -372,29 +372,45 @@ class Proxy:
     # -- the other endpoints ---------------------------------------------------------------------------------------
 
     async def _models(self, request: web.Request) -> web.Response:
-        """``/v1/models`` merged from every backend in rotation (by model id; unreachable ones skipped)."""
-        cards = await self._backend_models(_auth(request))
-        if cards is None:
-            return error_response(502, "no backend answered /v1/models", "BadGatewayError")
-        return web.json_response({"object": "list", "data": cards})
+        """``/v1/models`` merged from every backend in rotation (by model id; unreachable ones skipped). When none
+        answered with a list but one refused the client (4xx, e.g. 401 for a missing API key), that refusal is
+        relayed as the engine gave it; otherwise 502."""
+        answers = await self._ask_models(_auth(request))
+        cards = self._merge_models(answers)
+        if cards is not None:
+            return web.json_response({"object": "list", "data": cards})
+        refusal = next((a for a in answers if isinstance(a, _Refused) and 400 <= a.status < 500), None)
+        if refusal is not None:
+            return web.Response(status=refusal.status, body=refusal.body, content_type=refusal.content_type)
+        return error_response(502, "no backend answered /v1/models", "BadGatewayError")
 
     async def _backend_models(self, headers: dict[str, str] | None = None) -> list[dict[str, Any]] | None:
         """The model cards of the backends in rotation, merged by id (None: none answered); learn the base models.
 
-        A card without a ``parent`` is a base model (vLLM gives LoRA adapters their base model as parent).
         ``headers``: the client's ``Authorization``, for backends that require an API key.
         """
+        return self._merge_models(await self._ask_models(headers))
+
+    async def _ask_models(self, headers: dict[str, str] | None) -> list[list[dict[str, Any]] | BaseException]:
+        """Each backend in rotation's model cards, or why it gave none (:class:`_Refused` for an error status)."""
         session = self._session
         assert session is not None
         timeout = aiohttp.ClientTimeout(total=5)
 
         async def models(backend: str) -> list[dict[str, Any]]:
             async with session.get(f"{backend}/v1/models", timeout=timeout, headers=headers) as reply:
-                reply.raise_for_status()
+                if reply.status >= 400:
+                    raise _Refused(reply.status, await reply.read(), reply.content_type)
                 data = (await reply.json()).get("data")
                 return [card for card in data if isinstance(card, dict)] if isinstance(data, list) else []
 
-        answers = await asyncio.gather(*(models(b) for b in self.healthy_backends()), return_exceptions=True)
+        return await asyncio.gather(*(models(b) for b in self.healthy_backends()), return_exceptions=True)
+
+    def _merge_models(self, answers: list[list[dict[str, Any]] | BaseException]) -> list[dict[str, Any]] | None:
+        """The cards of ``answers`` merged by id (None: no backend gave a list); learn the base models from them.
+
+        A card without a ``parent`` is a base model (vLLM gives LoRA adapters their base model as parent).
+        """
         merged: dict[str, dict[str, Any]] = {}
         for answer in answers:
             for card in answer if isinstance(answer, list) else ():
@@ -440,6 +456,16 @@ def _decode(raw: bytes) -> Any:
         return _decoder.decode(raw)
     except (msgspec.DecodeError, RecursionError) as exc:
         raise BadRequest(json_error(raw, exc)) from None
+
+
+class _Refused(Exception):
+    """A backend answered ``/v1/models`` with an error status: the answer, to relay when no backend gave a list."""
+
+    def __init__(self, status: int, body: bytes, content_type: str) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status
+        self.body = body
+        self.content_type = content_type
 
 
 def _auth(request: web.Request) -> dict[str, str]:
