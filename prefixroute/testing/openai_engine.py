@@ -427,9 +427,11 @@ class OpenAIEngine:
             await response.write_eof()
             finished = True
             return response
-        except (ConnectionError, asyncio.CancelledError, _ClientGone):
+        except (ConnectionError, asyncio.CancelledError, _ClientGone) as exc:
             if isinstance(request.transport, asyncio.Transport):
                 request.transport.abort()
+            if isinstance(exc, ConnectionError):  # a write to a client that left (e.g. during prefill): counted below
+                raise _ClientGone from None
             raise
         finally:
             with self._lock:

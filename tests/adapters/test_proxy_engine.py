@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -136,6 +137,21 @@ def test_a_stalled_stream_counts_its_client_leaving(engine: OpenAIEngine) -> Non
     assert (stats.running, stats.disconnected, stats.completed) == (0, 1, 0)
     engine.resume()
     assert httpx.post(f"{engine.url}/v1/completions", json=body).status_code == 200
+
+
+def test_a_client_that_leaves_during_a_streamed_prefill_is_counted_not_logged_as_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with OpenAIEngine(prefill_s=0.3) as engine, httpx.Client() as client:
+        body = {"prompt": list(range(8)), "stream": True}
+        with client.stream("POST", f"{engine.url}/v1/completions", json=body) as reply:
+            assert reply.status_code == 200  # the headers come at once, the first chunk after prefill
+        deadline = time.monotonic() + 5
+        while engine.stats().running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stats = engine.stats()
+        assert (stats.running, stats.disconnected, stats.completed) == (0, 1, 0)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 def test_max_running_queues_the_rest() -> None:
