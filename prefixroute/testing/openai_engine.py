@@ -46,6 +46,7 @@ __all__ = ["EngineStats", "OpenAIEngine", "main", "register", "whitespace_tokens
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _POLL_S = 0.005  # how often a stalled request looks for resume() or its client leaving
+_MAX_BODY_BYTES = 256 * 2**20  # the largest request body served (the proxy in front of it takes up to 64 MiB)
 
 
 def whitespace_tokens(text: str) -> list[int]:
@@ -196,7 +197,8 @@ class OpenAIEngine:
         """Start listening on the running event loop and return (stop with :meth:`aclose`)."""
         self._loop = asyncio.get_running_loop()
         self._slots = asyncio.Semaphore(self._max_running) if self._max_running else None
-        app = web.Application()
+        # vLLM caps no request body; aiohttp's default of 1 MiB would refuse a long prompt (100k token ids)
+        app = web.Application(client_max_size=_MAX_BODY_BYTES)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)

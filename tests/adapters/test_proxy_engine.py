@@ -154,6 +154,12 @@ def test_a_client_that_leaves_during_a_streamed_prefill_is_counted_not_logged_as
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
+def test_a_body_over_a_mebibyte_is_served_as_vllm_serves_it(engine: OpenAIEngine) -> None:
+    words = [f"{i:04d}" + "x" * 1000 for i in range(2000)]  # 2 MB of text, 2000 tokens (aiohttp's default cap: 1 MiB)
+    reply = httpx.post(f"{engine.url}/v1/completions", json={"prompt": " ".join(words), "max_tokens": 1}, timeout=30)
+    assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == 2000
+
+
 def test_max_running_queues_the_rest() -> None:
     with OpenAIEngine(max_running=1) as engine:
         engine.stall()
