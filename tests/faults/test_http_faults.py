@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import astuple
 from typing import Any
 
 import httpx
@@ -171,6 +172,44 @@ def proxy(engines: list[OpenAIEngine]) -> Iterator[Proxy]:
         yield running
     for engine in engines:
         engine.resume()
+
+
+openai_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "prompt": json_values | st.lists(st.integers(-3, 2**33), max_size=4) | st.lists(st.lists(st.integers(0, 9))),
+        "messages": json_values | st.lists(st.dictionaries(st.sampled_from(["role", "content"]), json_values)),
+        "model": json_values | st.sampled_from(["fake-model", "other"]),
+        "stream": json_values,
+        "n": json_values,
+    },
+)
+
+
+@pytest.fixture(scope="module")
+def fuzzed_proxy(engines: list[OpenAIEngine]) -> Iterator[Proxy]:
+    with Proxy(Router(), [engine.url for engine in engines], base_models=["fake-model"]) as running:
+        yield running
+
+
+@given(st.one_of(openai_bodies, json_values), st.booleans())
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_any_json_body_gets_an_answer_or_an_openai_error_and_leaves_nothing_in_flight(
+    fuzzed_proxy: Proxy, body: Any, chat: bool
+) -> None:
+    """Whatever JSON a client posts, the proxy or the engine answers it (never a 5xx), an error in OpenAI's shape,
+    and every request it routed is finished once its answer is over."""
+    proxy = fuzzed_proxy
+    before = proxy.stats()
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    reply = httpx.post(proxy.url + path, content=json.dumps(body).encode(), timeout=10)
+    if reply.status_code != 200:
+        assert_openai_error(reply, reply.status_code)
+        assert 400 <= reply.status_code < 500
+    wait_until(lambda: sum(astuple(proxy.stats())[:5]) == sum(astuple(before)[:5]) + 1, what="one outcome counted")
+    after = proxy.stats()
+    assert (after.backend_error, after.unreachable, after.client_disconnect) == (0, 0, 0)
+    assert_idle(proxy.router, list(proxy.backends))
 
 
 @contextmanager
