@@ -5,7 +5,7 @@ For tests and demos of :mod:`prefixroute.vllm` without a GPU::
     with FakeVLLM(num_blocks=512) as engine, Fleet(Router(index=EventIndex(16))) as fleet:
         fleet.add_backend("gpu0", kv_events=engine.endpoint, replay=engine.replay_endpoint, metrics_url=engine.url)
         engine.complete(list(range(64)))      # publishes a BlockStored batch
-        engine.url                            # http://127.0.0.1:PORT (/metrics, /v1/completions)
+        engine.url                            # http://127.0.0.1:PORT (/metrics, /v1/completions, /v1/models)
 
 Faults, for tests of what a client does with a misbehaving engine: :meth:`FakeVLLM.set_metrics_fault` (any
 ``/metrics`` text, a delay, a body trickled byte by byte) and :meth:`FakeVLLM.publish_raw` (any ZMQ frames: garbage,
@@ -55,7 +55,8 @@ def default_ttft(cached_tokens: int, prompt_tokens: int, waiting: int) -> float:
 
 
 class FakeVLLM:
-    """A fake engine: KV events on a ZMQ PUB socket and a replay ROUTER, HTTP ``/metrics`` and ``/v1/completions``.
+    """A fake engine: KV events on a ZMQ PUB socket and a replay ROUTER, HTTP ``/metrics``, ``/v1/completions`` and
+    ``/v1/models``.
 
     Every cache-changing call publishes one ``EventBatch`` (as a vLLM scheduler step does) with the next sequence
     number, in ``encoding`` (``"array"``, ``"map"`` or ``"alternate"``, which switches per batch). Test hooks:
@@ -376,7 +377,12 @@ def _bind(socket: zmq.Socket[Any], host: str, port: int) -> str:
 def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-            if self.path.split("?")[0] != "/metrics":
+            path = self.path.split("?")[0]
+            if path == "/v1/models":  # vLLM's model card: a base model has no parent
+                card = {"id": engine.model, "object": "model", "owned_by": "vllm", "root": engine.model, "parent": None}
+                self._reply(200, json.dumps({"object": "list", "data": [card]}).encode(), "application/json")
+                return
+            if path != "/metrics":
                 self._reply(404, b"not found\n", "text/plain")
                 return
             text, delay, trickle = engine.metrics_fault()

@@ -210,6 +210,42 @@ def test_construction_errors(tmp_path: Path) -> None:
         PromptEncoder(tmp_path)
     with pytest.raises(TypeError):
         Sidecar("router", backends=BACKENDS)  # type: ignore[arg-type]
+    for bad in ("llama", [3]):
+        with pytest.raises(ConfigurationError, match="base_models"):
+            Sidecar(Router(), backends=BACKENDS, base_models=bad)  # type: ignore[arg-type]
+
+
+def test_without_models_the_base_models_route_in_the_routers_own_namespace() -> None:
+    router = Router(block_size=4)
+    sidecar = Sidecar(router, backends=BACKENDS[:2], base_models=["llama"])
+    router.store(BACKENDS[1], router.hasher.hash(ids(8)))  # as the base model's KV events write it
+    for model, reason in [(None, "prefix"), ("llama", "prefix"), ("llama-lora", "miss")]:
+        body = {"prompt_token_ids": ids(8), **({} if model is None else {"model": model})}
+        answer = call(sidecar, "POST", "/route", body).json()
+        assert answer["reason"] == reason, model
+        sidecar.finish(answer["id"])
+    sidecar.base_models = frozenset()  # learned later, or never: every named model is its own namespace
+    assert call(sidecar, "POST", "/route", {"prompt_token_ids": ids(8), "model": "llama"}).json()["reason"] == "miss"
+
+
+def test_the_base_model_learner_reads_cards_without_a_parent_and_skips_bad_backends() -> None:
+    from prefixroute.adapters.serve.cli import BaseModelLearner
+    from prefixroute.testing.openai_engine import OpenAIEngine
+
+    engine = OpenAIEngine(model="llama", lora_adapters=["sql-lora"]).start()
+    dead = f"http://127.0.0.1:{free_port()}"
+    try:
+        learned: list[frozenset[str]] = []
+        learner = BaseModelLearner([dead, engine.url], learned.append, timeout=1.0)
+        assert learner.ask() == frozenset({"llama"})
+        learner.start()
+        deadline = time.monotonic() + 10
+        while not learned and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert learned == [frozenset({"llama"})]
+        assert BaseModelLearner([dead], learned.append, timeout=1.0).ask() is None
+    finally:
+        engine.stop()
 
 
 BAD_URLS: list[tuple[str, str]] = [
@@ -501,6 +537,32 @@ def test_two_replicas_following_kv_events_agree(tmp_path: Path) -> None:
                         deadline -= 1
                         time.sleep(0.05)
                     assert (answer["backend"], answer["reason"], answer["matched_tokens"]) == (engine.url, "prefix", 64)
+
+
+def test_requests_naming_the_base_model_match_its_kv_events(tmp_path: Path) -> None:
+    """Without --models, the sidecar learns the engines' base model, so OpenAI requests (which name it) match the
+    blocks the engines' KV events report, hashed in the router's own namespace."""
+    from prefixroute.testing import FakeVLLM
+
+    with FakeVLLM(block_size=16, seed=1, model="llama") as engine0, FakeVLLM(block_size=16, seed=2) as engine1:
+        urls = [engine0.url, engine1.url]
+        events = [f"{e.url}={e.endpoint},{e.replay_endpoint}" for e in (engine0, engine1)]
+        port = free_port()
+        with start_sidecar(tmp_path, urls, port=port, options=["--kv-events", *events]):
+            prefix = ids(64, 30_000)
+            engine0.complete(prefix)
+            answer: dict[str, Any] = {}
+            for _ in range(100):
+                answer = httpx.post(f"http://127.0.0.1:{port}/route", json={"prompt_token_ids": [*prefix, 1],
+                                                                              "model": "llama"}).json()  # fmt: skip
+                httpx.post(f"http://127.0.0.1:{port}/finish", json={"id": answer["id"]})
+                if answer["reason"] == "prefix":
+                    break
+                time.sleep(0.05)
+            assert (answer["backend"], answer["reason"], answer["matched_tokens"]) == (engine0.url, "prefix", 64)
+            lora = httpx.post(f"http://127.0.0.1:{port}/route", json={"prompt_token_ids": [*prefix, 1],
+                                                                       "model": "llama-lora"}).json()  # fmt: skip
+            assert lora["reason"] == "miss"  # an adapter's blocks are its own
 
 
 def test_the_sidecar_quickstart_routes_shared_prefixes_to_one_engine_and_releases_all() -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, MutableMapping, Sequence
 from typing import Any, TypeGuard
 from urllib.parse import urlsplit
 
@@ -63,10 +63,13 @@ class Sidecar:
     ``backends`` is the fixed backend list (each request may give its own ``backends`` instead). ``encoder``
     tokenizes text and chat prompts (without it they are refused with 400). ``models``, when given, are the only
     ``model`` values accepted; the first is the router's own namespace (so KV events hashed without a namespace
-    match it), any other is its own namespace. ``lease`` is the default lease of every request in seconds (None:
-    counted until finished). ``healthy`` filters the backends to route to (e.g. :meth:`prefixroute.vllm.Fleet.
-    healthy_backends`); when it leaves none, all are used (fail open). ``accel_redirect`` is the nginx named
-    location a pick answer redirects to. ``clock`` times each decision (decode, route, start) for the histogram.
+    match it), any other is its own namespace. Without ``models`` any model is accepted: those in
+    :attr:`base_models` (the backends' base model, which ``prefixroute serve`` learns from their ``/v1/models``)
+    route in the router's own namespace, any other (a LoRA adapter) in its own. ``lease`` is the default lease of
+    every request in seconds (None: counted until finished). ``healthy`` filters the backends to route to (e.g.
+    :meth:`prefixroute.vllm.Fleet.healthy_backends`); when it leaves none, all are used (fail open).
+    ``accel_redirect`` is the nginx named location a pick answer redirects to. ``clock`` times each decision
+    (decode, route, start) for the histogram.
 
     Use it as an ASGI app (``uvicorn.run(sidecar)``) or call :meth:`route`, :meth:`pick` and :meth:`finish`
     directly (the ext_proc server and the UDP release listener do). Not thread-safe by itself: run it on one
@@ -81,8 +84,9 @@ class Sidecar:
     0
 
     Raises:
-        ConfigurationError: a fixed backend is not an ``http(s)://host:port`` URL, ``lease`` is not positive, or
-            ``accel_redirect`` is not printable ASCII (it is a header value).
+        ConfigurationError: a fixed backend is not an ``http(s)://host:port`` URL, ``lease`` is not positive,
+            ``base_models`` is not a collection of names, or ``accel_redirect`` is not printable ASCII (it is a
+            header value).
     """
 
     def __init__(
@@ -92,6 +96,7 @@ class Sidecar:
         backends: Sequence[str] = (),
         encoder: PromptEncoder | None = None,
         models: Sequence[str] | None = None,
+        base_models: Collection[str] = (),
         lease: float | None = 600.0,
         healthy: Callable[[Sequence[str]], list[str]] | None = None,
         accel_redirect: str = "@prefixroute_upstream",
@@ -117,6 +122,10 @@ class Sidecar:
         self.metrics = SidecarMetrics()
         self._encoder = encoder
         self._models = tuple(models) if models is not None else None
+        if isinstance(base_models, str) or not all(isinstance(m, str) for m in base_models):
+            raise ConfigurationError(f"base_models must be a collection of model names, not {base_models!r}")
+        self.base_models: frozenset[str] = frozenset(base_models)
+        """Without ``models``: the model names that route in the router's own namespace (may be replaced)."""
         self._lease = lease
         self._healthy = healthy
         self._accel_redirect = accel_redirect.encode("latin-1")
@@ -274,7 +283,7 @@ class Sidecar:
         if model is None:
             return None
         if self._models is None:
-            return model
+            return None if model in self.base_models else model
         if model not in self._models:
             raise BadRequest(404, f"unknown model {model!r}: this sidecar routes {list(self._models)}")
         return None if model == self._models[0] else model

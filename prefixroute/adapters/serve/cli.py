@@ -6,7 +6,10 @@ per listener on stdout once all of them are bound. Bad options, a tokenizer path
 cannot be bound end it with exit status 2 and one line on stderr (and nothing on stdout). SIGINT or SIGTERM stops it
 gracefully, with exit status 0. ``--kv-events BACKEND=ENDPOINT[,REPLAY]`` and
 ``--metrics-from-backends`` need the ``vllm`` extra: the index then follows each engine's KV events (so replicas of
-the sidecar agree without talking to each other) and unhealthy engines are skipped.
+the sidecar agree without talking to each other) and unhealthy engines are skipped. Without ``--models``, the
+backends' base model (a card without a ``parent`` in their ``/v1/models``) is learned in the background, at start
+and every 10 s until a backend answers: requests naming it route in the router's own namespace, where the KV events
+of the base model land, and other models (LoRA adapters) in their own.
 """
 
 from __future__ import annotations
@@ -15,18 +18,22 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import json
 import logging
 import math
 import signal
 import socket
 import sys
 import threading
-from collections.abc import Coroutine, Iterator
+import urllib.request
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
 from prefixroute.errors import ConfigurationError
 
-__all__ = ["register", "run"]
+__all__ = ["BaseModelLearner", "register", "run"]
+
+_log = logging.getLogger("prefixroute.serve")
 
 
 def register(subparsers: Any) -> None:
@@ -106,6 +113,10 @@ def run(args: argparse.Namespace) -> int:
     udp_socket = _bind(socket.SOCK_DGRAM, args.host, args.release_port) if args.release_port is not None else None
     if args.ext_proc:  # gRPC binds it itself, later: try it now, so a busy port is refused in our words alone
         _bind(socket.SOCK_STREAM, args.host, args.ext_proc, what="ext_proc").close()
+    learner = None
+    if args.models is None and args.backends:
+        learner = BaseModelLearner(args.backends, lambda names: setattr(sidecar, "base_models", names))
+        learner.start()
     try:
         if fleet is not None:
             by_backend = dict(events)
@@ -119,9 +130,66 @@ def run(args: argparse.Namespace) -> int:
                 )
         _run_loop(_serve(sidecar, http_socket, udp_socket, args))
     finally:
+        if learner is not None:
+            learner.stop()
         if fleet is not None:
             fleet.close()
     return 0
+
+
+class BaseModelLearner:
+    """Ask the backends' ``/v1/models`` for their base model, at start and every ``interval`` s until one answers.
+
+    A card without a ``parent`` is a base model (vLLM lists a LoRA adapter with its base model as ``parent``). The
+    names go to ``learned`` once, from a daemon thread; a backend that is down, slow (``timeout`` s) or answers
+    garbage is skipped.
+    """
+
+    def __init__(
+        self,
+        backends: Sequence[str],
+        learned: Callable[[frozenset[str]], None],
+        *,
+        interval: float = 10.0,
+        timeout: float = 2.0,
+    ) -> None:
+        self._backends = tuple(backends)
+        self._learned = learned
+        self._interval = interval
+        self._timeout = timeout
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="prefixroute-base-models", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def ask(self) -> frozenset[str] | None:
+        """The base models of the backends that answered (None: none did). O(backends) requests."""
+        names: set[str] = set()
+        answered = False
+        for backend in self._backends:
+            try:
+                with urllib.request.urlopen(f"{backend}/v1/models", timeout=self._timeout) as reply:  # noqa: S310
+                    cards = json.loads(reply.read(2**22)).get("data")
+            except Exception:  # down, refusing, slow, not JSON, not an object: ask the next one
+                continue
+            if isinstance(cards, list):
+                answered = True
+                names.update(c["id"] for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)
+                             and c.get("parent") is None)  # fmt: skip
+        return frozenset(names) if answered else None
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            names = self.ask()
+            if names is not None:
+                self._learned(names)
+                _log.info("base models of the backends: %s", sorted(names))
+                return
+            self._stopped.wait(self._interval)
 
 
 async def _serve(sidecar: Any, http_socket: socket.socket, udp_socket: socket.socket | None, args: Any) -> None:
