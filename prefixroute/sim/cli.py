@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from prefixroute.errors import ConfigurationError
 from prefixroute.sim.compare import THROUGHPUT_TOLERANCE
+from prefixroute.sim.engine import Workload
 from prefixroute.sim.metrics import PolicyResult
 from prefixroute.sim.runner import SimSpec, backend_config, build_policy, run_policy
 from prefixroute.sim.workloads import scenario_names
@@ -133,10 +135,10 @@ def run(args: argparse.Namespace) -> int:
     policies = list(args.policy or DEFAULT_POLICIES)
     spec = spec_from_args(args)
     config, profile = backend_config(spec)
-    _check_before_running(spec, policies, args)
+    trace = _check_before_running(spec, policies, args)
     header = _header(spec)
     console.print(_describe(spec, profile.name, config.capacity_blocks))
-    results = _run_all(spec, policies, console)
+    results = _run_all(spec, policies, console, trace)
     from prefixroute.sim.report import rich_table, write_json, write_plot
 
     console.print(rich_table(results, title=f"{header['scenario']}: ratios against {policies[0]}"))
@@ -155,22 +157,32 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_before_running(spec: SimSpec, policies: Sequence[str], args: argparse.Namespace) -> None:
+def _check_before_running(
+    spec: SimSpec, policies: Sequence[str], args: argparse.Namespace
+) -> Callable[[], Workload] | None:
     """Build every policy once, read the trace, and check ``--json``/``--plot`` can be written: bad input fails
     now, before anything is printed or simulated (and not once in every worker).
+
+    Returns what builds the trace's workload for each run (the file is read and checked once, and only the
+    ``--requests`` a run replays are kept), or None without ``--trace``.
 
     Raises:
         PrefixRouteError: a policy, trace or output path that will not do (the message says which and why).
     """
     for name in policies:
         build_policy(name, seed=spec.seed)
+    trace: Callable[[], Workload] | None = None
     if spec.trace is not None:
-        from prefixroute.sim.traces import load_trace
+        from prefixroute.sim.traces import TraceWorkload, load_trace
 
-        load_trace(spec.trace, seed=spec.seed)
+        read = load_trace(spec.trace, seed=spec.seed, output_tokens=spec.output_tokens, limit=spec.requests)
+        trace = functools.partial(
+            TraceWorkload, read.entries, kind=read.kind, seed=spec.seed, output_tokens=spec.output_tokens
+        )
     for option, path in (("--json", args.json), ("--plot", args.plot)):
         if path is not None:
             check_writable(path, option)
+    return trace
 
 
 def check_writable(path: str | Path, option: str) -> None:
@@ -201,7 +213,9 @@ def check_writable(path: str | Path, option: str) -> None:
         target.unlink(missing_ok=True)
 
 
-def _run_all(spec: SimSpec, policies: list[str], console: Any) -> list[PolicyResult]:
+def _run_all(
+    spec: SimSpec, policies: list[str], console: Any, trace: Callable[[], Workload] | None
+) -> list[PolicyResult]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     results: list[PolicyResult] = []
@@ -214,7 +228,7 @@ def _run_all(spec: SimSpec, policies: list[str], console: Any) -> list[PolicyRes
                 if done % 25 == 0:
                     progress.update(task, completed=done)
 
-            result = run_policy(spec, name, on_progress=advance)
+            result = run_policy(spec, name, workload=trace, on_progress=advance)
             progress.update(task, total=result.requests + result.rejected, completed=result.requests + result.rejected)
             results.append(result)
     return results
@@ -323,7 +337,7 @@ def run_compare(args: argparse.Namespace, *, defaults: argparse.ArgumentParser) 
         for one in compared_policies() if name == "all" else [name]:
             if one not in names:
                 names.append(one)
-    _check_before_running(spec, names, args)
+    trace = _check_before_running(spec, names, args)
     config, _ = backend_config(spec)
     console.print(_describe(spec, profile.name, config.capacity_blocks))
     jobs = min(args.jobs, len(names))
@@ -334,7 +348,7 @@ def run_compare(args: argparse.Namespace, *, defaults: argparse.ArgumentParser) 
         done[0] += 1
         console.print(f"  [{done[0]}/{len(names)}] {result.policy}")
 
-    results = run_grid([(spec, name) for name in names], jobs=jobs, on_done=on_done)
+    results = run_grid([(spec, name) for name in names], jobs=jobs, on_done=on_done, workload=trace)
     ranking = rank(results)
     default = default_policy_name()
     header = _header(spec)

@@ -31,6 +31,8 @@ from prefixroute.sim.runner import SimSpec, run_policy
 if TYPE_CHECKING:
     from rich.table import Table
 
+    from prefixroute.sim.engine import Workload
+
 __all__ = [
     "THROUGHPUT_TOLERANCE",
     "Ranking",
@@ -131,8 +133,12 @@ def run_grid(
     *,
     jobs: int = 1,
     on_done: Callable[[int, PolicyResult], None] | None = None,
+    workload: Callable[[], Workload] | None = None,
 ) -> list[PolicyResult]:
     """Simulate every ``(spec, policy name)`` pair; return the results in the order of ``runs``.
+
+    ``workload`` (picklable when ``jobs`` > 1) builds every run's request source, as in :func:`run_policy`: a trace
+    read once instead of once per run.
 
     ``jobs`` > 1 runs them in a pool of that many processes (spawned, so nothing of this process's state is
     shared); the results are the same as with ``jobs=1``, since every run is built from its spec's seed.
@@ -147,14 +153,14 @@ def run_grid(
     results: list[PolicyResult | None] = [None] * len(runs)
     if jobs == 1 or len(runs) <= 1:
         for i, (spec, name) in enumerate(runs):
-            results[i] = run_policy(spec, name)
+            results[i] = run_policy(spec, name, workload=workload)
             if on_done is not None:
                 on_done(i, results[i])  # type: ignore[arg-type]
         return [r for r in results if r is not None]
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(jobs, len(runs)), mp_context=context) as pool:
         futures: dict[Future[PolicyResult], int] = {
-            pool.submit(run_policy, spec, name): i for i, (spec, name) in enumerate(runs)
+            pool.submit(run_policy, spec, name, workload=workload): i for i, (spec, name) in enumerate(runs)
         }
         try:
             for future in as_completed(futures):

@@ -233,13 +233,17 @@ def _seed_keyword(cls: type) -> str | None:
     return next((k for k in ("rng", "seed") if k in parameters and parameters[k].kind in by_keyword), None)
 
 
-def _workload(spec: SimSpec) -> tuple[Workload, Arrivals]:
+def _workload(spec: SimSpec, build: Callable[[], Workload] | None = None) -> tuple[Workload, Arrivals]:
     if spec.trace is not None:
-        workload: Workload = load_trace(spec.trace, seed=spec.seed, output_tokens=spec.output_tokens)
+        workload: Workload = (
+            build()
+            if build is not None
+            else load_trace(spec.trace, seed=spec.seed, output_tokens=spec.output_tokens, limit=spec.requests)
+        )
         think = spec.think_time or 0.0
     else:
         scenario = make_workload(spec.scenario, seed=spec.seed, sharing_ratio=spec.sharing_ratio)
-        workload = scenario
+        workload = scenario if build is None else build()
         think = scenario.think_time if spec.think_time is None else spec.think_time
     arrivals: Arrivals
     if spec.rate is not None:
@@ -265,13 +269,11 @@ def run_policy(
     """Simulate ``spec`` with one policy (a name, or a factory returning a fresh policy) and summarize it.
 
     ``workload`` optionally builds the request source instead of ``spec.scenario``/``spec.trace`` (e.g. a scenario
-    with other parameters); ``spec`` still gives its arrivals. Every run builds a fresh Router, workload and
-    backends from ``spec.seed``: same spec, same result.
+    with other parameters, or a trace already read); ``spec`` still gives its arrivals. Every run builds a fresh
+    Router, workload and backends from ``spec.seed``: same spec, same result.
     """
     config, profile = backend_config(spec)
-    source, arrivals = _workload(spec)
-    if workload is not None:
-        source = workload()
+    source, arrivals = _workload(spec, workload)
     load_policy = build_policy(policy, seed=spec.seed) if isinstance(policy, str) else policy()
     clock = _SimClock()
     events = spec.index_source == "events"

@@ -9,7 +9,9 @@ real token lists that share exactly what the trace says they share. A Splitwise/
 tokens``) have no prefix identity: every prompt gets its own tokens.
 
 Readers parse and check the whole file up front (a malformed line raises :class:`InvalidTraceError` naming it)
-but build a prompt's tokens only when the simulator asks for it.
+but build a prompt's tokens only when the simulator asks for it. They return the requests in timestamp order (rows
+with equal timestamps in file order), so a trace whose rows are not sorted still replays at its own timestamps. A
+UTF-8 byte-order mark and CRLF line ends are read as published; a compressed file is refused with what to do.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from types import MappingProxyType
 from typing import TextIO
 
 from prefixroute._numbers import is_finite_number, shown
-from prefixroute.errors import InvalidTraceError
+from prefixroute.errors import ConfigurationError, InvalidTraceError
 from prefixroute.sim.request import SimRequest, token_bytes
 
 __all__ = [
@@ -108,9 +110,16 @@ def read_mooncake(path: str | Path) -> list[TraceEntry]:
         for number, line in enumerate(_read(lines, path), start=1):
             if not line.strip():
                 continue
-            entries.append(_mooncake_line(line, f"{path}:{number}"))
+            try:
+                entries.append(_mooncake_line(line, f"{path}:{number}"))
+            except InvalidTraceError as exc:
+                other = None if entries else _csv_format(line)
+                if other is None:
+                    raise
+                raise InvalidTraceError(f"{exc}; it looks like a {other}: trace (--trace {other}:{path})") from exc
     if not entries:
         raise InvalidTraceError(f"{path}: no requests in the trace")
+    entries.sort(key=_arrival)
     return entries
 
 
@@ -201,7 +210,9 @@ def _read_lengths(path: str | Path, form: _LengthsFormat) -> list[TraceEntry]:
         reader.fieldnames = fieldnames
         absent = [c for c in columns if c not in fieldnames]
         if absent:
-            raise InvalidTraceError(f"{path}:1: header lacks column(s) {', '.join(absent)}")
+            other = _csv_format(",".join(fieldnames)) or ("mooncake" if ",".join(fieldnames).startswith("{") else None)
+            hint = f"; it looks like a {other}: trace (--trace {other}:{path})" if other else ""
+            raise InvalidTraceError(f"{path}:1: header lacks column(s) {', '.join(absent)}{hint}")
         for row in _rows(reader, path):
             where = f"{path}:{reader.line_num}"
             try:
@@ -227,7 +238,24 @@ def _read_lengths(path: str | Path, form: _LengthsFormat) -> list[TraceEntry]:
             entries.append(TraceEntry(arrival, prefill, max(1, decode)))
     if not entries:
         raise InvalidTraceError(f"{path}: no requests in the trace")
+    entries.sort(key=_arrival)
     return entries
+
+
+def _arrival(entry: TraceEntry) -> float:
+    return entry.arrival
+
+
+def _csv_format(header: str) -> str | None:
+    """The CSV format whose columns ``header`` (a CSV header line) has, if any: to name it when the kind is wrong."""
+    try:
+        names = {name.strip() for name in next(csv.reader([header.lstrip("\ufeff")]), [])}
+    except csv.Error:
+        return None
+    for kind, form in _LENGTHS_FORMATS.items():
+        if {form.arrival, form.prompt, form.output} <= names:
+            return kind
+    return None
 
 
 def _datetime_seconds(value: str | None) -> float:
@@ -247,21 +275,54 @@ def _datetime_seconds(value: str | None) -> float:
     return moment.timestamp() + (float(f"0.{fraction}") if fraction else 0.0)
 
 
-def load_trace(spec: str, *, seed: int = 0, output_tokens: int | None = None) -> TraceWorkload:
+def load_trace(
+    spec: str, *, seed: int = 0, output_tokens: int | None = None, limit: int | None = None
+) -> TraceWorkload:
     """Open ``FORMAT:PATH`` as a workload: ``mooncake:trace.jsonl``, or one of ``splitwise:``, ``azure:`` and
-    ``burstgpt:`` with a CSV of arrivals and lengths (every prompt its own tokens)."""
+    ``burstgpt:`` with a CSV of arrivals and lengths (every prompt its own tokens).
+
+    ``limit`` keeps only the first ``limit`` requests (in timestamp order) after every line has been checked, so a
+    run of a few requests from a large trace holds only those.
+
+    Raises:
+        InvalidTraceError: ``spec`` is not ``FORMAT:PATH``, or the file cannot be read or has a malformed line.
+        ConfigurationError: ``limit`` is not a positive int.
+    """
     kind, sep, path = spec.partition(":")
     readers = {"mooncake": read_mooncake, "splitwise": read_splitwise, "azure": read_azure, "burstgpt": read_burstgpt}
     if not sep or kind not in readers:
         raise InvalidTraceError(f"--trace must be FORMAT:PATH with FORMAT one of {sorted(readers)}, not {spec!r}")
-    return TraceWorkload(readers[kind](path), kind=kind, seed=seed, output_tokens=output_tokens)
+    if limit is not None and (not _is_int(limit) or limit < 1):
+        raise ConfigurationError(f"limit must be a positive int or None, not {limit!r}")
+    entries = readers[kind](path)
+    return TraceWorkload(entries[:limit], kind=kind, seed=seed, output_tokens=output_tokens)
+
+
+# A trace's first bytes that say it is not UTF-8 text, and what to do about it.
+_NOT_TEXT = (
+    (b"\x1f\x8b", "gzip-compressed, not text: decompress it first (gunzip)"),
+    (b"PK\x03\x04", "a zip archive, not text: extract the trace from it first (unzip)"),
+    (b"BZh", "bzip2-compressed, not text: decompress it first (bunzip2)"),
+    (b"\xfd7zXZ", "xz-compressed, not text: decompress it first (unxz)"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed, not text: decompress it first (unzstd)"),
+    (b"\xff\xfe", "not UTF-8 text (UTF-16): save it as UTF-8"),
+    (b"\xfe\xff", "not UTF-8 text (UTF-16): save it as UTF-8"),
+)
 
 
 def _open(path: str | Path) -> TextIO:
+    """Open a trace as text (UTF-8, a byte-order mark skipped; line ends as written, for :mod:`csv`)."""
     try:
-        return open(path, encoding="utf-8", newline="")  # noqa: SIM115 - returned to a with block
+        with open(path, "rb") as raw:
+            head = raw.read(4)
+        text = open(path, encoding="utf-8-sig", newline="")  # noqa: SIM115 - returned to a with block
     except OSError as exc:
-        raise InvalidTraceError(f"cannot read trace {path}: {exc.strerror}") from exc
+        raise InvalidTraceError(f"cannot read trace {path}: {exc.strerror or exc}") from exc
+    for magic, what in _NOT_TEXT:
+        if head.startswith(magic):
+            text.close()
+            raise InvalidTraceError(f"{path}: {what}")
+    return text
 
 
 def _read(lines: Iterable[str], path: str | Path) -> Iterator[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TextIO
 
 import pytest
 
@@ -139,3 +140,96 @@ def test_shared_traces_parse(data_dir: Path) -> None:
     assert len(read_mooncake(data_dir / "mooncake-fast25" / "synthetic_trace.jsonl")) == 3993
     code = read_splitwise(data_dir / "vidur-profiling" / "processed_traces" / "splitwise_code.csv")
     assert len(code) == 8819 and all(e.input_length >= 1 for e in code)
+
+
+def test_files_as_published_crlf_bom_and_no_final_newline(tmp_path: Path) -> None:
+    # Azure's 2023 CSVs end lines with CRLF and have no final newline; a file saved by Excel starts with a BOM.
+    azure = tmp_path / "azure.csv"
+    azure.write_bytes(b"\xef\xbb\xbfTIMESTAMP,ContextTokens,GeneratedTokens\r\n"
+                      b"2023-11-16 18:17:03.9799600,4808,10\r\n2023-11-16 18:17:04.0319600,3180,8")  # fmt: skip
+    assert [e.input_length for e in read_azure(azure)] == [4808, 3180]
+    burst = tmp_path / "burst.csv"
+    burst.write_bytes(b"\xef\xbb\xbfTimestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\r\n"
+                      b"5,ChatGPT,472,18,490,Conversation log\r\n")  # fmt: skip
+    assert [e.input_length for e in read_burstgpt(burst)] == [472]
+    mooncake = tmp_path / "m.jsonl"
+    mooncake.write_bytes(b"\xef\xbb\xbf" + _line().encode() + b"\r\n" + _line(timestamp=3).encode())
+    assert len(read_mooncake(mooncake)) == 2
+
+
+def test_unsorted_rows_are_replayed_in_time_order(tmp_path: Path) -> None:
+    path = tmp_path / "s.csv"
+    path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n2.0,30,1\n0.0,10,1\n2.0,31,1\n1.0,20,1\n")
+    assert [(e.arrival, e.input_length) for e in read_splitwise(path)] == [(0, 10), (1, 20), (2, 30), (2, 31)]
+    mooncake = tmp_path / "m.jsonl"
+    mooncake.write_text(_line(timestamp=900) + "\n" + _line(timestamp=100, input_length=512, hash_ids=[7]) + "\n")
+    assert [(e.arrival, e.input_length) for e in read_mooncake(mooncake)] == [(0.1, 512), (0.9, 600)]
+    azure = tmp_path / "a.csv"  # later rows out of order, none before the first: seconds after the first row
+    azure.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00,1,1\n"
+                     "2023-11-16 18:00:09,9,1\n2023-11-16 18:00:03,3,1\n")  # fmt: skip
+    assert [(e.arrival, e.input_length) for e in read_azure(azure)] == [(0, 1), (3, 3), (9, 9)]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03", r"gzip-compressed, not text: decompress it first \(gunzip\)"),
+        ("arrived_at\n0\n".encode("utf-16"), r"not UTF-8 text \(UTF-16\): save it as UTF-8"),
+        (b"\xff\x00garbage", "not UTF-8 text"),
+    ],
+)
+def test_compressed_or_other_encodings_say_what_to_do(tmp_path: Path, content: bytes, message: str) -> None:
+    path = tmp_path / "t.csv"
+    path.write_bytes(content)
+    for reader in (read_splitwise, read_mooncake):
+        with pytest.raises(InvalidTraceError, match=rf"t\.csv: {message}"):
+            reader(path)
+
+
+@pytest.mark.parametrize(
+    ("kind", "content", "hint"),
+    [
+        ("azure", "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n5,GPT-4,4,4,8,API log\n",
+         "burstgpt:"),
+        ("splitwise", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03,1,1\n", "azure:"),
+        ("burstgpt", _line() + "\n", "mooncake:"),
+        ("mooncake", "arrived_at,num_prefill_tokens,num_decode_tokens\n0,1,1\n", "splitwise:"),
+    ],
+)  # fmt: skip
+def test_a_trace_of_another_format_names_the_format(tmp_path: Path, kind: str, content: str, hint: str) -> None:
+    path = tmp_path / "t.txt"
+    path.write_text(content)
+    with pytest.raises(InvalidTraceError, match=rf"t\.txt:1: .*looks like a {hint}"):
+        load_trace(f"{kind}:{path}")
+
+
+def test_load_trace_keeps_only_the_first_requests_but_checks_every_line(tmp_path: Path) -> None:
+    path = tmp_path / "s.csv"
+    path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n1,10,1\n0,20,1\n2,30,1\n")
+    assert [e.input_length for e in load_trace(f"splitwise:{path}", limit=2).entries] == [20, 10]
+    path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n1,10,1\n0,20,1\n2,x,1\n")
+    with pytest.raises(InvalidTraceError, match=r"s\.csv:4:"):
+        load_trace(f"splitwise:{path}", limit=1)
+
+
+@pytest.mark.parametrize("command", [["simulate"], ["compare", "--jobs", "1"]])
+def test_the_cli_reads_a_trace_once(
+    command: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from prefixroute.cli import main
+    from prefixroute.sim import traces
+
+    path = tmp_path / "burst.csv"
+    path.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                    + "".join(f"{t},ChatGPT,{40 + t},3,{43 + t},API log\n" for t in range(50)))  # fmt: skip
+    opened: list[str] = []
+    real_open = traces._open
+
+    def counting_open(p: str | Path) -> TextIO:
+        opened.append(str(p))
+        return real_open(p)
+
+    monkeypatch.setattr(traces, "_open", counting_open)
+    policies = ["--policy", "round-robin", "--policy", "prefix-affinity"]
+    assert main([*command, *policies, "--trace", f"burstgpt:{path}", "--requests", "4", "--backends", "2"]) == 0
+    assert opened == [str(path)], capsys.readouterr().err
