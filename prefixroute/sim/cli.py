@@ -173,9 +173,11 @@ def _check_before_running(
         build_policy(name, seed=spec.seed)
     trace: Callable[[], Workload] | None = None
     if spec.trace is not None:
-        from prefixroute.sim.traces import TraceWorkload, load_trace
+        from prefixroute.sim.traces import TraceWorkload, check_speedup, load_trace
 
         read = load_trace(spec.trace, seed=spec.seed, output_tokens=spec.output_tokens, limit=spec.requests)
+        if spec.users is None and spec.rate is None:  # replayed at its own timestamps
+            check_speedup(read, spec.speedup)
         trace = functools.partial(
             TraceWorkload, read.entries, kind=read.kind, seed=spec.seed, output_tokens=spec.output_tokens
         )

@@ -21,7 +21,7 @@ from prefixroute.sim.engine import Arrivals, ClosedLoop, OpenLoop, Simulation, T
 from prefixroute.sim.index import EventsOnlyIndex
 from prefixroute.sim.metrics import PolicyResult, summarize
 from prefixroute.sim.profiles import load_profile
-from prefixroute.sim.traces import load_trace
+from prefixroute.sim.traces import TraceWorkload, check_speedup, load_trace
 from prefixroute.sim.workloads import make_workload, scenario_names
 
 __all__ = ["SimSpec", "backend_config", "build_policy", "run_policy", "vllm_defaults"]
@@ -252,6 +252,8 @@ def _workload(spec: SimSpec, build: Callable[[], Workload] | None = None) -> tup
         if spec.trace is None:
             raise ConfigurationError("give --users or --rate (only a trace brings its own arrival times)")
         arrivals = TraceTimes(spec.speedup)
+        if isinstance(workload, TraceWorkload):
+            check_speedup(workload, spec.speedup)
     else:
         arrivals = ClosedLoop(spec.users, think_time=think)
     return workload, arrivals

@@ -36,6 +36,7 @@ __all__ = [
     "MOONCAKE_BLOCK_TOKENS",
     "TraceEntry",
     "TraceWorkload",
+    "check_speedup",
     "load_trace",
     "mooncake_tokens",
     "read_azure",
@@ -48,6 +49,9 @@ MOONCAKE_BLOCK_TOKENS = 512
 _MAX_HASH_ID = (2**32) // MOONCAKE_BLOCK_TOKENS - 1
 _UNIQUE_BASE = 2**31  # Splitwise prompts draw their tokens above every Mooncake-derived id
 _MAX_TOKENS = 2**20  # longer than any profiled model's context: a larger length is a broken trace
+# Replayed arrivals past 1e10 s (317 years; epoch seconds are 1.7e9) are a broken trace or --speedup: at 1e300 s a
+# float second has no room left for the milliseconds a TTFT is made of.
+_MAX_ARRIVAL = 1e10
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,8 +141,11 @@ def _mooncake_line(line: str, where: str) -> TraceEntry:
         raise InvalidTraceError(f"{where}: missing field(s) {', '.join(missing)}")
     timestamp, input_length, output_length = item["timestamp"], item["input_length"], item["output_length"]
     hash_ids = item["hash_ids"]
-    if not is_finite_number(timestamp) or timestamp < 0:
-        raise InvalidTraceError(f"{where}: timestamp must be a non-negative number of ms, not {shown(timestamp)}")
+    if not is_finite_number(timestamp) or not 0 <= timestamp <= _MAX_ARRIVAL * 1000:
+        raise InvalidTraceError(
+            f"{where}: timestamp must be a non-negative number of ms, not {shown(timestamp)} "
+            f"(at most {_MAX_ARRIVAL * 1000:g} ms)"
+        )
     if not _is_int(input_length) or not 1 <= input_length <= _MAX_TOKENS:
         raise InvalidTraceError(f"{where}: input_length must be an int in [1, {_MAX_TOKENS}], not {input_length!r}")
     if not _is_int(output_length) or not 1 <= output_length <= _MAX_TOKENS:
@@ -228,9 +235,16 @@ def _read_lengths(path: str | Path, form: _LengthsFormat) -> list[TraceEntry]:
                 first = arrival if first is None else first
                 arrival -= first
             if not (
-                math.isfinite(arrival) and arrival >= 0 and 1 <= prefill <= _MAX_TOKENS and 0 <= decode <= _MAX_TOKENS
+                math.isfinite(arrival)
+                and 0 <= arrival <= _MAX_ARRIVAL
+                and 1 <= prefill <= _MAX_TOKENS
+                and 0 <= decode <= _MAX_TOKENS
             ):
-                start = "after the first row's" if form.dated else "a finite number >= 0"
+                start = (
+                    f"after the first row's (by at most {_MAX_ARRIVAL:g} s)"
+                    if form.dated
+                    else f"a finite number in [0, {_MAX_ARRIVAL:g}]"
+                )
                 raise InvalidTraceError(
                     f"{where}: {form.arrival} must be {start} and token counts in [1, {_MAX_TOKENS}] "
                     f"({form.output} may be 0), got {row}"
@@ -240,6 +254,21 @@ def _read_lengths(path: str | Path, form: _LengthsFormat) -> list[TraceEntry]:
         raise InvalidTraceError(f"{path}: no requests in the trace")
     entries.sort(key=_arrival)
     return entries
+
+
+def check_speedup(workload: TraceWorkload, speedup: float) -> None:
+    """Check that replaying ``workload`` at its timestamps divided by ``speedup`` keeps every arrival within 1e10 s.
+
+    Raises:
+        ConfigurationError: ``speedup`` is so small that the last arrival lands past 1e10 simulated seconds (or at
+            infinity), where float seconds no longer resolve a millisecond.
+    """
+    last = max((entry.arrival for entry in workload.entries), default=0.0)
+    if not last / speedup <= _MAX_ARRIVAL:
+        raise ConfigurationError(
+            f"--speedup {speedup:g} puts the trace's last request at {last / speedup:g} simulated s, past "
+            f"{_MAX_ARRIVAL:g}: give a --speedup of at least {last / _MAX_ARRIVAL:.3g}"
+        )
 
 
 def _arrival(entry: TraceEntry) -> float:
@@ -314,7 +343,7 @@ def _open(path: str | Path) -> TextIO:
     """Open a trace as text (UTF-8, a byte-order mark skipped; line ends as written, for :mod:`csv`)."""
     try:
         with open(path, "rb") as raw:
-            head = raw.read(4)
+            head = raw.read(512)
         text = open(path, encoding="utf-8-sig", newline="")  # noqa: SIM115 - returned to a with block
     except OSError as exc:
         raise InvalidTraceError(f"cannot read trace {path}: {exc.strerror or exc}") from exc
@@ -322,6 +351,9 @@ def _open(path: str | Path) -> TextIO:
         if head.startswith(magic):
             text.close()
             raise InvalidTraceError(f"{path}: {what}")
+    if b"\0" in head:  # /dev/zero or a disk image: no line to read, ever
+        text.close()
+        raise InvalidTraceError(f"{path}: binary data, not text (a NUL byte in its first {len(head)} bytes)")
     return text
 
 

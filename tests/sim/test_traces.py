@@ -175,7 +175,7 @@ def test_unsorted_rows_are_replayed_in_time_order(tmp_path: Path) -> None:
     [
         (b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03", r"gzip-compressed, not text: decompress it first \(gunzip\)"),
         ("arrived_at\n0\n".encode("utf-16"), r"not UTF-8 text \(UTF-16\): save it as UTF-8"),
-        (b"\xff\x00garbage", "not UTF-8 text"),
+        (b"\xff\xfdgarbage", "not UTF-8 text"),
     ],
 )
 def test_compressed_or_other_encodings_say_what_to_do(tmp_path: Path, content: bytes, message: str) -> None:
@@ -233,3 +233,31 @@ def test_the_cli_reads_a_trace_once(
     policies = ["--policy", "round-robin", "--policy", "prefix-affinity"]
     assert main([*command, *policies, "--trace", f"burstgpt:{path}", "--requests", "4", "--backends", "2"]) == 0
     assert opened == [str(path)], capsys.readouterr().err
+
+
+def test_timestamps_past_float_millisecond_resolution_are_refused(tmp_path: Path) -> None:
+    mooncake = tmp_path / "m.jsonl"
+    mooncake.write_text(_line(timestamp=1.7e12) + "\n" + _line(timestamp=1e300) + "\n")  # epoch ms is fine
+    with pytest.raises(InvalidTraceError, match=r"m\.jsonl:2: timestamp must be .*at most 1e\+13 ms"):
+        read_mooncake(mooncake)
+    burst = tmp_path / "b.csv"
+    burst.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n1e11,GPT-4,4,4,8,API log\n")
+    with pytest.raises(InvalidTraceError, match=r"b\.csv:2: Timestamp must be a finite number in \[0, 1e\+10\]"):
+        read_burstgpt(burst)
+    zero = tmp_path / "z.bin"
+    zero.write_bytes(b"\0" * 64)  # /dev/zero, a disk image: refused at once, not read line by line forever
+    with pytest.raises(InvalidTraceError, match=r"z\.bin: binary data, not text"):
+        read_mooncake(zero)
+
+
+def test_a_speedup_that_stretches_the_trace_too_far_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from prefixroute.cli import main
+
+    path = tmp_path / "m.jsonl"
+    path.write_text(_line() + "\n" + _line(timestamp=3000) + "\n")
+    assert main(["simulate", "--trace", f"mooncake:{path}", "--speedup", "1e-310"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert "--speedup 1e-310 puts the trace's last request at" in err and "give a --speedup of at least 3e-10" in err
