@@ -237,7 +237,7 @@ def _read_lengths(path: str | Path, form: _LengthsFormat) -> list[TraceEntry]:
             if not (
                 math.isfinite(arrival)
                 and 0 <= arrival <= _MAX_ARRIVAL
-                and 1 <= prefill <= _MAX_TOKENS
+                and 0 <= prefill <= _MAX_TOKENS
                 and 0 <= decode <= _MAX_TOKENS
             ):
                 start = (
@@ -246,10 +246,10 @@ def _read_lengths(path: str | Path, form: _LengthsFormat) -> list[TraceEntry]:
                     else f"a finite number in [0, {_MAX_ARRIVAL:g}]"
                 )
                 raise InvalidTraceError(
-                    f"{where}: {form.arrival} must be {start} and token counts in [1, {_MAX_TOKENS}] "
-                    f"({form.output} may be 0), got {row}"
+                    f"{where}: {form.arrival} must be {start} and token counts in [0, {_MAX_TOKENS}], got {row}"
                 )
-            entries.append(TraceEntry(arrival, prefill, max(1, decode)))
+            # A logged request with no prompt or no output still cost the engine one token of each.
+            entries.append(TraceEntry(arrival, max(1, prefill), max(1, decode)))
     if not entries:
         raise InvalidTraceError(f"{path}: no requests in the trace")
     entries.sort(key=_arrival)
