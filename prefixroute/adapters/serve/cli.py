@@ -172,7 +172,7 @@ class BaseModelLearner:
         answered = False
         for backend in self._backends:
             try:
-                with urllib.request.urlopen(f"{backend}/v1/models", timeout=self._timeout) as reply:  # noqa: S310
+                with urllib.request.urlopen(f"{backend}/v1/models", timeout=self._timeout) as reply:
                     cards = json.loads(reply.read(2**22)).get("data")
             except Exception:  # down, refusing, slow, not JSON, not an object: ask the next one
                 continue
