@@ -59,7 +59,9 @@ class FakeVLLM:
     ``/v1/models``.
 
     Every cache-changing call publishes one ``EventBatch`` (as a vLLM scheduler step does) with the next sequence
-    number, in ``encoding`` (``"array"``, ``"map"`` or ``"alternate"``, which switches per batch). Test hooks:
+    number, in ``encoding`` (``"array"``, ``"map"`` or ``"alternate"``, which switches per batch). The replay socket
+    answers as vLLM >= 0.26 does, each reply ``[topic, seq, payload]`` as on the PUB socket; ``replay_topic=False``
+    answers as older vLLM, ``[seq, payload]``. Test hooks:
     :meth:`drop_next` loses published messages (still in the replay buffer), :meth:`restart` simulates a process
     restart (sequence back to 0, new hash seed, empty cache), :meth:`chains`/:meth:`own_hashes` give the true cache
     contents. ``port`` and ``replay_port`` are picked by the OS on ``host`` unless given (a new engine on an old
@@ -78,6 +80,7 @@ class FakeVLLM:
         extra_group: bool = False,
         replay_buffer: int = 10_000,
         replay: bool = True,
+        replay_topic: bool = True,
         legacy_metric_names: bool = False,
         ttft: Callable[[int, int, int], float] = default_ttft,
         seed: int = 0,
@@ -98,6 +101,7 @@ class FakeVLLM:
         self._host = host
         self._ports = (port, replay_port)
         self._replay_enabled = replay
+        self._replay_topic = replay_topic
         self._lock = threading.RLock()
         self._seq = 0
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=replay_buffer)
@@ -334,9 +338,10 @@ class FakeVLLM:
         identity, start = frames[0], int.from_bytes(frames[2], "big")
         with self._lock:
             buffered = [item for item in self._buffer if item[0] >= start] if self._replay_enabled else []
+        topic = [self.topic.encode()] if self._replay_topic else []
         for seq, payload in buffered:
-            router.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
-        router.send_multipart([identity, b"", _END_OF_REPLAY, b""])
+            router.send_multipart([identity, b"", *topic, seq.to_bytes(8, "big"), payload])
+        router.send_multipart([identity, b"", *topic, _END_OF_REPLAY, b""])
 
     def _new_metrics(self) -> None:
         registry = self._registry = CollectorRegistry()

@@ -1,7 +1,9 @@
 """vLLM's KV-cache event wire format: decode (and encode) msgpack ``EventBatch`` payloads.
 
-vLLM publishes, per scheduler step, ``EventBatch = [ts, events, data_parallel_rank]`` (a msgpack array). Each event
-is one of :class:`BlockStored`, :class:`BlockRemoved` or :class:`AllBlocksCleared`, in one of two encodings:
+vLLM publishes, per scheduler step, ``EventBatch = [ts, events, data_parallel_rank]``: a msgpack array, or in newer
+vLLM, whose ``EventBatch`` is no longer ``array_like``, a map ``{"ts": …, "events": […], "data_parallel_rank": …}``
+(the rank omitted when None). Each event is one of
+:class:`BlockStored`, :class:`BlockRemoved` or :class:`AllBlocksCleared`, in one of two encodings:
 
 * **array** (older vLLM): ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, …]``, the tag
   first and the fields in declaration order; trailing fields may be missing (they take their defaults) and extra
@@ -116,6 +118,20 @@ class _RawBatch(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None = None
 
 
+class _MapMapBatch(msgspec.Struct, gc=False):
+    """The batch itself as a map (newer vLLM), its events as maps."""
+
+    ts: float
+    events: list[_MapBlockStored | _MapBlockRemoved | _MapAllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+class _RawMapBatch(msgspec.Struct, gc=False):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
 _ArrayEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
 _MapEvent: TypeAlias = "_MapBlockStored | _MapBlockRemoved | _MapAllBlocksCleared"
 _KNOWN_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
@@ -132,40 +148,49 @@ class EventDecoder:
     [('_MapBlockRemoved', [7])]
     """
 
-    __slots__ = ("_array", "_array_event", "_generic", "_map", "_map_event", "_map_first", "_raw")
+    __slots__ = ("_array_event", "_generic", "_map_event", "_raw", "_raw_map", "_typed")
 
     def __init__(self) -> None:
-        self._array = msgspec.msgpack.Decoder(_ArrayBatch)
-        self._map = msgspec.msgpack.Decoder(_MapBatch)
+        # One typed decoder per whole-batch encoding, the one that last succeeded first.
+        self._typed: list[msgspec.msgpack.Decoder[Any]] = [
+            msgspec.msgpack.Decoder(_ArrayBatch),
+            msgspec.msgpack.Decoder(_MapBatch),
+            msgspec.msgpack.Decoder(_MapMapBatch),
+        ]
         self._raw = msgspec.msgpack.Decoder(_RawBatch)
+        self._raw_map = msgspec.msgpack.Decoder(_RawMapBatch)
         self._array_event = msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksCleared)
         self._map_event = msgspec.msgpack.Decoder(_MapBlockStored | _MapBlockRemoved | _MapAllBlocksCleared)
         self._generic = msgspec.msgpack.Decoder()
-        self._map_first = False
 
     def decode(self, payload: bytes) -> EventBatch:
         """Return the batch in ``payload``; O(size of payload).
 
         Raises:
-            InvalidEventError: the payload is not msgpack, not an ``[ts, events, rank]`` array, or holds a known
-                event with a missing or mistyped field (the message says which).
+            InvalidEventError: the payload is not msgpack, not an ``[ts, events, rank]`` array (or a map with those
+                keys), or holds a known event with a missing or mistyped field (the message says which).
         """
-        first, second = (self._map, self._array) if self._map_first else (self._array, self._map)
-        try:
-            batch: Any = first.decode(payload)
-        except msgspec.ValidationError:  # a subclass of DecodeError: the other encoding, or a mixed batch
+        typed = self._typed
+        for position, decoder in enumerate(typed):
             try:
-                batch = second.decode(payload)
-                self._map_first = not self._map_first
-            except msgspec.ValidationError:
-                return self._decode_mixed(payload)
-        except msgspec.DecodeError as exc:
-            raise InvalidEventError(f"KV event payload is not valid msgpack: {exc}") from exc
-        return EventBatch(batch.ts, batch.events, batch.data_parallel_rank)
+                batch: Any = decoder.decode(payload)
+            except msgspec.ValidationError:  # a subclass of DecodeError: another encoding, or a mixed batch
+                continue
+            except msgspec.DecodeError as exc:
+                raise InvalidEventError(f"KV event payload is not valid msgpack: {exc}") from exc
+            if position:
+                typed.insert(0, typed.pop(position))
+            return EventBatch(batch.ts, batch.events, batch.data_parallel_rank)
+        return self._decode_mixed(payload)
 
     def _decode_mixed(self, payload: bytes) -> EventBatch:
+        raw: _RawBatch | _RawMapBatch
         try:
-            raw = self._raw.decode(payload)
+            raw = (
+                self._raw_map.decode(payload)
+                if payload[:1] and _is_msgpack_map(payload[0])
+                else self._raw.decode(payload)
+            )
         except msgspec.ValidationError as exc:
             raise InvalidEventError(
                 f"KV event payload is not an EventBatch [ts, events, data_parallel_rank]: {exc}"
@@ -196,6 +221,11 @@ class EventDecoder:
         except msgspec.ValidationError as exc:
             raise InvalidEventError(f"KV event {position} ({tag}) is malformed: {exc}") from exc
         return event
+
+
+def _is_msgpack_map(first_byte: int) -> bool:
+    """Whether a msgpack value starting with ``first_byte`` is a map (fixmap, map16 or map32)."""
+    return 0x80 <= first_byte <= 0x8F or first_byte in (0xDE, 0xDF)
 
 
 def encode_batch(batch: EventBatch, *, encoding: Literal["array", "map"] = "array") -> bytes:

@@ -3,7 +3,8 @@
 vLLM (``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557",
 "replay_endpoint": "tcp://*:5558", "topic": "kv@gpu0@llama"}'``) publishes on a ZMQ PUB socket messages of three
 frames: topic, an 8-byte big-endian sequence number and a msgpack ``EventBatch``. A ROUTER socket replays buffered
-messages: a DEALER sends ``[b"", start_seq]`` and receives ``[b"", seq, payload]`` frames until ``seq == -1``.
+messages: a DEALER sends ``[b"", start_seq]`` and receives ``[b"", seq, payload]`` frames (``[b"", topic, seq,
+payload]`` from vLLM >= 0.26) until ``seq == -1``.
 """
 
 from __future__ import annotations
@@ -470,16 +471,17 @@ class KVEventSubscriber:
                 if not dealer.poll(max(1, min(_STOP_POLL_MS, math.ceil(left * 1000)))):
                     continue
                 frames = dealer.recv_multipart()
-                if len(frames) != 3 or len(frames[1]) != 8:
+                # [b"", seq, payload]; vLLM >= 0.26 adds the topic, as on the PUB socket: [b"", topic, seq, payload]
+                if len(frames) not in (3, 4) or len(frames[-2]) != 8:
                     continue
-                seq = int.from_bytes(frames[1], "big", signed=True)
+                seq = int.from_bytes(frames[-2], "big", signed=True)
                 if seq == _END_OF_REPLAY:
                     break
                 if seq < start or (replies and seq <= replies[-1][0]):
                     continue  # before what was asked for, or a duplicate or out of order: nothing to apply
                 if seq > end:
                     break
-                replies.append((seq, frames[2]))
+                replies.append((seq, frames[-1]))
                 if seq == end:
                     break
                 if len(replies) >= MAX_REPLAY_BATCHES:

@@ -161,12 +161,8 @@ class BlockTracker:
         """Append the stores ``event`` implies: one per run of own hashes the backend did not hold yet, each with
         the own hash of the block it continues (a block held twice is stored once, so runs can have holes)."""
         vllm_hashes = event.block_hashes
-        per_block = _sub_blocks(event.block_size, self._block_size)
-        if len(event.token_ids) != len(vllm_hashes) * event.block_size:
-            raise InvalidEventError(
-                f"BlockStored carries {len(event.token_ids)} token ids for {len(vllm_hashes)} blocks of "
-                f"{event.block_size} tokens; vLLM sends exactly the stored blocks' tokens"
-            )
+        # Blocks that are not indexed are skipped first: their block size (a Mamba group's, a CPU tier's) may be one
+        # the router's does not divide, which only matters for blocks that are re-hashed.
         if not _is_gpu(event.medium) or (
             event.kv_cache_spec_kind is not None and event.kv_cache_spec_kind not in FULL_ATTENTION_KINDS
         ):
@@ -174,6 +170,12 @@ class BlockTracker:
                 self._skipped_groups.add(event.group_idx)
             self.stats.skipped_blocks += len(vllm_hashes)
             return
+        per_block = _sub_blocks(event.block_size, self._block_size)
+        if len(event.token_ids) != len(vllm_hashes) * event.block_size:
+            raise InvalidEventError(
+                f"BlockStored carries {len(event.token_ids)} token ids for {len(vllm_hashes)} blocks of "
+                f"{event.block_size} tokens; vLLM sends exactly the stored blocks' tokens"
+            )
         count = _plain_prefix(event.extra_keys, len(vllm_hashes))
         self.stats.skipped_blocks += len(vllm_hashes) - count
         own = self._own

@@ -127,3 +127,119 @@ def test_malformed_payloads_raise_invalid_event_error(payload: bytes, message: s
 def test_encode_rejects_an_unknown_encoding() -> None:
     with pytest.raises(ValueError, match="encoding"):
         encode_batch(EventBatch(1.0, []), encoding="json")  # type: ignore[arg-type]
+
+
+# vLLM's own KV-event structs as vLLM >= 0.21 declares them (vllm/distributed/kv_events.py after vllm#42892): no
+# array_like, so events travel as maps tagged under "type"; lora_id, medium and lora_name have no default, so they are
+# always on the wire. The outer EventBatch is positional in the releases that switched the events (v0.26) and a map
+# in vLLM's main branch since: both are what an engine sends.
+class _VllmEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class _VllmBlockStored(_VllmEvent, tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class _VllmBlockRemoved(_VllmEvent, tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class _VllmAllBlocksCleared(_VllmEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class _VllmMapBatch(msgspec.Struct, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class _VllmArrayBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+_SHA = bytes(range(32))  # a sha256 / sha256_cbor prefix-caching hash travels as 32 bytes
+
+
+@pytest.mark.parametrize("batch_type", [_VllmMapBatch, _VllmArrayBatch])
+@pytest.mark.parametrize("rank", [0, 3, None])
+def test_the_bytes_current_vllm_publishes_decode(batch_type: type, rank: int | None) -> None:
+    events = [
+        _VllmBlockStored(
+            [15760518052499183552, _SHA],
+            None,
+            list(range(32)),
+            16,
+            None,
+            "GPU",
+            None,
+            extra_keys=[None, None],
+            group_idx=0,
+            kv_cache_spec_kind="full_attention",
+        ),  # fmt: skip
+        _VllmBlockStored(
+            [7],
+            _SHA,
+            list(range(16)),
+            16,
+            2,
+            "GPU",
+            "sql",
+            group_idx=1,
+            kv_cache_spec_kind="sliding_window",
+            kv_cache_spec_sliding_window=4096,
+        ),  # fmt: skip
+        _VllmBlockRemoved([15760518052499183552], "GPU", group_idx=0),
+        _VllmAllBlocksCleared(),
+    ]
+    payload = msgspec.msgpack.Encoder().encode(batch_type(1789095808.8378847, events, rank))
+    decoder = EventDecoder()
+    for _ in range(2):  # the decoder's fast path, once it has seen the encoding, reads the same
+        batch = decoder.decode(payload)
+        assert batch.ts == 1789095808.8378847 and batch.data_parallel_rank == rank
+        assert [fields(e)[0] for e in batch.events] == ["BlockStored", "BlockStored", "BlockRemoved",
+                                                         "AllBlocksCleared"]  # fmt: skip
+        first, second, removed = batch.events[:3]
+        assert isinstance(first, BlockStored) and isinstance(second, BlockStored)
+        assert first.block_hashes == [15760518052499183552, _SHA] and first.medium == "GPU"
+        assert first.extra_keys == [None, None] and first.group_idx == 0
+        assert second.parent_block_hash == _SHA and second.lora_name == "sql" and second.lora_id == 2
+        assert second.kv_cache_spec_kind == "sliding_window" and second.kv_cache_spec_sliding_window == 4096
+        assert isinstance(removed, BlockRemoved) and removed.block_hashes == [15760518052499183552]
+
+
+def test_a_map_batch_with_an_unknown_event_type_skips_only_that_event() -> None:
+    payload = msgspec.msgpack.encode(
+        {"ts": 1.0, "events": [{"type": "BlockMigrated", "x": 1}, {"type": "BlockRemoved", "block_hashes": [4],
+                                                                  "medium": None}], "extra": 5}
+    )  # fmt: skip
+    batch = EventDecoder().decode(payload)
+    assert [fields(e)[0] for e in batch.events] == ["BlockRemoved"] and batch.data_parallel_rank is None
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (msgspec.msgpack.encode({"events": []}), "not an EventBatch"),
+        (msgspec.msgpack.encode({"ts": "x", "events": []}), "not an EventBatch"),
+        (msgspec.msgpack.encode({"ts": 1.0, "events": [{"type": "BlockRemoved"}]}), "block_hashes"),
+    ],
+)
+def test_malformed_map_batches_raise_invalid_event_error(payload: bytes, message: str) -> None:
+    with pytest.raises(InvalidEventError, match=re.escape(message)):
+        EventDecoder().decode(payload)

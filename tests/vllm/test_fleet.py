@@ -212,6 +212,48 @@ def test_garbage_kv_event_messages_cost_only_their_batch(engine: FakeVLLM) -> No
         assert router.index.hashes("gpu0") == engine.own_hashes()
 
 
+def test_hostile_batches_cost_only_themselves_and_the_index_stays_consistent(engine: FakeVLLM) -> None:
+    """Events naming unknown parents, removals of unknown hashes, a block size the router cannot use, extra
+    frames, a sequence going backwards once, and batches as the newest vLLM sends them (maps): each is counted, the
+    thread lives, and the index equals the engine's true cache and passes its own consistency check."""
+    router = events_router()
+    with Fleet(router) as fleet:
+        fleet.add_backend("gpu0", kv_events=engine.endpoint, replay=engine.replay_endpoint)
+        sub = fleet.subscriber("gpu0")
+        assert sub is not None
+        engine.complete(PROMPT)
+        settle(engine, sub)
+        before = sub.stats()
+
+        def stored(hashes: list[object], parent: object, block_size: int = 16) -> dict[str, object]:
+            tokens = list(range(len(hashes) * block_size))
+            return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+                    "block_size": block_size, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 0,
+                    "kv_cache_spec_kind": "full_attention"}  # fmt: skip
+
+        hostile = [
+            stored([2**64 - 1, 5], 123456789),  # its parent was never stored: orphans
+            {"type": "BlockRemoved", "block_hashes": [987654321, b"\x00" * 32], "medium": "GPU", "group_idx": 0},
+            stored([77], None, block_size=8),  # vLLM block size 8, the router's 16: invalid
+        ]
+        for batch in ({"ts": time.time(), "events": hostile, "data_parallel_rank": 0}, [time.time(), hostile, 0]):
+            engine.publish_payload(msgspec.msgpack.encode(batch))
+        engine.publish_raw([b"", engine.seq.to_bytes(8, "big"), b"\x90", b"extra"])  # four frames on the PUB socket
+        engine.publish_raw([b"", (engine.seq - 2).to_bytes(8, "big"), msgspec.msgpack.encode([1.0, []])])  # goes back
+        engine.complete(fresh())
+        settle(engine, sub)
+        after = sub.stats()
+        assert sub.running and after.restarts == before.restarts
+        assert after.batches - before.batches >= 3 and after.invalid_batches - before.invalid_batches == 1
+        assert after.bad_sequences - before.bad_sequences == 1
+        tracker = after.tracker
+        assert tracker.orphan_blocks - before.tracker.orphan_blocks == 4
+        assert tracker.unknown_removals - before.tracker.unknown_removals == 4
+        assert tracker.invalid_events - before.tracker.invalid_events == 2
+        assert router.index.hashes("gpu0") == engine.own_hashes()
+        router.index._check()
+
+
 def test_a_jump_that_the_next_message_continues_is_believed(engine: FakeVLLM) -> None:
     router = events_router()
     with Fleet(router) as fleet:

@@ -114,6 +114,27 @@ def test_a_late_subscriber_replays_from_the_start() -> None:
             assert sub.stats().replayed_batches >= published > 40
 
 
+@pytest.mark.parametrize("replay_topic", [True, False], ids=["vllm-0.26-topic-framed", "older-vllm"])
+def test_replay_replies_are_read_with_or_without_the_topic_frame(replay_topic: bool) -> None:
+    """vLLM >= 0.26 (vllm#45177) answers a replay with [topic, seq, payload], older vLLM with [seq, payload]."""
+    router = events_router()
+    with FakeVLLM(topic="kv@gpu0@llama", replay_topic=replay_topic) as engine:
+        for stem in STEMS:
+            engine.complete(stem)
+        engine.flush()  # sent before the subscriber connects: only a replay can bring them
+        with KVEventSubscriber(
+            router, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint, topic="kv@gpu0"
+        ) as sub:
+            settle(engine, sub)
+            engine.drop_next()
+            engine.complete(STEMS[0] + [1] * 16)  # lost live: the gap is filled by a replay
+            settle(engine, sub)
+            stats = sub.stats()
+            assert router.index.hashes("gpu0") == engine.own_hashes()
+            assert stats.replayed_batches >= len(STEMS) + 1
+            assert stats.failed_replays == 0 and stats.unrecovered_gaps == 0
+
+
 def test_without_replay_a_loss_is_counted_as_unrecovered() -> None:
     router = events_router()
     index = router.index

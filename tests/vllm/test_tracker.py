@@ -81,6 +81,24 @@ def test_only_gpu_full_attention_groups_are_indexed() -> None:
     assert tracker.apply([BlockRemoved([11], group_idx=0)]) == [(False, own(TOKENS[:16]), None)]
 
 
+def test_groups_and_media_that_are_not_indexed_are_skipped_whatever_their_block_size() -> None:
+    """A hybrid model's Mamba or sliding-window group, or an offloading connector's CPU tier, may use a block size
+    the router's does not divide: those blocks are not indexed anyway, so they are skipped, not invalid."""
+    tracker = BlockTracker(block_size=16)
+    ops = tracker.apply(
+        [
+            BlockStored([41], None, list(range(24)), 24, group_idx=1, kv_cache_spec_kind="mamba"),
+            BlockStored([42], None, list(range(200)), 200, medium="CPU"),
+            BlockStored([43], None, list(range(10)), 24, group_idx=1, kv_cache_spec_kind="sliding_window"),
+            BlockStored([11], None, TOKENS[:16], 16, group_idx=0, kv_cache_spec_kind="full_attention"),
+        ]
+    )
+    assert ops == [(True, own(TOKENS[:16]), None)]
+    assert tracker.stats.invalid_events == 0 and tracker.stats.skipped_blocks == 3
+    assert tracker.apply([BlockRemoved([41], group_idx=1), BlockRemoved([42], medium="CPU")]) == []
+    assert tracker.stats.unknown_removals == 0
+
+
 def test_blocks_with_extra_keys_end_the_indexed_chain() -> None:
     tracker = BlockTracker()
     tracker.apply([BlockStored([11, 12, 13], None, TOKENS[:48], 16, extra_keys=[None, ["mm-hash"], None])])
