@@ -68,6 +68,9 @@ class EngineMetrics:
 def parse_metrics(text: str) -> EngineMetrics:
     """Parse Prometheus text exposition from a vLLM ``/metrics`` endpoint. O(size of text).
 
+    A series (a name and its labels) repeated in the text counts once, the first time; a leading UTF-8 BOM is
+    ignored.
+
     Raises:
         MetricsError: the text is not Prometheus exposition format, holds no ``vllm:`` metric at all, or holds a
             figure no engine can report (the message names it): NaN, infinite or negative values (or finite
@@ -81,9 +84,14 @@ def parse_metrics(text: str) -> EngineMetrics:
     buckets: SortedDict[float, float] = SortedDict()
     block_size: int | None = None
     num_gpu_blocks: int | None = None
+    seen: set[tuple[str, frozenset[tuple[str, str]]]] = set()
     try:
-        for family in text_string_to_metric_families(text):
+        for family in text_string_to_metric_families(text.removeprefix("\ufeff")):
             for sample in family.samples:
+                series = (sample.name, frozenset(sample.labels.items()))
+                if series in seen:  # one series is one figure (Prometheus keeps the first): not a second engine
+                    continue
+                seen.add(series)
                 name, value = sample.name, float(sample.value)
                 if name.startswith("vllm:") and not (math.isfinite(value) and value >= 0):
                     raise MetricsError(f"{name} is {value}: an engine reports finite, non-negative figures")

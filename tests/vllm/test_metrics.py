@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from prefixroute.errors import ConfigurationError, MetricsError
 from prefixroute.testing import FakeVLLM
-from prefixroute.vllm.metrics import fetch_metrics, parse_metrics
+from prefixroute.vllm.metrics import MAX_METRICS_BYTES, fetch_metrics, parse_metrics
 
 
 def closed_port() -> int:
@@ -203,3 +203,37 @@ def test_any_text_parses_or_raises_metrics_error_and_what_parses_is_sane(
     assert all(v is None or v >= 1 for v in (metrics.block_size, metrics.num_gpu_blocks))
     counts = [count for _, count in metrics.ttft_buckets]
     assert counts == sorted(counts) and all(math.isfinite(c) for c in counts)
+
+
+def test_a_series_repeated_in_the_text_counts_once() -> None:
+    """One series (name and labels) is one figure, as Prometheus keeps it: a repeated line is not a second engine."""
+    line = 'vllm:num_requests_waiting{engine="0",model_name="m"} 4\n'
+    bucket = 'vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 7\n'
+    text = line + line + 'vllm:num_requests_waiting{engine="1",model_name="m"} 1\n' + bucket + bucket
+    metrics = parse_metrics(text)
+    assert metrics.waiting == 5 and metrics.ttft_buckets == ((math.inf, 7.0),)
+
+
+def test_what_real_exposition_allows_parses() -> None:
+    """Escaped label values, exponents, timestamps after values, comments anywhere, CRLF, a UTF-8 BOM."""
+    text = (
+        "\ufeff# a comment before anything\r\n"
+        "# HELP vllm:num_requests_waiting Number of requests waiting.\r\n"
+        "# TYPE vllm:num_requests_waiting gauge\r\n"
+        'vllm:num_requests_waiting{engine="0",model_name="a \\"quoted\\"\\nname\\\\"} 1e1 1700000000000\r\n'
+        "# an odd comment between samples\r\n"
+        'vllm:num_requests_running{engine="0",model_name="m"} 2.5E0\r\n'
+        'vllm:cache_config_info{block_size="16",num_gpu_blocks="1e3",cache_dtype="auto"} 1.0\r\n'
+    )
+    metrics = parse_metrics(text)
+    assert (metrics.waiting, metrics.running, metrics.block_size, metrics.num_gpu_blocks) == (10, 2.5, 16, 1000)
+
+
+def test_an_empty_200_and_a_huge_body_are_metrics_errors() -> None:
+    with FakeVLLM() as engine:
+        engine.set_metrics_fault(text="")
+        with pytest.raises(MetricsError, match="no vLLM metrics"):
+            fetch_metrics(engine.url + "/metrics", timeout=5)
+        engine.set_metrics_fault(text="#" * (MAX_METRICS_BYTES + 1024))
+        with pytest.raises(MetricsError, match="over"):
+            fetch_metrics(engine.url + "/metrics", timeout=5)
