@@ -143,6 +143,8 @@ class FakeBlockCache:
                     size,
                     lora_name=lora_name,
                     medium="GPU",
+                    # As vLLM names each block's extra hash keys: a LoRA request's adapter name in every block.
+                    extra_keys=[(lora_name,) if lora_name else None for _ in range(new)],
                     group_idx=0,
                     kv_cache_spec_kind="full_attention",
                 )

@@ -73,8 +73,10 @@ class BlockTracker:
 
     Kept: blocks on the GPU (``medium`` None or ``"GPU"``) in full-attention groups (``kv_cache_spec_kind`` None or
     a full-attention kind). Skipped: other media and groups, blocks carrying ``extra_keys`` (multimodal inputs or a
-    cache salt, which token ids alone do not name) and every block whose parent is unknown (stored before this
-    tracker started and never replayed): a prompt could not reach them through a contiguous prefix anyway.
+    cache salt, which token ids alone do not name; extra keys that only name the block's LoRA adapter, as vLLM sends
+    for every LoRA block, are covered by the adapter's namespace) and every block whose parent is unknown (stored
+    before this tracker started and never replayed): a prompt could not reach them through a contiguous prefix
+    anyway.
 
     >>> tracker = BlockTracker(block_size=2)
     >>> ops = tracker.apply([BlockStored([0xA, 0xB], None, [1, 2, 3, 4], 2)])
@@ -176,7 +178,7 @@ class BlockTracker:
                 f"BlockStored carries {len(event.token_ids)} token ids for {len(vllm_hashes)} blocks of "
                 f"{event.block_size} tokens; vLLM sends exactly the stored blocks' tokens"
             )
-        count = _plain_prefix(event.extra_keys, len(vllm_hashes))
+        count = _plain_prefix(event.extra_keys, len(vllm_hashes), event.lora_name, event.lora_id)
         self.stats.skipped_blocks += len(vllm_hashes) - count
         own = self._own
         parent = event.parent_block_hash
@@ -284,11 +286,22 @@ def _sub_blocks(vllm_block_size: int, block_size: int) -> int:
     return vllm_block_size // block_size
 
 
-def _plain_prefix(extra_keys: list[object] | None, count: int) -> int:
-    """Return how many leading blocks carry no extra keys (the chain stops at the first that does)."""
+def _plain_prefix(extra_keys: list[object] | None, count: int, lora_name: str | None, lora_id: int | None) -> int:
+    """Return how many leading blocks carry no extra keys but the LoRA adapter's (the chain stops at the first that
+    does: multimodal inputs, a cache salt, prompt embeddings). vLLM names a LoRA request's adapter in every block's
+    extra keys; the hashing namespace already carries it."""
     if not extra_keys:
         return count
+    adapter = {key for key in (lora_name, lora_id) if key is not None and not isinstance(key, bool)}
     for i, keys in enumerate(extra_keys[:count]):
-        if keys:
+        if keys and not (adapter and isinstance(keys, (list, tuple)) and len(keys) == 1 and _in(keys[0], adapter)):
             return i
     return count
+
+
+def _in(key: object, adapter: set[str | int]) -> bool:
+    """Whether ``key`` names the adapter (an unhashable key, such as a list, never does)."""
+    try:
+        return key in adapter and not isinstance(key, bool)
+    except TypeError:
+        return False

@@ -113,6 +113,21 @@ def test_a_lora_adapter_goes_into_the_namespace() -> None:
     assert tracker.held().isdisjoint(own(TOKENS[:16], namespace="llama"))
 
 
+def test_a_lora_blocks_extra_keys_naming_only_its_adapter_do_not_stop_the_chain() -> None:
+    """vLLM puts a LoRA request's adapter name in every block's extra keys; the namespace already covers it."""
+    tracker = BlockTracker(namespace="llama")
+    ops = tracker.apply(
+        [
+            BlockStored([11, 12], None, TOKENS[:32], 16, lora_id=1, lora_name="sql", extra_keys=[["sql"], ["sql"]]),
+            BlockStored([13], 12, TOKENS[32:48], 16, lora_id=1, lora_name="sql", extra_keys=[["sql", ["mm", 0]]]),
+            BlockStored([21], None, TOKENS[:16], 16, lora_id=2, lora_name="sql", extra_keys=[["other"]]),
+            BlockStored([31], None, TOKENS[:16], 16, extra_keys=[["sql"]]),  # no adapter: a salt
+        ]
+    )
+    assert ops == [(True, own(TOKENS[:32], namespace="llama:sql"), None)]
+    assert tracker.stats.skipped_blocks == 3
+
+
 def test_a_larger_vllm_block_maps_to_several_own_blocks() -> None:
     tracker = BlockTracker(block_size=16)
     tracker.apply([BlockStored([11], None, TOKENS[:32], 32), BlockStored([12], 11, TOKENS[32:], 32)])
