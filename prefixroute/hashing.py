@@ -47,32 +47,46 @@ Tokens: TypeAlias = "Sequence[int] | array.array[int] | bytes | bytearray | memo
 def encode_tokens(tokens: Tokens) -> bytes:
     """Return ``tokens`` as little-endian uint32 bytes, checking every id is an int in ``[0, 2**32)``.
 
-    Accepts ``list``/``tuple`` of ints, ``array.array`` of an integer type, numpy integer arrays, and
-    ``bytes``/``bytearray``/``memoryview`` already holding little-endian uint32 ids. O(n).
+    Accepts ``list``/``tuple`` of ints, ``array.array`` of an integer type, 1-D numpy integer arrays, ``bytes``/
+    ``bytearray`` (and a ``memoryview`` of bytes, format ``'B'``) already holding little-endian uint32 ids, and a
+    1-D ``memoryview`` of another integer format (``'I'``, ``'Q'``, ``'i'``...), read item by item. O(n).
 
     Raises:
-        InvalidPromptError: a token id is negative, too large or not an int (the message names its position), or
-            a bytes-like prompt's length is not a multiple of 4.
-        TypeError: ``tokens`` is a ``str`` or another type that is not a token sequence.
+        InvalidPromptError: a token id is negative, too large or not an int (the message names its position), a
+            bytes-like prompt's length is not a multiple of 4, an array or memoryview holds no integers, or a numpy
+            array or memoryview is not 1-D (a batch of prompts: pass one row).
+        TypeError: ``tokens`` is a ``str``, a scalar (a numpy scalar or 0-d array too) or another type that is not
+            a token sequence.
     """
     if isinstance(tokens, (bytes, bytearray, memoryview)):
-        data = tokens if isinstance(tokens, bytes) else memoryview(tokens).cast("B").tobytes()
+        if isinstance(tokens, bytes):
+            data = tokens
+        elif isinstance(tokens, bytearray) or tokens.format in _BYTE_FORMATS:
+            data = bytes(tokens) if isinstance(tokens, bytearray) else tokens.tobytes()  # strided views too
+        else:
+            return _encode_view(tokens)
         if len(data) % 4:
             raise InvalidPromptError(
                 f"a bytes prompt must hold little-endian uint32 token ids, but its length {len(data)} "
                 "is not a multiple of 4"
             )
         return data
-    if isinstance(tokens, str):
-        raise TypeError("prompt_tokens must be token ids, not a str: tokenize the prompt first")
-    # A list or tuple skips the Protocol check below, which alone costs as much as encoding 1,500 tokens.
-    if not isinstance(tokens, (list, tuple, array.array)) and isinstance(tokens, _IntegerArray):
-        return _encode_numpy(tokens)
-    if not isinstance(tokens, (Sequence, array.array)):
-        raise TypeError(
-            f"prompt_tokens must be a list, tuple, array.array, numpy array or bytes of token ids, "
-            f"not {type(tokens).__name__}"
-        )
+    # A list or tuple skips every check below: the Protocol check alone costs as much as encoding 1,500 tokens.
+    if not isinstance(tokens, (list, tuple)):
+        if isinstance(tokens, array.array):
+            if tokens.typecode not in _INTEGER_TYPECODES:
+                raise InvalidPromptError(
+                    f"an array.array prompt must have an integer typecode, not {tokens.typecode!r}"
+                )
+        elif isinstance(tokens, str):
+            raise TypeError("prompt_tokens must be token ids, not a str: tokenize the prompt first")
+        elif isinstance(tokens, _IntegerArray):
+            return _encode_numpy(tokens)
+        elif not isinstance(tokens, Sequence):
+            raise TypeError(
+                f"prompt_tokens must be a list, tuple, array.array, numpy array or bytes of token ids, "
+                f"not {type(tokens).__name__}"
+            )
     try:
         packed = array.array(_UINT32, tokens)
     except (TypeError, OverflowError, ValueError):
@@ -82,7 +96,40 @@ def encode_tokens(tokens: Tokens) -> bytes:
     return packed.tobytes()
 
 
+_BYTE_FORMATS = frozenset({"B", "c"})  # what a memoryview of bytes, a bytearray or an mmap shows
+_NATIVE_UINT32 = frozenset({"I", "@I", "=I", "<I", "L", "@L", "=L", "<L"})
+_INTEGER_TYPECODES = frozenset("bBhHiIlLqQ")
+
+
+def _encode_view(view: memoryview) -> bytes:
+    """A memoryview of integers (not bytes), read by item: a 'Q' view of [1, 2] is two tokens, not four."""
+    if view.ndim != 1:
+        raise InvalidPromptError(
+            f"a memoryview prompt must be 1-D (one prompt's token ids), not of shape {view.shape}: pass one row"
+        )
+    if view.format in _NATIVE_UINT32 and view.itemsize == 4 and not _BIG_ENDIAN:
+        return view.tobytes()  # already uint32, little-endian
+    try:
+        items = view.tolist()
+    except NotImplementedError:  # a non-native format such as '>I' or 'e'
+        raise InvalidPromptError(
+            f"a memoryview prompt of format {view.format!r} cannot be read: pass a list, or bytes of "
+            "little-endian uint32 token ids"
+        ) from None
+    return encode_tokens(items)
+
+
 def _encode_numpy(tokens: _IntegerArray) -> bytes:
+    shape = getattr(tokens, "shape", None)
+    if shape == ():
+        raise TypeError(
+            "prompt_tokens must be a sequence of token ids, not a numpy scalar or 0-d array: wrap it in a list"
+        )
+    if isinstance(shape, tuple) and len(shape) != 1:
+        raise InvalidPromptError(
+            f"a numpy prompt must be 1-D (one prompt's token ids), not of shape {shape}: pass one row, "
+            "such as tokens[0]"
+        )
     kind = getattr(tokens.dtype, "kind", "")
     if kind not in ("i", "u"):
         raise InvalidPromptError(f"a numpy prompt must have an integer dtype, not {tokens.dtype}")

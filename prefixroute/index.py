@@ -456,6 +456,8 @@ class PrefixIndex:
         blocks: a store's blocks are whole prefixes, so a binary search finds where its match ends (a store with
         holes walks, O(matched)). Does not change recency.
         """
+        if isinstance(backends, str):
+            raise TypeError("backends must be an iterable of backend ids, not a single str: wrap it in a list")
         result = dict.fromkeys(backends, 0)
         if not hashes:
             return result
@@ -532,17 +534,21 @@ class PrefixIndex:
         Called by the index after an insert or a capacity change (cachetools' ``popitem`` pattern); a subclass
         overrides it to observe or change eviction, and must leave ``store`` prefix-closed (evict children before
         parents, as :meth:`LRUStore.drop_oldest` and :meth:`LRUStore.discard` of leaves do). Returns how many blocks
-        went. This class drops the oldest generations: O(generations dropped) plus freeing their blocks.
+        went. This class drops the oldest generations: O(generations dropped) plus freeing their blocks. Whatever the
+        hook does, the index then drops the oldest generations down to the capacity itself, also when it raises (the
+        exception then propagates, after the insert that triggered it).
         """
         return store.drop_oldest(excess)
 
     def _fit(self, backend: str, store: LRUStore, capacity: int) -> None:
-        if store.size > capacity:
-            self.evict(backend, store, store.size - capacity)
-            if store.size > capacity:  # a hook that did not do its job: the capacity is the index's to keep
+        try:
+            if store.size > capacity:
+                self.evict(backend, store, store.size - capacity)
+        finally:  # a hook that did not do its job, or raised: the capacity is the index's to keep
+            if store.size > capacity:
                 store.drop_oldest(store.size - capacity)
-        if not store.size:
-            self._detach(backend)
+            if not store.size:
+                self._detach(backend)
 
     def remove(self, hashes: Iterable[int], backend: str) -> None:
         """Forget that ``backend`` holds ``hashes``; hashes it does not hold are ignored. O(G * len(hashes)).

@@ -213,7 +213,8 @@ class BoundedLoad(LoadPolicy):
         _require_candidates(candidates)
         loads = [c.load for c in candidates]
         total = sum(loads)
-        bound = math.ceil(self.factor * (total + 1) / len(candidates))
+        # An int load is below ceil(x) exactly when it is below x: no ceil, so a huge factor's infinite x works too.
+        bound = self.factor * (total + 1) / len(candidates)
         eligible = [c for c, load in zip(candidates, loads, strict=True) if load < bound]
         if not eligible:
             return min(candidates, key=_load)
@@ -222,7 +223,7 @@ class BoundedLoad(LoadPolicy):
             # A miss has no cached prefix to protect, so it gets the tightest bound (factor 1): the first backend in
             # placement order that is at most averagely loaded. One always qualifies, and when nothing is in flight
             # it is the rendezvous choice, so replicas still agree where a new prefix lives.
-            mean_bound = math.ceil((total + 1) / len(candidates))
+            mean_bound = (total + 1) / len(candidates)
             return next(c for c, load in zip(candidates, loads, strict=True) if load < mean_bound)
         return min((c for c in eligible if c.matched_tokens == longest), key=_load)
 

@@ -31,6 +31,9 @@ Reason = Literal["prefix", "load-fallback", "miss", "policy"]
 match because of load (``"load-fallback"``); no backend held any of the prompt (``"miss"``); or a policy that
 ignores prefixes chose (``"policy"``)."""
 
+# The largest engine queue length set_engine_load() takes, plus one: policies multiply loads by floats.
+_QUEUE_LIMIT = 2**63
+
 # A prefill-speed estimate follows observed first tokens with this weight per observation (unit-free).
 _SPEED_WEIGHT = 0.2
 
@@ -471,7 +474,8 @@ class Router:
 
         Raises:
             DecisionError: the decision comes from another router.
-            ConfigurationError: ``lease`` is not a positive, finite number of seconds.
+            ConfigurationError: ``lease`` is not a positive, finite number of seconds, or the clock returned no
+                finite number of seconds to start it from (nothing is recorded).
         """
         self._check_own(decision)
         lease = self._lease if lease is None else _check_lease(lease)
@@ -480,12 +484,12 @@ class Router:
         blocks = -(-decision.prompt_tokens // self._hasher.block_size)
         with self._lock:
             now = self._clock()
+            deadline = None if lease is None else _deadline(now, lease)
             if self._leases and self._leases[0][0] <= now:
                 self._expire(now)
             if decision.id in self._live:
                 self._counts["ignored"] += 1
                 return
-            deadline = None if lease is None else now + lease
             pending = self._pending.get(backend, 0)
             footprint = self._footprints.get(backend)
             if footprint is None:
@@ -624,11 +628,14 @@ class Router:
         Pass None for a figure that is unknown or stale; with both None the backend's entry is dropped. O(1).
 
         Raises:
-            ConfigurationError: ``queue_len`` is negative or ``kv_usage`` is not a number in [0, 1].
+            ConfigurationError: ``queue_len`` is not an int in [0, 2**63) (policies do float arithmetic on loads) or
+                ``kv_usage`` is not a number in [0, 1].
         """
         _check_backend_id(backend)
-        if queue_len is not None and (isinstance(queue_len, bool) or not isinstance(queue_len, int) or queue_len < 0):
-            raise ConfigurationError(f"queue_len must be a non-negative int or None, not {queue_len!r}")
+        if queue_len is not None and (
+            isinstance(queue_len, bool) or not isinstance(queue_len, int) or not 0 <= queue_len < _QUEUE_LIMIT
+        ):
+            raise ConfigurationError(f"queue_len must be an int in [0, 2**63) or None, not {shown(queue_len)}")
         if kv_usage is not None and (
             isinstance(kv_usage, bool) or not isinstance(kv_usage, (int, float)) or not 0.0 <= kv_usage <= 1.0
         ):
@@ -731,7 +738,11 @@ def _iterable(value: object, what: str, items: str) -> Iterable[Any]:
 
 
 def _id_of(decision: Decision | str) -> str:
-    return decision if isinstance(decision, str) else getattr(decision, "id", "")
+    """The id a lifecycle call names: "" (no request) for anything without a str id, an unhashable one included."""
+    if isinstance(decision, str):
+        return decision
+    decision_id = getattr(decision, "id", "")
+    return decision_id if isinstance(decision_id, str) else ""
 
 
 def _is_one_of(chosen: object, candidates: tuple[Candidate, ...]) -> bool:
@@ -760,6 +771,17 @@ def _check_update(update: object) -> IndexUpdate:
     if parent is not None and not stored:
         raise InvalidEventError("a removal has no parent: pass (False, hashes, None)")
     return (stored, _python_ints(hashes, packed), parent)
+
+
+def _deadline(now: object, lease: float) -> float:
+    """When a lease that starts at the clock reading ``now`` ends; a clock that returns no finite number of seconds
+    is refused before anything is recorded (a NaN deadline would stop every later lease from expiring)."""
+    deadline = now + lease if is_finite_number(now) else None
+    if deadline is None or not is_finite_number(deadline):
+        raise ConfigurationError(
+            f"the router's clock returned {shown(now)}: a clock must return a finite number of seconds for leases"
+        )
+    return deadline
 
 
 def _check_lease(lease: object) -> float | None:

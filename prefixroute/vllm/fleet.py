@@ -487,8 +487,9 @@ class _Poller:
 
 
 def _queue_len(metrics: EngineMetrics | None) -> int | None:
-    """The waiting requests as an int; None when unknown or not a finite number (never raises on figures)."""
+    """The waiting requests as an int; None when unknown, not a finite number or past what
+    :meth:`Router.set_engine_load` takes (2**63; never raises on figures)."""
     waiting = None if metrics is None else metrics.waiting
-    if waiting is None or not math.isfinite(waiting) or waiting < 0:
+    if waiting is None or not math.isfinite(waiting) or not 0 <= waiting < 2**63:
         return None
     return int(waiting)

@@ -1,0 +1,273 @@
+"""The public core API as a hostile caller uses it: odd prompt containers, broken clocks, hooks and policies, huge
+numbers and every call from many threads at once. Each case below failed (or crashed from deep inside) before."""
+
+from __future__ import annotations
+
+import array
+import math
+import random
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from prefixroute import (
+    BlockHasher,
+    BoundedLoad,
+    Candidate,
+    ConfigurationError,
+    InvalidPromptError,
+    LinearTTFT,
+    PrefixIndex,
+    Router,
+    encode_tokens,
+)
+from prefixroute.index import LRUStore
+
+from ..conftest import FakeClock
+
+TOKENS = [1, 2, 3, 40_000, 5, 6, 7, 8]
+
+
+@pytest.mark.parametrize("typecode", list("bhHiIlLqQ"))  # "B" is bytes: raw uint32 ids
+def test_a_memoryview_of_integers_is_read_by_item_not_as_raw_bytes(typecode: str) -> None:
+    view = memoryview(array.array(typecode, [t % 100 for t in TOKENS]))
+    assert encode_tokens(view) == encode_tokens([t % 100 for t in TOKENS])
+
+
+def test_memoryviews_that_are_not_one_prompt_of_integers_are_refused_or_read_right() -> None:
+    with pytest.raises(InvalidPromptError, match="position 0 is -1"):
+        encode_tokens(memoryview(array.array("i", [-1, 2])))
+    with pytest.raises(InvalidPromptError, match="position 1 is 4294967296"):
+        encode_tokens(memoryview(array.array("Q", [1, 2**32])))
+    with pytest.raises(InvalidPromptError, match="float"):
+        encode_tokens(memoryview(array.array("d", [1.0])))
+    with pytest.raises(InvalidPromptError, match="1-D"):
+        encode_tokens(np.arange(4, dtype="<u4").reshape(2, 2).data)
+    with pytest.raises(InvalidPromptError, match="format '>I'"):
+        encode_tokens(np.arange(4, dtype=">u4").data)
+    strided = np.arange(16, dtype="<u4")[::2]
+    assert encode_tokens(strided.data) == encode_tokens(strided.tolist())
+    raw = encode_tokens(list(range(8)))
+    assert encode_tokens(memoryview(raw + raw)[::2]) == (raw + raw)[::2]  # a strided view of bytes: its bytes
+
+
+def test_numpy_scalars_and_arrays_that_are_not_one_prompt_are_refused() -> None:
+    for scalar in (np.int64(5), np.array(5, dtype=np.uint32)):
+        with pytest.raises(TypeError, match="0-d"):
+            encode_tokens(scalar)
+    for batch in (np.arange(6).reshape(2, 3), np.arange(3).reshape(1, 3)):
+        with pytest.raises(InvalidPromptError, match="1-D"):
+            encode_tokens(batch)
+    router = Router(block_size=4)
+    with pytest.raises(InvalidPromptError):
+        router.route(np.arange(8).reshape(2, 4), ["a"])
+    assert router.stats().decisions == 0
+
+
+@pytest.mark.parametrize(
+    "dtype", ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", ">u4", ">i8"]
+)
+def test_numpy_arrays_of_every_integer_dtype_hash_like_the_list(dtype: str) -> None:
+    tokens = [t % 100 for t in TOKENS]
+    array_ = np.repeat(np.array(tokens, dtype=dtype), 2)[::2]  # non-contiguous too
+    assert BlockHasher(4).hash(array_) == BlockHasher(4).hash(tokens)
+
+
+def test_an_array_of_a_non_integer_typecode_is_refused_even_when_empty() -> None:
+    for typecode in "fdu":
+        with pytest.raises(InvalidPromptError, match="integer typecode"):
+            encode_tokens(array.array(typecode))
+
+
+def test_lifecycle_calls_ignore_a_decision_whose_id_is_not_a_str() -> None:
+    router = Router(block_size=4)
+    decision = router.route(TOKENS, ["a"])
+    router.start(decision)
+    unhashable = replace(decision, id=[decision.id])  # type: ignore[arg-type]
+    router.first_token(unhashable)
+    router.finish(unhashable)
+    assert router.in_flight("a") == 1
+    assert router.stats().ignored == 2
+    router.finish(decision)
+    assert router.in_flight("a") == 0
+
+
+@pytest.mark.parametrize("reading", [math.nan, math.inf, None, "12:00"])
+def test_a_clock_without_finite_seconds_is_refused_by_a_lease_and_leases_keep_expiring(reading: object) -> None:
+    clock = FakeClock()
+    router = Router(block_size=4, clock=clock)
+    router.start(router.route(TOKENS, ["a"]), lease=1.0)
+    late = router.route([9, 9, 9, 9], ["a"])
+    before = router.stats()
+    clock.now = reading  # type: ignore[assignment]
+    with pytest.raises(ConfigurationError, match="clock"):
+        router.start(late, lease=1.0)
+    clock.now = 100.0
+    assert router.stats() == before
+    clock.tick(5.0)
+    assert router.in_flight("a") == 0
+    assert router.stats().leases_expired == 1
+
+
+def test_a_clock_that_goes_backwards_keeps_counts_exact() -> None:
+    clock = FakeClock()
+    router = Router(block_size=4, clock=clock, lease=1.0)
+    decision = router.route(TOKENS, ["a"])
+    router.start(decision)
+    clock.tick(-50.0)
+    router.first_token(decision)
+    assert router.in_flight("a") == 1
+    clock.tick(51.5)
+    assert router.in_flight("a") == 0
+    assert router.stats().leases_expired == 1
+
+
+class RaisingHook(PrefixIndex):
+    def evict(self, backend: str, store: LRUStore, excess: int) -> int:
+        raise RuntimeError("hook failed")
+
+
+def test_an_eviction_hook_that_raises_still_leaves_the_index_within_capacity() -> None:
+    index = RaisingHook(4, capacity_blocks=8)
+    router = Router(block_size=4, index=index)
+    for root in range(2):  # two prompts of 4 blocks fill the capacity
+        router.route(list(range(100 * root, 100 * root + 16)), ["a"])
+    for root in range(2, 5):
+        with pytest.raises(RuntimeError, match="hook failed"):
+            router.route(list(range(100 * root, 100 * root + 16)), ["a"])
+        assert index.blocks("a") <= 8
+        index._check()
+
+
+def test_index_match_refuses_a_single_str_of_backends() -> None:
+    index = PrefixIndex(4)
+    with pytest.raises(TypeError, match="single str"):
+        index.match([1, 2], "gpu0")
+
+
+def test_an_absurd_engine_queue_is_refused_and_a_huge_bounded_load_factor_routes() -> None:
+    router = Router(block_size=4, policy=BoundedLoad())
+    for bad in (10**400, 2**63):
+        with pytest.raises(ConfigurationError, match="queue_len"):
+            router.set_engine_load("a", queue_len=bad, kv_usage=None)
+    router.set_engine_load("a", queue_len=2**63 - 1, kv_usage=None)
+    assert router.route(TOKENS, ["a", "b"]).backend == "b"
+    candidates = [Candidate("a", 0, 8, 1), Candidate("b", 8, 8, 5)]
+    assert BoundedLoad(1e308).choose(candidates).backend == "b"  # was OverflowError: ceil(inf)
+    assert LinearTTFT()(Candidate("a", 0, 8, 0, queue_len=2**63 - 1)) > 0
+
+
+def test_backends_in_any_iterable_and_ten_thousand_of_them() -> None:
+    router = Router(block_size=4)
+    fleet = [f"gpu{i}" for i in range(10_000)]
+    first = router.route(TOKENS, fleet)
+    for backends in (set(fleet), dict.fromkeys(fleet), (b for b in fleet), tuple(fleet)):
+        again = router.route(TOKENS, backends)  # type: ignore[arg-type]
+        assert (again.backend, again.matched_tokens, len(again.candidates)) == (first.backend, 8, 10_000)
+    with router.track(first):
+        assert router.in_flight(first.backend) == 1
+    router.index._check()
+
+
+def test_a_decision_reused_after_its_backend_left_and_came_back_counts_once() -> None:
+    router = Router(block_size=4)
+    decision = router.route(TOKENS, ["a", "b"])
+    router.start(decision)
+    router.remove_backend(decision.backend)
+    router.finish(decision)  # ignored: the removal ended it
+    assert router.in_flight(decision.backend) == 0
+    committed = router.commit(decision)  # the backend is back in the fleet
+    router.start(committed)
+    router.start(committed)  # a second start is ignored
+    assert router.in_flight(decision.backend) == 1
+    router.finish(committed)
+    assert router.in_flight(decision.backend) == 0
+    assert router.stats().ignored == 2
+    assert router.index.match(decision._hashes, [decision.backend])[decision.backend] == 2
+
+
+@pytest.fixture
+def switchy() -> Iterator[None]:
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def test_every_call_from_many_threads_leaves_exact_counts_and_a_valid_index(switchy: None) -> None:
+    clock_lock = threading.Lock()
+    ticks = [0.0]
+
+    def clock() -> float:
+        with clock_lock:
+            ticks[0] += 1e-4
+            return ticks[0]
+
+    router = Router(block_size=4, capacity_blocks=200, clock=clock, lease=5.0)
+    backends = ["a", "b", "c", "d"]
+    namespaces: list[str | bytes] = ["", "m", b"\xff"]
+    prefixes = [list(range(i * 50, i * 50 + 16)) for i in range(6)]
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(6)
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            barrier.wait()
+            for _ in range(600):
+                tokens = rng.choice(prefixes) + [rng.randrange(100) for _ in range(rng.randrange(8))]
+                action = rng.randrange(12)
+                if action < 4:
+                    decision = router.route(tokens, backends)
+                    router.start(decision, lease=rng.choice([None, 1.0]))
+                    if rng.random() < 0.5:
+                        router.first_token(decision.id)
+                    if rng.random() < 0.8:
+                        router.finish(decision)
+                elif action == 4:
+                    decision = router.decide(tokens, backends, namespace=rng.choice(namespaces))
+                    router.commit(decision, rng.choice(backends))
+                elif action == 5:
+                    hashes = router.hasher.hash(tokens)
+                    router.store(rng.choice(backends), hashes)
+                    router.evict(rng.choice(backends), hashes[rng.randrange(len(hashes)) :])
+                elif action == 6:
+                    hashes = router.hasher.hash(tokens)
+                    router.write(rng.choice(backends), [(True, hashes[:2], None), (True, hashes[2:], hashes[1])])
+                elif action == 7:
+                    router.set_capacity(rng.choice(backends), rng.choice([None, 0, 10, 200]))
+                elif action == 8:
+                    router.set_engine_load(rng.choice(backends), queue_len=rng.randrange(3), kv_usage=None)
+                elif action == 9:
+                    rng.choice([router.remove_backend, router.clear_backend])(rng.choice(backends))
+                elif action == 10:
+                    router.expire()
+                    router.stats()
+                else:
+                    router.in_flight(rng.choice(backends))
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors[:3]
+    router.index._check(chains=[router.hasher.hash(prefix) for prefix in prefixes])
+    ticks[0] += 10.0
+    router.expire()
+    for backend in backends:
+        router.remove_backend(backend)  # ends what never expires (no lease)
+    stats = router.stats()
+    assert stats.in_flight == 0
+    candidates = router.decide([1], backends).candidates
+    assert [(c.in_flight, c.pending_prefill_tokens, c.held_blocks, c.active_blocks) for c in candidates] == [
+        (0, 0, 0, 0)
+    ] * 4
