@@ -126,6 +126,20 @@ def test_a_clock_that_goes_backwards_keeps_counts_exact() -> None:
     assert router.stats().leases_expired == 1
 
 
+def test_a_first_token_a_subnormal_time_after_start_learns_no_infinite_speed() -> None:
+    clock = FakeClock(0.0)
+    router = Router(block_size=4, clock=clock)
+    for prompt in (list(range(64)), list(range(100, 164))):
+        clock.now = 0.0
+        decision = router.route(prompt, ["a"])
+        router.start(decision)
+        clock.now = 1e-320
+        router.first_token(decision)
+        router.finish(decision)
+        speed = router.decide([1], ["a"]).candidates[0].prefill_tokens_per_s
+        assert speed is None or math.isfinite(speed)
+
+
 class RaisingHook(PrefixIndex):
     def evict(self, backend: str, store: LRUStore, excess: int) -> int:
         raise RuntimeError("hook failed")
