@@ -17,7 +17,7 @@ $(BIN)/.installed-test: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $@ $(BIN)/.installed-demo
 
-# The main job: the seed benchmark on simulated GPUs, three policies, a comparison table and a plot.
+# The main job: the seed benchmark on simulated GPUs, four policies, a comparison table and a plot.
 demo: $(BIN)/.installed-demo
 	$(BIN)/prefixroute simulate --plot out/seed.png
 
