@@ -37,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = OneLineParser(
         prog="prefixroute",
-        description="Prefix-aware, load-bounded routing of LLM requests: simulate policies, rerun the study, "
-        "diagnose a vLLM deployment.",
+        description="Prefix-aware, load-bounded routing of LLM requests: simulate and compare policies, rerun the "
+        "study, diagnose a vLLM deployment, and route live traffic (a decision sidecar for gateways, an "
+        "OpenAI-compatible proxy).",
     )
     parser.add_argument("--version", action="version", version=f"prefixroute {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -393,7 +393,10 @@ def _run_suite(args: argparse.Namespace, defaults: argparse.ArgumentParser, cons
 def _register_study(subparsers: Any) -> None:
     """Add the ``study`` subcommand."""
     parser: argparse.ArgumentParser = subparsers.add_parser(
-        "study", help="rerun the published claims in the simulator; write docs/study.md"
+        "study",
+        help="rerun the published claims in the simulator; write docs/study.md",
+        description="Rerun every published claim in the simulator (seed 0) and write study.md and "
+        "its plots to --output.",
     )
     parser.add_argument("--output", type=Path, default=Path("docs"), help="folder for study.md and its PNGs (docs)")
     parser.add_argument("--requests", type=int, default=1500, help="requests per simulated run (1500)")

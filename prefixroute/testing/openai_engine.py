@@ -509,7 +509,10 @@ def _error(status: int, message: str, kind: str) -> web.Response:
 def register(subparsers: Any) -> None:
     """Add the ``fake-engines`` subcommand to the ``prefixroute`` CLI."""
     parser = subparsers.add_parser(
-        "fake-engines", help="serve fake vLLM OpenAI-compatible engines on loopback (for demos and tests)"
+        "fake-engines",
+        help="serve fake vLLM OpenAI-compatible engines on loopback (for demos and tests)",
+        description="Serve --count fake vLLM engines (OpenAI completions and chat, /v1/models, /metrics, a "
+        "block-level prefix cache each) on consecutive ports from --base-port, until interrupted (Ctrl-C).",
     )
     add_arguments(parser)
     parser.set_defaults(func=run)
@@ -518,7 +521,9 @@ def register(subparsers: Any) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``fake-engines`` (also ``python -m prefixroute.testing.openai_engine``)."""
     parser.add_argument("--count", type=int, default=3, help="engines to start (default 3)")
-    parser.add_argument("--base-port", type=int, default=8100, help="port of the first; the others follow")
+    parser.add_argument(
+        "--base-port", type=int, default=8100, help="port of the first; the others follow (default 8100)"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--model", default="fake-model", help="the model name served (default fake-model)")
     parser.add_argument("--lora-adapters", nargs="+", default=(), metavar="NAME",

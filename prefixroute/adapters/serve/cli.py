@@ -52,19 +52,28 @@ def register(subparsers: Any) -> None:
         "--policy-option", action="append", default=[], metavar="KEY=VALUE", help="policy option, e.g. factor=1.5"
     )
     parser.add_argument("--tokenizer", metavar="PATH", help="local tokenizer.json, or a model folder holding one")
-    parser.add_argument("--block-size", type=_positive_int, default=16, metavar="N", help="tokens per block")
+    parser.add_argument(
+        "--block-size", type=_positive_int, default=16, metavar="N", help="tokens per block (default 16, vLLM's)"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address of every listener (default 127.0.0.1)")
     parser.add_argument("--port", type=_port, default=8100, metavar="P", help="HTTP port (default 8100; 0: any)")
     parser.add_argument(
         "--lease", type=_seconds, default=600.0, metavar="SECONDS", help="default lease of a request (default 600)"
     )
     parser.add_argument("--models", nargs="+", metavar="NAME", help="the only accepted models (the first: default)")
-    parser.add_argument("--kv-events", nargs="+", default=[], metavar="BACKEND=ENDPOINT[,REPLAY]")
+    parser.add_argument(
+        "--kv-events", nargs="+", default=[], metavar="BACKEND=ENDPOINT[,REPLAY]",
+        help="a backend of --backends and its KV-event publisher, optionally its replay endpoint, e.g. "
+        "http://gpu0:8000=tcp://gpu0:5557,tcp://gpu0:5558 (needs the vllm extra)",
+    )  # fmt: skip
     parser.add_argument("--metrics-from-backends", action="store_true", help="poll each engine's /metrics")
     parser.add_argument("--ext-proc", type=_port, metavar="PORT", help="serve Envoy's ext_proc endpoint picker")
     parser.add_argument("--release-port", type=_port, metavar="PORT", help="UDP port for syslog release lines")
     parser.add_argument(
-        "--accel-redirect", default="@prefixroute_upstream", metavar="LOCATION", help="nginx named location"
+        "--accel-redirect",
+        default="@prefixroute_upstream",
+        metavar="LOCATION",
+        help="nginx named location in X-Accel-Redirect (default @prefixroute_upstream)",
     )
     parser.add_argument(
         "--log-level", default="error", choices=["debug", "info", "warning", "error"],
