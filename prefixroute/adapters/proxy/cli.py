@@ -37,7 +37,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--policy",
         default="predicted-ttft",
-        help=f"one of {', '.join(policy_names())} (default predicted-ttft, the library's)",
+        help=f"one of {', '.join(policy_names())}, or a policy class of yours as package.module:ClassName "
+        "(default predicted-ttft, the library's)",
     )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (vLLM's block size, 16)")
     parser.add_argument("--kv-events", nargs="+", metavar="ENDPOINT",

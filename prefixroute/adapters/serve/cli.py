@@ -46,7 +46,9 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--backends", nargs="+", default=[], metavar="URL", help="engine URLs, http://host:port")
     parser.add_argument(
-        "--policy", default="predicted-ttft", help="load policy name (default predicted-ttft, the library's)"
+        "--policy",
+        default="predicted-ttft",
+        help="load policy name, or package.module:ClassName (default predicted-ttft, the library's)",
     )
     parser.add_argument(
         "--policy-option", action="append", default=[], metavar="KEY=VALUE", help="policy option, e.g. factor=1.5"
