@@ -538,7 +538,7 @@ def run(args: argparse.Namespace) -> int:
     """Serve ``args.count`` engines until interrupted; return the exit status."""
     from prefixroute.errors import ConfigurationError
 
-    if args.count < 1 or not 0 < args.base_port < 65536 - args.count:
+    if args.count < 1 or not 0 < args.base_port <= 65536 - args.count:  # the last engine on port 65535 at most
         raise ConfigurationError("--count must be positive and --base-port a port with room for --count engines")
     if args.max_tokens < 1:
         raise ConfigurationError(f"--max-tokens must be at least 1, not {args.max_tokens}")

@@ -366,6 +366,8 @@ def test_bad_command_lines_exit_2_with_one_line() -> None:
         (["fake-engines", "--max-tokens", "0"], "--max-tokens"),
         (["fake-engines", "--token-delay-ms", "nan"], "--token-delay-ms"),
         (["fake-engines", "--prefill-us-per-token", "inf"], "--prefill-us-per-token"),
+        (["fake-engines", "--count", "2", "--base-port", "65535"], "room for --count"),
+        (["fake-engines", "--count", "1", "--base-port", "65535", "--max-tokens", "0"], "--max-tokens"),  # port fits
     ]
     try:
         command = [sys.executable, "-m", "prefixroute"]
