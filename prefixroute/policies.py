@@ -2,7 +2,8 @@
 
 Every policy sees the same :class:`Candidate` list: one per backend, in the request's deterministic placement
 order (rendezvous hashing of the prompt's first blocks), so "the first of equals" means the same backend on every
-router replica. Policies run under the router's lock: they must be quick and must not block.
+router replica. Policies run under the router's lock: they must be quick, must not block and must not call back into
+the router (that raises :class:`~prefixroute.errors.PolicyError`; the candidates carry what a policy needs).
 """
 
 from __future__ import annotations

@@ -208,7 +208,8 @@ class Router:
     Thread-safe: one lock guards the index, the counters and the policy; hashing runs outside it and nothing inside
     it does I/O or sleeps, so calling :meth:`route` from an asyncio coroutine does not stall the loop. Other
     components write the index only through :meth:`store`, :meth:`evict`, :meth:`write` and
-    :meth:`clear_backend`, which take the lock.
+    :meth:`clear_backend`, which take the lock. A policy or an index hook that calls back into the router while it
+    holds the lock gets a :class:`PolicyError` instead of a deadlock.
 
     >>> router = Router(block_size=4)
     >>> first = router.route([1, 2, 3, 4, 5, 6, 7, 8], ["gpu0", "gpu1", "gpu2"])
@@ -262,7 +263,7 @@ class Router:
         self._clock = clock
         self._placement_blocks = placement_blocks
         self._lease = _check_lease(lease)
-        self._lock = threading.Lock()
+        self._lock = _Lock()
         # Per backend: requests in flight, uncached prompt tokens still in prefill, prompt blocks in flight.
         self._in_flight: dict[str, int] = {}
         self._pending: dict[str, int] = {}
@@ -730,6 +731,32 @@ class Router:
 
     def __repr__(self) -> str:
         return f"Router(block_size={self._hasher.block_size}, policy={self._policy!r}, index={self._index!r})"
+
+
+class _Lock:
+    """The router's lock, which refuses a call back into the router from the thread holding it (a policy's
+    ``choose()`` or an index hook asking the router for figures) with a :class:`PolicyError` instead of a
+    deadlock."""
+
+    __slots__ = ("_lock", "_owner")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    def __enter__(self) -> None:
+        me = threading.get_ident()
+        if self._owner == me:
+            raise PolicyError(
+                "a policy's choose() or an index hook called back into the Router that is calling it, which would "
+                "deadlock: read what the policy needs from its candidates (Candidate fields), not from the router"
+            )
+        self._lock.acquire()
+        self._owner = me
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._owner = None
+        self._lock.release()
 
 
 def _iterable(value: object, what: str, items: str) -> Iterable[Any]:

@@ -8,7 +8,7 @@ import math
 import random
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -21,6 +21,8 @@ from prefixroute import (
     ConfigurationError,
     InvalidPromptError,
     LinearTTFT,
+    LoadPolicy,
+    PolicyError,
     PrefixIndex,
     Router,
     encode_tokens,
@@ -155,6 +157,43 @@ def test_an_eviction_hook_that_raises_still_leaves_the_index_within_capacity() -
             router.route(list(range(100 * root, 100 * root + 16)), ["a"])
         assert index.blocks("a") <= 8
         index._check()
+
+
+class AsksTheRouter(LoadPolicy):
+    """Reads load from the router instead of its candidates: a call back into the router that is calling it."""
+
+    def __init__(self) -> None:
+        self.router: Router | None = None
+
+    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        assert self.router is not None
+        return min(candidates, key=lambda c: self.router.in_flight(c.backend))  # type: ignore[union-attr]
+
+
+class HookAsksTheRouter(PrefixIndex):
+    router: Router | None = None
+
+    def evict(self, backend: str, store: LRUStore, excess: int) -> int:
+        assert self.router is not None
+        self.router.stats()
+        return super().evict(backend, store, excess)
+
+
+def test_a_policy_or_hook_calling_back_into_the_router_is_a_policy_error_not_a_deadlock() -> None:
+    policy = AsksTheRouter()
+    router = policy.router = Router(block_size=4, policy=policy)
+    for _ in range(2):  # the lock is released after the error: the second call fails the same way, not hangs
+        with pytest.raises(PolicyError, match="called back into the Router"):
+            router.route(TOKENS, ["a", "b"])
+    assert router.stats().decisions == router.stats().commits == 0 and router.index.blocks("a") == 0
+    index = HookAsksTheRouter(4, capacity_blocks=2)
+    router = index.router = Router(block_size=4, index=index)
+    router.route(TOKENS, ["a"])  # two blocks: within capacity, no eviction
+    with pytest.raises(PolicyError, match="called back"):
+        router.route([9, *TOKENS], ["a"])
+    assert index.blocks("a") <= 2
+    index._check()
+    assert router.stats().decisions == 1  # the lock was released: the router answers, and counted one decision
 
 
 def test_index_match_refuses_a_single_str_of_backends() -> None:
