@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from prefixroute._numbers import shown
 from prefixroute.errors import ConfigurationError
 
-__all__ = ["MAX_SECONDS", "check_callable", "check_count", "check_endpoint", "check_seconds"]
+__all__ = ["MAX_SECONDS", "check_callable", "check_count", "check_endpoint", "check_seconds", "sparse_level"]
 
 MAX_SECONDS = float(threading.TIMEOUT_MAX)
 """The longest wait a thread can be told to make (``threading.TIMEOUT_MAX``, about 292 years on 64-bit Linux):
 a longer one would raise OverflowError in the thread that waits."""
+
+
+def sparse_level(count: int) -> int:
+    """The log level of the ``count``-th occurrence of one repeated problem: WARNING at the 1st, 2nd, 4th, 8th…,
+    DEBUG in between, so an engine that keeps sending the same garbage (a misconfigured block size, say) is reported
+    with its count without flooding the log. The counters keep the exact figures."""
+    return logging.WARNING if count > 0 and count & (count - 1) == 0 else logging.DEBUG
 
 
 def check_seconds(value: object, name: str) -> float:

@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 
 from prefixroute.errors import ConfigurationError, InvalidEventError
-from prefixroute.vllm._checks import check_callable, check_count, check_endpoint, check_seconds
+from prefixroute.vllm._checks import check_callable, check_count, check_endpoint, check_seconds, sparse_level
 from prefixroute.vllm.events import EventDecoder
 from prefixroute.vllm.tracker import BlockTracker, IndexOps, IndexWriter, TrackerStats
 
@@ -349,7 +349,8 @@ class KVEventSubscriber:
     ) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
             self._counts["invalid"] += 1
-            _log.warning(
+            _log.log(
+                sparse_level(self._counts["invalid"]),
                 "KV events from %s: a message of %d frames, expected 3 (topic, 8-byte sequence, payload)",
                 self.backend,
                 len(frames),
@@ -373,7 +374,8 @@ class KVEventSubscriber:
 
     def _bad_sequence(self, seq: int, why: str) -> None:
         self._counts["bad_sequences"] += 1
-        _log.warning("KV events from %s: skipping the batch numbered %d: %s", self.backend, seq, why)
+        _log.log(sparse_level(self._counts["bad_sequences"]), "KV events from %s: skipping the batch numbered %d: %s",
+                 self.backend, seq, why)  # fmt: skip
 
     def _accept(
         self, seq: int, payload: bytes, ops: IndexOps, timestamps: list[float], context: zmq.Context[Any]
@@ -395,8 +397,9 @@ class KVEventSubscriber:
         try:
             batch = self._decoder.decode(payload)
         except InvalidEventError as exc:
-            self._counts["invalid"] += 1
-            _log.warning("KV events from %s: skipping batch %d: %s", self.backend, seq, exc)
+            invalid = self._counts["invalid"] = self._counts["invalid"] + 1
+            _log.log(sparse_level(invalid), "KV events from %s: skipping batch %d (%d invalid so far): %s",
+                     self.backend, seq, invalid, exc)  # fmt: skip
             return
         self._counts["batches"] += 1
         self._counts["events"] += len(batch.events)

@@ -17,6 +17,7 @@ from typing import Protocol, TypeAlias
 from prefixroute.errors import InvalidEventError, InvalidPromptError
 from prefixroute.hashing import BlockHasher, encode_tokens
 from prefixroute.index import IndexUpdate
+from prefixroute.vllm._checks import sparse_level
 from prefixroute.vllm.events import (
     FULL_ATTENTION_KINDS,
     AllBlocksCleared,
@@ -123,7 +124,8 @@ class BlockTracker:
                 self._apply_one(event, ops)
             except InvalidEventError as exc:
                 self.stats.invalid_events += 1
-                _log.warning("skipping a KV event: %s", exc)
+                count = self.stats.invalid_events
+                _log.log(sparse_level(count), "skipping a KV event (%d invalid so far): %s", count, exc)
         return ops
 
     def apply_strict(self, events: Iterable[KVCacheEvent]) -> IndexOps:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -133,6 +134,18 @@ def test_a_larger_vllm_block_maps_to_several_own_blocks() -> None:
     tracker.apply([BlockStored([11], None, TOKENS[:32], 32), BlockStored([12], 11, TOKENS[32:], 32)])
     assert tracker.held() == set(own(TOKENS))
     assert tracker.apply([BlockRemoved([12])]) == [(False, own(TOKENS)[2:], None)]
+
+
+def test_an_engine_that_keeps_sending_garbage_is_logged_sparsely_and_counted_exactly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    tracker = BlockTracker()
+    with caplog.at_level(logging.DEBUG, logger="prefixroute"):
+        for _ in range(100):  # a block size the router's does not divide, on every event
+            tracker.apply([BlockStored([11], None, TOKENS[:8], 8)])
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 7 and "(64 invalid so far)" in warnings[-1]  # the 1st, 2nd, 4th, ... 64th
+    assert tracker.stats.invalid_events == 100
 
 
 def test_invalid_events_are_counted_and_skipped_or_raised_in_strict_mode() -> None:
