@@ -175,6 +175,7 @@ class SimBackend:
                     active.blocks += need
                     active.private += need
                 plan.append((active, n))
+                self._commit(active, n)
                 budget -= n
                 if active.record.generated_tokens and n == 1 and active.tokens - active.computed == 1:
                     decode.append(active.computed + 1)
@@ -221,7 +222,20 @@ class SimBackend:
                 record.scheduled = now
             plan.append((active, n))
             prefill.append((n, active.computed))
+            self._commit(active, n)
             budget -= n
+
+    def _commit(self, active: Active, n: int) -> None:
+        """Cache the request's blocks that the ``n`` tokens just scheduled fill, as vLLM's ``allocate_slots`` does.
+
+        vLLM puts a block in its prefix cache when the step that computes it is *scheduled*, so a request admitted
+        later in the same step (or the next) already hits it: the step writes each layer's KV before that layer's
+        attention reads it.
+        """
+        full = min((active.computed + n) // self.block_size, len(active.hashes))
+        if full > active.next_commit:
+            active.private -= self.cache.commit(active.hashes[active.next_commit : full], active.held)
+            active.next_commit = full
 
     def _preempt(self, active: Active) -> None:
         """Free a running request's blocks and put it back at the head of the queue to recompute (vLLM V1)."""
@@ -236,7 +250,6 @@ class SimBackend:
 
     def complete(self, now: float) -> list[Active]:
         """Apply the planned step, ending at ``now``; return the requests that finished in it."""
-        size = self.block_size
         cache = self.cache
         finished: list[Active] = []
         for active, n in self._plan:
@@ -245,10 +258,6 @@ class SimBackend:
                 record.computed_prompt_tokens += n
                 self.prefill_tokens += n
             active.computed += n
-            full = min(active.computed // size, len(active.hashes))
-            if full > active.next_commit:
-                active.private -= cache.commit(active.hashes[active.next_commit : full], active.held)
-                active.next_commit = full
             if active.computed == active.tokens:  # the step sampled a token
                 record.generated_tokens += 1
                 active.tokens += 1

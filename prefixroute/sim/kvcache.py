@@ -5,8 +5,10 @@ vLLM's semantics, which this class keeps:
 - memory is a fixed number of blocks of ``block_size`` tokens, shared by running requests and the prefix cache;
 - only a **full** block is cached, under its chained hash (one hash names the whole prefix up to it);
 - a request reuses only the contiguous leading blocks of its prompt that are cached;
-- a block referenced by a running request is pinned; a cached block nobody references is *free but cached*
-  and sits in an LRU queue, and a new allocation evicts the least recently freed such block first;
+- a block referenced by a running request is pinned; a cached block nobody references is *free but cached*;
+- free blocks, cached or not, wait in one queue in the order they were freed (blocks never used come first), and
+  an allocation takes the blocks at its head, evicting those that were cached: a block freed long ago is evicted
+  even when blocks freed since, holding nothing anyone can hit (a request's partial last block), are free;
 - a request frees its blocks in reverse order, so a prompt's tail is evicted before its head.
 
 A request's blocks are either *hashed* (in the cache, possibly shared with other requests) or *private* (a partial
@@ -24,6 +26,12 @@ from prefixroute.errors import ConfigurationError
 from prefixroute.index import leading_run
 
 __all__ = ["BlockCache", "CacheListener"]
+
+
+class _Empty:
+    """A freed private block in the free queue: reusing it evicts nothing."""
+
+    __slots__ = ()
 
 
 class CacheListener(Protocol):
@@ -61,14 +69,17 @@ class BlockCache:
     1
     """
 
-    __slots__ = ("_capacity", "_lru", "_private", "_refs", "evictions", "listener")
+    __slots__ = ("_capacity", "_free_private", "_lru", "_private", "_refs", "evictions", "listener")
 
     def __init__(self, capacity_blocks: int | None) -> None:
         if capacity_blocks is not None and (isinstance(capacity_blocks, bool) or capacity_blocks < 1):
             raise ConfigurationError(f"capacity_blocks must be a positive int or None, not {capacity_blocks!r}")
         self._capacity = capacity_blocks
         self._refs: dict[int, int] = {}  # every cached block hash -> requests referencing it (0: free, in _lru)
-        self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks with no reference, oldest first
+        # vLLM's free block queue, least recently freed first: unreferenced cached blocks (their hash) and freed
+        # private blocks (an _Empty each); blocks never used are not listed and are taken before any of them
+        self._lru: OrderedDict[int | _Empty, None] = OrderedDict()
+        self._free_private = 0  # _Empty entries in _lru
         self._private = 0  # blocks owned by one request each, not in the cache
         self.evictions = 0
         self.listener: CacheListener | None = None  # told of blocks cached and evicted, as vLLM's KV events do
@@ -81,7 +92,7 @@ class BlockCache:
     @property
     def used_blocks(self) -> int:
         """Blocks referenced by running requests (pinned). O(1)."""
-        return len(self._refs) - len(self._lru) + self._private
+        return len(self._refs) - (len(self._lru) - self._free_private) + self._private
 
     @property
     def cached_blocks(self) -> int:
@@ -137,15 +148,21 @@ class BlockCache:
         if capacity is not None:
             if capacity - self.used_blocks < blocks:
                 return False
-            overflow = len(self._refs) + self._private + blocks - capacity
-            if overflow > 0:
+            taken = len(self._refs) + self._private + self._free_private + blocks - capacity  # beyond unused ones
+            if taken > 0:
                 refs, lru = self._refs, self._lru
-                victims = [lru.popitem(last=False)[0] for _ in range(overflow)]
-                for victim in victims:
-                    del refs[victim]
-                self.evictions += overflow
-                if self.listener is not None:
-                    self.listener.removed(victims)
+                victims: list[int] = []
+                for _ in range(taken):
+                    block = lru.popitem(last=False)[0]
+                    if isinstance(block, _Empty):
+                        self._free_private -= 1
+                    else:
+                        del refs[block]
+                        victims.append(block)
+                if victims:
+                    self.evictions += len(victims)
+                    if self.listener is not None:
+                        self.listener.removed(victims)
         self._private += blocks
         return True
 
@@ -189,9 +206,15 @@ class BlockCache:
     def release(self, hashed: Sequence[int], *, private: int) -> None:
         """Drop a request's references: its hashed blocks (in prompt order) and ``private`` private blocks.
 
-        Blocks are freed tail first, so the LRU queue evicts a prompt's last blocks before its first. O(n).
+        Blocks are freed tail first, so the queue evicts a prompt's last blocks before its first; the private ones
+        (the partial last block, blocks being filled, output blocks) come last in a request's block table, so they
+        are freed first. O(n).
         """
         refs, lru = self._refs, self._lru
+        if self._capacity is not None and private > 0:
+            for _ in range(private):
+                lru[_Empty()] = None
+            self._free_private += private
         for h in reversed(hashed):
             count = refs[h]
             if count == 1:
@@ -206,14 +229,17 @@ class BlockCache:
         assert self._private >= 0, f"negative private block count {self._private}"
         assert all(count >= 0 for count in self._refs.values()), "negative reference count"
         free = {h for h, count in self._refs.items() if count == 0}
-        assert free == set(self._lru), "LRU queue differs from the unreferenced cached blocks"
+        assert free == {h for h in self._lru if not isinstance(h, _Empty)}, (
+            "free queue differs from the unreferenced cached blocks"
+        )
+        assert self._free_private == sum(isinstance(h, _Empty) for h in self._lru), "miscounted freed private blocks"
         if self._capacity is not None:
-            assert self.occupied_blocks <= self._capacity, (
-                f"{self.occupied_blocks} blocks occupied, capacity {self._capacity}"
+            assert self.occupied_blocks + self._free_private <= self._capacity, (
+                f"{self.occupied_blocks} blocks occupied and {self._free_private} freed, capacity {self._capacity}"
             )
 
     def __repr__(self) -> str:
         return (
             f"BlockCache(capacity_blocks={self._capacity}, used={self.used_blocks}, "
-            f"cached={self.cached_blocks}, free_cached={len(self._lru)})"
+            f"cached={self.cached_blocks}, free_cached={len(self._lru) - self._free_private})"
         )

@@ -117,3 +117,21 @@ def _linear_match(cache: BlockCache, hashes: list[int]) -> int:
     while matched < len(hashes) and cache.holds(hashes[matched]):
         matched += 1
     return matched
+
+
+def test_a_block_freed_earlier_is_evicted_before_a_partial_block_freed_later() -> None:
+    # vLLM keeps one free queue, cached or not, least recently freed first: after the unused blocks, an allocation
+    # takes what was freed first, so request A's cached tail goes although B's freed partial block holds nothing.
+    cache = BlockCache(capacity_blocks=6)
+    a: list[int] = []
+    assert cache.allocate(3)  # A: two full blocks and a partial one
+    cache.commit([1, 2], a)
+    cache.release(a, private=1)
+    b: list[int] = []
+    assert cache.allocate(3)  # B takes the three never-used blocks
+    cache.commit([11, 12], b)
+    cache.release(b, private=1)
+    assert cache.allocate(2)  # A's partial block, then A's tail
+    assert cache.match([1, 2]) == 1 and cache.match([11, 12]) == 2
+    assert cache.evictions == 1
+    cache._check()
