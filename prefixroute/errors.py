@@ -49,7 +49,8 @@ class NoBackendError(PrefixRouteError, LookupError):
 
 
 class PolicyError(PrefixRouteError, TypeError):
-    """A :class:`~prefixroute.LoadPolicy` returned something other than one of the candidates it was given."""
+    """A :class:`~prefixroute.LoadPolicy` returned something other than one of the candidates it was given, or, in a
+    simulation (:func:`prefixroute.sim.run_policy`), raised from its ``choose()`` (the original is its cause)."""
 
 
 class DecisionError(PrefixRouteError, ValueError):

@@ -11,7 +11,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import os
 import random
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -467,9 +469,29 @@ def _import_policy(path: str) -> type[LoadPolicy]:
     if not module_name or not attribute:
         raise ConfigurationError(f"policy {path!r} must name a module and a class, like 'mypackage.policies:MyPolicy'")
     try:
-        obj = getattr(importlib.import_module(module_name), attribute)
+        obj = getattr(_import_module(module_name), attribute)
     except (ImportError, AttributeError, ValueError, TypeError) as exc:  # a relative name ('.x') raises TypeError
         raise ConfigurationError(f"cannot import policy {path!r}: {exc}") from exc
     if not (isinstance(obj, type) and issubclass(obj, LoadPolicy)):
         raise ConfigurationError(f"{path!r} is not a LoadPolicy subclass")
     return obj
+
+
+def _import_module(name: str) -> Any:
+    """Import the module a ``module:Class`` policy names, looking in the current directory last.
+
+    ``python -m prefixroute`` has the current directory on ``sys.path``; the installed ``prefixroute`` command has its
+    own folder there instead, so a policy that is a file next to you (``mine.py``) would not be found. When the
+    module's top-level package is found nowhere else, the current directory is appended to ``sys.path`` (so a
+    process pool spawned afterwards inherits it) and the import retried.
+    """
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        top = name.partition(".")[0]
+        here = os.getcwd()
+        on_path = {os.path.abspath(entry or os.curdir) for entry in sys.path if isinstance(entry, str)}
+        if exc.name != top or here in on_path or not top:
+            raise
+        sys.path.append(here)
+        return importlib.import_module(name)

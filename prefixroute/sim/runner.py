@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import random
 from collections.abc import Callable, Mapping
@@ -10,9 +9,9 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from prefixroute._numbers import is_finite_number, shown
-from prefixroute.errors import ConfigurationError, PrefixRouteError
+from prefixroute.errors import ConfigurationError, PolicyError, PrefixRouteError
 from prefixroute.index import PrefixIndex
-from prefixroute.policies import LoadPolicy, policy_from_name, policy_names
+from prefixroute.policies import _REGISTRY, LoadPolicy, _import_module, _import_policy, policy_from_name, policy_names
 from prefixroute.router import Router
 from prefixroute.sim.backend import BackendConfig
 from prefixroute.sim.baselines import BASELINES
@@ -181,7 +180,9 @@ def build_policy(name: str, *, seed: int) -> LoadPolicy:
     reference baselines (:data:`~prefixroute.sim.baselines.BASELINES`: ``sglang``, ``dynamo``, ...), which are not
     in the core registry. A policy class whose constructor takes an ``rng`` keyword gets ``random.Random(seed)``;
     otherwise one that takes ``seed`` gets ``seed``: so "same seed, same result" holds for built-in, baseline and
-    user policies alike. (A registry or user class is found by building it once with no options.)
+    user policies alike; a constructor that requires ``seed`` gets it too. A ``module:Class`` whose module is a file
+    in the current directory is found even when the current directory is not on ``sys.path`` (the installed
+    ``prefixroute`` command).
 
     Raises:
         ConfigurationError: an unknown name (the message lists the built-in and baseline names), a class that is not
@@ -200,7 +201,7 @@ def build_policy(name: str, *, seed: int) -> LoadPolicy:
         return baseline() if keyword is None else baseline(**{keyword: _seed_value(keyword, seed)})
     # The user's own module and class: any error in them is the user's to fix, so it becomes a clear message.
     try:
-        importlib.import_module(name.partition(":")[0])
+        _import_module(name.partition(":")[0])
     except Exception as exc:
         raise ConfigurationError(f"cannot import policy {name!r}: {type(exc).__name__}: {exc}") from exc
     try:
@@ -212,10 +213,10 @@ def build_policy(name: str, *, seed: int) -> LoadPolicy:
 
 
 def _seeded(name: str, seed: int) -> LoadPolicy:
-    policy = policy_from_name(name)
-    keyword = _seed_keyword(type(policy))
+    # The class, not an instance, says how it takes its seed: a constructor requiring ``seed`` is built once, with it.
+    keyword = _seed_keyword(_import_policy(name) if ":" in name else _REGISTRY[name])
     if keyword is None:
-        return policy
+        return policy_from_name(name)
     return policy_from_name(name, **{keyword: _seed_value(keyword, seed)})
 
 
@@ -307,9 +308,29 @@ def run_policy(
         first_token=spec.first_token,
     )
     clock.simulation = simulation
-    outcome = simulation.run()
     name = label or (policy if isinstance(policy, str) else repr(load_policy))
+    try:
+        outcome = simulation.run()
+    except PrefixRouteError:
+        raise
+    except Exception as exc:
+        if not _raised_by(exc, load_policy):
+            raise
+        raise PolicyError(
+            f"policy {name!r} raised {type(exc).__name__}: {exc} (in its choose(); fix the policy, "
+            "or run it with run_policy() from Python to see the traceback)"
+        ) from exc
     return summarize(outcome, policy=name, gpu_hour_usd=spec.gpu_hour_usd)
+
+
+def _raised_by(exc: BaseException, policy: LoadPolicy) -> bool:
+    """Whether ``exc`` came out of one of ``policy``'s own methods (a frame whose ``self`` is the policy)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_locals.get("self") is policy:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 class _SimClock:
