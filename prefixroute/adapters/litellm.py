@@ -26,7 +26,10 @@ this request are passed over while others remain, so the retry lands elsewhere a
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
+import weakref
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -46,6 +49,10 @@ one metadata dict among a request's attempts, so a failed attempt's callback tha
 the retry's decision; its own deployment (``litellm_params.model_info.id``) tells them apart."""
 
 _log = logging.getLogger("prefixroute.litellm")
+
+# Decisions one task may hold unfinished (streams it abandoned in a long-lived task); past this the oldest is left
+# to its lease, so a task that never ends cannot grow the table without end.
+_MAX_PER_TASK = 1024
 
 
 class PrefixRouteHook(CustomLogger):
@@ -92,6 +99,12 @@ class PrefixRouteHook(CustomLogger):
         self._lease = _check_lease(lease)
         self.errors = 0
         """Requests whose routing failed unexpectedly (logged; they kept LiteLLM's choice)."""
+        # The decisions not yet finished by a callback, by the task that made the call: LiteLLM calls no callback
+        # for a call cancelled (a client gone, a timeout of the caller's) or a stream abandoned, so the task's end
+        # finishes them (decision id -> whether it is a stream).
+        self._by_task: weakref.WeakKeyDictionary[asyncio.Task[Any], dict[str, bool]] = weakref.WeakKeyDictionary()
+        self._task_of: dict[str, dict[str, bool]] = {}
+        self._tasks_lock = threading.Lock()
 
     async def async_filter_deployments(
         self,
@@ -120,6 +133,7 @@ class PrefixRouteHook(CustomLogger):
         earlier = metadata.pop(METADATA_KEY, None)
         metadata.pop(DEPLOYMENT_KEY, None)
         if isinstance(earlier, str):  # a retry (or a fallback to another group): the earlier attempt is over
+            self._unwatch(earlier)
             self.router.finish(earlier)
         if not healthy_deployments or (self._groups is not None and model not in self._groups):
             return healthy_deployments
@@ -147,7 +161,51 @@ class PrefixRouteHook(CustomLogger):
         self.router.start(decision, lease=self._lease)
         metadata[METADATA_KEY] = decision.id
         metadata[DEPLOYMENT_KEY] = decision.backend
+        self._watch(decision.id, stream=bool(request.get("stream")) if request else False)
         return [by_id[decision.backend]]
+
+    def _watch(self, decision_id: str, *, stream: bool) -> None:
+        """Finish the decision when the task that made the call ends, should no callback come first."""
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:  # no running loop: LiteLLM awaits the filter, so never
+            return
+        coroutine = task.get_coro() if task is not None else None
+        if task is None or getattr(coroutine, "cr_code", None) is PrefixRouteHook.async_filter_deployments.__code__:
+            return  # the filter run as a task of its own (by hand, not by LiteLLM): its end is not the call's
+        with self._tasks_lock:
+            held = self._by_task.get(task)
+            if held is None:
+                held = self._by_task[task] = {}
+                task.add_done_callback(self._task_done)
+            held[decision_id] = stream
+            self._task_of[decision_id] = held
+            if len(held) > _MAX_PER_TASK:  # left to its lease
+                self._task_of.pop(next(iter(held)), None)
+                del held[next(iter(held))]
+
+    def _unwatch(self, decision_id: str) -> None:
+        with self._tasks_lock:
+            held = self._task_of.pop(decision_id, None)
+            if held is not None:
+                held.pop(decision_id, None)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        """The calling task ended: its calls are over (cancelled, raised or returned), except a stream it returned
+        (``create_task(router.acompletion(..., stream=True))``), which its success or failure callback ends."""
+        try:
+            with self._tasks_lock:
+                held = self._by_task.pop(task, None) or {}
+                for decision_id in held:
+                    self._task_of.pop(decision_id, None)
+            returned = None if task.cancelled() else getattr(task, "_result", _UNKNOWN)
+            stream_returned = returned is _UNKNOWN or hasattr(returned, "__aiter__")
+            for decision_id, stream in held.items():
+                if not (stream and stream_returned):
+                    self.router.finish(decision_id)
+        except Exception:
+            self.errors += 1
+            _log.exception("prefixroute could not finish the requests of an ended task")
 
     async def async_log_success_event(self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any) -> None:
         """The attempt succeeded (for a stream: it ended): finish its decision."""
@@ -168,10 +226,14 @@ class PrefixRouteHook(CustomLogger):
             routed = metadata.get(DEPLOYMENT_KEY)
             if isinstance(used, str) and isinstance(routed, str) and used != routed:
                 return  # an earlier attempt's callback, after the retry's filter finished it and routed again
+            self._unwatch(metadata[METADATA_KEY])
             self.router.finish(metadata[METADATA_KEY])
         except Exception:  # a Mapping whose get() raises: log, count, go on
             self.errors += 1
             _log.exception("prefixroute could not finish a LiteLLM request")
+
+
+_UNKNOWN = object()
 
 
 def _group_names(groups: object, what: str) -> frozenset[str]:

@@ -333,3 +333,39 @@ def test_text_completions_route_on_their_prompt() -> None:
 
     asyncio.run(run())
     assert hook.router.stats().commits == 5 and hook.router.stats().in_flight == 0
+
+
+def test_a_cancelled_call_stops_counting_when_its_task_ends(hook: PrefixRouteHook, engines: list[OpenAIEngine]) -> None:
+    """LiteLLM calls no callback for a call its caller cancels (a client gone): the calling task's end finishes it,
+    streaming or not, whether cancelled before the answer or while reading the stream."""
+    router = LiteLLMRouter(model_list=model_list(engines), num_retries=0)
+
+    async def read(stream: bool) -> None:
+        reply = await ask(router, f"cancelled {stream}", stream=stream)
+        async for _ in reply:
+            pass
+
+    async def run() -> None:
+        for stream, stall in ((False, 0), (True, 0), (True, 1)):
+            for engine in engines:
+                engine.stall(after_tokens=stall)
+            task = asyncio.ensure_future(read(stream))
+            while hook.router.stats().in_flight < 1:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for engine in engines:
+                engine.resume()
+            await settled(hook)
+        # a stream returned by its own task (asyncio.gather) still counts until it is read to its end
+        gathered: Any
+        (gathered,) = await asyncio.gather(ask(router, "gathered", stream=True))
+        await asyncio.sleep(0.1)
+        assert hook.router.stats().in_flight == 1
+        async for _ in gathered:
+            pass
+        await settled(hook)
+
+    asyncio.run(run())
