@@ -14,9 +14,12 @@ How it pairs Ray's callbacks: :meth:`choose_replicas` may run several times for 
 after replicas reject it); each run :meth:`Router.decide` s afresh, counts the request in flight at once (Ray routes
 many requests concurrently before it reports any of them routed) and keeps the latest decision by request id,
 finishing the earlier attempt's. :meth:`on_request_routed` names the replica Ray actually used: the decision is
-committed there (:meth:`Router.commit`; it may differ from prefixroute's first choice, and the count moves with it).
-:meth:`on_request_completed` finishes it only when it names that same request *and* replica: notices of rejected
-attempts are ignored. Each process that holds a handle (every Serve proxy, every upstream replica) has its
+committed there (:meth:`Router.commit`; it may differ from prefixroute's first choice, and the count moves with it)
+and counts until that request's own result is done (its done callback), so requests sharing an id (calls a replica
+makes downstream inherit its request id) and notices of rejected attempts never finish another; without such a
+result, :meth:`on_request_completed` finishes it only when it names that same request *and* replica. A request its
+caller cancels before it is routed stops counting when its routing future is cancelled. Each process that holds a
+handle (every Serve proxy, every upstream replica) has its
 own router; they share no state but place new prefixes alike (rendezvous hashing).
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -39,6 +43,14 @@ _log = logging.getLogger("prefixroute.ray")
 # Requests whose routing has begun but not ended are few (bounded by Ray's queue); past this many the oldest
 # undecided ones are dropped, so requests Ray abandons between choose and route cannot grow the table without end.
 _MAX_PENDING = 10_000
+
+
+def _finish_quietly(router: Router, decision_id: str, _result: object) -> None:
+    """A result's done callback (Ray may run it on a thread of its own; :meth:`Router.finish` is thread-safe)."""
+    try:
+        router.finish(decision_id)
+    except Exception:  # finish never raises; a done callback must not either
+        _log.exception("prefixroute could not finish a completed request")
 
 
 def request_body(pending_request: PendingRequest | None) -> Mapping[str, Any] | None:
@@ -93,7 +105,9 @@ class PrefixRouteRequestRouter(RequestRouter):
             self._encoder = PromptEncoder(tokenizer)
         self.errors = 0
         """Callbacks that failed unexpectedly (logged; the request kept Ray's ranking or stopped counting)."""
-        self._decided: dict[str, Decision] = {}  # by internal request id: the latest decision, not yet routed
+        # By internal request id: the latest decision, not yet routed, and the routing future it watches (a request
+        # its caller cancels while it waits for a replica is never routed nor completed).
+        self._decided: dict[str, tuple[Decision, Any]] = {}
         self._started: dict[str, Decision] = {}  # by internal request id: committed and in flight
 
     async def choose_replicas(
@@ -126,34 +140,55 @@ class PrefixRouteRequestRouter(RequestRouter):
             return [candidate_replicas]
         earlier = self._decided.pop(request_id, None)
         if earlier is not None:  # an earlier attempt for this request led nowhere
-            self.router.finish(earlier)
+            self.router.finish(earlier[0])
         if len(self._decided) >= _MAX_PENDING:
-            self.router.finish(self._decided.pop(next(iter(self._decided))))
+            self.router.finish(self._decided.pop(next(iter(self._decided)))[0])
         # Counted at once: Ray routes many requests concurrently, before it reports any of them routed.
         self.router.start(decision, lease=self._lease)
-        self._decided[request_id] = decision
+        future: Any = getattr(pending_request, "future", None)
+        if (earlier is None or earlier[1] is not future) and callable(getattr(future, "add_done_callback", None)):
+            future.add_done_callback(partial(self._given_up, request_id))
+        self._decided[request_id] = (decision, future)
         chosen = by_id[decision.backend]
         return [[chosen], [replica for replica in candidate_replicas if replica is not chosen]]
 
+    def _given_up(self, request_id: str, future: Any) -> None:
+        """The request's routing future is done: cancelled, its caller gave up before a replica took it."""
+        try:
+            entry = self._decided.get(request_id)
+            if future.cancelled() and entry is not None and entry[1] is future:
+                del self._decided[request_id]
+                self.router.finish(entry[0])
+        except Exception:
+            self.errors += 1
+            _log.exception("prefixroute could not finish a cancelled request")
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        """Ray sent the request to ``replica_id``: commit the decision there and count it in flight."""
+        """Ray sent the request to ``replica_id``: commit the decision there and count it in flight until ``result``
+        is done (or, for a result without ``add_done_callback``, until Ray's completion notice)."""
         super().on_request_routed(pending_request, replica_id, result)
         try:
-            self._routed(pending_request.metadata.internal_request_id, replica_id.unique_id)
+            self._routed(pending_request.metadata.internal_request_id, replica_id.unique_id, result)
         except Exception:
             self.errors += 1
             _log.exception("prefixroute could not record a routed request")
 
-    def _routed(self, request_id: str, used: str) -> None:
-        decision = self._decided.pop(request_id, None)
-        if decision is None:
+    def _routed(self, request_id: str, used: str, result: Any = None) -> None:
+        entry = self._decided.pop(request_id, None)
+        if entry is None:
             return
+        decision = entry[0]
         if decision.backend != used:  # Ray used another replica than the first ranked: move the count there
             self.router.finish(decision)
             if not any(c.backend == used for c in decision.candidates):
                 return
         decision = self.router.commit(decision, used)
         self.router.start(decision, lease=self._lease)  # ignored when already counted there
+        if callable(getattr(result, "add_done_callback", None)):
+            # Exact: this request's own result, whatever other requests share its id (every call a replica makes
+            # downstream inherits that replica's request id) and whatever notices rejected attempts send.
+            result.add_done_callback(partial(_finish_quietly, self.router, decision.id))
+            return
         replaced = self._started.pop(request_id, None)
         if replaced is not None and replaced.id != decision.id:  # routed again, no completion notice between
             self.router.finish(replaced)

@@ -41,6 +41,12 @@ class Replica:
             raise RuntimeError("the engine failed")
         return str(serve.get_replica_context().replica_id.unique_id)
 
+    async def stream(self, body: dict[str, Any]) -> Any:
+        """Yields ``n`` numbers, ``sleep`` seconds apart (``handle.options(stream=True, method_name="stream")``)."""
+        for i in range(body.get("n", 3)):
+            await asyncio.sleep(body.get("sleep", 0))
+            yield i
+
 
 @pytest.fixture(scope="module")
 def handle() -> Iterator[Handle]:
@@ -98,6 +104,30 @@ def test_a_failed_request_is_finished(handle: Handle) -> None:
     with pytest.raises(RuntimeError, match="the engine failed"):
         handle.remote({"prompt": PREFIX, "fail": True}).result()
     settled(handle)
+
+
+def test_streams_and_requests_the_caller_cancels_are_finished(handle: Handle) -> None:
+    """Cancelled while queued for a replica (never routed, never completed), while running, or mid-stream."""
+    streams: Any = handle.options(stream=True, method_name="stream")  # typed for unary calls
+    assert list(streams.remote({"prompt": PREFIX, "n": 3})) == [0, 1, 2]
+    settled(handle)
+    generator = streams.remote({"prompt": PREFIX, "n": 100, "sleep": 0.05})
+    assert next(iter(generator)) == 0
+    generator.cancel()
+    running: Any = handle.remote({"prompt": PREFIX, "sleep": 10})  # cancel() is untyped
+    time.sleep(0.3)
+    running.cancel()
+    busy = [handle.remote({"prompt": [*PREFIX, i], "sleep": 1.5}) for i in range(3 * 32)]  # every slot taken
+    time.sleep(0.5)
+    queued: Any = handle.remote({"prompt": PREFIX})
+    time.sleep(0.3)
+    queued.cancel()
+    for response in (running, queued):
+        with pytest.raises(Exception, match="cancel"):
+            response.result()
+    assert all(response.result() for response in busy)
+    router = settled(handle)
+    assert not router._decided and router.errors == 0
 
 
 def test_requests_without_a_prompt_are_ranked_by_ray_alone(handle: Handle) -> None:
@@ -197,6 +227,67 @@ def test_hostile_callbacks_leave_every_count_at_zero() -> None:
         router.on_request_routed(pending("b", {}), doomed.replica_id, None)
         router.on_replica_actor_died(doomed.replica_id)
         router.on_request_completed(doomed.replica_id, "b")
+
+    asyncio.run(run())
+    assert router.errors == 0
+    zero(router)
+
+
+class FakeResult:
+    def __init__(self) -> None:
+        self.callbacks: list[Any] = []
+
+    def add_done_callback(self, callback: Any) -> None:
+        self.callbacks.append(callback)
+
+    def done(self) -> None:
+        for callback in self.callbacks:
+            callback(self)
+
+
+def test_requests_sharing_an_id_each_count_until_their_own_result_is_done() -> None:
+    """Every call a replica makes downstream carries that replica's request id; rejected attempts notify too."""
+    router = bare(policy="bounded-load")
+
+    async def run() -> None:
+        results = []
+        for replica_used in REPLICAS[:2] * 2:  # four requests, one id, two on each replica
+            await router.choose_replicas(REPLICAS, pending("shared", {"prompt": PREFIX}))
+            result = FakeResult()
+            router.on_request_routed(pending("shared", {}), replica_used.replica_id, result)
+            results.append(result)
+        assert router.router.stats().in_flight == 4
+        for replica_used in REPLICAS:  # notices, of rejected attempts or not, change nothing: the results decide
+            router.on_request_completed(replica_used.replica_id, "shared")
+        assert router.router.stats().in_flight == 4
+        for left, result in zip((3, 2, 1, 0), results, strict=True):
+            result.done()
+            assert router.router.stats().in_flight == left
+
+    asyncio.run(run())
+    assert router.errors == 0
+    zero(router)
+
+
+def test_a_request_cancelled_before_it_is_routed_stops_counting() -> None:
+    router = bare(policy="bounded-load")
+
+    async def run() -> None:
+        request = pending("a", {"prompt": PREFIX})
+        request.future = asyncio.get_running_loop().create_future()
+        for _ in range(3):  # Ray chooses again and again while every replica is busy
+            await router.choose_replicas(REPLICAS, request)
+        assert router.router.stats().in_flight == 1
+        request.future.cancel()
+        await asyncio.sleep(0)
+        assert router.router.stats().in_flight == 0 and not router._decided
+        routed = pending("b", {"prompt": PREFIX})  # a future that is fulfilled changes nothing
+        routed.future = asyncio.get_running_loop().create_future()
+        ((chosen,), _rest) = await router.choose_replicas(REPLICAS, routed)
+        routed.future.set_result(chosen)
+        await asyncio.sleep(0)
+        router.on_request_routed(routed, chosen.replica_id, None)
+        router.on_request_completed(chosen.replica_id, "b")
 
     asyncio.run(run())
     assert router.errors == 0
