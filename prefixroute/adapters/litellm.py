@@ -191,17 +191,18 @@ class PrefixRouteHook(CustomLogger):
                 held.pop(decision_id, None)
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
-        """The calling task ended: its calls are over (cancelled, raised or returned), except a stream it returned
-        (``create_task(router.acompletion(..., stream=True))``), which its success or failure callback ends."""
+        """The calling task ended: its calls are over, except a stream of a task that was not cancelled (it may have
+        returned it: ``create_task(router.acompletion(..., stream=True))``), which its success or failure callback
+        ends, or else its lease. The task's result is not read, so an exception nobody retrieved is still reported
+        by asyncio as usual."""
         try:
             with self._tasks_lock:
                 held = self._by_task.pop(task, None) or {}
                 for decision_id in held:
                     self._task_of.pop(decision_id, None)
-            returned = None if task.cancelled() else getattr(task, "_result", _UNKNOWN)
-            stream_returned = returned is _UNKNOWN or hasattr(returned, "__aiter__")
+            cancelled = task.cancelled()
             for decision_id, stream in held.items():
-                if not (stream and stream_returned):
+                if cancelled or not stream:
                     self.router.finish(decision_id)
         except Exception:
             self.errors += 1
@@ -231,9 +232,6 @@ class PrefixRouteHook(CustomLogger):
         except Exception:  # a Mapping whose get() raises: log, count, go on
             self.errors += 1
             _log.exception("prefixroute could not finish a LiteLLM request")
-
-
-_UNKNOWN = object()
 
 
 def _group_names(groups: object, what: str) -> frozenset[str]:
