@@ -72,11 +72,11 @@ class QueuedTimesFactor(_Variant):
         return (c.pending_prefill_tokens + c.uncached_tokens) * (1 + c.in_flight)
 
 
-class PrefillCountedTwice(_Variant):
-    label = "× (1 + in flight + in prefill)"
+class InFlightOnly(_Variant):
+    label = "× (1 + in flight), the default before"
 
     def work(self, c: Candidate) -> float:
-        return c.pending_prefill_tokens + c.uncached_tokens * (1 + c.in_flight + c.in_prefill)
+        return c.pending_prefill_tokens + c.uncached_tokens * (1 + c.in_flight)
 
 
 class InPrefillOnly(_Variant):
@@ -93,7 +93,7 @@ VARIANTS = (
     PastPrefillOnly,
     InPrefillOnly,
     QueuedTimesFactor,
-    PrefillCountedTwice,
+    InFlightOnly,
 )
 
 

@@ -288,15 +288,17 @@ class PredictedTTFT(LoadPolicy):
     A request's first token waits for the prefill work queued ahead of it (``pending_prefill_tokens``) and for its
     own uncached tokens (:attr:`Candidate.uncached_tokens`). While those tokens are prefilled, every request in flight
     on that backend waits as long (a vLLM step carries the prefill chunk and every decode together), so the request's
-    own prefill counts once for itself and once for each request in flight there. All of it stretches as the KV
-    memory fills (a fuller cache admits fewer requests at once, and a request that does not fit waits for others to
-    finish)::
+    own prefill counts once for itself and once for each request in flight there; a request still in prefill
+    (:attr:`Candidate.in_prefill`) counts once more, as it shares the step's token budget with this prefill and has
+    its whole decode still ahead of it. All of it stretches as the KV memory fills (a fuller cache admits fewer
+    requests at once, and a request that does not fit waits for others to finish)::
 
-        cost = (pending_prefill_tokens + uncached_tokens × (1 + in_flight)) / (1 - min(kv_fraction, kv_cap))
+        cost = (pending_prefill_tokens + uncached_tokens × (1 + in_flight + in_prefill))
+               / (1 - min(kv_fraction, kv_cap))
 
-    That is the increase of the sum of every request's wait, in tokens of prefill work; no constant depends on the
-    model or the GPU: tokens compare the backends of one fleet without knowing their speed, and the in-flight
-    factor is a count. ``kv_fraction`` (:func:`kv_fraction`) is the router's distinct in-flight blocks over the
+    That is, in tokens of prefill work, the wait the request adds to every request's; no constant depends on the
+    model or the GPU: tokens compare the backends of one fleet without knowing their speed, and the factors are
+    counts. ``kv_fraction`` (:func:`kv_fraction`) is the router's distinct in-flight blocks over the
     backend's capacity when that is known (a shared prefix counted once; requests still waiting for memory
     included), else the engine's ``kv_usage`` from metrics, else 0. ``kv_cap`` (0.95) bounds the stretch at 20×, so
     a full backend is a poor choice but never an impossible one. With ``use_speed=True`` the work is divided by each
@@ -313,11 +315,11 @@ class PredictedTTFT(LoadPolicy):
     placement order, so a choice is deterministic given the candidates and router replicas agree.
     O(len(candidates)).
 
-    >>> busy_cached = Candidate("a", 4096, 4224, 3, pending_prefill_tokens=3000)
+    >>> busy_cached = Candidate("a", 4096, 4224, 3, pending_prefill_tokens=3000, in_prefill=1)
     >>> idle_cold = Candidate("b", 0, 4224, 0)
-    >>> PredictedTTFT().choose([busy_cached, idle_cold]).backend  # 3000 + 128 × 4 = 3512 < 4224
+    >>> PredictedTTFT().choose([busy_cached, idle_cold]).backend  # 3000 + 128 × (1 + 3 + 1) = 3640 < 4224
     'a'
-    >>> PredictedTTFT().choose([busy_cached._replace(in_flight=12), idle_cold]).backend  # 3000 + 128 × 13 = 4664
+    >>> PredictedTTFT().choose([busy_cached._replace(in_flight=12), idle_cold]).backend  # 3000 + 128 × 14 = 4792
     'b'
     """
 
@@ -334,7 +336,8 @@ class PredictedTTFT(LoadPolicy):
 
     def cost(self, candidate: Candidate, *, speed: float = 1.0) -> float:
         """Predicted added waiting on ``candidate``, in tokens of prefill work (in seconds given a ``speed``). O(1)."""
-        work = candidate.pending_prefill_tokens + candidate.uncached_tokens * (1 + candidate.in_flight)
+        waiting = 1 + candidate.in_flight + candidate.in_prefill
+        work = candidate.pending_prefill_tokens + candidate.uncached_tokens * waiting
         return work / speed / (1.0 - min(kv_fraction(candidate), self.kv_cap))
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
@@ -362,7 +365,7 @@ class PredictedTTFT(LoadPolicy):
         best = candidates[0]
         best_cost = math.inf
         for candidate in candidates:
-            _, matched, prompt, in_flight, _, usage, pending, _, capacity, _, active, _, _ = candidate
+            _, matched, prompt, in_flight, _, usage, pending, _, capacity, _, active, in_prefill, _ = candidate
             if capacity:
                 fraction = active / capacity  # kv_fraction(), inlined
                 if fraction > 1.0:
@@ -371,7 +374,7 @@ class PredictedTTFT(LoadPolicy):
                 fraction = 0.0 if usage is None else usage
             if fraction > cap:
                 fraction = cap
-            predicted = (pending + (prompt - matched) * (1 + in_flight)) / (1.0 - fraction)
+            predicted = (pending + (prompt - matched) * (1 + in_flight + in_prefill)) / (1.0 - fraction)
             if predicted < best_cost:
                 best, best_cost = candidate, predicted
         return best
