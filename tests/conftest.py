@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -50,3 +51,14 @@ def running_engines(count: int, **options: Any) -> Iterator[list[OpenAIEngine]]:
     finally:
         for engine in started:
             engine.stop()
+
+
+@pytest.fixture
+def switchy() -> Iterator[None]:
+    """Force thread switches every few bytecodes, so races show up in a short run."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(interval)

@@ -6,9 +6,8 @@ from __future__ import annotations
 import array
 import math
 import random
-import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -241,16 +240,6 @@ def test_a_decision_reused_after_its_backend_left_and_came_back_counts_once() ->
     assert router.in_flight(decision.backend) == 0
     assert router.stats().ignored == 2
     assert router.index.match(decision._hashes, [decision.backend])[decision.backend] == 2
-
-
-@pytest.fixture
-def switchy() -> Iterator[None]:
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(interval)
 
 
 def test_every_call_from_many_threads_leaves_exact_counts_and_a_valid_index(switchy: None) -> None:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import math
 import random
-import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import pytest
 
@@ -219,17 +218,6 @@ def test_a_user_index_subclass_is_the_one_used() -> None:
         Router(block_size=8, index=Recording())
     with pytest.raises(ConfigurationError, match="capacity_blocks"):
         Router(block_size=4, index=Recording(), capacity_blocks=10)
-
-
-@pytest.fixture
-def switchy() -> Iterator[None]:
-    """Force thread switches every few bytecodes, so races show up in a short run."""
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(interval)
 
 
 def test_concurrent_routes_namespaces_removals_capacity_changes_and_clears_leave_exact_counts(switchy: None) -> None:
