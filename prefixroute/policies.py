@@ -290,7 +290,9 @@ class PredictedTTFT(LoadPolicy):
     on that backend waits as long (a vLLM step carries the prefill chunk and every decode together), so the request's
     own prefill counts once for itself and once for each request in flight there; a request still in prefill
     (:attr:`Candidate.in_prefill`) counts once more, as it shares the step's token budget with this prefill and has
-    its whole decode still ahead of it. All of it stretches as the KV memory fills (a fuller cache admits fewer
+    its whole decode still ahead of it. With engine metrics, the engine's waiting queue (``queue_len``) stands in for
+    ``in_prefill`` when it is longer (requests of other router replicas, which this router does not count), and
+    ``in_flight`` is at least that. All of it stretches as the KV memory fills (a fuller cache admits fewer
     requests at once, and a request that does not fit waits for others to finish)::
 
         cost = (pending_prefill_tokens + uncached_tokens × (1 + in_flight + in_prefill))
@@ -336,8 +338,10 @@ class PredictedTTFT(LoadPolicy):
 
     def cost(self, candidate: Candidate, *, speed: float = 1.0) -> float:
         """Predicted added waiting on ``candidate``, in tokens of prefill work (in seconds given a ``speed``). O(1)."""
-        waiting = 1 + candidate.in_flight + candidate.in_prefill
-        work = candidate.pending_prefill_tokens + candidate.uncached_tokens * waiting
+        in_flight, in_prefill, queued = candidate.in_flight, candidate.in_prefill, candidate.queue_len or 0
+        if queued > in_prefill:  # the engine's waiting queue shows requests this router does not count
+            in_prefill, in_flight = queued, max(in_flight, queued)
+        work = candidate.pending_prefill_tokens + candidate.uncached_tokens * (1 + in_flight + in_prefill)
         return work / speed / (1.0 - min(kv_fraction(candidate), self.kv_cap))
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
@@ -365,7 +369,7 @@ class PredictedTTFT(LoadPolicy):
         best = candidates[0]
         best_cost = math.inf
         for candidate in candidates:
-            _, matched, prompt, in_flight, _, usage, pending, _, capacity, _, active, in_prefill, _ = candidate
+            _, matched, prompt, in_flight, queued, usage, pending, _, capacity, _, active, in_prefill, _ = candidate
             if capacity:
                 fraction = active / capacity  # kv_fraction(), inlined
                 if fraction > 1.0:
@@ -374,6 +378,10 @@ class PredictedTTFT(LoadPolicy):
                 fraction = 0.0 if usage is None else usage
             if fraction > cap:
                 fraction = cap
+            if queued and queued > in_prefill:  # as in cost(): the engine's waiting queue, when longer
+                in_prefill = queued
+                if in_flight < queued:
+                    in_flight = queued
             predicted = (pending + (prompt - matched) * (1 + in_flight + in_prefill)) / (1.0 - fraction)
             if predicted < best_cost:
                 best, best_cost = candidate, predicted

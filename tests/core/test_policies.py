@@ -278,6 +278,17 @@ def test_predicted_ttft_uses_learned_speeds_only_when_asked() -> None:
     assert PredictedTTFT(use_speed=True).cost(unknown, speed=8000.0) == pytest.approx(6000 / 8000)
 
 
+def test_predicted_ttft_reads_a_longer_engine_queue_as_requests_in_prefill() -> None:
+    """Another router replica's requests show only in the engine's waiting queue (metrics)."""
+    quiet = Candidate("quiet", 0, 1000, 2, in_prefill=1)
+    queued = Candidate("queued", 0, 1000, 2, in_prefill=1, queue_len=4)  # 4 waiting: 1000 x (1 + 4 + 4)
+    assert PredictedTTFT().cost(quiet) == 4000 and PredictedTTFT().cost(queued) == 9000
+    assert PredictedTTFT().choose([queued, quiet]) is quiet
+    shorter = queued._replace(queue_len=0)  # a queue shorter than the router's own count changes nothing
+    assert PredictedTTFT().cost(shorter) == PredictedTTFT().cost(quiet)
+    assert PredictedTTFT().choose([shorter, quiet]) is shorter  # equal: placement order
+
+
 def test_predicted_ttft_options_and_kv_fraction() -> None:
     for bad in (1.0, -0.1, True, "0.9"):
         with pytest.raises(ConfigurationError, match="kv_cap"):
