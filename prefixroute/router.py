@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 import random
 import threading
 import time
@@ -33,8 +34,6 @@ ignores prefixes chose (``"policy"``)."""
 
 # The largest engine queue length set_engine_load() takes, plus one: policies multiply loads by floats.
 _QUEUE_LIMIT = 2**63
-
-_NO_SPEED = float("inf")
 
 # A prefill-speed estimate follows observed first tokens with this weight per observation (unit-free).
 _SPEED_WEIGHT = 0.2
@@ -528,7 +527,7 @@ class Router:
             elapsed = self._clock() - request.started_at
             work = request.pending_before + request.uncached
             observed = work / elapsed if elapsed > 0 and work > 0 else 0.0
-            if 0.0 < observed < _NO_SPEED:  # an elapsed time of a few subnormal seconds makes an infinite speed
+            if 0.0 < observed < math.inf:  # an elapsed time of a few subnormal seconds makes an infinite speed
                 previous = self._speed.get(backend)
                 self._speed[backend] = (
                     observed if previous is None else previous + _SPEED_WEIGHT * (observed - previous)
