@@ -22,7 +22,7 @@ import msgspec
 from aiohttp import web
 
 from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens
-from prefixroute.adapters.serve.contract import json_error
+from prefixroute.adapters.serve.contract import base_model_names, json_error
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.adapters.urls import check_backend_url
 from prefixroute.errors import ConfigurationError
@@ -407,10 +407,8 @@ class Proxy:
         return await asyncio.gather(*(models(b) for b in self.healthy_backends()), return_exceptions=True)
 
     def _merge_models(self, answers: list[list[dict[str, Any]] | BaseException]) -> list[dict[str, Any]] | None:
-        """The cards of ``answers`` merged by id (None: no backend gave a list); learn the base models from them.
-
-        A card without a ``parent`` is a base model (vLLM gives LoRA adapters their base model as parent).
-        """
+        """The cards of ``answers`` merged by id (None: no backend gave a list); learn the base models from them
+        (:func:`~prefixroute.adapters.serve.contract.base_model_names`)."""
         merged: dict[str, dict[str, Any]] = {}
         for answer in answers:
             for card in answer if isinstance(answer, list) else ():
@@ -418,7 +416,7 @@ class Proxy:
         if not any(isinstance(answer, list) for answer in answers):
             return None
         if self._learn_models:
-            self._base_models = frozenset(name for name, card in merged.items() if card.get("parent") is None)
+            self._base_models = base_model_names(list(merged.values()))
         return list(merged.values())
 
     async def _healthz(self, request: web.Request) -> web.Response:

@@ -151,8 +151,8 @@ def run(args: argparse.Namespace) -> int:
 class BaseModelLearner:
     """Ask the backends' ``/v1/models`` for their base model, at start and every ``interval`` s until one answers.
 
-    A card without a ``parent`` is a base model (vLLM lists a LoRA adapter with its base model as ``parent``). The
-    names go to ``learned`` once, from a daemon thread; a backend that is down, slow (``timeout`` s) or answers
+    The base models are the cards without a ``parent`` (:func:`~prefixroute.adapters.serve.contract.base_model_names`).
+    The names go to ``learned`` once, from a daemon thread; a backend that is down, slow (``timeout`` s) or answers
     garbage is skipped.
     """
 
@@ -179,6 +179,8 @@ class BaseModelLearner:
 
     def ask(self) -> frozenset[str] | None:
         """The base models of the backends that answered (None: none did). O(backends) requests."""
+        from prefixroute.adapters.serve.contract import base_model_names  # the serve extra (msgspec): not at import
+
         names: set[str] = set()
         answered = False
         for backend in self._backends:
@@ -189,8 +191,7 @@ class BaseModelLearner:
                 continue
             if isinstance(cards, list):
                 answered = True
-                names.update(c["id"] for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)
-                             and c.get("parent") is None)  # fmt: skip
+                names |= base_model_names(cards)
         return frozenset(names) if answered else None
 
     def _run(self) -> None:

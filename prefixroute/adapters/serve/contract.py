@@ -18,6 +18,7 @@ import msgspec
 
 __all__ = [
     "BadRequest",
+    "base_model_names",
     "LifecycleBody",
     "Prompt",
     "RouteBody",
@@ -171,3 +172,15 @@ def json_error(body: bytes, exc: msgspec.DecodeError | RecursionError) -> str:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+def base_model_names(cards: object) -> frozenset[str]:
+    """The base models among OpenAI ``/v1/models`` cards: those without a ``parent`` (vLLM lists a LoRA adapter
+    with its base model as ``parent``). Anything that is not a card with a str ``id`` is skipped. O(cards)."""
+    if not isinstance(cards, list):
+        return frozenset()
+    return frozenset(
+        card["id"]
+        for card in cards
+        if isinstance(card, dict) and isinstance(card.get("id"), str) and card.get("parent") is None
+    )
