@@ -50,8 +50,8 @@ the retry's decision; its own deployment (``litellm_params.model_info.id``) tell
 
 _log = logging.getLogger("prefixroute.litellm")
 
-# Decisions one task may hold unfinished (streams it abandoned in a long-lived task); past this the oldest is left
-# to its lease, so a task that never ends cannot grow the table without end.
+# Decisions one task may hold unfinished (streams of a long-lived task); past this the oldest is left to its lease,
+# so a task that never ends cannot grow the table without end.
 _MAX_PER_TASK = 1024
 
 
@@ -100,8 +100,8 @@ class PrefixRouteHook(CustomLogger):
         self.errors = 0
         """Requests whose routing failed unexpectedly (logged; they kept LiteLLM's choice)."""
         # The decisions not yet finished by a callback, by the task that made the call: LiteLLM calls no callback
-        # for a call cancelled (a client gone, a timeout of the caller's) or a stream abandoned, so the task's end
-        # finishes them (decision id -> whether it is a stream).
+        # for a call cancelled (a client gone, a timeout of the caller's), so the task's end finishes them (decision
+        # id -> whether it is a stream: a stream is finished only by a cancelled task, see _task_done).
         self._by_task: weakref.WeakKeyDictionary[asyncio.Task[Any], dict[str, bool]] = weakref.WeakKeyDictionary()
         self._task_of: dict[str, dict[str, bool]] = {}
         self._tasks_lock = threading.Lock()
