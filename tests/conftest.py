@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,20 @@ def wait_until(predicate: Callable[[], bool], *, timeout: float = DEADLINE_S, wh
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.005)
+
+
+class TickingClock:
+    """A thread-safe clock that moves ``step`` seconds at every reading (stress tests); ``now`` can be moved too."""
+
+    def __init__(self, step: float = 1e-4) -> None:
+        self.now = 0.0
+        self._step = step
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            self.now += self._step
+            return self.now
 
 
 class FakeClock:

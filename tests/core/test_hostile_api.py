@@ -28,7 +28,7 @@ from prefixroute import (
 )
 from prefixroute.index import LRUStore
 
-from ..conftest import FakeClock
+from ..conftest import FakeClock, TickingClock
 
 TOKENS = [1, 2, 3, 40_000, 5, 6, 7, 8]
 
@@ -243,14 +243,7 @@ def test_a_decision_reused_after_its_backend_left_and_came_back_counts_once() ->
 
 
 def test_every_call_from_many_threads_leaves_exact_counts_and_a_valid_index(switchy: None) -> None:
-    clock_lock = threading.Lock()
-    ticks = [0.0]
-
-    def clock() -> float:
-        with clock_lock:
-            ticks[0] += 1e-4
-            return ticks[0]
-
+    clock = TickingClock()
     router = Router(block_size=4, capacity_blocks=200, clock=clock, lease=5.0)
     backends = ["a", "b", "c", "d"]
     namespaces: list[str | bytes] = ["", "m", b"\xff"]
@@ -303,7 +296,7 @@ def test_every_call_from_many_threads_leaves_exact_counts_and_a_valid_index(swit
         thread.join()
     assert not errors, errors[:3]
     router.index._check(chains=[router.hasher.hash(prefix) for prefix in prefixes])
-    ticks[0] += 10.0
+    clock.now += 10.0
     router.expire()
     for backend in backends:
         router.remove_backend(backend)  # ends what never expires (no lease)

@@ -20,7 +20,7 @@ from prefixroute import (
 )
 from prefixroute.hashing import BlockHasher
 
-from ..conftest import FakeClock
+from ..conftest import FakeClock, TickingClock
 
 
 def counters(router: Router, backend: str) -> tuple[int, int, int]:
@@ -221,14 +221,7 @@ def test_a_user_index_subclass_is_the_one_used() -> None:
 
 
 def test_concurrent_routes_namespaces_removals_capacity_changes_and_clears_leave_exact_counts(switchy: None) -> None:
-    clock_lock = threading.Lock()
-    ticks = [0.0]
-
-    def clock() -> float:
-        with clock_lock:
-            ticks[0] += 1e-4
-            return ticks[0]
-
+    clock = TickingClock()
     router = Router(block_size=4, capacity_blocks=500, clock=clock, lease=5.0)
     backends = [f"gpu{i}" for i in range(6)]
     prefixes = [list(range(i * 100, i * 100 + 32)) for i in range(10)]
@@ -281,7 +274,7 @@ def test_concurrent_routes_namespaces_removals_capacity_changes_and_clears_leave
     for thread in threads:
         thread.join()
     assert not errors, errors[:3]
-    ticks[0] += 10.0  # every lease is over
+    clock.now += 10.0  # every lease is over
     router.expire()
     assert router.stats().in_flight == 0
     assert [counters(router, b) for b in backends] == [(0, 0, 0)] * len(backends)
