@@ -7,8 +7,9 @@ scenarios and the two real traces, seed 0, as ``make policies`` runs them); each
 were the default, against all the other policies, by the suite's own rule (:func:`prefixroute.sim.suite.judge`).
 Prints the P99 TTFT per workload (a throughput below 0.97x the best in brackets) and how many workloads pass.
 
-Run from the repository root: ``python benchmarks/default_variants.py`` (about 10 minutes on two cores;
-``--quick`` for one short workload).
+Run from the repository root: ``python benchmarks/default_variants.py`` (about 5 minutes on two cores;
+``--quick`` for one short workload). Each class here is also a policy for the simulator, run from this folder:
+``prefixroute simulate --scenario seed --policy predicted-ttft --policy default_variants:InFlightOnly``.
 """
 
 from __future__ import annotations
@@ -84,6 +85,14 @@ class InPrefillOnly(_Variant):
 
     def work(self, c: Candidate) -> float:
         return c.pending_prefill_tokens + c.uncached_tokens * (1 + c.in_prefill)
+
+
+class LearnedSpeeds(PredictedTTFT):
+    """The default with ``use_speed=True``, by name for ``prefixroute simulate --policy default_variants:LearnedSpeeds``
+    (run from this folder); not one of the variants judged below."""
+
+    def __init__(self) -> None:
+        super().__init__(use_speed=True)
 
 
 VARIANTS = (

@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from prefixroute import Candidate, PredictedTTFT, policy_from_name
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -52,3 +56,13 @@ def test_bench_proxy_prints_latency_and_rate_rows() -> None:
 def test_default_variants_prints_a_row_per_variant() -> None:
     rows = [line for line in run("default_variants.py", "--quick", "--jobs", "1").splitlines() if line[-1:].isdigit()]
     assert len(rows) == 8 and rows[0].startswith("predicted-ttft (the default)")  # the default and 7 variants
+
+
+def test_default_variants_classes_are_policies_the_simulator_can_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # as from benchmarks/, where the docs run them
+    learned = policy_from_name("default_variants:LearnedSpeeds")
+    assert isinstance(learned, PredictedTTFT) and learned.use_speed
+    previous = policy_from_name("default_variants:InFlightOnly")
+    assert isinstance(previous, PredictedTTFT)
+    busy = Candidate("a", 0, 100, 3, in_prefill=2)
+    assert previous.cost(busy) == 100 * 4 and PredictedTTFT().cost(busy) == 100 * 6  # (1 + in flight [+ in prefill])
