@@ -35,14 +35,22 @@ __all__ = ["PromptTokenizer", "TextRouter"]
 class PromptTokenizer:
     """Text to token ids with a ``tokenizers.Tokenizer`` (thread-safe; encoding releases the GIL in Rust).
 
-    Pieces between special tokens are cached: a text holding one of the tokenizer's special tokens (``<|im_start|>``,
-    ``[INST]``, ...) is cut at them, the ids of each piece come from an LRU of up to ``cache_tokens`` ids when it was
-    seen before, the other pieces are encoded in one call, and the special tokens' own ids go between. The result is
-    exactly what one ``encode`` of the whole text gives, because the ``tokenizers`` library itself cuts a text at its
-    added tokens and encodes the pieces apart. Where that does not hold, nothing is cached and each text is encoded
-    whole: a ``Metaspace`` pre-tokenizer that marks only the text's first word (``prepend_scheme="first"``), an added
-    token matched as a single word, truncation or padding, or a post-processor whose added ids are not the same around
-    every text. A special token that strips the spaces around it, or that overlaps another added token, is not a cut.
+    Texts are cut into pieces whose ids are cached, so a long prefix that many texts share (a system prompt, earlier
+    turns, few-shot examples) is encoded once: at the tokenizer's special tokens (``<|im_start|>``, ``[INST]``, ...),
+    and, in a text or piece longer than 512 characters, at the first space between two ASCII letters after every 512
+    characters (so texts that share a prefix are cut at the same places within it). The ids of each piece come from
+    an LRU of up to ``cache_tokens`` ids when it was seen before, the other pieces are encoded in one call, and the
+    special tokens' own ids go between. The result is exactly what one ``encode`` of the whole text gives: the
+    ``tokenizers`` library itself cuts a text at its added tokens and encodes the pieces apart, and a tokenizer whose
+    pre-tokenizer splits words at spaces encodes the words on either side of one apart too.
+
+    Where that does not hold, the text is not cut there. Not at special tokens nor between words: a ``Metaspace``
+    pre-tokenizer that marks only the text's first word (``prepend_scheme="first"``), an added token matched as a
+    single word, truncation or padding, or a post-processor whose added ids are not the same around every text. Not
+    at a special token that strips the spaces around it or overlaps another added token. Not between words: a
+    normalizer that is not per character (``Prepend``, ``Replace``, ``Strip``, ...; Unicode normal forms, lower
+    case and BERT's are), no pre-tokenizer, an added token that strips spaces or holds whitespace, or a tokenizer
+    that gives other ids for any of a few probe texts cut between their words (checked once, here).
     ``cache_tokens=0`` turns the cache off.
 
     Raises:
@@ -56,9 +64,10 @@ class PromptTokenizer:
             raise ConfigurationError(f"cache_tokens must be a non-negative int number of ids, not {cache_tokens!r}")
         self._tokenizer = tokenizer
         self._add_special_tokens = add_special_tokens
-        cuts = _cut_tokens(tokenizer) if cache_tokens else {}
-        around = _added_around(tokenizer, add_special_tokens) if cuts else None
-        self._cuts = cuts if around is not None else {}
+        config: dict[str, Any] = json.loads(tokenizer.to_str()) if cache_tokens else {}
+        around = _added_around(tokenizer, add_special_tokens) if config and _cuttable(tokenizer, config) else None
+        self._cuts = _cut_tokens(tokenizer) if around is not None else {}
+        self._words = around is not None and _splits_between_words(tokenizer, config)
         self._before, self._after = around or ([], [])
         self._splitter = re.compile("|".join(map(re.escape, self._cuts))) if self._cuts else None
         self._pieces: cachetools.LRUCache[str, list[int]] = cachetools.LRUCache(max(cache_tokens, 1), getsizeof=len)
@@ -87,16 +96,19 @@ class PromptTokenizer:
 
     @property
     def caches_pieces(self) -> bool:
-        """Whether texts are cut at special tokens and their pieces cached (see the class docstring)."""
-        return self._splitter is not None
+        """Whether texts are cut at special tokens or between words and their pieces cached (see the class
+        docstring)."""
+        return self._splitter is not None or self._words
 
     def encode(self, text: str) -> list[int]:
         """Return the token ids of ``text``. O(len(text)); the encoding itself O(the pieces not cached)."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, not {type(text).__name__}")
-        if self._splitter is not None and (cuts := self._splitter.findall(text)):
+        cuts = self._splitter.findall(text) if self._splitter is not None else []
+        if cuts or (self._words and len(text) > _CHUNK_CHARS):
             try:
-                return self._encode_pieces(self._splitter.split(text), cuts)
+                pieces = self._splitter.split(text) if self._splitter is not None and cuts else [text]
+                return self._encode_pieces(pieces, cuts)
             except InvalidPromptError:  # name the position in the whole text, not in its piece
                 raise _surrogate_error(text) or InvalidPromptError("the text is not valid Unicode") from None
         # encode_batch_fast skips the character offsets that encode computes: ~40 % less time, the same ids.
@@ -105,25 +117,28 @@ class PromptTokenizer:
         return ids
 
     def _encode_pieces(self, pieces: list[str], cuts: list[str]) -> list[int]:
-        """The ids of ``pieces[0] cuts[0] pieces[1] ... pieces[-1]``: cached pieces looked up, the others encoded."""
+        """The ids of ``pieces[0] cuts[0] pieces[1] ... pieces[-1]``: each piece cut between words when it is long,
+        the cached parts looked up, the others encoded in one call."""
+        parts = [_between_words(piece) if self._words else [piece] for piece in pieces]
+        flat = [part for each in parts for part in each if part]
         with self._lock:
-            known = {piece: ids for piece in pieces if piece and (ids := self._pieces.get(piece)) is not None}
-        missing = list(dict.fromkeys(piece for piece in pieces if piece and piece not in known))
+            known = {part: ids for part in flat if (ids := self._pieces.get(part)) is not None}
+        missing = list(dict.fromkeys(part for part in flat if part not in known))
         if missing:
             encodings = self._encode(missing, add_special_tokens=False)
-            fresh = {piece: encoding.ids for piece, encoding in zip(missing, encodings, strict=True)}
+            fresh = {part: encoding.ids for part, encoding in zip(missing, encodings, strict=True)}
             with self._lock:
-                for piece, ids in fresh.items():
+                for part, ids in fresh.items():
                     if len(ids) <= self._pieces.maxsize:  # cachetools refuses (raises for) a value over the size
-                        self._pieces[piece] = ids
+                        self._pieces[part] = ids
             known.update(fresh)
         out = list(self._before)
-        for piece, cut in zip(pieces, cuts, strict=False):  # one piece more than cuts: the last is added below
-            if piece:
-                out += known[piece]
-            out.append(self._cuts[cut])
-        if pieces[-1]:
-            out += known[pieces[-1]]
+        for i, each in enumerate(parts):
+            if i:
+                out.append(self._cuts[cuts[i - 1]])
+            for part in each:
+                if part:
+                    out += known[part]
         out += self._after
         return out
 
@@ -157,16 +172,80 @@ def _surrogate_error(text: str) -> InvalidPromptError | None:
     )
 
 
-def _cut_tokens(tokenizer: Tokenizer) -> dict[str, int]:
-    """The special tokens a text can be cut at without changing its ids ({content: id}); empty when none can."""
+_CHUNK_CHARS = 512
+"""A text or piece longer than this is cut between words after about every this many characters."""
+_WORD_GAP = re.compile(r"(?<=[A-Za-z]) (?=[A-Za-z])")
+"""Where a text is cut between words: at a space between two ASCII letters, which ends a word in every pre-tokenizer
+that splits words at spaces (the space goes with the next word or on its own, never with the word before)."""
+_WORD_PROBES = (
+    "The quick brown Fox jumps over the lazy DOG, doesn't it? It's 12:30 and they'll say NO to x y z.",
+    "SELECT name FROM orders WHERE id IN (1, 2) AND total IS NULL; def f(a b): return a b",
+    "naive cafe na\u00efve caf\u00e9 Zurich \u65e5\u672c\u8a9e text  two\tspaces\nnew line ok OK oK Ok",
+    "a b c d e f g h i j k l m n o p q r s t u v w x y z A B C I am I'm you're we've",
+)
+"""Texts that a tokenizer must encode to the same ids whole and cut at each of their word gaps."""
+
+
+def _between_words(piece: str) -> list[str]:
+    """``piece`` cut at the first word gap at or after every ``_CHUNK_CHARS`` characters (one part when short).
+    O(len(piece))."""
+    if len(piece) <= _CHUNK_CHARS:
+        return [piece]
+    parts = []
+    start = 0
+    while (gap := _WORD_GAP.search(piece, start + _CHUNK_CHARS)) is not None:
+        parts.append(piece[start : gap.start()])
+        start = gap.start()
+    parts.append(piece[start:])
+    return parts
+
+
+def _cuttable(tokenizer: Tokenizer, config: dict[str, Any]) -> bool:
+    """Whether a text can be cut anywhere without changing its ids (see PromptTokenizer's docstring)."""
     if tokenizer.truncation is not None or tokenizer.padding is not None:
-        return {}
-    config = json.loads(tokenizer.to_str())
+        return False
     if _has_first_only_metaspace(config.get("pre_tokenizer")):
-        return {}
+        return False
+    return not any(token.single_word for token in tokenizer.get_added_tokens_decoder().values())
+
+
+def _splits_between_words(tokenizer: Tokenizer, config: dict[str, Any]) -> bool:
+    """Whether a text can be cut at a word gap without changing its ids. O(the probes), once per tokenizer."""
+    if config.get("pre_tokenizer") is None or not _per_character(config.get("normalizer")):
+        return False
+    for token in tokenizer.get_added_tokens_decoder().values():
+        if token.lstrip or token.rstrip or any(c.isspace() for c in token.content):
+            return False
+    for probe in _WORD_PROBES:
+        gaps = [gap.start() for gap in _WORD_GAP.finditer(probe)]
+        texts = [probe] + [side for gap in gaps for side in (probe[:gap], probe[gap:])]
+        ids = [encoding.ids for encoding in tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+        if any(ids[1 + 2 * i] + ids[2 + 2 * i] != ids[0] for i in range(len(gaps))):
+            return False
+    return True
+
+
+_PER_CHARACTER = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "StripAccents", "BertNormalizer"})
+
+
+def _per_character(normalizer: object) -> bool:
+    """Whether a normalizer's config (tokenizer.json's ``normalizer``) maps a text piece by piece: none, Unicode
+    normal forms, lower case, BERT's, or a sequence of those. ``Prepend``, ``Strip``, ``Replace``, ``Precompiled``
+    (SentencePiece's, which can fold whitespace) ... are not."""
+    if normalizer is None:
+        return True
+    if not isinstance(normalizer, dict):
+        return False
+    if normalizer.get("type") == "Sequence":
+        members = normalizer.get("normalizers")
+        return isinstance(members, list) and all(_per_character(member) for member in members)
+    return normalizer.get("type") in _PER_CHARACTER
+
+
+def _cut_tokens(tokenizer: Tokenizer) -> dict[str, int]:
+    """The special tokens a text can be cut at without changing its ids ({content: id}), for a tokenizer that is
+    :func:`_cuttable`; empty when none can."""
     added = tokenizer.get_added_tokens_decoder()
-    if any(token.single_word for token in added.values()):
-        return {}
     cuts = {
         token.content: token_id
         for token_id, token in added.items()

@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+import importlib.util
+import os
+import random
 import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
@@ -11,6 +15,7 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from prefixroute import ConfigurationError, InvalidPromptError, Router
+from prefixroute.adapters import tokenize
 from prefixroute.adapters.tokenize import PromptTokenizer, TextRouter
 
 CORPUS = [
@@ -205,26 +210,115 @@ def any_tokenizer(request: pytest.FixtureRequest) -> Tokenizer:
 
 
 @settings(max_examples=150, deadline=None)
-@given(parts=st.lists(st.sampled_from(FRAGMENTS), max_size=30), add_special_tokens=st.booleans())
+@given(
+    parts=st.lists(st.sampled_from(FRAGMENTS), max_size=30),
+    add_special_tokens=st.booleans(),
+    chunk_chars=st.sampled_from([512, 1, 3]),
+)
 def test_cached_pieces_give_exactly_the_ids_of_one_encode(
-    any_tokenizer: Tokenizer, parts: list[str], add_special_tokens: bool
+    any_tokenizer: Tokenizer, parts: list[str], add_special_tokens: bool, chunk_chars: int
 ) -> None:
+    """``chunk_chars`` below the default cuts the texts between words at every gap, or every few characters."""
     text = "".join(parts)
     expected = any_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-    for cache_tokens in (262_144, 4):  # 4: most pieces do not fit, the others are evicted at once
-        prompt_tokenizer = PromptTokenizer(
-            any_tokenizer, add_special_tokens=add_special_tokens, cache_tokens=cache_tokens
-        )
-        assert prompt_tokenizer.encode(text) == expected
-        assert prompt_tokenizer.encode(text) == expected  # the second time from the cache
+    with mock.patch.object(tokenize, "_CHUNK_CHARS", chunk_chars):
+        for cache_tokens in (262_144, 4):  # 4: most pieces do not fit, the others are evicted at once
+            prompt_tokenizer = PromptTokenizer(
+                any_tokenizer, add_special_tokens=add_special_tokens, cache_tokens=cache_tokens
+            )
+            assert prompt_tokenizer.encode(text) == expected
+            assert prompt_tokenizer.encode(text) == expected  # the second time from the cache
 
 
 def test_which_tokenizers_cut_their_texts() -> None:
-    cuts = {name: PromptTokenizer(make()).caches_pieces for name, make in TOKENIZERS.items()}
-    assert cuts == {"byte-level": True, "byte-level-prefix-space": True, "word-piece": True, "llama3": True,
-                    "metaspace-first": False, "metaspace-always": True, "lowercase-word-level": False}  # fmt: skip
-    # lowercase-word-level: its only plain special token, <|im_start|>, is inside another added token
+    def cuts(tokenizer: Tokenizer) -> tuple[bool, bool]:
+        """(at special tokens, between words)"""
+        prompt_tokenizer = PromptTokenizer(tokenizer)
+        return bool(prompt_tokenizer._cuts), prompt_tokenizer._words
+
+    assert {name: cuts(make()) for name, make in TOKENIZERS.items()} == {
+        "byte-level": (True, True),
+        "byte-level-prefix-space": (True, True),
+        "word-piece": (True, True),
+        "llama3": (True, True),
+        "metaspace-first": (False, False),
+        "metaspace-always": (True, True),
+        # its only plain special token, <|im_start|>, is inside another added token; "hello world" holds a space
+        "lowercase-word-level": (False, False),
+    }
     assert not PromptTokenizer(_byte_level(), cache_tokens=0).caches_pieces
+    assert PromptTokenizer(_bpe(normalizer=normalizers.NFKC()))._words
+    # Not between words: a normalizer that is not per character, no pre-tokenizer, one that does not split at
+    # spaces (trained so, its merges span spaces: the probes find it), an added token that strips spaces.
+    for tokenizer in (
+        _bpe(normalizer=normalizers.Sequence([normalizers.Prepend("_"), normalizers.Replace(" ", "_")])),
+        _bpe(normalizer=normalizers.Strip()),
+        _bpe(pre_tokenizer=None),
+        _bpe(pre_tokenizer=pre_tokenizers.Digits()),
+        _bpe(added=AddedToken("cd", lstrip=True)),
+    ):
+        assert not PromptTokenizer(tokenizer)._words
+
+
+def _bpe(
+    *,
+    normalizer: normalizers.Normalizer | None = None,
+    pre_tokenizer: pre_tokenizers.PreTokenizer | None = pre_tokenizers.ByteLevel(),  # noqa: B008
+    added: AddedToken | None = None,
+) -> Tokenizer:
+    """A BPE tokenizer trained on the corpus with the given normalizer and pre-tokenizer, then an added token."""
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    if normalizer is not None:
+        tokenizer.normalizer = normalizer
+    if pre_tokenizer is not None:
+        tokenizer.pre_tokenizer = pre_tokenizer
+    tokenizer = _trained(tokenizer, specials=[])
+    if added is not None:
+        tokenizer.add_tokens([added])
+    return tokenizer
+
+
+def test_a_long_shared_text_prefix_is_encoded_once() -> None:
+    """Plain text, no special tokens: the shared prefix's parts are cut between words at the same places."""
+    tokenizer = _byte_level()
+    prompt_tokenizer = PromptTokenizer(tokenizer)
+    shared = " ".join(CORPUS)  # ~5,000 characters
+    for question in ("What is a join?", "Why is the sky blue?"):
+        assert prompt_tokenizer.encode(shared + question) == tokenizer.encode(shared + question).ids
+    parts = list(prompt_tokenizer._pieces)  # in the order they were cached
+    heads = "".join(parts[:-2])
+    assert len(parts) >= 10 and shared.startswith(heads) and len(heads) > len(shared) - 600
+    assert [part.endswith("?") for part in parts[-2:]] == [True, True]  # each text's own tail, the rest shared
+    assert all(len(part) <= 600 for part in parts)
+
+
+def _real_tokenizer_files() -> list[Path]:
+    """Real models' tokenizer.json files that LiteLLM ships (DeepSeek's, Anthropic's), when it is installed."""
+    spec = importlib.util.find_spec("litellm")
+    if spec is None or not spec.submodule_search_locations:
+        if os.environ.get("CI") == "true":
+            pytest.fail("litellm is not installed: CI tests the real tokenizers it ships")
+        return []
+    folder = Path(next(iter(spec.submodule_search_locations))) / "litellm_core_utils" / "tokenizers"
+    return sorted(folder.glob("*.json"))
+
+
+@pytest.mark.parametrize("path", _real_tokenizer_files(), ids=lambda path: path.stem)
+def test_real_tokenizers_cut_texts_to_exactly_their_own_ids(path: Path) -> None:
+    """Real models' tokenizers on real text (this repository's docs and code), cut at special tokens and words."""
+    tokenizer = Tokenizer.from_file(str(path))
+    texts = [file.read_text(encoding="utf-8") for file in sorted(Path(__file__).parents[2].glob("docs/*.md"))]
+    rng = random.Random(0)
+    for add_special_tokens in (True, False):
+        prompt_tokenizer = PromptTokenizer(tokenizer, add_special_tokens=add_special_tokens)
+        assert prompt_tokenizer._words
+        for _ in range(60):
+            text = rng.choice(texts)
+            start = rng.randrange(len(text))
+            sample = text[start : start + rng.randrange(600, 6000)]
+            expected = tokenizer.encode(sample, add_special_tokens=add_special_tokens).ids
+            assert prompt_tokenizer.encode(sample) == expected
+            assert prompt_tokenizer.encode(sample) == expected
 
 
 def test_a_shared_system_prompt_is_encoded_once() -> None:
