@@ -53,10 +53,10 @@ VOCABULARY = 4000
 
 
 def build_tokenizer(folder: Path) -> Path:
-    """A word-level tokenizer.json: ``w{i}`` is token ``i + 1`` (so text and ids name the same tokens)."""
+    """A word-level tokenizer.json: ``word(i)`` is token ``i + 1`` (so text and ids name the same tokens)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    words = {f"w{i}": i + 1 for i in range(VOCABULARY)}
+    words = {word(i): i + 1 for i in range(VOCABULARY)}
     tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, **words}, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.add_special_tokens(["<|system|>", "<|user|>", "<|assistant|>"])  # the markers of serialise_chat
@@ -77,7 +77,17 @@ KINDS = ("ids", "text", "chat")
 
 
 def words(tokens: list[int]) -> str:
-    return " ".join(f"w{t - 1}" for t in tokens)
+    return " ".join(word(t - 1) for t in tokens)
+
+
+def word(i: int) -> str:
+    """``w`` then ``i`` in base 26 written with the letters a to z: words of letters, as in text."""
+    letters = ""
+    while True:
+        i, digit = divmod(i, 26)
+        letters = chr(ord("a") + digit) + letters
+        if not i:
+            return "w" + letters
 
 
 def request_bytes(prompt: list[int], *, kind: str, answer_tokens: int) -> bytes:

@@ -53,6 +53,14 @@ def test_bench_proxy_prints_latency_and_rate_rows() -> None:
         ["ids", "relay"], ["ids", "proxy"], ["text", "proxy"], ["chat", "proxy"]]  # fmt: skip
 
 
+def test_bench_tokenize_prints_both_prompt_kinds_per_tokenizer() -> None:
+    rows = [line.split() for line in run("bench_tokenize.py", "--quick").splitlines()]
+    kinds = [(row[0], row[1]) for row in rows if len(row) == 13 and row[1] in ("shared", "unique")]
+    assert kinds == [
+        (name, kind) for name in ("anthropic_tokenizer", "deepseek_tokenizer") for kind in ("shared", "unique")
+    ]
+
+
 def test_default_variants_prints_a_row_per_variant() -> None:
     rows = [line for line in run("default_variants.py", "--quick", "--jobs", "1").splitlines() if line[-1:].isdigit()]
     assert len(rows) == 8 and rows[0].startswith("predicted-ttft (the default)")  # the default and 7 variants
