@@ -97,6 +97,7 @@ def measure(name: str, tokenizer: Tokenizer, args: argparse.Namespace) -> None:
         cached = PromptTokenizer(tokenizer)
         for prefix in texts.prefixes():
             cached.encode(prefix)
+
         def cold(text: str, cached: PromptTokenizer = cached) -> list[int]:
             cached._pieces.clear()
             return cached.encode(text)

@@ -19,7 +19,7 @@ import json
 import os
 import re
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +49,9 @@ class PromptTokenizer:
     single word, truncation or padding, or a post-processor whose added ids are not the same around every text. Not
     at a special token that strips the spaces around it or overlaps another added token. Not between words: a
     normalizer that is not per character (``Prepend``, ``Replace``, ``Strip``, ...; Unicode normal forms, lower
-    case and BERT's are), no pre-tokenizer, an added token that strips spaces or holds whitespace, or a tokenizer
-    that gives other ids for any of a few probe texts cut between their words (checked once, here).
+    case and BERT's are), no pre-tokenizer that ends words at spaces, an added token that strips spaces or holds
+    whitespace, or a tokenizer that gives other ids for any of a few probe texts cut between their words (checked
+    once, here).
     ``cache_tokens=0`` turns the cache off.
 
     Raises:
@@ -205,14 +206,14 @@ def _cuttable(tokenizer: Tokenizer, config: dict[str, Any]) -> bool:
     """Whether a text can be cut anywhere without changing its ids (see PromptTokenizer's docstring)."""
     if tokenizer.truncation is not None or tokenizer.padding is not None:
         return False
-    if _has_first_only_metaspace(config.get("pre_tokenizer")):
+    if _any_node(config.get("pre_tokenizer"), _first_only_metaspace):
         return False
     return not any(token.single_word for token in tokenizer.get_added_tokens_decoder().values())
 
 
 def _splits_between_words(tokenizer: Tokenizer, config: dict[str, Any]) -> bool:
     """Whether a text can be cut at a word gap without changing its ids. O(the probes), once per tokenizer."""
-    if config.get("pre_tokenizer") is None or not _per_character(config.get("normalizer")):
+    if not _any_node(config.get("pre_tokenizer"), _splits_at_spaces) or not _per_character(config.get("normalizer")):
         return False
     for token in tokenizer.get_added_tokens_decoder().values():
         if token.lstrip or token.rstrip or any(c.isspace() for c in token.content):
@@ -286,14 +287,27 @@ def _overlapping(cuts: Iterable[str], contents: Iterable[str]) -> set[str]:
     return found
 
 
-def _has_first_only_metaspace(node: object) -> bool:
+def _any_node(node: object, test: Callable[[dict[str, Any]], bool]) -> bool:
+    """Whether ``test`` holds for an object anywhere in ``node``, a part of a tokenizer.json."""
     if isinstance(node, dict):
-        if node.get("type") == "Metaspace" and node.get("prepend_scheme", "always") == "first":
-            return True
-        return any(_has_first_only_metaspace(value) for value in node.values())
+        return test(node) or any(_any_node(value, test) for value in node.values())
     if isinstance(node, list):
-        return any(_has_first_only_metaspace(value) for value in node)
+        return any(_any_node(value, test) for value in node)
     return False
+
+
+def _first_only_metaspace(node: dict[str, Any]) -> bool:
+    return node.get("type") == "Metaspace" and node.get("prepend_scheme", "always") == "first"
+
+
+def _splits_at_spaces(node: dict[str, Any]) -> bool:
+    """Whether a pre-tokenizer ends words at spaces (a ``Split`` with its own pattern: the probes tell)."""
+    kind = node.get("type")
+    return (
+        kind in ("Whitespace", "WhitespaceSplit", "BertPreTokenizer", "Split")
+        or (kind == "ByteLevel" and node.get("use_regex", True) is True)
+        or (kind == "Metaspace" and node.get("split", True) is True)
+    )
 
 
 def _added_around(tokenizer: Tokenizer, add_special_tokens: bool) -> tuple[list[int], list[int]] | None:

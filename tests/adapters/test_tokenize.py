@@ -248,12 +248,15 @@ def test_which_tokenizers_cut_their_texts() -> None:
     }
     assert not PromptTokenizer(_byte_level(), cache_tokens=0).caches_pieces
     assert PromptTokenizer(_bpe(normalizer=normalizers.NFKC()))._words
-    # Not between words: a normalizer that is not per character, no pre-tokenizer, one that does not split at
-    # spaces (trained so, its merges span spaces: the probes find it), an added token that strips spaces.
+    # Not between words: a normalizer that is not per character, no pre-tokenizer or one that does not end words at
+    # spaces (named so, or a Digits trained to merge across spaces, which the probes find), an added token that
+    # strips spaces.
     for tokenizer in (
         _bpe(normalizer=normalizers.Sequence([normalizers.Prepend("_"), normalizers.Replace(" ", "_")])),
         _bpe(normalizer=normalizers.Strip()),
         _bpe(pre_tokenizer=None),
+        _bpe(pre_tokenizer=pre_tokenizers.ByteLevel(use_regex=False)),
+        _bpe(pre_tokenizer=pre_tokenizers.Metaspace(split=False)),
         _bpe(pre_tokenizer=pre_tokenizers.Digits()),
         _bpe(added=AddedToken("cd", lstrip=True)),
     ):
