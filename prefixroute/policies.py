@@ -298,6 +298,11 @@ class PredictedTTFT(LoadPolicy):
         cost = (pending_prefill_tokens + uncached_tokens × (1 + in_flight + in_prefill))
                / (1 - min(kv_fraction, kv_cap))
 
+    where a backend whose known capacity cannot take this request's uncached blocks beside its active ones
+    (``active_blocks + ⌈uncached_tokens / block_size⌉ > capacity_blocks``) counts as full (``kv_fraction`` 1): the
+    request would wait there for memory, or be preempted and computed again (vLLM takes blocks back from the newest
+    request), for as long as the requests there take to finish.
+
     That is, in tokens of prefill work, the wait the request adds to every request's; no constant depends on the
     model or the GPU: tokens compare the backends of one fleet without knowing their speed, and the factors are
     counts. ``kv_fraction`` (:func:`kv_fraction`) is the router's distinct in-flight blocks over the
@@ -342,7 +347,8 @@ class PredictedTTFT(LoadPolicy):
         if queued > in_prefill:  # the engine's waiting queue shows requests this router does not count
             in_prefill, in_flight = queued, max(in_flight, queued)
         work = candidate.pending_prefill_tokens + candidate.uncached_tokens * (1 + in_flight + in_prefill)
-        return work / speed / (1.0 - min(kv_fraction(candidate), self.kv_cap))
+        fraction = 1.0 if _overflows(candidate) else kv_fraction(candidate)
+        return work / speed / (1.0 - min(fraction, self.kv_cap))
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         _require_candidates(candidates)
@@ -369,10 +375,10 @@ class PredictedTTFT(LoadPolicy):
         best = candidates[0]
         best_cost = math.inf
         for candidate in candidates:
-            _, matched, prompt, in_flight, queued, usage, pending, _, capacity, _, active, in_prefill, _ = candidate
+            _, matched, prompt, in_flight, queued, usage, pending, _, capacity, _, active, in_prefill, size = candidate
             if capacity:
-                fraction = active / capacity  # kv_fraction(), inlined
-                if fraction > 1.0:
+                fraction = active / capacity  # kv_fraction() and _overflows(), inlined
+                if fraction > 1.0 or (size > 0 and active + -(-(prompt - matched) // size) > capacity):
                     fraction = 1.0
             else:
                 fraction = 0.0 if usage is None else usage
@@ -406,6 +412,14 @@ def kv_fraction(candidate: Candidate) -> float:
     if candidate.kv_usage is not None:
         return candidate.kv_usage
     return 0.0
+
+
+def _overflows(candidate: Candidate) -> bool:
+    """Whether the request's uncached blocks do not fit beside the active ones in ``candidate``'s known capacity."""
+    capacity, size = candidate.capacity_blocks, candidate.block_size
+    if not capacity or size <= 0:
+        return False
+    return candidate.active_blocks + -(-candidate.uncached_tokens // size) > capacity
 
 
 def _finite(value: object) -> float | None:

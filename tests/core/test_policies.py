@@ -230,6 +230,28 @@ def test_predicted_ttft_leaves_a_nearly_full_kv_cache_even_when_it_holds_the_pre
     assert PredictedTTFT().choose([shared, cold._replace(kv_usage=None, capacity_blocks=1000)]) is shared
 
 
+def test_predicted_ttft_sends_a_long_prompt_where_it_fits_in_the_kv_memory_left() -> None:
+    # 8K uncached tokens are 512 blocks of 16. "busy" has fewer requests but 600 of its 1,000 blocks active: the
+    # prompt would wait there for memory (or be preempted). "roomy" has more requests and room for it.
+    busy = Candidate("busy", 0, 8192, 1, active_blocks=600, capacity_blocks=1000)
+    roomy = Candidate("roomy", 0, 8192, 3, active_blocks=400, capacity_blocks=1000)
+    assert PredictedTTFT().choose([busy, roomy]) is roomy  # 8192 x 2 / 0.05 against 8192 x 4 / 0.6
+    assert PredictedTTFT().cost(busy) == PredictedTTFT().cost(busy._replace(active_blocks=1000))
+    # The same backends for a short prompt: it fits on both, and the fewer requests win.
+    short = [c._replace(prompt_tokens=256) for c in (busy, roomy)]
+    assert PredictedTTFT().choose(short).backend == "busy"  # 256 x 2 / 0.4 against 256 x 4 / 0.6
+    # The slow path (a subclass that overrides cost) and the fast one agree; a capacity that is not known, or a
+    # nonsensical block size, never counts as full.
+    assert _Same().choose([busy, roomy]) is roomy and _Same().choose(short).backend == "busy"
+    for unknown in (busy._replace(capacity_blocks=None), busy._replace(block_size=0)):
+        assert PredictedTTFT().cost(unknown) < PredictedTTFT().cost(busy)
+
+
+class _Same(PredictedTTFT):
+    def cost(self, candidate: Candidate, *, speed: float = 1.0) -> float:
+        return super().cost(candidate, speed=speed)
+
+
 def test_predicted_ttft_keeps_affinity_while_queued_work_is_less_than_the_prefill_it_saves() -> None:
     cold = Candidate("cold", 0, 4224, 0)
     # The cached backend costs its queued work plus 128 uncached tokens, once for this request and once for the
