@@ -26,6 +26,26 @@ def wait_until(predicate: Callable[[], bool], *, timeout: float = DEADLINE_S, wh
         time.sleep(0.005)
 
 
+def run_together(*jobs: Callable[[], object]) -> None:
+    """Run each job on a thread of its own, all released at once; fail with what any of them raised."""
+    barrier = threading.Barrier(len(jobs))
+    errors: list[BaseException] = []
+
+    def run(job: Callable[[], object]) -> None:
+        try:
+            barrier.wait()
+            job()
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(job,)) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors[:3]
+
+
 class TickingClock:
     """A thread-safe clock that moves ``step`` seconds at every reading (stress tests); ``now`` can be moved too."""
 

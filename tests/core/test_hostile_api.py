@@ -4,9 +4,9 @@ numbers and every call from many threads at once. Each case below failed (or cra
 from __future__ import annotations
 
 import array
+import functools
 import math
 import random
-import threading
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -28,7 +28,7 @@ from prefixroute import (
 )
 from prefixroute.index import LRUStore
 
-from ..conftest import FakeClock, TickingClock
+from ..conftest import FakeClock, TickingClock, run_together
 
 TOKENS = [1, 2, 3, 40_000, 5, 6, 7, 8]
 
@@ -248,53 +248,42 @@ def test_every_call_from_many_threads_leaves_exact_counts_and_a_valid_index(swit
     backends = ["a", "b", "c", "d"]
     namespaces: list[str | bytes] = ["", "m", b"\xff"]
     prefixes = [list(range(i * 50, i * 50 + 16)) for i in range(6)]
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(6)
 
     def worker(seed: int) -> None:
         rng = random.Random(seed)
-        try:
-            barrier.wait()
-            for _ in range(600):
-                tokens = rng.choice(prefixes) + [rng.randrange(100) for _ in range(rng.randrange(8))]
-                action = rng.randrange(12)
-                if action < 4:
-                    decision = router.route(tokens, backends)
-                    router.start(decision, lease=rng.choice([None, 1.0]))
-                    if rng.random() < 0.5:
-                        router.first_token(decision.id)
-                    if rng.random() < 0.8:
-                        router.finish(decision)
-                elif action == 4:
-                    decision = router.decide(tokens, backends, namespace=rng.choice(namespaces))
-                    router.commit(decision, rng.choice(backends))
-                elif action == 5:
-                    hashes = router.hasher.hash(tokens)
-                    router.store(rng.choice(backends), hashes)
-                    router.evict(rng.choice(backends), hashes[rng.randrange(len(hashes)) :])
-                elif action == 6:
-                    hashes = router.hasher.hash(tokens)
-                    router.write(rng.choice(backends), [(True, hashes[:2], None), (True, hashes[2:], hashes[1])])
-                elif action == 7:
-                    router.set_capacity(rng.choice(backends), rng.choice([None, 0, 10, 200]))
-                elif action == 8:
-                    router.set_engine_load(rng.choice(backends), queue_len=rng.randrange(3), kv_usage=None)
-                elif action == 9:
-                    rng.choice([router.remove_backend, router.clear_backend])(rng.choice(backends))
-                elif action == 10:
-                    router.expire()
-                    router.stats()
-                else:
-                    router.in_flight(rng.choice(backends))
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
+        for _ in range(600):
+            tokens = rng.choice(prefixes) + [rng.randrange(100) for _ in range(rng.randrange(8))]
+            action = rng.randrange(12)
+            if action < 4:
+                decision = router.route(tokens, backends)
+                router.start(decision, lease=rng.choice([None, 1.0]))
+                if rng.random() < 0.5:
+                    router.first_token(decision.id)
+                if rng.random() < 0.8:
+                    router.finish(decision)
+            elif action == 4:
+                decision = router.decide(tokens, backends, namespace=rng.choice(namespaces))
+                router.commit(decision, rng.choice(backends))
+            elif action == 5:
+                hashes = router.hasher.hash(tokens)
+                router.store(rng.choice(backends), hashes)
+                router.evict(rng.choice(backends), hashes[rng.randrange(len(hashes)) :])
+            elif action == 6:
+                hashes = router.hasher.hash(tokens)
+                router.write(rng.choice(backends), [(True, hashes[:2], None), (True, hashes[2:], hashes[1])])
+            elif action == 7:
+                router.set_capacity(rng.choice(backends), rng.choice([None, 0, 10, 200]))
+            elif action == 8:
+                router.set_engine_load(rng.choice(backends), queue_len=rng.randrange(3), kv_usage=None)
+            elif action == 9:
+                rng.choice([router.remove_backend, router.clear_backend])(rng.choice(backends))
+            elif action == 10:
+                router.expire()
+                router.stats()
+            else:
+                router.in_flight(rng.choice(backends))
 
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(6)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors[:3]
+    run_together(*(functools.partial(worker, seed) for seed in range(6)))
     router.index._check(chains=[router.hasher.hash(prefix) for prefix in prefixes])
     clock.now += 10.0
     router.expire()

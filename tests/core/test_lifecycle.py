@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import random
-import threading
 from collections.abc import Sequence
 
 import pytest
@@ -20,7 +20,7 @@ from prefixroute import (
 )
 from prefixroute.hashing import BlockHasher
 
-from ..conftest import FakeClock, TickingClock
+from ..conftest import FakeClock, TickingClock, run_together
 
 
 def counters(router: Router, backend: str) -> tuple[int, int, int]:
@@ -225,55 +225,42 @@ def test_concurrent_routes_namespaces_removals_capacity_changes_and_clears_leave
     router = Router(block_size=4, capacity_blocks=500, clock=clock, lease=5.0)
     backends = [f"gpu{i}" for i in range(6)]
     prefixes = [list(range(i * 100, i * 100 + 32)) for i in range(10)]
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(8)
 
     def requests(seed: int) -> None:
         rng = random.Random(seed)
-        try:
-            barrier.wait()
-            for n in range(1500):
-                tokens = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(0, 12))]
-                namespace = f"model-{seed}-{n % 300}"  # 8 threads x 300 > the seed cache's 1,024 entries
-                decision = router.decide(tokens, backends, namespace=namespace)
-                decision = router.commit(decision, rng.choice([c.backend for c in decision.candidates]))
-                router.start(decision)
-                if rng.random() < 0.5:
-                    router.first_token(decision)
-                if rng.random() < 0.9:  # the rest are abandoned: their leases end them
-                    router.finish(decision)
-                if rng.random() < 0.05:
-                    router.finish(decision)  # a duplicate finish
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
+        for n in range(1500):
+            tokens = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(0, 12))]
+            namespace = f"model-{seed}-{n % 300}"  # 8 threads x 300 > the seed cache's 1,024 entries
+            decision = router.decide(tokens, backends, namespace=namespace)
+            decision = router.commit(decision, rng.choice([c.backend for c in decision.candidates]))
+            router.start(decision)
+            if rng.random() < 0.5:
+                router.first_token(decision)
+            if rng.random() < 0.9:  # the rest are abandoned: their leases end them
+                router.finish(decision)
+            if rng.random() < 0.05:
+                router.finish(decision)  # a duplicate finish
 
     def churn(seed: int) -> None:
         rng = random.Random(seed)
-        try:
-            barrier.wait()
-            for _ in range(400):
-                backend = rng.choice(backends)
-                action = rng.randrange(5)
-                if action == 0:
-                    router.remove_backend(backend)
-                elif action == 1:
-                    router.set_capacity(backend, rng.choice([None, 0, 50, 500]))
-                elif action == 2:
-                    router.clear_backend(backend)
-                elif action == 3:
-                    router.set_engine_load(backend, queue_len=rng.randrange(5), kv_usage=rng.random())
-                else:
-                    router.expire()
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
+        for _ in range(400):
+            backend = rng.choice(backends)
+            action = rng.randrange(5)
+            if action == 0:
+                router.remove_backend(backend)
+            elif action == 1:
+                router.set_capacity(backend, rng.choice([None, 0, 50, 500]))
+            elif action == 2:
+                router.clear_backend(backend)
+            elif action == 3:
+                router.set_engine_load(backend, queue_len=rng.randrange(5), kv_usage=rng.random())
+            else:
+                router.expire()
 
-    threads = [threading.Thread(target=requests, args=(seed,)) for seed in range(6)]
-    threads += [threading.Thread(target=churn, args=(seed,)) for seed in (100, 101)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors[:3]
+    run_together(
+        *(functools.partial(requests, seed) for seed in range(6)),
+        *(functools.partial(churn, seed) for seed in (100, 101)),
+    )
     clock.now += 10.0  # every lease is over
     router.expire()
     assert router.stats().in_flight == 0
@@ -284,22 +271,13 @@ def test_concurrent_routes_namespaces_removals_capacity_changes_and_clears_leave
 def test_many_namespaces_from_many_threads(switchy: None) -> None:
     """More namespaces than the router's seed cache holds, from 8 threads: the cache is shared state too."""
     router = Router(block_size=4)
-    errors: list[BaseException] = []
 
     def worker(seed: int) -> None:
         rng = random.Random(seed)
-        try:
-            for _ in range(20_000):
-                router.decide([], ["a"], namespace=f"model-{rng.randrange(3000)}")
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
+        for _ in range(20_000):
+            router.decide([], ["a"], namespace=f"model-{rng.randrange(3000)}")
 
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors[:3]
+    run_together(*(functools.partial(worker, seed) for seed in range(8)))
     assert router.stats().decisions == 8 * 20_000
 
 
