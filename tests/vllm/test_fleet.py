@@ -14,7 +14,7 @@ import pytest
 
 from prefixroute import ConfigurationError, LeastLoaded, Router
 from prefixroute.testing import FakeVLLM
-from prefixroute.vllm import EventIndex, Fleet
+from prefixroute.vllm import EventIndex, Fleet, KVEventSubscriber
 
 from ..conftest import FakeClock, wait_until
 from .conftest import events_router, fresh, settle
@@ -179,7 +179,9 @@ def test_figures_older_than_stale_after_are_not_trusted() -> None:
         assert fleet.stats()["gpu0"].queue_len is None
 
 
-def test_garbage_kv_event_messages_cost_only_their_batch(engine: FakeVLLM) -> None:
+@contextmanager
+def following(engine: FakeVLLM) -> Iterator[tuple[Router, KVEventSubscriber]]:
+    """A router whose Fleet follows ``engine``'s KV events (with replay) as "gpu0", one prompt settled in its index."""
     router = events_router()
     with Fleet(router) as fleet:
         fleet.add_backend("gpu0", kv_events=engine.endpoint, replay=engine.replay_endpoint)
@@ -187,6 +189,11 @@ def test_garbage_kv_event_messages_cost_only_their_batch(engine: FakeVLLM) -> No
         assert sub is not None
         engine.complete(PROMPT)
         settle(engine, sub)
+        yield router, sub
+
+
+def test_garbage_kv_event_messages_cost_only_their_batch(engine: FakeVLLM) -> None:
+    with following(engine) as (router, sub):
         before = sub.stats()
         stored = msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, list(range(16)), 16]]])
         for payload in (  # corrupt batches: each costs its own sequence number, as a real one would
@@ -216,13 +223,7 @@ def test_hostile_batches_cost_only_themselves_and_the_index_stays_consistent(eng
     """Events naming unknown parents, removals of unknown hashes, a block size the router cannot use, extra
     frames, a sequence going backwards once, and batches as the newest vLLM sends them (maps): each is counted, the
     thread lives, and the index equals the engine's true cache and passes its own consistency check."""
-    router = events_router()
-    with Fleet(router) as fleet:
-        fleet.add_backend("gpu0", kv_events=engine.endpoint, replay=engine.replay_endpoint)
-        sub = fleet.subscriber("gpu0")
-        assert sub is not None
-        engine.complete(PROMPT)
-        settle(engine, sub)
+    with following(engine) as (router, sub):
         before = sub.stats()
 
         def stored(hashes: list[object], parent: object, block_size: int = 16) -> dict[str, object]:
