@@ -5,9 +5,10 @@ tokens each ``--token-delay-ms`` apart, so every token is its own SSE chunk as f
 ``prefixroute proxy`` in front of them (with a word-level ``tokenizer.json`` built here) run as separate processes
 on loopback; this process is the load. The proxy is pinned to CPU 0, the engines and the load to the other CPUs.
 Prompts are 2K tokens: one of 8 shared 1K-token system prompts plus a unique 1K-token suffix, sent as token ids
-(``ids``), as text that the proxy tokenizes (``text``), or as chat messages, the shared half the system message and the
-unique half the user's (``chat``: the tokenizer has the chat markers as special tokens, as a chat model's has, so the
-proxy's piece cache encodes only the user's message). The load speaks raw HTTP/1.1 on keep-alive connections,
+(``ids``), as text that the proxy tokenizes (``text``: its piece cache cuts long text between words, so the shared
+half is encoded once), or as chat messages, the shared half the system message and the unique half the user's
+(``chat``: the tokenizer has the chat markers as special tokens, as a chat model's has, so the proxy's piece cache
+encodes only the user's message). The load speaks raw HTTP/1.1 on keep-alive connections,
 so its own cost is small and the same both ways.
 
 * **Added latency**: sequential streamed requests, each prompt sent once straight to an engine and once through
