@@ -49,7 +49,7 @@ class CacheListener(Protocol):
 
 
 class BlockCache:
-    """Count KV blocks in use, free, and free-but-cached, with LRU eviction of unreferenced cached blocks.
+    """Count KV blocks in use, free, and free-but-cached, evicting cached blocks nobody references, oldest freed first.
 
     ``capacity_blocks=None`` makes the pool unbounded (nothing is ever evicted). Every method is O(blocks it
     touches). ``_check()`` asserts the invariants; tests call it after every simulator step.
@@ -69,17 +69,17 @@ class BlockCache:
     1
     """
 
-    __slots__ = ("_capacity", "_free_private", "_lru", "_private", "_refs", "evictions", "listener")
+    __slots__ = ("_capacity", "_free_private", "_free_queue", "_private", "_refs", "evictions", "listener")
 
     def __init__(self, capacity_blocks: int | None) -> None:
         if capacity_blocks is not None and (isinstance(capacity_blocks, bool) or capacity_blocks < 1):
             raise ConfigurationError(f"capacity_blocks must be a positive int or None, not {capacity_blocks!r}")
         self._capacity = capacity_blocks
-        self._refs: dict[int, int] = {}  # every cached block hash -> requests referencing it (0: free, in _lru)
+        self._refs: dict[int, int] = {}  # every cached block hash -> requests referencing it (0: free, in _free_queue)
         # vLLM's free block queue, least recently freed first: unreferenced cached blocks (their hash) and freed
         # private blocks (an _Empty each); blocks never used are not listed and are taken before any of them
-        self._lru: OrderedDict[int | _Empty, None] = OrderedDict()
-        self._free_private = 0  # _Empty entries in _lru
+        self._free_queue: OrderedDict[int | _Empty, None] = OrderedDict()
+        self._free_private = 0  # _Empty entries in _free_queue
         self._private = 0  # blocks owned by one request each, not in the cache
         self.evictions = 0
         self.listener: CacheListener | None = None  # told of blocks cached and evicted, as vLLM's KV events do
@@ -92,7 +92,7 @@ class BlockCache:
     @property
     def used_blocks(self) -> int:
         """Blocks referenced by running requests (pinned). O(1)."""
-        return len(self._refs) - (len(self._lru) - self._free_private) + self._private
+        return len(self._refs) - (len(self._free_queue) - self._free_private) + self._private
 
     @property
     def cached_blocks(self) -> int:
@@ -118,7 +118,7 @@ class BlockCache:
         """Return how many leading blocks of ``hashes`` (at most ``limit``) are cached. O(log n).
 
         A binary search: the cache is *prefix-closed* (a cached block's parent is cached: requests hold whole
-        prefixes and free them tail first, so LRU eviction takes children before parents), which makes "block k is
+        prefixes and free them tail first, so eviction takes children before parents), which makes "block k is
         cached" true for a leading run of k and false after it. ``_check()`` and the tests verify the property.
         """
         return leading_run(self._refs, hashes, limit)
@@ -129,16 +129,16 @@ class BlockCache:
         return sum(1 for h in hashes if refs[h] == 0)
 
     def acquire(self, hashes: Sequence[int]) -> None:
-        """Reference cached blocks (a request's prefix hit); unreferenced ones leave the LRU queue. O(n)."""
-        refs, lru = self._refs, self._lru
+        """Reference cached blocks (a request's prefix hit); unreferenced ones leave the free queue. O(n)."""
+        refs, free_queue = self._refs, self._free_queue
         for h in hashes:
             count = refs[h]
             if count == 0:
-                del lru[h]
+                del free_queue[h]
             refs[h] = count + 1
 
     def allocate(self, blocks: int) -> bool:
-        """Give a request ``blocks`` new private blocks, evicting LRU cached blocks if needed.
+        """Give a request ``blocks`` new private blocks, evicting the least recently freed cached blocks if needed.
 
         Returns False, changing nothing, when fewer than ``blocks`` are available. O(evicted).
         """
@@ -150,10 +150,10 @@ class BlockCache:
                 return False
             taken = len(self._refs) + self._private + self._free_private + blocks - capacity  # beyond unused ones
             if taken > 0:
-                refs, lru = self._refs, self._lru
+                refs, free_queue = self._refs, self._free_queue
                 victims: list[int] = []
                 for _ in range(taken):
-                    block = lru.popitem(last=False)[0]
+                    block = free_queue.popitem(last=False)[0]
                     if isinstance(block, _Empty):
                         self._free_private -= 1
                     else:
@@ -174,7 +174,7 @@ class BlockCache:
         finds for that prefix while the duplicate lives. So a request always holds a whole prefix. Returns how
         many private blocks became cached. O(n).
         """
-        refs, lru = self._refs, self._lru
+        refs, free_queue = self._refs, self._free_queue
         committed = 0
         listener = self.listener
         stored: list[int] = []
@@ -191,7 +191,7 @@ class BlockCache:
                     stored.append(h)
             else:
                 if count == 0:
-                    del lru[h]
+                    del free_queue[h]
                 refs[h] = count + 1
                 if stored and listener is not None:
                     listener.stored(stored, run_parent)  # one event per run of newly cached blocks, as vLLM
@@ -210,29 +210,30 @@ class BlockCache:
         (the partial last block, blocks being filled, output blocks) come last in a request's block table, so they
         are freed first. O(n).
         """
-        refs, lru = self._refs, self._lru
+        refs, free_queue = self._refs, self._free_queue
         if self._capacity is not None and private > 0:
             for _ in range(private):
-                lru[_Empty()] = None
+                free_queue[_Empty()] = None
             self._free_private += private
         for h in reversed(hashed):
             count = refs[h]
             if count == 1:
                 refs[h] = 0
-                lru[h] = None
+                free_queue[h] = None
             else:
                 refs[h] = count - 1
         self._private -= private
 
     def _check(self) -> None:
-        """Assert the invariants: capacity respected, LRU == unreferenced cached blocks, counts non-negative."""
+        """Assert the invariants: capacity respected, free queue == unreferenced cached blocks, counts non-negative."""
         assert self._private >= 0, f"negative private block count {self._private}"
         assert all(count >= 0 for count in self._refs.values()), "negative reference count"
         free = {h for h, count in self._refs.items() if count == 0}
-        assert free == {h for h in self._lru if not isinstance(h, _Empty)}, (
+        assert free == {h for h in self._free_queue if not isinstance(h, _Empty)}, (
             "free queue differs from the unreferenced cached blocks"
         )
-        assert self._free_private == sum(isinstance(h, _Empty) for h in self._lru), "miscounted freed private blocks"
+        freed_private = sum(isinstance(h, _Empty) for h in self._free_queue)
+        assert self._free_private == freed_private, "miscounted freed private blocks"
         if self._capacity is not None:
             assert self.occupied_blocks + self._free_private <= self._capacity, (
                 f"{self.occupied_blocks} blocks occupied and {self._free_private} freed, capacity {self._capacity}"
@@ -241,5 +242,5 @@ class BlockCache:
     def __repr__(self) -> str:
         return (
             f"BlockCache(capacity_blocks={self._capacity}, used={self.used_blocks}, "
-            f"cached={self.cached_blocks}, free_cached={len(self._lru) - self._free_private})"
+            f"cached={self.cached_blocks}, free_cached={len(self._free_queue) - self._free_private})"
         )
