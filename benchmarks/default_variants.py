@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class _Variant(PredictedTTFT):
-    """The default's cost with another work term: ``work(candidate) / (1 - kv_fraction)``."""
+    """The default's cost with another work term, ``work(candidate) / (1 - kv_fraction)``, and without its fit rule
+    (a backend that cannot take the request's uncached blocks counts as full) or its reading of engine queues."""
 
     label = ""
 
@@ -87,6 +88,13 @@ class InPrefillOnly(_Variant):
         return c.pending_prefill_tokens + c.uncached_tokens * (1 + c.in_prefill)
 
 
+class WithoutFitRule(_Variant):
+    label = "the default without the fit rule"
+
+    def work(self, c: Candidate) -> float:
+        return c.pending_prefill_tokens + c.uncached_tokens * (1 + c.in_flight + c.in_prefill)
+
+
 class LearnedSpeeds(PredictedTTFT):
     """The default with ``use_speed=True``, by name for ``prefixroute simulate --policy default_variants:LearnedSpeeds``
     (run from this folder); not one of the variants judged below."""
@@ -103,6 +111,7 @@ VARIANTS = (
     InPrefillOnly,
     QueuedTimesFactor,
     InFlightOnly,
+    WithoutFitRule,
 )
 
 
