@@ -178,19 +178,33 @@ def test_max_running_queues_the_rest() -> None:
         assert engine.stats().completed == 2
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+def free_port_pair() -> int:
+    """A port ``p`` such that ``p`` and ``p + 1`` were both free a moment ago (both held while checking)."""
+    while True:
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            base = int(first.getsockname()[1])
+            try:
+                second.bind(("127.0.0.1", base + 1))
+            except OSError:  # taken (or past 65535): draw another
+                continue
+            return base
 
 
 def test_the_command_line_starts_n_engines() -> None:
-    base = free_port()
-    command = [sys.executable, "-m", "prefixroute.testing.openai_engine", "--count", "2", "--base-port", str(base)]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as process:
+    for _ in range(3):  # another process may take a port between the check and the engines' bind: draw again
+        base = free_port_pair()
+        command = [sys.executable, "-m", "prefixroute.testing.openai_engine", "--count", "2", "--base-port", str(base)]
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert process.stdout is not None
+        lines = [process.stdout.readline() for _ in range(2)]
+        if all(lines):
+            break
+        assert process.wait(timeout=10) == 2
+        assert process.stderr is not None
+        assert "address already in use" in process.stderr.read()
+    with process:
         try:
-            assert process.stdout is not None
-            lines = [process.stdout.readline() for _ in range(2)]
             urls = [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
             assert [line.split()[-1] for line in lines] == urls
             reply = httpx.post(f"{urls[1]}/v1/completions", json={"prompt": "hello"})
