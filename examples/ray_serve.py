@@ -55,6 +55,7 @@ def settle(handle: DeploymentHandle[Any]) -> PrefixRouteRequestRouter:
 def main() -> None:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
+        serve.start(proxy_location="Disabled")  # calls go through handles: no HTTP proxy actor to start
         handle = serve.run(Engine.bind(), name="prefixroute-example")  # type: ignore[attr-defined]
         placed: Counter[tuple[int, str]] = Counter()
         for question in range(4):

@@ -52,6 +52,7 @@ class Replica:
 def handle() -> Iterator[Handle]:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
+        serve.start(proxy_location="Disabled")  # calls go through handles: no HTTP proxy actor to start
         yield serve.run(
             Replica.bind(),  # type: ignore[attr-defined]  # serve.deployment's class
             name="prefixroute-test",
