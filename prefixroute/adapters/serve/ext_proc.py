@@ -48,6 +48,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         path = ""
         body: list[bytes] = []
         decision_id: str | None = None
+        picked = False
         answered_first = False
         try:
             async for request in requests:
@@ -56,10 +57,12 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     path = _header(request.request_headers.headers, ":path").split("?", 1)[0]
                     yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
                 elif kind == "request_body":
-                    body.append(request.request_body.body)
-                    if not request.request_body.end_of_stream:
+                    if not picked:
+                        body.append(request.request_body.body)
+                    if picked or not request.request_body.end_of_stream:  # body sent past its end: ignored
                         yield pb.ProcessingResponse(request_body=pb.BodyResponse())
                         continue
+                    picked = True  # one pick a stream: a second decision would leave the first in flight
                     decision_id, response = await self._pick(path, b"".join(body))
                     yield response
                 elif kind == "response_headers":
