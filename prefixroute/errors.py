@@ -6,7 +6,7 @@
     ├── ConfigurationError     a bad option or argument: unknown policy name, negative capacity, a backend twice
     ├── InvalidPromptError     a token id that is not an int in [0, 2**32), or an unsupported prompt type
     ├── NoBackendError         route() was given no backend to choose from (also a LookupError)
-    ├── PolicyError            a policy returned something that is not one of its candidates (also a TypeError)
+    ├── PolicyError            a policy returned something that is not one of its candidates, or raised (a TypeError)
     ├── DecisionError          a decision given to a router that did not make it, or committed elsewhere
     ├── InvalidEventError      a malformed vLLM KV-cache event
     ├── InvalidTraceError      a malformed line in a workload trace
@@ -49,8 +49,9 @@ class NoBackendError(PrefixRouteError, LookupError):
 
 
 class PolicyError(PrefixRouteError, TypeError):
-    """A :class:`~prefixroute.LoadPolicy` returned something other than one of the candidates it was given, or, in a
-    simulation (:func:`prefixroute.sim.run_policy`), raised from its ``choose()`` (the original is its cause)."""
+    """A :class:`~prefixroute.LoadPolicy` returned something other than one of the candidates it was given, or its
+    ``choose()`` raised an exception that is not a :class:`PrefixRouteError` (the original is this error's cause):
+    a fault of the policy, which a gateway answers as its own (HTTP 500), not as the client's."""
 
 
 class DecisionError(PrefixRouteError, ValueError):

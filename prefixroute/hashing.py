@@ -50,6 +50,8 @@ def encode_tokens(tokens: Tokens) -> bytes:
     Accepts ``list``/``tuple`` of ints, ``array.array`` of an integer type, 1-D numpy integer arrays, ``bytes``/
     ``bytearray`` (and a ``memoryview`` of bytes, format ``'B'``) already holding little-endian uint32 ids, and a
     1-D ``memoryview`` of another integer format (``'I'``, ``'Q'``, ``'i'``...), read item by item. O(n).
+    Python's ``bool`` is an ``int``, so ``True`` and ``False`` in a list pass as ids 1 and 0 (telling them apart
+    would double the cost of a route); a numpy ``bool`` array is refused, and the gateways refuse JSON booleans.
 
     Raises:
         InvalidPromptError: a token id is negative, too large or not an int (the message names its position), a

@@ -18,7 +18,14 @@ import cachetools
 import xxhash
 
 from prefixroute._numbers import is_finite_number, shown
-from prefixroute.errors import ConfigurationError, DecisionError, InvalidEventError, NoBackendError, PolicyError
+from prefixroute.errors import (
+    ConfigurationError,
+    DecisionError,
+    InvalidEventError,
+    NoBackendError,
+    PolicyError,
+    PrefixRouteError,
+)
 from prefixroute.hashing import BlockHasher, Tokens, encode_tokens, namespace_seed
 from prefixroute.index import IndexUpdate, PrefixIndex, _python_ints, apply_updates
 from prefixroute.policies import Candidate, LoadPolicy, PredictedTTFT
@@ -329,7 +336,8 @@ class Router:
             ConfigurationError: ``backends`` names a backend twice.
             TypeError: a backend id is not a str, or the prompt is not a token sequence.
             InvalidPromptError: a token id is not an int in [0, 2**32) (the message names its position).
-            PolicyError: the policy returned something that is not one of its candidates (nothing is recorded).
+            PolicyError: the policy returned something that is not one of its candidates, or raised an exception
+                that is not a :class:`PrefixRouteError` (the original is the cause); nothing is recorded.
         """
         return self._decide(prompt_tokens, backends, namespace, commit=True)
 
@@ -401,7 +409,15 @@ class Router:
                 self._expire(now)
             matched = index.match(hashes, order)
             candidates = self._candidates(order, matched, prompt_len)
-            chosen = self._policy.choose(candidates)
+            try:
+                chosen = self._policy.choose(candidates)
+            except PrefixRouteError:  # the library's own (a call back into the router, a policy's deliberate one)
+                raise
+            except Exception as exc:  # a bug in the policy: one error a gateway can tell from a bad request
+                raise PolicyError(
+                    f"policy {self._policy!r} raised {type(exc).__name__}: {exc} (in its choose(); the original "
+                    "exception is this one's __cause__; fix the policy)"
+                ) from exc
             if not _is_one_of(chosen, candidates):
                 raise PolicyError(
                     f"policy {self._policy!r} returned {chosen!r}, which is not one of the candidates it was given: "

@@ -311,26 +311,9 @@ def run_policy(
     name = label or (policy if isinstance(policy, str) else repr(load_policy))
     try:
         outcome = simulation.run()
-    except PrefixRouteError:
-        raise
-    except Exception as exc:
-        if not _raised_by(exc, load_policy):
-            raise
-        raise PolicyError(
-            f"policy {name!r} raised {type(exc).__name__}: {exc} (in its choose(); fix the policy, "
-            "or run it with run_policy() from Python to see the traceback)"
-        ) from exc
+    except PolicyError as exc:  # the router's; named as the user named the policy (its repr may not say which)
+        raise PolicyError(f"{name}: {exc}") from (exc.__cause__ or exc)
     return summarize(outcome, policy=name, gpu_hour_usd=spec.gpu_hour_usd)
-
-
-def _raised_by(exc: BaseException, policy: LoadPolicy) -> bool:
-    """Whether ``exc`` came out of one of ``policy``'s own methods (a frame whose ``self`` is the policy)."""
-    tb = exc.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_locals.get("self") is policy:
-            return True
-        tb = tb.tb_next
-    return False
 
 
 class _SimClock:

@@ -6,17 +6,20 @@ The backends here are small aiohttp apps or raw sockets on loopback, each misbeh
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 import socket
 import socketserver
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+import zlib
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 import httpx
 import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixroute import ConfigurationError, Router
+from prefixroute import Candidate, ConfigurationError, LoadPolicy, Router
 from prefixroute.adapters.proxy import Proxy
 from prefixroute.adapters.proxy.cli import build
 from prefixroute.adapters.threaded import ServerThread
@@ -239,3 +242,56 @@ def test_models_a_backend_refuses_relay_its_refusal_not_a_502(backend: Backend, 
     with Proxy(Router(), [start(keyed), good.url], base_models=[]) as proxy:
         merged = httpx.get(proxy.url + "/v1/models")  # one backend answered: its models, not the other's refusal
         assert merged.status_code == 200 and [card["id"] for card in merged.json()["data"]] == ["fake-model"]
+
+
+def test_a_compressed_request_body_goes_on_decoded_and_a_corrupt_one_is_a_bad_request(good: OpenAIEngine) -> None:
+    plain = json.dumps({"prompt": [1, 2, 3], "max_tokens": 2}).encode()
+    with Proxy(Router(), [good.url], base_models=[]) as proxy:
+        for encoding, body in [("gzip", gzip.compress(plain)), ("deflate", zlib.compress(plain))]:
+            headers = {"Content-Type": "application/json", "Content-Encoding": encoding}
+            for _ in range(4):  # more than max_failures: a client's encoding must never take a backend out
+                reply = httpx.post(proxy.url + "/v1/completions", content=body, headers=headers)
+                assert reply.status_code == 200, reply.text
+                assert reply.json()["usage"]["prompt_tokens"] == 3
+        corrupt = httpx.post(proxy.url + "/v1/completions", content=plain, headers={"Content-Encoding": "gzip"})
+        assert corrupt.status_code == 400 and corrupt.json()["error"]["type"] == "BadRequestError"
+        stats = proxy.stats()
+        assert (stats.ok, stats.bad_request, stats.backend_error, stats.unhealthy) == (8, 1, 0, ())
+        assert idle(proxy)
+
+
+def test_a_body_over_the_limit_is_a_counted_bad_request() -> None:
+    with Proxy(Router(), [f"http://127.0.0.1:{free_port()}"], base_models=[]) as proxy:
+        reply = httpx.post(proxy.url + "/v1/completions", content=b" " * ((64 << 20) + 1))
+        assert reply.status_code == 413 and reply.json()["error"]["code"] == 413
+        assert proxy.stats().bad_request == 1
+
+
+def test_json_booleans_are_not_token_ids() -> None:
+    with Proxy(Router(), [f"http://127.0.0.1:{free_port()}"], base_models=[]) as proxy:
+        for prompt in ([5, True, 7], [[False, 1]]):
+            reply = httpx.post(proxy.url + "/v1/completions", json={"prompt": prompt})
+            assert reply.status_code == 400 and "token ids are integers" in reply.json()["error"]["message"]
+        assert proxy.stats().bad_request == 2 and proxy.router.stats().decisions == 0
+
+
+class _Raises(LoadPolicy):
+    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        raise ValueError("a bug in the policy")
+
+
+class _Stranger(LoadPolicy):
+    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        return candidates[0]._replace(backend="elsewhere")
+
+
+@pytest.mark.parametrize("policy", [_Raises(), _Stranger()])
+def test_a_failing_policy_is_the_proxys_fault_not_the_clients(policy: LoadPolicy, good: OpenAIEngine) -> None:
+    with Proxy(Router(policy=policy), [good.url], base_models=[]) as proxy:
+        reply = httpx.post(proxy.url + "/v1/completions", json={"prompt": "hello"})
+        assert reply.status_code == 500 and reply.json()["error"]["type"] == "InternalServerError"
+        assert "policy" in reply.json()["error"]["message"]
+        stats = proxy.stats()
+        assert (stats.internal_error, stats.bad_request) == (1, 0)
+        assert 'prefixroute_proxy_requests_total{outcome="internal_error"} 1' in proxy.metrics_text()
+        assert idle(proxy)

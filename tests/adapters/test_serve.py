@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from prefixroute import Router
+from prefixroute import Candidate, LoadPolicy, Router
 from prefixroute.adapters.serve import PromptEncoder, Sidecar, release_ids, upstream_of
 from prefixroute.adapters.serve.loopback import free_port, start_sidecar
 from prefixroute.errors import ConfigurationError
@@ -169,6 +169,27 @@ def test_pick_mode_answers_in_headers_for_nginx_and_haproxy() -> None:
     assert batch.json()["backend"] == reply.json()["backend"]  # a batch goes where its first prompt goes
     assert call(sidecar, "POST", "/v1/chat/completions", {"messages": "hi"}).status_code == 400
     assert call(sidecar, "POST", "/v1/completions", {"prompt": [1, -2]}).status_code == 400
+
+
+class _Buggy(LoadPolicy):
+    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        raise ValueError("a bug in the policy")
+
+
+class _Stranger(LoadPolicy):
+    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        return candidates[0]._replace(backend="elsewhere")
+
+
+@pytest.mark.parametrize("policy", [_Buggy(), _Stranger()])
+@pytest.mark.parametrize(
+    ("path", "body"), [("/route", {"prompt_token_ids": [1, 2]}), ("/v1/completions", {"prompt": [1]})]
+)
+def test_a_failing_policy_is_a_500_in_json_not_the_clients_fault(policy: LoadPolicy, path: str, body: Any) -> None:
+    sidecar = Sidecar(Router(policy=policy), backends=BACKENDS)
+    reply = call(sidecar, "POST", path, body)
+    assert reply.status_code == 500 and "routing policy failed" in reply.json()["error"]
+    assert sidecar.stats()["bad_requests"] == {"500": 1} and sidecar.router.stats().in_flight == 0
 
 
 def test_text_and_chat_prompts_use_the_model_tokenizer_and_template(model_dir: Path) -> None:

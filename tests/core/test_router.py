@@ -173,6 +173,29 @@ def test_a_policy_returning_a_foreign_candidate_is_an_error_and_changes_nothing(
     assert len(router.index) == 0
 
 
+@pytest.mark.parametrize("error", [KeyError("boom"), ValueError("boom"), TypeError("boom")])
+def test_an_exception_from_a_policy_is_a_policy_error_with_its_cause_and_changes_nothing(error: Exception) -> None:
+    class Buggy(LoadPolicy):
+        def choose(self, candidates: object) -> Candidate:
+            raise error
+
+    router = Router(policy=Buggy())
+    with pytest.raises(PolicyError, match=f"raised {type(error).__name__}: .*boom") as raised:
+        router.route(list(range(64)), ["a", "b"])
+    assert raised.value.__cause__ is error
+    stats = router.stats()  # takes the router's lock: released when choose() raised
+    assert (len(router.index), stats.decisions, stats.in_flight) == (0, 0, 0)
+
+
+def test_a_library_error_from_a_policy_passes_through() -> None:
+    class Refuses(LoadPolicy):
+        def choose(self, candidates: object) -> Candidate:
+            raise NoBackendError("no acceptable backend")
+
+    with pytest.raises(NoBackendError, match="no acceptable backend"):
+        Router(policy=Refuses()).route(list(range(64)), ["a"])
+
+
 def test_track_counts_until_exit_also_on_exception() -> None:
     router = Router()
     decision = router.route(list(range(32)), ["a"])

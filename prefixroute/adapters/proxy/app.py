@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import msgspec
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens
 from prefixroute.adapters.serve.contract import base_model_names, json_error
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.adapters.urls import check_backend_url
-from prefixroute.errors import ConfigurationError
+from prefixroute.errors import ConfigurationError, PolicyError
 from prefixroute.router import Decision, Router
 
 if TYPE_CHECKING:
@@ -40,10 +41,13 @@ _log = logging.getLogger("prefixroute.proxy")
 _UNREACHED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 # A backend that breaks off its answer midway (closes, or sends less than it announced).
 _BROKE_OFF = (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
-_OUTCOMES = ("ok", "backend_error", "unreachable", "client_disconnect", "bad_request")
+_OUTCOMES = ("ok", "backend_error", "unreachable", "client_disconnect", "bad_request", "internal_error")
 # Headers that belong to one connection (RFC 9110 7.6.1), or that the proxy sets itself: not relayed either way.
 _HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
                          "te", "trailer", "transfer-encoding", "upgrade", "host", "content-length"))  # fmt: skip
+# The client's headers not forwarded with its body: aiohttp has already decoded a compressed body (gzip, deflate),
+# so the body goes on plain, and the engine must not decode it again.
+_NOT_FORWARDED = _HOP_BY_HOP | {"content-encoding"}
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,10 @@ class ProxyStats:
     client_disconnect: int
     """The client left before the answer was complete."""
     bad_request: int
-    """Refused before routing (400): not JSON, no prompt, bad token ids."""
+    """Refused before routing (400, or 413 for a body over 64 MiB): not JSON, no prompt, bad token ids, a body
+    that does not decompress as its ``Content-Encoding`` says."""
+    internal_error: int
+    """The proxy's own fault (500): the routing policy raised, or returned something that is not a candidate."""
     retries: int
     """Requests sent to another backend after the chosen one refused the connection."""
     unhealthy: tuple[str, ...]
@@ -212,6 +219,7 @@ class Proxy:
             unreachable=counts["unreachable"],
             client_disconnect=counts["client_disconnect"],
             bad_request=counts["bad_request"],
+            internal_error=counts["internal_error"],
             retries=counts["retries"],
             unhealthy=down,
         )
@@ -252,8 +260,8 @@ class Proxy:
         return await self._proxy(request, chat=True)
 
     async def _proxy(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        raw = await request.read()
         try:
+            raw = await request.read()
             body = _decode(raw)
             tokens = request_tokens(body, chat=chat, encoder=self._encoder)
             namespace = self.namespace(body)
@@ -261,13 +269,27 @@ class Proxy:
                 self._learn_later(_auth(request))
             backends = self.healthy_backends()
             decision = self.router.commit(self.router.decide(tokens, backends, namespace=namespace))
+        except PolicyError as exc:  # the policy's fault, not the client's (it is a TypeError too: caught first)
+            _log.error("the routing policy failed: %s", exc, exc_info=exc.__cause__)
+            self._counts["internal_error"] += 1
+            return error_response(500, f"the proxy's routing policy failed: {exc}", "InternalServerError")
         except (BadRequest, ValueError, TypeError) as exc:  # ValueError: bad token ids, messages a template refuses
             self._counts["bad_request"] += 1
             status, kind = (exc.status, exc.kind) if isinstance(exc, BadRequest) else (400, "BadRequestError")
             return error_response(status, str(exc), kind)
+        except RequestPayloadError as exc:  # e.g. a body that does not decompress as its Content-Encoding says
+            self._counts["bad_request"] += 1
+            return error_response(400, f"the request body could not be read: {exc}", "BadRequestError")
+        except web.HTTPRequestEntityTooLarge as exc:
+            self._counts["bad_request"] += 1
+            return error_response(413, exc.text or "the request body is too large", "RequestEntityTooLargeError")
+        except Exception as exc:  # anything else is the proxy's own fault: say so, in JSON, and count it
+            _log.exception("routing a request failed")
+            self._counts["internal_error"] += 1
+            return error_response(500, f"the proxy failed to route the request: {exc}", "InternalServerError")
         # The client's own headers go on (Authorization, request ids, tracing), but not an encoding the client did
         # not ask for: the answer is relayed as it comes.
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
         headers.setdefault("Accept-Encoding", "identity")
         session = self._session
         assert session is not None, "serve() opens the session"

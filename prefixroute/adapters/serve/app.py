@@ -12,13 +12,15 @@
 ``/stats``
 =====================================  ========================================================================
 
-Bad input answers 4xx with ``{"error": "what to fix"}`` and changes no count. The app holds no routing logic: it
-decodes, calls the router, and encodes.
+Bad input answers 4xx with ``{"error": "what to fix"}`` and changes no count; a routing policy that fails (raises,
+or returns something that is not a candidate) answers 500 the same way, and is logged. The app holds no routing
+logic: it decodes, calls the router, and encodes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, MutableMapping, Sequence
 from typing import Any, TypeGuard
@@ -38,8 +40,10 @@ from prefixroute.adapters.serve.contract import (
 from prefixroute.adapters.serve.metrics import SidecarMetrics
 from prefixroute.adapters.serve.text import PromptEncoder
 from prefixroute.adapters.urls import check_backend_url
-from prefixroute.errors import ConfigurationError, NoBackendError, PrefixRouteError
+from prefixroute.errors import ConfigurationError, NoBackendError, PolicyError, PrefixRouteError
 from prefixroute.router import Decision, Router
+
+_log = logging.getLogger("prefixroute.serve")
 
 __all__ = ["PICK_PATHS", "Sidecar", "upstream_of"]
 
@@ -228,6 +232,9 @@ class Sidecar:
             decision = self.router.route(tokens, backends, namespace=namespace)
         except NoBackendError as exc:
             raise BadRequest(400, str(exc)) from None
+        except PolicyError as exc:  # the policy's fault, not the client's (it is a TypeError too: caught first)
+            _log.error("the routing policy failed: %s", exc, exc_info=exc.__cause__)
+            raise BadRequest(500, f"the sidecar's routing policy failed: {exc}") from None
         except (PrefixRouteError, ValueError, TypeError) as exc:
             raise BadRequest(400, str(exc)) from None
         self.router.start(decision, lease=self._lease if lease is None else lease)
@@ -349,6 +356,10 @@ class Sidecar:
             if exc.status == 405:  # RFC 9110: a 405 names the methods the resource serves
                 headers.append((b"allow", b"POST" if path in _POST_PATHS else b"GET, HEAD"))
             await _respond(send, exc.status, msgspec.json.encode({"error": exc.message}), headers)
+        except Exception as exc:  # a fault of the sidecar itself: answered in JSON too, logged, counted
+            _log.exception("serving %s %s failed", method, path)
+            self.metrics.refused(500)
+            await _respond(send, 500, msgspec.json.encode({"error": f"the sidecar failed: {exc}"}), [_JSON])
 
     async def _post(self, path: str, body: bytes, send: Send) -> None:
         if path == "/route":

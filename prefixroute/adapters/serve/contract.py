@@ -30,7 +30,8 @@ __all__ = [
 
 
 class BadRequest(Exception):
-    """Input the sidecar refuses: ``status`` (4xx) and a message naming the field and what to send instead."""
+    """Input the sidecar refuses: ``status`` (4xx) and a message naming the field and what to send instead; or 500
+    and what failed, when the routing policy did."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
