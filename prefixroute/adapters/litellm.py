@@ -36,6 +36,7 @@ from typing import Any
 from litellm.integrations.custom_logger import CustomLogger
 
 from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens
+from prefixroute.errors import PolicyError
 from prefixroute.router import Router, _check_lease
 
 __all__ = ["DEPLOYMENT_KEY", "METADATA_KEY", "PrefixRouteHook"]
@@ -156,6 +157,8 @@ class PrefixRouteHook(CustomLogger):
             tokens = request_tokens(body, chat=bool(messages), encoder=self._encoder)
             namespace = None if model in self._base_groups else model
             decision = self.router.route(tokens, candidates, namespace=namespace)
+        except PolicyError:  # a bug in the policy (a TypeError too): logged by the caller, not taken for bad input
+            raise
         except (BadRequest, ValueError, TypeError):  # ValueError: bad ids, messages a template refuses
             return healthy_deployments
         self.router.start(decision, lease=self._lease)

@@ -33,6 +33,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens
+from prefixroute.errors import PolicyError
 from prefixroute.policies import policy_from_name
 from prefixroute.router import Decision, Router, _check_lease
 
@@ -136,6 +137,8 @@ class PrefixRouteRequestRouter(RequestRouter):
             for replica in candidate_replicas:
                 by_id.setdefault(replica.replica_id.unique_id, replica)
             decision = self.router.decide(tokens, list(by_id))
+        except PolicyError:  # a bug in the policy (a TypeError too): logged by the caller, not taken for bad input
+            raise
         except (BadRequest, ValueError, TypeError):  # ValueError: bad ids, messages a template refuses
             return [candidate_replicas]
         earlier = self._decided.pop(request_id, None)

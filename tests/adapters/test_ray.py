@@ -142,7 +142,7 @@ def test_requests_without_a_prompt_are_ranked_by_ray_alone(handle: Handle) -> No
 
 class Exploding(LoadPolicy):
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
-        raise RuntimeError("policy bug")
+        raise ValueError("policy bug")  # what a bad prompt raises too: still the policy's fault, and counted
 
 
 def bare(**kwargs: Any) -> PrefixRouteRequestRouter:
