@@ -43,10 +43,11 @@ class SimSpec:
 
     Raises:
         ConfigurationError: a count that is not a positive int or is absurdly large (``--backends`` over 4,096,
-            ``--requests`` over :data:`MAX_REQUESTS`, ``--rate`` × ``--duration`` over that, ``--duration`` over
-            10^7 s, ``--metrics-interval`` under 1 ms), a number that is NaN, infinite, negative or (where
-            it makes no sense) zero, a fraction outside its range, an unknown ``index_source`` or scenario, or
-            open-loop arrivals with no stop (neither ``requests`` nor ``duration``). Checked when the spec is made.
+            ``--requests`` over :data:`MAX_REQUESTS`, ``--rate`` × ``--duration`` over that, ``--duration`` or
+            ``--think-time`` over 10^7 s, ``--requests`` ÷ ``--rate`` over that, ``--metrics-interval`` under
+            1 ms), a number that is NaN, infinite, negative or (where it makes no sense) zero, a fraction outside
+            its range, an unknown ``index_source`` or scenario, or open-loop arrivals with no stop (neither
+            ``requests`` nor ``duration``). Checked when the spec is made.
     """
 
     scenario: str = "seed"
@@ -142,6 +143,15 @@ def _check_spec(spec: SimSpec) -> None:
         )
     if spec.duration is not None and spec.duration > _MAX_DURATION:
         raise ConfigurationError(f"--duration must be at most {_MAX_DURATION:,.0f} s, not {shown(spec.duration)}")
+    # Simulated times far past the longest duration lose the float precision a millisecond needs (1e300 s + 1 ms is
+    # 1e300 s): so requests arrive within it, as --duration's do.
+    if spec.think_time is not None and spec.think_time > _MAX_DURATION:
+        raise ConfigurationError(f"--think-time must be at most {_MAX_DURATION:,.0f} s, not {shown(spec.think_time)}")
+    if spec.rate is not None and spec.requests is not None and spec.requests / spec.rate > _MAX_DURATION:
+        raise ConfigurationError(
+            f"--rate {shown(spec.rate)} takes {spec.requests / spec.rate:,.3g} s to send --requests "
+            f"{spec.requests:,}, more than {_MAX_DURATION:,.0f} s: raise the rate, or send fewer requests"
+        )
     arrivals = (spec.rate or 0) * (spec.duration or 0) if spec.requests is None else 0
     if arrivals > MAX_REQUESTS:
         raise ConfigurationError(

@@ -68,6 +68,8 @@ def _fails_with_one_line(
         (["--metrics-interval", "inf"], "--metrics-interval must be a finite number > 0"),
         (["--metrics-interval", "1e-9"], "--metrics-interval must be at least 0.001 s"),
         (["--duration", "1e300"], "--duration must be at most 10,000,000 s"),
+        (["--think-time", "1e300"], "--think-time must be at most 10,000,000 s"),
+        (["--rate", "1e-300", "--requests", "20"], "more than 10,000,000 s: raise the rate"),
         (["--rate", "1e9", "--duration", "1000"], "makes more than 100,000,000 requests"),
         (["--seed", "x"], "invalid int value"),
         (["--model", "gpt-5"], "unknown model 'gpt-5'"),
