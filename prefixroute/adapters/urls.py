@@ -1,12 +1,14 @@
-"""The one check of a backend URL that the proxy and the sidecar accept (they put it in request lines and headers)."""
+"""The one check of a backend URL that the proxy and the sidecar accept (they put it in request lines and headers),
+and of the address their commands listen on."""
 
 from __future__ import annotations
 
+import argparse
 from urllib.parse import urlsplit
 
 from prefixroute.errors import ConfigurationError
 
-__all__ = ["check_backend_url"]
+__all__ = ["check_backend_url", "listen_host"]
 
 
 def check_backend_url(url: object, *, path: bool = True) -> str:
@@ -47,3 +49,17 @@ def check_backend_url(url: object, *, path: bool = True) -> str:
             f"backend {url!r} has a path: give each engine's scheme, host and port only, like {example}"
         )
     return url.rstrip("/")
+
+
+def listen_host(text: str) -> str:
+    """``--host`` of the commands that listen: a host name or address, not empty (which would listen on every
+    interface, as ``0.0.0.0`` says openly) nor holding a blank, a control or a non-ASCII character. O(len(text)).
+
+    Raises:
+        argparse.ArgumentTypeError: what is wrong (argparse prints it as one line and exits 2).
+    """
+    if not text or not text.isascii() or not text.isprintable() or " " in text:
+        raise argparse.ArgumentTypeError(
+            f"expected a host name or address such as 127.0.0.1, ::1 or 0.0.0.0 (every interface), not {text!r}"
+        )
+    return text

@@ -40,6 +40,7 @@ from typing import Any
 from aiohttp import web
 
 from prefixroute.adapters.threaded import ServerThread
+from prefixroute.adapters.urls import listen_host
 from prefixroute.testing.fake_cache import FakeBlockCache
 
 __all__ = ["EngineStats", "OpenAIEngine", "main", "register", "whitespace_tokens"]
@@ -524,7 +525,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--base-port", type=int, default=8100, help="port of the first; the others follow (default 8100)"
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--host", type=listen_host, default="127.0.0.1", help="address to listen on (127.0.0.1)")
     parser.add_argument("--model", default="fake-model", help="the model name served (default fake-model)")
     parser.add_argument("--lora-adapters", nargs="+", default=(), metavar="NAME",
                         help="LoRA adapter names also served (cached apart from the base model)")  # fmt: skip

@@ -438,6 +438,8 @@ def serve(*args: str) -> subprocess.CompletedProcess[str]:
         (["--tokenizer", "/no/such/tokenizer.json"], "not found"),
         (["--backends", "gpu0"], "not an http(s):// URL"),
         (["--port", "70000"], "--port"),
+        (["--host", ""], "--host"),
+        (["--host", "local host"], "--host"),
         (["--lease", "0"], "--lease"),
         (["--policy", "nope"], "nope"),
         (["--policy-option", "factor"], "KEY=VALUE"),

@@ -368,6 +368,8 @@ def test_bad_command_lines_exit_2_with_one_line() -> None:
         (["fake-engines", "--prefill-us-per-token", "inf"], "--prefill-us-per-token"),
         (["fake-engines", "--count", "2", "--base-port", "65535"], "room for --count"),
         (["fake-engines", "--count", "1", "--base-port", "65535", "--max-tokens", "0"], "--max-tokens"),  # port fits
+        (["fake-engines", "--host", ""], "--host"),  # empty: every interface, unannounced
+        (["proxy", "--backends", "http://127.0.0.1:9", "--host", ""], "--host"),
     ]
     try:
         command = [sys.executable, "-m", "prefixroute"]

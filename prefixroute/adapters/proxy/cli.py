@@ -9,6 +9,7 @@ from typing import Any
 from prefixroute.adapters.proxy.app import Proxy
 from prefixroute.adapters.proxy.prompts import PromptEncoding
 from prefixroute.adapters.serve.text import PromptEncoder
+from prefixroute.adapters.urls import listen_host
 from prefixroute.errors import ConfigurationError
 from prefixroute.policies import policy_from_name, policy_names
 from prefixroute.router import Router
@@ -49,7 +50,7 @@ def register(subparsers: Any) -> None:
                         help="read each backend's /metrics: its queue and KV usage feed the policy, failed "
                         "scrapes take it out of rotation")  # fmt: skip
     parser.add_argument("--retries", type=int, default=1, help="resends after a refused connection (1)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    parser.add_argument("--host", type=listen_host, default="127.0.0.1", help="address to listen on (127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
     parser.set_defaults(func=run)
 

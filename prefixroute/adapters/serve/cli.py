@@ -29,6 +29,7 @@ import urllib.request
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
+from prefixroute.adapters.urls import listen_host
 from prefixroute.errors import ConfigurationError
 
 __all__ = ["BaseModelLearner", "register", "run"]
@@ -57,7 +58,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--block-size", type=_positive_int, default=16, metavar="N", help="tokens per block (default 16, vLLM's)"
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address of every listener (default 127.0.0.1)")
+    parser.add_argument(
+        "--host", type=listen_host, default="127.0.0.1", help="address of every listener (default 127.0.0.1)"
+    )
     parser.add_argument("--port", type=_port, default=8100, metavar="P", help="HTTP port (default 8100; 0: any)")
     parser.add_argument(
         "--lease", type=_seconds, default=600.0, metavar="SECONDS", help="default lease of a request (default 600)"
