@@ -454,10 +454,17 @@ class PrefixIndex:
 
         O(B + H (G + log n)) for B backends, H of them holding block 0, G generations per bounded store and n
         blocks: a store's blocks are whole prefixes, so a binary search finds where its match ends (a store with
-        holes walks, O(matched)). Does not change recency.
+        holes walks, O(matched)). Does not change recency. The hashes and backend ids themselves are not checked (the
+        router's hot path passes checked ones): one the index never took (a negative hash, a backend that is not a
+        str) simply matches nothing.
+
+        Raises:
+            TypeError: ``backends`` is a single str, or ``hashes`` is None.
         """
         if isinstance(backends, str):
             raise TypeError("backends must be an iterable of backend ids, not a single str: wrap it in a list")
+        if hashes is None:
+            raise TypeError("hashes must be a sequence of block hashes (a prompt's, from block 0), not None")
         result = dict.fromkeys(backends, 0)
         if not hashes:
             return result
@@ -561,10 +568,11 @@ class PrefixIndex:
         that held them; an :class:`UnboundedStore` stays walked until emptied).
 
         Raises:
-            TypeError: a hash is not an int (nothing is removed).
+            TypeError: a hash is not an int, or ``backend`` is not a str (nothing is removed).
             InvalidEventError: a hash is outside [0, 2**64) (nothing is removed).
         """
         hashes = _check_hashes(hashes)
+        _check_backend(backend)
         store = self._stores.get(backend)
         if store is None:
             return

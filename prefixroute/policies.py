@@ -407,6 +407,8 @@ def kv_fraction(candidate: Candidate) -> float:
     would queue behind, and lags by a polling interval; with several router replicas, each counts only its own
     requests (see docs/policies.md).
     """
+    if not isinstance(candidate, Candidate):
+        raise TypeError(f"kv_fraction() takes a Candidate, not {type(candidate).__name__}")
     if candidate.capacity_blocks:
         return min(1.0, candidate.active_blocks / candidate.capacity_blocks)
     if candidate.kv_usage is not None:

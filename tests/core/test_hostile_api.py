@@ -25,6 +25,7 @@ from prefixroute import (
     PrefixIndex,
     Router,
     encode_tokens,
+    kv_fraction,
 )
 from prefixroute.index import LRUStore
 
@@ -295,3 +296,16 @@ def test_every_call_from_many_threads_leaves_exact_counts_and_a_valid_index(swit
     assert [(c.in_flight, c.pending_prefill_tokens, c.held_blocks, c.active_blocks) for c in candidates] == [
         (0, 0, 0, 0)
     ] * 4
+
+
+def test_index_and_kv_fraction_refuse_wrong_types_with_type_errors() -> None:
+    index = PrefixIndex(4)
+    index.insert([1, 2], "a")
+    with pytest.raises(TypeError, match="not None"):
+        index.match(None, ["a"])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="backend id is a str"):
+        index.remove([1], 5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="takes a Candidate"):
+        kv_fraction(None)  # type: ignore[arg-type]
+    assert index.match([1, 2], ["a"]) == {"a": 2}
+    index._check()
