@@ -168,8 +168,15 @@ class EventDecoder:
 
         Raises:
             InvalidEventError: the payload is not msgpack, not an ``[ts, events, rank]`` array (or a map with those
-                keys), or holds a known event with a missing or mistyped field (the message says which).
+                keys), nests arrays or maps too deeply to decode, or holds a known event with a missing or mistyped
+                field (the message says which).
         """
+        try:
+            return self._decode(payload)
+        except RecursionError:
+            raise InvalidEventError("KV event payload nests arrays or maps too deeply to be an event batch") from None
+
+    def _decode(self, payload: bytes) -> EventBatch:
         typed = self._typed
         for position, decoder in enumerate(typed):
             try:

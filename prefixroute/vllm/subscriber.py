@@ -75,10 +75,10 @@ class KVEventSubscriber:
 
     Sequence handling: a gap triggers a replay request; a sequence that goes backwards means the engine restarted,
     and the backend's blocks are dropped before the new stream applies; a subscriber that starts late replays from
-    sequence 0 (as far back as the engine's replay buffer reaches). A sequence number that is negative is skipped;
-    one that goes backwards or jumps more than ``max_sequence_jump`` ahead is believed only when the next message
-    continues from it (so a restart is acted on one batch late, and one corrupt number costs one batch, not the
-    backend's blocks).
+    sequence 0 (as far back as the engine's replay buffer reaches). A sequence number that is negative, or repeats
+    the last one (but 0), is skipped; one that goes backwards or jumps more than ``max_sequence_jump`` ahead, live
+    or in a replay, is believed only when the next message continues from it (so a restart is acted on one batch
+    late, and one corrupt number costs one batch, not the backend's blocks). :meth:`reset` forgets the sequence too.
 
     A replay is bounded as a whole: ``replay_timeout`` seconds from the request to the end-of-replay frame (not per
     frame), and at most :data:`MAX_REPLAY_BATCHES` batches kept; a replay that runs past either is counted in
@@ -152,7 +152,7 @@ class KVEventSubscriber:
         self._clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._last_seq = -1  # last sequence number received and decoded (only the thread writes it)
+        self._last_seq = -1  # last sequence number received and decoded (the thread writes it, and reset())
         self._applied_seq = -1  # last sequence number whose updates are in the index
         self._pending: tuple[int, bytes] | None = None  # an out-of-line message, until the next one says
         self._counts = dict.fromkeys(
@@ -231,9 +231,13 @@ class KVEventSubscriber:
             return self._tracker.held()
 
     def reset(self) -> None:
-        """Drop the backend's blocks from the index, e.g. when a health check sees the engine restart."""
+        """Drop the backend's blocks from the index and forget its sequence, e.g. when a health check sees the
+        engine restart: the next batch is taken as a new stream's, and what came before it is replayed from the
+        engine's buffer (so a restart whose first batches were missed is recovered too)."""
         with self._state_lock:
             self._write(self._tracker.reset())
+            self._last_seq = self._applied_seq = -1
+            self._pending = None
 
     def stats(self) -> SubscriberStats:
         """Return a snapshot of the counters."""
@@ -360,6 +364,9 @@ class KVEventSubscriber:
         if seq < 0:
             self._bad_sequence(seq, "negative")
             return
+        if seq == self._last_seq and seq > 0:  # not a restart, whose stream starts again at 0
+            self._bad_sequence(seq, "a repeat of the last batch")
+            return
         pending, self._pending = self._pending, None
         if pending is not None:
             if seq == pending[0] + 1:  # the stream really moved there: an engine restart, or a long loss
@@ -411,7 +418,13 @@ class KVEventSubscriber:
         """Apply every batch the engine's replay buffer holds after the last one seen."""
         ops: IndexOps = []
         timestamps: list[float] = []
-        for seq, payload in self._replay(context, self._last_seq + 1, _LATEST):
+        replayed = self._replay(context, self._last_seq + 1, _LATEST)
+        for position, (seq, payload) in enumerate(replayed):
+            if self._last_seq >= 0 and seq > self._last_seq + 1 + self._max_jump:  # believed as live ones are:
+                following = replayed[position + 1][0] if position + 1 < len(replayed) else None
+                if following != seq + 1:  # only when the next batch continues from it
+                    self._bad_sequence(seq, f"{seq - self._last_seq} ahead of {self._last_seq} in the replay")
+                    continue
             if seq > self._last_seq:
                 if seq > self._last_seq + 1:  # the buffer no longer holds what came before: those updates are lost
                     self._counts["unrecovered"] += 1

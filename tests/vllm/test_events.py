@@ -117,6 +117,7 @@ def test_a_batch_without_rank_decodes() -> None:
         (msgspec.msgpack.encode([1.0, [5]]), "not a tagged array or a map"),
         (msgspec.msgpack.encode([1.0, [[3, 4]]]), "no event type tag"),
         (msgspec.msgpack.encode([1.0, [["BlockRemoved", [1.5]]]]), "malformed"),
+        (b"\x93\xcb" + msgspec.msgpack.encode(1.0)[1:] + b"\x91" * 50_000 + b"\x00\xc0", "nests arrays or maps"),
     ],
 )
 def test_malformed_payloads_raise_invalid_event_error(payload: bytes, message: str) -> None:

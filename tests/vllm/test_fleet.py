@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 import msgspec
 import pytest
+import zmq
 
 from prefixroute import ConfigurationError, LeastLoaded, Router
 from prefixroute.testing import FakeVLLM
@@ -267,6 +268,54 @@ def test_a_jump_that_the_next_message_continues_is_believed(engine: FakeVLLM) ->
             engine.publish_raw([b"", seq.to_bytes(8, "big"), msgspec.msgpack.encode([1.0, []])])
         wait_until(lambda: sub.last_seq == far + 1, what="the jump believed")
         assert sub.stats().bad_sequences == 0 and sub.stats().unrecovered_gaps >= 1
+
+
+def test_a_repeat_of_the_last_sequence_number_is_skipped_not_taken_for_a_restart(engine: FakeVLLM) -> None:
+    with following(engine) as (router, sub):
+        before = sub.stats()
+        held = router.index.hashes("gpu0")
+        engine.publish_raw([b"", (engine.seq - 1).to_bytes(8, "big"), msgspec.msgpack.encode([1.0, []])])
+        engine.complete(fresh())  # the next number continues the repeated one: still no restart
+        settle(engine, sub)
+        after = sub.stats()
+        assert (after.restarts, after.bad_sequences - before.bad_sequences) == (before.restarts, 1)
+        assert held <= router.index.hashes("gpu0") == engine.own_hashes()
+
+
+def test_reset_forgets_the_sequence_so_a_restart_whose_first_batches_were_missed_is_replayed(
+    engine: FakeVLLM,
+) -> None:
+    with following(engine) as (router, sub):
+        for _ in range(9):
+            engine.complete(fresh())
+        settle(engine, sub)
+        engine.restart()  # numbers from 0 again; the subscriber misses them, so it cannot see the restart itself
+        engine.drop_next(15)
+        for _ in range(15):
+            engine.complete(fresh())
+        engine.flush()
+        sub.reset()  # a health check saw the restart
+        engine.complete(fresh())
+        settle(engine, sub)
+        assert router.index.hashes("gpu0") == engine.own_hashes() and sub.stats().tracker.orphan_blocks == 0
+
+
+def test_a_replay_far_ahead_is_believed_only_when_it_continues() -> None:
+    router = events_router()
+    sub = KVEventSubscriber(router, "gpu0", "tcp://127.0.0.1:1", replay_endpoint="tcp://127.0.0.1:2")
+    empty = msgspec.msgpack.encode([1.0, []])
+    context = zmq.Context()
+    try:
+        sub._handle([[b"", seq.to_bytes(8, "big"), empty] for seq in range(5)], context)
+        far = 2**62
+        sub._replay = lambda *_: [(far, empty)]  # type: ignore[method-assign]  # an endpoint answering nonsense
+        sub._catch_up(context)
+        assert (sub.last_seq, sub.stats().bad_sequences) == (4, 1)
+        sub._replay = lambda *_: [(far, empty), (far + 1, empty)]  # type: ignore[method-assign]
+        sub._catch_up(context)
+        assert (sub.last_seq, sub.stats().bad_sequences) == (far + 1, 1)
+    finally:
+        context.destroy(linger=0)
 
 
 @pytest.mark.parametrize(
