@@ -17,12 +17,13 @@ UTF-8 byte-order mark and CRLF line ends are read as published; a compressed fil
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import random
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from types import MappingProxyType
@@ -52,6 +53,7 @@ _MAX_TOKENS = 2**20  # longer than any profiled model's context: a larger length
 # Replayed arrivals past 1e10 s (317 years; epoch seconds are 1.7e9) are a broken trace or --speedup: at 1e300 s a
 # float second has no room left for the milliseconds a TTFT is made of.
 _MAX_ARRIVAL = 1e10
+_MAX_LINE_CHARS = 1 << 20  # a Mooncake line of a 1M-token prompt holds ~2,000 block ids: ~16K characters
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +136,8 @@ def _mooncake_line(line: str, where: str) -> TraceEntry:
         raise InvalidTraceError(f"{where}: not valid JSON ({exc.msg})") from exc
     except RecursionError as exc:
         raise InvalidTraceError(f"{where}: JSON nested too deeply") from exc
+    except ValueError as exc:  # an integer of more digits than Python converts (4,300)
+        raise InvalidTraceError(f"{where}: not a trace record ({exc})") from exc
     if not isinstance(item, dict):
         raise InvalidTraceError(f"{where}: expected a JSON object, got {type(item).__name__}")
     missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in item]
@@ -168,7 +172,7 @@ class _LengthsFormat:
     arrival: str
     prompt: str
     output: str
-    dated: bool  # arrival is a date and time (relative to the first row), else seconds
+    dated: bool  # arrival is a date and time (relative to the earliest row), else seconds
 
 
 _LENGTHS_FORMATS: Mapping[str, _LengthsFormat] = MappingProxyType(
@@ -194,7 +198,8 @@ def read_azure(path: str | Path) -> list[TraceEntry]:
 
     The format of ``Azure/AzurePublicDataset``'s ``AzureLLMInferenceTrace_{code,conv}.csv`` (2023) and
     ``AzureLLMInferenceTrace_{code,conv}_1week.csv`` (2024), which Splitwise replays: ``TIMESTAMP`` is a date and
-    time (``2023-11-16 18:15:46.6805900``, an optional UTC offset), arrivals are seconds after the first row's.
+    time (``2023-11-16 18:15:46.6805900``, an optional UTC offset), arrivals are seconds after the earliest row's
+    (rows need not be sorted).
     """
     return _read_lengths(path, _LENGTHS_FORMATS["azure"])
 
@@ -207,7 +212,7 @@ def read_burstgpt(path: str | Path) -> list[TraceEntry]:
 def _read_lengths(path: str | Path, form: _LengthsFormat) -> list[TraceEntry]:
     columns = (form.arrival, form.prompt, form.output)
     entries: list[TraceEntry] = []
-    first: float | None = None
+    first: float | None = None  # of a dated trace: the first row's date, in seconds; arrivals are relative to it
     with _open(path) as lines:
         reader = csv.DictReader(_read(lines, path))
         try:
@@ -233,15 +238,15 @@ def _read_lengths(path: str | Path, form: _LengthsFormat) -> list[TraceEntry]:
                 ) from exc
             if form.dated:
                 first = arrival if first is None else first
-                arrival -= first
+                arrival -= first  # negative for a row before the first: all move up at the end
             if not (
                 math.isfinite(arrival)
-                and 0 <= arrival <= _MAX_ARRIVAL
+                and (-_MAX_ARRIVAL if form.dated else 0) <= arrival <= _MAX_ARRIVAL
                 and 0 <= prefill <= _MAX_TOKENS
                 and 0 <= decode <= _MAX_TOKENS
             ):
                 start = (
-                    f"after the first row's (by at most {_MAX_ARRIVAL:g} s)"
+                    f"within {_MAX_ARRIVAL:g} s of the first row's"
                     if form.dated
                     else f"a finite number in [0, {_MAX_ARRIVAL:g}]"
                 )
@@ -253,6 +258,11 @@ def _read_lengths(path: str | Path, form: _LengthsFormat) -> list[TraceEntry]:
     if not entries:
         raise InvalidTraceError(f"{path}: no requests in the trace")
     entries.sort(key=_arrival)
+    earliest = entries[0].arrival
+    if earliest < 0:  # a dated trace whose rows are not in order: arrivals count from the earliest
+        if entries[-1].arrival - earliest > _MAX_ARRIVAL:
+            raise InvalidTraceError(f"{path}: its {form.arrival}s span more than {_MAX_ARRIVAL:g} s")
+        entries = [replace(entry, arrival=entry.arrival - earliest) for entry in entries]
     return entries
 
 
@@ -340,27 +350,39 @@ _NOT_TEXT = (
 
 
 def _open(path: str | Path) -> TextIO:
-    """Open a trace as text (UTF-8, a byte-order mark skipped; line ends as written, for :mod:`csv`)."""
+    """Open a trace as text (UTF-8, a byte-order mark skipped; line ends as written, for :mod:`csv`), once: a pipe
+    (``--trace mooncake:<(zcat trace.gz)``) is read from its start; a named pipe waits for its writer, as any
+    reader of one does."""
     try:
-        with open(path, "rb") as raw:
-            head = raw.read(512)
-        text = open(path, encoding="utf-8-sig", newline="")  # noqa: SIM115 - returned to a with block
+        raw = open(path, "rb")  # noqa: SIM115 - returned, wrapped, to a with block
     except OSError as exc:
         raise InvalidTraceError(f"cannot read trace {path}: {exc.strerror or exc}") from exc
-    for magic, what in _NOT_TEXT:
-        if head.startswith(magic):
-            text.close()
-            raise InvalidTraceError(f"{path}: {what}")
-    if b"\0" in head:  # /dev/zero or a disk image: no line to read, ever
-        text.close()
-        raise InvalidTraceError(f"{path}: binary data, not text (a NUL byte in its first {len(head)} bytes)")
-    return text
-
-
-def _read(lines: Iterable[str], path: str | Path) -> Iterator[str]:
-    """The file's lines; a file that is not UTF-8 text, or fails while read, is an :class:`InvalidTraceError`."""
     try:
-        yield from lines
+        head = raw.peek(512)[:512]  # sniffed without consuming it
+        for magic, what in _NOT_TEXT:
+            if head.startswith(magic):
+                raise InvalidTraceError(f"{path}: {what}")
+        if b"\0" in head:  # /dev/zero or a disk image: no line to read, ever
+            raise InvalidTraceError(f"{path}: binary data, not text (a NUL byte in its first {len(head)} bytes)")
+    except OSError as exc:
+        raw.close()
+        raise InvalidTraceError(f"cannot read trace {path}: {exc.strerror or exc}") from exc
+    except InvalidTraceError:
+        raw.close()
+        raise
+    return io.TextIOWrapper(raw, encoding="utf-8-sig", newline="")
+
+
+def _read(lines: TextIO, path: str | Path) -> Iterator[str]:
+    """The file's lines; a file that is not UTF-8 text, fails while read, or has a line too long to be a trace's
+    (a huge file without line ends) is an :class:`InvalidTraceError`. Reads one line at a time."""
+    try:
+        number = 0
+        while line := lines.readline(_MAX_LINE_CHARS + 1):
+            number += 1
+            if len(line) > _MAX_LINE_CHARS:
+                raise InvalidTraceError(f"{path}:{number}: a line over {_MAX_LINE_CHARS:,} characters is no trace's")
+            yield line
     except UnicodeDecodeError as exc:
         raise InvalidTraceError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
     except OSError as exc:

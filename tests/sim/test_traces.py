@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import threading
 from pathlib import Path
 from typing import TextIO
 
@@ -101,12 +103,40 @@ def test_read_azure_dates_and_offsets(tmp_path: Path) -> None:
     assert [e.arrival for e in read_azure(path)] == pytest.approx([0.0, 1.490070])  # the same hour in UTC+2
 
 
+def test_azure_rows_need_not_be_sorted(tmp_path: Path) -> None:
+    path = tmp_path / "a.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.5,10,2\n2023-11-16 18:15:40,20,2\n")
+    assert [(e.arrival, e.input_length) for e in read_azure(path)] == [(0.0, 20), (6.5, 10)]
+
+
+def test_a_json_integer_of_too_many_digits_and_a_line_without_end_are_named(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 1' + "0" * 5000 + ', "input_length": 600, "output_length": 10, "hash_ids": [1]}\n')
+    with pytest.raises(InvalidTraceError, match=r"t\.jsonl:1: not a trace record"):
+        read_mooncake(path)
+    path.write_text("x" * (2 << 20))
+    with pytest.raises(InvalidTraceError, match=r"t\.jsonl:1: a line over 1,048,576 characters"):
+        read_mooncake(path)
+
+
+def test_a_pipe_is_read_from_its_start(tmp_path: Path) -> None:
+    fifo = tmp_path / "trace.jsonl"
+    os.mkfifo(fifo)
+    line = '{"timestamp": 5, "input_length": 600, "output_length": 10, "hash_ids": [1, 2]}\n'
+    writer = threading.Thread(target=fifo.write_text, args=(line * 300,))  # more than the 512 bytes sniffed
+    writer.start()
+    try:
+        assert len(read_mooncake(fifo)) == 300
+    finally:
+        writer.join(timeout=10)
+
+
 @pytest.mark.parametrize(
     ("row", "message"),
     [
         ("yesterday,10,2", "expected a date and time"),
         ("2023-02-30 00:00:00,10,2", "expected a date and time"),
-        ("2023-11-16 18:15:40,10,2", "after the first row's"),
+        ("2423-11-16 18:15:40,10,2", "within 1e\\+10 s of the first row's"),
         ("2023-11-16 18:15:50,-1,2", r"token counts in \[0,"),
         ("2023-11-16 18:15:50,10,-1", r"token counts in \[0,"),
     ],
