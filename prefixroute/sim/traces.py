@@ -137,7 +137,7 @@ def _mooncake_line(line: str, where: str) -> TraceEntry:
     except RecursionError as exc:
         raise InvalidTraceError(f"{where}: JSON nested too deeply") from exc
     except ValueError as exc:  # an integer of more digits than Python converts (4,300)
-        raise InvalidTraceError(f"{where}: not a trace record ({exc})") from exc
+        raise InvalidTraceError(f"{where}: not a trace record (a number of thousands of digits)") from exc
     if not isinstance(item, dict):
         raise InvalidTraceError(f"{where}: expected a JSON object, got {type(item).__name__}")
     missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in item]
