@@ -5,10 +5,12 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pytest
+
+from prefixroute import Candidate, LoadPolicy
 
 if TYPE_CHECKING:
     from prefixroute.testing.openai_engine import OpenAIEngine
@@ -97,3 +99,17 @@ def switchy() -> Iterator[None]:
         yield
     finally:
         sys.setswitchinterval(interval)
+
+
+class BuggyPolicy(LoadPolicy):
+    """A policy with a bug: its ``choose()`` raises the ValueError a bad prompt raises too."""
+
+    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        raise ValueError("a bug in the policy")
+
+
+class StrangerPolicy(LoadPolicy):
+    """A policy that returns a candidate it was not given."""
+
+    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        return candidates[0]._replace(backend="elsewhere")

@@ -12,20 +12,20 @@ import socket
 import socketserver
 import threading
 import zlib
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator
 
 import httpx
 import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixroute import Candidate, ConfigurationError, LoadPolicy, Router
+from prefixroute import ConfigurationError, LoadPolicy, Router
 from prefixroute.adapters.proxy import Proxy
 from prefixroute.adapters.proxy.cli import build
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.testing.openai_engine import OpenAIEngine
 
-from ..conftest import running_engines, wait_until
+from ..conftest import BuggyPolicy, StrangerPolicy, running_engines, wait_until
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Backend = tuple[Callable[[Handler], str], list[web.Request]]
@@ -275,17 +275,7 @@ def test_json_booleans_are_not_token_ids() -> None:
         assert proxy.stats().bad_request == 2 and proxy.router.stats().decisions == 0
 
 
-class _Raises(LoadPolicy):
-    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
-        raise ValueError("a bug in the policy")
-
-
-class _Stranger(LoadPolicy):
-    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
-        return candidates[0]._replace(backend="elsewhere")
-
-
-@pytest.mark.parametrize("policy", [_Raises(), _Stranger()])
+@pytest.mark.parametrize("policy", [BuggyPolicy(), StrangerPolicy()])
 def test_a_failing_policy_is_the_proxys_fault_not_the_clients(policy: LoadPolicy, good: OpenAIEngine) -> None:
     with Proxy(Router(policy=policy), [good.url], base_models=[]) as proxy:
         reply = httpx.post(proxy.url + "/v1/completions", json={"prompt": "hello"})

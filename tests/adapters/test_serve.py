@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +20,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from prefixroute import Candidate, LoadPolicy, Router
+from prefixroute import LoadPolicy, Router
 from prefixroute.adapters.serve import PromptEncoder, Sidecar, release_ids, upstream_of
 from prefixroute.adapters.serve.loopback import free_port, start_sidecar
 from prefixroute.errors import ConfigurationError
+
+from ..conftest import BuggyPolicy, StrangerPolicy
 
 BACKENDS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"]
 CORPUS = ["You are a helpful assistant that answers questions about SQL databases.",
@@ -171,17 +173,7 @@ def test_pick_mode_answers_in_headers_for_nginx_and_haproxy() -> None:
     assert call(sidecar, "POST", "/v1/completions", {"prompt": [1, -2]}).status_code == 400
 
 
-class _Buggy(LoadPolicy):
-    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
-        raise ValueError("a bug in the policy")
-
-
-class _Stranger(LoadPolicy):
-    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
-        return candidates[0]._replace(backend="elsewhere")
-
-
-@pytest.mark.parametrize("policy", [_Buggy(), _Stranger()])
+@pytest.mark.parametrize("policy", [BuggyPolicy(), StrangerPolicy()])
 @pytest.mark.parametrize(
     ("path", "body"), [("/route", {"prompt_token_ids": [1, 2]}), ("/v1/completions", {"prompt": [1]})]
 )
