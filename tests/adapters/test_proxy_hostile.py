@@ -11,6 +11,7 @@ import json
 import socket
 import socketserver
 import threading
+import time
 import zlib
 from collections.abc import Awaitable, Callable, Iterator
 
@@ -285,3 +286,14 @@ def test_a_failing_policy_is_the_proxys_fault_not_the_clients(policy: LoadPolicy
         assert (stats.internal_error, stats.bad_request) == (1, 0)
         assert 'prefixroute_proxy_requests_total{outcome="internal_error"} 1' in proxy.metrics_text()
         assert idle(proxy)
+
+
+def test_a_client_that_leaves_before_its_whole_body_came_is_one_client_disconnect() -> None:
+    with Proxy(Router(), [f"http://127.0.0.1:{free_port()}"], base_models=[]) as proxy:
+        host, port = proxy.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as client:
+            client.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"prompt": ')
+            time.sleep(0.2)  # the handler waits for the rest of the body
+        wait_until(lambda: proxy.stats().client_disconnect == 1, what="the disconnect counted")
+        stats = proxy.stats()
+        assert (stats.internal_error, stats.bad_request, proxy.router.stats().decisions) == (0, 0, 0)

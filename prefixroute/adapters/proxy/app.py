@@ -61,7 +61,7 @@ class ProxyStats:
     unreachable: int
     """No backend could be reached, retry included (the client got 502)."""
     client_disconnect: int
-    """The client left before the answer was complete."""
+    """The client left before the answer was complete (or before sending its whole body)."""
     bad_request: int
     """Refused before routing (400, or 413 for a body over 64 MiB): not JSON, no prompt, bad token ids, a body
     that does not decompress as its ``Content-Encoding`` says."""
@@ -283,6 +283,9 @@ class Proxy:
         except web.HTTPRequestEntityTooLarge as exc:
             self._counts["bad_request"] += 1
             return error_response(413, exc.text or "the request body is too large", "RequestEntityTooLargeError")
+        except (asyncio.CancelledError, ConnectionError):  # the client left before its whole body came
+            self._counts["client_disconnect"] += 1
+            raise
         except Exception as exc:  # anything else is the proxy's own fault: say so, in JSON, and count it
             _log.exception("routing a request failed")
             self._counts["internal_error"] += 1
