@@ -488,7 +488,9 @@ class Router:
 
         ``lease`` (seconds; default the router's ``lease``) bounds how long an unfinished request counts, for
         gateways that may never release (a client that aborts before the gateway acts): an expired request stops
-        counting and is counted in :attr:`RouterStats.leases_expired`. A second start of the same id is ignored.
+        counting and is counted in :attr:`RouterStats.leases_expired`. A second start of the same id is ignored,
+        unless the decision was committed to another backend since: then the request's count moves there (its
+        first token, if reported, is forgotten: the new backend has its prefill ahead of it).
 
         Raises:
             DecisionError: the decision comes from another router.
@@ -505,9 +507,13 @@ class Router:
             deadline = None if lease is None else _deadline(now, lease)
             if self._leases and self._leases[0][0] <= now:
                 self._expire(now)
-            if decision.id in self._live:
-                self._counts["ignored"] += 1
-                return
+            live = self._live.get(decision.id)
+            if live is not None:
+                if live.backend == backend:
+                    self._counts["ignored"] += 1
+                    return
+                del self._live[decision.id]  # committed elsewhere since it started: the count moves with it
+                self._release(live)
             pending = self._pending.get(backend, 0)
             footprint = self._footprints.get(backend)
             if footprint is None:

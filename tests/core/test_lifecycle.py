@@ -155,6 +155,23 @@ def test_decide_records_nothing_and_commit_records_the_backend_actually_used() -
         router.commit(decision, "z")
 
 
+def test_a_start_after_a_commit_elsewhere_moves_the_count_and_a_repeat_is_ignored() -> None:
+    router = Router(block_size=4)
+    decision = router.route(list(range(32)), ["a", "b"])
+    first, other = decision.backend, next(c.backend for c in decision.candidates if c.backend != decision.backend)
+    router.start(decision)
+    router.first_token(decision)
+    router.start(decision)  # the same backend again: ignored
+    assert (router.in_flight(first), router.stats().ignored) == (1, 1)
+    moved = router.commit(decision, other)
+    router.start(moved)  # a retry on the other backend: the count goes with it, prefill ahead again
+    assert (router.in_flight(first), router.in_flight(other), router.stats().in_flight) == (0, 1, 1)
+    b = router.decide(list(range(500, 504)), [other]).candidates[0]
+    assert b.in_prefill == 1 and b.pending_prefill_tokens == moved.prompt_tokens - moved.matched_tokens
+    router.finish(moved)
+    assert [counters(router, x) for x in (first, other)] == [(0, 0, 0)] * 2 and router.stats().in_flight == 0
+
+
 def test_commit_of_a_stale_decision_is_safe_when_the_index_changed_meanwhile() -> None:
     router = Router(block_size=4, capacity_blocks=4)
     decision = router.decide(list(range(16)), ["a"])
@@ -236,6 +253,8 @@ def test_concurrent_routes_namespaces_removals_capacity_changes_and_clears_leave
             router.start(decision)
             if rng.random() < 0.5:
                 router.first_token(decision)
+            if rng.random() < 0.1:  # sent elsewhere after it started (a retry): the count moves
+                router.start(router.commit(decision, rng.choice([c.backend for c in decision.candidates])))
             if rng.random() < 0.9:  # the rest are abandoned: their leases end them
                 router.finish(decision)
             if rng.random() < 0.05:
