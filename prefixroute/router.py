@@ -753,6 +753,39 @@ class Router:
     def __repr__(self) -> str:
         return f"Router(block_size={self._hasher.block_size}, policy={self._policy!r}, index={self._index!r})"
 
+    def _check(self) -> None:
+        """Assert that every per-backend counter is what the requests in flight add up to (their footprints
+        included), and the index's own invariants when it has a ``_check``. For tests; O(requests + index)."""
+        with self._lock:
+            expected: dict[str, list[int]] = {}
+            own: dict[str, int] = {}
+            holders: dict[str, dict[int, int]] = {}
+            for request in self._live.values():
+                backend = request.backend
+                figures = expected.setdefault(backend, [0, 0, 0, 0])
+                figures[0] += 1
+                figures[1] += request.blocks
+                if request.prefilling:
+                    figures[2] += request.uncached
+                    figures[3] += 1
+                keys, blocks = request.footprint
+                own[backend] = own.get(backend, 0) + blocks
+                counts = holders.setdefault(backend, {})
+                for key in keys:
+                    counts[key] = counts.get(key, 0) + 1
+            counters = (self._in_flight, self._held, self._pending, self._prefilling)
+            for backend in set(expected).union(*counters, self._footprints, self._active):
+                got = [counter.get(backend, 0) for counter in counters]
+                assert got == expected.get(backend, [0, 0, 0, 0]), (backend, got, expected.get(backend))
+                footprint = self._footprints.get(backend)
+                groups = footprint._groups if footprint is not None else {}
+                assert {key: group[1] for key, group in groups.items()} == holders.get(backend, {}), backend
+                distinct = own.get(backend, 0) + sum(group[0] for group in groups.values())
+                assert (footprint.blocks if footprint else 0) == distinct == self._active.get(backend, 0), backend
+        check = getattr(self._index, "_check", None)
+        if check is not None:
+            check()
+
 
 class _Lock:
     """The router's lock, which refuses a call back into the router from the thread holding it (a policy's

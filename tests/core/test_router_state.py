@@ -1,0 +1,103 @@
+"""A state machine over every Router operation, its counters checked against the requests in flight after each step."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
+
+from prefixroute import Decision, Router
+
+from ..conftest import FakeClock
+
+BACKENDS = ["a", "b", "c"]
+PREFIXES = [list(range(start, start + 24)) for start in (0, 1000, 2000)]
+
+
+class RouterMachine(RuleBasedStateMachine):
+    """Decide, commit (also elsewhere), start (again, elsewhere), first token, finish (twice), leases running out,
+    backends removed, cleared and resized, engine figures, in any order.
+
+    The model: which decisions are in flight, on which backend, and until when. After each step the router's
+    requests in flight must be exactly those, and :meth:`Router._check` (every counter equal to what they add up to,
+    the index's invariants) must hold.
+    """
+
+    decisions = Bundle("decisions")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = FakeClock()
+        self.router = Router(block_size=4, capacity_blocks=40, clock=self.clock, lease=10.0)
+        self.live: dict[str, tuple[str, float]] = {}  # id -> (backend, deadline)
+
+    @rule(
+        target=decisions,
+        prefix=st.sampled_from(PREFIXES),
+        tail=st.lists(st.integers(0, 50), max_size=12),
+        backends=st.lists(st.sampled_from(BACKENDS), min_size=1, max_size=3, unique=True),
+        namespace=st.none() | st.sampled_from(["lora"]),
+    )
+    def decide(self, prefix: list[int], tail: list[int], backends: list[str], namespace: str | None) -> Decision:
+        return self.router.decide(prefix + tail, backends, namespace=namespace)
+
+    @rule(target=decisions, decision=decisions, elsewhere=st.booleans())
+    def commit(self, decision: Decision, elsewhere: bool) -> Decision:
+        backends = [c.backend for c in decision.candidates]
+        return self.router.commit(decision, backends[-1] if elsewhere else None)
+
+    @rule(decision=decisions, lease=st.none() | st.sampled_from([0.5, 3.0]))
+    def start(self, decision: Decision, lease: float | None) -> None:
+        self.router.start(decision, lease=lease)
+        held = self.live.get(decision.id)
+        if held is None or held[0] != decision.backend:  # new, or committed elsewhere since: counted there now
+            self.live[decision.id] = (decision.backend, self.clock.now + (10.0 if lease is None else lease))
+
+    @rule(decision=decisions)
+    def first_token(self, decision: Decision) -> None:
+        self.router.first_token(decision)
+
+    @rule(decision=decisions)
+    def finish(self, decision: Decision) -> None:
+        self.router.finish(decision)
+        self.live.pop(decision.id, None)
+
+    @rule(seconds=st.sampled_from([0.25, 1.0, 5.0]))
+    def time_passes(self, seconds: float) -> None:
+        self.clock.now += seconds
+        self.router.expire()
+        self.live = {i: held for i, held in self.live.items() if held[1] > self.clock.now}
+
+    @rule(backend=st.sampled_from(BACKENDS))
+    def remove_backend(self, backend: str) -> None:
+        self.router.remove_backend(backend)
+        self.live = {i: held for i, held in self.live.items() if held[0] != backend}
+
+    @rule(backend=st.sampled_from(BACKENDS))
+    def clear_backend(self, backend: str) -> None:
+        self.router.clear_backend(backend)
+
+    @rule(backend=st.sampled_from(BACKENDS), capacity=st.none() | st.integers(0, 40))
+    def set_capacity(self, backend: str, capacity: int | None) -> None:
+        self.router.set_capacity(backend, capacity)
+
+    @rule(backend=st.sampled_from(BACKENDS), queue=st.none() | st.integers(0, 5), usage=st.none() | st.floats(0, 1))
+    def set_engine_load(self, backend: str, queue: int | None, usage: float | None) -> None:
+        self.router.set_engine_load(backend, queue_len=queue, kv_usage=usage)
+
+    @invariant()
+    def counters_are_what_the_requests_in_flight_add_up_to(self) -> None:
+        self.router._check()
+        assert self.router.stats().in_flight == len(self.live)
+        for backend in BACKENDS:
+            assert self.router.in_flight(backend) == sum(held[0] == backend for held in self.live.values())
+
+    def teardown(self) -> None:
+        for decision_id in list(self.live):
+            self.router.finish(decision_id)
+        self.router._check()
+        assert self.router.stats().in_flight == 0
+
+
+RouterMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+test_router_state_machine = RouterMachine.TestCase
