@@ -35,7 +35,7 @@ def test_store_and_write_read_an_iterator_of_hashes_once() -> None:
     router.store("a", (h for h in [1, 2, 3]))  # type: ignore[arg-type]
     router.write("b", [(True, (h for h in [1, 2, 3]), None)])  # type: ignore[list-item]
     assert router.index.blocks("a") == router.index.blocks("b") == 3
-    router.index._check()
+    router._check()
 
 
 def test_hashes_of_other_int_types_are_stored_as_python_ints() -> None:
@@ -44,7 +44,7 @@ def test_hashes_of_other_int_types_are_stored_as_python_ints() -> None:
     router.store("b", [True])
     index = PrefixIndex(4)
     index.insert(np.array([5, 6], dtype=np.uint64), "n")  # type: ignore[arg-type]
-    router.index._check()
+    router._check()
     index._check()
     assert router.index.match([1, 2], ["n"]) == {"n": 2}
 

@@ -223,7 +223,7 @@ def test_backends_in_any_iterable_and_ten_thousand_of_them() -> None:
         assert (again.backend, again.matched_tokens, len(again.candidates)) == (first.backend, 8, 10_000)
     with router.track(first):
         assert router.in_flight(first.backend) == 1
-    router.index._check()
+    router._check()
 
 
 def test_a_decision_reused_after_its_backend_left_and_came_back_counts_once() -> None:

@@ -178,7 +178,7 @@ def test_commit_of_a_stale_decision_is_safe_when_the_index_changed_meanwhile() -
     router.route(list(range(16)), ["a"])
     router.route(list(range(100, 116)), ["a"])  # evicts the first prompt
     router.commit(decision)
-    router.index._check()
+    router._check()
     assert router.route(list(range(16)), ["a"]).matched_tokens == 16
 
 
@@ -214,7 +214,7 @@ def test_the_write_path_stores_chains_continuations_and_removals() -> None:
     assert router.decide([1, 2, 3, 4, 5, 6], ["a"]).matched_tokens == 6
     router.clear_backend("a")
     assert router.decide([1, 2, 3, 4, 5, 6], ["a"]).matched_tokens == 0
-    router.index._check()
+    router._check()
 
 
 def test_a_user_index_subclass_is_the_one_used() -> None:
@@ -284,7 +284,7 @@ def test_concurrent_routes_namespaces_removals_capacity_changes_and_clears_leave
     router.expire()
     assert router.stats().in_flight == 0
     assert [counters(router, b) for b in backends] == [(0, 0, 0)] * len(backends)
-    router.index._check()
+    router._check()
 
 
 def test_many_namespaces_from_many_threads(switchy: None) -> None:

@@ -159,7 +159,7 @@ def test_bad_input_raises_and_changes_nothing(tokens: object, backends: object, 
         router.route(tokens, backends)  # type: ignore[arg-type]
     assert "unhashable" not in str(raised.value)
     assert (len(router.index), router.index.hashes("a")) == before
-    router.index._check()
+    router._check()
 
 
 def test_a_policy_returning_a_foreign_candidate_is_an_error_and_changes_nothing() -> None:
