@@ -132,7 +132,7 @@ def diagnose(
 
 
 def read_source(source: str, *, timeout: float) -> EngineMetrics:
-    """Read one source: an ``http(s)://`` URL (``/metrics`` appended if missing), a file, or ``-`` for stdin.
+    """Read one source: an ``http(s)://`` URL (``/metrics`` added to its path if missing), a file, or ``-`` for stdin.
 
     ``timeout`` bounds the whole read of a URL (see :func:`~prefixroute.vllm.fetch_metrics`); files and stdin are
     read without one.

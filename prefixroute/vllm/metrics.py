@@ -228,6 +228,16 @@ def _read_body(client: httpx.Client | None, url: str, timeout: float, abandoned:
 
 
 def metrics_url(url: str) -> str:
-    """Return ``url`` with ``/metrics`` appended unless it already names a path ending in ``metrics``."""
-    stripped = url.rstrip("/")
-    return stripped if stripped.endswith("/metrics") else stripped + "/metrics"
+    """Return ``url`` with ``/metrics`` added to its path unless the path already ends in ``/metrics``.
+
+    A query or fragment stays after the path, so a token in the URL still reaches the engine:
+
+    >>> metrics_url("http://gpu0:8000/?token=abc")
+    'http://gpu0:8000/metrics?token=abc'
+    """
+    cut = min([i for i in (url.find("?"), url.find("#")) if i >= 0], default=len(url))
+    base, tail = url[:cut].rstrip("/"), url[cut:]
+    path_start = base.find("/", base.find("://") + 3)  # -1: no path, only a host (which may be called "metrics")
+    if path_start < 0 or not base[path_start:].endswith("/metrics"):
+        base += "/metrics"
+    return base + tail

@@ -211,3 +211,9 @@ def test_diagnose_rejects_nonsense_thresholds() -> None:
         doctor.diagnose(EngineMetrics(), ratio_threshold=float("nan"))
     with pytest.raises(ConfigurationError, match="low_hit_rate"):
         doctor.diagnose(EngineMetrics(), low_hit_rate=-0.1)
+
+
+def test_a_url_with_a_query_gets_metrics_in_its_path(capsys: pytest.CaptureFixture[str]) -> None:
+    with FakeVLLM() as engine:
+        assert cli(engine.url + "/?token=abc") == 0
+    assert "HEALTHY" in capsys.readouterr().out

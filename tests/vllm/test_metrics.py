@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from prefixroute.errors import ConfigurationError, MetricsError
 from prefixroute.testing import FakeVLLM
-from prefixroute.vllm.metrics import MAX_METRICS_BYTES, fetch_metrics, parse_metrics
+from prefixroute.vllm.metrics import MAX_METRICS_BYTES, fetch_metrics, metrics_url, parse_metrics
 
 
 def closed_port() -> int:
@@ -237,3 +237,20 @@ def test_an_empty_200_and_a_huge_body_are_metrics_errors() -> None:
         engine.set_metrics_fault(text="#" * (MAX_METRICS_BYTES + 1024))
         with pytest.raises(MetricsError, match="over"):
             fetch_metrics(engine.url + "/metrics", timeout=5)
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("http://gpu0:8000", "http://gpu0:8000/metrics"),
+        ("http://gpu0:8000/", "http://gpu0:8000/metrics"),
+        ("http://gpu0:8000/metrics", "http://gpu0:8000/metrics"),
+        ("https://gpu0/vllm/metrics/", "https://gpu0/vllm/metrics"),
+        ("http://gpu0:8000/?token=abc", "http://gpu0:8000/metrics?token=abc"),
+        ("http://gpu0:8000/metrics?token=abc", "http://gpu0:8000/metrics?token=abc"),
+        ("http://gpu0:8000#top", "http://gpu0:8000/metrics#top"),
+        ("http://metrics", "http://metrics/metrics"),  # a host called metrics: no /metrics path yet
+    ],
+)
+def test_metrics_url_adds_the_path_before_any_query(url: str, expected: str) -> None:
+    assert metrics_url(url) == expected
