@@ -4,7 +4,8 @@ For each source it computes TTFT P50/P95/P99 from the ``vllm:time_to_first_token
 interpolation within buckets, as Prometheus' ``histogram_quantile``), the prefix cache hit rate (cached prompt
 tokens / prompt tokens) and the queue figures, and gives a verdict with the reasons and figures behind it. URLs are read
 concurrently, each within --timeout seconds (connecting, headers and body), so the whole run takes at most about
---timeout. Exit status: 0 healthy, 1 suspect, 2 unreadable input or a bad option (one line on stderr).
+--timeout; files and stdin are read whole, up to 32 MiB. Exit status: 0 healthy, 1 suspect, 2 unreadable input or
+a bad option (one line on stderr).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, Literal
 
 from prefixroute.errors import ConfigurationError, MetricsError
 from prefixroute.vllm._checks import check_seconds
-from prefixroute.vllm.metrics import EngineMetrics, fetch_metrics, metrics_url, parse_metrics
+from prefixroute.vllm.metrics import MAX_METRICS_BYTES, EngineMetrics, fetch_metrics, metrics_url, parse_metrics
 
 __all__ = ["Diagnosis", "diagnose", "histogram_quantile", "register", "run"]
 
@@ -135,15 +136,24 @@ def read_source(source: str, *, timeout: float) -> EngineMetrics:
     """Read one source: an ``http(s)://`` URL (``/metrics`` added to its path if missing), a file, or ``-`` for stdin.
 
     ``timeout`` bounds the whole read of a URL (see :func:`~prefixroute.vllm.fetch_metrics`); files and stdin are
-    read without one.
+    read without one. Every source is refused over :data:`~prefixroute.vllm.metrics.MAX_METRICS_BYTES`.
 
     Raises:
-        MetricsError: the source cannot be read or is not vLLM metrics (the message says why).
+        MetricsError: the source cannot be read, is too large or is not vLLM metrics (the message says why).
     """
     if source.startswith(("http://", "https://")):
         return fetch_metrics(metrics_url(source), timeout=timeout)
     try:
-        text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
+        if source == "-":
+            data = sys.stdin.buffer.read(MAX_METRICS_BYTES + 1)
+        else:
+            with Path(source).open("rb") as file:  # at most the cap and a byte: /dev/zero must not fill the memory
+                data = file.read(MAX_METRICS_BYTES + 1)
+        if len(data) > MAX_METRICS_BYTES:
+            raise MetricsError(
+                f"cannot read {source}: it is over {MAX_METRICS_BYTES} bytes (a vLLM /metrics is tens of kilobytes)"
+            )
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise MetricsError(f"cannot read {source}: {exc}") from exc
     return parse_metrics(text)

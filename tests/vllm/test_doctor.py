@@ -20,6 +20,7 @@ from prefixroute.errors import ConfigurationError
 from prefixroute.testing import FakeVLLM
 from prefixroute.vllm import EngineMetrics, doctor
 from prefixroute.vllm.doctor import MISS_ADVICE, histogram_quantile
+from prefixroute.vllm.metrics import MAX_METRICS_BYTES
 
 BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
@@ -211,6 +212,17 @@ def test_diagnose_rejects_nonsense_thresholds() -> None:
         doctor.diagnose(EngineMetrics(), ratio_threshold=float("nan"))
     with pytest.raises(ConfigurationError, match="low_hit_rate"):
         doctor.diagnose(EngineMetrics(), low_hit_rate=-0.1)
+
+
+def test_a_file_over_the_size_cap_is_unreadable_not_read_whole(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    huge = tmp_path / "huge.txt"
+    with huge.open("wb") as file:
+        file.truncate(MAX_METRICS_BYTES + 1)  # sparse: no disk used; /dev/zero and real huge files go the same way
+    assert cli(str(huge)) == 2
+    out = capsys.readouterr().out
+    assert "UNREADABLE" in out and f"over {MAX_METRICS_BYTES} bytes" in out and out.count("\n") == 2
 
 
 def test_a_url_with_a_query_gets_metrics_in_its_path(capsys: pytest.CaptureFixture[str]) -> None:
