@@ -3,9 +3,9 @@
 For each source it computes TTFT P50/P95/P99 from the ``vllm:time_to_first_token_seconds`` histogram (linear
 interpolation within buckets, as Prometheus' ``histogram_quantile``), the prefix cache hit rate (cached prompt
 tokens / prompt tokens) and the queue figures, and gives a verdict with the reasons and figures behind it. URLs are read
-concurrently, each within --timeout seconds (connecting, headers and body), so the whole run takes at most about
---timeout; files and stdin are read whole, up to 32 MiB. Exit status: 0 healthy, 1 suspect, 2 unreadable input or
-a bad option (one line on stderr).
+concurrently, each within --timeout seconds (connecting, headers, body and parsing), so the whole run takes at most
+about --timeout; files and stdin are read whole, up to 32 MiB. Exit status: 0 healthy, 1 suspect, 2 unreadable input
+or a bad option (one line on stderr).
 """
 
 from __future__ import annotations
@@ -135,8 +135,8 @@ def diagnose(
 def read_source(source: str, *, timeout: float) -> EngineMetrics:
     """Read one source: an ``http(s)://`` URL (``/metrics`` added to its path if missing), a file, or ``-`` for stdin.
 
-    ``timeout`` bounds the whole read of a URL (see :func:`~prefixroute.vllm.fetch_metrics`); files and stdin are
-    read without one. Every source is refused over :data:`~prefixroute.vllm.metrics.MAX_METRICS_BYTES`.
+    ``timeout`` bounds the whole read of a URL, parsing included (see :func:`~prefixroute.vllm.fetch_metrics`); files
+    and stdin are read without one. Every source is refused over :data:`~prefixroute.vllm.metrics.MAX_METRICS_BYTES`.
 
     Raises:
         MetricsError: the source cannot be read, is too large or is not vLLM metrics (the message says why).

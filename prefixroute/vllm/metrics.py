@@ -7,13 +7,15 @@
 
 from __future__ import annotations
 
+import io
 import math
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.parser import text_fd_to_metric_families
 from sortedcontainers import SortedDict
 
 from prefixroute.errors import MetricsError
@@ -35,6 +37,7 @@ _QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_to
 _HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 _CACHE_INFO = "vllm:cache_config_info"
 _TTFT = "vllm:time_to_first_token_seconds"
+_CHARS_PER_DEADLINE_CHECK = 1 << 16  # about 15 ms of parsing: the clock is read rarely, the deadline kept closely
 
 
 @dataclass(frozen=True)
@@ -65,18 +68,19 @@ class EngineMetrics:
         return self.prefix_hits / self.prefix_queries
 
 
-def parse_metrics(text: str) -> EngineMetrics:
+def parse_metrics(text: str, *, deadline: float | None = None) -> EngineMetrics:
     """Parse Prometheus text exposition from a vLLM ``/metrics`` endpoint. O(size of text).
 
     A series (a name and its labels) repeated in the text counts once, the first time; a leading UTF-8 BOM is
-    ignored.
+    ignored. ``deadline`` is a :func:`time.monotonic` instant: parsing stops with a MetricsError once it has passed
+    (checked every 64 KiB of text), so a huge text cannot hold the caller long (parsing takes about 0.25 s per MB).
 
     Raises:
         MetricsError: the text is not Prometheus exposition format, holds no ``vllm:`` metric at all, or holds a
             figure no engine can report (the message names it): NaN, infinite or negative values (or finite
             ones whose sum over the series overflows to infinity), a KV usage above 1, a TTFT histogram whose
             cumulative counts fall, a ``block_size`` or ``num_gpu_blocks`` that is not a positive int (or is
-            absurdly large).
+            absurdly large); or ``deadline`` passed before the text was parsed.
     """
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
@@ -86,7 +90,7 @@ def parse_metrics(text: str) -> EngineMetrics:
     num_gpu_blocks: int | None = None
     seen: set[tuple[str, frozenset[tuple[str, str]]]] = set()
     try:
-        for family in text_string_to_metric_families(text.removeprefix("\ufeff")):
+        for family in text_fd_to_metric_families(_Lines(text.removeprefix("\ufeff"), deadline)):
             for sample in family.samples:
                 series = (sample.name, frozenset(sample.labels.items()))
                 if series in seen:  # one series is one figure (Prometheus keeps the first): not a second engine
@@ -141,6 +145,30 @@ def parse_metrics(text: str) -> EngineMetrics:
     )
 
 
+class _Overdue(MetricsError):
+    """The deadline passed before the text was parsed (for :func:`fetch_metrics`, which says so with its timeout)."""
+
+
+class _Lines(io.StringIO):
+    """The text, read line by line by the parser, which stops it with a MetricsError once ``deadline`` has passed."""
+
+    def __init__(self, text: str, deadline: float | None) -> None:
+        super().__init__(text)
+        self._deadline = deadline
+        self._size = len(text)
+        self._read = self._unchecked = 0
+
+    def __next__(self) -> str:  # type: ignore[override]  # typeshed: StringIO inherits _IOBase.__next__ -> bytes
+        line = super().__next__()
+        self._read += len(line)
+        self._unchecked += len(line)
+        if self._deadline is not None and self._unchecked > _CHARS_PER_DEADLINE_CHECK:
+            self._unchecked = 0
+            if time.monotonic() > self._deadline:
+                raise _Overdue(f"not parsed by the deadline: {self._read} of {self._size} characters read")
+        return line
+
+
 def _add(total: float, value: float, name: str) -> float:
     """``total + value``, a MetricsError when the sum of finite samples overflows to infinity."""
     result = total + value
@@ -165,45 +193,55 @@ def _int_label(labels: Mapping[str, str], key: str, default: int | None) -> int 
 
 
 def fetch_metrics(url: str, *, timeout: float = 2.0, client: httpx.Client | None = None) -> EngineMetrics:
-    """GET ``url`` and parse it, all within ``timeout`` seconds: connecting, the headers and the whole body.
+    """GET ``url`` and parse it, all within ``timeout`` seconds: connecting, the headers, the whole body and parsing it.
 
-    The request runs in a daemon thread and the caller waits at most ``timeout``, so a slow or trickling endpoint
-    cannot hold it longer; the abandoned request ends by itself soon after (each of its reads is bounded by
-    ``timeout`` and it stops reading at the deadline). ``client`` is reused when given (one per engine keeps its
-    connection alive); without it a client is made and closed. O(size of the body).
+    The request and the parsing run in a daemon thread and the caller waits at most ``timeout``, so a slow or
+    trickling endpoint, or a body too large to parse in time, cannot hold it longer; the abandoned work ends by itself
+    soon after (each read is bounded by ``timeout``, and reading and parsing stop at the deadline). ``client`` is
+    reused when given (one per engine keeps its connection alive); without it a client is made and closed.
+    O(size of the body).
 
     Raises:
-        MetricsError: every failure: no answer within ``timeout``, network, HTTP status, a body over
-            :data:`MAX_METRICS_BYTES`, format or nonsense figures (see :func:`parse_metrics`).
+        MetricsError: every failure: no answer or a body not parsed within ``timeout``, network, HTTP status, a body
+            over :data:`MAX_METRICS_BYTES`, format or nonsense figures (see :func:`parse_metrics`).
         ConfigurationError: ``timeout`` is not a finite positive number of seconds.
     """
     timeout = check_seconds(timeout, "timeout")
+    deadline = time.monotonic() + timeout
     done = threading.Event()
     abandoned = threading.Event()
-    outcome: list[str | BaseException] = []
+    parsing = threading.Event()
+    outcome: list[EngineMetrics | BaseException] = []
 
     def get() -> None:
         try:
-            outcome.append(_read_body(client, url, timeout, abandoned))
+            body = _read_body(client, url, timeout, abandoned)
+            if not abandoned.is_set():
+                parsing.set()
+                outcome.append(parse_metrics(body, deadline=deadline))
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
             outcome.append(exc)
         finally:
             done.set()
 
     threading.Thread(target=get, name="prefixroute-scrape", daemon=True).start()
-    if not done.wait(timeout):
+    finished = done.wait(timeout)
+    if not finished:
         abandoned.set()
+    if not finished or isinstance(outcome[0], _Overdue):  # the parsing can pass the deadline just before the wait
+        if parsing.is_set():
+            raise MetricsError(f"cannot read {url}: its body was not parsed within {timeout:g}s (it is too long)")
         raise MetricsError(f"cannot read {url}: no complete answer within {timeout:g}s")
     result = outcome[0]
-    if isinstance(result, MetricsError):
+    if isinstance(result, EngineMetrics):
+        return result
+    if isinstance(result, MetricsError) or parsing.is_set():  # a bug in parsing stays itself, not a network error
         raise result
     if isinstance(result, httpx.HTTPStatusError):
         status = result.response.status_code
         raise MetricsError(f"cannot read {url}: HTTP {status} {result.response.reason_phrase}") from result
-    if isinstance(result, BaseException):
-        detail = str(result).strip().splitlines()[:1] or [type(result).__name__]  # one line, for the CLI
-        raise MetricsError(f"cannot read {url}: {detail[0]}") from result
-    return parse_metrics(result)
+    detail = str(result).strip().splitlines()[:1] or [type(result).__name__]  # one line, for the CLI
+    raise MetricsError(f"cannot read {url}: {detail[0]}") from result
 
 
 def _read_body(client: httpx.Client | None, url: str, timeout: float, abandoned: threading.Event) -> str:

@@ -239,6 +239,27 @@ def test_an_empty_200_and_a_huge_body_are_metrics_errors() -> None:
             fetch_metrics(engine.url + "/metrics", timeout=5)
 
 
+def many_engines_text(engines: int) -> str:
+    lines = "".join(f'vllm:num_requests_waiting{{engine="{i}"}} 1\n' for i in range(engines))
+    return "# TYPE vllm:num_requests_waiting gauge\n" + lines
+
+
+def test_parsing_stops_at_its_deadline() -> None:
+    text = many_engines_text(10_000)
+    with pytest.raises(MetricsError, match="not parsed by the deadline"):
+        parse_metrics(text, deadline=time.monotonic() - 1.0)  # already past: stops at the first check
+    assert parse_metrics(text, deadline=time.monotonic() + 600).waiting == 10_000
+
+
+def test_the_timeout_bounds_the_parsing_of_a_huge_valid_body_too() -> None:
+    with FakeVLLM() as engine:
+        engine.set_metrics_fault(text=many_engines_text(500_000))  # 22 MB: seconds to parse, far past 1 s
+        began = time.monotonic()
+        with pytest.raises(MetricsError, match="within 1s"):
+            fetch_metrics(engine.url + "/metrics", timeout=1.0)
+        assert time.monotonic() - began < 3.0
+
+
 @pytest.mark.parametrize(
     ("url", "expected"),
     [
