@@ -88,7 +88,8 @@ def diagnose(
     """Judge one engine's figures.
 
     Suspect when P99/P50 TTFT exceeds ``ratio_threshold`` (with a hit rate under ``low_hit_rate`` the reason is
-    cache misses under load) or when the KV cache is nearly full; healthy otherwise.
+    cache misses under load) or when the KV cache is nearly full; healthy otherwise. Unreadable when the figures
+    contradict each other: more prefix cache hits than queries, or a P99/P50 that overflows.
 
     Raises:
         ConfigurationError: ``ratio_threshold`` is not a finite number >= 1 or ``low_hit_rate`` not in [0, 1].
@@ -97,8 +98,15 @@ def diagnose(
         raise ConfigurationError(f"ratio_threshold must be a finite number >= 1, not {ratio_threshold!r}")
     if isinstance(low_hit_rate, bool) or not 0 <= low_hit_rate <= 1:
         raise ConfigurationError(f"low_hit_rate must be a fraction in [0, 1], not {low_hit_rate!r}")
+    hits, queries = metrics.prefix_hits, metrics.prefix_queries
+    if hits is not None and queries is not None and hits > queries:
+        reason = f"prefix cache hits ({hits:g} tokens) exceed queries ({queries:g}): a hit is a queried token"
+        return Diagnosis(source=source, verdict="unreadable", reasons=[reason])
     p50, p95, p99 = (histogram_quantile(q, metrics.ttft_buckets) for q in (0.5, 0.95, 0.99))
     ratio = p99 / p50 if p50 and p99 is not None else None
+    if ratio is not None and not math.isfinite(ratio):
+        reason = f"TTFT P99/P50 overflows (P50 {p50:g}s, P99 {p99:g}s): no engine reports such figures"
+        return Diagnosis(source=source, verdict="unreadable", reasons=[reason])
     hit = metrics.hit_rate
     result = Diagnosis(
         source=source, verdict="healthy", ttft_p50_s=p50, ttft_p95_s=p95, ttft_p99_s=p99, p99_p50_ratio=ratio,
@@ -109,11 +117,16 @@ def diagnose(
     reasons = result.reasons
     hit_text = "unknown" if hit is None else f"{hit:.1%}"
     queue_text = f"{_num(metrics.running)} running, {_num(metrics.waiting)} waiting"
-    if ratio is None:
+    if p50 is None or p99 is None:
         reasons.append("no TTFT samples yet: nothing to judge (send traffic, then run doctor again)")
+    elif ratio is None:
+        reasons.append(
+            "TTFT P50 is 0s by the histogram (every sample in a bucket at 0s, or none in a finite bucket): "
+            "P99/P50 cannot be judged"
+        )
     elif ratio > ratio_threshold:
         result.verdict = "suspect"
-        figures = f"TTFT P99/P50 = {ratio:.1f} (P50 {p50:.3f}s, P99 {p99:.3f}s) > {ratio_threshold:g}"
+        figures = f"TTFT P99/P50 = {_fixed(ratio, 1)} (P50 {_seconds(p50)}, P99 {_seconds(p99)}) > {ratio_threshold:g}"
         if hit is not None and hit < low_hit_rate:
             reasons.append(f"{MISS_ADVICE}: {figures} with a prefix cache hit rate of {hit_text} ({queue_text})")
         else:
@@ -123,7 +136,7 @@ def diagnose(
             )
     else:
         reasons.append(
-            f"TTFT P99/P50 = {ratio:.1f} (P50 {p50:.3f}s, P99 {p99:.3f}s) <= {ratio_threshold:g}; "
+            f"TTFT P99/P50 = {_fixed(ratio, 1)} (P50 {_seconds(p50)}, P99 {_seconds(p99)}) <= {ratio_threshold:g}; "
             f"prefix cache hit rate {hit_text}; {queue_text}"
         )
     if metrics.kv_usage is not None and metrics.kv_usage >= 0.95:
@@ -242,8 +255,8 @@ def _render(d: Diagnosis) -> str:
     if d.verdict != "unreadable":
         ttft = "n/a"
         if d.ttft_p50_s is not None:
-            ttft = f"P50 {d.ttft_p50_s:.3f}s  P95 {d.ttft_p95_s or 0:.3f}s  P99 {d.ttft_p99_s or 0:.3f}s"
-        lines.append(f"  TTFT            {ttft}  ({d.ttft_samples:.0f} requests)")
+            ttft = f"P50 {_seconds(d.ttft_p50_s)}  P95 {_seconds(d.ttft_p95_s or 0)}  P99 {_seconds(d.ttft_p99_s or 0)}"
+        lines.append(f"  TTFT            {ttft}  ({_fixed(d.ttft_samples, 0)} requests)")
         hit = "n/a" if d.prefix_hit_rate is None else f"{d.prefix_hit_rate:.1%}"
         lines.append(f"  prefix hit rate {hit}")
         lines.append(f"  queue           {_num(d.running)} running, {_num(d.waiting)} waiting")
@@ -255,3 +268,12 @@ def _render(d: Diagnosis) -> str:
 
 def _num(value: float | None) -> str:
     return "?" if value is None else f"{value:g}"
+
+
+def _fixed(value: float, decimals: int) -> str:
+    """``value`` with ``decimals`` decimals, or in exponent form from a million up (not 300 digits)."""
+    return f"{value:.{decimals}f}" if abs(value) < 1e6 else f"{value:.3g}"
+
+
+def _seconds(value: float) -> str:
+    return f"{_fixed(value, 3)}s"

@@ -45,7 +45,8 @@ class EngineMetrics:
     """One scrape of a vLLM engine, summed over its label sets (models, engines, data-parallel ranks).
 
     A figure the text does not expose is None. ``kv_usage`` is the mean over engines (a fraction, 1 = full).
-    ``ttft_buckets`` holds ``(upper bound in seconds, cumulative count)`` pairs, sorted, ending with ``+inf``.
+    ``ttft_buckets`` holds ``(upper bound in seconds, cumulative count)`` pairs, sorted, ending with ``+inf``;
+    ``ttft_count`` is the histogram's ``_count``, or its last bucket's count when the text has no ``_count``.
     Every figure is finite and non-negative; ``block_size`` and ``num_gpu_blocks`` are positive.
     """
 
@@ -79,8 +80,8 @@ def parse_metrics(text: str, *, deadline: float | None = None) -> EngineMetrics:
         MetricsError: the text is not Prometheus exposition format, holds no ``vllm:`` metric at all, or holds a
             figure no engine can report (the message names it): NaN, infinite or negative values (or finite
             ones whose sum over the series overflows to infinity), a KV usage above 1, a TTFT histogram whose
-            cumulative counts fall, a ``block_size`` or ``num_gpu_blocks`` that is not a positive int (or is
-            absurdly large); or ``deadline`` passed before the text was parsed.
+            cumulative counts fall or with a negative bucket bound, a ``block_size`` or ``num_gpu_blocks`` that is
+            not a positive int (or is absurdly large); or ``deadline`` passed before the text was parsed.
     """
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
@@ -101,6 +102,8 @@ def parse_metrics(text: str, *, deadline: float | None = None) -> EngineMetrics:
                     raise MetricsError(f"{name} is {value}: an engine reports finite, non-negative figures")
                 if name == _TTFT + "_bucket":
                     bound = float(sample.labels.get("le", "nan"))
+                    if bound < 0:
+                        raise MetricsError(f"{name} has a bucket le={bound:g}: a time to first token is not negative")
                     if not math.isnan(bound):
                         buckets[bound] = _add(buckets.get(bound, 0.0), value, f"{name}{{le={bound:g}}}")
                     continue
@@ -140,7 +143,7 @@ def parse_metrics(text: str, *, deadline: float | None = None) -> EngineMetrics:
         block_size=block_size,
         num_gpu_blocks=num_gpu_blocks,
         ttft_buckets=tuple(buckets.items()),
-        ttft_count=sums.get(_TTFT + "_count", 0.0),
+        ttft_count=sums.get(_TTFT + "_count", buckets.peekitem(-1)[1] if buckets else 0.0),
         ttft_sum=sums.get(_TTFT + "_sum", 0.0),
     )
 

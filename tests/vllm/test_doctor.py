@@ -229,3 +229,71 @@ def test_a_url_with_a_query_gets_metrics_in_its_path(capsys: pytest.CaptureFixtu
     with FakeVLLM() as engine:
         assert cli(engine.url + "/?token=abc") == 0
     assert "HEALTHY" in capsys.readouterr().out
+
+
+TTFT = "vllm:time_to_first_token_seconds"
+
+
+def histogram(*buckets: tuple[str, int], count: int | None = None) -> str:
+    lines = [f"# TYPE {TTFT} histogram"]
+    lines += [f'{TTFT}_bucket{{le="{bound}"}} {n}' for bound, n in buckets]
+    if count is not None:
+        lines.append(f"{TTFT}_count {count}")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (histogram(("-5", 50), ("-1", 100), ("+Inf", 100), count=100), "not negative"),
+        (histogram(("1e-320", 60), ("1e300", 100), ("+Inf", 100), count=100), "P99/P50 overflows"),
+        (
+            histogram(("1", 100), ("+Inf", 100), count=100)
+            + "vllm:prefix_cache_queries_total 10\nvllm:prefix_cache_hits_total 50\n",
+            "hits (50 tokens) exceed queries (10)",
+        ),
+    ],
+)
+def test_contradictory_figures_are_unreadable_also_in_valid_json(
+    text: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    saved = tmp_path / "metrics.txt"
+    saved.write_text(text)
+    assert cli(str(saved)) == 2
+    out = capsys.readouterr().out
+    assert "UNREADABLE" in out and message in out
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not JSON: {constant}")
+
+    assert cli("--json", str(saved)) == 2
+    report = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    assert report["targets"][0]["verdict"] == "unreadable"
+
+
+def test_huge_figures_are_printed_in_exponent_form(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    saved = tmp_path / "metrics.txt"
+    saved.write_text(histogram(("1", 60), ("1e300", 100), ("+Inf", 100), count=100))
+    assert cli(str(saved)) == 1
+    out = capsys.readouterr().out
+    assert "P99 9.75e+299s" in out and "0" * 20 not in out  # not 300 digits
+
+
+@pytest.mark.parametrize("buckets", [(("0", 100), ("+Inf", 100)), (("+Inf", 100),)])
+def test_samples_with_a_p50_of_0_are_not_no_samples(
+    buckets: tuple[tuple[str, int], ...], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    saved = tmp_path / "metrics.txt"
+    saved.write_text(histogram(*buckets, count=100))
+    assert cli(str(saved)) == 0
+    out = capsys.readouterr().out
+    assert "(100 requests)" in out and "P99/P50 cannot be judged" in out and "no TTFT samples" not in out
+
+
+def test_without_a_count_the_requests_are_those_of_the_last_bucket(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    saved = tmp_path / "metrics.txt"
+    saved.write_text(histogram(("0.1", 50), ("0.2", 100), ("+Inf", 100)))
+    assert cli(str(saved)) == 0
+    assert "(100 requests)" in capsys.readouterr().out

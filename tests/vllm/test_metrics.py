@@ -107,6 +107,13 @@ vllm:cache_config_info{block_size="16",num_gpu_blocks="100"} 1
             'vllm:time_to_first_token_seconds_bucket{le="+Inf"} 3\n',
             "not cumulative",
         ),
+        (
+            "# TYPE vllm:time_to_first_token_seconds histogram\n"
+            'vllm:time_to_first_token_seconds_bucket{le="-5"} 50\n'
+            'vllm:time_to_first_token_seconds_bucket{le="-1"} 100\n'
+            'vllm:time_to_first_token_seconds_bucket{le="+Inf"} 100\n',
+            "le=-5: a time to first token is not negative",
+        ),
     ],
 )
 def test_nonsense_figures_are_metrics_errors_naming_the_figure(text: str, message: str) -> None:
@@ -237,6 +244,16 @@ def test_an_empty_200_and_a_huge_body_are_metrics_errors() -> None:
         engine.set_metrics_fault(text="#" * (MAX_METRICS_BYTES + 1024))
         with pytest.raises(MetricsError, match="over"):
             fetch_metrics(engine.url + "/metrics", timeout=5)
+
+
+def test_without_a_count_the_histogram_counts_its_samples_by_its_last_bucket() -> None:
+    text = (
+        "# TYPE vllm:time_to_first_token_seconds histogram\n"
+        'vllm:time_to_first_token_seconds_bucket{le="0.1"} 40\n'
+        'vllm:time_to_first_token_seconds_bucket{le="+Inf"} 100\n'
+    )
+    assert parse_metrics(text).ttft_count == 100
+    assert parse_metrics(text + "vllm:time_to_first_token_seconds_count 100\n").ttft_count == 100
 
 
 def many_engines_text(engines: int) -> str:
