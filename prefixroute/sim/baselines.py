@@ -87,37 +87,48 @@ class SGLangCacheAware(LoadPolicy):
 
     Source: ``sgl-project/sglang``, ``sgl-model-gateway/src/policies/cache_aware.rs``
     (``CacheAwarePolicy.select_worker``, ``select_worker_min_load``); defaults from the launcher's
-    ``sgl-model-gateway/bindings/python/sglang_router/router_args.py`` (formerly
-    ``sgl-router/py_src/sglang_router/router_args.py``: ``cache_threshold = 0.3``, ``balance_abs_threshold = 64``,
-    ``balance_rel_threshold = 1.5``; the Rust ``CacheAwareConfig::default()``, 0.5 / 32 / 1.1, applies only when
-    the policy is built in code). Loads are the router's in-flight requests per worker (``in_flight``). The
-    system is imbalanced when ``max - min > balance_abs_threshold`` **and** ``max > min × balance_rel_threshold``:
-    then the least loaded worker. Otherwise the worker with the longest match if its match rate (matched / prompt)
-    is above ``cache_threshold``, else again the least loaded worker (sglang PR #14650; before it, the older
-    ``sgl-router/src/policies/cache_aware.rs`` took the worker with the smallest tree here). Ties go to the first
-    in placement order, as Rust's ``min_by_key`` takes the first of equals. SGLang matches characters of the
-    request text; this matches the router's blocks. O(len(candidates)).
+    ``sgl-model-gateway/bindings/python/src/sglang_router/router_args.py`` and ``sgl-model-gateway/src/main.rs``
+    (formerly ``sgl-router/py_src/sglang_router/router_args.py``): ``cache_threshold = 0.3``,
+    ``balance_abs_threshold = 64``, ``balance_rel_threshold = 1.5`` (the Rust ``CacheAwareConfig::default()``,
+    0.5 / 32 / 1.1, applies only when the policy is built in code). Loads are the router's in-flight requests per
+    worker (``in_flight``). The system is imbalanced when ``max - min > balance_abs_threshold`` **and**
+    ``max > min × balance_rel_threshold``: then the least loaded worker, the first of equals in placement order (as
+    Rust's ``min_by_key``). Otherwise the worker with the longest match (the first of equals, as SGLang's tree takes
+    the first tenant it stores) if its match rate (matched / prompt) is above ``cache_threshold``, else a worker
+    drawn from ``rng`` among the least loaded: sglang PR #14650 made it the least loaded rather than the smallest
+    tree of the older ``sgl-router/src/policies/cache_aware.rs``, and PR #33138 draws among equals at random, so
+    idle workers share the misses. SGLang matches characters of the request text; this matches the router's whole
+    blocks, so a match ending within a block counts only its whole blocks (which matters near the threshold on short
+    prompts). O(len(candidates)).
     """
 
     name = "sglang"
     prefix_aware = True
 
     def __init__(
-        self, *, cache_threshold: float = 0.3, balance_abs_threshold: int = 64, balance_rel_threshold: float = 1.5
+        self,
+        *,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: int = 64,
+        balance_rel_threshold: float = 1.5,
+        seed: int | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         self.cache_threshold = _number("cache_threshold", cache_threshold)
         self.balance_abs_threshold = _count("balance_abs_threshold", balance_abs_threshold)
         self.balance_rel_threshold = _number("balance_rel_threshold", balance_rel_threshold)
+        self._rng = _rng(seed, rng)
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         _require_candidates(candidates)
-        least_loaded = min(candidates, key=lambda c: c.in_flight)
         loads = [c.in_flight for c in candidates]
         high, low = max(loads), min(loads)
         if high - low > self.balance_abs_threshold and high > low * self.balance_rel_threshold:
-            return least_loaded
+            return candidates[loads.index(low)]
         best = max(candidates, key=lambda c: c.matched_tokens)
-        return best if _match_rate(best) > self.cache_threshold else least_loaded
+        if _match_rate(best) > self.cache_threshold:
+            return best
+        return self._rng.choice([c for c in candidates if c.in_flight == low])
 
     def __repr__(self) -> str:
         return (
@@ -142,7 +153,10 @@ class DynamoKvRouter(LoadPolicy):
     the block size the candidate's ``block_size``. Which of the request's blocks are already active there the
     candidate does not say: an active block of this prompt is one of its matched blocks and one of the worker's
     active blocks, so at most ``min(matched blocks, active_blocks)`` of them are, and that many are taken as
-    shared (exact when nothing is in flight there, or when what is in flight shares this prompt's prefix).
+    shared (exact when nothing is in flight there, or when what is in flight shares this prompt's prefix; otherwise
+    an upper bound, which credits sharing that is not there and leans this baseline towards affinity). The router's
+    ``active_blocks`` also counts each in-flight prompt's partial last block (as vLLM allocates it), where Dynamo
+    counts whole blocks: about one block more per request in flight.
 
     At temperature 0 the lowest logit wins, ties to the smallest tree (Dynamo's indexer tree size; here the tokens
     routed there), then placement order where Dynamo draws at random; above 0, a worker is drawn from ``rng`` with
@@ -210,8 +224,10 @@ class LlmdDefaultProfile(LoadPolicy):
     (``defaultMaxPrefixBlocks``); queue = ``(max - q) / (max - min)`` over the endpoints' waiting queues, 1 for all
     when equal; KV = ``1 - kv_usage``; each clamped to [0, 1] before weighting (``enforceScoreRange`` in
     ``pkg/epp/scheduling/scheduler_profile.go``). The highest weighted sum wins (ties: placement order, where the
-    picker shuffles). The queue is the engine's ``queue_len`` when metrics supply it, else the router's
-    ``in_flight``; KV use is the engine's ``kv_usage``, else ``active_blocks / capacity_blocks`` (the KV memory its
+    picker shuffles). The queue is the engine's ``queue_len`` (vLLM's waiting requests) when metrics supply it, else
+    the router's ``in_prefill`` (its requests without a first token yet: waiting, or in prefill), the nearest it
+    knows to a waiting queue (``in_flight`` would count every decoding request too, which llm-d's queue scorer
+    never sees); KV use is the engine's ``kv_usage``, else ``active_blocks / capacity_blocks`` (the KV memory its
     requests hold), else 0; blocks are the candidate's ``block_size`` (llm-d's default is 16 tokens).
     O(len(candidates)).
     """
@@ -236,7 +252,9 @@ class LlmdDefaultProfile(LoadPolicy):
         """The prefix-cache scorer's value: matched blocks over the request's blocks, both capped. O(1).
 
         llm-d hashes a partial last block too, so it matches only when the whole prompt is cached; a prompt shorter
-        than one block is not hashed at all and scores 0.
+        than one block is not hashed at all and scores 0. The router hashes whole blocks only, so a prompt that is
+        not a whole number of blocks never gets its partial block credited here (a repeat scores
+        ``blocks / (blocks + 1)`` where llm-d gives 1).
         """
         size = candidate.block_size
         if candidate.prompt_tokens < size:
@@ -248,7 +266,7 @@ class LlmdDefaultProfile(LoadPolicy):
 
     def scores(self, candidates: Sequence[Candidate]) -> list[float]:
         """Each candidate's weighted score, in order. O(len(candidates))."""
-        queues = [c.queue_len if c.queue_len is not None else c.in_flight for c in candidates]
+        queues = [c.queue_len if c.queue_len is not None else c.in_prefill for c in candidates]
         high, low = max(queues), min(queues)
         result = []
         for candidate, queue in zip(candidates, queues, strict=True):

@@ -43,7 +43,15 @@ def test_sglang_goes_to_the_least_loaded_below_the_cache_threshold() -> None:
     misses = [Candidate("a", 0, 1000, 1), Candidate("b", 0, 1000, 1), Candidate("c", 0, 1000, 0)]
     policy = SGLangCacheAware()
     assert [policy.choose(misses).backend for _ in range(2)] == ["c", "c"]  # no tree rotation, load only
-    assert policy.choose(misses[:2]).backend == "a"  # equal loads: the first, as min_by_key
+    # Equal loads: drawn at random (sglang PR #33138), from the seeded rng.
+    assert {policy.choose(misses[:2]).backend for _ in range(40)} == {"a", "b"}
+    draws = [SGLangCacheAware(seed=7).choose(misses[:2]).backend for _ in range(5)]
+    assert len(set(draws)) == 1  # the same seed, the same draw
+
+
+def test_sglang_takes_the_first_least_loaded_when_imbalanced() -> None:
+    hot, first, second = Candidate("hot", 1000, 1000, 100), Candidate("x", 0, 1000, 0), Candidate("y", 0, 1000, 0)
+    assert {SGLangCacheAware(seed=s).choose([hot, first, second]).backend for s in range(20)} == {"x"}
 
 
 def test_sglang_switches_to_shortest_queue_only_when_both_thresholds_are_crossed() -> None:
@@ -153,8 +161,9 @@ def test_llmd_clamps_each_scorer_to_the_unit_range() -> None:
 
 
 def test_llmd_without_metrics_uses_the_router_accounting() -> None:
-    a = Candidate("a", 0, 1000, 4, held_blocks=10, active_blocks=90, capacity_blocks=100)  # queue 4 -> 0, kv 0.9
-    b = Candidate("b", 0, 1000, 2, held_blocks=90, active_blocks=10, capacity_blocks=100)  # queue 2 -> 1, kv 0.1
+    # The queue is the requests without a first token (in_prefill), not every request in flight (decodes too).
+    a = Candidate("a", 0, 1000, 4, held_blocks=10, active_blocks=90, capacity_blocks=100, in_prefill=3)  # q 0, kv 0.9
+    b = Candidate("b", 0, 1000, 9, held_blocks=90, active_blocks=10, capacity_blocks=100, in_prefill=1)  # q 1, kv 0.1
     assert LlmdDefaultProfile().scores([a, b]) == [pytest.approx(0.2), pytest.approx(3.8)]
     # KV use is the memory held, distinct blocks (a shared prefix once), not every in-flight prompt summed.
     shared = Candidate("shared", 0, 1000, 3, held_blocks=90, active_blocks=10, capacity_blocks=100)
