@@ -46,8 +46,9 @@ class SimSpec:
             ``--requests`` over :data:`MAX_REQUESTS`, ``--rate`` × ``--duration`` over that, ``--duration`` or
             ``--think-time`` over 10^7 s, ``--requests`` ÷ ``--rate`` over that, ``--metrics-interval`` under
             1 ms), a number that is NaN, infinite, negative or (where it makes no sense) zero, a fraction outside
-            its range, an unknown ``index_source`` or scenario, or open-loop arrivals with no stop (neither
-            ``requests`` nor ``duration``). Checked when the spec is made.
+            its range, an unknown ``index_source`` or scenario, a ``trace`` or ``scenario`` that is not a str, a
+            scenario with neither ``users`` nor ``rate``, or arrivals with no stop (a scenario or ``rate`` with
+            neither ``requests`` nor ``duration``). Checked when the spec is made.
     """
 
     scenario: str = "seed"
@@ -133,6 +134,16 @@ def _check_spec(spec: SimSpec) -> None:
         raise ConfigurationError(f"first_token must be True or False, not {spec.first_token!r}")
     if spec.index_source not in ("predictions", "events"):
         raise ConfigurationError(f"--index-source must be 'predictions' or 'events', not {spec.index_source!r}")
+    if spec.trace is not None and not isinstance(spec.trace, str):
+        raise ConfigurationError(f"--trace must be FORMAT:PATH, a str, not {type(spec.trace).__name__}")
+    if not isinstance(spec.scenario, str):
+        raise ConfigurationError(f"--scenario must be a scenario name, a str, not {type(spec.scenario).__name__}")
+    if spec.trace is None and spec.rate is None and spec.users is None:
+        raise ConfigurationError("give --users or --rate (only a trace brings its own arrival times)")
+    if spec.trace is None and spec.rate is None and spec.requests is None and spec.duration is None:
+        raise ConfigurationError(
+            "closed-loop users of a scenario never stop by themselves: give --requests or --duration"
+        )
     if spec.trace is None and spec.scenario not in scenario_names():
         raise ConfigurationError(f"unknown scenario {spec.scenario!r}; choose one of {', '.join(scenario_names())}")
     if spec.rate is not None and spec.requests is None and spec.duration is None:
@@ -259,9 +270,7 @@ def _workload(spec: SimSpec, build: Callable[[], Workload] | None = None) -> tup
     arrivals: Arrivals
     if spec.rate is not None:
         arrivals = OpenLoop(spec.rate, users=spec.users or 64)
-    elif spec.users is None:
-        if spec.trace is None:
-            raise ConfigurationError("give --users or --rate (only a trace brings its own arrival times)")
+    elif spec.users is None:  # a trace (the spec refuses a scenario without users or rate)
         arrivals = TraceTimes(spec.speedup)
         if isinstance(workload, TraceWorkload):
             check_speedup(workload, spec.speedup)

@@ -41,7 +41,7 @@ def test_configuration_errors_are_raised_when_the_spec_is_made() -> None:
     with pytest.raises(ConfigurationError, match="first_token must be True or False"):
         SimSpec(requests=5, first_token="no")  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="--users or --rate"):
-        run_policy(SimSpec(requests=5, users=None), "round-robin")
+        SimSpec(requests=5, users=None)
     for field, value in [
         ("backends", 0),
         ("backends", True),
@@ -61,6 +61,11 @@ def test_configuration_errors_are_raised_when_the_spec_is_made() -> None:
             SimSpec(**{field: value})  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="never stop"):
         SimSpec(rate=2.0, users=None, requests=None)
+    with pytest.raises(ConfigurationError, match="closed-loop users of a scenario never stop"):
+        SimSpec(users=5, requests=None)  # ran forever
+    for trace in (5, b"mooncake:t.jsonl"):
+        with pytest.raises(ConfigurationError, match="--trace must be FORMAT:PATH, a str"):
+            SimSpec(trace=trace)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
