@@ -46,16 +46,19 @@ class PromptTokenizer:
 
     Where that does not hold, the text is not cut there. Not at special tokens nor between words: a ``Metaspace``
     pre-tokenizer that marks only the text's first word (``prepend_scheme="first"``), an added token matched as a
-    single word, truncation or padding, or a post-processor whose added ids are not the same around every text. Not
-    at a special token that strips the spaces around it or overlaps another added token. Not between words: a
-    normalizer that is not per character (``Prepend``, ``Replace``, ``Strip``, ...; Unicode normal forms, lower
-    case and BERT's are), no pre-tokenizer that ends words at spaces, an added token that strips spaces or holds
-    whitespace, or a tokenizer that gives other ids for any of a few probe texts cut between their words (checked
-    once, here).
+    single word, truncation or padding, special tokens encoded as text (``encode_special_tokens``, as set when the
+    tokenizer is given), or a post-processor whose added ids are not the same around every text. Not at a special
+    token that strips the spaces around it, overlaps another added token, or is over 256 characters. Not between
+    words: a normalizer that is not per character (``Prepend``, ``Replace``, ``Strip``, ...; Unicode normal forms,
+    lower case and BERT's are), no pre-tokenizer that ends words at spaces (a ``Split`` that keeps a space with the
+    word before does not), an added token that strips spaces or holds whitespace, or a tokenizer that gives other ids
+    for any of a few probe texts cut between their words (checked once, here).
     ``cache_tokens=0`` turns the cache off.
 
     Raises:
-        ConfigurationError: ``cache_tokens`` is not a non-negative int.
+        ConfigurationError: ``cache_tokens`` is not a non-negative int, or the tokenizer cannot encode a short probe
+            text (e.g. its unknown token is missing from its vocabulary).
+        TypeError: ``tokenizer`` is not a ``tokenizers.Tokenizer`` or ``add_special_tokens`` not a bool.
     """
 
     def __init__(self, tokenizer: Tokenizer, *, add_special_tokens: bool = True, cache_tokens: int = 262_144) -> None:
@@ -63,12 +66,17 @@ class PromptTokenizer:
             raise TypeError(f"tokenizer must be a tokenizers.Tokenizer, not {type(tokenizer).__name__}")
         if isinstance(cache_tokens, bool) or not isinstance(cache_tokens, int) or cache_tokens < 0:
             raise ConfigurationError(f"cache_tokens must be a non-negative int number of ids, not {cache_tokens!r}")
+        if not isinstance(add_special_tokens, bool):
+            raise TypeError(f"add_special_tokens must be True or False, not {add_special_tokens!r}")
         self._tokenizer = tokenizer
         self._add_special_tokens = add_special_tokens
         config: dict[str, Any] = json.loads(tokenizer.to_str()) if cache_tokens else {}
-        around = _added_around(tokenizer, add_special_tokens) if config and _cuttable(tokenizer, config) else None
+        try:
+            around = _added_around(tokenizer, add_special_tokens) if config and _cuttable(tokenizer, config) else None
+            self._words = around is not None and _splits_between_words(tokenizer, config)
+        except Exception as exc:  # tokenizers raises a bare Exception, e.g. for an unknown token not in its vocabulary
+            raise ConfigurationError(f"the tokenizer cannot encode a short probe text: {exc}") from exc
         self._cuts = _cut_tokens(tokenizer) if around is not None else {}
-        self._words = around is not None and _splits_between_words(tokenizer, config)
         self._before, self._after = around or ([], [])
         self._splitter = re.compile("|".join(map(re.escape, self._cuts))) if self._cuts else None
         self._pieces: cachetools.LRUCache[str, list[int]] = cachetools.LRUCache(max(cache_tokens, 1), getsizeof=len)
@@ -174,6 +182,8 @@ def _surrogate_error(text: str) -> InvalidPromptError | None:
     )
 
 
+_LONG_TOKEN = 256
+"""Added tokens longer than this (no real special token is) are never cuts."""
 _CHUNK_CHARS = 512
 """A text or piece longer than this is cut between words after about every this many characters."""
 _WORD_GAP = re.compile(r"(?<=[A-Za-z]) (?=[A-Za-z])")
@@ -205,6 +215,8 @@ def _between_words(piece: str) -> list[str]:
 def _cuttable(tokenizer: Tokenizer, config: dict[str, Any]) -> bool:
     """Whether a text can be cut anywhere without changing its ids (see PromptTokenizer's docstring)."""
     if tokenizer.truncation is not None or tokenizer.padding is not None:
+        return False
+    if getattr(tokenizer, "encode_special_tokens", False):  # special tokens read as text: no cut is where it seems
         return False
     if _any_node(config.get("pre_tokenizer"), _first_only_metaspace):
         return False
@@ -261,8 +273,12 @@ def _cut_tokens(tokenizer: Tokenizer) -> dict[str, int]:
 
 def _overlapping(cuts: Iterable[str], contents: Iterable[str]) -> set[str]:
     """The ``cuts`` that another of the added tokens' ``contents`` contains, lies inside, or can overlap in a text (an
-    end of one the start of the other). O(sum of each content's length squared), once per tokenizer."""
-    tokens = set(contents)
+    end of one the start of the other). O(sum of each short content's length cubed, plus the long ones' lengths times
+    the cuts'), once per tokenizer: a token over ``_LONG_TOKEN`` characters is never a cut, and is checked against
+    each cut directly rather than through all its substrings."""
+    contents = list(contents)
+    tokens = {token for token in contents if len(token) <= _LONG_TOKEN}
+    long = [token for token in contents if len(token) > _LONG_TOKEN]
     inner: set[str] = set()  # every substring of a token but the token itself
     starts: set[str] = set()  # proper prefixes
     ends: set[str] = set()  # proper suffixes
@@ -275,6 +291,12 @@ def _overlapping(cuts: Iterable[str], contents: Iterable[str]) -> set[str]:
     found = set()
     for cut in cuts:
         length = len(cut)
+        if length > _LONG_TOKEN or any(
+            cut in token or any(token.startswith(cut[-n:]) or token.endswith(cut[:n]) for n in range(1, length))
+            for token in long
+        ):
+            found.add(cut)
+            continue
         parts = (cut[i:j] for i in range(length) for j in range(i + 1, length + 1) if j - i < length)
         # The cut's own borders count too (an end that is also its start), which only makes a token with a border
         # (none of the usual special tokens has one) not a cut.
@@ -304,7 +326,8 @@ def _splits_at_spaces(node: dict[str, Any]) -> bool:
     """Whether a pre-tokenizer ends words at spaces (a ``Split`` with its own pattern: the probes tell)."""
     kind = node.get("type")
     return (
-        kind in ("Whitespace", "WhitespaceSplit", "BertPreTokenizer", "Split")
+        kind in ("Whitespace", "WhitespaceSplit", "BertPreTokenizer")
+        or (kind == "Split" and node.get("behavior") != "MergedWithPrevious")  # not a space kept with the word before
         or (kind == "ByteLevel" and node.get("use_regex", True) is True)
         or (kind == "Metaspace" and node.get("split", True) is True)
     )

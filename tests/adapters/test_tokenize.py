@@ -385,3 +385,35 @@ def test_a_lone_surrogate_is_a_clear_prompt_error(text: str, position: int) -> N
         prompt_tokenizer.encode(text)
     with pytest.raises(InvalidPromptError, match="lone surrogate"):
         prompt_tokenizer.encode_batch(["fine", text])
+
+
+def _word_level(words: list[str], *, unknown: str = "[UNK]") -> Tokenizer:
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=unknown))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tokenizer
+
+
+def test_tokenizers_that_cannot_be_cut_as_they_seem_give_their_own_ids() -> None:
+    reading = _word_level(["[UNK]", "system", "hello"])
+    reading.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    reading.encode_special_tokens = True  # its special tokens are read as text, not matched
+    text = "<|im_start|>system hello<|im_end|>"
+    assert PromptTokenizer(reading).encode(text) == reading.encode(text).ids
+    vocab = {chr(c): c - 32 for c in range(32, 127)} | {"Q ": 95}
+    merged = Tokenizer(models.BPE(vocab=vocab, merges=[("Q", " ")]))
+    merged.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")  # the space ends the word
+    text = "a" * 510 + "FAQ about"
+    assert PromptTokenizer(merged).encode(text) == merged.encode(text).ids
+
+
+def test_a_tokenizer_that_cannot_encode_or_a_huge_added_token_is_handled_at_load() -> None:
+    with pytest.raises(ConfigurationError, match="cannot encode a short probe text"):
+        PromptTokenizer(_word_level(["hello"]))  # its unknown token is not in its vocabulary
+    huge = _word_level(["[UNK]", "a"])
+    long_token = "".join(chr(0x4E00 + i) for i in range(3000))  # every substring kept: ~10^10 characters
+    huge.add_special_tokens([AddedToken(long_token, normalized=False), "<s>"])
+    prompt = PromptTokenizer(huge)
+    text = "a <s> a " + long_token + " a"
+    assert prompt.encode(text) == huge.encode(text).ids
+    with pytest.raises(TypeError, match="add_special_tokens must be True or False"):
+        PromptTokenizer(huge, add_special_tokens="no")  # type: ignore[arg-type]
