@@ -153,6 +153,7 @@ class PrefixRouteHook(CustomLogger):
         if not candidates:
             return healthy_deployments
         body = {"messages": messages} if messages else {"prompt": request.get("prompt")} if request else {}
+        stream = bool(request.get("stream")) if request else False  # before start(): nothing to undo if it raises
         try:
             tokens = request_tokens(body, chat=bool(messages), encoder=self._encoder)
             namespace = None if model in self._base_groups else model
@@ -164,7 +165,7 @@ class PrefixRouteHook(CustomLogger):
         self.router.start(decision, lease=self._lease)
         metadata[METADATA_KEY] = decision.id
         metadata[DEPLOYMENT_KEY] = decision.backend
-        self._watch(decision.id, stream=bool(request.get("stream")) if request else False)
+        self._watch(decision.id, stream=stream)
         return [by_id[decision.backend]]
 
     def _watch(self, decision_id: str, *, stream: bool) -> None:

@@ -149,9 +149,14 @@ class PrefixRouteRequestRouter(RequestRouter):
         # Counted at once: Ray routes many requests concurrently, before it reports any of them routed.
         self.router.start(decision, lease=self._lease)
         future: Any = getattr(pending_request, "future", None)
-        if (earlier is None or earlier[1] is not future) and callable(getattr(future, "add_done_callback", None)):
-            future.add_done_callback(partial(self._given_up, request_id))
         self._decided[request_id] = (decision, future)
+        if (earlier is None or earlier[1] is not future) and callable(getattr(future, "add_done_callback", None)):
+            try:
+                future.add_done_callback(partial(self._given_up, request_id))
+            except BaseException:  # garbage Ray never sends: count nothing that no notice would end
+                self._decided.pop(request_id, None)
+                self.router.finish(decision)
+                raise
         chosen = by_id[decision.backend]
         return [[chosen], [replica for replica in candidate_replicas if replica is not chosen]]
 
@@ -190,7 +195,11 @@ class PrefixRouteRequestRouter(RequestRouter):
         if callable(getattr(result, "add_done_callback", None)):
             # Exact: this request's own result, whatever other requests share its id (every call a replica makes
             # downstream inherits that replica's request id) and whatever notices rejected attempts send.
-            result.add_done_callback(partial(_finish_quietly, self.router, decision.id))
+            try:
+                result.add_done_callback(partial(_finish_quietly, self.router, decision.id))
+            except BaseException:  # garbage Ray never sends: nothing would end the count
+                self.router.finish(decision)
+                raise
             return
         replaced = self._started.pop(request_id, None)
         if replaced is not None and replaced.id != decision.id:  # routed again, no completion notice between

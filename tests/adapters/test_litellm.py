@@ -227,6 +227,20 @@ def test_garbage_in_previous_models_still_routes(previous: object) -> None:
     assert hook.router.stats().in_flight == 0
 
 
+class Unreadable:
+    def __bool__(self) -> bool:
+        raise ValueError("neither true nor false")
+
+
+def test_a_stream_flag_that_cannot_be_read_counts_nothing() -> None:
+    hook = PrefixRouteHook(Router())
+    metadata: dict[str, Any] = {}
+    request = {"metadata": metadata, "stream": Unreadable()}
+    kept = asyncio.run(hook.async_filter_deployments("fake", group(), CHAT, request))
+    assert kept == group() and hook.errors == 1 and "prefixroute_decision" not in metadata
+    assert hook.router.stats().in_flight == 0
+
+
 def test_odd_requests_keep_litellms_choice_and_count_nothing() -> None:
     hook = PrefixRouteHook(Router())
 

@@ -193,6 +193,26 @@ def test_a_policy_that_raises_keeps_rays_ranking() -> None:
     assert router.router.stats().in_flight == 0 and not router._decided
 
 
+class Refusing:
+    """A future or result whose ``add_done_callback`` raises (garbage Ray never sends)."""
+
+    def add_done_callback(self, callback: Any) -> None:
+        raise RuntimeError("no callbacks here")
+
+
+def test_a_callback_that_cannot_be_registered_leaves_nothing_counted() -> None:
+    router = bare(policy="bounded-load")
+    request = pending("a", {"prompt": PREFIX})
+    request.future = Refusing()
+    assert asyncio.run(router.choose_replicas(REPLICAS, request)) == [REPLICAS] and router.errors == 1
+    assert not router._decided
+    zero(router)
+    asyncio.run(router.choose_replicas(REPLICAS, pending("b", {"prompt": PREFIX})))
+    router.on_request_routed(pending("b", {}), replica("r1").replica_id, Refusing())
+    assert router.errors == 2
+    zero(router)
+
+
 def test_hostile_callbacks_leave_every_count_at_zero() -> None:
     router = bare(policy="bounded-load")
 
