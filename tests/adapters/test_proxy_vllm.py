@@ -225,3 +225,29 @@ def test_a_model_folder_with_a_malformed_template_file_is_a_configuration_error(
     (folder / name).write_bytes(content)
     with pytest.raises(ConfigurationError, match=name):  # the CLI's one line (exit 2)
         proxy_from_command_line("--backends", "http://127.0.0.1:9", "--tokenizer", str(folder))
+
+
+def test_a_runaway_chat_template_is_refused_at_load_or_bounded_when_it_renders(tmp_path: Path) -> None:
+    looping = make_tokenizer(tmp_path / "looping")
+    endless = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    (looping / "tokenizer_config.json").write_text(json.dumps({"chat_template": endless}))
+    with pytest.raises(ConfigurationError, match="did not render a four-message conversation"):
+        PromptEncoder(looping)  # ten billion steps: refused after the probe's 5 s, not a hang
+    huge = make_tokenizer(tmp_path / "huge")
+    (huge / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ 'x' * 10**9 }}"}))
+    encoder = PromptEncoder(huge)
+    with pytest.raises(ValueError, match="repeats a sequence 1,000,000,000 times"):
+        encoder.encode_chat([{"role": "user", "content": "hi"}])
+    (huge / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ 2 ** 1000000000 }}"}))
+    with pytest.raises(ValueError, match="to the power 1,000,000,000"):
+        PromptEncoder(huge).encode_chat([{"role": "user", "content": "hi"}])
+    (huge / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": "{% for m in messages %}{% for i in range(99999) %}{{ m['content'] }}{% endfor %}"
+                "{% endfor %}"
+            }
+        )  # fmt: skip
+    )
+    with pytest.raises(ValueError, match="output is over 67,108,864 characters"):
+        PromptEncoder(huge).encode_chat([{"role": "user", "content": "x" * 1000}])

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -118,10 +120,25 @@ def _load_template(folder: Path) -> Callable[..., str] | None:
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    class Bounded(ImmutableSandboxedEnvironment):
+        """Jinja's sandbox, with ``*`` and ``**`` refused when they would build something huge."""
+
+        intercepted_binops = frozenset(("*", "**"))
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            sized = isinstance(left, (str, list, tuple)) and isinstance(right, int)
+            if operator == "*" and (sized or isinstance(right, (str, list, tuple)) and isinstance(left, int)):
+                length, times = (len(left), right) if sized else (len(right), left)
+                if length * times > _MAX_TEMPLATE_CHARS:
+                    raise ValueError(f"the chat template repeats a sequence {times:,} times: over the output limit")
+            if operator == "**" and isinstance(right, int) and abs(right) > _MAX_EXPONENT:
+                raise ValueError(f"the chat template raises a number to the power {right:,}")
+            return super().call_binop(context, operator, left, right)
+
     def raise_exception(message: str) -> None:
         raise ValueError(message)
 
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    environment = Bounded(trim_blocks=True, lstrip_blocks=True)
     environment.globals["raise_exception"] = raise_exception
     environment.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
     try:
@@ -131,9 +148,67 @@ def _load_template(folder: Path) -> Callable[..., str] | None:
     specials = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
 
     def render(**variables: Any) -> str:
-        return compiled.render(**specials, **variables)
+        """The rendered text, refused once it grows past ``_MAX_TEMPLATE_CHARS`` (a runaway template)."""
+        parts: list[str] = []
+        size = 0
+        for part in compiled.generate(**specials, **variables):
+            size += len(part)
+            if size > _MAX_TEMPLATE_CHARS:
+                raise ValueError(f"the chat template's output is over {_MAX_TEMPLATE_CHARS:,} characters")
+            parts.append(part)
+        return "".join(parts)
 
+    _check_renders(render, folder)
     return render
+
+
+_MAX_TEMPLATE_CHARS = 64 << 20
+"""A rendered conversation longer than this (64 Mi characters, far past any model's context) is a runaway template."""
+_MAX_EXPONENT = 4096
+_PROBE_SECONDS = 5.0
+_PROBE_CONVERSATION = (
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Hello."},
+    {"role": "assistant", "content": "Hi. How can I help?"},
+    {"role": "user", "content": "Say goodbye."},
+)
+
+
+class _Stopped(Exception):
+    """Raised into a template probe that ran past its time."""
+
+
+def _check_renders(render: Callable[..., str], folder: Path) -> None:
+    """Refuse a template that does not render a short conversation within ``_PROBE_SECONDS`` (a loop without end:
+    Jinja has no step limit). It renders on a thread of its own under a trace function, which stops it at the next
+    line once the time is up (so nothing is left running); whether it accepts or rejects the conversation does not
+    matter here."""
+    stop = threading.Event()
+
+    def stopping(frame: Any, event: str, arg: Any) -> Any:
+        if stop.is_set():
+            raise _Stopped
+        return stopping
+
+    def probe() -> None:
+        sys.settrace(stopping)  # this thread only
+        try:
+            render(messages=[dict(m) for m in _PROBE_CONVERSATION], add_generation_prompt=True)
+        except Exception:  # a template may reject the probe: only its time matters here
+            pass
+        finally:
+            sys.settrace(None)
+
+    thread = threading.Thread(target=probe, name="prefixroute-template-probe", daemon=True)
+    thread.start()
+    thread.join(_PROBE_SECONDS)
+    if thread.is_alive():
+        stop.set()
+        thread.join(_PROBE_SECONDS)
+        raise ConfigurationError(
+            f"the chat template in {str(folder)!r} did not render a four-message conversation within "
+            f"{_PROBE_SECONDS:g} s: it loops without end (fix the template, or remove it to use the default)"
+        )
 
 
 def _token_text(token: object) -> str:
