@@ -45,10 +45,11 @@ class SimSpec:
         ConfigurationError: a count that is not a positive int or is absurdly large (``--backends`` over 4,096,
             ``--requests`` over :data:`MAX_REQUESTS`, ``--rate`` × ``--duration`` over that, ``--duration`` or
             ``--think-time`` over 10^7 s, ``--requests`` ÷ ``--rate`` over that, ``--metrics-interval`` under
-            1 ms), a number that is NaN, infinite, negative or (where it makes no sense) zero, a fraction outside
-            its range, an unknown ``index_source`` or scenario, a ``trace`` or ``scenario`` that is not a str, a
-            scenario with neither ``users`` nor ``rate``, or arrivals with no stop (a scenario or ``rate`` with
-            neither ``requests`` nor ``duration``). Checked when the spec is made.
+            1 ms or polling more than 10^8 times over the span the spec gives), a number that is NaN, infinite,
+            negative or (where it makes no sense) zero, a fraction outside its range, an unknown ``index_source`` or
+            scenario, a ``trace`` or ``scenario`` that is not a str, a scenario with neither ``users`` nor ``rate``,
+            or arrivals with no stop (a scenario or ``rate`` with neither ``requests`` nor ``duration``). Checked
+            when the spec is made.
     """
 
     scenario: str = "seed"
@@ -114,6 +115,20 @@ def _name(field: str) -> str:
     return "--" + field.replace("_", "-") if field in _FLAGS else field
 
 
+_MAX_POLLS = 1e8  # engine-metrics polls in one run: ~15 minutes of polling alone
+
+
+def _span(spec: SimSpec) -> float:
+    """The simulated seconds the arrivals take, as far as the spec says (0 when only the run will tell)."""
+    if spec.duration is not None:
+        return float(spec.duration)
+    if spec.requests is not None and spec.rate is not None:
+        return spec.requests / spec.rate
+    if spec.requests is not None and spec.users and spec.think_time:
+        return spec.requests * spec.think_time / spec.users
+    return 0.0
+
+
 def _check_spec(spec: SimSpec) -> None:
     for field, most in _POSITIVE_INTS.items():
         value = getattr(spec, field)
@@ -162,6 +177,11 @@ def _check_spec(spec: SimSpec) -> None:
         raise ConfigurationError(
             f"--rate {shown(spec.rate)} takes {spec.requests / spec.rate:,.3g} s to send --requests "
             f"{spec.requests:,}, more than {_MAX_DURATION:,.0f} s: raise the rate, or send fewer requests"
+        )
+    if spec.metrics_interval is not None and _span(spec) / spec.metrics_interval > _MAX_POLLS:
+        raise ConfigurationError(
+            f"--metrics-interval {shown(spec.metrics_interval)} s over about {_span(spec):,.3g} simulated seconds is "
+            f"over {_MAX_POLLS:,.0f} polls (each costs real time): poll less often, or simulate a shorter span"
         )
     arrivals = (spec.rate or 0) * (spec.duration or 0) if spec.requests is None else 0
     if arrivals > MAX_REQUESTS:

@@ -61,6 +61,12 @@ def test_configuration_errors_are_raised_when_the_spec_is_made() -> None:
             SimSpec(**{field: value})  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="never stop"):
         SimSpec(rate=2.0, users=None, requests=None)
+    for slow in (
+        {"requests": None, "users": None, "rate": 1e-6, "duration": 1e7},  # ran for about a day
+        {"requests": 3, "users": 1, "think_time": 1e7},
+    ):
+        with pytest.raises(ConfigurationError, match="over 100,000,000 polls"):
+            SimSpec(metrics_interval=0.001, **slow)
     with pytest.raises(ConfigurationError, match="closed-loop users of a scenario never stop"):
         SimSpec(users=5, requests=None)  # ran forever
     for trace in (5, b"mooncake:t.jsonl"):
