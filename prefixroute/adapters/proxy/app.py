@@ -1,11 +1,11 @@
 """The OpenAI-compatible proxy: route each completion to a vLLM backend with a :class:`~prefixroute.Router`, relay it.
 
 One request's life: decode the body, take its token ids (:func:`~prefixroute.adapters.proxy.prompts.request_tokens`)
-and its namespace (:meth:`Proxy.namespace`: the model it names), :meth:`Router.decide` among the healthy backends,
-:meth:`Router.commit` and :meth:`Router.start`, forward the body unmodified, relay the answer unmodified (SSE chunk
-by chunk), :meth:`Router.first_token` on the first streamed chunk, and :meth:`Router.finish` in a ``finally``
-whatever happens: success, an error answer, a failed connection, or the client leaving (the handler is cancelled,
-which also closes the upstream request so the engine stops generating).
+and its namespace (:meth:`Proxy.namespace`: the model it names), :meth:`Router.route` among the healthy backends
+(decide and commit under one lock) and :meth:`Router.start`, forward the body unmodified, relay the answer
+unmodified (SSE chunk by chunk), :meth:`Router.first_token` on the first streamed chunk, and :meth:`Router.finish`
+in a ``finally`` whatever happens: success, an error answer, a failed connection, or the client leaving (the handler
+is cancelled, which also closes the upstream request so the engine stops generating).
 """
 
 from __future__ import annotations
@@ -268,7 +268,7 @@ class Proxy:
             if namespace is not None and self._learn_models and not self._base_models:
                 self._learn_later(_auth(request))
             backends = self.healthy_backends()
-            decision = self.router.commit(self.router.decide(tokens, backends, namespace=namespace))
+            decision = self.router.route(tokens, backends, namespace=namespace)  # decide and commit, one lock
         except PolicyError as exc:  # the policy's fault, not the client's (it is a TypeError too: caught first)
             _log.error("the routing policy failed: %s", exc, exc_info=exc.__cause__)
             self._counts["internal_error"] += 1
