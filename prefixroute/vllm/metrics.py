@@ -74,7 +74,7 @@ def parse_metrics(text: str, *, deadline: float | None = None) -> EngineMetrics:
 
     A series (a name and its labels) repeated in the text counts once, the first time; a leading UTF-8 BOM is
     ignored. ``deadline`` is a :func:`time.monotonic` instant: parsing stops with a MetricsError once it has passed
-    (checked every 64 KiB of text), so a huge text cannot hold the caller long (parsing takes about 0.25 s per MB).
+    (checked every 64 KiB of text), so a huge text cannot hold the caller long (parsing tens of MB takes seconds).
 
     Raises:
         MetricsError: the text is not Prometheus exposition format, holds no ``vllm:`` metric at all, or holds a
