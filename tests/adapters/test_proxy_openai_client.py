@@ -1,7 +1,7 @@
 """``prefixroute proxy`` called through the official ``openai`` client, as an application calls it.
 
 The first tests are the client's everyday calls (chat and completions, streamed or not, ``models.list()``, and the
-exception class each error status maps to).
+exception class each error status maps to); the rest each failed before its fix (found by a contract probe).
 """
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from prefixroute import Router
+from prefixroute import Candidate, LoadPolicy, Router
 from prefixroute.adapters.proxy import Proxy
 from prefixroute.testing.openai_engine import OpenAIEngine
 
@@ -126,3 +126,25 @@ def test_error_statuses_raise_the_openai_exception_of_their_class(proxy: Proxy) 
         assert unreachable.value.status_code == 502 and unreachable.value.type == "BadGatewayError"
         assert idle(down)
     assert idle(proxy) and proxy.stats().bad_request == 1
+
+
+class FailsOnOne(LoadPolicy):
+    """A policy with a bug that only the retry reaches: it fails when given a single candidate."""
+
+    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        if len(candidates) < 2:
+            raise IndexError("expected two candidates")
+        return candidates[0]
+
+
+def test_a_policy_that_fails_on_the_retry_is_a_json_500_and_the_proxys_fault() -> None:
+    # Before: aiohttp's plain-text "500 Internal Server Error", counted as the client's disconnect.
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    with Proxy(Router(policy=FailsOnOne()), dead, base_models=[]) as proxy, client(proxy) as openai_client:
+        with pytest.raises(openai.InternalServerError) as failed:
+            openai_client.completions.create(model="fake-model", prompt="x")
+        assert failed.value.status_code == 500 and failed.value.type == "InternalServerError"
+        assert "policy" in failed.value.message
+        stats = proxy.stats()
+        assert (stats.internal_error, stats.client_disconnect, stats.retries) == (1, 0, 1)
+        assert idle(proxy)

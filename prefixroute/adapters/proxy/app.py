@@ -317,7 +317,13 @@ class Proxy:
                         message = f"backend {decision.backend} is unreachable: {exc}"
                         return error_response(502, message, "BadGatewayError")
                     self._counts["retries"] += 1
-                    retry = self.router.decide(tokens, remaining, namespace=namespace)
+                    try:
+                        retry = self.router.decide(tokens, remaining, namespace=namespace)
+                    except PolicyError as exc:  # e.g. a bug only fewer candidates reach: as in the first decision
+                        _log.error("the routing policy failed on a retry: %s", exc, exc_info=exc.__cause__)
+                        outcome = "internal_error"
+                        message = f"the proxy's routing policy failed: {exc}"
+                        return error_response(500, message, "InternalServerError")
                     decision = self.router.commit(decision, retry.backend)
                 except aiohttp.ClientError as exc:  # it took the request, then failed or answered in broken HTTP
                     self._failed(decision.backend)
