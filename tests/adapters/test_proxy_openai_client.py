@@ -128,6 +128,34 @@ def test_error_statuses_raise_the_openai_exception_of_their_class(proxy: Proxy) 
     assert idle(proxy) and proxy.stats().bad_request == 1
 
 
+def test_a_model_only_some_backends_serve_goes_to_those() -> None:
+    # Before: /v1/models listed every backend's models, but each request routed among all backends, so about half
+    # the requests for a model (or a LoRA adapter) that one backend serves were answered 404 by another.
+    with (
+        OpenAIEngine(model="model-a", max_tokens=1) as a,
+        OpenAIEngine(model="model-b", lora_adapters=["adapter-b"], max_tokens=1) as b,
+        Proxy(Router(), [a.url, b.url]) as proxy,
+        client(proxy) as openai_client,
+    ):
+        assert sorted(model.id for model in openai_client.models.list()) == ["adapter-b", "model-a", "model-b"]
+        for model, engine in [("model-a", a), ("model-b", b), ("adapter-b", b)]:
+            for i in range(6):
+                raw = openai_client.completions.with_raw_response.create(model=model, prompt=f"question {i}")
+                assert raw.headers["x-prefixroute-backend"] == engine.url, (model, i)
+        assert idle(proxy) and proxy.stats().ok == 18
+
+
+def test_a_backend_that_has_not_listed_its_models_still_serves_them() -> None:
+    with OpenAIEngine(max_tokens=1) as first, OpenAIEngine(max_tokens=1) as late:
+        late.refuse()  # down while the proxy learns the models: it lists none
+        with Proxy(Router(), [first.url, late.url]) as proxy, client(proxy) as openai_client:
+            late.accept()
+            first.refuse()
+            raw = openai_client.completions.with_raw_response.create(model="fake-model", prompt="hello")
+            assert raw.headers["x-prefixroute-backend"] == late.url  # chosen, or retried there: not a 502
+            assert idle(proxy)
+
+
 class FailsOnOne(LoadPolicy):
     """A policy with a bug that only the retry reaches: it fails when given a single candidate."""
 

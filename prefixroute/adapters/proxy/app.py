@@ -2,10 +2,10 @@
 
 One request's life: decode the body, take its token ids (:func:`~prefixroute.adapters.proxy.prompts.request_tokens`)
 and its namespace (:meth:`Proxy.namespace`: the model it names), :meth:`Router.route` among the healthy backends
-(decide and commit under one lock) and :meth:`Router.start`, forward the body unmodified, relay the answer
-unmodified (SSE chunk by chunk), :meth:`Router.first_token` on the first streamed chunk, and :meth:`Router.finish`
-in a ``finally`` whatever happens: success, an error answer, a failed connection, or the client leaving (the handler
-is cancelled, which also closes the upstream request so the engine stops generating).
+that list that model (decide and commit under one lock) and :meth:`Router.start`, forward the body unmodified,
+relay the answer unmodified (SSE chunk by chunk), :meth:`Router.first_token` on the first streamed chunk, and
+:meth:`Router.finish` in a ``finally`` whatever happens: success, an error answer, a failed connection, or the
+client leaving (the handler is cancelled, which also closes the upstream request so the engine stops generating).
 """
 
 from __future__ import annotations
@@ -134,6 +134,7 @@ class Proxy:
         self._clock = clock
         self._learn_models = base_models is None
         self._base_models: frozenset[str] = frozenset(() if base_models is None else base_models)
+        self._served: dict[str, frozenset[str]] = {}  # each backend's model ids, as its /v1/models last listed them
         self._learning: asyncio.Task[list[dict[str, Any]] | None] | None = None
         self._next_learning = 0.0
         self._counts = dict.fromkeys((*_OUTCOMES, "retries"), 0)
@@ -244,6 +245,17 @@ class Proxy:
         fleet when there is one), or every backend when none is (better a try than a certain 502)."""
         return self._in_rotation() or list(self.backends)
 
+    def _backends_for(self, model: object) -> list[str]:
+        """The backends a request naming ``model`` goes to: the :meth:`healthy_backends` but those whose
+        ``/v1/models`` did not list it, unless none listed it (then all, and the engine answers for a model it lacks).
+
+        A backend whose models are not known yet counts as serving every model. O(backends).
+        """
+        healthy = self.healthy_backends()
+        if not isinstance(model, str) or not self._served:
+            return healthy
+        return [b for b in healthy if model in self._served.get(b, (model,))] or healthy
+
     def _in_rotation(self) -> list[str]:
         now = self._clock()
         healthy = [b for b in self.backends if self._down_until.get(b, 0.0) <= now]
@@ -265,9 +277,10 @@ class Proxy:
             body = _decode(raw)
             tokens = request_tokens(body, chat=chat, encoder=self._encoder)
             namespace = self.namespace(body)
-            if namespace is not None and self._learn_models and not self._base_models:
+            model = body.get("model")
+            if isinstance(model, str) and self._unlearned(namespace):
                 self._learn_later(_auth(request))
-            backends = self.healthy_backends()
+            backends = self._backends_for(model)
             decision = self.router.route(tokens, backends, namespace=namespace)  # decide and commit, one lock
         except PolicyError as exc:  # the policy's fault, not the client's (it is a TypeError too: caught first)
             _log.error("the routing policy failed: %s", exc, exc_info=exc.__cause__)
@@ -386,8 +399,14 @@ class Proxy:
         await response.write_eof()
         return response, "ok"
 
+    def _unlearned(self, namespace: str | None) -> bool:
+        """Whether a backend has not listed its models yet, or (learning them) no base model is known."""
+        unknown_base = namespace is not None and self._learn_models and not self._base_models
+        return unknown_base or len(self._served) < len(self.backends)
+
     def _learn_later(self, headers: dict[str, str]) -> None:
-        """No backend has told us its base model yet: ask again, at most every 10 s (meanwhile models stay apart)."""
+        """Not every backend has listed its models yet: ask again, at most every 10 s (meanwhile models stay apart,
+        and requests may go to backends that lack their model)."""
         if self._clock() >= self._next_learning:
             self._next_learning = self._clock() + 10.0
             self._learning = asyncio.get_running_loop().create_task(self._backend_models(headers))
@@ -433,7 +452,9 @@ class Proxy:
                 if reply.status >= 400:
                     raise _Refused(reply.status, await reply.read(), reply.content_type)
                 data = (await reply.json()).get("data")
-                return [card for card in data if isinstance(card, dict)] if isinstance(data, list) else []
+                cards = [card for card in data if isinstance(card, dict)] if isinstance(data, list) else []
+                self._served[backend] = frozenset(card["id"] for card in cards if isinstance(card.get("id"), str))
+                return cards
 
         return await asyncio.gather(*(models(b) for b in self.healthy_backends()), return_exceptions=True)
 
