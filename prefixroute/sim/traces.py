@@ -10,8 +10,11 @@ tokens``) have no prefix identity: every prompt gets its own tokens.
 
 Readers parse and check the whole file up front (a malformed line raises :class:`InvalidTraceError` naming it)
 but build a prompt's tokens only when the simulator asks for it. They return the requests in timestamp order (rows
-with equal timestamps in file order), so a trace whose rows are not sorted still replays at its own timestamps. A
-UTF-8 byte-order mark and CRLF line ends are read as published; a compressed file is refused with what to do.
+with equal timestamps in file order), so a trace whose rows are not sorted still replays at its own timestamps, and
+count arrivals from the earliest request: a file whose clock does not start at 0 (BurstGPT v2's ``BurstGPT_3.csv``
+starts 225 days in, a slice of a Mooncake trace where it was cut) replays from its first request, not after months
+of an idle fleet. A UTF-8 byte-order mark and CRLF line ends are read as published; a compressed file is refused
+with what to do.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import math
 import random
 import re
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from types import MappingProxyType
@@ -123,10 +126,7 @@ def read_mooncake(path: str | Path) -> list[TraceEntry]:
                 if other is None:
                     raise
                 raise InvalidTraceError(f"{exc}; it looks like a {other}: trace (--trace {other}:{path})") from exc
-    if not entries:
-        raise InvalidTraceError(f"{path}: no requests in the trace")
-    entries.sort(key=_arrival)
-    return entries
+    return _from_earliest(entries, path, "timestamp")
 
 
 def _mooncake_line(line: str, where: str) -> TraceEntry:
@@ -255,15 +255,20 @@ def _read_lengths(path: str | Path, form: _LengthsFormat) -> list[TraceEntry]:
                 )
             # A logged request with no prompt or no output still cost the engine one token of each.
             entries.append(TraceEntry(arrival, max(1, prefill), max(1, decode)))
+    return _from_earliest(entries, path, form.arrival)
+
+
+def _from_earliest(entries: list[TraceEntry], path: str | Path, column: str) -> list[TraceEntry]:
+    """``entries`` in arrival order (equal arrivals in file order), their arrivals counted from the earliest."""
     if not entries:
         raise InvalidTraceError(f"{path}: no requests in the trace")
     entries.sort(key=_arrival)
     earliest = entries[0].arrival
-    if earliest < 0:  # a dated trace whose rows are not in order: arrivals count from the earliest
-        if entries[-1].arrival - earliest > _MAX_ARRIVAL:
-            raise InvalidTraceError(f"{path}: its {form.arrival}s span more than {_MAX_ARRIVAL:g} s")
-        entries = [replace(entry, arrival=entry.arrival - earliest) for entry in entries]
-    return entries
+    if earliest == 0:
+        return entries
+    if entries[-1].arrival - earliest > _MAX_ARRIVAL:  # dated rows, each within 1e10 s of the first row's
+        raise InvalidTraceError(f"{path}: its {column}s span more than {_MAX_ARRIVAL:g} s")
+    return [TraceEntry(e.arrival - earliest, e.input_length, e.output_length, e.hash_ids) for e in entries]
 
 
 def check_speedup(workload: TraceWorkload, speedup: float) -> None:

@@ -155,7 +155,7 @@ def test_read_burstgpt_ignores_other_columns(tmp_path: Path) -> None:
                     "46,GPT-4,0,0,0,API log\n")  # fmt: skip
     entries = read_burstgpt(path)
     assert [(e.arrival, e.input_length, e.output_length) for e in entries] == [
-        (5.0, 472, 18), (45.0, 1087, 1), (46.0, 1, 1)  # a failed request's 0 tokens count as one, as vLLM computes
+        (0.0, 472, 18), (40.0, 1087, 1), (41.0, 1, 1)  # from the first request; a failed one's 0 tokens count as one
     ]  # fmt: skip
     path.write_text("Timestamp,Model,Request tokens\n5,ChatGPT,472\n")
     with pytest.raises(InvalidTraceError, match="header lacks column.s. Response tokens"):
@@ -196,7 +196,7 @@ def test_unsorted_rows_are_replayed_in_time_order(tmp_path: Path) -> None:
     assert [(e.arrival, e.input_length) for e in read_splitwise(path)] == [(0, 10), (1, 20), (2, 30), (2, 31)]
     mooncake = tmp_path / "m.jsonl"
     mooncake.write_text(_line(timestamp=900) + "\n" + _line(timestamp=100, input_length=512, hash_ids=[7]) + "\n")
-    assert [(e.arrival, e.input_length) for e in read_mooncake(mooncake)] == [(0.1, 512), (0.9, 600)]
+    assert [(e.arrival, e.input_length) for e in read_mooncake(mooncake)] == [(0.0, 512), (0.8, 600)]  # from 100 ms
     azure = tmp_path / "a.csv"  # later rows out of order, none before the first: seconds after the first row
     azure.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00,1,1\n"
                      "2023-11-16 18:00:09,9,1\n2023-11-16 18:00:03,3,1\n")  # fmt: skip
