@@ -20,6 +20,7 @@ with what to do.
 from __future__ import annotations
 
 import csv
+import heapq
 import io
 import json
 import math
@@ -112,21 +113,25 @@ class TraceWorkload:
         return SimRequest(prompt, output, arrival=entry.arrival, tag=f"{self.kind}:{self._cursor - 1}")
 
 
-def read_mooncake(path: str | Path) -> list[TraceEntry]:
-    """Parse a Mooncake FAST'25 JSONL trace; raises :class:`InvalidTraceError` naming the first bad line."""
-    entries: list[TraceEntry] = []
+def read_mooncake(path: str | Path, *, limit: int | None = None) -> list[TraceEntry]:
+    """Parse a Mooncake FAST'25 JSONL trace; raises :class:`InvalidTraceError` naming the first bad line.
+
+    With ``limit`` every line is still checked but only the ``limit`` earliest requests are kept (in this and the
+    other readers), so a few requests from a trace of millions take memory for those alone.
+    """
+    entries = _Earliest(limit)
     with _open(path) as lines:
         for number, line in enumerate(_read(lines, path), start=1):
             if not line.strip():
                 continue
             try:
-                entries.append(_mooncake_line(line, f"{path}:{number}"))
+                entries.add(_mooncake_line(line, f"{path}:{number}"))
             except InvalidTraceError as exc:
-                other = None if entries else _csv_format(line)
+                other = None if entries.count else _csv_format(line)
                 if other is None:
                     raise
                 raise InvalidTraceError(f"{exc}; it looks like a {other}: trace (--trace {other}:{path})") from exc
-    return _from_earliest(entries, path, "timestamp")
+    return _from_earliest(entries.sorted(), path, "timestamp")
 
 
 def _mooncake_line(line: str, where: str) -> TraceEntry:
@@ -185,15 +190,15 @@ _LENGTHS_FORMATS: Mapping[str, _LengthsFormat] = MappingProxyType(
 _DATETIME = re.compile(r"(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:\.(\d+))?(Z|[+-]\d\d:?\d\d)?")
 
 
-def read_splitwise(path: str | Path) -> list[TraceEntry]:
+def read_splitwise(path: str | Path, *, limit: int | None = None) -> list[TraceEntry]:
     """Parse a Splitwise/Vidur CSV (``arrived_at`` s, ``num_prefill_tokens``, ``num_decode_tokens``).
 
     In this and the other CSV formats a request that generated no token counts as one (vLLM always computes one).
     """
-    return _read_lengths(path, _LENGTHS_FORMATS["splitwise"])
+    return _read_lengths(path, _LENGTHS_FORMATS["splitwise"], limit)
 
 
-def read_azure(path: str | Path) -> list[TraceEntry]:
+def read_azure(path: str | Path, *, limit: int | None = None) -> list[TraceEntry]:
     """Parse an Azure LLM inference trace CSV (``TIMESTAMP``, ``ContextTokens``, ``GeneratedTokens``).
 
     The format of ``Azure/AzurePublicDataset``'s ``AzureLLMInferenceTrace_{code,conv}.csv`` (2023) and
@@ -201,17 +206,17 @@ def read_azure(path: str | Path) -> list[TraceEntry]:
     time (``2023-11-16 18:15:46.6805900``, an optional UTC offset), arrivals are seconds after the earliest row's
     (rows need not be sorted).
     """
-    return _read_lengths(path, _LENGTHS_FORMATS["azure"])
+    return _read_lengths(path, _LENGTHS_FORMATS["azure"], limit)
 
 
-def read_burstgpt(path: str | Path) -> list[TraceEntry]:
+def read_burstgpt(path: str | Path, *, limit: int | None = None) -> list[TraceEntry]:
     """Parse a BurstGPT CSV (``Timestamp`` s, ``Request tokens``, ``Response tokens``; other columns ignored)."""
-    return _read_lengths(path, _LENGTHS_FORMATS["burstgpt"])
+    return _read_lengths(path, _LENGTHS_FORMATS["burstgpt"], limit)
 
 
-def _read_lengths(path: str | Path, form: _LengthsFormat) -> list[TraceEntry]:
+def _read_lengths(path: str | Path, form: _LengthsFormat, limit: int | None) -> list[TraceEntry]:
     columns = (form.arrival, form.prompt, form.output)
-    entries: list[TraceEntry] = []
+    entries = _Earliest(limit)
     first: float | None = None  # of a dated trace: the first row's date, in seconds; arrivals are relative to it
     with _open(path) as lines:
         reader = csv.DictReader(_read(lines, path))
@@ -254,15 +259,43 @@ def _read_lengths(path: str | Path, form: _LengthsFormat) -> list[TraceEntry]:
                     f"{where}: {form.arrival} must be {start} and token counts in [0, {_MAX_TOKENS}], got {row}"
                 )
             # A logged request with no prompt or no output still cost the engine one token of each.
-            entries.append(TraceEntry(arrival, max(1, prefill), max(1, decode)))
-    return _from_earliest(entries, path, form.arrival)
+            entries.add(TraceEntry(arrival, max(1, prefill), max(1, decode)))
+    return _from_earliest(entries.sorted(), path, form.arrival)
+
+
+class _Earliest:
+    """A reader's requests: all of them, or with ``limit`` only the ``limit`` earliest (equal arrivals: the first in
+    the file), held in a heap whose top is the latest kept, so memory is O(limit) however long the file."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.count = 0  # requests added
+        self._all: list[TraceEntry] = []
+        self._heap: list[tuple[float, int, TraceEntry]] = []  # (-arrival, -count, entry)
+
+    def add(self, entry: TraceEntry) -> None:
+        self.count += 1
+        if self.limit is None:
+            self._all.append(entry)
+            return
+        item = (-entry.arrival, -self.count, entry)  # the counts differ, so entries are never compared
+        if len(self._heap) < self.limit:
+            heapq.heappush(self._heap, item)
+        elif item > self._heap[0]:  # earlier than the latest kept
+            heapq.heapreplace(self._heap, item)
+
+    def sorted(self) -> list[TraceEntry]:
+        """The kept requests in arrival order, equal arrivals in file order."""
+        if self.limit is None:
+            self._all.sort(key=_arrival)  # stable: equal arrivals stay in file order
+            return self._all
+        return [entry for _, _, entry in sorted(self._heap, reverse=True)]
 
 
 def _from_earliest(entries: list[TraceEntry], path: str | Path, column: str) -> list[TraceEntry]:
-    """``entries`` in arrival order (equal arrivals in file order), their arrivals counted from the earliest."""
+    """``entries`` (in arrival order) with their arrivals counted from the earliest."""
     if not entries:
         raise InvalidTraceError(f"{path}: no requests in the trace")
-    entries.sort(key=_arrival)
     earliest = entries[0].arrival
     if earliest == 0:
         return entries
@@ -326,7 +359,7 @@ def load_trace(
     ``burstgpt:`` with a CSV of arrivals and lengths (every prompt its own tokens).
 
     ``limit`` keeps only the first ``limit`` requests (in timestamp order) after every line has been checked, so a
-    run of a few requests from a large trace holds only those.
+    run of a few requests from a large trace holds only those, while reading too.
 
     Raises:
         InvalidTraceError: ``spec`` is not ``FORMAT:PATH``, or the file cannot be read or has a malformed line.
@@ -338,8 +371,8 @@ def load_trace(
         raise InvalidTraceError(f"--trace must be FORMAT:PATH with FORMAT one of {sorted(readers)}, not {spec!r}")
     if limit is not None and (not _is_int(limit) or limit < 1):
         raise ConfigurationError(f"limit must be a positive int or None, not {limit!r}")
-    entries = readers[kind](path)
-    return TraceWorkload(entries[:limit], kind=kind, seed=seed, output_tokens=output_tokens)
+    entries = readers[kind](path, limit=limit)
+    return TraceWorkload(entries, kind=kind, seed=seed, output_tokens=output_tokens)
 
 
 # A trace's first bytes that say it is not UTF-8 text, and what to do about it.
