@@ -27,7 +27,7 @@ import json
 import math
 import random
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -219,6 +219,9 @@ def _read_lengths(path: str | Path, form: _LengthsFormat, limit: int | None) -> 
     columns = (form.arrival, form.prompt, form.output)
     entries = _Earliest(limit)
     first: float | None = None  # of a dated trace: the first row's date, in seconds; arrivals are relative to it
+    # A trace's rows share their minute with the rows around them: each minute is converted once per read (the
+    # conversion was half of an Azure trace's reading time).
+    minutes = functools.lru_cache(maxsize=1024)(_minute_seconds)
     with _open(path) as lines:
         reader = csv.DictReader(_read(lines, path))
         try:
@@ -234,7 +237,7 @@ def _read_lengths(path: str | Path, form: _LengthsFormat, limit: int | None) -> 
         for row in _rows(reader, path):
             where = f"{path}:{reader.line_num}"
             try:
-                arrival = _datetime_seconds(row[form.arrival]) if form.dated else float(row[form.arrival])
+                arrival = _datetime_seconds(row[form.arrival], minutes) if form.dated else float(row[form.arrival])
                 prefill = int(row[form.prompt])
                 decode = int(row[form.output])
             except (TypeError, ValueError) as exc:
@@ -338,23 +341,24 @@ def _csv_format(header: str) -> str | None:
     return None
 
 
-def _datetime_seconds(value: str | None) -> float:
+def _datetime_seconds(
+    value: str | None, minutes: Callable[[tuple[str, ...], str | None], float] | None = None
+) -> float:
     """Seconds since the epoch of ``2023-11-16 18:15:46.6805900`` (any number of fractional digits; an optional
-    UTC offset, else UTC), which ``datetime.fromisoformat`` reads only from Python 3.11."""
+    UTC offset, else UTC), which ``datetime.fromisoformat`` reads only from Python 3.11. ``minutes`` converts the
+    date, hour and minute (:func:`_minute_seconds`, or a cache of it)."""
     match = _DATETIME.fullmatch((value or "").strip())
     if match is None:
         raise ValueError(f"not a date and time: {value!r}")
     second, fraction = int(match.group(6)), match.group(7)
     if second > 59:
         raise ValueError(f"second must be in 0..59: {value!r}")
-    minute = _minute_seconds(match.group(1, 2, 3, 4, 5), match.group(8))
+    minute = (minutes or _minute_seconds)(match.group(1, 2, 3, 4, 5), match.group(8))
     return minute + second + (float(f"0.{fraction}") if fraction else 0.0)
 
 
-@functools.lru_cache(maxsize=1024)
 def _minute_seconds(parts: tuple[str, ...], offset: str | None) -> float:
-    """Seconds since the epoch of a date, hour and minute at a UTC offset: a trace's rows share their minute with the
-    rows around them, so each is converted once (the conversion was half of an Azure trace's reading time)."""
+    """Seconds since the epoch of a date, hour and minute (as text) at a UTC offset."""
     year, month, day, hour, minute = (int(part) for part in parts)
     zone = timezone.utc
     if offset and offset != "Z":
