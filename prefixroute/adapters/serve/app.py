@@ -348,7 +348,10 @@ class Sidecar:
                 allowed = "POST" if path in _POST_PATHS else "GET, HEAD"
                 raise BadRequest(405, f"{method} {path} is not served: use {allowed}")
             else:
-                endpoints = "POST /route, /first_token, /finish; GET /metrics, /healthz, /stats"
+                endpoints = (
+                    "POST /route, /first_token, /finish, /v1/completions, /v1/chat/completions; "
+                    "GET /metrics, /healthz, /stats"
+                )
                 raise BadRequest(404, f"no such endpoint {path!r}: {endpoints}")
         except BadRequest as exc:
             self.metrics.refused(exc.status)
