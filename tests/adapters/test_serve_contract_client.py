@@ -72,6 +72,36 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Client]:
             yield client
 
 
+WRONG_CONTENTS: list[object] = [3, {"text": "hi"}, [1, 2], [{"type": "text", "text": 5}], True]
+
+
+@pytest.mark.parametrize("content", WRONG_CONTENTS)
+@pytest.mark.parametrize(("path", "extra"), [("/route", {}), ("/v1/chat/completions", {"model": "m"})])
+def test_a_chat_message_content_of_the_wrong_type_is_a_400_naming_the_field(
+    client: Client, path: str, extra: dict[str, Any], content: object
+) -> None:
+    before = client.in_flight()
+    reply = client.http.post(path, json={"messages": [{"role": "user", "content": content}], **extra})
+    assert reply.status_code == 400, reply.text
+    assert "$.messages[0].content" in reply.json()["error"]
+    assert client.in_flight() == before
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "user", "content": "count the rows"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "x"}}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call-1", "type": "function"}]},
+        {"role": "assistant", "tool_calls": [{"id": "call-1", "type": "function"}]},
+    ],
+)
+def test_every_content_openai_allows_still_routes(client: Client, message: dict[str, Any]) -> None:
+    answer = client.route(messages=[{"role": "system", "content": CORPUS[0]}, message])
+    assert answer["prompt_tokens"] > 0
+    assert client.http.post("/finish", json={"id": answer["id"]}).status_code == 200
+
+
 def test_an_unknown_path_names_every_endpoint_including_the_openai_ones(client: Client) -> None:
     reply = client.http.post("/v1/embeddings", json={"input": "x"})
     assert reply.status_code == 404

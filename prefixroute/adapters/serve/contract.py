@@ -1,8 +1,9 @@
 """The sidecar's HTTP contract: the JSON bodies it reads, checked once, and the bad-input answer it gives.
 
 ``POST /route`` takes exactly one of ``prompt_token_ids`` (a list of ints in [0, 2**32)), ``prompt`` (a str) or
-``messages`` (OpenAI chat messages), and optionally ``model`` (a str: the hash namespace), ``lease`` (seconds, > 0)
-and ``backends`` (a non-empty list of str). ``POST /first_token`` and ``POST /finish`` take ``{"id": str}``.
+``messages`` (OpenAI chat messages: a str ``role``; a ``content`` that is a str, a list of content parts or null),
+and optionally ``model`` (a str: the hash namespace), ``lease`` (seconds, > 0) and ``backends`` (a non-empty list of
+str). ``POST /first_token`` and ``POST /finish`` take ``{"id": str}``.
 Unknown fields are ignored, so a client may send more than the contract names. Any violation becomes
 :class:`BadRequest`: an HTTP status (4xx) and one message that says what to fix.
 """
@@ -19,6 +20,7 @@ import msgspec
 __all__ = [
     "BadRequest",
     "base_model_names",
+    "check_messages",
     "LifecycleBody",
     "Prompt",
     "RouteBody",
@@ -81,7 +83,7 @@ def route_prompt(body: RouteBody) -> Prompt:
 
     Raises:
         BadRequest: 400 unless exactly one of ``prompt_token_ids``, ``prompt`` and ``messages`` is given and
-            non-empty, or when ``backends`` is given empty.
+            non-empty, when ``backends`` is given empty, or when a message breaks :func:`check_messages`.
     """
     given = [
         name
@@ -106,7 +108,53 @@ def route_prompt(body: RouteBody) -> Prompt:
     assert prompt is not None
     if not prompt:
         raise BadRequest(400, f"'{given[0]}' is empty: send the prompt to route")
+    if body.messages is not None:
+        check_messages(body.messages)
     return prompt
+
+
+def check_messages(messages: list[dict[str, Any]]) -> None:
+    """Check chat messages as OpenAI types them: a string ``role``, and a ``content`` that is a string, a list of
+    content part objects (a text part's ``text`` a string) or null / absent (an assistant's tool calls). O(parts).
+
+    Raises:
+        BadRequest: 400 naming the first wrong field, e.g. ``$.messages[2].content``.
+    """
+    for i, message in enumerate(messages):
+        if not isinstance(message.get("role"), str):
+            raise BadRequest(400, f"$.messages[{i}].role must be a string, not {_json_type(message.get('role'))}")
+        content = message.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise BadRequest(
+                400,
+                f"$.messages[{i}].content must be a string, a list of content parts or null, not {_json_type(content)}",
+            )
+        for j, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise BadRequest(
+                    400,
+                    f'$.messages[{i}].content[{j}] must be a content part like {{"type": "text", "text": "..."}}, '
+                    f"not {_json_type(part)}",
+                )
+            if part.get("type", "text") == "text" and not isinstance(part.get("text"), str):
+                raise BadRequest(
+                    400, f"$.messages[{i}].content[{j}].text must be a string, not {_json_type(part.get('text'))}"
+                )
+
+
+def _json_type(value: object) -> str:
+    """What ``value`` is, in JSON's words (for error messages)."""
+    if value is None:
+        return "null (or missing)"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
 
 
 def openai_prompt(path: str, body: bytes) -> tuple[Prompt, str | None]:
@@ -115,7 +163,8 @@ def openai_prompt(path: str, body: bytes) -> tuple[Prompt, str | None]:
     A batch of prompts is routed by its first one. O(len(body)).
 
     Raises:
-        BadRequest: 400 when the body is not such a request (no usable ``prompt`` or ``messages``).
+        BadRequest: 400 when the body is not such a request (no usable ``prompt`` or ``messages``, or a message
+            that breaks :func:`check_messages`).
     """
     try:
         request = msgspec.json.decode(body)
@@ -130,6 +179,7 @@ def openai_prompt(path: str, body: bytes) -> tuple[Prompt, str | None]:
         messages = request.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise BadRequest(400, "a chat completion needs 'messages', a non-empty list of message objects")
+        check_messages(messages)
         return messages, model
     prompt = request.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
