@@ -206,7 +206,7 @@ class BoundedLoad(LoadPolicy):
     name = "bounded-load"
     prefix_aware = True
 
-    def __init__(self, factor: float = 2.0) -> None:
+    def __init__(self, *, factor: float = 2.0) -> None:
         value = _finite(factor)
         if value is None or value < 1.0:
             raise ConfigurationError(f"BoundedLoad factor must be a finite number >= 1.0, not {factor!r}")
@@ -234,7 +234,7 @@ class BoundedLoad(LoadPolicy):
         return f"BoundedLoad(factor={self.factor})"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LinearTTFT:
     """A small time-to-first-token model: queueing behind ``load`` requests plus prefill of the uncached suffix.
 

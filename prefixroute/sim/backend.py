@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Protocol
 
 from prefixroute.errors import ConfigurationError
@@ -40,6 +40,7 @@ class BackendConfig:
     """vLLM engine settings that shape scheduling: KV blocks, block size, batch limits (vLLM's names)."""
 
     capacity_blocks: int | None
+    _: KW_ONLY
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048

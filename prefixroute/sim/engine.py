@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Protocol
 
 from prefixroute._numbers import is_finite_number, shown
@@ -40,6 +40,7 @@ class ClosedLoop:
     """
 
     users: int
+    _: KW_ONLY
     think_time: float = 0.0
     ramp: float = 1.0
 
@@ -52,6 +53,7 @@ class OpenLoop:
     """
 
     rate: float
+    _: KW_ONLY
     users: int = 64
 
 

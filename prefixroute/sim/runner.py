@@ -28,7 +28,7 @@ __all__ = ["SimSpec", "backend_config", "build_policy", "run_policy", "vllm_defa
 _GIB = 2**30
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SimSpec:
     """Everything that defines a run except the policy. ``None`` fields take the scenario's or vLLM's default.
 

@@ -136,7 +136,7 @@ def test_a_block_size_beyond_the_hashers_limit_is_refused_by_the_index_too() -> 
         (lambda: LinearTTFT(per_token_s=math.nan), ConfigurationError),
         (lambda: LinearTTFT(per_request_s=-1), ConfigurationError),
         (lambda: LinearTTFT(per_token_pair_s="x"), ConfigurationError),  # type: ignore[arg-type]
-        (lambda: BoundedLoad(HUGE), ConfigurationError),
+        (lambda: BoundedLoad(factor=HUGE), ConfigurationError),
     ],
 )
 def test_policy_options_are_checked_when_given(build: object, error: type[Exception]) -> None:

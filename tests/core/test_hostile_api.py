@@ -210,7 +210,7 @@ def test_an_absurd_engine_queue_is_refused_and_a_huge_bounded_load_factor_routes
     router.set_engine_load("a", queue_len=2**63 - 1, kv_usage=None)
     assert router.route(TOKENS, ["a", "b"]).backend == "b"
     candidates = [Candidate("a", 0, 8, 1), Candidate("b", 8, 8, 5)]
-    assert BoundedLoad(1e308).choose(candidates).backend == "b"  # was OverflowError: ceil(inf)
+    assert BoundedLoad(factor=1e308).choose(candidates).backend == "b"  # was OverflowError: ceil(inf)
     assert LinearTTFT()(Candidate("a", 0, 8, 0, queue_len=2**63 - 1)) > 0
 
 

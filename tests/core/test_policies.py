@@ -131,8 +131,8 @@ def test_bounded_load_diverts_above_the_bound_to_the_next_best_match() -> None:
     # 8 candidates, 10 in flight: bound = ceil(2 * 11 / 8) = 3, so "hot" (3 in flight) cannot take a fourth.
     candidates = [Candidate("hot", 512, 512, 3), Candidate("warm", 256, 512, 2)]
     candidates += [Candidate(f"c{i}", 0, 512, 5 if i == 0 else 0) for i in range(6)]
-    assert BoundedLoad(2.0).choose(candidates).backend == "warm"
-    assert BoundedLoad(4.0).choose(candidates).backend == "hot"
+    assert BoundedLoad(factor=2.0).choose(candidates).backend == "warm"
+    assert BoundedLoad(factor=4.0).choose(candidates).backend == "hot"
 
 
 def test_bounded_load_keeps_affinity_when_requests_do_not_overlap() -> None:
@@ -153,7 +153,7 @@ def test_bounded_load_respects_the_bound_whenever_someone_can(candidates: list[C
     import math
 
     bound = math.ceil(factor * (sum(c.load for c in candidates) + 1) / len(candidates))
-    chosen = BoundedLoad(factor).choose(candidates)
+    chosen = BoundedLoad(factor=factor).choose(candidates)
     qualifying = [c for c in candidates if c.load + 1 <= bound]
     if qualifying:
         assert chosen.load + 1 <= bound
@@ -168,9 +168,9 @@ def test_bounded_load_bounds_the_load_it_documents_engine_queue_included() -> No
     # (bound ceil(17 / 2) = 9) sends the request to the other backend, which the in-flight count alone would not.
     hot = Candidate("hot", 512, 512, 2, queue_len=12)
     cold = Candidate("cold", 0, 512, 2)
-    assert BoundedLoad(2.0).choose([hot, cold]) is hot
-    assert BoundedLoad(1.0).choose([hot, cold]) is cold
-    assert BoundedLoad(1.0).choose([hot._replace(queue_len=None), cold]).backend == "hot"
+    assert BoundedLoad(factor=2.0).choose([hot, cold]) is hot
+    assert BoundedLoad(factor=1.0).choose([hot, cold]) is cold
+    assert BoundedLoad(factor=1.0).choose([hot._replace(queue_len=None), cold]).backend == "hot"
 
 
 def test_cost_aware_trades_cache_against_queue() -> None:
@@ -190,7 +190,7 @@ def test_policy_from_name_options_and_errors() -> None:
     with pytest.raises(ConfigurationError, match="does not accept"):
         policy_from_name("round-robin", factor=2)
     with pytest.raises(ConfigurationError, match="factor"):
-        BoundedLoad(0.5)
+        BoundedLoad(factor=0.5)
     with pytest.raises(ConfigurationError, match="cannot import"):
         policy_from_name("no_such_module:Policy")
     with pytest.raises(ConfigurationError, match="not a LoadPolicy"):

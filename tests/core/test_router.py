@@ -48,7 +48,7 @@ def test_decision_describes_every_candidate() -> None:
 
 def test_hot_prefix_with_bounded_load_never_exceeds_twice_the_mean_plus_one() -> None:
     rng = random.Random(1)
-    router = Router(policy=BoundedLoad(2.0))
+    router = Router(policy=BoundedLoad(factor=2.0))
     hot = [rng.randrange(32000) for _ in range(1024)]
     others = [[rng.randrange(32000) for _ in range(1024)] for _ in range(20)]
     open_requests = []
@@ -79,7 +79,7 @@ def test_pure_affinity_makes_the_hot_spot_that_bounded_load_avoids() -> None:
         return max(router.in_flight(b) for b in BACKENDS)
 
     assert peak(PrefixAffinity()) == 40
-    assert peak(BoundedLoad(2.0)) <= 11
+    assert peak(BoundedLoad(factor=2.0)) <= 11
 
 
 def test_removed_backend_is_never_returned_again() -> None:

@@ -147,4 +147,4 @@ def _seed_with(
 
 
 def _bounded(factor: float) -> Callable[[], LoadPolicy]:
-    return lambda: BoundedLoad(factor)
+    return lambda: BoundedLoad(factor=factor)
