@@ -160,8 +160,9 @@ def run(args: argparse.Namespace) -> int:
 def _check_before_running(
     spec: SimSpec, policies: Sequence[str], args: argparse.Namespace
 ) -> Callable[[], Workload] | None:
-    """Build every policy once, read the trace, and check ``--json``/``--plot`` can be written: bad input fails
-    now, before anything is printed or simulated (and not once in every worker).
+    """Build every policy once, read the trace, and check ``--json``/``--plot`` can be written (``--plot`` by
+    matplotlib, in a format it knows): bad input fails now, before anything is printed or simulated (and not once in
+    every worker).
 
     Returns what builds the trace's workload for each run (the file is read and checked once, and only the
     ``--requests`` a run replays are kept), or None without ``--trace``.
@@ -184,6 +185,10 @@ def _check_before_running(
     for option, path in (("--json", args.json), ("--plot", args.plot)):
         if path is not None:
             check_writable(path, option)
+    if args.plot is not None:
+        from prefixroute.sim.report import check_plot_path
+
+        check_plot_path(args.plot, "--plot")
     return trace
 
 

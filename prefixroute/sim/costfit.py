@@ -461,7 +461,10 @@ def _run(args: argparse.Namespace) -> int:
         for name in _OUTPUTS:
             check_writable(args.out / name, "--out")
     if args.plot is not None:
+        from prefixroute.sim.report import check_plot_path
+
         check_writable(args.plot, "--plot")
+        check_plot_path(args.plot, "--plot")
     try:
         entries, measurements, shared = fit_profiles(args.data)
     except KeyError as exc:

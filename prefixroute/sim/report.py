@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 __all__ = [
+    "check_plot_path",
     "json_document",
     "markdown_table",
     "pyplot",
@@ -182,7 +183,8 @@ def pyplot() -> Any:
     """``matplotlib.pyplot`` on the file-only Agg backend.
 
     Raises:
-        ConfigurationError: matplotlib (the ``prefixroute[sim]`` extra) is missing.
+        ConfigurationError: matplotlib (the ``prefixroute[sim]`` extra) is missing, or refuses to start (it checks
+            the ``MPLBACKEND`` environment variable when imported, although the plots use Agg whatever it says).
     """
     try:
         import matplotlib
@@ -191,7 +193,28 @@ def pyplot() -> Any:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise ConfigurationError("plots need matplotlib: pip install 'prefixroute[sim]'") from exc
+    except ValueError as exc:  # MPLBACKEND=nonsense
+        raise ConfigurationError(f"matplotlib cannot start ({exc}): fix or unset MPLBACKEND") from exc
     return plt
+
+
+def check_plot_path(path: str | Path, option: str) -> None:
+    """Fail now, not after the run, if matplotlib cannot write a plot at ``path``: matplotlib missing or refusing to
+    start, or a file name whose extension is no format matplotlib writes (``.png``, ``.svg``, ``.pdf``, ...; none:
+    PNG). Whether the file can be created is :func:`prefixroute.sim.cli.check_writable`'s to check.
+
+    Raises:
+        ConfigurationError: the message says what to fix.
+    """
+    pyplot()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    suffix = Path(path).suffix[1:]
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix.lower() not in formats:
+        raise ConfigurationError(
+            f"{option} {path}: matplotlib writes no {suffix!r} files; end the name in one of {', '.join(formats)}"
+        )
 
 
 def write_sweep_plot(

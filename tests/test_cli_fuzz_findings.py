@@ -1,0 +1,65 @@
+"""What a sweep of hostile values over every CLI option found: each is exit status 2 and one line on stderr, found
+before anything runs, never a traceback, a hang or a memory blow-up."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prefixroute.cli import main
+from prefixroute.sim import costfit
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+TINY = ["--requests", "5", "--policy", "round-robin"]
+
+
+def _one_line(err: str, expected: str) -> None:
+    assert err.endswith("\n") and err.count("\n") == 1, f"not one line: {err!r}"
+    assert "Traceback" not in err and expected in err, err
+
+
+@pytest.mark.parametrize("command", [["simulate"], ["compare", "--jobs", "1"]])
+def test_plot_in_a_format_matplotlib_cannot_write_fails_before_the_run(
+    command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Was: the whole run, then a ValueError traceback from savefig (exit status 1).
+    plot = tmp_path / "results.txt"
+    assert main([*command, *TINY, "--plot", str(plot)]) == 2
+    out, err = capsys.readouterr()
+    _one_line(err, "--plot")
+    assert "'txt'" in err and "png" in err, err
+    assert out == "" and not plot.exists()
+
+
+def test_costfit_plot_in_a_format_matplotlib_cannot_write_fails_before_the_fit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Was: the refit written to --out, then a ValueError traceback (exit status 1).
+    out_folder = tmp_path / "out"
+    assert costfit.main(["--data", str(DATA), "--out", str(out_folder), "--plot", str(tmp_path / "plot.5")]) == 2
+    out, err = capsys.readouterr()
+    _one_line(err, "--plot")
+    assert out == "" and not list(out_folder.glob("*"))  # nothing fitted or written (the folder may be made)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-m", "prefixroute", "simulate", *TINY, "--plot", "PLOT"],
+        ["-m", "prefixroute.sim.costfit", "--data", str(DATA), "--check", "--plot", "PLOT"],
+    ],
+)
+def test_a_garbage_mplbackend_is_one_line_before_the_run(argv: list[str], tmp_path: Path) -> None:
+    # matplotlib refuses the MPLBACKEND it is given when it is imported; the plots use Agg whatever it says.
+    plot = tmp_path / "plot.png"
+    argv = [str(plot) if a == "PLOT" else a for a in argv]
+    env = {**os.environ, "MPLBACKEND": "no-such-backend"}
+    done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2, done.stderr
+    _one_line(done.stderr, "MPLBACKEND")
+    assert done.stdout == "" and not plot.exists()
+
