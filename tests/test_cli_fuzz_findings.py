@@ -63,3 +63,15 @@ def test_a_garbage_mplbackend_is_one_line_before_the_run(argv: list[str], tmp_pa
     _one_line(done.stderr, "MPLBACKEND")
     assert done.stdout == "" and not plot.exists()
 
+
+@pytest.mark.skipif(not Path("/dev/zero").exists(), reason="needs /dev/zero")
+def test_costplot_update_that_is_not_a_regular_file(tmp_path: Path) -> None:
+    # Was: read_text() on /dev/zero, filling the memory until killed.
+    png = tmp_path / "plot.png"
+    code = "import sys; from prefixroute.sim.costplot import main; sys.exit(main(sys.argv[1:]))"
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(png), "--update", "/dev/zero"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    _one_line(done.stderr, "/dev/zero")
+    assert not png.exists()

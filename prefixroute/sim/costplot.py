@@ -188,6 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         generated = tables()
         page = None
         if args.update is not None:  # read and check the page before anything is written
+            if args.update.exists() and not args.update.is_file():  # /dev/zero would fill the memory, a FIFO hang
+                raise ValueError(f"--update {args.update} is not a regular file: give the Markdown page to rewrite")
             page = update_markdown(args.update.read_text(encoding="utf-8"), generated)
             check_writable(args.update, "--update")
         check_writable(args.png, "png")
