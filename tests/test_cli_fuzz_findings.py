@@ -75,3 +75,15 @@ def test_costplot_update_that_is_not_a_regular_file(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stderr[-2000:]
     _one_line(done.stderr, "/dev/zero")
     assert not png.exists()
+
+
+@pytest.mark.parametrize("command", [["proxy", "--backends", "http://127.0.0.1:9"], ["fake-engines"], ["serve"]])
+@pytest.mark.parametrize("host", ["a" * 64, "gpu0..cluster", ".gpu0"])
+def test_a_host_name_no_resolver_takes_is_refused_by_its_option(
+    command: list[str], host: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Was, for proxy and fake-engines: a UnicodeError traceback from getaddrinfo (a label over 63 or empty), exit 1.
+    assert main([*command, "--port" if command[0] != "fake-engines" else "--base-port", "1", "--host", host]) == 2
+    out, err = capsys.readouterr()
+    _one_line(err, "argument --host")
+    assert out == ""

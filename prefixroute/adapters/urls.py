@@ -53,12 +53,18 @@ def check_backend_url(url: object, *, path: bool = True) -> str:
 
 def listen_host(text: str) -> str:
     """``--host`` of the commands that listen: a host name or address, not empty (which would listen on every
-    interface, as ``0.0.0.0`` says openly) nor holding a blank, a control or a non-ASCII character. O(len(text)).
+    interface, as ``0.0.0.0`` says openly) nor holding a blank, a control or a non-ASCII character, nor a name the
+    resolver refuses before looking it up (an empty label or one over 63 characters: ``getaddrinfo`` raises
+    UnicodeError, not OSError, for those). O(len(text)).
 
     Raises:
         argparse.ArgumentTypeError: what is wrong (argparse prints it as one line and exits 2).
     """
-    if not text or not text.isascii() or not text.isprintable() or " " in text:
+    try:
+        encodable = bool(text) and text.isascii() and text.isprintable() and " " not in text and text.encode("idna")
+    except UnicodeError:  # "gpu0..lan", ".gpu0", a label of 64 characters
+        encodable = False
+    if not encodable:
         raise argparse.ArgumentTypeError(
             f"expected a host name or address such as 127.0.0.1, ::1 or 0.0.0.0 (every interface), not {text!r}"
         )
