@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,24 @@ def test_a_host_name_no_resolver_takes_is_refused_by_its_option(
     out, err = capsys.readouterr()
     _one_line(err, "argument --host")
     assert out == ""
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        lambda folder: main(["study", "--requests", "5", "--output", folder]),
+        lambda folder: costfit.main(["--data", str(DATA), "--out", folder]),
+    ],
+    ids=["study --output", "costfit --out"],
+)
+@pytest.mark.parametrize("folder", ["", " "])
+def test_an_empty_output_folder_is_refused_not_the_current_one(
+    run: Callable[[str], int], folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    # Was: Path("") is ".", so an unset "$OUT" wrote study.md and its plots (or the refit) into the current folder.
+    monkeypatch.chdir(tmp_path)
+    assert run(folder) == 2
+    out, err = capsys.readouterr()
+    _one_line(err, "empty")
+    assert out == "" and not list(tmp_path.iterdir())

@@ -18,7 +18,15 @@ from prefixroute.sim.metrics import PolicyResult
 from prefixroute.sim.runner import SimSpec, backend_config, build_policy, run_policy
 from prefixroute.sim.workloads import scenario_names
 
-__all__ = ["add_workload_arguments", "check_writable", "register", "register_compare", "run", "run_compare"]
+__all__ = [
+    "add_workload_arguments",
+    "check_writable",
+    "folder_argument",
+    "register",
+    "register_compare",
+    "run",
+    "run_compare",
+]
 
 DEFAULT_POLICIES = ("round-robin", "prefix-affinity", "bounded-load", "predicted-ttft")
 
@@ -220,6 +228,18 @@ def check_writable(path: str | Path, option: str) -> None:
         target.unlink(missing_ok=True)
 
 
+def folder_argument(text: str) -> Path:
+    """The type of an option naming a folder to write to: ``Path("")`` is the current folder, so an empty or blank
+    value (an unset ``"$OUT"``) would write there unasked.
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is empty or blank (argparse prints it as one line and exits 2).
+    """
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a folder, not an empty name {text!r} (. is the current folder)")
+    return Path(text)
+
+
 def _run_all(
     spec: SimSpec, policies: list[str], console: Any, trace: Callable[[], Workload] | None
 ) -> list[PolicyResult]:
@@ -403,7 +423,9 @@ def _register_study(subparsers: Any) -> None:
         description="Rerun every published claim in the simulator (seed 0) and write study.md and "
         "its plots to --output.",
     )
-    parser.add_argument("--output", type=Path, default=Path("docs"), help="folder for study.md and its PNGs (docs)")
+    parser.add_argument(
+        "--output", type=folder_argument, default=Path("docs"), help="folder for study.md and its PNGs (docs)"
+    )
     parser.add_argument("--requests", type=int, default=1500, help="requests per simulated run (1500)")
     parser.set_defaults(func=_run_study)
 

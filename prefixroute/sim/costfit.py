@@ -404,12 +404,13 @@ _REQUIRED = (
 
 def _parser() -> argparse.ArgumentParser:
     from prefixroute.cli import OneLineParser
+    from prefixroute.sim.cli import folder_argument
 
     parser = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=Path("data"), help="folder of the raw measurements (data)")
     parser.add_argument(
         "--out",
-        type=Path,
+        type=folder_argument,
         default=None,
         help="folder to write profiles.json and calibration_points.csv to (the package data is "
         "prefixroute/sim/data); with --check, the folder to compare (default: the package data)",
