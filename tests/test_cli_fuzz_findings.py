@@ -109,3 +109,28 @@ def test_an_empty_output_folder_is_refused_not_the_current_one(
     out, err = capsys.readouterr()
     _one_line(err, "empty")
     assert out == "" and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("command", ["simulate", "compare"])
+def test_a_duration_too_short_for_any_request_is_one_line_not_a_table_of_nans(command: str) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "prefixroute",
+            command,
+            "--scenario",
+            "seed",
+            "--duration",
+            "0.001",
+            "--policy",
+            "round-robin",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,  # fmt: skip
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "nan" not in result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no request was sent within --duration 0.001 s" in lines[0], result.stderr

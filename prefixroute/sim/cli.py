@@ -147,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
     header = _header(spec)
     console.print(_describe(spec, profile.name, config.capacity_blocks))
     results = _run_all(spec, policies, console, trace)
+    _check_served(results, spec)
     from prefixroute.sim.report import rich_table, write_json, write_plot
 
     console.print(rich_table(results, title=f"{header['scenario']}: ratios against {policies[0]}"))
@@ -376,6 +377,7 @@ def run_compare(args: argparse.Namespace, *, defaults: argparse.ArgumentParser) 
         console.print(f"  [{done[0]}/{len(names)}] {result.policy}")
 
     results = run_grid([(spec, name) for name in names], jobs=jobs, on_done=on_done, workload=trace)
+    _check_served(results, spec)
     ranking = rank(results)
     default = default_policy_name()
     header = _header(spec)
@@ -398,6 +400,20 @@ def run_compare(args: argparse.Namespace, *, defaults: argparse.ArgumentParser) 
         )
         console.print(f"wrote {args.plot}")
     return 0
+
+
+def _check_served(results: Sequence[PolicyResult], spec: SimSpec) -> None:
+    """Refuse to print a table of NaNs: a run in which no request was sent (a ``--duration`` shorter than the first
+    arrival; closed-loop users start within the first second) has no figure to report.
+
+    Raises:
+        ConfigurationError: no policy's run sent a request.
+    """
+    if results and all(r.requests == 0 and r.rejected == 0 for r in results):
+        within = f" within --duration {spec.duration:g} s of simulated time" if spec.duration is not None else ""
+        raise ConfigurationError(
+            f"no request was sent{within}: give a longer --duration (closed-loop users start within the first second)"
+        )
 
 
 def _run_suite(args: argparse.Namespace, defaults: argparse.ArgumentParser, console: Any) -> int:
