@@ -14,7 +14,6 @@ Run: ``python benchmarks/bench_events.py [--runs 5] [--rate 200000]``.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import random
 import statistics
@@ -23,6 +22,7 @@ import time
 from typing import Any, Literal
 
 import zmq
+from _args import Parser, positive_float, positive_int
 
 from prefixroute import PrefixIndex, Router
 from prefixroute.index import apply_updates
@@ -139,11 +139,13 @@ def lag_run(payloads: list[bytes], sizes: list[int], rate: float) -> tuple[float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--requests", type=int, default=3000)
-    parser.add_argument("--per-batch", type=int, default=8, help="requests per published batch (scheduler step)")
-    parser.add_argument("--rate", type=float, default=200_000, help="block events/s for the lag run")
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=positive_int, default=5)
+    parser.add_argument("--requests", type=positive_int, default=3000)
+    parser.add_argument(
+        "--per-batch", type=positive_int, default=8, help="requests per published batch (scheduler step)"
+    )
+    parser.add_argument("--rate", type=positive_float, default=200_000, help="block events/s for the lag run")
     args = parser.parse_args()
     print(f"bench_events: median of {args.runs} runs after a warm-up, one core")
     for encoding in ("array", "map"):

@@ -45,6 +45,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from _args import Parser, non_negative_float, positive_int
+
 from prefixroute.adapters.serve.loopback import Process, free_port
 
 ENGINES = 4
@@ -233,14 +235,16 @@ def spawn(command: list[str], name: str, folder: Path) -> Process:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=5, help="runs per figure, after a warm-up (5)")
-    parser.add_argument("--requests", type=int, default=150, help="sequential requests per latency run (150)")
-    parser.add_argument("--loop-requests", type=int, default=1000, help="requests per closed-loop run (1000)")
-    parser.add_argument("--concurrency", type=int, default=32, help="closed-loop connections (32)")
-    parser.add_argument("--prompt-tokens", type=int, default=2048, help="tokens per prompt (2048)")
-    parser.add_argument("--answer-tokens", type=int, default=16, help="streamed tokens per answer (16)")
-    parser.add_argument("--token-delay-ms", type=float, default=1.0, help="engine time between tokens (1 ms)")
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=positive_int, default=5, help="runs per figure, after a warm-up (5)")
+    parser.add_argument("--requests", type=positive_int, default=150, help="sequential requests per latency run (150)")
+    parser.add_argument("--loop-requests", type=positive_int, default=1000, help="requests per closed-loop run (1000)")
+    parser.add_argument("--concurrency", type=positive_int, default=32, help="closed-loop connections (32)")
+    parser.add_argument("--prompt-tokens", type=positive_int, default=2048, help="tokens per prompt (2048)")
+    parser.add_argument("--answer-tokens", type=positive_int, default=16, help="streamed tokens per answer (16)")
+    parser.add_argument(
+        "--token-delay-ms", type=non_negative_float, default=1.0, help="engine time between tokens (1 ms)"
+    )
     parser.add_argument("--profile", metavar="FILE",
                         help="py-spy profiles of the proxy under the closed loop: FILE's stem + -ids / -text / -chat; "
                         "a .txt suffix writes collapsed stacks, others a flame graph")  # fmt: skip

@@ -35,6 +35,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import xxhash
+from _args import Parser, positive_int, unit_fraction
 
 from prefixroute import PrefixIndex, Router
 from prefixroute.hashing import encode_tokens
@@ -203,14 +204,16 @@ def time_calls(call: Callable[[list[int]], object], prompts: list[list[int]]) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=5, help="timed passes per case (median reported)")
-    parser.add_argument("--calls", type=int, default=200, help="route() calls per pass")
-    parser.add_argument("--entries", type=int, default=1_000_000, help="warm index size in (block, backend) entries")
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=positive_int, default=5, help="timed passes per case (median reported)")
+    parser.add_argument("--calls", type=positive_int, default=200, help="route() calls per pass")
+    parser.add_argument(
+        "--entries", type=positive_int, default=1_000_000, help="warm index size in (block, backend) entries"
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
     parser.add_argument(
         "--new-fraction",
-        type=float,
+        type=unit_fraction,
         default=0.5,
         help="fraction of each prompt that is new to the index (the rest is a prefix it holds); default 0.5",
     )
@@ -224,7 +227,7 @@ def main() -> None:
         "--steps", action="store_true", help="time each step of route() alone at 8K tokens instead of the table"
     )
     parser.add_argument(
-        "--backends", type=int, nargs="+", default=[8, 64], help="fleet sizes to measure (default: 8 64)"
+        "--backends", type=positive_int, nargs="+", default=[8, 64], help="fleet sizes to measure (default: 8 64)"
     )
     parser.add_argument(
         "--shared-match",
@@ -234,7 +237,9 @@ def main() -> None:
     parser.add_argument(
         "--zipf-only", action="store_true", help="print only the hit-rate comparison with an exact LRU (Zipf workload)"
     )
-    parser.add_argument("--zipf-requests", type=int, default=100_000, help="requests of the Zipf hit-rate workload")
+    parser.add_argument(
+        "--zipf-requests", type=positive_int, default=100_000, help="requests of the Zipf hit-rate workload"
+    )
     args = parser.parse_args()
     if args.quick:
         args.runs, args.calls, args.entries, args.zipf_requests = 2, 20, 20_000, 3_000

@@ -23,7 +23,6 @@ Run: ``python benchmarks/bench_sidecar.py`` (``--quick`` for a smoke run).
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing
 import os
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from _args import Parser, positive_float, positive_int
 
 from prefixroute.adapters.serve.loopback import (
     Process,
@@ -320,10 +320,10 @@ def _cpu(proxy: Process, port: int, requests: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: short, one run")
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--runs", type=positive_int, default=3)
+    parser.add_argument("--seconds", type=positive_float, default=3.0)
     parser.add_argument("--no-proxies", action="store_true", help="skip the proxy CPU figures")
     args = parser.parse_args()
     runs, seconds = (1, 0.5) if args.quick else (args.runs, args.seconds)

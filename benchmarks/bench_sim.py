@@ -14,10 +14,11 @@ Run: ``python benchmarks/bench_sim.py`` (about a minute), ``--quick`` for one sh
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from pathlib import Path
+
+from _args import Parser, existing_file, positive_int
 
 from prefixroute.sim.runner import SimSpec, run_policy
 
@@ -36,10 +37,10 @@ def measure(spec: SimSpec, policy: str, runs: int) -> tuple[float, int]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=3, help="timed runs per measurement (3)")
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=positive_int, default=3, help="timed runs per measurement (3)")
     parser.add_argument("--quick", action="store_true", help="one short run of each (a smoke test)")
-    parser.add_argument("--trace", type=Path, default=MOONCAKE, help="the Mooncake synthetic trace")
+    parser.add_argument("--trace", type=existing_file, default=MOONCAKE, help="the Mooncake synthetic trace")
     args = parser.parse_args()
     runs = 1 if args.quick else args.runs
     seed = SimSpec(requests=300 if args.quick else 1500)

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from _args import Parser, existing_file, positive_int
 from tokenizers import Tokenizer
 
 from prefixroute.adapters.tokenize import PromptTokenizer
@@ -37,13 +38,13 @@ from prefixroute.adapters.tokenize import PromptTokenizer
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def tokenizer_files(extra: list[str]) -> dict[str, Path]:
+def tokenizer_files(extra: list[Path]) -> dict[str, Path]:
     files: dict[str, Path] = {}
     spec = importlib.util.find_spec("litellm")
     if spec is not None and spec.submodule_search_locations:
         shipped = Path(next(iter(spec.submodule_search_locations))) / "litellm_core_utils" / "tokenizers"
         files.update({path.stem: path for path in sorted(shipped.glob("*.json"))})
-    files.update({path: Path(path) for path in extra})
+    files.update({str(path): path for path in extra})
     if not files:
         raise SystemExit("no tokenizer: install prefixroute[litellm] (LiteLLM ships real ones) or pass --tokenizer")
     return files
@@ -122,11 +123,13 @@ def measure(name: str, tokenizer: Tokenizer, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokenizer", action="append", default=[], metavar="PATH", help="another tokenizer.json")
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens per prompt (2048)")
-    parser.add_argument("--texts", type=int, default=200, help="texts per pass (200)")
-    parser.add_argument("--runs", type=int, default=5, help="timed passes, after a warm-up (5)")
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--tokenizer", type=existing_file, action="append", default=[], metavar="PATH", help="another tokenizer.json"
+    )
+    parser.add_argument("--tokens", type=positive_int, default=2048, help="tokens per prompt (2048)")
+    parser.add_argument("--texts", type=positive_int, default=200, help="texts per pass (200)")
+    parser.add_argument("--runs", type=positive_int, default=5, help="timed passes, after a warm-up (5)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: small sizes, one pass")
     args = parser.parse_args()
     if args.quick:

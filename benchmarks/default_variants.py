@@ -14,10 +14,11 @@ Run from the repository root: ``python benchmarks/default_variants.py`` (about 5
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import replace
 from pathlib import Path
+
+from _args import Parser, positive_int
 
 from prefixroute import Candidate, PredictedTTFT, kv_fraction
 from prefixroute.sim.compare import compared_policies, default_policy_name, run_grid
@@ -116,8 +117,8 @@ VARIANTS = (
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--jobs", type=int, default=2, help="simulation processes (2)")
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=positive_int, default=2, help="simulation processes (2)")
     parser.add_argument("--quick", action="store_true", help="one short workload (seed, 100 requests), a smoke run")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # the pool's workers import this file by name

@@ -74,3 +74,27 @@ def test_default_variants_classes_are_policies_the_simulator_can_name(monkeypatc
     assert isinstance(previous, PredictedTTFT)
     busy = Candidate("a", 0, 100, 3, in_prefill=2)
     assert previous.cost(busy) == 100 * 4 and PredictedTTFT().cost(busy) == 100 * 6  # (1 + in flight [+ in prefill])
+
+
+@pytest.mark.parametrize(
+    ("script", "args"),
+    [
+        ("bench_events.py", ["--runs", "0"]),
+        ("bench_events.py", ["--rate", "nan"]),
+        ("bench_proxy.py", ["--answer-tokens", "-1"]),
+        ("bench_proxy.py", ["--token-delay-ms", "inf"]),
+        ("bench_route.py", ["--new-fraction", "2"]),
+        ("bench_sidecar.py", ["--seconds", "0"]),
+        ("bench_sim.py", ["--trace", "no/such/trace.jsonl"]),
+        ("bench_tokenize.py", ["--tokenizer", "no/such/tokenizer.json"]),
+        ("default_variants.py", ["--jobs", "0"]),
+        ("bench_route.py", ["--no-such-option"]),
+    ],
+)
+def test_a_benchmark_answers_a_bad_option_with_one_line_and_status_2(script: str, args: list[str]) -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "error:" in done.stderr, done.stderr
+    assert done.stdout == ""

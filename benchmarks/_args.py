@@ -1,0 +1,64 @@
+"""Command-line checks the benchmarks share: a bad value is one line on stderr and exit status 2, as in every
+command of the project, never a traceback from deep inside a run."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import NoReturn
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line (argparse's own print the usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    """An int >= 1 (a count of runs, requests, connections)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, not {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (a rate, a duration)."""
+    return _finite(text, minimum=0.0, inclusive=False)
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (a delay that may be none)."""
+    return _finite(text, minimum=0.0, inclusive=True)
+
+
+def unit_fraction(text: str) -> float:
+    """A number in [0, 1]."""
+    value = _finite(text, minimum=0.0, inclusive=True)
+    if value > 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], not {text!r}")
+    return value
+
+
+def existing_file(text: str) -> Path:
+    """The path of a file that exists."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    return path
+
+
+def _finite(text: str, *, minimum: float, inclusive: bool) -> float:
+    bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number {bound}, not {text!r}") from None
+    if not math.isfinite(value) or value < minimum or (value == minimum and not inclusive) or value > 1e9:
+        raise argparse.ArgumentTypeError(f"expected a finite number {bound} (at most 1e9), not {text!r}")
+    return value
