@@ -12,6 +12,7 @@ import pytest
 
 from prefixroute import BoundedLoad, Router
 from prefixroute.adapters.proxy import Proxy
+from prefixroute.adapters.threaded import ServerThread
 from prefixroute.testing.openai_engine import OpenAIEngine
 
 from ..conftest import running_engines, wait_until
@@ -194,3 +195,41 @@ def test_models_are_merged_and_metrics_and_health_served(healthy: list[OpenAIEng
         assert 'prefixroute_proxy_requests_total{outcome="ok"} 1' in metrics
         assert f'prefixroute_router_in_flight{{backend="{other.url}"}} 0' in metrics
         assert httpx.get(proxy.url + "/healthz").status_code == 200
+
+
+def test_a_repeated_header_is_passed_on_as_many_times_both_ways() -> None:
+    """Each Set-Cookie of an answer, and each of a client's repeated headers, reach the other side (the proxy copied
+    headers into a plain dict, which kept the last of each)."""
+    from aiohttp import web
+
+    seen: list[list[str]] = []
+
+    async def completions(request: web.Request) -> web.Response:
+        seen.append(request.headers.getall("X-Trace", []))
+        answer = web.json_response({"choices": [{"text": "ok"}]})
+        answer.headers.add("Set-Cookie", "a=1")
+        answer.headers.add("Set-Cookie", "b=2")
+        return answer
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    urls: list[str] = []
+
+    async def serve() -> None:
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
+
+    backend = ServerThread(serve, runner.cleanup, name="repeating-backend")
+    backend.start()
+    try:
+        with Proxy(Router(), urls, base_models=()) as proxy:
+            headers = [("X-Trace", "one"), ("X-Trace", "two")]
+            answer = httpx.post(proxy.url + "/v1/completions", json={"prompt": [1, 2, 3]}, headers=headers)
+            assert answer.status_code == 200, answer.text
+            assert answer.headers.get_list("set-cookie") == ["a=1", "b=2"]
+            assert seen == [["one", "two"]]
+    finally:
+        backend.stop()

@@ -21,6 +21,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
+from multidict import CIMultiDict
 
 from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens
 from prefixroute.adapters.serve.contract import base_model_names, json_error
@@ -305,7 +306,7 @@ class Proxy:
             return error_response(500, f"the proxy failed to route the request: {exc}", "InternalServerError")
         # The client's own headers go on (Authorization, request ids, tracing), but not an encoding the client did
         # not ask for: the answer is relayed as it comes.
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+        headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED)
         headers.setdefault("Accept-Encoding", "identity")
         session = self._session
         assert session is not None, "serve() opens the session"
@@ -361,7 +362,8 @@ class Proxy:
     ) -> tuple[web.StreamResponse, str]:
         """Send ``upstream``'s answer to the client as it comes; return the response and the request's outcome."""
         content_type = upstream.headers.get("Content-Type", "application/json")
-        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP}
+        # A multidict: a header the engine repeats (Set-Cookie) is relayed as many times.
+        headers = CIMultiDict((k, v) for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP)
         headers.update(_decision_headers(decision))
         if upstream.status >= 500:
             self._failed(decision.backend)
