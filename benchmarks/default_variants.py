@@ -18,9 +18,9 @@ policy for the simulator, run from this folder:
 
 from __future__ import annotations
 
+import math
 import pickle
 import sys
-from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -43,7 +43,7 @@ class _Variant(PredictedTTFT):
     def work(self, c: Candidate) -> float:
         raise NotImplementedError
 
-    def cost(self, candidate: Candidate, *, speed: float = 1.0) -> float:
+    def cost(self, candidate: Candidate, *, speed: float = 1.0, **cap_terms: float) -> float:
         return self.work(candidate) / speed / (1.0 - min(kv_fraction(candidate), self.kv_cap))
 
 
@@ -104,32 +104,40 @@ class WithoutFitRule(_Variant):
 
 
 class _FitVariant(PredictedTTFT):
-    """The default's cost with another work term, ``work(candidate) / (1 - kv_fraction)``, keeping its fit rule (a
-    backend that cannot take the request's uncached blocks beside its active ones counts as full); without its reading
-    of engine queues (the suite's runs here have no engine metrics)."""
+    """The default's cost with another work term, ``work(candidate, common, typical) / (1 - kv_fraction)`` (``common``
+    and ``typical`` are the choice's :meth:`~prefixroute.PredictedTTFT.cap_terms`), keeping its fit rule (a backend
+    that cannot take the request's uncached blocks beside its active ones counts as full); without its reading of
+    engine queues (the suite's runs here have no engine metrics)."""
 
     label = ""
 
-    def work(self, c: Candidate) -> float:
+    def work(self, c: Candidate, common: int, typical: float) -> float:
         raise NotImplementedError
 
-    def cost(self, candidate: Candidate, *, speed: float = 1.0) -> float:
+    def cost(
+        self, candidate: Candidate, *, speed: float = 1.0, common_tokens: int = 0, typical_prompt: float = math.inf
+    ) -> float:
         c = candidate
         fits = not c.capacity_blocks or c.active_blocks + -(-c.uncached_tokens // c.block_size) <= c.capacity_blocks
         fraction = kv_fraction(c) if fits else 1.0
-        return self.work(c) / speed / (1.0 - min(fraction, self.kv_cap))
+        return self.work(c, common_tokens, typical_prompt) / speed / (1.0 - min(fraction, self.kv_cap))
+
+
+class WithoutCap(_FitVariant):
+    """The default before its cap (2026-12-03): every uncached token counts once for each request it holds up,
+    however long the prompt. On Mooncake's conversation trace (not in the repository) its P99 TTFT was 28.5 s, 1.25x
+    ``dynamo``'s 22.8 s: a 100K-token prompt went to the backend with the fewest requests in flight, behind 129K
+    queued tokens."""
+
+    label = "the default without the cap"
+
+    def work(self, c: Candidate, common: int, typical: float) -> float:
+        return c.pending_prefill_tokens + c.uncached_tokens * (1 + c.in_flight + c.in_prefill)
 
 
 def _mean_context(c: Candidate) -> float:
-    """Mean distinct prompt tokens per request in flight on ``c`` (0 when none): how long a request there lives."""
+    """Mean distinct prompt tokens per request in flight on ``c`` (0 when none)."""
     return c.active_blocks * c.block_size / c.in_flight if c.in_flight else 0.0
-
-
-class DefaultFit(_FitVariant):
-    label = "the default, reimplemented (check)"
-
-    def work(self, c: Candidate) -> float:
-        return c.pending_prefill_tokens + c.uncached_tokens * (1 + c.in_flight + c.in_prefill)
 
 
 class HarmCappedByContext(_FitVariant):
@@ -138,7 +146,7 @@ class HarmCappedByContext(_FitVariant):
 
     label = "harm per request ≤ mean context there"
 
-    def work(self, c: Candidate) -> float:
+    def work(self, c: Candidate, common: int, typical: float) -> float:
         u = c.uncached_tokens
         return c.pending_prefill_tokens + u + min(u, _mean_context(c)) * (c.in_flight + c.in_prefill)
 
@@ -146,7 +154,7 @@ class HarmCappedByContext(_FitVariant):
 class HarmHarmonic(_FitVariant):
     label = "harm per request u·m/(u+m), m mean context"
 
-    def work(self, c: Candidate) -> float:
+    def work(self, c: Candidate, common: int, typical: float) -> float:
         u, m = c.uncached_tokens, _mean_context(c)
         overlap = u * m / (u + m) if u + m else 0.0
         return c.pending_prefill_tokens + u + overlap * (c.in_flight + c.in_prefill)
@@ -155,78 +163,33 @@ class HarmHarmonic(_FitVariant):
 class HarmCappedByHeld(_FitVariant):
     label = "harm per request ≤ mean prompt there"
 
-    def work(self, c: Candidate) -> float:
+    def work(self, c: Candidate, common: int, typical: float) -> float:
         u = c.uncached_tokens
         mean_prompt = c.held_blocks * c.block_size / c.in_flight if c.in_flight else 0.0
         return c.pending_prefill_tokens + u + min(u, mean_prompt) * (c.in_flight + c.in_prefill)
 
 
 class HarmCappedByFleetMean(_FitVariant):
-    """Bounded by the fleet's mean prompt in flight: on a cached prefix the saving is capped too, so prefixes are
-    followed less (Mooncake synthetic trace KV hit 28.2 %, 5.7 points under the best)."""
+    """Every uncached token capped, the saving of a cached prefix too, so prefixes are followed less (Mooncake
+    synthetic trace KV hit 28.2 %, 5.7 points under the best)."""
 
     label = "harm per request ≤ fleet's mean prompt"
 
-    _mean_prompt = 0.0
-
-    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
-        flying = sum(c.in_flight for c in candidates)
-        held = sum(c.held_blocks * c.block_size for c in candidates)
-        self._mean_prompt = held / flying if flying else 0.0
-        return super().choose(candidates)
-
-    def work(self, c: Candidate) -> float:
+    def work(self, c: Candidate, common: int, typical: float) -> float:
         u = c.uncached_tokens
-        return c.pending_prefill_tokens + u + min(u, self._mean_prompt) * (c.in_flight + c.in_prefill)
+        return c.pending_prefill_tokens + u + min(u, typical) * (c.in_flight + c.in_prefill)
 
 
-class HarmCappedCommonPart(_FitVariant):
-    """The delay a prefill imposes on each request there, bounded by how long a request lives, taken as the fleet's
-    mean prompt of the requests in flight (``held_blocks``, each prompt whole): the prefill every backend would have
-    to do (the least uncached among the candidates) counts per request at most that; what leaving a cached prefix
-    adds (``uncached - least``) counts per request in full, as in the default, so prefixes are followed as before.
-    No constant: tokens against tokens, the bound read from the fleet.
+class CapInPrefillToo(_FitVariant):
+    """The cap on the second count of a request in prefill too: better on the Mooncake synthetic trace without
+    metrics (13,887 ms), worse with them (15,383 ms, KV hit 5.6 points under the best) and on the Splitwise trace
+    (10,031 ms), 13 of the suite's 16 workloads; Mooncake's conversation trace 25.3 s."""
 
-    On Mooncake's conversation trace (12,031 requests, 8 x llama-3-8b on h100-80gb, seed 0) its P99 TTFT is 25.3 s
-    against the default's 28.5 s and ``dynamo``'s 22.8 s (1.11x), P50 528 ms, the same throughput, KV hit 13.9 %
-    (the default 13.5 %); on the suite it passes the default's 7 of 8 (the Mooncake synthetic trace 13,887 ms against
-    14,867, the Splitwise code trace 10,031 against 9,183, the rest the same)."""
+    label = "the cap on requests in prefill too"
 
-    label = "harm ≤ fleet mean prompt, saving uncapped"
-
-    _mean_prompt = 0.0
-    _least_uncached = 0
-
-    def _fleet_mean(self, candidates: Sequence[Candidate]) -> float:
-        flying = sum(c.in_flight for c in candidates)
-        return sum(c.held_blocks * c.block_size for c in candidates) / flying if flying else 0.0
-
-    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
-        self._mean_prompt = self._fleet_mean(candidates)
-        self._least_uncached = min(c.uncached_tokens for c in candidates)
-        return super().choose(candidates)
-
-    def work(self, c: Candidate) -> float:
-        u, least = c.uncached_tokens, self._least_uncached
-        harm = min(least, self._mean_prompt) + (u - least)
-        return c.pending_prefill_tokens + u + harm * (c.in_flight + c.in_prefill)
-
-
-class CommonPartCappedInFlight(HarmCappedCommonPart):
-    label = "the same, requests in prefill uncapped"
-
-    def work(self, c: Candidate) -> float:
-        u, least = c.uncached_tokens, self._least_uncached
-        capped = min(least, self._mean_prompt) + (u - least)
-        return c.pending_prefill_tokens + u + capped * c.in_flight + u * c.in_prefill
-
-
-class CommonPartCappedByDistinct(HarmCappedCommonPart):
-    label = "the same, cap from distinct blocks"
-
-    def _fleet_mean(self, candidates: Sequence[Candidate]) -> float:
-        flying = sum(c.in_flight for c in candidates)
-        return sum(c.active_blocks * c.block_size for c in candidates) / flying if flying else 0.0
+    def work(self, c: Candidate, common: int, typical: float) -> float:
+        u = c.uncached_tokens
+        return c.pending_prefill_tokens + u + (min(common, typical) + u - common) * (c.in_flight + c.in_prefill)
 
 
 class LearnedSpeeds(PredictedTTFT):
@@ -246,14 +209,12 @@ VARIANTS = (
     QueuedTimesFactor,
     InFlightOnly,
     WithoutFitRule,
-    DefaultFit,
+    WithoutCap,
     HarmCappedByContext,
     HarmHarmonic,
     HarmCappedByHeld,
     HarmCappedByFleetMean,
-    HarmCappedCommonPart,
-    CommonPartCappedInFlight,
-    CommonPartCappedByDistinct,
+    CapInPrefillToo,
 )
 
 

@@ -292,27 +292,34 @@ class PredictedTTFT(LoadPolicy):
     (:attr:`Candidate.in_prefill`) counts once more, as it shares the step's token budget with this prefill and has
     its whole decode still ahead of it. With engine metrics, the engine's waiting queue (``queue_len``) stands in for
     ``in_prefill`` when it is longer (requests of other router replicas, which this router does not count), and
-    ``in_flight`` is at least that. All of it stretches as the KV memory fills (a fuller cache admits fewer
+    ``in_flight`` is at least that. Of a prompt longer than those in flight, the part every candidate must prefill
+    (``common``: the fewest uncached tokens among the candidates) counts for each request in flight as at most a
+    typical prompt in flight (``typical``: their mean prompt tokens over the fleet), so a very long prompt is
+    steered by the work queued ahead of it and the requests still prefilling, not by how many requests stream
+    answers there; what leaving a cached prefix adds (``uncached_tokens - common``) counts in full, and so does the
+    once more of a request in prefill. All of it stretches as the KV memory fills (a fuller cache admits fewer
     requests at once, and a request that does not fit waits for others to finish)::
 
-        cost = (pending_prefill_tokens + uncached_tokens × (1 + in_flight + in_prefill))
+        per_request = min(common, typical) + uncached_tokens - common      # = uncached_tokens, short prompts
+        cost = (pending_prefill_tokens + uncached_tokens + per_request × in_flight + uncached_tokens × in_prefill)
                / (1 - min(kv_fraction, kv_cap))
 
-    where a backend whose known capacity cannot take this request's uncached blocks beside its active ones
-    (``active_blocks + ⌈uncached_tokens / block_size⌉ > capacity_blocks``) counts as full (``kv_fraction`` 1): the
-    request would wait there for memory, or be preempted and computed again (vLLM takes blocks back from the newest
-    request), for as long as the requests there take to finish.
+    (``common`` and ``typical`` from :meth:`cap_terms`), where a backend whose known capacity cannot take this
+    request's uncached blocks beside its active ones (``active_blocks + ⌈uncached_tokens / block_size⌉ >
+    capacity_blocks``) counts as full (``kv_fraction`` 1): the request would wait there for memory, or be preempted
+    and computed again (vLLM takes blocks back from the newest request), for as long as the requests there take to
+    finish.
 
     That is, in tokens of prefill work, the wait the request adds to every request's; no constant depends on the
-    model or the GPU: tokens compare the backends of one fleet without knowing their speed, and the factors are
-    counts. ``kv_fraction`` (:func:`kv_fraction`) is the router's distinct in-flight blocks over the
-    backend's capacity when that is known (a shared prefix counted once; requests still waiting for memory
-    included), else the engine's ``kv_usage`` from metrics, else 0. ``kv_cap`` (0.95) bounds the stretch at 20×, so
-    a full backend is a poor choice but never an impossible one. With ``use_speed=True`` the work is divided by each
-    backend's :attr:`Candidate.prefill_tokens_per_s` (learned online from first tokens; a backend without an
-    estimate takes the median of those with one), for fleets of unlike GPUs; it is off by default because that
-    estimate includes the time a request waited for memory, so on a fleet of equal GPUs it is noise that moves
-    traffic away from whichever backend was last slow (see docs/policies.md).
+    model or the GPU: tokens compare the backends of one fleet without knowing their speed, the factors are
+    counts, and the cap is read from the requests in flight. ``kv_fraction`` (:func:`kv_fraction`) is the router's
+    distinct in-flight blocks over the backend's capacity when that is known (a shared prefix counted once; requests
+    still waiting for memory included), else the engine's ``kv_usage`` from metrics, else 0. ``kv_cap`` (0.95)
+    bounds the stretch at 20×, so a full backend is a poor choice but never an impossible one. With
+    ``use_speed=True`` the work is divided by each backend's :attr:`Candidate.prefill_tokens_per_s` (learned online
+    from first tokens; a backend without an estimate takes the median of those with one), for fleets of unlike GPUs;
+    it is off by default because that estimate includes the time a request waited for memory, so on a fleet of equal
+    GPUs it is noise that moves traffic away from whichever backend was last slow (see docs/policies.md).
 
     Affinity holds while it pays: a cached prefix removes its tokens from the cost, so a request follows its prefix
     until the work queued there, the requests it would hold up and the memory in use outweigh the prefill it saves.
@@ -341,19 +348,50 @@ class PredictedTTFT(LoadPolicy):
         self.kv_cap = float(kv_cap)
         self.use_speed = use_speed
 
-    def cost(self, candidate: Candidate, *, speed: float = 1.0) -> float:
-        """Predicted added waiting on ``candidate``, in tokens of prefill work (in seconds given a ``speed``). O(1)."""
+    def cost(
+        self,
+        candidate: Candidate,
+        *,
+        speed: float = 1.0,
+        common_tokens: int = 0,
+        typical_prompt: float = math.inf,
+    ) -> float:
+        """Predicted added waiting on ``candidate``, in tokens of prefill work (in seconds given a ``speed``). O(1).
+
+        ``common_tokens`` and ``typical_prompt`` are the choice's :meth:`cap_terms` (what :meth:`choose` passes): of
+        the request's uncached tokens, the ``common_tokens`` that every candidate must prefill count at most
+        ``typical_prompt`` for each request in flight. Left out, nothing is capped.
+        """
         in_flight, in_prefill, queued = candidate.in_flight, candidate.in_prefill, candidate.queue_len or 0
         if queued > in_prefill:  # the engine's waiting queue shows requests this router does not count
             in_prefill, in_flight = queued, max(in_flight, queued)
-        work = candidate.pending_prefill_tokens + candidate.uncached_tokens * (1 + in_flight + in_prefill)
+        uncached = candidate.uncached_tokens
+        common = min(common_tokens, uncached)
+        per_request = min(common, typical_prompt) + uncached - common
+        work = candidate.pending_prefill_tokens + uncached + per_request * in_flight + uncached * in_prefill
         fraction = 1.0 if _overflows(candidate) else kv_fraction(candidate)
         return work / speed / (1.0 - min(fraction, self.kv_cap))
 
+    @staticmethod
+    def cap_terms(candidates: Sequence[Candidate]) -> tuple[int, float]:
+        """``(common_tokens, typical_prompt)`` of a choice among ``candidates``: the fewest uncached tokens among
+        them (the prefill the request needs wherever it goes), and the mean prompt tokens of the requests in flight
+        on them (``held_blocks × block_size`` over ``in_flight``, of the candidates whose ``held_blocks`` are known;
+        infinite when none is, so nothing is capped). O(len(candidates)).
+        """
+        common = min(c.prompt_tokens - c.matched_tokens for c in candidates)
+        flying = held = 0
+        for c in candidates:
+            if c.held_blocks > 0:  # a hand-built candidate may count requests in flight without their blocks
+                flying += c.in_flight
+                held += c.held_blocks * c.block_size
+        return common, held / flying if flying else math.inf
+
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         _require_candidates(candidates)
+        common, typical = self.cap_terms(candidates)
         if not self.use_speed and type(self).cost is PredictedTTFT.cost:
-            return self._choose_fast(candidates)
+            return self._choose_fast(candidates, min(common, typical), common)
         speeds: list[float] = []
         default_speed = 1.0
         if self.use_speed:
@@ -364,21 +402,25 @@ class PredictedTTFT(LoadPolicy):
         best = candidates[0]
         best_cost = math.inf
         for position, candidate in enumerate(candidates):  # strict < keeps the first of equals (placement order)
-            predicted = cost(candidate, speed=speeds[position] if speeds else default_speed)
+            speed = speeds[position] if speeds else default_speed
+            predicted = cost(candidate, speed=speed, common_tokens=common, typical_prompt=typical)
             if predicted < best_cost:
                 best, best_cost = candidate, predicted
         return best
 
-    def _choose_fast(self, candidates: Sequence[Candidate]) -> Candidate:
-        """:meth:`choose` with :meth:`cost` inlined and the fields unpacked (half the time with 64 candidates)."""
+    def _choose_fast(self, candidates: Sequence[Candidate], capped: float, common: int) -> Candidate:
+        """:meth:`choose` with :meth:`cost` inlined and the fields unpacked (half the time with 64 candidates);
+        ``capped`` is ``min(common, typical_prompt)``, ``common`` the fewest uncached tokens (every candidate's
+        uncached tokens are at least that)."""
         cap = self.kv_cap
         best = candidates[0]
         best_cost = math.inf
         for candidate in candidates:
             _, matched, prompt, in_flight, queued, usage, pending, _, capacity, _, active, in_prefill, size = candidate
+            uncached = prompt - matched
             if capacity:
                 fraction = active / capacity  # kv_fraction() and _overflows(), inlined
-                if fraction > 1.0 or (size > 0 and active + -(-(prompt - matched) // size) > capacity):
+                if fraction > 1.0 or (size > 0 and active + -(-uncached // size) > capacity):
                     fraction = 1.0
             else:
                 fraction = 0.0 if usage is None else usage
@@ -388,7 +430,8 @@ class PredictedTTFT(LoadPolicy):
                 in_prefill = queued
                 if in_flight < queued:
                     in_flight = queued
-            predicted = (pending + (prompt - matched) * (1 + in_flight + in_prefill)) / (1.0 - fraction)
+            per_request = capped + uncached - common
+            predicted = (pending + uncached + per_request * in_flight + uncached * in_prefill) / (1.0 - fraction)
             if predicted < best_cost:
                 best, best_cost = candidate, predicted
         return best

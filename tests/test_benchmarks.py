@@ -63,7 +63,7 @@ def test_bench_tokenize_prints_both_prompt_kinds_per_tokenizer() -> None:
 
 def test_default_variants_prints_a_row_per_variant() -> None:
     rows = [line for line in run("default_variants.py", "--quick", "--jobs", "1").splitlines() if line[-1:].isdigit()]
-    assert len(rows) == 9 and rows[0].startswith("predicted-ttft (the default)")  # the default and 8 variants
+    assert len(rows) == 15 and rows[0].startswith("predicted-ttft (the default)")  # the default and 14 variants
 
 
 def test_default_variants_classes_are_policies_the_simulator_can_name(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -74,6 +74,12 @@ def test_default_variants_classes_are_policies_the_simulator_can_name(monkeypatc
     assert isinstance(previous, PredictedTTFT)
     busy = Candidate("a", 0, 100, 3, in_prefill=2)
     assert previous.cost(busy) == 100 * 4 and PredictedTTFT().cost(busy) == 100 * 6  # (1 + in flight [+ in prefill])
+    # The default before its cap: a long prompt's every uncached token counts for each request it holds up.
+    uncapped = policy_from_name("default_variants:WithoutCap")
+    long = Candidate("a", 0, 100_000, 3, in_prefill=2, held_blocks=3 * 512)  # typical prompt in flight: 8,192
+    assert isinstance(uncapped, PredictedTTFT)
+    assert uncapped.cost(long, common_tokens=100_000, typical_prompt=8192.0) == 100_000 * 6
+    assert PredictedTTFT().cost(long, common_tokens=100_000, typical_prompt=8192.0) == 100_000 + 8192 * 3 + 100_000 * 2
 
 
 @pytest.mark.parametrize(

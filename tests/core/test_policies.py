@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -324,15 +325,16 @@ def test_predicted_ttft_options_and_kv_fraction() -> None:
 def test_predicted_ttft_chooses_a_lowest_cost_candidate(candidates: list[Candidate]) -> None:
     policy = PredictedTTFT()
     chosen = policy.choose(candidates)
-    costs = [policy.cost(c) for c in candidates]
-    assert policy.cost(chosen) == min(costs)
+    common, typical = policy.cap_terms(candidates)
+    costs = [policy.cost(c, common_tokens=common, typical_prompt=typical) for c in candidates]
+    assert policy.cost(chosen, common_tokens=common, typical_prompt=typical) == min(costs)
     assert candidates.index(chosen) == costs.index(min(costs))
 
 
 def test_predicted_ttft_subclass_cost_is_what_choose_minimises() -> None:
     class MostCostly(PredictedTTFT):
-        def cost(self, candidate: Candidate, *, speed: float = 1.0) -> float:
-            return -super().cost(candidate, speed=speed)
+        def cost(self, candidate: Candidate, *, speed: float = 1.0, **cap: Any) -> float:
+            return -super().cost(candidate, speed=speed, **cap)
 
     cached, cold = Candidate("a", 4096, 4224, 0), Candidate("b", 0, 4224, 0)
     assert PredictedTTFT().choose([cached, cold]) is cached
@@ -489,3 +491,27 @@ def test_candidates_show_every_figure_as_it_is_now(operations: list[tuple[int, s
             assert candidate.capacity_blocks == router.index.capacity(name)
             assert (candidate.queue_len, candidate.kv_usage) == engine.get(name, (None, None))
             assert candidate.in_prefill <= candidate.in_flight
+
+
+def test_predicted_ttft_steers_a_very_long_prompt_by_queued_work_not_by_request_counts() -> None:
+    """The prefill every backend must do counts at most the fleet's typical prompt for each request in flight, so a
+    100K-token prompt goes where less prefill is queued, not where fewer requests stream answers; what leaving a
+    cached prefix adds still counts in full for each."""
+    # Requests in flight hold 8K-token prompts on average: 12 x 512 blocks of 16 over 12 requests.
+    queued = Candidate("queued", 0, 100_000, 4, pending_prefill_tokens=120_000, in_prefill=2, held_blocks=4 * 512)
+    crowded = Candidate("crowded", 0, 100_000, 8, pending_prefill_tokens=15_000, in_prefill=1, held_blocks=8 * 512)
+    policy = PredictedTTFT()
+    assert policy.cap_terms([queued, crowded]) == (100_000, 8192.0)
+    # 120K + 100K + 8192 x 4 + 100K x 2 = 452,768 against 15K + 100K + 8192 x 8 + 100K = 280,536: a request in
+    # prefill counts the whole prefill once more (uncapped: 820K against 1,015K, the counts decide).
+    assert policy.choose([queued, crowded]) is crowded
+    assert policy.cost(queued) < policy.cost(crowded)  # without the cap terms, the counts decide
+    # A short prompt is under the cap: the counts weigh as before.
+    short = [c._replace(prompt_tokens=2000) for c in (queued, crowded)]
+    assert policy.cap_terms(short)[0] == 2000 and policy.choose(short).backend == "crowded"  # 134K against 35K
+    # What a cached prefix saves still counts per request held up: 90K cached on the crowded backend.
+    cached = crowded._replace(matched_tokens=90_000)
+    assert policy.cap_terms([queued, cached]) == (10_000, 8192.0)
+    capped = policy.cost(queued, common_tokens=10_000, typical_prompt=8192.0)
+    assert capped == 120_000 + 100_000 + (8192 + 90_000) * 4 + 100_000 * 2
+    assert policy.choose([queued, cached]) is cached
