@@ -378,18 +378,23 @@ class PredictedTTFT(LoadPolicy):
         them (the prefill the request needs wherever it goes), and the mean prompt tokens of the requests in flight
         on them (``held_blocks × block_size`` over ``in_flight``, of the candidates whose ``held_blocks`` are known;
         infinite when none is, so nothing is capped). O(len(candidates)).
+
+        Raises:
+            NoBackendError: ``candidates`` is empty.
         """
-        common = min(c.prompt_tokens - c.matched_tokens for c in candidates)
+        _require_candidates(candidates)
+        common = -1
         flying = held = 0
-        for c in candidates:
-            if c.held_blocks > 0:  # a hand-built candidate may count requests in flight without their blocks
-                flying += c.in_flight
-                held += c.held_blocks * c.block_size
+        for _, matched, prompt, in_flight, _, _, _, blocks, _, _, _, _, size in candidates:
+            if common < 0 or prompt - matched < common:
+                common = prompt - matched
+            if blocks > 0:  # a hand-built candidate may count requests in flight without their blocks
+                flying += in_flight
+                held += blocks * size
         return common, held / flying if flying else math.inf
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
-        _require_candidates(candidates)
-        common, typical = self.cap_terms(candidates)
+        common, typical = self.cap_terms(candidates)  # raises for no candidates
         if not self.use_speed and type(self).cost is PredictedTTFT.cost:
             return self._choose_fast(candidates, min(common, typical), common)
         speeds: list[float] = []
