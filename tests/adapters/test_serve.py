@@ -18,7 +18,7 @@ import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from prefixroute import LoadPolicy, Router
 from prefixroute.adapters.serve import PromptEncoder, Sidecar, release_ids, upstream_of
@@ -26,24 +26,9 @@ from prefixroute.adapters.serve.loopback import free_port, start_sidecar
 from prefixroute.errors import ConfigurationError
 
 from ..conftest import BuggyPolicy, StrangerPolicy
+from .conftest import CORPUS
 
 BACKENDS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"]
-CORPUS = ["You are a helpful assistant that answers questions about SQL databases.",
-          "SELECT name, count(*) FROM orders GROUP BY name ORDER BY 2 DESC;"] * 20  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A model folder: a BPE tokenizer.json trained here and a tokenizer_config.json with a chat template."""
-    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=200, special_tokens=["[UNK]", "<s>"]))
-    folder = tmp_path_factory.mktemp("model")
-    tokenizer.save(str(folder / "tokenizer.json"))
-    template = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}"
-    template += "{% if add_generation_prompt %}[assistant]{% endif %}"
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "<s>"}))
-    return folder
 
 
 def call(sidecar: Sidecar, method: str, path: str, payload: Any = None, raw: bytes | None = None) -> httpx.Response:

@@ -4,23 +4,21 @@ test_serve.py already checks is not repeated here)."""
 
 from __future__ import annotations
 
-import json
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from prefixroute.adapters.serve.loopback import free_port, start_sidecar
 
 from ..conftest import wait_until
+from .conftest import CORPUS
 
 BACKENDS = ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
-CORPUS = ["You are a helpful assistant that answers questions about SQL databases.",
-          "SELECT name, count(*) FROM orders GROUP BY name ORDER BY 2 DESC;"] * 20  # fmt: skip
 
 
 class Client:
@@ -55,15 +53,9 @@ class Client:
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Client]:
+def client(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Client]:
     """One sidecar for the module: two fixed backends, a model folder with a chat template, a UDP release port."""
-    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=200, special_tokens=["[UNK]", "<s>"]))
-    folder = tmp_path_factory.mktemp("model")
-    tokenizer.save(str(folder / "tokenizer.json"))
-    template = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}"
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "<s>"}))
+    folder = model_dir
     port, release_port = free_port(), free_port(socket.SOCK_DGRAM)
     options = ["--tokenizer", str(folder), "--release-port", str(release_port)]
     with start_sidecar(tmp_path_factory.mktemp("sidecar"), BACKENDS, port=port, options=options):

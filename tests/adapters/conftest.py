@@ -1,0 +1,26 @@
+"""Fixtures the adapter tests share."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+CORPUS = ["You are a helpful assistant that answers questions about SQL databases.",
+          "SELECT name, count(*) FROM orders GROUP BY name ORDER BY 2 DESC;"] * 20  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model folder: a BPE tokenizer.json trained here and a tokenizer_config.json with a chat template."""
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=200, special_tokens=["[UNK]", "<s>"]))
+    folder = tmp_path_factory.mktemp("model")
+    tokenizer.save(str(folder / "tokenizer.json"))
+    template = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}"
+    template += "{% if add_generation_prompt %}[assistant]{% endif %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "<s>"}))
+    return folder
