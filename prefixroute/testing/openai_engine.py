@@ -347,7 +347,7 @@ class OpenAIEngine:
         if failures:
             return _error(status, "injected failure (OpenAIEngine.fail_next)", "InternalServerError")
         try:
-            body = await request.json()
+            body = json.loads(await request.read())  # bytes, as vLLM's server reads them: a UTF-8 BOM is allowed
             if not isinstance(body, dict):
                 raise ValueError("the request body must be a JSON object")
             prompt = self._prompt(body, chat=chat)

@@ -297,3 +297,14 @@ def test_a_client_that_leaves_before_its_whole_body_came_is_one_client_disconnec
         wait_until(lambda: proxy.stats().client_disconnect == 1, what="the disconnect counted")
         stats = proxy.stats()
         assert (stats.internal_error, stats.bad_request, proxy.router.stats().decisions) == (0, 0, 0)
+
+
+def test_a_json_body_with_a_byte_order_mark_is_routed_as_vllm_reads_it(good: OpenAIEngine) -> None:
+    """RFC 8259 lets a parser ignore a UTF-8 BOM and vLLM's does: a client that works against vLLM works through the
+    proxy (it answered 400 "not valid JSON")."""
+    body = b"\xef\xbb\xbf" + json.dumps({"prompt": [1, 2, 3], "max_tokens": 2}).encode()
+    with Proxy(Router(), [good.url], base_models=[]) as proxy:
+        reply = httpx.post(proxy.url + "/v1/completions", content=body, headers={"Content-Type": "application/json"})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["prompt_tokens"] == 3 and reply.headers["X-Prefixroute-Backend"] == good.url
+        assert idle(proxy)

@@ -4,6 +4,7 @@ test_serve.py already checks is not repeated here)."""
 
 from __future__ import annotations
 
+import json
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -147,3 +148,13 @@ def test_metrics_parse_as_prometheus_with_every_family_the_issue_lists(client: C
         assert name in samples, name
     assert samples["prefixroute_unknown_finishes_total"][()] >= 1
     assert samples["prefixroute_decision_seconds_bucket"][(("le", "+Inf"),)] >= 1
+
+
+def test_a_json_body_with_a_byte_order_mark_is_read(client: Client) -> None:
+    """RFC 8259 lets a parser ignore a UTF-8 BOM, and vLLM's does: so do the sidecar's JSON bodies (they were 400)."""
+    for path, body in [("/route", {"prompt_token_ids": [1, 2, 3]}), ("/v1/completions", {"prompt": [1, 2, 3]})]:
+        content = b"\xef\xbb\xbf" + json.dumps(body).encode()
+        reply = client.http.post(path, content=content, headers={"Content-Type": "application/json"})
+        assert reply.status_code == 200, reply.text
+        decision = reply.json()["id"] if path == "/route" else reply.headers["X-Prefixroute-Id"]
+        assert client.http.post("/finish", json={"id": decision}).status_code == 200

@@ -24,7 +24,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 
 from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens
-from prefixroute.adapters.serve.contract import base_model_names, json_error
+from prefixroute.adapters.serve.contract import base_model_names, json_error, without_bom
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.adapters.urls import check_backend_url
 from prefixroute.errors import ConfigurationError, PolicyError
@@ -505,7 +505,7 @@ _decoder = msgspec.json.Decoder()
 
 def _decode(raw: bytes) -> Any:
     try:
-        return _decoder.decode(raw)
+        return _decoder.decode(without_bom(raw))
     except (msgspec.DecodeError, RecursionError) as exc:
         raise BadRequest(json_error(raw, exc)) from None
 
