@@ -134,3 +134,13 @@ def test_a_duration_too_short_for_any_request_is_one_line_not_a_table_of_nans(co
     assert "nan" not in result.stdout
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "no request was sent within --duration 0.001 s" in lines[0], result.stderr
+
+
+def test_a_plot_name_without_an_extension_is_written_and_reported_as_png(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Was: matplotlib wrote plot.png while the command checked and reported "plot".
+    assert main(["simulate", *TINY, "--plot", str(tmp_path / "plot")]) == 0
+    out, _ = capsys.readouterr()
+    assert (tmp_path / "plot.png").is_file() and not (tmp_path / "plot").exists()
+    assert f"wrote {tmp_path / 'plot.png'}" in out

@@ -22,6 +22,7 @@ __all__ = [
     "add_workload_arguments",
     "check_writable",
     "folder_argument",
+    "plot_argument",
     "register",
     "register_compare",
     "run",
@@ -50,7 +51,9 @@ def register(subparsers: Any) -> None:
         "or module:Class; repeat to compare (default: " + ", ".join(DEFAULT_POLICIES) + ")",
     )
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    parser.add_argument("--plot", metavar="PATH", help="write a PNG: TTFT CDF per policy and per-backend load")
+    parser.add_argument(
+        "--plot", type=plot_argument, metavar="PATH", help="write a PNG: TTFT CDF per policy and per-backend load"
+    )
     parser.set_defaults(func=run)
     _register_study(subparsers)
     register_compare(subparsers)
@@ -241,6 +244,18 @@ def folder_argument(text: str) -> Path:
     return Path(text)
 
 
+def plot_argument(text: str) -> str:
+    """The type of a ``--plot`` option: a name without an extension gets ``.png``, which matplotlib would add when
+    saving, so the file checked before the run, written and reported is one and the same.
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is empty or blank (argparse prints it as one line and exits 2).
+    """
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a file name for the plot, not {text!r}")
+    return text if Path(text).suffix or Path(text).is_dir() else text + ".png"  # a folder: refused as not writable
+
+
 def _run_all(
     spec: SimSpec, policies: list[str], console: Any, trace: Callable[[], Workload] | None
 ) -> list[PolicyResult]:
@@ -314,7 +329,9 @@ def register_compare(subparsers: Any) -> None:
         "--jobs", type=int, default=os.cpu_count() or 1, metavar="N", help="simulations run at once (CPU cores)"
     )
     parser.add_argument("--json", metavar="PATH", help="write the ranked results and the recommendation as JSON")
-    parser.add_argument("--plot", metavar="PATH", help="write a PNG: TTFT and throughput per policy, ranked")
+    parser.add_argument(
+        "--plot", type=plot_argument, metavar="PATH", help="write a PNG: TTFT and throughput per policy, ranked"
+    )
     parser.add_argument(
         "--output",
         metavar="PATH",

@@ -404,7 +404,7 @@ _REQUIRED = (
 
 def _parser() -> argparse.ArgumentParser:
     from prefixroute.cli import OneLineParser
-    from prefixroute.sim.cli import folder_argument
+    from prefixroute.sim.cli import folder_argument, plot_argument
 
     parser = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=Path("data"), help="folder of the raw measurements (data)")
@@ -419,7 +419,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--rel-tol", type=_tolerance, default=1e-5, help="--check: relative tolerance on numbers (1e-5)"
     )
-    parser.add_argument("--plot", type=Path, default=None, help="write the calibration plot (PNG) here")
+    parser.add_argument(
+        "--plot",
+        type=lambda text: Path(plot_argument(text)),
+        default=None,
+        help="write the calibration plot (PNG) here",
+    )
     return parser
 
 
