@@ -144,3 +144,15 @@ def test_a_plot_name_without_an_extension_is_written_and_reported_as_png(
     out, _ = capsys.readouterr()
     assert (tmp_path / "plot.png").is_file() and not (tmp_path / "plot").exists()
     assert f"wrote {tmp_path / 'plot.png'}" in out
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("--token-delay-ms", "1e300"), ("--prefill-us-per-token", "1e9"), ("--max-tokens", str(10**20)), ("--model", " ")],
+)
+def test_fake_engines_refuse_values_that_would_hang_or_name_nothing(
+    option: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Was: --token-delay-ms 1e300 started engines whose every request slept forever; --model ' ' served a blank name.
+    assert main(["fake-engines", "--base-port", "39100", option, value]) == 2
+    _one_line(capsys.readouterr().err, option)

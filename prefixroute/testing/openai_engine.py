@@ -39,6 +39,7 @@ from typing import Any
 
 from aiohttp import web
 
+from prefixroute._numbers import shown
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.adapters.urls import listen_host
 from prefixroute.testing.fake_cache import FakeBlockCache
@@ -541,12 +542,16 @@ def run(args: argparse.Namespace) -> int:
 
     if args.count < 1 or not 0 < args.base_port <= 65536 - args.count:  # the last engine on port 65535 at most
         raise ConfigurationError("--count must be positive and --base-port a port with room for --count engines")
-    if args.max_tokens < 1:
-        raise ConfigurationError(f"--max-tokens must be at least 1, not {args.max_tokens}")
-    for option, value in (("--prefill-us-per-token", args.prefill_us_per_token),
-                          ("--token-delay-ms", args.token_delay_ms)):  # fmt: skip
-        if not 0 <= value < float("inf"):
-            raise ConfigurationError(f"{option} must be a finite, non-negative number, not {value}")
+    if not 1 <= args.max_tokens <= 1_000_000:
+        raise ConfigurationError(f"--max-tokens must be in 1..1000000, not {shown(args.max_tokens)}")
+    if not args.model.strip():
+        raise ConfigurationError("--model must name the model served, like fake-model")
+    # A fake engine that takes longer than a second a prompt token or a minute a token would hold its clients
+    # for good (1e300 slept forever): bounded, so a typo is an error and not a hang.
+    for option, value, most in (("--prefill-us-per-token", args.prefill_us_per_token, 1e6),
+                                ("--token-delay-ms", args.token_delay_ms, 6e4)):  # fmt: skip
+        if not 0 <= value <= most:
+            raise ConfigurationError(f"{option} must be a number in [0, {most:g}], not {value}")
     engines = [
         OpenAIEngine(
             model=args.model,
