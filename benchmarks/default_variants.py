@@ -126,8 +126,8 @@ class _FitVariant(PredictedTTFT):
 class WithoutCap(_FitVariant):
     """The default before its cap (2026-12-03): every uncached token counts once for each request it holds up,
     however long the prompt. On Mooncake's conversation trace (not in the repository) its P99 TTFT was 28.5 s, 1.25x
-    ``dynamo``'s 22.8 s: a 100K-token prompt went to the backend with the fewest requests in flight, behind 129K
-    queued tokens."""
+    ``dynamo``'s 22.8 s: a prompt of about 100K tokens went to the backend with the fewest requests in flight
+    even where several times more prefill was queued there."""
 
     label = "the default without the cap"
 

@@ -284,9 +284,8 @@ class Proxy:
             backends = self._backends_for(model)
             decision = self.router.route(tokens, backends, namespace=namespace)  # decide and commit, one lock
         except PolicyError as exc:  # the policy's fault, not the client's (it is a TypeError too: caught first)
-            _log.error("the routing policy failed: %s", exc, exc_info=exc.__cause__)
             self._counts["internal_error"] += 1
-            return error_response(500, f"the proxy's routing policy failed: {exc}", "InternalServerError")
+            return _policy_failed(exc)
         except (BadRequest, ValueError, TypeError) as exc:  # ValueError: bad token ids, messages a template refuses
             self._counts["bad_request"] += 1
             status, kind = (exc.status, exc.kind) if isinstance(exc, BadRequest) else (400, "BadRequestError")
@@ -334,10 +333,8 @@ class Proxy:
                     try:
                         retry = self.router.decide(tokens, remaining, namespace=namespace)
                     except PolicyError as exc:  # e.g. a bug only fewer candidates reach: as in the first decision
-                        _log.error("the routing policy failed on a retry: %s", exc, exc_info=exc.__cause__)
                         outcome = "internal_error"
-                        message = f"the proxy's routing policy failed: {exc}"
-                        return error_response(500, message, "InternalServerError")
+                        return _policy_failed(exc)
                     decision = self.router.commit(decision, retry.backend)
                 except aiohttp.ClientError as exc:  # it took the request, then failed or answered in broken HTTP
                     self._failed(decision.backend)
@@ -529,6 +526,12 @@ def _auth(request: web.Request) -> dict[str, str]:
 def _decision_headers(decision: Decision) -> dict[str, str]:
     return {"X-Prefixroute-Backend": decision.backend, "X-Prefixroute-Reason": decision.reason,
             "X-Prefixroute-Matched-Tokens": str(decision.matched_tokens)}  # fmt: skip
+
+
+def _policy_failed(exc: PolicyError) -> web.Response:
+    """Log a routing policy's failure (with the policy's own exception) and answer it as the proxy's fault."""
+    _log.error("the routing policy failed: %s", exc, exc_info=exc.__cause__)
+    return error_response(500, f"the proxy's routing policy failed: {exc}", "InternalServerError")
 
 
 def error_response(status: int, message: str, kind: str) -> web.Response:
