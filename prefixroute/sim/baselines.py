@@ -37,9 +37,8 @@ __all__ = [
 class _TreeSizes:
     """Tokens a router has inserted per backend: the size of a per-backend prefix tree that never evicts.
 
-    Ray Serve's router prefers the backend whose tree is smallest when nothing matches well, and Dynamo's breaks
-    cost ties by it; a routed request adds the part of its prompt the chosen backend's tree lacks, its uncached
-    tokens.
+    Ray Serve's router prefers the backend whose tree is smallest when nothing matches well; a routed request adds
+    the part of its prompt the chosen backend's tree lacks, its uncached tokens.
     """
 
     __slots__ = ("_sizes",)
@@ -49,9 +48,6 @@ class _TreeSizes:
 
     def size(self, candidate: Candidate) -> int:
         return self._sizes.get(candidate.backend, 0)
-
-    def smallest(self, candidates: Sequence[Candidate]) -> Candidate:
-        return min(candidates, key=self.size)
 
     def record(self, chosen: Candidate) -> Candidate:
         self._sizes[chosen.backend] = self._sizes.get(chosen.backend, 0) + chosen.uncached_tokens
@@ -138,17 +134,22 @@ class SGLangCacheAware(LoadPolicy):
 
 
 class DynamoKvRouter(LoadPolicy):
-    """NVIDIA Dynamo's KV router cost: ``overlap_score_weight × prefill_blocks + decode_blocks``, lowest wins.
+    """NVIDIA Dynamo's KV router cost: ``prefill_load_scale × prefill_blocks + decode_blocks``, lowest wins.
 
-    Source: ``ai-dynamo/dynamo``, ``lib/llm/src/kv_router/scheduler.rs`` (``DefaultWorkerSelector.select_worker``,
-    ``softmax_sample``) over ``lib/llm/src/kv_router/sequence.rs`` (``ActiveSequences``:
-    ``potential_blocks_and_tokens``, ``new_blocks``, ``new_tokens``, ``active_blocks``); defaults
-    ``overlap_score_weight = 1.0`` and ``router_temperature = 0.0``. Per worker, ``prefill_blocks`` is the prefill
-    tokens it would have with this request (its active prefill tokens plus ``isl - overlap_blocks × block_size``)
-    over the block size (the overlap counts whole blocks only, so a match ending mid-block credits its full blocks
-    and a fully matched prompt still prefills its partial last block), and ``decode_blocks`` its *distinct* active
-    KV blocks (every in-flight request's full blocks, a shared prefix counted once) plus this request's full blocks
-    (``isl // block_size``) not among them.
+    Source: ``ai-dynamo/dynamo``, ``lib/kv-router/src/scheduling/selector/default.rs``
+    (``DefaultWorkerScorer::worker_logit``, ``minimum_cost_index``, ``softmax_sample_index``) over
+    ``selector/mod.rs`` (the worker row: ``raw_prefill_blocks``, ``decode_cost_blocks``) and
+    ``lib/kv-router/src/sequences/`` (``WorkerLoadProjection::potential_decode_blocks``); defaults from its config
+    (``KvRouterConfig``): ``prefill_load_scale = 1.0``, ``overlap_score_credit = 1.0``,
+    ``overlap_score_credit_decay = 0.0``, ``decode_active_request_weight = 0.0``, ``router_temperature = 0.0`` (the
+    host/disk/shared-cache credits apply only to tiers the candidate does not have). Per worker the logit is
+    ``prefill_load_scale × max(0, raw_prefill_blocks - overlap_blocks) + decode_blocks``: ``raw_prefill_blocks`` is
+    its active prefill tokens plus the request's ``isl`` over the block size, and the overlap counts whole blocks
+    only, so a match ending mid-block credits its full blocks and a fully matched prompt still prefills its partial
+    last block (the older ``lib/llm/src/kv_router/scheduler.rs`` wrote the same figure as
+    ``overlap_score_weight × (prefill tokens - overlap_blocks × block_size) / block_size``, which is this
+    ``overlap_score_weight``); ``decode_blocks`` is its *distinct* active KV blocks (every in-flight request's full
+    blocks, a shared prefix counted once) plus this request's full blocks (``isl // block_size``) not among them.
     Here the active prefill tokens are ``pending_prefill_tokens``, the distinct active blocks ``active_blocks``, and
     the block size the candidate's ``block_size``. Which of the request's blocks are already active there the
     candidate does not say: an active block of this prompt is one of its matched blocks and one of the worker's
@@ -158,12 +159,10 @@ class DynamoKvRouter(LoadPolicy):
     ``active_blocks`` also counts each in-flight prompt's partial last block (as vLLM allocates it), where Dynamo
     counts whole blocks: about one block more per request in flight.
 
-    At temperature 0 the lowest logit wins, ties to the smallest tree (Dynamo's indexer tree size; here the tokens
-    routed there), then placement order where Dynamo draws at random; above 0, a worker is drawn from ``rng`` with
-    probability ``softmax(-logit / ((max - min) × temperature))``, uniform when all logits are equal. Dynamo's
-    current ``lib/kv-router/src/scheduling/selector/default.rs`` renames the weight ``prefill_load_scale`` (with
-    ``overlap_score_credit = 1``) and gives the same logit at the defaults, but breaks a temperature-0 tie at
-    random without the tree-size step. O(len(candidates)).
+    At temperature 0 the lowest logit wins; Dynamo draws among equal logits at random (``minimum_cost_index``),
+    this takes the first in placement order (the older ``scheduler.rs`` broke such ties by the smallest indexer
+    tree first, which the current selector no longer does). Above 0 a worker is drawn from ``rng`` with probability
+    ``softmax(-logit / ((max - min) × temperature))``, uniform when all logits are equal. O(len(candidates)).
     """
 
     name = "dynamo"
@@ -180,7 +179,6 @@ class DynamoKvRouter(LoadPolicy):
         self.overlap_score_weight = _number("overlap_score_weight", overlap_score_weight)
         self.temperature = _number("temperature", temperature)
         self._rng = _rng(seed, rng)
-        self._trees = _TreeSizes()
 
     def logit(self, candidate: Candidate) -> float:
         """The worker's cost for this request (lower is better). O(1)."""
@@ -196,15 +194,13 @@ class DynamoKvRouter(LoadPolicy):
         _require_candidates(candidates)
         logits = [self.logit(c) for c in candidates]
         if self.temperature == 0.0:
-            lowest = min(logits)
-            tied = [c for c, value in zip(candidates, logits, strict=True) if value == lowest]
-            return self._trees.record(self._trees.smallest(tied))
+            return candidates[logits.index(min(logits))]
         low, high = min(logits), max(logits)
         if high == low:
             weights = [1.0] * len(candidates)
         else:
             weights = [math.exp(-(value - low) / (high - low) / self.temperature) for value in logits]
-        return self._trees.record(self._rng.choices(candidates, weights=weights)[0])
+        return self._rng.choices(candidates, weights=weights)[0]
 
     def __repr__(self) -> str:
         return f"DynamoKvRouter(overlap_score_weight={self.overlap_score_weight}, temperature={self.temperature})"
@@ -213,23 +209,27 @@ class DynamoKvRouter(LoadPolicy):
 class LlmdDefaultProfile(LoadPolicy):
     """llm-d's default scheduling profile: prefix-cache (weight 3) + queue (2) + KV-utilisation (2) scorers.
 
-    Source: ``llm-d/llm-d-inference-scheduler``, ``pkg/epp/config/loader/defaults.go`` (``loadDefaultConfig``:
-    ``queue-scorer`` 2, ``kv-cache-utilization-scorer`` 2, ``prefix-cache-scorer`` 3; ``ensureSchedulingLayer``
-    adds the ``max-score-picker``) and, under ``pkg/epp/framework/plugins/``, ``scheduling/scorer/prefix/plugin.go``,
+    Source: ``llm-d/llm-d-router`` (formerly ``llm-d/llm-d-inference-scheduler``), ``pkg/epp/config/loader/defaults.go``
+    (``loadDefaultConfig``: ``queue-scorer`` 2, ``kv-cache-utilization-scorer`` 2, ``prefix-cache-scorer`` 3;
+    ``ensureSchedulingLayer`` adds the ``max-score-picker``) and, under ``pkg/epp/framework/plugins/``,
+    ``scheduling/scorer/prefix/plugin.go`` (``matchLengthWeight = 0``: the match ratio alone),
     ``scheduling/scorer/queuedepth/queue.go``, ``scheduling/scorer/kvcacheutilization/kvcache_utilization.go``,
-    ``scheduling/picker/maxscore/picker.go`` and ``requestcontrol/dataproducer/approximateprefix/`` (``hashing.go``,
-    ``types.go``); the same scorers as ``kubernetes-sigs/gateway-api-inference-extension``. Prefix = matched blocks
-    / the request's blocks, where the request's blocks count a partial last block (matched only when the whole
-    prompt is, 0 for a prompt under one block) and both stop at ``max_prefix_blocks = 256``
-    (``defaultMaxPrefixBlocks``); queue = ``(max - q) / (max - min)`` over the endpoints' waiting queues, 1 for all
+    ``scheduling/picker/maxscore/picker.go``, ``requestcontrol/dataproducer/approximateprefix/`` (``plugin.go``:
+    ``GetBlockSize``, ``minBlockSizeTokens = 64``, ``resolveMaxBlocks``; ``types.go``: ``defaultMaxPrefixTokens =
+    131072``, ``autoTune`` on) and ``requestcontrol/dataproducer/prefixhash/hashing.go`` (``GetBlockHashes``); the
+    same scorers as ``kubernetes-sigs/gateway-api-inference-extension``. Prefix = matched blocks / the request's
+    blocks, in blocks of ``max(block size, 64)`` tokens (llm-d takes the engine's block size, 16 on vLLM, and raises
+    it to 64); the request's blocks count a partial last block, matched only when the whole prompt is (a prompt
+    under one block is that one partial block), and both stop at ``131072 // block`` blocks (a longer prompt is
+    hashed up to there only); queue = ``(max - q) / (max - min)`` over the endpoints' waiting queues, 1 for all
     when equal; KV = ``1 - kv_usage``; each clamped to [0, 1] before weighting (``enforceScoreRange`` in
     ``pkg/epp/scheduling/scheduler_profile.go``). The highest weighted sum wins (ties: placement order, where the
     picker shuffles). The queue is the engine's ``queue_len`` (vLLM's waiting requests) when metrics supply it, else
     the router's ``in_prefill`` (its requests without a first token yet: waiting, or in prefill), the nearest it
     knows to a waiting queue (``in_flight`` would count every decoding request too, which llm-d's queue scorer
     never sees); KV use is the engine's ``kv_usage``, else ``active_blocks / capacity_blocks`` (the KV memory its
-    requests hold), else 0; blocks are the candidate's ``block_size`` (llm-d's default is 16 tokens).
-    O(len(candidates)).
+    requests hold), else 0. The block size below 64 is the candidate's ``block_size``; llm-d hashes the tokens of
+    its default ``estimate`` tokenizer (4 bytes each), for which the prompt's tokens stand in. O(len(candidates)).
     """
 
     name = "llm-d"
@@ -241,25 +241,27 @@ class LlmdDefaultProfile(LoadPolicy):
         prefix_weight: float = 3.0,
         queue_weight: float = 2.0,
         kv_weight: float = 2.0,
-        max_prefix_blocks: int = 256,
+        max_prefix_tokens: int = 131072,
+        min_block_tokens: int = 64,
     ) -> None:
         self.prefix_weight = _number("prefix_weight", prefix_weight)
         self.queue_weight = _number("queue_weight", queue_weight)
         self.kv_weight = _number("kv_weight", kv_weight)
-        self.max_prefix_blocks = _count("max_prefix_blocks", max_prefix_blocks, minimum=1)
+        self.max_prefix_tokens = _count("max_prefix_tokens", max_prefix_tokens, minimum=1)
+        self.min_block_tokens = _count("min_block_tokens", min_block_tokens, minimum=1)
 
     def prefix_score(self, candidate: Candidate) -> float:
         """The prefix-cache scorer's value: matched blocks over the request's blocks, both capped. O(1).
 
-        llm-d hashes a partial last block too, so it matches only when the whole prompt is cached; a prompt shorter
-        than one block is not hashed at all and scores 0. The router hashes whole blocks only, so a prompt that is
-        not a whole number of blocks never gets its partial block credited here (a repeat scores
-        ``blocks / (blocks + 1)`` where llm-d gives 1).
+        Blocks are ``max(block_size, min_block_tokens)`` tokens. llm-d hashes a partial last block too, so it matches
+        only when the whole prompt is cached; a prompt shorter than one block is that one partial block. The router
+        matches its own whole blocks, so a match ending within an llm-d block counts only llm-d's whole blocks
+        within it.
         """
-        size = candidate.block_size
-        if candidate.prompt_tokens < size:
+        size = max(candidate.block_size, self.min_block_tokens)
+        total = min(-(-candidate.prompt_tokens // size), self.max_prefix_tokens // size)
+        if total <= 0:
             return 0.0
-        total = min(-(-candidate.prompt_tokens // size), self.max_prefix_blocks)
         whole = candidate.matched_tokens >= candidate.prompt_tokens
         matched = total if whole else min(candidate.matched_tokens // size, total)
         return matched / total
@@ -287,7 +289,7 @@ class LlmdDefaultProfile(LoadPolicy):
     def __repr__(self) -> str:
         return (
             f"LlmdDefaultProfile(prefix={self.prefix_weight}, queue={self.queue_weight}, kv={self.kv_weight}, "
-            f"max_prefix_blocks={self.max_prefix_blocks})"
+            f"max_prefix_tokens={self.max_prefix_tokens}, min_block_tokens={self.min_block_tokens})"
         )
 
 

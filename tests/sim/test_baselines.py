@@ -97,13 +97,15 @@ def test_dynamo_counts_a_shared_prefix_in_flight_once() -> None:
     assert DynamoKvRouter().choose([spread, shared]) is shared
 
 
-def test_dynamo_picks_the_lowest_logit_and_breaks_ties_by_smallest_tree() -> None:
+def test_dynamo_picks_the_lowest_logit_and_breaks_ties_by_placement_order() -> None:
     cached = Candidate("cached", 480, 480, 1, active_blocks=30)  # 0 + 30 + 0 = 30
     busy_cold = Candidate("cold", 0, 480, 0, active_blocks=5)  # 30 + 5 + 30 = 65
     assert DynamoKvRouter().choose([busy_cold, cached]) is cached
+    # lib/kv-router/src/scheduling/selector/default.rs (minimum_cost_index) draws among equal costs at random, with
+    # no tree-size step: placement order here, whatever each worker has been routed before.
     policy = DynamoKvRouter()
     tied = [Candidate("a", 0, 160, 0), Candidate("b", 0, 160, 0)]
-    assert [policy.choose(tied).backend for _ in range(3)] == ["a", "b", "a"]  # each took 160 tokens in turn
+    assert [policy.choose(tied).backend for _ in range(3)] == ["a", "a", "a"]
 
 
 def test_dynamo_samples_by_softmax_above_temperature_zero() -> None:
@@ -131,27 +133,43 @@ def test_llmd_sums_prefix_queue_and_kv_scorers_with_weights_3_2_2() -> None:
     assert policy.choose([full_match, idle]) is full_match
 
 
-def test_llmd_prefix_score_counts_blocks_a_partial_one_included_up_to_256() -> None:
+def test_llmd_prefix_score_counts_blocks_of_at_least_64_tokens_a_partial_one_included() -> None:
     policy = LlmdDefaultProfile()
-    assert policy.prefix_score(Candidate("a", 96, 100, 0)) == pytest.approx(6 / 7)  # 6 of 7 blocks (one partial)
-    # A prompt of 500 blocks is hashed up to its first 256 (defaultMaxPrefixBlocks): matching them scores 1.
-    long_cached = Candidate("cached", 4096, 8000, 0, queue_len=10, kv_usage=0.5)  # 3*1 + 0 + 2*0.5 = 4
-    idle = Candidate("idle", 0, 8000, 0, queue_len=0, kv_usage=0.25)  # 0 + 2 + 1.5 = 3.5
-    assert policy.prefix_score(long_cached) == 1.0
-    assert policy.choose([idle, long_cached]) is long_cached
-    assert LlmdDefaultProfile(max_prefix_blocks=500).choose([idle, long_cached]) is idle  # 3*0.512 + 1 < 3.5
-    for bad in (0, 2.5, True, "256"):
-        with pytest.raises(ConfigurationError, match="max_prefix_blocks must be an int"):
-            LlmdDefaultProfile(max_prefix_blocks=bad)  # type: ignore[arg-type]
+    # GetBlockSize raises the engine's 16-token block to minBlockSizeTokens = 64: 300 tokens are 5 blocks (one
+    # partial), and 192 matched tokens are 3 of them (at 16-token blocks it would be 12 of 19).
+    assert policy.prefix_score(Candidate("a", 192, 300, 0)) == pytest.approx(3 / 5)
+    assert policy.prefix_score(Candidate("a", 250, 300, 0)) == pytest.approx(3 / 5)  # 250 // 64 = 3 whole blocks
+    # A router block above 64 tokens is used as it is.
+    assert policy.prefix_score(Candidate("a", 256, 300, 0, block_size=128)) == pytest.approx(2 / 3)
+    cached = Candidate("cached", 192, 300, 0, queue_len=4, kv_usage=0.45)  # 3*0.6 + 0 + 2*0.55 = 2.9
+    idle = Candidate("idle", 0, 300, 0, queue_len=0, kv_usage=0.5)  # 0 + 2 + 1 = 3
+    assert policy.choose([cached, idle]) is idle  # at 16-token blocks: 3*12/19 + 1.1 = 2.99, still idle
+    assert policy.choose([cached._replace(matched_tokens=250), idle]) is idle  # 250 tokens: still 3 blocks of 64
+    # At 16-token blocks 250 tokens would be 15 of 19 blocks: 3*15/19 + 1.1 = 3.47 > 3.
+
+
+def test_llmd_prefix_score_caps_the_prompt_at_131072_tokens() -> None:
+    policy = LlmdDefaultProfile()
+    # defaultMaxPrefixTokens = 131072 caps the hashed blocks at 131072 // 64 = 2048, not 256: a 4096-token match of a
+    # 16000-token prompt is 64 of 250 blocks, where a 256-block cap would count 64 of 256.
+    assert policy.prefix_score(Candidate("a", 4096, 16000, 0)) == pytest.approx(64 / 250)
+    # Past the cap only the first 2048 blocks are hashed: matching them all scores 1.
+    assert policy.prefix_score(Candidate("a", 131072, 200000, 0)) == 1.0
+    assert policy.prefix_score(Candidate("a", 65536, 200000, 0)) == pytest.approx(0.5)
+    assert LlmdDefaultProfile(max_prefix_tokens=8192).prefix_score(Candidate("a", 8192, 16000, 0)) == 1.0
+    for option, bad in (("max_prefix_tokens", 0), ("max_prefix_tokens", 2.5), ("min_block_tokens", 0)):
+        with pytest.raises(ConfigurationError, match=f"{option} must be an int"):
+            LlmdDefaultProfile(**{option: bad})  # type: ignore[arg-type]
 
 
 def test_llmd_prefix_score_matches_the_partial_last_block_only_when_the_whole_prompt_is_cached() -> None:
     policy = LlmdDefaultProfile()
-    # llm-d hashes the partial last block too, so an identical prompt matches all 7 of its blocks.
-    assert policy.prefix_score(Candidate("a", 100, 100, 0)) == 1.0
-    assert policy.prefix_score(Candidate("a", 99, 100, 0)) == pytest.approx(6 / 7)
-    # A prompt shorter than one block is not hashed at all (hashPrompt returns no blocks): score 0.
-    assert policy.prefix_score(Candidate("a", 10, 10, 0)) == 0.0
+    # llm-d hashes the partial last block too, so an identical prompt matches all 7 of its 64-token blocks.
+    assert policy.prefix_score(Candidate("a", 400, 400, 0)) == 1.0
+    assert policy.prefix_score(Candidate("a", 399, 400, 0)) == pytest.approx(6 / 7)
+    # A prompt shorter than one block is one partial block (getKVCacheBlocksFromTokens): 1 when identical, else 0.
+    assert policy.prefix_score(Candidate("a", 10, 10, 0)) == 1.0
+    assert policy.prefix_score(Candidate("a", 48, 50, 0)) == 0.0
 
 
 def test_llmd_clamps_each_scorer_to_the_unit_range() -> None:
