@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeAlias
 
 import msgspec
 
-from prefixroute.errors import InvalidEventError
+from prefixroute.errors import ConfigurationError, InvalidEventError
 
 __all__ = [
     "AllBlocksCleared",
@@ -238,15 +238,33 @@ def _is_msgpack_map(first_byte: int) -> bool:
 def encode_batch(batch: EventBatch, *, encoding: Literal["array", "map"] = "array") -> bytes:
     """Encode ``batch`` as vLLM does: events as tagged arrays (older vLLM) or as maps with a ``"type"`` key.
 
-    The map encoding omits fields equal to their default, as newer vLLM does.
+    The map encoding omits fields equal to their default, as newer vLLM does. The batch itself is an array
+    ``[ts, events, data_parallel_rank]`` in both, as vLLM sends it.
+
+    Raises:
+        ConfigurationError: ``encoding`` is neither ``"array"`` nor ``"map"``.
+        TypeError: ``batch`` is not an :class:`EventBatch`, or one of its events is not a :class:`BlockStored`,
+            :class:`BlockRemoved` or :class:`AllBlocksCleared`.
+        InvalidEventError: a field cannot be encoded, such as an int outside msgpack's [-2**63, 2**64).
     """
-    if encoding == "array":
-        events: list[Any] = [_as_array(event) for event in batch.events]
-    elif encoding == "map":
-        events = [_as_map(event) for event in batch.events]
-    else:
-        raise ValueError(f"encoding must be 'array' or 'map', not {encoding!r}")
-    return msgspec.msgpack.encode([batch.ts, events, batch.data_parallel_rank])
+    if not isinstance(batch, EventBatch):
+        raise TypeError(f"batch must be an EventBatch, not {type(batch).__name__}")
+    if encoding not in ("array", "map"):
+        raise ConfigurationError(f"encoding must be 'array' or 'map', not {encoding!r}")
+    if not isinstance(batch.events, (list, tuple)):
+        raise TypeError(f"EventBatch.events must be a list of events, not {type(batch.events).__name__}")
+    for position, event in enumerate(batch.events):
+        if not isinstance(event, (BlockStored, BlockRemoved, AllBlocksCleared)):
+            raise TypeError(
+                f"event {position} is of type {type(event).__name__}, not a BlockStored, BlockRemoved or "
+                "AllBlocksCleared"
+            )
+    convert = _as_array if encoding == "array" else _as_map
+    events: list[Any] = [convert(event) for event in batch.events]
+    try:
+        return msgspec.msgpack.encode([batch.ts, events, batch.data_parallel_rank])
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise InvalidEventError(f"the batch cannot be encoded as vLLM's msgpack: {exc}") from exc
 
 
 def _as_array(event: Event) -> Event:

@@ -82,7 +82,12 @@ def parse_metrics(text: str, *, deadline: float | None = None) -> EngineMetrics:
             ones whose sum over the series overflows to infinity), a KV usage above 1, a TTFT histogram whose
             cumulative counts fall or with a negative bucket bound, a ``block_size`` or ``num_gpu_blocks`` that is
             not a positive int (or is absurdly large); or ``deadline`` passed before the text was parsed.
+        TypeError: ``text`` is not a str (decode a body first), or ``deadline`` not a number or None.
     """
+    if not isinstance(text, str):
+        raise TypeError(f"text must be the metrics text as a str (decode the body first), not {type(text).__name__}")
+    if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))):
+        raise TypeError(f"deadline must be a time.monotonic() instant or None, not {type(deadline).__name__}")
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     # Bucket bound → cumulative count, summed over every series (engines, data-parallel ranks), kept in bound order.
@@ -275,7 +280,12 @@ def metrics_url(url: str) -> str:
 
     >>> metrics_url("http://gpu0:8000/?token=abc")
     'http://gpu0:8000/metrics?token=abc'
+
+    Raises:
+        TypeError: ``url`` is not a str.
     """
+    if not isinstance(url, str):
+        raise TypeError(f"url must be a str like 'http://gpu0:8000', not {type(url).__name__}")
     cut = min([i for i in (url.find("?"), url.find("#")) if i >= 0], default=len(url))
     base, tail = url[:cut].rstrip("/"), url[cut:]
     path_start = base.find("/", base.find("://") + 3)  # -1: no path, only a host (which may be called "metrics")

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
+from prefixroute._numbers import shown
 from prefixroute.errors import InvalidEventError, InvalidPromptError
 from prefixroute.hashing import BlockHasher, encode_tokens
 from prefixroute.index import IndexUpdate
@@ -43,7 +44,14 @@ def lora_namespace(namespace: str | bytes | None, lora_name: str | None) -> str 
 
     >>> lora_namespace("llama", "sql"), lora_namespace(None, "sql"), lora_namespace(b"llama", "sql")
     ('llama:sql', 'sql', b'llama:sql')
+
+    Raises:
+        TypeError: ``namespace`` is not a str, bytes or None, or ``lora_name`` not a str or None.
     """
+    if namespace is not None and not isinstance(namespace, (str, bytes)):
+        raise TypeError(f"namespace must be a str, bytes or None, not {type(namespace).__name__}")
+    if lora_name is not None and not isinstance(lora_name, str):
+        raise TypeError(f"lora_name must be the adapter's name (a str) or None, not {type(lora_name).__name__}")
     if lora_name is None:
         return namespace
     if namespace is None:
@@ -115,11 +123,16 @@ class BlockTracker:
     def apply(self, events: Iterable[KVCacheEvent]) -> IndexOps:
         """Update the tracker with ``events`` and return the index updates they imply, in order.
 
-        O(tokens stored + blocks removed). An invalid event is logged, counted in ``stats.invalid_events`` and
-        skipped; the others still apply. Use :meth:`apply_strict` to raise instead.
+        O(tokens stored + blocks removed). An invalid event (one that breaks vLLM's rules, or whose fields have the
+        wrong types) is logged, counted in ``stats.invalid_events`` and skipped; the others still apply. Use
+        :meth:`apply_strict` to raise instead.
+
+        Raises:
+            TypeError: ``events`` is not an iterable of :class:`BlockStored`, :class:`BlockRemoved` and
+                :class:`AllBlocksCleared` (checked before any applies).
         """
         ops: IndexOps = []
-        for event in events:
+        for event in _events(events):
             try:
                 self._apply_one(event, ops)
             except InvalidEventError as exc:
@@ -131,7 +144,7 @@ class BlockTracker:
     def apply_strict(self, events: Iterable[KVCacheEvent]) -> IndexOps:
         """As :meth:`apply`, but raise :class:`InvalidEventError` at the first invalid event (earlier ones apply)."""
         ops: IndexOps = []
-        for event in events:
+        for event in _events(events):
             self._apply_one(event, ops)
         return ops
 
@@ -145,8 +158,12 @@ class BlockTracker:
 
     def _apply_one(self, event: KVCacheEvent, ops: IndexOps) -> None:
         if isinstance(event, BlockStored):
+            _check_stored(event)
             self._store(event, ops)
         elif isinstance(event, BlockRemoved):
+            _check_hashes(event, event.block_hashes)
+            _check_optional(event, "medium", str, "a str")
+            _check_optional(event, "group_idx", int, "an int")
             dead = self._remove(event)
             if dead:
                 ops.append((False, dead, None))
@@ -273,6 +290,90 @@ class IndexWriter(Protocol):
     def write(self, backend: str, updates: Iterable[IndexUpdate]) -> None:
         """Apply ``updates`` for ``backend`` in order, atomically for concurrent readers."""
         ...
+
+
+def _events(events: Iterable[KVCacheEvent]) -> list[KVCacheEvent]:
+    """``events`` as a list, every item a known event; else TypeError (before any event applies)."""
+    if isinstance(events, (str, bytes)):
+        raise TypeError(f"events must be an iterable of KV events, not {type(events).__name__}")
+    try:
+        items = list(events)
+    except TypeError:
+        raise TypeError(f"events must be an iterable of KV events, not {type(events).__name__}") from None
+    for position, event in enumerate(items):
+        if not isinstance(event, (BlockStored, BlockRemoved, AllBlocksCleared)):
+            raise TypeError(
+                f"event {position} is of type {type(event).__name__}, not a BlockStored, BlockRemoved or "
+                "AllBlocksCleared (EventDecoder.decode() gives those)"
+            )
+    return items
+
+
+def _malformed(event: KVCacheEvent, field: str, expected: str, value: object) -> InvalidEventError:
+    return InvalidEventError(
+        f"{_kind(event)}.{field} must be {expected}, not {shown(value)}: build events with vLLM's field types, or "
+        "decode them with EventDecoder, which checks them"
+    )
+
+
+def _kind(event: KVCacheEvent) -> str:
+    return next(c.__name__ for c in type(event).__mro__ if c in (BlockStored, BlockRemoved, AllBlocksCleared))
+
+
+def _is_hash(value: object) -> bool:
+    kind = type(value)
+    return kind is int or kind is bytes or (isinstance(value, (int, bytes)) and not isinstance(value, bool))
+
+
+def _check_hashes(event: BlockStored | BlockRemoved, hashes: object) -> None:
+    """A list of int or bytes hashes (what msgspec decodes always is: the check matters for hand-built events)."""
+    if not isinstance(hashes, (list, tuple)):
+        raise _malformed(event, "block_hashes", "a list of int or bytes hashes", hashes)
+    if not _HASH_TYPES.issuperset(map(type, hashes)):  # at C speed; the loop only finds the culprit
+        for value in hashes:
+            if not _is_hash(value):
+                raise _malformed(event, "block_hashes", "a list of int or bytes hashes", value)
+
+
+_HASH_TYPES = frozenset({int, bytes})
+_OPTIONAL_STR = (str, type(None))
+
+
+def _check_optional(event: KVCacheEvent, field: str, kind: type | tuple[type, ...], expected: str) -> None:
+    value = getattr(event, field, None)
+    if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+        raise _malformed(event, field, f"{expected} or None", value)
+
+
+def _check_stored(event: BlockStored) -> None:
+    """Raise InvalidEventError unless every field the tracker reads has vLLM's type (before anything changes)."""
+    parent = event.parent_block_hash
+    if (  # the fast path, taken by every decoded event: one expression, no calls per field
+        type(event.block_hashes) is list
+        and _HASH_TYPES.issuperset(map(type, event.block_hashes))
+        and (parent is None or type(parent) is int or type(parent) is bytes)
+        and type(event.token_ids) is list
+        and type(event.block_size) is int
+        and isinstance(event.medium, _OPTIONAL_STR)
+        and isinstance(event.lora_name, _OPTIONAL_STR)
+        and isinstance(event.kv_cache_spec_kind, _OPTIONAL_STR)
+        and (event.lora_id is None or type(event.lora_id) is int)
+        and (event.group_idx is None or type(event.group_idx) is int)
+        and (event.extra_keys is None or type(event.extra_keys) is list)
+    ):
+        return
+    _check_hashes(event, event.block_hashes)
+    if parent is not None and not _is_hash(parent):
+        raise _malformed(event, "parent_block_hash", "an int or bytes hash or None", parent)
+    if not isinstance(event.token_ids, (list, tuple)):
+        raise _malformed(event, "token_ids", "a list of token ids", event.token_ids)
+    if not isinstance(event.block_size, int) or isinstance(event.block_size, bool):
+        raise _malformed(event, "block_size", "an int", event.block_size)
+    for field in ("medium", "lora_name", "kv_cache_spec_kind"):
+        _check_optional(event, field, str, "a str")
+    _check_optional(event, "lora_id", int, "an int")
+    _check_optional(event, "group_idx", int, "an int")
+    _check_optional(event, "extra_keys", (list, tuple), "a list")
 
 
 def _is_gpu(medium: str | None) -> bool:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefixroute.errors import InvalidEventError
+from prefixroute.errors import ConfigurationError, InvalidEventError
 from prefixroute.vllm.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -126,8 +126,25 @@ def test_malformed_payloads_raise_invalid_event_error(payload: bytes, message: s
 
 
 def test_encode_rejects_an_unknown_encoding() -> None:
-    with pytest.raises(ValueError, match="encoding"):
+    with pytest.raises(ConfigurationError, match="encoding must be 'array' or 'map'"):
         encode_batch(EventBatch(1.0, []), encoding="json")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("batch", "error", "message"),
+    [
+        ("not a batch", TypeError, "batch must be an EventBatch, not str"),
+        (EventBatch(1.0, ["x"]), TypeError, "event 0 is of type str"),  # type: ignore[list-item]
+        (EventBatch(1.0, [AllBlocksCleared(), 5]), TypeError, "event 1 is of type int"),  # type: ignore[list-item]
+        (EventBatch(1.0, [BlockRemoved([2**70])]), InvalidEventError, "cannot be encoded"),
+    ],
+)
+@pytest.mark.parametrize("encoding", ["array", "map"])
+def test_encode_refuses_what_is_not_a_batch_of_events(
+    batch: Any, error: type[Exception], message: str, encoding: str
+) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        encode_batch(batch, encoding=encoding)  # type: ignore[arg-type]
 
 
 # vLLM's own KV-event structs as vLLM >= 0.21 declares them (vllm/distributed/kv_events.py after vllm#42892): no

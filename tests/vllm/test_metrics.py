@@ -292,3 +292,17 @@ def test_the_timeout_bounds_the_parsing_of_a_huge_valid_body_too() -> None:
 )
 def test_metrics_url_adds_the_path_before_any_query(url: str, expected: str) -> None:
     assert metrics_url(url) == expected
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: parse_metrics(b"vllm:num_requests_running 1\n"), "text must be"),  # type: ignore[arg-type]
+        (lambda: parse_metrics(None), "text must be the metrics text as a str"),  # type: ignore[arg-type]
+        (lambda: parse_metrics("vllm:num_requests_running 1\n", deadline="soon"), "deadline"),  # type: ignore[arg-type]
+        (lambda: metrics_url(8000), "url must be a str"),  # type: ignore[arg-type]
+    ],
+)
+def test_arguments_of_the_wrong_type_are_type_errors_that_say_what_to_pass(call: object, message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        call()  # type: ignore[operator]

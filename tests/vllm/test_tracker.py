@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -162,6 +163,53 @@ def test_invalid_events_are_counted_and_skipped_or_raised_in_strict_mode() -> No
         BlockTracker().apply_strict([bad_size])
     with pytest.raises(InvalidEventError, match=r"\[0, 2\*\*32\)"):
         BlockTracker().apply_strict([bad_token])
+
+
+@pytest.mark.parametrize(
+    ("event", "message"),
+    [
+        (BlockStored([[1]], None, TOKENS[:16], 16), "BlockStored.block_hashes must be a list of int"),  # type: ignore[list-item]
+        (BlockStored([True], None, TOKENS[:16], 16), "BlockStored.block_hashes"),
+        (BlockStored(None, None, TOKENS[:16], 16), "BlockStored.block_hashes"),  # type: ignore[arg-type]
+        (BlockStored([1], [2], TOKENS[:16], 16), "BlockStored.parent_block_hash"),  # type: ignore[arg-type]
+        (BlockStored([1], None, bytes(64), 16), "BlockStored.token_ids must be a list"),  # type: ignore[arg-type]
+        (BlockStored([1], None, TOKENS[:16], "16"), "BlockStored.block_size must be an int"),  # type: ignore[arg-type]
+        (BlockStored([1], None, TOKENS[:16], 16, medium=5), "BlockStored.medium"),  # type: ignore[arg-type]
+        (BlockStored([1], None, TOKENS[:16], 16, lora_name=3), "BlockStored.lora_name"),  # type: ignore[arg-type]
+        (BlockStored([1], None, TOKENS[:16], 16, extra_keys="k"), "BlockStored.extra_keys"),  # type: ignore[arg-type]
+        (BlockStored([1], None, TOKENS[:16], 16, group_idx=[0]), "BlockStored.group_idx"),  # type: ignore[arg-type]
+        (BlockRemoved([[1]]), "BlockRemoved.block_hashes"),  # type: ignore[list-item]
+        (BlockRemoved([1], medium=5), "BlockRemoved.medium"),  # type: ignore[arg-type]
+    ],
+)
+def test_hand_built_events_with_mistyped_fields_are_invalid_events_and_change_nothing(
+    event: BlockStored | BlockRemoved, message: str
+) -> None:
+    """msgspec checks decoded events; an event built by hand is checked by the tracker, before it changes anything."""
+    tracker = BlockTracker()
+    tracker.apply([BlockStored([1], None, TOKENS[:16], 16)])
+    with pytest.raises(InvalidEventError, match=re.escape(message)):
+        tracker.apply_strict([event])
+    assert tracker.apply([event]) == [] and tracker.stats.invalid_events == 1
+    assert tracker.held() == set(own(TOKENS[:16]))
+    assert tracker.apply([BlockRemoved([1])]) == [(False, own(TOKENS[:16]), None)]
+
+
+@pytest.mark.parametrize("events", ["abc", None, [1], [AllBlocksCleared(), "x"], 5])
+def test_what_is_not_an_iterable_of_events_is_a_type_error_before_any_applies(events: object) -> None:
+    tracker = BlockTracker()
+    tracker.apply([BlockStored([1], None, TOKENS[:16], 16)])
+    for apply in (tracker.apply, tracker.apply_strict):
+        with pytest.raises(TypeError, match="iterable of KV events|not a BlockStored"):
+            apply(events)  # type: ignore[arg-type]
+    assert tracker.held() == set(own(TOKENS[:16])) and tracker.stats.clears == 0
+
+
+def test_lora_namespace_refuses_what_is_not_a_name() -> None:
+    with pytest.raises(TypeError, match="namespace must be a str, bytes or None"):
+        lora_namespace(5, "sql")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="lora_name must be"):
+        lora_namespace("llama", 5)  # type: ignore[arg-type]
 
 
 def test_all_blocks_cleared_removes_everything() -> None:
