@@ -56,6 +56,8 @@ class SubscriberStats:
     """Messages skipped for their sequence number: negative, or out of line and not continued by the next one."""
     write_errors: int
     """Index writes that raised (logged; the thread goes on)."""
+    observer_errors: int
+    """Rounds whose ``clock`` or ``lag_observer`` call raised (logged; the updates were applied, the thread goes on)."""
     reconnects: int
     last_lag_s: float | None
     blocks_held: int
@@ -84,8 +86,9 @@ class KVEventSubscriber:
     frame), and at most :data:`MAX_REPLAY_BATCHES` batches kept; a replay that runs past either is counted in
     ``stats().failed_replays``, logged, and live events go on.
 
-    Nothing kills the thread: a malformed message, a bad sequence number or a failing write is logged, counted in
-    :meth:`stats` and skipped; a socket error reconnects with exponential backoff (``reconnect_backoff``, seconds).
+    Nothing kills the thread: a malformed message, a bad sequence number, a failing write or a ``clock`` or
+    ``lag_observer`` that raises is logged, counted in :meth:`stats` and skipped; a socket error reconnects with
+    exponential backoff (``reconnect_backoff``, seconds).
 
     Raises:
         ConfigurationError: an endpoint is not a ZMQ address, ``writer.block_size`` differs from the hasher's, or an
@@ -158,7 +161,7 @@ class KVEventSubscriber:
         self._counts = dict.fromkeys(
             (
                 "batches", "events", "gaps", "replayed", "unrecovered", "failed_replays", "restarts", "invalid",
-                "bad_sequences", "write_errors", "reconnects",
+                "bad_sequences", "write_errors", "observer_errors", "reconnects",
             ),
             0,
         )  # fmt: skip
@@ -255,6 +258,7 @@ class KVEventSubscriber:
             invalid_batches=c["invalid"],
             bad_sequences=c["bad_sequences"],
             write_errors=c["write_errors"],
+            observer_errors=c["observer_errors"],
             reconnects=c["reconnects"],
             last_lag_s=self._last_lag,
             blocks_held=len(self._tracker),
@@ -332,12 +336,21 @@ class KVEventSubscriber:
         """Write what a round of messages produced, then note how far the index is and how late it is."""
         self._write(ops)
         self._applied_seq = self._last_seq
-        if timestamps:
+        if not timestamps:
+            return
+        try:
             now = self._clock()
-            self._last_lag = now - timestamps[-1]
+            lag = now - timestamps[-1]
+            if not isinstance(lag, float):
+                raise TypeError(f"clock() returned {type(now).__name__}, not seconds since the epoch")
+            self._last_lag = lag
             if self._lag_observer is not None:
                 for ts in timestamps:
                     self._lag_observer(now - ts)
+        except Exception:  # noqa: BLE001 - a faulty callback must not cost the stream (a reconnect loses batches)
+            errors = self._counts["observer_errors"] = self._counts["observer_errors"] + 1
+            _log.log(sparse_level(errors), "KV events from %s: clock or lag_observer raised (%d times so far); the "
+                     "updates were applied", self.backend, errors, exc_info=True)  # fmt: skip
 
     def _write(self, ops: IndexOps) -> None:
         if not ops:

@@ -211,6 +211,49 @@ def test_malformed_messages_are_counted_and_the_stream_goes_on() -> None:
         context.destroy(linger=0)
 
 
+@pytest.mark.parametrize("fault", ["lag_observer", "clock"])
+def test_a_raising_lag_observer_or_clock_costs_no_batch_and_no_reconnect(fault: str) -> None:
+    """The callbacks run after the round's write: their failure is counted, not a socket error (which lost batches)."""
+
+    def broken(*_: object) -> float:
+        raise RuntimeError("a bug in the callback")
+
+    router = events_router()
+    context = zmq.Context()
+    pub = context.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    options: dict[str, object] = {fault: broken}
+    try:
+        with KVEventSubscriber(router, "gpu0", f"tcp://127.0.0.1:{port}", **options) as sub:  # type: ignore[arg-type]
+            state = {"at": 0.0, "seq": 0}
+
+            def heard() -> bool:  # a PUB drops what it sends before the SUB connects: resend, numbered
+                if sub.last_seq >= 0:
+                    return True
+                if time.monotonic() - state["at"] > 0.1:
+                    pub.send_multipart([b"", numbered(state["seq"]), STORED])
+                    state["seq"] += 1
+                    state["at"] = time.monotonic()
+                return False
+
+            wait_until(heard, what="the subscriber to connect")
+            first = sub.last_seq + 1
+            for seq in range(first, first + 30):
+                tokens = [seq * 100 + i for i in range(16)]
+                payload = msgspec.msgpack.encode([time.time(), [["BlockStored", [seq + 10], None, tokens, 16]]])
+                pub.send_multipart([b"", numbered(seq), payload])
+                time.sleep(0.01)
+            wait_until(lambda: sub.last_seq == first + 29, what="every batch applied")
+            stats = sub.stats()
+            assert stats.reconnects == 0 and stats.gaps == 0 and stats.observer_errors >= 1
+            assert all(
+                set(BlockHasher(16).hash([seq * 100 + i for i in range(16)])) <= router.index.hashes("gpu0")
+                for seq in range(first, first + 30)
+            )
+    finally:
+        context.destroy(linger=0)
+
+
 def test_event_index_is_right_where_the_prediction_is_wrong_after_eviction() -> None:
     """Acceptance 3: the router predicts a hit on a backend whose engine evicted the prefix; events know better."""
     router = Router(block_size=16)
