@@ -142,11 +142,36 @@ class BlockTracker:
         return ops
 
     def apply_strict(self, events: Iterable[KVCacheEvent]) -> IndexOps:
-        """As :meth:`apply`, but raise :class:`InvalidEventError` at the first invalid event (earlier ones apply)."""
+        """As :meth:`apply`, but raise :class:`InvalidEventError` if any event is invalid, before any applies.
+
+        All or nothing: every event is checked first (a block whose parent the tracker does not know is not an error:
+        such blocks are skipped, as by :meth:`apply`), so an error never leaves the tracker ahead of the index.
+        The token ids of the events are read twice; :meth:`apply` reads them once.
+
+        Raises:
+            InvalidEventError: an event breaks vLLM's rules or has a field of the wrong type (nothing applied).
+            TypeError: as :meth:`apply`.
+        """
+        items = _events(events)
+        for event in items:
+            self._check(event)
         ops: IndexOps = []
-        for event in _events(events):
+        for event in items:
             self._apply_one(event, ops)
         return ops
+
+    def _check(self, event: KVCacheEvent) -> None:
+        """Raise InvalidEventError where :meth:`_apply_one` would, without changing anything."""
+        if isinstance(event, BlockStored):
+            _check_stored(event)
+            if not _indexed(event):
+                return
+            _sub_blocks(event.block_size, self._block_size)
+            _check_token_count(event)
+            count = _plain_prefix(event.extra_keys, len(event.block_hashes), event.lora_name, event.lora_id)
+            _encoded(event, count)
+        elif isinstance(event, BlockRemoved):
+            _check_removed(event)
 
     def reset(self) -> IndexOps:
         """Forget every block (the engine restarted or cleared its cache); return the removals for the index."""
@@ -161,9 +186,7 @@ class BlockTracker:
             _check_stored(event)
             self._store(event, ops)
         elif isinstance(event, BlockRemoved):
-            _check_hashes(event, event.block_hashes)
-            _check_optional(event, "medium", str, "a str")
-            _check_optional(event, "group_idx", int, "an int")
+            _check_removed(event)
             dead = self._remove(event)
             if dead:
                 ops.append((False, dead, None))
@@ -184,19 +207,13 @@ class BlockTracker:
         vllm_hashes = event.block_hashes
         # Blocks that are not indexed are skipped first: their block size (a Mamba group's, a CPU tier's) may be one
         # the router's does not divide, which only matters for blocks that are re-hashed.
-        if not _is_gpu(event.medium) or (
-            event.kv_cache_spec_kind is not None and event.kv_cache_spec_kind not in FULL_ATTENTION_KINDS
-        ):
+        if not _indexed(event):
             if event.group_idx is not None and _is_gpu(event.medium):
                 self._skipped_groups.add(event.group_idx)
             self.stats.skipped_blocks += len(vllm_hashes)
             return
         per_block = _sub_blocks(event.block_size, self._block_size)
-        if len(event.token_ids) != len(vllm_hashes) * event.block_size:
-            raise InvalidEventError(
-                f"BlockStored carries {len(event.token_ids)} token ids for {len(vllm_hashes)} blocks of "
-                f"{event.block_size} tokens; vLLM sends exactly the stored blocks' tokens"
-            )
+        _check_token_count(event)
         count = _plain_prefix(event.extra_keys, len(vllm_hashes), event.lora_name, event.lora_id)
         self.stats.skipped_blocks += len(vllm_hashes) - count
         own = self._own
@@ -211,11 +228,7 @@ class BlockTracker:
                 self.stats.orphan_blocks += len(vllm_hashes)
                 return
             seed = parent_own = entry.own[-1]
-        try:
-            data = encode_tokens(event.token_ids[: count * event.block_size])
-        except InvalidPromptError as exc:
-            raise InvalidEventError(f"BlockStored token ids must be ints in [0, 2**32): {exc}") from exc
-        chain = hasher.hash_encoded(data, seed)
+        chain = hasher.hash_encoded(_encoded(event, count), seed)
         refs = self._refs
         born: list[int] = []  # the current run of newly held own hashes
         before = run_parent = parent_own  # the own hash just before the current position; the run's parent
@@ -374,6 +387,35 @@ def _check_stored(event: BlockStored) -> None:
     _check_optional(event, "lora_id", int, "an int")
     _check_optional(event, "group_idx", int, "an int")
     _check_optional(event, "extra_keys", (list, tuple), "a list")
+
+
+def _check_removed(event: BlockRemoved) -> None:
+    _check_hashes(event, event.block_hashes)
+    _check_optional(event, "medium", str, "a str")
+    _check_optional(event, "group_idx", int, "an int")
+
+
+def _indexed(event: BlockStored) -> bool:
+    """Whether the event's blocks are indexed: on the GPU, in a full-attention group. Others are skipped before their
+    block size is looked at (a Mamba group's, a CPU tier's may be one the router's does not divide)."""
+    kind = event.kv_cache_spec_kind
+    return _is_gpu(event.medium) and (kind is None or kind in FULL_ATTENTION_KINDS)
+
+
+def _check_token_count(event: BlockStored) -> None:
+    if len(event.token_ids) != len(event.block_hashes) * event.block_size:
+        raise InvalidEventError(
+            f"BlockStored carries {len(event.token_ids)} token ids for {len(event.block_hashes)} blocks of "
+            f"{event.block_size} tokens; vLLM sends exactly the stored blocks' tokens"
+        )
+
+
+def _encoded(event: BlockStored, count: int) -> bytes:
+    """The token ids of the event's first ``count`` blocks as the hasher reads them."""
+    try:
+        return encode_tokens(event.token_ids[: count * event.block_size])
+    except InvalidPromptError as exc:
+        raise InvalidEventError(f"BlockStored token ids must be ints in [0, 2**32): {exc}") from exc
 
 
 def _is_gpu(medium: str | None) -> bool:

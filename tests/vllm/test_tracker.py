@@ -212,6 +212,25 @@ def test_lora_namespace_refuses_what_is_not_a_name() -> None:
         lora_namespace("llama", 5)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        BlockStored([21], None, [-1] * 16, 16),  # a token id out of range
+        BlockStored([21, 22], None, TOKENS[:16], 16),  # too few token ids
+        BlockStored([21], None, TOKENS[:8], 8),  # a block size the router's does not divide
+        BlockRemoved(["x"]),  # type: ignore[list-item]
+    ],
+)
+def test_strict_mode_is_all_or_nothing(bad: BlockStored | BlockRemoved) -> None:
+    """The events before the invalid one used to change the tracker while their updates were lost with the error."""
+    tracker = BlockTracker()
+    with pytest.raises(InvalidEventError):
+        tracker.apply_strict([BlockStored([11, 12], None, TOKENS[:32], 16), AllBlocksCleared(), bad])
+    assert tracker.held() == set() and tracker.stats.clears == 0 and tracker.stats.blocks_stored == 0
+    ops = tracker.apply_strict([BlockStored([11, 12], None, TOKENS[:32], 16)])
+    assert ops == [(True, own(TOKENS[:32]), None)]
+
+
 def test_all_blocks_cleared_removes_everything() -> None:
     tracker = BlockTracker()
     tracker.apply([BlockStored([11, 12], None, TOKENS[:32], 16)])
