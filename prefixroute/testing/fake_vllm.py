@@ -60,8 +60,9 @@ class FakeVLLM:
 
     Every cache-changing call publishes one ``EventBatch`` (as a vLLM scheduler step does) with the next sequence
     number, in ``encoding`` (``"array"``, ``"map"`` or ``"alternate"``, which switches per batch). The replay socket
-    answers as vLLM >= 0.26 does, each reply ``[topic, seq, payload]`` as on the PUB socket; ``replay_topic=False``
-    answers as older vLLM, ``[seq, payload]``. Test hooks:
+    answers as vLLM >= 0.26 does, each reply ``[topic, seq, payload]`` as on the PUB socket and the end of the replay
+    ``[b"", -1, b""]`` (an empty topic); ``replay_topic=False`` answers as older vLLM, ``[seq, payload]`` and
+    ``[-1, b""]``. Test hooks:
     :meth:`drop_next` loses published messages (still in the replay buffer), :meth:`restart` simulates a process
     restart (sequence back to 0, new hash seed, empty cache), :meth:`chains`/:meth:`own_hashes` give the true cache
     contents. ``port`` and ``replay_port`` are picked by the OS on ``host`` unless given (a new engine on an old
@@ -341,7 +342,8 @@ class FakeVLLM:
         topic = [self.topic.encode()] if self._replay_topic else []
         for seq, payload in buffered:
             router.send_multipart([identity, b"", *topic, seq.to_bytes(8, "big"), payload])
-        router.send_multipart([identity, b"", *topic, _END_OF_REPLAY, b""])
+        # vLLM (vllm#45177) ends a topic-framed replay with an empty topic frame: [b"", END, b""]
+        router.send_multipart([identity, b"", *([b""] if topic else []), _END_OF_REPLAY, b""])
 
     def _new_metrics(self) -> None:
         registry = self._registry = CollectorRegistry()
