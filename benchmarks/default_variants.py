@@ -192,6 +192,20 @@ class CapInPrefillToo(_FitVariant):
         return c.pending_prefill_tokens + u + (min(common, typical) + u - common) * (c.in_flight + c.in_prefill)
 
 
+class HarmOnAllInFlight(_FitVariant):
+    """The default before 2026-12-03 (night): its prefill held up every request in flight, also those waiting for KV
+    memory, ahead of it in vLLM's queue. On Mooncake's conversation trace on the default fleet (8 × codellama-13b on
+    a100-40gb, not in the repository: 3,591 of its requests longer than one engine's KV cache, the rest an overload),
+    P99 TTFT 4,993 s at 0.96 req/s against 4,052 s at 1.10: short requests crowded onto one backend whose many
+    requests kept the long prompts away, and the others queued several times more prefill."""
+
+    label = "harm on every request in flight"
+
+    def work(self, c: Candidate, common: int, typical: float) -> float:
+        u = c.uncached_tokens
+        return c.pending_prefill_tokens + u + (min(common, typical) + u - common) * c.in_flight + u * c.in_prefill
+
+
 class LearnedSpeeds(PredictedTTFT):
     """The default with ``use_speed=True``, by name for ``prefixroute simulate --policy default_variants:LearnedSpeeds``
     (run from this folder); not one of the variants judged below."""
@@ -215,6 +229,7 @@ VARIANTS = (
     HarmCappedByHeld,
     HarmCappedByFleetMean,
     CapInPrefillToo,
+    HarmOnAllInFlight,
 )
 
 

@@ -297,12 +297,16 @@ class PredictedTTFT(LoadPolicy):
     typical prompt in flight (``typical``: their mean prompt tokens over the fleet), so a very long prompt is
     steered by the work queued ahead of it and the requests still prefilling, not by how many requests stream
     answers there; what leaving a cached prefix adds (``uncached_tokens - common``) counts in full, and so does the
-    once more of a request in prefill. All of it stretches as the KV memory fills (a fuller cache admits fewer
-    requests at once, and a request that does not fit waits for others to finish)::
+    once more of a request in prefill. Where the requests in flight claim more KV blocks than a backend has
+    (``active_blocks > capacity_blocks``), only the share its memory holds at once (``runnable``) is held up: the
+    others wait for memory, ahead of the new request in vLLM's first-come queue, and their prefill is already in
+    ``pending_prefill_tokens``. All of it stretches as the KV memory fills (a fuller cache admits fewer requests at
+    once, and a request that does not fit waits for others to finish)::
 
         per_request = min(common, typical) + uncached_tokens - common      # = uncached_tokens, short prompts
-        cost = (pending_prefill_tokens + uncached_tokens + per_request × in_flight + uncached_tokens × in_prefill)
-               / (1 - min(kv_fraction, kv_cap))
+        harm = per_request × in_flight + uncached_tokens × in_prefill
+        cost = (pending_prefill_tokens + uncached_tokens + harm × runnable) / (1 - min(kv_fraction, kv_cap))
+        runnable = min(1, capacity_blocks / active_blocks)                 # 1 when the capacity is unknown
 
     (``common`` and ``typical`` from :meth:`cap_terms`), where a backend whose known capacity cannot take this
     request's uncached blocks beside its active ones (``active_blocks + ⌈uncached_tokens / block_size⌉ >
@@ -368,7 +372,8 @@ class PredictedTTFT(LoadPolicy):
         uncached = candidate.uncached_tokens
         common = min(common_tokens, uncached)
         per_request = min(common, typical_prompt) + uncached - common
-        work = candidate.pending_prefill_tokens + uncached + per_request * in_flight + uncached * in_prefill
+        harm = (per_request * in_flight + uncached * in_prefill) * _runnable(candidate)
+        work = candidate.pending_prefill_tokens + uncached + harm
         fraction = 1.0 if _overflows(candidate) else kv_fraction(candidate)
         return work / speed / (1.0 - min(fraction, self.kv_cap))
 
@@ -423,9 +428,13 @@ class PredictedTTFT(LoadPolicy):
         for candidate in candidates:
             _, matched, prompt, in_flight, queued, usage, pending, _, capacity, _, active, in_prefill, size = candidate
             uncached = prompt - matched
+            runnable = 1.0
             if capacity:
-                fraction = active / capacity  # kv_fraction() and _overflows(), inlined
-                if fraction > 1.0 or (size > 0 and active + -(-uncached // size) > capacity):
+                fraction = active / capacity  # kv_fraction(), _overflows() and _runnable(), inlined
+                if fraction > 1.0:
+                    runnable = 1.0 / fraction
+                    fraction = 1.0
+                elif size > 0 and active + -(-uncached // size) > capacity:
                     fraction = 1.0
             else:
                 fraction = 0.0 if usage is None else usage
@@ -436,7 +445,8 @@ class PredictedTTFT(LoadPolicy):
                 if in_flight < queued:
                     in_flight = queued
             per_request = capped + uncached - common
-            predicted = (pending + uncached + per_request * in_flight + uncached * in_prefill) / (1.0 - fraction)
+            harm = (per_request * in_flight + uncached * in_prefill) * runnable
+            predicted = (pending + uncached + harm) / (1.0 - fraction)
             if predicted < best_cost:
                 best, best_cost = candidate, predicted
         return best
@@ -470,6 +480,13 @@ def _overflows(candidate: Candidate) -> bool:
     if not capacity or size <= 0:
         return False
     return candidate.active_blocks + -(-candidate.uncached_tokens // size) > capacity
+
+
+def _runnable(candidate: Candidate) -> float:
+    """The share of ``candidate``'s requests in flight that its known KV capacity holds at once: ``capacity_blocks /
+    active_blocks`` when they claim more than it has, else 1 (also when the capacity is unknown)."""
+    capacity, active = candidate.capacity_blocks, candidate.active_blocks
+    return capacity / active if capacity and active > capacity else 1.0
 
 
 def _finite(value: object) -> float | None:

@@ -515,3 +515,23 @@ def test_predicted_ttft_steers_a_very_long_prompt_by_queued_work_not_by_request_
     capped = policy.cost(queued, common_tokens=10_000, typical_prompt=8192.0)
     assert capped == 120_000 + 100_000 + (8192 + 90_000) * 4 + 100_000 * 2
     assert policy.choose([queued, cached]) is cached
+
+
+def test_predicted_ttft_charges_its_prefill_only_to_the_requests_the_kv_memory_holds() -> None:
+    """Requests waiting for KV memory are not held up by a newcomer, which queues behind them: where the requests in
+    flight claim more blocks than a backend has, the harm counts only the share its memory holds at once, and the
+    queued work ahead decides."""
+    # Both backends claim more than their 1,000 blocks (stretched alike, 20x). "queued" has 3x the prefill work
+    # ahead; "waiting" has more requests, most of them waiting for memory (it holds a quarter of its 4,000 blocks).
+    waiting = Candidate("waiting", 0, 1000, 30, pending_prefill_tokens=10_000, in_prefill=25, held_blocks=4000,
+                        active_blocks=4000, capacity_blocks=1000)  # fmt: skip
+    queued = Candidate("queued", 0, 1000, 10, pending_prefill_tokens=30_000, in_prefill=5, held_blocks=1100,
+                       active_blocks=1100, capacity_blocks=1000)  # fmt: skip
+    policy = PredictedTTFT()
+    # 10K + 1K + (1K x 30 + 1K x 25) x 1/4 = 24,750 against 30K + 1K + (1K x 10 + 1K x 5) x 1000/1100 = 44,636
+    # (all 55 counted in full: 66,000 against 46,000).
+    assert policy.cost(waiting) == (11_000 + 55_000 / 4) / (1 - 0.95)
+    assert policy.choose([waiting, queued]) is waiting
+    # Within its capacity every request in flight counts in full, as before.
+    roomy = waiting._replace(active_blocks=1000)
+    assert policy.cost(roomy) == policy.cost(roomy._replace(capacity_blocks=None)) / (1 - 0.95)
