@@ -482,11 +482,30 @@ class PrefixIndex:
         """Record a routing decision: the router sent a prompt with ``hashes`` to ``backend``, which held ``held``.
 
         The hook that decides what routing writes; this class inserts the prompt's blocks (from block 0) and makes
-        them most recent. ``held`` (from :meth:`match`) saves a search; a stale value costs one. O(len(hashes)).
+        them most recent, unless the prompt has more blocks than the backend's capacity: an engine whose KV cache
+        holds that many refuses it, and recording it would evict every block the backend holds, its own included. ``held`` (from :meth:`match`) saves a search; a stale value costs one. O(len(hashes)).
         ``hashes`` are not validated (the router's hot path passes its hasher's): use :meth:`insert` for others.
         """
         if hashes:
-            self._put(hashes, backend, None, held)
+            capacity = self._capacity.get(backend, self._default_capacity)
+            if capacity is None or len(hashes) <= capacity:
+                self._put(hashes, backend, None, held)
+
+    def retract(self, hashes: Sequence[int], backend: str, start: int) -> None:
+        """Undo a routing decision's :meth:`predict`: ``backend`` refused the prompt, so it never cached ``hashes``
+        from block ``start`` on (:meth:`Router.finish <prefixroute.Router.finish>` with ``refused=True``).
+
+        The hook that decides what a refusal forgets; this class keeps predictions and inserted blocks in one
+        store, so it removes those blocks whichever wrote them (the router passes only blocks that its commit added
+        and no request in flight shares). A block with a held child left behind is a hole, as after :meth:`remove`.
+        O(G * (len(hashes) - start)). ``hashes`` are not validated (the router passes its hasher's).
+        """
+        store = self._stores.get(backend)
+        if store is None or start >= len(hashes):
+            return
+        store.discard(hashes[max(start, 0) :])
+        if not store.size:
+            self._detach(backend)
 
     def match_confirmed(self, hashes: Sequence[int], backend: str) -> int | None:
         """How many leading blocks of ``hashes`` an exact source (KV events) confirms ``backend`` holds; None here.

@@ -137,6 +137,8 @@ class Decision:
     decided_at: float = 0.0
     confirmed_tokens: int | None = None
     _hashes: Sequence[int] = field(default=(), repr=False, compare=False)
+    # Blocks the backend held when the decision was committed (its prediction added the rest); -1: not committed.
+    _held: int = field(default=-1, repr=False, compare=False)
 
     @property
     def hit_ratio(self) -> float:
@@ -169,6 +171,8 @@ class _Request:
         "blocks",
         "deadline",
         "footprint",
+        "hashes",
+        "held",
         "pending_before",
         "prefilling",
         "started_at",
@@ -184,6 +188,8 @@ class _Request:
         started_at: float,
         deadline: float | None,
         footprint: tuple[tuple[int, ...], int],
+        hashes: Sequence[int],
+        held: int,
     ) -> None:
         self.backend = backend
         self.uncached = uncached
@@ -192,6 +198,8 @@ class _Request:
         self.started_at = started_at
         self.deadline = deadline
         self.footprint = footprint  # its anchors in the backend's _Footprint
+        self.hashes = hashes  # its prompt's block hashes (the decision's own, not a copy), for a refusal
+        self.held = held  # blocks its backend held at commit: a refusal retracts the rest (-1: never committed)
         self.prefilling = True
 
 
@@ -285,6 +293,8 @@ class Router:
         self._figures: dict[str, _Figures] = {}
         self._capacity_changes = index._capacity_changes
         self._live: dict[str, _Request] = {}
+        # Requests in flight by (backend, first block hash): those whose prompts may share a refused one's blocks.
+        self._rooted: dict[tuple[str, int], set[_Request]] = {}
         self._leases: list[tuple[float, str]] = []  # a heap of (deadline, id); stale entries are skipped
         self._counts = dict.fromkeys(("decisions", "commits", "ignored", "leases_expired"), 0)
         # Decision ids: a random per-router prefix and a counter, so ids of two routers never collide.
@@ -377,7 +387,9 @@ class Router:
                 self._index.predict(hashes, target, held)
             self._counts["commits"] += 1
         if target == decision.backend:
-            return replace(decision, confirmed_tokens=_tokens(confirmed, self.block_size))
+            # Committed there before: its first prediction added the blocks past what the backend held then.
+            held = held if decision._held < 0 else min(held, decision._held)
+            return replace(decision, confirmed_tokens=_tokens(confirmed, self.block_size), _held=held)
         best = max(c.matched_tokens for c in decision.candidates)
         return replace(
             decision,
@@ -385,6 +397,7 @@ class Router:
             matched_tokens=chosen.matched_tokens,
             reason=_reason(self._policy, chosen.matched_tokens, best),
             confirmed_tokens=_tokens(confirmed, self.block_size),
+            _held=held,
         )
 
     def _decide(
@@ -443,6 +456,7 @@ class Router:
             now,
             _tokens(confirmed, block_size),
             hashes,
+            matched[backend] if commit else -1,
         )
 
     def _candidates(self, order: Sequence[str], matched: dict[str, int], prompt_len: int) -> tuple[Candidate, ...]:
@@ -520,7 +534,12 @@ class Router:
                 footprint = self._footprints[backend] = _Footprint()
             taken = footprint.add(decision._hashes, blocks, decision.matched_tokens // self._hasher.block_size)
             self._active[backend] = footprint.blocks
-            self._live[decision.id] = _Request(backend, uncached, blocks, pending, now, deadline, taken)
+            hashes = decision._hashes
+            request = self._live[decision.id] = _Request(
+                backend, uncached, blocks, pending, now, deadline, taken, hashes, decision._held
+            )
+            if hashes:
+                self._rooted.setdefault((backend, hashes[0]), set()).add(request)
             self._in_flight[backend] = self._in_flight.get(backend, 0) + 1
             self._pending[backend] = pending + uncached
             self._held[backend] = self._held.get(backend, 0) + blocks
@@ -555,12 +574,26 @@ class Router:
                     observed if previous is None else previous + _SPEED_WEIGHT * (observed - previous)
                 )
 
-    def finish(self, decision: Decision | str) -> None:
+    def finish(self, decision: Decision | str, *, refused: bool = False) -> None:
         """Stop counting the request (its response ended, or it failed). Idempotent by id; never raises. O(log n).
 
         A finish that matches no request in flight — a second finish, an expired lease, a request whose backend
         was removed, a decision of another router, an unknown id — is ignored and counted in
         :attr:`RouterStats.ignored`, so it is safe in a ``finally`` block.
+
+        ``refused=True``: the engine refused the request before computing anything (vLLM's 400 for a prompt longer
+        than its context or KV cache, any 4xx), so it cached none of the blocks its commit predicted. The request
+        ends as above, and the index forgets those predictions on its backend through the index's
+        :meth:`~prefixroute.PrefixIndex.retract` hook: the blocks past the prefix the backend held at the commit
+        (for :meth:`route`, ``matched_tokens``), except those of another request in flight there whose prompt
+        shares them (the engine computes them for it). Blocks the KV events confirm stay (an
+        :class:`~prefixroute.vllm.EventIndex` keeps them apart from its predictions; a plain
+        :class:`~prefixroute.PrefixIndex` has no confirmed part). The router keeps each started request's block
+        hashes, so a bare id serves. Nothing is forgotten for a request that is not in flight (never started,
+        already finished or expired: a second refusal must not remove what later requests predicted), nor for
+        one never committed (:meth:`decide` alone). Not for a 5xx or a broken connection: the engine may have
+        computed part of the prompt. O(n + r log n) for a prompt of n blocks and r requests in flight on that
+        backend that share its first block. An index hook that raises is logged, not raised.
         """
         decision_id = _id_of(decision)
         with self._lock:
@@ -569,6 +602,24 @@ class Router:
                 self._counts["ignored"] += 1
                 return
             self._release(request)
+            if refused and request.held >= 0:
+                self._retract(request)
+
+    def _retract(self, request: _Request) -> None:
+        """Forget what a refused request's commit predicted on its backend (call under the lock, after
+        :meth:`_release`): the blocks past ``request.held`` that no request in flight there shares."""
+        hashes = request.hashes
+        start = request.held
+        if start >= len(hashes):
+            return
+        for other in self._rooted.get((request.backend, hashes[0]), ()):
+            start = max(start, _shared(hashes, other.hashes))
+            if start >= len(hashes):
+                return
+        try:
+            self._index.retract(hashes, request.backend, start)
+        except Exception:  # a subclass's hook: finish() runs in finally blocks and must not raise
+            _log.exception("the index's retract() hook failed for a refused request on %s", request.backend)
 
     @contextmanager
     def track(self, decision: Decision, *, lease: float | None = None) -> Iterator[Decision]:
@@ -606,6 +657,12 @@ class Router:
 
     def _release(self, request: _Request) -> None:
         backend = request.backend
+        if request.hashes:
+            key = (backend, request.hashes[0])
+            rooted = self._rooted[key]
+            rooted.discard(request)
+            if not rooted:
+                del self._rooted[key]
         self._in_flight[backend] -= 1
         self._held[backend] -= request.blocks
         footprint = self._footprints[backend]
@@ -693,6 +750,8 @@ class Router:
             blocks = self._index.remove_backend(backend)
             for decision_id in [i for i, r in self._live.items() if r.backend == backend]:
                 del self._live[decision_id]
+            for key in [key for key in self._rooted if key[0] == backend]:
+                del self._rooted[key]
             for figures in (
                 self._in_flight,
                 self._pending,
@@ -773,6 +832,11 @@ class Router:
                 counts = holders.setdefault(backend, {})
                 for key in keys:
                     counts[key] = counts.get(key, 0) + 1
+            rooted: dict[tuple[str, int], set[int]] = {}
+            for request in self._live.values():
+                if request.hashes:
+                    rooted.setdefault((request.backend, request.hashes[0]), set()).add(id(request))
+            assert rooted == {key: set(map(id, group)) for key, group in self._rooted.items()}, "_rooted out of step"
             counters = (self._in_flight, self._held, self._pending, self._prefilling)
             for backend in set(expected).union(*counters, self._footprints, self._active):
                 got = [counter.get(backend, 0) for counter in counters]
@@ -826,6 +890,19 @@ def _id_of(decision: Decision | str) -> str:
         return decision
     decision_id = getattr(decision, "id", "")
     return decision_id if isinstance(decision_id, str) else ""
+
+
+def _shared(hashes: Sequence[int], other: Sequence[int]) -> int:
+    """How many leading blocks two prompts share: a block hash names its whole prefix, so the blocks agree up to
+    where they first differ, found by binary search. O(log n)."""
+    low, high = 0, min(len(hashes), len(other))
+    while low < high:  # invariant: the first ``low`` blocks agree; those from ``high`` on differ
+        middle = (low + high) // 2
+        if hashes[middle] == other[middle]:
+            low = middle + 1
+        else:
+            high = middle
+    return low
 
 
 def _is_one_of(chosen: object, candidates: tuple[Candidate, ...]) -> bool:

@@ -30,6 +30,9 @@ class EventsOnlyIndex(PrefixIndex):
     def predict(self, hashes: Sequence[int], backend: str, held: int) -> None:
         """Record nothing: only the engines' events say what a backend holds. O(1)."""
 
+    def retract(self, hashes: Sequence[int], backend: str, start: int) -> None:
+        """Forget nothing: routing recorded nothing, and every block held is the events'. O(1)."""
+
     def match_confirmed(self, hashes: Sequence[int], backend: str) -> int | None:
         """The leading blocks of ``hashes`` that ``backend`` holds: all of them are confirmed by events.
 

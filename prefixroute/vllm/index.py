@@ -22,7 +22,8 @@ class EventIndex(PrefixIndex):
     * :meth:`match` (what routing sees): per backend, the longer of its confirmed and its unexpired speculative
       match; :meth:`match_confirmed`: the confirmed match alone (``Decision.confirmed_tokens``);
     * :meth:`predict` (called for every routing decision): records a speculative entry; with
-      ``speculative_ttl=0`` it does nothing and the index holds only what the events say;
+      ``speculative_ttl=0`` it does nothing and the index holds only what the events say; :meth:`retract` (a
+      refused request) forgets speculative entries only;
     * :meth:`insert`, :meth:`set_capacity`, :meth:`hashes`, :meth:`blocks`, ``len()``: the confirmed part;
     * :meth:`remove` (a block the engine evicted): both parts, so an eviction overrides a speculation;
     * :meth:`remove_backend` and :meth:`clear`: both parts.
@@ -93,6 +94,13 @@ class EventIndex(PrefixIndex):
         if self._ttl:
             self._rotate()
             self._current.predict(hashes, backend, 0)
+
+    def retract(self, hashes: Sequence[int], backend: str, start: int) -> None:
+        """Forget the speculative entries of ``hashes`` from block ``start`` on (the engine refused the prompt);
+        the confirmed part, what the events say, stays. O(len(hashes) - start)."""
+        if self._ttl and start < len(hashes):
+            self._current.retract(hashes, backend, start)
+            self._previous.retract(hashes, backend, start)
 
     def remove(self, hashes: Iterable[int], backend: str) -> None:
         """Forget that ``backend`` holds ``hashes``, confirmed or speculative. O(len(hashes))."""

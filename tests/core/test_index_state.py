@@ -138,6 +138,17 @@ class IndexMachine(RuleBasedStateMachine):
         self.index.remove(iter(gone) if data.draw(st.booleans()) else gone, backend)
         self.model[backend].difference_update(gone)
 
+    @precondition(lambda self: self.chains)
+    @rule(data=st.data(), backend=st.sampled_from(BACKENDS))
+    def retract(self, data: st.DataObject, backend: str) -> None:
+        """A refused prompt's prediction undone from any block on (past its end too): those blocks go, others stay."""
+        hashes = data.draw(st.sampled_from(self.chains))
+        start = data.draw(st.integers(0, len(hashes)))
+        before = self.index.hashes(backend)
+        self.index.retract(hashes, backend, start)
+        assert self.index.hashes(backend) == before - set(hashes[start:])
+        self.model[backend].difference_update(hashes[start:])
+
     @rule(backend=st.sampled_from(BACKENDS))
     def remove_backend(self, backend: str) -> None:
         expected = self.index.hashes(backend)

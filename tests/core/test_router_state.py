@@ -15,8 +15,8 @@ PREFIXES = [list(range(start, start + 24)) for start in (0, 1000, 2000)]
 
 
 class RouterMachine(RuleBasedStateMachine):
-    """Decide, commit (also elsewhere), start (again, elsewhere), first token, finish (twice), leases running out,
-    backends removed, cleared and resized, engine figures, in any order.
+    """Decide, commit (also elsewhere), start (again, elsewhere), first token, finish (twice, or refused), leases
+    running out, backends removed, cleared and resized, engine figures, in any order.
 
     The model: which decisions are in flight, on which backend, and until when. After each step the router's
     requests in flight must be exactly those, and :meth:`Router._check` (every counter equal to what they add up to,
@@ -30,6 +30,7 @@ class RouterMachine(RuleBasedStateMachine):
         self.clock = FakeClock()
         self.router = Router(block_size=4, capacity_blocks=40, clock=self.clock, lease=10.0)
         self.live: dict[str, tuple[str, float]] = {}  # id -> (backend, deadline)
+        self.started: dict[str, Decision] = {}  # id -> the decision counted in flight (what a refusal retracts)
 
     @rule(
         target=decisions,
@@ -52,6 +53,7 @@ class RouterMachine(RuleBasedStateMachine):
         held = self.live.get(decision.id)
         if held is None or held[0] != decision.backend:  # new, or committed elsewhere since: counted there now
             self.live[decision.id] = (decision.backend, self.clock.now + (10.0 if lease is None else lease))
+            self.started[decision.id] = decision
 
     @rule(decision=decisions)
     def first_token(self, decision: Decision) -> None:
@@ -61,6 +63,29 @@ class RouterMachine(RuleBasedStateMachine):
     def finish(self, decision: Decision) -> None:
         self.router.finish(decision)
         self.live.pop(decision.id, None)
+
+    @rule(decision=decisions)
+    def refuse(self, decision: Decision) -> None:
+        """The engine refused it: what its commit predicted past the held prefix goes, unless a request in flight
+        on that backend shares it (a decision never committed, or not in flight, retracts nothing)."""
+        in_flight = self.live.pop(decision.id, None)
+        before = {b: self.router.index.hashes(b) for b in BACKENDS}
+        self.router.finish(decision, refused=True)
+        after = {b: self.router.index.hashes(b) for b in BACKENDS}
+        counted = self.started.get(decision.id)
+        if in_flight is None or counted is None or counted._held < 0:
+            assert after == before
+            return
+        backend, hashes = in_flight[0], counted._hashes
+        keep = counted._held
+        for other, (where, _) in self.live.items():
+            if where == backend:
+                theirs = self.started[other]._hashes
+                keep = max(keep, next((k for k, (a, b) in enumerate(zip(hashes, theirs)) if a != b),
+                                      min(len(hashes), len(theirs))))  # fmt: skip
+        gone = set(hashes[keep:])
+        for b in BACKENDS:
+            assert after[b] == (before[b] - gone if b == backend else before[b]), b
 
     @rule(seconds=st.sampled_from([0.25, 1.0, 5.0]))
     def time_passes(self, seconds: float) -> None:
