@@ -268,7 +268,7 @@ class Simulation:
         self._peak[index] = max(self._peak[index], self._in_flight[index])
         if not backend.fits(request.prompt_tokens, request.output_tokens):
             record.rejected = True  # vLLM refuses a sequence longer than its whole KV cache
-            self._finish(index, decision, record)
+            self._finish(index, decision, record, refused=True)  # it cached nothing the router predicted
             return
         data = request.prompt if request.output is None else request.prompt + request.output
         hashes: list[int] = list(self._hasher.hash(data))
@@ -298,10 +298,10 @@ class Simulation:
     def _first_token(self, active: Active) -> None:
         self.router.first_token(active.decision)
 
-    def _finish(self, index: int, decision: Decision, record: RequestRecord) -> None:
+    def _finish(self, index: int, decision: Decision, record: RequestRecord, *, refused: bool = False) -> None:
         if record.finished is None:
             record.finished = self.now
-        self.router.finish(decision)
+        self.router.finish(decision, refused=refused)
         self._in_flight[index] -= 1
         self._done += 1
         if self.on_progress is not None:

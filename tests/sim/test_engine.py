@@ -185,6 +185,27 @@ def test_a_request_larger_than_the_cache_is_rejected_not_stuck() -> None:
     assert [r.rejected for r in outcome.records] == [True, False]
 
 
+def test_a_rejected_request_leaves_no_predicted_blocks_in_the_router() -> None:
+    served = _request(0, 0, 1, 160, 5, False)  # 10 blocks
+    rejected = _request(0, 0, 2, 480, 300, False)  # 30 blocks of prompt fit the index, 49 of sequence not the engine
+    router = Router(capacity_blocks=40)
+    simulation = Simulation(
+        router=router,
+        workload=ListWorkload([served, rejected]),
+        arrivals=ClosedLoop(1),
+        cost=LinearCost(),
+        config=BackendConfig(capacity_blocks=40),
+        backends=1,
+        check=True,
+    )
+    outcome = simulation.run()
+    assert [r.rejected for r in outcome.records] == [False, True]
+    assert not any(router.index.holds(h, "gpu0") for h in router.hasher.hash(rejected.prompt))
+    assert router.index.match(router.hasher.hash(served.prompt), ["gpu0"]) == {"gpu0": 10}
+    assert router.stats().in_flight == 0
+    router._check()
+
+
 def test_open_loop_needs_a_stop_condition() -> None:
     with pytest.raises(ValueError, match="max_requests or duration"):
         Simulation(
