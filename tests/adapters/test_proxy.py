@@ -98,6 +98,35 @@ def test_a_backend_error_is_relayed_and_releases_the_request(proxy: Proxy, healt
     assert_idle(proxy)
 
 
+def test_an_engine_refusal_forgets_the_predicted_blocks(proxy: Proxy, healthy: list[OpenAIEngine]) -> None:
+    """A 4xx (vLLM's 400 for a prompt past its context) is a refusal: the engine cached nothing of the prompt, so
+    the router forgets its prediction and the same prefix is not sent there for a cache it lacks."""
+    prompt = list(range(3000, 3064))
+    hashes = proxy.router.hasher.hash(prompt)
+    for engine in healthy:
+        engine.fail_next(1, status=400)
+    reply = complete(proxy, {"prompt": prompt})
+    assert reply.status_code == 400
+    assert_idle(proxy)
+    assert proxy.router.index.match(hashes, proxy.backends) == dict.fromkeys(proxy.backends, 0)
+    for engine in healthy:
+        engine.fail_next(0)
+    again = complete(proxy, {"prompt": [*prompt, 1]})
+    assert (again.status_code, again.headers["x-prefixroute-reason"]) == (200, "miss")
+
+
+def test_a_server_error_is_no_refusal(proxy: Proxy, healthy: list[OpenAIEngine]) -> None:
+    """A 5xx may come after the engine computed part of the prompt: the prediction stays."""
+    prompt = list(range(4000, 4064))
+    for engine in healthy:
+        engine.fail_next(1, status=500)
+    reply = complete(proxy, {"prompt": prompt})
+    assert reply.status_code == 500
+    assert_idle(proxy)
+    backend = reply.headers["x-prefixroute-backend"]
+    assert proxy.router.index.match(proxy.router.hasher.hash(prompt), [backend]) == {backend: 4}
+
+
 def test_a_refused_connection_is_retried_once_on_another_backend(healthy: list[OpenAIEngine]) -> None:
     urls = [engine.url for engine in healthy]
     with Proxy(Router(), urls, max_failures=1) as proxy:

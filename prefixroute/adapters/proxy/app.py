@@ -6,6 +6,7 @@ that list that model (decide and commit under one lock) and :meth:`Router.start`
 relay the answer unmodified (SSE chunk by chunk), :meth:`Router.first_token` on the first streamed chunk, and
 :meth:`Router.finish` in a ``finally`` whatever happens: success, an error answer, a failed connection, or the
 client leaving (the handler is cancelled, which also closes the upstream request so the engine stops generating).
+A 4xx answer is finished ``refused=True``: the engine computed nothing, so the router forgets what it predicted.
 """
 
 from __future__ import annotations
@@ -349,7 +350,10 @@ class Proxy:
             return response
         finally:
             if started:
-                self.router.finish(decision)
+                # A 4xx answer (vLLM's 400 for a prompt past its context) is a refusal: the engine computed nothing,
+                # so the router forgets the blocks it predicted there. A 5xx or a broken connection is not.
+                refused = upstream is not None and 400 <= upstream.status < 500
+                self.router.finish(decision, refused=refused)
             if upstream is not None and outcome != "ok":
                 upstream.close()  # a half-read answer closes its connection: the engine stops generating
             self._counts[outcome] += 1
