@@ -483,8 +483,9 @@ class PrefixIndex:
 
         The hook that decides what routing writes; this class inserts the prompt's blocks (from block 0) and makes
         them most recent, unless the prompt has more blocks than the backend's capacity: an engine whose KV cache
-        holds that many refuses it, and recording it would evict every block the backend holds, its own included. ``held`` (from :meth:`match`) saves a search; a stale value costs one. O(len(hashes)).
-        ``hashes`` are not validated (the router's hot path passes its hasher's): use :meth:`insert` for others.
+        holds that many refuses it, and recording it would evict every block the backend holds, its own included.
+        ``held`` (from :meth:`match`) saves a search; a stale value costs one. O(len(hashes)). ``hashes`` are not
+        validated (the router's hot path passes its hasher's): use :meth:`insert` for others.
         """
         if hashes:
             capacity = self._capacity.get(backend, self._default_capacity)

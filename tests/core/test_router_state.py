@@ -81,8 +81,8 @@ class RouterMachine(RuleBasedStateMachine):
         for other, (where, _) in self.live.items():
             if where == backend:
                 theirs = self.started[other]._hashes
-                keep = max(keep, next((k for k, (a, b) in enumerate(zip(hashes, theirs)) if a != b),
-                                      min(len(hashes), len(theirs))))  # fmt: skip
+                pairs = enumerate(zip(hashes, theirs, strict=False))
+                keep = max(keep, next((k for k, (a, b) in pairs if a != b), min(len(hashes), len(theirs))))
         gone = set(hashes[keep:])
         for b in BACKENDS:
             assert after[b] == (before[b] - gone if b == backend else before[b]), b
