@@ -17,7 +17,10 @@ finishing the earlier attempt's. :meth:`on_request_routed` names the replica Ray
 committed there (:meth:`Router.commit`; it may differ from prefixroute's first choice, and the count moves with it)
 and counts until that request's own result is done (its done callback), so requests sharing an id (calls a replica
 makes downstream inherit its request id) and notices of rejected attempts never finish another; without such a
-result, :meth:`on_request_completed` finishes it only when it names that same request *and* replica. A request its
+result, :meth:`on_request_completed` finishes it only when it names that same request *and* replica. The routing
+future Ray resolves for each attempt names the replica it sends that attempt to: the count moves there at once, and a
+request Ray sends without its rejection protocol (no :meth:`on_request_routed`: a Ray Client driver's handle, Java
+replicas, a handle's ``_choose_replica`` then ``_dispatch``) ends with that replica's completion notice. A request its
 caller cancels before it is routed stops counting when its routing future is cancelled. Each process that holds a
 handle (every Serve proxy, every upstream replica) has its
 own router; they share no state but place new prefixes alike (rendezvous hashing).
@@ -52,6 +55,19 @@ def _finish_quietly(router: Router, decision_id: str, _result: object) -> None:
         router.finish(decision_id)
     except Exception:  # finish never raises; a done callback must not either
         _log.exception("prefixroute could not finish a completed request")
+
+
+class _Attempt:
+    """A request's latest routing attempt not yet routed: its decision, its routing future, and the replica that
+    future named (None until it did) with whether the decision was committed there."""
+
+    __slots__ = ("committed", "decision", "future", "replica")
+
+    def __init__(self, decision: Decision, future: Any) -> None:
+        self.decision = decision
+        self.future = future
+        self.replica: str | None = None
+        self.committed = False
 
 
 def request_body(pending_request: PendingRequest | None) -> Mapping[str, Any] | None:
@@ -106,9 +122,9 @@ class PrefixRouteRequestRouter(RequestRouter):
             self._encoder = PromptEncoder(tokenizer)
         self.errors = 0
         """Callbacks that failed unexpectedly (logged; the request kept Ray's ranking or stopped counting)."""
-        # By internal request id: the latest decision, not yet routed, and the routing future it watches (a request
-        # its caller cancels while it waits for a replica is never routed nor completed).
-        self._decided: dict[str, tuple[Decision, Any]] = {}
+        # By internal request id: the latest attempt, not yet routed (its decision, the routing future it watches, and
+        # the replica that future named, once it did).
+        self._decided: dict[str, _Attempt] = {}
         self._started: dict[str, Decision] = {}  # by internal request id: committed and in flight
 
     async def choose_replicas(
@@ -143,16 +159,16 @@ class PrefixRouteRequestRouter(RequestRouter):
             return [candidate_replicas]
         earlier = self._decided.pop(request_id, None)
         if earlier is not None:  # an earlier attempt for this request led nowhere
-            self.router.finish(earlier[0])
+            self.router.finish(earlier.decision)
         if len(self._decided) >= _MAX_PENDING:
-            self.router.finish(self._decided.pop(next(iter(self._decided)))[0])
+            self.router.finish(self._decided.pop(next(iter(self._decided))).decision)
         # Counted at once: Ray routes many requests concurrently, before it reports any of them routed.
         self.router.start(decision, lease=self._lease)
         future: Any = getattr(pending_request, "future", None)
-        self._decided[request_id] = (decision, future)
-        if (earlier is None or earlier[1] is not future) and callable(getattr(future, "add_done_callback", None)):
+        self._decided[request_id] = _Attempt(decision, future)
+        if (earlier is None or earlier.future is not future) and callable(getattr(future, "add_done_callback", None)):
             try:
-                future.add_done_callback(partial(self._given_up, request_id))
+                future.add_done_callback(partial(self._future_done, request_id))
             except BaseException:  # garbage Ray never sends: count nothing that no notice would end
                 self._decided.pop(request_id, None)
                 self.router.finish(decision)
@@ -160,16 +176,32 @@ class PrefixRouteRequestRouter(RequestRouter):
         chosen = by_id[decision.backend]
         return [[chosen], [replica for replica in candidate_replicas if replica is not chosen]]
 
-    def _given_up(self, request_id: str, future: Any) -> None:
-        """The request's routing future is done: cancelled, its caller gave up before a replica took it."""
+    def _future_done(self, request_id: str, future: Any) -> None:
+        """The request's routing future is done. Cancelled: its caller gave up before a replica took it. Else it
+        names the replica Ray sends this attempt to: the count moves there, and should Ray send it without the
+        rejection protocol (no :meth:`on_request_routed`: a Ray Client driver, Java replicas, a handle's
+        ``_choose_replica`` / ``_dispatch``), that replica's completion notice ends it."""
         try:
-            entry = self._decided.get(request_id)
-            if future.cancelled() and entry is not None and entry[1] is future:
+            attempt = self._decided.get(request_id)
+            if attempt is None or attempt.future is not future:
+                return
+            if future.cancelled():
                 del self._decided[request_id]
-                self.router.finish(entry[0])
+                self.router.finish(attempt.decision)
+                return
+            if future.exception() is not None:
+                return
+            used = getattr(getattr(future.result(), "replica_id", None), "unique_id", None)
+            if not isinstance(used, str):
+                return
+            attempt.replica = used
+            if used != attempt.decision.backend and any(c.backend == used for c in attempt.decision.candidates):
+                attempt.decision = self.router.commit(attempt.decision, used)
+                attempt.committed = True
+                self.router.start(attempt.decision, lease=self._lease)  # the count moves with it
         except Exception:
             self.errors += 1
-            _log.exception("prefixroute could not finish a cancelled request")
+            _log.exception("prefixroute could not follow a request's routing")
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         """Ray sent the request to ``replica_id``: commit the decision there and count it in flight until ``result``
@@ -182,15 +214,16 @@ class PrefixRouteRequestRouter(RequestRouter):
             _log.exception("prefixroute could not record a routed request")
 
     def _routed(self, request_id: str, used: str, result: Any = None) -> None:
-        entry = self._decided.pop(request_id, None)
-        if entry is None:
+        attempt = self._decided.pop(request_id, None)
+        if attempt is None:
             return
-        decision = entry[0]
+        decision = attempt.decision
         if decision.backend != used:  # Ray used another replica than the first ranked: move the count there
             self.router.finish(decision)
             if not any(c.backend == used for c in decision.candidates):
                 return
-        decision = self.router.commit(decision, used)
+        if not (attempt.committed and decision.backend == used):
+            decision = self.router.commit(decision, used)
         self.router.start(decision, lease=self._lease)  # ignored when already counted there
         if callable(getattr(result, "add_done_callback", None)):
             # Exact: this request's own result, whatever other requests share its id (every call a replica makes
@@ -214,6 +247,11 @@ class PrefixRouteRequestRouter(RequestRouter):
             if decision is not None and decision.backend == replica_id.unique_id:
                 del self._started[internal_request_id]
                 self.router.finish(decision)
+                return
+            attempt = self._decided.get(internal_request_id)
+            if attempt is not None and attempt.replica is not None and attempt.replica == replica_id.unique_id:
+                del self._decided[internal_request_id]  # sent with no on_request_routed (see _future_done)
+                self.router.finish(attempt.decision)
         except Exception:  # an unhashable id, a replica id without unique_id: garbage Ray never sends
             self.errors += 1
             _log.exception("prefixroute could not finish a completed request")

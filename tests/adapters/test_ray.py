@@ -313,3 +313,45 @@ def test_a_request_cancelled_before_it_is_routed_stops_counting() -> None:
     asyncio.run(run())
     assert router.errors == 0
     zero(router)
+
+
+def test_a_request_sent_without_on_request_routed_is_finished_by_its_completion_notice() -> None:
+    """Ray sends some requests without its rejection protocol, so no ``on_request_routed`` comes: a Ray Client
+    driver's handle and Java replicas (``with_rejection=False``), ``handle._choose_replica`` then ``_dispatch``.
+    The routing future names the replica; that replica's one completion notice ends the request."""
+    router = bare(policy="bounded-load")
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        request = pending("a", {"prompt": PREFIX})
+        request.future = loop.create_future()
+        ((chosen,), rest) = await router.choose_replicas(REPLICAS, request)
+        used = rest[0]  # Ray took the second ranked (the first one's queue was full)
+        request.future.set_result(used)
+        await asyncio.sleep(0)
+        assert router.router.in_flight(used.replica_id.unique_id) == 1 and router.router.stats().in_flight == 1
+        router.on_request_completed(chosen.replica_id, "a")  # not the replica it went to: ignored
+        assert router.router.stats().in_flight == 1
+        router.on_request_completed(used.replica_id, "a")
+        assert router.router.stats().in_flight == 0 and not router._decided
+        # with the rejection protocol: a rejected attempt's late notice never ends the retry
+        retried = pending("b", {"prompt": PREFIX})
+        retried.future = loop.create_future()
+        ((first,), _rest) = await router.choose_replicas(REPLICAS, retried)
+        retried.future.set_result(first)
+        await asyncio.sleep(0)
+        retried.future = loop.create_future()  # Ray's reset_future() before it chooses again
+        ((again,), _rest) = await router.choose_replicas(REPLICAS, retried)
+        router.on_request_completed(first.replica_id, "b")  # the rejected attempt's notice, late
+        assert router.router.stats().in_flight == 1
+        retried.future.set_result(again)
+        await asyncio.sleep(0)
+        result = FakeResult()
+        router.on_request_routed(retried, again.replica_id, result)
+        router.on_request_completed(again.replica_id, "b")  # the result decides, not the notice
+        assert router.router.stats().in_flight == 1
+        result.done()
+
+    asyncio.run(run())
+    assert router.errors == 0
+    zero(router)
