@@ -5,7 +5,9 @@
 * ``async_filter_deployments``, the pre-call filter LiteLLM runs on the deployments that are *not* cooling down:
   it routes the request's token ids among them with a :class:`~prefixroute.Router` and keeps only the chosen one
   (so LiteLLM's cooldowns, retries and fallbacks work as before), then commits and starts the decision;
-* ``async_log_success_event`` and ``async_log_failure_event``: they finish it.
+* ``async_log_success_event`` and ``async_log_failure_event``: they finish it;
+* ``async_post_call_streaming_iterator_hook``, which the LiteLLM Proxy runs every stream through: it finishes a
+  stream's decision when the stream ends, also when the proxy closes it for a client gone (no callback comes then).
 
 Each model group routes in a namespace of its own, its name, so a group serving a LoRA adapter never shares prefixes
 with the base model's group or another adapter's, even where their deployments share ``model_info.id`` (to share
@@ -30,7 +32,7 @@ import asyncio
 import logging
 import threading
 import weakref
-from collections.abc import Collection, Mapping
+from collections.abc import AsyncGenerator, Collection, Mapping
 from typing import Any
 
 from litellm.integrations.custom_logger import CustomLogger
@@ -219,6 +221,29 @@ class PrefixRouteHook(CustomLogger):
     async def async_log_failure_event(self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any) -> None:
         """The attempt failed: finish its decision (a retry routes again)."""
         self._finish(kwargs)
+
+    async def async_post_call_streaming_iterator_hook(
+        self, user_api_key_dict: Any, response: Any, request_data: Any
+    ) -> AsyncGenerator[Any, None]:
+        """LiteLLM Proxy: pass the stream through, then finish its decision when it ends, whether read to its end,
+        failed, or closed by the proxy when its client went away (then LiteLLM calls no success or failure callback,
+        and the request's task ends without being cancelled). Never raises an error of its own."""
+        try:
+            async for chunk in response:
+                yield chunk
+        finally:
+            self._finish_stream(request_data)
+
+    def _finish_stream(self, request_data: Any) -> None:
+        try:
+            metadata = request_data.get("metadata") if isinstance(request_data, Mapping) else None
+            decision_id = metadata.get(METADATA_KEY) if isinstance(metadata, Mapping) else None
+            if isinstance(decision_id, str):
+                self._unwatch(decision_id)
+                self.router.finish(decision_id)
+        except Exception:  # a Mapping whose get() raises: log, count, go on
+            self.errors += 1
+            _log.exception("prefixroute could not finish a LiteLLM Proxy stream")
 
     def _finish(self, kwargs: Any) -> None:
         try:

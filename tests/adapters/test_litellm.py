@@ -383,3 +383,38 @@ def test_a_cancelled_call_stops_counting_when_its_task_ends(hook: PrefixRouteHoo
         await settled(hook)
 
     asyncio.run(run())
+
+
+def test_a_stream_the_proxy_closes_early_stops_counting(hook: PrefixRouteHook, engines: list[OpenAIEngine]) -> None:
+    """The LiteLLM Proxy closes a stream whose client went away (``aclose()``) and calls no success or failure
+    callback for it; its request task ends without being cancelled. The proxy runs every stream through the
+    callbacks' ``async_post_call_streaming_iterator_hook``: the hook's ends the decision there."""
+    router = LiteLLMRouter(model_list=model_list(engines), num_retries=0)
+
+    async def run() -> None:
+        for reads in (1, 0, None):  # closed after one chunk, before any, read to its end
+            metadata: dict[str, Any] = {}
+            messages: list[Any] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "gone"}]
+            reply = await router.acompletion(model="fake", messages=messages, stream=True, metadata=metadata)
+            assert hook.router.stats().in_flight == 1
+            proxied: Any = hook.async_post_call_streaming_iterator_hook(None, reply, {"metadata": metadata})
+            count = 0
+            async for _ in proxied:
+                count += 1
+                if reads is not None and count >= reads:
+                    break
+            await proxied.aclose()
+            await reply.aclose()
+            assert hook.router.stats().in_flight == 0
+            await settled(hook)
+        for garbage in (None, {}, {"metadata": None}, {"metadata": {METADATA_KEY: 5}}, "x"):
+            passed: Any = hook.async_post_call_streaming_iterator_hook(None, _chunks(), garbage)
+            assert [chunk async for chunk in passed] == [1, 2]
+        assert hook.errors == 0
+
+    asyncio.run(run())
+
+
+async def _chunks() -> Any:
+    for chunk in (1, 2):
+        yield chunk
