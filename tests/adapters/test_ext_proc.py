@@ -75,3 +75,19 @@ def test_a_body_sent_again_after_its_end_is_ignored_and_nothing_stays_in_flight(
     assert destination(answers[1]) is not None and destination(answers[2]) is None
     stats = sidecar.router.stats()
     assert (stats.decisions, stats.in_flight, stats.ignored) == (1, 0, 0)
+
+
+def response_headers(status: str) -> Any:
+    header = base_pb2.HeaderValue(key=":status", raw_value=status.encode())
+    return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[header])))
+
+
+def test_a_4xx_response_finishes_the_request_refused_and_its_prediction_is_forgotten() -> None:
+    hashes = Router(block_size=4).hasher.hash(list(range(40)))
+    for status, held, end in (("200", 10, True), ("400", 0, True), ("400", 0, False), ("500", 10, True)):
+        sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+        run(sidecar, headers("/v1/completions"), body(PROMPT, end=True), response_headers(status),
+            *([response_body(end=True)] if end else []))  # fmt: skip
+        router = sidecar.router
+        assert router.stats().in_flight == 0
+        assert max(router.index.match(hashes, sidecar.backends).values()) == held, (status, end)

@@ -16,6 +16,7 @@ from .test_serve_scenarios import (
     check_chat_routes_by_prefix,
     check_fail_open,
     check_load_fallback,
+    check_refusal_forgets_the_prediction,
     check_release_after_error_and_abort,
     check_same_prefix_same_upstream,
     check_sse_is_not_buffered,
@@ -34,6 +35,7 @@ CHECKS = [
     check_sse_is_not_buffered,
     check_load_fallback,
     check_release_after_error_and_abort,
+    check_refusal_forgets_the_prediction,
     check_chat_routes_by_prefix,
     check_fail_open,
 ]

@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 from prefixroute import LoadPolicy, Router
 from prefixroute.adapters.serve import PromptEncoder, Sidecar, release_ids, upstream_of
 from prefixroute.adapters.serve.loopback import free_port, start_sidecar
+from prefixroute.adapters.serve.release import ReleaseProtocol, refused
 from prefixroute.errors import ConfigurationError
 
 from ..conftest import BuggyPolicy, StrangerPolicy
@@ -392,6 +393,37 @@ def test_any_sequence_of_calls_leaves_in_flight_equal_to_unfinished_routes(calls
                 sidecar.route(b"{}")
     assert sidecar.router.stats().in_flight == len(open_ids)
     assert sum(sidecar.router.in_flight(b) for b in BACKENDS) == len(open_ids)
+
+
+def test_a_refused_finish_forgets_the_prediction_and_a_plain_one_keeps_it() -> None:
+    sidecar = Sidecar(Router(block_size=16), backends=BACKENDS)
+    kept, forgotten = ids(64), ids(64, start=1000)
+    for prompt, body in ((kept, {}), (forgotten, {"refused": True})):
+        answer = call(sidecar, "POST", "/route", {"prompt_token_ids": prompt}).json()
+        assert call(sidecar, "POST", "/finish", {"id": answer["id"], **body}).json() == {"id": answer["id"]}
+    for prompt, expected in ((kept, 64), (forgotten, 0)):
+        again = call(sidecar, "POST", "/route", {"prompt_token_ids": prompt}).json()
+        assert again["matched_tokens"] == expected
+        call(sidecar, "POST", "/finish", {"id": again["id"]})
+    for bad in (b'{"id": "a", "refused": 1}', b'{"id": "a", "refused": "yes"}', b'{"id": "a", "refused": null}'):
+        reply = call(sidecar, "POST", "/finish", raw=bad)
+        assert reply.status_code == 400 and "refused" in reply.json()["error"]
+    assert sidecar.router.stats().in_flight == 0
+
+
+def test_a_release_line_with_a_4xx_status_finishes_the_request_refused() -> None:
+    assert [refused(line) for line in (b"status=400", b"x status=429 y", b"status=499", b"status=500")] == [
+        True, True, False, False]  # fmt: skip
+    assert not any(map(refused, (b"status=4000", b"upstream_status=400", b"prefixroute_finish=a", b"status=40")))
+    sidecar = Sidecar(Router(block_size=16), backends=BACKENDS)
+    decisions = [call(sidecar, "POST", "/route", {"prompt_token_ids": ids(64, start=s)}).json() for s in (0, 500)]
+    # Two log lines in one datagram, each with its own status: only the refused one forgets its blocks.
+    statuses = zip(decisions, (200, 400), strict=True)
+    lines = [f"<190>nginx: prefixroute_finish={d['id']} status={status}".encode() for d, status in statuses]
+    ReleaseProtocol(sidecar).datagram_received(b"\n".join(lines), ("127.0.0.1", 1))
+    assert sidecar.router.stats().in_flight == 0
+    matched = [call(sidecar, "POST", "/route", {"prompt_token_ids": ids(64, start=s)}).json() for s in (0, 500)]
+    assert [m["matched_tokens"] for m in matched] == [64, 0]
 
 
 def test_release_lines_are_parsed_from_any_syslog_format() -> None:

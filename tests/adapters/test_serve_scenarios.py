@@ -235,6 +235,24 @@ def check_release_after_error_and_abort(stack: Stack) -> None:
     assert stats["in_flight_total"] == 0 and stats["leases_expired"] == 0
 
 
+def check_refusal_forgets_the_prediction(stack: Stack) -> None:
+    """An engine's 400 (vLLM's for a prompt past its context) reaches the sidecar as a refusal (nginx's and HAProxy's
+    log line carries ``status=400``; Envoy's response headers ``:status``), so the router forgets the blocks it
+    predicted for the prompt: routed again, it is a miss, not a prefix match on a cache that is not there."""
+    prompt = list(range(50_000, 50_064))  # 4 blocks no other check routes
+    for engine in stack.engines:
+        engine.fail_next(1, status=400)
+    status, _ = stream_request(stack.url, {"model": "fake-model", "prompt": prompt, "stream": True, "max_tokens": 8})
+    assert status == 400
+    wait_until(lambda: stack.in_flight() == 0, what="the release after an engine's refusal")
+    for engine in stack.engines:
+        engine.fail_next(0)
+    sidecar = f"http://127.0.0.1:{stack.ports['sidecar']}"
+    again = httpx.post(f"{sidecar}/route", json={"prompt_token_ids": prompt}, timeout=DEADLINE_S).json()
+    httpx.post(f"{sidecar}/finish", json={"id": again["id"]}, timeout=DEADLINE_S)
+    assert (again["reason"], again["matched_tokens"]) == ("miss", 0)
+
+
 def check_chat_routes_by_prefix(stack: Stack) -> None:
     status, lines = stream_request(stack.url, body(1, chat=True), chat=True)
     assert status == 200 and lines[-1] == "[DONE]"

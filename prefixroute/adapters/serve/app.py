@@ -4,7 +4,8 @@
 ``POST /route``                        ``{"prompt_token_ids" | "prompt" | "messages", "model"?, "lease"?,
                                        "backends"?}`` → 200 ``{"id", "backend", "matched_tokens",
                                        "prompt_tokens", "reason"}``; the request counts in flight until finished
-``POST /first_token``, ``/finish``     ``{"id"}`` → 200 ``{"id"}``, also when repeated or unknown (counted)
+``POST /first_token``, ``/finish``     ``{"id"}`` (``/finish``: and ``"refused"?``, true for an engine's 4xx) →
+                                       200 ``{"id"}``, also when repeated or unknown (counted)
 ``POST /v1/completions``,              the client's own OpenAI request, forwarded by a proxy: 200 with the
 ``POST /v1/chat/completions``          decision in headers (``X-Prefixroute-Backend``, ``-Upstream``, ``-Id``)
                                        and ``X-Accel-Redirect`` for nginx
@@ -30,6 +31,7 @@ import msgspec
 
 from prefixroute.adapters.serve.contract import (
     BadRequest,
+    FinishBody,
     LifecycleBody,
     Prompt,
     RouteBody,
@@ -247,9 +249,11 @@ class Sidecar:
         self.router.first_token(decision_id)
         self.metrics.released(via)
 
-    def finish(self, decision_id: str, *, via: str = "http") -> None:
-        """Stop counting the request. Idempotent; unknown ids are ignored and counted (never raises)."""
-        self.router.finish(decision_id)
+    def finish(self, decision_id: str, *, via: str = "http", refused: bool = False) -> None:
+        """Stop counting the request. Idempotent; unknown ids are ignored and counted (never raises). ``refused``:
+        the engine refused it (a 4xx answer), so the router forgets the blocks it predicted there
+        (:meth:`Router.finish`)."""
+        self.router.finish(decision_id, refused=refused)
         self.metrics.released(via)
 
     def answer(self, decision: Decision) -> bytes:
@@ -367,9 +371,13 @@ class Sidecar:
     async def _post(self, path: str, body: bytes, send: Send) -> None:
         if path == "/route":
             await _respond(send, 200, self.answer(await self.route_async(body)))
-        elif path == "/finish" or path == "/first_token":
+        elif path == "/finish":
+            finished: FinishBody = decode(body, FinishBody)
+            self.finish(finished.id, refused=finished.refused)
+            await _respond(send, 200, msgspec.json.encode({"id": finished.id}))
+        elif path == "/first_token":
             request: LifecycleBody = decode(body, LifecycleBody)
-            (self.finish if path == "/finish" else self.first_token)(request.id)
+            self.first_token(request.id)
             await _respond(send, 200, msgspec.json.encode({"id": request.id}))
         else:  # PICK_PATHS
             decision = await self.pick_async(path, body)

@@ -3,7 +3,8 @@
 ``POST /route`` takes exactly one of ``prompt_token_ids`` (a list of ints in [0, 2**32)), ``prompt`` (a str) or
 ``messages`` (OpenAI chat messages: a str ``role``; a ``content`` that is a str, a list of content parts or null),
 and optionally ``model`` (a str: the hash namespace), ``lease`` (seconds, > 0) and ``backends`` (a non-empty list of
-str). ``POST /first_token`` and ``POST /finish`` take ``{"id": str}``.
+str). ``POST /first_token`` takes ``{"id": str}``, ``POST /finish`` ``{"id": str}`` and optionally ``refused`` (a
+bool: the engine answered 4xx, so it cached nothing).
 Unknown fields are ignored, so a client may send more than the contract names. Any violation becomes
 :class:`BadRequest`: an HTTP status (4xx) and one message that says what to fix.
 """
@@ -21,10 +22,12 @@ __all__ = [
     "BadRequest",
     "base_model_names",
     "check_messages",
+    "FinishBody",
     "LifecycleBody",
     "Prompt",
     "RouteBody",
     "decode",
+    "is_refusal",
     "json_error",
     "openai_prompt",
     "route_prompt",
@@ -54,9 +57,26 @@ class RouteBody(msgspec.Struct):
 
 
 class LifecycleBody(msgspec.Struct):
-    """The body of ``POST /first_token`` and ``POST /finish``."""
+    """The body of ``POST /first_token``."""
 
     id: str
+
+
+class FinishBody(LifecycleBody):
+    """The body of ``POST /finish``: ``refused`` when the engine refused the request (a 4xx answer)."""
+
+    refused: bool = False
+
+
+def is_refusal(status: int) -> bool:
+    """Whether an HTTP status from the engine says it refused the request, computing nothing: a 4xx (vLLM's 400 for
+    a prompt past its context), except nginx's 499, which it logs for a client that left (the engine may have
+    computed part of the prompt). O(1).
+
+    >>> is_refusal(400), is_refusal(499), is_refusal(500), is_refusal(200)
+    (True, False, False, False)
+    """
+    return 400 <= status < 500 and status != 499
 
 
 Prompt = list[int] | str | list[dict[str, Any]]

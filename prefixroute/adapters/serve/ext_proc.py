@@ -6,8 +6,8 @@ request body, the response headers and each response body chunk. The picker read
 header (which an ``ORIGINAL_DST`` cluster with ``use_http_header`` connects to) and in the ``envoy.lb`` dynamic
 metadata, as the endpoint-picker contract says. The first response body chunk reports the first token; the last
 one, or the stream's end for any other reason (upstream error, client abort: Envoy resets the stream), finishes the
-request, exactly once. A body the picker cannot route gets no header, so Envoy's route falls back to its plain
-balancer cluster.
+request, exactly once; refused when the response headers' ``:status`` is a 4xx (the engine computed nothing). A
+body the picker cannot route gets no header, so Envoy's route falls back to its plain balancer cluster.
 
 Needs the ``prefixroute[serve]`` extra (grpcio and the generated Envoy protos of ``xds-protos``).
 """
@@ -25,7 +25,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 
 from prefixroute.adapters.serve.app import PICK_PATHS, Sidecar
-from prefixroute.adapters.serve.contract import BadRequest
+from prefixroute.adapters.serve.contract import BadRequest, is_refusal
 
 __all__ = ["DESTINATION_HEADER", "EndpointPicker", "start_ext_proc"]
 
@@ -50,6 +50,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         decision_id: str | None = None
         picked = False
         answered_first = False
+        refused = False
         try:
             async for request in requests:
                 kind = request.WhichOneof("request")
@@ -66,6 +67,8 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     decision_id, response = await self._pick(path, b"".join(body))
                     yield response
                 elif kind == "response_headers":
+                    status = _header(request.response_headers.headers, ":status")
+                    refused = status.isdigit() and is_refusal(int(status))
                     yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
                 elif kind == "response_body":
                     if decision_id is not None:
@@ -73,7 +76,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                             answered_first = True
                             self._sidecar.first_token(decision_id, via="ext_proc")
                         if request.response_body.end_of_stream:
-                            self._sidecar.finish(decision_id, via="ext_proc")
+                            self._sidecar.finish(decision_id, via="ext_proc", refused=refused)
                             decision_id = None
                     yield pb.ProcessingResponse(response_body=pb.BodyResponse())
                 elif kind == "request_trailers":
@@ -82,7 +85,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
         finally:
             if decision_id is not None:  # the stream ended before the response did: error, reset or abort
-                self._sidecar.finish(decision_id, via="ext_proc")
+                self._sidecar.finish(decision_id, via="ext_proc", refused=refused)
 
     async def _pick(self, path: str, body: bytes) -> tuple[str | None, Any]:
         if path not in PICK_PATHS:

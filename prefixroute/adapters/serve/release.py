@@ -3,8 +3,11 @@
 nginx and HAProxy write their access log when a request is over (its response sent, failed, or the client gone), and
 both can send it as a syslog datagram. A log format carrying ``prefixroute_finish=<id>`` turns that line into the
 release of the decision: exactly at the end of the stream, with nothing on the request's path. Any text may
-surround the token (syslog headers, other fields); ``prefixroute_first_token=<id>`` is read too. A lost datagram is
-covered by the request's lease. The listener trusts whoever can reach it: bind it to loopback.
+surround the token (syslog headers, other fields); ``prefixroute_first_token=<id>`` is read too. A ``status=<code>``
+field on the same line that is a refusal (:func:`~prefixroute.adapters.serve.contract.is_refusal`: a 4xx but nginx's
+499) finishes the request refused, so the router forgets the blocks it predicted there; the example configurations
+log it. A lost datagram is covered by the request's lease. The listener trusts whoever can reach it: bind it to
+loopback.
 
 >>> release_ids(b"<190>nginx: prefixroute_finish=ab12-3f status=200")
 [('finish', 'ab12-3f')]
@@ -17,16 +20,28 @@ import logging
 import re
 
 from prefixroute.adapters.serve.app import Sidecar
+from prefixroute.adapters.serve.contract import is_refusal
 
-__all__ = ["ReleaseProtocol", "release_ids"]
+__all__ = ["ReleaseProtocol", "refused", "release_ids"]
 
 _log = logging.getLogger(__name__)
 _TOKEN = re.compile(rb"prefixroute_(finish|first_token)=([0-9A-Za-z_.:-]+)")
+_STATUS = re.compile(rb"(?<![0-9A-Za-z_])status=([0-9]{3})(?![0-9])")
 
 
 def release_ids(datagram: bytes) -> list[tuple[str, str]]:
     """``(what, decision id)`` for each release token in a log line, in order. O(len(datagram))."""
     return [(what.decode(), decision_id.decode()) for what, decision_id in _TOKEN.findall(datagram)]
+
+
+def refused(line: bytes) -> bool:
+    """Whether a log line's ``status=<code>`` says the engine refused the request (see the module's docstring). O(n).
+
+    >>> refused(b"prefixroute_finish=ab12-3f status=400"), refused(b"prefixroute_finish=ab12-3f status=499")
+    (True, False)
+    """
+    found = _STATUS.search(line)
+    return found is not None and is_refusal(int(found.group(1)))
 
 
 class ReleaseProtocol(asyncio.DatagramProtocol):
@@ -36,13 +51,14 @@ class ReleaseProtocol(asyncio.DatagramProtocol):
         self._sidecar = sidecar
 
     def datagram_received(self, data: bytes, addr: tuple[str | object, int]) -> None:
-        for what, decision_id in release_ids(data):
-            if decision_id == "-":
-                continue
-            if what == "finish":
-                self._sidecar.finish(decision_id, via="udp")
-            else:
-                self._sidecar.first_token(decision_id, via="udp")
+        for line in data.splitlines():  # one log line a datagram as syslog sends it; several are read line by line
+            for what, decision_id in release_ids(line):
+                if decision_id == "-":
+                    continue
+                if what == "finish":
+                    self._sidecar.finish(decision_id, via="udp", refused=refused(line))
+                else:
+                    self._sidecar.first_token(decision_id, via="udp")
 
     def error_received(self, exc: Exception) -> None:  # pragma: no cover - ICMP noise on a UDP socket
         _log.debug("release listener: %s", exc)
