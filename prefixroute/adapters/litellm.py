@@ -5,7 +5,8 @@
 * ``async_filter_deployments``, the pre-call filter LiteLLM runs on the deployments that are *not* cooling down:
   it routes the request's token ids among them with a :class:`~prefixroute.Router` and keeps only the chosen one
   (so LiteLLM's cooldowns, retries and fallbacks work as before), then commits and starts the decision;
-* ``async_log_success_event`` and ``async_log_failure_event``: they finish it;
+* ``async_log_success_event`` and ``async_log_failure_event``: they finish it (refused, so the router forgets the
+  blocks it predicted, when the failure is the engine's 4xx refusal, e.g. ``ContextWindowExceededError``);
 * ``async_post_call_streaming_iterator_hook``, which the LiteLLM Proxy runs every stream through: it finishes a
   stream's decision when the stream ends, also when the proxy closes it for a client gone (no callback comes then).
 
@@ -38,6 +39,7 @@ from typing import Any
 from litellm.integrations.custom_logger import CustomLogger
 
 from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens
+from prefixroute.adapters.serve.contract import is_refusal
 from prefixroute.errors import PolicyError
 from prefixroute.router import Router, _check_lease
 
@@ -219,8 +221,10 @@ class PrefixRouteHook(CustomLogger):
         self._finish(kwargs)
 
     async def async_log_failure_event(self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any) -> None:
-        """The attempt failed: finish its decision (a retry routes again)."""
-        self._finish(kwargs)
+        """The attempt failed: finish its decision (a retry routes again); refused when the exception's
+        ``status_code`` is the engine's refusal (a 4xx: ``BadRequestError``, ``ContextWindowExceededError``), so the
+        router forgets the blocks it predicted there."""
+        self._finish(kwargs, failed=True)
 
     async def async_post_call_streaming_iterator_hook(
         self, user_api_key_dict: Any, response: Any, request_data: Any
@@ -245,7 +249,7 @@ class PrefixRouteHook(CustomLogger):
             self.errors += 1
             _log.exception("prefixroute could not finish a LiteLLM Proxy stream")
 
-    def _finish(self, kwargs: Any) -> None:
+    def _finish(self, kwargs: Any, *, failed: bool = False) -> None:
         try:
             params = kwargs.get("litellm_params") if isinstance(kwargs, Mapping) else None
             metadata = params.get("metadata") if isinstance(params, Mapping) else None
@@ -256,8 +260,9 @@ class PrefixRouteHook(CustomLogger):
             routed = metadata.get(DEPLOYMENT_KEY)
             if isinstance(used, str) and isinstance(routed, str) and used != routed:
                 return  # an earlier attempt's callback, after the retry's filter finished it and routed again
+            status = getattr(kwargs.get("exception"), "status_code", None) if failed else None
             self._unwatch(metadata[METADATA_KEY])
-            self.router.finish(metadata[METADATA_KEY])
+            self.router.finish(metadata[METADATA_KEY], refused=type(status) is int and is_refusal(status))
         except Exception:  # a Mapping whose get() raises: log, count, go on
             self.errors += 1
             _log.exception("prefixroute could not finish a LiteLLM request")

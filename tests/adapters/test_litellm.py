@@ -15,7 +15,7 @@ from typing import Any  # noqa: E402
 
 import litellm  # noqa: E402
 import pytest  # noqa: E402
-from litellm.exceptions import InternalServerError  # noqa: E402
+from litellm.exceptions import BadRequestError, InternalServerError  # noqa: E402
 from litellm.router import Router as LiteLLMRouter  # noqa: E402
 
 from prefixroute import Candidate, LoadPolicy, Router  # noqa: E402
@@ -120,6 +120,26 @@ def test_an_error_finishes_the_request_and_a_retry_lands_elsewhere(
         assert served[int(first[-1])] == 1 and sum(served) == 2
         assert hook.router.stats().decisions == decisions + 2
         await settled(hook)
+
+    asyncio.run(run())
+
+
+def test_an_engines_refusal_forgets_the_prediction_and_a_server_error_keeps_it(
+    hook: PrefixRouteHook, engines: list[OpenAIEngine]
+) -> None:
+    """A 400 (vLLM's for a prompt past its context) reaches the failure callback as a ``BadRequestError`` with
+    ``status_code`` 400: the engine cached nothing, so the router forgets the blocks it predicted there."""
+
+    async def run() -> None:
+        plain = LiteLLMRouter(model_list=model_list(engines), num_retries=0)
+        for status, error in ((400, BadRequestError), (500, InternalServerError)):
+            for engine in engines:
+                engine.fail_next(1, status=status)
+            with pytest.raises(error):
+                await ask(plain, f"answered {status}")
+            await settled(hook)
+            held = sum(len(hook.router.index.hashes(backend)) for backend in ("gpu0", "gpu1", "gpu2"))
+            assert (held > 0) == (status == 500), status
 
     asyncio.run(run())
 

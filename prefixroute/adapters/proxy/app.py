@@ -25,7 +25,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 
 from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens
-from prefixroute.adapters.serve.contract import base_model_names, json_error, without_bom
+from prefixroute.adapters.serve.contract import base_model_names, is_refusal, json_error, without_bom
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.adapters.urls import check_backend_url
 from prefixroute.errors import ConfigurationError, PolicyError
@@ -352,7 +352,7 @@ class Proxy:
             if started:
                 # A 4xx answer (vLLM's 400 for a prompt past its context) is a refusal: the engine computed nothing,
                 # so the router forgets the blocks it predicted there. A 5xx or a broken connection is not.
-                refused = upstream is not None and 400 <= upstream.status < 500
+                refused = upstream is not None and is_refusal(upstream.status)
                 self.router.finish(decision, refused=refused)
             if upstream is not None and outcome != "ok":
                 upstream.close()  # a half-read answer closes its connection: the engine stops generating

@@ -70,13 +70,13 @@ class FinishBody(LifecycleBody):
 
 def is_refusal(status: int) -> bool:
     """Whether an HTTP status from the engine says it refused the request, computing nothing: a 4xx (vLLM's 400 for
-    a prompt past its context), except nginx's 499, which it logs for a client that left (the engine may have
-    computed part of the prompt). O(1).
+    a prompt past its context), except a timeout (408: LiteLLM's for an engine slow to answer) and nginx's 499, which
+    it logs for a client that left: the engine may have computed part of the prompt. O(1).
 
-    >>> is_refusal(400), is_refusal(499), is_refusal(500), is_refusal(200)
-    (True, False, False, False)
+    >>> is_refusal(400), is_refusal(429), is_refusal(408), is_refusal(499), is_refusal(500), is_refusal(200)
+    (True, True, False, False, False, False)
     """
-    return 400 <= status < 500 and status != 499
+    return 400 <= status < 500 and status not in (408, 499)
 
 
 Prompt = list[int] | str | list[dict[str, Any]]
