@@ -575,7 +575,8 @@ class Router:
                 )
 
     def finish(self, decision: Decision | str, *, refused: bool = False) -> None:
-        """Stop counting the request (its response ended, or it failed). Idempotent by id; never raises. O(log n).
+        """Stop counting the request (its response ended, or it failed). Idempotent by id; never raises for an id.
+        O(log n).
 
         A finish that matches no request in flight — a second finish, an expired lease, a request whose backend
         was removed, a decision of another router, an unknown id — is ignored and counted in
@@ -594,7 +595,12 @@ class Router:
         one never committed (:meth:`decide` alone). Not for a 5xx or a broken connection: the engine may have
         computed part of the prompt. O(n + r log n) for a prompt of n blocks and r requests in flight on that
         backend that share its first block. An index hook that raises is logged, not raised.
+
+        Raises:
+            TypeError: ``refused`` is not a bool (checked before anything changes: the only error finish raises).
         """
+        if refused is not True and refused is not False:
+            raise TypeError(f"finish(refused=...) takes True or False, not {type(refused).__name__}")
         decision_id = _id_of(decision)
         with self._lock:
             request = self._live.pop(decision_id, None)

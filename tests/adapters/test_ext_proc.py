@@ -84,7 +84,15 @@ def response_headers(status: str) -> Any:
 
 def test_a_4xx_response_finishes_the_request_refused_and_its_prediction_is_forgotten() -> None:
     hashes = Router(block_size=4).hasher.hash(list(range(40)))
-    for status, held, end in (("200", 10, True), ("400", 0, True), ("400", 0, False), ("500", 10, True)):
+    cases = (
+        ("200", 10, True),
+        ("400", 0, True),
+        ("400", 0, False),
+        ("500", 10, True),
+        ("", 10, True),
+        ("4²", 10, True),
+    )
+    for status, held, end in cases:
         sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
         run(sidecar, headers("/v1/completions"), body(PROMPT, end=True), response_headers(status),
             *([response_body(end=True)] if end else []))  # fmt: skip

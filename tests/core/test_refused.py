@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
+
 from prefixroute import PrefixIndex, Router
 from prefixroute.vllm import EventIndex
 
@@ -168,4 +170,16 @@ def test_an_index_hook_that_raises_is_logged_not_raised() -> None:
     decision = router.route(tokens(0, 3), ["gpu0"])
     router.start(decision)
     router.finish(decision, refused=True)
+    idle(router, "gpu0")
+
+
+@pytest.mark.parametrize("refused", [1, "yes", None, 0.0])
+def test_a_refused_that_is_not_a_bool_is_a_type_error_and_ends_nothing(refused: object) -> None:
+    router = Router(block_size=BLOCK)
+    decision = router.route(tokens(0, 5), ["gpu0"])
+    router.start(decision)
+    with pytest.raises(TypeError, match="True or False"):
+        router.finish(decision, refused=refused)  # type: ignore[arg-type]
+    assert router.in_flight("gpu0") == 1
+    router.finish(decision)
     idle(router, "gpu0")

@@ -68,7 +68,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     yield response
                 elif kind == "response_headers":
                     status = _header(request.response_headers.headers, ":status")
-                    refused = status.isdigit() and is_refusal(int(status))
+                    refused = status.isascii() and status.isdigit() and is_refusal(int(status))  # "²": not a digit
                     yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
                 elif kind == "response_body":
                     if decision_id is not None:
