@@ -196,8 +196,8 @@ class HarmOnAllInFlight(_FitVariant):
     """The default before 2026-12-03 (night): its prefill held up every request in flight, also those waiting for KV
     memory, ahead of it in vLLM's queue. On Mooncake's conversation trace on the default fleet (8 × codellama-13b on
     a100-40gb, not in the repository: 3,591 of its requests longer than one engine's KV cache, the rest an overload),
-    P99 TTFT 4,993 s at 0.96 req/s against 4,052 s at 1.10: short requests crowded onto one backend whose many
-    requests kept the long prompts away, and the others queued several times more prefill."""
+    P99 TTFT 5,088 s at 0.93 req/s against the default's 4,007 s at 1.08: short requests crowded onto one backend
+    whose many requests kept the long prompts away, and the others queued several times more prefill."""
 
     label = "harm on every request in flight"
 
