@@ -63,7 +63,7 @@ def test_bench_tokenize_prints_both_prompt_kinds_per_tokenizer() -> None:
 
 def test_default_variants_prints_a_row_per_variant() -> None:
     rows = [line for line in run("default_variants.py", "--quick", "--jobs", "1").splitlines() if line[-1:].isdigit()]
-    assert len(rows) == 15 and rows[0].startswith("predicted-ttft (the default)")  # the default and 14 variants
+    assert len(rows) == 16 and rows[0].startswith("predicted-ttft (the default)")  # the default and 15 variants
 
 
 def test_default_variants_classes_are_policies_the_simulator_can_name(monkeypatch: pytest.MonkeyPatch) -> None:
