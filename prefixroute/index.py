@@ -499,12 +499,23 @@ class PrefixIndex:
         The hook that decides what a refusal forgets; this class keeps predictions and inserted blocks in one
         store, so it removes those blocks whichever wrote them (the router passes only blocks that its commit added
         and no request in flight shares). A block with a held child left behind is a hole, as after :meth:`remove`.
-        O(G * (len(hashes) - start)). ``hashes`` are not validated (the router passes its hasher's).
+        O(G * len(hashes)): rare (a refusal), so its arguments are checked as :meth:`remove` checks them.
+
+        Raises:
+            TypeError: a hash is not an int, ``backend`` not a str, or ``start`` not an int (nothing is removed).
+            InvalidEventError: a hash is outside [0, 2**64) (nothing is removed).
+            ConfigurationError: ``start`` is negative (nothing is removed).
         """
+        hashes = _check_hashes(hashes)
+        _check_backend(backend)
+        if isinstance(start, bool) or not isinstance(start, int):
+            raise TypeError(f"start must be a block position (an int), not {type(start).__name__}")
+        if start < 0:
+            raise ConfigurationError(f"start must be a block position >= 0, not {start}")
         store = self._stores.get(backend)
         if store is None or start >= len(hashes):
             return
-        store.discard(hashes[max(start, 0) :])
+        store.discard(hashes[start:])
         if not store.size:
             self._detach(backend)
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from prefixroute import PrefixIndex, Router
+from prefixroute import ConfigurationError, InvalidEventError, PrefixIndex, Router
 from prefixroute.vllm import EventIndex
 
 from ..conftest import FakeClock
@@ -183,3 +183,29 @@ def test_a_refused_that_is_not_a_bool_is_a_type_error_and_ends_nothing(refused: 
     assert router.in_flight("gpu0") == 1
     router.finish(decision)
     idle(router, "gpu0")
+
+
+@pytest.mark.parametrize(
+    ("hashes", "backend", "start", "error"),
+    [
+        ("abc", "gpu0", 0, TypeError),
+        (None, "gpu0", 0, TypeError),
+        ([1.5], "gpu0", 0, TypeError),
+        ([2**70], "gpu0", 0, InvalidEventError),
+        ([1], 5, 0, TypeError),
+        ([1], "gpu0", "x", TypeError),
+        ([1], "gpu0", True, TypeError),
+        ([1], "gpu0", 3.5, TypeError),
+        ([1], "gpu0", -1, ConfigurationError),
+    ],
+)
+def test_retract_called_directly_checks_its_arguments_and_removes_nothing(
+    hashes: object, backend: object, start: object, error: type[Exception]
+) -> None:
+    router = Router(block_size=BLOCK)
+    prompt = tokens(0, 5)
+    router.route(prompt, ["gpu0"])
+    with pytest.raises(error):
+        router.index.retract(hashes, backend, start)  # type: ignore[arg-type]
+    router.index._check()
+    assert held(router, prompt, "gpu0") == 5
