@@ -22,6 +22,7 @@ from tokenizers import Tokenizer
 
 from prefixroute import LoadPolicy, Router
 from prefixroute.adapters.serve import PromptEncoder, Sidecar, release_ids, upstream_of
+from prefixroute.adapters.serve.contract import is_refusal
 from prefixroute.adapters.serve.loopback import free_port, start_sidecar
 from prefixroute.adapters.serve.release import ReleaseProtocol, refused
 from prefixroute.errors import ConfigurationError
@@ -415,6 +416,9 @@ def test_a_release_line_with_a_4xx_status_finishes_the_request_refused() -> None
     assert [refused(line) for line in (b"status=400", b"x status=429 y", b"status=499", b"status=500")] == [
         True, True, False, False]  # fmt: skip
     assert not any(map(refused, (b"status=4000", b"upstream_status=400", b"prefixroute_finish=a", b"status=40")))
+    for status in ("400", True, 400.0, None):
+        with pytest.raises(TypeError, match="an HTTP status is an int"):
+            is_refusal(status)  # type: ignore[arg-type]
     sidecar = Sidecar(Router(block_size=16), backends=BACKENDS)
     decisions = [call(sidecar, "POST", "/route", {"prompt_token_ids": ids(64, start=s)}).json() for s in (0, 500)]
     # Two log lines in one datagram, each with its own status: only the refused one forgets its blocks.

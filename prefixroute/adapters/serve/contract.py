@@ -75,7 +75,12 @@ def is_refusal(status: int) -> bool:
 
     >>> is_refusal(400), is_refusal(429), is_refusal(408), is_refusal(499), is_refusal(500), is_refusal(200)
     (True, True, False, False, False, False)
+
+    Raises:
+        TypeError: ``status`` is not an int (a str from a header: convert it first).
     """
+    if isinstance(status, bool) or not isinstance(status, int):
+        raise TypeError(f"an HTTP status is an int such as 400, not {type(status).__name__}")
     return 400 <= status < 500 and status not in (408, 499)
 
 
