@@ -255,8 +255,8 @@ def test_concurrent_routes_namespaces_removals_capacity_changes_and_clears_leave
                 router.first_token(decision)
             if rng.random() < 0.1:  # sent elsewhere after it started (a retry): the count moves
                 router.start(router.commit(decision, rng.choice([c.backend for c in decision.candidates])))
-            if rng.random() < 0.9:  # the rest are abandoned: their leases end them
-                router.finish(decision)
+            if rng.random() < 0.9:  # the rest are abandoned: their leases end them; some the engine refused
+                router.finish(decision, refused=rng.random() < 0.3)
             if rng.random() < 0.05:
                 router.finish(decision)  # a duplicate finish
 
