@@ -4,10 +4,10 @@ nginx and HAProxy write their access log when a request is over (its response se
 both can send it as a syslog datagram. A log format carrying ``prefixroute_finish=<id>`` turns that line into the
 release of the decision: exactly at the end of the stream, with nothing on the request's path. Any text may
 surround the token (syslog headers, other fields); ``prefixroute_first_token=<id>`` is read too. A ``status=<code>``
-field on the same line that is a refusal (:func:`~prefixroute.adapters.serve.contract.is_refusal`: a 4xx but nginx's
-499) finishes the request refused, so the router forgets the blocks it predicted there; the example configurations
-log it. A lost datagram is covered by the request's lease. The listener trusts whoever can reach it: bind it to
-loopback.
+field on the same line that is a refusal (:func:`~prefixroute.adapters.serve.contract.is_refusal`: a 4xx but a
+timeout or nginx's 499) finishes the request refused, so the router forgets the blocks it predicted there; the
+example configurations log it. A lost datagram is covered by the request's lease. The listener trusts whoever can
+reach it: bind it to loopback.
 
 >>> release_ids(b"<190>nginx: prefixroute_finish=ab12-3f status=200")
 [('finish', 'ab12-3f')]
