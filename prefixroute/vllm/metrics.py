@@ -44,7 +44,8 @@ _CHARS_PER_DEADLINE_CHECK = 1 << 16  # about 15 ms of parsing: the clock is read
 class EngineMetrics:
     """One scrape of a vLLM engine, summed over its label sets (models, engines, data-parallel ranks).
 
-    A figure the text does not expose is None. ``kv_usage`` is the mean over engines (a fraction, 1 = full).
+    A figure the text does not expose is None. ``kv_usage`` is the mean over engines (a fraction, 1 = full);
+    ``num_gpu_blocks`` the sum of the engines' (data-parallel engines behind one server each report theirs).
     ``ttft_buckets`` holds ``(upper bound in seconds, cumulative count)`` pairs, sorted, ending with ``+inf``;
     ``ttft_count`` is the histogram's ``_count``, or its last bucket's count when the text has no ``_count``.
     Every figure is finite and non-negative; ``block_size`` and ``num_gpu_blocks`` are positive.
@@ -114,7 +115,12 @@ def parse_metrics(text: str, *, deadline: float | None = None) -> EngineMetrics:
                     continue
                 if name in (_CACHE_INFO, _CACHE_INFO[: -len("_info")]):
                     block_size = _int_label(sample.labels, "block_size", block_size)
-                    num_gpu_blocks = _int_label(sample.labels, "num_gpu_blocks", num_gpu_blocks)
+                    engine_blocks = _int_label(sample.labels, "num_gpu_blocks", None)
+                    if engine_blocks is not None:  # one series per engine: a server's capacity is their sum
+                        num_gpu_blocks = engine_blocks + (num_gpu_blocks or 0)
+                        if num_gpu_blocks > _MAX_GPU_BLOCKS:
+                            raise MetricsError(f"{_CACHE_INFO}'s num_gpu_blocks sum to {num_gpu_blocks}, over "
+                                               f"{_MAX_GPU_BLOCKS}")  # fmt: skip
                     continue
                 total = sums.get(name, 0.0)
                 sums[name] = _add(total, value, name) if name.startswith("vllm:") else total + value
