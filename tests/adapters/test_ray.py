@@ -82,9 +82,16 @@ def settled(handle: Handle) -> PrefixRouteRequestRouter:
 
 
 def test_the_same_prefix_goes_to_the_same_replica(handle: Handle) -> None:
-    replicas = {handle.remote({"prompt": [*PREFIX, i]}).result() for i in range(5)}
+    # One after another, each once Ray has reported the one before complete (a moment after its result): until then
+    # it still counts in flight, and with nothing cached elsewhere to lose, load may rightly send the next elsewhere.
+    replicas, chats = set(), set()
     chat = [{"role": "system", "content": "You are terse. " * 20}]
-    chats = {handle.remote({"messages": [*chat, {"role": "user", "content": str(i)}]}).result() for i in range(3)}
+    for i in range(5):
+        replicas.add(handle.remote({"prompt": [*PREFIX, i]}).result())
+        settled(handle)
+    for i in range(3):
+        chats.add(handle.remote({"messages": [*chat, {"role": "user", "content": str(i)}]}).result())
+        settled(handle)
     assert len(replicas) == 1 and len(chats) == 1
     router = settled(handle)
     assert router.router.stats().commits >= 8
@@ -120,7 +127,7 @@ def test_streams_and_requests_the_caller_cancels_are_finished(handle: Handle) ->
     running.cancel()
     busy = [handle.remote({"prompt": [*PREFIX, i], "sleep": 1.5}) for i in range(3 * 32)]  # every slot taken
     time.sleep(0.5)
-    queued: Any = handle.remote({"prompt": PREFIX})
+    queued: Any = handle.remote({"prompt": PREFIX, "sleep": 5})  # still running if a slow machine gave it a slot
     time.sleep(0.3)
     queued.cancel()
     for response in (running, queued):
