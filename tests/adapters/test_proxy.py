@@ -140,6 +140,8 @@ def test_a_refused_connection_is_retried_once_on_another_backend(healthy: list[O
             assert reply.status_code == 200
             assert reply.headers["x-prefixroute-backend"] != chosen
         assert sum(served_by(healthy)) - sum(before) == 2 and refused.stats().requests == before[urls.index(chosen)]
+        # The unreachable backend never got the prompt: the router forgot the blocks its first choice predicted there.
+        assert proxy.router.index.match(proxy.router.hasher.hash(prompt), [chosen]) == {chosen: 0}
         wait_until(lambda: proxy.stats().ok == 2)  # a stream is counted once its handler ends, after the client's read
         stats = proxy.stats()
         assert (stats.retries, stats.ok, stats.unhealthy) == (1, 2, (chosen,))  # the second never tried it

@@ -6,7 +6,8 @@ that list that model (decide and commit under one lock) and :meth:`Router.start`
 relay the answer unmodified (SSE chunk by chunk), :meth:`Router.first_token` on the first streamed chunk, and
 :meth:`Router.finish` in a ``finally`` whatever happens: success, an error answer, a failed connection, or the
 client leaving (the handler is cancelled, which also closes the upstream request so the engine stops generating).
-A 4xx answer is finished ``refused=True``: the engine computed nothing, so the router forgets what it predicted.
+A 4xx answer, or an attempt on a backend that could not be reached, is finished ``refused=True``: the engine
+computed nothing, so the router forgets what it predicted there.
 """
 
 from __future__ import annotations
@@ -321,7 +322,7 @@ class Proxy:
                 try:
                     upstream = await session.post(decision.backend + request.path_qs, data=raw, headers=headers)
                 except _UNREACHED as exc:
-                    self.router.finish(decision)
+                    self.router.finish(decision, refused=True)  # never reached the engine: it cached nothing there
                     started = False
                     self._failed(decision.backend)
                     tried.append(decision.backend)
