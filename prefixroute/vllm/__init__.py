@@ -28,6 +28,7 @@ from prefixroute.vllm.events import (
 from prefixroute.vllm.fleet import BackendStats, Fleet, FleetStats
 from prefixroute.vllm.index import EventIndex
 from prefixroute.vllm.metrics import EngineMetrics, fetch_metrics, parse_metrics
+from prefixroute.vllm.ranks import RankMerge, rank_endpoint
 from prefixroute.vllm.subscriber import KVEventSubscriber, SubscriberStats
 from prefixroute.vllm.tracker import BlockTracker, IndexWriter, TrackerStats, lora_namespace
 
@@ -46,10 +47,12 @@ __all__ = [
     "IndexWriter",
     "KVCacheEvent",
     "KVEventSubscriber",
+    "RankMerge",
     "SubscriberStats",
     "TrackerStats",
     "encode_batch",
     "fetch_metrics",
     "lora_namespace",
     "parse_metrics",
+    "rank_endpoint",
 ]

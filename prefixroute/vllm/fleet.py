@@ -12,21 +12,24 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, fields
 from types import TracebackType
 
 import httpx
 
+from prefixroute._numbers import shown
 from prefixroute.errors import ConfigurationError, MetricsError
 from prefixroute.hashing import namespace_seed
 from prefixroute.index import IndexUpdate
 from prefixroute.router import Router
-from prefixroute.vllm._checks import check_seconds
+from prefixroute.vllm._checks import check_count, check_endpoint, check_seconds
 from prefixroute.vllm.index import EventIndex
 from prefixroute.vllm.metrics import EngineMetrics, fetch_metrics
 from prefixroute.vllm.metrics import metrics_url as _metrics_endpoint
+from prefixroute.vllm.ranks import RankMerge, rank_endpoint
 from prefixroute.vllm.subscriber import KVEventSubscriber, SubscriberStats
+from prefixroute.vllm.tracker import IndexWriter, TrackerStats
 
 __all__ = ["BackendStats", "Fleet", "FleetStats"]
 
@@ -52,7 +55,13 @@ class BackendStats:
     engine_block_size: int | None
     num_gpu_blocks: int | None
     events: SubscriberStats | None
-    """The KV-event subscriber's counters; None without ``kv_events``."""
+    """The KV-event subscriber's counters; None without ``kv_events``. For a data-parallel backend (several
+    ``kv_events`` endpoints) the ranks' counters summed (the tracker's too), with ``last_seq`` the lowest rank's,
+    ``last_lag_s`` the latest rank's (the largest), and ``blocks_held`` the distinct blocks any rank holds (what the
+    backend's index holds); each rank's own are in ``ranks``."""
+    ranks: tuple[SubscriberStats, ...] = ()
+    """Each KV-event subscriber's counters, one per endpoint in the order given (one per data-parallel rank);
+    empty without ``kv_events``."""
 
 
 @dataclass(frozen=True)
@@ -146,21 +155,33 @@ class Fleet:
         self,
         backend: str,
         *,
-        kv_events: str | None = None,
-        replay: str | None = None,
+        kv_events: str | Sequence[str] | None = None,
+        replay: str | Sequence[str] | None = None,
         topic: str = "",
         metrics_url: str | None = None,
         namespace: str | bytes | None = None,
+        data_parallel_size: int | None = None,
     ) -> None:
         """Start watching ``backend``: its KV events (``kv_events``, ``replay``, ``topic``) and its ``/metrics``.
 
         ``namespace`` is what the events' tokens are hashed in: the router's by default (it must be what
         ``route()`` uses). Starts one thread per endpoint; returns at once.
 
+        A server run with data parallelism (``--data-parallel-size N`` behind one API server) publishes each rank's
+        events on its own endpoint, vLLM offsetting the configured port by the rank. Give them as a list
+        (``kv_events=["tcp://gpu0:5557", "tcp://gpu0:5558"]``, ``replay`` then None or a list as long), or give
+        the configured endpoints with ``data_parallel_size=N`` and the N are derived as vLLM derives them
+        (:func:`~prefixroute.vllm.ranks.rank_endpoint`: ``tcp://`` ports + rank). Each rank gets its own
+        subscriber, and the backend's index holds a block while any rank holds it (a
+        :class:`~prefixroute.vllm.ranks.RankMerge` counts the ranks holding each block): one rank's eviction,
+        ``AllBlocksCleared`` or restart drops only what no other rank holds.
+
         Raises:
             ConfigurationError: the backend is already in the fleet, the fleet is closed, an endpoint is malformed,
-                ``replay`` comes without ``kv_events``, or ``kv_events`` is given to a router whose index is not an
-                :class:`~prefixroute.vllm.EventIndex`.
+                ``replay`` comes without ``kv_events``, ``kv_events`` is given to a router whose index is not an
+                :class:`~prefixroute.vllm.EventIndex`, a list of endpoints is empty, repeats one, or its
+                ``replay`` list differs in length, or ``data_parallel_size`` is not a positive int, differs from the
+                list's length, comes without ``kv_events``, or cannot offset the endpoints.
             TypeError: ``backend`` is not a str, ``namespace`` not a str, bytes or None.
         """
         if not isinstance(backend, str):
@@ -168,11 +189,18 @@ class Fleet:
         namespace_seed(namespace)  # a TypeError here, with or without kv_events, not in a thread later
         if replay is not None and kv_events is None:
             raise ConfigurationError(f"replay={replay!r} without kv_events: pass the engine's publisher endpoint too")
+        if data_parallel_size is not None:
+            check_count(data_parallel_size, "data_parallel_size")
+            if kv_events is None:
+                raise ConfigurationError(
+                    f"data_parallel_size={data_parallel_size} without kv_events: pass the server's publisher endpoint"
+                )
         if kv_events is not None and not isinstance(self._router.index, EventIndex):
             raise ConfigurationError(
                 "kv_events needs a router that reads the events: build it with "
                 "Router(index=prefixroute.vllm.EventIndex(block_size)), not a prediction index"
             )
+        streams = [] if kv_events is None else _rank_streams(kv_events, replay, data_parallel_size)
         if metrics_url is not None and (
             not isinstance(metrics_url, str) or not metrics_url.startswith(("http://", "https://"))
         ):
@@ -181,15 +209,20 @@ class Fleet:
             )
         gate = _Gate(self._router)
         member = _Member(backend, gate)
-        if kv_events is not None:
-            member.subscriber = KVEventSubscriber(
-                gate,
+        writer: IndexWriter = gate
+        if len(streams) > 1:
+            writer = member.merge = RankMerge(gate)
+        member.subscribers = [
+            KVEventSubscriber(
+                writer,
                 backend,
-                kv_events,
-                replay_endpoint=replay,
+                endpoint,
+                replay_endpoint=replay_endpoint,
                 topic=topic,
                 namespace=namespace if namespace is not None else self._router.hasher.namespace,
             )
+            for endpoint, replay_endpoint in streams
+        ]
         if metrics_url is not None:
             member.poller = _Poller(self, backend, _metrics_endpoint(metrics_url), gate)
         with self._lock:
@@ -198,8 +231,8 @@ class Fleet:
             if backend in self._members:
                 raise ConfigurationError(f"backend {backend!r} is already in the fleet: remove_backend() it first")
             self._members[backend] = member
-        if member.subscriber is not None:
-            member.subscriber.start()
+        for subscriber in member.subscribers:
+            subscriber.start()
         if member.poller is not None:
             member.poller.start()
 
@@ -267,10 +300,17 @@ class Fleet:
         return [b for b in names if b not in members or members[b].healthy(now)]
 
     def subscriber(self, backend: str) -> KVEventSubscriber | None:
-        """``backend``'s KV-event subscriber (for :meth:`RouterMetrics.watch_subscriber`), None without one."""
+        """``backend``'s KV-event subscriber (for :meth:`RouterMetrics.watch_subscriber`), None without one; of a
+        data-parallel backend, rank 0's (:meth:`subscribers` gives them all)."""
+        subscribers = self.subscribers(backend)
+        return subscribers[0] if subscribers else None
+
+    def subscribers(self, backend: str) -> list[KVEventSubscriber]:
+        """``backend``'s KV-event subscribers, one per endpoint in the order given (one per data-parallel rank);
+        empty without ``kv_events`` or for a backend the fleet does not have."""
         with self._lock:
             member = self._members.get(backend)
-        return None if member is None else member.subscriber
+        return [] if member is None else list(member.subscribers)
 
     def stats(self) -> FleetStats:
         """A snapshot of every backend's health, figures and counters. O(B)."""
@@ -329,7 +369,8 @@ class _Member:
     def __init__(self, backend: str, gate: _Gate) -> None:
         self.backend = backend
         self.gate = gate
-        self.subscriber: KVEventSubscriber | None = None
+        self.subscribers: list[KVEventSubscriber] = []  # one per data-parallel rank
+        self.merge: RankMerge | None = None  # between the subscribers and the gate, with several ranks
         self.poller: _Poller | None = None
 
     def healthy(self, now: float) -> bool:
@@ -342,16 +383,19 @@ class _Member:
     def stop(self) -> None:
         self.gate.close()
         self.signal_stop()
-        if self.subscriber is not None:
-            self.subscriber.stop()
+        for subscriber in self.subscribers:
+            subscriber.stop()
         if self.poller is not None:
             self.poller.stop()
 
     def stats(self, now: float) -> BackendStats:
-        events = None if self.subscriber is None else self.subscriber.stats()
+        ranks = tuple(subscriber.stats() for subscriber in self.subscribers)
+        events = _summed(ranks, self.merge.blocks(self.backend)) if self.merge is not None else None
+        if events is None and ranks:
+            events = ranks[0]
         if self.poller is None:
-            return BackendStats(self.backend, True, None, 0, 0, None, None, None, None, None, events)
-        return self.poller.stats(now, events)
+            return BackendStats(self.backend, True, None, 0, 0, None, None, None, None, None, events, ranks)
+        return self.poller.stats(now, events, ranks)
 
 
 class _Poller:
@@ -394,7 +438,7 @@ class _Poller:
             since = self._added_at if self._ok_at is None else self._ok_at
         return now - since <= self._fleet._stale_after
 
-    def stats(self, now: float, events: SubscriberStats | None) -> BackendStats:
+    def stats(self, now: float, events: SubscriberStats | None, ranks: tuple[SubscriberStats, ...]) -> BackendStats:
         healthy = self.healthy(now)
         with self._lock:
             metrics = self._metrics if self._error is None else None
@@ -410,6 +454,7 @@ class _Poller:
                 None if self._metrics is None else self._metrics.block_size,
                 None if self._metrics is None else self._metrics.num_gpu_blocks,
                 events,
+                ranks,
             )
 
     def _run(self) -> None:
@@ -493,3 +538,67 @@ def _queue_len(metrics: EngineMetrics | None) -> int | None:
     if waiting is None or not math.isfinite(waiting) or not 0 <= waiting < 2**63:
         return None
     return int(waiting)
+
+
+def _rank_streams(
+    kv_events: str | Sequence[str], replay: str | Sequence[str] | None, data_parallel_size: int | None
+) -> list[tuple[str, str | None]]:
+    """``(endpoint, replay endpoint)`` per data-parallel rank, checked; see :meth:`Fleet.add_backend`."""
+    if isinstance(kv_events, str):
+        if replay is not None and not isinstance(replay, str):
+            raise ConfigurationError(
+                f"replay must be one endpoint like 'tcp://gpu0:5558' with one kv_events endpoint, not {shown(replay)}"
+            )
+        if data_parallel_size is None:
+            return [(kv_events, replay)]
+        return [
+            (rank_endpoint(kv_events, rank), None if replay is None else rank_endpoint(replay, rank))
+            for rank in range(data_parallel_size)
+        ]
+    if not isinstance(kv_events, (list, tuple)):
+        raise ConfigurationError(
+            f"kv_events must be a ZMQ address like 'tcp://gpu0:5557', or a list of them (one per data-parallel rank), "
+            f"not {shown(kv_events)}"
+        )
+    if not kv_events:
+        raise ConfigurationError("kv_events is an empty list: give at least one endpoint (one per data-parallel rank)")
+    if data_parallel_size is not None and data_parallel_size != len(kv_events):
+        raise ConfigurationError(
+            f"data_parallel_size={data_parallel_size} but kv_events lists {len(kv_events)} endpoints: give one "
+            "endpoint per rank, or one endpoint with data_parallel_size"
+        )
+    endpoints = [check_endpoint(e, f"kv_events[{i}]", "tcp://gpu0:5557") for i, e in enumerate(kv_events)]
+    if replay is None:
+        replays: list[str | None] = [None] * len(endpoints)
+    elif not isinstance(replay, (list, tuple)) or len(replay) != len(endpoints):
+        raise ConfigurationError(
+            f"replay must be None or a list of {len(endpoints)} endpoints, one per kv_events endpoint (rank), "
+            f"not {shown(replay)}"
+        )
+    else:
+        replays = [check_endpoint(r, f"replay[{i}]", "tcp://gpu0:5558") for i, r in enumerate(replay)]
+    for given, name in ((endpoints, "kv_events"), ([r for r in replays if r is not None], "replay")):
+        if len(set(given)) != len(given):
+            raise ConfigurationError(
+                f"{name} lists an endpoint twice ({given!r}): each data-parallel rank publishes on its own"
+            )
+    return list(zip(endpoints, replays, strict=True))
+
+
+def _summed(ranks: tuple[SubscriberStats, ...], blocks_held: int) -> SubscriberStats:
+    """The counters of a data-parallel backend's subscribers as one stream's: see :attr:`BackendStats.events`."""
+    lags = [r.last_lag_s for r in ranks if r.last_lag_s is not None]
+    tracker = TrackerStats(**{f.name: sum(getattr(r.tracker, f.name) for r in ranks) for f in fields(TrackerStats)})
+    counters = {
+        f.name: sum(getattr(r, f.name) for r in ranks)
+        for f in fields(SubscriberStats)
+        if f.name not in ("backend", "last_seq", "last_lag_s", "blocks_held", "tracker")
+    }
+    return SubscriberStats(
+        backend=ranks[0].backend,
+        last_seq=min(r.last_seq for r in ranks),
+        last_lag_s=max(lags) if lags else None,
+        blocks_held=blocks_held,
+        tracker=tracker,
+        **counters,
+    )

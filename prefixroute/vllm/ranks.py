@@ -1,0 +1,162 @@
+"""The KV events of one vLLM server's data-parallel ranks, merged into one backend's index.
+
+A server run with ``--data-parallel-size N`` behind one API server has N engines, each with its own prefix cache,
+publishing its own event stream on its own endpoint (vLLM offsets the configured port by the rank:
+:func:`rank_endpoint`). The router sees one backend: it holds a block while *any* rank holds it. One subscriber per
+rank, each writing the backend's index directly, would undo each other: rank 0 evicting a block would remove it
+although rank 1 still holds it. :class:`RankMerge` sits between the ranks' subscribers and the index and counts the
+ranks holding each block.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+from prefixroute._numbers import shown
+from prefixroute.errors import ConfigurationError
+from prefixroute.index import IndexUpdate
+from prefixroute.vllm._checks import check_endpoint
+from prefixroute.vllm.tracker import IndexOps, IndexWriter
+
+__all__ = ["RankMerge", "rank_endpoint"]
+
+
+class RankMerge:
+    """An :class:`~prefixroute.vllm.IndexWriter` that the subscribers of one backend's data-parallel ranks share:
+    the backend's index holds a block while at least one rank holds it.
+
+    Each rank's subscriber (its :class:`~prefixroute.vllm.BlockTracker`) writes a block's store once, when that rank
+    starts holding it, and its removal once, when the rank stops (an eviction, the rank's ``AllBlocksCleared``, its
+    restart or :meth:`KVEventSubscriber.reset`). So counting stores and removals per (backend, block) counts the
+    ranks holding it: a store passes through (the chain's parent is held by the storing rank, hence in the index, so
+    the index stays prefix-closed as it is with one stream); a removal reaches ``writer`` only for the blocks no rank
+    holds any more. A removal of a block never stored here passes through (the index cannot hold it for a rank).
+
+    Thread-safe: the count and the write to ``writer`` happen under one lock, so ``writer`` sees every block's stores
+    and removals in the order the counts changed. O(hashes) per write, plus ``writer``'s time; one int per block
+    held (by any rank).
+
+    >>> from prefixroute import Router
+    >>> router = Router(block_size=16)
+    >>> merge = RankMerge(router)
+    >>> merge.write("gpu0", [(True, [11, 12], None)])   # rank 0 stores blocks 11, 12
+    >>> merge.write("gpu0", [(True, [11], None)])       # rank 1 stores block 11
+    >>> merge.write("gpu0", [(False, [11, 12], None)])  # rank 0 evicts both: rank 1 still holds 11
+    >>> sorted(router.index.hashes("gpu0")), merge.holders("gpu0", 11)
+    ([11], 1)
+
+    Raises:
+        TypeError: ``writer`` has no ``write`` method or no int ``block_size``.
+    """
+
+    def __init__(self, writer: IndexWriter) -> None:
+        block_size = getattr(writer, "block_size", None)
+        if (
+            not callable(getattr(writer, "write", None))
+            or isinstance(block_size, bool)
+            or not isinstance(block_size, int)
+        ):
+            raise TypeError(
+                f"writer must be an IndexWriter (a Router, or anything with write(backend, updates) and an int "
+                f"block_size), not {type(writer).__name__}"
+            )
+        self._writer = writer
+        self._lock = threading.Lock()
+        self._holders: dict[str, dict[int, int]] = {}  # backend -> block hash -> ranks holding it
+
+    @property
+    def block_size(self) -> int:
+        """The block size of ``writer`` (what the subscribers hash with)."""
+        return self._writer.block_size
+
+    def write(self, backend: str, updates: Iterable[IndexUpdate]) -> None:
+        """Count ``updates`` (one rank's, in order) and write ``writer`` what changes the merged index.
+
+        Stores pass through; each removal keeps only the blocks that no rank holds any more (an update left with
+        no block is dropped). An exception from ``writer`` propagates after the counts changed: the counts follow
+        the ranks (as the subscribers' trackers do), not what reached the index.
+
+        Raises:
+            TypeError: ``backend`` is not a str, or an update is not a ``(stored, hashes, parent)`` tuple
+                (nothing counted).
+        """
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a str id, not {type(backend).__name__}")
+        updates = list(updates)
+        for update in updates:
+            if not isinstance(update, tuple) or len(update) != 3:
+                raise TypeError(f"an index update is a (stored, hashes, parent) tuple, not {shown(update)}")
+        with self._lock:
+            holders = self._holders.setdefault(backend, {})
+            merged: IndexOps = []
+            for stored, hashes, parent in updates:
+                if stored:
+                    for h in hashes:
+                        holders[h] = holders.get(h, 0) + 1
+                    merged.append((True, hashes, parent))
+                    continue
+                dead: list[int] = []
+                for h in hashes:
+                    held = holders.get(h, 0) - 1
+                    if held > 0:
+                        holders[h] = held
+                    else:
+                        holders.pop(h, None)
+                        dead.append(h)
+                if dead:
+                    merged.append((False, dead, None))
+            if not holders:
+                del self._holders[backend]
+            if merged:
+                self._writer.write(backend, merged)
+
+    def holders(self, backend: str, block_hash: int) -> int:
+        """How many ranks hold ``block_hash`` for ``backend``, as their subscribers wrote. O(1)."""
+        with self._lock:
+            return self._holders.get(backend, {}).get(block_hash, 0)
+
+    def blocks(self, backend: str) -> int:
+        """How many distinct blocks at least one rank of ``backend`` holds. O(1)."""
+        with self._lock:
+            return len(self._holders.get(backend, ()))
+
+    def __repr__(self) -> str:
+        with self._lock:
+            counts = {backend: len(held) for backend, held in self._holders.items()}
+        return f"RankMerge(blocks={counts!r})"
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """The endpoint data-parallel rank ``rank`` publishes on when the server is configured with ``endpoint``.
+
+    As vLLM's ``ZmqEventPublisher.offset_endpoint_port``: rank 0 keeps ``endpoint``; a ``tcp://`` port grows by
+    the rank, an ``inproc://`` name gets ``_dp<rank>`` appended. vLLM does not offset ``ipc://`` addresses (it
+    refuses them with data parallelism): list each rank's endpoint yourself then.
+
+    >>> rank_endpoint("tcp://gpu0:5557", 0), rank_endpoint("tcp://gpu0:5557", 3), rank_endpoint("inproc://kv", 1)
+    ('tcp://gpu0:5557', 'tcp://gpu0:5560', 'inproc://kv_dp1')
+
+    Raises:
+        ConfigurationError: ``endpoint`` is not a ZMQ address to connect to, is an ``ipc://`` one (for a rank
+            above 0), or its port plus ``rank`` is past 65535; ``rank`` is not an int >= 0.
+    """
+    check_endpoint(endpoint, "endpoint", "tcp://gpu0:5557")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ConfigurationError(f"rank must be an int >= 0, not {shown(rank)}")
+    if rank == 0:
+        return endpoint
+    scheme, _, address = endpoint.partition("://")
+    if scheme == "inproc":
+        return f"{endpoint}_dp{rank}"
+    if scheme != "tcp":
+        raise ConfigurationError(
+            f"vLLM does not offset {endpoint!r} for data-parallel rank {rank} (only tcp:// ports and inproc:// names): "
+            "pass each rank's endpoint in a list instead of data_parallel_size"
+        )
+    host, _, port = address.rpartition(":")
+    if int(port) + rank > 65535:
+        raise ConfigurationError(
+            f"{endpoint!r} offset by data-parallel rank {rank} is past port 65535: configure vLLM with a lower port"
+        )
+    return f"tcp://{host}:{int(port) + rank}"
