@@ -85,9 +85,11 @@ class Fleet:
 
     :meth:`add_backend` takes a backend id (as passed to ``route()``) and its endpoints: ``kv_events`` (the engine's
     ``--kv-events-config`` publisher, ``tcp://gpu0:5557``) with ``replay`` (its replay endpoint), and ``metrics_url``
-    (``http://gpu0:8000``, ``/metrics`` appended). KV events need a router built on an
-    :class:`~prefixroute.vllm.EventIndex`; the metrics poller sets each backend's index capacity from vLLM's
-    ``num_gpu_blocks`` only when the router's index holds predictions (with events, the events carry evictions).
+    (``http://gpu0:8000``, ``/metrics`` appended); a data-parallel server's ``kv_events`` are one endpoint per rank
+    (a list, or ``data_parallel_size``), merged so the backend holds a block while any rank does. KV events need a
+    router built on an :class:`~prefixroute.vllm.EventIndex`; the metrics poller sets each backend's index capacity
+    from vLLM's ``num_gpu_blocks`` only when the router's index holds predictions (with events, the events carry
+    evictions).
 
     Every ``interval`` seconds each backend's ``/metrics`` is read in that backend's own thread, the whole read
     bounded by ``timeout``, so a slow engine never delays the others. After each scrape the router gets the

@@ -1,0 +1,205 @@
+"""A data-parallel vLLM server: one backend, one KV-event stream per rank (each on its own real ZMQ socket), merged
+so the backend's index holds a block while any rank holds it; the endpoints' checks; RankMerge on its own."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from prefixroute import BlockHasher, ConfigurationError, Router
+from prefixroute.testing import FakeVLLM
+from prefixroute.vllm import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    Fleet,
+    KVEventSubscriber,
+    RankMerge,
+    encode_batch,
+    rank_endpoint,
+)
+
+from ..conftest import wait_until
+from .conftest import events_router, settle
+
+TOKENS = [random.Random(7).randrange(30_000) for _ in range(48)]  # 3 blocks of 16
+H = BlockHasher(16).hash(TOKENS)  # their own hashes: what the index holds
+
+
+@pytest.fixture
+def ranks() -> Iterator[tuple[FakeVLLM, FakeVLLM]]:
+    with FakeVLLM(num_blocks=64, seed=1) as rank0, FakeVLLM(num_blocks=64, seed=2) as rank1:
+        yield rank0, rank1
+
+
+def publish(engine: FakeVLLM, sub: KVEventSubscriber, *events: BlockStored | BlockRemoved | AllBlocksCleared) -> None:
+    """Publish ``events`` as the engine's next batch and wait until ``sub`` has applied it."""
+    seq = engine.seq
+    engine.publish_payload(encode_batch(EventBatch(time.time(), list(events))))
+    wait_until(lambda: sub.last_seq >= seq, what=f"batch {seq} applied")
+
+
+def stored(vllm_hashes: list[int | bytes], blocks: int) -> BlockStored:
+    return BlockStored(vllm_hashes, None, TOKENS[: blocks * 16], 16, medium="GPU")
+
+
+def test_a_block_stays_while_any_rank_holds_it(ranks: tuple[FakeVLLM, FakeVLLM]) -> None:
+    rank0, rank1 = ranks
+    router = events_router()
+    with Fleet(router) as fleet:
+        fleet.add_backend(
+            "dp", kv_events=[rank0.endpoint, rank1.endpoint], replay=[rank0.replay_endpoint, rank1.replay_endpoint]
+        )
+        sub0, sub1 = fleet.subscribers("dp")
+        assert fleet.subscriber("dp") is sub0 and (sub0.endpoint, sub1.endpoint) == (rank0.endpoint, rank1.endpoint)
+        settle(rank0, sub0)
+        settle(rank1, sub1)
+
+        def held() -> list[bool]:
+            return [router.index.holds(h, "dp") for h in H]
+
+        # Overlapping stores: rank 0 holds blocks 0-2, rank 1 blocks 0-1 (its own vLLM hashes, the same tokens).
+        publish(rank0, sub0, stored([101, 102, 103], 3))
+        publish(rank1, sub1, stored([201, 202], 2))
+        assert held() == [True, True, True]
+        # Rank 0 evicts blocks 1 and 2: block 2 goes, block 1 stays (rank 1 holds it).
+        publish(rank0, sub0, BlockRemoved([103, 102], medium="GPU"))
+        assert held() == [True, True, False]
+        # Rank 1 evicts block 1 too: no rank holds it any more.
+        publish(rank1, sub1, BlockRemoved([202], medium="GPU"))
+        assert held() == [True, False, False]
+        # Rank 0 stores block 1 again, then clears its cache: only what rank 1 holds is left (block 0).
+        publish(rank0, sub0, BlockStored([104], 101, TOKENS[16:32], 16, medium="GPU"))
+        assert held() == [True, True, False]
+        publish(rank0, sub0, AllBlocksCleared())
+        assert held() == [True, False, False]
+        assert not sub0.held() & set(H) and sub1.held() & set(H) == {H[0]}
+        router._check()
+        router.index._check(chains=[H])
+
+        events = fleet.stats()["dp"].events
+        per_rank = fleet.stats()["dp"].ranks
+        assert events is not None and len(per_rank) == 2
+        assert events.batches == per_rank[0].batches + per_rank[1].batches >= 7
+        assert events.tracker.clears == 1 and events.tracker.blocks_removed == 3
+        assert events.last_seq == min(r.last_seq for r in per_rank)
+        assert events.blocks_held == len(sub0.held() | sub1.held()) == router.index.blocks("dp")  # distinct ones
+
+
+def test_the_index_is_the_union_of_what_the_ranks_cache(ranks: tuple[FakeVLLM, FakeVLLM]) -> None:
+    """Real caches that evict: after every step the backend's index is exactly what rank 0 or rank 1 holds."""
+    rank0, rank1 = ranks
+    router = events_router()
+    rng = random.Random(3)
+    prefixes = [[rng.randrange(30_000) for _ in range(64)] for _ in range(6)]
+    with Fleet(router) as fleet:
+        fleet.add_backend(
+            "dp", kv_events=(rank0.endpoint, rank1.endpoint), replay=(rank0.replay_endpoint, rank1.replay_endpoint)
+        )
+        sub0, sub1 = fleet.subscribers("dp")
+        for step in range(40):  # 64 blocks per rank: the ranks evict, each its own blocks
+            engine = (rank0, rank1)[rng.randrange(2)]
+            engine.complete(rng.choice(prefixes) + [rng.randrange(30_000) for _ in range(rng.randrange(16, 64))])
+            if step == 19:
+                rank0.clear_cache()
+            if step % 10 == 9:
+                settle(rank0, sub0)
+                settle(rank1, sub1)
+                assert router.index.hashes("dp") == rank0.own_hashes() | rank1.own_hashes()
+                router._check()
+        stats = fleet.stats()["dp"]
+        assert stats.events is not None and stats.events.blocks_held == router.index.blocks("dp")
+        assert stats.events.tracker.blocks_removed > 0  # evictions happened
+
+
+def test_data_parallel_size_derives_the_ranks_endpoints_as_vllm_does() -> None:
+    with Fleet(events_router()) as fleet:
+        fleet.add_backend("dp", kv_events="tcp://127.0.0.1:5557", replay="tcp://127.0.0.1:6557", data_parallel_size=3)
+        assert [(s.endpoint, s.replay_endpoint) for s in fleet.subscribers("dp")] == [
+            ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:6557"),
+            ("tcp://127.0.0.1:5558", "tcp://127.0.0.1:6558"),
+            ("tcp://127.0.0.1:5559", "tcp://127.0.0.1:6559"),
+        ]
+        fleet.add_backend("one", kv_events="inproc://kv", data_parallel_size=1)
+        assert [s.endpoint for s in fleet.subscribers("one")] == ["inproc://kv"]
+        stats = fleet.stats()
+        assert len(stats["dp"].ranks) == 3 and stats["one"].ranks == (stats["one"].events,)
+        fleet.remove_backend("dp")
+        assert fleet.subscribers("dp") == [] and fleet.subscriber("dp") is None
+    assert rank_endpoint("inproc://kv", 2) == "inproc://kv_dp2"
+
+
+def test_a_single_endpoint_has_one_subscriber_and_no_merge(ranks: tuple[FakeVLLM, FakeVLLM]) -> None:
+    rank0, _ = ranks
+    router = events_router()
+    with Fleet(router) as fleet:
+        fleet.add_backend("gpu0", kv_events=rank0.endpoint, replay=rank0.replay_endpoint, metrics_url=rank0.url)
+        fleet.add_backend("listed", kv_events=[rank0.endpoint])  # a list of one is the same
+        sub = fleet.subscriber("gpu0")
+        assert sub is not None and fleet.subscribers("gpu0") == [sub] and sub.writer is not None
+        assert type(sub.writer).__name__ == "_Gate" and type(fleet.subscribers("listed")[0].writer).__name__ == "_Gate"
+        rank0.complete(TOKENS)
+        settle(rank0, sub)
+        stats = fleet.stats()["gpu0"]
+        assert stats.ranks == (stats.events,) and stats.events is not None
+        assert stats.events.blocks_held == len(sub.held())
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"kv_events": []}, "empty list"),
+        ({"kv_events": ["tcp://h:1", 5]}, r"kv_events\[1\] must be a ZMQ address"),
+        ({"kv_events": ["tcp://h:1", "tcp://*:2"]}, r"kv_events\[1\] must be a ZMQ address"),
+        ({"kv_events": {"tcp://h:1"}}, "or a list of them"),
+        ({"kv_events": ["tcp://h:1", "tcp://h:2"], "replay": ["tcp://h:3"]}, "a list of 2 endpoints"),
+        ({"kv_events": ["tcp://h:1", "tcp://h:2"], "replay": "tcp://h:3"}, "a list of 2 endpoints"),
+        ({"kv_events": ["tcp://h:1", "tcp://h:2"], "replay": ["tcp://h:3", None]}, r"replay\[1\]"),
+        ({"kv_events": ["tcp://h:1", "tcp://h:1"]}, "kv_events lists an endpoint twice"),
+        ({"kv_events": ["tcp://h:1", "tcp://h:2"], "replay": ["tcp://h:3"] * 2}, "replay lists an endpoint twice"),
+        ({"kv_events": "tcp://h:1", "replay": ["tcp://h:3"]}, "replay must be one endpoint"),
+        ({"kv_events": ["tcp://h:1", "tcp://h:2"], "data_parallel_size": 3}, "data_parallel_size=3 but"),
+        ({"kv_events": "tcp://h:1", "data_parallel_size": 0}, "data_parallel_size must be a positive int"),
+        ({"kv_events": "tcp://h:1", "data_parallel_size": True}, "data_parallel_size must be a positive int"),
+        ({"data_parallel_size": 2}, "without kv_events"),
+        ({"kv_events": "ipc:///tmp/kv", "data_parallel_size": 2}, "pass each rank's endpoint in a list"),
+        ({"kv_events": "tcp://h:65535", "data_parallel_size": 2}, "past port 65535"),
+    ],
+)
+def test_bad_endpoints_are_refused_before_anything_starts(options: dict[str, object], message: str) -> None:
+    with Fleet(events_router()) as fleet:
+        with pytest.raises(ConfigurationError, match=message):
+            fleet.add_backend("dp", **options)  # type: ignore[arg-type]
+        assert fleet.backends() == [] and fleet.subscribers("dp") == []
+
+
+def test_a_prediction_router_refuses_a_list_too() -> None:
+    with Fleet(Router()) as fleet, pytest.raises(ConfigurationError, match="EventIndex"):
+        fleet.add_backend("dp", kv_events=["tcp://h:1", "tcp://h:2"])
+
+
+def test_rank_merge_counts_the_ranks_holding_each_block() -> None:
+    router = events_router()
+    merge = RankMerge(router)
+    assert merge.block_size == 16
+    merge.write("dp", [(True, H, None)])  # rank 0: blocks 0-2
+    merge.write("dp", [(True, H[:2], None)])  # rank 1: blocks 0-1
+    assert [merge.holders("dp", h) for h in H] == [2, 2, 1] and merge.blocks("dp") == 3
+    merge.write("dp", [(False, H[1:], None)])  # rank 0 evicts 1 and 2
+    assert router.index.hashes("dp") == set(H[:2])
+    merge.write("dp", [(False, H[:2], None)])  # rank 1 resets
+    assert router.index.hashes("dp") == {H[0]} and merge.holders("dp", H[1]) == 0
+    merge.write("dp", [(False, [H[0]], None)])  # rank 0 resets: nothing held, nothing kept
+    assert router.index.blocks("dp") == 0 and merge.blocks("dp") == 0 and repr(merge) == "RankMerge(blocks={})"
+    merge.write("dp", [(False, [12345], None)])  # never stored here: passes through, harmless
+    router._check()
+    with pytest.raises(TypeError, match="IndexWriter"):
+        RankMerge(object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="backend must be a str"):
+        merge.write(7, [])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"\(stored, hashes, parent\) tuple"):
+        merge.write("dp", [[True, H, None]])  # type: ignore[list-item]
