@@ -251,3 +251,22 @@ def test_a_runaway_chat_template_is_refused_at_load_or_bounded_when_it_renders(t
     )
     with pytest.raises(ValueError, match="output is over 67,108,864 characters"):
         PromptEncoder(huge).encode_chat([{"role": "user", "content": "x" * 1000}])
+
+
+def test_data_parallel_size_subscribes_to_every_ranks_endpoint(tmp_path: Path) -> None:
+    """--data-parallel-size N: each --kv-events endpoint is rank 0's, rank r's port is its port + r (as vLLM)."""
+    tokenizer = str(make_tokenizer(tmp_path))
+    backends = ["http://gpu0:8000", "http://gpu1:8000"]
+    events = ["tcp://127.0.0.1:5557,tcp://127.0.0.1:5567", "tcp://127.0.0.1:6557"]
+    options = ["--backends", *backends, "--kv-events", *events, "--tokenizer", tokenizer, "--data-parallel-size", "2"]
+    _, fleet = proxy_from_command_line(*options)
+    try:
+        subscribers = [fleet.subscribers(backend) for backend in backends]  # type: ignore[attr-defined]
+        ports = [[int(s.endpoint.rsplit(":", 1)[1]) for s in ranks] for ranks in subscribers]
+        assert ports == [[5557, 5558], [6557, 6558]]
+    finally:
+        fleet.close()  # type: ignore[attr-defined]
+    for bad, message in ((["--data-parallel-size", "2"], "needs --kv-events"), (["--kv-events", events[0], events[1],
+                         "--tokenizer", tokenizer, "--data-parallel-size", "0"], "data_parallel_size")):  # fmt: skip
+        with pytest.raises(ConfigurationError, match=message):
+            proxy_from_command_line("--backends", *backends, *bad)

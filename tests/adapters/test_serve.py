@@ -457,6 +457,11 @@ def serve(*args: str) -> subprocess.CompletedProcess[str]:
         (["--policy", "nope"], "nope"),
         (["--policy-option", "factor"], "KEY=VALUE"),
         (["--backends", "http://a:1", "--kv-events", "http://b:1=tcp://b:5557"], "not one of --backends"),
+        (["--backends", "http://a:1", "--data-parallel-size", "2"], "needs --kv-events"),
+        (
+            ["--backends", "http://a:1", "--kv-events", "http://a:1=tcp://a:5557", "--data-parallel-size", "0"],
+            "--data-parallel-size",
+        ),  # fmt: skip
     ],
 )
 def test_bad_command_lines_exit_2_with_one_line(args: list[str], message: str) -> None:

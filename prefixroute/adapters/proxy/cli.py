@@ -46,6 +46,9 @@ def register(subparsers: Any) -> None:
                         help="per backend, in --backends order, its KV-event publisher (tcp://gpu0:5557), "
                         "optionally ',REPLAY' (tcp://gpu0:5557,tcp://gpu0:5558): the index follows what the "
                         "engines really cache")  # fmt: skip
+    parser.add_argument("--data-parallel-size", type=int, metavar="N",
+                        help="engines per backend (vLLM's --data-parallel-size): each --kv-events endpoint is "
+                        "rank 0's, and rank r publishes on its port + r, as vLLM offsets it")  # fmt: skip
     parser.add_argument("--metrics-from-backends", action="store_true",
                         help="read each backend's /metrics: its queue and KV usage feed the policy, failed "
                         "scrapes take it out of rotation")  # fmt: skip
@@ -71,6 +74,8 @@ def build(args: argparse.Namespace) -> tuple[Proxy, Any]:
             f"--kv-events names {len(kv_events)} endpoints for {len(backends)} backends: give one per backend, "
             "in --backends order"
         )
+    if args.data_parallel_size is not None and not kv_events:
+        raise ConfigurationError("--data-parallel-size needs --kv-events: it says how many ranks publish per backend")
     if kv_events and encoder is None:
         raise ConfigurationError("--kv-events needs --tokenizer: KV events carry token ids, text must route on them")
     if not (kv_events or args.metrics_from_backends):
@@ -91,6 +96,7 @@ def build(args: argparse.Namespace) -> tuple[Proxy, Any]:
                 kv_events=publisher or None,
                 replay=replay or None,
                 metrics_url=backend if args.metrics_from_backends else None,
+                data_parallel_size=args.data_parallel_size if publisher else None,
             )
     except BaseException:
         fleet.close()

@@ -71,6 +71,11 @@ def register(subparsers: Any) -> None:
         help="a backend of --backends and its KV-event publisher, optionally its replay endpoint, e.g. "
         "http://gpu0:8000=tcp://gpu0:5557,tcp://gpu0:5558 (needs the vllm extra)",
     )  # fmt: skip
+    parser.add_argument(
+        "--data-parallel-size", type=_positive_int, metavar="N",
+        help="engines per backend (vLLM's --data-parallel-size): each --kv-events endpoint is rank 0's, and rank r "
+        "publishes on its port + r, as vLLM offsets it",
+    )  # fmt: skip
     parser.add_argument("--metrics-from-backends", action="store_true", help="poll each engine's /metrics")
     parser.add_argument("--ext-proc", type=_port, metavar="PORT", help="serve Envoy's ext_proc endpoint picker")
     parser.add_argument("--release-port", type=_port, metavar="PORT", help="UDP port for syslog release lines")
@@ -101,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("prefixroute").setLevel(args.log_level.upper())
     encoder = PromptEncoder(args.tokenizer) if args.tokenizer is not None else None
     events = [_kv_events(spec, args.backends) for spec in args.kv_events]
+    if args.data_parallel_size is not None and not events:
+        raise ConfigurationError("--data-parallel-size needs --kv-events: it says how many ranks publish per backend")
     policy = policy_from_name(args.policy, **dict(_policy_option(option) for option in args.policy_option))
     fleet: Any = None
     if events or args.metrics_from_backends:
@@ -141,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
                     kv_events=endpoints[0] if endpoints else None,
                     replay=endpoints[1] if endpoints else None,
                     metrics_url=backend if args.metrics_from_backends else None,
+                    data_parallel_size=args.data_parallel_size if endpoints else None,
                 )
         _run_loop(_serve(sidecar, http_socket, udp_socket, args))
     finally:
