@@ -189,7 +189,8 @@ def test_a_request_no_backend_could_take_is_finished_once() -> None:
 def test_metrics_group_each_family_and_health_follows_the_fleet() -> None:
     dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
     args = argparse.Namespace(backends=dead, tokenizer=None, base_model=None, policy="predicted-ttft",
-                              block_size=16, kv_events=None, metrics_from_backends=True, retries=1)  # fmt: skip
+                              block_size=16, kv_events=None, metrics_from_backends=True, retries=1,
+                              data_parallel_size=None)  # fmt: skip
     proxy, fleet = build(args)
     try:
         with proxy:
