@@ -134,7 +134,7 @@ class BlockTracker:
         ops: IndexOps = []
         for event in _events(events):
             try:
-                self._apply_one(event, ops)
+                self._apply_one(event, _prepared(event, self._block_size), ops)
             except InvalidEventError as exc:
                 self.stats.invalid_events += 1
                 count = self.stats.invalid_events
@@ -146,32 +146,17 @@ class BlockTracker:
 
         All or nothing: every event is checked first (a block whose parent the tracker does not know is not an error:
         such blocks are skipped, as by :meth:`apply`), so an error never leaves the tracker ahead of the index.
-        The token ids of the events are read twice; :meth:`apply` reads them once.
 
         Raises:
             InvalidEventError: an event breaks vLLM's rules or has a field of the wrong type (nothing applied).
             TypeError: as :meth:`apply`.
         """
         items = _events(events)
-        for event in items:
-            self._check(event)
+        prepared = [_prepared(event, self._block_size) for event in items]  # raises before anything changes
         ops: IndexOps = []
-        for event in items:
-            self._apply_one(event, ops)
+        for event, ready in zip(items, prepared, strict=True):
+            self._apply_one(event, ready, ops)
         return ops
-
-    def _check(self, event: KVCacheEvent) -> None:
-        """Raise InvalidEventError where :meth:`_apply_one` would, without changing anything."""
-        if isinstance(event, BlockStored):
-            _check_stored(event)
-            if not _indexed(event):
-                return
-            _sub_blocks(event.block_size, self._block_size)
-            _check_token_count(event)
-            count = _plain_prefix(event.extra_keys, len(event.block_hashes), event.lora_name, event.lora_id)
-            _encoded(event, count)
-        elif isinstance(event, BlockRemoved):
-            _check_removed(event)
 
     def reset(self) -> IndexOps:
         """Forget every block (the engine restarted or cleared its cache); return the removals for the index."""
@@ -181,12 +166,11 @@ class BlockTracker:
         self._skipped_groups.clear()
         return [(False, held, None)] if held else []
 
-    def _apply_one(self, event: KVCacheEvent, ops: IndexOps) -> None:
+    def _apply_one(self, event: KVCacheEvent, ready: _Ready | None, ops: IndexOps) -> None:
+        """Apply one event that :func:`_prepared` checked (``ready``: what it computed for an indexed store)."""
         if isinstance(event, BlockStored):
-            _check_stored(event)
-            self._store(event, ops)
+            self._store(event, ready, ops)
         elif isinstance(event, BlockRemoved):
-            _check_removed(event)
             dead = self._remove(event)
             if dead:
                 ops.append((False, dead, None))
@@ -201,20 +185,17 @@ class BlockTracker:
             hasher = self._hashers[lora_name] = BlockHasher(self._block_size, namespace=namespace)
         return hasher
 
-    def _store(self, event: BlockStored, ops: IndexOps) -> None:
+    def _store(self, event: BlockStored, ready: _Ready | None, ops: IndexOps) -> None:
         """Append the stores ``event`` implies: one per run of own hashes the backend did not hold yet, each with
-        the own hash of the block it continues (a block held twice is stored once, so runs can have holes)."""
+        the own hash of the block it continues (a block held twice is stored once, so runs can have holes).
+        ``ready`` is what :func:`_prepared` computed, None for blocks that are not indexed."""
         vllm_hashes = event.block_hashes
-        # Blocks that are not indexed are skipped first: their block size (a Mamba group's, a CPU tier's) may be one
-        # the router's does not divide, which only matters for blocks that are re-hashed.
-        if not _indexed(event):
+        if ready is None:
             if event.group_idx is not None and _is_gpu(event.medium):
                 self._skipped_groups.add(event.group_idx)
             self.stats.skipped_blocks += len(vllm_hashes)
             return
-        per_block = _sub_blocks(event.block_size, self._block_size)
-        _check_token_count(event)
-        count = _plain_prefix(event.extra_keys, len(vllm_hashes), event.lora_name, event.lora_id)
+        per_block, count, data = ready
         self.stats.skipped_blocks += len(vllm_hashes) - count
         own = self._own
         parent = event.parent_block_hash
@@ -228,7 +209,7 @@ class BlockTracker:
                 self.stats.orphan_blocks += len(vllm_hashes)
                 return
             seed = parent_own = entry.own[-1]
-        chain = hasher.hash_encoded(_encoded(event, count), seed)
+        chain = hasher.hash_encoded(data, seed)
         refs = self._refs
         born: list[int] = []  # the current run of newly held own hashes
         before = run_parent = parent_own  # the own hash just before the current position; the run's parent
@@ -303,6 +284,32 @@ class IndexWriter(Protocol):
     def write(self, backend: str, updates: Iterable[IndexUpdate]) -> None:
         """Apply ``updates`` for ``backend`` in order, atomically for concurrent readers."""
         ...
+
+
+_Ready: TypeAlias = tuple[int, int, bytes]
+"""What :func:`_prepared` computes for an indexed store: own blocks per vLLM block, vLLM blocks re-hashed, tokens."""
+
+
+def _prepared(event: KVCacheEvent, block_size: int) -> _Ready | None:
+    """Check ``event`` as the tracker reads it, changing nothing; for an indexed store, what storing it needs.
+
+    Blocks that are not indexed are passed over before their block size is looked at (a Mamba group's, a CPU tier's
+    may be one the router's does not divide, which only matters for blocks that are re-hashed).
+
+    Raises:
+        InvalidEventError: the event breaks vLLM's rules or has a field of the wrong type.
+    """
+    if isinstance(event, BlockRemoved):
+        _check_removed(event)
+    if not isinstance(event, BlockStored):
+        return None
+    _check_stored(event)
+    if not _indexed(event):
+        return None
+    per_block = _sub_blocks(event.block_size, block_size)
+    _check_token_count(event)
+    count = _plain_prefix(event.extra_keys, len(event.block_hashes), event.lora_name, event.lora_id)
+    return per_block, count, _encoded(event, count)
 
 
 def _events(events: Iterable[KVCacheEvent]) -> list[KVCacheEvent]:
