@@ -293,8 +293,6 @@ class Router:
         self._figures: dict[str, _Figures] = {}
         self._capacity_changes = index._capacity_changes
         self._live: dict[str, _Request] = {}
-        # Requests in flight by (backend, first block hash): those whose prompts may share a refused one's blocks.
-        self._rooted: dict[tuple[str, int], set[_Request]] = {}
         self._leases: list[tuple[float, str]] = []  # a heap of (deadline, id); stale entries are skipped
         self._counts = dict.fromkeys(("decisions", "commits", "ignored", "leases_expired"), 0)
         # Decision ids: a random per-router prefix and a counter, so ids of two routers never collide.
@@ -534,12 +532,9 @@ class Router:
                 footprint = self._footprints[backend] = _Footprint()
             taken = footprint.add(decision._hashes, blocks, decision.matched_tokens // self._hasher.block_size)
             self._active[backend] = footprint.blocks
-            hashes = decision._hashes
-            request = self._live[decision.id] = _Request(
-                backend, uncached, blocks, pending, now, deadline, taken, hashes, decision._held
+            self._live[decision.id] = _Request(
+                backend, uncached, blocks, pending, now, deadline, taken, decision._hashes, decision._held
             )
-            if hashes:
-                self._rooted.setdefault((backend, hashes[0]), set()).add(request)
             self._in_flight[backend] = self._in_flight.get(backend, 0) + 1
             self._pending[backend] = pending + uncached
             self._held[backend] = self._held.get(backend, 0) + blocks
@@ -593,8 +588,9 @@ class Router:
         hashes, so a bare id serves. Nothing is forgotten for a request that is not in flight (never started,
         already finished or expired: a second refusal must not remove what later requests predicted), nor for
         one never committed (:meth:`decide` alone). Not for a 5xx or a broken connection: the engine may have
-        computed part of the prompt. O(n + r log n) for a prompt of n blocks and r requests in flight on that
-        backend that share its first block. An index hook that raises is logged, not raised.
+        computed part of the prompt. O(n + L + r log n) for a prompt of n blocks, L requests in flight and r of
+        them on that backend sharing its first block: a refusal is rare, so nothing is kept for it on the way of
+        every request. An index hook that raises is logged, not raised.
 
         Raises:
             TypeError: ``refused`` is not a bool (checked before anything changes: the only error finish raises).
@@ -614,14 +610,16 @@ class Router:
     def _retract(self, request: _Request) -> None:
         """Forget what a refused request's commit predicted on its backend (call under the lock, after
         :meth:`_release`): the blocks past ``request.held`` that no request in flight there shares."""
-        hashes = request.hashes
+        hashes, backend = request.hashes, request.backend
         start = request.held
         if start >= len(hashes):
             return
-        for other in self._rooted.get((request.backend, hashes[0]), ()):
-            start = max(start, _shared(hashes, other.hashes))
-            if start >= len(hashes):
-                return
+        first = hashes[0]
+        for other in self._live.values():
+            if other.backend == backend and other.hashes and other.hashes[0] == first:
+                start = max(start, _shared(hashes, other.hashes))
+                if start >= len(hashes):
+                    return
         try:
             self._index.retract(hashes, request.backend, start)
         except Exception:  # a subclass's hook: finish() runs in finally blocks and must not raise
@@ -663,12 +661,6 @@ class Router:
 
     def _release(self, request: _Request) -> None:
         backend = request.backend
-        if request.hashes:
-            key = (backend, request.hashes[0])
-            rooted = self._rooted[key]
-            rooted.discard(request)
-            if not rooted:
-                del self._rooted[key]
         self._in_flight[backend] -= 1
         self._held[backend] -= request.blocks
         footprint = self._footprints[backend]
@@ -756,8 +748,6 @@ class Router:
             blocks = self._index.remove_backend(backend)
             for decision_id in [i for i, r in self._live.items() if r.backend == backend]:
                 del self._live[decision_id]
-            for key in [key for key in self._rooted if key[0] == backend]:
-                del self._rooted[key]
             for figures in (
                 self._in_flight,
                 self._pending,
@@ -838,11 +828,6 @@ class Router:
                 counts = holders.setdefault(backend, {})
                 for key in keys:
                     counts[key] = counts.get(key, 0) + 1
-            rooted: dict[tuple[str, int], set[int]] = {}
-            for request in self._live.values():
-                if request.hashes:
-                    rooted.setdefault((request.backend, request.hashes[0]), set()).add(id(request))
-            assert rooted == {key: set(map(id, group)) for key, group in self._rooted.items()}, "_rooted out of step"
             counters = (self._in_flight, self._held, self._pending, self._prefilling)
             for backend in set(expected).union(*counters, self._footprints, self._active):
                 got = [counter.get(backend, 0) for counter in counters]
