@@ -367,7 +367,8 @@ class Router:
         O(n/block_size) for a prompt of n tokens.
 
         Raises:
-            DecisionError: the decision comes from another router, or ``backend`` is not one of its candidates.
+            DecisionError: the decision comes from another router, was altered since it was made (a field changed
+                with ``dataclasses.replace``), or ``backend`` is not one of its candidates.
         """
         self._check_own(decision)
         target = decision.backend if backend is None else backend
@@ -505,7 +506,8 @@ class Router:
         first token, if reported, is forgotten: the new backend has its prefill ahead of it).
 
         Raises:
-            DecisionError: the decision comes from another router.
+            DecisionError: the decision comes from another router, or was altered since it was made (nothing is
+                counted).
             ConfigurationError: ``lease`` is not a positive, finite number of seconds, or the clock returned no
                 finite number of seconds to start it from (nothing is recorded).
         """
@@ -694,10 +696,26 @@ class Router:
         return expired
 
     def _check_own(self, decision: Decision) -> None:
+        """Raise unless ``decision`` is one this router made, as it made it: :meth:`start` and :meth:`commit` count
+        and record what its fields say, so a field changed since (``dataclasses.replace``) must not reach them."""
         if not isinstance(decision, Decision):
             raise TypeError(f"expected a Decision, not {type(decision).__name__}")
         if not isinstance(decision.id, str) or not decision.id.startswith(self._id_prefix):
-            raise DecisionError(f"decision {decision.id!r} was made by another router: pass it back to that one")
+            raise DecisionError(f"decision {shown(decision.id)} was made by another router: pass it back to that one")
+        backend, prompt, matched = decision.backend, decision.prompt_tokens, decision.matched_tokens
+        candidates = decision.candidates
+        if (
+            type(prompt) is not int
+            or type(matched) is not int
+            or not 0 <= matched <= prompt
+            or type(candidates) is not tuple
+            or not any(type(c) is Candidate and c.backend == backend for c in candidates)
+        ):
+            raise DecisionError(
+                f"decision {decision.id!r} was altered after the router made it (backend {shown(backend)}, "
+                f"{shown(matched)} of {shown(prompt)} prompt tokens matched): pass the Decision that route(), "
+                "decide() or commit() returned, unchanged; to send it to another candidate, commit(decision, backend)"
+            )
 
     # -- engine figures and backends -----------------------------------------------------------------------------
 

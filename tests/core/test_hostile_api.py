@@ -18,6 +18,7 @@ from prefixroute import (
     BoundedLoad,
     Candidate,
     ConfigurationError,
+    DecisionError,
     InvalidPromptError,
     LinearTTFT,
     LoadPolicy,
@@ -309,3 +310,31 @@ def test_index_and_kv_fraction_refuse_wrong_types_with_type_errors() -> None:
         kv_fraction(None)  # type: ignore[arg-type]
     assert index.match([1, 2], ["a"]) == {"a": 2}
     index._check()
+
+
+@pytest.mark.parametrize(
+    "altered",
+    [
+        {"backend": "elsewhere"},  # not one of its candidates: commit(decision, backend) moves a decision
+        {"backend": 5},
+        {"prompt_tokens": math.nan},
+        {"prompt_tokens": -5},
+        {"matched_tokens": 10**30},
+        {"matched_tokens": 2.5},
+        {"candidates": (5,)},
+        {"candidates": None},
+    ],
+)
+def test_a_decision_altered_after_the_router_made_it_is_refused_and_nothing_is_counted(
+    altered: dict[str, object],
+) -> None:
+    router = Router(block_size=4)
+    decision = router.route(TOKENS, ["a", "b"])
+    forged = replace(decision, **altered)  # type: ignore[arg-type]
+    before = (router.stats(), router.index.hashes("a"), router.index.hashes("b"))
+    for call in (router.start, router.commit):
+        with pytest.raises(DecisionError, match="altered"):
+            call(forged)
+        router._check()
+    assert (router.stats(), router.index.hashes("a"), router.index.hashes("b")) == before
+    assert router.in_flight("a") == router.in_flight("b") == 0
