@@ -24,8 +24,12 @@ def is_finite_number(value: object) -> TypeGuard[int | float]:
 
 def shown(value: object) -> str:
     """``repr(value)`` for an error message, short even for a huge int (its repr can be thousands of digits, or
-    refused past Python's int string conversion limit) or a long value."""
+    refused past Python's int string conversion limit) or a long value, and never raising (a repr() that raises
+    is named by its type)."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
         return f"an int of {value.bit_length()} bits"
-    text = repr(value)
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a message about a value must not fail on the value's own repr()
+        return f"a {type(value).__name__} whose repr() raised"
     return text if len(text) <= 80 else text[:77] + "..."

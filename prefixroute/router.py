@@ -427,13 +427,13 @@ class Router:
                 raise
             except Exception as exc:  # a bug in the policy: one error a gateway can tell from a bad request
                 raise PolicyError(
-                    f"policy {self._policy!r} raised {type(exc).__name__}: {exc} (in its choose(); the original "
-                    "exception is this one's __cause__; fix the policy)"
+                    f"policy {shown(self._policy)} raised {type(exc).__name__}: {_text(exc)} (in its choose(); "
+                    "the original exception is this one's __cause__; fix the policy)"
                 ) from exc
             if not _is_one_of(chosen, candidates):
                 raise PolicyError(
-                    f"policy {self._policy!r} returned {chosen!r}, which is not one of the candidates it was given: "
-                    "choose() must return one of its candidates itself, unchanged"
+                    f"policy {shown(self._policy)} returned {shown(chosen)}, which is not one of the candidates it "
+                    "was given: choose() must return one of its candidates itself, unchanged"
                 )
             backend = chosen.backend
             confirmed = index.match_confirmed(hashes, backend)
@@ -891,6 +891,15 @@ def _iterable(value: object, what: str, items: str) -> Iterable[Any]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise TypeError(f"{what} must be an iterable of {items}, not {type(value).__name__}")
     return value
+
+
+def _text(exc: BaseException) -> str:
+    """``str(exc)``, short, for a message about a faulty policy (whose exception's ``__str__`` may raise too)."""
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001 - the message must not fail on the exception it describes
+        return "(its str() raised)"
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def _id_of(decision: Decision | str) -> str:

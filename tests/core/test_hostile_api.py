@@ -338,3 +338,47 @@ def test_a_decision_altered_after_the_router_made_it_is_refused_and_nothing_is_c
         router._check()
     assert (router.stats(), router.index.hashes("a"), router.index.hashes("b")) == before
     assert router.in_flight("a") == router.in_flight("b") == 0
+
+
+class _RaisingRepr:
+    def __repr__(self) -> str:
+        raise RuntimeError("repr failed")
+
+
+@pytest.mark.parametrize("returned", [_RaisingRepr(), list(range(100_000))])
+def test_a_policy_error_is_raised_and_short_whatever_the_returned_object_repr_does(returned: object) -> None:
+    class Odd(LoadPolicy):
+        def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+            return returned  # type: ignore[return-value]
+
+    router = Router(block_size=4, policy=Odd())
+    with pytest.raises(PolicyError, match="not one of the candidates") as caught:
+        router.route(TOKENS, ["a", "b"])
+    assert len(str(caught.value)) < 500
+    assert router.stats().decisions == 0
+
+
+def test_a_policy_whose_repr_raises_still_gets_a_policy_error() -> None:
+    class Unprintable(LoadPolicy):
+        def __repr__(self) -> str:
+            raise RuntimeError("repr failed")
+
+        def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+            raise ValueError("bug")
+
+    router = Router(block_size=4, policy=Unprintable())
+    with pytest.raises(PolicyError, match="raised ValueError"):
+        router.route(TOKENS, ["a", "b"])
+
+
+def test_a_policy_raising_an_exception_whose_str_raises_still_gets_a_policy_error() -> None:
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("str failed")
+
+    class Broken(LoadPolicy):
+        def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+            raise Unprintable
+
+    with pytest.raises(PolicyError, match="raised Unprintable"):
+        Router(block_size=4, policy=Broken()).route(TOKENS, ["a", "b"])
