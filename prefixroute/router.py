@@ -562,7 +562,9 @@ class Router:
             self._pending[backend] -= request.uncached
             self._prefilling[backend] -= 1
             self._figures.pop(backend, None)
-            elapsed = self._clock() - request.started_at
+            now, started = self._clock(), request.started_at
+            # A clock that returns no number (it need not, without leases) teaches no speed rather than raising.
+            elapsed = now - started if is_finite_number(now) and is_finite_number(started) else 0.0
             work = request.pending_before + request.uncached
             observed = work / elapsed if elapsed > 0 and work > 0 else 0.0
             if 0.0 < observed < math.inf:  # an elapsed time of a few subnormal seconds makes an infinite speed

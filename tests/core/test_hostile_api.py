@@ -382,3 +382,15 @@ def test_a_policy_raising_an_exception_whose_str_raises_still_gets_a_policy_erro
 
     with pytest.raises(PolicyError, match="raised Unprintable"):
         Router(block_size=4, policy=Broken()).route(TOKENS, ["a", "b"])
+
+
+@pytest.mark.parametrize("reading", [None, "noon"])
+def test_first_token_with_a_clock_that_returns_no_number_learns_no_speed_and_raises_nothing(reading: object) -> None:
+    router = Router(block_size=4, clock=lambda: reading)  # type: ignore[arg-type,return-value]
+    decision = router.route(TOKENS, ["a"])
+    router.start(decision)
+    router.first_token(decision)
+    router._check()
+    assert router.decide(TOKENS, ["a"]).candidates[0].prefill_tokens_per_s is None
+    router.finish(decision)
+    assert router.stats().in_flight == 0
