@@ -20,10 +20,11 @@ from array import array
 from collections.abc import Collection, Container, Iterable, Iterator, Mapping, Sequence
 from itertools import chain, islice, takewhile
 
+from prefixroute._numbers import shown
 from prefixroute.errors import ConfigurationError, InvalidEventError
 from prefixroute.hashing import check_block_size
 
-__all__ = ["IndexUpdate", "LRUStore", "PrefixIndex", "UnboundedStore", "apply_updates", "leading_run"]
+__all__ = ["IndexUpdate", "LRUStore", "PrefixIndex", "UnboundedStore", "apply_updates", "check_update", "leading_run"]
 
 IndexUpdate = tuple[bool, Sequence[int], "int | None"]
 """One index update: ``(True, hashes, parent)`` stores a chain continuing block ``parent`` (None: from block 0),
@@ -685,6 +686,34 @@ class PrefixIndex:
                 if isinstance(store, LRUStore) and any(held):
                     ages = [_generation(store, h) for h, there in zip(hashes, held, strict=True) if there]
                     assert ages == sorted(ages, reverse=True), f"{backend!r}: a block newer than its parent"
+
+
+def check_update(update: object) -> IndexUpdate:
+    """Return one index update checked (its hashes as Python ints, an iterator read once), before anything is
+    written: a bad one must not leave a batch half applied (:meth:`Router.write <prefixroute.Router.write>` and
+    :class:`~prefixroute.vllm.RankMerge` check a whole batch first). O(len(hashes)).
+
+    Raises:
+        TypeError: ``update`` is not a ``(stored, hashes, parent)`` tuple with a bool ``stored`` and iterable
+            ``hashes``.
+        InvalidEventError: a hash or ``parent`` is not an int in [0, 2**64), or a removal has a parent.
+    """
+    if not isinstance(update, tuple) or len(update) != 3:
+        raise TypeError(f"an index update is a tuple (stored, hashes, parent), not {shown(update)}")
+    stored, hashes, parent = update
+    if not isinstance(stored, bool):
+        raise TypeError(f"an index update's first item says stored (True) or removed (False), not {shown(stored)}")
+    if isinstance(hashes, (str, bytes)) or not isinstance(hashes, Iterable):
+        raise TypeError(f"an index update's hashes must be a sequence of block hashes, not {type(hashes).__name__}")
+    try:
+        packed = array("Q", hashes)  # checks, in C, that every hash is an int in [0, 2**64); reads an iterator once
+    except (TypeError, OverflowError) as exc:
+        raise InvalidEventError(f"block hashes must be ints in [0, 2**64): {exc}") from None
+    if parent is not None and (isinstance(parent, bool) or not isinstance(parent, int) or not 0 <= parent < 2**64):
+        raise InvalidEventError(f"parent must be a block hash, an int in [0, 2**64), or None, not {parent!r}")
+    if parent is not None and not stored:
+        raise InvalidEventError("a removal has no parent: pass (False, hashes, None)")
+    return (stored, _python_ints(hashes, packed), parent)
 
 
 def apply_updates(index: PrefixIndex, backend: str, updates: Iterable[IndexUpdate]) -> None:

@@ -8,7 +8,6 @@ import math
 import random
 import threading
 import time
-from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -21,13 +20,12 @@ from prefixroute._numbers import is_finite_number, shown
 from prefixroute.errors import (
     ConfigurationError,
     DecisionError,
-    InvalidEventError,
     NoBackendError,
     PolicyError,
     PrefixRouteError,
 )
 from prefixroute.hashing import BlockHasher, Tokens, encode_tokens, namespace_seed
-from prefixroute.index import IndexUpdate, PrefixIndex, _python_ints, apply_updates
+from prefixroute.index import IndexUpdate, PrefixIndex, apply_updates, check_update
 from prefixroute.policies import Candidate, LoadPolicy, PredictedTTFT
 
 __all__ = ["Decision", "Reason", "Router", "RouterStats"]
@@ -814,7 +812,7 @@ class Router:
             InvalidEventError: a hash or parent is not an int in [0, 2**64).
         """
         _check_backend_id(backend)
-        updates = [_check_update(update) for update in _iterable(updates, "write() updates", "index updates")]
+        updates = [check_update(update) for update in _iterable(updates, "write() updates", "index updates")]
         with self._lock:
             apply_updates(self._index, backend, updates)
 
@@ -931,26 +929,6 @@ def _is_one_of(chosen: object, candidates: tuple[Candidate, ...]) -> bool:
 
 def _tokens(blocks: int | None, block_size: int) -> int | None:
     return None if blocks is None else blocks * block_size
-
-
-def _check_update(update: object) -> IndexUpdate:
-    """Validate one index update before anything is written: a bad one must not leave a batch half applied."""
-    if not isinstance(update, tuple) or len(update) != 3:
-        raise TypeError(f"an index update is a tuple (stored, hashes, parent), not {update!r}")
-    stored, hashes, parent = update
-    if not isinstance(stored, bool):
-        raise TypeError(f"an index update's first item says stored (True) or removed (False), not {stored!r}")
-    if isinstance(hashes, (str, bytes)) or not isinstance(hashes, Iterable):
-        raise TypeError(f"an index update's hashes must be a sequence of block hashes, not {type(hashes).__name__}")
-    try:
-        packed = array("Q", hashes)  # checks, in C, that every hash is an int in [0, 2**64); reads an iterator once
-    except (TypeError, OverflowError) as exc:
-        raise InvalidEventError(f"block hashes must be ints in [0, 2**64): {exc}") from None
-    if parent is not None and (isinstance(parent, bool) or not isinstance(parent, int) or not 0 <= parent < 2**64):
-        raise InvalidEventError(f"parent must be a block hash, an int in [0, 2**64), or None, not {parent!r}")
-    if parent is not None and not stored:
-        raise InvalidEventError("a removal has no parent: pass (False, hashes, None)")
-    return (stored, _python_ints(hashes, packed), parent)
 
 
 def _deadline(now: object, lease: float) -> float:

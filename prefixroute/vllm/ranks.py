@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 from prefixroute._numbers import shown
 from prefixroute.errors import ConfigurationError
-from prefixroute.index import IndexUpdate
+from prefixroute.index import IndexUpdate, check_update
 from prefixroute.vllm._checks import check_endpoint
 from prefixroute.vllm.tracker import IndexOps, IndexWriter
 
@@ -80,13 +80,14 @@ class RankMerge:
         Raises:
             TypeError: ``backend`` is not a str, or an update is not a ``(stored, hashes, parent)`` tuple
                 (nothing counted).
+            InvalidEventError: a hash or parent is not an int in [0, 2**64) (nothing counted).
         """
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str id, not {type(backend).__name__}")
-        updates = list(updates)
-        for update in updates:
-            if not isinstance(update, tuple) or len(update) != 3:
-                raise TypeError(f"an index update is a (stored, hashes, parent) tuple, not {shown(update)}")
+        if isinstance(updates, (str, bytes)) or not isinstance(updates, Iterable):
+            raise TypeError(f"updates must be an iterable of index updates, not {type(updates).__name__}")
+        # Checked whole before anything is counted: a count the writer never sees would keep a block for good.
+        updates = [check_update(update) for update in updates]
         with self._lock:
             holders = self._holders.setdefault(backend, {})
             merged: IndexOps = []

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from prefixroute import BlockHasher, ConfigurationError, Router
+from prefixroute import BlockHasher, ConfigurationError, InvalidEventError, Router
 from prefixroute.testing import FakeVLLM
 from prefixroute.vllm import (
     AllBlocksCleared,
@@ -201,5 +201,39 @@ def test_rank_merge_counts_the_ranks_holding_each_block() -> None:
         RankMerge(object())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="backend must be a str"):
         merge.write(7, [])  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"\(stored, hashes, parent\) tuple"):
+    with pytest.raises(TypeError, match=r"tuple \(stored, hashes, parent\)"):
         merge.write("dp", [[True, H, None]])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize(
+    ("updates", "error"),
+    [
+        ([(True, [1, [2]], None)], InvalidEventError),  # an unhashable "hash"
+        ([(True, [1, -2], None)], InvalidEventError),
+        ([(True, [1, 2**64], None)], InvalidEventError),
+        ([(True, "ab", None)], TypeError),
+        ([(True, None, None)], TypeError),
+        ([(1, [1], None)], TypeError),  # stored must be a bool, as Router.write() says
+        ([(False, [H[0]], 5)], InvalidEventError),  # a removal has no parent
+        ([(True, [1], None), (False, [H[0], "x"], None)], InvalidEventError),  # the second update of a batch
+        (None, TypeError),
+    ],
+)
+def test_rank_merge_refuses_a_malformed_batch_before_counting_any_of_it(
+    updates: object, error: type[Exception]
+) -> None:
+    router = events_router()
+    merge = RankMerge(router)
+    merge.write("dp", [(True, H, None)])
+    with pytest.raises(error):
+        merge.write("dp", updates)  # type: ignore[arg-type]
+    assert [merge.holders("dp", h) for h in H] == [1, 1, 1] and merge.blocks("dp") == 3
+    assert router.index.hashes("dp") == set(H)
+    router._check()
+
+
+def test_rank_merge_reads_an_iterator_of_hashes_once_and_stores_what_it_counts() -> None:
+    router = events_router()
+    merge = RankMerge(router)
+    merge.write("dp", [(True, iter(H), None)])  # type: ignore[list-item]
+    assert merge.blocks("dp") == 3 and router.index.hashes("dp") == set(H)
