@@ -16,6 +16,7 @@ from typing import Any, NewType, Protocol, TypeAlias, cast, runtime_checkable
 
 import xxhash
 
+from prefixroute._numbers import shown
 from prefixroute.errors import ConfigurationError, InvalidPromptError
 
 __all__ = ["BlockHash", "BlockHasher", "Tokens", "encode_tokens"]
@@ -147,11 +148,11 @@ def _bad_token(tokens: Any) -> InvalidPromptError:
     for position, token in enumerate(tokens):
         if not isinstance(token, int) and not hasattr(token, "__index__"):
             return InvalidPromptError(
-                f"token id at position {position} is {token!r} ({type(token).__name__}); token ids must be ints"
+                f"token id at position {position} is {shown(token)} ({type(token).__name__}); token ids must be ints"
             )
         if not 0 <= int(token) < _TOKEN_LIMIT:
             return InvalidPromptError(
-                f"token id at position {position} is {int(token)}; token ids must be in [0, 2**32)"
+                f"token id at position {position} is {shown(int(token))}; token ids must be in [0, 2**32)"
             )
     return InvalidPromptError("prompt_tokens could not be read as uint32 token ids")  # pragma: no cover
 
@@ -211,7 +212,7 @@ class BlockHasher:
         seed = self._seed
         if parent is not None:
             if isinstance(parent, bool) or not isinstance(parent, int) or not 0 <= parent < _HASH_LIMIT:
-                raise InvalidPromptError(f"parent must be a block hash, an int in [0, 2**64), not {parent!r}")
+                raise InvalidPromptError(f"parent must be a block hash, an int in [0, 2**64), not {shown(parent)}")
             seed = parent
         return self.hash_encoded(encode_tokens(tokens), seed)
 
@@ -238,7 +239,7 @@ def check_block_size(block_size: object) -> int:
     """Return ``block_size`` if it is an int in [1, :data:`MAX_BLOCK_SIZE`], else raise ConfigurationError."""
     if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise ConfigurationError(
-            f"block_size must be an int in [1, {MAX_BLOCK_SIZE}] (vLLM's default is 16), not {block_size!r}"
+            f"block_size must be an int in [1, {MAX_BLOCK_SIZE}] (vLLM's default is 16), not {shown(block_size)}"
         )
     return block_size
 

@@ -141,7 +141,7 @@ class LRUStore:
         open: bool = False,
     ) -> None:
         if isinstance(generations, bool) or not isinstance(generations, int) or generations < 1:
-            raise ConfigurationError(f"generations must be a positive int, not {generations!r}")
+            raise ConfigurationError(f"generations must be a positive int, not {shown(generations)}")
         self._generations = generations
         self._span = max(1, capacity // generations)
         self._gens: list[set[int]] = [set(blocks)]  # oldest first; the last one is the newest
@@ -512,7 +512,7 @@ class PrefixIndex:
         if isinstance(start, bool) or not isinstance(start, int):
             raise TypeError(f"start must be a block position (an int), not {type(start).__name__}")
         if start < 0:
-            raise ConfigurationError(f"start must be a block position >= 0, not {start}")
+            raise ConfigurationError(f"start must be a block position >= 0, not {shown(start)}")
         store = self._stores.get(backend)
         if store is None or start >= len(hashes):
             return
@@ -541,9 +541,9 @@ class PrefixIndex:
         hashes = _check_hashes(hashes)
         _check_backend(backend)
         if parent is not None and (isinstance(parent, bool) or not isinstance(parent, int)):
-            raise TypeError(f"parent must be a block hash, an int in [0, 2**64), or None, not {parent!r}")
+            raise TypeError(f"parent must be a block hash, an int in [0, 2**64), or None, not {shown(parent)}")
         if parent is not None and not 0 <= parent < 2**64:
-            raise InvalidEventError(f"parent must be a block hash, an int in [0, 2**64), or None, not {parent!r}")
+            raise InvalidEventError(f"parent must be a block hash, an int in [0, 2**64), or None, not {shown(parent)}")
         if hashes:
             self._put(hashes, backend, parent, 0, checked=True)
 
@@ -710,7 +710,7 @@ def check_update(update: object) -> IndexUpdate:
     except (TypeError, OverflowError) as exc:
         raise InvalidEventError(f"block hashes must be ints in [0, 2**64): {exc}") from None
     if parent is not None and (isinstance(parent, bool) or not isinstance(parent, int) or not 0 <= parent < 2**64):
-        raise InvalidEventError(f"parent must be a block hash, an int in [0, 2**64), or None, not {parent!r}")
+        raise InvalidEventError(f"parent must be a block hash, an int in [0, 2**64), or None, not {shown(parent)}")
     if parent is not None and not stored:
         raise InvalidEventError("a removal has no parent: pass (False, hashes, None)")
     return (stored, _python_ints(hashes, packed), parent)
@@ -813,5 +813,5 @@ def _check_backend(backend: object) -> None:
 
 def _check_capacity(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigurationError(f"{name} must be a non-negative int number of blocks or None, not {value!r}")
+        raise ConfigurationError(f"{name} must be a non-negative int number of blocks or None, not {shown(value)}")
     return value

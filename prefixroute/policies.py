@@ -21,7 +21,7 @@ from operator import attrgetter
 from types import MappingProxyType
 from typing import Any, ClassVar, NamedTuple
 
-from prefixroute._numbers import is_finite_number
+from prefixroute._numbers import is_finite_number, shown
 from prefixroute.errors import ConfigurationError, NoBackendError
 
 __all__ = [
@@ -209,7 +209,7 @@ class BoundedLoad(LoadPolicy):
     def __init__(self, *, factor: float = 2.0) -> None:
         value = _finite(factor)
         if value is None or value < 1.0:
-            raise ConfigurationError(f"BoundedLoad factor must be a finite number >= 1.0, not {factor!r}")
+            raise ConfigurationError(f"BoundedLoad factor must be a finite number >= 1.0, not {shown(factor)}")
         self.factor = value
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
@@ -251,7 +251,7 @@ class LinearTTFT:
             value = _finite(getattr(self, name))
             if value is None or value < 0:
                 raise ConfigurationError(f"LinearTTFT {name} must be a finite number of seconds >= 0, not "
-                                         f"{getattr(self, name)!r}")  # fmt: skip
+                                         f"{shown(getattr(self, name))}")  # fmt: skip
 
     def __call__(self, candidate: Candidate) -> float:
         uncached = candidate.prompt_tokens - candidate.matched_tokens
@@ -273,7 +273,7 @@ class CostAware(LoadPolicy):
 
     def __init__(self, *, cost: Callable[[Candidate], float] | None = None) -> None:
         if cost is not None and not callable(cost):
-            raise TypeError(f"CostAware cost must be a callable from a Candidate to seconds, not {cost!r}")
+            raise TypeError(f"CostAware cost must be a callable from a Candidate to seconds, not {shown(cost)}")
         self.cost: Callable[[Candidate], float] = cost if cost is not None else LinearTTFT()
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
@@ -346,9 +346,9 @@ class PredictedTTFT(LoadPolicy):
 
     def __init__(self, *, kv_cap: float = 0.95, use_speed: bool = False) -> None:
         if isinstance(kv_cap, bool) or not isinstance(kv_cap, (int, float)) or not 0.0 <= kv_cap < 1.0:  # NaN too
-            raise ConfigurationError(f"PredictedTTFT kv_cap must be a fraction in [0, 1), not {kv_cap!r}")
+            raise ConfigurationError(f"PredictedTTFT kv_cap must be a fraction in [0, 1), not {shown(kv_cap)}")
         if not isinstance(use_speed, bool):
-            raise ConfigurationError(f"PredictedTTFT use_speed must be True or False, not {use_speed!r}")
+            raise ConfigurationError(f"PredictedTTFT use_speed must be True or False, not {shown(use_speed)}")
         self.kv_cap = float(kv_cap)
         self.use_speed = use_speed
 

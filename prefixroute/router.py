@@ -254,7 +254,7 @@ class Router:
         if policy is not None and not isinstance(policy, LoadPolicy):
             raise TypeError(f"policy must be a LoadPolicy instance, not {type(policy).__name__}")
         if isinstance(placement_blocks, bool) or not isinstance(placement_blocks, int) or placement_blocks < 1:
-            raise ConfigurationError(f"placement_blocks must be a positive int, not {placement_blocks!r}")
+            raise ConfigurationError(f"placement_blocks must be a positive int, not {shown(placement_blocks)}")
         if not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds, not {type(clock).__name__}")
         if rng is not None and not isinstance(rng, random.Random):
@@ -373,7 +373,7 @@ class Router:
         chosen = next((c for c in decision.candidates if c.backend == target), None)
         if chosen is None:
             raise DecisionError(
-                f"backend {target!r} was not a candidate of decision {decision.id!r}: commit one of "
+                f"backend {shown(target)} was not a candidate of decision {decision.id!r}: commit one of "
                 f"{[c.backend for c in decision.candidates]}"
             )
         hashes = decision._hashes
@@ -736,7 +736,7 @@ class Router:
         if kv_usage is not None and (
             isinstance(kv_usage, bool) or not isinstance(kv_usage, (int, float)) or not 0.0 <= kv_usage <= 1.0
         ):
-            raise ConfigurationError(f"kv_usage must be a fraction in [0, 1] or None, not {kv_usage!r}")
+            raise ConfigurationError(f"kv_usage must be a fraction in [0, 1] or None, not {shown(kv_usage)}")
         with self._lock:
             self._figures.pop(backend, None)
             if queue_len is None and kv_usage is None:
@@ -952,7 +952,7 @@ def _check_lease(lease: object) -> float | None:
 
 def _check_backend_id(backend: object) -> None:
     if not isinstance(backend, str):
-        raise TypeError(f"backend ids must be str, not {type(backend).__name__} ({backend!r})")
+        raise TypeError(f"backend ids must be str, not {type(backend).__name__} ({shown(backend)})")
 
 
 def _check_backends(backends: Sequence[str]) -> Sequence[str]:
@@ -971,7 +971,9 @@ def _check_backends(backends: Sequence[str]) -> Sequence[str]:
     if len(set(backends)) != len(backends):
         seen: set[str] = set()
         duplicate = next(b for b in backends if b in seen or seen.add(b))  # type: ignore[func-returns-value]
-        raise ConfigurationError(f"backend {duplicate!r} appears more than once in backends; pass each backend once")
+        raise ConfigurationError(
+            f"backend {shown(duplicate)} appears more than once in backends; pass each backend once"
+        )
     return backends
 
 

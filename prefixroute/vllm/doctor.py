@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from prefixroute._numbers import shown
 from prefixroute.errors import ConfigurationError, MetricsError
 from prefixroute.vllm._checks import check_seconds
 from prefixroute.vllm.metrics import MAX_METRICS_BYTES, EngineMetrics, fetch_metrics, metrics_url, parse_metrics
@@ -95,9 +96,9 @@ def diagnose(
         ConfigurationError: ``ratio_threshold`` is not a finite number >= 1 or ``low_hit_rate`` not in [0, 1].
     """
     if isinstance(ratio_threshold, bool) or not (math.isfinite(ratio_threshold) and ratio_threshold >= 1):
-        raise ConfigurationError(f"ratio_threshold must be a finite number >= 1, not {ratio_threshold!r}")
+        raise ConfigurationError(f"ratio_threshold must be a finite number >= 1, not {shown(ratio_threshold)}")
     if isinstance(low_hit_rate, bool) or not 0 <= low_hit_rate <= 1:
-        raise ConfigurationError(f"low_hit_rate must be a fraction in [0, 1], not {low_hit_rate!r}")
+        raise ConfigurationError(f"low_hit_rate must be a fraction in [0, 1], not {shown(low_hit_rate)}")
     hits, queries = metrics.prefix_hits, metrics.prefix_queries
     if hits is not None and queries is not None and hits > queries:
         reason = f"prefix cache hits ({hits:g} tokens) exceed queries ({queries:g}): a hit is a queried token"

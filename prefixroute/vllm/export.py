@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from prefixroute._numbers import shown
 from prefixroute.index import PrefixIndex
 from prefixroute.router import Decision
 from prefixroute.vllm.fleet import Fleet
@@ -100,7 +101,7 @@ class RouterMetrics:
             ValueError: ``cached_tokens`` is not a non-negative int.
         """
         if isinstance(cached_tokens, bool) or not isinstance(cached_tokens, int) or cached_tokens < 0:
-            raise ValueError(f"cached_tokens must be an int >= 0, not {cached_tokens!r}")
+            raise ValueError(f"cached_tokens must be an int >= 0, not {shown(cached_tokens)}")
         self._matched.labels("served").inc(cached_tokens)
 
     def watch_index(self, index: PrefixIndex, *, lock: threading.Lock | None = None) -> None:

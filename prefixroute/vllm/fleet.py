@@ -190,7 +190,9 @@ class Fleet:
             raise TypeError(f"backend must be a str id, not {type(backend).__name__}")
         namespace_seed(namespace)  # a TypeError here, with or without kv_events, not in a thread later
         if replay is not None and kv_events is None:
-            raise ConfigurationError(f"replay={replay!r} without kv_events: pass the engine's publisher endpoint too")
+            raise ConfigurationError(
+                f"replay={shown(replay)} without kv_events: pass the engine's publisher endpoint too"
+            )
         if data_parallel_size is not None:
             check_count(data_parallel_size, "data_parallel_size")
             if kv_events is None:

@@ -6,6 +6,7 @@ import math
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 
+from prefixroute._numbers import is_finite_number, shown
 from prefixroute.errors import ConfigurationError
 from prefixroute.index import PrefixIndex
 
@@ -50,14 +51,10 @@ class EventIndex(PrefixIndex):
         self, block_size: int = 16, *, speculative_ttl: float = 3.0, clock: Callable[[], float] = time.monotonic
     ) -> None:
         super().__init__(block_size)
-        if (
-            isinstance(speculative_ttl, bool)
-            or not isinstance(speculative_ttl, (int, float))
-            or not math.isfinite(speculative_ttl)
-            or speculative_ttl < 0
-        ):
+        if not is_finite_number(speculative_ttl) or speculative_ttl < 0:
             raise ConfigurationError(
-                f"speculative_ttl must be a finite number of seconds >= 0 (0: events only), not {speculative_ttl!r}"
+                "speculative_ttl must be a finite number of seconds >= 0 (0: events only), "
+                f"not {shown(speculative_ttl)}"
             )
         if not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds, not {type(clock).__name__}")

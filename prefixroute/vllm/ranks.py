@@ -158,6 +158,7 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
     host, _, port = address.rpartition(":")
     if int(port) + rank > 65535:
         raise ConfigurationError(
-            f"{endpoint!r} offset by data-parallel rank {rank} is past port 65535: configure vLLM with a lower port"
+            f"{endpoint!r} offset by data-parallel rank {shown(rank)} is past port 65535: configure vLLM with a "
+            "lower port"
         )
     return f"tcp://{host}:{int(port) + rank}"

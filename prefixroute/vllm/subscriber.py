@@ -20,6 +20,7 @@ from typing import Any
 
 import zmq
 
+from prefixroute._numbers import shown
 from prefixroute.errors import ConfigurationError, InvalidEventError
 from prefixroute.vllm._checks import check_callable, check_count, check_endpoint, check_seconds, sparse_level
 from prefixroute.vllm.events import EventDecoder
@@ -130,7 +131,7 @@ class KVEventSubscriber:
             low, high = reconnect_backoff
         except (TypeError, ValueError):
             raise ConfigurationError(
-                f"reconnect_backoff must be a pair (low, high) of seconds, not {reconnect_backoff!r}"
+                f"reconnect_backoff must be a pair (low, high) of seconds, not {shown(reconnect_backoff)}"
             ) from None
         check_seconds(low, "reconnect_backoff's low")
         check_seconds(high, "reconnect_backoff's high")

@@ -413,7 +413,7 @@ def _check_token_count(event: BlockStored) -> None:
     if len(event.token_ids) != len(event.block_hashes) * event.block_size:
         raise InvalidEventError(
             f"BlockStored carries {len(event.token_ids)} token ids for {len(event.block_hashes)} blocks of "
-            f"{event.block_size} tokens; vLLM sends exactly the stored blocks' tokens"
+            f"{shown(event.block_size)} tokens; vLLM sends exactly the stored blocks' tokens"
         )
 
 
@@ -432,7 +432,7 @@ def _is_gpu(medium: str | None) -> bool:
 def _sub_blocks(vllm_block_size: int, block_size: int) -> int:
     if vllm_block_size <= 0 or vllm_block_size % block_size:
         raise InvalidEventError(
-            f"vLLM's block size {vllm_block_size} is not a positive multiple of prefixroute's block size "
+            f"vLLM's block size {shown(vllm_block_size)} is not a positive multiple of prefixroute's block size "
             f"{block_size}: configure the router with block_size={vllm_block_size} (vLLM's --block-size)"
         )
     return vllm_block_size // block_size

@@ -285,3 +285,43 @@ def test_a_seeded_hostile_campaign_over_every_router_call() -> None:
         router.finish(decision)
     assert router.stats().in_flight == 0
     assert all(router.in_flight(b) == 0 for b in "abc")
+
+
+HUGE = 10**5000  # past Python's int-to-str limit: a message that shows it with repr() raises ValueError instead
+
+
+def _huge_int_calls() -> list[tuple[str, Callable[[], object]]]:
+    from prefixroute import BoundedLoad, LinearTTFT, PredictedTTFT
+    from prefixroute.vllm import EventIndex, RankMerge, rank_endpoint
+
+    router = Router(block_size=4)
+    decision = router.route([1] * 8, ["a"])
+    return [
+        ("Router(block_size=)", lambda: Router(block_size=HUGE)),
+        ("Router(placement_blocks=)", lambda: Router(placement_blocks=-HUGE)),
+        ("Router(capacity_blocks=)", lambda: Router(capacity_blocks=-HUGE)),
+        ("set_capacity", lambda: router.set_capacity("a", -HUGE)),
+        ("set_engine_load(kv_usage=)", lambda: router.set_engine_load("a", queue_len=None, kv_usage=HUGE)),
+        ("store(parent=)", lambda: router.store("a", [1], parent=HUGE)),
+        ("index.insert(parent=)", lambda: router.index.insert([1], "a", parent=HUGE)),
+        ("index.retract(start=)", lambda: router.index.retract([1], "a", -HUGE)),
+        ("hash(parent=)", lambda: BlockHasher(4).hash([1] * 4, parent=HUGE)),
+        ("route(token)", lambda: router.route([HUGE], ["a"])),
+        ("route(backend)", lambda: router.route([1], [HUGE])),  # type: ignore[list-item]
+        ("commit(backend)", lambda: router.commit(decision, HUGE)),  # type: ignore[arg-type]
+        ("BoundedLoad(factor=)", lambda: BoundedLoad(factor=HUGE)),
+        ("PredictedTTFT(kv_cap=)", lambda: PredictedTTFT(kv_cap=HUGE)),
+        ("LinearTTFT(per_token_s=)", lambda: LinearTTFT(per_token_s=HUGE)),
+        ("EventIndex(speculative_ttl=)", lambda: EventIndex(4, speculative_ttl=HUGE)),
+        ("RankMerge.write(parent)", lambda: RankMerge(router).write("a", [(True, [1], HUGE)])),
+        ("rank_endpoint(rank=)", lambda: rank_endpoint("tcp://gpu0:5557", HUGE)),
+    ]
+
+
+@pytest.mark.parametrize(("call", "action"), _huge_int_calls(), ids=[name for name, _ in _huge_int_calls()])
+def test_an_int_too_long_to_print_is_refused_with_the_documented_error_naming_its_size(
+    call: str, action: Callable[[], object]
+) -> None:
+    with pytest.raises((PrefixRouteError, TypeError)) as caught:
+        action()
+    assert "bits" in str(caught.value) and len(str(caught.value)) < 400, (call, str(caught.value))
