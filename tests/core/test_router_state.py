@@ -2,21 +2,55 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
+
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
-from prefixroute import Decision, Router
+from prefixroute import (
+    BlockHasher,
+    Candidate,
+    Decision,
+    DecisionError,
+    InvalidEventError,
+    LoadPolicy,
+    PolicyError,
+    PredictedTTFT,
+    Router,
+)
 
 from ..conftest import FakeClock
 
 BACKENDS = ["a", "b", "c"]
 PREFIXES = [list(range(start, start + 24)) for start in (0, 1000, 2000)]
+CHAINS = [BlockHasher(4).hash(prefix) for prefix in PREFIXES]  # what the KV events of these prompts store
+
+
+class Faulty(LoadPolicy):
+    """The default policy, or a policy bug (an exception, or a candidate it was not given) while ``fault`` is set."""
+
+    name = "faulty"
+    prefix_aware = True
+
+    def __init__(self) -> None:
+        self.fault: str | None = None
+        self.inner = PredictedTTFT()
+
+    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        if self.fault == "raise":
+            raise RuntimeError("a bug in the policy")
+        chosen = self.inner.choose(candidates)
+        return chosen._replace() if self.fault == "copy" else chosen
 
 
 class RouterMachine(RuleBasedStateMachine):
-    """Decide, commit (also elsewhere), start (again, elsewhere), first token, finish (twice, or refused), leases
-    running out, backends removed, cleared and resized, engine figures, in any order.
+    """Route, decide, commit (also elsewhere), start (again, elsewhere), first token, finish (twice, or refused),
+    leases running out, backends removed, cleared and resized, engine figures, the public write path (stores from
+    block 0 and continuations, evictions, batches), and refused calls (a policy bug, an altered decision, a batch
+    with a bad update), which must change nothing, in any order.
 
     The model: which decisions are in flight, on which backend, and until when. After each step the router's
     requests in flight must be exactly those, and :meth:`Router._check` (every counter equal to what they add up to,
@@ -28,7 +62,8 @@ class RouterMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.clock = FakeClock()
-        self.router = Router(block_size=4, capacity_blocks=40, clock=self.clock, lease=10.0)
+        self.policy = Faulty()
+        self.router = Router(block_size=4, capacity_blocks=40, clock=self.clock, lease=10.0, policy=self.policy)
         self.live: dict[str, tuple[str, float]] = {}  # id -> (backend, deadline)
         self.started: dict[str, Decision] = {}  # id -> the decision counted in flight (what a refusal retracts)
 
@@ -41,6 +76,62 @@ class RouterMachine(RuleBasedStateMachine):
     )
     def decide(self, prefix: list[int], tail: list[int], backends: list[str], namespace: str | None) -> Decision:
         return self.router.decide(prefix + tail, backends, namespace=namespace)
+
+    @rule(
+        target=decisions,
+        prefix=st.sampled_from(PREFIXES),
+        tail=st.lists(st.integers(0, 50), max_size=12),
+        backends=st.lists(st.sampled_from(BACKENDS), min_size=1, max_size=3, unique=True),
+    )
+    def route(self, prefix: list[int], tail: list[int], backends: list[str]) -> Decision:
+        return self.router.route(prefix + tail, backends)
+
+    def _state(self) -> tuple[object, ...]:
+        return (self.router.stats(), *(self.router.index.hashes(b) for b in BACKENDS))
+
+    @rule(fault=st.sampled_from(["raise", "copy"]), prefix=st.sampled_from(PREFIXES), commit=st.booleans())
+    def policy_fails(self, fault: str, prefix: list[int], commit: bool) -> None:
+        before = self._state()
+        self.policy.fault = fault
+        try:
+            with pytest.raises(PolicyError):
+                (self.router.route if commit else self.router.decide)(prefix, BACKENDS)
+        finally:
+            self.policy.fault = None
+        assert self._state() == before
+
+    @rule(decision=decisions, field=st.sampled_from(["backend", "prompt_tokens", "matched_tokens"]))
+    def altered_decision_is_refused(self, decision: Decision, field: str) -> None:
+        before = self._state()
+        altered = replace(decision, **{field: "elsewhere" if field == "backend" else -1})  # type: ignore[arg-type]
+        for call in (self.router.start, self.router.commit):
+            with pytest.raises(DecisionError):
+                call(altered)
+        assert self._state() == before
+
+    @rule(backend=st.sampled_from(BACKENDS), chain=st.sampled_from(CHAINS), cut=st.integers(0, 5))
+    def store(self, backend: str, chain: list[int], cut: int) -> None:
+        """A KV event's chain: from block 0, or continuing the block before ``cut`` (skipped if it is not held)."""
+        if cut:
+            self.router.store(backend, chain[cut:], parent=chain[cut - 1])
+        else:
+            self.router.store(backend, chain)
+
+    @rule(backend=st.sampled_from(BACKENDS), chain=st.sampled_from(CHAINS), start=st.integers(0, 5))
+    def evict(self, backend: str, chain: list[int], start: int) -> None:
+        self.router.evict(backend, iter(chain[start:]))  # leaves first or not: a hole is allowed
+
+    @rule(backend=st.sampled_from(BACKENDS), chain=st.sampled_from(CHAINS), bad=st.booleans())
+    def write_batch(self, backend: str, chain: list[int], bad: bool) -> None:
+        """A batch of updates in one write; one bad update refuses the whole batch, before any of it applies."""
+        updates = [(True, chain[:3], None), (True, chain[3:], chain[2]), (False, chain[4:], None)]
+        if not bad:
+            self.router.write(backend, updates)
+            return
+        before = self._state()
+        with pytest.raises(InvalidEventError):
+            self.router.write(backend, [*updates, (False, [-1], None)])
+        assert self._state() == before
 
     @rule(target=decisions, decision=decisions, elsewhere=st.booleans())
     def commit(self, decision: Decision, elsewhere: bool) -> Decision:
