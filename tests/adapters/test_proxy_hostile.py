@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import logging
 import socket
 import socketserver
 import threading
@@ -309,3 +310,33 @@ def test_a_json_body_with_a_byte_order_mark_is_routed_as_vllm_reads_it(good: Ope
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["prompt_tokens"] == 3 and reply.headers["X-Prefixroute-Backend"] == good.url
         assert idle(proxy)
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Bad: a\x01b\r\nContent-Length: 2\r\n\r\n{}",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 9000 + b"\r\nContent-Length: 2\r\n\r\n{}",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: two\r\n\r\n{}",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Encoding: deflate\r\nContent-Length: 2000\r\n\r\n"
+        + b"x" * 2000,
+    ],
+    ids=["control-character", "header-too-long", "bad-content-length", "body-that-does-not-decompress"],
+)
+def test_a_malformed_request_is_a_warning_line_not_a_traceback(
+    request_bytes: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Any client can send broken HTTP or a body that does not decode: aiohttp logged each as an error with a
+    traceback (a log anyone could flood); now one warning line, and the client still gets its 400."""
+    with Proxy(Router(), [f"http://127.0.0.1:{free_port()}"], base_models=[]) as proxy:
+        host, port = proxy.url.removeprefix("http://").split(":")
+        with caplog.at_level(logging.DEBUG), socket.create_connection((host, int(port))) as client:
+            client.sendall(request_bytes)
+            client.settimeout(5)
+            answer = client.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 400") or answer.startswith(b"HTTP/1.0 400"), answer
+            wait_until(lambda: any(r.levelno >= logging.WARNING for r in caplog.records), what="a log record")
+        assert proxy.router.stats().decisions == 0
+    server = [r for r in caplog.records if r.name == "aiohttp.server" and r.levelno >= logging.WARNING]
+    assert server and all(r.levelno == logging.WARNING and r.exc_info is None for r in server), server
+    assert all("\n" not in r.getMessage() for r in server)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 
@@ -169,7 +170,8 @@ class Proxy:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout)
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
         # handler_cancellation: a client that leaves cancels its handler, wherever it waits (also non-streaming).
-        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, handler_cancellation=True)
+        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, handler_cancellation=True,
+                                     logger=_ServerLog(logging.getLogger("aiohttp.server")))  # fmt: skip
         try:
             await self._runner.setup()
             site = web.TCPSite(self._runner, host, port, reuse_address=True)
@@ -510,6 +512,18 @@ def _decode(raw: bytes) -> Any:
         return _decoder.decode(without_bom(raw))
     except (msgspec.DecodeError, RecursionError) as exc:
         raise BadRequest(json_error(raw, exc)) from None
+
+
+class _ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]  # generic only from Python 3.11
+    """aiohttp's server log, but a request the client malformed (broken HTTP, a body that does not decode as its
+    ``Content-Encoding`` says) is one warning line instead of an error with a traceback: any client can send one, and
+    the proxy has done nothing wrong (aiohttp answers it 400). The proxy's own faults keep their traceback."""
+
+    def log(self, level: int, msg: object, *args: object, exc_info: Any = None, **kwargs: Any) -> None:
+        if level >= logging.ERROR and isinstance(exc_info, (HttpProcessingError, RequestPayloadError)):
+            what = str(msg) % args if args else str(msg)
+            level, msg, args, exc_info = logging.WARNING, "%s: %s", (what, " ".join(str(exc_info).split())), None
+        super().log(level, msg, *args, exc_info=exc_info, **kwargs)
 
 
 class _Refused(Exception):
