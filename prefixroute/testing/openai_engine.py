@@ -59,8 +59,10 @@ def whitespace_tokens(text: str) -> list[int]:
 def render_chat(messages: object) -> str:
     """The fake's chat template: ``<|role|> content`` per message, then ``<|assistant|>``.
 
+    A null or absent ``content`` (an assistant's tool calls) renders empty, as vLLM reads it.
+
     Raises:
-        ValueError: a message is not ``{"role": str, "content": str | [{"type": "text", "text": str}, ...]}``.
+        ValueError: a message is not ``{"role": str, "content": str | [{"type": "text", "text": str}, ...] | null}``.
     """
     if not isinstance(messages, list) or not messages:
         raise ValueError("'messages' must be a non-empty list of {role, content} objects")
@@ -69,7 +71,9 @@ def render_chat(messages: object) -> str:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError("each message must be an object with a string 'role'")
         content = message.get("content")
-        if isinstance(content, list):
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
             content = " ".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
         if not isinstance(content, str):
             raise ValueError("a message's 'content' must be a string or a list of text parts")

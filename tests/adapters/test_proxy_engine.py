@@ -103,6 +103,22 @@ def test_bad_requests_get_openai_errors(engine: OpenAIEngine) -> None:
     assert httpx.post(f"{engine.url}/v1/chat/completions", json={"messages": "hi"}).status_code == 400
 
 
+def test_a_tool_call_conversation_is_served_as_vllm_serves_it(engine: OpenAIEngine) -> None:
+    """An assistant turn that only calls a tool has a null (or no) content, which vLLM reads as empty: the fake
+    answered 400, so a tool-using client failed through the proxy against the fake engines only."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "look it up"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+        {"role": "assistant", "tool_calls": [call]},
+    ]
+    reply = httpx.post(f"{engine.url}/v1/chat/completions", json={"messages": messages})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["prompt_tokens"] == len(whitespace_tokens(render_chat(messages)))
+    assert render_chat(messages[1:2]) == "<|assistant|> \n<|assistant|>"
+
+
 def test_fail_next_fails_exactly_that_many(engine: OpenAIEngine) -> None:
     engine.fail_next(2, status=503)
     statuses = [httpx.post(f"{engine.url}/v1/completions", json={"prompt": "a"}).status_code for _ in range(3)]
