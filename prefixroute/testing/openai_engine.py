@@ -49,6 +49,7 @@ __all__ = ["EngineStats", "OpenAIEngine", "main", "register", "whitespace_tokens
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _POLL_S = 0.005  # how often a stalled request looks for resume() or its client leaving
 _MAX_BODY_BYTES = 256 * 2**20  # the largest request body served (the proxy in front of it takes up to 64 MiB)
+_MAX_MODEL_LEN = 1 << 20  # the context length served (max_model_len in /v1/models): prompt plus max_tokens
 
 
 def whitespace_tokens(text: str) -> list[int]:
@@ -79,6 +80,34 @@ def render_chat(messages: object) -> str:
             raise ValueError("a message's 'content' must be a string or a list of text parts")
         parts.append(f"<|{message['role']}|> {content}")
     return "\n".join(parts) + "\n<|assistant|>"
+
+
+def _max_tokens(body: dict[str, Any], default: int, prompt_tokens: int) -> int:
+    """The tokens to generate, as vLLM reads ``max_completion_tokens`` or else ``max_tokens`` (absent or null: the
+    engine's default): an integer (``16.0`` and ``"16"`` too, pydantic's lax int) of at least 1 that fits the
+    context with the prompt.
+
+    Raises:
+        ValueError: anything else (vLLM answers 400), e.g. ``true``, ``1.5``, ``0``, or more than the context.
+    """
+    value = body.get("max_completion_tokens")
+    if value is None:
+        value = body.get("max_tokens")
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer() or isinstance(value, str) and value.strip().isdecimal():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"max_tokens must be an integer, not {shown(value)}")
+    if value < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {value}.")
+    if prompt_tokens + value > _MAX_MODEL_LEN:
+        raise ValueError(
+            f"This model's maximum context length is {_MAX_MODEL_LEN} tokens. However, you requested "
+            f"{prompt_tokens + value} tokens ({prompt_tokens} in the messages, {value} in the completion). "
+            "Please reduce the length of the messages or completion."
+        )
+    return value
 
 
 _FLAGS = {"1": True, "on": True, "t": True, "true": True, "y": True, "yes": True,
@@ -328,7 +357,7 @@ class OpenAIEngine:
 
     async def _models(self, request: web.Request) -> web.Response:
         card = {"id": self.model, "object": "model", "created": 0, "owned_by": "vllm", "root": self.model,
-                "parent": None, "max_model_len": 1 << 20}  # fmt: skip
+                "parent": None, "max_model_len": _MAX_MODEL_LEN}  # fmt: skip
         adapters = [{**card, "id": name, "root": f"/adapters/{name}", "parent": self.model}
                     for name in self.lora_adapters]  # fmt: skip
         return web.json_response({"object": "list", "data": [card, *adapters]})
@@ -357,9 +386,7 @@ class OpenAIEngine:
                 raise ValueError("the request body must be a JSON object")
             prompt = self._prompt(body, chat=chat)
             _stream_flag(body.get("stream"))
-            max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or self.max_tokens)
-            if max_tokens < 1:
-                raise ValueError("max_tokens must be at least 1")
+            max_tokens = _max_tokens(body, self.max_tokens, len(prompt))
         except (ValueError, TypeError) as exc:
             return _error(400, str(exc), "BadRequestError")
         if body.get("model") not in (None, self.model, *self.lora_adapters):

@@ -119,6 +119,28 @@ def test_a_tool_call_conversation_is_served_as_vllm_serves_it(engine: OpenAIEngi
     assert render_chat(messages[1:2]) == "<|assistant|> \n<|assistant|>"
 
 
+@pytest.mark.parametrize(
+    "raw",
+    ["Infinity", "NaN", "1e300", "1048576", "true", "1.5", "0", "-3", '"many"', "[2]", "{}"],
+)
+def test_a_max_tokens_vllm_refuses_is_a_400_not_a_500_or_an_endless_answer(engine: OpenAIEngine, raw: str) -> None:
+    """``Infinity`` was a 500 (int() overflowed); ``1e300`` generated for ever (vLLM refuses more than the context,
+    ``max_model_len`` in ``/v1/models``); ``0``, ``true`` and ``{}`` silently meant the default."""
+    assert httpx.get(engine.url + "/v1/models").json()["data"][0]["max_model_len"] == 1048576
+    chat = '"messages": [{"role": "user", "content": "hi"}]'
+    for path, prompt in (("/v1/completions", '"prompt": [1, 2, 3]'), ("/v1/chat/completions", chat)):
+        body = f'{{{prompt}, "stream": true, "max_tokens": {raw}}}'
+        reply = httpx.post(engine.url + path, content=body, headers={"Content-Type": "application/json"}, timeout=5)
+        assert reply.status_code == 400 and reply.json()["error"]["type"] == "BadRequestError", reply.text
+    assert engine.stats().running == 0
+
+
+@pytest.mark.parametrize("value", [2, 2.0, "2", None])
+def test_max_tokens_reads_as_vllm_reads_it(engine: OpenAIEngine, value: object) -> None:
+    reply = httpx.post(f"{engine.url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": value})
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == (3 if value is None else 2)
+
+
 def test_fail_next_fails_exactly_that_many(engine: OpenAIEngine) -> None:
     engine.fail_next(2, status=503)
     statuses = [httpx.post(f"{engine.url}/v1/completions", json={"prompt": "a"}).status_code for _ in range(3)]
