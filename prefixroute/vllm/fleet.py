@@ -229,12 +229,17 @@ class Fleet:
         ]
         if metrics_url is not None:
             member.poller = _Poller(self, backend, _metrics_endpoint(metrics_url), gate)
+        refusal = None
         with self._lock:
             if self._closed:
-                raise ConfigurationError("this Fleet is closed: make a new one")
-            if backend in self._members:
-                raise ConfigurationError(f"backend {backend!r} is already in the fleet: remove_backend() it first")
-            self._members[backend] = member
+                refusal = ConfigurationError("this Fleet is closed: make a new one")
+            elif backend in self._members:
+                refusal = ConfigurationError(f"backend {backend!r} is already in the fleet: remove_backend() it first")
+            else:
+                self._members[backend] = member
+        if refusal is not None:
+            member.stop()  # nothing was started; this closes the poller's HTTP client
+            raise refusal
         for subscriber in member.subscribers:
             subscriber.start()
         if member.poller is not None:

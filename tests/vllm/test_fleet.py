@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import httpx
 import msgspec
 import pytest
 import zmq
@@ -354,6 +355,25 @@ def test_bad_backends_and_endpoints_are_clear_errors() -> None:
         fleet.add_backend("gpu0", kv_events="gpu0:5557")
     with pytest.raises(TypeError, match="Router"):
         Fleet(object())  # type: ignore[arg-type]
+
+
+def test_a_refused_add_closes_the_http_client_it_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    clients: list[httpx.Client] = []
+
+    class Recorded(httpx.Client):
+        def __init__(self) -> None:
+            super().__init__()
+            clients.append(self)
+
+    monkeypatch.setattr("prefixroute.vllm.fleet.httpx.Client", Recorded)
+    with Fleet(Router()) as fleet:
+        fleet.add_backend("gpu0")
+        with pytest.raises(ConfigurationError, match="already in the fleet"):
+            fleet.add_backend("gpu0", metrics_url="http://127.0.0.1:1")
+    with pytest.raises(ConfigurationError, match="closed"):
+        fleet.add_backend("gpu1", metrics_url="http://127.0.0.1:1")
+    assert len(clients) == 2
+    assert all(client.is_closed for client in clients)
 
 
 def test_a_failing_health_callback_is_counted_and_polling_goes_on(
