@@ -419,12 +419,15 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
             try:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
                 prompts = _token_prompts(body.get("prompt"))
+                max_tokens = body.get("max_tokens")
+                max_tokens = 16 if max_tokens is None else max_tokens
+                if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+                    raise ValueError(f"max_tokens must be a positive integer, not {json.dumps(max_tokens)[:40]}")
             except (ValueError, TypeError, AttributeError) as exc:
                 error = {"error": {"message": str(exc), "type": "BadRequestError", "code": 400}}
                 self._reply(400, json.dumps(error).encode(), "application/json")
                 return
             done = [engine.complete(prompt) for prompt in prompts]
-            max_tokens = int(body.get("max_tokens") or 16)
             prompt_tokens = sum(c.prompt_tokens for c in done)
             reply = {
                 "id": f"cmpl-{engine.seq}",

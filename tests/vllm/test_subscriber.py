@@ -361,6 +361,11 @@ def test_completions_over_http_publish_events_and_report_cached_tokens() -> None
             reply = client.post("/v1/completions", json={"prompt": bad_prompt})
             assert reply.status_code == 400, reply.text
             assert "token ids" in reply.json()["error"]["message"]
+        for bad_max in ["Infinity", "0", "true", '"4"', "1.5"]:  # Infinity once raised OverflowError: no answer
+            raw = f'{{"prompt": [1, 2, 3], "max_tokens": {bad_max}}}'
+            reply = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+            assert reply.status_code == 400, (bad_max, reply.text)
+            assert "max_tokens" in reply.json()["error"]["message"]
         assert client.get("/nothing").status_code == 404
 
 
