@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -372,6 +372,56 @@ def test_only_a_long_text_prompt_is_tokenized_on_a_worker_thread(
     ] == len(encoder.encode_chat([{"role": "user", "content": long}]))
     assert hops == [len(long), 1]  # the text, then the one message
     assert call(sidecar, "POST", "/route", {"prompt": long, "model": "x"}).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/route", "/v1/completions"])
+@pytest.mark.parametrize("leaves", ["while tokenizing", "once decided"])
+def test_a_client_that_leaves_before_its_answer_leaves_nothing_in_flight(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, path: str, leaves: str
+) -> None:
+    """Once the whole body is read, the sidecar notices a client that leaves while a long text is tokenized: it
+    decides nothing, or finishes (refused) what it decided, instead of counting it until the lease (600 s)."""
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, encoder=PromptEncoder(model_dir))
+    body = json.dumps({"prompt": CORPUS[0] * 1000}).encode()  # over the 64 KiB inline limit: a worker thread
+    sent: list[dict[str, Any]] = []
+
+    async def go() -> None:
+        gone = asyncio.Event()
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            if messages:
+                return messages.pop()
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: MutableMapping[str, Any]) -> None:
+            sent.append(dict(message))
+
+        async def to_thread(function: Any, *args: Any) -> Any:
+            if leaves == "while tokenizing":
+                gone.set()
+                await asyncio.sleep(3600)  # cancelled when the sidecar sees the client leave
+            result = function(*args)
+            gone.set()  # the client leaves as the decision is made, before it can read the answer
+            await asyncio.sleep(0)
+            return result
+
+        monkeypatch.setattr("prefixroute.adapters.serve.app.asyncio.to_thread", to_thread)
+        scope = {"type": "http", "method": "POST", "path": path, "headers": []}
+        await asyncio.wait_for(sidecar(scope, receive, send), 10)
+
+    asyncio.run(go())
+    assert sent == []  # no one to answer
+    stats = sidecar.router.stats()
+    assert stats.in_flight == 0
+    assert stats.decisions == (0 if leaves == "while tokenizing" else 1)
+
+
+def test_a_long_prompt_whose_client_stays_is_answered(model_dir: Path) -> None:
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, encoder=PromptEncoder(model_dir))
+    reply = call(sidecar, "POST", "/route", {"prompt": CORPUS[0] * 1000})
+    assert reply.status_code == 200 and sidecar.router.stats().in_flight == 1
 
 
 @given(st.lists(st.sampled_from(["route", "finish", "first_token", "finish_unknown", "bad"]), max_size=30))

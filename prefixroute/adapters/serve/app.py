@@ -345,7 +345,7 @@ class Sidecar:
                 body = await self._body(receive)
                 if body is None:  # the client left before sending the whole body: decide nothing, answer no one
                     return
-                await self._post(path, body, send)
+                await self._post(path, body, send, receive)
             elif method in ("GET", "HEAD") and path in _GET_PATHS:
                 await self._get(path, send)
             elif path in _POST_PATHS or path in _GET_PATHS:
@@ -368,9 +368,11 @@ class Sidecar:
             self.metrics.refused(500)
             await _respond(send, 500, msgspec.json.encode({"error": f"the sidecar failed: {exc}"}), [_JSON])
 
-    async def _post(self, path: str, body: bytes, send: Send) -> None:
+    async def _post(self, path: str, body: bytes, send: Send, receive: Receive) -> None:
         if path == "/route":
-            await _respond(send, 200, self.answer(await self.route_async(body)))
+            decision = await self._unless_gone(self.route_async(body), len(body), receive)
+            if decision is not None:
+                await _respond(send, 200, self.answer(decision))
         elif path == "/finish":
             finished: FinishBody = decode(body, FinishBody)
             self.finish(finished.id, refused=finished.refused)
@@ -380,7 +382,9 @@ class Sidecar:
             self.first_token(request.id)
             await _respond(send, 200, msgspec.json.encode({"id": request.id}))
         else:  # PICK_PATHS
-            decision = await self.pick_async(path, body)
+            decision = await self._unless_gone(self.pick_async(path, body), len(body), receive)
+            if decision is None:
+                return
             answer = self.answer(decision)
             headers = [
                 _JSON,
@@ -392,6 +396,27 @@ class Sidecar:
                 (b"x-prefixroute-matched-tokens", str(decision.matched_tokens).encode()),
             ]
             await _respond(send, 200, answer, headers)
+
+    async def _unless_gone(self, deciding: Awaitable[Decision], body_bytes: int, receive: Receive) -> Decision | None:
+        """Await ``deciding``; for a body long enough to be tokenized on a worker thread, race it against the client
+        leaving (after its whole body, the next ASGI message is the disconnect). A client that left gets no decision:
+        one not made yet is not made, one made is finished as refused (it never reaches an engine), and None is
+        returned. Without this, the decision would stay in flight until its lease."""
+        if body_bytes <= _INLINE_TEXT_BYTES:
+            return await deciding
+        decided = asyncio.ensure_future(deciding)
+        gone = asyncio.ensure_future(receive())
+        await asyncio.wait((decided, gone), return_when=asyncio.FIRST_COMPLETED)
+        if not gone.done():
+            gone.cancel()
+            return decided.result()
+        decided.cancel()  # at its await of the tokenizer: the decision is not made
+        try:
+            decision = await decided
+        except (asyncio.CancelledError, BadRequest):
+            return None
+        self.router.finish(decision.id, refused=True)
+        return None
 
     async def _get(self, path: str, send: Send) -> None:
         if path == "/metrics":
