@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
+import cachetools
+
 from prefixroute._numbers import shown
 from prefixroute.errors import InvalidEventError, InvalidPromptError
 from prefixroute.hashing import BlockHasher, encode_tokens
@@ -101,7 +103,9 @@ class BlockTracker:
         # Both validated here, not at the first BlockStored (which would fail in a subscriber's thread).
         self._block_size = BlockHasher(block_size, namespace=namespace).block_size
         self._namespace = namespace
-        self._hashers: dict[str | None, BlockHasher] = {}
+        # One hasher per LoRA name, the most recent 256: an engine sends a name per adapter it serves, and a stream
+        # naming ever new ones must not grow this without bound (a hasher is cheap to make again).
+        self._hashers: cachetools.LRUCache[str | None, BlockHasher] = cachetools.LRUCache(maxsize=256)
         self._own: dict[ExternalBlockHash, _Entry] = {}
         self._refs: dict[int, int] = {}  # own hash -> live vLLM blocks naming it
         self._skipped_groups: set[int] = set()

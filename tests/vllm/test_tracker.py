@@ -115,6 +115,15 @@ def test_a_lora_adapter_goes_into_the_namespace() -> None:
     assert tracker.held().isdisjoint(own(TOKENS[:16], namespace="llama"))
 
 
+def test_ever_new_lora_names_keep_a_bounded_set_of_hashers_and_hash_alike() -> None:
+    tracker = BlockTracker(namespace="llama")
+    for n in range(2000):
+        tracker.apply([BlockStored([n], None, TOKENS[:16], 16, lora_name=f"adapter-{n}")])
+    assert len(tracker._hashers) <= 256
+    again = tracker.apply([BlockStored([5000], None, TOKENS[16:32], 16, lora_name="adapter-0")])  # made again
+    assert [hashes for _, hashes, _ in again] == [own(TOKENS[16:32], "llama:adapter-0")]
+
+
 def test_a_lora_blocks_extra_keys_naming_only_its_adapter_do_not_stop_the_chain() -> None:
     """vLLM puts a LoRA request's adapter name in every block's extra keys; the namespace already covers it."""
     tracker = BlockTracker(namespace="llama")
