@@ -432,7 +432,7 @@ class PredictedTTFT(LoadPolicy):
             if capacity:
                 fraction = active / capacity  # kv_fraction(), _overflows() and _runnable(), inlined
                 if fraction > 1.0:
-                    runnable = 1.0 / fraction
+                    runnable = capacity / active  # as _runnable() computes it, to the last bit (ties)
                     fraction = 1.0
                 elif size > 0 and active + -(-uncached // size) > capacity:
                     fraction = 1.0

@@ -321,6 +321,16 @@ def test_predicted_ttft_options_and_kv_fraction() -> None:
     assert kv_fraction(Candidate("a", 0, 1, 0, kv_usage=0.4, active_blocks=180, capacity_blocks=200)) == 0.9
 
 
+def test_predicted_ttft_choose_breaks_an_exact_tie_with_an_overcommitted_backend_by_placement_order() -> None:
+    # x: 9 blocks active in 7, so runnable = 7/9; y cannot fit the prompt. Both cost exactly 1280 / 0.05 by cost();
+    # choose() computed 7/9 as 1 / (9/7), a bit off, and took x from second place.
+    x = Candidate("x", 0, 160, 9, active_blocks=9, capacity_blocks=7, block_size=16)
+    y = Candidate("y", 0, 160, 0, pending_prefill_tokens=1120, active_blocks=0, capacity_blocks=1, block_size=16)
+    policy = PredictedTTFT()
+    assert policy.cost(x, common_tokens=160) == policy.cost(y, common_tokens=160)
+    assert policy.choose([y, x]) is y and policy.choose([x, y]) is x
+
+
 @given(candidates=candidate_lists)
 def test_predicted_ttft_chooses_a_lowest_cost_candidate(candidates: list[Candidate]) -> None:
     policy = PredictedTTFT()
