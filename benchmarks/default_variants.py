@@ -206,6 +206,58 @@ class HarmOnAllInFlight(_FitVariant):
         return c.pending_prefill_tokens + u + (min(common, typical) + u - common) * c.in_flight + u * c.in_prefill
 
 
+class OvercommitWait(PredictedTTFT):
+    """The default, with the request's own wait (queued prefill and its own) multiplied, where a backend's known KV
+    capacity cannot take its blocks beside the active ones, by how far over: ``(active_blocks + its blocks) /
+    capacity_blocks``, the times the memory ahead of it must turn over before it runs. Tried 2026-12-03 on real
+    traces not in the repository (a 1,000-request slice of Mooncake's Kimi trace, the first 3,000 requests of its
+    conversation trace, both on 4 × llama-3-8b/h100-80gb, where the default's tail is 1.16-1.83x ``dynamo``'s): the
+    tail there came within 1.13x of the best, but the Splitwise code trace went from 9,737 to 11,225 ms and an
+    overload of short, decode-heavy requests (ServeGen's m-large distributions at 20 req/s) from 1.01x to 2.23x the
+    best: the router counts prompt blocks only, so there the ratio points at the backends with the longest prompts,
+    not at the fullest memory. Not adopted (docs/policies.md, "Which policy should I use")."""
+
+    label = "own wait × memory over capacity"
+
+    def cost(
+        self, candidate: Candidate, *, speed: float = 1.0, common_tokens: int = 0, typical_prompt: float = math.inf
+    ) -> float:
+        c = candidate
+        cost = super().cost(c, speed=speed, common_tokens=common_tokens, typical_prompt=typical_prompt)
+        if not c.capacity_blocks or c.block_size <= 0:
+            return cost
+        over = (c.active_blocks + -(-c.uncached_tokens // c.block_size)) / c.capacity_blocks
+        if over <= 1.0:
+            return cost
+        # over 1: the request does not fit, so the default already counts the backend as full (kv_cap)
+        own = c.pending_prefill_tokens + c.uncached_tokens
+        return cost + own * (over - 1.0) / speed / (1.0 - self.kv_cap)
+
+
+class EngineUsageFloor(PredictedTTFT):
+    """The default, with the engine's ``kv_usage`` (from metrics) as a floor under the router's own KV fraction: the
+    engine's counts the growing answers' blocks, which the router (prompt blocks only) does not. With metrics, better
+    on an overload of short, decode-heavy requests (ServeGen's m-large at 20 req/s: 1.03x the best instead of 1.26x),
+    but worse on the suite (``shared-prefix`` 623 ms instead of 592, ``rag`` 1,290 instead of 1,146,
+    ``system-prompt`` 505 instead of 421, the Splitwise code trace 10,320 instead of 9,723). Not adopted. Needs
+    ``--metrics-interval``; not one of the variants judged below (they run without metrics)."""
+
+    def cost(
+        self, candidate: Candidate, *, speed: float = 1.0, common_tokens: int = 0, typical_prompt: float = math.inf
+    ) -> float:
+        cost = super().cost(candidate, speed=speed, common_tokens=common_tokens, typical_prompt=typical_prompt)
+        c = candidate
+        usage, own = c.kv_usage, kv_fraction(c)
+        full = (
+            c.capacity_blocks
+            and c.block_size > 0
+            and c.active_blocks + -(-c.uncached_tokens // c.block_size) > c.capacity_blocks
+        )
+        if usage is None or usage <= own or full:  # counted as full already, or the floor is lower
+            return cost
+        return cost * (1.0 - min(own, self.kv_cap)) / (1.0 - min(usage, self.kv_cap))
+
+
 class LearnedSpeeds(PredictedTTFT):
     """The default with ``use_speed=True``, by name for ``prefixroute simulate --policy default_variants:LearnedSpeeds``
     (run from this folder); not one of the variants judged below."""
@@ -230,6 +282,7 @@ VARIANTS = (
     HarmCappedByFleetMean,
     CapInPrefillToo,
     HarmOnAllInFlight,
+    OvercommitWait,
 )
 
 

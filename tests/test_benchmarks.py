@@ -63,7 +63,7 @@ def test_bench_tokenize_prints_both_prompt_kinds_per_tokenizer() -> None:
 
 def test_default_variants_prints_a_row_per_variant() -> None:
     rows = [line for line in run("default_variants.py", "--quick", "--jobs", "1").splitlines() if line[-1:].isdigit()]
-    assert len(rows) == 16 and rows[0].startswith("predicted-ttft (the default)")  # the default and 15 variants
+    assert len(rows) == 17 and rows[0].startswith("predicted-ttft (the default)")  # the default and 16 variants
 
 
 def test_default_variants_classes_are_policies_the_simulator_can_name(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -80,6 +80,20 @@ def test_default_variants_classes_are_policies_the_simulator_can_name(monkeypatc
     assert isinstance(uncapped, PredictedTTFT)
     assert uncapped.cost(long, common_tokens=100_000, typical_prompt=8192.0) == 100_000 * 6
     assert PredictedTTFT().cost(long, common_tokens=100_000, typical_prompt=8192.0) == 100_000 + 8192 * 3 + 100_000 * 2
+    # Memory overcommitted: 12 blocks active and 10 more needed in a capacity of 10, 2.2 times over.
+    over = Candidate("a", 0, 160, 3, pending_prefill_tokens=40, active_blocks=12, capacity_blocks=10)
+    wait = policy_from_name("default_variants:OvercommitWait")
+    assert isinstance(wait, PredictedTTFT)
+    default = PredictedTTFT().cost(over)  # (40 + 160 + 160 x 3 x 10/12) / 0.05
+    assert default == pytest.approx((40 + 160 + 400) / 0.05)
+    assert wait.cost(over) == pytest.approx(default + (40 + 160) * 1.2 / 0.05)
+    assert wait.cost(over._replace(active_blocks=0)) == PredictedTTFT().cost(over._replace(active_blocks=0))
+    # The engine's usage as a floor under the router's 10 %: stretched by 1 / 0.5 instead of 1 / 0.9.
+    floor = policy_from_name("default_variants:EngineUsageFloor")
+    assert isinstance(floor, PredictedTTFT)
+    light = Candidate("a", 0, 160, 1, active_blocks=100, capacity_blocks=1000, kv_usage=0.5)
+    assert floor.cost(light) == pytest.approx(320 / 0.5) and PredictedTTFT().cost(light) == pytest.approx(320 / 0.9)
+    assert floor.cost(light._replace(kv_usage=0.05)) == PredictedTTFT().cost(light)
 
 
 @pytest.mark.parametrize(
