@@ -236,6 +236,14 @@ def _read_lengths(path: str | Path, form: _LengthsFormat, limit: int | None) -> 
             raise InvalidTraceError(f"{path}:1: header lacks column(s) {', '.join(absent)}{hint}")
         for row in _rows(reader, path):
             where = f"{path}:{reader.line_num}"
+            if None in row or None in row.values():  # more fields than the header names, or fewer
+                # A column dropped or an unquoted comma shifts the fields: the counts would be read from others.
+                extra: list[str] = row.get(None) or []  # type: ignore[call-overload]
+                fields = sum(row[name] is not None for name in fieldnames) + len(extra)
+                raise InvalidTraceError(
+                    f"{where}: {fields} field(s) where the header names {len(fieldnames)}: every row needs one "
+                    f"value per column (quote a value that holds a comma): {row}"
+                )
             try:
                 arrival = _datetime_seconds(row[form.arrival], minutes) if form.dated else float(row[form.arrival])
                 prefill = int(row[form.prompt])

@@ -100,7 +100,7 @@ def test_simulate_bad_input(argv: list[str], expected: str, capsys: pytest.Captu
         ("nul.csv", "arrived_at,num_prefill_tokens,num_decode_tokens\n0,1\x00,1\n", "nul.csv"),
         ("columns.csv", "a,b\n1,2\n", "header lacks column(s)"),
         ("words.csv", "arrived_at,num_prefill_tokens,num_decode_tokens\nsoon,many,few\n", "expected numbers"),
-        ("short.csv", "arrived_at,num_prefill_tokens,num_decode_tokens\n0\n", "expected numbers"),
+        ("short.csv", "arrived_at,num_prefill_tokens,num_decode_tokens\n0\n", "1 field(s) where the header names 3"),
         ("inf.csv", "arrived_at,num_prefill_tokens,num_decode_tokens\ninf,10,10\n", "finite number"),
         ("huge.csv", "arrived_at,num_prefill_tokens,num_decode_tokens\n0,99999999999,1\n", "token counts in"),
     ],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
@@ -294,3 +295,26 @@ def test_a_speedup_that_stretches_the_trace_too_far_is_refused(
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
     assert "--speedup 1e-310 puts the trace's last request at" in err and "give a --speedup of at least 3e-10" in err
+
+
+_BURSTGPT_HEADER = "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type"
+
+
+@pytest.mark.parametrize(
+    ("reader", "header", "first", "row"),
+    [
+        (read_splitwise, "arrived_at,num_prefill_tokens,num_decode_tokens", "0.0,5,5", "0.5,1,000,7"),  # 1,000
+        (read_azure, "TIMESTAMP,ContextTokens,GeneratedTokens", "2023-11-16 18:15:46,5,5", "2023-11-16 18:15:50,10,2,"),
+        (read_burstgpt, _BURSTGPT_HEADER, "5,GPT-4,5,5,10,x", "45,GPT-4,1,087,230,1317,Conversation log"),
+        (read_burstgpt, _BURSTGPT_HEADER, "5,GPT-4,5,5,10,x", "45,1087,230,1317,Conversation log"),  # no Model
+    ],
+)
+def test_a_row_with_more_or_fewer_fields_than_the_header_names_its_line(
+    tmp_path: Path, reader: Callable[[Path], object], header: str, first: str, row: str
+) -> None:
+    """A stray or unquoted comma, or a dropped column, shifts the fields: the counts would be read from others."""
+    path = tmp_path / "t.csv"
+    path.write_text(f"{header}\n{first}\n{row}\n")
+    fields, columns = len(row.split(",")), len(header.split(","))
+    with pytest.raises(InvalidTraceError, match=rf"t\.csv:3: {fields} field\(s\) where the header names {columns}"):
+        reader(path)
