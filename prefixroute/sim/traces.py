@@ -234,6 +234,9 @@ def _read_lengths(path: str | Path, form: _LengthsFormat, limit: int | None) -> 
             other = _csv_format(",".join(fieldnames)) or ("mooncake" if ",".join(fieldnames).startswith("{") else None)
             hint = f"; it looks like a {other}: trace (--trace {other}:{path})" if other else ""
             raise InvalidTraceError(f"{path}:1: header lacks column(s) {', '.join(absent)}{hint}")
+        twice = [c for c in columns if fieldnames.count(c) > 1]
+        if twice:  # csv.DictReader would read the last of them and ignore the others
+            raise InvalidTraceError(f"{path}:1: header names column(s) {', '.join(twice)} more than once")
         for row in _rows(reader, path):
             where = f"{path}:{reader.line_num}"
             if None in row or None in row.values():  # more fields than the header names, or fewer

@@ -318,3 +318,12 @@ def test_a_row_with_more_or_fewer_fields_than_the_header_names_its_line(
     fields, columns = len(row.split(",")), len(header.split(","))
     with pytest.raises(InvalidTraceError, match=rf"t\.csv:3: {fields} field\(s\) where the header names {columns}"):
         reader(path)
+
+
+def test_a_header_that_names_a_column_twice_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens,num_prefill_tokens\n0.0,100,7,9\n")
+    with pytest.raises(InvalidTraceError, match=r"t\.csv:1: header names column\(s\) num_prefill_tokens more than"):
+        read_splitwise(path)
+    path.write_text("Timestamp,Model,Request tokens,Response tokens,Model\n5,a,10,2,b\n")  # an ignored one: no matter
+    assert [(e.input_length, e.output_length) for e in read_burstgpt(path)] == [(10, 2)]
