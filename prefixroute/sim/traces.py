@@ -25,6 +25,7 @@ import heapq
 import io
 import json
 import math
+import os
 import random
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -118,7 +119,8 @@ def read_mooncake(path: str | Path, *, limit: int | None = None) -> list[TraceEn
     """Parse a Mooncake FAST'25 JSONL trace; raises :class:`InvalidTraceError` naming the first bad line.
 
     With ``limit`` every line is still checked but only the ``limit`` earliest requests are kept (in this and the
-    other readers), so a few requests from a trace of millions take memory for those alone.
+    other readers), so a few requests from a trace of millions take memory for those alone. A ``path`` that is not
+    a str or :class:`~pathlib.Path` raises TypeError.
     """
     entries = _Earliest(limit)
     with _open(path) as lines:
@@ -391,7 +393,10 @@ def load_trace(
     Raises:
         InvalidTraceError: ``spec`` is not ``FORMAT:PATH``, or the file cannot be read or has a malformed line.
         ConfigurationError: ``limit`` is not a positive int.
+        TypeError: ``spec`` is not a str.
     """
+    if not isinstance(spec, str):
+        raise TypeError(f"a trace must be given as a str 'FORMAT:PATH', such as 'mooncake:trace.jsonl', not {spec!r}")
     kind, sep, path = spec.partition(":")
     readers = {"mooncake": read_mooncake, "splitwise": read_splitwise, "azure": read_azure, "burstgpt": read_burstgpt}
     if not sep or kind not in readers:
@@ -417,7 +422,13 @@ _NOT_TEXT = (
 def _open(path: str | Path) -> TextIO:
     """Open a trace as text (UTF-8, a byte-order mark skipped; line ends as written, for :mod:`csv`), once: a pipe
     (``--trace mooncake:<(zcat trace.gz)``) is read from its start; a named pipe waits for its writer, as any
-    reader of one does."""
+    reader of one does.
+
+    Raises:
+        TypeError: ``path`` is not a str or path (an int would be opened as a file descriptor, and closed).
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"a trace's path must be a str or a pathlib.Path, not {type(path).__name__}")
     try:
         raw = open(path, "rb")  # noqa: SIM115 - returned, wrapped, to a with block
     except OSError as exc:

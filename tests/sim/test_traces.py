@@ -327,3 +327,19 @@ def test_a_header_that_names_a_column_twice_is_refused(tmp_path: Path) -> None:
         read_splitwise(path)
     path.write_text("Timestamp,Model,Request tokens,Response tokens,Model\n5,a,10,2,b\n")  # an ignored one: no matter
     assert [(e.input_length, e.output_length) for e in read_burstgpt(path)] == [(10, 2)]
+
+
+@pytest.mark.parametrize("reader", [read_mooncake, read_splitwise, read_azure, read_burstgpt])
+@pytest.mark.parametrize("path", [0, 1, True, None, 2.5])
+def test_a_path_that_is_not_a_path_is_a_type_error(reader: Callable[[object], object], path: object) -> None:
+    """open() takes an int as a file descriptor: 0 read the caller's stdin, and both were closed after."""
+    before = os.fstat(1)
+    with pytest.raises(TypeError, match="a trace's path must be a str or a pathlib.Path"):
+        reader(path)
+    assert os.fstat(1).st_ino == before.st_ino  # stdout still open
+
+
+@pytest.mark.parametrize("spec", [None, 3, Path("mooncake:t.jsonl"), b"mooncake:t.jsonl"])
+def test_load_trace_of_a_spec_that_is_not_a_str_is_a_type_error(spec: object) -> None:
+    with pytest.raises(TypeError, match="a trace must be given as a str 'FORMAT:PATH'"):
+        load_trace(spec)  # type: ignore[arg-type]
