@@ -120,7 +120,8 @@ def read_mooncake(path: str | Path, *, limit: int | None = None) -> list[TraceEn
 
     With ``limit`` every line is still checked but only the ``limit`` earliest requests are kept (in this and the
     other readers), so a few requests from a trace of millions take memory for those alone. A ``path`` that is not
-    a str or :class:`~pathlib.Path` raises TypeError.
+    a str or :class:`~pathlib.Path` raises TypeError, a ``limit`` that is not a positive int
+    :class:`~prefixroute.errors.ConfigurationError`.
     """
     entries = _Earliest(limit)
     with _open(path) as lines:
@@ -285,6 +286,8 @@ class _Earliest:
     the file), held in a heap whose top is the latest kept, so memory is O(limit) however long the file."""
 
     def __init__(self, limit: int | None) -> None:
+        if limit is not None and (not _is_int(limit) or limit < 1):  # 0 would leave a heap with no top to compare
+            raise ConfigurationError(f"limit must be a positive int or None, not {shown(limit)}")
         self.limit = limit
         self.count = 0  # requests added
         self._all: list[TraceEntry] = []
@@ -401,8 +404,6 @@ def load_trace(
     readers = {"mooncake": read_mooncake, "splitwise": read_splitwise, "azure": read_azure, "burstgpt": read_burstgpt}
     if not sep or kind not in readers:
         raise InvalidTraceError(f"--trace must be FORMAT:PATH with FORMAT one of {sorted(readers)}, not {spec!r}")
-    if limit is not None and (not _is_int(limit) or limit < 1):
-        raise ConfigurationError(f"limit must be a positive int or None, not {limit!r}")
     entries = readers[kind](path, limit=limit)
     return TraceWorkload(entries, kind=kind, seed=seed, output_tokens=output_tokens)
 

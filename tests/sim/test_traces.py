@@ -12,7 +12,7 @@ from typing import TextIO
 import pytest
 
 from prefixroute import BlockHasher
-from prefixroute.errors import InvalidTraceError
+from prefixroute.errors import ConfigurationError, InvalidTraceError
 from prefixroute.sim.traces import (
     load_trace,
     mooncake_tokens,
@@ -343,3 +343,23 @@ def test_a_path_that_is_not_a_path_is_a_type_error(reader: Callable[[object], ob
 def test_load_trace_of_a_spec_that_is_not_a_str_is_a_type_error(spec: object) -> None:
     with pytest.raises(TypeError, match="a trace must be given as a str 'FORMAT:PATH'"):
         load_trace(spec)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("reader", "content"),
+    [
+        (read_mooncake, _line() + "\n"),
+        (read_splitwise, "arrived_at,num_prefill_tokens,num_decode_tokens\n0.0,10,2\n"),
+        (read_azure, "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,10,2\n"),
+        (read_burstgpt, "Timestamp,Request tokens,Response tokens\n5,10,2\n"),
+    ],
+)
+@pytest.mark.parametrize("limit", [0, -1, True, 1.5, "3"])
+def test_every_reader_checks_its_limit(
+    tmp_path: Path, reader: Callable[..., object], content: str, limit: object
+) -> None:
+    """As load_trace does; before, 0 and -1 raised IndexError and "3" a TypeError from the heap's comparison."""
+    path = tmp_path / "t"
+    path.write_text(content)
+    with pytest.raises(ConfigurationError, match="limit must be a positive int or None"):
+        reader(path, limit=limit)
