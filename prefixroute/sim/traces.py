@@ -330,9 +330,11 @@ def check_speedup(workload: TraceWorkload, speedup: float) -> None:
     """Check that replaying ``workload`` at its timestamps divided by ``speedup`` keeps every arrival within 1e10 s.
 
     Raises:
-        ConfigurationError: ``speedup`` is so small that the last arrival lands past 1e10 simulated seconds (or at
-            infinity), where float seconds no longer resolve a millisecond.
+        ConfigurationError: ``speedup`` is not a finite number > 0, or so small that the last arrival lands past
+            1e10 simulated seconds, where float seconds no longer resolve a millisecond.
     """
+    if not is_finite_number(speedup) or speedup <= 0:
+        raise ConfigurationError(f"--speedup must be a finite number > 0, not {shown(speedup)}")
     last = max((entry.arrival for entry in workload.entries), default=0.0)
     if not last / speedup <= _MAX_ARRIVAL:
         raise ConfigurationError(

@@ -14,6 +14,7 @@ import pytest
 from prefixroute import BlockHasher
 from prefixroute.errors import ConfigurationError, InvalidTraceError
 from prefixroute.sim.traces import (
+    check_speedup,
     load_trace,
     mooncake_tokens,
     read_azure,
@@ -295,6 +296,16 @@ def test_a_speedup_that_stretches_the_trace_too_far_is_refused(
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
     assert "--speedup 1e-310 puts the trace's last request at" in err and "give a --speedup of at least 3e-10" in err
+
+
+@pytest.mark.parametrize("speedup", [0, 0.0, -1.0, float("nan"), float("inf"), 10**400, True, "2"])
+def test_check_speedup_refuses_a_speedup_that_is_not_a_finite_positive_number(tmp_path: Path, speedup: object) -> None:
+    """Before, 0 raised ZeroDivisionError and NaN passed as "a --speedup of at least 0"; inf divided every arrival
+    to 0 (a trace of one instant)."""
+    path = tmp_path / "m.jsonl"
+    path.write_text(_line() + "\n" + _line(timestamp=3000) + "\n")
+    with pytest.raises(ConfigurationError, match="--speedup must be a finite number > 0, not "):
+        check_speedup(load_trace(f"mooncake:{path}"), speedup)  # type: ignore[arg-type]
 
 
 _BURSTGPT_HEADER = "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type"
