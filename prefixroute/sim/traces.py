@@ -86,11 +86,17 @@ class TraceWorkload:
 
     With :class:`~prefixroute.sim.engine.TraceTimes` arrivals each request arrives at its timestamp; with closed-loop
     users the order is kept and the timestamps ignored. ``output_tokens`` overrides every line's output length.
+
+    Raises:
+        ConfigurationError: ``output_tokens`` is not a positive int or None.
     """
 
     def __init__(
         self, entries: Sequence[TraceEntry], *, kind: str, seed: int = 0, output_tokens: int | None = None
     ) -> None:
+        if output_tokens is not None and (not _is_int(output_tokens) or output_tokens < 1):
+            # Checked now, not when the simulator asks for the first request (a bare ValueError mid-run).
+            raise ConfigurationError(f"output_tokens must be a positive int or None, not {shown(output_tokens)}")
         self.entries = list(entries)
         self.kind = kind
         self._cursor = 0
@@ -397,7 +403,7 @@ def load_trace(
 
     Raises:
         InvalidTraceError: ``spec`` is not ``FORMAT:PATH``, or the file cannot be read or has a malformed line.
-        ConfigurationError: ``limit`` is not a positive int.
+        ConfigurationError: ``limit`` or ``output_tokens`` is not a positive int.
         TypeError: ``spec`` is not a str.
     """
     if not isinstance(spec, str):

@@ -14,6 +14,7 @@ import pytest
 from prefixroute import BlockHasher
 from prefixroute.errors import ConfigurationError, InvalidTraceError
 from prefixroute.sim.traces import (
+    TraceWorkload,
     check_speedup,
     load_trace,
     mooncake_tokens,
@@ -374,3 +375,15 @@ def test_every_reader_checks_its_limit(
     path.write_text(content)
     with pytest.raises(ConfigurationError, match="limit must be a positive int or None"):
         reader(path, limit=limit)
+
+
+@pytest.mark.parametrize("output_tokens", [0, -3, 2.5, True, "7"])
+def test_an_output_tokens_override_is_checked_when_the_workload_is_made(tmp_path: Path, output_tokens: object) -> None:
+    """Before, load_trace accepted it and the first next_request() raised a bare ValueError (or built a request
+    with 2.5 or True output tokens)."""
+    path = tmp_path / "m.jsonl"
+    path.write_text(_line() + "\n")
+    with pytest.raises(ConfigurationError, match="output_tokens must be a positive int or None"):
+        load_trace(f"mooncake:{path}", output_tokens=output_tokens)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="output_tokens must be a positive int or None"):
+        TraceWorkload(read_mooncake(path), kind="mooncake", output_tokens=output_tokens)  # type: ignore[arg-type]
