@@ -227,7 +227,8 @@ def build_policy(name: str, *, seed: int) -> LoadPolicy:
 
     Raises:
         ConfigurationError: an unknown name (the message lists the built-in and baseline names), a class that is not
-            a :class:`LoadPolicy`, and a ``module:Class`` whose import or constructor raises anything.
+            a :class:`LoadPolicy`, and a ``module:Class`` whose import or constructor raises anything (SystemExit
+            too).
     """
     if ":" not in name:
         if name in policy_names():
@@ -240,17 +241,24 @@ def build_policy(name: str, *, seed: int) -> LoadPolicy:
             )
         keyword = _seed_keyword(baseline)
         return baseline() if keyword is None else baseline(**{keyword: _seed_value(keyword, seed)})
-    # The user's own module and class: any error in them is the user's to fix, so it becomes a clear message.
+    # The user's own module and class: any error in them is the user's to fix, so it becomes a clear message. That
+    # includes SystemExit: a script whose top-level code parses its own command line exits when imported.
     try:
         _import_module(name.partition(":")[0])
-    except Exception as exc:
-        raise ConfigurationError(f"cannot import policy {name!r}: {type(exc).__name__}: {exc}") from exc
+    except (Exception, SystemExit) as exc:
+        raise ConfigurationError(f"cannot import policy {name!r}: {_failure(exc)}") from exc
     try:
         return _seeded(name, seed)
     except PrefixRouteError:
         raise
-    except Exception as exc:
-        raise ConfigurationError(f"cannot build policy {name!r}: {type(exc).__name__}: {exc}") from exc
+    except (Exception, SystemExit) as exc:
+        raise ConfigurationError(f"cannot build policy {name!r}: {_failure(exc)}") from exc
+
+
+def _failure(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"it called sys.exit({exc.code!r}) (put a script's own code under if __name__ == '__main__':)"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _seeded(name: str, seed: int) -> LoadPolicy:

@@ -113,6 +113,30 @@ def test_a_policy_that_raises_exits_2_with_one_line(
     assert f"{module}:Raises" in err and "KeyError: 'boom'" in err, err
 
 
+@pytest.mark.parametrize(
+    ("source", "cls", "expected"),
+    [
+        ("import sys\nsys.exit(2)\n", "P", "cannot import policy"),
+        (POLICIES + "\nclass Quits(Counts):\n    def __init__(self):\n        raise SystemExit(3)\n", "Quits",
+         "cannot build policy"),
+    ],
+)  # fmt: skip
+def test_a_policy_module_that_exits_is_one_line_with_status_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], source: str, cls: str,
+    expected: str,
+) -> None:  # fmt: skip
+    """A script whose top-level code parses its own command line raises SystemExit when imported; before, it ended
+    the command with the script's status and no message."""
+    name = f"pr_exits_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    status = main(["simulate", *TINY, "--policy", f"{name}:{cls}"])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert err.count("\n") == 1 and err.startswith("prefixroute simulate: error: "), err
+    assert f"{expected} '{name}:{cls}': it called sys.exit(" in err, err
+
+
 def _command_script(tmp_path: Path) -> Path:
     """A launcher outside the current directory, as the installed ``prefixroute`` command is (its folder, not the
     current directory, is sys.path[0])."""
