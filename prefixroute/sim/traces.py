@@ -146,7 +146,9 @@ def read_mooncake(path: str | Path, *, limit: int | None = None) -> list[TraceEn
 
 def _mooncake_line(line: str, where: str) -> TraceEntry:
     try:
-        item = json.loads(line)
+        item = json.loads(line, object_pairs_hook=_object)
+    except _DuplicateKeyError as exc:
+        raise InvalidTraceError(f"{where}: field {exc.args[0]} given more than once") from exc
     except json.JSONDecodeError as exc:
         raise InvalidTraceError(f"{where}: not valid JSON ({exc.msg})") from exc
     except RecursionError as exc:
@@ -178,6 +180,18 @@ def _mooncake_line(line: str, where: str) -> TraceEntry:
             f"ceil({input_length}/{MOONCAKE_BLOCK_TOKENS}) = {expected}"
         )
     return TraceEntry(timestamp / 1000.0, input_length, output_length, tuple(hash_ids))
+
+
+class _DuplicateKeyError(Exception):
+    """A JSON object names a key twice (json.loads would keep the last value and drop the others unseen)."""
+
+
+def _object(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    item = dict(pairs)
+    if len(item) < len(pairs):
+        keys = [key for key, _ in pairs]
+        raise _DuplicateKeyError(next(key for key in keys if keys.count(key) > 1))
+    return item
 
 
 @dataclass(frozen=True, slots=True)

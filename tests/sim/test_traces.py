@@ -387,3 +387,11 @@ def test_an_output_tokens_override_is_checked_when_the_workload_is_made(tmp_path
         load_trace(f"mooncake:{path}", output_tokens=output_tokens)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="output_tokens must be a positive int or None"):
         TraceWorkload(read_mooncake(path), kind="mooncake", output_tokens=output_tokens)  # type: ignore[arg-type]
+
+
+def test_a_mooncake_field_given_twice_is_refused(tmp_path: Path) -> None:
+    """json.loads keeps the last of two equal keys: input_length 600 then 700 read as 700 (both need 2 hash_ids)."""
+    path = tmp_path / "m.jsonl"
+    path.write_text(_line() + "\n" + _line()[:-1] + ', "input_length": 700}\n')
+    with pytest.raises(InvalidTraceError, match=r"m\.jsonl:2: field input_length given more than once"):
+        read_mooncake(path)
