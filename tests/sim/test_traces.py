@@ -332,6 +332,15 @@ def test_a_row_with_more_or_fewer_fields_than_the_header_names_its_line(
         reader(path)
 
 
+@pytest.mark.parametrize("row", ["0.5,1,7," + "x" * 10**5, "0.5," + "1" * 10**5 + "x,7", "0.5,-1,7" + " " * 10**5])
+def test_a_bad_row_is_shown_short_in_the_error(tmp_path: Path, row: str) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text(f"arrived_at,num_prefill_tokens,num_decode_tokens\n{row}\n")
+    with pytest.raises(InvalidTraceError, match=r"t\.csv:2: ") as error:
+        read_splitwise(path)
+    assert len(str(error.value)) < 600
+
+
 def test_a_header_that_names_a_column_twice_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "t.csv"
     path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens,num_prefill_tokens\n0.0,100,7,9\n")
