@@ -161,6 +161,12 @@ def _check_spec(spec: SimSpec) -> None:
         )
     if spec.trace is None and spec.scenario not in scenario_names():
         raise ConfigurationError(f"unknown scenario {spec.scenario!r}; choose one of {', '.join(scenario_names())}")
+    if spec.trace is not None and spec.sharing_ratio is not None:
+        raise ConfigurationError("--sharing-ratio shapes a scenario's prompts; a --trace brings its own: leave it out")
+    if spec.think_time is not None and (spec.users is None or spec.rate is not None):
+        raise ConfigurationError(
+            "--think-time is the pause of closed-loop users: give --users (and no --rate), or leave it out"
+        )
     if spec.rate is not None and spec.requests is None and spec.duration is None:
         raise ConfigurationError("open-loop arrivals (--rate) never stop by themselves: give --requests or --duration")
     if spec.metrics_interval is not None and spec.metrics_interval < _MIN_METRICS_INTERVAL:

@@ -80,6 +80,10 @@ def _fails_with_one_line(
         (["--trace", "mooncake:/nonexistent/trace.jsonl"], "cannot read trace /nonexistent/trace.jsonl"),
         (["--trace", "nope:/x"], "--trace must be FORMAT:PATH"),
         (["--trace", "no-colon"], "--trace must be FORMAT:PATH"),
+        # Options that would be ignored silently (before, a run without them):
+        (["--trace", "mooncake:data/mooncake-fast25/synthetic_trace.jsonl", "--sharing-ratio", "0.5"], "a --trace"),
+        (["--trace", "mooncake:data/mooncake-fast25/synthetic_trace.jsonl", "--think-time", "2"], "give --users"),
+        (["--rate", "5", "--think-time", "2"], "--think-time is the pause of closed-loop users"),
     ],
 )
 def test_simulate_bad_input(argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
