@@ -215,6 +215,8 @@ def check_writable(path: str | Path, option: str) -> None:
         ConfigurationError: ``path`` is a folder, or its folder cannot be created, or the file cannot be opened for
             writing.
     """
+    if not str(path):
+        raise ConfigurationError(f"{option} needs a file path, not an empty one")
     target = Path(path)
     if target.is_dir():
         raise ConfigurationError(f"{option} {path} is a folder: give a file path")

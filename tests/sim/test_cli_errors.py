@@ -136,6 +136,8 @@ def test_unreadable_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 @pytest.mark.parametrize("option", ["--json", "--plot"])
 def test_output_paths_checked_before_the_run(option: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _fails_with_one_line(["simulate", *TINY, option, str(tmp_path)], capsys, "is a folder")
+    empty = "not ''" if option == "--plot" else "--json needs a file path, not an empty one"  # before: "is a folder"
+    _fails_with_one_line(["simulate", *TINY, option, ""], capsys, empty)
     blocker = tmp_path / "file"
     blocker.write_text("")
     _fails_with_one_line(["simulate", *TINY, option, str(blocker / "out")], capsys, "cannot create its folder")
