@@ -8,7 +8,10 @@
 * ``async_log_success_event`` and ``async_log_failure_event``: they finish it (refused, so the router forgets the
   blocks it predicted, when the failure is the engine's 4xx refusal, e.g. ``ContextWindowExceededError``);
 * ``async_post_call_streaming_iterator_hook``, which the LiteLLM Proxy runs every stream through: it finishes a
-  stream's decision when the stream ends, also when the proxy closes it for a client gone (no callback comes then).
+  stream's decision when the stream ends, also when the proxy closes it for a client gone (no callback comes then);
+* ``async_pre_call_deployment_hook``, run as each attempt is sent: it ties the decision to the call's logging object,
+  which lives as long as the call and its stream, so a call whose callbacks never come (a stream its caller closed
+  early or dropped) ends when that object is gone.
 
 Each model group routes in a namespace of its own, its name, so a group serving a LoRA adapter never shares prefixes
 with the base model's group or another adapter's, even where their deployments share ``model_info.id`` (to share
@@ -109,6 +112,8 @@ class PrefixRouteHook(CustomLogger):
         # id -> whether it is a stream: a stream is finished only by a cancelled task, see _task_done).
         self._by_task: weakref.WeakKeyDictionary[asyncio.Task[Any], dict[str, bool]] = weakref.WeakKeyDictionary()
         self._task_of: dict[str, dict[str, bool]] = {}
+        # The decisions watched through their call's logging object (async_pre_call_deployment_hook), until ended.
+        self._gone: dict[str, weakref.finalize[Any, Any]] = {}
         self._tasks_lock = threading.Lock()
 
     async def async_filter_deployments(
@@ -197,21 +202,65 @@ class PrefixRouteHook(CustomLogger):
             held = self._task_of.pop(decision_id, None)
             if held is not None:
                 held.pop(decision_id, None)
+            gone = self._gone.pop(decision_id, None)
+        if gone is not None:
+            gone.detach()
+
+    async def async_pre_call_deployment_hook(self, kwargs: dict[str, Any], call_type: Any) -> None:
+        """LiteLLM sends an attempt: end its decision when the call's logging object is gone, should no callback
+        have ended it first (LiteLLM calls none for a stream its caller closes early or drops). Changes nothing in
+        the request; never raises."""
+        try:
+            metadata = kwargs.get("metadata") if isinstance(kwargs, Mapping) else None
+            decision_id = metadata.get(METADATA_KEY) if isinstance(metadata, Mapping) else None
+            call = kwargs.get("litellm_logging_obj") if isinstance(kwargs, Mapping) else None
+            if not isinstance(decision_id, str) or call is None:
+                return
+            gone = weakref.finalize(call, self._call_gone, asyncio.get_running_loop(), decision_id)
+            gone.atexit = False
+            with self._tasks_lock:
+                earlier = self._gone.pop(decision_id, None)
+                self._gone[decision_id] = gone
+            if earlier is not None:
+                earlier.detach()
+        except Exception:  # a logging object that takes no weak reference, a Mapping whose get() raises
+            self.errors += 1
+            _log.exception("prefixroute could not watch a LiteLLM call")
+
+    def _call_gone(self, loop: asyncio.AbstractEventLoop, decision_id: str) -> None:
+        """A call's logging object was collected. That may happen on any thread, inside any lock it holds (the
+        router's too, for a cyclic collection): the decision is ended from the loop's next iteration."""
+        try:
+            loop.call_soon_threadsafe(self._abandoned, decision_id)
+        except RuntimeError:  # the loop is closed: nothing runs there any more, nor holds a lock
+            if self._gone.pop(decision_id, None) is not None:
+                self.router.finish(decision_id)
+
+    def _abandoned(self, decision_id: str) -> None:
+        with self._tasks_lock:
+            if self._gone.pop(decision_id, None) is None:
+                return  # ended otherwise first
+        self._unwatch(decision_id)
+        self.router.finish(decision_id)
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         """The calling task ended: its calls are over, except a stream of a task that was not cancelled (it may have
         returned it: ``create_task(router.acompletion(..., stream=True))``), which its success or failure callback
-        ends, or else its lease. The task's result is not read, so an exception nobody retrieved is still reported
-        by asyncio as usual."""
+        ends, or the end of its logging object, or else its lease. The task's result is not read, so an exception
+        nobody retrieved is still reported by asyncio as usual."""
         try:
+            cancelled = task.cancelled()
             with self._tasks_lock:
                 held = self._by_task.pop(task, None) or {}
                 for decision_id in held:
                     self._task_of.pop(decision_id, None)
-            cancelled = task.cancelled()
-            for decision_id, stream in held.items():
-                if cancelled or not stream:
-                    self.router.finish(decision_id)
+                ended = [decision_id for decision_id, stream in held.items() if cancelled or not stream]
+                watched = [self._gone.pop(decision_id, None) for decision_id in ended]
+            for gone in watched:
+                if gone is not None:
+                    gone.detach()
+            for decision_id in ended:
+                self.router.finish(decision_id)
         except Exception:
             self.errors += 1
             _log.exception("prefixroute could not finish the requests of an ended task")

@@ -438,3 +438,34 @@ def test_a_stream_the_proxy_closes_early_stops_counting(hook: PrefixRouteHook, e
 async def _chunks() -> Any:
     for chunk in (1, 2):
         yield chunk
+
+
+def test_a_stream_its_caller_closes_early_or_drops_stops_counting(
+    hook: PrefixRouteHook, engines: list[OpenAIEngine]
+) -> None:
+    """Outside the proxy, a stream read partly (``break``, ``aclose()``) or never, then dropped, by a task that goes
+    on gets no success or failure callback from LiteLLM: the end of the call's logging object ends its decision."""
+    router = LiteLLMRouter(model_list=model_list(engines), num_retries=0)
+
+    async def read(reads: int, close: bool) -> None:
+        reply = await ask(router, f"abandoned {reads} {close}", stream=True)
+        count = 0
+        async for _ in reply:
+            count += 1
+            if count >= reads:
+                break
+        if close:
+            await reply.aclose()
+
+    async def run() -> None:
+        for reads, close in ((1, False), (1, True), (0, False)):
+            if reads:
+                await read(reads, close)
+            else:
+                await ask(router, "never read", stream=True)  # the stream returned is dropped at once
+            await settled(hook)
+        await read(99, False)  # read to its end: its success callback ends it, once
+        await settled(hook)
+        assert hook.router.stats().ignored == 0 and hook.errors == 0
+
+    asyncio.run(run())
