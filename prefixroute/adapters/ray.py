@@ -126,6 +126,7 @@ class PrefixRouteRequestRouter(RequestRouter):
         # the replica that future named, once it did).
         self._decided: dict[str, _Attempt] = {}
         self._started: dict[str, Decision] = {}  # by internal request id: committed and in flight
+        self._listed: set[str] = set()  # the replicas of Ray's latest update_replicas
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -260,9 +261,25 @@ class PrefixRouteRequestRouter(RequestRouter):
         """A replica is gone: forget its blocks and its requests."""
         super().on_replica_actor_died(replica_id)
         try:
-            self.router.remove_backend(replica_id.unique_id)
-            for request_id in [i for i, d in self._started.items() if d.backend == replica_id.unique_id]:
-                del self._started[request_id]
+            self._forget(replica_id.unique_id)
         except Exception:
             self.errors += 1
             _log.exception("prefixroute could not remove a dead replica")
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Ray's set of replicas changed: forget those that left it (scaled down, replaced) as a dead one. Each new
+        replica has a new id, so without this every replica an autoscaler ever removed would keep its blocks."""
+        super().update_replicas(replicas)
+        try:
+            listed = {replica.replica_id.unique_id for replica in replicas}
+            for gone in self._listed - listed:
+                self._forget(gone)
+            self._listed = listed
+        except Exception:
+            self.errors += 1
+            _log.exception("prefixroute could not follow Ray's replicas")
+
+    def _forget(self, replica: str) -> None:
+        self.router.remove_backend(replica)
+        for request_id in [i for i, d in self._started.items() if d.backend == replica]:
+            del self._started[request_id]

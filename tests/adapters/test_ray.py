@@ -14,6 +14,7 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
+from ray.serve.request_router import RequestRouter
 
 from prefixroute import Candidate, LoadPolicy
 from prefixroute.adapters.ray import PrefixRouteRequestRouter
@@ -361,4 +362,30 @@ def test_a_request_sent_without_on_request_routed_is_finished_by_its_completion_
 
     asyncio.run(run())
     assert router.errors == 0
+    zero(router)
+
+
+def test_replicas_ray_stops_listing_are_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica that leaves the set Ray routes to (scaled down, replaced) takes its blocks and requests with it,
+    as a dead one does: with autoscaling, each new replica has a new id, so nothing else would ever free them."""
+    listed: list[Any] = []
+    monkeypatch.setattr(RequestRouter, "update_replicas", lambda self, replicas: listed.append(replicas))
+    router = bare(policy="bounded-load")
+
+    async def run() -> None:
+        router.update_replicas(REPLICAS)
+        for i, used in enumerate(REPLICAS):
+            await router.choose_replicas(REPLICAS, pending(str(i), {"prompt": [*PREFIX, i]}))
+            router.on_request_routed(pending(str(i), {}), used.replica_id, None)
+        router.update_replicas(REPLICAS[:2])  # r2 scaled down while its request runs
+        assert listed == [REPLICAS, REPLICAS[:2]]  # Ray's own bookkeeping ran
+        assert "r2" not in router.router.index.backends() and router.router.in_flight("r2") == 0
+        assert {"r0", "r1"} <= set(router.router.index.backends())
+        for i, used in enumerate(REPLICAS):
+            router.on_request_completed(used.replica_id, str(i))
+        router.update_replicas([])  # garbage or not, never raises
+        router.update_replicas(cast(Any, [None]))
+
+    asyncio.run(run())
+    assert router.errors == 1
     zero(router)
