@@ -2,8 +2,9 @@
 
 :class:`PrefixRouteRequestRouter` is a ``ray.serve.request_router.RequestRouter``: Ray asks it to rank the replicas
 for each request, and it ranks them with prefixroute's index and policy, on token ids (Ray's own prefix router
-matches characters) and within the policy's load bound. It plugs in through the deployment's
-``request_router_config``::
+matches characters) and within the policy's load bound. A call with a ``multiplexed_model_id`` is ranked among the
+replicas Ray's multiplexing offers (those that hold the model first), in a namespace of its own, the model id. It
+plugs in through the deployment's ``request_router_config``::
 
     @serve.deployment(num_replicas=3, request_router_config=RequestRouterConfig(
         request_router_class="prefixroute.adapters.ray:PrefixRouteRequestRouter",
@@ -33,7 +34,7 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import MultiplexMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens
 from prefixroute.errors import PolicyError
@@ -81,7 +82,7 @@ def request_body(pending_request: PendingRequest | None) -> Mapping[str, Any] | 
     return None
 
 
-class PrefixRouteRequestRouter(RequestRouter):
+class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
     """Rank a deployment's replicas by prefixroute (see the module docstring).
 
     ``request_router_kwargs`` (JSON, from the deployment's ``RequestRouterConfig``) go to :meth:`initialize_state`:
@@ -144,6 +145,15 @@ class PrefixRouteRequestRouter(RequestRouter):
     def _choose(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
     ) -> list[list[RunningReplica]]:
+        model = getattr(getattr(pending_request, "metadata", None), "multiplexed_model_id", None)
+        if isinstance(model, str) and model and pending_request is not None:
+            # As Ray's own router: the replicas that hold the model (widening as Ray asks again), in its namespace.
+            allowed = self.apply_multiplex_routing(pending_request)
+            candidate_replicas = [replica for replica in candidate_replicas if replica.replica_id in allowed]
+            if not candidate_replicas:
+                return []  # Ray backs off and asks again
+        else:
+            model = None
         body = request_body(pending_request)
         if body is None or pending_request is None:
             return [candidate_replicas]
@@ -153,7 +163,7 @@ class PrefixRouteRequestRouter(RequestRouter):
             by_id: dict[str, RunningReplica] = {}
             for replica in candidate_replicas:
                 by_id.setdefault(replica.replica_id.unique_id, replica)
-            decision = self.router.decide(tokens, list(by_id))
+            decision = self.router.decide(tokens, list(by_id), namespace=model)
         except PolicyError:  # a bug in the policy (a TypeError too): logged by the caller, not taken for bad input
             raise
         except (BadRequest, ValueError, TypeError):  # ValueError: bad ids, messages a template refuses

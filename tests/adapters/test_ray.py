@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -12,6 +13,7 @@ from typing import Any, cast
 import pytest
 import ray
 from ray import serve
+from ray.serve._private.request_router.common import RequestRoutingContext
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import RequestRouter
@@ -98,6 +100,14 @@ def test_the_same_prefix_goes_to_the_same_replica(handle: Handle) -> None:
     assert router.router.stats().commits >= 8
 
 
+def test_a_multiplexed_call_routes_in_its_models_namespace(handle: Handle) -> None:
+    multiplexed: Any = handle.options(multiplexed_model_id="lora")  # typed too narrowly
+    used = multiplexed.remote({"prompt": [*PREFIX, 99]}).result()
+    router = settled(handle)
+    assert router.router.decide([*PREFIX, 99], [used], namespace="lora").matched_tokens > 0
+    assert router.errors == 0
+
+
 def test_load_spills_to_other_replicas_under_concurrency(handle: Handle) -> None:
     responses = [handle.remote({"prompt": [*PREFIX, 7, i], "sleep": 1.0}) for i in range(9)]
     router = request_router(handle)
@@ -157,6 +167,7 @@ def bare(**kwargs: Any) -> PrefixRouteRequestRouter:
     router = object.__new__(PrefixRouteRequestRouter)  # Ray's constructor wants a running deployment
     router._replicas, router._replicas_list, router._replica_id_set = {}, [], set()
     router._queue_len_gauge_last_update = {}
+    router._multiplexed_model_id_to_replica_ids, router._multiplexed_model_id_fallback_match = defaultdict(set), set()
     router.initialize_state(**kwargs)
     return router
 
@@ -388,4 +399,39 @@ def test_replicas_ray_stops_listing_are_forgotten(monkeypatch: pytest.MonkeyPatc
 
     asyncio.run(run())
     assert router.errors == 1
+    zero(router)
+
+
+def test_a_multiplexed_model_routes_among_its_replicas_in_a_namespace_of_its_own() -> None:
+    """``handle.options(multiplexed_model_id=...)``: as Ray's own router does, the replicas that hold the model are
+    ranked, not the others; and the model's prefixes are its own (a LoRA adapter's KV is not the base model's)."""
+    router = bare(policy="bounded-load")
+    router._multiplexed_model_id_to_replica_ids["lora"] = {REPLICAS[1].replica_id}
+    router._replica_id_set = {r.replica_id for r in REPLICAS}
+
+    def request(request_id: str, model: str, body: Any) -> Any:
+        made = pending(request_id, body)
+        made.metadata.multiplexed_model_id = model
+        made.routing_context = RequestRoutingContext()
+        return made
+
+    async def run() -> None:
+        ((base,), _rest) = await router.choose_replicas(REPLICAS, request("a", "", {"prompt": PREFIX}))
+        router.on_request_routed(request("a", "", {}), base.replica_id, None)
+        router.on_request_completed(base.replica_id, "a")
+        if base is REPLICAS[1]:  # the base model's prefix on the lora replica: it must not count as the lora's
+            assert router.router.decide(PREFIX, ["r1"], namespace="lora").matched_tokens == 0
+        for i in range(3):
+            ranks = await router.choose_replicas(REPLICAS, request(f"m{i}", "lora", {"prompt": PREFIX}))
+            assert ranks[0] == [REPLICAS[1]] and all(r is REPLICAS[1] for rank in ranks for r in rank)
+            router.on_request_routed(request(f"m{i}", "lora", {}), REPLICAS[1].replica_id, None)
+            router.on_request_completed(REPLICAS[1].replica_id, f"m{i}")
+        assert router.router.decide(PREFIX, ["r1"], namespace="lora").matched_tokens > 0
+        # no replica of the deployment's list holds it yet: none of those is ranked, Ray asks again
+        assert await router.choose_replicas([REPLICAS[0]], request("n", "lora", {"prompt": PREFIX})) == []
+        # a multiplexed request without a prompt still goes to the model's replicas
+        assert await router.choose_replicas(REPLICAS, request("p", "lora", {})) == [[REPLICAS[1]]]
+
+    asyncio.run(run())
+    assert router.errors == 0
     zero(router)
