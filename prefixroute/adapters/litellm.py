@@ -20,7 +20,9 @@ events of the base model land (:class:`~prefixroute.vllm.Fleet`).
 
 The decision id travels in the request's ``metadata`` (``prefixroute_decision``, with its deployment in
 ``prefixroute_deployment``), which LiteLLM hands to both; a callback that names another deployment than the latest
-attempt's is a failed attempt's, already finished by the retry, and is ignored.
+attempt's is a failed attempt's, already finished by the retry, and is ignored. As each attempt is sent, the hook
+also ties its decision to LiteLLM's id for the attempt (``litellm_call_id``, which its callbacks carry), so calls
+that pass one shared ``metadata`` dict, which LiteLLM writes into, still each end their own decision.
 A retry runs the filter again: the failed attempt's decision is finished, and the deployments that already failed
 this request are passed over while others remain, so the retry lands elsewhere and every count is balanced.
 
@@ -39,6 +41,7 @@ import weakref
 from collections.abc import AsyncGenerator, Collection, Mapping
 from typing import Any
 
+import cachetools
 from litellm.integrations.custom_logger import CustomLogger
 
 from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens
@@ -61,6 +64,10 @@ _log = logging.getLogger("prefixroute.litellm")
 # Decisions one task may hold unfinished (streams of a long-lived task); past this the oldest is left to its lease,
 # so a task that never ends cannot grow the table without end.
 _MAX_PER_TASK = 1024
+# Attempts whose callbacks have not come yet, by LiteLLM's call id; past this the oldest is forgotten (its callback
+# then reads the request's metadata, as without the table, or its lease ends it).
+_MAX_ATTEMPTS = 65_536
+_UNSEEN: Any = object()
 
 
 class PrefixRouteHook(CustomLogger):
@@ -114,6 +121,10 @@ class PrefixRouteHook(CustomLogger):
         self._task_of: dict[str, dict[str, bool]] = {}
         # The decisions watched through their call's logging object (async_pre_call_deployment_hook), until ended.
         self._gone: dict[str, weakref.finalize[Any, Any]] = {}
+        # litellm_call_id of an attempt -> its decision, from async_pre_call_deployment_hook to the callback.
+        self._attempts: cachetools.LRUCache[str, str] = cachetools.LRUCache(maxsize=_MAX_ATTEMPTS)
+        # task -> the decision its latest filter made (None: it kept LiteLLM's choice), read by the deployment hook.
+        self._filtered: weakref.WeakKeyDictionary[asyncio.Task[Any], str | None] = weakref.WeakKeyDictionary()
         self._tasks_lock = threading.Lock()
 
     async def async_filter_deployments(
@@ -127,26 +138,35 @@ class PrefixRouteHook(CustomLogger):
         """Keep the one deployment prefixroute chooses among ``healthy_deployments``. O(prompt + deployments).
 
         Never raises: a request it cannot route keeps ``healthy_deployments`` as given."""
+        decision_id = None
         try:
-            return self._filter(model, healthy_deployments, messages, request_kwargs)
+            kept, decision_id = self._filter(model, healthy_deployments, messages, request_kwargs)
+            return kept
         except Exception:  # an encoder or policy that raises, garbage LiteLLM never sends: keep LiteLLM's choice
             self.errors += 1
             _log.exception("prefixroute could not route a request to model group %r; LiteLLM chooses", model)
             return healthy_deployments
+        finally:
+            task = asyncio.current_task()
+            if task is not None:  # for async_pre_call_deployment_hook, next in this task: this attempt's decision
+                with self._tasks_lock:
+                    self._filtered[task] = decision_id
 
     def _filter(
         self, model: str, healthy_deployments: list[Any], messages: list[Any] | None, request: dict[str, Any] | None
-    ) -> list[Any]:
+    ) -> tuple[list[Any], str | None]:
         metadata = request.get("metadata") if isinstance(request, Mapping) else None
         if not isinstance(metadata, dict):
-            return healthy_deployments
+            return healthy_deployments, None
         earlier = metadata.pop(METADATA_KEY, None)
         metadata.pop(DEPLOYMENT_KEY, None)
-        if isinstance(earlier, str):  # a retry (or a fallback to another group): the earlier attempt is over
+        if isinstance(earlier, str) and self._of_this_task(earlier):
+            # a retry (or a fallback to another group): the earlier attempt is over. Another task's decision is
+            # another call's, whose metadata dict this one shares: its own callback ends it.
             self._unwatch(earlier)
             self.router.finish(earlier)
         if not healthy_deployments or (self._groups is not None and model not in self._groups):
-            return healthy_deployments
+            return healthy_deployments, None
         by_id: dict[str, Any] = {}
         for deployment in healthy_deployments:
             identifier = _deployment_id(deployment)
@@ -160,7 +180,7 @@ class PrefixRouteHook(CustomLogger):
         }
         candidates = [i for i in by_id if i not in failed] or list(by_id)
         if not candidates:
-            return healthy_deployments
+            return healthy_deployments, None
         body = {"messages": messages} if messages else {"prompt": request.get("prompt")} if request else {}
         stream = bool(request.get("stream")) if request else False  # before start(): nothing to undo if it raises
         try:
@@ -170,12 +190,12 @@ class PrefixRouteHook(CustomLogger):
         except PolicyError:  # a bug in the policy (a TypeError too): logged by the caller, not taken for bad input
             raise
         except (BadRequest, ValueError, TypeError):  # ValueError: bad ids, messages a template refuses
-            return healthy_deployments
+            return healthy_deployments, None
         self.router.start(decision, lease=self._lease)
         metadata[METADATA_KEY] = decision.id
         metadata[DEPLOYMENT_KEY] = decision.backend
         self._watch(decision.id, stream=stream)
-        return [by_id[decision.backend]]
+        return [by_id[decision.backend]], decision.id
 
     def _watch(self, decision_id: str, *, stream: bool) -> None:
         """Finish the decision when the task that made the call ends, should no callback come first."""
@@ -197,6 +217,14 @@ class PrefixRouteHook(CustomLogger):
                 self._task_of.pop(next(iter(held)), None)
                 del held[next(iter(held))]
 
+    def _of_this_task(self, decision_id: str) -> bool:
+        """Whether ``decision_id`` was made for a call of the running task (or no task watches it: a filter run by
+        hand, as before)."""
+        task = asyncio.current_task()
+        with self._tasks_lock:
+            held = self._task_of.get(decision_id)
+            return held is None or task is None or held is self._by_task.get(task)
+
     def _unwatch(self, decision_id: str) -> None:
         with self._tasks_lock:
             held = self._task_of.pop(decision_id, None)
@@ -211,10 +239,22 @@ class PrefixRouteHook(CustomLogger):
         have ended it first (LiteLLM calls none for a stream its caller closes early or drops). Changes nothing in
         the request; never raises."""
         try:
-            metadata = kwargs.get("metadata") if isinstance(kwargs, Mapping) else None
-            decision_id = metadata.get(METADATA_KEY) if isinstance(metadata, Mapping) else None
-            call = kwargs.get("litellm_logging_obj") if isinstance(kwargs, Mapping) else None
-            if not isinstance(decision_id, str) or call is None:
+            if not isinstance(kwargs, Mapping):
+                return
+            task = asyncio.current_task()
+            with self._tasks_lock:  # the filter ran in this task just before, for this attempt
+                decision_id = self._filtered.pop(task, _UNSEEN) if task is not None else _UNSEEN
+            if decision_id is _UNSEEN:  # sent without the filter in this task: the request's metadata says
+                metadata = kwargs.get("metadata")
+                decision_id = metadata.get(METADATA_KEY) if isinstance(metadata, Mapping) else None
+            if not isinstance(decision_id, str):
+                return
+            call_id = kwargs.get("litellm_call_id")
+            if isinstance(call_id, str):
+                with self._tasks_lock:
+                    self._attempts[call_id] = decision_id
+            call = kwargs.get("litellm_logging_obj")
+            if call is None:
                 return
             gone = weakref.finalize(call, self._call_gone, asyncio.get_running_loop(), decision_id)
             gone.atexit = False
@@ -300,18 +340,25 @@ class PrefixRouteHook(CustomLogger):
 
     def _finish(self, kwargs: Any, *, failed: bool = False) -> None:
         try:
-            params = kwargs.get("litellm_params") if isinstance(kwargs, Mapping) else None
-            metadata = params.get("metadata") if isinstance(params, Mapping) else None
-            if not isinstance(metadata, Mapping) or not isinstance(metadata.get(METADATA_KEY), str):
+            if not isinstance(kwargs, Mapping):
                 return
-            info = params.get("model_info") if isinstance(params, Mapping) else None
-            used = info.get("id") if isinstance(info, Mapping) else None
-            routed = metadata.get(DEPLOYMENT_KEY)
-            if isinstance(used, str) and isinstance(routed, str) and used != routed:
-                return  # an earlier attempt's callback, after the retry's filter finished it and routed again
+            call_id = kwargs.get("litellm_call_id")
+            with self._tasks_lock:
+                decision_id = self._attempts.pop(call_id, None) if isinstance(call_id, str) else None
+            if decision_id is None:  # an attempt the deployment hook did not see: the request's metadata says
+                params = kwargs.get("litellm_params")
+                metadata = params.get("metadata") if isinstance(params, Mapping) else None
+                if not isinstance(metadata, Mapping) or not isinstance(metadata.get(METADATA_KEY), str):
+                    return
+                info = params.get("model_info") if isinstance(params, Mapping) else None
+                used = info.get("id") if isinstance(info, Mapping) else None
+                routed = metadata.get(DEPLOYMENT_KEY)
+                if isinstance(used, str) and isinstance(routed, str) and used != routed:
+                    return  # an earlier attempt's callback, after the retry's filter finished it and routed again
+                decision_id = metadata[METADATA_KEY]
             status = getattr(kwargs.get("exception"), "status_code", None) if failed else None
-            self._unwatch(metadata[METADATA_KEY])
-            self.router.finish(metadata[METADATA_KEY], refused=type(status) is int and is_refusal(status))
+            self._unwatch(decision_id)
+            self.router.finish(decision_id, refused=type(status) is int and is_refusal(status))
         except Exception:  # a Mapping whose get() raises: log, count, go on
             self.errors += 1
             _log.exception("prefixroute could not finish a LiteLLM request")

@@ -469,3 +469,30 @@ def test_a_stream_its_caller_closes_early_or_drops_stops_counting(
         assert hook.router.stats().ignored == 0 and hook.errors == 0
 
     asyncio.run(run())
+
+
+def test_concurrent_calls_sharing_one_metadata_dict_each_count_until_they_end(
+    hook: PrefixRouteHook, engines: list[OpenAIEngine]
+) -> None:
+    """A caller may pass one metadata dict to every call (a module constant), which LiteLLM writes into. Each call's
+    decision must still be its own: counted while its call runs, ended by its own callback, nothing ignored."""
+    router = LiteLLMRouter(model_list=model_list(engines), num_retries=0)
+    shared: dict[str, Any] = {"team": "search"}
+    for engine in engines:
+        engine.stall()
+
+    async def run() -> None:
+        before = sum(requests(engines))
+        tasks = [asyncio.ensure_future(ask(router, f"shared metadata {i}", metadata=shared)) for i in range(6)]
+        for _ in range(500):
+            if sum(requests(engines)) >= before + 6:
+                break
+            await asyncio.sleep(0.01)
+        assert hook.router.stats().in_flight == 6  # before: each call's routing ended the call before it
+        for engine in engines:
+            engine.resume()
+        await asyncio.gather(*tasks)
+        await settled(hook)  # (a callback after its task ended finishes a second time: ignored, counted)
+        assert hook.errors == 0
+
+    asyncio.run(run())
