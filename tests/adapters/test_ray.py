@@ -150,6 +150,7 @@ def test_streams_and_requests_the_caller_cancels_are_finished(handle: Handle) ->
 
 
 def test_requests_without_a_prompt_are_ranked_by_ray_alone(handle: Handle) -> None:
+    assert handle.remote({"sleep": 0}).result()  # the handle has its request router once it has sent a request
     decisions = request_router(handle).router.stats().decisions
     assert handle.remote({"sleep": 0}).result()
     assert request_router(handle).router.stats().decisions == decisions
