@@ -24,7 +24,15 @@ from prefixroute._numbers import shown
 from prefixroute.errors import ConfigurationError, InvalidEventError
 from prefixroute.hashing import check_block_size
 
-__all__ = ["IndexUpdate", "LRUStore", "PrefixIndex", "UnboundedStore", "apply_updates", "check_update", "leading_run"]
+__all__ = [
+    "DEFAULT_BOUND_BLOCKS", "IndexUpdate", "LRUStore", "PrefixIndex", "UnboundedStore", "apply_updates", "check_update",
+    "leading_run",
+]  # fmt: skip
+
+DEFAULT_BOUND_BLOCKS = 2**17
+"""The ``bound_blocks`` of the index a :class:`~prefixroute.Router` builds: a backend whose KV capacity is not known
+keeps at most 131,072 blocks of predictions (2,097,152 tokens at 16 a block, more than one GPU's KV cache holds;
+~10-17 MB of index), so a gateway that never learns capacities does not grow without end."""
 
 IndexUpdate = tuple[bool, Sequence[int], "int | None"]
 """One index update: ``(True, hashes, parent)`` stores a chain continuing block ``parent`` (None: from block 0),
@@ -348,10 +356,15 @@ class LRUStore:
 class PrefixIndex:
     """Block hashes held per backend, with an optional capacity in blocks that mirrors vLLM's ``num_gpu_blocks``.
 
-    ``capacity_blocks`` is an int (the default for every backend), a mapping backend → int (the other backends are
-    unbounded), or None (unbounded). A backend without a capacity keeps an :class:`UnboundedStore`; one with a
-    capacity an :class:`LRUStore`, and when it is over capacity the index calls :meth:`evict`, the one hook a
-    subclass overrides to change or observe eviction. A capacity can change at any time (:meth:`set_capacity`).
+    ``capacity_blocks`` is an int (the default for every backend), a mapping backend → int (the other backends have
+    none), or None. ``bound_blocks`` keeps a backend whose capacity is not known to that many blocks all the same
+    (least recently used first out), so an index of predictions cannot grow without end while no capacity is known;
+    it is not a capacity (:meth:`capacity` stays None, and policies see none). None (the default) leaves such a
+    backend unbounded, as an index fed by KV events wants (the engine's removals bound it); :class:`~prefixroute.Router`
+    gives its own index :data:`DEFAULT_BOUND_BLOCKS`. A backend without a capacity or a bound keeps an
+    :class:`UnboundedStore`; one with either an :class:`LRUStore`, and when it is over that limit the index calls
+    :meth:`evict`, the one hook a subclass overrides to change or observe eviction. A capacity can change at any time
+    (:meth:`set_capacity`).
 
     Every store is *prefix-closed*: a held block's parent is held, as in vLLM, which frees a request's blocks in
     reverse order. :meth:`insert` skips (and counts in :attr:`orphan_inserts`) a chain whose parent block is not
@@ -382,13 +395,22 @@ class PrefixIndex:
     True
     """
 
-    __slots__ = ("_block_size", "_capacity", "_capacity_changes", "_default_capacity", "_orphans", "_roots", "_stores")
+    __slots__ = (
+        "_block_size", "_bound", "_capacity", "_capacity_changes", "_default_capacity", "_orphans", "_roots", "_stores",
+    )  # fmt: skip
 
     #: Generations of a new :class:`LRUStore` (a subclass may change it).
     generations: int = 16
 
-    def __init__(self, block_size: int = 16, *, capacity_blocks: int | Mapping[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        block_size: int = 16,
+        *,
+        capacity_blocks: int | Mapping[str, int] | None = None,
+        bound_blocks: int | None = None,
+    ) -> None:
         self._block_size = check_block_size(block_size)
+        self._bound = None if bound_blocks is None else _check_capacity(bound_blocks, "bound_blocks")
         self._stores: dict[str, UnboundedStore | LRUStore] = {}
         self._roots: dict[str, set[int]] = {}  # each store's roots, so match() probes one small set per backend
         self._capacity: dict[str, int] = {}
@@ -411,12 +433,22 @@ class PrefixIndex:
         """How many chains :meth:`insert` skipped because the backend did not hold their parent block."""
         return self._orphans
 
+    @property
+    def bound_blocks(self) -> int | None:
+        """The most blocks a backend without a known capacity keeps (None: no bound)."""
+        return self._bound
+
     def capacity(self, backend: str) -> int | None:
-        """Return ``backend``'s capacity in blocks: its own, else the index's default; None when unbounded. O(1)."""
+        """Return ``backend``'s capacity in blocks: its own, else the index's default; None when not known. O(1)."""
         return self._capacity.get(backend, self._default_capacity)
 
+    def _limit(self, backend: str) -> int | None:
+        """The most blocks ``backend``'s store keeps: its capacity, else the bound; None when unbounded."""
+        capacity = self._capacity.get(backend, self._default_capacity)
+        return self._bound if capacity is None else capacity
+
     def set_capacity(self, backend: str, capacity_blocks: int | None) -> None:
-        """Set ``backend``'s capacity in blocks; None returns it to the index's default (unbounded if none).
+        """Set ``backend``'s capacity in blocks; None returns it to the index's default (if none, the bound, if any).
 
         Evicts down to the new capacity. A store that gains a capacity keeps its blocks as one generation (an
         unbounded store has no recency), so the fast match path stays on unless it held more than the capacity.
@@ -435,7 +467,7 @@ class PrefixIndex:
         store = self._stores.get(backend)
         if store is None:
             return
-        capacity = self.capacity(backend)
+        capacity = self._limit(backend)
         if capacity is None:
             if isinstance(store, LRUStore):
                 self._stores[backend] = UnboundedStore(store, roots=store.roots, open=store.open)
@@ -489,7 +521,7 @@ class PrefixIndex:
         validated (the router's hot path passes its hasher's): use :meth:`insert` for others.
         """
         if hashes:
-            capacity = self._capacity.get(backend, self._default_capacity)
+            capacity = self._limit(backend)
             if capacity is None or len(hashes) <= capacity:
                 self._put(hashes, backend, None, held)
 
@@ -555,7 +587,7 @@ class PrefixIndex:
             if parent is not None:
                 self._orphans += 1
                 return
-            capacity = self.capacity(backend)
+            capacity = self._limit(backend)
             store = UnboundedStore() if capacity is None else LRUStore(capacity, generations=self.generations)
             self._stores[backend] = store
             self._roots[backend] = store.roots
@@ -566,7 +598,7 @@ class PrefixIndex:
         if not store.put(hashes, parent, checked=checked):
             self._orphans += 1
             return
-        capacity = self.capacity(backend)
+        capacity = self._limit(backend)
         if capacity is not None and store.size > capacity:
             self._fit(backend, store, capacity)
 
@@ -670,7 +702,7 @@ class PrefixIndex:
             assert isinstance(backend, str), backend
             assert store.size, f"empty store kept for {backend!r}"
             assert self._roots[backend] is store.roots, backend
-            capacity = self.capacity(backend)
+            capacity = self._limit(backend)
             assert isinstance(store, UnboundedStore if capacity is None else LRUStore), (backend, capacity)
             store._check(capacity)
             for h in store:

@@ -25,7 +25,7 @@ from prefixroute.errors import (
     PrefixRouteError,
 )
 from prefixroute.hashing import BlockHasher, Tokens, encode_tokens, namespace_seed
-from prefixroute.index import IndexUpdate, PrefixIndex, apply_updates, check_update
+from prefixroute.index import DEFAULT_BOUND_BLOCKS, IndexUpdate, PrefixIndex, apply_updates, check_update
 from prefixroute.policies import Candidate, LoadPolicy, PredictedTTFT
 
 __all__ = ["Decision", "Reason", "Router", "RouterStats"]
@@ -206,12 +206,13 @@ class Router:
 
     ``policy`` defaults to :class:`~prefixroute.PredictedTTFT` (the lowest predicted time to first token). ``index``
     is the prefix index the router reads and writes (default: a :class:`~prefixroute.PrefixIndex` with
-    ``capacity_blocks``, which mirrors vLLM's ``num_gpu_blocks``); the index class decides what a routing decision
-    writes (:meth:`PrefixIndex.predict`), so the router's mode is fixed at construction. ``namespace`` seeds the
-    block hashes (model or adapter name); :meth:`route` can override it per request. ``placement_blocks`` is how
-    many leading blocks decide where a never-seen prefix goes (rendezvous hashing), so gateway replicas that share
-    no state still agree. ``lease`` is the default lease of :meth:`start` in seconds (None: requests count until
-    finished). ``clock`` and ``rng`` (which draws the decision ids) are injectable.
+    ``capacity_blocks``, which mirrors vLLM's ``num_gpu_blocks``, and a backend whose capacity is not known kept to
+    ``prefixroute.index.DEFAULT_BOUND_BLOCKS`` blocks, so memory stays bounded); the index class decides what a
+    routing decision writes (:meth:`PrefixIndex.predict`), so the router's mode is fixed at construction.
+    ``namespace`` seeds the block hashes (model or adapter name); :meth:`route` can override it per request.
+    ``placement_blocks`` is how many leading blocks decide where a never-seen prefix goes (rendezvous hashing), so
+    gateway replicas that share no state still agree. ``lease`` is the default lease of :meth:`start` in seconds
+    (None: requests count until finished). ``clock`` and ``rng`` (which draws the decision ids) are injectable.
 
     A request's life: :meth:`route` (or :meth:`decide`, then :meth:`commit` to the backend actually used) →
     :meth:`start` → :meth:`first_token` (optional) → :meth:`finish`. Lifecycle calls name the decision by its id and
@@ -261,7 +262,7 @@ class Router:
             raise TypeError(f"rng must be a random.Random, not {type(rng).__name__}")
         self._hasher = BlockHasher(block_size, namespace=namespace)
         if index is None:
-            index = PrefixIndex(block_size, capacity_blocks=capacity_blocks)
+            index = PrefixIndex(block_size, capacity_blocks=capacity_blocks, bound_blocks=DEFAULT_BOUND_BLOCKS)
         elif not isinstance(index, PrefixIndex):
             raise TypeError(f"index must be a PrefixIndex (or a subclass), not {type(index).__name__}")
         elif capacity_blocks is not None:

@@ -4,8 +4,8 @@ import tracemalloc
 
 import pytest
 
-from prefixroute import BlockHasher, ConfigurationError, PrefixIndex
-from prefixroute.index import LRUStore, UnboundedStore, apply_updates, leading_run
+from prefixroute import BlockHasher, ConfigurationError, PrefixIndex, Router
+from prefixroute.index import DEFAULT_BOUND_BLOCKS, LRUStore, UnboundedStore, apply_updates, leading_run
 
 
 def chain(*tokens: int, block_size: int = 1) -> list[int]:
@@ -269,3 +269,36 @@ def test_memory_per_entry_is_bounded(capacity: int | None) -> None:
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     assert used / len(index) < 120
+
+
+def test_a_bound_keeps_a_backend_without_a_capacity_to_that_many_blocks_and_is_not_a_capacity() -> None:
+    index = PrefixIndex(block_size=1, bound_blocks=64)
+    for root in range(100):
+        index.predict([1000 * root + i for i in range(8)], "gpu0", 0)
+    assert 0 < index.blocks("gpu0") <= 64 and index.capacity("gpu0") is None and index.bound_blocks == 64
+    newest = [99_000 + i for i in range(8)]
+    assert index.match(newest, ["gpu0"]) == {"gpu0": 8}  # least recently used first out
+    index.set_capacity("gpu0", 16)  # a known capacity wins
+    assert index.blocks("gpu0") <= 16 and index.capacity("gpu0") == 16
+    index.set_capacity("gpu0", None)  # back to the bound: still an LRU store, still bounded
+    assert isinstance(index.store("gpu0"), LRUStore)
+    for root in range(100, 200):
+        index.insert([1000 * root + i for i in range(8)], "gpu0")
+    assert index.blocks("gpu0") <= 64
+    index._check()
+    assert PrefixIndex().bound_blocks is None  # the class alone: unbounded, as an index fed by KV events wants
+    for bad in (-1, True, 2.5, "64"):
+        with pytest.raises(ConfigurationError, match="bound_blocks"):
+            PrefixIndex(bound_blocks=bad)  # type: ignore[arg-type]
+
+
+def test_a_router_that_never_learns_capacities_keeps_its_memory_bounded() -> None:
+    """A gateway that routes unique prompts for ever with no capacity known (no metrics, no events): before, its
+    index held every block it ever predicted (~100 bytes each), without end."""
+    router = Router(block_size=1)
+    assert router.index.bound_blocks == DEFAULT_BOUND_BLOCKS
+    for n in range(300):
+        decision = router.route(list(range(n * 1000, n * 1000 + 1000)), ["gpu0"])
+        assert decision.candidates[0].capacity_blocks is None  # policies see no capacity
+    assert router.index.blocks("gpu0") <= DEFAULT_BOUND_BLOCKS < 300_000
+    assert router.route(list(range(299_000, 300_000)), ["gpu0"]).matched_tokens == 1000  # the newest is held

@@ -40,20 +40,28 @@ class IndexMachine(RuleBasedStateMachine):
         self.orphans = 0
         self.fresh = 4  # hashes of contradicting chains' fresh blocks count down from 2**64 - 1
 
-    @initialize(default=CAPACITIES, own=st.dictionaries(st.sampled_from(BACKENDS), st.integers(0, 24)))
-    def build(self, default: int | None, own: dict[str, int]) -> None:
+    @initialize(
+        default=CAPACITIES, own=st.dictionaries(st.sampled_from(BACKENDS), st.integers(0, 24)), bound=CAPACITIES
+    )
+    def build(self, default: int | None, own: dict[str, int], bound: int | None) -> None:
         capacities: int | dict[str, int] | None = own if own else default
-        self.index = PrefixIndex(block_size=1, capacity_blocks=capacities)
+        self.index = PrefixIndex(block_size=1, capacity_blocks=capacities, bound_blocks=bound)
+        assert self.index.bound_blocks == bound
         for backend in BACKENDS:
-            self.exact[backend] = self.index.capacity(backend) is None
+            self.exact[backend] = self._limit(backend) is None
+
+    def _limit(self, backend: str) -> int | None:
+        """The most blocks the backend keeps: its capacity, else the index's bound (which is not a capacity)."""
+        capacity = self.index.capacity(backend)
+        return self.index.bound_blocks if capacity is None else capacity
 
     def _bounded(self, backend: str) -> None:
-        if self.index.capacity(backend) is not None:
+        if self._limit(backend) is not None:
             self.exact[backend] = False
 
     def _forget(self, backend: str) -> None:
         self.model[backend] = set()
-        self.exact[backend] = self.index.capacity(backend) is None
+        self.exact[backend] = self._limit(backend) is None
 
     def _sync(self, backend: str) -> None:
         """Eviction is the index's to choose: after it, the model keeps only what the index still holds."""
@@ -122,7 +130,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     def _recent_is_held(self, hashes: list[int], backend: str) -> None:
         """A prompt just routed is held whole unless it is too big for the newest generation's room."""
-        capacity = self.index.capacity(backend)
+        capacity = self._limit(backend)
         room = None if capacity is None else capacity - 2 * (capacity // PrefixIndex.generations)
         if room is None or len(set(hashes)) <= room // 2:
             assert self.index.match(hashes, [backend])[backend] == len(hashes)
@@ -166,10 +174,10 @@ class IndexMachine(RuleBasedStateMachine):
         self.index.set_capacity(backend, capacity)
         self._bounded(backend)
         self._sync(backend)
-        effective = self.index.capacity(backend)
         if capacity is not None:
-            assert effective == capacity
-        assert effective is None or self.index.blocks(backend) <= effective
+            assert self.index.capacity(backend) == capacity
+        limit = self._limit(backend)
+        assert limit is None or self.index.blocks(backend) <= limit
 
     @precondition(lambda self: self.chains)
     @rule(data=st.data())
@@ -184,8 +192,8 @@ class IndexMachine(RuleBasedStateMachine):
         index._check(chains=self.chains)
         for backend in BACKENDS:
             held = index.hashes(backend)
-            capacity = index.capacity(backend)
-            kind = UnboundedStore if capacity is None else LRUStore
+            limit = self._limit(backend)
+            kind = UnboundedStore if limit is None else LRUStore
             store = index.store(backend)
             assert store is None or isinstance(store, kind)
             assert index.blocks(backend) == len(held)
@@ -193,7 +201,7 @@ class IndexMachine(RuleBasedStateMachine):
                 assert held == self.model[backend]
             else:
                 assert held <= self.model[backend]
-            assert capacity is None or len(held) <= capacity
+            assert limit is None or len(held) <= limit
             for hashes in self.chains:
                 assert index.match(hashes, [backend])[backend] == leading(held, hashes)
         assert len(index) == sum(index.blocks(b) for b in BACKENDS)

@@ -18,7 +18,7 @@ from typing import TypedDict
 
 import pytest
 
-from prefixroute import Router
+from prefixroute import PrefixIndex, Router
 from prefixroute.policies import policy_from_name
 from prefixroute.sim.backend import BackendConfig
 from prefixroute.sim.engine import ClosedLoop, Simulation
@@ -59,7 +59,9 @@ def _reference_hits(trace: list[_Line], assign: str) -> list[int]:
 def _simulated_hits(data_dir: Path, policy: str) -> tuple[list[int], list[int]]:
     spec = f"mooncake:{data_dir / 'mooncake-fast25' / 'synthetic_trace.jsonl'}"
     simulation = Simulation(
-        router=Router(policy=policy_from_name(policy)),
+        # Infinite caches, as the reference's: an index with no bound either (Router()'s own keeps a backend with no
+        # known capacity to DEFAULT_BOUND_BLOCKS, fewer than this trace puts on one).
+        router=Router(policy=policy_from_name(policy), index=PrefixIndex(16)),
         workload=load_trace(spec, output_tokens=1),
         arrivals=ClosedLoop(1, ramp=0.0),  # one request at a time: no contention
         cost=LinearCost(),
