@@ -13,7 +13,8 @@
     └── MetricsError           unreadable Prometheus metrics text
 
 Each error is also the builtin a Python user would catch: ``ConfigurationError``, ``InvalidPromptError``,
-``DecisionError``, ``InvalidEventError`` and ``InvalidTraceError`` are ``ValueError``, ``NoBackendError`` a
+``DecisionError``, ``InvalidEventError``, ``InvalidTraceError`` and ``MetricsError`` (figures that could not be
+read, also when fetching them failed) are ``ValueError``, ``NoBackendError`` a
 ``LookupError``, ``PolicyError`` a ``TypeError``. Wrong argument *types* raise ``TypeError``.
 """
 
@@ -68,5 +69,5 @@ class InvalidTraceError(PrefixRouteError, ValueError):
     """A workload trace has a malformed record; the message names the file and line."""
 
 
-class MetricsError(PrefixRouteError):
+class MetricsError(PrefixRouteError, ValueError):
     """Prometheus metrics text could not be fetched or parsed."""

@@ -125,6 +125,8 @@ def parse_metrics(text: str, *, deadline: float | None = None) -> EngineMetrics:
                 total = sums.get(name, 0.0)
                 sums[name] = _add(total, value, name) if name.startswith("vllm:") else total + value
                 counts[name] = counts.get(name, 0) + 1
+    except MetricsError:  # a ValueError too: ours, with its own message
+        raise
     except (ValueError, TypeError, IndexError, KeyError, OverflowError) as exc:
         raise MetricsError(f"not Prometheus text exposition format: {exc}") from exc
     if not buckets and block_size is None and not any(name.startswith("vllm:") for name in sums):

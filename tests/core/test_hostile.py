@@ -16,7 +16,11 @@ from prefixroute import (
     DecisionError,
     InvalidEventError,
     InvalidPromptError,
+    InvalidTraceError,
     LinearTTFT,
+    MetricsError,
+    NoBackendError,
+    PolicyError,
     PowerOfTwo,
     PrefixIndex,
     PrefixRouteError,
@@ -96,8 +100,10 @@ def test_misused_decisions_and_arguments_raise_errors_of_the_tree() -> None:
         router.route([1, 2, 3, 4], ["a", "a"])
     with pytest.raises(InvalidPromptError, match="parent"):
         BlockHasher(4).hash([1, 2, 3, 4], parent=-1)
-    for error in (DecisionError, ConfigurationError, InvalidPromptError, InvalidEventError):
+    for error in (DecisionError, ConfigurationError, InvalidPromptError, InvalidEventError, InvalidTraceError,
+                  MetricsError):  # fmt: skip
         assert issubclass(error, PrefixRouteError) and issubclass(error, ValueError)
+    assert issubclass(NoBackendError, LookupError) and issubclass(PolicyError, TypeError)
 
 
 def test_in_flight_and_stats_end_expired_leases_without_a_new_route() -> None:
