@@ -268,7 +268,7 @@ def _read_lengths(path: str | Path, form: _LengthsFormat, limit: int | None) -> 
                 fields = sum(row[name] is not None for name in fieldnames) + len(extra)
                 raise InvalidTraceError(
                     f"{where}: {fields} field(s) where the header names {len(fieldnames)}: every row needs one "
-                    f"value per column (quote a value that holds a comma): {_shown_row(row)}"
+                    f"value per column (quote a value that holds a comma): {shown(row)}"
                 )
             try:
                 arrival = _datetime_seconds(row[form.arrival], minutes) if form.dated else float(row[form.arrival])
@@ -277,7 +277,7 @@ def _read_lengths(path: str | Path, form: _LengthsFormat, limit: int | None) -> 
             except (TypeError, ValueError) as exc:
                 kind = "a date and time" if form.dated else "numbers"
                 raise InvalidTraceError(
-                    f"{where}: expected {kind} and token counts in {', '.join(columns)}: {_shown_row(row)}"
+                    f"{where}: expected {kind} and token counts in {', '.join(columns)}: {shown(row)}"
                 ) from exc
             if form.dated:
                 first = arrival if first is None else first
@@ -294,8 +294,7 @@ def _read_lengths(path: str | Path, form: _LengthsFormat, limit: int | None) -> 
                     else f"a finite number in [0, {_MAX_ARRIVAL:g}]"
                 )
                 raise InvalidTraceError(
-                    f"{where}: {form.arrival} must be {start} and token counts in [0, {_MAX_TOKENS}], "
-                    f"got {_shown_row(row)}"
+                    f"{where}: {form.arrival} must be {start} and token counts in [0, {_MAX_TOKENS}], got {shown(row)}"
                 )
             # A logged request with no prompt or no output still cost the engine one token of each.
             entries.add(TraceEntry(arrival, max(1, prefill), max(1, decode)))
@@ -487,12 +486,6 @@ def _read(lines: TextIO, path: str | Path) -> Iterator[str]:
         raise InvalidTraceError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
     except OSError as exc:
         raise InvalidTraceError(f"cannot read trace {path}: {exc.strerror or exc}") from exc
-
-
-def _shown_row(row: dict[str, str]) -> str:
-    """A CSV row for an error message, at most 200 characters: a row can hold a whole document."""
-    text = repr(row)
-    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def _rows(reader: csv.DictReader[str], path: str | Path) -> Iterator[dict[str, str]]:
