@@ -515,8 +515,9 @@ class PrefixIndex:
         """Record a routing decision: the router sent a prompt with ``hashes`` to ``backend``, which held ``held``.
 
         The hook that decides what routing writes; this class inserts the prompt's blocks (from block 0) and makes
-        them most recent, unless the prompt has more blocks than the backend's capacity: an engine whose KV cache
-        holds that many refuses it, and recording it would evict every block the backend holds, its own included.
+        them most recent, unless the prompt has more blocks than the backend keeps (its capacity, else the bound): an
+        engine whose KV cache holds that many refuses it, and recording it would evict every block the backend holds,
+        its own included.
         ``held`` (from :meth:`match`) saves a search; a stale value costs one. O(len(hashes)). ``hashes`` are not
         validated (the router's hot path passes its hasher's): use :meth:`insert` for others.
         """
