@@ -3,7 +3,8 @@
 Each variant is a :class:`~prefixroute.PredictedTTFT` subclass that overrides :meth:`~prefixroute.PredictedTTFT.cost`
 (the public extension point), so everything else (the KV-memory stretch, ties) stays the default's. Every variant,
 the default and every built-in and baseline policy run on the suite's workloads without engine metrics (the six
-scenarios and the two real traces, seed 0, as ``make policies`` runs them); each variant is then judged as if it
+scenarios and the two real traces, seed 0, as ``make policies`` runs them; ``--metrics``: the same with metrics every
+0.1 s); each variant is then judged as if it
 were the default, against all the other policies, by the suite's own rule (:func:`prefixroute.sim.suite.judge`).
 Prints the P99 TTFT per workload (a throughput below 0.97x the best in brackets, a KV hit rate more than 5 points
 under the best in brackets as a percentage; r and b mark a P99 above round-robin's or above 1.2x the best) and how
@@ -240,7 +241,9 @@ class EngineUsageFloor(PredictedTTFT):
     on an overload of short, decode-heavy requests (ServeGen's m-large at 20 req/s: 1.03x the best instead of 1.26x),
     but worse on the suite (``shared-prefix`` 623 ms instead of 592, ``rag`` 1,290 instead of 1,146,
     ``system-prompt`` 505 instead of 421, the Splitwise code trace 10,320 instead of 9,723). Not adopted. Needs
-    ``--metrics-interval``; not one of the variants judged below (they run without metrics)."""
+    engine metrics: judged only with ``--metrics`` (the suite's runs with ``--metrics-interval 0.1``)."""
+
+    label = "engine kv_usage as a floor"
 
     def cost(
         self, candidate: Candidate, *, speed: float = 1.0, common_tokens: int = 0, typical_prompt: float = math.inf
@@ -292,6 +295,11 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="one short workload (seed, 100 requests), a smoke run")
     parser.add_argument("--only", nargs="+", metavar="CLASS", help="judge only these variant classes (by name)")
     parser.add_argument(
+        "--metrics",
+        action="store_true",
+        help="judge on the suite's runs with engine metrics (--metrics-interval 0.1), EngineUsageFloor among them",
+    )
+    parser.add_argument(
         "--cache",
         type=Path,
         help="a pickle of the built-in and baseline policies' results, read if it exists, else written (they do not"
@@ -299,22 +307,25 @@ def main() -> int:
     )
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # the pool's workers import this file by name
-    workloads = [w for w in suite_workloads(root=ROOT) if not w.metrics]
+    workloads = [w for w in suite_workloads(root=ROOT) if w.metrics == args.metrics]
     default = default_policy_name()
     policies = compared_policies()
     if args.quick:
         workloads = [replace(workloads[0], spec=workloads[0].spec.with_(requests=100))]
         policies = ["round-robin", default]
-    classes = [cls for cls in VARIANTS if not args.only or cls.__name__ in args.only]
+    judged = (*VARIANTS, EngineUsageFloor) if args.metrics else VARIANTS
+    classes = [cls for cls in judged if not args.only or cls.__name__ in args.only]
     variants = [f"default_variants:{cls.__name__}" for cls in classes]
     names = [*policies, *variants]
     fixed: list[PolicyResult] | None = None
     if args.cache is not None and args.cache.is_file() and not args.quick:
-        fixed = pickle.loads(args.cache.read_bytes())
+        with_metrics, fixed = pickle.loads(args.cache.read_bytes())
+        if with_metrics != args.metrics:  # the other half of the suite's runs
+            fixed = None
     if fixed is None or len(fixed) != len(workloads) * len(policies):
         fixed = run_grid([(w.spec, name) for w in workloads for name in policies], jobs=args.jobs)
         if args.cache is not None and not args.quick:
-            args.cache.write_bytes(pickle.dumps(fixed))
+            args.cache.write_bytes(pickle.dumps((args.metrics, fixed)))
     mine = run_grid([(w.spec, name) for w in workloads for name in variants], jobs=args.jobs)
     results: list[PolicyResult] = []
     for k in range(len(workloads)):
@@ -337,7 +348,8 @@ def main() -> int:
             cell += "".join(f for f, c in zip("rb h", verdict.checks, strict=True) if f != " " and not c.passed)
             rows.setdefault(result.policy, []).append(cell)
     labels = {default: f"{default} (the default)"} | {f"default_variants:{cls.__name__}": cls.label for cls in classes}
-    print("P99 TTFT ms per workload (no engine metrics, seed 0); pass = workloads meeting every check")
+    metrics = "engine metrics every 0.1 s" if args.metrics else "no engine metrics"
+    print(f"P99 TTFT ms per workload ({metrics}, seed 0); pass = workloads meeting every check")
     print(f"{'variant':<42}" + "".join(f"{w.name:>22}" for w in workloads) + f"{'pass':>6}")
     for name, cells in rows.items():
         print(f"{labels[name]:<42}" + "".join(f"{c:>22}" for c in cells) + f"{passes[name]:>6}")
