@@ -319,9 +319,9 @@ def main() -> int:
     names = [*policies, *variants]
     fixed: list[PolicyResult] | None = None
     if args.cache is not None and args.cache.is_file() and not args.quick:
-        with_metrics, fixed = pickle.loads(args.cache.read_bytes())
-        if with_metrics != args.metrics:  # the other half of the suite's runs
-            fixed = None
+        cached = pickle.loads(args.cache.read_bytes())
+        # (metrics, results); another half of the suite's runs, or a cache of an older format: run them again
+        fixed = cached[1] if isinstance(cached, tuple) and cached[0] == args.metrics else None
     if fixed is None or len(fixed) != len(workloads) * len(policies):
         fixed = run_grid([(w.spec, name) for w in workloads for name in policies], jobs=args.jobs)
         if args.cache is not None and not args.quick:
