@@ -67,7 +67,9 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> argparse._Mutuall
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--scenario", choices=scenario_names(), default="seed", help="synthetic workload (seed)")
     source.add_argument(
-        "--trace", metavar="FORMAT:PATH", help="replay mooncake:FILE.jsonl, or splitwise:, azure: or burstgpt:FILE.csv"
+        "--trace",
+        metavar="FORMAT:PATH",
+        help="replay mooncake: or bailian:FILE.jsonl, or splitwise:, azure: or burstgpt:FILE.csv",
     )
     parser.add_argument("--backends", type=int, default=8, metavar="N", help="simulated vLLM engines (8)")
     arrivals = parser.add_mutually_exclusive_group()

@@ -1,9 +1,12 @@
-"""Trace readers: Mooncake FAST'25 JSONL (prefix identity as 512-token ``hash_ids``) and CSVs of lengths.
+"""Trace readers: JSONL traces with prefix identity (Mooncake FAST'25, Qwen-Bailian) and CSVs of lengths.
 
 A Mooncake line gives ``timestamp`` (ms), ``input_length``, ``output_length`` and ``hash_ids``, one id per 512-token
 block of the prompt, equal ids at equal positions marking a shared prefix. The reader turns hash id ``h`` into the
 512 token ids ``512*h .. 512*h+511`` (the last block cut to the prompt's length), so the real hasher and index see
-real token lists that share exactly what the trace says they share. A Splitwise/Vidur CSV
+real token lists that share exactly what the trace says they share. A Qwen-Bailian line (Alibaba's
+``qwen-bailian-usagetraces-anon``, ATC'25) is read the same way with its own units: ``timestamp`` in seconds and
+one hash id per 16-token block (its other fields, ``chat_id``, ``parent_chat_id``, ``turn`` and ``type``, are
+ignored: the timestamps already place each turn). A Splitwise/Vidur CSV
 (``arrived_at,num_prefill_tokens,num_decode_tokens``), an Azure LLM inference trace
 (``TIMESTAMP,ContextTokens,GeneratedTokens``) and a BurstGPT CSV (``Timestamp``, ``Request tokens``, ``Response
 tokens``) have no prefix identity: every prompt gets its own tokens.
@@ -40,6 +43,7 @@ from prefixroute.errors import ConfigurationError, InvalidTraceError
 from prefixroute.sim.request import SimRequest, token_bytes
 
 __all__ = [
+    "BAILIAN_BLOCK_TOKENS",
     "MOONCAKE_BLOCK_TOKENS",
     "TraceEntry",
     "TraceWorkload",
@@ -47,13 +51,14 @@ __all__ = [
     "load_trace",
     "mooncake_tokens",
     "read_azure",
+    "read_bailian",
     "read_burstgpt",
     "read_mooncake",
     "read_splitwise",
 ]
 
 MOONCAKE_BLOCK_TOKENS = 512
-_MAX_HASH_ID = (2**32) // MOONCAKE_BLOCK_TOKENS - 1
+BAILIAN_BLOCK_TOKENS = 16
 _UNIQUE_BASE = 2**31  # Splitwise prompts draw their tokens above every Mooncake-derived id
 _MAX_TOKENS = 2**20  # longer than any profiled model's context: a larger length is a broken trace
 # Replayed arrivals past 1e10 s (317 years; epoch seconds are 1.7e9) are a broken trace or --speedup: at 1e300 s a
@@ -64,17 +69,20 @@ _MAX_LINE_CHARS = 1 << 20  # a Mooncake line of a 1M-token prompt holds ~2,000 b
 
 @dataclass(frozen=True, slots=True)
 class TraceEntry:
-    """One trace line: arrival (seconds), lengths, and the Mooncake block ids (empty for Splitwise)."""
+    """One trace line: arrival (seconds), lengths, and the block ids of ``block_tokens`` tokens each (empty for the
+    CSV formats)."""
 
     arrival: float
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...] = ()
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS
 
 
-def mooncake_tokens(hash_ids: Sequence[int], input_length: int) -> bytes:
-    """Return the prompt's token ids (uint32 little-endian bytes) for a Mooncake line's ``hash_ids``. O(tokens)."""
-    size = MOONCAKE_BLOCK_TOKENS
+def mooncake_tokens(hash_ids: Sequence[int], input_length: int, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> bytes:
+    """Return the prompt's token ids (uint32 little-endian bytes) for a trace line's ``hash_ids``, one id per
+    ``block_tokens`` tokens (512 for Mooncake, :data:`BAILIAN_BLOCK_TOKENS` for Qwen-Bailian). O(tokens)."""
+    size = block_tokens
     last = input_length - size * (len(hash_ids) - 1)
     parts = [token_bytes(h * size, size) for h in hash_ids[:-1]]
     parts.append(token_bytes(hash_ids[-1] * size, last))
@@ -113,12 +121,30 @@ class TraceWorkload:
         entry = self.entries[self._cursor]
         self._cursor += 1
         if entry.hash_ids:
-            prompt = mooncake_tokens(entry.hash_ids, entry.input_length)
+            prompt = mooncake_tokens(entry.hash_ids, entry.input_length, block_tokens=entry.block_tokens)
         else:
             start = _UNIQUE_BASE + self._rng.randrange(2**31 - entry.input_length)
             prompt = token_bytes(start, entry.input_length)
         output = self._output_tokens if self._output_tokens is not None else entry.output_length
         return SimRequest(prompt, output, arrival=entry.arrival, tag=f"{self.kind}:{self._cursor - 1}")
+
+
+@dataclass(frozen=True, slots=True)
+class _BlocksFormat:
+    """A JSONL trace with prefix identity: its name, the tokens per hash id and the unit of its ``timestamp``."""
+
+    kind: str
+    block_tokens: int
+    units_per_second: float  # of its timestamps
+    unit: str
+
+    @property
+    def max_hash_id(self) -> int:
+        return (2**32) // self.block_tokens - 1  # every block's token ids fit in uint32
+
+
+_MOONCAKE = _BlocksFormat("mooncake", MOONCAKE_BLOCK_TOKENS, 1000.0, "ms")
+_BAILIAN = _BlocksFormat("bailian", BAILIAN_BLOCK_TOKENS, 1.0, "s")
 
 
 def read_mooncake(path: str | Path, *, limit: int | None = None) -> list[TraceEntry]:
@@ -129,22 +155,47 @@ def read_mooncake(path: str | Path, *, limit: int | None = None) -> list[TraceEn
     a str or :class:`~pathlib.Path` raises TypeError, a ``limit`` that is not a positive int
     :class:`~prefixroute.errors.ConfigurationError`.
     """
+    return _read_blocks(path, _MOONCAKE, limit)
+
+
+def read_bailian(path: str | Path, *, limit: int | None = None) -> list[TraceEntry]:
+    """Parse a Qwen-Bailian JSONL trace (``timestamp`` s, ``input_length``, ``output_length``, ``hash_ids`` of
+    16-token blocks; other fields ignored), as :func:`read_mooncake` reads Mooncake's."""
+    return _read_blocks(path, _BAILIAN, limit)
+
+
+def _read_blocks(path: str | Path, form: _BlocksFormat, limit: int | None) -> list[TraceEntry]:
     entries = _Earliest(limit)
     with _open(path) as lines:
         for number, line in enumerate(_read(lines, path), start=1):
             if not line.strip():
                 continue
             try:
-                entries.add(_mooncake_line(line, f"{path}:{number}"))
+                entries.add(_blocks_line(line, f"{path}:{number}", form))
             except InvalidTraceError as exc:
-                other = None if entries.count else _csv_format(line)
+                other = None if entries.count else _csv_format(line) or _blocks_format(line, form)
                 if other is None:
                     raise
                 raise InvalidTraceError(f"{exc}; it looks like a {other}: trace (--trace {other}:{path})") from exc
     return _from_earliest(entries.sorted(), path, "timestamp")
 
 
-def _mooncake_line(line: str, where: str) -> TraceEntry:
+def _blocks_format(line: str, wrong: _BlocksFormat) -> str | None:
+    """The other JSONL format that reads ``line`` (a line ``wrong`` refused), if one does."""
+    form = _BAILIAN if wrong is _MOONCAKE else _MOONCAKE
+    try:
+        _blocks_line(line, "", form)
+    except InvalidTraceError:
+        return None
+    return form.kind
+
+
+def _jsonl_kind(line: str) -> str:
+    """The JSONL format a line (not read as one) most likely is: Qwen-Bailian names its chats, Mooncake does not."""
+    return _BAILIAN.kind if '"chat_id"' in line else _MOONCAKE.kind
+
+
+def _blocks_line(line: str, where: str, form: _BlocksFormat) -> TraceEntry:
     try:
         item = json.loads(line, object_pairs_hook=_object)
     except _DuplicateKeyError as exc:
@@ -162,24 +213,27 @@ def _mooncake_line(line: str, where: str) -> TraceEntry:
         raise InvalidTraceError(f"{where}: missing field(s) {', '.join(missing)}")
     timestamp, input_length, output_length = item["timestamp"], item["input_length"], item["output_length"]
     hash_ids = item["hash_ids"]
-    if not is_finite_number(timestamp) or not 0 <= timestamp <= _MAX_ARRIVAL * 1000:
+    most = _MAX_ARRIVAL * form.units_per_second
+    if not is_finite_number(timestamp) or not 0 <= timestamp <= most:
         raise InvalidTraceError(
-            f"{where}: timestamp must be a non-negative number of ms, not {shown(timestamp)} "
-            f"(at most {_MAX_ARRIVAL * 1000:g} ms)"
+            f"{where}: timestamp must be a non-negative number of {form.unit}, not {shown(timestamp)} "
+            f"(at most {most:g} {form.unit})"
         )
     if not _is_int(input_length) or not 1 <= input_length <= _MAX_TOKENS:
         raise InvalidTraceError(f"{where}: input_length must be an int in [1, {_MAX_TOKENS}], not {input_length!r}")
     if not _is_int(output_length) or not 1 <= output_length <= _MAX_TOKENS:
         raise InvalidTraceError(f"{where}: output_length must be an int in [1, {_MAX_TOKENS}], not {output_length!r}")
-    if not isinstance(hash_ids, list) or not all(_is_int(h) and 0 <= h <= _MAX_HASH_ID for h in hash_ids):
-        raise InvalidTraceError(f"{where}: hash_ids must be a list of ints in [0, {_MAX_HASH_ID}]")
-    expected = math.ceil(input_length / MOONCAKE_BLOCK_TOKENS)
+    most_id = form.max_hash_id
+    if not isinstance(hash_ids, list) or not all(_is_int(h) and 0 <= h <= most_id for h in hash_ids):
+        raise InvalidTraceError(f"{where}: hash_ids must be a list of ints in [0, {most_id}]")
+    size = form.block_tokens
+    expected = -(-input_length // size)
     if len(hash_ids) != expected:
         raise InvalidTraceError(
-            f"{where}: {len(hash_ids)} hash_ids for input_length {input_length}; expected "
-            f"ceil({input_length}/{MOONCAKE_BLOCK_TOKENS}) = {expected}"
+            f"{where}: {len(hash_ids)} hash_ids for input_length {input_length}; a {form.kind}: trace has one per "
+            f"{size} tokens, ceil({input_length}/{size}) = {expected}"
         )
-    return TraceEntry(timestamp / 1000.0, input_length, output_length, tuple(hash_ids))
+    return TraceEntry(timestamp / form.units_per_second, input_length, output_length, tuple(hash_ids), size)
 
 
 class _DuplicateKeyError(Exception):
@@ -254,7 +308,8 @@ def _read_lengths(path: str | Path, form: _LengthsFormat, limit: int | None) -> 
         reader.fieldnames = fieldnames
         absent = [c for c in columns if c not in fieldnames]
         if absent:
-            other = _csv_format(",".join(fieldnames)) or ("mooncake" if ",".join(fieldnames).startswith("{") else None)
+            header = ",".join(fieldnames)
+            other = _csv_format(header) or (_jsonl_kind(header) if header.startswith("{") else None)
             hint = f"; it looks like a {other}: trace (--trace {other}:{path})" if other else ""
             raise InvalidTraceError(f"{path}:1: header lacks column(s) {', '.join(absent)}{hint}")
         twice = [c for c in columns if fieldnames.count(c) > 1]
@@ -342,7 +397,7 @@ def _from_earliest(entries: list[TraceEntry], path: str | Path, column: str) -> 
     if entries[-1].arrival - earliest > _MAX_ARRIVAL:  # dated rows, each within 1e10 s of the first row's
         raise InvalidTraceError(f"{path}: its {column}s span more than {_MAX_ARRIVAL:g} s")
     for i, e in enumerate(entries):  # in place: a copy of a trace of millions would double its memory
-        entries[i] = TraceEntry(e.arrival - earliest, e.input_length, e.output_length, e.hash_ids)
+        entries[i] = TraceEntry(e.arrival - earliest, e.input_length, e.output_length, e.hash_ids, e.block_tokens)
     return entries
 
 
@@ -409,8 +464,8 @@ def _minute_seconds(parts: tuple[str, ...], offset: str | None) -> float:
 def load_trace(
     spec: str, *, seed: int = 0, output_tokens: int | None = None, limit: int | None = None
 ) -> TraceWorkload:
-    """Open ``FORMAT:PATH`` as a workload: ``mooncake:trace.jsonl``, or one of ``splitwise:``, ``azure:`` and
-    ``burstgpt:`` with a CSV of arrivals and lengths (every prompt its own tokens).
+    """Open ``FORMAT:PATH`` as a workload: ``mooncake:trace.jsonl`` or ``bailian:trace.jsonl``, or one of
+    ``splitwise:``, ``azure:`` and ``burstgpt:`` with a CSV of arrivals and lengths (every prompt its own tokens).
 
     ``limit`` keeps only the first ``limit`` requests (in timestamp order) after every line has been checked, so a
     run of a few requests from a large trace holds only those, while reading too.
@@ -423,7 +478,13 @@ def load_trace(
     if not isinstance(spec, str):
         raise TypeError(f"a trace must be given as a str 'FORMAT:PATH', such as 'mooncake:trace.jsonl', not {spec!r}")
     kind, sep, path = spec.partition(":")
-    readers = {"mooncake": read_mooncake, "splitwise": read_splitwise, "azure": read_azure, "burstgpt": read_burstgpt}
+    readers = {
+        "mooncake": read_mooncake,
+        "bailian": read_bailian,
+        "splitwise": read_splitwise,
+        "azure": read_azure,
+        "burstgpt": read_burstgpt,
+    }
     if not sep or kind not in readers:
         raise InvalidTraceError(f"--trace must be FORMAT:PATH with FORMAT one of {sorted(readers)}, not {spec!r}")
     entries = readers[kind](path, limit=limit)

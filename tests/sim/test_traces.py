@@ -19,6 +19,7 @@ from prefixroute.sim.traces import (
     load_trace,
     mooncake_tokens,
     read_azure,
+    read_bailian,
     read_burstgpt,
     read_mooncake,
     read_splitwise,
@@ -60,7 +61,7 @@ def test_read_mooncake_parses_and_converts_timestamps(tmp_path: Path) -> None:
         ("{not json", "not valid JSON"),
         ("[1, 2]", "expected a JSON object"),
         ('{"timestamp": 0}', "missing field"),
-        (_line(hash_ids=[1]), "expected ceil"),
+        (_line(hash_ids=[1]), r"a mooncake: trace has one per 512 tokens, ceil\(600/512\) = 2"),
         (_line(input_length=0), "input_length"),
         (_line(output_length="5"), "output_length"),
         (_line(timestamp=-1), "timestamp"),
@@ -73,6 +74,75 @@ def test_malformed_mooncake_lines_name_the_line(tmp_path: Path, line: str, messa
     path.write_text(_line() + "\n" + line + "\n")
     with pytest.raises(InvalidTraceError, match=rf"bad\.jsonl:2: .*{message}"):
         read_mooncake(path)
+
+
+def _bailian(**fields: object) -> str:
+    """A line as Qwen-Bailian's README specifies it: seconds, and one hash id per 16 tokens."""
+    # fmt: off
+    item: dict[str, object] = {"chat_id": 159, "parent_chat_id": -1, "timestamp": 61.114, "input_length": 40,
+                               "output_length": 132, "type": "text", "turn": 1, "hash_ids": [1089, 1090, 1091]}
+    # fmt: on
+    item.update(fields)
+    return json.dumps(item)
+
+
+def test_read_bailian_reads_seconds_and_16_token_blocks(tmp_path: Path) -> None:
+    path = tmp_path / "qwen_traceA_blksz_16.jsonl"
+    follow_up = _bailian(chat_id=160, parent_chat_id=159, timestamp=62.5, input_length=64, turn=2,
+                         hash_ids=[1089, 1090, 1091, 6326])  # fmt: skip
+    path.write_text(_bailian() + "\n" + follow_up + "\n")
+    entries = read_bailian(path)
+    assert [e.arrival for e in entries] == pytest.approx([0.0, 1.386])  # seconds, from the first request
+    assert [e.block_tokens for e in entries] == [16, 16]
+    workload = load_trace(f"bailian:{path}")
+    first, second = workload.next_request(0), workload.next_request(0)
+    assert first is not None and second is not None and workload.next_request(0) is None
+    assert (first.prompt_tokens, first.output_tokens, second.prompt_tokens) == (40, 132, 64)
+    hasher = BlockHasher(16)
+    a, b = hasher.hash(first.prompt), hasher.hash(second.prompt)
+    assert len(a) == 2 and b[:2] == a and len(b) == 4  # the turn shares exactly its whole shared blocks
+    third = hasher.hash(mooncake_tokens([1089, 7], 32, block_tokens=16))
+    assert third[0] == a[0] and third[1] != a[1]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        (_bailian(hash_ids=[1, 2]), r"2 hash_ids for input_length 40; a bailian: trace has one per 16 tokens"),
+        (_bailian(timestamp=-0.5), "timestamp must be a non-negative number of s"),
+        (_bailian(timestamp=1e11), r"at most 1e\+10 s"),
+        (_bailian(hash_ids=[1, 2, 2**28]), r"hash_ids must be a list of ints in \[0, 268435455\]"),
+        (_bailian(output_length=0), "output_length"),
+        ('{"chat_id": 1, "timestamp": 0.5}', "missing field"),
+    ],
+)
+def test_malformed_bailian_lines_name_the_line(tmp_path: Path, line: str, message: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(_bailian() + "\n" + line + "\n")
+    with pytest.raises(InvalidTraceError, match=rf"bad\.jsonl:2: .*{message}"):
+        read_bailian(path)
+
+
+def test_a_bailian_conversation_is_routed_to_its_cached_turns(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each turn repeats the chat so far: the default follows it, round-robin scatters it."""
+    from prefixroute.cli import main
+
+    lines = []
+    for chat in range(5):  # five chats on four backends: round-robin moves each chat on at every turn
+        ids: list[int] = []
+        for turn in range(6):
+            ids += [10_000 * chat + 100 * turn + k for k in range(8)]  # 128 more tokens a turn
+            lines.append(_bailian(chat_id=6 * chat + turn, timestamp=2.0 * turn + 0.1 * chat,
+                                  input_length=16 * len(ids), hash_ids=ids, output_length=8))  # fmt: skip
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "r.json"
+    argv = ["compare", "--trace", f"bailian:{path}", "--backends", "4", "--policy", "round-robin", "--jobs", "1"]
+    assert main([*argv, "--policy", "predicted-ttft", "--json", str(out)]) == 0, capsys.readouterr().err
+    hits = {r["policy"]: r["hit_rate"] for r in json.loads(out.read_text())["results"]}
+    assert hits["predicted-ttft"] > 0.5 > hits["round-robin"]
 
 
 def test_read_splitwise_and_its_errors(tmp_path: Path) -> None:
@@ -230,6 +300,9 @@ def test_compressed_or_other_encodings_say_what_to_do(tmp_path: Path, content: b
         ("splitwise", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03,1,1\n", "azure:"),
         ("burstgpt", _line() + "\n", "mooncake:"),
         ("mooncake", "arrived_at,num_prefill_tokens,num_decode_tokens\n0,1,1\n", "splitwise:"),
+        ("mooncake", _bailian() + "\n", "bailian:"),
+        ("bailian", _line() + "\n", "mooncake:"),
+        ("splitwise", _bailian() + "\n", "bailian:"),
     ],
 )  # fmt: skip
 def test_a_trace_of_another_format_names_the_format(tmp_path: Path, kind: str, content: str, hint: str) -> None:
@@ -350,7 +423,7 @@ def test_a_header_that_names_a_column_twice_is_refused(tmp_path: Path) -> None:
     assert [(e.input_length, e.output_length) for e in read_burstgpt(path)] == [(10, 2)]
 
 
-@pytest.mark.parametrize("reader", [read_mooncake, read_splitwise, read_azure, read_burstgpt])
+@pytest.mark.parametrize("reader", [read_mooncake, read_bailian, read_splitwise, read_azure, read_burstgpt])
 @pytest.mark.parametrize("path", [0, 1, True, None, 2.5])
 def test_a_path_that_is_not_a_path_is_a_type_error(reader: Callable[[object], object], path: object) -> None:
     """open() takes an int as a file descriptor: 0 read the caller's stdin, and both were closed after."""
@@ -370,6 +443,7 @@ def test_load_trace_of_a_spec_that_is_not_a_str_is_a_type_error(spec: object) ->
     ("reader", "content"),
     [
         (read_mooncake, _line() + "\n"),
+        (read_bailian, _bailian() + "\n"),
         (read_splitwise, "arrived_at,num_prefill_tokens,num_decode_tokens\n0.0,10,2\n"),
         (read_azure, "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,10,2\n"),
         (read_burstgpt, "Timestamp,Request tokens,Response tokens\n5,10,2\n"),
