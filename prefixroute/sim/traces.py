@@ -326,9 +326,9 @@ def _read_lengths(path: str | Path, form: _LengthsFormat, limit: int | None) -> 
                     f"value per column (quote a value that holds a comma): {shown(row)}"
                 )
             try:
-                arrival = _datetime_seconds(row[form.arrival], minutes) if form.dated else float(row[form.arrival])
-                prefill = int(row[form.prompt])
-                decode = int(row[form.output])
+                arrival = _datetime_seconds(row[form.arrival], minutes) if form.dated else _seconds(row[form.arrival])
+                prefill = _token_count(row[form.prompt])
+                decode = _token_count(row[form.output])
             except (TypeError, ValueError) as exc:
                 kind = "a date and time" if form.dated else "numbers"
                 raise InvalidTraceError(
@@ -554,6 +554,25 @@ def _rows(reader: csv.DictReader[str], path: str | Path) -> Iterator[dict[str, s
         yield from reader
     except csv.Error as exc:
         raise InvalidTraceError(f"{path}:{reader.line_num}: not valid CSV ({exc})") from exc
+
+
+_COUNT = re.compile(r"\s*([+-]?[0-9]+)(?:\.0*)?\s*")  # 1000, or 1000.0 as a table that held an empty cell writes it
+
+
+def _token_count(text: str | None) -> int:
+    """A CSV token count: ASCII digits, optionally with a zero fraction; ValueError otherwise (``int()`` would take
+    ``1_000`` and other scripts' digits)."""
+    match = _COUNT.fullmatch(text or "")
+    if match is None:
+        raise ValueError(f"not a token count: {text!r}")
+    return int(match[1])
+
+
+def _seconds(text: str | None) -> float:
+    """A CSV arrival in seconds, as ``float()`` reads ASCII text without ``_`` (it would take ``1_0`` as 10)."""
+    if text is None or not text.isascii() or "_" in text:
+        raise ValueError(f"not a number of seconds: {text!r}")
+    return float(text)
 
 
 def _is_int(value: object) -> bool:

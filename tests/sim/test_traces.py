@@ -478,3 +478,19 @@ def test_a_mooncake_field_given_twice_is_refused(tmp_path: Path) -> None:
     path.write_text(_line() + "\n" + _line()[:-1] + ', "input_length": 700}\n')
     with pytest.raises(InvalidTraceError, match=r"m\.jsonl:2: field input_length given more than once"):
         read_mooncake(path)
+
+
+@pytest.mark.parametrize("row", ["0.5,1_000,7", "0.5,\uff11\uff10,7", "0.5,10.5,7", "0.5,1e3,7", "1_0,10,7"])
+def test_csv_counts_and_arrivals_are_ascii_numbers(tmp_path: Path, row: str) -> None:
+    """int() reads 1_000 and full-width digits, float() 1_0: a broken row read as numbers."""
+    path = tmp_path / "t.csv"
+    path.write_text(f"arrived_at,num_prefill_tokens,num_decode_tokens\n{row}\n")
+    with pytest.raises(InvalidTraceError, match=r"t\.csv:2: expected numbers and token counts"):
+        read_splitwise(path)
+
+
+def test_a_csv_count_with_a_zero_fraction_is_read(tmp_path: Path) -> None:
+    """As a table that once held an empty cell writes its counts (pandas: 1000.0)."""
+    path = tmp_path / "t.csv"
+    path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0.5, 1000.0 ,7.\n1,+12,3\n")
+    assert [(e.input_length, e.output_length) for e in read_splitwise(path)] == [(1000, 7), (12, 3)]
