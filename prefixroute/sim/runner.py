@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from prefixroute._numbers import is_finite_number, shown
-from prefixroute.errors import ConfigurationError, PolicyError, PrefixRouteError
+from prefixroute.errors import ConfigurationError, PrefixRouteError
 from prefixroute.index import PrefixIndex
 from prefixroute.policies import _REGISTRY, LoadPolicy, _import_module, _import_policy, policy_from_name, policy_names
 from prefixroute.router import Router
@@ -364,8 +364,8 @@ def run_policy(
     name = label or (policy if isinstance(policy, str) else repr(load_policy))
     try:
         outcome = simulation.run()
-    except PolicyError as exc:  # the router's; named as the user named the policy (its repr may not say which)
-        raise PolicyError(f"{name}: {exc}") from (exc.__cause__ or exc)
+    except PrefixRouteError as exc:  # the router's, or one a policy raised: named as the user named the policy
+        raise type(exc)(f"{name}: {exc}") from (exc.__cause__ or exc)
     return summarize(outcome, policy=name, gpu_hour_usd=spec.gpu_hour_usd)
 
 

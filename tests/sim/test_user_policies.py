@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixroute import PolicyError
+from prefixroute import NoBackendError, PolicyError
 from prefixroute.cli import main
 from prefixroute.sim.runner import SimSpec, build_policy, run_policy
 
@@ -20,6 +20,7 @@ POLICIES = """
 import random
 import time
 
+from prefixroute.errors import NoBackendError
 from prefixroute.policies import LoadPolicy
 
 
@@ -61,6 +62,11 @@ class Slow(LoadPolicy):
 class Raises(LoadPolicy):
     def choose(self, candidates):
         return {}["boom"]
+
+
+class RaisesOurs(LoadPolicy):
+    def choose(self, candidates):
+        raise NoBackendError("none of these will do")
 """
 
 
@@ -99,6 +105,12 @@ def test_a_stateful_policy_is_built_once_per_run(module: str) -> None:
 def test_a_policy_that_raises_is_a_policy_error(module: str) -> None:
     with pytest.raises(PolicyError, match=r"raised KeyError: 'boom'"):
         run_policy(SPEC, f"{module}:Raises")
+
+
+def test_a_library_error_a_policy_raises_names_the_policy(module: str) -> None:
+    """The router passes the library's own errors through unwrapped; the run names whose they are."""
+    with pytest.raises(NoBackendError, match=rf"^{module}:RaisesOurs: none of these will do$"):
+        run_policy(SPEC, f"{module}:RaisesOurs")
 
 
 @pytest.mark.parametrize("command", ["simulate", "compare"])
