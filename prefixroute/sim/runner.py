@@ -365,6 +365,8 @@ def run_policy(
     try:
         outcome = simulation.run()
     except PrefixRouteError as exc:  # the router's, or one a policy raised: named as the user named the policy
+        if type(exc).__module__ != PrefixRouteError.__module__:  # a user's subclass may take other arguments
+            raise
         raise type(exc)(f"{name}: {exc}") from (exc.__cause__ or exc)
     return summarize(outcome, policy=name, gpu_hour_usd=spec.gpu_hour_usd)
 
