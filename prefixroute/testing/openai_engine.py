@@ -75,7 +75,12 @@ def render_chat(messages: object) -> str:
         if content is None:
             content = ""
         elif isinstance(content, list):
-            content = " ".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+            if not all(isinstance(part, dict) for part in content):
+                raise ValueError("a message's 'content' parts must be objects")
+            texts = [part.get("text") for part in content if part.get("type") == "text"]  # images and the like: none
+            if not all(isinstance(text, str) for text in texts):
+                raise ValueError("a text part's 'text' must be a string")
+            content = " ".join(texts)
         if not isinstance(content, str):
             raise ValueError("a message's 'content' must be a string or a list of text parts")
         parts.append(f"<|{message['role']}|> {content}")

@@ -119,6 +119,16 @@ def test_a_tool_call_conversation_is_served_as_vllm_serves_it(engine: OpenAIEngi
     assert render_chat(messages[1:2]) == "<|assistant|> \n<|assistant|>"
 
 
+@pytest.mark.parametrize("parts", [[{"type": "text", "text": 5}], ["hi"], [{"type": "text"}], [None]])
+def test_content_parts_vllm_refuses_are_a_400(engine: OpenAIEngine, parts: list[object]) -> None:
+    """A text part whose text is not a string, or a part that is no object: the fake rendered them as text."""
+    reply = httpx.post(f"{engine.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": parts}]})
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == 400
+    image = {"type": "image_url", "image_url": {"url": "x"}}  # not text: no tokens, as a text-only template reads it
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]
+    assert render_chat(messages) == render_chat([{"role": "user", "content": "hi"}])
+
+
 @pytest.mark.parametrize(
     "raw",
     ["Infinity", "NaN", "1e300", "1048576", "true", "1.5", "0", "-3", '"many"', "[2]", "{}"],
