@@ -340,7 +340,7 @@ class Router:
 
         Raises:
             NoBackendError: ``backends`` is empty.
-            ConfigurationError: ``backends`` names a backend twice.
+            ConfigurationError: ``backends`` names a backend twice, or one that is an empty str.
             TypeError: a backend id is not a str, or the prompt is not a token sequence.
             InvalidPromptError: a token id is not an int in [0, 2**32) (the message names its position).
             PolicyError: the policy returned something that is not one of its candidates, or raised an exception
@@ -954,6 +954,11 @@ def _check_lease(lease: object) -> float | None:
 def _check_backend_id(backend: object) -> None:
     if not isinstance(backend, str):
         raise TypeError(f"backend ids must be str, not {type(backend).__name__} ({shown(backend)})")
+    if not backend:
+        raise ConfigurationError(_EMPTY_ID)
+
+
+_EMPTY_ID = "a backend id is an empty str: give each backend a non-empty id, such as its URL"
 
 
 def _check_backends(backends: Sequence[str]) -> Sequence[str]:
@@ -969,7 +974,10 @@ def _check_backends(backends: Sequence[str]) -> Sequence[str]:
     if not set(map(type, backends)) <= {str}:  # C-level; before the duplicate check, which needs hashable ids
         for backend in backends:
             _check_backend_id(backend)
-    if len(set(backends)) != len(backends):
+    ids = set(backends)
+    if "" in ids:
+        raise ConfigurationError(_EMPTY_ID)
+    if len(ids) != len(backends):
         seen: set[str] = set()
         duplicate = next(b for b in backends if b in seen or seen.add(b))  # type: ignore[func-returns-value]
         raise ConfigurationError(

@@ -100,6 +100,7 @@ BAD_BODIES: list[tuple[bytes, str]] = [
     (b'{"prompt_token_ids": [1], "lease": "long"}', "$.lease"),
     (b'{"prompt_token_ids": [1], "backends": []}', "'backends' is empty"),
     (b'{"prompt_token_ids": [1], "backends": ["a", "a"]}', "more than once"),
+    (b'{"prompt_token_ids": [1], "backends": ["a", ""]}', "a backend id is an empty str"),
     (b'{"prompt_token_ids": [1], "backends": "a"}', "$.backends"),
     (b'{"prompt_token_ids": [1], "model": 3}', "$.model"),
     (b'{"prompt": "hello"}', "--tokenizer"),

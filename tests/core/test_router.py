@@ -10,6 +10,7 @@ import pytest
 from prefixroute import (
     BoundedLoad,
     Candidate,
+    ConfigurationError,
     InvalidPromptError,
     LoadPolicy,
     NoBackendError,
@@ -232,3 +233,18 @@ def test_the_write_path_names_what_is_not_iterable() -> None:
     router.store("a", [1, 2])
     router.evict("a", iter([2]))  # any iterable of hashes will do
     assert router.index.match([1, 2], ["a"])["a"] == 1
+
+
+def test_an_empty_backend_id_is_refused_where_it_is_given() -> None:
+    """'' is no backend a caller means (an unset variable, a split that left an empty field); it was routed to."""
+    router = Router()
+    for call in (
+        lambda: router.route([1] * 40, ["a", ""]),
+        lambda: router.decide([1] * 40, [""]),
+        lambda: router.store("", [1] * 16),
+        lambda: router.set_capacity("", 10),
+        lambda: router.in_flight(""),
+    ):
+        with pytest.raises(ConfigurationError, match="a backend id is an empty str"):
+            call()
+    assert router.stats().decisions == 0 and len(router.index) == 0
