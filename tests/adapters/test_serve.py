@@ -332,7 +332,7 @@ def test_expired_leases_stop_counting_in_metrics_and_stats_without_new_requests(
     assert set(stats["in_flight"].values()) == {0}
 
 
-def test_metrics_list_per_request_backends_only_once_routed_and_at_most_4096() -> None:
+def test_metrics_list_per_request_backends_only_once_routed_and_the_4096_latest() -> None:
     sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
     for body in ({"prompt_token_ids": [1], "backends": ["http://dup:1", "http://dup:1"]},
                  {"prompt_token_ids": [1, -5], "backends": ["http://bad-tokens:1"]},
@@ -342,12 +342,13 @@ def test_metrics_list_per_request_backends_only_once_routed_and_at_most_4096() -
     assert "dup" not in text and "bad-tokens" not in text and "not-routed" not in text
     assert set(call(sidecar, "GET", "/stats").json()["in_flight"]) == set(BACKENDS)
     many = [f"http://junk-{i}:1" for i in range(5000)]
-    assert call(sidecar, "POST", "/route", {"prompt_token_ids": [1], "backends": many}).status_code == 200
+    chosen = call(sidecar, "POST", "/route", {"prompt_token_ids": [1], "backends": many}).json()["backend"]
     assert call(sidecar, "POST", "/route", {"prompt_token_ids": [2], "backends": ["http://late:1"]}).status_code == 200
     text = call(sidecar, "GET", "/metrics").text
-    assert text.count("prefixroute_in_flight{") == 4096 and "late:1" not in text
-    assert len(call(sidecar, "GET", "/stats").json()["in_flight"]) == 4096
-    assert sidecar.router.stats().in_flight == 2  # past the cap only the listing stops: the counts go on
+    assert text.count("prefixroute_in_flight{") == 3 + 4096 and "late:1" in text and chosen in text
+    listed = call(sidecar, "GET", "/stats").json()["in_flight"]
+    assert len(listed) == 3 + 4096 and listed[chosen] == 1  # the one in flight is kept, idle ones are forgotten
+    assert sidecar.router.stats().in_flight == 2
 
 
 def test_only_a_long_text_prompt_is_tokenized_on_a_worker_thread(
@@ -668,3 +669,25 @@ def test_the_sidecar_quickstart_routes_shared_prefixes_to_one_engine_and_release
     assert len(lines) == 10 and all(len(engines) == 1 for engines in engine_of.values())
     assert sum("engine cached 400" in line for line in lines) == 6  # every later turn hit the engine's cache
     assert lines[-1] == "decisions by reason {'miss': 3, 'prefix': 6}, in flight now 0"
+
+
+def test_per_request_backends_past_the_cap_are_forgotten_when_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Clients that name ever new backends grew the router's per-backend state (blocks, figures) without end."""
+    from prefixroute.adapters.serve import app
+
+    monkeypatch.setattr(app, "_MAX_SEEN_BACKENDS", 4)
+    sidecar = Sidecar(Router(), backends=BACKENDS)
+    router = sidecar.router
+    kept = call(sidecar, "POST", "/route", {"prompt_token_ids": ids(32), "backends": ["busy"]}).json()["id"]
+    for i in range(10):
+        answer = call(sidecar, "POST", "/route", {"prompt_token_ids": ids(32, 100 * i), "backends": [f"b{i}"]})
+        call(sidecar, "POST", "/finish", {"id": answer.json()["id"]})
+        call(sidecar, "POST", "/route", {"prompt_token_ids": ids(32, 5000), "backends": [BACKENDS[0]]})  # fixed
+    held = {b for b in ["busy", *(f"b{i}" for i in range(10))] if router.index.hashes(b)}
+    assert held == {"busy", "b7", "b8", "b9"}  # the one in flight, and the three most recently routed idle ones
+    assert router.in_flight("busy") == 1 and router.index.hashes(BACKENDS[0])
+    assert list(call(sidecar, "GET", "/stats").json()["in_flight"]) == [*BACKENDS, "busy", "b7", "b8", "b9"]
+    again = call(sidecar, "POST", "/route", {"prompt_token_ids": ids(32, 900), "backends": ["b9", "b1"]}).json()
+    assert again["backend"] == "b9" and again["reason"] == "prefix"  # kept: still cached
+    call(sidecar, "POST", "/finish", {"id": kept})
+    router.index._check()

@@ -21,8 +21,11 @@ logic: it decodes, calls the router, and encodes.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, MutableMapping, Sequence
 from typing import Any, TypeGuard
 from urllib.parse import urlsplit
@@ -59,7 +62,7 @@ PICK_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 _POST_PATHS = frozenset({"/route", "/first_token", "/finish", *PICK_PATHS})
 _GET_PATHS = frozenset({"/metrics", "/healthz", "/stats"})
 _JSON = (b"content-type", b"application/json")
-_MAX_SEEN_BACKENDS = 4096  # per-request backend ids listed in /metrics; past this only the counts go on
+_MAX_SEEN_BACKENDS = 4096  # per-request backend ids kept (in /metrics too); past this the router forgets idle ones
 _INLINE_TEXT_BYTES = 64 * 2**10  # a text or chat body over this is tokenized on a worker thread, off the event loop
 
 
@@ -125,6 +128,7 @@ class Sidecar:
                                      f"ASCII, it is sent as a header value), not {accel_redirect!r}")  # fmt: skip
         self.router = router
         self.backends = tuple(backends)
+        self._fixed = frozenset(self.backends)
         self.metrics = SidecarMetrics()
         self._encoder = encoder
         self._models = tuple(models) if models is not None else None
@@ -137,7 +141,8 @@ class Sidecar:
         self._accel_redirect = accel_redirect.encode("latin-1")
         self._max_body = max_body_bytes
         self._clock = clock
-        self._seen: dict[str, None] = dict.fromkeys(self.backends)
+        self._given: OrderedDict[str, None] = OrderedDict()  # per-request backends, least recently routed first
+        self._given_lock = threading.Lock()
         self._upstreams: dict[str, bytes] = {}
 
     # -- the operations (also used by the ext_proc server and the UDP release listener) -------------------------------
@@ -240,7 +245,7 @@ class Sidecar:
         except (PrefixRouteError, ValueError, TypeError) as exc:
             raise BadRequest(400, str(exc)) from None
         self.router.start(decision, lease=self._lease if lease is None else lease)
-        if given:  # the router accepted the list: its backends are listed in /metrics from now on (up to the cap)
+        if given:  # the router accepted the list: its backends are listed in /metrics from now on
             self._see(backends)
         return decision
 
@@ -316,13 +321,31 @@ class Sidecar:
         except (ValueError, TypeError) as exc:
             raise BadRequest(400, str(exc)) from None
 
+    @property
+    def _seen(self) -> list[str]:
+        """The backends listed in ``/metrics`` and ``/stats``: the fixed ones, then the per-request ones kept."""
+        with self._given_lock:
+            return [*self.backends, *self._given]
+
     def _see(self, backends: Sequence[str]) -> None:
-        seen = self._seen
-        for backend in backends:
-            if len(seen) >= _MAX_SEEN_BACKENDS:
-                break
-            if isinstance(backend, str):
-                seen.setdefault(backend, None)
+        """Note a request's own ``backends`` as routed now. Past ``_MAX_SEEN_BACKENDS`` of them, the router forgets
+        the least recently routed that have no request in flight (their blocks and figures), so clients that name
+        ever new backends do not grow the sidecar without end. O(len(backends)), amortised."""
+        with self._given_lock:
+            given = self._given
+            for backend in backends:
+                if backend in given:
+                    given.move_to_end(backend)
+                elif backend not in self._fixed:
+                    given[backend] = None
+            excess = len(given) - _MAX_SEEN_BACKENDS
+            if excess <= 0:
+                return
+            idle = [b for b in itertools.islice(given, 2 * excess + 64) if not self.router.in_flight(b)][:excess]
+            for backend in idle:
+                del given[backend]
+        for backend in idle:
+            self.router.remove_backend(backend)
 
     # -- ASGI ----------------------------------------------------------------------------------------------------------
 
