@@ -84,18 +84,18 @@ class SGLangCacheAware(LoadPolicy):
     Source: ``sgl-project/sglang``, ``sgl-model-gateway/src/policies/cache_aware.rs``
     (``CacheAwarePolicy.select_worker``, ``select_worker_min_load``); defaults from the launcher's
     ``sgl-model-gateway/bindings/python/src/sglang_router/router_args.py`` and ``sgl-model-gateway/src/main.rs``
-    (formerly ``sgl-router/py_src/sglang_router/router_args.py``): ``cache_threshold = 0.3``,
-    ``balance_abs_threshold = 64``, ``balance_rel_threshold = 1.5`` (the Rust ``CacheAwareConfig::default()``,
-    0.5 / 32 / 1.1, applies only when the policy is built in code). Loads are the router's in-flight requests per
-    worker (``in_flight``). The system is imbalanced when ``max - min > balance_abs_threshold`` **and**
-    ``max > min × balance_rel_threshold``: then the least loaded worker, the first of equals in placement order (as
-    Rust's ``min_by_key``). Otherwise the worker with the longest match (the first of equals, as SGLang's tree takes
-    the first tenant it stores) if its match rate (matched / prompt) is above ``cache_threshold``, else a worker
-    drawn from ``rng`` among the least loaded: sglang PR #14650 made it the least loaded rather than the smallest
-    tree of the older ``sgl-router/src/policies/cache_aware.rs``, and PR #33138 draws among equals at random, so
-    idle workers share the misses. SGLang matches characters of the request text; this matches the router's whole
-    blocks, so a match ending within a block counts only its whole blocks (which matters near the threshold on short
-    prompts). O(len(candidates)).
+    (formerly ``sgl-router/py_src/sglang_router/router_args.py``): ``cache_threshold = 0.3``, ``balance_abs_threshold =
+    64``, ``balance_rel_threshold = 1.5`` (the Rust ``CacheAwareConfig::default()``, 0.5 / 32 / 1.1, applies only when
+    the policy is built in code). Loads are the router's in-flight requests per worker (``in_flight``). The system is
+    imbalanced when ``max - min > balance_abs_threshold`` **and** ``max > min × balance_rel_threshold``: then the least
+    loaded worker, the first of equals in placement order (as Rust's ``min_by_key``). Otherwise the worker with the
+    longest match (the first of equals in placement order, where SGLang's ``tree.rs`` ``prefix_match`` takes the first
+    key of the matched node's tenant map, ``tenant_last_access_time.iter().next()``: hash-map order, fixed but
+    arbitrary) if its match rate (matched / prompt) is above ``cache_threshold``, else a worker drawn from ``rng`` among
+    the least loaded: sglang PR #14650 made it the least loaded rather than the smallest tree of the older
+    ``sgl-router/src/policies/cache_aware.rs``, and PR #33138 draws among equals at random, so idle workers share the
+    misses. SGLang matches characters of the request text; this matches the router's whole blocks, so a match ending
+    within a block counts only its whole blocks (which matters near the threshold on short prompts). O(len(candidates)).
     """
 
     name = "sglang"
