@@ -389,6 +389,8 @@ class OpenAIEngine:
             body = json.loads(await request.read())  # bytes, as vLLM's server reads them: a UTF-8 BOM is allowed
             if not isinstance(body, dict):
                 raise ValueError("the request body must be a JSON object")
+            if body.get("model") is not None and not isinstance(body["model"], str):  # vLLM's model: str | None
+                raise ValueError(f"'model' must be a string, not {type(body['model']).__name__}")
             prompt = self._prompt(body, chat=chat)
             _stream_flag(body.get("stream"))
             max_tokens = _max_tokens(body, self.max_tokens, len(prompt))

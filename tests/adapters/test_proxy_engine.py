@@ -103,6 +103,20 @@ def test_bad_requests_get_openai_errors(engine: OpenAIEngine) -> None:
     assert httpx.post(f"{engine.url}/v1/chat/completions", json={"messages": "hi"}).status_code == 400
 
 
+@pytest.mark.parametrize("model", [5, 1.5, True, ["fake-model"], {"id": "fake-model"}])
+def test_a_model_that_is_not_a_string_is_a_400_as_vllm_answers_it(engine: OpenAIEngine, model: object) -> None:
+    """vLLM's request model types ``model`` as an optional str (pydantic does not take a number for a str): 400, not
+    the 404 of a model it lacks."""
+    bodies: list[tuple[str, dict[str, Any]]] = [
+        ("/v1/completions", {"prompt": "a"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]}),
+    ]
+    for path, body in bodies:
+        reply = httpx.post(f"{engine.url}{path}", json={"model": model, **body})
+        assert reply.status_code == 400 and reply.json()["error"]["type"] == "BadRequestError", reply.text
+        assert "'model'" in reply.json()["error"]["message"]
+
+
 def test_a_tool_call_conversation_is_served_as_vllm_serves_it(engine: OpenAIEngine) -> None:
     """An assistant turn that only calls a tool has a null (or no) content, which vLLM reads as empty: the fake
     answered 400, so a tool-using client failed through the proxy against the fake engines only."""

@@ -15,6 +15,7 @@ import threading
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -268,6 +269,25 @@ def test_a_body_over_the_limit_is_a_counted_bad_request() -> None:
         reply = httpx.post(proxy.url + "/v1/completions", content=b" " * ((64 << 20) + 1))
         assert reply.status_code == 413 and reply.json()["error"]["code"] == 413
         assert proxy.stats().bad_request == 1
+
+
+@pytest.mark.parametrize("model", [5, 1.5, True, ["m"], {"id": "m"}])
+def test_a_model_that_is_not_a_string_is_a_bad_request_routed_nowhere(model: object) -> None:
+    """An OpenAI ``model`` is a string (the sidecar's pick mode refused others already): a number or a list is the
+    client's to fix, a 400 before routing, not whatever a backend makes of it (the fake engines answered 404)."""
+    with Proxy(Router(), [f"http://127.0.0.1:{free_port()}"], base_models=[]) as proxy:
+        bodies: list[tuple[str, dict[str, Any]]] = [
+            ("/v1/completions", {"prompt": "a"}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]}),
+        ]
+        for path, body in bodies:
+            reply = httpx.post(proxy.url + path, json={"model": model, **body})
+            assert reply.status_code == 400, reply.text
+            error = reply.json()["error"]
+            assert (error["type"], error["code"], error["param"]) == ("BadRequestError", 400, None)
+            assert "'model' must be a string" in error["message"]
+        assert proxy.stats().bad_request == 2 and proxy.router.stats().decisions == 0
+        assert httpx.post(proxy.url + "/v1/completions", json={"model": None, "prompt": "a"}).status_code == 502
 
 
 def test_json_booleans_are_not_token_ids() -> None:

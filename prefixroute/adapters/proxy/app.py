@@ -281,8 +281,10 @@ class Proxy:
             raw = await request.read()
             body = _decode(raw)
             tokens = request_tokens(body, chat=chat, encoder=self._encoder)
-            namespace = self.namespace(body)
             model = body.get("model")
+            if model is not None and not isinstance(model, str):  # as vLLM's request model and the sidecar refuse it
+                raise BadRequest(f"'model' must be a string, the model's name, not {type(model).__name__}")
+            namespace = self.namespace(body)
             if isinstance(model, str) and self._unlearned(namespace):
                 self._learn_later(_auth(request))
             backends = self._backends_for(model)
