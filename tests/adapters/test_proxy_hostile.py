@@ -9,8 +9,11 @@ import argparse
 import gzip
 import json
 import logging
+import signal
 import socket
 import socketserver
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -360,3 +363,20 @@ def test_a_malformed_request_is_a_warning_line_not_a_traceback(
     server = [r for r in caplog.records if r.name == "aiohttp.server" and r.levelno >= logging.WARNING]
     assert server and all(r.levelno == logging.WARNING and r.exc_info is None for r in server), server
     assert all("\n" not in r.getMessage() for r in server)
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_the_command_stops_gracefully_on_sigterm_as_on_ctrl_c(stop: signal.Signals) -> None:
+    # Was: SIGTERM (what systemd, Docker and Kubernetes send) killed the proxy, status -15, nothing closed.
+    port = free_port()
+    command = [sys.executable, "-m", "prefixroute", "proxy", "--backends", "http://127.0.0.1:9", "--port", str(port)]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+        try:
+            assert process.stdout is not None
+            assert process.stdout.readline().startswith("prefixroute proxy at ")
+            assert httpx.get(f"http://127.0.0.1:{port}/metrics").status_code == 200
+            process.send_signal(stop)
+            _, err = process.communicate(timeout=20)
+            assert (process.returncode, err) == (0, "")
+        finally:
+            process.kill()

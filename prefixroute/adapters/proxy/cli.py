@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 from typing import Any
 
 from prefixroute.adapters.proxy.app import Proxy
@@ -105,17 +106,29 @@ def build(args: argparse.Namespace) -> tuple[Proxy, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve until interrupted; return the exit status."""
+    """Serve until SIGINT or SIGTERM; return the exit status (0 once stopped)."""
     if not 0 <= args.port < 65536:
         raise ConfigurationError(f"--port must be a port number, not {args.port}")
     proxy, fleet = build(args)
 
     async def serve() -> None:
         url = await proxy.serve(host=args.host, port=args.port)
+        # SIGTERM (systemd, Docker, Kubernetes) stops it as Ctrl-C does: connections and the fleet closed, status 0.
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        handled = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (ValueError, RuntimeError):  # not the main thread: left to the caller
+                continue
+            handled.append(sig)
         print(f"prefixroute proxy at {url}, routing to {len(proxy.backends)} backends", flush=True)
         try:
-            await asyncio.Event().wait()
+            await stop.wait()
         finally:
+            for sig in handled:
+                loop.remove_signal_handler(sig)
             await proxy.aclose()
 
     try:
