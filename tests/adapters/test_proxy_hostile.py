@@ -380,3 +380,43 @@ def test_the_command_stops_gracefully_on_sigterm_as_on_ctrl_c(stop: signal.Signa
             assert (process.returncode, err) == (0, "")
         finally:
             process.kill()
+
+
+class _HeldEncoder:
+    """Encodes text as bytes, but holds a long prompt until released: a tokenizer busy with a huge prompt."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.holding = threading.Event()
+
+    def encode(self, text: str) -> list[int]:
+        if len(text) > 2**16:
+            self.holding.set()
+            assert self.release.wait(30)
+        return list(text.encode())
+
+    def encode_chat(self, messages: Any) -> list[int]:
+        return self.encode(json.dumps(messages))
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(good: OpenAIEngine) -> None:
+    """An audit found /healthz answering after 1.2 s while a 10 MB text was tokenized: every stream stalled."""
+    encoder = _HeldEncoder()
+    with Proxy(Router(), [good.url], encoder=encoder, base_models=[]) as proxy:
+        long_one: list[httpx.Response] = []
+        sender = threading.Thread(
+            target=lambda: long_one.append(
+                httpx.post(proxy.url + "/v1/completions", json={"prompt": "w " * 2**16, "max_tokens": 2}, timeout=60)
+            )
+        )
+        sender.start()
+        assert encoder.holding.wait(30)
+        try:  # the loop is free while the long prompt is tokenized: a health check and a short request go through
+            assert httpx.get(proxy.url + "/healthz", timeout=10).status_code == 200
+            short = httpx.post(proxy.url + "/v1/completions", json={"prompt": "w w", "max_tokens": 2}, timeout=10)
+            assert short.status_code == 200
+        finally:
+            encoder.release.set()
+            sender.join(60)
+        assert long_one[0].status_code == 200
+        assert proxy.router.stats().in_flight == 0

@@ -52,6 +52,7 @@ _HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "prox
 # The client's headers not forwarded with its body: aiohttp has already decoded a compressed body (gzip, deflate),
 # so the body goes on plain, and the engine must not decode it again.
 _NOT_FORWARDED = _HOP_BY_HOP | {"content-encoding"}
+_INLINE_BYTES = 64 * 2**10  # a body over this is decoded and tokenized on a worker thread, off the event loop
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,8 @@ class Proxy:
         router: decides; the proxy holds no routing logic. Its backend ids are the backends' base URLs.
         backends: base URLs of the vLLM OpenAI servers (``http://gpu0:8000``).
         encoder: text and chat messages to token ids for requests that send text (default: UTF-8 bytes,
-            :class:`~prefixroute.adapters.proxy.prompts.ByteEncoder`; pass the model's tokenizer).
+            :class:`~prefixroute.adapters.proxy.prompts.ByteEncoder`; pass the model's tokenizer). It is called on
+            a worker thread for a body over 64 KiB, so it must be thread-safe, as the library's encoders are.
         fleet: a :class:`~prefixroute.vllm.Fleet` whose health (``/metrics`` scrapes) also filters the backends;
             its owner starts and closes it.
         retries: how many times a request whose connection failed goes to another backend.
@@ -270,6 +272,10 @@ class Proxy:
 
     # -- completions -----------------------------------------------------------------------------------------------
 
+    def _tokens(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], list[int]]:
+        body = _decode(raw)
+        return body, request_tokens(body, chat=chat, encoder=self._encoder)
+
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._proxy(request, chat=False)
 
@@ -279,8 +285,10 @@ class Proxy:
     async def _proxy(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
             raw = await request.read()
-            body = _decode(raw)
-            tokens = request_tokens(body, chat=chat, encoder=self._encoder)
+            if len(raw) > _INLINE_BYTES:  # decoding and tokenizing a long prompt would hold every stream up
+                body, tokens = await asyncio.to_thread(self._tokens, raw, chat)
+            else:
+                body, tokens = self._tokens(raw, chat)
             model = body.get("model")
             if model is not None and not isinstance(model, str):  # as vLLM's request model and the sidecar refuse it
                 raise BadRequest(f"'model' must be a string, the model's name, not {type(model).__name__}")
