@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
 from prefixroute.errors import ConfigurationError, PrefixRouteError
 from prefixroute.sim.calibration import Measurement
@@ -266,7 +267,7 @@ def streaming_bandwidth(model: ModelSpec, tp: int, floor_s: float) -> float:
     return model.linear_params_per_layer * model.dtype_bytes / tp / floor_s
 
 
-def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def _nonnegative_lstsq(a: npt.NDArray[np.float64], b: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
     """Least squares with every coefficient >= 0: clamp the most negative one to 0 and refit."""
     free = list(range(a.shape[1]))
     while True:
