@@ -157,7 +157,9 @@ def percentile(values: Sequence[float], fraction: float) -> float:
 
 async def latency_run(ports: dict[str, list[int]], requests: list[bytes]) -> dict[str, tuple[list[float], list[float]]]:
     """Each request to every way in turn (``ports[way]``: round robin over them); the (TTFT, total) s of each."""
-    connections = {way: [await Connection.open(port) for port in each] for way, each in ports.items()}
+    connections: dict[str, list[Connection]] = {}
+    for way, each in ports.items():  # a loop: Python 3.10 refuses an await in a comprehension nested in another
+        connections[way] = [await Connection.open(port) for port in each]
     times: dict[str, tuple[list[float], list[float]]] = {way: ([], []) for way in ports}
     try:
         for i, request in enumerate(requests):
