@@ -530,21 +530,31 @@ def _open(path: str | Path) -> TextIO:
     except InvalidTraceError:
         raw.close()
         raise
-    return io.TextIOWrapper(raw, encoding="utf-8-sig", newline="")
+    # A byte that is not UTF-8 is decoded to a lone surrogate, found by _read in its line: the decoder works on
+    # 8 KiB chunks, so its own error would name neither the line nor the byte's place in the file.
+    return io.TextIOWrapper(raw, encoding="utf-8-sig", errors="surrogateescape", newline="")
+
+
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, as errors="surrogateescape" decodes it
 
 
 def _read(lines: TextIO, path: str | Path) -> Iterator[str]:
-    """The file's lines; a file that is not UTF-8 text, fails while read, or has a line too long to be a trace's
-    (a huge file without line ends) is an :class:`InvalidTraceError`. Reads one line at a time."""
+    """The file's lines; a file that is not UTF-8 text (the error names the line and the byte), fails while read,
+    or has a line too long to be a trace's (a huge file without line ends) is an :class:`InvalidTraceError`.
+    Reads one line at a time."""
     try:
         number = 0
         while line := lines.readline(_MAX_LINE_CHARS + 1):
             number += 1
             if len(line) > _MAX_LINE_CHARS:
                 raise InvalidTraceError(f"{path}:{number}: a line over {_MAX_LINE_CHARS:,} characters is no trace's")
+            if not line.isascii() and (bad := _NOT_UTF8.search(line)):  # isascii: the common line, checked fast
+                column = len(line[: bad.start()].encode("utf-8", "surrogateescape")) + 1
+                raise InvalidTraceError(
+                    f"{path}:{number}: not UTF-8 text (byte 0x{ord(bad[0]) - 0xDC00:02x} at byte {column} of the "
+                    "line): save it as UTF-8"
+                )
             yield line
-    except UnicodeDecodeError as exc:
-        raise InvalidTraceError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
     except OSError as exc:
         raise InvalidTraceError(f"cannot read trace {path}: {exc.strerror or exc}") from exc
 
