@@ -176,7 +176,7 @@ def _read_blocks(path: str | Path, form: _BlocksFormat, limit: int | None) -> li
                 other = None if entries.count else _csv_format(line) or _blocks_format(line, form)
                 if other is None:
                     raise
-                raise InvalidTraceError(f"{exc}; it looks like a {other}: trace (--trace {other}:{path})") from exc
+                raise InvalidTraceError(f"{exc}; {_looks_like(other, path)}") from exc
     return _from_earliest(entries.sorted(), path, "timestamp")
 
 
@@ -310,7 +310,7 @@ def _read_lengths(path: str | Path, form: _LengthsFormat, limit: int | None) -> 
         if absent:
             header = ",".join(fieldnames)
             other = _csv_format(header) or (_jsonl_kind(header) if header.startswith("{") else None)
-            hint = f"; it looks like a {other}: trace (--trace {other}:{path})" if other else ""
+            hint = f"; {_looks_like(other, path)}" if other else ""
             raise InvalidTraceError(f"{path}:1: header lacks column(s) {', '.join(absent)}{hint}")
         twice = [c for c in columns if fieldnames.count(c) > 1]
         if twice:  # csv.DictReader would read the last of them and ignore the others
@@ -420,6 +420,12 @@ def check_speedup(workload: TraceWorkload, speedup: float) -> None:
 
 def _arrival(entry: TraceEntry) -> float:
     return entry.arrival
+
+
+def _looks_like(kind: str, path: str | Path) -> str:
+    """The hint that names the format a file of another format looks like."""
+    article = "an" if kind[0] in "aeiou" else "a"
+    return f"it looks like {article} {kind}: trace (--trace {kind}:{path})"
 
 
 def _csv_format(header: str) -> str | None:

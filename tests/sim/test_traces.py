@@ -327,7 +327,8 @@ def test_a_byte_that_is_not_utf8_is_named_by_its_line(tmp_path: Path) -> None:
 def test_a_trace_of_another_format_names_the_format(tmp_path: Path, kind: str, content: str, hint: str) -> None:
     path = tmp_path / "t.txt"
     path.write_text(content)
-    with pytest.raises(InvalidTraceError, match=rf"t\.txt:1: .*looks like a {hint}"):
+    article = "an" if hint == "azure:" else "a"
+    with pytest.raises(InvalidTraceError, match=rf"t\.txt:1: .*looks like {article} {hint}"):
         load_trace(f"{kind}:{path}")
 
 
