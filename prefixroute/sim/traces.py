@@ -569,7 +569,8 @@ def _rows(reader: csv.DictReader[str], path: str | Path) -> Iterator[dict[str, s
     try:
         yield from reader
     except csv.Error as exc:
-        raise InvalidTraceError(f"{path}:{reader.line_num}: not valid CSV ({exc})") from exc
+        # The DictReader's line_num is still the last good row's: the csv reader under it has counted the bad one.
+        raise InvalidTraceError(f"{path}:{reader.reader.line_num}: not valid CSV ({exc})") from exc
 
 
 _COUNT = re.compile(r"\s*([+-]?[0-9]+)(?:\.0*)?\s*")  # 1000, or 1000.0 as a table that held an empty cell writes it

@@ -425,6 +425,13 @@ def test_a_row_with_more_or_fewer_fields_than_the_header_names_its_line(
         reader(path)
 
 
+def test_a_row_the_csv_module_refuses_names_its_own_line(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"  # a field over csv's 131,072-character limit (or a NUL byte, on Python 3.10)
+    path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0.5,1,7\n0.6,1,7\n0.7,2," + "7" * 140_000 + "\n")
+    with pytest.raises(InvalidTraceError, match=r"t\.csv:4: not valid CSV \(field larger than field limit"):
+        read_splitwise(path)  # it named line 3, the last good row's
+
+
 @pytest.mark.parametrize("row", ["0.5,1,7," + "x" * 10**5, "0.5," + "1" * 10**5 + "x,7", "0.5,-1,7" + " " * 10**5])
 def test_a_bad_row_is_shown_short_in_the_error(tmp_path: Path, row: str) -> None:
     path = tmp_path / "t.csv"
