@@ -265,7 +265,8 @@ _LENGTHS_FORMATS: Mapping[str, _LengthsFormat] = MappingProxyType(
         "burstgpt": _LengthsFormat("Timestamp", "Request tokens", "Response tokens", dated=False),
     }
 )
-_DATETIME = re.compile(r"(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:\.(\d+))?(Z|[+-]\d\d:?\d\d)?")
+# An offset's minutes are 00-59 (timezone() would take +05:99 as 6 h 39 min).
+_DATETIME = re.compile(r"(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:\.(\d+))?(Z|[+-]\d\d:?[0-5]\d)?")
 
 
 def read_splitwise(path: str | Path, *, limit: int | None = None) -> list[TraceEntry]:
