@@ -494,6 +494,9 @@ def load_trace(
     }
     if not sep or kind not in readers:
         raise InvalidTraceError(f"--trace must be FORMAT:PATH with FORMAT one of {sorted(readers)}, not {spec!r}")
+    if not path:  # open("") would say "cannot read trace : No such file or directory"
+        example = f"{kind}:trace.{'jsonl' if readers[kind] in (read_mooncake, read_bailian) else 'csv'}"
+        raise InvalidTraceError(f"--trace {spec} names no file: give FORMAT:PATH, such as {example}")
     entries = readers[kind](path, limit=limit)
     return TraceWorkload(entries, kind=kind, seed=seed, output_tokens=output_tokens)
 

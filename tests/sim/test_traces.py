@@ -241,6 +241,8 @@ def test_trace_spec_errors(tmp_path: Path) -> None:
         load_trace("sharegpt:x.csv")
     with pytest.raises(InvalidTraceError, match="cannot read trace"):
         load_trace(f"mooncake:{tmp_path / 'missing.jsonl'}")
+    with pytest.raises(InvalidTraceError, match="--trace azure: names no file: give FORMAT:PATH"):
+        load_trace("azure:")
 
 
 def test_shared_traces_parse(data_dir: Path) -> None:
