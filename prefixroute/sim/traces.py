@@ -301,11 +301,15 @@ def _read_lengths(path: str | Path, form: _LengthsFormat, limit: int | None) -> 
     # conversion was half of an Azure trace's reading time).
     minutes = functools.lru_cache(maxsize=1024)(_minute_seconds)
     with _open(path) as lines:
-        reader = csv.DictReader(_read(lines, path))
+        # A line of spaces is read as the blank line it looks like (csv would make it a row of one field), and
+        # csv.DictReader skips blank lines; each stays a line, so every error names the file's own line number.
+        reader = csv.DictReader("\n" if line.isspace() else line for line in _read(lines, path))
         try:
             fieldnames = [name.strip() for name in reader.fieldnames or []]
         except csv.Error as exc:
             raise InvalidTraceError(f"{path}:1: not a CSV header ({exc})") from exc
+        if reader.reader.line_num == 0:
+            raise InvalidTraceError(f"{path}: no requests in the trace (the file is empty)")
         reader.fieldnames = fieldnames
         absent = [c for c in columns if c not in fieldnames]
         if absent:

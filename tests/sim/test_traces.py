@@ -266,6 +266,22 @@ def test_files_as_published_crlf_bom_and_no_final_newline(tmp_path: Path) -> Non
     assert len(read_mooncake(mooncake)) == 2
 
 
+def test_blank_lines_and_lines_of_spaces_are_skipped_and_an_empty_file_is_named(tmp_path: Path) -> None:
+    azure = tmp_path / "a.csv"  # a line of spaces was a row of one field, refused
+    azure.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\r\n2023-11-16 18:17:03.9799600,4808,10\r\n   \r\n\r\n"
+                     "2023-11-16 18:17:04.9799600,10,1\r\n \t \r\n")  # fmt: skip
+    assert [e.input_length for e in read_azure(azure)] == [4808, 10]
+    azure.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n  \n2023-11-16 18:17:03,x,10\n")
+    with pytest.raises(InvalidTraceError, match=r"a\.csv:3: expected a date and time"):  # the file's line numbers
+        read_azure(azure)
+    azure.write_text("")  # it said "header lacks column(s) TIMESTAMP, ContextTokens, GeneratedTokens"
+    with pytest.raises(InvalidTraceError, match=r"a\.csv: no requests in the trace \(the file is empty\)"):
+        read_azure(azure)
+    mooncake = tmp_path / "m.jsonl"
+    mooncake.write_text(_line() + "\n   \n\t\n" + _line(timestamp=3) + "\n")
+    assert len(read_mooncake(mooncake)) == 2
+
+
 def test_unsorted_rows_are_replayed_in_time_order(tmp_path: Path) -> None:
     path = tmp_path / "s.csv"
     path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n2.0,30,1\n0.0,10,1\n2.0,31,1\n1.0,20,1\n")
