@@ -15,6 +15,7 @@ store is over its capacity (as cachetools' ``Cache`` calls ``popitem``). Interna
 
 from __future__ import annotations
 
+import operator
 import sys
 from array import array
 from collections.abc import Collection, Container, Iterable, Iterator, Mapping, Sequence
@@ -439,7 +440,12 @@ class PrefixIndex:
         return self._bound
 
     def capacity(self, backend: str) -> int | None:
-        """Return ``backend``'s capacity in blocks: its own, else the index's default; None when not known. O(1)."""
+        """Return ``backend``'s capacity in blocks: its own, else the index's default; None when not known. O(1).
+
+        Raises:
+            TypeError: ``backend`` is not a str.
+        """
+        backend = _check_backend(backend)
         return self._capacity.get(backend, self._default_capacity)
 
     def _limit(self, backend: str) -> int | None:
@@ -458,7 +464,7 @@ class PrefixIndex:
             ConfigurationError: ``capacity_blocks`` is not a non-negative int or None.
             TypeError: ``backend`` is not a str.
         """
-        _check_backend(backend)
+        backend = _check_backend(backend)
         self._capacity_changes += 1
         if capacity_blocks is None:
             self._capacity.pop(backend, None)
@@ -492,13 +498,19 @@ class PrefixIndex:
         str) simply matches nothing.
 
         Raises:
-            TypeError: ``backends`` is a single str, or ``hashes`` is None.
+            TypeError: ``backends`` is a single str or not an iterable of backend ids, or ``hashes`` is not a
+                sequence.
         """
         if isinstance(backends, str):
             raise TypeError("backends must be an iterable of backend ids, not a single str: wrap it in a list")
-        if hashes is None:
-            raise TypeError("hashes must be a sequence of block hashes (a prompt's, from block 0), not None")
-        result = dict.fromkeys(backends, 0)
+        if type(hashes) is not list and (isinstance(hashes, (str, bytes)) or not isinstance(hashes, Sequence)):
+            raise TypeError(
+                f"hashes must be a sequence of block hashes (a prompt's, from block 0), not {type(hashes).__name__}"
+            )
+        try:
+            result = dict.fromkeys(backends, 0)
+        except TypeError:  # not iterable, or an unhashable id
+            raise TypeError(f"backends must be an iterable of backend ids (str), not {shown(backends)}") from None
         if not hashes:
             return result
         first = hashes[0]
@@ -518,9 +530,18 @@ class PrefixIndex:
         them most recent, unless the prompt has more blocks than the backend keeps (its capacity, else the bound): an
         engine whose KV cache holds that many refuses it, and recording it would evict every block the backend holds,
         its own included.
-        ``held`` (from :meth:`match`) saves a search; a stale value costs one. O(len(hashes)). ``hashes`` are not
-        validated (the router's hot path passes its hasher's): use :meth:`insert` for others.
+        ``held`` (from :meth:`match`) saves a search; a stale value costs one. O(len(hashes)). The hashes themselves
+        are not validated (the router's hot path passes its hasher's): use :meth:`insert` for others.
+
+        Raises:
+            TypeError: ``hashes`` is not a sequence, ``backend`` not a str or ``held`` not an int (nothing is
+                recorded).
         """
+        if isinstance(hashes, (str, bytes)) or not isinstance(hashes, Sequence):
+            raise TypeError(f"hashes must be a sequence of block hashes, not {type(hashes).__name__}")
+        backend = _check_backend(backend)
+        if isinstance(held, bool) or not isinstance(held, int):
+            raise TypeError(f"held must be a count of blocks (an int), not {type(held).__name__}")
         if hashes:
             capacity = self._limit(backend)
             if capacity is None or len(hashes) <= capacity:
@@ -541,7 +562,7 @@ class PrefixIndex:
             ConfigurationError: ``start`` is negative (nothing is removed).
         """
         hashes = _check_hashes(hashes)
-        _check_backend(backend)
+        backend = _check_backend(backend)
         if isinstance(start, bool) or not isinstance(start, int):
             raise TypeError(f"start must be a block position (an int), not {type(start).__name__}")
         if start < 0:
@@ -572,7 +593,7 @@ class PrefixIndex:
             InvalidEventError: a hash or ``parent`` is outside [0, 2**64) (nothing is stored).
         """
         hashes = _check_hashes(hashes)
-        _check_backend(backend)
+        backend = _check_backend(backend)
         if parent is not None and (isinstance(parent, bool) or not isinstance(parent, int)):
             raise TypeError(f"parent must be a block hash, an int in [0, 2**64), or None, not {shown(parent)}")
         if parent is not None and not 0 <= parent < 2**64:
@@ -584,23 +605,25 @@ class PrefixIndex:
         self, hashes: Sequence[int], backend: str, parent: int | None, held: int, *, checked: bool = False
     ) -> None:
         store = self._stores.get(backend)
+        fresh = store is None
         if store is None:
             if parent is not None:
                 self._orphans += 1
                 return
             capacity = self._limit(backend)
             store = UnboundedStore() if capacity is None else LRUStore(capacity, generations=self.generations)
+        if isinstance(store, UnboundedStore):
+            stored = store.put(hashes, parent, held, checked=checked)
+        else:
+            stored = store.put(hashes, parent, checked=checked)
+        if fresh:  # kept once the chain is in: hashes that cannot be stored (unhashable) leave no empty store
             self._stores[backend] = store
             self._roots[backend] = store.roots
-        if isinstance(store, UnboundedStore):
-            if not store.put(hashes, parent, held, checked=checked):
-                self._orphans += 1
-            return
-        if not store.put(hashes, parent, checked=checked):
+        if not stored:
             self._orphans += 1
             return
         capacity = self._limit(backend)
-        if capacity is not None and store.size > capacity:
+        if isinstance(store, LRUStore) and capacity is not None and store.size > capacity:
             self._fit(backend, store, capacity)
 
     def evict(self, backend: str, store: LRUStore, excess: int) -> int:
@@ -637,7 +660,7 @@ class PrefixIndex:
             InvalidEventError: a hash is outside [0, 2**64) (nothing is removed).
         """
         hashes = _check_hashes(hashes)
-        _check_backend(backend)
+        backend = _check_backend(backend)
         store = self._stores.get(backend)
         if store is None:
             return
@@ -649,29 +672,56 @@ class PrefixIndex:
         """Forget every block of ``backend`` (its capacity, a setting, stays); return its detached store. O(1).
 
         Freeing a million blocks takes ~40 ms: a caller holding a lock drops the returned store after releasing it.
+
+        Raises:
+            TypeError: ``backend`` is not a str.
         """
-        return self._detach(backend)
+        return self._detach(_check_backend(backend))
 
     def _detach(self, backend: str) -> Collection[int]:
         self._roots.pop(backend, None)
         return self._stores.pop(backend, ())
 
     def holds(self, block_hash: int, backend: str) -> bool:
-        """Return whether ``backend`` holds the block ``block_hash``. O(G)."""
+        """Return whether ``backend`` holds the block ``block_hash``. O(G).
+
+        Raises:
+            TypeError: ``block_hash`` is not an int, or ``backend`` is not a str.
+        """
+        try:
+            block_hash = operator.index(block_hash)  # numpy's ints too
+        except TypeError:
+            raise TypeError(f"block_hash must be an int, not {type(block_hash).__name__}") from None
+        backend = _check_backend(backend)
         store = self._stores.get(backend)
         return store is not None and block_hash in store
 
     def hashes(self, backend: str) -> set[int]:
-        """Return every block hash ``backend`` holds. O(blocks of backend)."""
+        """Return every block hash ``backend`` holds. O(blocks of backend).
+
+        Raises:
+            TypeError: ``backend`` is not a str.
+        """
+        backend = _check_backend(backend)
         return set(self._stores.get(backend, ()))
 
     def blocks(self, backend: str) -> int:
-        """Return how many blocks ``backend`` holds. O(1)."""
+        """Return how many blocks ``backend`` holds. O(1).
+
+        Raises:
+            TypeError: ``backend`` is not a str.
+        """
+        backend = _check_backend(backend)
         store = self._stores.get(backend)
         return 0 if store is None else store.size
 
     def store(self, backend: str) -> UnboundedStore | LRUStore | None:
-        """Return ``backend``'s store (for inspection: write through the index), None if it holds nothing. O(1)."""
+        """Return ``backend``'s store (for inspection: write through the index), None if it holds nothing. O(1).
+
+        Raises:
+            TypeError: ``backend`` is not a str.
+        """
+        backend = _check_backend(backend)
         return self._stores.get(backend)
 
     def backends(self) -> list[str]:
@@ -839,9 +889,13 @@ def _python_ints(hashes: object, packed: array[int]) -> list[int] | Sequence[int
     return packed.tolist()
 
 
-def _check_backend(backend: object) -> None:
+def _check_backend(backend: object) -> str:
+    """``backend`` as a plain str: a str subclass's own ``__hash__`` or ``__eq__`` must not reach the index's maps."""
+    if type(backend) is str:
+        return backend
     if not isinstance(backend, str):
         raise TypeError(f"a backend id is a str, not {type(backend).__name__}")
+    return str.__str__(backend)
 
 
 def _check_capacity(value: object, name: str) -> int:

@@ -501,6 +501,8 @@ def _rng(seed: object, rng: object, policy: str) -> random.Random:
         return rng
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, str, bytes))):
         raise TypeError(f"{policy} seed must be an int, str, bytes or None, not {type(seed).__name__}")
+    if isinstance(seed, str):  # random seeds a str from its UTF-8 bytes, which a lone surrogate has none of
+        seed = seed.encode("utf-8", "surrogatepass")
     return random.Random(seed)
 
 

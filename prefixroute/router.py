@@ -370,7 +370,12 @@ class Router:
                 with ``dataclasses.replace``), or ``backend`` is not one of its candidates.
         """
         self._check_own(decision)
-        target = decision.backend if backend is None else backend
+        if backend is None:
+            target = decision.backend
+        elif type(backend) is not str and isinstance(backend, str):  # a subclass's own __eq__ stays out of the maps
+            target = str.__str__(backend)
+        else:
+            target = backend
         chosen = next((c for c in decision.candidates if c.backend == target), None)
         if chosen is None:
             raise DecisionError(
@@ -405,8 +410,10 @@ class Router:
         data = encode_tokens(prompt_tokens)
         if namespace is None:
             seed = self._hasher.seed
-        elif isinstance(namespace, (str, bytes)):
+        elif type(namespace) is str or type(namespace) is bytes:
             seed = self._seed(namespace)
+        elif isinstance(namespace, (str, bytes)):  # a subclass's own __hash__/__eq__ must not reach the seed cache
+            seed = self._seed(str.__str__(namespace) if isinstance(namespace, str) else bytes(memoryview(namespace)))
         else:
             raise TypeError(f"namespace must be a str, bytes or None, not {type(namespace).__name__}")
         hashes = self._hasher.hash_encoded(data, seed)
@@ -649,7 +656,7 @@ class Router:
         Raises:
             TypeError: ``backend`` is not a str.
         """
-        _check_backend_id(backend)
+        backend = _check_backend_id(backend)
         with self._lock:
             self._expire_due()
             return self._in_flight.get(backend, 0)
@@ -729,7 +736,7 @@ class Router:
             ConfigurationError: ``queue_len`` is not an int in [0, 2**63) (policies do float arithmetic on loads) or
                 ``kv_usage`` is not a number in [0, 1].
         """
-        _check_backend_id(backend)
+        backend = _check_backend_id(backend)
         if queue_len is not None and (
             isinstance(queue_len, bool) or not isinstance(queue_len, int) or not 0 <= queue_len < _QUEUE_LIMIT
         ):
@@ -752,7 +759,7 @@ class Router:
 
         See :meth:`PrefixIndex.set_capacity`. O(evicted).
         """
-        _check_backend_id(backend)
+        backend = _check_backend_id(backend)
         with self._lock:
             self._index.set_capacity(backend, capacity_blocks)
 
@@ -762,7 +769,7 @@ class Router:
         A later :meth:`finish` of one of its requests is ignored. O(requests in flight) under the lock; the blocks
         are freed after it is released (a million take ~40 ms).
         """
-        _check_backend_id(backend)
+        backend = _check_backend_id(backend)
         with self._lock:
             blocks = self._index.remove_backend(backend)
             for decision_id in [i for i, r in self._live.items() if r.backend == backend]:
@@ -812,14 +819,14 @@ class Router:
             TypeError: ``updates`` is not iterable, or an update is not such a tuple.
             InvalidEventError: a hash or parent is not an int in [0, 2**64).
         """
-        _check_backend_id(backend)
+        backend = _check_backend_id(backend)
         updates = [check_update(update) for update in _iterable(updates, "write() updates", "index updates")]
         with self._lock:
             apply_updates(self._index, backend, updates)
 
     def clear_backend(self, backend: str) -> None:
         """Forget every block ``backend`` holds (its engine restarted or cleared its cache); counts stay. O(1)."""
-        _check_backend_id(backend)
+        backend = _check_backend_id(backend)
         with self._lock:
             blocks = self._index.remove_backend(backend)
         del blocks  # freed outside the lock
@@ -951,11 +958,14 @@ def _check_lease(lease: object) -> float | None:
     return float(lease)
 
 
-def _check_backend_id(backend: object) -> None:
+def _check_backend_id(backend: object) -> str:
+    """``backend`` as a plain str: a str subclass's own ``__hash__`` or ``__eq__`` must not reach the router's maps
+    and caches, where it would fail every later call that meets it."""
     if not isinstance(backend, str):
         raise TypeError(f"backend ids must be str, not {type(backend).__name__} ({shown(backend)})")
     if not backend:
         raise ConfigurationError(_EMPTY_ID)
+    return backend if type(backend) is str else str.__str__(backend)
 
 
 _EMPTY_ID = "a backend id is an empty str: give each backend a non-empty id, such as its URL"
@@ -972,8 +982,7 @@ def _check_backends(backends: Sequence[str]) -> Sequence[str]:
     if not backends:
         raise NoBackendError("route() needs at least one backend, but the backend list is empty")
     if not set(map(type, backends)) <= {str}:  # C-level; before the duplicate check, which needs hashable ids
-        for backend in backends:
-            _check_backend_id(backend)
+        backends = [_check_backend_id(backend) for backend in backends]
     ids = set(backends)
     if "" in ids:
         raise ConfigurationError(_EMPTY_ID)

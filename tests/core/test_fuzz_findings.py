@@ -1,0 +1,103 @@
+"""Defects the public-API fuzz harness (test_fuzz_public.py) found: each case failed before its fix."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from prefixroute import PowerOfTwo, PrefixIndex, Random, Router
+
+
+class _RaisingEq(str):
+    """A backend id or namespace whose own ``__eq__`` raises, as a hostile str subclass can."""
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("__eq__ called")
+
+    __hash__ = str.__hash__
+
+
+class _RaisingEqBytes(bytes):
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("__eq__ called")
+
+    __hash__ = bytes.__hash__
+
+
+@pytest.mark.parametrize("capacity", [None, 8])
+@pytest.mark.parametrize(
+    ("hashes", "held"), [(True, 0), ("ab", 0), (2**70, 0), ([1, 2], None), ([1, 2], 1.5), ([[1], 2], 0)]
+)
+def test_a_refused_predict_leaves_no_empty_store(capacity: int | None, hashes: object, held: object) -> None:
+    index = PrefixIndex(4, capacity_blocks=capacity)
+    index.insert([7, 8], "kept")
+    with pytest.raises(TypeError):
+        index.predict(hashes, "a", held)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        index.predict(hashes, "kept", held)  # type: ignore[arg-type]
+    index._check()
+    assert index.backends() == ["kept"]
+    assert index.hashes("kept") == {7, 8}
+
+
+@pytest.mark.parametrize("backend", [None, 5, ["a"], {"a": 1}])
+def test_index_reads_refuse_a_backend_that_is_not_a_str_with_a_clear_type_error(backend: object) -> None:
+    index = PrefixIndex(4)
+    index.insert([1], "a")
+    for read in (index.hashes, index.blocks, index.store, index.capacity, index.remove_backend):
+        with pytest.raises(TypeError, match="backend id is a str"):
+            read(backend)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="backend id is a str"):
+        index.holds(1, backend)  # type: ignore[arg-type]
+    index._check()
+
+
+def test_index_holds_and_match_say_what_is_wrong_with_their_arguments() -> None:
+    index = PrefixIndex(4)
+    index.insert([5, 6], "a")
+    assert index.holds(np.uint64(5), "a")  # numpy's ints still name a block
+    with pytest.raises(TypeError, match="block_hash must be an int"):
+        index.holds([5], "a")  # type: ignore[arg-type]
+    for hashes in (True, 5, 1.5, "ab"):
+        with pytest.raises(TypeError, match="hashes must be a sequence"):
+            index.match(hashes, ["a"])  # type: ignore[arg-type]
+    for backends in (None, 5, [["a"]]):
+        with pytest.raises(TypeError, match="backends must be an iterable"):
+            index.match([5], backends)  # type: ignore[arg-type]
+    assert index.match((5, 6), ["a"]) == {"a": 2}
+
+
+def test_a_str_subclass_backend_or_namespace_does_not_poison_later_calls() -> None:
+    router = Router(block_size=4)
+    prompt = list(range(8))
+    decision = router.route(prompt, [_RaisingEq("a"), "b"])
+    assert type(decision.backend) is str
+    router.route(prompt, ["a", "b"])  # the placement cache held the subclass and called its __eq__
+    router.set_capacity(_RaisingEq("a"), 5)
+    router.set_engine_load(_RaisingEq("b"), queue_len=1, kv_usage=None)
+    router.store(_RaisingEq("a"), [1, 2])
+    router.route(prompt, ["a", "b"], namespace=_RaisingEq("m"))
+    router.route(prompt, ["a", "b"], namespace="m")
+    router.route(prompt, ["a", "b"], namespace=_RaisingEqBytes(b"m"))
+    router.route(prompt, ["a", "b"], namespace=b"m")
+    committed = router.commit(router.decide(prompt, ["a", "b"]), _RaisingEq("b"))
+    assert type(committed.backend) is str
+    with router.track(committed):
+        assert router.in_flight("b") == 1
+    assert router.index.capacity("a") == 5
+    router._check()
+    index = PrefixIndex(4, capacity_blocks={_RaisingEq("a"): 3})
+    index.insert([1], _RaisingEq("b"))
+    index.insert([1], "b")
+    assert index.match([1], ["a", "b"]) == {"a": 0, "b": 1}
+    index._check()
+
+
+@pytest.mark.parametrize("policy", [Random, PowerOfTwo])
+def test_a_str_seed_with_a_lone_surrogate_seeds_and_a_valid_one_seeds_as_random_does(
+    policy: type[Random | PowerOfTwo],
+) -> None:
+    policy(seed="\ud800")  # type: ignore[arg-type]  # str and bytes seeds are accepted, as random.Random takes them
+    assert policy(seed="abcé")._rng.random() == random.Random("abcé").random()  # type: ignore[arg-type]
