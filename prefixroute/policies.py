@@ -115,9 +115,19 @@ class LoadPolicy(ABC):
 
 
 def _require_candidates(candidates: Sequence[Candidate]) -> None:
-    """Raise a clear error for an empty candidate list (the router never passes one; a direct caller might)."""
+    """Raise a clear error for an empty candidate list or one of something else than Candidates (the router never
+    passes one; a direct caller might). O(len(candidates)), in C for the router's tuple of Candidates."""
+    if type(candidates) is not tuple and (isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence)):
+        raise TypeError(f"choose() takes a sequence of Candidates, not {type(candidates).__name__}")
     if not candidates:
         raise NoBackendError("choose() was given no candidates: pass at least one Candidate")
+    if not set(map(type, candidates)) <= _CANDIDATE:
+        for candidate in candidates:
+            if not isinstance(candidate, Candidate):
+                raise TypeError(f"choose() takes Candidates, not {type(candidate).__name__} ({shown(candidate)})")
+
+
+_CANDIDATE = frozenset({Candidate})
 
 
 class RoundRobin(LoadPolicy):
@@ -254,12 +264,21 @@ class LinearTTFT:
                                          f"{shown(getattr(self, name))}")  # fmt: skip
 
     def __call__(self, candidate: Candidate) -> float:
-        uncached = candidate.prompt_tokens - candidate.matched_tokens
-        return (
-            candidate.load * self.per_request_s
-            + uncached * self.per_token_s
-            + uncached * candidate.matched_tokens * self.per_token_pair_s
-        )
+        """Predicted seconds to first token on ``candidate``. O(1).
+
+        Raises:
+            TypeError: ``candidate`` is not a :class:`Candidate`.
+        """
+        try:
+            uncached = candidate.prompt_tokens - candidate.matched_tokens
+            return (
+                candidate.load * self.per_request_s
+                + uncached * self.per_token_s
+                + uncached * candidate.matched_tokens * self.per_token_pair_s
+            )
+        except (AttributeError, TypeError):
+            _require_candidate(candidate)
+            raise
 
 
 class CostAware(LoadPolicy):
@@ -365,7 +384,11 @@ class PredictedTTFT(LoadPolicy):
         ``common_tokens`` and ``typical_prompt`` are the choice's :meth:`cap_terms` (what :meth:`choose` passes): of
         the request's uncached tokens, the ``common_tokens`` that every candidate must prefill count at most
         ``typical_prompt`` for each request in flight. Left out, nothing is capped.
+
+        Raises:
+            TypeError: ``candidate`` is not a :class:`Candidate`.
         """
+        _require_candidate(candidate)
         in_flight, in_prefill, queued = candidate.in_flight, candidate.in_prefill, candidate.queue_len or 0
         if queued > in_prefill:  # the engine's waiting queue shows requests this router does not count
             in_prefill, in_flight = queued, max(in_flight, queued)
@@ -465,13 +488,17 @@ def kv_fraction(candidate: Candidate) -> float:
     would queue behind, and lags by a polling interval; with several router replicas, each counts only its own
     requests (see docs/policies.md).
     """
-    if not isinstance(candidate, Candidate):
-        raise TypeError(f"kv_fraction() takes a Candidate, not {type(candidate).__name__}")
+    _require_candidate(candidate, "kv_fraction()")
     if candidate.capacity_blocks:
         return min(1.0, candidate.active_blocks / candidate.capacity_blocks)
     if candidate.kv_usage is not None:
         return candidate.kv_usage
     return 0.0
+
+
+def _require_candidate(candidate: object, what: str = "the cost model") -> None:
+    if not isinstance(candidate, Candidate):
+        raise TypeError(f"{what} takes a Candidate, not {type(candidate).__name__}")
 
 
 def _overflows(candidate: Candidate) -> bool:

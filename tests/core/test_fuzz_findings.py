@@ -7,7 +7,24 @@ import random
 import numpy as np
 import pytest
 
-from prefixroute import PowerOfTwo, PrefixIndex, Random, Router
+from prefixroute import (
+    BoundedLoad,
+    Candidate,
+    CostAware,
+    LeastLoaded,
+    LinearTTFT,
+    LoadPolicy,
+    PowerOfTwo,
+    PredictedTTFT,
+    PrefixAffinity,
+    PrefixIndex,
+    Random,
+    RoundRobin,
+    Router,
+    kv_fraction,
+)
+
+_ONE = Candidate("a", 0, 16, 0)
 
 
 class _RaisingEq(str):
@@ -101,3 +118,22 @@ def test_a_str_seed_with_a_lone_surrogate_seeds_and_a_valid_one_seeds_as_random_
 ) -> None:
     policy(seed="\ud800")  # type: ignore[arg-type]  # str and bytes seeds are accepted, as random.Random takes them
     assert policy(seed="abcé")._rng.random() == random.Random("abcé").random()  # type: ignore[arg-type]
+
+
+_POLICIES = [BoundedLoad, CostAware, LeastLoaded, PowerOfTwo, PredictedTTFT, PrefixAffinity, Random, RoundRobin]
+
+
+@pytest.mark.parametrize("policy", [*(cls() for cls in _POLICIES), PredictedTTFT(use_speed=True)], ids=repr)
+@pytest.mark.parametrize("candidates", [5, 1.5, True, "ab", b"ab", {"a": 1}, [None], (1,), [_ONE, None]], ids=repr)
+def test_choose_given_something_other_than_candidates_says_so(policy: LoadPolicy, candidates: object) -> None:
+    with pytest.raises(TypeError, match="takes (a sequence of )?Candidates"):  # an AttributeError or unpacking before
+        policy.choose(candidates)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("candidate", [None, 5, "a", (1, 2)])
+def test_the_cost_models_given_something_other_than_a_candidate_say_so(candidate: object) -> None:
+    for cost in (LinearTTFT(), PredictedTTFT().cost, kv_fraction):
+        with pytest.raises(TypeError, match="takes a Candidate"):
+            cost(candidate)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="takes (a sequence of )?Candidates"):
+        PredictedTTFT.cap_terms([candidate])  # type: ignore[list-item]
