@@ -22,7 +22,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar, NamedTuple
 
 from prefixroute._numbers import is_finite_number, shown
-from prefixroute.errors import ConfigurationError, NoBackendError
+from prefixroute.errors import ConfigurationError, NoBackendError, PrefixRouteError
 
 __all__ = [
     "BoundedLoad",
@@ -560,7 +560,8 @@ def policy_from_name(name: str, **options: Any) -> LoadPolicy:
 
     Raises:
         ConfigurationError: unknown name (the message lists the valid ones), a class that is not a
-            :class:`LoadPolicy`, or options the class does not take.
+            :class:`LoadPolicy`, options the class does not take, or a ``module:Class`` whose import or constructor
+            raises anything (SystemExit too: the error names it, and the original is its cause).
     """
     if not isinstance(name, str):
         raise TypeError(f"policy name must be a str, not {type(name).__name__}")
@@ -581,8 +582,12 @@ def policy_from_name(name: str, **options: Any) -> LoadPolicy:
         raise ConfigurationError(f"policy {name!r} does not accept options {sorted(options)}: {exc}") from exc
     try:
         return cls(**options)
+    except PrefixRouteError:
+        raise
     except TypeError as exc:  # an option of the wrong type
         raise ConfigurationError(f"policy {name!r}: {exc}") from exc
+    except (Exception, SystemExit) as exc:  # the user's own class: any error in it is theirs to fix
+        raise ConfigurationError(f"cannot build policy {name!r}: {_failure(exc)}") from exc
 
 
 def _import_policy(path: str) -> type[LoadPolicy]:
@@ -593,9 +598,18 @@ def _import_policy(path: str) -> type[LoadPolicy]:
         obj = getattr(_import_module(module_name), attribute)
     except (ImportError, AttributeError, ValueError, TypeError) as exc:  # a relative name ('.x') raises TypeError
         raise ConfigurationError(f"cannot import policy {path!r}: {exc}") from exc
+    except (Exception, SystemExit) as exc:  # the module's own top-level code failed, or exited
+        raise ConfigurationError(f"cannot import policy {path!r}: {_failure(exc)}") from exc
     if not (isinstance(obj, type) and issubclass(obj, LoadPolicy)):
         raise ConfigurationError(f"{path!r} is not a LoadPolicy subclass")
     return obj
+
+
+def _failure(exc: BaseException) -> str:
+    """What a user's policy module or class raised, for a ConfigurationError's message."""
+    if isinstance(exc, SystemExit):
+        return f"it called sys.exit({exc.code!r}) (put a script's own code under if __name__ == '__main__':)"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _import_module(name: str) -> Any:

@@ -11,7 +11,15 @@ from types import MappingProxyType
 from prefixroute._numbers import is_finite_number, shown
 from prefixroute.errors import ConfigurationError, PrefixRouteError
 from prefixroute.index import PrefixIndex
-from prefixroute.policies import _REGISTRY, LoadPolicy, _import_module, _import_policy, policy_from_name, policy_names
+from prefixroute.policies import (
+    _REGISTRY,
+    LoadPolicy,
+    _failure,
+    _import_module,
+    _import_policy,
+    policy_from_name,
+    policy_names,
+)
 from prefixroute.router import Router
 from prefixroute.sim.backend import BackendConfig
 from prefixroute.sim.baselines import BASELINES
@@ -259,12 +267,6 @@ def build_policy(name: str, *, seed: int) -> LoadPolicy:
         raise
     except (Exception, SystemExit) as exc:
         raise ConfigurationError(f"cannot build policy {name!r}: {_failure(exc)}") from exc
-
-
-def _failure(exc: BaseException) -> str:
-    if isinstance(exc, SystemExit):
-        return f"it called sys.exit({exc.code!r}) (put a script's own code under if __name__ == '__main__':)"
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _seeded(name: str, seed: int) -> LoadPolicy:

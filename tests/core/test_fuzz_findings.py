@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from prefixroute import (
     BoundedLoad,
     Candidate,
+    ConfigurationError,
     CostAware,
     LeastLoaded,
     LinearTTFT,
@@ -22,7 +24,9 @@ from prefixroute import (
     RoundRobin,
     Router,
     kv_fraction,
+    policy_from_name,
 )
+from prefixroute.cli import main
 
 _ONE = Candidate("a", 0, 16, 0)
 
@@ -137,3 +141,49 @@ def test_the_cost_models_given_something_other_than_a_candidate_say_so(candidate
             cost(candidate)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="takes (a sequence of )?Candidates"):
         PredictedTTFT.cap_terms([candidate])  # type: ignore[list-item]
+
+
+_USER_POLICIES = """
+from prefixroute import LoadPolicy
+
+class CtorRaises(LoadPolicy):
+    def __init__(self):
+        raise RuntimeError("ctor boom")
+
+    def choose(self, candidates):
+        return candidates[0]
+"""
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "message"),
+    [
+        (
+            "fuzz_policy_ctor",
+            _USER_POLICIES,
+            "cannot build policy 'fuzz_policy_ctor:CtorRaises': RuntimeError: ctor boom",
+        ),
+        ("fuzz_policy_import", "raise RuntimeError('import boom')", "cannot import policy .*RuntimeError: import boom"),
+        ("fuzz_policy_exit", "import sys; sys.exit(3)", r"cannot import policy .*sys.exit\(3\)"),
+    ],
+)
+def test_policy_from_name_wraps_whatever_a_users_module_or_class_raises(
+    module: str, source: str, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / f"{module}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigurationError, match=message) as caught:  # a RuntimeError or SystemExit escaped before
+        policy_from_name(f"{module}:CtorRaises")
+    assert caught.value.__cause__ is not None
+
+
+@pytest.mark.parametrize("command", ["serve", "proxy"])
+def test_serve_and_proxy_answer_a_policy_whose_constructor_raises_with_one_line(
+    command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "fuzz_policy_cli.py").write_text(_USER_POLICIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = [command, "--backends", "http://127.0.0.1:9", "--port", "0", "--policy", "fuzz_policy_cli:CtorRaises"]
+    assert main(argv) == 2  # was a RuntimeError traceback, exit status 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot build policy" in err and "ctor boom" in err, err
