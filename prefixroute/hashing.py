@@ -8,6 +8,7 @@ blocks are hashed: vLLM never caches a partial last block.
 from __future__ import annotations
 
 import array
+import operator
 import struct
 import sys
 from collections.abc import Sequence
@@ -64,6 +65,8 @@ def encode_tokens(tokens: Tokens) -> bytes:
     if isinstance(tokens, (bytes, bytearray, memoryview)):
         if isinstance(tokens, bytes):
             data = tokens
+        elif isinstance(tokens, memoryview) and tokens.ndim != 1:
+            return _encode_view(tokens)  # refused there, whatever its format: a batch of prompts, or a scalar
         elif isinstance(tokens, bytearray) or tokens.format in _BYTE_FORMATS:
             data = bytes(tokens) if isinstance(tokens, bytearray) else tokens.tobytes()  # strided views too
         else:
@@ -146,13 +149,15 @@ def _encode_numpy(tokens: _IntegerArray) -> bytes:
 def _bad_token(tokens: Any) -> InvalidPromptError:
     """Build the error for the first token id that is not an int in range (only called on failure)."""
     for position, token in enumerate(tokens):
-        if not isinstance(token, int) and not hasattr(token, "__index__"):
+        try:
+            value = operator.index(token)  # an int, or what an int stands in for (numpy's), not an array of them
+        except TypeError:
             return InvalidPromptError(
                 f"token id at position {position} is {shown(token)} ({type(token).__name__}); token ids must be ints"
             )
-        if not 0 <= int(token) < _TOKEN_LIMIT:
+        if not 0 <= value < _TOKEN_LIMIT:
             return InvalidPromptError(
-                f"token id at position {position} is {shown(int(token))}; token ids must be in [0, 2**32)"
+                f"token id at position {position} is {shown(value)}; token ids must be in [0, 2**32)"
             )
     return InvalidPromptError("prompt_tokens could not be read as uint32 token ids")  # pragma: no cover
 

@@ -503,13 +503,13 @@ class PrefixIndex:
         """
         if isinstance(backends, str):
             raise TypeError("backends must be an iterable of backend ids, not a single str: wrap it in a list")
-        if type(hashes) is not list and (isinstance(hashes, (str, bytes)) or not isinstance(hashes, Sequence)):
+        if type(hashes) is not list and _not_a_sequence(hashes):
             raise TypeError(
                 f"hashes must be a sequence of block hashes (a prompt's, from block 0), not {type(hashes).__name__}"
             )
         try:
             result = dict.fromkeys(backends, 0)
-        except TypeError:  # not iterable, or an unhashable id
+        except (TypeError, NotImplementedError):  # not iterable (a 2-D memoryview: NotImplementedError), unhashable
             raise TypeError(f"backends must be an iterable of backend ids (str), not {shown(backends)}") from None
         if not hashes:
             return result
@@ -517,10 +517,13 @@ class PrefixIndex:
         roots = self._roots.get
         stores = self._stores
         guess = 0  # backends that hold a prefix tend to hold the same one (a system prompt): the last match first
-        for backend in result:
-            held = roots(backend)
-            if held is not None and first in held:
-                result[backend] = guess = stores[backend].match(hashes, guess)
+        try:
+            for backend in result:
+                held = roots(backend)
+                if held is not None and first in held:
+                    result[backend] = guess = stores[backend].match(hashes, guess)
+        except TypeError:  # an unhashable "hash" met a set
+            raise TypeError(f"block hashes must be ints, as BlockHasher makes them: {shown(hashes)}") from None
         return result
 
     def predict(self, hashes: Sequence[int], backend: str, held: int) -> None:
@@ -537,7 +540,7 @@ class PrefixIndex:
             TypeError: ``hashes`` is not a sequence, ``backend`` not a str or ``held`` not an int (nothing is
                 recorded).
         """
-        if isinstance(hashes, (str, bytes)) or not isinstance(hashes, Sequence):
+        if _not_a_sequence(hashes):
             raise TypeError(f"hashes must be a sequence of block hashes, not {type(hashes).__name__}")
         backend = _check_backend(backend)
         if isinstance(held, bool) or not isinstance(held, int):
@@ -786,11 +789,11 @@ def check_update(update: object) -> IndexUpdate:
     stored, hashes, parent = update
     if not isinstance(stored, bool):
         raise TypeError(f"an index update's first item says stored (True) or removed (False), not {shown(stored)}")
-    if isinstance(hashes, (str, bytes)) or not isinstance(hashes, Iterable):
+    if isinstance(hashes, _NOT_HASHES) or not isinstance(hashes, Iterable):
         raise TypeError(f"an index update's hashes must be a sequence of block hashes, not {type(hashes).__name__}")
     try:
         packed = array("Q", hashes)  # checks, in C, that every hash is an int in [0, 2**64); reads an iterator once
-    except (TypeError, OverflowError) as exc:
+    except (TypeError, OverflowError, NotImplementedError) as exc:  # NotImplementedError: a 2-D memoryview
         raise InvalidEventError(f"block hashes must be ints in [0, 2**64): {exc}") from None
     if parent is not None and (isinstance(parent, bool) or not isinstance(parent, int) or not 0 <= parent < 2**64):
         raise InvalidEventError(f"parent must be a block hash, an int in [0, 2**64), or None, not {shown(parent)}")
@@ -868,13 +871,27 @@ def leading_run(
     return low
 
 
+# Text and raw bytes are not block hashes: array("Q", bytearray) would read its bytes as uint64s, or fail on a length
+# that is not a multiple of 8.
+_NOT_HASHES = (str, bytes, bytearray)
+
+
+def _not_a_sequence(hashes: object) -> bool:
+    """Whether ``hashes`` cannot be indexed as one prompt's block hashes (a 2-D memoryview raises on indexing)."""
+    return (
+        isinstance(hashes, _NOT_HASHES)
+        or not isinstance(hashes, Sequence)
+        or (isinstance(hashes, memoryview) and hashes.ndim != 1)
+    )
+
+
 def _check_hashes(hashes: object) -> Sequence[int]:
     """Validate block hashes before anything is written (a bad one must not leave a chain half stored). O(n)."""
-    if isinstance(hashes, (str, bytes)) or not isinstance(hashes, Iterable):
+    if isinstance(hashes, _NOT_HASHES) or not isinstance(hashes, Iterable):
         raise TypeError(f"block hashes must be a sequence of ints, not {type(hashes).__name__}")
     try:
         packed = array("Q", hashes)  # checks, in C, that every hash is an int in [0, 2**64); reads an iterator once
-    except TypeError as exc:
+    except (TypeError, NotImplementedError) as exc:  # NotImplementedError: a 2-D memoryview
         raise TypeError(f"block hashes must be ints (as BlockHasher computes them): {exc}") from None
     except OverflowError as exc:
         raise InvalidEventError(f"block hashes must be ints in [0, 2**64), as BlockHasher makes them: {exc}") from None

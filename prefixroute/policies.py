@@ -117,7 +117,9 @@ class LoadPolicy(ABC):
 def _require_candidates(candidates: Sequence[Candidate]) -> None:
     """Raise a clear error for an empty candidate list or one of something else than Candidates (the router never
     passes one; a direct caller might). O(len(candidates)), in C for the router's tuple of Candidates."""
-    if type(candidates) is not tuple and (isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence)):
+    if type(candidates) is not tuple and (
+        isinstance(candidates, _NOT_CANDIDATES) or not isinstance(candidates, Sequence)
+    ):
         raise TypeError(f"choose() takes a sequence of Candidates, not {type(candidates).__name__}")
     if not candidates:
         raise NoBackendError("choose() was given no candidates: pass at least one Candidate")
@@ -128,6 +130,7 @@ def _require_candidates(candidates: Sequence[Candidate]) -> None:
 
 
 _CANDIDATE = frozenset({Candidate})
+_NOT_CANDIDATES = (str, bytes, bytearray, memoryview)
 
 
 class RoundRobin(LoadPolicy):

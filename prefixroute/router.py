@@ -376,7 +376,9 @@ class Router:
             target = str.__str__(backend)
         else:
             target = backend
-        chosen = next((c for c in decision.candidates if c.backend == target), None)
+        chosen = None
+        if isinstance(target, str):  # only a str is a candidate's id (a numpy array's == would not say yes or no)
+            chosen = next((c for c in decision.candidates if c.backend == target), None)
         if chosen is None:
             raise DecisionError(
                 f"backend {shown(target)} was not a candidate of decision {decision.id!r}: commit one of "
@@ -896,7 +898,11 @@ class _Lock:
 
 def _iterable(value: object, what: str, items: str) -> Iterable[Any]:
     """``value`` if it is iterable (a str is not), else a TypeError that says what ``what`` must be."""
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+    if (
+        isinstance(value, (str, bytes))
+        or not isinstance(value, Iterable)
+        or (isinstance(value, memoryview) and value.ndim != 1)  # which raises NotImplementedError when iterated
+    ):
         raise TypeError(f"{what} must be an iterable of {items}, not {type(value).__name__}")
     return value
 
@@ -977,7 +983,7 @@ def _check_backends(backends: Sequence[str]) -> Sequence[str]:
     if not isinstance(backends, (list, tuple)):
         try:
             backends = list(backends)
-        except TypeError:
+        except (TypeError, NotImplementedError):  # not iterable, or a 2-D memoryview
             raise TypeError(f"backends must be a sequence of backend ids, not {type(backends).__name__}") from None
     if not backends:
         raise NoBackendError("route() needs at least one backend, but the backend list is empty")

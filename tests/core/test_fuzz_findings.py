@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ from prefixroute import (
     Candidate,
     ConfigurationError,
     CostAware,
+    InvalidPromptError,
     LeastLoaded,
     LinearTTFT,
     LoadPolicy,
@@ -23,6 +25,7 @@ from prefixroute import (
     Random,
     RoundRobin,
     Router,
+    encode_tokens,
     kv_fraction,
     policy_from_name,
 )
@@ -187,3 +190,28 @@ def test_serve_and_proxy_answer_a_policy_whose_constructor_raises_with_one_line(
     assert main(argv) == 2  # was a RuntimeError traceback, exit status 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot build policy" in err and "ctor boom" in err, err
+
+
+@pytest.mark.parametrize("raw", [bytearray(b"abcd"), bytearray(8)])
+def test_a_bytearray_is_not_taken_for_block_hashes(raw: bytearray) -> None:
+    # Was: a ValueError from array("Q", ...) (length not a multiple of 8), or its bytes stored as one uint64 hash.
+    index = PrefixIndex(4)
+    router = Router(block_size=4)
+    writes: list[Callable[[], None]] = [
+        lambda: index.insert(raw, "a"),
+        lambda: index.remove(raw, "a"),
+        lambda: index.retract(raw, "a", 0),
+        lambda: router.store("a", raw),
+        lambda: router.write("a", [(True, raw, None)]),
+    ]
+    for write in writes:
+        with pytest.raises(TypeError, match="sequence of"):
+            write()
+    assert index.backends() == [] and router.index.backends() == []
+
+
+def test_a_memoryview_of_bytes_that_is_not_1d_is_refused_as_the_docstring_says() -> None:
+    # Was: a (2, 4) view of format 'B' flattened into two token ids, where encode_tokens documents the refusal.
+    with pytest.raises(InvalidPromptError, match="1-D"):
+        encode_tokens(memoryview(b"abcdabcd").cast("B", shape=[2, 4]))
+    assert encode_tokens(memoryview(b"abcdabcd")) == b"abcdabcd"
