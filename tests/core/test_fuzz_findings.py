@@ -14,6 +14,7 @@ from prefixroute import (
     Candidate,
     ConfigurationError,
     CostAware,
+    DecisionError,
     InvalidPromptError,
     LeastLoaded,
     LinearTTFT,
@@ -215,3 +216,26 @@ def test_a_memoryview_of_bytes_that_is_not_1d_is_refused_as_the_docstring_says()
     with pytest.raises(InvalidPromptError, match="1-D"):
         encode_tokens(memoryview(b"abcdabcd").cast("B", shape=[2, 4]))
     assert encode_tokens(memoryview(b"abcdabcd")) == b"abcdabcd"
+
+
+def test_numpy_arrays_and_2d_views_where_one_id_or_hash_belongs_get_clear_errors() -> None:
+    router = Router(block_size=4)
+    decision = router.decide(list(range(8)), ["a", "b"])
+    with pytest.raises(DecisionError, match="not a candidate"):  # was numpy's "truth value ... is ambiguous"
+        router.commit(decision, np.array([1, 2]))  # type: ignore[arg-type]
+    with pytest.raises(InvalidPromptError, match="position 1"):  # was numpy's TypeError from int()
+        encode_tokens([1, np.array([1, 2])])  # type: ignore[list-item]
+    index = PrefixIndex(4)
+    index.insert([1], "a")
+    with pytest.raises(TypeError, match="block hashes must be ints"):  # was "unhashable type: 'list'"
+        index.match([[1]], ["a"])  # type: ignore[list-item]
+    grid = memoryview(b"abcdabcd").cast("B", shape=[2, 4])  # iterating it raised NotImplementedError
+    with pytest.raises(TypeError):
+        router.route(list(range(8)), grid)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        router.write("a", grid)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        index.insert(grid, "a")
+    with pytest.raises(TypeError):
+        LeastLoaded().choose(grid)  # type: ignore[arg-type]
+    router._check()
