@@ -5,6 +5,7 @@
     PrefixRouteError
     ├── ConfigurationError     a bad option or argument: unknown policy name, negative capacity, a backend twice
     ├── InvalidPromptError     a token id that is not an int in [0, 2**32), or an unsupported prompt type
+    ├── InvalidTypeError       an argument of the wrong type: a list where a str is due, None for a Decision
     ├── NoBackendError         route() was given no backend to choose from (also a LookupError)
     ├── PolicyError            a policy returned something that is not one of its candidates, or raised (a TypeError)
     ├── DecisionError          a decision given to a router that did not make it, or committed elsewhere
@@ -15,7 +16,7 @@
 Each error is also the builtin a Python user would catch: ``ConfigurationError``, ``InvalidPromptError``,
 ``DecisionError``, ``InvalidEventError``, ``InvalidTraceError`` and ``MetricsError`` (figures that could not be
 read, also when fetching them failed) are ``ValueError``, ``NoBackendError`` a
-``LookupError``, ``PolicyError`` a ``TypeError``. Wrong argument *types* raise ``TypeError``.
+``LookupError``, ``PolicyError`` and ``InvalidTypeError`` a ``TypeError``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = [
     "InvalidEventError",
     "InvalidPromptError",
     "InvalidTraceError",
+    "InvalidTypeError",
     "MetricsError",
     "NoBackendError",
     "PolicyError",
@@ -43,6 +45,11 @@ class ConfigurationError(PrefixRouteError, ValueError):
 
 class InvalidPromptError(PrefixRouteError, ValueError):
     """A prompt cannot be hashed: the message names the first bad position and the allowed range."""
+
+
+class InvalidTypeError(PrefixRouteError, TypeError):
+    """An argument has the wrong type (a str where a list of backend ids is due, a float for a count); the message
+    names the argument and the type it takes. A ``TypeError`` too, as Python's own type checks raise."""
 
 
 class NoBackendError(PrefixRouteError, LookupError):

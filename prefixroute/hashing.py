@@ -18,7 +18,7 @@ from typing import Any, NewType, Protocol, TypeAlias, cast, runtime_checkable
 import xxhash
 
 from prefixroute._numbers import shown
-from prefixroute.errors import ConfigurationError, InvalidPromptError
+from prefixroute.errors import ConfigurationError, InvalidPromptError, InvalidTypeError
 
 __all__ = ["BlockHash", "BlockHasher", "Tokens", "encode_tokens"]
 
@@ -85,11 +85,11 @@ def encode_tokens(tokens: Tokens) -> bytes:
                     f"an array.array prompt must have an integer typecode, not {tokens.typecode!r}"
                 )
         elif isinstance(tokens, str):
-            raise TypeError("prompt_tokens must be token ids, not a str: tokenize the prompt first")
+            raise InvalidTypeError("prompt_tokens must be token ids, not a str: tokenize the prompt first")
         elif isinstance(tokens, _IntegerArray):
             return _encode_numpy(tokens)
         elif not isinstance(tokens, Sequence):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"prompt_tokens must be a list, tuple, array.array, numpy array or bytes of token ids, "
                 f"not {type(tokens).__name__}"
             )
@@ -128,7 +128,7 @@ def _encode_view(view: memoryview) -> bytes:
 def _encode_numpy(tokens: _IntegerArray) -> bytes:
     shape = getattr(tokens, "shape", None)
     if shape == ():
-        raise TypeError(
+        raise InvalidTypeError(
             "prompt_tokens must be a sequence of token ids, not a numpy scalar or 0-d array: wrap it in a list"
         )
     if isinstance(shape, tuple) and len(shape) != 1:
@@ -256,5 +256,5 @@ def namespace_seed(namespace: str | bytes | None) -> int:
     if isinstance(namespace, str):
         namespace = namespace.encode("utf-8", "surrogatepass")  # any str, even one with lone surrogates
     if not isinstance(namespace, bytes):
-        raise TypeError(f"namespace must be a str, bytes or None, not {type(namespace).__name__}")
+        raise InvalidTypeError(f"namespace must be a str, bytes or None, not {type(namespace).__name__}")
     return xxhash.xxh3_64_intdigest(b"prefixroute.namespace:" + namespace)

@@ -22,7 +22,7 @@ from collections.abc import Collection, Container, Iterable, Iterator, Mapping, 
 from itertools import chain, islice, takewhile
 
 from prefixroute._numbers import shown
-from prefixroute.errors import ConfigurationError, InvalidEventError
+from prefixroute.errors import ConfigurationError, InvalidEventError, InvalidTypeError
 from prefixroute.hashing import check_block_size
 
 __all__ = [
@@ -502,15 +502,17 @@ class PrefixIndex:
                 sequence.
         """
         if isinstance(backends, str):
-            raise TypeError("backends must be an iterable of backend ids, not a single str: wrap it in a list")
+            raise InvalidTypeError("backends must be an iterable of backend ids, not a single str: wrap it in a list")
         if type(hashes) is not list and _not_a_sequence(hashes):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"hashes must be a sequence of block hashes (a prompt's, from block 0), not {type(hashes).__name__}"
             )
         try:
             result = dict.fromkeys(backends, 0)
         except (TypeError, NotImplementedError):  # not iterable (a 2-D memoryview: NotImplementedError), unhashable
-            raise TypeError(f"backends must be an iterable of backend ids (str), not {shown(backends)}") from None
+            raise InvalidTypeError(
+                f"backends must be an iterable of backend ids (str), not {shown(backends)}"
+            ) from None
         if not hashes:
             return result
         first = hashes[0]
@@ -523,7 +525,7 @@ class PrefixIndex:
                 if held is not None and first in held:
                     result[backend] = guess = stores[backend].match(hashes, guess)
         except TypeError:  # an unhashable "hash" met a set
-            raise TypeError(f"block hashes must be ints, as BlockHasher makes them: {shown(hashes)}") from None
+            raise InvalidTypeError(f"block hashes must be ints, as BlockHasher makes them: {shown(hashes)}") from None
         return result
 
     def predict(self, hashes: Sequence[int], backend: str, held: int) -> None:
@@ -541,10 +543,10 @@ class PrefixIndex:
                 recorded).
         """
         if _not_a_sequence(hashes):
-            raise TypeError(f"hashes must be a sequence of block hashes, not {type(hashes).__name__}")
+            raise InvalidTypeError(f"hashes must be a sequence of block hashes, not {type(hashes).__name__}")
         backend = _check_backend(backend)
         if isinstance(held, bool) or not isinstance(held, int):
-            raise TypeError(f"held must be a count of blocks (an int), not {type(held).__name__}")
+            raise InvalidTypeError(f"held must be a count of blocks (an int), not {type(held).__name__}")
         if hashes:
             capacity = self._limit(backend)
             if capacity is None or len(hashes) <= capacity:
@@ -567,7 +569,7 @@ class PrefixIndex:
         hashes = _check_hashes(hashes)
         backend = _check_backend(backend)
         if isinstance(start, bool) or not isinstance(start, int):
-            raise TypeError(f"start must be a block position (an int), not {type(start).__name__}")
+            raise InvalidTypeError(f"start must be a block position (an int), not {type(start).__name__}")
         if start < 0:
             raise ConfigurationError(f"start must be a block position >= 0, not {shown(start)}")
         store = self._stores.get(backend)
@@ -598,7 +600,7 @@ class PrefixIndex:
         hashes = _check_hashes(hashes)
         backend = _check_backend(backend)
         if parent is not None and (isinstance(parent, bool) or not isinstance(parent, int)):
-            raise TypeError(f"parent must be a block hash, an int in [0, 2**64), or None, not {shown(parent)}")
+            raise InvalidTypeError(f"parent must be a block hash, an int in [0, 2**64), or None, not {shown(parent)}")
         if parent is not None and not 0 <= parent < 2**64:
             raise InvalidEventError(f"parent must be a block hash, an int in [0, 2**64), or None, not {shown(parent)}")
         if hashes:
@@ -694,7 +696,7 @@ class PrefixIndex:
         try:
             block_hash = operator.index(block_hash)  # numpy's ints too
         except TypeError:
-            raise TypeError(f"block_hash must be an int, not {type(block_hash).__name__}") from None
+            raise InvalidTypeError(f"block_hash must be an int, not {type(block_hash).__name__}") from None
         backend = _check_backend(backend)
         store = self._stores.get(backend)
         return store is not None and block_hash in store
@@ -785,12 +787,16 @@ def check_update(update: object) -> IndexUpdate:
         InvalidEventError: a hash or ``parent`` is not an int in [0, 2**64), or a removal has a parent.
     """
     if not isinstance(update, tuple) or len(update) != 3:
-        raise TypeError(f"an index update is a tuple (stored, hashes, parent), not {shown(update)}")
+        raise InvalidTypeError(f"an index update is a tuple (stored, hashes, parent), not {shown(update)}")
     stored, hashes, parent = update
     if not isinstance(stored, bool):
-        raise TypeError(f"an index update's first item says stored (True) or removed (False), not {shown(stored)}")
+        raise InvalidTypeError(
+            f"an index update's first item says stored (True) or removed (False), not {shown(stored)}"
+        )
     if isinstance(hashes, _NOT_HASHES) or not isinstance(hashes, Iterable):
-        raise TypeError(f"an index update's hashes must be a sequence of block hashes, not {type(hashes).__name__}")
+        raise InvalidTypeError(
+            f"an index update's hashes must be a sequence of block hashes, not {type(hashes).__name__}"
+        )
     try:
         packed = array("Q", hashes)  # checks, in C, that every hash is an int in [0, 2**64); reads an iterator once
     except (TypeError, OverflowError, NotImplementedError) as exc:  # NotImplementedError: a 2-D memoryview
@@ -888,11 +894,11 @@ def _not_a_sequence(hashes: object) -> bool:
 def _check_hashes(hashes: object) -> Sequence[int]:
     """Validate block hashes before anything is written (a bad one must not leave a chain half stored). O(n)."""
     if isinstance(hashes, _NOT_HASHES) or not isinstance(hashes, Iterable):
-        raise TypeError(f"block hashes must be a sequence of ints, not {type(hashes).__name__}")
+        raise InvalidTypeError(f"block hashes must be a sequence of ints, not {type(hashes).__name__}")
     try:
         packed = array("Q", hashes)  # checks, in C, that every hash is an int in [0, 2**64); reads an iterator once
     except (TypeError, NotImplementedError) as exc:  # NotImplementedError: a 2-D memoryview
-        raise TypeError(f"block hashes must be ints (as BlockHasher computes them): {exc}") from None
+        raise InvalidTypeError(f"block hashes must be ints (as BlockHasher computes them): {exc}") from None
     except OverflowError as exc:
         raise InvalidEventError(f"block hashes must be ints in [0, 2**64), as BlockHasher makes them: {exc}") from None
     return _python_ints(hashes, packed)
@@ -911,7 +917,7 @@ def _check_backend(backend: object) -> str:
     if type(backend) is str:
         return backend
     if not isinstance(backend, str):
-        raise TypeError(f"a backend id is a str, not {type(backend).__name__}")
+        raise InvalidTypeError(f"a backend id is a str, not {type(backend).__name__}")
     return str.__str__(backend)
 
 

@@ -22,7 +22,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar, NamedTuple
 
 from prefixroute._numbers import is_finite_number, shown
-from prefixroute.errors import ConfigurationError, NoBackendError, PrefixRouteError
+from prefixroute.errors import ConfigurationError, InvalidTypeError, NoBackendError, PrefixRouteError
 
 __all__ = [
     "BoundedLoad",
@@ -120,13 +120,15 @@ def _require_candidates(candidates: Sequence[Candidate]) -> None:
     if type(candidates) is not tuple and (
         isinstance(candidates, _NOT_CANDIDATES) or not isinstance(candidates, Sequence)
     ):
-        raise TypeError(f"choose() takes a sequence of Candidates, not {type(candidates).__name__}")
+        raise InvalidTypeError(f"choose() takes a sequence of Candidates, not {type(candidates).__name__}")
     if not candidates:
         raise NoBackendError("choose() was given no candidates: pass at least one Candidate")
     if not set(map(type, candidates)) <= _CANDIDATE:
         for candidate in candidates:
             if not isinstance(candidate, Candidate):
-                raise TypeError(f"choose() takes Candidates, not {type(candidate).__name__} ({shown(candidate)})")
+                raise InvalidTypeError(
+                    f"choose() takes Candidates, not {type(candidate).__name__} ({shown(candidate)})"
+                )
 
 
 _CANDIDATE = frozenset({Candidate})
@@ -295,7 +297,7 @@ class CostAware(LoadPolicy):
 
     def __init__(self, *, cost: Callable[[Candidate], float] | None = None) -> None:
         if cost is not None and not callable(cost):
-            raise TypeError(f"CostAware cost must be a callable from a Candidate to seconds, not {shown(cost)}")
+            raise InvalidTypeError(f"CostAware cost must be a callable from a Candidate to seconds, not {shown(cost)}")
         self.cost: Callable[[Candidate], float] = cost if cost is not None else LinearTTFT()
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
@@ -501,7 +503,7 @@ def kv_fraction(candidate: Candidate) -> float:
 
 def _require_candidate(candidate: object, what: str = "the cost model") -> None:
     if not isinstance(candidate, Candidate):
-        raise TypeError(f"{what} takes a Candidate, not {type(candidate).__name__}")
+        raise InvalidTypeError(f"{what} takes a Candidate, not {type(candidate).__name__}")
 
 
 def _overflows(candidate: Candidate) -> bool:
@@ -527,10 +529,10 @@ def _finite(value: object) -> float | None:
 def _rng(seed: object, rng: object, policy: str) -> random.Random:
     if rng is not None:
         if not isinstance(rng, random.Random):
-            raise TypeError(f"{policy} rng must be a random.Random, not {type(rng).__name__}")
+            raise InvalidTypeError(f"{policy} rng must be a random.Random, not {type(rng).__name__}")
         return rng
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, str, bytes))):
-        raise TypeError(f"{policy} seed must be an int, str, bytes or None, not {type(seed).__name__}")
+        raise InvalidTypeError(f"{policy} seed must be an int, str, bytes or None, not {type(seed).__name__}")
     if isinstance(seed, str):  # random seeds a str from its UTF-8 bytes, which a lone surrogate has none of
         seed = seed.encode("utf-8", "surrogatepass")
     return random.Random(seed)
@@ -567,7 +569,7 @@ def policy_from_name(name: str, **options: Any) -> LoadPolicy:
             raises anything (SystemExit too: the error names it, and the original is its cause).
     """
     if not isinstance(name, str):
-        raise TypeError(f"policy name must be a str, not {type(name).__name__}")
+        raise InvalidTypeError(f"policy name must be a str, not {type(name).__name__}")
     if ":" in name:
         cls = _import_policy(name)
     else:
@@ -585,10 +587,10 @@ def policy_from_name(name: str, **options: Any) -> LoadPolicy:
         raise ConfigurationError(f"policy {name!r} does not accept options {sorted(options)}: {exc}") from exc
     try:
         return cls(**options)
+    except TypeError as exc:  # an option of the wrong type (InvalidTypeError too): the option is what to fix
+        raise ConfigurationError(f"policy {name!r}: {exc}") from exc
     except PrefixRouteError:
         raise
-    except TypeError as exc:  # an option of the wrong type
-        raise ConfigurationError(f"policy {name!r}: {exc}") from exc
     except (Exception, SystemExit) as exc:  # the user's own class: any error in it is theirs to fix
         raise ConfigurationError(f"cannot build policy {name!r}: {_failure(exc)}") from exc
 

@@ -20,6 +20,7 @@ from prefixroute._numbers import is_finite_number, shown
 from prefixroute.errors import (
     ConfigurationError,
     DecisionError,
+    InvalidTypeError,
     NoBackendError,
     PolicyError,
     PrefixRouteError,
@@ -253,18 +254,18 @@ class Router:
         rng: random.Random | None = None,
     ) -> None:
         if policy is not None and not isinstance(policy, LoadPolicy):
-            raise TypeError(f"policy must be a LoadPolicy instance, not {type(policy).__name__}")
+            raise InvalidTypeError(f"policy must be a LoadPolicy instance, not {type(policy).__name__}")
         if isinstance(placement_blocks, bool) or not isinstance(placement_blocks, int) or placement_blocks < 1:
             raise ConfigurationError(f"placement_blocks must be a positive int, not {shown(placement_blocks)}")
         if not callable(clock):
-            raise TypeError(f"clock must be a callable returning seconds, not {type(clock).__name__}")
+            raise InvalidTypeError(f"clock must be a callable returning seconds, not {type(clock).__name__}")
         if rng is not None and not isinstance(rng, random.Random):
-            raise TypeError(f"rng must be a random.Random, not {type(rng).__name__}")
+            raise InvalidTypeError(f"rng must be a random.Random, not {type(rng).__name__}")
         self._hasher = BlockHasher(block_size, namespace=namespace)
         if index is None:
             index = PrefixIndex(block_size, capacity_blocks=capacity_blocks, bound_blocks=DEFAULT_BOUND_BLOCKS)
         elif not isinstance(index, PrefixIndex):
-            raise TypeError(f"index must be a PrefixIndex (or a subclass), not {type(index).__name__}")
+            raise InvalidTypeError(f"index must be a PrefixIndex (or a subclass), not {type(index).__name__}")
         elif capacity_blocks is not None:
             raise ConfigurationError("pass capacity_blocks to the PrefixIndex you give as index=, not to the Router")
         elif index.block_size != block_size:
@@ -417,7 +418,7 @@ class Router:
         elif isinstance(namespace, (str, bytes)):  # a subclass's own __hash__/__eq__ must not reach the seed cache
             seed = self._seed(str.__str__(namespace) if isinstance(namespace, str) else bytes(memoryview(namespace)))
         else:
-            raise TypeError(f"namespace must be a str, bytes or None, not {type(namespace).__name__}")
+            raise InvalidTypeError(f"namespace must be a str, bytes or None, not {type(namespace).__name__}")
         hashes = self._hasher.hash_encoded(data, seed)
         prompt_len = len(data) // 4
         order = self._order(ids, _placement_key(hashes, data, seed, self._placement_blocks))
@@ -608,7 +609,7 @@ class Router:
             TypeError: ``refused`` is not a bool (checked before anything changes: the only error finish raises).
         """
         if refused is not True and refused is not False:
-            raise TypeError(f"finish(refused=...) takes True or False, not {type(refused).__name__}")
+            raise InvalidTypeError(f"finish(refused=...) takes True or False, not {type(refused).__name__}")
         decision_id = _id_of(decision)
         with self._lock:
             request = self._live.pop(decision_id, None)
@@ -709,7 +710,7 @@ class Router:
         """Raise unless ``decision`` is one this router made, as it made it: :meth:`start` and :meth:`commit` count
         and record what its fields say, so a field changed since (``dataclasses.replace``) must not reach them."""
         if not isinstance(decision, Decision):
-            raise TypeError(f"expected a Decision, not {type(decision).__name__}")
+            raise InvalidTypeError(f"expected a Decision, not {type(decision).__name__}")
         if not isinstance(decision.id, str) or not decision.id.startswith(self._id_prefix):
             raise DecisionError(f"decision {shown(decision.id)} was made by another router: pass it back to that one")
         backend, prompt, matched = decision.backend, decision.prompt_tokens, decision.matched_tokens
@@ -903,7 +904,7 @@ def _iterable(value: object, what: str, items: str) -> Iterable[Any]:
         or not isinstance(value, Iterable)
         or (isinstance(value, memoryview) and value.ndim != 1)  # which raises NotImplementedError when iterated
     ):
-        raise TypeError(f"{what} must be an iterable of {items}, not {type(value).__name__}")
+        raise InvalidTypeError(f"{what} must be an iterable of {items}, not {type(value).__name__}")
     return value
 
 
@@ -968,7 +969,7 @@ def _check_backend_id(backend: object) -> str:
     """``backend`` as a plain str: a str subclass's own ``__hash__`` or ``__eq__`` must not reach the router's maps
     and caches, where it would fail every later call that meets it."""
     if not isinstance(backend, str):
-        raise TypeError(f"backend ids must be str, not {type(backend).__name__} ({shown(backend)})")
+        raise InvalidTypeError(f"backend ids must be str, not {type(backend).__name__} ({shown(backend)})")
     if not backend:
         raise ConfigurationError(_EMPTY_ID)
     return backend if type(backend) is str else str.__str__(backend)
@@ -979,12 +980,14 @@ _EMPTY_ID = "a backend id is an empty str: give each backend a non-empty id, suc
 
 def _check_backends(backends: Sequence[str]) -> Sequence[str]:
     if isinstance(backends, str):
-        raise TypeError("backends must be a sequence of backend ids, not a single str: wrap it in a list")
+        raise InvalidTypeError("backends must be a sequence of backend ids, not a single str: wrap it in a list")
     if not isinstance(backends, (list, tuple)):
         try:
             backends = list(backends)
         except (TypeError, NotImplementedError):  # not iterable, or a 2-D memoryview
-            raise TypeError(f"backends must be a sequence of backend ids, not {type(backends).__name__}") from None
+            raise InvalidTypeError(
+                f"backends must be a sequence of backend ids, not {type(backends).__name__}"
+            ) from None
     if not backends:
         raise NoBackendError("route() needs at least one backend, but the backend list is empty")
     if not set(map(type, backends)) <= {str}:  # C-level; before the duplicate check, which needs hashable ids

@@ -46,7 +46,7 @@ from litellm.integrations.custom_logger import CustomLogger
 
 from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens
 from prefixroute.adapters.serve.contract import is_refusal
-from prefixroute.errors import PolicyError
+from prefixroute.errors import InvalidTypeError, PolicyError
 from prefixroute.router import Router, _check_lease
 
 __all__ = ["DEPLOYMENT_KEY", "METADATA_KEY", "PrefixRouteHook"]
@@ -103,10 +103,10 @@ class PrefixRouteHook(CustomLogger):
     ) -> None:
         super().__init__()
         if not isinstance(router, Router):
-            raise TypeError(f"router must be a prefixroute.Router, not {type(router).__name__}")
+            raise InvalidTypeError(f"router must be a prefixroute.Router, not {type(router).__name__}")
         if encoder is not None and not (callable(getattr(encoder, "encode", None))
                                         and callable(getattr(encoder, "encode_chat", None))):  # fmt: skip
-            raise TypeError(f"encoder must have encode() and encode_chat(), not {type(encoder).__name__}")
+            raise InvalidTypeError(f"encoder must have encode() and encode_chat(), not {type(encoder).__name__}")
         self.router = router
         self._encoder: PromptEncoding = encoder if encoder is not None else ByteEncoder()
         self._groups = None if model_groups is None else _group_names(model_groups, "model_groups")
@@ -366,10 +366,10 @@ class PrefixRouteHook(CustomLogger):
 
 def _group_names(groups: object, what: str) -> frozenset[str]:
     if isinstance(groups, (str, bytes)) or not isinstance(groups, Collection):
-        raise TypeError(f"{what} must be a collection of model group names, not {type(groups).__name__}")
+        raise InvalidTypeError(f"{what} must be a collection of model group names, not {type(groups).__name__}")
     for group in groups:
         if not isinstance(group, str):
-            raise TypeError(f"{what} must hold model group names (str), not {type(group).__name__} ({group!r})")
+            raise InvalidTypeError(f"{what} must hold model group names (str), not {type(group).__name__} ({group!r})")
     return frozenset(groups)
 
 

@@ -37,7 +37,7 @@ from typing import Any
 from ray.serve.request_router import MultiplexMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens
-from prefixroute.errors import PolicyError
+from prefixroute.errors import InvalidTypeError, PolicyError
 from prefixroute.policies import policy_from_name
 from prefixroute.router import Decision, Router, _check_lease
 
@@ -113,7 +113,7 @@ class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
                 not a positive, finite number of seconds or None.
         """
         if tokenizer is not None and not isinstance(tokenizer, str):
-            raise TypeError(f"tokenizer must be a path (str) or None, not {type(tokenizer).__name__}")
+            raise InvalidTypeError(f"tokenizer must be a path (str) or None, not {type(tokenizer).__name__}")
         self._lease = _check_lease(lease)
         self.router = Router(block_size=block_size, policy=policy_from_name(policy, **options))
         self._encoder: PromptEncoding = ByteEncoder()

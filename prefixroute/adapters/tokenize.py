@@ -26,7 +26,7 @@ from typing import Any
 import cachetools
 from tokenizers import Encoding, Tokenizer
 
-from prefixroute.errors import ConfigurationError, InvalidPromptError
+from prefixroute.errors import ConfigurationError, InvalidPromptError, InvalidTypeError
 from prefixroute.router import Decision, Router
 
 __all__ = ["PromptTokenizer", "TextRouter"]
@@ -63,11 +63,11 @@ class PromptTokenizer:
 
     def __init__(self, tokenizer: Tokenizer, *, add_special_tokens: bool = True, cache_tokens: int = 262_144) -> None:
         if not isinstance(tokenizer, Tokenizer):
-            raise TypeError(f"tokenizer must be a tokenizers.Tokenizer, not {type(tokenizer).__name__}")
+            raise InvalidTypeError(f"tokenizer must be a tokenizers.Tokenizer, not {type(tokenizer).__name__}")
         if isinstance(cache_tokens, bool) or not isinstance(cache_tokens, int) or cache_tokens < 0:
             raise ConfigurationError(f"cache_tokens must be a non-negative int number of ids, not {cache_tokens!r}")
         if not isinstance(add_special_tokens, bool):
-            raise TypeError(f"add_special_tokens must be True or False, not {add_special_tokens!r}")
+            raise InvalidTypeError(f"add_special_tokens must be True or False, not {add_special_tokens!r}")
         self._tokenizer = tokenizer
         self._add_special_tokens = add_special_tokens
         config: dict[str, Any] = json.loads(tokenizer.to_str()) if cache_tokens else {}
@@ -112,7 +112,7 @@ class PromptTokenizer:
     def encode(self, text: str) -> list[int]:
         """Return the token ids of ``text``. O(len(text)); the encoding itself O(the pieces not cached)."""
         if not isinstance(text, str):
-            raise TypeError(f"text must be a str, not {type(text).__name__}")
+            raise InvalidTypeError(f"text must be a str, not {type(text).__name__}")
         cuts = self._splitter.findall(text) if self._splitter is not None else []
         if cuts or (self._words and len(text) > _CHUNK_CHARS):
             try:
@@ -155,7 +155,7 @@ class PromptTokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Return the token ids of each text, encoded in parallel by the Rust library (no piece cache)."""
         if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
-            raise TypeError("texts must be a sequence of str")
+            raise InvalidTypeError("texts must be a sequence of str")
         encodings = self._encode(list(texts), add_special_tokens=self._add_special_tokens)
         return [encoding.ids for encoding in encodings]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from urllib.parse import urlsplit
 
-from prefixroute.errors import ConfigurationError
+from prefixroute.errors import ConfigurationError, InvalidTypeError
 
 __all__ = ["check_backend_url", "listen_host"]
 
@@ -24,7 +24,7 @@ def check_backend_url(url: object, *, path: bool = True) -> str:
         TypeError: ``url`` is not a str.
     """
     if not isinstance(url, str):
-        raise TypeError(f"a backend URL is a str, not {type(url).__name__}")
+        raise InvalidTypeError(f"a backend URL is a str, not {type(url).__name__}")
     example = "http://gpu0:8000"
     if not url.isascii() or not url.isprintable() or " " in url:
         raise ConfigurationError(

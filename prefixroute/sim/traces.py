@@ -39,7 +39,7 @@ from types import MappingProxyType
 from typing import TextIO
 
 from prefixroute._numbers import is_finite_number, shown
-from prefixroute.errors import ConfigurationError, InvalidTraceError
+from prefixroute.errors import ConfigurationError, InvalidTraceError, InvalidTypeError
 from prefixroute.sim.request import SimRequest, token_bytes
 
 __all__ = [
@@ -487,7 +487,9 @@ def load_trace(
         TypeError: ``spec`` is not a str.
     """
     if not isinstance(spec, str):
-        raise TypeError(f"a trace must be given as a str 'FORMAT:PATH', such as 'mooncake:trace.jsonl', not {spec!r}")
+        raise InvalidTypeError(
+            f"a trace must be given as a str 'FORMAT:PATH', such as 'mooncake:trace.jsonl', not {spec!r}"
+        )
     kind, sep, path = spec.partition(":")
     readers = {
         "mooncake": read_mooncake,
@@ -526,7 +528,7 @@ def _open(path: str | Path) -> TextIO:
         TypeError: ``path`` is not a str or path (an int would be opened as a file descriptor, and closed).
     """
     if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"a trace's path must be a str or a pathlib.Path, not {type(path).__name__}")
+        raise InvalidTypeError(f"a trace's path must be a str or a pathlib.Path, not {type(path).__name__}")
     try:
         raw = open(path, "rb")  # noqa: SIM115 - returned, wrapped, to a with block
     except OSError as exc:

@@ -6,7 +6,7 @@ import logging
 import threading
 
 from prefixroute._numbers import shown
-from prefixroute.errors import ConfigurationError
+from prefixroute.errors import ConfigurationError, InvalidTypeError
 
 __all__ = ["MAX_SECONDS", "check_callable", "check_count", "check_endpoint", "check_seconds", "sparse_level"]
 
@@ -47,7 +47,9 @@ def check_callable(value: object, name: str, what: str, *, optional: bool = Fals
     if value is None and optional:
         return
     if not callable(value):
-        raise TypeError(f"{name} must be a callable {what}{' or None' if optional else ''}, not {type(value).__name__}")
+        raise InvalidTypeError(
+            f"{name} must be a callable {what}{' or None' if optional else ''}, not {type(value).__name__}"
+        )
 
 
 def check_endpoint(value: object, name: str, example: str) -> str:

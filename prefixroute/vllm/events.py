@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeAlias
 
 import msgspec
 
-from prefixroute.errors import ConfigurationError, InvalidEventError
+from prefixroute.errors import ConfigurationError, InvalidEventError, InvalidTypeError
 
 __all__ = [
     "AllBlocksCleared",
@@ -248,14 +248,14 @@ def encode_batch(batch: EventBatch, *, encoding: Literal["array", "map"] = "arra
         InvalidEventError: a field cannot be encoded, such as an int outside msgpack's [-2**63, 2**64).
     """
     if not isinstance(batch, EventBatch):
-        raise TypeError(f"batch must be an EventBatch, not {type(batch).__name__}")
+        raise InvalidTypeError(f"batch must be an EventBatch, not {type(batch).__name__}")
     if encoding not in ("array", "map"):
         raise ConfigurationError(f"encoding must be 'array' or 'map', not {encoding!r}")
     if not isinstance(batch.events, (list, tuple)):
-        raise TypeError(f"EventBatch.events must be a list of events, not {type(batch.events).__name__}")
+        raise InvalidTypeError(f"EventBatch.events must be a list of events, not {type(batch.events).__name__}")
     for position, event in enumerate(batch.events):
         if not isinstance(event, (BlockStored, BlockRemoved, AllBlocksCleared)):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"event {position} is of type {type(event).__name__}, not a BlockStored, BlockRemoved or "
                 "AllBlocksCleared"
             )

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from prefixroute._numbers import shown
+from prefixroute.errors import InvalidTypeError
 from prefixroute.index import PrefixIndex
 from prefixroute.router import Decision
 from prefixroute.vllm.fleet import Fleet
@@ -56,7 +57,9 @@ class RouterMetrics:
 
     def __init__(self, registry: CollectorRegistry, *, prefix: str = "prefixroute") -> None:
         if not isinstance(registry, CollectorRegistry):
-            raise TypeError(f"registry must be a prometheus_client CollectorRegistry, not {type(registry).__name__}")
+            raise InvalidTypeError(
+                f"registry must be a prometheus_client CollectorRegistry, not {type(registry).__name__}"
+            )
         self._prefix = prefix
         self._decisions = Counter(
             f"{prefix}_decisions", "Routing decisions by chosen backend and reason.", ["backend", "reason"],

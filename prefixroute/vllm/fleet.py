@@ -19,7 +19,7 @@ from types import TracebackType
 import httpx
 
 from prefixroute._numbers import shown
-from prefixroute.errors import ConfigurationError, MetricsError
+from prefixroute.errors import ConfigurationError, InvalidTypeError, MetricsError
 from prefixroute.hashing import namespace_seed
 from prefixroute.index import IndexUpdate
 from prefixroute.router import Router
@@ -127,7 +127,7 @@ class Fleet:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(router, Router):
-            raise TypeError(f"router must be a prefixroute.Router, not {type(router).__name__}")
+            raise InvalidTypeError(f"router must be a prefixroute.Router, not {type(router).__name__}")
         self._interval = check_seconds(interval, "interval")
         self._timeout = check_seconds(timeout, "timeout")
         self._stale_after = check_seconds(stale_after, "stale_after")
@@ -137,9 +137,11 @@ class Fleet:
                 "otherwise every engine's figures turn stale between two scrapes"
             )
         if on_health is not None and not callable(on_health):
-            raise TypeError(f"on_health must be a callable (backend, healthy) or None, not {type(on_health).__name__}")
+            raise InvalidTypeError(
+                f"on_health must be a callable (backend, healthy) or None, not {type(on_health).__name__}"
+            )
         if not callable(clock):
-            raise TypeError(f"clock must be a callable returning seconds, not {type(clock).__name__}")
+            raise InvalidTypeError(f"clock must be a callable returning seconds, not {type(clock).__name__}")
         self._router = router
         self._on_health = on_health
         self._clock = clock
@@ -187,7 +189,7 @@ class Fleet:
             TypeError: ``backend`` is not a str, ``namespace`` not a str, bytes or None.
         """
         if not isinstance(backend, str):
-            raise TypeError(f"backend must be a str id, not {type(backend).__name__}")
+            raise InvalidTypeError(f"backend must be a str id, not {type(backend).__name__}")
         namespace_seed(namespace)  # a TypeError here, with or without kv_events, not in a thread later
         if replay is not None and kv_events is None:
             raise ConfigurationError(
@@ -296,7 +298,7 @@ class Fleet:
             TypeError: ``backends`` is a str or bytes (not a collection of ids), or holds something not a str.
         """
         if isinstance(backends, (str, bytes, bytearray)):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"backends must be an iterable of str ids, not a {type(backends).__name__}: wrap one id in a list"
             )
         with self._lock:
@@ -304,7 +306,7 @@ class Fleet:
         names = list(members) if backends is None else list(backends)
         for name in names:
             if not isinstance(name, str):
-                raise TypeError(f"backends must hold str ids, not {type(name).__name__}")
+                raise InvalidTypeError(f"backends must hold str ids, not {type(name).__name__}")
         now = self._clock()
         return [b for b in names if b not in members or members[b].healthy(now)]
 

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 
 from prefixroute._numbers import is_finite_number, shown
-from prefixroute.errors import ConfigurationError
+from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.index import PrefixIndex
 
 __all__ = ["EventIndex"]
@@ -57,7 +57,7 @@ class EventIndex(PrefixIndex):
                 f"not {shown(speculative_ttl)}"
             )
         if not callable(clock):
-            raise TypeError(f"clock must be a callable returning seconds, not {type(clock).__name__}")
+            raise InvalidTypeError(f"clock must be a callable returning seconds, not {type(clock).__name__}")
         self._ttl = float(speculative_ttl)
         self._clock = clock
         self._current = PrefixIndex(block_size)

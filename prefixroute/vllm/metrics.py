@@ -18,7 +18,7 @@ import httpx
 from prometheus_client.parser import text_fd_to_metric_families
 from sortedcontainers import SortedDict
 
-from prefixroute.errors import MetricsError
+from prefixroute.errors import InvalidTypeError, MetricsError
 from prefixroute.vllm._checks import check_seconds
 
 __all__ = ["MAX_METRICS_BYTES", "EngineMetrics", "fetch_metrics", "metrics_url", "parse_metrics"]
@@ -86,9 +86,11 @@ def parse_metrics(text: str, *, deadline: float | None = None) -> EngineMetrics:
         TypeError: ``text`` is not a str (decode a body first), or ``deadline`` not a number or None.
     """
     if not isinstance(text, str):
-        raise TypeError(f"text must be the metrics text as a str (decode the body first), not {type(text).__name__}")
+        raise InvalidTypeError(
+            f"text must be the metrics text as a str (decode the body first), not {type(text).__name__}"
+        )
     if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))):
-        raise TypeError(f"deadline must be a time.monotonic() instant or None, not {type(deadline).__name__}")
+        raise InvalidTypeError(f"deadline must be a time.monotonic() instant or None, not {type(deadline).__name__}")
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     # Bucket bound → cumulative count, summed over every series (engines, data-parallel ranks), kept in bound order.
@@ -293,7 +295,7 @@ def metrics_url(url: str) -> str:
         TypeError: ``url`` is not a str.
     """
     if not isinstance(url, str):
-        raise TypeError(f"url must be a str like 'http://gpu0:8000', not {type(url).__name__}")
+        raise InvalidTypeError(f"url must be a str like 'http://gpu0:8000', not {type(url).__name__}")
     cut = min([i for i in (url.find("?"), url.find("#")) if i >= 0], default=len(url))
     base, tail = url[:cut].rstrip("/"), url[cut:]
     path_start = base.find("/", base.find("://") + 3)  # -1: no path, only a host (which may be called "metrics")

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterable
 
 from prefixroute._numbers import shown
-from prefixroute.errors import ConfigurationError
+from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.index import IndexUpdate, check_update
 from prefixroute.vllm._checks import check_endpoint
 from prefixroute.vllm.tracker import IndexOps, IndexWriter
@@ -57,7 +57,7 @@ class RankMerge:
             or isinstance(block_size, bool)
             or not isinstance(block_size, int)
         ):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"writer must be an IndexWriter (a Router, or anything with write(backend, updates) and an int "
                 f"block_size), not {type(writer).__name__}"
             )
@@ -83,9 +83,9 @@ class RankMerge:
             InvalidEventError: a hash or parent is not an int in [0, 2**64) (nothing counted).
         """
         if not isinstance(backend, str):
-            raise TypeError(f"backend must be a str id, not {type(backend).__name__}")
+            raise InvalidTypeError(f"backend must be a str id, not {type(backend).__name__}")
         if isinstance(updates, (str, bytes)) or not isinstance(updates, Iterable):
-            raise TypeError(f"updates must be an iterable of index updates, not {type(updates).__name__}")
+            raise InvalidTypeError(f"updates must be an iterable of index updates, not {type(updates).__name__}")
         # Checked whole before anything is counted: a count the writer never sees would keep a block for good.
         updates = [check_update(update) for update in updates]
         with self._lock:

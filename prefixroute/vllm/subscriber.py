@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 
 from prefixroute._numbers import shown
-from prefixroute.errors import ConfigurationError, InvalidEventError
+from prefixroute.errors import ConfigurationError, InvalidEventError, InvalidTypeError
 from prefixroute.vllm._checks import check_callable, check_count, check_endpoint, check_seconds, sparse_level
 from prefixroute.vllm.events import EventDecoder
 from prefixroute.vllm.tracker import BlockTracker, IndexOps, IndexWriter, TrackerStats
@@ -118,12 +118,12 @@ class KVEventSubscriber:
         clock: Callable[[], float] = time.time,
     ) -> None:
         if not isinstance(backend, str):
-            raise TypeError(f"backend must be a str id, not {type(backend).__name__}")
+            raise InvalidTypeError(f"backend must be a str id, not {type(backend).__name__}")
         check_endpoint(endpoint, "endpoint", "tcp://gpu0:5557")
         if replay_endpoint is not None:
             check_endpoint(replay_endpoint, "replay_endpoint", "tcp://gpu0:5558")
         if not isinstance(topic, str):
-            raise TypeError(f"topic must be a str, not {type(topic).__name__}")
+            raise InvalidTypeError(f"topic must be a str, not {type(topic).__name__}")
         check_seconds(replay_timeout, "replay_timeout")
         check_count(max_batches_per_apply, "max_batches_per_apply")
         check_count(max_sequence_jump, "max_sequence_jump")
@@ -343,7 +343,7 @@ class KVEventSubscriber:
             now = self._clock()
             lag = now - timestamps[-1]
             if not isinstance(lag, float):
-                raise TypeError(f"clock() returned {type(now).__name__}, not seconds since the epoch")
+                raise InvalidTypeError(f"clock() returned {type(now).__name__}, not seconds since the epoch")
             self._last_lag = lag
             if self._lag_observer is not None:
                 for ts in timestamps:

@@ -17,7 +17,7 @@ from typing import Protocol, TypeAlias
 import cachetools
 
 from prefixroute._numbers import shown
-from prefixroute.errors import InvalidEventError, InvalidPromptError
+from prefixroute.errors import InvalidEventError, InvalidPromptError, InvalidTypeError
 from prefixroute.hashing import BlockHasher, encode_tokens
 from prefixroute.index import IndexUpdate
 from prefixroute.vllm._checks import sparse_level
@@ -51,9 +51,9 @@ def lora_namespace(namespace: str | bytes | None, lora_name: str | None) -> str 
         TypeError: ``namespace`` is not a str, bytes or None, or ``lora_name`` not a str or None.
     """
     if namespace is not None and not isinstance(namespace, (str, bytes)):
-        raise TypeError(f"namespace must be a str, bytes or None, not {type(namespace).__name__}")
+        raise InvalidTypeError(f"namespace must be a str, bytes or None, not {type(namespace).__name__}")
     if lora_name is not None and not isinstance(lora_name, str):
-        raise TypeError(f"lora_name must be the adapter's name (a str) or None, not {type(lora_name).__name__}")
+        raise InvalidTypeError(f"lora_name must be the adapter's name (a str) or None, not {type(lora_name).__name__}")
     if lora_name is None:
         return namespace
     if namespace is None:
@@ -319,14 +319,14 @@ def _prepared(event: KVCacheEvent, block_size: int) -> _Ready | None:
 def _events(events: Iterable[KVCacheEvent]) -> list[KVCacheEvent]:
     """``events`` as a list, every item a known event; else TypeError (before any event applies)."""
     if isinstance(events, (str, bytes)):
-        raise TypeError(f"events must be an iterable of KV events, not {type(events).__name__}")
+        raise InvalidTypeError(f"events must be an iterable of KV events, not {type(events).__name__}")
     try:
         items = list(events)
     except TypeError:
-        raise TypeError(f"events must be an iterable of KV events, not {type(events).__name__}") from None
+        raise InvalidTypeError(f"events must be an iterable of KV events, not {type(events).__name__}") from None
     for position, event in enumerate(items):
         if not isinstance(event, (BlockStored, BlockRemoved, AllBlocksCleared)):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"event {position} is of type {type(event).__name__}, not a BlockStored, BlockRemoved or "
                 "AllBlocksCleared (EventDecoder.decode() gives those)"
             )

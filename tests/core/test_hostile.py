@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -17,6 +18,7 @@ from prefixroute import (
     InvalidEventError,
     InvalidPromptError,
     InvalidTraceError,
+    InvalidTypeError,
     LinearTTFT,
     MetricsError,
     NoBackendError,
@@ -26,6 +28,7 @@ from prefixroute import (
     PrefixRouteError,
     Random,
     Router,
+    kv_fraction,
     policy_from_name,
 )
 
@@ -104,6 +107,29 @@ def test_misused_decisions_and_arguments_raise_errors_of_the_tree() -> None:
                   MetricsError):  # fmt: skip
         assert issubclass(error, PrefixRouteError) and issubclass(error, ValueError)
     assert issubclass(NoBackendError, LookupError) and issubclass(PolicyError, TypeError)
+    assert issubclass(InvalidTypeError, PrefixRouteError) and issubclass(InvalidTypeError, TypeError)
+
+
+def test_a_wrong_type_is_an_error_of_the_tree_and_a_type_error() -> None:
+    """One exception tree: ``except PrefixRouteError`` catches a wrong argument type too, as ``except TypeError``
+    does."""
+    router = Router(block_size=4)
+    calls: list[Callable[[], object]] = [
+        lambda: router.route("some text", ["a"]),  # type: ignore[arg-type]
+        lambda: router.route([1, 2, 3, 4], "a"),
+        lambda: router.route([1, 2, 3, 4], [1]),  # type: ignore[list-item]
+        lambda: router.start(None),  # type: ignore[arg-type]
+        lambda: router.in_flight(["a"]),  # type: ignore[arg-type]
+        lambda: Router(policy="bounded-load"),  # type: ignore[arg-type]
+        lambda: PrefixIndex(4).match([1], "a"),
+        lambda: kv_fraction(None),  # type: ignore[arg-type]
+        lambda: BoundedLoad().choose([None]),  # type: ignore[list-item]
+    ]
+    for call in calls:
+        with pytest.raises(InvalidTypeError) as caught:
+            call()
+        assert isinstance(caught.value, TypeError) and isinstance(caught.value, PrefixRouteError)
+    router._check()
 
 
 def test_in_flight_and_stats_end_expired_leases_without_a_new_route() -> None:

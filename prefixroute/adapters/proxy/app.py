@@ -30,7 +30,7 @@ from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEn
 from prefixroute.adapters.serve.contract import base_model_names, is_refusal, json_error, without_bom
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.adapters.urls import check_backend_url
-from prefixroute.errors import ConfigurationError, PolicyError
+from prefixroute.errors import ConfigurationError, InvalidTypeError, PolicyError
 from prefixroute.router import Decision, Router
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ class Proxy:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(router, Router):
-            raise TypeError(f"router must be a prefixroute.Router, not {type(router).__name__}")
+            raise InvalidTypeError(f"router must be a prefixroute.Router, not {type(router).__name__}")
         urls = [check_backend_url(url) for url in backends]
         if not urls:
             raise ConfigurationError("the proxy needs at least one backend URL, like http://127.0.0.1:8000")

@@ -45,7 +45,7 @@ from prefixroute.adapters.serve.contract import (
 from prefixroute.adapters.serve.metrics import SidecarMetrics
 from prefixroute.adapters.serve.text import PromptEncoder
 from prefixroute.adapters.urls import check_backend_url
-from prefixroute.errors import ConfigurationError, NoBackendError, PolicyError, PrefixRouteError
+from prefixroute.errors import ConfigurationError, InvalidTypeError, NoBackendError, PolicyError, PrefixRouteError
 from prefixroute.router import Decision, Router
 
 _log = logging.getLogger("prefixroute.serve")
@@ -113,7 +113,7 @@ class Sidecar:
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if not isinstance(router, Router):
-            raise TypeError(f"router must be a prefixroute.Router, not {type(router).__name__}")
+            raise InvalidTypeError(f"router must be a prefixroute.Router, not {type(router).__name__}")
         for backend in backends:
             upstream_of(backend, strict=True)
         if len(set(backends)) != len(backends):
@@ -494,7 +494,7 @@ def upstream_of(backend: str, *, strict: bool = False) -> str:
             (see :func:`~prefixroute.adapters.urls.check_backend_url`).
     """
     if not isinstance(backend, str):
-        raise TypeError(f"a backend is a URL str, not {type(backend).__name__}")
+        raise InvalidTypeError(f"a backend is a URL str, not {type(backend).__name__}")
     if strict:
         check_backend_url(backend, path=False)
     try:

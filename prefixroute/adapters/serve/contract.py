@@ -18,6 +18,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from prefixroute.errors import InvalidTypeError
+
 __all__ = [
     "BadRequest",
     "base_model_names",
@@ -80,7 +82,7 @@ def is_refusal(status: int) -> bool:
         TypeError: ``status`` is not an int (a str from a header: convert it first).
     """
     if isinstance(status, bool) or not isinstance(status, int):
-        raise TypeError(f"an HTTP status is an int such as 400, not {type(status).__name__}")
+        raise InvalidTypeError(f"an HTTP status is an int such as 400, not {type(status).__name__}")
     return 400 <= status < 500 and status not in (408, 499)
 
 
