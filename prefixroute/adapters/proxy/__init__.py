@@ -7,7 +7,31 @@
 
 from __future__ import annotations
 
-from prefixroute.adapters.proxy.app import Proxy, ProxyStats
-from prefixroute.adapters.proxy.prompts import ByteEncoder, PromptEncoding, TokenizerEncoder
+import importlib
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prefixroute.adapters.proxy.app import Proxy, ProxyStats
+    from prefixroute.adapters.proxy.prompts import ByteEncoder, PromptEncoding, TokenizerEncoder
 
 __all__ = ["ByteEncoder", "PromptEncoding", "Proxy", "ProxyStats", "TokenizerEncoder"]
+
+# Imported on first use: the LiteLLM and Ray adapters use prompts.py without this package's own extra (aiohttp,
+# pyzmq, prometheus-client).
+_HOMES = MappingProxyType(
+    {
+        "Proxy": "app",
+        "ProxyStats": "app",
+        "ByteEncoder": "prompts",
+        "PromptEncoding": "prompts",
+        "TokenizerEncoder": "prompts",
+    }
+)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)

@@ -8,9 +8,34 @@ See ``docs/adapters.md`` for the proxy set-ups.
 
 from __future__ import annotations
 
-from prefixroute.adapters.serve.app import Sidecar, upstream_of
-from prefixroute.adapters.serve.contract import BadRequest
-from prefixroute.adapters.serve.release import ReleaseProtocol, release_ids
-from prefixroute.adapters.serve.text import PromptEncoder
+import importlib
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prefixroute.adapters.serve.app import Sidecar, upstream_of
+    from prefixroute.adapters.serve.contract import BadRequest
+    from prefixroute.adapters.serve.release import ReleaseProtocol, release_ids
+    from prefixroute.adapters.serve.text import PromptEncoder
 
 __all__ = ["BadRequest", "PromptEncoder", "ReleaseProtocol", "Sidecar", "release_ids", "upstream_of"]
+
+# Imported on first use: the LiteLLM and Ray adapters use contract.py without this package's own extra (uvicorn,
+# grpcio).
+_HOMES = MappingProxyType(
+    {
+        "Sidecar": "app",
+        "upstream_of": "app",
+        "BadRequest": "contract",
+        "ReleaseProtocol": "release",
+        "release_ids": "release",
+        "PromptEncoder": "text",
+    }
+)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
