@@ -7,9 +7,9 @@
 
 from __future__ import annotations
 
-import importlib
-from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from prefixroute.adapters import lazy_names
 
 if TYPE_CHECKING:
     from prefixroute.adapters.proxy.app import Proxy, ProxyStats
@@ -19,19 +19,13 @@ __all__ = ["ByteEncoder", "PromptEncoding", "Proxy", "ProxyStats", "TokenizerEnc
 
 # Imported on first use: the LiteLLM and Ray adapters use prompts.py without this package's own extra (aiohttp,
 # pyzmq, prometheus-client).
-_HOMES = MappingProxyType(
+__getattr__ = lazy_names(
+    __name__,
     {
         "Proxy": "app",
         "ProxyStats": "app",
         "ByteEncoder": "prompts",
         "PromptEncoding": "prompts",
         "TokenizerEncoder": "prompts",
-    }
+    },
 )
-
-
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{home}"), name)

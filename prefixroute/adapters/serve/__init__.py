@@ -8,9 +8,9 @@ See ``docs/adapters.md`` for the proxy set-ups.
 
 from __future__ import annotations
 
-import importlib
-from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from prefixroute.adapters import lazy_names
 
 if TYPE_CHECKING:
     from prefixroute.adapters.serve.app import Sidecar, upstream_of
@@ -22,7 +22,8 @@ __all__ = ["BadRequest", "PromptEncoder", "ReleaseProtocol", "Sidecar", "release
 
 # Imported on first use: the LiteLLM and Ray adapters use contract.py without this package's own extra (uvicorn,
 # grpcio).
-_HOMES = MappingProxyType(
+__getattr__ = lazy_names(
+    __name__,
     {
         "Sidecar": "app",
         "upstream_of": "app",
@@ -30,12 +31,5 @@ _HOMES = MappingProxyType(
         "ReleaseProtocol": "release",
         "release_ids": "release",
         "PromptEncoder": "text",
-    }
+    },
 )
-
-
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
