@@ -432,9 +432,11 @@ class Router:
             candidates = self._candidates(order, matched, prompt_len)
             try:
                 chosen = self._policy.choose(candidates)
-            except PrefixRouteError:  # the library's own (a call back into the router, a policy's deliberate one)
-                raise
             except Exception as exc:  # a bug in the policy: one error a gateway can tell from a bad request
+                if isinstance(exc, PrefixRouteError) and not isinstance(exc, InvalidTypeError):
+                    raise  # the library's own (a call back into the router, a policy's deliberate one)
+                # A wrong type inside choose() (a library helper given something else than a Candidate) is the
+                # policy's bug too: the candidates are the router's.
                 raise PolicyError(
                     f"policy {shown(self._policy)} raised {type(exc).__name__}: {_text(exc)} (in its choose(); "
                     "the original exception is this one's __cause__; fix the policy)"

@@ -12,6 +12,7 @@ from prefixroute import (
     Candidate,
     ConfigurationError,
     InvalidPromptError,
+    InvalidTypeError,
     LoadPolicy,
     NoBackendError,
     PolicyError,
@@ -174,7 +175,9 @@ def test_a_policy_returning_a_foreign_candidate_is_an_error_and_changes_nothing(
     assert len(router.index) == 0
 
 
-@pytest.mark.parametrize("error", [KeyError("boom"), ValueError("boom"), TypeError("boom")])
+@pytest.mark.parametrize(
+    "error", [KeyError("boom"), ValueError("boom"), TypeError("boom"), InvalidTypeError("boom from kv_fraction()")]
+)
 def test_an_exception_from_a_policy_is_a_policy_error_with_its_cause_and_changes_nothing(error: Exception) -> None:
     class Buggy(LoadPolicy):
         def choose(self, candidates: object) -> Candidate:
