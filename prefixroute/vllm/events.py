@@ -21,6 +21,7 @@ from typing import Any, Literal, TypeAlias
 
 import msgspec
 
+from prefixroute._numbers import shown
 from prefixroute.errors import ConfigurationError, InvalidEventError, InvalidTypeError
 
 __all__ = [
@@ -168,9 +169,12 @@ class EventDecoder:
 
         Raises:
             InvalidEventError: the payload is not msgpack, not an ``[ts, events, rank]`` array (or a map with those
-                keys), nests arrays or maps too deeply to decode, or holds a known event with a missing or mistyped
-                field (the message says which).
+                keys), nests arrays or maps too deeply to decode, holds an event whose type tag is not a str, or
+                holds a known event with a missing or mistyped field (the message says which).
+            InvalidTypeError: ``payload`` is not bytes, a bytearray or a memoryview.
         """
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise InvalidTypeError(f"payload must be bytes, not {type(payload).__name__}")
         try:
             return self._decode(payload)
         except RecursionError:
@@ -202,6 +206,8 @@ class EventDecoder:
             raise InvalidEventError(
                 f"KV event payload is not an EventBatch [ts, events, data_parallel_rank]: {exc}"
             ) from exc
+        except msgspec.DecodeError as exc:  # truncated after what made the typed decoders give up
+            raise InvalidEventError(f"KV event payload is not valid msgpack: {exc}") from exc
         events: list[Event] = []
         for position, item in enumerate(raw.events):
             event = self._decode_event(item, position)
@@ -219,10 +225,10 @@ class EventDecoder:
             raise InvalidEventError(
                 f"KV event {position} is {type(generic).__name__}, not a tagged array or a map with a 'type' key"
             )
+        if not isinstance(tag, str):  # checked first: a list or map tag is unhashable, no set member
+            raise InvalidEventError(f"KV event {position} has no event type tag (got {shown(tag)})")
         if tag not in _KNOWN_TAGS:
-            if isinstance(tag, str):
-                return None  # an event type from a newer vLLM: skipped, as documented
-            raise InvalidEventError(f"KV event {position} has no event type tag (got {tag!r})")
+            return None  # an event type from a newer vLLM: skipped, as documented
         try:
             event: Event = decoder.decode(item)
         except msgspec.ValidationError as exc:
@@ -249,8 +255,8 @@ def encode_batch(batch: EventBatch, *, encoding: Literal["array", "map"] = "arra
     """
     if not isinstance(batch, EventBatch):
         raise InvalidTypeError(f"batch must be an EventBatch, not {type(batch).__name__}")
-    if encoding not in ("array", "map"):
-        raise ConfigurationError(f"encoding must be 'array' or 'map', not {encoding!r}")
+    if not isinstance(encoding, str) or encoding not in ("array", "map"):  # an array's == is no bool
+        raise ConfigurationError(f"encoding must be 'array' or 'map', not {shown(encoding)}")
     if not isinstance(batch.events, (list, tuple)):
         raise InvalidTypeError(f"EventBatch.events must be a list of events, not {type(batch.events).__name__}")
     for position, event in enumerate(batch.events):

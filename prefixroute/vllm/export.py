@@ -8,6 +8,7 @@ registry=...)`` or ``generate_latest(registry)``.
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -16,8 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from prefixroute._numbers import shown
-from prefixroute.errors import InvalidTypeError
+from prefixroute._numbers import is_finite_number, shown
+from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.index import PrefixIndex
 from prefixroute.router import Decision
 from prefixroute.vllm.fleet import Fleet
@@ -27,6 +28,8 @@ __all__ = ["ROUTE_LATENCY_BUCKETS", "RouterMetrics"]
 
 ROUTE_LATENCY_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1)
 """``route()`` latency buckets in seconds: route() is a few microseconds to a fraction of a millisecond."""
+
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 
 class RouterMetrics:
@@ -53,12 +56,23 @@ class RouterMetrics:
     >>> metrics.observe(Router().route(list(range(32)), ["gpu0"]), 0.00002)
     >>> registry.get_sample_value("prefixroute_decisions_total", {"backend": "gpu0", "reason": "miss"})
     1.0
+
+    Raises:
+        TypeError: ``registry`` is not a ``CollectorRegistry``, or ``prefix`` not a str.
+        ConfigurationError: ``prefix`` is not a Prometheus metric name (``[a-zA-Z_:][a-zA-Z0-9_:]*``).
     """
 
     def __init__(self, registry: CollectorRegistry, *, prefix: str = "prefixroute") -> None:
         if not isinstance(registry, CollectorRegistry):
             raise InvalidTypeError(
                 f"registry must be a prometheus_client CollectorRegistry, not {type(registry).__name__}"
+            )
+        if not isinstance(prefix, str):
+            raise InvalidTypeError(f"prefix must be a str, not {type(prefix).__name__}")
+        if not _METRIC_NAME.fullmatch(prefix):
+            raise ConfigurationError(
+                f"prefix must be a Prometheus metric name ([a-zA-Z_:][a-zA-Z0-9_:]*), like 'prefixroute', not "
+                f"{shown(prefix)}"
             )
         self._prefix = prefix
         self._decisions = Counter(
@@ -87,7 +101,16 @@ class RouterMetrics:
         registry.register(_StateCollector(self))
 
     def observe(self, decision: Decision, seconds: float) -> None:
-        """Count one decision and the seconds its ``route()`` call took. O(1)."""
+        """Count one decision and the seconds its ``route()`` call took. O(1).
+
+        Raises:
+            TypeError: ``decision`` is not a :class:`~prefixroute.Decision`.
+            ConfigurationError: ``seconds`` is not a finite number >= 0 (nothing counted).
+        """
+        if not isinstance(decision, Decision):
+            raise InvalidTypeError(f"decision must be a prefixroute.Decision, not {type(decision).__name__}")
+        if not is_finite_number(seconds) or seconds < 0:
+            raise ConfigurationError(f"seconds must be a finite number >= 0, not {shown(seconds)}")
         self._decisions.labels(decision.backend, decision.reason).inc()
         self._matched.labels("predicted").inc(decision.matched_tokens)
         self._prompt.inc(decision.prompt_tokens)
@@ -101,27 +124,51 @@ class RouterMetrics:
         """Count prompt tokens the engine reported as served from its prefix cache for one request. O(1).
 
         Raises:
-            ValueError: ``cached_tokens`` is not a non-negative int.
+            TypeError: ``cached_tokens`` is not an int.
+            ConfigurationError: ``cached_tokens`` is negative or too large for a float (a ValueError).
         """
-        if isinstance(cached_tokens, bool) or not isinstance(cached_tokens, int) or cached_tokens < 0:
-            raise ValueError(f"cached_tokens must be an int >= 0, not {shown(cached_tokens)}")
+        if isinstance(cached_tokens, bool) or not isinstance(cached_tokens, int):
+            raise InvalidTypeError(f"cached_tokens must be an int >= 0, not {type(cached_tokens).__name__}")
+        if not 0 <= cached_tokens < 2**63:
+            raise ConfigurationError(f"cached_tokens must be an int >= 0 and below 2**63, not {shown(cached_tokens)}")
         self._matched.labels("served").inc(cached_tokens)
 
     def watch_index(self, index: PrefixIndex, *, lock: threading.Lock | None = None) -> None:
         """Export ``index``'s blocks per backend at each scrape (read under ``lock`` when given).
 
         A router's index (``router.index``) needs no lock: the per-backend counts are read as a snapshot.
+
+        Raises:
+            TypeError: ``index`` is not a :class:`~prefixroute.PrefixIndex`, or ``lock`` not a lock or None.
         """
+        if not isinstance(index, PrefixIndex):
+            raise InvalidTypeError(f"index must be a prefixroute.PrefixIndex, not {type(index).__name__}")
+        if lock is not None and not (
+            callable(getattr(lock, "__enter__", None)) and callable(getattr(lock, "__exit__", None))
+        ):
+            raise InvalidTypeError(f"lock must be a lock (a context manager) or None, not {type(lock).__name__}")
         with self._watch_lock:
             self._indexes.append((index, lock))
 
     def watch_subscriber(self, subscriber: KVEventSubscriber) -> None:
-        """Export a KV-event subscriber's lag, batches, gaps and restarts at each scrape."""
+        """Export a KV-event subscriber's lag, batches, gaps and restarts at each scrape.
+
+        Raises:
+            TypeError: ``subscriber`` is not a :class:`~prefixroute.vllm.KVEventSubscriber`.
+        """
+        if not isinstance(subscriber, KVEventSubscriber):
+            raise InvalidTypeError(f"subscriber must be a KVEventSubscriber, not {type(subscriber).__name__}")
         with self._watch_lock:
             self._subscribers.append(subscriber)
 
     def watch_fleet(self, fleet: Fleet) -> None:
-        """Export the KV-event figures of every backend ``fleet`` has at each scrape (backends come and go)."""
+        """Export the KV-event figures of every backend ``fleet`` has at each scrape (backends come and go).
+
+        Raises:
+            TypeError: ``fleet`` is not a :class:`~prefixroute.vllm.Fleet`.
+        """
+        if not isinstance(fleet, Fleet):
+            raise InvalidTypeError(f"fleet must be a prefixroute.vllm.Fleet, not {type(fleet).__name__}")
         with self._watch_lock:
             self._fleets.append(fleet)
 

@@ -303,7 +303,10 @@ class Fleet:
             )
         with self._lock:
             members = dict(self._members)
-        names = list(members) if backends is None else list(backends)
+        try:
+            names = list(members) if backends is None else list(backends)
+        except TypeError:
+            raise InvalidTypeError(f"backends must be an iterable of str ids, not {type(backends).__name__}") from None
         for name in names:
             if not isinstance(name, str):
                 raise InvalidTypeError(f"backends must hold str ids, not {type(name).__name__}")
@@ -318,7 +321,13 @@ class Fleet:
 
     def subscribers(self, backend: str) -> list[KVEventSubscriber]:
         """``backend``'s KV-event subscribers, one per endpoint in the order given (one per data-parallel rank);
-        empty without ``kv_events`` or for a backend the fleet does not have."""
+        empty without ``kv_events`` or for a backend the fleet does not have.
+
+        Raises:
+            TypeError: ``backend`` is not a str.
+        """
+        if not isinstance(backend, str):
+            raise InvalidTypeError(f"backend must be a str id, not {type(backend).__name__}")
         with self._lock:
             member = self._members.get(backend)
         return [] if member is None else list(member.subscribers)

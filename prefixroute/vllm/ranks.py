@@ -82,8 +82,7 @@ class RankMerge:
                 (nothing counted).
             InvalidEventError: a hash or parent is not an int in [0, 2**64) (nothing counted).
         """
-        if not isinstance(backend, str):
-            raise InvalidTypeError(f"backend must be a str id, not {type(backend).__name__}")
+        _check_backend(backend)
         if isinstance(updates, (str, bytes)) or not isinstance(updates, Iterable):
             raise InvalidTypeError(f"updates must be an iterable of index updates, not {type(updates).__name__}")
         # Checked whole before anything is counted: a count the writer never sees would keep a block for good.
@@ -113,12 +112,24 @@ class RankMerge:
                 self._writer.write(backend, merged)
 
     def holders(self, backend: str, block_hash: int) -> int:
-        """How many ranks hold ``block_hash`` for ``backend``, as their subscribers wrote. O(1)."""
+        """How many ranks hold ``block_hash`` for ``backend``, as their subscribers wrote. O(1).
+
+        Raises:
+            TypeError: ``backend`` is not a str or ``block_hash`` not an int.
+        """
+        _check_backend(backend)
+        if isinstance(block_hash, bool) or not isinstance(block_hash, int):
+            raise InvalidTypeError(f"block_hash must be an int, not {type(block_hash).__name__}")
         with self._lock:
             return self._holders.get(backend, {}).get(block_hash, 0)
 
     def blocks(self, backend: str) -> int:
-        """How many distinct blocks at least one rank of ``backend`` holds. O(1)."""
+        """How many distinct blocks at least one rank of ``backend`` holds. O(1).
+
+        Raises:
+            TypeError: ``backend`` is not a str.
+        """
+        _check_backend(backend)
         with self._lock:
             return len(self._holders.get(backend, ()))
 
@@ -126,6 +137,11 @@ class RankMerge:
         with self._lock:
             counts = {backend: len(held) for backend, held in self._holders.items()}
         return f"RankMerge(blocks={counts!r})"
+
+
+def _check_backend(backend: object) -> None:
+    if not isinstance(backend, str):
+        raise InvalidTypeError(f"backend must be a str id, not {type(backend).__name__}")
 
 
 def rank_endpoint(endpoint: str, rank: int) -> str:

@@ -94,8 +94,9 @@ class KVEventSubscriber:
     Raises:
         ConfigurationError: an endpoint is not a ZMQ address, ``writer.block_size`` differs from the hasher's, or an
             option is not a finite positive number (an int where a count).
-        TypeError: ``backend`` or ``topic`` is not a str, ``namespace`` not a str, bytes or None, ``lag_observer``
-            not a callable or None, ``clock`` not a callable.
+        TypeError: ``writer`` has no ``write`` method or no int ``block_size``, ``backend`` or ``topic`` is not a
+            str, ``namespace`` not a str, bytes or None, ``lag_observer`` not a callable or None, ``clock`` not a
+            callable.
 
     >>> with KVEventSubscriber(router, "gpu0", "tcp://127.0.0.1:5557") as sub:   # doctest: +SKIP
     ...     ...
@@ -117,6 +118,16 @@ class KVEventSubscriber:
         lag_observer: Callable[[float], None] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        block_size = getattr(writer, "block_size", None)
+        if (
+            not callable(getattr(writer, "write", None))
+            or isinstance(block_size, bool)
+            or not isinstance(block_size, int)
+        ):
+            raise InvalidTypeError(
+                f"writer must be an IndexWriter (a Router, a RankMerge, or anything with write(backend, updates) and "
+                f"an int block_size), not {type(writer).__name__}"
+            )
         if not isinstance(backend, str):
             raise InvalidTypeError(f"backend must be a str id, not {type(backend).__name__}")
         check_endpoint(endpoint, "endpoint", "tcp://gpu0:5557")
@@ -139,7 +150,7 @@ class KVEventSubscriber:
             raise ConfigurationError(f"reconnect_backoff must be (low, high) with low <= high, not {reconnect_backoff}")
         check_callable(lag_observer, "lag_observer", "taking a lag in seconds", optional=True)
         check_callable(clock, "clock", "returning seconds since the epoch")
-        self._tracker = BlockTracker(block_size=writer.block_size, namespace=namespace)  # validates the block size
+        self._tracker = BlockTracker(block_size=block_size, namespace=namespace)  # validates the block size
         self.writer = writer
         self.backend = backend
         self.endpoint = endpoint
