@@ -44,7 +44,7 @@ from typing import Any
 import cachetools
 from litellm.integrations.custom_logger import CustomLogger
 
-from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens
+from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, check_encoder, request_tokens
 from prefixroute.adapters.serve.contract import is_refusal
 from prefixroute.errors import InvalidTypeError, PolicyError
 from prefixroute.router import Router, _check_lease
@@ -104,9 +104,8 @@ class PrefixRouteHook(CustomLogger):
         super().__init__()
         if not isinstance(router, Router):
             raise InvalidTypeError(f"router must be a prefixroute.Router, not {type(router).__name__}")
-        if encoder is not None and not (callable(getattr(encoder, "encode", None))
-                                        and callable(getattr(encoder, "encode_chat", None))):  # fmt: skip
-            raise InvalidTypeError(f"encoder must have encode() and encode_chat(), not {type(encoder).__name__}")
+        if encoder is not None:
+            check_encoder(encoder)
         self.router = router
         self._encoder: PromptEncoding = encoder if encoder is not None else ByteEncoder()
         self._groups = None if model_groups is None else _group_names(model_groups, "model_groups")

@@ -90,9 +90,10 @@ class PromptTokenizer:
 
         Raises:
             ConfigurationError: the file is missing or is not a tokenizer file.
+            TypeError: ``path`` is not a str or path.
         """
-        file = Path(path)
-        if not file.is_file():
+        file = tokenizer_path(path)
+        if not _looked_up(file.is_file):
             raise ConfigurationError(
                 f"tokenizer file {str(file)!r} not found: pass the path of the model's local tokenizer.json "
                 "(prefixroute never downloads tokenizers)"
@@ -154,7 +155,7 @@ class PromptTokenizer:
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Return the token ids of each text, encoded in parallel by the Rust library (no piece cache)."""
-        if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+        if isinstance(texts, str) or not isinstance(texts, Iterable) or not all(isinstance(t, str) for t in texts):
             raise InvalidTypeError("texts must be a sequence of str")
         encodings = self._encode(list(texts), add_special_tokens=self._add_special_tokens)
         return [encoding.ids for encoding in encodings]
@@ -170,6 +171,25 @@ class PromptTokenizer:
                     raise error from None
             raise
         return encodings
+
+
+def tokenizer_path(path: object) -> Path:
+    """``path`` as a Path, else InvalidTypeError (a str or an ``os.PathLike`` is one)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidTypeError(f"a tokenizer path is a str or a path, not {type(path).__name__}")
+    return Path(path)
+
+
+def is_folder(path: Path) -> bool:
+    """``path.is_dir()``, False for a path the OS cannot even look up (a name too long, a NUL byte)."""
+    return _looked_up(path.is_dir)
+
+
+def _looked_up(test: Callable[[], bool]) -> bool:
+    try:
+        return test()
+    except (OSError, ValueError):  # Path.is_file() and is_dir() raise these for a name too long or a NUL byte
+        return False
 
 
 def _surrogate_error(text: str) -> InvalidPromptError | None:
@@ -357,10 +377,33 @@ def serialise_chat(messages: Sequence[Mapping[str, Any]]) -> str:
     A list content is joined from its parts' string ``text``; any other non-string content counts as empty.
     Conversations that share their first messages then share a text prefix (not the engine's exact tokens).
     O(total length).
+
+    Raises:
+        TypeError: ``messages`` is not a sequence (a str is not one).
+        InvalidPromptError: a message is not an object (a mapping).
     """
+    check_chat(messages)
     parts = [f"<|{message.get('role', '')}|>\n{_content(message.get('content'))}\n" for message in messages]
     parts.append("<|assistant|>\n")
     return "".join(parts)
+
+
+def check_chat(messages: object) -> None:
+    """Raise unless ``messages`` is a sequence of mappings (each message an object), as chat rendering reads them.
+
+    Raises:
+        TypeError: ``messages`` is not a sequence (a str is not one).
+        InvalidPromptError: a message is not an object (a mapping).
+    """
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise InvalidTypeError(
+            f'chat messages must be a list of {{"role", "content"}} objects, not {type(messages).__name__}'
+        )
+    for position, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise InvalidPromptError(
+                f"chat message {position} is a {type(message).__name__}, not an object with a 'role' and a 'content'"
+            )
 
 
 def _content(content: object) -> str:

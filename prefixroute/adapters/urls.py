@@ -59,7 +59,10 @@ def listen_host(text: str) -> str:
 
     Raises:
         argparse.ArgumentTypeError: what is wrong (argparse prints it as one line and exits 2).
+        TypeError: ``text`` is not a str.
     """
+    if not isinstance(text, str):
+        raise InvalidTypeError(f"a host is a str, not {type(text).__name__}")
     try:
         encodable = bool(text) and text.isascii() and text.isprintable() and " " not in text and text.encode("idna")
     except UnicodeError:  # "gpu0..lan", ".gpu0", a label of 64 characters

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +26,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 
-from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens
+from prefixroute._numbers import is_finite_number, shown
+from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, check_encoder, request_tokens
 from prefixroute.adapters.serve.contract import base_model_names, is_refusal, json_error, without_bom
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.adapters.urls import check_backend_url
@@ -101,7 +102,11 @@ class Proxy:
 
     Raises:
         ConfigurationError: no backends, a backend that is not an http(s) URL
-            (:func:`~prefixroute.adapters.urls.check_backend_url`), or a duplicate.
+            (:func:`~prefixroute.adapters.urls.check_backend_url`), or a duplicate; ``retries`` not an int >= 0,
+            ``max_failures`` not an int >= 1, ``cooldown`` or ``connect_timeout`` not a positive, finite number of
+            seconds.
+        TypeError: ``backends`` or ``base_models`` is not a collection of str (a str alone is not), ``encoder`` has
+            no ``encode()`` and ``encode_chat()``, ``fleet`` is not a Fleet, ``clock`` not a callable.
 
     :meth:`serve` runs it on the caller's event loop; :meth:`start` on a thread of its own (tests, examples).
     """
@@ -122,13 +127,25 @@ class Proxy:
     ) -> None:
         if not isinstance(router, Router):
             raise InvalidTypeError(f"router must be a prefixroute.Router, not {type(router).__name__}")
-        urls = [check_backend_url(url) for url in backends]
+        urls = [check_backend_url(url) for url in _names(backends, "backends", "backend URLs")]
         if not urls:
             raise ConfigurationError("the proxy needs at least one backend URL, like http://127.0.0.1:8000")
         if len(set(urls)) != len(urls):
             raise ConfigurationError(f"a backend URL appears twice in {urls}: name each backend once")
-        if retries < 0 or max_failures < 1 or not cooldown > 0 or not connect_timeout > 0:
-            raise ConfigurationError("retries must be >= 0, max_failures >= 1, cooldown and connect_timeout > 0")
+        for name, count, least in (("retries", retries, 0), ("max_failures", max_failures, 1)):
+            if isinstance(count, bool) or not isinstance(count, int) or count < least:
+                raise ConfigurationError(f"{name} must be an int >= {least}, not {shown(count)}")
+        for name, seconds in (("cooldown", cooldown), ("connect_timeout", connect_timeout)):
+            if not (is_finite_number(seconds) and seconds > 0):
+                raise ConfigurationError(f"{name} must be a positive, finite number of seconds, not {shown(seconds)}")
+        if encoder is not None:
+            check_encoder(encoder)
+        if fleet is not None and not callable(getattr(fleet, "healthy_backends", None)):
+            raise InvalidTypeError(f"fleet must be a prefixroute.vllm.Fleet or None, not {type(fleet).__name__}")
+        if base_models is not None:
+            base_models = _names(base_models, "base_models", "model names")
+        if not callable(clock):
+            raise InvalidTypeError(f"clock must be a callable returning seconds, not {type(clock).__name__}")
         self.router = router
         self.backends: tuple[str, ...] = tuple(urls)
         self._encoder: PromptEncoding = encoder if encoder is not None else ByteEncoder()
@@ -544,6 +561,17 @@ class _Refused(Exception):
         self.status = status
         self.body = body
         self.content_type = content_type
+
+
+def _names(values: object, name: str, what: str) -> list[str]:
+    """``values`` as a list of str, else InvalidTypeError (a str alone would be taken for its characters)."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise InvalidTypeError(f"{name} must be a collection of {what} (str), not {type(values).__name__}")
+    names = list(values)
+    for value in names:
+        if not isinstance(value, str):
+            raise InvalidTypeError(f"{name} must hold {what} (str), not {type(value).__name__}")
+    return names
 
 
 def _auth(request: web.Request) -> dict[str, str]:

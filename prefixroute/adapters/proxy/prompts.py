@@ -8,6 +8,7 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 
 from prefixroute.adapters.tokenize import PromptTokenizer, serialise_chat
+from prefixroute.errors import InvalidTypeError
 
 __all__ = ["BadRequest", "ByteEncoder", "PromptEncoding", "TokenizerEncoder", "request_tokens"]
 
@@ -32,10 +33,22 @@ class PromptEncoding(Protocol):
         """The token ids of a chat conversation, as rendered for the model."""
 
 
+def check_encoder(encoder: object) -> None:
+    """Raise InvalidTypeError unless ``encoder`` has callable ``encode()`` and ``encode_chat()`` (a PromptEncoding)."""
+    if not (callable(getattr(encoder, "encode", None)) and callable(getattr(encoder, "encode_chat", None))):
+        raise InvalidTypeError(f"encoder must have encode() and encode_chat(), not {type(encoder).__name__}")
+
+
 class TokenizerEncoder:
-    """Encode with the model's local ``tokenizer.json`` (chat messages serialised by :func:`serialise_chat`)."""
+    """Encode with the model's local ``tokenizer.json`` (chat messages serialised by :func:`serialise_chat`).
+
+    Raises:
+        TypeError: ``tokenizer`` is not a :class:`~prefixroute.adapters.tokenize.PromptTokenizer`.
+    """
 
     def __init__(self, tokenizer: PromptTokenizer) -> None:
+        if not isinstance(tokenizer, PromptTokenizer):
+            raise InvalidTypeError(f"tokenizer must be a PromptTokenizer, not {type(tokenizer).__name__}")
         self._tokenizer = tokenizer
 
     def encode(self, text: str) -> list[int]:
@@ -56,7 +69,13 @@ class ByteEncoder:
     """
 
     def encode(self, text: str) -> list[int]:
-        """O(len(text))."""
+        """O(len(text)).
+
+        Raises:
+            TypeError: ``text`` is not a str.
+        """
+        if not isinstance(text, str):
+            raise InvalidTypeError(f"text must be a str, not {type(text).__name__}")
         return list(text.encode("utf-8", "surrogatepass"))
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:

@@ -26,12 +26,13 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Collection, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, MutableMapping, Sequence
 from typing import Any, TypeGuard
 from urllib.parse import urlsplit
 
 import msgspec
 
+from prefixroute._numbers import shown
 from prefixroute.adapters.serve.contract import (
     BadRequest,
     FinishBody,
@@ -46,7 +47,7 @@ from prefixroute.adapters.serve.metrics import SidecarMetrics
 from prefixroute.adapters.serve.text import PromptEncoder
 from prefixroute.adapters.urls import check_backend_url
 from prefixroute.errors import ConfigurationError, InvalidTypeError, NoBackendError, PolicyError, PrefixRouteError
-from prefixroute.router import Decision, Router
+from prefixroute.router import Decision, Router, _check_lease
 
 _log = logging.getLogger("prefixroute.serve")
 
@@ -93,9 +94,11 @@ class Sidecar:
     0
 
     Raises:
-        ConfigurationError: a fixed backend is not an ``http(s)://host:port`` URL, ``lease`` is not positive,
-            ``base_models`` is not a collection of names, or ``accel_redirect`` is not printable ASCII (it is a
-            header value).
+        ConfigurationError: a fixed backend is not an ``http(s)://host:port`` URL, ``lease`` is not a positive,
+            finite number of seconds, ``models`` or ``base_models`` is not a collection of names, ``max_body_bytes``
+            is not a positive int, or ``accel_redirect`` is not printable ASCII (it is a header value).
+        TypeError: ``backends`` is not a list of URLs, ``encoder`` not a PromptEncoder, ``healthy`` or ``clock``
+            not a callable.
     """
 
     def __init__(
@@ -114,14 +117,31 @@ class Sidecar:
     ) -> None:
         if not isinstance(router, Router):
             raise InvalidTypeError(f"router must be a prefixroute.Router, not {type(router).__name__}")
+        if isinstance(backends, (str, bytes)) or not isinstance(backends, Iterable):
+            raise InvalidTypeError(f"backends must be a list of backend URLs, not {type(backends).__name__}")
+        backends = list(backends)
         for backend in backends:
             upstream_of(backend, strict=True)
         if len(set(backends)) != len(backends):
             raise ConfigurationError("a backend is listed twice: list each backend URL once")
-        if lease is not None and not (isinstance(lease, (int, float)) and 0 < lease < float("inf")):
-            raise ConfigurationError(f"lease must be a positive number of seconds or None, not {lease!r}")
-        if models is not None and (not models or not all(isinstance(m, str) and m for m in models)):
+        lease = _check_lease(lease)
+        if models is not None and (
+            isinstance(models, (str, bytes))
+            or not isinstance(models, Iterable)
+            or not (models := list(models))
+            or not all(isinstance(m, str) and m for m in models)
+        ):
             raise ConfigurationError("models must be a non-empty list of model names (or None to accept any)")
+        if encoder is not None and not (
+            isinstance(getattr(encoder, "vocab_size", None), int) and callable(getattr(encoder, "encode", None))
+            and callable(getattr(encoder, "encode_chat", None))
+        ):  # fmt: skip
+            raise InvalidTypeError(f"encoder must be a PromptEncoder or None, not {type(encoder).__name__}")
+        for name, function in (("healthy", healthy), ("clock", clock)):
+            if not callable(function) and not (name == "healthy" and function is None):
+                raise InvalidTypeError(f"{name} must be a callable, not {type(function).__name__}")
+        if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+            raise ConfigurationError(f"max_body_bytes must be a positive int, not {shown(max_body_bytes)}")
         if not (isinstance(accel_redirect, str) and accel_redirect.isascii() and accel_redirect.isprintable()
                 and accel_redirect.strip()):  # fmt: skip
             raise ConfigurationError(f"accel_redirect must be an nginx location like @prefixroute_upstream (printable "
@@ -132,7 +152,11 @@ class Sidecar:
         self.metrics = SidecarMetrics()
         self._encoder = encoder
         self._models = tuple(models) if models is not None else None
-        if isinstance(base_models, str) or not all(isinstance(m, str) for m in base_models):
+        if (
+            isinstance(base_models, (str, bytes))
+            or not isinstance(base_models, Iterable)
+            or not all(isinstance(m, str) for m in base_models)
+        ):
             raise ConfigurationError(f"base_models must be a collection of model names, not {base_models!r}")
         self.base_models: frozenset[str] = frozenset(base_models)
         """Without ``models``: the model names that route in the router's own namespace (may be replaced)."""

@@ -21,6 +21,7 @@ import re
 
 from prefixroute.adapters.serve.app import Sidecar
 from prefixroute.adapters.serve.contract import is_refusal
+from prefixroute.errors import InvalidTypeError
 
 __all__ = ["ReleaseProtocol", "refused", "release_ids"]
 
@@ -30,7 +31,13 @@ _STATUS = re.compile(rb"(?<![0-9A-Za-z_])status=([0-9]{3})(?![0-9])")
 
 
 def release_ids(datagram: bytes) -> list[tuple[str, str]]:
-    """``(what, decision id)`` for each release token in a log line, in order. O(len(datagram))."""
+    """``(what, decision id)`` for each release token in a log line, in order. O(len(datagram)).
+
+    Raises:
+        TypeError: ``datagram`` is not bytes.
+    """
+    if not isinstance(datagram, (bytes, bytearray, memoryview)):
+        raise InvalidTypeError(f"datagram must be bytes, not {type(datagram).__name__}")
     return [(what.decode(), decision_id.decode()) for what, decision_id in _TOKEN.findall(datagram)]
 
 

@@ -27,8 +27,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from prefixroute.adapters.tokenize import PromptTokenizer, serialise_chat
-from prefixroute.errors import ConfigurationError
+from prefixroute.adapters.tokenize import PromptTokenizer, check_chat, is_folder, serialise_chat, tokenizer_path
+from prefixroute.errors import ConfigurationError, InvalidPromptError
 
 __all__ = ["PromptEncoder"]
 
@@ -39,11 +39,12 @@ class PromptEncoder:
     Raises:
         ConfigurationError: the path holds no tokenizer.json, the file is not one, or the chat template does not
             compile.
+        TypeError: ``path`` is not a str or path.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        location = Path(path)
-        file = location / "tokenizer.json" if location.is_dir() else location
+        location = tokenizer_path(path)
+        file = location / "tokenizer.json" if is_folder(location) else location
         PromptTokenizer.from_file(file)  # its checks and messages for a missing or malformed file
         tokenizer = Tokenizer.from_file(str(file))
         self._text = PromptTokenizer(tokenizer)
@@ -65,17 +66,20 @@ class PromptEncoder:
         """Token ids of chat messages with the generation prompt appended. O(total length).
 
         Raises:
-            ValueError: a message is not an object with a string ``role``, or the template rejects the messages.
+            InvalidPromptError: a message is not an object with a string ``role``, or the template rejects the
+                messages (a ValueError).
+            TypeError: ``messages`` is not a sequence of messages.
         """
+        check_chat(messages)
         for message in messages:
-            if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-                raise ValueError("each chat message must be an object with a string 'role' and a 'content'")
+            if not isinstance(message.get("role"), str):
+                raise InvalidPromptError("each chat message must be an object with a string 'role' and a 'content'")
         if self._template is None:
             return self._chat.encode(serialise_chat(messages))
         try:
             text = self._template(messages=[_flattened(m) for m in messages], add_generation_prompt=True)
         except Exception as exc:  # the template's own raise_exception(), or a jinja error on odd messages
-            raise ValueError(f"the model's chat template rejected the messages: {exc}") from exc
+            raise InvalidPromptError(f"the model's chat template rejected the messages: {exc}") from exc
         return self._chat.encode(text)
 
 

@@ -1,0 +1,121 @@
+"""Defects the adapters' fuzz harness (test_fuzz_adapters.py) found: each case failed before its fix."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from prefixroute import ConfigurationError, InvalidPromptError, InvalidTypeError, Router
+from prefixroute.adapters.proxy import ByteEncoder, Proxy, TokenizerEncoder
+from prefixroute.adapters.serve import PromptEncoder, Sidecar, release_ids
+from prefixroute.adapters.tokenize import PromptTokenizer, serialise_chat
+from prefixroute.adapters.urls import listen_host
+
+_URL = ["http://127.0.0.1:8000"]
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("retries", "x"), ("retries", None), ("retries", True), ("retries", 1.5), ("retries", math.nan),
+     ("max_failures", None), ("cooldown", None), ("cooldown", math.inf),
+     ("cooldown", "10"), ("connect_timeout", None), ("connect_timeout", 10**400), ("connect_timeout", True)],
+)  # fmt: skip
+def test_proxy_numeric_options_are_configuration_errors_when_given_never_raw_type_errors(
+    option: str, value: object
+) -> None:
+    with pytest.raises(ConfigurationError, match=option):
+        Proxy(Router(), _URL, **{option: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("backends", None), ("backends", "http://127.0.0.1:8000"), ("backends", [5]), ("encoder", 5),
+     ("fleet", "gpu0"), ("base_models", True), ("base_models", "llama"), ("base_models", [None]), ("clock", 5)],
+)  # fmt: skip
+def test_proxy_options_of_the_wrong_type_are_type_errors_of_the_tree_when_given(option: str, value: object) -> None:
+    options: dict[str, object] = {"backends": _URL, option: value}
+    with pytest.raises(InvalidTypeError, match=option):
+        Proxy(Router(), **options)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("lease", True), ("lease", 10**400), ("models", "llama"), ("models", True),
+     ("base_models", None), ("base_models", 5), ("max_body_bytes", "x"), ("max_body_bytes", 0),
+     ("max_body_bytes", True)],
+)  # fmt: skip
+def test_sidecar_nonsense_options_are_configuration_errors_when_given(option: str, value: object) -> None:
+    with pytest.raises(ConfigurationError, match=option):
+        Sidecar(Router(), **{option: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("backends", None), ("backends", "http://127.0.0.1:8000"), ("encoder", ByteEncoder()), ("healthy", 5),
+     ("clock", None)],
+)  # fmt: skip
+def test_sidecar_options_of_the_wrong_type_are_type_errors_of_the_tree_when_given(option: str, value: object) -> None:
+    with pytest.raises(InvalidTypeError, match=option):
+        Sidecar(Router(), **{option: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("messages", [None, 5, "hi", b"hi"])
+def test_chat_messages_that_are_no_list_are_type_errors_of_the_tree(model_dir: Path, messages: object) -> None:
+    tokenizer = PromptTokenizer(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
+    for encoder in (ByteEncoder(), TokenizerEncoder(tokenizer), PromptEncoder(model_dir)):
+        with pytest.raises(InvalidTypeError, match="chat messages"):
+            encoder.encode_chat(messages)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError):
+        serialise_chat(messages)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("message", [None, "hi", ["user", "hi"]])
+def test_a_chat_message_that_is_no_object_is_an_invalid_prompt(model_dir: Path, message: object) -> None:
+    tokenizer = PromptTokenizer(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
+    for encoder in (ByteEncoder(), TokenizerEncoder(tokenizer), PromptEncoder(model_dir)):
+        with pytest.raises(InvalidPromptError, match="chat message 0"):
+            encoder.encode_chat([message])  # type: ignore[list-item]
+
+
+def test_prompt_encoder_chat_errors_stay_value_errors_as_documented_and_are_of_the_tree(model_dir: Path) -> None:
+    with pytest.raises(InvalidPromptError, match="role"):
+        PromptEncoder(model_dir).encode_chat([{"role": None, "content": "hi"}])
+
+
+def test_byte_encoder_and_tokenizer_encoder_refuse_what_is_no_text_or_no_tokenizer() -> None:
+    with pytest.raises(InvalidTypeError, match="text must be a str"):
+        ByteEncoder().encode(None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="PromptTokenizer"):
+        TokenizerEncoder(None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("path", [None, 5, ["tokenizer.json"]])
+def test_tokenizer_paths_of_the_wrong_type_are_type_errors_of_the_tree(path: object) -> None:
+    with pytest.raises(InvalidTypeError, match="tokenizer path"):
+        PromptTokenizer.from_file(path)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="tokenizer path"):
+        PromptEncoder(path)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("path", ["x" * 5000, "/tmp/" + "y" * 300 + "/tokenizer.json"])
+def test_a_path_the_os_cannot_look_up_is_a_missing_tokenizer_not_an_os_error(path: str) -> None:
+    with pytest.raises(ConfigurationError, match="not found"):
+        PromptTokenizer.from_file(path)
+    with pytest.raises(ConfigurationError, match="not found"):
+        PromptEncoder(path)
+
+
+def test_encode_batch_refuses_what_is_not_iterable(model_dir: Path) -> None:
+    tokenizer = PromptTokenizer(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
+    with pytest.raises(InvalidTypeError, match="sequence of str"):
+        tokenizer.encode_batch(None)  # type: ignore[arg-type]
+
+
+def test_release_ids_and_listen_host_refuse_the_wrong_type_with_errors_of_the_tree() -> None:
+    with pytest.raises(InvalidTypeError, match="datagram"):
+        release_ids(None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="host"):
+        listen_host(True)  # type: ignore[arg-type]
