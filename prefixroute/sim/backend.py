@@ -46,13 +46,17 @@ class BackendConfig:
     max_num_batched_tokens: int = 2048
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ConfigurationError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.capacity_blocks is not None and self.capacity_blocks < 1:
+        if not all(_is_count(value) for value in (self.block_size, self.max_num_seqs, self.max_num_batched_tokens)):
+            raise ConfigurationError("block_size, max_num_seqs and max_num_batched_tokens must be ints >= 1")
+        if self.capacity_blocks is not None and not _is_count(self.capacity_blocks):
             raise ConfigurationError(
                 f"capacity_blocks is {self.capacity_blocks}: the model does not fit on this GPU; "
                 "choose a larger GPU or more tensor parallelism"
             )
+
+
+def _is_count(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
 
 
 class Active:

@@ -72,7 +72,9 @@ class BlockCache:
     __slots__ = ("_capacity", "_free_private", "_free_queue", "_private", "_refs", "evictions", "listener")
 
     def __init__(self, capacity_blocks: int | None) -> None:
-        if capacity_blocks is not None and (isinstance(capacity_blocks, bool) or capacity_blocks < 1):
+        if capacity_blocks is not None and (
+            isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) or capacity_blocks < 1
+        ):
             raise ConfigurationError(f"capacity_blocks must be a positive int or None, not {capacity_blocks!r}")
         self._capacity = capacity_blocks
         self._refs: dict[int, int] = {}  # every cached block hash -> requests referencing it (0: free, in _free_queue)

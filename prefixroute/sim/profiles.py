@@ -15,7 +15,7 @@ from importlib import resources
 from types import MappingProxyType
 from typing import Any
 
-from prefixroute.errors import ConfigurationError
+from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.sim.costmodel import CostCoefficients, GpuSpec, ModelSpec, Profile
 
 __all__ = [
@@ -77,6 +77,9 @@ def available_profiles() -> list[tuple[str, str]]:
 
 
 def _check_names(model: str, gpu: str) -> None:
+    for what, name in (("model", model), ("GPU", gpu)):
+        if not isinstance(name, str):
+            raise InvalidTypeError(f"a {what} name is a str, not {type(name).__name__}")
     if model not in MODELS:
         raise ConfigurationError(f"unknown model {model!r}; valid models: {', '.join(sorted(MODELS))}")
     if gpu not in GPUS:
@@ -89,7 +92,8 @@ def load_profile(model: str, gpu: str, *, tp: int | None = None) -> Profile:
     With ``tp=None`` the smallest degree in :data:`TP_DEGREES` whose weights fit with room for
     :data:`MIN_KV_TOKENS` tokens of KV cache (at vLLM's default 0.9 memory utilization) is chosen.
     Raises :class:`~prefixroute.errors.ConfigurationError` for an unknown model, GPU or tp, listing
-    the valid ones, or when the model does not fit even at the largest degree.
+    the valid ones, or when the model does not fit even at the largest degree; :class:`~prefixroute.errors.
+    InvalidTypeError` for a model or GPU name that is not a str.
     """
     _check_names(model, gpu)
     table = _coefficients()
@@ -99,7 +103,7 @@ def load_profile(model: str, gpu: str, *, tp: int | None = None) -> Profile:
             if candidate.kv_capacity_blocks(1) >= MIN_KV_TOKENS:
                 return candidate
         raise ConfigurationError(f"{model} does not fit on {max(TP_DEGREES)} x {gpu}; choose a larger GPU")
-    if (model, gpu, tp) not in table:
+    if isinstance(tp, bool) or not isinstance(tp, int) or (model, gpu, tp) not in table:
         valid = sorted(degree for m, g, degree in table if (m, g) == (model, gpu))
         raise ConfigurationError(f"no profile for {model} on {gpu} with tp={tp}; valid tp: {valid}")
     return Profile(MODELS[model], GPUS[gpu], tp, table[(model, gpu, tp)])

@@ -531,8 +531,8 @@ def _open(path: str | Path) -> TextIO:
         raise InvalidTypeError(f"a trace's path must be a str or a pathlib.Path, not {type(path).__name__}")
     try:
         raw = open(path, "rb")  # noqa: SIM115 - returned, wrapped, to a with block
-    except OSError as exc:
-        raise InvalidTraceError(f"cannot read trace {path}: {exc.strerror or exc}") from exc
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        raise InvalidTraceError(f"cannot read trace {path}: {getattr(exc, 'strerror', None) or exc}") from exc
     try:
         head = raw.peek(512)[:512]  # sniffed without consuming it
         for magic, what in _NOT_TEXT:

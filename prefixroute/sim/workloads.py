@@ -16,7 +16,8 @@ import random
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
-from prefixroute.errors import ConfigurationError
+from prefixroute._numbers import is_finite_number, shown
+from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.sim.request import SimRequest, token_bytes
 
 __all__ = ["SCENARIOS", "Scenario", "make_workload", "scenario_names"]
@@ -40,8 +41,10 @@ class Scenario:
 
     def __init__(self, *, seed: int = 0, sharing_ratio: float | None = None) -> None:
         ratio = self.default_sharing_ratio if sharing_ratio is None else sharing_ratio
-        if not 0.0 <= ratio <= 1.0:
-            raise ConfigurationError(f"sharing ratio must be between 0 and 1, not {ratio!r}")
+        if not (is_finite_number(ratio) and 0.0 <= ratio <= 1.0):
+            raise ConfigurationError(f"sharing ratio must be a number between 0 and 1, not {shown(ratio)}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise InvalidTypeError(f"seed must be an int, not {type(seed).__name__}")
         self.sharing_ratio = ratio
         self.rng = random.Random(seed)
         self._next_unique = 0
@@ -244,7 +247,14 @@ def scenario_names() -> list[str]:
 
 
 def make_workload(name: str, *, seed: int = 0, sharing_ratio: float | None = None) -> Scenario:
-    """Build scenario ``name`` with its own rng seeded by ``seed``; raises ConfigurationError for unknown names."""
+    """Build scenario ``name`` with its own rng seeded by ``seed``; raises ConfigurationError for unknown names.
+
+    Raises:
+        ConfigurationError: an unknown name, or ``sharing_ratio`` not a number in [0, 1].
+        TypeError: ``name`` is not a str, or ``seed`` not an int.
+    """
+    if not isinstance(name, str):
+        raise InvalidTypeError(f"a scenario name is a str, not {type(name).__name__}")
     try:
         factory = SCENARIOS[name]
     except KeyError:

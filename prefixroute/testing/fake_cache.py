@@ -16,6 +16,8 @@ from typing import Literal
 
 import xxhash
 
+from prefixroute._numbers import shown
+from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.hashing import BlockHasher, encode_tokens
 from prefixroute.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, ExternalBlockHash
 from prefixroute.vllm.tracker import lora_namespace
@@ -52,6 +54,10 @@ class FakeBlockCache:
 
     ``hash_format`` chooses how block hashes travel: ``"int"`` (uint64) or ``"bytes"`` (32 bytes). The chain seed
     comes from ``rng``, so each engine (and each restart) names blocks differently, as vLLM does.
+
+    Raises:
+        ConfigurationError: ``block_size`` or ``num_blocks`` is not a positive int, ``hash_format`` not a format.
+        TypeError: ``rng`` is not a ``random.Random``.
     """
 
     def __init__(
@@ -63,8 +69,13 @@ class FakeBlockCache:
         hash_format: Literal["int", "bytes"] = "int",
         extra_group: bool = False,
     ) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be positive, not {num_blocks}")
+        for name, count in (("block_size", block_size), ("num_blocks", num_blocks)):
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise ConfigurationError(f"{name} must be a positive int, not {shown(count)}")
+        if not isinstance(rng, random.Random):
+            raise InvalidTypeError(f"rng must be a random.Random, not {type(rng).__name__}")
+        if not isinstance(hash_format, str) or hash_format not in ("int", "bytes"):
+            raise ConfigurationError(f"hash_format must be 'int' or 'bytes', not {shown(hash_format)}")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.hash_format = hash_format

@@ -29,6 +29,8 @@ from typing import Any, Literal
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from prefixroute._numbers import shown
+from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.testing.fake_cache import CachedChain, FakeBlockCache, FakeRequest
 from prefixroute.vllm.events import EventBatch, encode_batch
 
@@ -54,6 +56,38 @@ def default_ttft(cached_tokens: int, prompt_tokens: int, waiting: int) -> float:
     return 0.015 + 0.00012 * (prompt_tokens - cached_tokens) + 0.06 * waiting
 
 
+def _check_options(
+    *,
+    model: object,
+    topic: object,
+    encoding: object,
+    replay_buffer: object,
+    ttft: object,
+    seed: object,
+    host: object,
+    ports: tuple[object, object],
+) -> None:
+    """Raise for a :class:`FakeVLLM` option it could not use (when given, not in its I/O thread)."""
+    for name, text in (("model", model), ("topic", topic), ("host", host)):
+        if not isinstance(text, str):
+            raise InvalidTypeError(f"{name} must be a str, not {type(text).__name__}")
+    if not isinstance(encoding, str) or encoding not in ("array", "map", "alternate"):
+        raise ConfigurationError(f"encoding must be 'array', 'map' or 'alternate', not {shown(encoding)}")
+    if isinstance(replay_buffer, bool) or not isinstance(replay_buffer, int) or not 0 <= replay_buffer <= 2**31:
+        raise ConfigurationError(f"replay_buffer must be an int in [0, 2**31], not {shown(replay_buffer)}")
+    if not callable(ttft):
+        raise InvalidTypeError(
+            f"ttft must be a callable (cached, prompt, waiting) -> seconds, not {type(ttft).__name__}"
+        )
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise InvalidTypeError(f"seed must be an int, not {type(seed).__name__}")
+    for port in ports:
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ConfigurationError(
+                f"port and replay_port must be ints in [0, 65535] (0: any free), not {shown(port)}"
+            )
+
+
 class FakeVLLM:
     """A fake engine: KV events on a ZMQ PUB socket and a replay ROUTER, HTTP ``/metrics``, ``/v1/completions`` and
     ``/v1/models``.
@@ -67,6 +101,10 @@ class FakeVLLM:
     restart (sequence back to 0, new hash seed, empty cache), :meth:`chains`/:meth:`own_hashes` give the true cache
     contents. ``port`` and ``replay_port`` are picked by the OS on ``host`` unless given (a new engine on an old
     engine's ports is how a test restarts the process for real). Thread-safe.
+
+    Raises:
+        ConfigurationError: a count, port, ``encoding`` or ``hash_format`` the fake cannot use (checked when given).
+        TypeError: ``model``, ``topic`` or ``host`` is not a str, ``seed`` not an int, ``ttft`` not a callable.
     """
 
     def __init__(
@@ -89,6 +127,10 @@ class FakeVLLM:
         port: int = 0,
         replay_port: int = 0,
     ) -> None:
+        _check_options(
+            model=model, topic=topic, encoding=encoding, replay_buffer=replay_buffer, ttft=ttft, seed=seed, host=host,
+            ports=(port, replay_port),
+        )  # fmt: skip
         self._rng = random.Random(seed)
         self.cache = FakeBlockCache(
             block_size=block_size, num_blocks=num_blocks, rng=self._rng, hash_format=hash_format,

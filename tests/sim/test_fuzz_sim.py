@@ -1,0 +1,104 @@
+"""Hostile values at the simulator's and the fakes' public constructors and functions (``prefixroute.sim``,
+``prefixroute.testing``): a call either works or raises an error of the library's tree (a wrong type is its
+:class:`InvalidTypeError`), never a raw error from deep inside.
+
+Bounded (no simulation is run, no socket opened) so the file runs in seconds; the defects it found are pinned in
+test_fuzz_sim_findings.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prefixroute import PrefixRouteError
+from prefixroute.sim import (
+    BackendConfig,
+    BlockCache,
+    SimSpec,
+    available_profiles,
+    load_profile,
+    load_trace,
+    make_workload,
+    scenario_names,
+)
+from prefixroute.testing import FakeBlockCache, FakeVLLM
+
+
+class _Str(str):
+    pass
+
+
+_ATOMS: list[object] = [
+    None, True, False, 0, -1, 1, 2, 2**64, 10**400, 0.0, 0.5, 1.5, math.nan, math.inf, -math.inf, "", "x", "\ud800",
+    "a\x00b", "x" * 5000, _Str("seed"), b"", b"ab", [], (), {}, [None], object(), np.int64(3), np.float64(0.5),
+    np.array([1, 2]), "seed", "mooncake:", "mooncake:/nonexistent", "mooncake:" + "y" * 5000, "mooncake:a\x00b",
+    "codellama-13b", "a100-40gb", "array", "bytes", random.Random(0), print,
+]  # fmt: skip
+
+hostile = st.one_of(
+    st.sampled_from(_ATOMS),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+    st.lists(st.sampled_from(_ATOMS), max_size=3),
+)
+
+
+def _call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+    """Call; return whether it worked, fail the test on an error the library did not mean to raise."""
+    try:
+        function(*args, **kwargs)
+    except PrefixRouteError:
+        return False
+    except Exception as exc:  # noqa: BLE001 - any other error leaked from deep inside
+        name = getattr(function, "__qualname__", function)
+        pytest.fail(f"{name}{args!r:.200}{kwargs!r:.100} leaked {exc!r:.300}")
+    return True
+
+
+def _option(build: Callable[..., object], option: str) -> Callable[[Any], object]:
+    return lambda value: build(**{option: value})
+
+
+_MODEL, _GPU = available_profiles()[0]
+_FAKE_VLLM_OPTIONS = ("block_size", "num_blocks", "model", "topic", "encoding", "hash_format", "replay_buffer",
+                      "ttft", "seed", "host", "port", "replay_port")  # fmt: skip
+
+_CALLS: dict[str, Callable[[Any], object]] = {
+    "load_trace spec": lambda v: load_trace(v),
+    **{f"load_trace {o}": _option(lambda **kw: load_trace("mooncake:/nonexistent", **kw), o)
+       for o in ("seed", "output_tokens", "limit")},
+    "make_workload name": lambda v: make_workload(v),
+    **{f"make_workload {o}": _option(lambda **kw: make_workload("seed", **kw), o) for o in ("seed", "sharing_ratio")},
+    "load_profile model": lambda v: load_profile(v, _GPU),
+    "load_profile gpu": lambda v: load_profile(_MODEL, v),
+    "load_profile tp": lambda v: load_profile(_MODEL, _GPU, tp=v),
+    "BackendConfig capacity_blocks": lambda v: BackendConfig(v),
+    **{f"BackendConfig {o}": _option(lambda **kw: BackendConfig(64, **kw), o)
+       for o in ("block_size", "max_num_seqs", "max_num_batched_tokens")},
+    "BlockCache": lambda v: BlockCache(v),
+    **{f"SimSpec {f.name}": _option(SimSpec, f.name) for f in dataclasses.fields(SimSpec)},
+    **{f"FakeBlockCache {o}": _option(lambda **kw: FakeBlockCache(**{"rng": random.Random(0), **kw}), o)
+       for o in ("block_size", "num_blocks", "rng", "hash_format")},
+    **{f"FakeVLLM {o}": _option(FakeVLLM, o) for o in _FAKE_VLLM_OPTIONS},  # built, never started
+}  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(sorted(_CALLS)), value=hostile)
+def test_sim_and_fakes_refuse_hostile_values_with_the_library_s_errors(name: str, value: object) -> None:
+    _call(_CALLS[name], value)
+
+
+def test_every_scenario_name_builds() -> None:
+    for name in scenario_names():
+        make_workload(name, seed=1)
