@@ -13,7 +13,7 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Protocol
 
 from prefixroute._numbers import is_finite_number, shown
-from prefixroute.errors import ConfigurationError
+from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.router import Decision, Router
 from prefixroute.sim.backend import Active, BackendConfig, CostModel, SimBackend
 from prefixroute.sim.request import RequestRecord, SimRequest
@@ -31,18 +31,41 @@ class Workload(Protocol):
         ...
 
 
+MAX_BACKENDS = 4096
+"""The most backends one simulation may have: far above any real fleet, low enough that a typo is an error."""
+MAX_USERS = 1_000_000
+"""The most users of one arrival process."""
+MAX_REQUESTS = 100_000_000
+"""The most requests one simulated run may have (``--requests``, or ``--rate`` × ``--duration``)."""
+
+
+def _check_count(value: object, name: str, most: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+        raise ConfigurationError(f"{name} must be an int in [1, {most:,}], not {shown(value)}")
+
+
 @dataclass(frozen=True, slots=True)
 class ClosedLoop:
     """``users`` users, each sending a request, waiting for its last token, thinking, and sending the next.
 
     Think times are exponential with mean ``think_time`` seconds (0: send at once). Users start at uniformly random
     times within the first ``ramp`` seconds so they do not all arrive in the same instant.
+
+    Raises:
+        ConfigurationError: ``users`` is not an int in [1, :data:`MAX_USERS`], ``think_time`` or ``ramp`` not a
+            finite number >= 0.
     """
 
     users: int
     _: KW_ONLY
     think_time: float = 0.0
     ramp: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_count(self.users, "users", MAX_USERS)
+        for name, seconds in (("think_time", self.think_time), ("ramp", self.ramp)):
+            if not (is_finite_number(seconds) and seconds >= 0):
+                raise ConfigurationError(f"{name} must be a finite number of seconds >= 0, not {shown(seconds)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,12 +79,21 @@ class OpenLoop:
     _: KW_ONLY
     users: int = 64
 
+    def __post_init__(self) -> None:
+        if not (is_finite_number(self.rate) and self.rate > 0):
+            raise ConfigurationError(f"rate must be a finite number > 0 of requests a second, not {shown(self.rate)}")
+        _check_count(self.users, "users", MAX_USERS)
+
 
 @dataclass(frozen=True, slots=True)
 class TraceTimes:
     """Arrivals at each request's own ``arrival`` time (a trace's timestamps), divided by ``speedup``."""
 
     speedup: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (is_finite_number(self.speedup) and self.speedup > 0):
+            raise ConfigurationError(f"speedup must be a finite number > 0, not {shown(self.speedup)}")
 
 
 Arrivals = ClosedLoop | OpenLoop | TraceTimes
@@ -115,17 +147,27 @@ class Simulation:
         metrics_interval: float | None = None,
         first_token: bool = True,
     ) -> None:
-        names = [f"gpu{i}" for i in range(backends)] if isinstance(backends, int) else list(backends)
+        _check_parts(router, workload, arrivals, cost, config, on_progress)
+        if isinstance(backends, int) and not isinstance(backends, bool):
+            _check_count(backends, "backends", MAX_BACKENDS)
+            names = [f"gpu{i}" for i in range(backends)]
+        elif isinstance(backends, Sequence) and not isinstance(backends, (str, bytes)):
+            names = list(backends)
+        else:
+            raise InvalidTypeError(f"backends must be a count or a list of names, not {type(backends).__name__}")
+        if not all(isinstance(name, str) and name for name in names):
+            raise ConfigurationError("backends must be a positive count or distinct, non-empty backend names")
         if not names or len(set(names)) != len(names):
             raise ConfigurationError("backends must be a positive count or distinct backend names")
+        if max_requests is not None:
+            _check_count(max_requests, "max_requests", MAX_REQUESTS)
+        if duration is not None and not (is_finite_number(duration) and duration > 0):
+            raise ConfigurationError(f"duration must be a finite number > 0 of seconds, not {shown(duration)}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise InvalidTypeError(f"seed must be an int, not {type(seed).__name__}")
+        _check_count(gpus_per_backend, "gpus_per_backend", MAX_BACKENDS)
         if max_requests is None and duration is None and not isinstance(arrivals, (ClosedLoop, TraceTimes)):
             raise ConfigurationError("give max_requests or duration: open-loop arrivals never stop by themselves")
-        if isinstance(arrivals, OpenLoop) and not (
-            is_finite_number(arrivals.rate) and arrivals.rate > 0 and arrivals.users >= 1
-        ):
-            raise ConfigurationError("open-loop arrivals need rate > 0 and users >= 1")
-        if max_requests is not None and max_requests < 1:
-            raise ConfigurationError(f"max_requests must be >= 1, not {max_requests}")
         self.router = router
         self.workload = workload
         self.arrivals = arrivals
@@ -345,3 +387,23 @@ class _IndexFeed:
 
     def removed(self, hashes: list[int]) -> None:
         self.router.evict(self.backend, hashes)
+
+
+def _check_parts(
+    router: object, workload: object, arrivals: object, cost: object, config: object, on_progress: object
+) -> None:
+    """Raise InvalidTypeError for a :class:`Simulation` part of the wrong type (when given, not mid-run)."""
+    if not isinstance(router, Router):
+        raise InvalidTypeError(f"router must be a prefixroute.Router, not {type(router).__name__}")
+    if not callable(getattr(workload, "next_request", None)):
+        raise InvalidTypeError(f"workload must have next_request(user), not {type(workload).__name__}")
+    if not isinstance(arrivals, (ClosedLoop, OpenLoop, TraceTimes)):
+        raise InvalidTypeError(f"arrivals must be a ClosedLoop, OpenLoop or TraceTimes, not {type(arrivals).__name__}")
+    if not (callable(getattr(cost, "step_seconds", None)) and callable(getattr(cost, "prefill_seconds", None))):
+        raise InvalidTypeError(f"cost must be a CostModel (step_seconds, prefill_seconds), not {type(cost).__name__}")
+    if not isinstance(config, BackendConfig):
+        raise InvalidTypeError(f"config must be a BackendConfig, not {type(config).__name__}")
+    if on_progress is not None and not callable(on_progress):
+        raise InvalidTypeError(
+            f"on_progress must be a callable (done, total) or None, not {type(on_progress).__name__}"
+        )

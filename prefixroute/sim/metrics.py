@@ -7,6 +7,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from prefixroute._numbers import is_finite_number, shown
+from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.sim.engine import SimOutcome
 
 __all__ = ["PolicyResult", "percentile", "summarize"]
@@ -89,7 +91,20 @@ class PolicyResult:
 
 
 def summarize(outcome: SimOutcome, *, policy: str, gpu_hour_usd: float = 0.0) -> PolicyResult:
-    """Reduce a run to a :class:`PolicyResult`. Rejected requests count in shares but not in latencies."""
+    """Reduce a run to a :class:`PolicyResult`. Rejected requests count in shares but not in latencies.
+
+    Raises:
+        TypeError: ``outcome`` is not a :class:`SimOutcome` or ``policy`` not a str.
+        ConfigurationError: ``gpu_hour_usd`` is not a finite number >= 0.
+    """
+    if not isinstance(outcome, SimOutcome):
+        raise InvalidTypeError(
+            f"outcome must be a SimOutcome (Simulation.run() gives one), not {type(outcome).__name__}"
+        )
+    if not isinstance(policy, str):
+        raise InvalidTypeError(f"policy must be the policy's name (a str), not {type(policy).__name__}")
+    if not (is_finite_number(gpu_hour_usd) and gpu_hour_usd >= 0):
+        raise ConfigurationError(f"gpu_hour_usd must be a finite number >= 0, not {shown(gpu_hour_usd)}")
     records = outcome.records
     served = [r for r in records if not r.rejected]
     prompt = sum(r.prompt_tokens for r in served)

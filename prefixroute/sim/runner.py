@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from prefixroute._numbers import is_finite_number, shown
-from prefixroute.errors import ConfigurationError, PrefixRouteError
+from prefixroute.errors import ConfigurationError, InvalidTypeError, PrefixRouteError
 from prefixroute.index import PrefixIndex
 from prefixroute.policies import (
     _REGISTRY,
@@ -24,7 +24,17 @@ from prefixroute.router import Router
 from prefixroute.sim.backend import BackendConfig
 from prefixroute.sim.baselines import BASELINES
 from prefixroute.sim.costmodel import Profile
-from prefixroute.sim.engine import Arrivals, ClosedLoop, OpenLoop, Simulation, TraceTimes, Workload
+from prefixroute.sim.engine import (
+    MAX_BACKENDS,
+    MAX_REQUESTS,
+    MAX_USERS,
+    Arrivals,
+    ClosedLoop,
+    OpenLoop,
+    Simulation,
+    TraceTimes,
+    Workload,
+)
 from prefixroute.sim.index import EventsOnlyIndex
 from prefixroute.sim.metrics import PolicyResult, summarize
 from prefixroute.sim.profiles import load_profile
@@ -96,18 +106,16 @@ class SimSpec:
 # error, not a run that fills the memory or never ends.
 _POSITIVE_INTS: Mapping[str, int] = MappingProxyType(
     {
-        "backends": 4096,
-        "users": 1_000_000,
+        "backends": MAX_BACKENDS,
+        "users": MAX_USERS,
         "tp": 1024,
-        "requests": 100_000_000,
+        "requests": MAX_REQUESTS,
         "output_tokens": 10_000_000,
         "capacity_blocks": 2**40,
         "max_num_seqs": 1_000_000,
         "max_num_batched_tokens": 100_000_000,
     }
 )
-MAX_REQUESTS = _POSITIVE_INTS["requests"]
-"""The most requests one simulated run may have (``--requests``, or ``--rate`` × ``--duration``)."""
 _MIN_METRICS_INTERVAL = 0.001  # seconds of simulated time between polls: below that the run is all polling
 _MAX_DURATION = 10_000_000.0  # simulated seconds (16 weeks)
 _POSITIVE_NUMBERS = ("rate", "speedup", "duration", "metrics_interval")
@@ -329,7 +337,20 @@ def run_policy(
     ``workload`` optionally builds the request source instead of ``spec.scenario``/``spec.trace`` (e.g. a scenario
     with other parameters, or a trace already read); ``spec`` still gives its arrivals. Every run builds a fresh
     Router, workload and backends from ``spec.seed``: same spec, same result.
+
+    Raises:
+        TypeError: ``spec`` is not a :class:`SimSpec`, ``policy`` neither a name nor a callable, ``workload`` or
+            ``on_progress`` not a callable (or None).
     """
+    if not isinstance(spec, SimSpec):
+        raise InvalidTypeError(f"spec must be a SimSpec, not {type(spec).__name__}")
+    if not isinstance(policy, str) and not callable(policy):
+        raise InvalidTypeError(
+            f"policy must be a name or a callable returning a LoadPolicy, not {type(policy).__name__}"
+        )
+    for name, function in (("workload", workload), ("on_progress", on_progress)):
+        if function is not None and not callable(function):
+            raise InvalidTypeError(f"{name} must be a callable or None, not {type(function).__name__}")
     config, profile = backend_config(spec)
     source, arrivals = _workload(spec, workload)
     load_policy = build_policy(policy, seed=spec.seed) if isinstance(policy, str) else policy()

@@ -412,7 +412,12 @@ def check_speedup(workload: TraceWorkload, speedup: float) -> None:
     Raises:
         ConfigurationError: ``speedup`` is not a finite number > 0, or so small that the last arrival lands past
             1e10 simulated seconds, where float seconds no longer resolve a millisecond.
+        TypeError: ``workload`` is not a :class:`TraceWorkload`.
     """
+    if not isinstance(workload, TraceWorkload):
+        raise InvalidTypeError(
+            f"workload must be a TraceWorkload (load_trace() gives one), not {type(workload).__name__}"
+        )
     if not is_finite_number(speedup) or speedup <= 0:
         raise ConfigurationError(f"--speedup must be a finite number > 0, not {shown(speedup)}")
     last = max((entry.arrival for entry in workload.entries), default=0.0)

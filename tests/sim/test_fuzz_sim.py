@@ -19,17 +19,24 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixroute import PrefixRouteError
+from prefixroute import PrefixRouteError, Router
 from prefixroute.sim import (
     BackendConfig,
     BlockCache,
+    ClosedLoop,
+    OpenLoop,
     SimSpec,
+    Simulation,
+    TraceTimes,
     available_profiles,
     load_profile,
     load_trace,
     make_workload,
+    run_policy,
     scenario_names,
+    summarize,
 )
+from prefixroute.sim.traces import check_speedup
 from prefixroute.testing import FakeBlockCache, FakeVLLM
 
 
@@ -73,6 +80,15 @@ _MODEL, _GPU = available_profiles()[0]
 _FAKE_VLLM_OPTIONS = ("block_size", "num_blocks", "model", "topic", "encoding", "hash_format", "replay_buffer",
                       "ttft", "seed", "host", "port", "replay_port")  # fmt: skip
 
+
+def _simulation(**options: object) -> Simulation:
+    parts: dict[str, Any] = {
+        "router": Router(block_size=16), "workload": make_workload("seed"), "arrivals": ClosedLoop(2),
+        "cost": load_profile(_MODEL, _GPU), "config": BackendConfig(1000), "backends": 2, "max_requests": 3,
+    }  # fmt: skip
+    return Simulation(**{**parts, **options})
+
+
 _CALLS: dict[str, Callable[[Any], object]] = {
     "load_trace spec": lambda v: load_trace(v),
     **{f"load_trace {o}": _option(lambda **kw: load_trace("mooncake:/nonexistent", **kw), o)
@@ -90,10 +106,24 @@ _CALLS: dict[str, Callable[[Any], object]] = {
     **{f"FakeBlockCache {o}": _option(lambda **kw: FakeBlockCache(**{"rng": random.Random(0), **kw}), o)
        for o in ("block_size", "num_blocks", "rng", "hash_format")},
     **{f"FakeVLLM {o}": _option(FakeVLLM, o) for o in _FAKE_VLLM_OPTIONS},  # built, never started
+    "ClosedLoop users": lambda v: ClosedLoop(v),
+    **{f"ClosedLoop {o}": _option(lambda **kw: ClosedLoop(2, **kw), o) for o in ("think_time", "ramp")},
+    "OpenLoop rate": lambda v: OpenLoop(v),
+    "OpenLoop users": lambda v: OpenLoop(1.0, users=v),
+    "TraceTimes": lambda v: TraceTimes(v),
+    **{f"Simulation {o}": _option(_simulation, o)
+       for o in ("router", "workload", "arrivals", "cost", "config", "backends", "max_requests", "duration", "seed",
+                 "gpus_per_backend", "on_progress", "metrics_interval")},  # built, never run
+    "run_policy spec": lambda v: run_policy(v, "random"),
+    "run_policy policy": lambda v: run_policy(SimSpec(requests=2, backends=1), v),
+    **{f"run_policy {o}": _option(lambda **kw: run_policy(SimSpec(requests=2, backends=1), "random", **kw), o)
+       for o in ("workload", "on_progress")},
+    "summarize outcome": lambda v: summarize(v, policy="random"),
+    "check_speedup": lambda v: check_speedup(v, 1.0),
 }  # fmt: skip
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.sampled_from(sorted(_CALLS)), value=hostile)
 def test_sim_and_fakes_refuse_hostile_values_with_the_library_s_errors(name: str, value: object) -> None:
     _call(_CALLS[name], value)

@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+import math
 import random
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
-from prefixroute import ConfigurationError, InvalidTraceError, InvalidTypeError
-from prefixroute.sim import BackendConfig, BlockCache, available_profiles, load_profile, load_trace, make_workload
+from prefixroute import ConfigurationError, InvalidTraceError, InvalidTypeError, Router
+from prefixroute.sim import (
+    BackendConfig,
+    BlockCache,
+    ClosedLoop,
+    OpenLoop,
+    SimSpec,
+    Simulation,
+    TraceTimes,
+    available_profiles,
+    load_profile,
+    load_trace,
+    make_workload,
+    run_policy,
+    summarize,
+)
+from prefixroute.sim.traces import check_speedup
 from prefixroute.testing import FakeBlockCache, FakeVLLM
 
 
@@ -93,3 +111,66 @@ def test_fake_vllm_options_are_checked_when_given_with_errors_of_the_tree(
 ) -> None:
     with pytest.raises(error, match=option):
         FakeVLLM(**{option: value})  # type: ignore[arg-type]
+
+
+_NONE: Any = None  # None where a dataclass field's annotation says otherwise
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [(lambda: ClosedLoop(_NONE), "users"), (lambda: ClosedLoop(2**64), "users"), (lambda: ClosedLoop(True), "users"),
+     (lambda: ClosedLoop(2, think_time=10**400), "think_time"), (lambda: ClosedLoop(2, think_time=_NONE), "think_time"),
+     (lambda: ClosedLoop(2, ramp=_NONE), "ramp"), (lambda: ClosedLoop(2, ramp=math.inf), "ramp"),
+     (lambda: OpenLoop(1.0, users=_NONE), "users"), (lambda: OpenLoop(math.nan), "rate"),
+     (lambda: TraceTimes(0.0), "speedup"), (lambda: TraceTimes(_NONE), "speedup")],
+)  # fmt: skip
+def test_arrival_processes_are_checked_when_made_not_mid_run(build: Callable[[], object], match: str) -> None:
+    with pytest.raises(ConfigurationError, match=match):
+        build()
+
+
+def _simulation(**options: object) -> Simulation:
+    model, gpu = available_profiles()[0]
+    parts: dict[str, Any] = {
+        "router": Router(block_size=16), "workload": make_workload("seed"), "arrivals": ClosedLoop(2),
+        "cost": load_profile(model, gpu), "config": BackendConfig(1000), "backends": 2, "max_requests": 3,
+    }  # fmt: skip
+    return Simulation(**{**parts, **options})
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("router", None), ("workload", None), ("arrivals", None), ("cost", None), ("config", None), ("backends", None),
+     ("backends", "gpu0"), ("seed", []), ("on_progress", True)],
+)  # fmt: skip
+def test_simulation_parts_of_the_wrong_type_are_type_errors_when_given(option: str, value: object) -> None:
+    with pytest.raises(InvalidTypeError, match=option):
+        _simulation(**{option: value})
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("backends", 2**64), ("max_requests", 2**64), ("max_requests", "x"), ("duration", "x"), ("duration", math.inf),
+     ("gpus_per_backend", 0)],
+)  # fmt: skip
+def test_simulation_counts_that_would_hang_or_fail_mid_run_are_configuration_errors(option: str, value: object) -> None:
+    with pytest.raises(ConfigurationError, match=option):
+        _simulation(**{option: value})
+
+
+def test_run_policy_summarize_and_check_speedup_refuse_the_wrong_types_with_errors_of_the_tree() -> None:
+    spec = SimSpec(requests=2, backends=1)
+    with pytest.raises(InvalidTypeError, match="spec"):
+        run_policy(None, "random")  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="policy"):
+        run_policy(spec, None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="workload"):
+        run_policy(spec, "random", workload=True)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="on_progress"):
+        run_policy(spec, "random", on_progress=True)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="workload"):
+        run_policy(spec, "random", workload=print)  # type: ignore[arg-type]  # a factory that returns None
+    with pytest.raises(InvalidTypeError, match="outcome"):
+        summarize(None, policy="random")  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="TraceWorkload"):
+        check_speedup(None, 1.0)  # type: ignore[arg-type]

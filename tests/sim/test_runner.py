@@ -107,7 +107,7 @@ def test_open_loop_and_metrics_interval_refuse_huge_ints() -> None:
 
     common = {"router": Router(), "workload": make_workload("seed"), "cost": LinearCost()}
     common |= {"config": BackendConfig(capacity_blocks=10), "max_requests": 1}
-    with pytest.raises(ConfigurationError, match="rate > 0"):
+    with pytest.raises(ConfigurationError, match="rate must be a finite number > 0"):  # when the arrivals are made
         Simulation(arrivals=OpenLoop(rate=10**400), **common)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="metrics_interval must be a finite number"):
         Simulation(arrivals=OpenLoop(rate=1.0), metrics_interval=10**400, **common)  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from prefixroute._numbers import shown
 from prefixroute.errors import ConfigurationError
-from prefixroute.sim.runner import MAX_REQUESTS
+from prefixroute.sim.engine import MAX_REQUESTS
 from prefixroute.sim.study.claims import CLAIMS, judge
 from prefixroute.sim.study.render import render
 from prefixroute.sim.study.runs import run_all
