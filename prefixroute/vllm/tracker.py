@@ -450,7 +450,9 @@ def _plain_prefix(extra_keys: list[object] | None, count: int, lora_name: str | 
         return count
     adapter = {key for key in (lora_name, lora_id) if key is not None and not isinstance(key, bool)}
     for i, keys in enumerate(extra_keys[:count]):
-        if keys and not (adapter and isinstance(keys, (list, tuple)) and len(keys) == 1 and _in(keys[0], adapter)):
+        if keys is None or (isinstance(keys, (list, tuple)) and not keys):  # no truth test: an array has none
+            continue
+        if not (adapter and isinstance(keys, (list, tuple)) and len(keys) == 1 and _in(keys[0], adapter)):
             return i
     return count
 

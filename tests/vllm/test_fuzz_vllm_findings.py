@@ -133,3 +133,15 @@ def test_router_metrics_watch_refuses_the_wrong_object_when_given_not_at_every_s
         metrics.watch_index(Router().index, lock=5)  # type: ignore[arg-type]
     metrics.watch_index(Router().index, lock=threading.Lock())
     assert b"prefixroute_index_blocks" in generate_latest(registry)
+
+
+def test_a_hand_built_events_array_of_extra_keys_stops_its_chain_instead_of_leaking_numpy_truth_errors() -> None:
+    # Was: numpy's "truth value of an array ... is ambiguous" ValueError (found by test_fuzz_vllm in a full run).
+    from prefixroute.vllm import BlockStored, BlockTracker
+
+    tracker = BlockTracker(block_size=4)
+    tracker.apply([BlockStored([1], None, [1, 2, 3, 4], 4)])
+    before = tracker.held()
+    event = BlockStored([2], 1, [5, 6, 7, 8], 4, extra_keys=[np.array([1, 2])])
+    tracker.apply([event])
+    assert tracker.held() == before  # a block with extra keys is not indexed, as a multimodal one
