@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from hypothesis import settings
+from hypothesis import strategies as st
 
-from prefixroute import Candidate, LoadPolicy
+from prefixroute import Candidate, LoadPolicy, PrefixRouteError
 
 if TYPE_CHECKING:
     from prefixroute.testing.openai_engine import OpenAIEngine
@@ -121,3 +122,32 @@ class StrangerPolicy(LoadPolicy):
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         return candidates[0]._replace(backend="elsewhere")
+
+
+class StrSubclass(str):
+    """A str subclass, for fuzz harnesses: ids given as one must behave as the plain str."""
+
+
+def hostile_values(atoms: Sequence[object]) -> st.SearchStrategy[object]:
+    """A fuzz harness's hostile values: ``atoms`` (its own odd values), ints far outside any range, every float
+    (NaN and infinities too), short texts, and lists of atoms."""
+    return st.one_of(
+        st.sampled_from(atoms),
+        st.integers(min_value=-(2**70), max_value=2**70),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.text(max_size=8),
+        st.lists(st.sampled_from(atoms), max_size=3),
+    )
+
+
+def call_or_refuse(function: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+    """Call ``function``; return whether it worked. An error of the library's tree is a refusal (False); any other
+    error leaked from deep inside and fails the test."""
+    try:
+        function(*args, **kwargs)
+    except PrefixRouteError:
+        return False
+    except Exception as exc:  # noqa: BLE001 - any other error is the defect a harness looks for
+        name = getattr(function, "__qualname__", function)
+        pytest.fail(f"{name}{args!r:.200}{kwargs!r:.100} leaked {exc!r:.300}")
+    return True

@@ -19,48 +19,27 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from prefixroute import PrefixRouteError, Router
+from prefixroute import Router
 from prefixroute.adapters.proxy import ByteEncoder, Proxy, TokenizerEncoder
 from prefixroute.adapters.serve import PromptEncoder, Sidecar, release_ids, upstream_of
 from prefixroute.adapters.tokenize import PromptTokenizer, TextRouter, serialise_chat
 from prefixroute.adapters.urls import check_backend_url
 
+from ..conftest import StrSubclass, call_or_refuse, hostile_values
+
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before litellm is imported: no network
 from prefixroute.adapters.litellm import PrefixRouteHook  # noqa: E402
 
-
-class _Str(str):
-    pass
-
-
 _ATOMS: list[object] = [
     None, True, False, 0, -1, 1, 3, 2**64, 10**400, 0.0, 1.5, math.nan, math.inf, -math.inf, "", "x", "\ud800",
-    "a\x00b", "x" * 5000, _Str("x"), b"", b"ab", bytearray(b"ab"), [], (), {}, [None], ["m", "m"], ["m"], object(),
-    np.int64(3), np.float64(2.0), np.array([1, 2]), "http://127.0.0.1:1", ["http://127.0.0.1:1"],
+    "a\x00b", "x" * 5000, StrSubclass("x"), b"", b"ab", bytearray(b"ab"), [], (), {}, [None], ["m", "m"], ["m"],
+    object(), np.int64(3), np.float64(2.0), np.array([1, 2]), "http://127.0.0.1:1", ["http://127.0.0.1:1"],
     ["http://127.0.0.1:1", "http://127.0.0.1:1"], [{"role": "user", "content": "hi"}], [{"role": None}],
     [{"role": "user", "content": [1, {"text": 5}, {"text": "\ud800"}]}], [{"role": "u", "content": {"a": 1}}],
     [[{"role": "user"}]], ["x"], [b"x"], print,
 ]  # fmt: skip
 
-hostile = st.one_of(
-    st.sampled_from(_ATOMS),
-    st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=8),
-    st.lists(st.sampled_from(_ATOMS), max_size=3),
-)
-
-
-def _call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
-    """Call; return whether it worked, fail the test on an error the library did not mean to raise."""
-    try:
-        function(*args, **kwargs)
-    except PrefixRouteError:
-        return False
-    except Exception as exc:  # noqa: BLE001 - any other error leaked from deep inside
-        name = getattr(function, "__qualname__", function)
-        pytest.fail(f"{name}{args!r:.200}{kwargs!r:.100} leaked {exc!r:.300}")
-    return True
+hostile = hostile_values(_ATOMS)
 
 
 _FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -105,7 +84,7 @@ _CONSTRUCTORS: dict[str, Callable[[Any], object]] = {
 def test_adapter_constructors_and_functions_refuse_hostile_values_with_the_library_s_errors(
     name: str, value: object
 ) -> None:
-    _call(_CONSTRUCTORS[name], value)
+    call_or_refuse(_CONSTRUCTORS[name], value)
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +106,10 @@ def test_encoders_refuse_hostile_texts_and_messages_with_the_library_s_errors(
     encoders: dict[str, Any], text: object, messages: object
 ) -> None:
     tokenizer, encoder, prompt = encoders["tokenizer"], encoders["encoder"], encoders["prompt"]
-    _call(tokenizer.encode, text)
-    _call(tokenizer.encode_batch, text)
-    _call(tokenizer.encode_batch, [text])
-    _call(TextRouter(_router(), tokenizer).route, text, ["gpu0"])
+    call_or_refuse(tokenizer.encode, text)
+    call_or_refuse(tokenizer.encode_batch, text)
+    call_or_refuse(tokenizer.encode_batch, [text])
+    call_or_refuse(TextRouter(_router(), tokenizer).route, text, ["gpu0"])
     for each in (encoder, prompt, ByteEncoder()):
-        _call(each.encode, text)
-        _call(each.encode_chat, messages)
+        call_or_refuse(each.encode, text)
+        call_or_refuse(each.encode_chat, messages)

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -31,7 +30,6 @@ from prefixroute import (
     PredictedTTFT,
     PrefixAffinity,
     PrefixIndex,
-    PrefixRouteError,
     Random,
     RoundRobin,
     Router,
@@ -40,18 +38,16 @@ from prefixroute import (
     policy_from_name,
 )
 
+from ..conftest import StrSubclass, call_or_refuse
+
 BACKENDS = ["gpu0", "gpu1", "gpu2"]
 PROMPT = list(range(40))
 
 
-class _Str(str):
-    pass
-
-
 _ATOMS: list[object] = [
     None, True, False, 0, -1, 1, 3, 2**32, 2**64, 2**70, -(2**70), 10**400, 0.0, -0.0, 1.5, math.nan, math.inf,
-    -math.inf, "", "gpu0", "x" * 5000, "\ud800", _Str("gpu1"), b"", b"abcd", bytearray(b"abcd"), [], (), {}, set(),
-    frozenset({"gpu0"}), [[1]], [None], [1.0, 2.0], ["gpu0", "gpu0"], ["gpu0", ""], {"gpu0": 1}, object(),
+    -math.inf, "", "gpu0", "x" * 5000, "\ud800", StrSubclass("gpu1"), b"", b"abcd", bytearray(b"abcd"), [], (), {},
+    set(), frozenset({"gpu0"}), [[1]], [None], [1.0, 2.0], ["gpu0", "gpu0"], ["gpu0", ""], {"gpu0": 1}, object(),
     np.int64(3), np.uint64(2**63), np.float64(2.0), np.array([1, 2]), np.array([[1, 2]]), range(20),
     Candidate("gpu0", 0, 16, 0), memoryview(b"abcdabcd").cast("B", shape=[2, 4]),
 ]  # fmt: skip
@@ -68,24 +64,6 @@ hostile = st.one_of(
 )
 
 
-def _raised_on_purpose(exc: BaseException) -> bool:
-    """Whether ``exc`` is the library's own deliberate error, of its tree (a wrong type too), not one from deep
-    inside."""
-    return isinstance(exc, PrefixRouteError)
-
-
-def _call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
-    """Call; return whether it worked, fail the test on an error the library did not mean to raise."""
-    try:
-        function(*args, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - sorted below
-        if not _raised_on_purpose(exc):
-            name = getattr(function, "__qualname__", function)
-            pytest.fail(f"{name}{args!r:.200}{kwargs!r:.100} leaked {exc!r:.300}")
-        return False
-    return True
-
-
 _FAST = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -94,7 +72,7 @@ _FAST = settings(max_examples=400, deadline=None, suppress_health_check=[HealthC
                                "rng", "index", "policy"]), value=hostile)  # fmt: skip
 def test_router_options_are_checked_when_given(option: str, value: object) -> None:
     options: dict[str, Any] = {option: value}
-    if _call(Router, **options) and option != "clock":
+    if call_or_refuse(Router, **options) and option != "clock":
         Router(**options).route(PROMPT, BACKENDS)  # an accepted option works at first use
 
 
@@ -134,7 +112,7 @@ def test_router_calls_refuse_hostile_values_and_change_nothing(calls: list[tuple
     router.start(decision)
     for name, value in calls:
         before = (router.stats(), {b: router.in_flight(b) for b in BACKENDS}, len(router.index))
-        worked = _call(_ROUTER_CALLS[name], router, decision, value)
+        worked = call_or_refuse(_ROUTER_CALLS[name], router, decision, value)
         router._check()
         if not worked:
             after = (router.stats(), {b: router.in_flight(b) for b in BACKENDS}, len(router.index))
@@ -181,7 +159,7 @@ def test_index_calls_refuse_hostile_values_and_stay_consistent(
     index.insert([1, 2], "gpu0")
     for name, value in calls:
         before = {b: index.hashes(b) for b in index.backends()}
-        if not _call(_INDEX_CALLS[name], index, value):
+        if not call_or_refuse(_INDEX_CALLS[name], index, value):
             assert {b: index.hashes(b) for b in index.backends()} == before, (name, value)
         index._check()  # not chains=: a hostile insert may root a block that [1, 2] names as a child
 
@@ -196,26 +174,26 @@ def test_policies_and_their_options_refuse_hostile_values(
     policy: type[LoadPolicy], option: str, value: object, candidates: object
 ) -> None:
     if option in inspect.signature(policy).parameters:  # a keyword a class does not take is Python's own TypeError
-        _call(policy, **{option: value})
-    _call(policy_from_name, policy.name, **{option: value})  # a ConfigurationError listing the options, if not
+        call_or_refuse(policy, **{option: value})
+    call_or_refuse(policy_from_name, policy.name, **{option: value})  # a ConfigurationError listing the options, if not
     built = policy()
-    _call(built.choose, candidates)
+    call_or_refuse(built.choose, candidates)
     if isinstance(built, PredictedTTFT):
-        _call(built.cost, candidates)
-        _call(built.cap_terms, candidates)
-    _call(LinearTTFT(), candidates)
-    _call(kv_fraction, candidates)
-    _call(policy_from_name, value)
+        call_or_refuse(built.cost, candidates)
+        call_or_refuse(built.cap_terms, candidates)
+    call_or_refuse(LinearTTFT(), candidates)
+    call_or_refuse(kv_fraction, candidates)
+    call_or_refuse(policy_from_name, value)
 
 
 @_FAST
 @given(tokens=hostile, block_size=hostile, namespace=hostile, parent=hostile)
 def test_hashing_refuses_hostile_values(tokens: object, block_size: object, namespace: object, parent: object) -> None:
-    _call(encode_tokens, tokens)
-    _call(BlockHasher, block_size)
-    _call(BlockHasher, 4, namespace=namespace)
-    _call(BlockHasher(4).hash, PROMPT, parent=parent)
-    _call(BlockHasher(4).hash, tokens)
+    call_or_refuse(encode_tokens, tokens)
+    call_or_refuse(BlockHasher, block_size)
+    call_or_refuse(BlockHasher, 4, namespace=namespace)
+    call_or_refuse(BlockHasher(4).hash, PROMPT, parent=parent)
+    call_or_refuse(BlockHasher(4).hash, tokens)
 
 
 @_FAST

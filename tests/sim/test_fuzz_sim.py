@@ -15,11 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixroute import PrefixRouteError, Router
+from prefixroute import Router
 from prefixroute.sim import (
     BackendConfig,
     BlockCache,
@@ -39,37 +38,16 @@ from prefixroute.sim import (
 from prefixroute.sim.traces import check_speedup
 from prefixroute.testing import FakeBlockCache, FakeVLLM
 
-
-class _Str(str):
-    pass
-
+from ..conftest import StrSubclass, call_or_refuse, hostile_values
 
 _ATOMS: list[object] = [
     None, True, False, 0, -1, 1, 2, 2**64, 10**400, 0.0, 0.5, 1.5, math.nan, math.inf, -math.inf, "", "x", "\ud800",
-    "a\x00b", "x" * 5000, _Str("seed"), b"", b"ab", [], (), {}, [None], object(), np.int64(3), np.float64(0.5),
+    "a\x00b", "x" * 5000, StrSubclass("seed"), b"", b"ab", [], (), {}, [None], object(), np.int64(3), np.float64(0.5),
     np.array([1, 2]), "seed", "mooncake:", "mooncake:/nonexistent", "mooncake:" + "y" * 5000, "mooncake:a\x00b",
     "codellama-13b", "a100-40gb", "array", "bytes", random.Random(0), print,
 ]  # fmt: skip
 
-hostile = st.one_of(
-    st.sampled_from(_ATOMS),
-    st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=8),
-    st.lists(st.sampled_from(_ATOMS), max_size=3),
-)
-
-
-def _call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
-    """Call; return whether it worked, fail the test on an error the library did not mean to raise."""
-    try:
-        function(*args, **kwargs)
-    except PrefixRouteError:
-        return False
-    except Exception as exc:  # noqa: BLE001 - any other error leaked from deep inside
-        name = getattr(function, "__qualname__", function)
-        pytest.fail(f"{name}{args!r:.200}{kwargs!r:.100} leaked {exc!r:.300}")
-    return True
+hostile = hostile_values(_ATOMS)
 
 
 def _option(build: Callable[..., object], option: str) -> Callable[[Any], object]:
@@ -126,7 +104,7 @@ _CALLS: dict[str, Callable[[Any], object]] = {
 @settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.sampled_from(sorted(_CALLS)), value=hostile)
 def test_sim_and_fakes_refuse_hostile_values_with_the_library_s_errors(name: str, value: object) -> None:
-    _call(_CALLS[name], value)
+    call_or_refuse(_CALLS[name], value)
 
 
 def test_every_scenario_name_builds() -> None:

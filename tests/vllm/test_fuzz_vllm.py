@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
 import prefixroute.vllm
-from prefixroute import PrefixRouteError, Router
+from prefixroute import Router
 from prefixroute.errors import InvalidEventError
 from prefixroute.vllm import (
     BlockRemoved,
@@ -39,37 +39,16 @@ from prefixroute.vllm import (
 )
 from prefixroute.vllm.export import RouterMetrics
 
-
-class _Str(str):
-    pass
-
+from ..conftest import StrSubclass, call_or_refuse, hostile_values
 
 _ATOMS: list[object] = [
     None, True, False, 0, -1, 1, 16, 2**64, 10**400, 0.0, 1.5, math.nan, math.inf, -math.inf, "", "gpu0", "\ud800",
-    "x" * 5000, _Str("gpu0"), b"", b"\x90", bytearray(b"\x90"), [], (), {}, [None], [[1]], ["gpu0", "gpu0"],
+    "x" * 5000, StrSubclass("gpu0"), b"", b"\x90", bytearray(b"\x90"), [], (), {}, [None], [[1]], ["gpu0", "gpu0"],
     {"gpu0": 1}, object(), np.int64(3), np.float64(2.0), np.array([1, 2]), "tcp://127.0.0.1:1", "http://127.0.0.1:1",
     (0.1, 1.0), (1.0, 0.1), [(True, [1], None)], [(False, [2**64], None)],
 ]  # fmt: skip
 
-hostile = st.one_of(
-    st.sampled_from(_ATOMS),
-    st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=8),
-    st.lists(st.sampled_from(_ATOMS), max_size=3),
-)
-
-
-def _call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
-    """Call; return whether it worked, fail the test on an error the library did not mean to raise."""
-    try:
-        function(*args, **kwargs)
-    except PrefixRouteError:
-        return False
-    except Exception as exc:  # noqa: BLE001 - any other error leaked from deep inside
-        name = getattr(function, "__qualname__", function)
-        pytest.fail(f"{name}{args!r:.200}{kwargs!r:.100} leaked {exc!r:.300}")
-    return True
+hostile = hostile_values(_ATOMS)
 
 
 _FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -122,7 +101,7 @@ _CONSTRUCTORS: dict[str, Callable[[Any], object]] = {
 @_FAST
 @given(name=st.sampled_from(sorted(_CONSTRUCTORS)), value=hostile)
 def test_constructors_and_functions_refuse_hostile_values_with_the_library_s_errors(name: str, value: object) -> None:
-    _call(_CONSTRUCTORS[name], value)
+    call_or_refuse(_CONSTRUCTORS[name], value)
 
 
 _STORED_FIELDS = ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
@@ -140,10 +119,10 @@ def test_the_tracker_refuses_hand_built_events_with_hostile_fields_and_changes_n
     fields: dict[str, Any] = {"block_hashes": [2], "parent_block_hash": 1, "token_ids": [5, 6, 7, 8], "block_size": 4}
     fields[field] = value
     event = BlockStored(**fields)
-    if not _call(tracker.apply_strict if strict else tracker.apply, [event]):
+    if not call_or_refuse(tracker.apply_strict if strict else tracker.apply, [event]):
         assert tracker.held() == before
-    _call(tracker.apply, [BlockRemoved(value)])  # type: ignore[arg-type]
-    _call(tracker.apply, value)
+    call_or_refuse(tracker.apply, [BlockRemoved(value)])  # type: ignore[arg-type]
+    call_or_refuse(tracker.apply, value)
 
 
 _FLEET_CALLS: dict[str, Callable[[Fleet, Any], object]] = {
@@ -166,7 +145,7 @@ _FLEET_CALLS: dict[str, Callable[[Fleet, Any], object]] = {
 def test_fleet_calls_refuse_hostile_values(name: str, value: object) -> None:
     with Fleet(Router(block_size=4, index=EventIndex(4)), timeout=0.01, stale_after=2.0) as fleet:
         before = fleet.backends()
-        if not _call(_FLEET_CALLS[name], fleet, value):
+        if not call_or_refuse(_FLEET_CALLS[name], fleet, value):
             assert fleet.backends() == before
 
 
@@ -189,7 +168,7 @@ def test_rank_merge_refuses_hostile_values_and_changes_nothing(calls: list[tuple
     merge.write("gpu0", [(True, [1, 2], None)])
     for name, value in calls:
         before = (merge.blocks("gpu0"), router.index.hashes("gpu0") if "gpu0" in router.index.backends() else None)
-        if not _call(_MERGE_CALLS[name], merge, value):
+        if not call_or_refuse(_MERGE_CALLS[name], merge, value):
             after = (merge.blocks("gpu0"), router.index.hashes("gpu0") if "gpu0" in router.index.backends() else None)
             assert after == before, (name, value)
         router._check()
@@ -211,7 +190,7 @@ _METRICS_CALLS: dict[str, Callable[[RouterMetrics, Any], object]] = {
 def test_router_metrics_refuse_hostile_values_and_still_scrape(name: str, value: object) -> None:
     registry = CollectorRegistry()
     metrics = RouterMetrics(registry)
-    _call(_METRICS_CALLS[name], metrics, value)
+    call_or_refuse(_METRICS_CALLS[name], metrics, value)
     generate_latest(registry)  # an accepted value never breaks a later scrape
 
 
