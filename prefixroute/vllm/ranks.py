@@ -17,7 +17,7 @@ from prefixroute._numbers import shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.index import IndexUpdate, check_update
 from prefixroute.vllm._checks import check_endpoint
-from prefixroute.vllm.tracker import IndexOps, IndexWriter
+from prefixroute.vllm.tracker import IndexOps, IndexWriter, check_writer
 
 __all__ = ["RankMerge", "rank_endpoint"]
 
@@ -51,16 +51,7 @@ class RankMerge:
     """
 
     def __init__(self, writer: IndexWriter) -> None:
-        block_size = getattr(writer, "block_size", None)
-        if (
-            not callable(getattr(writer, "write", None))
-            or isinstance(block_size, bool)
-            or not isinstance(block_size, int)
-        ):
-            raise InvalidTypeError(
-                f"writer must be an IndexWriter (a Router, or anything with write(backend, updates) and an int "
-                f"block_size), not {type(writer).__name__}"
-            )
+        check_writer(writer)
         self._writer = writer
         self._lock = threading.Lock()
         self._holders: dict[str, dict[int, int]] = {}  # backend -> block hash -> ranks holding it

@@ -24,7 +24,7 @@ from prefixroute._numbers import shown
 from prefixroute.errors import ConfigurationError, InvalidEventError, InvalidTypeError
 from prefixroute.vllm._checks import check_callable, check_count, check_endpoint, check_seconds, sparse_level
 from prefixroute.vllm.events import EventDecoder
-from prefixroute.vllm.tracker import BlockTracker, IndexOps, IndexWriter, TrackerStats
+from prefixroute.vllm.tracker import BlockTracker, IndexOps, IndexWriter, TrackerStats, check_writer
 
 __all__ = ["KVEventSubscriber", "SubscriberStats"]
 
@@ -118,16 +118,7 @@ class KVEventSubscriber:
         lag_observer: Callable[[float], None] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        block_size = getattr(writer, "block_size", None)
-        if (
-            not callable(getattr(writer, "write", None))
-            or isinstance(block_size, bool)
-            or not isinstance(block_size, int)
-        ):
-            raise InvalidTypeError(
-                f"writer must be an IndexWriter (a Router, a RankMerge, or anything with write(backend, updates) and "
-                f"an int block_size), not {type(writer).__name__}"
-            )
+        check_writer(writer)
         if not isinstance(backend, str):
             raise InvalidTypeError(f"backend must be a str id, not {type(backend).__name__}")
         check_endpoint(endpoint, "endpoint", "tcp://gpu0:5557")
@@ -150,7 +141,7 @@ class KVEventSubscriber:
             raise ConfigurationError(f"reconnect_backoff must be (low, high) with low <= high, not {reconnect_backoff}")
         check_callable(lag_observer, "lag_observer", "taking a lag in seconds", optional=True)
         check_callable(clock, "clock", "returning seconds since the epoch")
-        self._tracker = BlockTracker(block_size=block_size, namespace=namespace)  # validates the block size
+        self._tracker = BlockTracker(block_size=writer.block_size, namespace=namespace)  # validates the block size
         self.writer = writer
         self.backend = backend
         self.endpoint = endpoint

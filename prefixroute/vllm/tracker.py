@@ -290,6 +290,17 @@ class IndexWriter(Protocol):
         ...
 
 
+def check_writer(writer: object) -> None:
+    """Raise InvalidTypeError unless ``writer`` is an :class:`IndexWriter`: a callable ``write`` and an int
+    ``block_size`` (checked when a subscriber or a rank merge is made, not at its first event)."""
+    block_size = getattr(writer, "block_size", None)
+    if not callable(getattr(writer, "write", None)) or isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise InvalidTypeError(
+            f"writer must be an IndexWriter (a Router, a RankMerge, or anything with write(backend, updates) and an "
+            f"int block_size), not {type(writer).__name__}"
+        )
+
+
 _Ready: TypeAlias = tuple[int, int, bytes]
 """What :func:`_prepared` computes for an indexed store: own blocks per vLLM block, vLLM blocks re-hashed, tokens."""
 
