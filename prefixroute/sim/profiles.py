@@ -92,8 +92,8 @@ def load_profile(model: str, gpu: str, *, tp: int | None = None) -> Profile:
     With ``tp=None`` the smallest degree in :data:`TP_DEGREES` whose weights fit with room for
     :data:`MIN_KV_TOKENS` tokens of KV cache (at vLLM's default 0.9 memory utilization) is chosen.
     Raises :class:`~prefixroute.errors.ConfigurationError` for an unknown model, GPU or tp, listing
-    the valid ones, or when the model does not fit even at the largest degree; :class:`~prefixroute.errors.
-    InvalidTypeError` for a model or GPU name that is not a str.
+    the valid ones, or when the model does not fit even at the largest degree;
+    :class:`~prefixroute.errors.InvalidTypeError` for a model or GPU name that is not a str.
     """
     _check_names(model, gpu)
     table = _coefficients()

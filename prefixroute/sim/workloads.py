@@ -247,7 +247,7 @@ def scenario_names() -> list[str]:
 
 
 def make_workload(name: str, *, seed: int = 0, sharing_ratio: float | None = None) -> Scenario:
-    """Build scenario ``name`` with its own rng seeded by ``seed``; raises ConfigurationError for unknown names.
+    """Build scenario ``name`` with its own rng seeded by ``seed``.
 
     Raises:
         ConfigurationError: an unknown name, or ``sharing_ratio`` not a number in [0, 1].
