@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
@@ -30,6 +31,18 @@ COMMAND_MODULES: Mapping[str, tuple[str, tuple[str, ...]]] = MappingProxyType(
     }
 )
 
+# Extra → the modules it installs (import names; platform-conditional ones left out). A command module may import
+# its extra's packages only when it runs, so these are looked up before its subcommands are registered: a missing one
+# makes them say what to install rather than fail with a traceback half-way.
+EXTRA_MODULES: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "sim": ("matplotlib", "rich"),
+        "vllm": ("zmq", "msgspec", "httpx", "prometheus_client"),
+        "serve": ("uvicorn", "httptools", "msgspec", "jinja2", "grpc", "envoy"),
+        "proxy": ("zmq", "msgspec", "httpx", "prometheus_client", "aiohttp", "multidict", "jinja2"),
+    }
+)
+
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser with every subcommand registered."""
@@ -45,15 +58,23 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name, (extra, commands) in COMMAND_MODULES.items():
         try:
+            _require_modules(EXTRA_MODULES[extra])
             module = importlib.import_module(module_name)
         except ImportError as exc:
             for command in commands:
                 unavailable = subparsers.add_parser(command, help=f"(needs: pip install 'prefixroute[{extra}]')")
                 unavailable.add_argument("ignored", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-                unavailable.set_defaults(func=_missing_extra(command, extra, exc))
+                unavailable.set_defaults(func=_missing_extra(command, extra, exc), unavailable=True)
             continue
         module.register(subparsers)
     return parser
+
+
+def _require_modules(names: Sequence[str]) -> None:
+    """Raise ImportError naming the first of ``names`` that is not installed (found without importing it)."""
+    for name in names:
+        if importlib.util.find_spec(name) is None:
+            raise ImportError(f"No module named {name!r}", name=name)
 
 
 def _missing_extra(command: str, extra: str, exc: ImportError) -> Callable[[Any], int]:
@@ -91,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         commands = ", ".join(c for _extra, names in COMMAND_MODULES.values() for c in names)
         return fail(f"{parser.prog}: error: give a command, one of {commands} (see {parser.prog} --help)")
     command = f"{parser.prog} {args.command}"
-    if unknown:
+    if unknown and not getattr(args, "unavailable", False):  # a command that cannot run takes any arguments
         return fail(f"{command}: error: unrecognized arguments: {' '.join(unknown)} (see {command} --help)")
     try:
         status: int = func(args)
