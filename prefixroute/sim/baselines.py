@@ -61,6 +61,15 @@ def _number(name: str, value: object) -> float:
     return value
 
 
+def _number_or_inf(name: str, value: object) -> float:
+    """``value`` if it is a number >= 0 or ``math.inf`` (a threshold never crossed), else a ConfigurationError."""
+    if isinstance(value, float) and value == math.inf:
+        return value
+    if not is_finite_number(value) or value < 0:
+        raise ConfigurationError(f"{name} must be a number >= 0 or math.inf, not {shown(value)}")
+    return value
+
+
 def _count(name: str, value: object, *, minimum: int = 0) -> int:
     """``value`` if it is an int >= ``minimum``, else a ConfigurationError naming the option."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -350,18 +359,24 @@ def _match_percent(candidate: Candidate) -> int:
 
 
 class RayServePrefixAware(LoadPolicy):
-    """Ray Serve LLM's ``PrefixCacheAffinityRouter``: power of two when imbalanced, else prefix match.
+    """Ray Serve LLM's ``PrefixCacheAffinityRouter``: the longest match, else the smallest tree; shortest queue.
 
-    Source: ``ray-project/ray``,
-    ``python/ray/llm/_internal/serve/request_router/prefix_aware/prefix_aware_router.py``
-    (``PrefixCacheAffinityRouter.initialize_state``, ``_prefix_match_best_replicas``, ``choose_replicas``) over
-    ``prefix_tree.py`` (``prefix_match``, ``get_smallest_tenants``); defaults ``imbalanced_threshold = 10`` and
-    ``match_rate_threshold = 0.1``. Queue lengths are the replicas' ongoing requests (``in_flight``). If
-    ``max - min > imbalanced_threshold``: power of two choices (two replicas sampled from ``rng``, the shorter
-    queue). Otherwise the replicas with the longest match if its rate (matched / prompt) is at least
-    ``match_rate_threshold``, else the replicas with the smallest tree (tokens routed there, :class:`_TreeSizes`);
-    of those the shortest queue, ties by placement order. Ray matches characters of the prompt text; this matches
-    the router's blocks. O(len(candidates)).
+    Source: ``ray-project/ray`` main,
+    ``python/ray/llm/_internal/serve/routing_policies/prefix_aware/prefix_aware_router.py`` (formerly under
+    ``request_router/prefix_aware/``: ``initialize_state``, ``_prefix_match_best_replicas``, ``choose_replicas``)
+    over ``prefix_tree.py`` (``prefix_match``, ``get_smallest_tenants``), ``python/ray/serve/_private/request_router/
+    pow_2_router.py`` (two replicas by ``random.sample``) and ``request_router.py``
+    (``_select_from_candidate_replicas``: the lowest queue, the first of equals in the order given); defaults
+    ``imbalanced_threshold = inf`` (ray PR #59390; it was 10 before, pass ``imbalanced_threshold=10`` for that
+    router) and ``match_rate_threshold = 0.1``. Queue lengths are the replicas' ongoing requests (``in_flight``). If
+    ``max - min > imbalanced_threshold`` (never at the default): power of two choices, two replicas drawn from
+    ``rng`` in sample order and the shorter queue, the first drawn of equals. Otherwise the replicas with the
+    longest match if its rate (matched / prompt, 0 for an empty prompt) is at least ``match_rate_threshold``, else
+    the replicas with the smallest tree; of those the shortest queue, ties by placement order (Ray's order there is
+    that of its replica set and tenant map). A tree's size is the tokens routed there that the backend did not
+    match (:class:`_TreeSizes`), where Ray counts the characters its never-evicting tree gained for that replica.
+    Ray matches characters of the prompt text; this matches the router's blocks. Ray also passes over a replica
+    whose queue is at its ``max_ongoing_requests``, which the candidate does not say. O(len(candidates)).
     """
 
     name = "ray-serve"
@@ -370,12 +385,12 @@ class RayServePrefixAware(LoadPolicy):
     def __init__(
         self,
         *,
-        imbalanced_threshold: int = 10,
+        imbalanced_threshold: float = math.inf,
         match_rate_threshold: float = 0.1,
         seed: int | None = None,
         rng: random.Random | None = None,
     ) -> None:
-        self.imbalanced_threshold = _count("imbalanced_threshold", imbalanced_threshold)
+        self.imbalanced_threshold = _number_or_inf("imbalanced_threshold", imbalanced_threshold)
         self.match_rate_threshold = _number("match_rate_threshold", match_rate_threshold)
         self._rng = _rng(seed, rng)
         self._trees = _TreeSizes()
@@ -386,10 +401,12 @@ class RayServePrefixAware(LoadPolicy):
         if max(queues) - min(queues) > self.imbalanced_threshold:
             if len(candidates) == 1:
                 return self._trees.record(candidates[0])
-            first, second = sorted(self._rng.sample(range(len(candidates)), 2))
+            # Ray keeps the sampled order: of two equal queues the first drawn wins.
+            first, second = self._rng.sample(range(len(candidates)), 2)
             return self._trees.record(min(candidates[first], candidates[second], key=lambda c: c.in_flight))
         longest = max(c.matched_tokens for c in candidates)
-        if candidates[0].prompt_tokens and longest / candidates[0].prompt_tokens >= self.match_rate_threshold:
+        prompt = candidates[0].prompt_tokens
+        if (longest / prompt if prompt else 0.0) >= self.match_rate_threshold:
             chosen = [c for c in candidates if c.matched_tokens == longest]
         else:
             smallest = min(self._trees.size(c) for c in candidates)

@@ -254,10 +254,40 @@ def test_ray_serve_follows_a_match_rate_of_at_least_ten_percent_to_the_shortest_
 
 
 def test_ray_serve_falls_back_to_power_of_two_when_imbalanced() -> None:
+    # The threshold of 10 is Ray's former default (ray PR #59390 made it inf); set here, as a deployment would.
     hot = Candidate("hot", 1000, 1000, 20)
     others = [Candidate(f"c{i}", 0, 1000, 5) for i in range(3)]  # 20 - 5 = 15 > 10
-    picks = {RayServePrefixAware(seed=s).choose([hot, *others]).backend for s in range(30)}
+    picks = {RayServePrefixAware(imbalanced_threshold=10, seed=s).choose([hot, *others]).backend for s in range(30)}
     assert "hot" not in picks and len(picks) > 1
+
+
+def test_ray_serve_never_falls_back_to_power_of_two_at_its_default_threshold() -> None:
+    # ray main's prefix_aware_router.py initialize_state: imbalanced_threshold defaults to float("inf") (PR #59390),
+    # so the longest match wins however uneven the queues.
+    hot = Candidate("hot", 1000, 1000, 500)
+    others = [Candidate(f"c{i}", 0, 1000, 0) for i in range(3)]
+    assert {RayServePrefixAware(seed=s).choose([hot, *others]).backend for s in range(30)} == {"hot"}
+    assert RayServePrefixAware().imbalanced_threshold == math.inf
+    with pytest.raises(ConfigurationError, match="imbalanced_threshold"):
+        RayServePrefixAware(imbalanced_threshold=-math.inf)
+
+
+def test_ray_serve_power_of_two_breaks_a_tie_by_the_first_replica_drawn() -> None:
+    # pow_2_router.py draws random.sample(..., k=2) and _select_from_candidate_replicas keeps the first of equal
+    # queues in that order: a tie goes to the first drawn, not to the lower placement index.
+    pods = [Candidate("hot", 1000, 1000, 20), *(Candidate(f"c{i}", 0, 1000, 5) for i in range(3))]
+    for seed in range(40):
+        first, second = random.Random(seed).sample(range(len(pods)), 2)
+        expected = min(pods[first], pods[second], key=lambda c: c.in_flight)
+        assert RayServePrefixAware(imbalanced_threshold=10, seed=seed).choose(pods) is expected
+
+
+def test_ray_serve_an_empty_prompt_has_match_rate_zero() -> None:
+    # match_rate = matched / len(text) if text else 0.0: at a threshold of 0 an empty prompt takes the longest-match
+    # branch (every replica, the shortest queue), not the smallest tree.
+    policy = RayServePrefixAware(match_rate_threshold=0.0)
+    assert policy.choose([Candidate("a", 0, 100, 0), Candidate("b", 0, 100, 0)]).backend == "a"  # a's tree: 100
+    assert policy.choose([Candidate("a", 0, 0, 0), Candidate("b", 0, 0, 1)]).backend == "a"
 
 
 # -- production-stack prefixaware ----------------------------------------------------------------------------------
@@ -292,5 +322,8 @@ def test_production_stack_picks_at_random_among_the_longest_matches_whatever_the
 )
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -1, True, "1", None])
 def test_baseline_options_are_checked_when_given(cls: type, option: str, bad: object) -> None:
+    if (cls, option, bad) == (RayServePrefixAware, "imbalanced_threshold", math.inf):
+        assert cls(**{option: bad}).imbalanced_threshold == math.inf  # Ray's default: never imbalanced
+        return
     with pytest.raises(ConfigurationError, match=option):
         cls(**{option: bad})
