@@ -166,7 +166,9 @@ class DynamoKvRouter(LoadPolicy):
     shared (exact when nothing is in flight there, or when what is in flight shares this prompt's prefix; otherwise
     an upper bound, which credits sharing that is not there and leans this baseline towards affinity). The router's
     ``active_blocks`` also counts each in-flight prompt's partial last block (as vLLM allocates it), where Dynamo
-    counts whole blocks: about one block more per request in flight.
+    counts whole blocks: about one block more per request in flight. Where Dynamo knows a prefill's expected
+    duration it counts the oldest prefill down linearly over it (``sequences/prefill_tracker.rs``,
+    ``active_tokens_at``); the router counts a prefill in full until its first token.
 
     At temperature 0 the lowest logit wins; Dynamo draws among equal logits at random (``minimum_cost_index``),
     this takes the first in placement order (the older ``scheduler.rs`` broke such ties by the smallest indexer
@@ -365,7 +367,7 @@ class RayServePrefixAware(LoadPolicy):
     ``python/ray/llm/_internal/serve/routing_policies/prefix_aware/prefix_aware_router.py`` (formerly under
     ``request_router/prefix_aware/``: ``initialize_state``, ``_prefix_match_best_replicas``, ``choose_replicas``)
     over ``prefix_tree.py`` (``prefix_match``, ``get_smallest_tenants``), ``python/ray/serve/_private/request_router/
-    pow_2_router.py`` (two replicas by ``random.sample``) and ``request_router.py``
+    pow_2_router.py`` (an ordered pair of replicas drawn uniformly at random) and ``request_router.py``
     (``_select_from_candidate_replicas``: the lowest queue, the first of equals in the order given); defaults
     ``imbalanced_threshold = inf`` (ray PR #59390; it was 10 before, pass ``imbalanced_threshold=10`` for that
     router) and ``match_rate_threshold = 0.1``. Queue lengths are the replicas' ongoing requests (``in_flight``). If
@@ -427,7 +429,9 @@ class ProductionStackPrefixAware(LoadPolicy):
     (``PrefixAwareRouter.route_request``) over ``src/vllm_router/prefix/hashtrie.py`` (``longest_prefix_match`` of
     128-character chunks): the endpoints at the longest matched prefix, or every endpoint when nothing matches, and
     ``random.choice`` among them; load is not considered (the QPS fallback applies only below
-    ``prefix_min_match_length``, 0 by default, so never). The choice is drawn from ``rng``. O(len(candidates)).
+    ``prefix_min_match_length``, 0 by default, so never). The choice is drawn from ``rng``. The trie compares
+    whole 128-character chunks (a partial last chunk included), so matches ending within one chunk tie there; here
+    they tie only at the same number of the router's blocks. O(len(candidates)).
     """
 
     name = "production-stack"
