@@ -188,6 +188,19 @@ def test_clients_that_leave_midway_under_concurrency_leave_nothing_in_flight(cli
     client.still_routes()
 
 
+def test_per_request_backends_are_bounded_so_one_body_cannot_stall_the_sidecar(client: Client) -> None:
+    """A body may list backends by the million (32 MiB); routing among them held the event loop for seconds per
+    hundred thousand, so every other request waited: past 4096 (the backends the sidecar keeps) it is a 400."""
+    many = [f"http://10.{i >> 16}.{(i >> 8) & 255}.{i & 255}:8000" for i in range(4097)]
+    reply = client.http.post("/route", json={"prompt_token_ids": [1, 2, 3], "backends": many})
+    assert_refused(reply, 400)
+    assert "4096" in reply.json()["error"] and "backends" in reply.json()["error"]
+    answer = client.http.post("/route", json={"prompt_token_ids": [1, 2, 3], "backends": many[:4096]})
+    assert answer.status_code == 200, answer.text
+    assert client.http.post("/finish", json={"id": answer.json()["id"]}).status_code == 200
+    client.still_routes()
+
+
 def test_a_json_body_is_read_whatever_content_type_the_client_sends(client: Client) -> None:
     """nginx and HAProxy forward the client's own Content-Type (curl -d sends a form type): the body decides."""
     for content_type in (None, "text/plain", "application/x-www-form-urlencoded", "application/json; charset=utf-8"):

@@ -3,8 +3,8 @@
 ``POST /route`` takes exactly one of ``prompt_token_ids`` (a list of ints in [0, 2**32)), ``prompt`` (a str) or
 ``messages`` (OpenAI chat messages: a str ``role``; a ``content`` that is a str, a list of content parts or null),
 and optionally ``model`` (a str: the hash namespace), ``lease`` (seconds, > 0) and ``backends`` (a non-empty list of
-str). ``POST /first_token`` takes ``{"id": str}``, ``POST /finish`` ``{"id": str}`` and optionally ``refused`` (a
-bool: the engine answered 4xx, so it cached nothing).
+at most 4096 str). ``POST /first_token`` takes ``{"id": str}``, ``POST /finish`` ``{"id": str}`` and optionally
+``refused`` (a bool: the engine answered 4xx, so it cached nothing).
 Unknown fields are ignored, so a client may send more than the contract names. Any violation becomes
 :class:`BadRequest`: an HTTP status (4xx) and one message that says what to fix.
 """
@@ -25,6 +25,7 @@ __all__ = [
     "check_messages",
     "FinishBody",
     "LifecycleBody",
+    "MAX_REQUEST_BACKENDS",
     "Prompt",
     "RouteBody",
     "decode",
@@ -34,6 +35,12 @@ __all__ = [
     "route_prompt",
     "without_bom",
 ]
+
+
+MAX_REQUEST_BACKENDS = 4096
+"""The most backends one ``/route`` body may list: routing is O(backends) on the event loop, so a body listing a
+million (32 MiB allows it) held every other request up for seconds; the sidecar keeps no more per-request backends
+than this either (it forgets the least recently routed past it)."""
 
 
 class BadRequest(Exception):
@@ -117,7 +124,8 @@ def route_prompt(body: RouteBody) -> Prompt:
 
     Raises:
         BadRequest: 400 unless exactly one of ``prompt_token_ids``, ``prompt`` and ``messages`` is given and
-            non-empty, when ``backends`` is given empty, or when a message breaks :func:`check_messages`.
+            non-empty, when ``backends`` is given empty or longer than :data:`MAX_REQUEST_BACKENDS`, or when a message
+            breaks :func:`check_messages`.
     """
     given = [
         name
@@ -136,6 +144,10 @@ def route_prompt(body: RouteBody) -> Prompt:
         )
     if body.backends is not None and not body.backends:
         raise BadRequest(400, "'backends' is empty: list at least one backend URL, or omit it to use the sidecar's")
+    if body.backends is not None and len(body.backends) > MAX_REQUEST_BACKENDS:
+        raise BadRequest(
+            400, f"'backends' lists {len(body.backends)} backends: list at most {MAX_REQUEST_BACKENDS} in one request"
+        )
     prompt: Prompt | None = body.prompt_token_ids
     if prompt is None:
         prompt = body.prompt if body.prompt is not None else body.messages
