@@ -7,7 +7,9 @@ test_proxy_openai_client.py check the common refusals' messages, relaying and re
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import random
 import socket
 import threading
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from aiohttp import ClientConnectionResetError, web
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixroute import Router
@@ -199,4 +202,30 @@ def test_clients_that_leave_at_any_moment_under_concurrency_leave_nothing_in_fli
     assert counted["ok"] >= 10 and counted["bad_request"] == counted["internal_error"] == 0
     assert counted["backend_error"] == counted["unreachable"] == 0
     assert sum(counted.values()) <= len(kinds)  # a client gone before its handler ran is not a request
+    client.still_serves()
+
+
+@pytest.mark.parametrize("leaves_at", ["prepare", "write_eof"])
+def test_a_client_gone_as_its_stream_starts_or_ends_is_counted_not_logged_as_an_error(
+    client: Client, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, leaves_at: str
+) -> None:
+    """A client that leaves closes the proxy's side of its connection at once, but aiohttp cancels the handler one
+    loop turn later: a stream whose answer starts (or ends) in between wrote to a closing transport, and the
+    ConnectionResetError escaped the handler, logged by aiohttp as an error with a traceback (seen under the
+    concurrent test above). It is a client gone, as when a later chunk fails: counted so, logged as nothing."""
+    original = getattr(web.StreamResponse, leaves_at)
+
+    async def client_gone(self: web.StreamResponse, *args: object) -> object:
+        if "X-Prefixroute-Backend" in self.headers:  # the proxy's answer, not the fake engine's
+            raise ClientConnectionResetError("Cannot write to closing transport")
+        return await original(self, *args)
+
+    monkeypatch.setattr(web.StreamResponse, leaves_at, client_gone)
+    before = client.outcomes()
+    with caplog.at_level(logging.INFO), contextlib.suppress(httpx.HTTPError):  # what the client sees is moot
+        client.http.post(COMPLETIONS, json={"prompt": "a b c", "stream": True, "max_tokens": 2})
+    wait_until(lambda: client.outcomes()["client_disconnect"] == before["client_disconnect"] + 1)
+    monkeypatch.undo()
+    assert not [record for record in caplog.records if record.levelno >= logging.ERROR], caplog.text
+    assert client.in_flight() == 0
     client.still_serves()

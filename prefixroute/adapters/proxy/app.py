@@ -412,14 +412,17 @@ class Proxy:
             answer = web.Response(status=upstream.status, body=body, headers=headers)
             return answer, "ok" if upstream.status < 500 else "backend_error"
         response = web.StreamResponse(status=200, headers=headers)
-        await response.prepare(request)
         first = True
         try:
+            # A client that leaves closes its transport at once but cancels this handler a loop turn later: the
+            # headers or the end written in between raise ConnectionResetError too, a client gone (not an error).
+            await response.prepare(request)
             async for chunk in upstream.content.iter_any():
                 if first:
                     self.router.first_token(decision)
                     first = False
                 await response.write(chunk)
+            await response.write_eof()
         except _BROKE_OFF as exc:
             _log.warning("backend %s broke off a streamed answer: %s", decision.backend, exc)
             self._failed(decision.backend)
@@ -429,7 +432,6 @@ class Proxy:
             return response, "backend_error"
         except ConnectionError:  # writing to a client that has gone
             return response, "client_disconnect"
-        await response.write_eof()
         return response, "ok"
 
     def _unlearned(self, namespace: str | None) -> bool:
