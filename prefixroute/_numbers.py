@@ -3,9 +3,28 @@
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from typing import TypeGuard
 
-__all__ = ["is_finite_number", "shown"]
+__all__ = ["as_int", "is_finite_number", "shown"]
+
+
+def as_int(value: object) -> int | None:
+    """``value`` as a Python int if it is an integer that is not a bool; else None. O(1).
+
+    Every int option and argument of the public API is read through this, so numpy's integers (and any other
+    :class:`numbers.Integral`, an ``IntEnum`` too) are taken where an int is and kept as the plain int they stand
+    for; a bool (numpy's too), a float (even ``2.0``), a str or anything else is None, for the caller to refuse.
+    """
+    if type(value) is int:
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    try:
+        return operator.index(value)
+    except Exception:  # noqa: BLE001 - an Integral whose __index__ raises is not an int, whatever it raised
+        return None
 
 
 def is_finite_number(value: object) -> TypeGuard[int | float]:

@@ -17,7 +17,7 @@ from typing import Any, NewType, Protocol, TypeAlias, cast, runtime_checkable
 
 import xxhash
 
-from prefixroute._numbers import shown
+from prefixroute._numbers import as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidPromptError, InvalidTypeError
 
 __all__ = ["BlockHash", "BlockHasher", "Tokens", "encode_tokens"]
@@ -216,9 +216,10 @@ class BlockHasher:
         """
         seed = self._seed
         if parent is not None:
-            if isinstance(parent, bool) or not isinstance(parent, int) or not 0 <= parent < _HASH_LIMIT:
+            start = as_int(parent)
+            if start is None or not 0 <= start < _HASH_LIMIT:
                 raise InvalidPromptError(f"parent must be a block hash, an int in [0, 2**64), not {shown(parent)}")
-            seed = parent
+            seed = start
         return self.hash_encoded(encode_tokens(tokens), seed)
 
     def hash_encoded(self, data: bytes, seed: int) -> list[BlockHash]:
@@ -242,11 +243,12 @@ MAX_BLOCK_SIZE = 65536
 
 def check_block_size(block_size: object) -> int:
     """Return ``block_size`` if it is an int in [1, :data:`MAX_BLOCK_SIZE`], else raise ConfigurationError."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK_SIZE:
+    size = as_int(block_size)
+    if size is None or not 1 <= size <= MAX_BLOCK_SIZE:
         raise ConfigurationError(
             f"block_size must be an int in [1, {MAX_BLOCK_SIZE}] (vLLM's default is 16), not {shown(block_size)}"
         )
-    return block_size
+    return size
 
 
 def namespace_seed(namespace: str | bytes | None) -> int:

@@ -15,13 +15,12 @@ store is over its capacity (as cachetools' ``Cache`` calls ``popitem``). Interna
 
 from __future__ import annotations
 
-import operator
 import sys
 from array import array
 from collections.abc import Collection, Container, Iterable, Iterator, Mapping, Sequence
 from itertools import chain, islice, takewhile
 
-from prefixroute._numbers import shown
+from prefixroute._numbers import as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidEventError, InvalidTypeError
 from prefixroute.hashing import check_block_size
 
@@ -149,8 +148,10 @@ class LRUStore:
         roots: set[int] | None = None,
         open: bool = False,
     ) -> None:
-        if isinstance(generations, bool) or not isinstance(generations, int) or generations < 1:
+        count = as_int(generations)
+        if count is None or count < 1:
             raise ConfigurationError(f"generations must be a positive int, not {shown(generations)}")
+        generations = count
         self._generations = generations
         self._span = max(1, capacity // generations)
         self._gens: list[set[int]] = [set(blocks)]  # oldest first; the last one is the newest
@@ -545,8 +546,10 @@ class PrefixIndex:
         if _not_a_sequence(hashes):
             raise InvalidTypeError(f"hashes must be a sequence of block hashes, not {type(hashes).__name__}")
         backend = _check_backend(backend)
-        if isinstance(held, bool) or not isinstance(held, int):
+        count = as_int(held)
+        if count is None:
             raise InvalidTypeError(f"held must be a count of blocks (an int), not {type(held).__name__}")
+        held = count
         if hashes:
             capacity = self._limit(backend)
             if capacity is None or len(hashes) <= capacity:
@@ -568,10 +571,12 @@ class PrefixIndex:
         """
         hashes = _check_hashes(hashes)
         backend = _check_backend(backend)
-        if isinstance(start, bool) or not isinstance(start, int):
+        position = as_int(start)
+        if position is None:
             raise InvalidTypeError(f"start must be a block position (an int), not {type(start).__name__}")
-        if start < 0:
+        if position < 0:
             raise ConfigurationError(f"start must be a block position >= 0, not {shown(start)}")
+        start = position
         store = self._stores.get(backend)
         if store is None or start >= len(hashes):
             return
@@ -599,10 +604,17 @@ class PrefixIndex:
         """
         hashes = _check_hashes(hashes)
         backend = _check_backend(backend)
-        if parent is not None and (isinstance(parent, bool) or not isinstance(parent, int)):
-            raise InvalidTypeError(f"parent must be a block hash, an int in [0, 2**64), or None, not {shown(parent)}")
-        if parent is not None and not 0 <= parent < 2**64:
-            raise InvalidEventError(f"parent must be a block hash, an int in [0, 2**64), or None, not {shown(parent)}")
+        if parent is not None:
+            block = as_int(parent)
+            if block is None:
+                raise InvalidTypeError(
+                    f"parent must be a block hash, an int in [0, 2**64), or None, not {shown(parent)}"
+                )
+            if not 0 <= block < 2**64:
+                raise InvalidEventError(
+                    f"parent must be a block hash, an int in [0, 2**64), or None, not {shown(parent)}"
+                )
+            parent = block
         if hashes:
             self._put(hashes, backend, parent, 0, checked=True)
 
@@ -693,10 +705,10 @@ class PrefixIndex:
         Raises:
             TypeError: ``block_hash`` is not an int, or ``backend`` is not a str.
         """
-        try:
-            block_hash = operator.index(block_hash)  # numpy's ints too
-        except TypeError:
-            raise InvalidTypeError(f"block_hash must be an int, not {type(block_hash).__name__}") from None
+        block = as_int(block_hash)  # numpy's ints too
+        if block is None:
+            raise InvalidTypeError(f"block_hash must be an int, not {type(block_hash).__name__}")
+        block_hash = block
         backend = _check_backend(backend)
         store = self._stores.get(backend)
         return store is not None and block_hash in store
@@ -801,8 +813,11 @@ def check_update(update: object) -> IndexUpdate:
         packed = array("Q", hashes)  # checks, in C, that every hash is an int in [0, 2**64); reads an iterator once
     except (TypeError, OverflowError, NotImplementedError) as exc:  # NotImplementedError: a 2-D memoryview
         raise InvalidEventError(f"block hashes must be ints in [0, 2**64): {exc}") from None
-    if parent is not None and (isinstance(parent, bool) or not isinstance(parent, int) or not 0 <= parent < 2**64):
-        raise InvalidEventError(f"parent must be a block hash, an int in [0, 2**64), or None, not {shown(parent)}")
+    if parent is not None:
+        block = as_int(parent)
+        if block is None or not 0 <= block < 2**64:
+            raise InvalidEventError(f"parent must be a block hash, an int in [0, 2**64), or None, not {shown(parent)}")
+        parent = block
     if parent is not None and not stored:
         raise InvalidEventError("a removal has no parent: pass (False, hashes, None)")
     return (stored, _python_ints(hashes, packed), parent)
@@ -922,6 +937,7 @@ def _check_backend(backend: object) -> str:
 
 
 def _check_capacity(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    count = as_int(value)
+    if count is None or count < 0:
         raise ConfigurationError(f"{name} must be a non-negative int number of blocks or None, not {shown(value)}")
-    return value
+    return count

@@ -21,7 +21,7 @@ from operator import attrgetter
 from types import MappingProxyType
 from typing import Any, ClassVar, NamedTuple
 
-from prefixroute._numbers import is_finite_number, shown
+from prefixroute._numbers import as_int, is_finite_number, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError, NoBackendError, PrefixRouteError
 
 __all__ = [
@@ -531,8 +531,11 @@ def _rng(seed: object, rng: object, policy: str) -> random.Random:
         if not isinstance(rng, random.Random):
             raise InvalidTypeError(f"{policy} rng must be a random.Random, not {type(rng).__name__}")
         return rng
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, str, bytes))):
-        raise InvalidTypeError(f"{policy} seed must be an int, str, bytes or None, not {type(seed).__name__}")
+    if seed is not None and not isinstance(seed, (str, bytes)):
+        number = as_int(seed)  # a numpy int seeds as the int it stands for (random.Random refuses it)
+        if number is None:
+            raise InvalidTypeError(f"{policy} seed must be an int, str, bytes or None, not {type(seed).__name__}")
+        seed = number
     if isinstance(seed, str):  # random seeds a str from its UTF-8 bytes, which a lone surrogate has none of
         seed = seed.encode("utf-8", "surrogatepass")
     return random.Random(seed)

@@ -16,7 +16,7 @@ from typing import Any, Literal, TypeAlias
 import cachetools
 import xxhash
 
-from prefixroute._numbers import is_finite_number, shown
+from prefixroute._numbers import as_int, is_finite_number, shown
 from prefixroute.errors import (
     ConfigurationError,
     DecisionError,
@@ -255,7 +255,8 @@ class Router:
     ) -> None:
         if policy is not None and not isinstance(policy, LoadPolicy):
             raise InvalidTypeError(f"policy must be a LoadPolicy instance, not {type(policy).__name__}")
-        if isinstance(placement_blocks, bool) or not isinstance(placement_blocks, int) or placement_blocks < 1:
+        placement = as_int(placement_blocks)
+        if placement is None or placement < 1:
             raise ConfigurationError(f"placement_blocks must be a positive int, not {shown(placement_blocks)}")
         if not callable(clock):
             raise InvalidTypeError(f"clock must be a callable returning seconds, not {type(clock).__name__}")
@@ -275,7 +276,7 @@ class Router:
         self._index = index
         self._policy: LoadPolicy = policy if policy is not None else PredictedTTFT()
         self._clock = clock
-        self._placement_blocks = placement_blocks
+        self._placement_blocks = placement
         self._lease = _check_lease(lease)
         self._lock = _Lock()
         # Per backend: requests in flight, uncached prompt tokens still in prefill, prompt blocks in flight.
@@ -742,10 +743,11 @@ class Router:
                 ``kv_usage`` is not a number in [0, 1].
         """
         backend = _check_backend_id(backend)
-        if queue_len is not None and (
-            isinstance(queue_len, bool) or not isinstance(queue_len, int) or not 0 <= queue_len < _QUEUE_LIMIT
-        ):
-            raise ConfigurationError(f"queue_len must be an int in [0, 2**63) or None, not {shown(queue_len)}")
+        if queue_len is not None:
+            queue = as_int(queue_len)
+            if queue is None or not 0 <= queue < _QUEUE_LIMIT:
+                raise ConfigurationError(f"queue_len must be an int in [0, 2**63) or None, not {shown(queue_len)}")
+            queue_len = queue
         if kv_usage is not None and (
             isinstance(kv_usage, bool) or not isinstance(kv_usage, (int, float)) or not 0.0 <= kv_usage <= 1.0
         ):

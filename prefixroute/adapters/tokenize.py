@@ -26,6 +26,7 @@ from typing import Any
 import cachetools
 from tokenizers import Encoding, Tokenizer
 
+from prefixroute._numbers import as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidPromptError, InvalidTypeError
 from prefixroute.router import Decision, Router
 
@@ -64,8 +65,12 @@ class PromptTokenizer:
     def __init__(self, tokenizer: Tokenizer, *, add_special_tokens: bool = True, cache_tokens: int = 262_144) -> None:
         if not isinstance(tokenizer, Tokenizer):
             raise InvalidTypeError(f"tokenizer must be a tokenizers.Tokenizer, not {type(tokenizer).__name__}")
-        if isinstance(cache_tokens, bool) or not isinstance(cache_tokens, int) or cache_tokens < 0:
-            raise ConfigurationError(f"cache_tokens must be a non-negative int number of ids, not {cache_tokens!r}")
+        cache_size = as_int(cache_tokens)
+        if cache_size is None or cache_size < 0:
+            raise ConfigurationError(
+                f"cache_tokens must be a non-negative int number of ids, not {shown(cache_tokens)}"
+            )
+        cache_tokens = cache_size
         if not isinstance(add_special_tokens, bool):
             raise InvalidTypeError(f"add_special_tokens must be True or False, not {add_special_tokens!r}")
         self._tokenizer = tokenizer

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Protocol
 
+from prefixroute._numbers import as_int, shown
 from prefixroute.errors import ConfigurationError
 from prefixroute.router import Decision
 from prefixroute.sim.kvcache import BlockCache
@@ -46,17 +47,19 @@ class BackendConfig:
     max_num_batched_tokens: int = 2048
 
     def __post_init__(self) -> None:
-        if not all(_is_count(value) for value in (self.block_size, self.max_num_seqs, self.max_num_batched_tokens)):
-            raise ConfigurationError("block_size, max_num_seqs and max_num_batched_tokens must be ints >= 1")
-        if self.capacity_blocks is not None and not _is_count(self.capacity_blocks):
-            raise ConfigurationError(
-                f"capacity_blocks is {self.capacity_blocks}: the model does not fit on this GPU; "
-                "choose a larger GPU or more tensor parallelism"
-            )
-
-
-def _is_count(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            count = as_int(getattr(self, name))
+            if count is None or count < 1:
+                raise ConfigurationError("block_size, max_num_seqs and max_num_batched_tokens must be ints >= 1")
+            object.__setattr__(self, name, count)  # a numpy int kept as the Python int it stands for (frozen)
+        if self.capacity_blocks is not None:
+            capacity = as_int(self.capacity_blocks)
+            if capacity is None or capacity < 1:
+                raise ConfigurationError(
+                    f"capacity_blocks is {shown(self.capacity_blocks)}: the model does not fit on this GPU; "
+                    "choose a larger GPU or more tensor parallelism"
+                )
+            object.__setattr__(self, "capacity_blocks", capacity)
 
 
 class Active:

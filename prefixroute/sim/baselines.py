@@ -19,8 +19,8 @@ import random
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
-from prefixroute._numbers import is_finite_number, shown
-from prefixroute.errors import ConfigurationError
+from prefixroute._numbers import as_int, is_finite_number, shown
+from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.policies import Candidate, LoadPolicy, _require_candidates
 
 __all__ = [
@@ -72,15 +72,23 @@ def _number_or_inf(name: str, value: object) -> float:
 
 def _count(name: str, value: object, *, minimum: int = 0) -> int:
     """``value`` if it is an int >= ``minimum``, else a ConfigurationError naming the option."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigurationError(f"{name} must be an int >= {minimum}, not {value!r}")
-    return value
+    count = as_int(value)
+    if count is None or count < minimum:
+        raise ConfigurationError(f"{name} must be an int >= {minimum}, not {shown(value)}")
+    return count
 
 
 def _rng(seed: int | None, rng: random.Random | None) -> random.Random:
     if rng is not None and not isinstance(rng, random.Random):
         raise ConfigurationError(f"rng must be a random.Random, not {type(rng).__name__}")
-    return rng if rng is not None else random.Random(seed)
+    if rng is not None:
+        return rng
+    if seed is None or isinstance(seed, (str, bytes)):
+        return random.Random(seed)
+    number = as_int(seed)  # a numpy int seeds as the int it stands for (random.Random refuses it)
+    if number is None:
+        raise InvalidTypeError(f"seed must be an int, str, bytes or None, not {type(seed).__name__}")
+    return random.Random(number)
 
 
 def _match_rate(candidate: Candidate) -> float:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from prefixroute._numbers import as_int, shown
 from prefixroute.errors import ConfigurationError
 from prefixroute.policies import policy_names
 from prefixroute.router import Router
@@ -148,8 +149,10 @@ def run_grid(
         ConfigurationError: ``jobs`` is not a positive int; and whatever a run raises (the first failure, after
             the pool is shut down).
     """
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        raise ConfigurationError(f"--jobs must be a positive int, not {jobs!r}")
+    count = as_int(jobs)
+    if count is None or count < 1:
+        raise ConfigurationError(f"--jobs must be a positive int, not {shown(jobs)}")
+    jobs = count
     results: list[PolicyResult | None] = [None] * len(runs)
     if jobs == 1 or len(runs) <= 1:
         for i, (spec, name) in enumerate(runs):

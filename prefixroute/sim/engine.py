@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Protocol
 
-from prefixroute._numbers import is_finite_number, shown
+from prefixroute._numbers import as_int, is_finite_number, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.router import Decision, Router
 from prefixroute.sim.backend import Active, BackendConfig, CostModel, SimBackend
@@ -39,9 +39,11 @@ MAX_REQUESTS = 100_000_000
 """The most requests one simulated run may have (``--requests``, or ``--rate`` × ``--duration``)."""
 
 
-def _check_count(value: object, name: str, most: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+def _check_count(value: object, name: str, most: int) -> int:
+    count = as_int(value)
+    if count is None or not 1 <= count <= most:
         raise ConfigurationError(f"{name} must be an int in [1, {most:,}], not {shown(value)}")
+    return count
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +64,7 @@ class ClosedLoop:
     ramp: float = 1.0
 
     def __post_init__(self) -> None:
-        _check_count(self.users, "users", MAX_USERS)
+        object.__setattr__(self, "users", _check_count(self.users, "users", MAX_USERS))  # frozen: set on entry
         for name, seconds in (("think_time", self.think_time), ("ramp", self.ramp)):
             if not (is_finite_number(seconds) and seconds >= 0):
                 raise ConfigurationError(f"{name} must be a finite number of seconds >= 0, not {shown(seconds)}")
@@ -82,7 +84,7 @@ class OpenLoop:
     def __post_init__(self) -> None:
         if not (is_finite_number(self.rate) and self.rate > 0):
             raise ConfigurationError(f"rate must be a finite number > 0 of requests a second, not {shown(self.rate)}")
-        _check_count(self.users, "users", MAX_USERS)
+        object.__setattr__(self, "users", _check_count(self.users, "users", MAX_USERS))  # frozen: set on entry
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,9 +150,8 @@ class Simulation:
         first_token: bool = True,
     ) -> None:
         _check_parts(router, workload, arrivals, cost, config, on_progress)
-        if isinstance(backends, int) and not isinstance(backends, bool):
-            _check_count(backends, "backends", MAX_BACKENDS)
-            names = [f"gpu{i}" for i in range(backends)]
+        if as_int(backends) is not None:
+            names = [f"gpu{i}" for i in range(_check_count(backends, "backends", MAX_BACKENDS))]
         elif isinstance(backends, Sequence) and not isinstance(backends, (str, bytes)):
             names = list(backends)
         else:
@@ -160,12 +161,13 @@ class Simulation:
         if not names or len(set(names)) != len(names):
             raise ConfigurationError("backends must be a positive count or distinct backend names")
         if max_requests is not None:
-            _check_count(max_requests, "max_requests", MAX_REQUESTS)
+            max_requests = _check_count(max_requests, "max_requests", MAX_REQUESTS)
         if duration is not None and not (is_finite_number(duration) and duration > 0):
             raise ConfigurationError(f"duration must be a finite number > 0 of seconds, not {shown(duration)}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
+        seed_int = as_int(seed)
+        if seed_int is None:
             raise InvalidTypeError(f"seed must be an int, not {type(seed).__name__}")
-        _check_count(gpus_per_backend, "gpus_per_backend", MAX_BACKENDS)
+        gpus_per_backend = _check_count(gpus_per_backend, "gpus_per_backend", MAX_BACKENDS)
         if max_requests is None and duration is None and not isinstance(arrivals, (ClosedLoop, TraceTimes)):
             raise ConfigurationError("give max_requests or duration: open-loop arrivals never stop by themselves")
         self.router = router
@@ -186,7 +188,7 @@ class Simulation:
         self._by_name = {b.name: i for i, b in enumerate(self.backends)}
         self.max_requests = max_requests
         self.duration = duration
-        self.rng = random.Random(seed)
+        self.rng = random.Random(seed_int)
         self.gpus = gpus_per_backend
         self.check = check
         self.on_progress = on_progress

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
+from prefixroute._numbers import as_int, shown
 from prefixroute.errors import ConfigurationError
 from prefixroute.index import leading_run
 
@@ -72,10 +73,13 @@ class BlockCache:
     __slots__ = ("_capacity", "_free_private", "_free_queue", "_private", "_refs", "evictions", "listener")
 
     def __init__(self, capacity_blocks: int | None) -> None:
-        if capacity_blocks is not None and (
-            isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) or capacity_blocks < 1
-        ):
-            raise ConfigurationError(f"capacity_blocks must be a positive int or None, not {capacity_blocks!r}")
+        if capacity_blocks is not None:
+            count = as_int(capacity_blocks)
+            if count is None or count < 1:
+                raise ConfigurationError(
+                    f"capacity_blocks must be a positive int or None, not {shown(capacity_blocks)}"
+                )
+            capacity_blocks = count
         self._capacity = capacity_blocks
         self._refs: dict[int, int] = {}  # every cached block hash -> requests referencing it (0: free, in _free_queue)
         # vLLM's free block queue, least recently freed first: unreferenced cached blocks (their hash) and freed

@@ -15,6 +15,7 @@ from importlib import resources
 from types import MappingProxyType
 from typing import Any
 
+from prefixroute._numbers import as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.sim.costmodel import CostCoefficients, GpuSpec, ModelSpec, Profile
 
@@ -103,7 +104,8 @@ def load_profile(model: str, gpu: str, *, tp: int | None = None) -> Profile:
             if candidate.kv_capacity_blocks(1) >= MIN_KV_TOKENS:
                 return candidate
         raise ConfigurationError(f"{model} does not fit on {max(TP_DEGREES)} x {gpu}; choose a larger GPU")
-    if isinstance(tp, bool) or not isinstance(tp, int) or (model, gpu, tp) not in table:
+    given = as_int(tp)
+    if given is None or (model, gpu, given) not in table:
         valid = sorted(degree for m, g, degree in table if (m, g) == (model, gpu))
-        raise ConfigurationError(f"no profile for {model} on {gpu} with tp={tp}; valid tp: {valid}")
-    return Profile(MODELS[model], GPUS[gpu], tp, table[(model, gpu, tp)])
+        raise ConfigurationError(f"no profile for {model} on {gpu} with tp={shown(tp)}; valid tp: {valid}")
+    return Profile(MODELS[model], GPUS[gpu], given, table[(model, gpu, given)])

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
-from prefixroute._numbers import is_finite_number, shown
+from prefixroute._numbers import as_int, is_finite_number, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError, PrefixRouteError
 from prefixroute.index import PrefixIndex
 from prefixroute.policies import (
@@ -148,8 +148,12 @@ def _span(spec: SimSpec) -> float:
 def _check_spec(spec: SimSpec) -> None:
     for field, most in _POSITIVE_INTS.items():
         value = getattr(spec, field)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most):
+        if value is None:
+            continue
+        count = as_int(value)
+        if count is None or not 1 <= count <= most:
             raise ConfigurationError(f"{_name(field)} must be an int in [1, {most:,}], not {shown(value)}")
+        object.__setattr__(spec, field, count)  # a numpy int kept as the Python int it stands for (frozen spec)
     for field, low in [(f, "> 0") for f in _POSITIVE_NUMBERS] + [(f, ">= 0") for f in _NON_NEGATIVE_NUMBERS]:
         value = getattr(spec, field)
         if value is not None and not (is_finite_number(value) and (value > 0 if low == "> 0" else value >= 0)):
@@ -159,8 +163,10 @@ def _check_spec(spec: SimSpec) -> None:
     utilization = spec.gpu_memory_utilization
     if not (is_finite_number(utilization) and 0 < utilization <= 1):
         raise ConfigurationError(f"gpu_memory_utilization must be in (0, 1], not {shown(utilization)}")
-    if isinstance(spec.seed, bool) or not isinstance(spec.seed, int):
-        raise ConfigurationError(f"--seed must be an int, not {spec.seed!r}")
+    seed = as_int(spec.seed)
+    if seed is None:
+        raise ConfigurationError(f"--seed must be an int, not {shown(spec.seed)}")
+    object.__setattr__(spec, "seed", seed)
     if not isinstance(spec.first_token, bool):
         raise ConfigurationError(f"first_token must be True or False, not {spec.first_token!r}")
     if spec.index_source not in ("predictions", "events"):

@@ -38,7 +38,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TextIO
 
-from prefixroute._numbers import is_finite_number, shown
+from prefixroute._numbers import as_int, is_finite_number, shown
 from prefixroute.errors import ConfigurationError, InvalidTraceError, InvalidTypeError
 from prefixroute.sim.request import SimRequest, token_bytes
 
@@ -97,18 +97,25 @@ class TraceWorkload:
 
     Raises:
         ConfigurationError: ``output_tokens`` is not a positive int or None.
+        TypeError: ``seed`` is not an int.
     """
 
     def __init__(
         self, entries: Sequence[TraceEntry], *, kind: str, seed: int = 0, output_tokens: int | None = None
     ) -> None:
-        if output_tokens is not None and (not _is_int(output_tokens) or output_tokens < 1):
-            # Checked now, not when the simulator asks for the first request (a bare ValueError mid-run).
-            raise ConfigurationError(f"output_tokens must be a positive int or None, not {shown(output_tokens)}")
+        if output_tokens is not None:
+            count = as_int(output_tokens)
+            if count is None or count < 1:
+                # Checked now, not when the simulator asks for the first request (a bare ValueError mid-run).
+                raise ConfigurationError(f"output_tokens must be a positive int or None, not {shown(output_tokens)}")
+            output_tokens = count
+        seed_int = as_int(seed)
+        if seed_int is None:
+            raise InvalidTypeError(f"seed must be an int, not {type(seed).__name__}")
         self.entries = list(entries)
         self.kind = kind
         self._cursor = 0
-        self._rng = random.Random(seed)
+        self._rng = random.Random(seed_int)
         self._output_tokens = output_tokens
 
     def __len__(self) -> int:
@@ -366,8 +373,11 @@ class _Earliest:
     the file), held in a heap whose top is the latest kept, so memory is O(limit) however long the file."""
 
     def __init__(self, limit: int | None) -> None:
-        if limit is not None and (not _is_int(limit) or limit < 1):  # 0 would leave a heap with no top to compare
-            raise ConfigurationError(f"limit must be a positive int or None, not {shown(limit)}")
+        if limit is not None:
+            count = as_int(limit)
+            if count is None or count < 1:  # 0 would leave a heap with no top to compare
+                raise ConfigurationError(f"limit must be a positive int or None, not {shown(limit)}")
+            limit = count
         self.limit = limit
         self.count = 0  # requests added
         self._all: list[TraceEntry] = []
@@ -608,4 +618,5 @@ def _seconds(text: str | None) -> float:
 
 
 def _is_int(value: object) -> bool:
+    """Whether a JSON value is an int (JSON's true and false are bools, not counts)."""
     return isinstance(value, int) and not isinstance(value, bool)

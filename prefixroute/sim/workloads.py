@@ -16,7 +16,7 @@ import random
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
-from prefixroute._numbers import is_finite_number, shown
+from prefixroute._numbers import as_int, is_finite_number, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.sim.request import SimRequest, token_bytes
 
@@ -43,10 +43,11 @@ class Scenario:
         ratio = self.default_sharing_ratio if sharing_ratio is None else sharing_ratio
         if not (is_finite_number(ratio) and 0.0 <= ratio <= 1.0):
             raise ConfigurationError(f"sharing ratio must be a number between 0 and 1, not {shown(ratio)}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
+        seed_int = as_int(seed)
+        if seed_int is None:
             raise InvalidTypeError(f"seed must be an int, not {type(seed).__name__}")
         self.sharing_ratio = ratio
-        self.rng = random.Random(seed)
+        self.rng = random.Random(seed_int)
         self._next_unique = 0
         self._pieces: dict[int, bytes] = {}
 

@@ -16,7 +16,7 @@ from typing import Literal
 
 import xxhash
 
-from prefixroute._numbers import shown
+from prefixroute._numbers import as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.hashing import BlockHasher, encode_tokens
 from prefixroute.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, ExternalBlockHash
@@ -69,9 +69,13 @@ class FakeBlockCache:
         hash_format: Literal["int", "bytes"] = "int",
         extra_group: bool = False,
     ) -> None:
-        for name, count in (("block_size", block_size), ("num_blocks", num_blocks)):
-            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-                raise ConfigurationError(f"{name} must be a positive int, not {shown(count)}")
+        counts = {}
+        for name, value in (("block_size", block_size), ("num_blocks", num_blocks)):
+            count = as_int(value)
+            if count is None or count < 1:
+                raise ConfigurationError(f"{name} must be a positive int, not {shown(value)}")
+            counts[name] = count
+        block_size, num_blocks = counts["block_size"], counts["num_blocks"]
         if not isinstance(rng, random.Random):
             raise InvalidTypeError(f"rng must be a random.Random, not {type(rng).__name__}")
         if not isinstance(hash_format, str) or hash_format not in ("int", "bytes"):

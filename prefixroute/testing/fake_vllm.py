@@ -29,7 +29,7 @@ from typing import Any, Literal
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from prefixroute._numbers import shown
+from prefixroute._numbers import as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.testing.fake_cache import CachedChain, FakeBlockCache, FakeRequest
 from prefixroute.vllm.events import EventBatch, encode_batch
@@ -66,26 +66,33 @@ def _check_options(
     seed: object,
     host: object,
     ports: tuple[object, object],
-) -> None:
-    """Raise for a :class:`FakeVLLM` option it could not use (when given, not in its I/O thread)."""
+) -> tuple[int, int, int, int]:
+    """Raise for a :class:`FakeVLLM` option it could not use (when given, not in its I/O thread); return its int
+    options (``replay_buffer``, ``seed``, the two ports) as Python ints."""
     for name, text in (("model", model), ("topic", topic), ("host", host)):
         if not isinstance(text, str):
             raise InvalidTypeError(f"{name} must be a str, not {type(text).__name__}")
     if not isinstance(encoding, str) or encoding not in ("array", "map", "alternate"):
         raise ConfigurationError(f"encoding must be 'array', 'map' or 'alternate', not {shown(encoding)}")
-    if isinstance(replay_buffer, bool) or not isinstance(replay_buffer, int) or not 0 <= replay_buffer <= 2**31:
+    buffer = as_int(replay_buffer)
+    if buffer is None or not 0 <= buffer <= 2**31:
         raise ConfigurationError(f"replay_buffer must be an int in [0, 2**31], not {shown(replay_buffer)}")
     if not callable(ttft):
         raise InvalidTypeError(
             f"ttft must be a callable (cached, prompt, waiting) -> seconds, not {type(ttft).__name__}"
         )
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    seed_int = as_int(seed)
+    if seed_int is None:
         raise InvalidTypeError(f"seed must be an int, not {type(seed).__name__}")
+    numbers = []
     for port in ports:
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        number = as_int(port)
+        if number is None or not 0 <= number <= 65535:
             raise ConfigurationError(
                 f"port and replay_port must be ints in [0, 65535] (0: any free), not {shown(port)}"
             )
+        numbers.append(number)
+    return buffer, seed_int, numbers[0], numbers[1]
 
 
 class FakeVLLM:
@@ -127,7 +134,7 @@ class FakeVLLM:
         port: int = 0,
         replay_port: int = 0,
     ) -> None:
-        _check_options(
+        replay_buffer, seed, port, replay_port = _check_options(
             model=model, topic=topic, encoding=encoding, replay_buffer=replay_buffer, ttft=ttft, seed=seed, host=host,
             ports=(port, replay_port),
         )  # fmt: skip

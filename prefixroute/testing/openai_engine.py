@@ -39,9 +39,10 @@ from typing import Any
 
 from aiohttp import web
 
-from prefixroute._numbers import shown
+from prefixroute._numbers import as_int, shown
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.adapters.urls import listen_host
+from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.testing.fake_cache import FakeBlockCache
 
 __all__ = ["EngineStats", "OpenAIEngine", "main", "register", "whitespace_tokens"]
@@ -198,12 +199,24 @@ class OpenAIEngine:
         for option, value in (("prefill_s", prefill_s), ("prefill_per_token_s", prefill_per_token_s),
                               ("token_delay_s", token_delay_s)):  # fmt: skip
             if not 0 <= value < float("inf"):  # an infinite delay would hold every request forever
-                raise ValueError(f"{option} must be a finite, non-negative number of seconds, not {value!r}")
-        if max_tokens < 1 or (max_running is not None and max_running < 1):
-            raise ValueError("max_tokens and max_running must be positive")
+                raise ConfigurationError(f"{option} must be a finite, non-negative number of seconds, not {value!r}")
+        tokens = as_int(max_tokens)
+        running = None if max_running is None else as_int(max_running)
+        if tokens is None or tokens < 1 or (max_running is not None and (running is None or running < 1)):
+            raise ConfigurationError(
+                f"max_tokens and max_running must be positive ints (max_running also None), not "
+                f"{shown(max_tokens)} and {shown(max_running)}"
+            )
+        listen_port = as_int(port)
+        if listen_port is None or not 0 <= listen_port <= 65535:
+            raise ConfigurationError(f"port must be an int in [0, 65535] (0: any free), not {shown(port)}")
+        seed_int = as_int(seed)
+        if seed_int is None:
+            raise InvalidTypeError(f"seed must be an int, not {type(seed).__name__}")
+        max_tokens, max_running, port = tokens, running, listen_port
         self.model = model
         self.lora_adapters = tuple(lora_adapters)
-        self.cache = FakeBlockCache(block_size=block_size, num_blocks=num_blocks, rng=random.Random(seed))
+        self.cache = FakeBlockCache(block_size=block_size, num_blocks=num_blocks, rng=random.Random(seed_int))
         self.prefill_s = prefill_s
         self.prefill_per_token_s = prefill_per_token_s
         self.token_delay_s = token_delay_s
@@ -576,8 +589,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve ``args.count`` engines until interrupted; return the exit status."""
-    from prefixroute.errors import ConfigurationError
-
     if args.count < 1 or not 0 < args.base_port <= 65536 - args.count:  # the last engine on port 65535 at most
         raise ConfigurationError("--count must be positive and --base-port a port with room for --count engines")
     if not 1 <= args.max_tokens <= 1_000_000:

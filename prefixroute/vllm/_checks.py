@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from prefixroute._numbers import shown
+from prefixroute._numbers import as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 
 __all__ = ["MAX_SECONDS", "check_callable", "check_count", "check_endpoint", "check_seconds", "sparse_level"]
@@ -36,10 +36,12 @@ def check_seconds(value: object, name: str) -> float:
 
 
 def check_count(value: object, name: str) -> int:
-    """Return ``value`` if it is a positive int; else raise ConfigurationError."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """Return ``value`` as a Python int if it is a positive integer (numpy's too, not a bool); else raise
+    ConfigurationError."""
+    count = as_int(value)
+    if count is None or count < 1:
         raise ConfigurationError(f"{name} must be a positive int, not {shown(value)}")
-    return value
+    return count
 
 
 def check_callable(value: object, name: str, what: str, *, optional: bool = False) -> None:

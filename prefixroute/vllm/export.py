@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from prefixroute._numbers import is_finite_number, shown
+from prefixroute._numbers import as_int, is_finite_number, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.index import PrefixIndex
 from prefixroute.router import Decision
@@ -127,11 +127,12 @@ class RouterMetrics:
             TypeError: ``cached_tokens`` is not an int.
             ConfigurationError: ``cached_tokens`` is negative or too large for a float (a ValueError).
         """
-        if isinstance(cached_tokens, bool) or not isinstance(cached_tokens, int):
+        count = as_int(cached_tokens)
+        if count is None:
             raise InvalidTypeError(f"cached_tokens must be an int >= 0, not {type(cached_tokens).__name__}")
-        if not 0 <= cached_tokens < 2**63:
+        if not 0 <= count < 2**63:
             raise ConfigurationError(f"cached_tokens must be an int >= 0 and below 2**63, not {shown(cached_tokens)}")
-        self._matched.labels("served").inc(cached_tokens)
+        self._matched.labels("served").inc(count)
 
     def watch_index(self, index: PrefixIndex, *, lock: threading.Lock | None = None) -> None:
         """Export ``index``'s blocks per backend at each scrape (read under ``lock`` when given).

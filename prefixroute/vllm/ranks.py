@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-from prefixroute._numbers import shown
+from prefixroute._numbers import as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.index import IndexUpdate, check_update
 from prefixroute.vllm._checks import check_endpoint
@@ -109,10 +109,11 @@ class RankMerge:
             TypeError: ``backend`` is not a str or ``block_hash`` not an int.
         """
         _check_backend(backend)
-        if isinstance(block_hash, bool) or not isinstance(block_hash, int):
+        block = as_int(block_hash)
+        if block is None:
             raise InvalidTypeError(f"block_hash must be an int, not {type(block_hash).__name__}")
         with self._lock:
-            return self._holders.get(backend, {}).get(block_hash, 0)
+            return self._holders.get(backend, {}).get(block, 0)
 
     def blocks(self, backend: str) -> int:
         """How many distinct blocks at least one rank of ``backend`` holds. O(1).
@@ -150,8 +151,10 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
             above 0), or its port plus ``rank`` is past 65535; ``rank`` is not an int >= 0.
     """
     check_endpoint(endpoint, "endpoint", "tcp://gpu0:5557")
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+    number = as_int(rank)
+    if number is None or number < 0:
         raise ConfigurationError(f"rank must be an int >= 0, not {shown(rank)}")
+    rank = number
     if rank == 0:
         return endpoint
     scheme, _, address = endpoint.partition("://")

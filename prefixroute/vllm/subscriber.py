@@ -127,8 +127,8 @@ class KVEventSubscriber:
         if not isinstance(topic, str):
             raise InvalidTypeError(f"topic must be a str, not {type(topic).__name__}")
         check_seconds(replay_timeout, "replay_timeout")
-        check_count(max_batches_per_apply, "max_batches_per_apply")
-        check_count(max_sequence_jump, "max_sequence_jump")
+        max_batches_per_apply = check_count(max_batches_per_apply, "max_batches_per_apply")
+        max_sequence_jump = check_count(max_sequence_jump, "max_sequence_jump")
         try:
             low, high = reconnect_backoff
         except (TypeError, ValueError):

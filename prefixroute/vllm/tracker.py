@@ -16,7 +16,7 @@ from typing import Protocol, TypeAlias
 
 import cachetools
 
-from prefixroute._numbers import shown
+from prefixroute._numbers import as_int, shown
 from prefixroute.errors import InvalidEventError, InvalidPromptError, InvalidTypeError
 from prefixroute.hashing import BlockHasher, encode_tokens
 from prefixroute.index import IndexUpdate
@@ -294,7 +294,7 @@ def check_writer(writer: object) -> None:
     """Raise InvalidTypeError unless ``writer`` is an :class:`IndexWriter`: a callable ``write`` and an int
     ``block_size`` (checked when a subscriber or a rank merge is made, not at its first event)."""
     block_size = getattr(writer, "block_size", None)
-    if not callable(getattr(writer, "write", None)) or isinstance(block_size, bool) or not isinstance(block_size, int):
+    if not callable(getattr(writer, "write", None)) or as_int(block_size) is None:
         raise InvalidTypeError(
             f"writer must be an IndexWriter (a Router, a RankMerge, or anything with write(backend, updates) and an "
             f"int block_size), not {type(writer).__name__}"

@@ -9,6 +9,7 @@ import argparse
 import gzip
 import json
 import logging
+import random
 import signal
 import socket
 import socketserver
@@ -420,3 +421,31 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(good: OpenAIEngine) -> No
             sender.join(60)
         assert long_one[0].status_code == 200
         assert proxy.router.stats().in_flight == 0
+
+
+def test_numpy_integers_are_taken_for_the_adapters_and_fakes_int_options() -> None:
+    """numpy's ints were refused for a count, a port or a status: kept now as the int they stand for; bools not."""
+    import numpy as np
+
+    from prefixroute.adapters.serve.app import Sidecar
+    from prefixroute.adapters.serve.contract import is_refusal
+    from prefixroute.testing import FakeVLLM
+    from prefixroute.testing.fake_cache import FakeBlockCache
+
+    npa: Any = np  # numpy's ints typed loosely: stubs differ on whether they are ints
+    proxy = Proxy(Router(), ["http://127.0.0.1:1"], retries=npa.int64(2), max_failures=npa.uint8(3), base_models=[])
+    assert type(proxy._retries) is int and type(proxy._max_failures) is int
+    assert type(Sidecar(Router(), backends=[], max_body_bytes=npa.int64(1000))._max_body) is int
+    assert is_refusal(npa.int16(400)) and not is_refusal(npa.int64(500))
+    engine = OpenAIEngine(max_tokens=npa.int64(3), max_running=npa.int32(2), port=npa.int64(0), seed=npa.int64(1))
+    assert type(engine.max_tokens) is int and type(engine._max_running) is int
+    cache = FakeBlockCache(block_size=npa.int64(4), num_blocks=npa.int64(8), rng=random.Random(0))
+    assert type(cache.block_size) is int and type(cache.num_blocks) is int
+    fake = FakeVLLM(replay_buffer=npa.int64(10), seed=npa.int64(1), port=npa.int64(0))
+    assert fake._buffer.maxlen == 10
+    bads: list[Any] = [True, npa.bool_(True), 2.0]
+    for bad in bads:
+        with pytest.raises(ConfigurationError, match="retries"):
+            Proxy(Router(), ["http://127.0.0.1:1"], retries=bad)
+        with pytest.raises(ConfigurationError, match="max_tokens"):
+            OpenAIEngine(max_tokens=bad)

@@ -9,6 +9,7 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from prefixroute import (
     Router,
     encode_tokens,
     kv_fraction,
+    policy_from_name,
 )
 from prefixroute.index import LRUStore
 
@@ -394,3 +396,37 @@ def test_first_token_with_a_clock_that_returns_no_number_learns_no_speed_and_rai
     assert router.decide(TOKENS, ["a"]).candidates[0].prefill_tokens_per_s is None
     router.finish(decision)
     assert router.stats().in_flight == 0
+
+
+def test_numpy_integers_are_taken_wherever_an_int_option_is_and_kept_as_python_ints() -> None:
+    """Every int option and argument takes any integer but a bool (numpy's were refused outside token ids)."""
+    npa: Any = np  # numpy's ints typed loosely: stubs differ on whether they are ints
+    router = Router(block_size=npa.int64(4), placement_blocks=npa.uint8(2), capacity_blocks=npa.int32(64))
+    assert type(router.hasher.block_size) is int and router.hasher.block_size == 4
+    assert type(router._placement_blocks) is int
+    router.set_capacity("a", npa.uint16(32))
+    assert type(router.index.capacity("a")) is int and router.index.capacity("a") == 32
+    router.set_engine_load("a", queue_len=npa.int64(3), kv_usage=0.5)
+    assert type(router._queue_len["a"]) is int
+    hashes = router.hasher.hash(TOKENS)
+    assert router.hasher.hash(TOKENS[4:], parent=npa.uint64(hashes[0])) == hashes[1:]
+    index = PrefixIndex(4, capacity_blocks={"a": npa.int64(10)}, bound_blocks=npa.int16(100))
+    index.insert(hashes[:1], "a")
+    index.insert(hashes[1:], "a", parent=npa.uint64(hashes[0]))
+    assert index.holds(npa.uint64(hashes[1]), "a")
+    index.predict(hashes, "b", held=npa.int64(0))
+    index.retract(hashes, "b", npa.int8(1))
+    assert type(LRUStore(npa.int64(64), generations=npa.int64(4))._generations) is int
+    seeded: Any = policy_from_name("random", seed=npa.int64(7))
+    assert seeded._rng.random() == random.Random(7).random()
+    bads: list[Any] = [True, npa.bool_(True), 4.0, npa.float64(4.0), "4"]
+    for bad in bads:
+        with pytest.raises(ConfigurationError, match="block_size"):
+            Router(block_size=bad)
+        with pytest.raises(ConfigurationError, match="placement_blocks"):
+            Router(placement_blocks=bad)
+        with pytest.raises(ConfigurationError, match="queue_len"):
+            router.set_engine_load("a", queue_len=bad, kv_usage=None)
+        with pytest.raises(TypeError, match="block_hash"):
+            index.holds(bad, "a")
+    router._check()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -113,6 +114,44 @@ def test_open_loop_and_metrics_interval_refuse_huge_ints() -> None:
         Simulation(arrivals=OpenLoop(rate=1.0), metrics_interval=10**400, **common)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="temperature must be a finite number"):
         DynamoKvRouter(temperature=10**400)
+
+
+def test_numpy_integers_are_taken_where_the_simulator_takes_an_int() -> None:
+    """numpy's ints (a sweep over np.arange, say) were refused everywhere but in token ids; bools still are."""
+    import numpy as np
+
+    from prefixroute.router import Router
+    from prefixroute.sim.backend import BackendConfig
+    from prefixroute.sim.baselines import SGLangCacheAware
+    from prefixroute.sim.engine import ClosedLoop, Simulation
+    from prefixroute.sim.kvcache import BlockCache
+    from prefixroute.sim.profiles import load_profile
+    from prefixroute.sim.workloads import make_workload
+
+    from .conftest import LinearCost
+
+    npa: Any = np  # numpy's ints typed loosely: stubs differ on whether they are ints
+    spec = SimSpec(requests=npa.int64(20), users=npa.int32(4), backends=npa.int64(2), seed=npa.int64(3))
+    assert all(type(v) is int for v in (spec.requests, spec.users, spec.backends, spec.seed))
+    assert run_policy(spec, "round-robin").to_json() == run_policy(spec.with_(seed=3), "round-robin").to_json()
+    config = BackendConfig(capacity_blocks=npa.int64(50), max_num_seqs=npa.int16(4))
+    assert type(config.capacity_blocks) is int and type(config.max_num_seqs) is int
+    assert type(BlockCache(npa.uint32(8))._capacity) is int
+    assert load_profile("codellama-13b", "a100-40gb", tp=npa.int64(1)).tp == 1
+    assert type(ClosedLoop(npa.int64(2)).users) is int
+    workload = make_workload("seed", seed=npa.int64(1))
+    assert isinstance(SGLangCacheAware(seed=npa.int64(1)), LoadPolicy)
+    simulation = Simulation(
+        router=Router(), workload=workload, arrivals=ClosedLoop(2), cost=LinearCost(), config=config,
+        backends=npa.int64(2), max_requests=npa.int64(5), seed=npa.int64(1), gpus_per_backend=npa.int8(1),
+    )  # fmt: skip
+    assert simulation.names == ["gpu0", "gpu1"] and len(simulation.run().records) == 5
+    bads: list[Any] = [True, npa.bool_(True), 20.0]
+    for bad in bads:
+        with pytest.raises(ConfigurationError, match="--requests"):
+            SimSpec(requests=bad)
+        with pytest.raises(ConfigurationError, match="capacity_blocks"):
+            BlockCache(bad)
 
 
 def test_vllm_defaults_follow_gpu_memory() -> None:

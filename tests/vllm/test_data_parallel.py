@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -147,6 +148,33 @@ def test_a_single_endpoint_has_one_subscriber_and_no_merge(ranks: tuple[FakeVLLM
         stats = fleet.stats()["gpu0"]
         assert stats.ranks == (stats.events,) and stats.events is not None
         assert stats.events.blocks_held == len(sub.held())
+
+
+def test_numpy_integers_are_taken_for_the_vllm_layers_int_options() -> None:
+    """numpy's ints were refused for a size, a rank, a count or a block hash: kept now as the int they stand for."""
+    import numpy as np
+    from prometheus_client import CollectorRegistry
+
+    from prefixroute.vllm.export import RouterMetrics
+
+    npa: Any = np  # numpy's ints typed loosely: stubs differ on whether they are ints
+    assert rank_endpoint("tcp://gpu0:5557", npa.int64(2)) == "tcp://gpu0:5559"
+    router = events_router()
+    with Fleet(router) as fleet:
+        fleet.add_backend("dp", kv_events="tcp://127.0.0.1:5557", data_parallel_size=npa.int32(2))
+        assert [s.endpoint for s in fleet.subscribers("dp")] == ["tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"]
+    subscriber = KVEventSubscriber(router, "x", "tcp://127.0.0.1:1", max_batches_per_apply=npa.int64(8))
+    assert type(subscriber._max_batches) is int
+    assert RankMerge(router).holders("dp", npa.uint64(H[0])) == 0
+    metrics = RouterMetrics(CollectorRegistry())
+    metrics.observe_served(npa.int64(16))
+    assert metrics._matched.labels("served")._value.get() == 16
+    bads: list[Any] = [True, npa.bool_(True), 2.0]
+    for bad in bads:
+        with pytest.raises(ConfigurationError, match="rank must be"):
+            rank_endpoint("tcp://gpu0:5557", bad)
+        with pytest.raises(ConfigurationError, match="data_parallel_size"):
+            Fleet(router).add_backend("dp", kv_events="tcp://127.0.0.1:5557", data_parallel_size=bad)
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 
-from prefixroute._numbers import is_finite_number, shown
+from prefixroute._numbers import as_int, is_finite_number, shown
 from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, check_encoder, request_tokens
 from prefixroute.adapters.serve.contract import base_model_names, is_refusal, json_error, without_bom
 from prefixroute.adapters.threaded import ServerThread
@@ -132,9 +132,13 @@ class Proxy:
             raise ConfigurationError("the proxy needs at least one backend URL, like http://127.0.0.1:8000")
         if len(set(urls)) != len(urls):
             raise ConfigurationError(f"a backend URL appears twice in {urls}: name each backend once")
-        for name, count, least in (("retries", retries, 0), ("max_failures", max_failures, 1)):
-            if isinstance(count, bool) or not isinstance(count, int) or count < least:
-                raise ConfigurationError(f"{name} must be an int >= {least}, not {shown(count)}")
+        counts = {}
+        for name, value, least in (("retries", retries, 0), ("max_failures", max_failures, 1)):
+            count = as_int(value)
+            if count is None or count < least:
+                raise ConfigurationError(f"{name} must be an int >= {least}, not {shown(value)}")
+            counts[name] = count
+        retries, max_failures = counts["retries"], counts["max_failures"]
         for name, seconds in (("cooldown", cooldown), ("connect_timeout", connect_timeout)):
             if not (is_finite_number(seconds) and seconds > 0):
                 raise ConfigurationError(f"{name} must be a positive, finite number of seconds, not {shown(seconds)}")

@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from prefixroute._numbers import shown
+from prefixroute._numbers import as_int, shown
 from prefixroute.adapters.serve.contract import (
     BadRequest,
     FinishBody,
@@ -140,8 +140,10 @@ class Sidecar:
         for name, function in (("healthy", healthy), ("clock", clock)):
             if not callable(function) and not (name == "healthy" and function is None):
                 raise InvalidTypeError(f"{name} must be a callable, not {type(function).__name__}")
-        if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        body_limit = as_int(max_body_bytes)
+        if body_limit is None or body_limit < 1:
             raise ConfigurationError(f"max_body_bytes must be a positive int, not {shown(max_body_bytes)}")
+        max_body_bytes = body_limit
         if not (isinstance(accel_redirect, str) and accel_redirect.isascii() and accel_redirect.isprintable()
                 and accel_redirect.strip()):  # fmt: skip
             raise ConfigurationError(f"accel_redirect must be an nginx location like @prefixroute_upstream (printable "

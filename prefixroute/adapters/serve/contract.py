@@ -17,6 +17,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from prefixroute._numbers import as_int
 from prefixroute.errors import InvalidTypeError
 
 __all__ = [
@@ -87,9 +88,10 @@ def is_refusal(status: int) -> bool:
     Raises:
         TypeError: ``status`` is not an int (a str from a header: convert it first).
     """
-    if isinstance(status, bool) or not isinstance(status, int):
+    code = as_int(status)
+    if code is None:
         raise InvalidTypeError(f"an HTTP status is an int such as 400, not {type(status).__name__}")
-    return 400 <= status < 500 and status not in (408, 499)
+    return 400 <= code < 500 and code not in (408, 499)
 
 
 Prompt = list[int] | str | list[dict[str, Any]]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from prefixroute._numbers import shown
+from prefixroute._numbers import as_int, shown
 from prefixroute.errors import ConfigurationError
 from prefixroute.sim.engine import MAX_REQUESTS
 from prefixroute.sim.study.claims import CLAIMS, judge
@@ -29,8 +29,10 @@ def run_study(out: Path, *, requests: int = 1500, progress: Callable[[str], None
         ConfigurationError: ``requests`` is not an int in [1, ``MAX_REQUESTS``], or ``out`` exists and is not a folder.
         OSError: ``out`` cannot be created or written.
     """
-    if isinstance(requests, bool) or not isinstance(requests, int) or not 1 <= requests <= MAX_REQUESTS:
+    count = as_int(requests)
+    if count is None or not 1 <= count <= MAX_REQUESTS:
         raise ConfigurationError(f"--requests must be an int in [1, {MAX_REQUESTS:,}], not {shown(requests)}")
+    requests = count
     if out.exists() and not out.is_dir():
         raise ConfigurationError(f"--output {out} is not a folder")
     out.mkdir(parents=True, exist_ok=True)
