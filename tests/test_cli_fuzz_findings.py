@@ -156,3 +156,22 @@ def test_fake_engines_refuse_values_that_would_hang_or_name_nothing(
     # Was: --token-delay-ms 1e300 started engines whose every request slept forever; --model ' ' served a blank name.
     assert main(["fake-engines", "--base-port", "39100", option, value]) == 2
     _one_line(capsys.readouterr().err, option)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["proxy", "--backends", "http://127.0.0.1:9", "--kv-events", "tcp://127.0.0.1:5557"],
+        ["serve", "--backends", "http://127.0.0.1:9", "--kv-events", "http://127.0.0.1:9=tcp://127.0.0.1:5557"],
+    ],
+    ids=["proxy", "serve"],
+)
+@pytest.mark.parametrize("size", ["60000", "1025", str(10**30)])
+def test_a_data_parallel_size_past_1024_is_one_line_not_thousands_of_threads(
+    command: list[str], size: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Was: --data-parallel-size 60000 started 60000 subscriber threads (and sockets) per backend.
+    assert main([*command, "--port", "1", "--data-parallel-size", size]) == 2
+    out, err = capsys.readouterr()
+    _one_line(err, "--data-parallel-size must be an int in [1, 1024]")
+    assert out == ""

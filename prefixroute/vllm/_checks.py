@@ -8,11 +8,24 @@ import threading
 from prefixroute._numbers import as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 
-__all__ = ["MAX_SECONDS", "check_callable", "check_count", "check_endpoint", "check_seconds", "sparse_level"]
+__all__ = [
+    "MAX_DATA_PARALLEL_SIZE",
+    "MAX_SECONDS",
+    "check_callable",
+    "check_count",
+    "check_data_parallel_size",
+    "check_endpoint",
+    "check_seconds",
+    "sparse_level",
+]
 
 MAX_SECONDS = float(threading.TIMEOUT_MAX)
 """The longest wait a thread can be told to make (``threading.TIMEOUT_MAX``, about 292 years on 64-bit Linux):
 a longer one would raise OverflowError in the thread that waits."""
+
+MAX_DATA_PARALLEL_SIZE = 1024
+"""The most data-parallel ranks one backend may have: each gets a subscriber thread and a socket, so a typo (60000)
+must be an error, not 60000 threads; far above any real deployment (vLLM runs a few to a few dozen ranks)."""
 
 
 def sparse_level(count: int) -> int:
@@ -42,6 +55,15 @@ def check_count(value: object, name: str) -> int:
     if count is None or count < 1:
         raise ConfigurationError(f"{name} must be a positive int, not {shown(value)}")
     return count
+
+
+def check_data_parallel_size(value: object, name: str = "data_parallel_size") -> int:
+    """Return ``value`` as a Python int if it is an int in [1, :data:`MAX_DATA_PARALLEL_SIZE`] (numpy's too, not a
+    bool); else raise ConfigurationError naming the bound."""
+    size = as_int(value)
+    if size is None or not 1 <= size <= MAX_DATA_PARALLEL_SIZE:
+        raise ConfigurationError(f"{name} must be an int in [1, {MAX_DATA_PARALLEL_SIZE}], not {shown(value)}")
+    return size
 
 
 def check_callable(value: object, name: str, what: str, *, optional: bool = False) -> None:

@@ -23,7 +23,12 @@ from prefixroute.errors import ConfigurationError, InvalidTypeError, MetricsErro
 from prefixroute.hashing import namespace_seed
 from prefixroute.index import IndexUpdate
 from prefixroute.router import Router
-from prefixroute.vllm._checks import check_count, check_endpoint, check_seconds
+from prefixroute.vllm._checks import (
+    MAX_DATA_PARALLEL_SIZE,
+    check_data_parallel_size,
+    check_endpoint,
+    check_seconds,
+)
 from prefixroute.vllm.index import EventIndex
 from prefixroute.vllm.metrics import EngineMetrics, fetch_metrics
 from prefixroute.vllm.metrics import metrics_url as _metrics_endpoint
@@ -184,8 +189,10 @@ class Fleet:
             ConfigurationError: the backend is already in the fleet, the fleet is closed, an endpoint is malformed,
                 ``replay`` comes without ``kv_events``, ``kv_events`` is given to a router whose index is not an
                 :class:`~prefixroute.vllm.EventIndex`, a list of endpoints is empty, repeats one, or its
-                ``replay`` list differs in length, or ``data_parallel_size`` is not a positive int, differs from the
-                list's length, comes without ``kv_events``, or cannot offset the endpoints.
+                ``replay`` list differs in length, a list or ``data_parallel_size`` has more than
+                :data:`~prefixroute.vllm._checks.MAX_DATA_PARALLEL_SIZE` (1024) ranks, or ``data_parallel_size`` is
+                not an int in [1, 1024], differs from the list's length, comes without ``kv_events``, or cannot
+                offset the endpoints.
             TypeError: ``backend`` is not a str, ``namespace`` not a str, bytes or None.
         """
         if not isinstance(backend, str):
@@ -196,7 +203,7 @@ class Fleet:
                 f"replay={shown(replay)} without kv_events: pass the engine's publisher endpoint too"
             )
         if data_parallel_size is not None:
-            check_count(data_parallel_size, "data_parallel_size")
+            data_parallel_size = check_data_parallel_size(data_parallel_size)
             if kv_events is None:
                 raise ConfigurationError(
                     f"data_parallel_size={data_parallel_size} without kv_events: pass the server's publisher endpoint"
@@ -582,6 +589,11 @@ def _rank_streams(
         )
     if not kv_events:
         raise ConfigurationError("kv_events is an empty list: give at least one endpoint (one per data-parallel rank)")
+    if len(kv_events) > MAX_DATA_PARALLEL_SIZE:  # a subscriber thread each
+        raise ConfigurationError(
+            f"kv_events lists {len(kv_events)} endpoints, one per data-parallel rank: at most "
+            f"{MAX_DATA_PARALLEL_SIZE} ranks"
+        )
     if data_parallel_size is not None and data_parallel_size != len(kv_events):
         raise ConfigurationError(
             f"data_parallel_size={data_parallel_size} but kv_events lists {len(kv_events)} endpoints: give one "

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from prefixroute._numbers import as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.index import IndexUpdate, check_update
-from prefixroute.vllm._checks import check_endpoint
+from prefixroute.vllm._checks import MAX_DATA_PARALLEL_SIZE, check_endpoint
 from prefixroute.vllm.tracker import IndexOps, IndexWriter, check_writer
 
 __all__ = ["RankMerge", "rank_endpoint"]
@@ -148,12 +148,15 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
 
     Raises:
         ConfigurationError: ``endpoint`` is not a ZMQ address to connect to, is an ``ipc://`` one (for a rank
-            above 0), or its port plus ``rank`` is past 65535; ``rank`` is not an int >= 0.
+            above 0), or its port plus ``rank`` is past 65535; ``rank`` is not an int in [0, 1023] (a rank of at
+            most :data:`~prefixroute.vllm._checks.MAX_DATA_PARALLEL_SIZE` ranks).
     """
     check_endpoint(endpoint, "endpoint", "tcp://gpu0:5557")
     number = as_int(rank)
-    if number is None or number < 0:
-        raise ConfigurationError(f"rank must be an int >= 0, not {shown(rank)}")
+    if number is None or not 0 <= number < MAX_DATA_PARALLEL_SIZE:
+        raise ConfigurationError(
+            f"rank must be an int in [0, {MAX_DATA_PARALLEL_SIZE - 1}] (a data-parallel rank), not {shown(rank)}"
+        )
     rank = number
     if rank == 0:
         return endpoint

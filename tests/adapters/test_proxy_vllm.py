@@ -266,7 +266,11 @@ def test_data_parallel_size_subscribes_to_every_ranks_endpoint(tmp_path: Path) -
         assert ports == [[5557, 5558], [6557, 6558]]
     finally:
         fleet.close()  # type: ignore[attr-defined]
-    for bad, message in ((["--data-parallel-size", "2"], "needs --kv-events"), (["--kv-events", events[0], events[1],
-                         "--tokenizer", tokenizer, "--data-parallel-size", "0"], "data_parallel_size")):  # fmt: skip
+    with_events = ["--kv-events", events[0], events[1], "--tokenizer", tokenizer]
+    for bad, message in (
+        (["--data-parallel-size", "2"], "needs --kv-events"),
+        ([*with_events, "--data-parallel-size", "0"], r"--data-parallel-size must be an int in \[1, 1024\], not 0"),
+        ([*with_events, "--data-parallel-size", "60000"], r"--data-parallel-size must be an int in \[1, 1024\]"),
+    ):
         with pytest.raises(ConfigurationError, match=message):
             proxy_from_command_line("--backends", *backends, *bad)

@@ -132,6 +132,10 @@ def test_data_parallel_size_derives_the_ranks_endpoints_as_vllm_does() -> None:
         fleet.remove_backend("dp")
         assert fleet.subscribers("dp") == [] and fleet.subscriber("dp") is None
     assert rank_endpoint("inproc://kv", 2) == "inproc://kv_dp2"
+    assert rank_endpoint("inproc://kv", 1023) == "inproc://kv_dp1023"
+    for rank in (-1, 1024, 60000):  # a rank of at most 1024 ranks
+        with pytest.raises(ConfigurationError, match=r"rank must be an int in \[0, 1023\]"):
+            rank_endpoint("inproc://kv", rank)
 
 
 def test_a_single_endpoint_has_one_subscriber_and_no_merge(ranks: tuple[FakeVLLM, FakeVLLM]) -> None:
@@ -191,8 +195,12 @@ def test_numpy_integers_are_taken_for_the_vllm_layers_int_options() -> None:
         ({"kv_events": ["tcp://h:1", "tcp://h:2"], "replay": ["tcp://h:3"] * 2}, "replay lists an endpoint twice"),
         ({"kv_events": "tcp://h:1", "replay": ["tcp://h:3"]}, "replay must be one endpoint"),
         ({"kv_events": ["tcp://h:1", "tcp://h:2"], "data_parallel_size": 3}, "data_parallel_size=3 but"),
-        ({"kv_events": "tcp://h:1", "data_parallel_size": 0}, "data_parallel_size must be a positive int"),
-        ({"kv_events": "tcp://h:1", "data_parallel_size": True}, "data_parallel_size must be a positive int"),
+        ({"kv_events": "tcp://h:1", "data_parallel_size": 0}, r"data_parallel_size must be an int in \[1, 1024\]"),
+        ({"kv_events": "tcp://h:1", "data_parallel_size": True}, r"data_parallel_size must be an int in \[1, 1024\]"),
+        # 60000 started 60000 subscriber threads; a list as long did too
+        ({"kv_events": "tcp://h:1", "data_parallel_size": 60000}, r"data_parallel_size must be an int in \[1, 1024\]"),
+        ({"kv_events": "tcp://h:1", "data_parallel_size": 1025}, r"in \[1, 1024\], not 1025"),
+        ({"kv_events": [f"tcp://h:{p}" for p in range(1, 1026)]}, "lists 1025 endpoints.*at most 1024 ranks"),
         ({"data_parallel_size": 2}, "without kv_events"),
         ({"kv_events": "ipc:///tmp/kv", "data_parallel_size": 2}, "pass each rank's endpoint in a list"),
         ({"kv_events": "tcp://h:65535", "data_parallel_size": 2}, "past port 65535"),

@@ -77,6 +77,10 @@ def build(args: argparse.Namespace) -> tuple[Proxy, Any]:
         )
     if args.data_parallel_size is not None and not kv_events:
         raise ConfigurationError("--data-parallel-size needs --kv-events: it says how many ranks publish per backend")
+    if args.data_parallel_size is not None:  # each rank is a subscriber thread and a socket
+        from prefixroute.vllm._checks import check_data_parallel_size
+
+        check_data_parallel_size(args.data_parallel_size, "--data-parallel-size")
     if kv_events and encoder is None:
         raise ConfigurationError("--kv-events needs --tokenizer: KV events carry token ids, text must route on them")
     if not (kv_events or args.metrics_from_backends):

@@ -116,6 +116,10 @@ def run(args: argparse.Namespace) -> int:
         except ImportError as exc:
             raise ConfigurationError(f"--kv-events and --metrics-from-backends need: pip install 'prefixroute[vllm]' "
                                      f"({exc})") from None  # fmt: skip
+        from prefixroute.vllm._checks import check_data_parallel_size
+
+        if args.data_parallel_size is not None:  # before any port is bound: each rank is a thread and a socket
+            check_data_parallel_size(args.data_parallel_size, "--data-parallel-size")
         index = EventIndex(args.block_size) if events else None
         router = Router(block_size=args.block_size, policy=policy, index=index)
         fleet = Fleet(router)
