@@ -175,3 +175,12 @@ def test_a_data_parallel_size_past_1024_is_one_line_not_thousands_of_threads(
     out, err = capsys.readouterr()
     _one_line(err, "--data-parallel-size must be an int in [1, 1024]")
     assert out == ""
+
+
+@pytest.mark.parametrize("retries", ["99999999999999999999999", "17", "-1"])
+def test_proxy_retries_outside_0_to_16_are_one_line(retries: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # Was: --retries 99999999999999999999999 accepted, and a request resent while the fleet was down.
+    assert main(["proxy", "--backends", "http://127.0.0.1:9", "--port", "1", "--retries", retries]) == 2
+    out, err = capsys.readouterr()
+    _one_line(err, "--retries must be an int in [0, 16]")
+    assert out == ""

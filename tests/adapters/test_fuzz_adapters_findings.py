@@ -30,6 +30,14 @@ def test_proxy_numeric_options_are_configuration_errors_when_given_never_raw_typ
         Proxy(Router(), _URL, **{option: value})  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("retries", [-1, 17, 99999999999999999999999])
+def test_proxy_retries_past_16_are_refused_with_the_bound(retries: int) -> None:
+    # Was: any int >= 0, 10**23 too: a request kept being resent while the fleet was down.
+    with pytest.raises(ConfigurationError, match=r"retries must be an int in \[0, 16\]"):
+        Proxy(Router(), _URL, retries=retries)
+    assert Proxy(Router(), _URL, retries=16).stats().retries == 0  # the bound itself is taken
+
+
 @pytest.mark.parametrize(
     ("option", "value"),
     [("backends", None), ("backends", "http://127.0.0.1:8000"), ("backends", [5]), ("encoder", 5),

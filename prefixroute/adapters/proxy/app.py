@@ -53,6 +53,8 @@ _HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "prox
 # The client's headers not forwarded with its body: aiohttp has already decoded a compressed body (gzip, deflate),
 # so the body goes on plain, and the engine must not decode it again.
 _NOT_FORWARDED = _HOP_BY_HOP | {"content-encoding"}
+MAX_RETRIES = 16
+"""The most resends of a request whose connection failed: more would only hold a client while a fleet is down."""
 _INLINE_BYTES = 64 * 2**10  # a body over this is decoded and tokenized on a worker thread, off the event loop
 
 
@@ -90,7 +92,8 @@ class Proxy:
             a worker thread for a body over 64 KiB, so it must be thread-safe, as the library's encoders are.
         fleet: a :class:`~prefixroute.vllm.Fleet` whose health (``/metrics`` scrapes) also filters the backends;
             its owner starts and closes it.
-        retries: how many times a request whose connection failed goes to another backend.
+        retries: how many times a request whose connection failed goes to another backend, 0 to
+            :data:`MAX_RETRIES` (16).
         max_failures: consecutive failures (unreachable, or a 5xx answer) that take a backend out of rotation for
             ``cooldown`` seconds. While every backend is out, all are tried.
         connect_timeout: seconds to open a connection to a backend.
@@ -102,7 +105,7 @@ class Proxy:
 
     Raises:
         ConfigurationError: no backends, a backend that is not an http(s) URL
-            (:func:`~prefixroute.adapters.urls.check_backend_url`), or a duplicate; ``retries`` not an int >= 0,
+            (:func:`~prefixroute.adapters.urls.check_backend_url`), or a duplicate; ``retries`` not an int in [0, 16],
             ``max_failures`` not an int >= 1, ``cooldown`` or ``connect_timeout`` not a positive, finite number of
             seconds.
         TypeError: ``backends`` or ``base_models`` is not a collection of str (a str alone is not), ``encoder`` has
@@ -132,13 +135,13 @@ class Proxy:
             raise ConfigurationError("the proxy needs at least one backend URL, like http://127.0.0.1:8000")
         if len(set(urls)) != len(urls):
             raise ConfigurationError(f"a backend URL appears twice in {urls}: name each backend once")
-        counts = {}
-        for name, value, least in (("retries", retries, 0), ("max_failures", max_failures, 1)):
-            count = as_int(value)
-            if count is None or count < least:
-                raise ConfigurationError(f"{name} must be an int >= {least}, not {shown(value)}")
-            counts[name] = count
-        retries, max_failures = counts["retries"], counts["max_failures"]
+        resends = as_int(retries)
+        if resends is None or not 0 <= resends <= MAX_RETRIES:
+            raise ConfigurationError(f"retries must be an int in [0, {MAX_RETRIES}], not {shown(retries)}")
+        threshold = as_int(max_failures)
+        if threshold is None or threshold < 1:
+            raise ConfigurationError(f"max_failures must be an int >= 1, not {shown(max_failures)}")
+        retries, max_failures = resends, threshold
         for name, seconds in (("cooldown", cooldown), ("connect_timeout", connect_timeout)):
             if not (is_finite_number(seconds) and seconds > 0):
                 raise ConfigurationError(f"{name} must be a positive, finite number of seconds, not {shown(seconds)}")

@@ -7,7 +7,8 @@ import asyncio
 import signal
 from typing import Any
 
-from prefixroute.adapters.proxy.app import Proxy
+from prefixroute._numbers import shown
+from prefixroute.adapters.proxy.app import MAX_RETRIES, Proxy
 from prefixroute.adapters.proxy.prompts import PromptEncoding
 from prefixroute.adapters.serve.text import PromptEncoder
 from prefixroute.adapters.urls import listen_host
@@ -53,7 +54,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--metrics-from-backends", action="store_true",
                         help="read each backend's /metrics: its queue and KV usage feed the policy, failed "
                         "scrapes take it out of rotation")  # fmt: skip
-    parser.add_argument("--retries", type=int, default=1, help="resends after a refused connection (1)")
+    parser.add_argument("--retries", type=int, default=1,
+                        help=f"resends after a refused connection, 0 to {MAX_RETRIES} (1)")  # fmt: skip
     parser.add_argument("--host", type=listen_host, default="127.0.0.1", help="address to listen on (127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
     parser.set_defaults(func=run)
@@ -65,6 +67,8 @@ def build(args: argparse.Namespace) -> tuple[Proxy, Any]:
     Raises:
         ConfigurationError: options that do not fit together (the message says which).
     """
+    if not 0 <= args.retries <= MAX_RETRIES:  # before a tokenizer is read or a fleet started
+        raise ConfigurationError(f"--retries must be an int in [0, {MAX_RETRIES}], not {shown(args.retries)}")
     policy = policy_from_name(args.policy)
     encoder: PromptEncoding | None = None if args.tokenizer is None else PromptEncoder(args.tokenizer)
     options: dict[str, Any] = {"encoder": encoder, "retries": args.retries, "base_models": args.base_model}
