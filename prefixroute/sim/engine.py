@@ -17,6 +17,7 @@ from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.router import Decision, Router
 from prefixroute.sim.backend import Active, BackendConfig, CostModel, SimBackend
 from prefixroute.sim.request import RequestRecord, SimRequest
+from prefixroute.sim.workloads import Scenario
 
 __all__ = ["Arrivals", "ClosedLoop", "OpenLoop", "SimOutcome", "Simulation", "TraceTimes", "Workload"]
 
@@ -117,7 +118,10 @@ class Simulation:
     """One run of one policy: ``backends`` simulated engines behind ``router``, fed by ``workload``.
 
     ``max_requests`` and/or ``duration`` (simulated seconds) stop new arrivals; requests already in the system run
-    to completion. ``check`` runs every backend's invariant check after each step (slow; for tests).
+    to completion. Without either, only a workload that runs out (a trace) ends the run: open-loop arrivals and a
+    synthetic scenario (:class:`~prefixroute.sim.workloads.Scenario`, endless) are refused when the simulation is
+    made, and so are trace-time arrivals over a scenario (its requests have no arrival times).
+    ``check`` runs every backend's invariant check after each step (slow; for tests).
     ``on_progress(done, total)`` is called as requests finish (``total`` is ``max_requests`` or 0).
     ``gpus_per_backend`` scales recomputation GPU-seconds (tensor parallelism).
 
@@ -170,6 +174,17 @@ class Simulation:
         gpus_per_backend = _check_count(gpus_per_backend, "gpus_per_backend", MAX_BACKENDS)
         if max_requests is None and duration is None and not isinstance(arrivals, (ClosedLoop, TraceTimes)):
             raise ConfigurationError("give max_requests or duration: open-loop arrivals never stop by themselves")
+        endless = isinstance(workload, Scenario)  # a synthetic scenario draws requests for ever
+        if endless and isinstance(arrivals, TraceTimes):
+            raise ConfigurationError(
+                "trace-time arrivals need a trace's arrival times, and a synthetic scenario has none: use "
+                "ClosedLoop or OpenLoop arrivals"
+            )
+        if endless and max_requests is None and duration is None:
+            raise ConfigurationError(
+                f"a synthetic scenario ({type(workload).__name__}) never runs out of requests: set max_requests or "
+                "duration, or the simulation never ends"
+            )
         self.router = router
         self.workload = workload
         self.arrivals = arrivals

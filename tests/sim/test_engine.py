@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixroute import Router
+from prefixroute import ConfigurationError, Router
 from prefixroute.policies import Candidate, LoadPolicy, policy_from_name
 from prefixroute.sim.backend import BackendConfig
 from prefixroute.sim.engine import ClosedLoop, OpenLoop, SimOutcome, Simulation, TraceTimes
@@ -215,6 +215,21 @@ def test_open_loop_needs_a_stop_condition() -> None:
             cost=LinearCost(),
             config=BackendConfig(capacity_blocks=10),
         )
+
+
+@pytest.mark.parametrize("arrivals", [ClosedLoop(2), TraceTimes()], ids=["closed-loop", "trace-times"])
+def test_a_synthetic_scenario_without_a_stop_is_refused_when_made(arrivals: ClosedLoop | TraceTimes) -> None:
+    # Was: closed-loop users over an endless scenario ran for ever (trace times: an error only at the first request).
+    from prefixroute.sim.workloads import make_workload
+
+    parts = {"router": Router(), "cost": LinearCost(), "config": BackendConfig(capacity_blocks=10)}
+    with pytest.raises(ConfigurationError, match="max_requests or duration" if arrivals.__class__ is ClosedLoop
+                       else "synthetic scenario has none"):  # fmt: skip
+        Simulation(workload=make_workload("seed"), arrivals=arrivals, **parts)  # type: ignore[arg-type]
+    finite = Simulation(workload=ListWorkload([_request(0, 16, 0, 16, 2, True)]), arrivals=ClosedLoop(2), **parts)  # type: ignore[arg-type]
+    assert len(finite.run().records) == 1  # a workload that runs out needs no stop
+    stopped = Simulation(workload=make_workload("seed"), arrivals=ClosedLoop(2), max_requests=3, **parts)  # type: ignore[arg-type]
+    assert len(stopped.run().records) == 3
 
 
 @settings(max_examples=25, deadline=None)
