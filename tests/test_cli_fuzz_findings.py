@@ -159,6 +159,30 @@ def test_fake_engines_refuse_values_that_would_hang_or_name_nothing(
 
 
 @pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--lora-adapters", ""], "--lora-adapters must name a model"),
+        (["--lora-adapters", " "], "--lora-adapters must name a model"),
+        (["--lora-adapters", "sql", "sql"], "--lora-adapters lists 'sql' twice"),
+        (["--lora-adapters", "fake-model"], "--lora-adapters names the base model 'fake-model'"),
+        (["--model", "m", "--lora-adapters", "a", "m"], "--lora-adapters names the base model 'm'"),
+        (["--model", ""], "--model must name a model"),
+        (["--model", "\udcff"], "--model must name a model"),  # a lone surrogate, as argv undecodable bytes give
+        (["--model", "a\nb"], "--model must name a model"),
+    ],
+)
+def test_fake_engines_refuse_served_names_that_are_blank_repeated_or_unsendable(
+    options: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Was: '' and duplicate adapters served, an adapter named as the base model shadowed it, a lone surrogate
+    # served (and failed in every /v1/models answer).
+    assert main(["fake-engines", "--base-port", "39100", *options]) == 2
+    out, err = capsys.readouterr()
+    _one_line(err, message)
+    assert out == ""
+
+
+@pytest.mark.parametrize(
     "command",
     [
         ["proxy", "--backends", "http://127.0.0.1:9", "--kv-events", "tcp://127.0.0.1:5557"],

@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -157,6 +157,42 @@ class EngineStats:
     """Of those, tokens served from the prefix cache."""
 
 
+def check_served_names(
+    model: object, lora_adapters: object, *, model_option: str = "model", adapters_option: str = "lora_adapters"
+) -> tuple[str, tuple[str, ...]]:
+    """``model`` and ``lora_adapters`` checked as the names an engine serves (``/v1/models`` ids): each a printable
+    str that is not blank and has no lone surrogate (it could not be sent as UTF-8), the adapters distinct and none
+    named as the model (a request naming it would be ambiguous). ``*_option`` name them in messages (a CLI's flags).
+
+    Raises:
+        ConfigurationError: a name that is blank, not printable or holds a lone surrogate, an adapter listed twice
+            or named as the model.
+        TypeError: ``model`` is not a str, ``lora_adapters`` not a collection of str (a str alone is not).
+    """
+    if not isinstance(model, str):
+        raise InvalidTypeError(f"{model_option} must be a str, not {type(model).__name__}")
+    if isinstance(lora_adapters, (str, bytes)) or not isinstance(lora_adapters, Iterable):
+        raise InvalidTypeError(
+            f"{adapters_option} must be a collection of adapter names (str), not {type(lora_adapters).__name__}"
+        )
+    adapters = tuple(lora_adapters)
+    for option, name in [(model_option, model), *((adapters_option, a) for a in adapters)]:
+        if not isinstance(name, str):
+            raise InvalidTypeError(f"{option} must hold names (str), not {type(name).__name__}")
+        if not name.strip() or not name.isprintable():  # a lone surrogate is not printable (category Cs)
+            raise ConfigurationError(
+                f"{option} must name a model in printable text (no lone surrogate), not blank, not {shown(name)}"
+            )
+    repeated = sorted({a for a in adapters if adapters.count(a) > 1})
+    if repeated:
+        raise ConfigurationError(f"{adapters_option} lists {', '.join(map(repr, repeated))} twice: name each once")
+    if model in adapters:
+        raise ConfigurationError(
+            f"{adapters_option} names the base model {model!r}: an adapter needs a name of its own"
+        )
+    return model, adapters
+
+
 class OpenAIEngine:
     """One fake engine (see the module docstring). Every option is keyword-only.
 
@@ -174,6 +210,12 @@ class OpenAIEngine:
         tokenizer: text to token ids (default :func:`whitespace_tokens`).
         seed: seeds the cache's block hashes.
         host, port: where to listen (port 0: a free one the OS picks; kept across :meth:`refuse`/:meth:`accept`).
+
+    Raises:
+        ConfigurationError: a ``model`` or adapter name that :func:`check_served_names` refuses (blank, a lone
+            surrogate, an adapter twice or named as the model), a delay that is negative or infinite, a
+            ``max_tokens``, ``max_running`` or ``port`` out of range.
+        TypeError: ``model`` is not a str, ``lora_adapters`` not a collection of str, ``seed`` not an int.
 
     :meth:`start` serves on a thread of its own (its own event loop), so synchronous and asynchronous tests alike
     can use it; :meth:`serve` runs it on the caller's loop instead. The test hooks are thread-safe.
@@ -214,8 +256,7 @@ class OpenAIEngine:
         if seed_int is None:
             raise InvalidTypeError(f"seed must be an int, not {type(seed).__name__}")
         max_tokens, max_running, port = tokens, running, listen_port
-        self.model = model
-        self.lora_adapters = tuple(lora_adapters)
+        self.model, self.lora_adapters = check_served_names(model, lora_adapters)
         self.cache = FakeBlockCache(block_size=block_size, num_blocks=num_blocks, rng=random.Random(seed_int))
         self.prefill_s = prefill_s
         self.prefill_per_token_s = prefill_per_token_s
@@ -593,8 +634,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigurationError("--count must be positive and --base-port a port with room for --count engines")
     if not 1 <= args.max_tokens <= 1_000_000:
         raise ConfigurationError(f"--max-tokens must be in 1..1000000, not {shown(args.max_tokens)}")
-    if not args.model.strip():
-        raise ConfigurationError("--model must name the model served, like fake-model")
+    check_served_names(args.model, args.lora_adapters, model_option="--model", adapters_option="--lora-adapters")
     # A fake engine that takes longer than a second a prompt token or a minute a token would hold its clients
     # for good (1e300 slept forever): bounded, so a typo is an error and not a hang.
     for option, value, most in (("--prefill-us-per-token", args.prefill_us_per_token, 1e6),

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from prefixroute.errors import ConfigurationError
 from prefixroute.testing.openai_engine import OpenAIEngine, render_chat, whitespace_tokens
 from prefixroute.vllm.metrics import parse_metrics
 
@@ -273,3 +274,24 @@ def test_the_command_line_starts_n_engines() -> None:
             assert reply.json()["usage"]["prompt_tokens"] == 1
         finally:
             process.terminate()
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"lora_adapters": [""]}, ConfigurationError, "lora_adapters must name a model"),
+        ({"lora_adapters": ["a", "a"]}, ConfigurationError, "lora_adapters lists 'a' twice"),
+        ({"lora_adapters": ["fake-model"]}, ConfigurationError, "names the base model 'fake-model'"),
+        ({"model": ""}, ConfigurationError, "model must name a model"),
+        ({"model": "\ud800"}, ConfigurationError, "model must name a model"),
+        ({"model": 5}, TypeError, "model must be a str"),
+        ({"lora_adapters": "sql"}, TypeError, "collection of adapter names"),
+        ({"lora_adapters": [5]}, TypeError, "must hold names"),
+    ],
+)
+def test_served_names_are_checked_when_the_engine_is_made(
+    options: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        OpenAIEngine(**options)
+    assert OpenAIEngine(model="m", lora_adapters=("a", "b")).lora_adapters == ("a", "b")
