@@ -157,6 +157,9 @@ _BAILIAN = _BlocksFormat("bailian", BAILIAN_BLOCK_TOKENS, 1.0, "s")
 def read_mooncake(path: str | Path, *, limit: int | None = None) -> list[TraceEntry]:
     """Parse a Mooncake FAST'25 JSONL trace; raises :class:`InvalidTraceError` naming the first bad line.
 
+    An ``input_length`` or ``output_length`` of 0 counts as 1, as in the CSV formats (vLLM computes at least one
+    token of each); such a prompt has no ``hash_ids``, so its token is unique.
+
     With ``limit`` every line is still checked but only the ``limit`` earliest requests are kept (in this and the
     other readers), so a few requests from a trace of millions take memory for those alone. A ``path`` that is not
     a str or :class:`~pathlib.Path` raises TypeError, a ``limit`` that is not a positive int
@@ -226,10 +229,10 @@ def _blocks_line(line: str, where: str, form: _BlocksFormat) -> TraceEntry:
             f"{where}: timestamp must be a non-negative number of {form.unit}, not {shown(timestamp)} "
             f"(at most {most:g} {form.unit})"
         )
-    if not _is_int(input_length) or not 1 <= input_length <= _MAX_TOKENS:
-        raise InvalidTraceError(f"{where}: input_length must be an int in [1, {_MAX_TOKENS}], not {input_length!r}")
-    if not _is_int(output_length) or not 1 <= output_length <= _MAX_TOKENS:
-        raise InvalidTraceError(f"{where}: output_length must be an int in [1, {_MAX_TOKENS}], not {output_length!r}")
+    if not _is_int(input_length) or not 0 <= input_length <= _MAX_TOKENS:
+        raise InvalidTraceError(f"{where}: input_length must be an int in [0, {_MAX_TOKENS}], not {input_length!r}")
+    if not _is_int(output_length) or not 0 <= output_length <= _MAX_TOKENS:
+        raise InvalidTraceError(f"{where}: output_length must be an int in [0, {_MAX_TOKENS}], not {output_length!r}")
     most_id = form.max_hash_id
     if not isinstance(hash_ids, list) or not all(_is_int(h) and 0 <= h <= most_id for h in hash_ids):
         raise InvalidTraceError(f"{where}: hash_ids must be a list of ints in [0, {most_id}]")
@@ -240,7 +243,10 @@ def _blocks_line(line: str, where: str, form: _BlocksFormat) -> TraceEntry:
             f"{where}: {len(hash_ids)} hash_ids for input_length {input_length}; a {form.kind}: trace has one per "
             f"{size} tokens, ceil({input_length}/{size}) = {expected}"
         )
-    return TraceEntry(timestamp / form.units_per_second, input_length, output_length, tuple(hash_ids), size)
+    # As in the CSV formats: a logged request with no prompt or no output still cost the engine one token of each.
+    return TraceEntry(
+        timestamp / form.units_per_second, max(1, input_length), max(1, output_length), tuple(hash_ids), size
+    )
 
 
 class _DuplicateKeyError(Exception):
@@ -279,7 +285,8 @@ _DATETIME = re.compile(r"(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:\.(\d+)
 def read_splitwise(path: str | Path, *, limit: int | None = None) -> list[TraceEntry]:
     """Parse a Splitwise/Vidur CSV (``arrived_at`` s, ``num_prefill_tokens``, ``num_decode_tokens``).
 
-    In this and the other CSV formats a request that generated no token counts as one (vLLM always computes one).
+    In this and the other formats (the JSONL ones too) a request that generated no token counts as one, and a prompt
+    of no tokens as one token (vLLM always computes one).
     """
     return _read_lengths(path, _LENGTHS_FORMATS["splitwise"], limit)
 
@@ -311,22 +318,25 @@ def _read_lengths(path: str | Path, form: _LengthsFormat, limit: int | None) -> 
         # A line of spaces is read as the blank line it looks like (csv would make it a row of one field), and
         # csv.DictReader skips blank lines; each stays a line, so every error names the file's own line number.
         reader = csv.DictReader("\n" if line.isspace() else line for line in _read(lines, path))
-        try:
-            fieldnames = [name.strip() for name in reader.fieldnames or []]
+        try:  # blank lines before the header are skipped too (DictReader would take the first as an empty header)
+            header_row = next((row for row in reader.reader if row), None)
         except csv.Error as exc:
-            raise InvalidTraceError(f"{path}:1: not a CSV header ({exc})") from exc
-        if reader.reader.line_num == 0:
-            raise InvalidTraceError(f"{path}: no requests in the trace (the file is empty)")
+            raise InvalidTraceError(f"{path}:{reader.reader.line_num}: not a CSV header ({exc})") from exc
+        if header_row is None:
+            empty = "empty" if reader.reader.line_num == 0 else "blank: no header"
+            raise InvalidTraceError(f"{path}: no requests in the trace (the file is {empty})")
+        at = f"{path}:{reader.reader.line_num}"  # the header's line
+        fieldnames = [name.strip() for name in header_row]
         reader.fieldnames = fieldnames
         absent = [c for c in columns if c not in fieldnames]
         if absent:
             header = ",".join(fieldnames)
             other = _csv_format(header) or (_jsonl_kind(header) if header.startswith("{") else None)
             hint = f"; {_looks_like(other, path)}" if other else ""
-            raise InvalidTraceError(f"{path}:1: header lacks column(s) {', '.join(absent)}{hint}")
+            raise InvalidTraceError(f"{at}: header lacks column(s) {', '.join(absent)}{hint}")
         twice = [c for c in columns if fieldnames.count(c) > 1]
         if twice:  # csv.DictReader would read the last of them and ignore the others
-            raise InvalidTraceError(f"{path}:1: header names column(s) {', '.join(twice)} more than once")
+            raise InvalidTraceError(f"{at}: header names column(s) {', '.join(twice)} more than once")
         for row in _rows(reader, path):
             where = f"{path}:{reader.line_num}"
             if None in row or None in row.values():  # more fields than the header names, or fewer

@@ -7,7 +7,7 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import pytest
 
@@ -62,7 +62,8 @@ def test_read_mooncake_parses_and_converts_timestamps(tmp_path: Path) -> None:
         ("[1, 2]", "expected a JSON object"),
         ('{"timestamp": 0}', "missing field"),
         (_line(hash_ids=[1]), r"a mooncake: trace has one per 512 tokens, ceil\(600/512\) = 2"),
-        (_line(input_length=0), "input_length"),
+        (_line(input_length=-1), "input_length"),
+        (_line(input_length=0), r"2 hash_ids for input_length 0"),
         (_line(output_length="5"), "output_length"),
         (_line(timestamp=-1), "timestamp"),
         (_line(timestamp=10**400), "timestamp must be a non-negative number of ms, not an int of"),
@@ -112,7 +113,7 @@ def test_read_bailian_reads_seconds_and_16_token_blocks(tmp_path: Path) -> None:
         (_bailian(timestamp=-0.5), "timestamp must be a non-negative number of s"),
         (_bailian(timestamp=1e11), r"at most 1e\+10 s"),
         (_bailian(hash_ids=[1, 2, 2**28]), r"hash_ids must be a list of ints in \[0, 268435455\]"),
-        (_bailian(output_length=0), "output_length"),
+        (_bailian(output_length=-1), "output_length"),  # 0 counts as 1, as in the CSV formats
         ('{"chat_id": 1, "timestamp": 0.5}', "missing field"),
     ],
 )
@@ -540,3 +541,37 @@ def test_a_csv_count_with_a_zero_fraction_is_read(tmp_path: Path) -> None:
     path = tmp_path / "t.csv"
     path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0.5, 1000.0 ,7.\n1,+12,3\n")
     assert [(e.input_length, e.output_length) for e in read_splitwise(path)] == [(1000, 7), (12, 3)]
+
+
+@pytest.mark.parametrize("reader", [read_mooncake, read_bailian])
+def test_jsonl_zero_lengths_count_as_one_as_in_the_csv_formats(tmp_path: Path, reader: Any) -> None:
+    # Was: input_length or output_length 0 refused in JSONL, while a CSV's 0 counted as 1.
+    path = tmp_path / "zero.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 0, "output_length": 0, "hash_ids": []}\n')
+    [entry] = reader(path)
+    assert (entry.input_length, entry.output_length, entry.hash_ids) == (1, 1, ())
+    csv_path = tmp_path / "zero.csv"
+    csv_path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0,0,0\n")
+    [same] = read_splitwise(csv_path)
+    assert (same.input_length, same.output_length) == (entry.input_length, entry.output_length)
+    workload = TraceWorkload([entry], kind="zero")
+    request = workload.next_request(0)
+    assert request is not None and request.prompt_tokens == 1 and request.output_tokens == 1
+
+
+@pytest.mark.parametrize("blank", ["\n", "  \n", "\r\n\t\r\n", "\n \n\n"])
+def test_blank_lines_before_a_csv_header_are_skipped(tmp_path: Path, blank: str) -> None:
+    # Was: "header lacks column(s) arrived_at, num_prefill_tokens, num_decode_tokens".
+    path = tmp_path / "s.csv"
+    path.write_text(blank + "arrived_at,num_prefill_tokens,num_decode_tokens\n0.0,100,7\n0.5,x,3\n")
+    lines = blank.count("\n")
+    with pytest.raises(InvalidTraceError, match=rf"s\.csv:{lines + 3}: expected numbers"):  # the file's own line
+        read_splitwise(path)
+    path.write_text(blank + "arrived_at,num_prefill_tokens,num_decode_tokens\n0.0,100,7\n")
+    assert [(e.input_length, e.output_length) for e in read_splitwise(path)] == [(100, 7)]
+    path.write_text(blank + "time,prompt\n0,1\n")
+    with pytest.raises(InvalidTraceError, match=rf"s\.csv:{lines + 1}: header lacks"):
+        read_splitwise(path)
+    path.write_text(blank)
+    with pytest.raises(InvalidTraceError, match=r"no requests in the trace \(the file is blank: no header\)"):
+        read_splitwise(path)
