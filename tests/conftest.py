@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -97,6 +98,19 @@ def running_engines(count: int, **options: Any) -> Iterator[list[OpenAIEngine]]:
     finally:
         for engine in started:
             engine.stop()
+
+
+@pytest.fixture(autouse=True)
+def _prefixroute_log_level() -> Iterator[None]:
+    """Put the ``prefixroute`` logger's level back after each test: the ``serve`` command sets it (``--log-level``,
+    default error), as a CLI does for its process, and a test that runs it in-process would otherwise hide the
+    warnings later tests read."""
+    logger = logging.getLogger("prefixroute")
+    level = logger.level
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 @pytest.fixture
