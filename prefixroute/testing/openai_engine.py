@@ -51,6 +51,9 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
 _POLL_S = 0.005  # how often a stalled request looks for resume() or its client leaving
 _MAX_BODY_BYTES = 256 * 2**20  # the largest request body served (the proxy in front of it takes up to 64 MiB)
 _MAX_MODEL_LEN = 1 << 20  # the context length served (max_model_len in /v1/models): prompt plus max_tokens
+# vLLM's bucket bounds of vllm:time_to_first_token_seconds (vllm/v1/metrics/loggers.py), seconds.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 
 
 def whitespace_tokens(text: str) -> list[int]:
@@ -269,6 +272,8 @@ class OpenAIEngine:
         self._counts = dict.fromkeys(("requests", "completed", "failed", "disconnected", "prompt", "cached"), 0)
         self._running = 0
         self._waiting = 0
+        self._ttft_counts = [0] * (len(_TTFT_BUCKETS) + 1)  # per bucket (not cumulative), the last one +Inf
+        self._ttft_sum = 0.0
         self._max_running = max_running
         self._fail: tuple[int, int] = (0, 500)
         self._stall_after: int | None = None
@@ -376,6 +381,16 @@ class OpenAIEngine:
         for kind, name, value in figures:
             suffix = "_total" if kind == "counter" else ""
             lines += [f"# TYPE {name}{suffix} {kind}", f"{name}{suffix}{labels} {float(value)}"]
+        lines += ["# TYPE vllm:time_to_first_token_seconds histogram"]
+        with self._lock:
+            counts, total = list(self._ttft_counts), self._ttft_sum
+        cumulative = 0
+        for bound, count in zip((*map(str, _TTFT_BUCKETS), "+Inf"), counts, strict=True):
+            cumulative += count
+            bucket = f'engine="0",le="{bound}",model_name="{self.model}"'
+            lines.append(f"vllm:time_to_first_token_seconds_bucket{{{bucket}}} {float(cumulative)}")
+        lines += [f"vllm:time_to_first_token_seconds_count{labels} {float(cumulative)}",
+                  f"vllm:time_to_first_token_seconds_sum{labels} {total}"]  # fmt: skip
         cache = self.cache
         info = f'block_size="{cache.block_size}",enable_prefix_caching="True",num_gpu_blocks="{cache.num_blocks}"'
         lines += ["# TYPE vllm:cache_config_info gauge", f"vllm:cache_config_info{{{info}}} 1.0"]
@@ -497,12 +512,14 @@ class OpenAIEngine:
         response: web.StreamResponse | None = None
         finished = False
         prefill = self.prefill_s + self.prefill_per_token_s * (held.prompt_tokens - held.cached_tokens)
+        started = time.perf_counter()
         try:
             if stream:  # vLLM (Starlette) sends the headers at once, the first chunk after prefill
                 response = web.StreamResponse(headers=_SSE_HEADERS)
                 await response.prepare(request)
             await self._pause(request, sent=0)
             await asyncio.sleep(prefill)
+            self._observe_ttft(time.perf_counter() - started)
             if response is None:
                 for sent in range(1, max_tokens):
                     await self._pause(request, sent=sent)
@@ -534,6 +551,13 @@ class OpenAIEngine:
                 self.cache.free(held)
                 self._running -= 1
                 self._counts["completed" if finished else "disconnected"] += 1
+
+    def _observe_ttft(self, seconds: float) -> None:
+        """Count one time to first token in the histogram ``/metrics`` serves (as vLLM does when prefill ends)."""
+        bucket = next((i for i, bound in enumerate(_TTFT_BUCKETS) if seconds <= bound), len(_TTFT_BUCKETS))
+        with self._lock:
+            self._ttft_counts[bucket] += 1
+            self._ttft_sum += seconds
 
     async def _pause(self, request: web.Request, *, sent: int) -> None:
         """Hold a request while stalled at ``sent`` tokens; raise when its client has gone."""

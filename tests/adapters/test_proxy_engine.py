@@ -97,6 +97,18 @@ def test_metrics_parse_as_vllm_metrics(engine: OpenAIEngine) -> None:
     assert httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"] == "fake-model"
 
 
+def test_metrics_count_each_time_to_first_token_as_vllm_does() -> None:
+    # Without vLLM's TTFT histogram, `prefixroute doctor` against fake engines said "no TTFT samples yet" forever.
+    with OpenAIEngine(prefill_s=0.03, max_tokens=2) as engine:
+        for stream in (False, True, False):
+            httpx.post(f"{engine.url}/v1/completions", json={"prompt": list(range(8)), "stream": stream})
+        metrics = parse_metrics(httpx.get(f"{engine.url}/metrics").text)
+    assert metrics.ttft_count == 3
+    bounds = dict(metrics.ttft_buckets)
+    assert bounds[0.02] == 0 and bounds[float("inf")] == 3  # each waited its 0.03 s prefill
+    assert [count for _, count in metrics.ttft_buckets] == sorted(count for _, count in metrics.ttft_buckets)
+
+
 def test_bad_requests_get_openai_errors(engine: OpenAIEngine) -> None:
     for body, status in (({"prompt": [-1]}, 400), ({"prompt": 3}, 400), ({"model": "other", "prompt": "a"}, 404)):
         reply = httpx.post(f"{engine.url}/v1/completions", json=body)
