@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 CORPUS = ["You are a helpful assistant that answers questions about SQL databases.",
@@ -24,3 +26,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     template += "{% if add_generation_prompt %}[assistant]{% endif %}"
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "<s>"}))
     return folder
+
+
+def metric_samples(reply: httpx.Response) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """Every sample of a ``GET /metrics`` reply, parsed as Prometheus does: name -> sorted labels -> value."""
+    assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/plain"), reply.text
+    samples: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(reply.text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return samples

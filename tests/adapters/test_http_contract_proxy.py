@@ -20,7 +20,6 @@ from pathlib import Path
 import httpx
 import pytest
 from aiohttp import ClientConnectionResetError, web
-from prometheus_client.parser import text_string_to_metric_families
 
 from prefixroute import Router
 from prefixroute.adapters.proxy import Proxy
@@ -28,7 +27,7 @@ from prefixroute.adapters.serve.text import PromptEncoder
 from prefixroute.testing.openai_engine import OpenAIEngine
 
 from ..conftest import running_engines, wait_until
-from .conftest import CORPUS
+from .conftest import CORPUS, metric_samples
 
 
 class Client:
@@ -40,13 +39,7 @@ class Client:
         self.http = httpx.Client(base_url=url, timeout=20)
 
     def samples(self) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
-        reply = self.http.get("/metrics")
-        assert reply.status_code == 200
-        samples: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
-        for family in text_string_to_metric_families(reply.text):
-            for sample in family.samples:
-                samples.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
-        return samples
+        return metric_samples(self.http.get("/metrics"))
 
     def in_flight(self) -> float:
         return sum(self.samples()["prefixroute_router_in_flight"].values())

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from prefixroute.adapters.serve.loopback import free_port, start_sidecar
 
-from .conftest import CORPUS
+from .conftest import CORPUS, metric_samples
 
 BACKENDS = ["http://127.0.0.1:9101", "http://127.0.0.1:9102"]
 
@@ -34,13 +33,7 @@ class Client:
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=20)
 
     def samples(self) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
-        reply = self.http.get("/metrics")
-        assert reply.status_code == 200
-        samples: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
-        for family in text_string_to_metric_families(reply.text):
-            for sample in family.samples:
-                samples.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
-        return samples
+        return metric_samples(self.http.get("/metrics"))
 
     def in_flight(self) -> float:
         return sum(self.samples()["prefixroute_in_flight"].values())

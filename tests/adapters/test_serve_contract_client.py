@@ -12,12 +12,11 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from prefixroute.adapters.serve.loopback import free_port, start_sidecar
 
 from ..conftest import wait_until
-from .conftest import CORPUS
+from .conftest import CORPUS, metric_samples
 
 BACKENDS = ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
 
@@ -37,13 +36,7 @@ class Client:
 
     def metrics(self) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
         """Every sample of ``GET /metrics``, parsed as Prometheus does: name -> labels -> value."""
-        reply = self.http.get("/metrics")
-        assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/plain")
-        samples: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
-        for family in text_string_to_metric_families(reply.text):
-            for sample in family.samples:
-                samples.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
-        return samples
+        return metric_samples(self.http.get("/metrics"))
 
     def in_flight(self) -> float:
         return sum(self.metrics()["prefixroute_in_flight"].values())
