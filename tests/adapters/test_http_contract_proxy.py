@@ -138,6 +138,28 @@ def test_wrong_methods_and_unknown_paths_are_openai_errors(
     client.still_serves()
 
 
+def test_a_browser_s_cors_preflight_and_requests_are_allowed_as_vllm_allows_them(client: Client) -> None:
+    # vLLM's server allows any origin by default; the proxy answered a preflight 405, so a browser client that
+    # called vLLM directly failed behind it.
+    asked = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization,content-type"}  # fmt: skip
+    preflight = client.http.options(CHAT, headers=asked)
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    assert preflight.headers["access-control-allow-headers"] == "authorization,content-type"
+    origin = {"Origin": "http://ui.example"}
+    streamed = client.http.post(COMPLETIONS, json={"prompt": [1, 2, 3], "stream": True}, headers=origin)
+    models = client.http.get("/v1/models", headers=origin)
+    refused = client.http.post(COMPLETIONS, json={"prompt": []}, headers=origin)
+    for reply in (streamed, models, refused):
+        assert reply.headers["access-control-allow-origin"] == "*", reply.request.url
+    assert streamed.text.endswith("data: [DONE]\n\n") and refused.status_code == 400
+    plain = client.http.post(COMPLETIONS, json={"prompt": [1, 2, 3]})  # no Origin: no CORS header
+    assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
+    assert client.in_flight() == 0
+
+
 def test_clients_that_leave_at_any_moment_under_concurrency_leave_nothing_in_flight(
     client: Client, engines: list[OpenAIEngine]
 ) -> None:

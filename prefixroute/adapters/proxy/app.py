@@ -180,7 +180,8 @@ class Proxy:
 
     def app(self) -> web.Application:
         """The aiohttp application (routes and error middleware)."""
-        app = web.Application(middlewares=[_json_errors], client_max_size=64 << 20)
+        app = web.Application(middlewares=[_cors_preflight, _json_errors], client_max_size=64 << 20)
+        app.on_response_prepare.append(_allow_any_origin)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
@@ -605,6 +606,37 @@ def error_response(status: int, message: str, kind: str) -> web.Response:
     return web.json_response(
         {"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status
     )
+
+
+# CORS as vLLM's OpenAI server allows it by default (Starlette's CORSMiddleware, every origin, method and header, no
+# credentials), so a browser client that called vLLM directly still works through the proxy.
+_PREFLIGHT_HEADERS = {
+    "Access-Control-Allow-Origin": "*",
+    "Access-Control-Allow-Methods": "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT",
+    "Access-Control-Max-Age": "600",
+}
+
+
+@web.middleware
+async def _cors_preflight(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+    """Answer a browser's CORS preflight (OPTIONS with ``Origin`` and ``Access-Control-Request-Method``) with 200,
+    allowing any origin, method and the headers asked for; any other request goes on."""
+    headers = request.headers
+    if request.method == "OPTIONS" and "Origin" in headers and "Access-Control-Request-Method" in headers:
+        allowed = {
+            **_PREFLIGHT_HEADERS,
+            "Access-Control-Allow-Headers": headers.get("Access-Control-Request-Headers", ""),
+        }
+        return web.Response(text="OK", headers=allowed)
+    response: web.StreamResponse = await handler(request)
+    return response
+
+
+async def _allow_any_origin(request: web.Request, response: web.StreamResponse) -> None:
+    """Before any answer's headers go out (a stream's too): ``Access-Control-Allow-Origin: *`` for a request with an
+    ``Origin``, unless the engine's answer already says."""
+    if "Origin" in request.headers and "Access-Control-Allow-Origin" not in response.headers:
+        response.headers["Access-Control-Allow-Origin"] = "*"
 
 
 @web.middleware
