@@ -33,12 +33,10 @@ from prefixroute._numbers import as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.testing.fake_cache import CachedChain, FakeBlockCache, FakeRequest
 from prefixroute.vllm.events import EventBatch, encode_batch
+from prefixroute.vllm.metrics import TTFT_BUCKETS
 
 __all__ = ["Completion", "FakeVLLM"]
 
-# vLLM's TTFT histogram buckets (seconds).
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 _END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import random
 import sys
@@ -44,6 +45,7 @@ from prefixroute.adapters.threaded import ServerThread
 from prefixroute.adapters.urls import listen_host
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.testing.fake_cache import FakeBlockCache
+from prefixroute.vllm.metrics import TTFT_BUCKETS
 
 __all__ = ["EngineStats", "OpenAIEngine", "main", "register", "whitespace_tokens"]
 
@@ -51,9 +53,6 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
 _POLL_S = 0.005  # how often a stalled request looks for resume() or its client leaving
 _MAX_BODY_BYTES = 256 * 2**20  # the largest request body served (the proxy in front of it takes up to 64 MiB)
 _MAX_MODEL_LEN = 1 << 20  # the context length served (max_model_len in /v1/models): prompt plus max_tokens
-# vLLM's bucket bounds of vllm:time_to_first_token_seconds (vllm/v1/metrics/loggers.py), seconds.
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 
 
 def whitespace_tokens(text: str) -> list[int]:
@@ -272,7 +271,7 @@ class OpenAIEngine:
         self._counts = dict.fromkeys(("requests", "completed", "failed", "disconnected", "prompt", "cached"), 0)
         self._running = 0
         self._waiting = 0
-        self._ttft_counts = [0] * (len(_TTFT_BUCKETS) + 1)  # per bucket (not cumulative), the last one +Inf
+        self._ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)  # per bucket (not cumulative), the last one +Inf
         self._ttft_sum = 0.0
         self._max_running = max_running
         self._fail: tuple[int, int] = (0, 500)
@@ -385,7 +384,7 @@ class OpenAIEngine:
         with self._lock:
             counts, total = list(self._ttft_counts), self._ttft_sum
         cumulative = 0
-        for bound, count in zip((*map(str, _TTFT_BUCKETS), "+Inf"), counts, strict=True):
+        for bound, count in zip((*map(str, TTFT_BUCKETS), "+Inf"), counts, strict=True):
             cumulative += count
             bucket = f'engine="0",le="{bound}",model_name="{self.model}"'
             lines.append(f"vllm:time_to_first_token_seconds_bucket{{{bucket}}} {float(cumulative)}")
@@ -554,7 +553,7 @@ class OpenAIEngine:
 
     def _observe_ttft(self, seconds: float) -> None:
         """Count one time to first token in the histogram ``/metrics`` serves (as vLLM does when prefill ends)."""
-        bucket = next((i for i, bound in enumerate(_TTFT_BUCKETS) if seconds <= bound), len(_TTFT_BUCKETS))
+        bucket = bisect.bisect_left(TTFT_BUCKETS, seconds)  # the first bound >= seconds; past the last: +Inf
         with self._lock:
             self._ttft_counts[bucket] += 1
             self._ttft_sum += seconds

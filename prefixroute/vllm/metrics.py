@@ -37,6 +37,9 @@ _QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_to
 _HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 _CACHE_INFO = "vllm:cache_config_info"
 _TTFT = "vllm:time_to_first_token_seconds"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+"""vLLM's bucket bounds of ``vllm:time_to_first_token_seconds``, seconds (what the fake engines serve)."""
 _CHARS_PER_DEADLINE_CHECK = 1 << 16  # about 15 ms of parsing: the clock is read rarely, the deadline kept closely
 
 
