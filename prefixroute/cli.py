@@ -34,12 +34,13 @@ COMMAND_MODULES: Mapping[str, tuple[str, tuple[str, ...]]] = MappingProxyType(
 # Extra → the modules it installs (import names; platform-conditional ones left out). A command module may import
 # its extra's packages only when it runs, so these are looked up before its subcommands are registered: a missing one
 # makes them say what to install rather than fail with a traceback half-way.
+_VLLM_MODULES = ("zmq", "msgspec", "httpx", "prometheus_client")
 EXTRA_MODULES: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
         "sim": ("matplotlib", "rich"),
-        "vllm": ("zmq", "msgspec", "httpx", "prometheus_client"),
+        "vllm": _VLLM_MODULES,
         "serve": ("uvicorn", "httptools", "msgspec", "jinja2", "grpc", "envoy"),
-        "proxy": ("zmq", "msgspec", "httpx", "prometheus_client", "aiohttp", "multidict", "jinja2"),
+        "proxy": (*_VLLM_MODULES, "aiohttp", "multidict", "jinja2"),  # the proxy extra includes prefixroute[vllm]
     }
 )
 
