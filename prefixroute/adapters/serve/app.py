@@ -34,6 +34,7 @@ import msgspec
 
 from prefixroute._numbers import as_int, shown
 from prefixroute.adapters.serve.contract import (
+    MAX_REQUEST_BACKENDS,
     BadRequest,
     FinishBody,
     LifecycleBody,
@@ -63,7 +64,9 @@ PICK_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 _POST_PATHS = frozenset({"/route", "/first_token", "/finish", *PICK_PATHS})
 _GET_PATHS = frozenset({"/metrics", "/healthz", "/stats"})
 _JSON = (b"content-type", b"application/json")
-_MAX_SEEN_BACKENDS = 4096  # per-request backend ids kept (in /metrics too); past this the router forgets idle ones
+# Per-request backend ids kept (in /metrics too); past this the router forgets idle ones. As many as one body may
+# list, so one request never makes the sidecar forget backends it just named.
+_MAX_SEEN_BACKENDS = MAX_REQUEST_BACKENDS
 _INLINE_TEXT_BYTES = 64 * 2**10  # a text or chat body over this is tokenized on a worker thread, off the event loop
 
 
