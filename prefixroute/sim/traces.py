@@ -504,7 +504,8 @@ def load_trace(
     ``splitwise:``, ``azure:`` and ``burstgpt:`` with a CSV of arrivals and lengths (every prompt its own tokens).
 
     ``limit`` keeps only the first ``limit`` requests (in timestamp order) after every line has been checked, so a
-    run of a few requests from a large trace holds only those, while reading too.
+    run of a few requests from a large trace holds only those, while reading too. A ``PATH`` starting with ``~`` is
+    in the user's home folder, as the shell would read it.
 
     Raises:
         InvalidTraceError: ``spec`` is not ``FORMAT:PATH``, or the file cannot be read or has a malformed line.
@@ -528,7 +529,8 @@ def load_trace(
     if not path:  # open("") would say "cannot read trace : No such file or directory"
         example = f"{kind}:trace.{'jsonl' if readers[kind] in (read_mooncake, read_bailian) else 'csv'}"
         raise InvalidTraceError(f"--trace {spec} names no file: give FORMAT:PATH, such as {example}")
-    entries = readers[kind](path, limit=limit)
+    # The shell expands a ``~`` that starts a word, not one after ``mooncake:``: expand it here.
+    entries = readers[kind](os.path.expanduser(path), limit=limit)
     return TraceWorkload(entries, kind=kind, seed=seed, output_tokens=output_tokens)
 
 

@@ -177,6 +177,13 @@ def test_read_azure_dates_and_offsets(tmp_path: Path) -> None:
     assert [e.arrival for e in read_azure(path)] == pytest.approx([0.0, 1.490070])  # the same hour in UTC+2
 
 
+def test_load_trace_reads_a_home_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `--trace azure:~/t.csv`: the shell leaves a ~ after "azure:" as it is.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "t.csv").write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,374,44\n")
+    assert len(load_trace("azure:~/t.csv")) == 1
+
+
 def test_azure_rows_need_not_be_sorted(tmp_path: Path) -> None:
     path = tmp_path / "a.csv"
     path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.5,10,2\n2023-11-16 18:15:40,20,2\n")
