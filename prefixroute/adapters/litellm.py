@@ -44,7 +44,13 @@ from typing import Any
 import cachetools
 from litellm.integrations.custom_logger import CustomLogger
 
-from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, check_encoder, request_tokens
+from prefixroute.adapters.proxy.prompts import (
+    BadRequest,
+    ByteEncoder,
+    PromptEncoding,
+    check_encoder,
+    request_tokens_async,
+)
 from prefixroute.adapters.serve.contract import is_refusal
 from prefixroute.errors import InvalidTypeError, PolicyError
 from prefixroute.router import Router, _check_lease
@@ -139,7 +145,7 @@ class PrefixRouteHook(CustomLogger):
         Never raises: a request it cannot route keeps ``healthy_deployments`` as given."""
         decision_id = None
         try:
-            kept, decision_id = self._filter(model, healthy_deployments, messages, request_kwargs)
+            kept, decision_id = await self._filter(model, healthy_deployments, messages, request_kwargs)
             return kept
         except Exception:  # an encoder or policy that raises, garbage LiteLLM never sends: keep LiteLLM's choice
             self.errors += 1
@@ -151,7 +157,7 @@ class PrefixRouteHook(CustomLogger):
                 with self._tasks_lock:
                     self._filtered[task] = decision_id
 
-    def _filter(
+    async def _filter(
         self, model: str, healthy_deployments: list[Any], messages: list[Any] | None, request: dict[str, Any] | None
     ) -> tuple[list[Any], str | None]:
         metadata = request.get("metadata") if isinstance(request, Mapping) else None
@@ -183,7 +189,7 @@ class PrefixRouteHook(CustomLogger):
         body = {"messages": messages} if messages else {"prompt": request.get("prompt")} if request else {}
         stream = bool(request.get("stream")) if request else False  # before start(): nothing to undo if it raises
         try:
-            tokens = request_tokens(body, chat=bool(messages), encoder=self._encoder)
+            tokens = await request_tokens_async(body, chat=bool(messages), encoder=self._encoder)
             namespace = None if model in self._base_groups else model
             decision = self.router.route(tokens, candidates, namespace=namespace)
         except PolicyError:  # a bug in the policy (a TypeError too): logged by the caller, not taken for bad input

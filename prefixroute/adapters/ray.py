@@ -36,7 +36,7 @@ from typing import Any
 
 from ray.serve.request_router import MultiplexMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens
+from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens_async
 from prefixroute.errors import InvalidTypeError, PolicyError
 from prefixroute.policies import policy_from_name
 from prefixroute.router import Decision, Router, _check_lease
@@ -136,13 +136,13 @@ class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
         if not candidate_replicas:
             return []
         try:
-            return self._choose(candidate_replicas, pending_request)
+            return await self._choose(candidate_replicas, pending_request)
         except Exception:  # a policy or tokenizer that raises: keep Ray's ranking, never fail the request
             self.errors += 1
             _log.exception("prefixroute could not rank replicas; Ray's ranking is kept")
             return [candidate_replicas]
 
-    def _choose(
+    async def _choose(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
     ) -> list[list[RunningReplica]]:
         model = getattr(getattr(pending_request, "metadata", None), "multiplexed_model_id", None)
@@ -159,7 +159,7 @@ class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
             return [candidate_replicas]
         request_id = pending_request.metadata.internal_request_id
         try:
-            tokens = request_tokens(dict(body), chat="messages" in body, encoder=self._encoder)
+            tokens = await request_tokens_async(dict(body), chat="messages" in body, encoder=self._encoder)
             by_id: dict[str, RunningReplica] = {}
             for replica in candidate_replicas:
                 by_id.setdefault(replica.replica_id.unique_id, replica)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -9,6 +10,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from prefixroute.adapters.proxy.prompts import ByteEncoder
 
 CORPUS = ["You are a helpful assistant that answers questions about SQL databases.",
           "SELECT name, count(*) FROM orders GROUP BY name ORDER BY 2 DESC;"] * 20  # fmt: skip
@@ -36,3 +39,19 @@ def metric_samples(reply: httpx.Response) -> dict[str, dict[tuple[tuple[str, str
         for sample in family.samples:
             samples.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
     return samples
+
+
+class LoopNoting(ByteEncoder):
+    """A ByteEncoder that notes, for each text (a chat's serialised), whether it was encoded on a thread running an
+    event loop."""
+
+    def __init__(self) -> None:
+        self.on_loop: list[bool] = []
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            asyncio.get_running_loop()
+            self.on_loop.append(True)
+        except RuntimeError:
+            self.on_loop.append(False)
+        return super().encode(text)

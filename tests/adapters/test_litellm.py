@@ -20,10 +20,12 @@ from litellm.router import Router as LiteLLMRouter  # noqa: E402
 
 from prefixroute import Candidate, LoadPolicy, Router  # noqa: E402
 from prefixroute.adapters.litellm import METADATA_KEY, PrefixRouteHook  # noqa: E402
+from prefixroute.adapters.proxy.prompts import INLINE_TEXT  # noqa: E402
 from prefixroute.errors import ConfigurationError  # noqa: E402
 from prefixroute.testing.openai_engine import OpenAIEngine  # noqa: E402
 
 from ..conftest import running_engines
+from .conftest import LoopNoting
 
 SYSTEM = "You are a careful assistant. " * 20
 yaml: Any = importlib.import_module("yaml")  # a LiteLLM dependency; its stubs are not
@@ -496,3 +498,25 @@ def test_concurrent_calls_sharing_one_metadata_dict_each_count_until_they_end(
         assert hook.errors == 0
 
     asyncio.run(run())
+
+
+def test_a_long_prompt_is_encoded_off_the_event_loop() -> None:
+    """Tokenizing a long prompt on LiteLLM's loop would hold up every other call on it."""
+    encoder = LoopNoting()
+    hook = PrefixRouteHook(Router(), encoder=encoder)
+    long = "x" * INLINE_TEXT
+
+    async def pick(messages: list[dict[str, str]]) -> str:
+        request: dict[str, Any] = {"metadata": {}}
+        (chosen,) = await hook.async_filter_deployments("fake", group(), messages, request)
+        await hook.async_log_success_event({"litellm_params": request}, None, None, None)
+        return str(chosen["model_info"]["id"])
+
+    async def run() -> None:
+        first = await pick([{"role": "user", "content": long + "a"}])
+        assert await pick([{"role": "user", "content": long + "b"}]) == first
+        await pick(CHAT)
+
+    asyncio.run(run())
+    assert encoder.on_loop == [False, False, True]
+    assert hook.router.stats().commits == 3 and hook.router.stats().in_flight == 0

@@ -19,8 +19,11 @@ from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import RequestRouter
 
 from prefixroute import Candidate, LoadPolicy
+from prefixroute.adapters.proxy.prompts import INLINE_TEXT
 from prefixroute.adapters.ray import PrefixRouteRequestRouter
 from prefixroute.errors import ConfigurationError
+
+from .conftest import LoopNoting
 
 PREFIX = list(range(1000, 1064))
 Handle = DeploymentHandle[Any]
@@ -435,4 +438,26 @@ def test_a_multiplexed_model_routes_among_its_replicas_in_a_namespace_of_its_own
 
     asyncio.run(run())
     assert router.errors == 0
+    zero(router)
+
+
+def test_a_long_prompt_is_encoded_off_the_event_loop() -> None:
+    """Tokenizing a long prompt on the loop of Ray's router would hold up every other request's routing."""
+    router = bare(policy="prefix-affinity")
+    router._encoder = encoder = LoopNoting()
+    long = "x" * INLINE_TEXT
+
+    async def send(request_id: str, prompt: str) -> Any:
+        request = pending(request_id, {"prompt": prompt})
+        ((chosen,), _rest) = await router.choose_replicas(REPLICAS, request)
+        router.on_request_routed(request, chosen.replica_id, None)
+        router.on_request_completed(chosen.replica_id, request_id)
+        return chosen
+
+    async def run() -> None:
+        assert await send("a", long + "a") is await send("b", long + "b")
+        await send("c", "short")
+
+    asyncio.run(run())
+    assert encoder.on_loop == [False, False, True] and router.errors == 0
     zero(router)

@@ -27,7 +27,14 @@ from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 
 from prefixroute._numbers import as_int, is_finite_number, shown
-from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, check_encoder, request_tokens
+from prefixroute.adapters.proxy.prompts import (
+    INLINE_TEXT,
+    BadRequest,
+    ByteEncoder,
+    PromptEncoding,
+    check_encoder,
+    request_tokens,
+)
 from prefixroute.adapters.serve.contract import base_model_names, is_refusal, json_error, without_bom
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.adapters.urls import check_backend_url
@@ -55,7 +62,6 @@ _HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "prox
 _NOT_FORWARDED = _HOP_BY_HOP | {"content-encoding"}
 MAX_RETRIES = 16
 """The most resends of a request whose connection failed: more would only hold a client while a fleet is down."""
-_INLINE_BYTES = 64 * 2**10  # a body over this is decoded and tokenized on a worker thread, off the event loop
 
 
 @dataclass(frozen=True)
@@ -310,7 +316,7 @@ class Proxy:
     async def _proxy(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
             raw = await request.read()
-            if len(raw) > _INLINE_BYTES:  # decoding and tokenizing a long prompt would hold every stream up
+            if len(raw) > INLINE_TEXT:  # decoding and tokenizing a long prompt on the loop would hold every stream up
                 body, tokens = await asyncio.to_thread(self._tokens, raw, chat)
             else:
                 body, tokens = self._tokens(raw, chat)
