@@ -21,7 +21,7 @@ from collections.abc import Collection, Container, Iterable, Iterator, Mapping, 
 from itertools import chain, islice, takewhile
 
 from prefixroute._numbers import as_int, shown
-from prefixroute.errors import ConfigurationError, InvalidEventError, InvalidTypeError
+from prefixroute.errors import ConfigurationError, InvalidEventError, InvalidTypeError, PrefixRouteError
 from prefixroute.hashing import check_block_size
 
 __all__ = [
@@ -809,8 +809,10 @@ def check_update(update: object) -> IndexUpdate:
         raise InvalidTypeError(
             f"an index update's hashes must be a sequence of block hashes, not {type(hashes).__name__}"
         )
+    if not isinstance(hashes, Sequence):
+        hashes = list(hashes)  # an iterator, read once
     try:
-        packed = array("Q", hashes)  # checks, in C, that every hash is an int in [0, 2**64); reads an iterator once
+        packed = array("Q", hashes)  # checks, in C, that every hash is an int in [0, 2**64)
     except (TypeError, OverflowError, NotImplementedError) as exc:  # NotImplementedError: a 2-D memoryview
         raise InvalidEventError(f"block hashes must be ints in [0, 2**64): {exc}") from None
     if parent is not None:
@@ -820,7 +822,7 @@ def check_update(update: object) -> IndexUpdate:
         parent = block
     if parent is not None and not stored:
         raise InvalidEventError("a removal has no parent: pass (False, hashes, None)")
-    return (stored, _python_ints(hashes, packed), parent)
+    return (stored, _python_ints(hashes, packed, InvalidEventError), parent)
 
 
 def apply_updates(index: PrefixIndex, backend: str, updates: Iterable[IndexUpdate]) -> None:
@@ -910,20 +912,29 @@ def _check_hashes(hashes: object) -> Sequence[int]:
     """Validate block hashes before anything is written (a bad one must not leave a chain half stored). O(n)."""
     if isinstance(hashes, _NOT_HASHES) or not isinstance(hashes, Iterable):
         raise InvalidTypeError(f"block hashes must be a sequence of ints, not {type(hashes).__name__}")
+    if not isinstance(hashes, Sequence):
+        hashes = list(hashes)  # an iterator, read once
     try:
-        packed = array("Q", hashes)  # checks, in C, that every hash is an int in [0, 2**64); reads an iterator once
+        packed = array("Q", hashes)  # checks, in C, that every hash is an int in [0, 2**64)
     except (TypeError, NotImplementedError) as exc:  # NotImplementedError: a 2-D memoryview
         raise InvalidTypeError(f"block hashes must be ints (as BlockHasher computes them): {exc}") from None
     except OverflowError as exc:
         raise InvalidEventError(f"block hashes must be ints in [0, 2**64), as BlockHasher makes them: {exc}") from None
-    return _python_ints(hashes, packed)
+    return _python_ints(hashes, packed, InvalidTypeError)
 
 
-def _python_ints(hashes: object, packed: array[int]) -> list[int] | Sequence[int]:
-    """``hashes`` itself when it is a sequence of Python ints (its int objects are shared, not copied), else the
-    checked ``packed`` hashes as Python ints (from an iterator, numpy's ints, bools). O(n), in C."""
-    if isinstance(hashes, Sequence) and set(map(type, hashes)) <= {int}:
-        return hashes
+def _python_ints(
+    hashes: Sequence[object], packed: array[int], error: type[PrefixRouteError]
+) -> list[int] | Sequence[int]:
+    """``hashes`` itself when they are Python ints (its int objects are shared, not copied), else the checked
+    ``packed`` hashes as Python ints (numpy's ints). A bool among them, which ``array`` takes for 0 or 1, is an
+    ``error``: True is a flag passed by mistake, not block hash 1. O(n), in C."""
+    types = set(map(type, hashes))
+    if types <= {int}:
+        return hashes  # type: ignore[return-value]  # checked: ints
+    if bool in types:
+        position = next(i for i, value in enumerate(hashes) if type(value) is bool)
+        raise error(f"block hashes must be ints, not bools: {hashes[position]} at position {position}")
     return packed.tolist()
 
 

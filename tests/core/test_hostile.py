@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -48,7 +48,6 @@ def test_store_and_write_read_an_iterator_of_hashes_once() -> None:
 def test_hashes_of_other_int_types_are_stored_as_python_ints() -> None:
     router = Router(block_size=4)
     router.store("n", np.array([1, 2], dtype=np.uint64))  # type: ignore[arg-type]
-    router.store("b", [True])
     index = PrefixIndex(4)
     index.insert(np.array([5, 6], dtype=np.uint64), "n")  # type: ignore[arg-type]
     router._check()
@@ -191,3 +190,23 @@ def test_policy_options_are_checked_when_given(build: object, error: type[Except
 def test_policy_from_name_says_what_is_wrong(name: str, options: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigurationError, match=message):
         policy_from_name(name, **options)
+
+
+@pytest.mark.parametrize("values", [[True], [1, False], (2, True)])
+@pytest.mark.parametrize("as_iterator", [False, True])
+def test_a_bool_is_no_block_hash_on_any_write_path(values: Sequence[int], as_iterator: bool) -> None:
+    """array("Q") takes True for 1: a flag passed by mistake must not be stored as a block."""
+
+    def hashes() -> Iterable[int]:
+        return iter(values) if as_iterator else values
+
+    router = Router(block_size=4)
+    with pytest.raises(InvalidEventError, match=f"not bools: {values[-1]} at position {len(values) - 1}"):
+        router.store("b", hashes())  # type: ignore[arg-type]
+    index = PrefixIndex(4)
+    for write in (index.insert, index.remove):
+        with pytest.raises(InvalidTypeError, match="not bools"):
+            write(hashes(), "b")  # type: ignore[arg-type]
+    assert router.index.blocks("b") == 0 and index.blocks("b") == 0
+    router._check()
+    index._check()
