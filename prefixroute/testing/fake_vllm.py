@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from prefixroute._numbers import as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
+from prefixroute.testing._names import check_served_names
 from prefixroute.testing.fake_cache import CachedChain, FakeBlockCache, FakeRequest
 from prefixroute.vllm.events import EventBatch, encode_batch
 from prefixroute.vllm.metrics import TTFT_BUCKETS
@@ -67,7 +68,8 @@ def _check_options(
 ) -> tuple[int, int, int, int]:
     """Raise for a :class:`FakeVLLM` option it could not use (when given, not in its I/O thread); return its int
     options (``replay_buffer``, ``seed``, the two ports) as Python ints."""
-    for name, text in (("model", model), ("topic", topic), ("host", host)):
+    check_served_names(model, ())
+    for name, text in (("topic", topic), ("host", host)):
         if not isinstance(text, str):
             raise InvalidTypeError(f"{name} must be a str, not {type(text).__name__}")
     if not isinstance(encoding, str) or encoding not in ("array", "map", "alternate"):
@@ -108,7 +110,8 @@ class FakeVLLM:
     engine's ports is how a test restarts the process for real). Thread-safe.
 
     Raises:
-        ConfigurationError: a count, port, ``encoding`` or ``hash_format`` the fake cannot use (checked when given).
+        ConfigurationError: a count, port, ``encoding`` or ``hash_format`` the fake cannot use, or a ``model`` name
+            that is blank, not printable or holds a lone surrogate (checked when given).
         TypeError: ``model``, ``topic`` or ``host`` is not a str, ``seed`` not an int, ``ttft`` not a callable.
     """
 

@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -44,6 +44,7 @@ from prefixroute._numbers import as_int, shown
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.adapters.urls import listen_host
 from prefixroute.errors import ConfigurationError, InvalidTypeError
+from prefixroute.testing._names import check_served_names
 from prefixroute.testing.fake_cache import FakeBlockCache
 from prefixroute.vllm.metrics import TTFT_BUCKETS
 
@@ -157,42 +158,6 @@ class EngineStats:
     """Prompt tokens of admitted requests."""
     cached_tokens: int
     """Of those, tokens served from the prefix cache."""
-
-
-def check_served_names(
-    model: object, lora_adapters: object, *, model_option: str = "model", adapters_option: str = "lora_adapters"
-) -> tuple[str, tuple[str, ...]]:
-    """``model`` and ``lora_adapters`` checked as the names an engine serves (``/v1/models`` ids): each a printable
-    str that is not blank and has no lone surrogate (it could not be sent as UTF-8), the adapters distinct and none
-    named as the model (a request naming it would be ambiguous). ``*_option`` name them in messages (a CLI's flags).
-
-    Raises:
-        ConfigurationError: a name that is blank, not printable or holds a lone surrogate, an adapter listed twice
-            or named as the model.
-        TypeError: ``model`` is not a str, ``lora_adapters`` not a collection of str (a str alone is not).
-    """
-    if not isinstance(model, str):
-        raise InvalidTypeError(f"{model_option} must be a str, not {type(model).__name__}")
-    if isinstance(lora_adapters, (str, bytes)) or not isinstance(lora_adapters, Iterable):
-        raise InvalidTypeError(
-            f"{adapters_option} must be a collection of adapter names (str), not {type(lora_adapters).__name__}"
-        )
-    adapters = tuple(lora_adapters)
-    for option, name in [(model_option, model), *((adapters_option, a) for a in adapters)]:
-        if not isinstance(name, str):
-            raise InvalidTypeError(f"{option} must hold names (str), not {type(name).__name__}")
-        if not name.strip() or not name.isprintable():  # a lone surrogate is not printable (category Cs)
-            raise ConfigurationError(
-                f"{option} must name a model in printable text (no lone surrogate), not blank, not {shown(name)}"
-            )
-    repeated = sorted({a for a in adapters if adapters.count(a) > 1})
-    if repeated:
-        raise ConfigurationError(f"{adapters_option} lists {', '.join(map(repr, repeated))} twice: name each once")
-    if model in adapters:
-        raise ConfigurationError(
-            f"{adapters_option} names the base model {model!r}: an adapter needs a name of its own"
-        )
-    return model, adapters
 
 
 class OpenAIEngine:
