@@ -260,7 +260,12 @@ class Fleet:
         Once this returns, nothing of the backend's is written to the router again (its threads write through a
         gate that is closed first). A backend the fleet does not have is still removed from the router.
         Waits for the backend's threads to end, at most about ``timeout`` seconds.
+
+        Raises:
+            TypeError: ``backend`` is not a str (nothing is removed).
         """
+        if not isinstance(backend, str):  # before the lookup: an unhashable id would be a bare TypeError there
+            raise InvalidTypeError(f"backend must be a str id, not {type(backend).__name__}")
         with self._lock:
             member = self._members.pop(backend, None)
         if member is not None:

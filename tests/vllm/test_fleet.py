@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import zmq
 
-from prefixroute import ConfigurationError, LeastLoaded, Router
+from prefixroute import ConfigurationError, InvalidTypeError, LeastLoaded, Router
 from prefixroute.testing import FakeVLLM
 from prefixroute.vllm import EventIndex, Fleet, KVEventSubscriber
 
@@ -458,3 +458,14 @@ def test_options_of_the_wrong_type_are_type_errors_when_given() -> None:
 def test_a_huge_number_of_seconds_is_a_configuration_error_not_an_overflow(option: str, value: object) -> None:
     with pytest.raises(ConfigurationError, match=option):
         Fleet(Router(), **{option: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", [[], {}, None, 5])
+def test_remove_backend_refuses_an_id_that_is_not_a_str_while_the_fleet_has_backends(backend: object) -> None:
+    # Was a bare "unhashable type" TypeError from the fleet's own lookup once the fleet had a backend (an empty dict
+    # answers pop() without hashing the key, so the fuzz harness's empty fleet never saw it).
+    with Fleet(Router(index=EventIndex(16))) as fleet:
+        fleet.add_backend("gpu0")
+        with pytest.raises(InvalidTypeError, match="backend must be a str"):
+            fleet.remove_backend(backend)  # type: ignore[arg-type]
+        assert fleet.backends() == ["gpu0"]
