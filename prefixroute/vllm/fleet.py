@@ -253,6 +253,10 @@ class Fleet:
             subscriber.start()
         if member.poller is not None:
             member.poller.start()
+        with self._lock:
+            gone = self._members.get(backend) is not member
+        if gone:  # remove_backend() or close() took it before its threads started: they found nothing to stop
+            member.stop()
 
     def remove_backend(self, backend: str) -> None:
         """Stop everything ``backend`` had (its subscriber and its poller), then :meth:`Router.remove_backend` it.

@@ -469,3 +469,26 @@ def test_remove_backend_refuses_an_id_that_is_not_a_str_while_the_fleet_has_back
         with pytest.raises(InvalidTypeError, match="backend must be a str"):
             fleet.remove_backend(backend)  # type: ignore[arg-type]
         assert fleet.backends() == ["gpu0"]
+
+
+@pytest.mark.parametrize("race", ["remove_backend", "close"])
+def test_a_backend_removed_or_closed_while_add_backend_starts_its_threads_leaves_none_running(
+    race: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """add_backend() registers the backend, then starts its threads outside the fleet's lock: a remove_backend() or
+    close() from another thread can land in between. Was: it found nothing started to stop, then the subscriber
+    thread started anyway and ran for good, the backend no longer in the fleet."""
+    fleet = Fleet(Router(index=EventIndex(16)), interval=0.05, timeout=0.05, stale_after=1.0)
+    start = KVEventSubscriber.start
+
+    def interleaved(self: KVEventSubscriber) -> KVEventSubscriber:  # the other thread's call, between the two steps
+        getattr(fleet, race)(*(["gpu0"] if race == "remove_backend" else []))
+        return start(self)
+
+    monkeypatch.setattr(KVEventSubscriber, "start", interleaved)
+    try:
+        fleet.add_backend("gpu0", kv_events="tcp://127.0.0.1:1", metrics_url="http://127.0.0.1:1")
+        assert fleet.backends() == []
+        wait_until(lambda: not threads_of("gpu0"), what="no thread of the removed backend left running")
+    finally:
+        fleet.close()
