@@ -147,8 +147,9 @@ class KVEventSubscriber:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic
-        # Guards the tracker: the thread holds it while handling messages, reset() and held() take it too.
-        self._state_lock = threading.Lock()
+        # Guards the tracker: the thread holds it while handling messages, reset() and held() take it too. Reentrant:
+        # writer, clock and lag_observer run in the thread under it, and may call held() or reset() themselves.
+        self._state_lock = threading.RLock()
         self._decoder = EventDecoder()
         self._replay_timeout = float(replay_timeout)
         self._max_batches = max_batches_per_apply

@@ -254,6 +254,42 @@ def test_a_raising_lag_observer_or_clock_costs_no_batch_and_no_reconnect(fault: 
         context.destroy(linger=0)
 
 
+@pytest.mark.parametrize("callback", ["lag_observer", "clock"])
+def test_a_callback_that_calls_back_into_its_subscriber_does_not_deadlock_the_thread(callback: str) -> None:
+    """lag_observer and clock run in the subscriber's thread while it holds its state lock. Was: a callback calling
+    held() or reset() (say, to resync when the lag grows too large) waited for that lock for good: no batch applied
+    again, and stop() could not end the thread."""
+    router = events_router()
+    calls = {"held": 0, "resets": 0}
+    box: dict[str, KVEventSubscriber] = {}
+
+    def reentrant(*_: object) -> float:
+        sub = box["sub"]
+        sub.held()
+        calls["held"] += 1
+        if not calls["resets"]:
+            calls["resets"] += 1
+            sub.reset()  # the next batch starts a new stream, replayed from the engine's buffer
+        return time.time()
+
+    options: dict[str, object] = {callback: reentrant}
+    with FakeVLLM(num_blocks=64) as engine:
+        sub = box["sub"] = KVEventSubscriber(
+            router,
+            "gpu0",
+            engine.endpoint,
+            replay_endpoint=engine.replay_endpoint,
+            **options,  # type: ignore[arg-type]
+        )
+        with sub:
+            settle(engine, sub)
+            settle(engine, sub)  # batches after the reset are applied too
+            assert calls["resets"] == 1 and calls["held"] >= 2
+            assert router.index.hashes("gpu0") == engine.own_hashes()
+            assert sub.stats().observer_errors == 0
+        assert not sub.running
+
+
 def test_event_index_is_right_where_the_prediction_is_wrong_after_eviction() -> None:
     """Acceptance 3: the router predicts a hit on a backend whose engine evicted the prefix; events know better."""
     router = Router(block_size=16)
