@@ -7,12 +7,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
+import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 from prometheus_client.parser import text_fd_to_metric_families
@@ -218,9 +221,10 @@ def fetch_metrics(url: str, *, timeout: float = 2.0, client: httpx.Client | None
 
     The request and the parsing run in a daemon thread and the caller waits at most ``timeout``, so a slow or
     trickling endpoint, or a body too large to parse in time, cannot hold it longer; the abandoned work ends by itself
-    soon after (each read is bounded by ``timeout``, and reading and parsing stop at the deadline). ``client`` is
-    reused when given (one per engine keeps its connection alive); without it a client is made and closed.
-    O(size of the body).
+    soon after (each read is bounded by ``timeout``, reading and parsing stop at the deadline, and a connection the
+    request opened is shut down, so an endpoint trickling its headers byte by byte cannot keep the thread either).
+    ``client`` is reused when given (one per engine keeps its connection alive); without it a client is made and
+    closed. O(size of the body).
 
     Raises:
         MetricsError: every failure: no answer or a body not parsed within ``timeout``, network, HTTP status, a body
@@ -233,10 +237,22 @@ def fetch_metrics(url: str, *, timeout: float = 2.0, client: httpx.Client | None
     abandoned = threading.Event()
     parsing = threading.Event()
     outcome: list[EngineMetrics | BaseException] = []
+    # The connections the request opens: shut down if it is abandoned, as each read's timeout alone lets an endpoint
+    # that trickles a byte of its headers now and then hold the thread (and the connection) as long as it likes.
+    opened: list[socket.socket] = []
+
+    def trace(event: str, info: dict[str, Any]) -> None:  # httpcore's trace hook, called in the request's thread
+        if event.endswith(_CONNECTED):
+            extra_info = getattr(info.get("return_value"), "get_extra_info", None)
+            sock = extra_info("socket") if callable(extra_info) else None
+            if isinstance(sock, socket.socket):
+                opened.append(sock)
+                if abandoned.is_set():  # appended after the caller shut down what it saw
+                    _shut_down(sock)
 
     def get() -> None:
         try:
-            body = _read_body(client, url, timeout, abandoned)
+            body = _read_body(client, url, timeout, abandoned, trace)
             if not abandoned.is_set():
                 parsing.set()
                 outcome.append(parse_metrics(body, deadline=deadline))
@@ -249,6 +265,8 @@ def fetch_metrics(url: str, *, timeout: float = 2.0, client: httpx.Client | None
     finished = done.wait(timeout)
     if not finished:
         abandoned.set()
+        for sock in list(opened):
+            _shut_down(sock)
     if not finished or isinstance(outcome[0], _Overdue):  # the parsing can pass the deadline just before the wait
         if parsing.is_set():
             raise MetricsError(f"cannot read {url}: its body was not parsed within {timeout:g}s (it is too long)")
@@ -265,11 +283,28 @@ def fetch_metrics(url: str, *, timeout: float = 2.0, client: httpx.Client | None
     raise MetricsError(f"cannot read {url}: {detail[0]}") from result
 
 
-def _read_body(client: httpx.Client | None, url: str, timeout: float, abandoned: threading.Event) -> str:
+_CONNECTED = ("connection.connect_tcp.complete", "connection.connect_unix_socket.complete",
+              "connection.start_tls.complete")  # fmt: skip
+"""httpcore's trace events that return a new connection's stream (TLS wraps the TCP socket in a new one)."""
+
+
+def _shut_down(sock: socket.socket) -> None:
+    """Shut ``sock`` down for both directions: a read blocked on it in another thread returns at once."""
+    with contextlib.suppress(OSError):  # already closed, or never connected
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+def _read_body(
+    client: httpx.Client | None,
+    url: str,
+    timeout: float,
+    abandoned: threading.Event,
+    trace: Callable[[str, dict[str, Any]], None],
+) -> str:
     own = client is None
     http = httpx.Client() if client is None else client
     try:
-        with http.stream("GET", url, timeout=timeout) as response:
+        with http.stream("GET", url, timeout=timeout, extensions={"trace": trace}) as response:
             response.raise_for_status()
             chunks: list[bytes] = []
             size = 0

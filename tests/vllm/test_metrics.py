@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 import socket
+import threading
 import time
+from collections.abc import Iterator
 
+import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,6 +16,8 @@ from hypothesis import strategies as st
 from prefixroute.errors import ConfigurationError, MetricsError
 from prefixroute.testing import FakeVLLM
 from prefixroute.vllm.metrics import MAX_METRICS_BYTES, fetch_metrics, metrics_url, parse_metrics
+
+from ..conftest import wait_until
 
 
 def closed_port() -> int:
@@ -155,6 +160,55 @@ def test_the_timeout_bounds_the_whole_read_of_a_slow_or_trickling_engine(delay: 
         with pytest.raises(MetricsError, match="within 0.5s"):
             fetch_metrics(engine.url + "/metrics", timeout=0.5)
         assert time.monotonic() - began < 1.0
+
+
+@pytest.fixture
+def header_trickler() -> Iterator[str]:
+    """A URL whose server answers every request with a status line, then one byte of a header every 20 ms, for ever
+    (while the client keeps the connection open)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def trickle(conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+                while not stop.is_set():
+                    conn.sendall(b"a")
+                    stop.wait(0.02)
+            except OSError:  # the client shut the connection down
+                pass
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            threading.Thread(target=trickle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}/metrics"
+    finally:
+        stop.set()
+        server.close()
+
+
+@pytest.mark.parametrize("shared_client", [False, True])
+def test_an_abandoned_read_of_an_endpoint_trickling_its_headers_ends(header_trickler: str, shared_client: bool) -> None:
+    """Was: each read of the headers is bounded by the timeout, but a byte arriving within it starts the next one, so
+    the abandoned request's thread (and its connection) lived as long as the endpoint trickled: one more per scrape
+    of a Fleet polling that engine."""
+    with httpx.Client() as client:
+        for _ in range(3):
+            with pytest.raises(MetricsError, match="no complete answer within 0.2s"):
+                fetch_metrics(header_trickler, timeout=0.2, client=client if shared_client else None)
+        wait_until(
+            lambda: not [t for t in threading.enumerate() if t.name == "prefixroute-scrape"],
+            what="the abandoned requests' threads to end",
+        )
 
 
 @pytest.mark.parametrize(
