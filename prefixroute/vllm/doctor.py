@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import numbers
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from prefixroute._numbers import shown
-from prefixroute.errors import ConfigurationError, MetricsError
+from prefixroute._numbers import is_finite_number, shown
+from prefixroute.errors import ConfigurationError, InvalidTypeError, MetricsError
 from prefixroute.vllm._checks import check_seconds
 from prefixroute.vllm.metrics import MAX_METRICS_BYTES, EngineMetrics, fetch_metrics, metrics_url, parse_metrics
 
@@ -41,9 +42,17 @@ def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> floa
 
     >>> histogram_quantile(0.5, [(1.0, 0.0), (2.0, 10.0), (math.inf, 10.0)])
     1.5
+
+    Raises:
+        ConfigurationError: ``q`` is not a number in [0, 1].
+        TypeError: ``buckets`` is not a sequence of (upper bound, cumulative count) pairs of numbers.
     """
-    if not 0.0 <= q <= 1.0:
-        raise ValueError(f"q must be in [0, 1], not {q}")
+    if not is_finite_number(q) or not 0.0 <= q <= 1.0:
+        raise ConfigurationError(f"q must be a number in [0, 1], not {shown(q)}")
+    if not isinstance(buckets, Sequence) or isinstance(buckets, (str, bytes)) or not all(map(_is_bucket, buckets)):
+        raise InvalidTypeError(
+            f"buckets must be a sequence of (upper bound, cumulative count) pairs of numbers, not {shown(buckets)}"
+        )
     if not buckets or buckets[-1][1] <= 0:
         return None
     rank = q * buckets[-1][1]
@@ -55,6 +64,14 @@ def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> floa
             return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
         lower_bound, lower_count = bound, count
     return lower_bound
+
+
+def _is_bucket(pair: object) -> bool:
+    return (
+        isinstance(pair, (tuple, list))
+        and len(pair) == 2
+        and all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in pair)
+    )
 
 
 @dataclass
@@ -94,10 +111,15 @@ def diagnose(
 
     Raises:
         ConfigurationError: ``ratio_threshold`` is not a finite number >= 1 or ``low_hit_rate`` not in [0, 1].
+        TypeError: ``metrics`` is not an :class:`~prefixroute.vllm.EngineMetrics` or ``source`` not a str.
     """
-    if isinstance(ratio_threshold, bool) or not (math.isfinite(ratio_threshold) and ratio_threshold >= 1):
+    if not isinstance(metrics, EngineMetrics):
+        raise InvalidTypeError(f"metrics must be an EngineMetrics (parse_metrics() gives one), not {shown(metrics)}")
+    if not isinstance(source, str):
+        raise InvalidTypeError(f"source must be a str naming where the figures came from, not {shown(source)}")
+    if not is_finite_number(ratio_threshold) or ratio_threshold < 1:
         raise ConfigurationError(f"ratio_threshold must be a finite number >= 1, not {shown(ratio_threshold)}")
-    if isinstance(low_hit_rate, bool) or not 0 <= low_hit_rate <= 1:
+    if not is_finite_number(low_hit_rate) or not 0 <= low_hit_rate <= 1:
         raise ConfigurationError(f"low_hit_rate must be a fraction in [0, 1], not {shown(low_hit_rate)}")
     hits, queries = metrics.prefix_hits, metrics.prefix_queries
     if hits is not None and queries is not None and hits > queries:

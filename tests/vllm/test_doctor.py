@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefixroute.errors import ConfigurationError
+from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.testing import FakeVLLM
 from prefixroute.vllm import EngineMetrics, doctor
 from prefixroute.vllm.doctor import MISS_ADVICE, histogram_quantile
@@ -147,6 +147,19 @@ def test_quantile_edge_cases() -> None:
         histogram_quantile(1.5, [(1.0, 1.0)])
 
 
+@pytest.mark.parametrize("q", [1.5, -0.1, float("nan"), "0.5", None, 10**400, True])
+def test_quantile_refuses_a_q_that_is_no_fraction_with_a_configuration_error(q: object) -> None:
+    # Was a bare ValueError (out of range) or TypeError (a str, None) rather than the library's error.
+    with pytest.raises(ConfigurationError, match="q must be a number in"):
+        histogram_quantile(q, [(1.0, 1.0)])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("buckets", [5, "1", [1.0], [(1.0,)], [("1", 2)], [(1.0, None)], [{1.0, 2.0}]])
+def test_quantile_refuses_buckets_that_are_no_pairs_of_numbers_with_a_type_error(buckets: object) -> None:
+    with pytest.raises(InvalidTypeError, match="buckets must be"):
+        histogram_quantile(0.5, buckets)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -212,6 +225,19 @@ def test_diagnose_rejects_nonsense_thresholds() -> None:
         doctor.diagnose(EngineMetrics(), ratio_threshold=float("nan"))
     with pytest.raises(ConfigurationError, match="low_hit_rate"):
         doctor.diagnose(EngineMetrics(), low_hit_rate=-0.1)
+
+
+def test_diagnose_refuses_arguments_of_the_wrong_type_with_the_library_s_errors() -> None:
+    # Were an AttributeError (metrics None), a TypeError (a str threshold) and an OverflowError (a huge int one).
+    with pytest.raises(InvalidTypeError, match="metrics must be an EngineMetrics"):
+        doctor.diagnose(None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="source must be a str"):
+        doctor.diagnose(EngineMetrics(), source=5)  # type: ignore[arg-type]
+    for value in ("5", None, 10**400):
+        with pytest.raises(ConfigurationError, match="ratio_threshold"):
+            doctor.diagnose(EngineMetrics(), ratio_threshold=value)  # type: ignore[arg-type]
+        with pytest.raises(ConfigurationError, match="low_hit_rate"):
+            doctor.diagnose(EngineMetrics(), low_hit_rate=value)  # type: ignore[arg-type]
 
 
 def test_a_file_over_the_size_cap_is_unreadable_not_read_whole(
