@@ -20,9 +20,16 @@ from typing import Any
 
 import zmq
 
-from prefixroute._numbers import shown
+from prefixroute._numbers import is_finite_number, shown
 from prefixroute.errors import ConfigurationError, InvalidEventError, InvalidTypeError
-from prefixroute.vllm._checks import check_callable, check_count, check_endpoint, check_seconds, sparse_level
+from prefixroute.vllm._checks import (
+    MAX_SECONDS,
+    check_callable,
+    check_count,
+    check_endpoint,
+    check_seconds,
+    sparse_level,
+)
 from prefixroute.vllm.events import EventDecoder
 from prefixroute.vllm.tracker import BlockTracker, IndexOps, IndexWriter, TrackerStats, check_writer
 
@@ -201,7 +208,14 @@ class KVEventSubscriber:
 
         The thread closes its own sockets as it ends. When it has not ended within ``timeout`` (a writer that
         blocks), this logs a warning and returns; :attr:`running` stays True until the thread really ends.
+
+        Raises:
+            ConfigurationError: ``timeout`` is not a finite number of seconds >= 0 (the thread is not stopped).
         """
+        if not is_finite_number(timeout) or not 0 <= timeout <= MAX_SECONDS:
+            raise ConfigurationError(
+                f"timeout must be a finite number of seconds >= 0 (at most {MAX_SECONDS:.0f}), not {shown(timeout)}"
+            )
         self._stop.set()
         thread = self._thread
         if thread is None:

@@ -669,3 +669,17 @@ def test_an_endpoint_no_socket_can_connect_to_is_refused_when_given(endpoint: st
         KVEventSubscriber(events_router(), "gpu0", endpoint)
     with pytest.raises(ConfigurationError, match="replay_endpoint"):
         KVEventSubscriber(events_router(), "gpu0", "tcp://127.0.0.1:1", replay_endpoint=endpoint)
+
+
+@pytest.mark.parametrize("timeout", ["1", None, -1, float("nan"), float("inf"), 10**400, 1e300])
+def test_stop_refuses_a_nonsense_timeout_before_stopping_anything(timeout: object) -> None:
+    # Was a TypeError, ValueError or OverflowError from Thread.join() after the stop was signalled (a str left the
+    # thread running with the error, a NaN or huge value stopped it anyway), None waited for good and -1 not at all.
+    sub = KVEventSubscriber(events_router(), "gpu0", "tcp://127.0.0.1:1").start()
+    try:
+        with pytest.raises(ConfigurationError, match="timeout must be a finite number of seconds >= 0"):
+            sub.stop(timeout)  # type: ignore[arg-type]
+        assert sub.running
+    finally:
+        sub.stop(0)
+    wait_until(lambda: not sub.running, what="the thread to end after stop(0)")
