@@ -132,13 +132,15 @@ class EventIndex(PrefixIndex):
             return
         now = self._clock()
         elapsed = now - self._rotated_at
-        if elapsed >= self._ttl or elapsed < 0:  # a clock that went back: start over rather than trust forever
+        # A clock that went back, or a NaN or infinite reading: start over rather than trust forever (or overflow).
+        sane = 0 <= elapsed < math.inf
+        if elapsed >= self._ttl or not sane:
             # Generations turn on whole periods from the first, however late this call comes, so an entry made in
             # one period is dropped at the end of the next: it lives at least ttl and less than 2 x ttl.
-            periods = math.floor(elapsed / self._ttl) if elapsed >= 0 else 2
+            periods = math.floor(elapsed / self._ttl) if sane else 2
             self._previous = self._current if periods == 1 else PrefixIndex(self.block_size)
             self._current = PrefixIndex(self.block_size)
-            self._rotated_at = self._rotated_at + periods * self._ttl if elapsed >= 0 else now
+            self._rotated_at = self._rotated_at + periods * self._ttl if sane else now
 
     def _check(self, *, chains: Iterable[Sequence[int]] = ()) -> None:
         """Assert the invariants of both parts (for tests; ``chains`` as :meth:`PrefixIndex._check`, for the

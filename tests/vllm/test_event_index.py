@@ -172,3 +172,22 @@ def test_match_is_the_larger_of_confirmed_and_unexpired_speculative(steps: list[
             at_most = next((i for i, h in enumerate(HASHES) if h not in held | alive), len(HASHES))
             assert index.match_confirmed(HASHES, name) == exact
             assert exact <= index.match(HASHES, [name])[name] <= at_most
+
+
+@pytest.mark.parametrize("reading", [float("inf"), float("nan"), -float("inf")])
+def test_a_clock_reading_that_is_not_finite_expires_the_speculation_instead_of_raising_or_keeping_it(
+    reading: float,
+) -> None:
+    # Was: inf raised OverflowError (math.floor of an infinite number of periods) into route(); NaN compared false
+    # with everything, so the speculative entries were never expired.
+    clock = FakeClock()
+    router = hybrid(clock)
+    router.route(PROMPT, ["gpu0", "gpu1"])
+    clock.now = reading
+    decision = router.route(PROMPT, ["gpu0", "gpu1"])
+    assert decision.matched_tokens == 0
+    router.index._check()
+    clock.now = 200.0  # a sane clock again: predictions are trusted again
+    backend = router.route(PROMPT, ["gpu0", "gpu1"]).backend
+    assert router.route(PROMPT, ["gpu0", "gpu1"]).backend == backend
+    assert router.index.match(HASHES, [backend])[backend] == len(HASHES)
