@@ -197,10 +197,11 @@ class KVEventSubscriber:
                 raise RuntimeError(f"the KV-event thread of {self.backend} has not ended since stop(): try again")
         self._stop.clear()
         context: zmq.Context[Any] = zmq.Context()
-        self._thread = threading.Thread(
+        thread = threading.Thread(
             target=self._run, args=(context,), name=f"prefixroute-kv-events[{self.backend}]", daemon=True
         )
-        self._thread.start()
+        thread.start()
+        self._thread = thread  # only once started: a stop() from another thread cannot join it before (RuntimeError)
         return self
 
     def stop(self, timeout: float = 5.0) -> None:

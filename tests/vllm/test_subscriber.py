@@ -683,3 +683,24 @@ def test_stop_refuses_a_nonsense_timeout_before_stopping_anything(timeout: objec
     finally:
         sub.stop(0)
     wait_until(lambda: not sub.running, what="the thread to end after stop(0)")
+
+
+def test_a_stop_from_another_thread_while_start_starts_the_thread_neither_raises_nor_leaves_it_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As when Fleet.remove_backend() meets an add_backend() of the same backend. Was: stop() found the thread made
+    but not started yet and joined it, a RuntimeError ("cannot join thread before it is started") out of
+    remove_backend(), which then left the router's blocks of the backend in place."""
+    sub = KVEventSubscriber(events_router(), "gpu0", "tcp://127.0.0.1:1")
+
+    class Interleaved(threading.Thread):
+        def start(self) -> None:
+            if self.name == "prefixroute-kv-events[gpu0]":
+                sub.stop()  # the other thread's call, landing between the thread's creation and its start
+            super().start()
+
+    monkeypatch.setattr(threading, "Thread", Interleaved)
+    sub.start()
+    monkeypatch.undo()
+    sub.stop()
+    wait_until(lambda: not sub.running, what="the thread to end")
