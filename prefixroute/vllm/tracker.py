@@ -195,7 +195,7 @@ class BlockTracker:
         ``ready`` is what :func:`_prepared` computed, None for blocks that are not indexed."""
         vllm_hashes = event.block_hashes
         if ready is None:
-            if event.group_idx is not None and _is_gpu(event.medium):
+            if event.group_idx is not None and _is_gpu(event.medium) and len(self._skipped_groups) < _MAX_GROUPS:
                 self._skipped_groups.add(event.group_idx)
             self.stats.skipped_blocks += len(vllm_hashes)
             return
@@ -370,6 +370,9 @@ def _check_hashes(event: BlockStored | BlockRemoved, hashes: object) -> None:
                 raise _malformed(event, "block_hashes", "a list of int or bytes hashes", value)
 
 
+_MAX_GROUPS = 1024
+"""The KV cache groups not indexed that a tracker keeps (a model has a few; a hostile engine could name millions).
+A removal in a group past these reads as one of blocks the tracker never held (``unknown_removals``), nothing worse."""
 _HASH_TYPES = frozenset({int, bytes})
 _OPTIONAL_STR = (str, type(None))
 

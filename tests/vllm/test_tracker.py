@@ -158,6 +158,16 @@ def test_an_engine_that_keeps_sending_garbage_is_logged_sparsely_and_counted_exa
     assert tracker.stats.invalid_events == 100
 
 
+def test_the_groups_not_indexed_that_a_tracker_keeps_are_bounded() -> None:
+    """An engine naming a new KV cache group in every event cannot grow the tracker without end."""
+    tracker = BlockTracker(block_size=16)
+    tracker.apply([BlockStored([i], None, TOKENS[:16], 16, group_idx=i, kv_cache_spec_kind="mamba")
+                   for i in range(5000)])  # fmt: skip
+    assert len(tracker._skipped_groups) == 1024 and tracker.stats.skipped_blocks == 5000
+    assert tracker.apply([BlockRemoved([1], group_idx=1), BlockRemoved([4999], group_idx=4999)]) == []
+    assert tracker.stats.skipped_blocks == 5001 and tracker.stats.unknown_removals == 1
+
+
 def test_invalid_events_are_counted_and_skipped_or_raised_in_strict_mode() -> None:
     tracker = BlockTracker()
     bad_count = BlockStored([11, 12], None, TOKENS[:16], 16)
