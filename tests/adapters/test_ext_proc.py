@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import grpc
+import httpx
+import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from prefixroute import Router
 from prefixroute.adapters.serve import Sidecar
 from prefixroute.adapters.serve.ext_proc import DESTINATION_HEADER, EndpointPicker
+from prefixroute.adapters.serve.loopback import Process, free_port, start_sidecar
+
+from ..conftest import wait_until
 
 BACKENDS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
 
@@ -99,3 +105,58 @@ def test_a_4xx_response_finishes_the_request_refused_and_its_prediction_is_forgo
         router = sidecar.router
         assert router.stats().in_flight == 0
         assert max(router.index.match(hashes, sidecar.backends).values()) == held, (status, end)
+
+
+# -- against the real gRPC server of `prefixroute serve --ext-proc` --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def picker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Process, int, httpx.Client]]:
+    """A `prefixroute serve` process with its ext_proc port, and an HTTP client of its /stats."""
+    port, grpc_port = free_port(), free_port()
+    workdir = tmp_path_factory.mktemp("ext_proc")
+    with (
+        start_sidecar(workdir, BACKENDS, port=port, options=["--ext-proc", str(grpc_port)]) as process,
+        httpx.Client(base_url=f"http://127.0.0.1:{port}") as client,
+    ):
+        yield process, grpc_port, client
+
+
+def stream(grpc_port: int, messages: list[bytes]) -> tuple[list[Any], grpc.RpcError | None]:
+    """Send raw (serialized) messages on one Process stream of a real gRPC channel; its answers and its error."""
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        process = channel.stream_stream(
+            "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+            request_serializer=lambda raw: raw,
+            response_deserializer=pb.ProcessingResponse.FromString,
+        )
+        answers: list[Any] = []
+        try:
+            answers.extend(process(iter(messages), timeout=20))
+        except grpc.RpcError as exc:
+            return answers, exc
+        return answers, None
+
+
+def a_good_request_is_routed_and_released(grpc_port: int, client: httpx.Client) -> None:
+    request = [headers("/v1/completions"), body(PROMPT, end=True), response_body(end=True)]
+    answers, error = stream(grpc_port, [message.SerializeToString() for message in request])
+    assert error is None and destination(answers[1]) in ("10.0.0.1:8000", "10.0.0.2:8000")
+    wait_until(lambda: client.get("/stats").json()["in_flight_total"] == 0, what="the release")
+
+
+def test_a_corrupt_message_ends_the_stream_invalid_argument_releases_its_decision_and_logs_no_traceback(
+    picker: tuple[Process, int, httpx.Client],
+) -> None:
+    process, grpc_port, client = picker
+    before = client.get("/stats").json()["bad_requests"].get("400", 0)
+    picked = [headers("/v1/completions").SerializeToString(), body(PROMPT, end=True).SerializeToString()]
+    for garbage in (b"\x08\x01garbage\xff", b"\xff" * 40, b"\x1a\x05ab"):  # a wrong wire type, junk, a cut field
+        answers, error = stream(grpc_port, [*picked, garbage])
+        assert destination(answers[1]) is not None  # routed, then the garbage came
+        assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+        assert "not a ProcessingRequest" in (error.details() or "")
+        wait_until(lambda: client.get("/stats").json()["in_flight_total"] == 0, what="the release of the decision")
+    assert client.get("/stats").json()["bad_requests"]["400"] - before == 3
+    a_good_request_is_routed_and_released(grpc_port, client)
+    assert "Traceback" not in process.output()

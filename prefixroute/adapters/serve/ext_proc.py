@@ -7,7 +7,8 @@ header (which an ``ORIGINAL_DST`` cluster with ``use_http_header`` connects to) 
 metadata, as the endpoint-picker contract says. The first response body chunk reports the first token; the last
 one, or the stream's end for any other reason (upstream error, client abort: Envoy resets the stream), finishes the
 request, exactly once; refused when the response headers' ``:status`` is a 4xx (the engine computed nothing). A
-body the picker cannot route gets no header, so Envoy's route falls back to its plain balancer cluster.
+body the picker cannot route gets no header, so Envoy's route falls back to its plain balancer cluster. A message
+that is not a ``ProcessingRequest`` ends the stream with ``INVALID_ARGUMENT`` (counted as a 400).
 
 Needs the ``prefixroute[serve]`` extra (grpcio and the generated Envoy protos of ``xds-protos``).
 """
@@ -23,6 +24,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
+from google.protobuf.message import DecodeError
 
 from prefixroute.adapters.serve.app import PICK_PATHS, Sidecar
 from prefixroute.adapters.serve.contract import BadRequest, is_refusal
@@ -83,6 +85,10 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
                 elif kind == "response_trailers":
                     yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+        except DecodeError as exc:  # grpc raises it from the read: bad input, not a fault of the picker
+            self._sidecar.metrics.refused(400)
+            _log.debug("ext_proc: a message is not a ProcessingRequest (%s)", exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a message is not a ProcessingRequest: {exc}")
         finally:
             if decision_id is not None:  # the stream ended before the response did: error, reset or abort
                 self._sidecar.finish(decision_id, via="ext_proc", refused=refused)
