@@ -107,6 +107,14 @@ def test_a_4xx_response_finishes_the_request_refused_and_its_prediction_is_forgo
         assert max(router.index.match(hashes, sidecar.backends).values()) == held, (status, end)
 
 
+def test_a_body_exactly_at_the_limit_is_routed_and_one_byte_over_is_not() -> None:
+    for limit, routed in ((len(PROMPT), True), (len(PROMPT) - 1, False)):
+        sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, max_body_bytes=limit)
+        answers = run(sidecar, headers("/v1/completions"), body(PROMPT[:10], end=False), body(PROMPT[10:], end=True))
+        assert (destination(answers[2]) is not None) is routed
+        assert (sidecar.router.stats().decisions, sidecar.metrics.bad_requests.get(413, 0)) == (routed, not routed)
+
+
 # -- against the real gRPC server of `prefixroute serve --ext-proc` --------------------------------------------------
 
 
@@ -158,5 +166,26 @@ def test_a_corrupt_message_ends_the_stream_invalid_argument_releases_its_decisio
         assert "not a ProcessingRequest" in (error.details() or "")
         wait_until(lambda: client.get("/stats").json()["in_flight_total"] == 0, what="the release of the decision")
     assert client.get("/stats").json()["bad_requests"]["400"] - before == 3
+    a_good_request_is_routed_and_released(grpc_port, client)
+    assert "Traceback" not in process.output()
+
+
+def test_a_streamed_body_over_the_limit_is_not_routed_nor_kept_and_is_counted_413(
+    picker: tuple[Process, int, httpx.Client],
+) -> None:
+    process, grpc_port, client = picker
+    before = client.get("/stats").json()
+    limit = 32 * 2**20  # the sidecar's default body limit, which its HTTP endpoints answer 413 past
+    huge = json.dumps({"prompt": list(range(40)), "pad": "x" * limit}).encode()  # valid JSON, over the limit
+    assert client.post("/v1/completions", content=huge).status_code == 413
+    chunk = 2**20  # a streamed body (processing mode STREAMED) arrives chunk by chunk, none over gRPC's 4 MiB
+    pieces = [huge[i : i + chunk] for i in range(0, len(huge), chunk)]
+    request = [headers("/v1/completions"), *(body(p, end=i == len(pieces) - 1) for i, p in enumerate(pieces))]
+    answers, error = stream(grpc_port, [message.SerializeToString() for message in request])
+    assert error is None and len(answers) == len(request)
+    assert all(destination(answer) is None for answer in answers)  # not routed: Envoy falls back to its pool
+    after = client.get("/stats").json()
+    assert after["decisions"] == before["decisions"] and after["in_flight_total"] == 0
+    assert after["bad_requests"]["413"] - before["bad_requests"].get("413", 0) == 2  # the HTTP one and this one
     a_good_request_is_routed_and_released(grpc_port, client)
     assert "Traceback" not in process.output()

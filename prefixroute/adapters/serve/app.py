@@ -174,6 +174,11 @@ class Sidecar:
         self._given_lock = threading.Lock()
         self._upstreams: dict[str, bytes] = {}
 
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest request body the sidecar reads, over HTTP or ext_proc: past it, a 413 and no decision."""
+        return self._max_body
+
     # -- the operations (also used by the ext_proc server and the UDP release listener) -------------------------------
 
     def route(self, body: bytes) -> Decision:

@@ -8,7 +8,8 @@ metadata, as the endpoint-picker contract says. The first response body chunk re
 one, or the stream's end for any other reason (upstream error, client abort: Envoy resets the stream), finishes the
 request, exactly once; refused when the response headers' ``:status`` is a 4xx (the engine computed nothing). A
 body the picker cannot route gets no header, so Envoy's route falls back to its plain balancer cluster. A message
-that is not a ``ProcessingRequest`` ends the stream with ``INVALID_ARGUMENT`` (counted as a 400).
+that is not a ``ProcessingRequest`` ends the stream with ``INVALID_ARGUMENT`` (counted as a 400); a body over the
+sidecar's ``max_body_bytes`` (streamed chunk by chunk, or buffered) is not kept nor routed (counted as a 413).
 
 Needs the ``prefixroute[serve]`` extra (grpcio and the generated Envoy protos of ``xds-protos``).
 """
@@ -49,6 +50,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         """Handle one HTTP request's processing stream; release its decision when the stream ends, however."""
         path = ""
         body: list[bytes] = []
+        size = 0
         decision_id: str | None = None
         picked = False
         answered_first = False
@@ -61,7 +63,14 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
                 elif kind == "request_body":
                     if not picked:
-                        body.append(request.request_body.body)
+                        size += len(request.request_body.body)
+                        if size > self._sidecar.max_body_bytes:  # as the HTTP endpoints: 413, and no decision
+                            picked = True  # the rest of the body is ignored: not kept, never routed
+                            body.clear()
+                            self._sidecar.metrics.refused(413)
+                            _log.debug("ext_proc: not routed (the body is over %d bytes)", self._sidecar.max_body_bytes)
+                        else:
+                            body.append(request.request_body.body)
                     if picked or not request.request_body.end_of_stream:  # body sent past its end: ignored
                         yield pb.ProcessingResponse(request_body=pb.BodyResponse())
                         continue
