@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -13,12 +13,12 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from prefixroute import Router
+from prefixroute import Candidate, LoadPolicy, Router
 from prefixroute.adapters.serve import Sidecar
 from prefixroute.adapters.serve.ext_proc import DESTINATION_HEADER, EndpointPicker
 from prefixroute.adapters.serve.loopback import Process, free_port, start_sidecar
 
-from ..conftest import wait_until
+from ..conftest import TickingClock, wait_until
 
 BACKENDS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
 
@@ -113,6 +113,31 @@ def test_a_body_exactly_at_the_limit_is_routed_and_one_byte_over_is_not() -> Non
         answers = run(sidecar, headers("/v1/completions"), body(PROMPT[:10], end=False), body(PROMPT[10:], end=True))
         assert (destination(answers[2]) is not None) is routed
         assert (sidecar.router.stats().decisions, sidecar.metrics.bad_requests.get(413, 0)) == (routed, not routed)
+
+
+class Noting(LoadPolicy):
+    """The least loaded backend; notes the candidates of each decision."""
+
+    def __init__(self) -> None:
+        self.seen: list[Sequence[Candidate]] = []
+
+    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        self.seen.append(candidates)
+        return min(candidates, key=lambda candidate: candidate.in_flight)
+
+
+def test_only_a_200_answer_reports_a_first_token_so_an_error_teaches_no_prefill_speed() -> None:
+    # A refusal or an error (Envoy's own 503 when the engine is down, too) comes back in milliseconds: read as a first
+    # token it would teach the backend a prefill speed of the prompt's tokens over those milliseconds.
+    for status, learned in (("200", True), ("", True), ("400", False), ("503", False)):
+        policy = Noting()
+        sidecar = Sidecar(Router(block_size=4, policy=policy, clock=TickingClock()), backends=BACKENDS[:1])
+        phases = [response_headers(status)] if status else []  # "": response headers not sent (mode SKIP)
+        run(sidecar, headers("/v1/completions"), body(PROMPT, end=True), *phases, response_body(end=False),
+            response_body(end=True))  # fmt: skip
+        assert sidecar.router.stats().in_flight == 0
+        sidecar.route(b'{"prompt_token_ids": [1, 2, 3, 4, 5]}')
+        assert (policy.seen[-1][0].prefill_tokens_per_s is not None) is learned, status
 
 
 # -- against the real gRPC server of `prefixroute serve --ext-proc` --------------------------------------------------

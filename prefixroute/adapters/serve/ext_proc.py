@@ -4,12 +4,13 @@ Envoy's ``ext_proc`` filter opens one gRPC stream per HTTP request and sends it 
 request body, the response headers and each response body chunk. The picker reads the OpenAI body, routes it
 (:meth:`Sidecar.pick`), and answers the body message with the destination in the ``x-gateway-destination-endpoint``
 header (which an ``ORIGINAL_DST`` cluster with ``use_http_header`` connects to) and in the ``envoy.lb`` dynamic
-metadata, as the endpoint-picker contract says. The first response body chunk reports the first token; the last
-one, or the stream's end for any other reason (upstream error, client abort: Envoy resets the stream), finishes the
-request, exactly once; refused when the response headers' ``:status`` is a 4xx (the engine computed nothing). A
-body the picker cannot route gets no header, so Envoy's route falls back to its plain balancer cluster. A message
-that is not a ``ProcessingRequest`` ends the stream with ``INVALID_ARGUMENT`` (counted as a 400); a body over the
-sidecar's ``max_body_bytes`` (streamed chunk by chunk, or buffered) is not kept nor routed (counted as a 413).
+metadata, as the endpoint-picker contract says. The first response body chunk reports the first token (of a 200
+answer, or one whose ``:status`` the picker is not sent: an error's body is no first token); the last one, or the
+stream's end for any other reason (upstream error, client abort: Envoy resets the stream), finishes the request,
+exactly once; refused when the response headers' ``:status`` is a 4xx (the engine computed nothing). A body the
+picker cannot route gets no header, so Envoy's route falls back to its plain balancer cluster. A message that is not
+a ``ProcessingRequest`` ends the stream with ``INVALID_ARGUMENT`` (counted as a 400); a body over the sidecar's
+``max_body_bytes`` (streamed chunk by chunk, or buffered) is not kept nor routed (counted as a 413).
 
 Needs the ``prefixroute[serve]`` extra (grpcio and the generated Envoy protos of ``xds-protos``).
 """
@@ -54,6 +55,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         decision_id: str | None = None
         picked = False
         answered_first = False
+        status = ""  # the response's :status ("": not seen, the response headers not sent to the picker)
         refused = False
         try:
             async for request in requests:
@@ -85,7 +87,8 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     if decision_id is not None:
                         if not answered_first:
                             answered_first = True
-                            self._sidecar.first_token(decision_id, via="ext_proc")
+                            if status in ("", "200"):  # an error's body is no first token: it would teach a speed
+                                self._sidecar.first_token(decision_id, via="ext_proc")
                         if request.response_body.end_of_stream:
                             self._sidecar.finish(decision_id, via="ext_proc", refused=refused)
                             decision_id = None
