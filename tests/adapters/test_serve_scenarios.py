@@ -90,6 +90,12 @@ class Stack:
         stats: dict[str, object] = reply.json()
         return stats
 
+    def decisions(self) -> int:
+        """Decisions made so far, whatever their reason."""
+        decisions = self.stats()["decisions"]
+        assert isinstance(decisions, dict)
+        return sum(decisions.values())
+
     def in_flight(self) -> int:
         count = self.stats()["in_flight_total"]
         assert isinstance(count, int)
@@ -257,6 +263,21 @@ def check_chat_routes_by_prefix(stack: Stack) -> None:
     status, lines = stream_request(stack.url, body(1, chat=True), chat=True)
     assert status == 200 and lines[-1] == "[DONE]"
     wait_until(lambda: stack.in_flight() == 0, what="the release of a chat stream")
+
+
+def check_a_prompt_of_megabytes_is_served(stack: Stack) -> None:
+    """A body of a few MiB (a long context's token ids; vLLM reads any size) is served, routed or failed open to the
+    pool, never refused by the proxy: Envoy's default buffer limit (1 MiB) answered it 413. Envoy's picker routes it
+    (a gRPC message over gRPC's default limit, 4 MiB, failed the stream: the request fell back unrouted)."""
+    decided = stack.decisions()
+    prompt = list(range(60_000, 60_000 + 700_000))  # over 5 MiB as JSON
+    status, lines = stream_request(
+        stack.url, {"model": "fake-model", "prompt": prompt, "stream": True, "max_tokens": 8}
+    )
+    assert status == 200 and lines[-1] == "[DONE]"
+    wait_until(lambda: stack.in_flight() == 0, what="the release of the long prompt")
+    if stack.mode == "ext_proc":
+        assert stack.decisions() == decided + 1
 
 
 # What failing open may add to a request, the median of four: a functional bound. Waiting on the dead sidecar

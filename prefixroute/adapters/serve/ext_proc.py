@@ -143,12 +143,16 @@ async def start_ext_proc(sidecar: Sidecar, host: str, port: int) -> tuple[grpc.a
     """Start the endpoint picker on ``host:port`` (0: any free port); return the server and its port.
 
     The port is bound without ``SO_REUSEPORT`` (gRPC's default sets it), so a port another process already
-    serves is refused rather than shared with it.
+    serves is refused rather than shared with it. A message may be as long as the sidecar's ``max_body_bytes`` and
+    1 MiB more (a buffered body comes whole in one).
 
     Raises:
         OSError: the port cannot be bound.
     """
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    # A buffered body comes in one message: let it be as long as the sidecar reads (gRPC's default stops at 4 MiB,
+    # which failed the stream, so such a request fell back unrouted), with room for the headers.
+    limit = sidecar.max_body_bytes + 2**20
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", limit)])
     pb_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(sidecar), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
