@@ -13,6 +13,7 @@ from prefixroute.adapters.serve.loopback import Process, start_envoy, start_hapr
 
 from .test_serve_scenarios import (
     Stack,
+    check_a_long_context_prompt_is_routed,
     check_a_prompt_of_megabytes_is_served,
     check_chat_routes_by_prefix,
     check_fail_open,
@@ -38,6 +39,7 @@ CHECKS = [
     check_release_after_error_and_abort,
     check_refusal_forgets_the_prediction,
     check_chat_routes_by_prefix,
+    check_a_long_context_prompt_is_routed,
     check_a_prompt_of_megabytes_is_served,
     check_fail_open,
 ]

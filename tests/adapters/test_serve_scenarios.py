@@ -265,6 +265,19 @@ def check_chat_routes_by_prefix(stack: Stack) -> None:
     wait_until(lambda: stack.in_flight() == 0, what="the release of a chat stream")
 
 
+def check_a_long_context_prompt_is_routed(stack: Stack) -> None:
+    """A prompt of tens of thousands of tokens (~190 KB of token ids) is routed by every proxy: HAProxy's Lua action
+    saw only its default 16 KiB buffer of it, a cut body the sidecar refused, so it was served unrouted."""
+    decided = stack.decisions()
+    prompt = list(range(70_000, 70_000 + 30_000))
+    status, lines = stream_request(
+        stack.url, {"model": "fake-model", "prompt": prompt, "stream": True, "max_tokens": 8}
+    )
+    assert status == 200 and lines[-1] == "[DONE]"
+    assert stack.decisions() == decided + 1
+    wait_until(lambda: stack.in_flight() == 0, what="the release of the long prompt")
+
+
 def check_a_prompt_of_megabytes_is_served(stack: Stack) -> None:
     """A body of a few MiB (a long context's token ids; vLLM reads any size) is served, routed or failed open to the
     pool, never refused by the proxy: Envoy's default buffer limit (1 MiB) answered it 413. Envoy's picker routes it
