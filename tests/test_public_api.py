@@ -1,8 +1,12 @@
 from __future__ import annotations
 
+import importlib
 import inspect
+import re
 import types
 from pathlib import Path
+
+import pytest
 
 import prefixroute
 
@@ -69,3 +73,35 @@ def test_every_public_name_is_used_by_some_test() -> None:
     for name in prefixroute.__all__:
         if name != "__version__":
             assert name in sources, f"{name} is exported but no test uses it"
+
+
+# The public subpackages: each one's ``__all__`` is held to the standard of ``prefixroute.__all__``.
+SUBPACKAGES = (
+    "prefixroute.vllm",
+    "prefixroute.sim",
+    "prefixroute.adapters.proxy",
+    "prefixroute.adapters.serve",
+    "prefixroute.adapters.tokenize",
+    "prefixroute.adapters.litellm",
+    "prefixroute.adapters.ray",
+    "prefixroute.testing",
+)
+
+
+@pytest.mark.parametrize("package", SUBPACKAGES)
+def test_every_subpackage_name_is_documented_and_in_the_api_reference(package: str) -> None:
+    module = importlib.import_module(package)
+    reference = (ROOT / "docs" / "api.md").read_text()
+    assert len(module.__all__) == len(set(module.__all__))
+    for name in module.__all__:
+        obj = getattr(module, name)  # a lazily imported name resolves too
+        if inspect.isclass(obj) or inspect.isfunction(obj):
+            assert inspect.getdoc(obj), f"{package}.{name} has no docstring"
+        assert f"::: {package}.{name}\n" in reference, f"{package}.{name} missing from docs/api.md"
+
+
+@pytest.mark.parametrize("package", SUBPACKAGES)
+def test_every_subpackage_name_is_used_by_some_test(package: str) -> None:
+    sources = "\n".join(path.read_text() for path in (ROOT / "tests").rglob("*.py") if path.name != Path(__file__).name)
+    unused = [name for name in importlib.import_module(package).__all__ if not re.search(rf"\b{name}\b", sources)]
+    assert unused == [], f"{package} exports names no test uses"

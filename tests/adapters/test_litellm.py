@@ -19,7 +19,7 @@ from litellm.exceptions import BadRequestError, InternalServerError  # noqa: E40
 from litellm.router import Router as LiteLLMRouter  # noqa: E402
 
 from prefixroute import Candidate, LoadPolicy, Router  # noqa: E402
-from prefixroute.adapters.litellm import METADATA_KEY, PrefixRouteHook  # noqa: E402
+from prefixroute.adapters.litellm import DEPLOYMENT_KEY, METADATA_KEY, PrefixRouteHook  # noqa: E402
 from prefixroute.adapters.proxy.prompts import INLINE_TEXT  # noqa: E402
 from prefixroute.errors import ConfigurationError  # noqa: E402
 from prefixroute.testing.openai_engine import OpenAIEngine  # noqa: E402
@@ -235,6 +235,16 @@ def test_a_policy_that_raises_keeps_litellms_choice() -> None:
     kept = asyncio.run(hook.async_filter_deployments("fake", deployments, CHAT, {"metadata": metadata}))
     assert kept == deployments and hook.errors == 1 and "prefixroute_decision" not in metadata
     assert hook.router.stats().in_flight == 0
+
+
+def test_the_filter_leaves_its_decision_and_deployment_in_the_request_metadata() -> None:
+    hook = PrefixRouteHook(Router())
+    metadata: dict[str, Any] = {}
+    (chosen,) = asyncio.run(hook.async_filter_deployments("fake", group(), CHAT, {"metadata": metadata}))
+    assert metadata[DEPLOYMENT_KEY] == chosen["model_info"]["id"]
+    assert hook.router.in_flight(chosen["model_info"]["id"]) == 1
+    hook.router.finish(metadata[METADATA_KEY])  # the decision's id
+    assert hook.router.stats().in_flight == 0 and hook.router.stats().ignored == 0
 
 
 @pytest.mark.parametrize(

@@ -264,3 +264,20 @@ def test_a_repeated_header_is_passed_on_as_many_times_both_ways() -> None:
             assert seen == [["one", "two"]]
     finally:
         backend.stop()
+
+
+def test_a_proxy_takes_any_prompt_encoding_and_starts_with_zero_stats() -> None:
+    from prefixroute.adapters.proxy import ByteEncoder, PromptEncoding, ProxyStats
+
+    class Words:  # a user's own encoding: a PromptEncoding by its two methods
+        def encode(self, text: str) -> list[int]:
+            return [len(word) for word in text.split()]
+
+        def encode_chat(self, messages: Any) -> list[int]:
+            return self.encode(" ".join(str(m["content"]) for m in messages))
+
+    assert isinstance(Words(), PromptEncoding) and isinstance(ByteEncoder(), PromptEncoding)
+    proxy = Proxy(Router(), ["http://127.0.0.1:9"], encoder=Words())
+    assert proxy.stats() == ProxyStats(0, 0, 0, 0, 0, 0, 0, ())
+    with pytest.raises(TypeError):
+        Proxy(Router(), ["http://127.0.0.1:9"], encoder=object())  # type: ignore[arg-type]

@@ -154,3 +154,13 @@ def test_capacity_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         profile.kv_capacity_blocks(gpu_memory_utilization=1.5)
     assert profile.kv_capacity_blocks(max_num_batched_tokens=65536) < profile.kv_capacity_blocks()
+
+
+def test_a_profile_is_its_model_gpu_and_coefficients() -> None:
+    from prefixroute.sim import CostCoefficients, GpuSpec, ModelSpec
+
+    loaded = load_profile("llama-2-7b", "a100-80gb")
+    assert isinstance(loaded.model, ModelSpec) and isinstance(loaded.gpu, GpuSpec)
+    assert isinstance(loaded.coefficients, CostCoefficients)
+    built = Profile(MODELS["llama-2-7b"], GPUS["a100-80gb"], loaded.tp, loaded.coefficients)
+    assert built == loaded and built.step_seconds([(512, 0)], [100]) == loaded.step_seconds([(512, 0)], [100])

@@ -323,3 +323,17 @@ def test_a_namespace_of_the_wrong_type_is_a_type_error_when_given_not_at_the_fir
     with pytest.raises(TypeError, match="namespace must be a str, bytes or None"):
         BlockTracker(block_size=4, namespace=namespace)  # type: ignore[arg-type]
     assert BlockTracker(block_size=4, namespace=b"model").apply([BlockStored([1], None, [1, 2, 3, 4], 4)])
+
+
+def test_the_fake_cache_reports_its_requests_and_chains_as_its_public_types() -> None:
+    from prefixroute.testing import CachedChain, Completion, FakeRequest, FakeVLLM
+
+    cache = FakeBlockCache(block_size=4, num_blocks=16, rng=random.Random(0))
+    request = cache.allocate(list(range(10)))
+    assert request == FakeRequest(prompt_tokens=10, cached_tokens=0, block_ids=request.block_ids)
+    assert len(request.block_ids) == 2  # the partial third block is not cached
+    assert cache.chains() == [CachedChain((0, 1, 2, 3)), CachedChain((0, 1, 2, 3, 4, 5, 6, 7))]
+    engine = FakeVLLM(block_size=4, num_blocks=16)  # not started: complete() works on the cache alone
+    first, again = engine.complete(list(range(8))), engine.complete(list(range(8)))
+    assert isinstance(first, Completion) and (first.prompt_tokens, first.cached_tokens) == (8, 0)
+    assert again.cached_tokens == 8 and again.ttft_s < first.ttft_s
