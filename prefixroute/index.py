@@ -148,10 +148,7 @@ class LRUStore:
         roots: set[int] | None = None,
         open: bool = False,
     ) -> None:
-        count = as_int(generations)
-        if count is None or count < 1:
-            raise ConfigurationError(f"generations must be a positive int, not {shown(generations)}")
-        generations = count
+        generations = _check_generations(generations)
         self._generations = generations
         self._span = max(1, capacity // generations)
         self._gens: list[set[int]] = [set(blocks)]  # oldest first; the last one is the newest
@@ -401,7 +398,7 @@ class PrefixIndex:
         "_block_size", "_bound", "_capacity", "_capacity_changes", "_default_capacity", "_orphans", "_roots", "_stores",
     )  # fmt: skip
 
-    #: Generations of a new :class:`LRUStore` (a subclass may change it).
+    #: Generations of a new :class:`LRUStore` (a subclass may change it; checked when an index is made).
     generations: int = 16
 
     def __init__(
@@ -412,6 +409,7 @@ class PrefixIndex:
         bound_blocks: int | None = None,
     ) -> None:
         self._block_size = check_block_size(block_size)
+        _check_generations(self.generations)  # a subclass's: refused here, not by the first bounded store
         self._bound = None if bound_blocks is None else _check_capacity(bound_blocks, "bound_blocks")
         self._stores: dict[str, UnboundedStore | LRUStore] = {}
         self._roots: dict[str, set[int]] = {}  # each store's roots, so match() probes one small set per backend
@@ -945,6 +943,13 @@ def _check_backend(backend: object) -> str:
     if not isinstance(backend, str):
         raise InvalidTypeError(f"a backend id is a str, not {type(backend).__name__}")
     return str.__str__(backend)
+
+
+def _check_generations(value: object) -> int:
+    count = as_int(value)
+    if count is None or count < 1:
+        raise ConfigurationError(f"generations must be a positive int, not {shown(value)}")
+    return count
 
 
 def _check_capacity(value: object, name: str) -> int:

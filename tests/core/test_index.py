@@ -302,3 +302,28 @@ def test_a_router_that_never_learns_capacities_keeps_its_memory_bounded() -> Non
         assert decision.candidates[0].capacity_blocks is None  # policies see no capacity
     assert router.index.blocks("gpu0") <= DEFAULT_BOUND_BLOCKS < 300_000
     assert router.route(list(range(299_000, 300_000)), ["gpu0"]).matched_tokens == 1000  # the newest is held
+
+
+@pytest.mark.parametrize("generations", [0, -1, 2.5, "16", None, True])
+def test_a_subclass_generations_is_checked_when_the_index_is_made(generations: object) -> None:
+    """``PrefixIndex.generations`` is a documented option of a subclass: a bad one is refused by the constructor,
+    not by the first route that makes a bounded store (which raised from inside Router.route)."""
+
+    class Custom(PrefixIndex):
+        pass
+
+    Custom.generations = generations  # type: ignore[assignment]
+    with pytest.raises(ConfigurationError, match="generations"):
+        Custom(capacity_blocks=100)
+    with pytest.raises(ConfigurationError, match="generations"):
+        Custom()  # a capacity may come later (set_capacity, a Fleet's num_gpu_blocks)
+
+
+def test_a_subclass_generations_sets_each_bounded_store() -> None:
+    class Fine(PrefixIndex):
+        generations = 4
+
+    index = Fine(capacity_blocks=100)
+    index.insert([1, 2, 3], "a")
+    store = index.store("a")
+    assert isinstance(store, LRUStore) and store.generations == 4
