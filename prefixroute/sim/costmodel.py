@@ -21,7 +21,10 @@ A decoding sequence with context ``k`` is ``attention(1, k - 1)``: reading its K
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+from prefixroute._numbers import as_int, is_finite_number, shown
+from prefixroute.errors import ConfigurationError, InvalidTypeError
 
 __all__ = ["CostCoefficients", "GpuSpec", "ModelSpec", "Profile"]
 
@@ -42,6 +45,11 @@ class GpuSpec:
     memory_bandwidth_bytes_per_s: float
     peak_bf16_flops: float
 
+    def __post_init__(self) -> None:
+        _check_name(self)
+        _check_counts(self, ("memory_bytes",))
+        _check_numbers(self, ("memory_bandwidth_bytes_per_s", "peak_bf16_flops"), positive=True)
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -58,6 +66,10 @@ class ModelSpec:
     params: int
     max_context: int
     dtype_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        _check_name(self)
+        _check_counts(self, tuple(f.name for f in fields(self) if f.name != "name"))
 
     @property
     def weight_bytes(self) -> int:
@@ -88,17 +100,15 @@ class CostCoefficients:
     source: str = ""
 
     def __post_init__(self) -> None:
-        for name in (
-            "linear_floor_s",
-            "linear_per_token_s",
-            "comm_per_token_s",
-            "step_overhead_s",
-            "per_sequence_s",
-        ):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.attention_flops_per_s <= 0 or self.kv_read_bytes_per_s <= 0:
-            raise ValueError("attention_flops_per_s and kv_read_bytes_per_s must be > 0")
+        _check_numbers(self, ("linear_intercept_s",), positive=None)  # a fit's intercept may be negative
+        _check_numbers(
+            self,
+            ("linear_floor_s", "linear_per_token_s", "comm_per_token_s", "step_overhead_s", "per_sequence_s"),
+            positive=False,
+        )
+        _check_numbers(self, ("attention_flops_per_s", "kv_read_bytes_per_s"), positive=True)
+        if not isinstance(self.source, str):
+            raise InvalidTypeError(f"CostCoefficients source must be a str, not {type(self.source).__name__}")
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,10 @@ class Profile:
 
     All methods are pure; a step costs O(number of prefill chunks) plus one ``sum`` over the decode
     contexts. Times are seconds of wall clock for the whole engine.
+
+    Raises:
+        ConfigurationError: ``tp`` is not a power of two >= 1 (its parts check their own fields likewise).
+        InvalidTypeError: ``model``, ``gpu`` or ``coefficients`` is not a ModelSpec, GpuSpec, CostCoefficients.
     """
 
     model: ModelSpec
@@ -118,8 +132,15 @@ class Profile:
     _kv_token_s: float = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.tp < 1 or self.tp & (self.tp - 1):
-            raise ValueError(f"tp must be a power of two >= 1, got {self.tp}")
+        for name, kind in (("model", ModelSpec), ("gpu", GpuSpec), ("coefficients", CostCoefficients)):
+            if not isinstance(getattr(self, name), kind):
+                raise InvalidTypeError(
+                    f"Profile {name} must be a {kind.__name__}, not {type(getattr(self, name)).__name__}"
+                )
+        tp = as_int(self.tp)
+        if tp is None or tp < 1 or tp & (tp - 1):
+            raise ConfigurationError(f"tp must be a power of two >= 1, not {shown(self.tp)}")
+        object.__setattr__(self, "tp", tp)  # a numpy int kept as the Python int it stands for (frozen)
         m, c = self.model, self.coefficients
         query_key = 4.0 * m.heads * m.head_dim / self.tp / c.attention_flops_per_s
         kv_token = self.kv_bytes_per_token / m.layers / c.kv_read_bytes_per_s
@@ -243,3 +264,27 @@ class Profile:
         used += self.activation_bytes(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
         free = budget - used
         return max(0, free // (self.kv_bytes_per_token * block_size))
+
+
+def _check_name(spec: GpuSpec | ModelSpec) -> None:
+    if not isinstance(spec.name, str):
+        raise InvalidTypeError(f"{type(spec).__name__} name must be a str, not {type(spec.name).__name__}")
+
+
+def _check_counts(spec: GpuSpec | ModelSpec, names: tuple[str, ...]) -> None:
+    """Refuse a field of ``names`` that is not a positive int; keep a numpy int as the Python int it stands for."""
+    for name in names:
+        value = getattr(spec, name)
+        count = as_int(value)
+        if count is None or count < 1:
+            raise ConfigurationError(f"{type(spec).__name__} {name} must be a positive int, not {shown(value)}")
+        object.__setattr__(spec, name, count)
+
+
+def _check_numbers(spec: object, names: tuple[str, ...], *, positive: bool | None) -> None:
+    """Refuse a field of ``names`` that is not a finite number: > 0 (``positive``), >= 0 (False) or any (None)."""
+    for name in names:
+        value = getattr(spec, name)
+        if not is_finite_number(value) or (positive and value <= 0) or (positive is False and value < 0):
+            bound = {True: " > 0", False: " >= 0", None: ""}[positive]
+            raise ConfigurationError(f"{type(spec).__name__} {name} must be a finite number{bound}, not {shown(value)}")

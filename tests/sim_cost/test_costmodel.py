@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixroute.errors import ConfigurationError
+from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.sim import Profile, available_profiles, load_profile
 from prefixroute.sim.costmodel import RUNTIME_OVERHEAD_BYTES
 from prefixroute.sim.profiles import GPUS, MODELS, TP_DEGREES
@@ -164,3 +168,40 @@ def test_a_profile_is_its_model_gpu_and_coefficients() -> None:
     assert isinstance(loaded.coefficients, CostCoefficients)
     built = Profile(MODELS["llama-2-7b"], GPUS["a100-80gb"], loaded.tp, loaded.coefficients)
     assert built == loaded and built.step_seconds([(512, 0)], [100]) == loaded.step_seconds([(512, 0)], [100])
+
+
+def _bad_parts() -> list[tuple[str, Callable[[], object]]]:
+    good = load_profile("llama-2-7b", "a100-80gb")
+    model, gpu, coefficients = good.model, good.gpu, good.coefficients
+    return [
+        ("tp 3", lambda: Profile(model, gpu, 3, coefficients)),
+        ("tp 0", lambda: Profile(model, gpu, 0, coefficients)),
+        ("tp 2.0", lambda: Profile(model, gpu, 2.0, coefficients)),  # type: ignore[arg-type]
+        ("tp str", lambda: Profile(model, gpu, "1", coefficients)),  # type: ignore[arg-type]
+        ("no model", lambda: Profile(None, gpu, 1, coefficients)),  # type: ignore[arg-type]
+        ("no gpu", lambda: Profile(model, "a100", 1, coefficients)),  # type: ignore[arg-type]
+        ("no coefficients", lambda: Profile(model, gpu, 1, {})),  # type: ignore[arg-type]
+        ("layers 0", lambda: replace(model, layers=0)),
+        ("heads -1", lambda: replace(model, heads=-1)),
+        ("head_dim 1.5", lambda: replace(model, head_dim=1.5)),  # type: ignore[arg-type]
+        ("name", lambda: replace(model, name=None)),  # type: ignore[arg-type]
+        ("memory -1", lambda: replace(gpu, memory_bytes=-1)),
+        ("bandwidth nan", lambda: replace(gpu, memory_bandwidth_bytes_per_s=math.nan)),
+        ("flops str", lambda: replace(gpu, peak_bf16_flops="1e12")),  # type: ignore[arg-type]
+        ("attention nan", lambda: replace(coefficients, attention_flops_per_s=math.nan)),
+        ("attention 0", lambda: replace(coefficients, attention_flops_per_s=0.0)),
+        ("overhead inf", lambda: replace(coefficients, step_overhead_s=math.inf)),
+        ("per token -1", lambda: replace(coefficients, linear_per_token_s=-1.0)),
+        ("intercept None", lambda: replace(coefficients, linear_intercept_s=None)),  # type: ignore[arg-type]
+        ("source", lambda: replace(coefficients, source=3)),  # type: ignore[arg-type]
+    ]
+
+
+@pytest.mark.parametrize("case", [name for name, _ in _bad_parts()])
+def test_a_hand_built_profile_is_refused_with_an_error_of_the_tree_when_made(case: str) -> None:
+    """GpuSpec, ModelSpec, CostCoefficients and Profile are public constructors (docs/cost-model.md): a value they
+    cannot use is a ConfigurationError (a ValueError) or an InvalidTypeError (a TypeError) when given, never a bare
+    ValueError, ZeroDivisionError or AttributeError, nor a NaN step time later."""
+    build = dict(_bad_parts())[case]
+    with pytest.raises((ConfigurationError, InvalidTypeError)):
+        build()
