@@ -175,14 +175,16 @@ class OpenAIEngine:
         max_tokens: tokens generated when a request names no ``max_tokens``.
         max_running: requests generated at once (vLLM's ``max_num_seqs``); others wait (None: no limit).
         tokenizer: text to token ids (default :func:`whitespace_tokens`).
-        seed: seeds the cache's block hashes.
+        seed: seeds the cache's block hashes and the response ids.
+        clock: seconds since the epoch, for each response's ``created`` (default :func:`time.time`).
         host, port: where to listen (port 0: a free one the OS picks; kept across :meth:`refuse`/:meth:`accept`).
 
     Raises:
         ConfigurationError: a ``model`` or adapter name that :func:`check_served_names` refuses (blank, a lone
             surrogate, an adapter twice or named as the model), a delay that is negative or infinite, a
             ``max_tokens``, ``max_running`` or ``port`` out of range.
-        TypeError: ``model`` is not a str, ``lora_adapters`` not a collection of str, ``seed`` not an int.
+        TypeError: ``model`` is not a str, ``lora_adapters`` not a collection of str, ``seed`` not an int, ``clock``
+            not a callable.
 
     :meth:`start` serves on a thread of its own (its own event loop), so synchronous and asynchronous tests alike
     can use it; :meth:`serve` runs it on the caller's loop instead. The test hooks are thread-safe.
@@ -202,9 +204,12 @@ class OpenAIEngine:
         max_running: int | None = None,
         tokenizer: Callable[[str], list[int]] = whitespace_tokens,
         seed: int = 0,
+        clock: Callable[[], float] = time.time,
         host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
+        if not callable(clock):
+            raise InvalidTypeError(f"clock must be a callable returning seconds since the epoch, not {shown(clock)}")
         for option, value in (("prefill_s", prefill_s), ("prefill_per_token_s", prefill_per_token_s),
                               ("token_delay_s", token_delay_s)):  # fmt: skip
             if not 0 <= value < float("inf"):  # an infinite delay would hold every request forever
@@ -225,6 +230,8 @@ class OpenAIEngine:
         max_tokens, max_running, port = tokens, running, listen_port
         self.model, self.lora_adapters = check_served_names(model, lora_adapters)
         self.cache = FakeBlockCache(block_size=block_size, num_blocks=num_blocks, rng=random.Random(seed_int))
+        self._ids = random.Random(seed_int)  # response ids: same seed, same answers (not the process-wide RNG)
+        self._clock = clock
         self.prefill_s = prefill_s
         self.prefill_per_token_s = prefill_per_token_s
         self.token_delay_s = token_delay_s
@@ -469,7 +476,9 @@ class OpenAIEngine:
             self._counts["prompt"] += held.prompt_tokens
             self._counts["cached"] += held.cached_tokens
         stream = _stream_flag(body.get("stream"))
-        chunks = _Chunks(self.model, chat=chat)
+        with self._lock:
+            number = self._ids.getrandbits(64)
+        chunks = _Chunks(self.model, chat=chat, number=number, created=int(self._clock()))
         usage = {"prompt_tokens": held.prompt_tokens, "completion_tokens": max_tokens,
                  "total_tokens": held.prompt_tokens + max_tokens,
                  "prompt_tokens_details": {"cached_tokens": held.cached_tokens}}  # fmt: skip
@@ -543,11 +552,11 @@ class _ClientGone(Exception):
 class _Chunks:
     """vLLM's response bodies for one request: stream chunks and the whole answer."""
 
-    def __init__(self, model: str, *, chat: bool) -> None:
+    def __init__(self, model: str, *, chat: bool, number: int, created: int) -> None:
         self.chat = chat
-        self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{random.getrandbits(64):016x}",
+        self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{number:016x}",
                      "object": "chat.completion.chunk" if chat else "text_completion",
-                     "created": int(time.time()), "model": model}  # fmt: skip
+                     "created": created, "model": model}  # fmt: skip
 
     @staticmethod
     def sse(data: dict[str, Any]) -> bytes:

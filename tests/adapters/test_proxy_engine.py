@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import socket
 import subprocess
 import sys
@@ -307,3 +308,25 @@ def test_served_names_are_checked_when_the_engine_is_made(
     with pytest.raises(error, match=message):
         OpenAIEngine(**options)
     assert OpenAIEngine(model="m", lora_adapters=("a", "b")).lora_adapters == ("a", "b")
+
+
+def test_response_ids_and_times_come_from_the_engine_seed_and_clock_not_the_global_rng() -> None:
+    """Same seed, same answers: the completion ids are drawn from the engine's own seeded RNG (not the process-wide
+    ``random``, which other code would advance and which the engine would advance for them), and ``created`` reads
+    the injectable ``clock``."""
+    bodies = []
+    for _ in range(2):
+        with OpenAIEngine(seed=7, max_tokens=2, clock=lambda: 1_700_000_000.5) as engine:
+            random.seed(0)
+            before = random.getstate()
+            for chat in (False, True):
+                path, body = ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]}) if chat else (
+                    "completions", {"prompt": "hi"})  # fmt: skip
+                answer = httpx.post(f"{engine.url}/v1/{path}", json={"model": "fake-model", **body}).json()
+                bodies.append((answer["id"], answer["created"]))
+            assert random.getstate() == before
+    assert bodies[:2] == bodies[2:] and {created for _, created in bodies} == {1_700_000_000}
+    (completion, _), (chat, _) = bodies[:2]
+    assert completion.startswith("cmpl-") and chat.startswith("chatcmpl-") and completion[5:] != chat[9:]
+    with pytest.raises(TypeError, match="clock"):
+        OpenAIEngine(clock=1.0)  # type: ignore[arg-type]
