@@ -40,7 +40,7 @@ from typing import Any
 
 from aiohttp import web
 
-from prefixroute._numbers import as_int, shown
+from prefixroute._numbers import as_int, is_finite_number, shown
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.adapters.urls import listen_host
 from prefixroute.errors import ConfigurationError, InvalidTypeError
@@ -183,8 +183,8 @@ class OpenAIEngine:
         ConfigurationError: a ``model`` or adapter name that :func:`check_served_names` refuses (blank, a lone
             surrogate, an adapter twice or named as the model), a delay that is negative or infinite, a
             ``max_tokens``, ``max_running`` or ``port`` out of range.
-        TypeError: ``model`` is not a str, ``lora_adapters`` not a collection of str, ``seed`` not an int, ``clock``
-            not a callable.
+        TypeError: ``model`` or ``host`` is not a str, ``lora_adapters`` not a collection of str, ``seed`` not an
+            int, ``clock`` or ``tokenizer`` not a callable.
 
     :meth:`start` serves on a thread of its own (its own event loop), so synchronous and asynchronous tests alike
     can use it; :meth:`serve` runs it on the caller's loop instead. The test hooks are thread-safe.
@@ -208,12 +208,17 @@ class OpenAIEngine:
         host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
-        if not callable(clock):
-            raise InvalidTypeError(f"clock must be a callable returning seconds since the epoch, not {shown(clock)}")
+        for option, function in (("clock", clock), ("tokenizer", tokenizer)):
+            if not callable(function):
+                raise InvalidTypeError(f"{option} must be a callable, not {shown(function)}")
+        if not isinstance(host, str):
+            raise InvalidTypeError(f"host must be a str, not {type(host).__name__}")
         for option, value in (("prefill_s", prefill_s), ("prefill_per_token_s", prefill_per_token_s),
                               ("token_delay_s", token_delay_s)):  # fmt: skip
-            if not 0 <= value < float("inf"):  # an infinite delay would hold every request forever
-                raise ConfigurationError(f"{option} must be a finite, non-negative number of seconds, not {value!r}")
+            if not is_finite_number(value) or value < 0:  # an infinite delay would hold every request forever
+                raise ConfigurationError(
+                    f"{option} must be a finite, non-negative number of seconds, not {shown(value)}"
+                )
         tokens = as_int(max_tokens)
         running = None if max_running is None else as_int(max_running)
         if tokens is None or tokens < 1 or (max_running is not None and (running is None or running < 1)):

@@ -330,3 +330,22 @@ def test_response_ids_and_times_come_from_the_engine_seed_and_clock_not_the_glob
     assert completion.startswith("cmpl-") and chat.startswith("chatcmpl-") and completion[5:] != chat[9:]
     with pytest.raises(TypeError, match="clock"):
         OpenAIEngine(clock=1.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"token_delay_s": "1"}, ConfigurationError, "token_delay_s must be a finite"),
+        ({"prefill_s": None}, ConfigurationError, "prefill_s must be a finite"),
+        ({"prefill_per_token_s": float("nan")}, ConfigurationError, "prefill_per_token_s must be a finite"),
+        ({"tokenizer": "words"}, TypeError, "tokenizer must be a callable"),
+        ({"clock": 5}, TypeError, "clock must be a callable"),
+        ({"host": None}, TypeError, "host must be a str"),
+    ],
+)
+def test_engine_options_of_the_wrong_type_are_refused_when_given(
+    options: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    """Each failed later, or with a builtin error: a str delay compared with 0, a tokenizer called per request."""
+    with pytest.raises(error, match=message):
+        OpenAIEngine(**options)
