@@ -52,8 +52,9 @@ class PromptTokenizer:
     token that strips the spaces around it, overlaps another added token, or is over 256 characters. Not between
     words: a normalizer that is not per character (``Prepend``, ``Replace``, ``Strip``, ...; Unicode normal forms,
     lower case and BERT's are), no pre-tokenizer that ends words at spaces (a ``Split`` that keeps a space with the
-    word before does not), an added token that strips spaces or holds whitespace, or a tokenizer that gives other ids
-    for any of a few probe texts cut between their words (checked once, here).
+    word before does not), an added token that strips spaces or holds whitespace, or a tokenizer whose pre-tokenizer
+    keeps two words together (SuperBPE's) or that gives other ids for any of a few probe texts cut between their words
+    (checked once, here).
     ``cache_tokens=0`` turns the cache off.
 
     Raises:
@@ -258,10 +259,23 @@ def _splits_between_words(tokenizer: Tokenizer, config: dict[str, Any]) -> bool:
     for probe in _WORD_PROBES:
         gaps = [gap.start() for gap in _WORD_GAP.finditer(probe)]
         texts = [probe] + [side for gap in gaps for side in (probe[:gap], probe[gap:])]
+        # The model encodes each pre-token apart, so the pre-tokens decide for any vocabulary; the ids alone would
+        # pass a pre-tokenizer that keeps words together (SuperBPE's) when no merge across these probes' gaps exists.
+        words = [_pre_tokens(tokenizer, text) for text in texts]
         ids = [encoding.ids for encoding in tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
-        if any(ids[1 + 2 * i] + ids[2 + 2 * i] != ids[0] for i in range(len(gaps))):
+        if any(
+            words[1 + 2 * i] + words[2 + 2 * i] != words[0] or ids[1 + 2 * i] + ids[2 + 2 * i] != ids[0]
+            for i in range(len(gaps))
+        ):
             return False
     return True
+
+
+def _pre_tokens(tokenizer: Tokenizer, text: str) -> list[str]:
+    """The pre-tokens the tokenizer's model sees for ``text`` (a text without added tokens)."""
+    if tokenizer.normalizer is not None:
+        text = tokenizer.normalizer.normalize_str(text)
+    return [word for word, _ in tokenizer.pre_tokenizer.pre_tokenize_str(text)]
 
 
 _PER_CHARACTER = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "StripAccents", "BertNormalizer"})

@@ -263,6 +263,28 @@ def test_which_tokenizers_cut_their_texts() -> None:
         assert not PromptTokenizer(tokenizer)._words
 
 
+def test_a_pre_tokenizer_that_keeps_words_together_is_not_cut_between_them() -> None:
+    """SuperBPE's released pre-tokenizer (a Split on digits, punctuation runs and trailing spaces, then byte-level
+    without its own regex) keeps "in the" one pre-token, which its superword merge makes one token; no merge joins
+    the words of the probe texts, so their ids alone did not tell."""
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    merges = [("i", "n"), ("Ġ", "in"), ("t", "h"), ("th", "e"), ("Ġ", "the"), ("Ġin", "Ġthe")]
+    for first, second in merges:
+        vocab[first + second] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]{2,}[\r\n/]*| +(?!\S)"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    text = "a" * 509 + " in the"  # the first word gap after 512 characters is the one inside "in the"
+    assert tokenizer.encode(text).ids[-1] == vocab["ĠinĠthe"]
+    prompt_tokenizer = PromptTokenizer(tokenizer)
+    assert prompt_tokenizer.encode(text) == tokenizer.encode(text).ids
+    assert not prompt_tokenizer._words
+
+
 def _bpe(
     *,
     normalizer: normalizers.Normalizer | None = None,
