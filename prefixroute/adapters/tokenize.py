@@ -15,6 +15,7 @@ Prompts rendered from chat templates repeat long pieces between special tokens (
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -45,7 +46,8 @@ class PromptTokenizer:
     ``tokenizers`` library itself cuts a text at its added tokens and encodes the pieces apart, and a tokenizer whose
     pre-tokenizer splits words at spaces encodes the words on either side of one apart too.
 
-    Where that does not hold, the text is not cut there. Not at special tokens nor between words: a ``Metaspace``
+    Where that does not hold, the text is not cut there. Not at special tokens nor between words: a tokenizer with a
+    custom (Python) normalizer or pre-tokenizer, whose configuration cannot be read, a ``Metaspace``
     pre-tokenizer that marks only the text's first word (``prepend_scheme="first"``), an added token matched as a
     single word, truncation or padding, special tokens encoded as text (``encode_special_tokens``, as set when the
     tokenizer is given), or a post-processor whose added ids are not the same around every text. Not at a special
@@ -76,7 +78,11 @@ class PromptTokenizer:
             raise InvalidTypeError(f"add_special_tokens must be True or False, not {add_special_tokens!r}")
         self._tokenizer = tokenizer
         self._add_special_tokens = add_special_tokens
-        config: dict[str, Any] = json.loads(tokenizer.to_str()) if cache_tokens else {}
+        config: dict[str, Any] = {}
+        # A custom (Python) pre-tokenizer or normalizer has no config to read (the library raises a bare Exception):
+        # whole texts are encoded.
+        with contextlib.suppress(Exception):
+            config = json.loads(tokenizer.to_str()) if cache_tokens else {}
         try:
             around = _added_around(tokenizer, add_special_tokens) if config and _cuttable(tokenizer, config) else None
             self._words = around is not None and _splits_between_words(tokenizer, config)

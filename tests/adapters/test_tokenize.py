@@ -7,6 +7,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -439,3 +440,20 @@ def test_a_tokenizer_that_cannot_encode_or_a_huge_added_token_is_handled_at_load
     assert prompt.encode(text) == huge.encode(text).ids
     with pytest.raises(TypeError, match="add_special_tokens must be True or False"):
         PromptTokenizer(huge, add_special_tokens="no")  # type: ignore[arg-type]
+
+
+class _SpaceSplit:
+    """A custom (Python) pre-tokenizer: words at single spaces."""
+
+    def pre_tokenize(self, pretok: Any) -> None:
+        pretok.split(lambda _i, text: text.split(" ", "removed"))
+
+
+def test_a_tokenizer_with_a_custom_pre_tokenizer_encodes_whole_texts() -> None:
+    """Its configuration cannot be serialised (the library raises a bare Exception from to_str()): no cuts, no error."""
+    tokenizer = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.PreTokenizer.custom(_SpaceSplit())
+    prompt_tokenizer = PromptTokenizer(tokenizer)
+    assert not prompt_tokenizer.caches_pieces
+    text = " ".join(["a", "b"] * 400)
+    assert prompt_tokenizer.encode(text) == tokenizer.encode(text).ids == [0, 1] * 400
