@@ -4,6 +4,7 @@ before anything runs, never a traceback, a hang or a memory blow-up."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -207,4 +208,17 @@ def test_proxy_retries_outside_0_to_16_are_one_line(retries: str, capsys: pytest
     assert main(["proxy", "--backends", "http://127.0.0.1:9", "--port", "1", "--retries", retries]) == 2
     out, err = capsys.readouterr()
     _one_line(err, "--retries must be an int in [0, 16]")
+    assert out == ""
+
+
+@pytest.mark.parametrize("names", [[""], ["llama", " "]])
+def test_a_blank_proxy_base_model_is_one_line(names: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    # Was: --base-model "$UNSET" accepted: the models were no longer learned and no request's model matched ''.
+    with socket.socket() as taken:  # a port the proxy cannot bind: were the names taken, it would fail there
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        assert main(["proxy", "--backends", "http://127.0.0.1:9", "--port", port, "--base-model", *names]) == 2
+    out, err = capsys.readouterr()
+    _one_line(err, "base_models must name models")
     assert out == ""

@@ -113,7 +113,7 @@ class Proxy:
         ConfigurationError: no backends, a backend that is not an http(s) URL
             (:func:`~prefixroute.adapters.urls.check_backend_url`), or a duplicate; ``retries`` not an int in [0, 16],
             ``max_failures`` not an int >= 1, ``cooldown`` or ``connect_timeout`` not a positive, finite number of
-            seconds.
+            seconds, a blank name in ``base_models``.
         TypeError: ``backends`` or ``base_models`` is not a collection of str (a str alone is not), ``encoder`` has
             no ``encode()`` and ``encode_chat()``, ``fleet`` is not a Fleet, ``clock`` not a callable.
 
@@ -157,6 +157,8 @@ class Proxy:
             raise InvalidTypeError(f"fleet must be a prefixroute.vllm.Fleet or None, not {type(fleet).__name__}")
         if base_models is not None:
             base_models = _names(base_models, "base_models", "model names")
+            if not all(name.strip() for name in base_models):  # an empty $VAR: it would match no request, learn nothing
+                raise ConfigurationError(f"base_models must name models, not {sorted(base_models)!r}: a name is blank")
         if not callable(clock):
             raise InvalidTypeError(f"clock must be a callable returning seconds, not {type(clock).__name__}")
         self.router = router
