@@ -23,9 +23,11 @@ from ..conftest import TickingClock, wait_until
 BACKENDS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
 
 
-def headers(path: str) -> Any:
+def headers(path: str, *, end: bool = False) -> Any:
     header = base_pb2.HeaderValue(key=":path", raw_value=path.encode())
-    return pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[header])))
+    return pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[header]), end_of_stream=end)
+    )
 
 
 def body(data: bytes, *, end: bool) -> Any:
@@ -113,6 +115,16 @@ def test_a_body_exactly_at_the_limit_is_routed_and_one_byte_over_is_not() -> Non
         answers = run(sidecar, headers("/v1/completions"), body(PROMPT[:10], end=False), body(PROMPT[10:], end=True))
         assert (destination(answers[2]) is not None) is routed
         assert (sidecar.router.stats().decisions, sidecar.metrics.bad_requests.get(413, 0)) == (routed, not routed)
+
+
+def test_a_request_without_a_body_is_counted_as_a_bad_request_as_over_http() -> None:
+    """Headers that end the stream: no body to route on (HTTP's sidecar answers an empty body 400, counted)."""
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    answers = run(sidecar, headers("/v1/completions", end=True), response_headers("200"), response_body(end=True))
+    assert len(answers) == 3 and destination(answers[0]) is None
+    assert (sidecar.router.stats().decisions, sidecar.metrics.bad_requests.get(400, 0)) == (0, 1)
+    run(sidecar, headers("/healthz", end=True))  # not an OpenAI path: not the picker's to count
+    assert sidecar.metrics.bad_requests.get(400, 0) == 1
 
 
 class Noting(LoadPolicy):

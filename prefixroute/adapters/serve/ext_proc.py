@@ -8,7 +8,8 @@ metadata, as the endpoint-picker contract says. The first response body chunk re
 answer, or one whose ``:status`` the picker is not sent: an error's body is no first token); the last one, or the
 stream's end for any other reason (upstream error, client abort: Envoy resets the stream), finishes the request,
 exactly once; refused when the response headers' ``:status`` is a 4xx (the engine computed nothing). A body the
-picker cannot route gets no header, so Envoy's route falls back to its plain balancer cluster. A message that is not
+picker cannot route gets no header, so Envoy's route falls back to its plain balancer cluster (a request with no
+body too, counted as a 400 as HTTP's empty body is). A message that is not
 a ``ProcessingRequest`` ends the stream with ``INVALID_ARGUMENT`` (counted as a 400); a body over the sidecar's
 ``max_body_bytes`` (streamed chunk by chunk, or buffered) is not kept nor routed (counted as a 413).
 
@@ -62,6 +63,9 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 kind = request.WhichOneof("request")
                 if kind == "request_headers":
                     path = _header(request.request_headers.headers, ":path").split("?", 1)[0]
+                    if request.request_headers.end_of_stream and path in PICK_PATHS and not picked:
+                        picked = True  # no body will come: HTTP's empty body, a 400 (Envoy's pool serves it)
+                        self._sidecar.metrics.refused(400)
                     yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
                 elif kind == "request_body":
                     if not picked:
