@@ -53,6 +53,8 @@ def run(sidecar: Sidecar, *messages: Any) -> list[Any]:
 
 def destination(answer: Any) -> str | None:
     mutation = answer.request_body.response.header_mutation
+    # Each header the picker sets replaces a client's own of that name, never appends to it.
+    assert all(h.append_action == base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD for h in mutation.set_headers)
     return next((h.header.raw_value.decode() for h in mutation.set_headers if h.header.key == DESTINATION_HEADER), None)
 
 

@@ -119,12 +119,13 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             _log.debug("ext_proc: not routed (%s)", exc.message)
             return None, pb.ProcessingResponse(request_body=pb.BodyResponse())
         endpoint = self._sidecar.upstream(decision.backend)
+        # Each replaces a client's own header of that name (the default appends to it).
         mutation = pb.HeaderMutation(
             set_headers=[
-                base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=endpoint)),
                 base_pb2.HeaderValueOption(
-                    header=base_pb2.HeaderValue(key="x-prefixroute-id", raw_value=decision.id.encode())
-                ),
+                    header=base_pb2.HeaderValue(key=key, raw_value=value), append_action=_REPLACE
+                )
+                for key, value in ((DESTINATION_HEADER, endpoint), ("x-prefixroute-id", decision.id.encode()))
             ]
         )
         metadata = struct_pb2.Struct()
@@ -134,6 +135,9 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             dynamic_metadata=metadata,
         )
         return decision.id, response
+
+
+_REPLACE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
 def _header(headers: Any, name: str) -> str:
