@@ -119,7 +119,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             _log.debug("ext_proc: not routed (%s)", exc.message)
             return None, pb.ProcessingResponse(request_body=pb.BodyResponse())
         endpoint = self._sidecar.upstream(decision.backend)
-        # Each replaces a client's own header of that name (the default appends to it).
+        # Each replaces a client's own header of that name, whatever an Envoy makes of an unset append action.
         mutation = pb.HeaderMutation(
             set_headers=[
                 base_pb2.HeaderValueOption(
