@@ -21,7 +21,7 @@ from operator import attrgetter
 from types import MappingProxyType
 from typing import Any, ClassVar, NamedTuple
 
-from prefixroute._numbers import as_int, is_finite_number, shown
+from prefixroute._numbers import as_float, as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError, NoBackendError, PrefixRouteError
 
 __all__ = [
@@ -222,7 +222,7 @@ class BoundedLoad(LoadPolicy):
     prefix_aware = True
 
     def __init__(self, *, factor: float = 2.0) -> None:
-        value = _finite(factor)
+        value = as_float(factor)
         if value is None or value < 1.0:
             raise ConfigurationError(f"BoundedLoad factor must be a finite number >= 1.0, not {shown(factor)}")
         self.factor = value
@@ -263,10 +263,11 @@ class LinearTTFT:
 
     def __post_init__(self) -> None:
         for name in ("per_request_s", "per_token_s", "per_token_pair_s"):
-            value = _finite(getattr(self, name))
+            value = as_float(getattr(self, name))
             if value is None or value < 0:
                 raise ConfigurationError(f"LinearTTFT {name} must be a finite number of seconds >= 0, not "
                                          f"{shown(getattr(self, name))}")  # fmt: skip
+            object.__setattr__(self, name, value)  # frozen: a numpy float kept as the float it stands for
 
     def __call__(self, candidate: Candidate) -> float:
         """Predicted seconds to first token on ``candidate``. O(1).
@@ -369,11 +370,12 @@ class PredictedTTFT(LoadPolicy):
     prefix_aware = True
 
     def __init__(self, *, kv_cap: float = 0.95, use_speed: bool = False) -> None:
-        if isinstance(kv_cap, bool) or not isinstance(kv_cap, (int, float)) or not 0.0 <= kv_cap < 1.0:  # NaN too
+        cap = as_float(kv_cap)
+        if cap is None or not 0.0 <= cap < 1.0:
             raise ConfigurationError(f"PredictedTTFT kv_cap must be a fraction in [0, 1), not {shown(kv_cap)}")
         if not isinstance(use_speed, bool):
             raise ConfigurationError(f"PredictedTTFT use_speed must be True or False, not {shown(use_speed)}")
-        self.kv_cap = float(kv_cap)
+        self.kv_cap = cap
         self.use_speed = use_speed
 
     def cost(
@@ -519,11 +521,6 @@ def _runnable(candidate: Candidate) -> float:
     active_blocks`` when they claim more than it has, else 1 (also when the capacity is unknown)."""
     capacity, active = candidate.capacity_blocks, candidate.active_blocks
     return capacity / active if capacity and active > capacity else 1.0
-
-
-def _finite(value: object) -> float | None:
-    """``value`` as a float if it is a finite int or float (not a bool), else None (an int too large included)."""
-    return float(value) if is_finite_number(value) else None
 
 
 def _rng(seed: object, rng: object, policy: str) -> random.Random:

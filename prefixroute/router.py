@@ -16,7 +16,7 @@ from typing import Any, Literal, TypeAlias
 import cachetools
 import xxhash
 
-from prefixroute._numbers import as_int, is_finite_number, shown
+from prefixroute._numbers import as_float, as_int, shown
 from prefixroute.errors import (
     ConfigurationError,
     DecisionError,
@@ -574,9 +574,9 @@ class Router:
             self._pending[backend] -= request.uncached
             self._prefilling[backend] -= 1
             self._figures.pop(backend, None)
-            now, started = self._clock(), request.started_at
+            now, started = as_float(self._clock()), as_float(request.started_at)
             # A clock that returns no number (it need not, without leases) teaches no speed rather than raising.
-            elapsed = now - started if is_finite_number(now) and is_finite_number(started) else 0.0
+            elapsed = now - started if now is not None and started is not None else 0.0
             work = request.pending_before + request.uncached
             observed = work / elapsed if elapsed > 0 and work > 0 else 0.0
             if 0.0 < observed < math.inf:  # an elapsed time of a few subnormal seconds makes an infinite speed
@@ -748,10 +748,11 @@ class Router:
             if queue is None or not 0 <= queue < _QUEUE_LIMIT:
                 raise ConfigurationError(f"queue_len must be an int in [0, 2**63) or None, not {shown(queue_len)}")
             queue_len = queue
-        if kv_usage is not None and (
-            isinstance(kv_usage, bool) or not isinstance(kv_usage, (int, float)) or not 0.0 <= kv_usage <= 1.0
-        ):
-            raise ConfigurationError(f"kv_usage must be a fraction in [0, 1] or None, not {shown(kv_usage)}")
+        if kv_usage is not None:
+            usage = as_float(kv_usage)
+            if usage is None or not 0.0 <= usage <= 1.0:
+                raise ConfigurationError(f"kv_usage must be a fraction in [0, 1] or None, not {shown(kv_usage)}")
+            kv_usage = usage
         with self._lock:
             self._figures.pop(backend, None)
             if queue_len is None and kv_usage is None:
@@ -759,7 +760,7 @@ class Router:
                 self._kv_usage.pop(backend, None)
             else:
                 self._queue_len[backend] = queue_len
-                self._kv_usage[backend] = None if kv_usage is None else float(kv_usage)
+                self._kv_usage[backend] = kv_usage
 
     def set_capacity(self, backend: str, capacity_blocks: int | None) -> None:
         """Set ``backend``'s index capacity in router blocks; None returns it to the index's default capacity.
@@ -953,8 +954,9 @@ def _tokens(blocks: int | None, block_size: int) -> int | None:
 def _deadline(now: object, lease: float) -> float:
     """When a lease that starts at the clock reading ``now`` ends; a clock that returns no finite number of seconds
     is refused before anything is recorded (a NaN deadline would stop every later lease from expiring)."""
-    deadline = now + lease if is_finite_number(now) else None
-    if deadline is None or not is_finite_number(deadline):
+    start = as_float(now)
+    deadline = None if start is None else start + lease
+    if deadline is None or not math.isfinite(deadline):
         raise ConfigurationError(
             f"the router's clock returned {shown(now)}: a clock must return a finite number of seconds for leases"
         )
@@ -964,9 +966,10 @@ def _deadline(now: object, lease: float) -> float:
 def _check_lease(lease: object) -> float | None:
     if lease is None:
         return None
-    if not (is_finite_number(lease) and lease > 0):
+    seconds = as_float(lease)
+    if seconds is None or seconds <= 0:
         raise ConfigurationError(f"lease must be a positive, finite number of seconds or None, not {shown(lease)}")
-    return float(lease)
+    return seconds
 
 
 def _check_backend_id(backend: object) -> str:
