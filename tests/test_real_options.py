@@ -13,9 +13,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry
 
 from prefixroute import BoundedLoad, ConfigurationError, LinearTTFT, PredictedTTFT, Router
 from prefixroute._numbers import shown
+from prefixroute.vllm import EventIndex, Fleet, KVEventSubscriber, parse_metrics
+from prefixroute.vllm.doctor import diagnose, histogram_quantile
+from prefixroute.vllm.export import RouterMetrics
 
 from .conftest import FakeClock
 
@@ -47,6 +51,34 @@ def _engine_load(kv_usage: Any) -> Router:
     return router
 
 
+def _fleet(**options: Any) -> Fleet:
+    fleet = Fleet(Router(), **options)
+    fleet.close()
+    return fleet
+
+
+def _subscriber(**options: Any) -> KVEventSubscriber:
+    return KVEventSubscriber(Router(), "gpu0", "tcp://127.0.0.1:1", **options)
+
+
+def _stopped(timeout: Any) -> None:
+    _subscriber().stop(timeout)
+
+
+_BUCKETS = [(1.0, 0.0), (2.0, 10.0), (math.inf, 10.0)]
+
+
+def _quantile(q: Any) -> None:
+    quantile = histogram_quantile(q, _BUCKETS)
+    assert type(quantile) is float and quantile == histogram_quantile(float(q), _BUCKETS)
+
+
+def _observed(seconds: Any) -> None:
+    RouterMetrics(CollectorRegistry()).observe(Router().route([1, 2, 3], ["a"]), seconds)
+
+
+_METRICS = parse_metrics("vllm:num_requests_waiting 0\n")
+_SECONDS = "must be a finite positive number of seconds (at most "
 _LEASE = "lease must be a positive, finite number of seconds"
 OPTIONS = {
     "Router(lease=)": Option(lambda v: Router(lease=v), lambda r: r._lease, 30.0, _LEASE),
@@ -61,6 +93,25 @@ OPTIONS = {
     "PredictedTTFT(kv_cap=)": Option(
         lambda v: PredictedTTFT(kv_cap=v), lambda p: p.kv_cap, 0.5,
         "PredictedTTFT kv_cap must be a fraction in [0, 1)"),
+    "EventIndex(speculative_ttl=)": Option(
+        lambda v: EventIndex(speculative_ttl=v), lambda i: i.speculative_ttl, 0.5,
+        "speculative_ttl must be a finite number of seconds >= 0 (0: events only)"),
+    "Fleet(interval=)": Option(lambda v: _fleet(interval=v), lambda f: f._interval, 0.5, "interval " + _SECONDS),
+    "Fleet(stale_after=)": Option(
+        lambda v: _fleet(stale_after=v), lambda f: f._stale_after, 8.0, "stale_after " + _SECONDS),
+    "KVEventSubscriber(replay_timeout=)": Option(
+        lambda v: _subscriber(replay_timeout=v), lambda s: s._replay_timeout, 0.5, "replay_timeout " + _SECONDS),
+    "KVEventSubscriber(reconnect_backoff=)": Option(
+        lambda v: _subscriber(reconnect_backoff=(v, 5.0)), lambda s: s._backoff[0], 0.25,
+        "reconnect_backoff's low " + _SECONDS),
+    "KVEventSubscriber.stop(timeout=)": Option(
+        _stopped, None, 0.5, "timeout must be a finite number of seconds >= 0 (at most "),
+    "histogram_quantile(q=)": Option(_quantile, None, 0.5, "q must be a number in [0, 1]"),
+    "RouterMetrics.observe(seconds=)": Option(_observed, None, 0.5, "seconds must be a finite number >= 0"),
+    "diagnose(ratio_threshold=)": Option(
+        lambda v: diagnose(_METRICS, ratio_threshold=v), None, 1.5, "ratio_threshold must be a finite number >= 1"),
+    "diagnose(low_hit_rate=)": Option(
+        lambda v: diagnose(_METRICS, low_hit_rate=v), None, 0.25, "low_hit_rate must be a fraction in [0, 1]"),
 }  # fmt: skip
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from prefixroute._numbers import as_int, shown
+from prefixroute._numbers import as_float, as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 
 __all__ = [
@@ -36,16 +36,15 @@ def sparse_level(count: int) -> int:
 
 
 def check_seconds(value: object, name: str) -> float:
-    """Return ``value`` as float if it is a finite positive number of seconds; else raise ConfigurationError.
-
-    The comparisons are exact (an int is never converted to float first), so a huge int such as ``10**400`` is
-    refused like ``inf`` rather than raising OverflowError; so is anything over :data:`MAX_SECONDS`.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_SECONDS:
+    """Return ``value`` as a plain float if it is a finite positive number of seconds (any real number but a bool,
+    numpy's floats too, read by ``as_float()``) up to :data:`MAX_SECONDS`; else raise ConfigurationError (for a huge
+    int such as ``10**400`` too, like ``inf``, rather than OverflowError)."""
+    seconds = as_float(value)
+    if seconds is None or not 0 < seconds <= MAX_SECONDS:
         raise ConfigurationError(
             f"{name} must be a finite positive number of seconds (at most {MAX_SECONDS:.0f}), not {shown(value)}"
         )
-    return float(value)
+    return seconds
 
 
 def check_count(value: object, name: str) -> int:

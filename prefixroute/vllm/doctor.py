@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from prefixroute._numbers import is_finite_number, shown
+from prefixroute._numbers import as_float, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError, MetricsError
 from prefixroute.vllm._checks import check_seconds
 from prefixroute.vllm.metrics import MAX_METRICS_BYTES, EngineMetrics, fetch_metrics, metrics_url, parse_metrics
@@ -47,7 +47,8 @@ def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> floa
         ConfigurationError: ``q`` is not a number in [0, 1].
         TypeError: ``buckets`` is not a sequence of (upper bound, cumulative count) pairs of numbers.
     """
-    if not is_finite_number(q) or not 0.0 <= q <= 1.0:
+    fraction = as_float(q)
+    if fraction is None or not 0.0 <= fraction <= 1.0:
         raise ConfigurationError(f"q must be a number in [0, 1], not {shown(q)}")
     if not isinstance(buckets, Sequence) or isinstance(buckets, (str, bytes)) or not all(map(_is_bucket, buckets)):
         raise InvalidTypeError(
@@ -55,7 +56,7 @@ def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> floa
         )
     if not buckets or buckets[-1][1] <= 0:
         return None
-    rank = q * buckets[-1][1]
+    rank = fraction * buckets[-1][1]
     lower_bound, lower_count = 0.0, 0.0
     for bound, count in buckets:
         if count >= rank and count > lower_count:
@@ -117,10 +118,12 @@ def diagnose(
         raise InvalidTypeError(f"metrics must be an EngineMetrics (parse_metrics() gives one), not {shown(metrics)}")
     if not isinstance(source, str):
         raise InvalidTypeError(f"source must be a str naming where the figures came from, not {shown(source)}")
-    if not is_finite_number(ratio_threshold) or ratio_threshold < 1:
+    threshold, low_rate = as_float(ratio_threshold), as_float(low_hit_rate)
+    if threshold is None or threshold < 1:
         raise ConfigurationError(f"ratio_threshold must be a finite number >= 1, not {shown(ratio_threshold)}")
-    if not is_finite_number(low_hit_rate) or not 0 <= low_hit_rate <= 1:
+    if low_rate is None or not 0 <= low_rate <= 1:
         raise ConfigurationError(f"low_hit_rate must be a fraction in [0, 1], not {shown(low_hit_rate)}")
+    ratio_threshold, low_hit_rate = threshold, low_rate
     hits, queries = metrics.prefix_hits, metrics.prefix_queries
     if hits is not None and queries is not None and hits > queries:
         reason = f"prefix cache hits ({hits:g} tokens) exceed queries ({queries:g}): a hit is a queried token"

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from prefixroute._numbers import as_int, is_finite_number, shown
+from prefixroute._numbers import as_float, as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.index import PrefixIndex
 from prefixroute.router import Decision
@@ -109,7 +109,8 @@ class RouterMetrics:
         """
         if not isinstance(decision, Decision):
             raise InvalidTypeError(f"decision must be a prefixroute.Decision, not {type(decision).__name__}")
-        if not is_finite_number(seconds) or seconds < 0:
+        elapsed = as_float(seconds)
+        if elapsed is None or elapsed < 0:
             raise ConfigurationError(f"seconds must be a finite number >= 0, not {shown(seconds)}")
         self._decisions.labels(decision.backend, decision.reason).inc()
         self._matched.labels("predicted").inc(decision.matched_tokens)
@@ -118,7 +119,7 @@ class RouterMetrics:
             self._fallbacks.labels(decision.backend).inc()
         if decision.confirmed_tokens is not None:
             self._matched.labels("confirmed").inc(decision.confirmed_tokens)
-        self._latency.observe(seconds)
+        self._latency.observe(elapsed)
 
     def observe_served(self, cached_tokens: int) -> None:
         """Count prompt tokens the engine reported as served from its prefix cache for one request. O(1).

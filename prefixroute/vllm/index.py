@@ -6,7 +6,7 @@ import math
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 
-from prefixroute._numbers import is_finite_number, shown
+from prefixroute._numbers import as_float, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.index import PrefixIndex
 
@@ -51,14 +51,15 @@ class EventIndex(PrefixIndex):
         self, block_size: int = 16, *, speculative_ttl: float = 3.0, clock: Callable[[], float] = time.monotonic
     ) -> None:
         super().__init__(block_size)
-        if not is_finite_number(speculative_ttl) or speculative_ttl < 0:
+        ttl = as_float(speculative_ttl)
+        if ttl is None or ttl < 0:
             raise ConfigurationError(
                 "speculative_ttl must be a finite number of seconds >= 0 (0: events only), "
                 f"not {shown(speculative_ttl)}"
             )
         if not callable(clock):
             raise InvalidTypeError(f"clock must be a callable returning seconds, not {type(clock).__name__}")
-        self._ttl = float(speculative_ttl)
+        self._ttl = ttl
         self._clock = clock
         self._current = PrefixIndex(block_size)
         self._previous = PrefixIndex(block_size)

@@ -20,7 +20,7 @@ from typing import Any
 
 import zmq
 
-from prefixroute._numbers import is_finite_number, shown
+from prefixroute._numbers import as_float, shown
 from prefixroute.errors import ConfigurationError, InvalidEventError, InvalidTypeError
 from prefixroute.vllm._checks import (
     MAX_SECONDS,
@@ -133,7 +133,7 @@ class KVEventSubscriber:
             check_endpoint(replay_endpoint, "replay_endpoint", "tcp://gpu0:5558")
         if not isinstance(topic, str):
             raise InvalidTypeError(f"topic must be a str, not {type(topic).__name__}")
-        check_seconds(replay_timeout, "replay_timeout")
+        replay_timeout = check_seconds(replay_timeout, "replay_timeout")
         max_batches_per_apply = check_count(max_batches_per_apply, "max_batches_per_apply")
         max_sequence_jump = check_count(max_sequence_jump, "max_sequence_jump")
         try:
@@ -142,8 +142,8 @@ class KVEventSubscriber:
             raise ConfigurationError(
                 f"reconnect_backoff must be a pair (low, high) of seconds, not {shown(reconnect_backoff)}"
             ) from None
-        check_seconds(low, "reconnect_backoff's low")
-        check_seconds(high, "reconnect_backoff's high")
+        low = check_seconds(low, "reconnect_backoff's low")
+        high = check_seconds(high, "reconnect_backoff's high")
         if low > high:
             raise ConfigurationError(f"reconnect_backoff must be (low, high) with low <= high, not {reconnect_backoff}")
         check_callable(lag_observer, "lag_observer", "taking a lag in seconds", optional=True)
@@ -158,10 +158,10 @@ class KVEventSubscriber:
         # writer, clock and lag_observer run in the thread under it, and may call held() or reset() themselves.
         self._state_lock = threading.RLock()
         self._decoder = EventDecoder()
-        self._replay_timeout = float(replay_timeout)
+        self._replay_timeout = replay_timeout
         self._max_batches = max_batches_per_apply
         self._max_jump = max_sequence_jump
-        self._backoff = (float(low), float(high))
+        self._backoff = (low, high)
         self._lag_observer = lag_observer
         self._clock = clock
         self._stop = threading.Event()
@@ -213,10 +213,12 @@ class KVEventSubscriber:
         Raises:
             ConfigurationError: ``timeout`` is not a finite number of seconds >= 0 (the thread is not stopped).
         """
-        if not is_finite_number(timeout) or not 0 <= timeout <= MAX_SECONDS:
+        seconds = as_float(timeout)
+        if seconds is None or not 0 <= seconds <= MAX_SECONDS:
             raise ConfigurationError(
                 f"timeout must be a finite number of seconds >= 0 (at most {MAX_SECONDS:.0f}), not {shown(timeout)}"
             )
+        timeout = seconds
         self._stop.set()
         thread = self._thread
         if thread is None:
