@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal
 from fractions import Fraction
 from typing import Any
@@ -17,11 +17,20 @@ from prometheus_client import CollectorRegistry
 
 from prefixroute import BoundedLoad, ConfigurationError, LinearTTFT, PredictedTTFT, Router
 from prefixroute._numbers import shown
+from prefixroute.sim.backend import BackendConfig
+from prefixroute.sim.baselines import DynamoKvRouter, RayServePrefixAware
+from prefixroute.sim.compare import rank
+from prefixroute.sim.engine import ClosedLoop, OpenLoop, Simulation, TraceTimes
+from prefixroute.sim.profiles import load_profile
+from prefixroute.sim.runner import SimSpec
+from prefixroute.sim.workloads import make_workload
 from prefixroute.vllm import EventIndex, Fleet, KVEventSubscriber, parse_metrics
 from prefixroute.vllm.doctor import diagnose, histogram_quantile
 from prefixroute.vllm.export import RouterMetrics
 
 from .conftest import FakeClock
+from .sim.conftest import LinearCost
+from .sim.test_compare import result
 
 npa: Any = np  # numpy's scalars typed loosely: stubs differ on which of them are floats
 
@@ -77,6 +86,18 @@ def _observed(seconds: Any) -> None:
     RouterMetrics(CollectorRegistry()).observe(Router().route([1, 2, 3], ["a"]), seconds)
 
 
+def _simulation(**options: Any) -> Simulation:
+    return Simulation(
+        router=Router(), workload=make_workload("seed"), arrivals=ClosedLoop(2), cost=LinearCost(),
+        config=BackendConfig(capacity_blocks=100), backends=2, max_requests=4, **options,
+    )  # fmt: skip
+
+
+def _ranked(tolerance: Any) -> None:
+    assert rank([result("a", p99=10.0, rps=1.0)], tolerance=tolerance).recommended.policy == "a"
+
+
+_COEFFICIENTS = load_profile("codellama-13b", "a100-40gb").coefficients
 _METRICS = parse_metrics("vllm:num_requests_waiting 0\n")
 _SECONDS = "must be a finite positive number of seconds (at most "
 _LEASE = "lease must be a positive, finite number of seconds"
@@ -108,6 +129,40 @@ OPTIONS = {
         _stopped, None, 0.5, "timeout must be a finite number of seconds >= 0 (at most "),
     "histogram_quantile(q=)": Option(_quantile, None, 0.5, "q must be a number in [0, 1]"),
     "RouterMetrics.observe(seconds=)": Option(_observed, None, 0.5, "seconds must be a finite number >= 0"),
+    "SimSpec(rate=)": Option(lambda v: SimSpec(rate=v), lambda s: s.rate, 0.5, "--rate must be a finite number > 0"),
+    "SimSpec(think_time=)": Option(
+        lambda v: SimSpec(think_time=v), lambda s: s.think_time, 0.5, "--think-time must be a finite number >= 0"),
+    "SimSpec(sharing_ratio=)": Option(
+        lambda v: SimSpec(sharing_ratio=v), lambda s: s.sharing_ratio, 0.25, "--sharing-ratio must be between 0 and 1"),
+    "SimSpec(gpu_memory_utilization=)": Option(
+        lambda v: SimSpec(gpu_memory_utilization=v), lambda s: s.gpu_memory_utilization, 0.5,
+        "gpu_memory_utilization must be in (0, 1]"),
+    "ClosedLoop(think_time=)": Option(
+        lambda v: ClosedLoop(2, think_time=v), lambda a: a.think_time, 0.5,
+        "think_time must be a finite number of seconds >= 0"),
+    "OpenLoop(rate=)": Option(
+        lambda v: OpenLoop(v), lambda a: a.rate, 2.0, "rate must be a finite number > 0 of requests a second"),
+    "TraceTimes(speedup=)": Option(
+        lambda v: TraceTimes(speedup=v), lambda a: a.speedup, 2.0, "speedup must be a finite number > 0"),
+    "Simulation(duration=)": Option(
+        lambda v: _simulation(duration=v), lambda s: s.duration, 8.0,
+        "duration must be a finite number > 0 of seconds"),
+    "Simulation(metrics_interval=)": Option(
+        lambda v: _simulation(metrics_interval=v), lambda s: s.metrics_interval, 0.5,
+        "metrics_interval must be a finite number > 0 of seconds"),
+    "make_workload(sharing_ratio=)": Option(
+        lambda v: make_workload("seed", sharing_ratio=v), lambda w: w.sharing_ratio, 0.5,
+        "sharing ratio must be a number between 0 and 1"),
+    "CostCoefficients(per_sequence_s=)": Option(
+        lambda v: replace(_COEFFICIENTS, per_sequence_s=v), lambda c: c.per_sequence_s, 0.25,
+        "CostCoefficients per_sequence_s must be a finite number >= 0"),
+    "DynamoKvRouter(temperature=)": Option(
+        lambda v: DynamoKvRouter(temperature=v), lambda p: p.temperature, 0.5,
+        "temperature must be a finite number >= 0"),
+    "RayServePrefixAware(imbalanced_threshold=)": Option(
+        lambda v: RayServePrefixAware(imbalanced_threshold=v), lambda p: p.imbalanced_threshold, 8.0,
+        "imbalanced_threshold must be a number >= 0 or math.inf", infinite=True),
+    "rank(tolerance=)": Option(_ranked, None, 0.25, "tolerance must be in [0, 1)"),
     "diagnose(ratio_threshold=)": Option(
         lambda v: diagnose(_METRICS, ratio_threshold=v), None, 1.5, "ratio_threshold must be a finite number >= 1"),
     "diagnose(low_hit_rate=)": Option(
@@ -127,6 +182,11 @@ def test_a_real_number_is_taken_and_kept_as_a_plain_float(name: str) -> None:
         if option.read is not None:
             stored = option.read(made)
             assert type(stored) is float and stored == option.good, (value, stored)
+    if option.infinite:
+        assert option.read is not None
+        for value in (math.inf, npa.float32("inf"), npa.float64("inf")):
+            stored = option.read(option.make(value))
+            assert type(stored) is float and stored == math.inf, (value, stored)
 
 
 @pytest.mark.parametrize("name", OPTIONS)
@@ -138,4 +198,5 @@ def test_what_is_no_finite_real_number_is_refused_with_the_same_error(name: str)
     for bad in bads:
         with pytest.raises(option.error) as refused:
             option.make(bad)
-        assert str(refused.value).startswith(option.message) and shown(bad) in str(refused.value), refused.value
+        message = str(refused.value)
+        assert message.startswith(option.message) and (shown(bad) in message or repr(bad) in message), message

@@ -19,7 +19,7 @@ import random
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
-from prefixroute._numbers import as_int, is_finite_number, shown
+from prefixroute._numbers import as_float, as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.policies import Candidate, LoadPolicy, _require_candidates
 
@@ -55,19 +55,20 @@ class _TreeSizes:
 
 
 def _number(name: str, value: object) -> float:
-    """``value`` if it is a finite number >= 0, else a ConfigurationError naming the option."""
-    if not is_finite_number(value) or value < 0:
+    """``value`` as a plain float if it is a finite number >= 0, else a ConfigurationError naming the option."""
+    number = as_float(value)
+    if number is None or number < 0:
         raise ConfigurationError(f"{name} must be a finite number >= 0, not {shown(value)}")
-    return value
+    return number
 
 
 def _number_or_inf(name: str, value: object) -> float:
-    """``value`` if it is a number >= 0 or ``math.inf`` (a threshold never crossed), else a ConfigurationError."""
-    if isinstance(value, float) and value == math.inf:
-        return value
-    if not is_finite_number(value) or value < 0:
+    """``value`` as a plain float if it is a number >= 0 or ``math.inf`` (a threshold never crossed), else a
+    ConfigurationError."""
+    number = as_float(value, infinite=True)
+    if number is None or number < 0:
         raise ConfigurationError(f"{name} must be a number >= 0 or math.inf, not {shown(value)}")
-    return value
+    return number
 
 
 def _count(name: str, value: object, *, minimum: int = 0) -> int:

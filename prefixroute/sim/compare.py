@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prefixroute._numbers import as_int, shown
+from prefixroute._numbers import as_float, as_int, shown
 from prefixroute.errors import ConfigurationError
 from prefixroute.policies import policy_names
 from prefixroute.router import Router
@@ -109,8 +109,10 @@ def rank(results: Sequence[PolicyResult], *, tolerance: float = THROUGHPUT_TOLER
     if len(set(names)) != len(names):
         repeated = sorted({n for n in names if names.count(n) > 1})
         raise ConfigurationError(f"each policy may be compared once; repeated: {', '.join(repeated)}")
-    if not (isinstance(tolerance, (int, float)) and 0 <= tolerance < 1):
+    share = as_float(tolerance)
+    if share is None or not 0 <= share < 1:
         raise ConfigurationError(f"tolerance must be in [0, 1), not {tolerance!r}")
+    tolerance = share
     served = [r for r in results if _served(r)]
     best_throughput = max((r.throughput_rps for r in served), default=0.0)
     best_p99 = min((r.ttft_ms["p99"] for r in served), default=math.nan)

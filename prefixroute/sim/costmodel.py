@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
-from prefixroute._numbers import as_int, is_finite_number, shown
+from prefixroute._numbers import as_float, as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 
 __all__ = ["CostCoefficients", "GpuSpec", "ModelSpec", "Profile"]
@@ -282,9 +282,12 @@ def _check_counts(spec: GpuSpec | ModelSpec, names: tuple[str, ...]) -> None:
 
 
 def _check_numbers(spec: object, names: tuple[str, ...], *, positive: bool | None) -> None:
-    """Refuse a field of ``names`` that is not a finite number: > 0 (``positive``), >= 0 (False) or any (None)."""
+    """Refuse a field of ``names`` that is not a finite number: > 0 (``positive``), >= 0 (False) or any (None); keep
+    a numpy float (or any real number) as the plain float it stands for."""
     for name in names:
         value = getattr(spec, name)
-        if not is_finite_number(value) or (positive and value <= 0) or (positive is False and value < 0):
+        number = as_float(value)
+        if number is None or (positive and number <= 0) or (positive is False and number < 0):
             bound = {True: " > 0", False: " >= 0", None: ""}[positive]
             raise ConfigurationError(f"{type(spec).__name__} {name} must be a finite number{bound}, not {shown(value)}")
+        object.__setattr__(spec, name, number)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Protocol
 
-from prefixroute._numbers import as_int, is_finite_number, shown
+from prefixroute._numbers import as_float, as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.router import Decision, Router
 from prefixroute.sim.backend import Active, BackendConfig, CostModel, SimBackend
@@ -67,8 +67,10 @@ class ClosedLoop:
     def __post_init__(self) -> None:
         object.__setattr__(self, "users", _check_count(self.users, "users", MAX_USERS))  # frozen: set on entry
         for name, seconds in (("think_time", self.think_time), ("ramp", self.ramp)):
-            if not (is_finite_number(seconds) and seconds >= 0):
+            number = as_float(seconds)
+            if number is None or number < 0:
                 raise ConfigurationError(f"{name} must be a finite number of seconds >= 0, not {shown(seconds)}")
+            object.__setattr__(self, name, number)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +85,10 @@ class OpenLoop:
     users: int = 64
 
     def __post_init__(self) -> None:
-        if not (is_finite_number(self.rate) and self.rate > 0):
+        rate = as_float(self.rate)
+        if rate is None or rate <= 0:
             raise ConfigurationError(f"rate must be a finite number > 0 of requests a second, not {shown(self.rate)}")
+        object.__setattr__(self, "rate", rate)
         object.__setattr__(self, "users", _check_count(self.users, "users", MAX_USERS))  # frozen: set on entry
 
 
@@ -95,8 +99,10 @@ class TraceTimes:
     speedup: float = 1.0
 
     def __post_init__(self) -> None:
-        if not (is_finite_number(self.speedup) and self.speedup > 0):
+        speedup = as_float(self.speedup)
+        if speedup is None or speedup <= 0:
             raise ConfigurationError(f"speedup must be a finite number > 0, not {shown(self.speedup)}")
+        object.__setattr__(self, "speedup", speedup)
 
 
 Arrivals = ClosedLoop | OpenLoop | TraceTimes
@@ -166,8 +172,11 @@ class Simulation:
             raise ConfigurationError("backends must be a positive count or distinct backend names")
         if max_requests is not None:
             max_requests = _check_count(max_requests, "max_requests", MAX_REQUESTS)
-        if duration is not None and not (is_finite_number(duration) and duration > 0):
-            raise ConfigurationError(f"duration must be a finite number > 0 of seconds, not {shown(duration)}")
+        if duration is not None:
+            seconds = as_float(duration)
+            if seconds is None or seconds <= 0:
+                raise ConfigurationError(f"duration must be a finite number > 0 of seconds, not {shown(duration)}")
+            duration = seconds
         seed_int = as_int(seed)
         if seed_int is None:
             raise InvalidTypeError(f"seed must be an int, not {type(seed).__name__}")
@@ -216,10 +225,13 @@ class Simulation:
         self._in_flight = [0] * len(names)
         self._peak = [0] * len(names)
         self._hasher = router.hasher
-        if metrics_interval is not None and not (is_finite_number(metrics_interval) and metrics_interval > 0):
-            raise ConfigurationError(
-                f"metrics_interval must be a finite number > 0 of seconds, not {shown(metrics_interval)}"
-            )
+        if metrics_interval is not None:
+            interval = as_float(metrics_interval)
+            if interval is None or interval <= 0:
+                raise ConfigurationError(
+                    f"metrics_interval must be a finite number > 0 of seconds, not {shown(metrics_interval)}"
+                )
+            metrics_interval = interval
         self.metrics_interval = metrics_interval
         if kv_events:
             for backend in self.backends:

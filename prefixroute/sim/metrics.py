@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from prefixroute._numbers import is_finite_number, shown
+from prefixroute._numbers import as_float, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.sim.engine import SimOutcome
 
@@ -103,8 +103,10 @@ def summarize(outcome: SimOutcome, *, policy: str, gpu_hour_usd: float = 0.0) ->
         )
     if not isinstance(policy, str):
         raise InvalidTypeError(f"policy must be the policy's name (a str), not {type(policy).__name__}")
-    if not (is_finite_number(gpu_hour_usd) and gpu_hour_usd >= 0):
+    price = as_float(gpu_hour_usd)
+    if price is None or price < 0:
         raise ConfigurationError(f"gpu_hour_usd must be a finite number >= 0, not {shown(gpu_hour_usd)}")
+    gpu_hour_usd = price
     records = outcome.records
     served = [r for r in records if not r.rejected]
     prompt = sum(r.prompt_tokens for r in served)

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
-from prefixroute._numbers import as_int, is_finite_number, shown
+from prefixroute._numbers import as_float, as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError, PrefixRouteError
 from prefixroute.index import PrefixIndex
 from prefixroute.policies import (
@@ -156,13 +156,21 @@ def _check_spec(spec: SimSpec) -> None:
         object.__setattr__(spec, field, count)  # a numpy int kept as the Python int it stands for (frozen spec)
     for field, low in [(f, "> 0") for f in _POSITIVE_NUMBERS] + [(f, ">= 0") for f in _NON_NEGATIVE_NUMBERS]:
         value = getattr(spec, field)
-        if value is not None and not (is_finite_number(value) and (value > 0 if low == "> 0" else value >= 0)):
+        if value is None:
+            continue
+        number = as_float(value)
+        if number is None or not (number > 0 if low == "> 0" else number >= 0):
             raise ConfigurationError(f"{_name(field)} must be a finite number {low}, not {shown(value)}")
-    if spec.sharing_ratio is not None and not (is_finite_number(spec.sharing_ratio) and 0 <= spec.sharing_ratio <= 1):
-        raise ConfigurationError(f"--sharing-ratio must be between 0 and 1, not {shown(spec.sharing_ratio)}")
-    utilization = spec.gpu_memory_utilization
-    if not (is_finite_number(utilization) and 0 < utilization <= 1):
-        raise ConfigurationError(f"gpu_memory_utilization must be in (0, 1], not {shown(utilization)}")
+        object.__setattr__(spec, field, number)  # a numpy float kept as the Python float it stands for
+    if spec.sharing_ratio is not None:
+        ratio = as_float(spec.sharing_ratio)
+        if ratio is None or not 0 <= ratio <= 1:
+            raise ConfigurationError(f"--sharing-ratio must be between 0 and 1, not {shown(spec.sharing_ratio)}")
+        object.__setattr__(spec, "sharing_ratio", ratio)
+    utilization = as_float(spec.gpu_memory_utilization)
+    if utilization is None or not 0 < utilization <= 1:
+        raise ConfigurationError(f"gpu_memory_utilization must be in (0, 1], not {shown(spec.gpu_memory_utilization)}")
+    object.__setattr__(spec, "gpu_memory_utilization", utilization)
     seed = as_int(spec.seed)
     if seed is None:
         raise ConfigurationError(f"--seed must be an int, not {shown(spec.seed)}")

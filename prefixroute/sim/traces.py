@@ -38,7 +38,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TextIO
 
-from prefixroute._numbers import as_int, is_finite_number, shown
+from prefixroute._numbers import as_float, as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidTraceError, InvalidTypeError
 from prefixroute.sim.request import SimRequest, token_bytes
 
@@ -224,7 +224,8 @@ def _blocks_line(line: str, where: str, form: _BlocksFormat) -> TraceEntry:
     timestamp, input_length, output_length = item["timestamp"], item["input_length"], item["output_length"]
     hash_ids = item["hash_ids"]
     most = _MAX_ARRIVAL * form.units_per_second
-    if not is_finite_number(timestamp) or not 0 <= timestamp <= most:
+    arrival = as_float(timestamp)
+    if arrival is None or not 0 <= arrival <= most:
         raise InvalidTraceError(
             f"{where}: timestamp must be a non-negative number of {form.unit}, not {shown(timestamp)} "
             f"(at most {most:g} {form.unit})"
@@ -245,7 +246,7 @@ def _blocks_line(line: str, where: str, form: _BlocksFormat) -> TraceEntry:
         )
     # As in the CSV formats: a logged request with no prompt or no output still cost the engine one token of each.
     return TraceEntry(
-        timestamp / form.units_per_second, max(1, input_length), max(1, output_length), tuple(hash_ids), size
+        arrival / form.units_per_second, max(1, input_length), max(1, output_length), tuple(hash_ids), size
     )
 
 
@@ -438,8 +439,10 @@ def check_speedup(workload: TraceWorkload, speedup: float) -> None:
         raise InvalidTypeError(
             f"workload must be a TraceWorkload (load_trace() gives one), not {type(workload).__name__}"
         )
-    if not is_finite_number(speedup) or speedup <= 0:
+    factor = as_float(speedup)
+    if factor is None or factor <= 0:
         raise ConfigurationError(f"--speedup must be a finite number > 0, not {shown(speedup)}")
+    speedup = factor
     last = max((entry.arrival for entry in workload.entries), default=0.0)
     if not last / speedup <= _MAX_ARRIVAL:
         raise ConfigurationError(

@@ -16,7 +16,7 @@ import random
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
-from prefixroute._numbers import as_int, is_finite_number, shown
+from prefixroute._numbers import as_float, as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.sim.request import SimRequest, token_bytes
 
@@ -40,9 +40,10 @@ class Scenario:
     default_sharing_ratio = 1.0
 
     def __init__(self, *, seed: int = 0, sharing_ratio: float | None = None) -> None:
-        ratio = self.default_sharing_ratio if sharing_ratio is None else sharing_ratio
-        if not (is_finite_number(ratio) and 0.0 <= ratio <= 1.0):
-            raise ConfigurationError(f"sharing ratio must be a number between 0 and 1, not {shown(ratio)}")
+        given = self.default_sharing_ratio if sharing_ratio is None else sharing_ratio
+        ratio = as_float(given)
+        if ratio is None or not 0.0 <= ratio <= 1.0:
+            raise ConfigurationError(f"sharing ratio must be a number between 0 and 1, not {shown(given)}")
         seed_int = as_int(seed)
         if seed_int is None:
             raise InvalidTypeError(f"seed must be an int, not {type(seed).__name__}")
