@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from prefixroute import BoundedLoad, ConfigurationError, LinearTTFT, PredictedTTFT, Router
 from prefixroute._numbers import shown
+from prefixroute.adapters.proxy import Proxy
 from prefixroute.sim.backend import BackendConfig
 from prefixroute.sim.baselines import DynamoKvRouter, RayServePrefixAware
 from prefixroute.sim.compare import rank
@@ -24,6 +25,7 @@ from prefixroute.sim.engine import ClosedLoop, OpenLoop, Simulation, TraceTimes
 from prefixroute.sim.profiles import load_profile
 from prefixroute.sim.runner import SimSpec
 from prefixroute.sim.workloads import make_workload
+from prefixroute.testing.openai_engine import OpenAIEngine
 from prefixroute.vllm import EventIndex, Fleet, KVEventSubscriber, parse_metrics
 from prefixroute.vllm.doctor import diagnose, histogram_quantile
 from prefixroute.vllm.export import RouterMetrics
@@ -97,6 +99,16 @@ def _ranked(tolerance: Any) -> None:
     assert rank([result("a", p99=10.0, rps=1.0)], tolerance=tolerance).recommended.policy == "a"
 
 
+def _proxy(**options: Any) -> Proxy:
+    return Proxy(Router(), ["http://127.0.0.1:1"], base_models=[], **options)
+
+
+def _sidecar(lease: Any) -> Any:
+    from prefixroute.adapters.serve.app import Sidecar  # the serve extra
+
+    return Sidecar(Router(), backends=[], lease=lease)
+
+
 _COEFFICIENTS = load_profile("codellama-13b", "a100-40gb").coefficients
 _METRICS = parse_metrics("vllm:num_requests_waiting 0\n")
 _SECONDS = "must be a finite positive number of seconds (at most "
@@ -167,6 +179,19 @@ OPTIONS = {
         lambda v: diagnose(_METRICS, ratio_threshold=v), None, 1.5, "ratio_threshold must be a finite number >= 1"),
     "diagnose(low_hit_rate=)": Option(
         lambda v: diagnose(_METRICS, low_hit_rate=v), None, 0.25, "low_hit_rate must be a fraction in [0, 1]"),
+    "Proxy(cooldown=)": Option(
+        lambda v: _proxy(cooldown=v), lambda p: p._cooldown, 0.5,
+        "cooldown must be a positive, finite number of seconds"),
+    "Proxy(connect_timeout=)": Option(
+        lambda v: _proxy(connect_timeout=v), lambda p: p._connect_timeout, 0.5,
+        "connect_timeout must be a positive, finite number of seconds"),
+    "Sidecar(lease=)": Option(_sidecar, lambda s: s._lease, 30.0, _LEASE),
+    "OpenAIEngine(prefill_s=)": Option(
+        lambda v: OpenAIEngine(prefill_s=v), lambda e: e.prefill_s, 0.25,
+        "prefill_s must be a finite, non-negative number of seconds"),
+    "OpenAIEngine(token_delay_s=)": Option(
+        lambda v: OpenAIEngine(token_delay_s=v), lambda e: e.token_delay_s, 0.25,
+        "token_delay_s must be a finite, non-negative number of seconds"),
 }  # fmt: skip
 
 

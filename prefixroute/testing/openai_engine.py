@@ -40,7 +40,7 @@ from typing import Any
 
 from aiohttp import web
 
-from prefixroute._numbers import as_int, is_finite_number, shown
+from prefixroute._numbers import as_float, as_int, shown
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.adapters.urls import listen_host
 from prefixroute.errors import ConfigurationError, InvalidTypeError
@@ -138,6 +138,14 @@ def _stream_flag(value: object) -> bool:
     raise ValueError(f"'stream' must be a boolean, not {value!r}")
 
 
+def _delay(option: str, value: object) -> float:
+    """``value`` as a plain float if it is a finite number of seconds >= 0; else a ConfigurationError."""
+    seconds = as_float(value)
+    if seconds is None or seconds < 0:  # an infinite delay would hold every request forever
+        raise ConfigurationError(f"{option} must be a finite, non-negative number of seconds, not {shown(value)}")
+    return seconds
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """What an :class:`OpenAIEngine` has done so far (a snapshot)."""
@@ -213,12 +221,9 @@ class OpenAIEngine:
                 raise InvalidTypeError(f"{option} must be a callable, not {shown(function)}")
         if not isinstance(host, str):
             raise InvalidTypeError(f"host must be a str, not {type(host).__name__}")
-        for option, value in (("prefill_s", prefill_s), ("prefill_per_token_s", prefill_per_token_s),
-                              ("token_delay_s", token_delay_s)):  # fmt: skip
-            if not is_finite_number(value) or value < 0:  # an infinite delay would hold every request forever
-                raise ConfigurationError(
-                    f"{option} must be a finite, non-negative number of seconds, not {shown(value)}"
-                )
+        prefill_s = _delay("prefill_s", prefill_s)
+        prefill_per_token_s = _delay("prefill_per_token_s", prefill_per_token_s)
+        token_delay_s = _delay("token_delay_s", token_delay_s)
         tokens = as_int(max_tokens)
         running = None if max_running is None else as_int(max_running)
         if tokens is None or tokens < 1 or (max_running is not None and (running is None or running < 1)):

@@ -26,7 +26,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 
-from prefixroute._numbers import as_int, is_finite_number, shown
+from prefixroute._numbers import as_float, as_int, shown
 from prefixroute.adapters.proxy.prompts import (
     INLINE_TEXT,
     BadRequest,
@@ -148,9 +148,8 @@ class Proxy:
         if threshold is None or threshold < 1:
             raise ConfigurationError(f"max_failures must be an int >= 1, not {shown(max_failures)}")
         retries, max_failures = resends, threshold
-        for name, seconds in (("cooldown", cooldown), ("connect_timeout", connect_timeout)):
-            if not (is_finite_number(seconds) and seconds > 0):
-                raise ConfigurationError(f"{name} must be a positive, finite number of seconds, not {shown(seconds)}")
+        cooldown = _positive_seconds("cooldown", cooldown)
+        connect_timeout = _positive_seconds("connect_timeout", connect_timeout)
         if encoder is not None:
             check_encoder(encoder)
         if fleet is not None and not callable(getattr(fleet, "healthy_backends", None)):
@@ -590,6 +589,14 @@ def _names(values: object, name: str, what: str) -> list[str]:
         if not isinstance(value, str):
             raise InvalidTypeError(f"{name} must hold {what} (str), not {type(value).__name__}")
     return names
+
+
+def _positive_seconds(name: str, value: object) -> float:
+    """``value`` as a plain float if it is a positive, finite number of seconds; else a ConfigurationError."""
+    seconds = as_float(value)
+    if seconds is None or seconds <= 0:
+        raise ConfigurationError(f"{name} must be a positive, finite number of seconds, not {shown(value)}")
+    return seconds
 
 
 def _auth(request: web.Request) -> dict[str, str]:
