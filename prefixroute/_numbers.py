@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from typing import TypeGuard
 
-__all__ = ["as_float", "as_int", "is_finite_number", "shown"]
+__all__ = ["as_float", "as_int", "shown"]
 
 
 def as_int(value: object) -> int | None:
@@ -39,8 +38,8 @@ def as_float(value: object, *, infinite: bool = False) -> float | None:
     is not a :class:`numbers.Real`: a str, a complex, a :class:`decimal.Decimal` (the numeric tower leaves it out
     because it does not mix with float arithmetic; ``float(d)`` says where its rounding is wanted).
 
-    A float or an int takes a fast path (~70 ns and ~100 ns), as fast as the type checks it replaced: per-call paths
-    (``Router.start(lease=)``, ``first_token``) read their arguments here too.
+    A plain float or int takes a fast path (about 75 and 105 ns), no slower than the ``isinstance`` checks it
+    replaced: per-request calls (``Router.start(lease=)``, ``first_token()``) read their figures here too.
     """
     if type(value) is float:
         number = value
@@ -52,20 +51,6 @@ def as_float(value: object, *, infinite: bool = False) -> float | None:
     else:
         return None
     return number if math.isfinite(number) or (infinite and not math.isnan(number)) else None
-
-
-def is_finite_number(value: object) -> TypeGuard[int | float]:
-    """Whether ``value`` is an int or float (not a bool) that is finite as a float.
-
-    NaN, infinities and ints too large for a float (``10**400``, which ``math.isfinite`` would raise OverflowError
-    on) are not.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
 
 
 def shown(value: object) -> str:
