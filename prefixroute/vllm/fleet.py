@@ -551,20 +551,20 @@ class _Poller:
         config = (metrics.block_size, metrics.num_gpu_blocks)
         if config == self._configured:  # act (and warn) once per change, not every scrape
             return
-        self._configured = config
         engine_block_size, num_gpu_blocks = config
-        if engine_block_size is None or num_gpu_blocks is None:
-            return
-        block_size = router.block_size
-        if engine_block_size % block_size:
-            _log.warning(
-                "%s: vLLM block_size is %d but the router uses %d: prefix matches will be wrong; set "
-                "Router(block_size=%d) or vLLM's --block-size",
-                self._backend, engine_block_size, block_size, engine_block_size,
-            )  # fmt: skip
-            return
-        if not isinstance(router.index, EventIndex):  # with events, the events carry the evictions
-            router.set_capacity(self._backend, num_gpu_blocks * (engine_block_size // block_size))
+        if engine_block_size is not None and num_gpu_blocks is not None:
+            block_size = router.block_size
+            if engine_block_size % block_size:
+                _log.warning(
+                    "%s: vLLM block_size is %d but the router uses %d: prefix matches will be wrong; set "
+                    "Router(block_size=%d) or vLLM's --block-size",
+                    self._backend, engine_block_size, block_size, engine_block_size,
+                )  # fmt: skip
+            elif not isinstance(router.index, EventIndex):  # with events, the events carry the evictions
+                router.set_capacity(self._backend, num_gpu_blocks * (engine_block_size // block_size))
+        # Only once acted on: a set_capacity() that raised (counted as a failed scrape by _run) is tried again at
+        # the next scrape, not skipped for good as a config already applied.
+        self._configured = config
 
 
 def _queue_len(metrics: EngineMetrics | None) -> int | None:

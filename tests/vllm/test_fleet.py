@@ -436,6 +436,35 @@ def test_an_unexpected_error_in_a_scrape_counts_as_a_failed_scrape_of_only_that_
     assert "metrics of bad: unexpected error" in caplog.text
 
 
+class CapacityOnceRefused(Router):
+    """A router whose first set_capacity() raises (as a bug in an index subclass's eviction hook would)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refusals = 0
+
+    def set_capacity(self, backend: str, capacity_blocks: int | None) -> None:
+        if not self.refusals:
+            self.refusals += 1
+            raise RuntimeError("the index could not evict just now")
+        super().set_capacity(backend, capacity_blocks)
+
+
+def test_a_cache_config_the_router_failed_to_take_is_applied_at_a_later_scrape(
+    engine: FakeVLLM, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Was: the poller noted the engine's cache config as acted on before set_capacity() ran, so after that call
+    raised once the unchanged config was never applied again: the backend kept no capacity for good."""
+    router = CapacityOnceRefused()
+    with Fleet(router, interval=0.02) as fleet:
+        fleet.add_backend("gpu0", metrics_url=engine.url)
+        wait_until(lambda: router.index.capacity("gpu0") == 64, what="the capacity applied at a later scrape")
+        stats = fleet.stats()["gpu0"]
+        assert router.refusals == 1 and stats.failed_scrapes >= 1 and stats.scrapes >= 1
+        assert [t for t in threads_of("gpu0") if t.startswith("prefixroute-metrics")]  # the poller goes on
+    assert "metrics of gpu0: unexpected error" in caplog.text and "could not evict" in caplog.text
+
+
 def test_options_of_the_wrong_type_are_type_errors_when_given() -> None:
     with Fleet(Router(index=EventIndex(16))) as fleet:
         for namespace in (5, ["model"]):
