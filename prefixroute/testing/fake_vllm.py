@@ -20,7 +20,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prefixroute._numbers import as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.testing._names import check_served_names
-from prefixroute.testing.fake_cache import CachedChain, FakeBlockCache, FakeRequest
+from prefixroute.testing.fake_cache import CachedChain, FakeBlockCache, FakeRequest, _check_flag
 from prefixroute.vllm.events import EventBatch, encode_batch
 from prefixroute.vllm.metrics import TTFT_BUCKETS
 
@@ -57,6 +57,7 @@ def default_ttft(cached_tokens: int, prompt_tokens: int, waiting: int) -> float:
 
 def _check_options(
     *,
+    flags: Mapping[str, object],
     model: object,
     topic: object,
     encoding: object,
@@ -69,6 +70,8 @@ def _check_options(
     """Raise for a :class:`FakeVLLM` option it could not use (when given, not in its I/O thread); return its int
     options (``replay_buffer``, ``seed``, the two ports) as Python ints."""
     check_served_names(model, ())
+    for name, flag in flags.items():
+        _check_flag(flag, name)
     for name, text in (("topic", topic), ("host", host)):
         if not isinstance(text, str):
             raise InvalidTypeError(f"{name} must be a str, not {type(text).__name__}")
@@ -112,7 +115,8 @@ class FakeVLLM:
     Raises:
         ConfigurationError: a count, port, ``encoding`` or ``hash_format`` the fake cannot use, or a ``model`` name
             that is blank, not printable or holds a lone surrogate (checked when given).
-        TypeError: ``model``, ``topic`` or ``host`` is not a str, ``seed`` not an int, ``ttft`` not a callable.
+        TypeError: ``model``, ``topic`` or ``host`` is not a str, ``seed`` not an int, ``ttft`` not a callable,
+            ``extra_group``, ``replay``, ``replay_topic`` or ``legacy_metric_names`` not a bool.
     """
 
     def __init__(
@@ -135,9 +139,11 @@ class FakeVLLM:
         port: int = 0,
         replay_port: int = 0,
     ) -> None:
+        flags = {"extra_group": extra_group, "replay": replay, "replay_topic": replay_topic,
+                 "legacy_metric_names": legacy_metric_names}  # fmt: skip
         replay_buffer, seed, port, replay_port = _check_options(
-            model=model, topic=topic, encoding=encoding, replay_buffer=replay_buffer, ttft=ttft, seed=seed, host=host,
-            ports=(port, replay_port),
+            flags=flags, model=model, topic=topic, encoding=encoding, replay_buffer=replay_buffer, ttft=ttft, seed=seed,
+            host=host, ports=(port, replay_port),
         )  # fmt: skip
         self._rng = random.Random(seed)
         self.cache = FakeBlockCache(
@@ -235,7 +241,12 @@ class FakeVLLM:
 
         ``share=False`` schedules it as if alongside an identical request (its blocks become duplicate copies);
         ``hold=True`` keeps it running (its blocks stay referenced) until :meth:`finish_all`.
+
+        Raises:
+            TypeError: ``share`` or ``hold`` is not a bool (nothing changes).
         """
+        _check_flag(share, "share")
+        _check_flag(hold, "hold")
         with self._lock:
             request = self.cache.allocate(list(prompt), lora_name=lora_name, share=share)
             ttft = self._ttft(request.cached_tokens, request.prompt_tokens, self._waiting)

@@ -55,8 +55,9 @@ def _option(build: Callable[..., object], option: str) -> Callable[[Any], object
 
 
 _MODEL, _GPU = available_profiles()[0]
-_FAKE_VLLM_OPTIONS = ("block_size", "num_blocks", "model", "topic", "encoding", "hash_format", "replay_buffer",
-                      "ttft", "seed", "host", "port", "replay_port")  # fmt: skip
+_FAKE_VLLM_OPTIONS = ("block_size", "num_blocks", "model", "topic", "encoding", "hash_format", "extra_group",
+                      "replay_buffer", "replay", "replay_topic", "legacy_metric_names", "ttft", "seed", "host", "port",
+                      "replay_port")  # fmt: skip
 
 
 def _simulation(**options: object) -> Simulation:
@@ -82,7 +83,7 @@ _CALLS: dict[str, Callable[[Any], object]] = {
     "BlockCache": lambda v: BlockCache(v),
     **{f"SimSpec {f.name}": _option(SimSpec, f.name) for f in dataclasses.fields(SimSpec)},
     **{f"FakeBlockCache {o}": _option(lambda **kw: FakeBlockCache(**{"rng": random.Random(0), **kw}), o)
-       for o in ("block_size", "num_blocks", "rng", "hash_format")},
+       for o in ("block_size", "num_blocks", "rng", "hash_format", "extra_group")},
     **{f"FakeVLLM {o}": _option(FakeVLLM, o) for o in _FAKE_VLLM_OPTIONS},  # built, never started
     "ClosedLoop users": lambda v: ClosedLoop(v),
     **{f"ClosedLoop {o}": _option(lambda **kw: ClosedLoop(2, **kw), o) for o in ("think_time", "ramp")},
