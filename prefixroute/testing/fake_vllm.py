@@ -29,7 +29,7 @@ from typing import Any, Literal
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from prefixroute._numbers import as_int, shown
+from prefixroute._numbers import as_float, as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.testing._names import check_served_names
 from prefixroute.testing.fake_cache import CachedChain, FakeBlockCache, FakeRequest, _check_flag
@@ -63,6 +63,7 @@ def _check_options(
     encoding: object,
     replay_buffer: object,
     ttft: object,
+    clock: object,
     seed: object,
     host: object,
     ports: tuple[object, object],
@@ -84,6 +85,8 @@ def _check_options(
         raise InvalidTypeError(
             f"ttft must be a callable (cached, prompt, waiting) -> seconds, not {type(ttft).__name__}"
         )
+    if not callable(clock):
+        raise InvalidTypeError(f"clock must be a callable returning seconds since the epoch, not {shown(clock)}")
     seed_int = as_int(seed)
     if seed_int is None:
         raise InvalidTypeError(f"seed must be an int, not {type(seed).__name__}")
@@ -103,10 +106,12 @@ class FakeVLLM:
     ``/v1/models``.
 
     Every cache-changing call publishes one ``EventBatch`` (as a vLLM scheduler step does) with the next sequence
-    number, in ``encoding`` (``"array"``, ``"map"`` or ``"alternate"``, which switches per batch). The replay socket
-    answers as vLLM >= 0.26 does, each reply ``[topic, seq, payload]`` as on the PUB socket and the end of the replay
-    ``[b"", -1, b""]`` (an empty topic); ``replay_topic=False`` answers as older vLLM, ``[seq, payload]`` and
-    ``[-1, b""]``. Test hooks:
+    number, in ``encoding`` (``"array"``, ``"map"`` or ``"alternate"``, which switches per batch), stamped with
+    ``clock()`` (seconds since the epoch; :func:`time.time` by default, a test's own clock sets the lag a subscriber
+    measures; a clock that raises or returns no number makes the call raise, and the next batch carries its
+    events). The replay socket answers as vLLM >= 0.26 does, each reply ``[topic, seq, payload]`` as on the PUB
+    socket and the end of the replay ``[b"", -1, b""]`` (an empty topic); ``replay_topic=False`` answers as older
+    vLLM, ``[seq, payload]`` and ``[-1, b""]``. Test hooks:
     :meth:`drop_next` loses published messages (still in the replay buffer), :meth:`restart` simulates a process
     restart (sequence back to 0, new hash seed, empty cache), :meth:`chains`/:meth:`own_hashes` give the true cache
     contents. ``port`` and ``replay_port`` are picked by the OS on ``host`` unless given (a new engine on an old
@@ -115,8 +120,8 @@ class FakeVLLM:
     Raises:
         ConfigurationError: a count, port, ``encoding`` or ``hash_format`` the fake cannot use, or a ``model`` name
             that is blank, not printable or holds a lone surrogate (checked when given).
-        TypeError: ``model``, ``topic`` or ``host`` is not a str, ``seed`` not an int, ``ttft`` not a callable,
-            ``extra_group``, ``replay``, ``replay_topic`` or ``legacy_metric_names`` not a bool.
+        TypeError: ``model``, ``topic`` or ``host`` is not a str, ``seed`` not an int, ``ttft`` or ``clock`` not a
+            callable, ``extra_group``, ``replay``, ``replay_topic`` or ``legacy_metric_names`` not a bool.
     """
 
     def __init__(
@@ -134,6 +139,7 @@ class FakeVLLM:
         replay_topic: bool = True,
         legacy_metric_names: bool = False,
         ttft: Callable[[int, int, int], float] = default_ttft,
+        clock: Callable[[], float] = time.time,
         seed: int = 0,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -142,8 +148,8 @@ class FakeVLLM:
         flags = {"extra_group": extra_group, "replay": replay, "replay_topic": replay_topic,
                  "legacy_metric_names": legacy_metric_names}  # fmt: skip
         replay_buffer, seed, port, replay_port = _check_options(
-            flags=flags, model=model, topic=topic, encoding=encoding, replay_buffer=replay_buffer, ttft=ttft, seed=seed,
-            host=host, ports=(port, replay_port),
+            flags=flags, model=model, topic=topic, encoding=encoding, replay_buffer=replay_buffer, ttft=ttft,
+            clock=clock, seed=seed, host=host, ports=(port, replay_port),
         )  # fmt: skip
         self._rng = random.Random(seed)
         self.cache = FakeBlockCache(
@@ -155,6 +161,7 @@ class FakeVLLM:
         self.encoding = encoding
         self.legacy_metric_names = legacy_metric_names
         self._ttft = ttft
+        self._clock = clock
         self._host = host
         self._ports = (port, replay_port)
         self._replay_enabled = replay
@@ -358,14 +365,21 @@ class FakeVLLM:
     # -- internals -------------------------------------------------------------------------------------------------
 
     def _publish(self) -> None:
-        events = self.cache.take_events()
-        if not events:
+        if not self.cache.events:
             return
+        # Read before the events are taken: a clock that raises or returns no number loses none of them (the next
+        # batch carries them). A float is taken as it is, NaN too (a test may want one on the wire).
+        stamp = self._clock()
+        if not (isinstance(stamp, float) or as_float(stamp) is not None):
+            raise InvalidTypeError(
+                f"clock() returned {shown(stamp)}: it must return seconds since the epoch, a float as time.time() does"
+            )
+        events = self.cache.take_events()
         seq = self._seq
         self._seq += 1
         alternate: Literal["array", "map"] = "map" if seq % 2 else "array"
         encoding = alternate if self.encoding == "alternate" else self.encoding
-        payload = encode_batch(EventBatch(time.time(), events, 0), encoding=encoding)
+        payload = encode_batch(EventBatch(float(stamp), events, 0), encoding=encoding)
         self._buffer.append((seq, payload))
         if self._drop:
             self._drop -= 1

@@ -56,8 +56,8 @@ def _option(build: Callable[..., object], option: str) -> Callable[[Any], object
 
 _MODEL, _GPU = available_profiles()[0]
 _FAKE_VLLM_OPTIONS = ("block_size", "num_blocks", "model", "topic", "encoding", "hash_format", "extra_group",
-                      "replay_buffer", "replay", "replay_topic", "legacy_metric_names", "ttft", "seed", "host", "port",
-                      "replay_port")  # fmt: skip
+                      "replay_buffer", "replay", "replay_topic", "legacy_metric_names", "ttft", "clock", "seed",
+                      "host", "port", "replay_port")  # fmt: skip
 
 
 def _simulation(**options: object) -> Simulation:

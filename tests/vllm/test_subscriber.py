@@ -290,6 +290,46 @@ def test_a_callback_that_calls_back_into_its_subscriber_does_not_deadlock_the_th
         assert not sub.running
 
 
+def test_the_fake_engine_stamps_its_batches_with_its_clock_so_a_lag_can_be_set_up() -> None:
+    """Was: FakeVLLM stamped batches with time.time() itself, so no test could say how late a batch arrives."""
+    lags: list[float] = []
+    with (
+        FakeVLLM(clock=lambda: 1_000.0) as engine,
+        KVEventSubscriber(
+            events_router(), "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint,
+            clock=lambda: 1_012.5, lag_observer=lags.append,
+        ) as sub,
+    ):  # fmt: skip
+        settle(engine, sub)
+        assert sub.stats().last_lag_s == 12.5 and lags and set(lags) == {12.5}
+
+
+@pytest.mark.parametrize(
+    ("stamp", "error"),
+    [("now", TypeError), (None, TypeError), (True, TypeError), (10**400, TypeError),
+     (RuntimeError("no clock"), RuntimeError)],
+    ids=["str", "None", "bool", "huge-int", "raises"],
+)  # fmt: skip
+def test_a_fake_engine_clock_that_fails_loses_no_event(stamp: object, error: type[Exception]) -> None:
+    """The clock is read before the events are taken: the next batch carries them."""
+    stamps: list[object] = [stamp]
+
+    def clock() -> object:
+        value = stamps.pop() if stamps else 1_000.0
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    engine = FakeVLLM(block_size=4, num_blocks=16, clock=clock)  # type: ignore[arg-type]  # not started
+    with pytest.raises(error, match="clock|no clock"):
+        engine.complete(list(range(8)))
+    assert engine.seq == 0 and len(engine.chains()) == 2
+    engine.complete(list(range(100, 108)))
+    assert engine.seq == 1 and len(engine.chains()) == 4  # one batch with both prompts' blocks
+    with pytest.raises(TypeError, match="clock must be a callable"):
+        FakeVLLM(clock=1_000.0)  # type: ignore[arg-type]
+
+
 def test_event_index_is_right_where_the_prediction_is_wrong_after_eviction() -> None:
     """Acceptance 3: the router predicts a hit on a backend whose engine evicted the prefix; events know better."""
     router = Router(block_size=16)
