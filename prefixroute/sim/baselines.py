@@ -20,8 +20,9 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
 from prefixroute._numbers import as_float, as_int, shown
-from prefixroute.errors import ConfigurationError, InvalidTypeError
+from prefixroute.errors import ConfigurationError
 from prefixroute.policies import Candidate, LoadPolicy, _require_candidates
+from prefixroute.policies import _rng as seeded_rng  # the core's checks: the same errors for the same mistakes
 
 __all__ = [
     "BASELINES",
@@ -79,19 +80,6 @@ def _count(name: str, value: object, *, minimum: int = 0) -> int:
     return count
 
 
-def _rng(seed: int | None, rng: random.Random | None) -> random.Random:
-    if rng is not None and not isinstance(rng, random.Random):
-        raise ConfigurationError(f"rng must be a random.Random, not {type(rng).__name__}")
-    if rng is not None:
-        return rng
-    if seed is None or isinstance(seed, (str, bytes)):
-        return random.Random(seed)
-    number = as_int(seed)  # a numpy int seeds as the int it stands for (random.Random refuses it)
-    if number is None:
-        raise InvalidTypeError(f"seed must be an int, str, bytes or None, not {type(seed).__name__}")
-    return random.Random(number)
-
-
 def _match_rate(candidate: Candidate) -> float:
     return candidate.matched_tokens / candidate.prompt_tokens if candidate.prompt_tokens else 0.0
 
@@ -131,7 +119,7 @@ class SGLangCacheAware(LoadPolicy):
         self.cache_threshold = _number("cache_threshold", cache_threshold)
         self.balance_abs_threshold = _count("balance_abs_threshold", balance_abs_threshold)
         self.balance_rel_threshold = _number("balance_rel_threshold", balance_rel_threshold)
-        self._rng = _rng(seed, rng)
+        self._rng = seeded_rng(seed, rng, "SGLangCacheAware")
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         _require_candidates(candidates)
@@ -198,7 +186,7 @@ class DynamoKvRouter(LoadPolicy):
     ) -> None:
         self.overlap_score_weight = _number("overlap_score_weight", overlap_score_weight)
         self.temperature = _number("temperature", temperature)
-        self._rng = _rng(seed, rng)
+        self._rng = seeded_rng(seed, rng, "DynamoKvRouter")
 
     def logit(self, candidate: Candidate) -> float:
         """The worker's cost for this request (lower is better). O(1)."""
@@ -403,7 +391,7 @@ class RayServePrefixAware(LoadPolicy):
     ) -> None:
         self.imbalanced_threshold = _number_or_inf("imbalanced_threshold", imbalanced_threshold)
         self.match_rate_threshold = _number("match_rate_threshold", match_rate_threshold)
-        self._rng = _rng(seed, rng)
+        self._rng = seeded_rng(seed, rng, "RayServePrefixAware")
         self._trees = _TreeSizes()
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
@@ -447,7 +435,7 @@ class ProductionStackPrefixAware(LoadPolicy):
     prefix_aware = True
 
     def __init__(self, *, seed: int | None = None, rng: random.Random | None = None) -> None:
-        self._rng = _rng(seed, rng)
+        self._rng = seeded_rng(seed, rng, "ProductionStackPrefixAware")
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         _require_candidates(candidates)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from prefixroute import Candidate, ConfigurationError, LoadPolicy, policy_from_name
+from prefixroute import Candidate, ConfigurationError, InvalidTypeError, LoadPolicy, PowerOfTwo, policy_from_name
 from prefixroute.sim.baselines import (
     BASELINES,
     AIBrixPrefixCache,
@@ -327,3 +327,28 @@ def test_baseline_options_are_checked_when_given(cls: type, option: str, bad: ob
         return
     with pytest.raises(ConfigurationError, match=option):
         cls(**{option: bad})
+
+
+RANDOMISED = [SGLangCacheAware, DynamoKvRouter, RayServePrefixAware, ProductionStackPrefixAware]
+
+
+@pytest.mark.parametrize("cls", RANDOMISED)
+@pytest.mark.parametrize("rng", [5, "x", random, object()])
+def test_a_baseline_refuses_an_rng_of_the_wrong_type_as_the_core_does(cls: type, rng: object) -> None:
+    """Was: a ConfigurationError (a ValueError), where the core's policies raise InvalidTypeError for it."""
+    with pytest.raises(InvalidTypeError, match="rng must be a random.Random") as core:
+        PowerOfTwo(rng=rng)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match=f"{cls.__name__} rng must be a random.Random, not ") as baseline:
+        cls(rng=rng)
+    assert str(baseline.value).split(" ", 1)[1] == str(core.value).split(" ", 1)[1]  # the same words after the name
+
+
+@pytest.mark.parametrize("cls", RANDOMISED)
+def test_a_baseline_takes_every_seed_the_core_takes(cls: type) -> None:
+    """Was: a str seed holding a lone surrogate raised a bare UnicodeEncodeError (the core seeds from its bytes)."""
+    seeds: list[object] = ["\ud800", "model-a", b"\xff", 2**80, None]
+    for seed in seeds:
+        PowerOfTwo(seed=seed)  # type: ignore[arg-type]  # str and bytes seeds are taken, as random.Random's
+        cls(seed=seed)
+    with pytest.raises(InvalidTypeError, match=f"{cls.__name__} seed must be an int, str, bytes or None"):
+        cls(seed=1.5)
