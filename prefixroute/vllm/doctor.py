@@ -3,9 +3,10 @@
 For each source it computes TTFT P50/P95/P99 from the ``vllm:time_to_first_token_seconds`` histogram (linear
 interpolation within buckets, as Prometheus' ``histogram_quantile``), the prefix cache hit rate (cached prompt
 tokens / prompt tokens) and the queue figures, and gives a verdict with the reasons and figures behind it. URLs are read
-concurrently, each within --timeout seconds (connecting, headers, body and parsing), so the whole run takes at most
-about --timeout; files and stdin are read whole, up to 32 MiB. Exit status: 0 healthy, 1 suspect, 2 unreadable input
-or a bad option (one line on stderr).
+16 at a time, each within --timeout seconds (connecting, headers, body and parsing), so up to 16 URLs take at most
+about --timeout, and more at most one --timeout per 16 (only engines that do not answer take it whole); files and
+stdin are read whole, up to 32 MiB. Exit status: 0 healthy, 1 suspect, 2 unreadable input or a bad option (one line
+on stderr).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ __all__ = ["Diagnosis", "diagnose", "histogram_quantile", "register", "run"]
 Verdict = Literal["healthy", "suspect", "unreadable"]
 EXIT_CODES: dict[str, int] = {"healthy": 0, "suspect": 1, "unreadable": 2}
 MISS_ADVICE = "likely cache misses under load; prefix-aware routing should help"
+CONCURRENT_READS = 16
+"""URLs read at once. Each read holds a thread or two, a socket and up to :data:`MAX_METRICS_BYTES` of body (32 MiB),
+so a long list of URLs costs time, not threads, sockets (a process's limit is often 1024) or memory."""
 
 
 def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
@@ -210,8 +214,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("sources", nargs="*", metavar="URL|FILE", help="vLLM base URL, /metrics URL, saved file or -")
     parser.add_argument("--json", action="store_true", help="print the figures and verdicts as JSON")
     parser.add_argument(
-        "--timeout", default="5", help="seconds for reading each URL, all of it; URLs are read at once (default 5)"
-    )
+        "--timeout", default="5",
+        help=f"seconds for reading each URL, all of it; URLs are read {CONCURRENT_READS} at a time (default 5)",
+    )  # fmt: skip
     parser.add_argument("--ratio-threshold", default="5", help="suspect P99/P50 TTFT above this (default 5)")
     parser.add_argument("--low-hit-rate", default="0.5", help="a hit rate under this is low, 0-1 (default 0.5)")
     parser.set_defaults(func=run)
@@ -229,8 +234,8 @@ def run(args: argparse.Namespace) -> int:
     for i, source in enumerate(args.sources):
         if i not in urls:
             readings[i] = _read(source, timeout)
-    if urls:  # at once: the run takes one timeout, not one per URL
-        with ThreadPoolExecutor(len(urls), thread_name_prefix="prefixroute-doctor") as pool:
+    if urls:  # together: the run takes one timeout per CONCURRENT_READS URLs at most, not one per URL
+        with ThreadPoolExecutor(min(len(urls), CONCURRENT_READS), thread_name_prefix="prefixroute-doctor") as pool:
             for i, reading in zip(urls, pool.map(lambda i: _read(args.sources[i], timeout), urls), strict=True):
                 readings[i] = reading
     results: list[Diagnosis] = []

@@ -10,13 +10,15 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefixroute.errors import ConfigurationError, InvalidTypeError
+from prefixroute.errors import ConfigurationError, InvalidTypeError, MetricsError
 from prefixroute.testing import FakeVLLM
 from prefixroute.vllm import EngineMetrics, doctor
 from prefixroute.vllm.doctor import MISS_ADVICE, histogram_quantile
@@ -200,6 +202,31 @@ def test_the_timeout_bounds_the_whole_run_over_slow_and_trickling_engines(capsys
         assert time.monotonic() - began < 1.5  # one timeout for the run, not one per engine nor per read
     out = capsys.readouterr().out
     assert out.count("UNREADABLE") == 3 and out.count("within 0.5s") == 3
+
+
+def test_many_urls_are_read_by_a_bounded_pool_and_every_one_is_reported(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Was: one thread per URL (and one more inside each fetch), however many URLs were named."""
+    pools: list[int] = []
+
+    class Recorded(ThreadPoolExecutor):
+        def __init__(self, max_workers: int, **options: Any) -> None:
+            pools.append(max_workers)
+            super().__init__(max_workers, **options)
+
+    def unreachable(url: str, *, timeout: float) -> EngineMetrics:
+        raise MetricsError(f"cannot read {url}: refused")
+
+    monkeypatch.setattr(doctor, "ThreadPoolExecutor", Recorded)
+    monkeypatch.setattr(doctor, "fetch_metrics", unreachable)
+    urls = [f"http://gpu{i}:8000" for i in range(3 * doctor.CONCURRENT_READS + 1)]
+    assert cli(*urls) == 2
+    assert pools == [doctor.CONCURRENT_READS]
+    out = capsys.readouterr().out
+    assert [line.removesuffix(": UNREADABLE") for line in out.splitlines() if "UNREADABLE" in line] == urls
+    assert cli("http://gpu0:8000", "http://gpu1:8000") == 2
+    assert pools[-1] == 2  # no idle workers for a few URLs
 
 
 @pytest.mark.parametrize("nonsense", ["NaN", "-2", "+Inf"])
