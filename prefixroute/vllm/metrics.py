@@ -13,6 +13,7 @@ import math
 import socket
 import threading
 import time
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -223,12 +224,17 @@ def fetch_metrics(url: str, *, timeout: float = 2.0, client: httpx.Client | None
     trickling endpoint, or a body too large to parse in time, cannot hold it longer; the abandoned work ends by itself
     soon after (each read is bounded by ``timeout``, reading and parsing stop at the deadline, and a connection the
     request opened is shut down, so an endpoint trickling its headers byte by byte cannot keep the thread either).
+
     ``client`` is reused when given (one per engine keeps its connection alive); without it a client is made and
-    closed. O(size of the body).
+    closed.
+
+    The body is asked for gzip-compressed (or plain) and inflated as it arrives, never more than a byte past
+    :data:`MAX_METRICS_BYTES`, so a compressed bomb is refused with about that much in memory. O(size of the body).
 
     Raises:
         MetricsError: every failure: no answer or a body not parsed within ``timeout``, network, HTTP status, a body
-            over :data:`MAX_METRICS_BYTES`, format or nonsense figures (see :func:`parse_metrics`).
+            over :data:`MAX_METRICS_BYTES` (inflated), a ``Content-Encoding`` other than gzip, deflate or none, a
+            compressed body that is corrupt or cut short, format or nonsense figures (see :func:`parse_metrics`).
         ConfigurationError: ``timeout`` is not a finite positive number of seconds.
     """
     timeout = check_seconds(timeout, "timeout")
@@ -304,21 +310,91 @@ def _read_body(
     own = client is None
     http = httpx.Client() if client is None else client
     try:
-        with http.stream("GET", url, timeout=timeout, extensions={"trace": trace}) as response:
+        # Only the codings _Body inflates within the cap are asked for (httpx would ask for brotli or zstd too when
+        # installed, and inflates each network chunk whole: 64 KiB of gzip can hold 64 MiB, stacked codings far more).
+        headers = {"Accept-Encoding": "gzip"}
+        with http.stream("GET", url, timeout=timeout, headers=headers, extensions={"trace": trace}) as response:
             response.raise_for_status()
-            chunks: list[bytes] = []
-            size = 0
-            for chunk in response.iter_bytes():
+            body = _Body(url, response.headers.get("Content-Encoding", ""))
+            for chunk in response.iter_raw():
                 if abandoned.is_set():
                     return ""
-                size += len(chunk)
-                if size > MAX_METRICS_BYTES:
-                    raise MetricsError(f"cannot read {url}: the body is over {MAX_METRICS_BYTES} bytes")
-                chunks.append(chunk)
-            return b"".join(chunks).decode(response.encoding or "utf-8", errors="replace")
+                body.add(chunk)
+            return body.finish().decode(response.encoding or "utf-8", errors="replace")
     finally:
         if own:
             http.close()
+
+
+class _Body:
+    """A response body as it arrives, inflated (``gzip`` or ``deflate``) at most a byte past :data:`MAX_METRICS_BYTES`
+    at a time, so a compressed bomb is refused with about the cap in memory, not the ~1000 times a network chunk that
+    inflating whole chunks allocates first."""
+
+    def __init__(self, url: str, content_encoding: str) -> None:
+        self._url = url
+        self._chunks: list[bytes] = []
+        self._size = 0
+        codings = [c.strip().lower() for c in content_encoding.split(",") if c.strip().lower() not in ("", "identity")]
+        if len(codings) > 1 or (codings and codings[0] not in _WBITS):
+            raise MetricsError(
+                f"cannot read {url}: its body is encoded {content_encoding.strip()!r}; prefixroute reads gzip, deflate "
+                "or none (and asks for gzip)"
+            )
+        self._coding = codings[0] if codings else None
+        self._inflate = zlib.decompressobj(_WBITS[self._coding]) if self._coding else None
+        self._started = False  # whether any compressed byte was inflated (deflate's header is known by then)
+
+    def add(self, data: bytes) -> None:
+        """Take the next bytes of the body as they came. O(len(data) + what they inflate to).
+
+        Raises:
+            MetricsError: the body is over the cap, or its compressed stream is corrupt.
+        """
+        if self._inflate is None:
+            self._keep(data)
+            return
+        try:
+            while data:
+                if self._inflate.eof:
+                    raise MetricsError(f"cannot read {self._url}: its body goes on after the end of its {self._coding} "
+                                       "stream")  # fmt: skip
+                room = MAX_METRICS_BYTES - self._size + 1  # a byte past the cap proves the body over it
+                try:
+                    piece = self._inflate.decompress(data, room)
+                except zlib.error:
+                    if self._coding != "deflate" or self._started:
+                        raise
+                    # "deflate" is zlib-wrapped by the RFC, raw in some servers (as httpx, try both)
+                    self._inflate = zlib.decompressobj(-zlib.MAX_WBITS)
+                    piece = self._inflate.decompress(data, room)
+                self._started = True
+                self._keep(piece)
+                # Left over only when the output reached ``room``, which _keep refused; after the stream's end, the
+                # bytes that follow it, refused above.
+                data = self._inflate.unconsumed_tail or self._inflate.unused_data
+        except zlib.error as exc:
+            raise MetricsError(f"cannot read {self._url}: its {self._coding} body is corrupt ({exc})") from exc
+
+    def finish(self) -> bytes:
+        """The whole body, inflated.
+
+        Raises:
+            MetricsError: a compressed body ended before its stream did (cut short).
+        """
+        if self._inflate is not None and not self._inflate.eof:
+            raise MetricsError(f"cannot read {self._url}: its {self._coding} body ends before its stream does")
+        return b"".join(self._chunks)
+
+    def _keep(self, piece: bytes) -> None:
+        self._size += len(piece)
+        if self._size > MAX_METRICS_BYTES:
+            raise MetricsError(f"cannot read {self._url}: the body is over {MAX_METRICS_BYTES} bytes")
+        self._chunks.append(piece)
+
+
+_WBITS = {"gzip": zlib.MAX_WBITS | 16, "x-gzip": zlib.MAX_WBITS | 16, "deflate": zlib.MAX_WBITS}
+"""zlib's window bits for each content coding read (HTTP's "deflate" is zlib-wrapped; a raw one is tried as well)."""
 
 
 def metrics_url(url: str) -> str:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import random
+import socket
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from prefixroute import Router
 from prefixroute.testing import FakeVLLM
@@ -39,3 +43,62 @@ def settle(engine: FakeVLLM, sub: KVEventSubscriber) -> None:
         return False
 
     wait_until(caught_up, what="the subscriber to apply the engine's latest batch")
+
+
+SMALL_BODY = b'vllm:num_requests_waiting{engine="0"} 3\nvllm:num_requests_running{engine="0"} 1\n'
+"""A /metrics body with two figures."""
+
+
+def answer(body: bytes, *headers: str) -> bytes:
+    """An HTTP/1.1 200 answer carrying ``body``, which keeps the connection open."""
+    head = [f"Content-Length: {len(body)}", "Content-Type: text/plain; version=0.0.4", *headers]
+    return ("HTTP/1.1 200 OK\r\n" + "".join(f"{line}\r\n" for line in head) + "\r\n").encode() + body
+
+
+@contextmanager
+def http_server(answers: Callable[[int], bytes | None]) -> Iterator[tuple[str, list[socket.socket]]]:
+    """An HTTP/1.1 server on loopback that keeps each connection open for further requests: it answers the n-th
+    request it receives (counted over all connections) with ``answers(n)``, or with a status line and then a byte of a
+    header every 20 ms (until the client goes) when that is None. Yields the /metrics URL and the connections it
+    accepted."""
+    server = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+    accepted: list[socket.socket] = []
+    requests = iter(range(1 << 30))
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            try:
+                while not stop.is_set():
+                    received = b""
+                    while b"\r\n\r\n" not in received:
+                        data = conn.recv(65536)
+                        if not data:
+                            return
+                        received += data
+                    reply = answers(next(requests))
+                    if reply is not None:
+                        conn.sendall(reply)
+                        continue
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+                    while not stop.is_set():
+                        conn.sendall(b"a")
+                        stop.wait(0.02)
+            except OSError:  # the client shut the connection down
+                pass
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}/metrics", accepted
+    finally:
+        stop.set()
+        server.close()

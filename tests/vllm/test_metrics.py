@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import gzip
 import math
 import socket
 import threading
 import time
-from collections.abc import Iterator
+import tracemalloc
+import zlib
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -15,9 +18,11 @@ from hypothesis import strategies as st
 
 from prefixroute.errors import ConfigurationError, MetricsError
 from prefixroute.testing import FakeVLLM
+from prefixroute.vllm import metrics as metrics_module
 from prefixroute.vllm.metrics import MAX_METRICS_BYTES, fetch_metrics, metrics_url, parse_metrics
 
 from ..conftest import wait_until
+from .conftest import SMALL_BODY, answer, http_server
 
 
 def closed_port() -> int:
@@ -209,6 +214,60 @@ def test_an_abandoned_read_of_an_endpoint_trickling_its_headers_ends(header_tric
             lambda: not [t for t in threading.enumerate() if t.name == "prefixroute-scrape"],
             what="the abandoned requests' threads to end",
         )
+
+
+def raw_deflate(data: bytes) -> bytes:
+    packer = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    return packer.compress(data) + packer.flush()
+
+
+@pytest.mark.parametrize(
+    ("coding", "pack"),
+    [("gzip", gzip.compress), ("x-gzip", gzip.compress), ("deflate", zlib.compress), ("deflate", raw_deflate),
+     ("identity", bytes), ("", bytes)],
+    ids=["gzip", "x-gzip", "deflate", "raw-deflate", "identity", "none"],
+)  # fmt: skip
+def test_a_compressed_body_is_inflated(coding: str, pack: Callable[[bytes], bytes]) -> None:
+    with http_server(lambda _: answer(pack(SMALL_BODY), f"Content-Encoding: {coding}")) as (url, _):
+        metrics = fetch_metrics(url, timeout=5)
+    assert (metrics.waiting, metrics.running) == (3, 1)
+
+
+def test_a_compressed_bomb_is_refused_with_about_the_cap_in_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Was: the cap was checked on what httpx had inflated, a whole network chunk at a time (up to 64 KiB of gzip,
+    ~1000 times that inflated) before the first check."""
+    cap = 1 << 20
+    monkeypatch.setattr(metrics_module, "MAX_METRICS_BYTES", cap)
+    packer = zlib.compressobj(9, wbits=zlib.MAX_WBITS | 16)
+    zeros = bytes(1 << 20)
+    bomb = b"".join(packer.compress(zeros) for _ in range(256)) + packer.flush()  # 256 MiB in ~250 KiB
+    with http_server(lambda _: answer(bomb, "Content-Encoding: gzip")) as (url, _), httpx.Client() as client:
+        tracemalloc.start()
+        try:
+            with pytest.raises(MetricsError, match=f"the body is over {cap} bytes"):
+                fetch_metrics(url, timeout=5, client=client)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peak < cap + (2 << 20)  # the cap, a network chunk, and change
+
+
+@pytest.mark.parametrize(
+    ("body", "coding", "message"),
+    [(gzip.compress(SMALL_BODY), "br", "encoded 'br'; prefixroute reads gzip, deflate or none"),
+     (gzip.compress(gzip.compress(SMALL_BODY)), "gzip, gzip", "encoded 'gzip, gzip'"),
+     (b"not gzip at all", "gzip", "gzip body is corrupt"),
+     (gzip.compress(SMALL_BODY)[:-12], "gzip", "gzip body ends before its stream does"),
+     (gzip.compress(SMALL_BODY) + b"trailing", "gzip", "goes on after the end of its gzip stream")],
+    ids=["brotli", "stacked", "corrupt", "cut-short", "trailing-bytes"],
+)  # fmt: skip
+def test_a_body_whose_coding_cannot_be_read_is_a_metrics_error(body: bytes, coding: str, message: str) -> None:
+    with (
+        http_server(lambda _: answer(body, f"Content-Encoding: {coding}")) as (url, _),
+        pytest.raises(MetricsError, match=message) as refused,
+    ):
+        fetch_metrics(url, timeout=5)
+    assert "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize(
