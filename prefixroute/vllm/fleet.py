@@ -442,7 +442,10 @@ class _Poller:
         self._backend = backend
         self._url = url
         self._gate = gate
-        self._client = httpx.Client()
+        # No connection kept alive between scrapes: fetch_metrics can shut down only a socket it saw opened, so an
+        # engine trickling its headers on a kept connection would hold an abandoned scrape's thread for good. The
+        # client (its TLS context, the costly part) is still made once; a TCP connect a scrape is cheap.
+        self._client = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"prefixroute-metrics[{backend}]", daemon=True)
         self._lock = threading.Lock()  # guards the figures below (read by healthy() and stats())

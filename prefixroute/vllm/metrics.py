@@ -225,8 +225,10 @@ def fetch_metrics(url: str, *, timeout: float = 2.0, client: httpx.Client | None
     soon after (each read is bounded by ``timeout``, reading and parsing stop at the deadline, and a connection the
     request opened is shut down, so an endpoint trickling its headers byte by byte cannot keep the thread either).
 
-    ``client`` is reused when given (one per engine keeps its connection alive); without it a client is made and
-    closed.
+    ``client`` is used when given (its TLS and proxy settings, made once); without it a client is made and closed.
+    A connection that ``client`` kept alive from an earlier request is not one this request opened, so it cannot be
+    shut down: give a client that keeps none, as the :class:`~prefixroute.vllm.Fleet` does
+    (``httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))``), where an endpoint may trickle.
 
     The body is asked for gzip-compressed (or plain) and inflated as it arrives, never more than a byte past
     :data:`MAX_METRICS_BYTES`, so a compressed bomb is refused with about that much in memory. O(size of the body).

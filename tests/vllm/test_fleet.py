@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import httpx
 import msgspec
@@ -19,7 +20,7 @@ from prefixroute.testing import FakeVLLM
 from prefixroute.vllm import EventIndex, Fleet, KVEventSubscriber
 
 from ..conftest import FakeClock, wait_until
-from .conftest import events_router, fresh, settle
+from .conftest import SMALL_BODY, answer, events_router, fresh, http_server, settle
 
 PROMPT = [random.Random(1).randrange(30_000) for _ in range(96)]  # 6 blocks
 
@@ -361,8 +362,8 @@ def test_a_refused_add_closes_the_http_client_it_made(monkeypatch: pytest.Monkey
     clients: list[httpx.Client] = []
 
     class Recorded(httpx.Client):
-        def __init__(self) -> None:
-            super().__init__()
+        def __init__(self, **options: Any) -> None:
+            super().__init__(**options)
             clients.append(self)
 
     monkeypatch.setattr("prefixroute.vllm.fleet.httpx.Client", Recorded)
@@ -463,6 +464,17 @@ def test_a_cache_config_the_router_failed_to_take_is_applied_at_a_later_scrape(
         assert router.refusals == 1 and stats.failed_scrapes >= 1 and stats.scrapes >= 1
         assert [t for t in threads_of("gpu0") if t.startswith("prefixroute-metrics")]  # the poller goes on
     assert "metrics of gpu0: unexpected error" in caplog.text and "could not evict" in caplog.text
+
+
+def test_each_scrape_connects_afresh_so_fetch_metrics_sees_every_socket_it_may_have_to_cut() -> None:
+    """Was: the poller's client kept its connection alive between scrapes, and fetch_metrics sees a socket only as it
+    is opened: an engine trickling its headers on a kept connection held the abandoned scrape's thread (and the
+    connection) for as long as it trickled."""
+    with http_server(lambda _: answer(SMALL_BODY)) as (url, accepted), Fleet(Router(), interval=0.02) as fleet:
+        fleet.add_backend("gpu0", metrics_url=url)
+        wait_until(lambda: fleet.stats()["gpu0"].scrapes >= 3, what="three scrapes")
+        scrapes = fleet.stats()["gpu0"].scrapes
+        assert len(accepted) >= scrapes  # one connection per scrape (accepted before the scrape counts)
 
 
 def test_options_of_the_wrong_type_are_type_errors_when_given() -> None:

@@ -216,6 +216,21 @@ def test_an_abandoned_read_of_an_endpoint_trickling_its_headers_ends(header_tric
         )
 
 
+def test_with_a_client_that_keeps_no_connection_a_read_trickled_on_a_later_request_ends_too() -> None:
+    """The advice of fetch_metrics' docs (and what the Fleet does): each request connects afresh, so each socket is
+    one the request opened and can shut down when it is abandoned."""
+    later_requests_trickle = http_server(lambda n: answer(SMALL_BODY) if n == 0 else None)
+    with later_requests_trickle as (url, accepted), httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) as c:
+        assert fetch_metrics(url, timeout=2, client=c).waiting == 3
+        with pytest.raises(MetricsError, match="no complete answer within 0.2s"):
+            fetch_metrics(url, timeout=0.2, client=c)
+        wait_until(
+            lambda: not [t for t in threading.enumerate() if t.name == "prefixroute-scrape"],
+            what="the abandoned request's thread to end",
+        )
+        assert len(accepted) == 2
+
+
 def raw_deflate(data: bytes) -> bytes:
     packer = zlib.compressobj(wbits=-zlib.MAX_WBITS)
     return packer.compress(data) + packer.flush()
