@@ -157,6 +157,8 @@ class KVEventSubscriber:
         # Guards the tracker: the thread holds it while handling messages, reset() and held() take it too. Reentrant:
         # writer, clock and lag_observer run in the thread under it, and may call held() or reset() themselves.
         self._state_lock = threading.RLock()
+        self._writing = False  # inside writer.write() (under the state lock): a reset() now waits for it to return
+        self._reset_due = False
         self._decoder = EventDecoder()
         self._replay_timeout = replay_timeout
         self._max_batches = max_batches_per_apply
@@ -257,11 +259,23 @@ class KVEventSubscriber:
     def reset(self) -> None:
         """Drop the backend's blocks from the index and forget its sequence, e.g. when a health check sees the
         engine restart: the next batch is taken as a new stream's, and what came before it is replayed from the
-        engine's buffer (so a restart whose first batches were missed is recovered too)."""
+        engine's buffer (so a restart whose first batches were missed is recovered too).
+
+        Called by ``writer`` from inside its own ``write()`` (in the subscriber's thread), it takes effect as that
+        write returns: the updates being written are the tracker's, so they reach the index first and the reset
+        then removes them with the rest (dropped at once, the write's stores would stay in the index, unknown to
+        the tracker, for good).
+        """
         with self._state_lock:
-            self._write(self._tracker.reset())
-            self._last_seq = self._applied_seq = -1
-            self._pending = None
+            if self._writing:  # only the subscriber's own thread can be here while it writes: it holds the lock
+                self._reset_due = True
+                return
+            self._reset()
+
+    def _reset(self) -> None:
+        self._write(self._tracker.reset())
+        self._last_seq = self._applied_seq = -1
+        self._pending = None
 
     def stats(self) -> SubscriberStats:
         """Return a snapshot of the counters."""
@@ -376,11 +390,17 @@ class KVEventSubscriber:
     def _write(self, ops: IndexOps) -> None:
         if not ops:
             return
+        self._writing = True
         try:
             self.writer.write(self.backend, ops)
         except Exception:  # noqa: BLE001 - the thread outlives a failing writer; the failure is counted
             self._counts["write_errors"] += 1
             _log.exception("KV events from %s: writing %d index updates failed", self.backend, len(ops))
+        finally:
+            self._writing = False
+        if self._reset_due:  # writer called reset() in that write: done now, after the updates it was writing
+            self._reset_due = False
+            self._reset()
 
     def _handle_message(
         self, frames: list[bytes], ops: IndexOps, timestamps: list[float], context: zmq.Context[Any]

@@ -330,6 +330,42 @@ def test_a_fake_engine_clock_that_fails_loses_no_event(stamp: object, error: typ
         FakeVLLM(clock=1_000.0)  # type: ignore[arg-type]
 
 
+class ResettingWriter:
+    """A writer that, in its first write that stores blocks, resets its subscriber before passing the updates on (say,
+    on finding the backend's index out of step). Writes made inside that write pass straight through."""
+
+    block_size = 16
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.subscriber: KVEventSubscriber | None = None
+        self.resets = 0
+
+    def write(self, backend: str, updates: Iterable[IndexUpdate]) -> None:
+        updates = list(updates)
+        if not self.resets and self.subscriber is not None and any(stored for stored, _, _ in updates):
+            self.resets += 1
+            self.subscriber.reset()
+        self.router.write(backend, updates)
+
+
+def test_a_reset_by_the_writer_during_its_write_takes_effect_after_that_write() -> None:
+    """Was: reset() (reentrant since the state lock is an RLock) wrote the tracker's removals and forgot its blocks
+    inside the write, whose stores then reached the index: blocks the tracker no longer knew, which no removal would
+    ever take out again (the engine's eviction of one is an unknown removal)."""
+    router = events_router()
+    writer = ResettingWriter(router)
+    with FakeVLLM(num_blocks=64) as engine:  # no replay: what the reset forgot does not come back by one
+        sub = writer.subscriber = KVEventSubscriber(writer, "gpu0", engine.endpoint)
+        with sub:
+            settle(engine, sub)  # a batch whose write resets, then one after it
+            assert writer.resets == 1 and sub.stats().write_errors == 0
+            assert router.index.hashes("gpu0") == sub.held() != set()
+            engine.complete(fresh())
+            settle(engine, sub)
+            assert router.index.hashes("gpu0") == sub.held()
+
+
 def test_event_index_is_right_where_the_prediction_is_wrong_after_eviction() -> None:
     """Acceptance 3: the router predicts a hit on a backend whose engine evicted the prefix; events know better."""
     router = Router(block_size=16)
