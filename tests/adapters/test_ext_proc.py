@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -185,6 +186,33 @@ def stream(grpc_port: int, messages: list[bytes]) -> tuple[list[Any], grpc.RpcEr
         return answers, None
 
 
+def held_stream(
+    grpc_port: int, messages: list[bytes], *, timeout: float = 5.0
+) -> tuple[list[Any], grpc.RpcError | None]:
+    """As :func:`stream`, but the request side stays open after ``messages``, as Envoy's does mid-request: an answer
+    the picker owes and never sends shows as DEADLINE_EXCEEDED, not as a clean end of the stream."""
+    sent = threading.Event()
+
+    def requests() -> Iterator[bytes]:
+        yield from messages
+        sent.wait(timeout)
+
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        process = channel.stream_stream(
+            "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+            request_serializer=lambda raw: raw,
+            response_deserializer=pb.ProcessingResponse.FromString,
+        )
+        answers: list[Any] = []
+        try:
+            answers.extend(process(requests(), timeout=timeout))
+        except grpc.RpcError as exc:
+            return answers, exc
+        finally:
+            sent.set()
+        return answers, None
+
+
 def a_good_request_is_routed_and_released(grpc_port: int, client: httpx.Client) -> None:
     request = [headers("/v1/completions"), body(PROMPT, end=True), response_body(end=True)]
     answers, error = stream(grpc_port, [message.SerializeToString() for message in request])
@@ -205,6 +233,33 @@ def test_a_corrupt_message_ends_the_stream_invalid_argument_releases_its_decisio
         assert "not a ProcessingRequest" in (error.details() or "")
         wait_until(lambda: client.get("/stats").json()["in_flight_total"] == 0, what="the release of the decision")
     assert client.get("/stats").json()["bad_requests"]["400"] - before == 3
+    a_good_request_is_routed_and_released(grpc_port, client)
+    assert "Traceback" not in process.output()
+
+
+def test_a_message_with_no_phase_ends_the_stream_invalid_argument_and_releases_its_decision(
+    picker: tuple[Process, int, httpx.Client],
+) -> None:
+    """A ProcessingRequest that sets no phase (no request_headers, request_body, ... response_trailers) has no answer
+    that fits: it was left unanswered, and the peer, which waits for one, hung until its own timeout."""
+    process, grpc_port, client = picker
+    before = client.get("/stats").json()["bad_requests"].get("400", 0)
+    picked = [headers("/v1/completions").SerializeToString(), body(PROMPT, end=True).SerializeToString()]
+    no_phase = [
+        b"",  # an empty message: every field unset
+        pb.ProcessingRequest(observability_mode=True).SerializeToString(),
+        pb.ProcessingRequest(metadata_context=base_pb2.Metadata()).SerializeToString(),  # context, but no phase
+        b"\xf0\x01\x01",  # field 30, which this proto does not know (a newer Envoy's phase): no phase set either
+    ]
+    for message in no_phase:
+        answers, error = held_stream(grpc_port, [*picked, message])
+        assert destination(answers[1]) is not None  # routed, then the message without a phase came
+        assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+        assert "sets no phase" in (error.details() or "")
+        wait_until(lambda: client.get("/stats").json()["in_flight_total"] == 0, what="the release of the decision")
+    answers, error = held_stream(grpc_port, [b""])  # first thing on the stream
+    assert answers == [] and error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+    assert client.get("/stats").json()["bad_requests"]["400"] - before == len(no_phase) + 1
     a_good_request_is_routed_and_released(grpc_port, client)
     assert "Traceback" not in process.output()
 

@@ -10,7 +10,8 @@ stream's end for any other reason (upstream error, client abort: Envoy resets th
 exactly once; refused when the response headers' ``:status`` is a 4xx (the engine computed nothing). A body the
 picker cannot route gets no header, so Envoy's route falls back to its plain balancer cluster (a request with no
 body too, counted as a 400 as HTTP's empty body is). A message that is not
-a ``ProcessingRequest`` ends the stream with ``INVALID_ARGUMENT`` (counted as a 400); a body over the sidecar's
+a ``ProcessingRequest``, or one that sets no phase (no answer fits it), ends the stream with ``INVALID_ARGUMENT``
+(counted as a 400); a body over the sidecar's
 ``max_body_bytes`` (streamed chunk by chunk, or buffered) is not kept nor routed (counted as a 413).
 
 Needs the ``prefixroute[serve]`` extra (grpcio and the generated Envoy protos of ``xds-protos``).
@@ -101,6 +102,10 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
                 elif kind == "response_trailers":
                     yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+                else:  # no phase set (or one a newer proto added): no answer fits, and the peer waits for one
+                    self._sidecar.metrics.refused(400)
+                    _log.debug("ext_proc: a ProcessingRequest sets no phase")
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _NO_PHASE)
         except DecodeError as exc:  # grpc raises it from the read: bad input, not a fault of the picker
             self._sidecar.metrics.refused(400)
             _log.debug("ext_proc: a message is not a ProcessingRequest (%s)", exc)
@@ -138,6 +143,10 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
 
 _REPLACE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_NO_PHASE = (
+    "a ProcessingRequest sets no phase: send one of request_headers, request_body, request_trailers, "
+    "response_headers, response_body or response_trailers"
+)
 
 
 def _header(headers: Any, name: str) -> str:
