@@ -12,6 +12,7 @@ import grpc
 import httpx
 import pytest
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from prefixroute import Candidate, LoadPolicy, Router
@@ -24,11 +25,15 @@ from ..conftest import TickingClock, wait_until
 BACKENDS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
 
 
-def headers(path: str, *, end: bool = False) -> Any:
+def headers(path: str, *, end: bool = False, body_mode: int | None = None) -> Any:
+    """The request headers; ``body_mode``: the ``protocol_config`` newer Envoys add to their first message."""
     header = base_pb2.HeaderValue(key=":path", raw_value=path.encode())
-    return pb.ProcessingRequest(
+    message = pb.ProcessingRequest(
         request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[header]), end_of_stream=end)
     )
+    if body_mode is not None:
+        message.protocol_config.request_body_mode = body_mode
+    return message
 
 
 def body(data: bytes, *, end: bool) -> Any:
@@ -86,6 +91,32 @@ def test_a_body_sent_again_after_its_end_is_ignored_and_nothing_stays_in_flight(
     assert destination(answers[1]) is not None and destination(answers[2]) is None
     stats = sidecar.router.stats()
     assert (stats.decisions, stats.in_flight, stats.ignored) == (1, 0, 0)
+
+
+def request_trailers() -> Any:
+    trailer = base_pb2.HeaderValue(key="x-checksum", raw_value=b"0")
+    return pb.ProcessingRequest(request_trailers=pb.HttpTrailers(trailers=base_pb2.HeaderMap(headers=[trailer])))
+
+
+def test_a_buffered_body_that_ends_with_trailers_is_routed_on_its_one_body_message() -> None:
+    """Envoy sends a BUFFERED body whose request has trailers as one message without end_of_stream (the trailers
+    follow, if sent at all); the trailers' answer cannot change the request headers (TrailersResponse mutates only
+    trailers), so the body's answer carries the destination, which Envoy applies in BUFFERED mode."""
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    buffered = headers("/v1/completions", body_mode=ProcessingMode.BUFFERED)
+    answers = run(sidecar, buffered, body(PROMPT, end=False), request_trailers(), response_body(end=True))
+    assert destination(answers[1]) in ("10.0.0.1:8000", "10.0.0.2:8000")
+    assert answers[2].WhichOneof("response") == "request_trailers"
+    stats = sidecar.router.stats()
+    assert (stats.decisions, stats.in_flight, stats.ignored) == (1, 0, 0)
+    # Without the body mode (an older Envoy) or in another mode, a body message without end_of_stream may be one
+    # chunk of several: the picker waits for the one that ends the body.
+    for mode in (None, ProcessingMode.STREAMED, ProcessingMode.BUFFERED_PARTIAL):
+        sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+        first, second = body(PROMPT[:10], end=False), body(PROMPT[10:], end=True)
+        answers = run(sidecar, headers("/v1/completions", body_mode=mode), first, second, response_body(end=True))
+        assert destination(answers[1]) is None and destination(answers[2]) is not None, mode
+        assert sidecar.router.stats().in_flight == 0
 
 
 def response_headers(status: str) -> Any:

@@ -4,14 +4,21 @@ routing, fail-open when the sidecar is down."""
 
 from __future__ import annotations
 
+import json
+import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import h2.config
+import h2.connection
+import h2.events
 import pytest
 
 from prefixroute.adapters.serve.loopback import Process, start_envoy, start_haproxy, start_nginx
 
+from ..conftest import wait_until
 from .test_serve_scenarios import (
+    SHARED,
     Stack,
     check_a_long_context_prompt_is_routed,
     check_a_prompt_of_megabytes_is_served,
@@ -56,6 +63,47 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 @pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__.removeprefix("check_"))
 def test_gateway(stack: Stack, check: Callable[[Stack], None]) -> None:
     check(stack)
+
+
+def post_with_trailers(port: int, path: str, payload: bytes) -> tuple[int, bytes]:
+    """POST ``payload`` over HTTP/2 (cleartext, prior knowledge), its body ended by trailers rather than by its last
+    DATA frame; return the answer's status and body."""
+    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        connection.initiate_connection()
+        headers = [(":method", "POST"), (":path", path), (":scheme", "http"), (":authority", "localhost"),
+                   ("content-type", "application/json")]  # fmt: skip
+        connection.send_headers(1, headers)
+        connection.send_data(1, payload)
+        connection.send_headers(1, [("x-checksum", "0")], end_stream=True)  # the trailers end the request
+        sock.sendall(connection.data_to_send())
+        status, answer = 0, b""
+        while True:
+            data = sock.recv(65536)
+            assert data, "the connection closed before the answer ended"
+            for event in connection.receive_data(data):
+                if isinstance(event, h2.events.ResponseReceived):
+                    status = int(dict(event.headers)[b":status"])
+                elif isinstance(event, h2.events.DataReceived):
+                    answer += event.data
+                    connection.acknowledge_received_data(event.flow_controlled_length, 1)
+                elif isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
+                    return status, answer
+            sock.sendall(connection.data_to_send())
+
+
+def test_envoy_routes_a_request_whose_body_ends_with_trailers(stack: Stack) -> None:
+    """An HTTP/2 client may end its body with trailers: Envoy then sends the picker the buffered body without
+    end_of_stream, and the picker must route it then (the trailers' answer can no longer change the headers)."""
+    if stack.mode != "ext_proc":
+        pytest.skip("HTTP/2 request trailers reach only Envoy's picker")
+    before, served = stack.decisions(), stack.served()
+    payload = json.dumps({"model": "fake-model", "prompt": [*SHARED, 7, 8], "max_tokens": 8}).encode()
+    status, answer = post_with_trailers(stack.ports["proxy"], "/v1/completions", payload)
+    assert status == 200 and json.loads(answer)["choices"], answer
+    assert stack.decisions() == before + 1  # routed by the picker, not sent to the fail-open pool
+    assert sum(stack.served()) == sum(served) + 1
+    wait_until(lambda: stack.in_flight() == 0, what="the release of the request")
 
 
 @pytest.mark.parametrize(

@@ -2,17 +2,21 @@
 
 Envoy's ``ext_proc`` filter opens one gRPC stream per HTTP request and sends it the request headers, the buffered
 request body, the response headers and each response body chunk. The picker reads the OpenAI body, routes it
-(:meth:`Sidecar.pick`), and answers the body message with the destination in the ``x-gateway-destination-endpoint``
-header (which an ``ORIGINAL_DST`` cluster with ``use_http_header`` connects to) and in the ``envoy.lb`` dynamic
-metadata, as the endpoint-picker contract says. The first response body chunk reports the first token (of a 200
-answer, or one whose ``:status`` the picker is not sent: an error's body is no first token); the last one, or the
-stream's end for any other reason (upstream error, client abort: Envoy resets the stream), finishes the request,
-exactly once; refused when the response headers' ``:status`` is a 4xx (the engine computed nothing). A body the
-picker cannot route gets no header, so Envoy's route falls back to its plain balancer cluster (a request with no
-body too, counted as a 400 as HTTP's empty body is). A message that is not
-a ``ProcessingRequest``, or one that sets no phase (no answer fits it), ends the stream with ``INVALID_ARGUMENT``
-(counted as a 400); a body over the sidecar's
-``max_body_bytes`` (streamed chunk by chunk, or buffered) is not kept nor routed (counted as a 413).
+(:meth:`Sidecar.pick`), and answers the body message that ends the body with the destination in the
+``x-gateway-destination-endpoint`` header (which an ``ORIGINAL_DST`` cluster with ``use_http_header`` connects to)
+and in the ``envoy.lb`` dynamic metadata, as the endpoint-picker contract says. A request whose body ends with
+trailers (HTTP/2) comes as one body message without ``end_of_stream``: it is routed on that message when Envoy says
+its request body mode is ``BUFFERED`` (``protocol_config`` in its first message; newer Envoys, 1.40 included, send
+it), as that answer is the last one that can change the request headers (a ``TrailersResponse`` mutates only the
+trailers). From an Envoy that does not say its mode, such a body looks like the first chunk of a stream: it is not
+routed, and falls back to Envoy's pool. The first response body chunk reports the first token (of a 200 answer, or
+one whose ``:status`` the picker is not sent: an error's body is no first token); the last one, or the stream's end
+for any other reason (upstream error, client abort: Envoy resets the stream), finishes the request, exactly once;
+refused when the response headers' ``:status`` is a 4xx (the engine computed nothing). A body the picker cannot route
+gets no header, so Envoy's route falls back to its plain balancer cluster (a request with no body too, counted as a
+400 as HTTP's empty body is). A message that is not a ``ProcessingRequest``, or one that sets no phase (no answer
+fits it), ends the stream with ``INVALID_ARGUMENT`` (counted as a 400); a body over the sidecar's ``max_body_bytes``
+(streamed chunk by chunk, or buffered) is not kept nor routed (counted as a 413).
 
 Needs the ``prefixroute[serve]`` extra (grpcio and the generated Envoy protos of ``xds-protos``).
 """
@@ -25,6 +29,7 @@ from typing import Any
 
 import grpc
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
@@ -59,8 +64,11 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         answered_first = False
         status = ""  # the response's :status ("": not seen, the response headers not sent to the picker)
         refused = False
+        whole = False  # Envoy said its request body mode is BUFFERED: its one body message is the whole body
         try:
             async for request in requests:
+                if request.HasField("protocol_config"):  # newer Envoys (1.40 is tested) say it in the first message
+                    whole = request.protocol_config.request_body_mode == ProcessingMode.BUFFERED
                 kind = request.WhichOneof("request")
                 if kind == "request_headers":
                     path = _header(request.request_headers.headers, ":path").split("?", 1)[0]
@@ -78,7 +86,10 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                             _log.debug("ext_proc: not routed (the body is over %d bytes)", self._sidecar.max_body_bytes)
                         else:
                             body.append(request.request_body.body)
-                    if picked or not request.request_body.end_of_stream:  # body sent past its end: ignored
+                    # A BUFFERED body whose request ends with trailers comes whole without end_of_stream, and only
+                    # this answer can still change the request headers (a TrailersResponse mutates the trailers).
+                    ended = request.request_body.end_of_stream or whole
+                    if picked or not ended:  # a chunk of a streamed body, or body sent past its end: ignored
                         yield pb.ProcessingResponse(request_body=pb.BodyResponse())
                         continue
                     picked = True  # one pick a stream: a second decision would leave the first in flight
@@ -99,6 +110,8 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                             decision_id = None
                     yield pb.ProcessingResponse(response_body=pb.BodyResponse())
                 elif kind == "request_trailers":
+                    if not picked and path in PICK_PATHS:  # too late: Envoy no longer holds the request headers
+                        _log.debug("ext_proc: not routed (the trailers came before a body message that could be)")
                     yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
                 elif kind == "response_trailers":
                     yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
