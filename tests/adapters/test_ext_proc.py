@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -15,9 +17,9 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from prefixroute import Candidate, LoadPolicy, Router
+from prefixroute import Candidate, ConfigurationError, LoadPolicy, Router
 from prefixroute.adapters.serve import Sidecar
-from prefixroute.adapters.serve.ext_proc import DESTINATION_HEADER, EndpointPicker
+from prefixroute.adapters.serve.ext_proc import DESTINATION_HEADER, EndpointPicker, start_ext_proc
 from prefixroute.adapters.serve.loopback import Process, free_port, start_sidecar
 
 from ..conftest import TickingClock, wait_until
@@ -314,3 +316,84 @@ def test_a_streamed_body_over_the_limit_is_not_routed_nor_kept_and_is_counted_41
     assert after["bad_requests"]["413"] - before["bad_requests"].get("413", 0) == 2  # the HTTP one and this one
     a_good_request_is_routed_and_released(grpc_port, client)
     assert "Traceback" not in process.output()
+
+
+class Partitionable:
+    """A TCP relay on loopback between a client and ``port``, which :meth:`partition` turns into a silent network
+    partition: bytes either way are dropped from then on, and neither side sees its connection close."""
+
+    def __init__(self, port: int) -> None:
+        self._port = port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self._cut = threading.Event()
+        self._sockets: list[socket.socket] = [self._listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def partition(self) -> None:
+        self._cut.set()
+
+    def close(self) -> None:
+        for sock in self._sockets:
+            sock.close()
+
+    def _accept(self) -> None:
+        try:
+            while True:
+                client, _ = self._listener.accept()
+                server = socket.create_connection(("127.0.0.1", self._port))
+                self._sockets += [client, server]
+                for source, sink in ((client, server), (server, client)):
+                    threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+        except OSError:  # closed
+            return
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                if not self._cut.is_set():
+                    sink.sendall(data)
+        except OSError:  # closed
+            return
+
+
+def test_a_vanished_envoy_is_noticed_by_keepalive_pings_and_its_decision_released() -> None:
+    """Envoy silently cut off (a network partition, a host gone) leaves its streams open on the picker: without
+    keepalive pings their decisions stayed in flight until their lease. The stream here is idle for many ping
+    periods before the cut (a long prefill streams nothing): the pings must go on without data."""
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    for bad in ({"keepalive_s": 0}, {"keepalive_timeout_s": float("inf")}, {"keepalive_s": "30"}):
+        with pytest.raises(ConfigurationError, match=next(iter(bad))):
+            asyncio.run(start_ext_proc(sidecar, "127.0.0.1", 0, **bad))
+
+    async def go() -> tuple[float, float]:
+        server, port = await start_ext_proc(sidecar, "127.0.0.1", 0, keepalive_s=0.2, keepalive_timeout_s=1.0)
+        relay = Partitionable(port)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{relay.port}")
+        try:
+            process = channel.stream_stream(
+                "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+                request_serializer=lambda message: message.SerializeToString(),
+                response_deserializer=pb.ProcessingResponse.FromString,
+            )
+            call = process()
+            await call.write(headers("/v1/completions"))
+            await call.write(body(PROMPT, end=True))
+            answers = [await call.read(), await call.read()]
+            assert destination(answers[1]) is not None and sidecar.router.stats().in_flight == 1
+            await asyncio.sleep(2.0)  # ten ping periods, the stream idle: still alive, still in flight
+            in_flight_before_cut = sidecar.router.stats().in_flight
+            relay.partition()
+            cut = time.monotonic()
+            while sidecar.router.stats().in_flight and time.monotonic() - cut < 10:
+                await asyncio.sleep(0.02)
+            return in_flight_before_cut, time.monotonic() - cut
+        finally:
+            await channel.close()
+            await server.stop(None)
+            relay.close()
+
+    in_flight_before_cut, released_after = asyncio.run(go())
+    assert in_flight_before_cut == 1
+    assert sidecar.router.stats().in_flight == 0, "the decision stayed in flight after the partition"
+    assert released_after < 5.0  # a ping period and its timeout (1.2 s), with room for a loaded machine

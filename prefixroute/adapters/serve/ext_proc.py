@@ -35,8 +35,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 from google.protobuf.message import DecodeError
 
+from prefixroute._numbers import as_float, shown
 from prefixroute.adapters.serve.app import PICK_PATHS, Sidecar
 from prefixroute.adapters.serve.contract import BadRequest, is_refusal
+from prefixroute.errors import ConfigurationError
 
 __all__ = ["DESTINATION_HEADER", "EndpointPicker", "start_ext_proc"]
 
@@ -169,23 +171,51 @@ def _header(headers: Any, name: str) -> str:
     return ""
 
 
-async def start_ext_proc(sidecar: Sidecar, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+async def start_ext_proc(
+    sidecar: Sidecar, host: str, port: int, *, keepalive_s: float = 30.0, keepalive_timeout_s: float = 10.0
+) -> tuple[grpc.aio.Server, int]:
     """Start the endpoint picker on ``host:port`` (0: any free port); return the server and its port.
 
     The port is bound without ``SO_REUSEPORT`` (gRPC's default sets it), so a port another process already
     serves is refused rather than shared with it. A message may be as long as the sidecar's ``max_body_bytes`` and
-    1 MiB more (a buffered body comes whole in one).
+    1 MiB more (a buffered body comes whole in one). The server pings each connection every ``keepalive_s`` seconds
+    (idle or not, streams carrying data or not) and closes it when a ping goes unanswered for ``keepalive_timeout_s``:
+    the streams of an Envoy that vanished without closing them (a host gone, a silent network partition) end then,
+    and so release their decisions, instead of counting them in flight until their lease.
 
     Raises:
+        ConfigurationError: ``keepalive_s`` or ``keepalive_timeout_s`` is not a positive, finite number of seconds.
         OSError: the port cannot be bound.
     """
+    time_ms = _milliseconds("keepalive_s", keepalive_s)
+    timeout_ms = _milliseconds("keepalive_timeout_s", keepalive_timeout_s)
     # A buffered body comes in one message: let it be as long as the sidecar reads (gRPC's default stops at 4 MiB,
     # which failed the stream, so such a request fell back unrouted), with room for the headers.
     limit = sidecar.max_body_bytes + 2**20
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", limit)])
+    options = [
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.keepalive_time_ms", time_ms),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        # gRPC times a keepalive ping's ack with this one too (default 1 min): with grpcio 1.85 and only
+        # keepalive_timeout_ms set, an unanswered ping got a 60 s timer (its http2_ping trace says so).
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
+        ("grpc.keepalive_permit_without_calls", 1),  # a connection with no stream left: closed too, once dead
+        ("grpc.http2.max_pings_without_data", 0),  # no cap: a stream waiting out a long prefill carries no data
+    ]
+    server = grpc.aio.server(options=options)
     pb_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(sidecar), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind the ext_proc port {host}:{port}")
     await server.start()
     return server, bound
+
+
+def _milliseconds(name: str, value: object) -> int:
+    """``value`` seconds as whole milliseconds (at least 1), if it is a positive, finite number; else a
+    ConfigurationError."""
+    seconds = as_float(value)
+    if seconds is None or seconds <= 0:
+        raise ConfigurationError(f"{name} must be a positive, finite number of seconds, not {shown(value)}")
+    return max(1, round(seconds * 1000))
