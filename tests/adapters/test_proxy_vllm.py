@@ -135,14 +135,14 @@ def vllm_proxy(tmp_path: Path) -> Iterator[tuple[Proxy, list[FakeVLLM]]]:
 def test_the_router_follows_the_engines_kv_events(vllm_proxy: tuple[Proxy, list[FakeVLLM]]) -> None:
     proxy, engines = vllm_proxy
     urls = list(proxy.backends)
-    prompt = list(range(2000, 2064))
+    prompt = list(range(100, 164))  # ids of the model's vocabulary (the proxy refuses others, as vLLM does)
     engines[1].complete(prompt)  # cached on engine 1 by someone else: only its KV events tell the proxy
     wait_until(lambda: proxy.router.decide(prompt, urls).confirmed_tokens == 64)
     reply = post(proxy, {"prompt": [*prompt, 7, 8, 9]})
     assert reply.headers["x-prefixroute-backend"] == urls[1]
     assert reply.headers["x-prefixroute-matched-tokens"] == "64"
     assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 64  # the engine's own hit
-    other = list(range(3000, 3048))
+    other = list(range(10, 58))
     engines[0].complete(other)
     wait_until(lambda: proxy.router.decide(other, urls).backend == urls[0])
     engines[0].clear_cache()  # AllBlocksCleared: what engine 0 held is forgotten
@@ -161,7 +161,7 @@ def test_engine_metrics_feed_the_policy_and_a_failing_scrape_takes_a_backend_out
         return {c.backend: c.queue_len for c in proxy.router.decide([1] * 32, urls).candidates}
 
     wait_until(lambda: queue() == {urls[0]: 7, urls[1]: 0})
-    prompt = list(range(4000, 4064))
+    prompt = list(range(120, 184))
     engines[0].complete(prompt)
     wait_until(lambda: proxy.router.decide(prompt, urls).backend == urls[0])
     engines[0].set_metrics_fault(text="not prometheus {")
@@ -208,6 +208,39 @@ def test_content_parts_render_as_vllm_passes_them_to_a_string_template(tmp_path:
     assert encoder.encode_chat([{"role": "user", "content": parts}]) == encoder.encode_chat(
         [{"role": "user", "content": "w1 w2\nw3"}]
     )
+
+
+def test_token_ids_past_the_models_vocabulary_are_vllms_400_before_any_decision(tmp_path: Path) -> None:
+    """vLLM answers a prompt holding an id past the larger of its tokenizer's largest id and the model's vocab_size - 1
+    with 400 "Token id N is out of vocabulary"; the proxy sent it on after its router had decided and committed. With
+    the model's tokenizer it now answers so itself, before routing. The model's config.json counts as vLLM counts it
+    (Qwen's model vocabulary is larger than its tokenizer's: the ids in between are served); a batch is checked whole,
+    as the engine checks it. Without a tokenizer, ids go on as sent: the engine judges them."""
+    folder = make_tokenizer(tmp_path / "model")  # ids 0 to 203
+    configs = [(None, 203), ({"vocab_size": 256}, 255), ({"vocab_size": 100}, 203),
+               ({"vocab_size": 32000, "text_config": {"vocab_size": 240}}, 239)]  # fmt: skip
+    with OpenAIEngine(max_tokens=2) as engine:
+        for config, top in configs:
+            if config is not None:
+                (folder / "config.json").write_text(json.dumps(config))
+            assert PromptEncoder(folder).max_token_id == top
+            proxy, _ = proxy_from_command_line("--backends", engine.url, "--tokenizer", str(folder))
+            with proxy:
+                post(proxy, {"prompt": [1, top]})  # the largest id the engine takes
+                for prompt, bad in (([1, top + 1], top + 1), ([[1, 2], [top + 7, 3]], top + 7), ([2**31], 2**31)):
+                    reply = httpx.post(proxy.url + "/v1/completions", json={"prompt": prompt}, timeout=10)
+                    assert reply.status_code == 400, reply.text
+                    error = {"message": f"Token id {bad} is out of vocabulary", "type": "BadRequestError",
+                             "param": None, "code": 400}  # fmt: skip
+                    assert reply.json() == {"error": error}
+                assert proxy.stats().bad_request == 3 and proxy.router.stats().decisions == 1
+        assert engine.stats().requests == len(configs)  # none of the refused reached it
+        (folder / "config.json").write_text("{not json")
+        with pytest.raises(ConfigurationError, match="config.json"):
+            PromptEncoder(folder)
+        proxy, _ = proxy_from_command_line("--backends", engine.url)
+        with proxy:
+            post(proxy, {"prompt": [1, 2**31]})
 
 
 @pytest.mark.parametrize(

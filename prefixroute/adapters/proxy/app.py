@@ -95,7 +95,10 @@ class Proxy:
         backends: base URLs of the vLLM OpenAI servers (``http://gpu0:8000``).
         encoder: text and chat messages to token ids for requests that send text (default: UTF-8 bytes,
             :class:`~prefixroute.adapters.proxy.prompts.ByteEncoder`; pass the model's tokenizer). It is called on
-            a worker thread for a body over 64 KiB, so it must be thread-safe, as the library's encoders are.
+            a worker thread for a body over 64 KiB, so it must be thread-safe, as the library's encoders are. One
+            with an int ``max_token_id`` (:class:`~prefixroute.adapters.serve.PromptEncoder`: the engine's largest
+            token id) also has a prompt of token ids past it answered 400 before routing, in vLLM's words (``Token
+            id N is out of vocabulary``), every prompt of a batch; without one, token ids go on as sent.
         fleet: a :class:`~prefixroute.vllm.Fleet` whose health (``/metrics`` scrapes) also filters the backends;
             its owner starts and closes it.
         retries: how many times a request whose connection failed goes to another backend, 0 to
@@ -163,6 +166,9 @@ class Proxy:
         self.router = router
         self.backends: tuple[str, ...] = tuple(urls)
         self._encoder: PromptEncoding = encoder if encoder is not None else ByteEncoder()
+        # The model's tokenizer knows the engine's largest token id: a prompt past it is refused before routing.
+        largest = getattr(encoder, "max_token_id", None)
+        self._max_token_id: int | None = largest if type(largest) is int else None
         self._fleet = fleet
         self._retries = retries
         self._max_failures = max_failures
@@ -306,7 +312,7 @@ class Proxy:
 
     def _tokens(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], list[int]]:
         body = _decode(raw)
-        return body, request_tokens(body, chat=chat, encoder=self._encoder)
+        return body, request_tokens(body, chat=chat, encoder=self._encoder, max_token_id=self._max_token_id)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._proxy(request, chat=False)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Annotated, Any, Protocol, runtime_checkable
 
 import msgspec
 
@@ -89,14 +90,17 @@ class ByteEncoder:
         return self.encode(serialise_chat(messages))
 
 
-def request_tokens(body: object, *, chat: bool, encoder: PromptEncoding) -> list[int]:
-    """The token ids ``body`` (a decoded OpenAI request) routes on. O(prompt).
+def request_tokens(body: object, *, chat: bool, encoder: PromptEncoding, max_token_id: int | None = None) -> list[int]:
+    """The token ids ``body`` (a decoded OpenAI request) routes on. O(prompt); O(batch) for a batch of token ids.
 
     Completions: ``prompt`` as token ids is used as sent; as text it is encoded; a batch routes on its first
-    prompt. Chat: ``messages`` are encoded with the encoder's chat rendering.
+    prompt. Chat: ``messages`` are encoded with the encoder's chat rendering. ``max_token_id``: the largest id the
+    engine takes (:attr:`PromptEncoder.max_token_id <prefixroute.adapters.serve.PromptEncoder.max_token_id>`), to
+    refuse a prompt of token ids past it, every prompt of a batch, as vLLM does; None: not checked.
 
     Raises:
-        BadRequest: the body is not an object, or has no usable ``prompt`` / ``messages``.
+        BadRequest: the body is not an object, or has no usable ``prompt`` / ``messages``, or a prompt's token id is
+            past ``max_token_id`` (vLLM's message: ``Token id N is out of vocabulary``).
     """
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
@@ -107,15 +111,21 @@ def request_tokens(body: object, *, chat: bool, encoder: PromptEncoding) -> list
         return encoder.encode_chat(messages)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if max_token_id is not None:  # the engine refuses the whole batch for one prompt's id
+            for other in prompt[1:]:
+                if isinstance(other, list):
+                    _converted(other, max_token_id)  # not a list of ints: the engine's to answer
         prompt = prompt[0]  # a batch: route on its first prompt
     if isinstance(prompt, str):
         return encoder.encode(prompt)
     if isinstance(prompt, list) and prompt:
-        return _token_ids(prompt)
+        return _token_ids(prompt, max_token_id)
     raise BadRequest("'prompt' must be a string, a non-empty list of token ids, or a batch of those")
 
 
-async def request_tokens_async(body: object, *, chat: bool, encoder: PromptEncoding) -> list[int]:
+async def request_tokens_async(
+    body: object, *, chat: bool, encoder: PromptEncoding, max_token_id: int | None = None
+) -> list[int]:
     """:func:`request_tokens` for a caller on an event loop: on a worker thread (``asyncio.to_thread``) when the
     body holds over :data:`INLINE_TEXT` characters of text, else inline. The encoder must then be thread-safe, as
     :class:`TokenizerEncoder` and :class:`ByteEncoder` are. O(prompt); O(messages) on the loop.
@@ -124,8 +134,8 @@ async def request_tokens_async(body: object, *, chat: bool, encoder: PromptEncod
         BadRequest: as :func:`request_tokens`.
     """
     if _text_length(body, chat) > INLINE_TEXT:
-        return await asyncio.to_thread(request_tokens, body, chat=chat, encoder=encoder)
-    return request_tokens(body, chat=chat, encoder=encoder)
+        return await asyncio.to_thread(request_tokens, body, chat=chat, encoder=encoder, max_token_id=max_token_id)
+    return request_tokens(body, chat=chat, encoder=encoder, max_token_id=max_token_id)
 
 
 def _text_length(body: object, chat: bool) -> int:
@@ -155,15 +165,39 @@ def _text_length(body: object, chat: bool) -> int:
     return len(prompt) if isinstance(prompt, str) else 0
 
 
-def _token_ids(prompt: list[Any]) -> list[Any]:
+def _token_ids(prompt: list[Any], max_token_id: int | None) -> list[Any]:
     """``prompt`` as token ids, refusing JSON's ``true`` and ``false`` (Python's bools are ints, which the router
-    would take for ids 1 and 0); the router checks the rest and says which id is bad. O(n), in C."""
+    would take for ids 1 and 0) and an id past ``max_token_id`` (:func:`_converted`); the router checks the rest and
+    says which id is bad. O(n), in C."""
+    ids = _converted(prompt, max_token_id)
+    if ids is not None:
+        return ids
+    position = next((i for i, token in enumerate(prompt) if isinstance(token, bool)), None)
+    if position is not None:
+        raise BadRequest(f"'prompt' has {str(prompt[position]).lower()} at position {position}: token ids are integers")
+    return prompt
+
+
+def _converted(prompt: list[Any], max_token_id: int | None) -> list[int] | None:
+    """``prompt`` as a list of ints, None when it is not one (JSON's ``true`` and ``false`` are no ints here). O(n):
+    msgspec checks the bound as it converts, in C (a third of the cost of a ``max()`` after, measured on 2K ids).
+
+    Raises:
+        BadRequest: an id is past ``max_token_id``, in vLLM's words (naming the prompt's largest id) and with its
+            status (400).
+    """
     try:
-        return msgspec.convert(prompt, list[int])
+        return msgspec.convert(prompt, list[int] if max_token_id is None else _bounded_ids(max_token_id))
     except msgspec.ValidationError:
-        position = next((i for i, token in enumerate(prompt) if isinstance(token, bool)), None)
-        if position is not None:
-            raise BadRequest(
-                f"'prompt' has {str(prompt[position]).lower()} at position {position}: token ids are integers"
-            ) from None
-        return prompt
+        pass
+    try:
+        ids = msgspec.convert(prompt, list[int])
+    except msgspec.ValidationError:
+        return None
+    raise BadRequest(f"Token id {max(ids)} is out of vocabulary")  # only the bound failed
+
+
+@functools.lru_cache(maxsize=16)
+def _bounded_ids(max_token_id: int) -> Any:
+    """The type of a list of token ids none of which is past ``max_token_id``."""
+    return list[Annotated[int, msgspec.Meta(le=max_token_id)]]

@@ -51,6 +51,12 @@ class PromptEncoder:
         self._chat = PromptTokenizer(tokenizer, add_special_tokens=False)
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
         """Token ids at or above this are out of the model's range."""
+        largest = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+        model_vocab_size = _model_vocab_size(file.parent)
+        self.max_token_id: int = largest if model_vocab_size is None else max(largest, model_vocab_size - 1)
+        """The largest token id the engine takes in a prompt, as vLLM checks it: the larger of the tokenizer's largest
+        id and the model's ``vocab_size`` - 1 (from ``config.json`` beside ``tokenizer.json``, its ``text_config``'s
+        first; a model's vocabulary may be padded past its tokenizer's, as Qwen's is)."""
         self._template = _load_template(file.parent)
 
     @property
@@ -81,6 +87,30 @@ class PromptEncoder:
         except Exception as exc:  # the template's own raise_exception(), or a jinja error on odd messages
             raise InvalidPromptError(f"the model's chat template rejected the messages: {exc}") from exc
         return self._chat.encode(text)
+
+
+def _model_vocab_size(folder: Path) -> int | None:
+    """The model's vocabulary size as vLLM reads it (``vocab_size`` of ``config.json``'s ``text_config`` when it has
+    one, else its own), or None when the folder has no ``config.json`` or it gives none.
+
+    Raises:
+        ConfigurationError: ``config.json`` is not a readable JSON object.
+    """
+    file = folder / "config.json"
+    if not file.is_file():
+        return None
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigurationError(f"{str(file)!r} is not readable JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ConfigurationError(f"{str(file)!r} must hold a JSON object, not {type(config).__name__}")
+    text_config = config.get("text_config")
+    for source in (text_config if isinstance(text_config, dict) else {}, config):
+        size = source.get("vocab_size")
+        if type(size) is int and size > 0:
+            return size
+    return None
 
 
 def _flattened(message: Mapping[str, Any]) -> Mapping[str, Any]:
