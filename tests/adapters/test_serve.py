@@ -86,6 +86,25 @@ def test_backends_lease_and_model_per_request() -> None:
     assert unknown.status_code == 404 and "qwen" in unknown.json()["error"]
 
 
+def test_a_requests_own_lease_is_cut_to_the_sidecars() -> None:
+    """Any finite lease was taken, so one client could pin a decision in flight for years (or 1000 times too long,
+    sending milliseconds for seconds). The sidecar's lease (--lease) now bounds a body's own: a longer one is cut to
+    it, still answered 200 as the contract says; a shorter one is kept."""
+    clock = [0.0]
+    router = Router(block_size=4, clock=lambda: clock[0])
+    sidecar = Sidecar(router, backends=BACKENDS, lease=600.0)
+    routed = [call(sidecar, "POST", "/route", {"prompt_token_ids": ids(8), "lease": lease}) for lease in (1e9, 5)]
+    assert [reply.status_code for reply in routed] == [200, 200]
+    clock[0] = 6.0
+    assert router.expire() == 1  # the 5 s lease
+    clock[0] = 600.5
+    assert router.expire() == 1 and router.stats().in_flight == 0  # the 1e9 s lease, cut to 600 s
+    unbounded = Sidecar(Router(block_size=4, clock=lambda: clock[0]), backends=BACKENDS, lease=None)
+    assert call(unbounded, "POST", "/route", {"prompt_token_ids": ids(8), "lease": 1e9}).status_code == 200
+    clock[0] = 1e6
+    assert unbounded.router.expire() == 0  # no lease of its own: the body's is kept
+
+
 BAD_BODIES: list[tuple[bytes, str]] = [
     (b"{not json", "not valid JSON"),
     (b"[1, 2]", "object"),

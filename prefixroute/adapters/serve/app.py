@@ -78,8 +78,9 @@ class Sidecar:
     ``model`` values accepted; the first is the router's own namespace (so KV events hashed without a namespace
     match it), any other is its own namespace. Without ``models`` any model is accepted: those in
     :attr:`base_models` (the backends' base model, which ``prefixroute serve`` learns from their ``/v1/models``)
-    route in the router's own namespace, any other (a LoRA adapter) in its own. ``lease`` is the default lease of
-    every request in seconds (None: counted until finished). ``healthy`` filters the backends to route to (e.g.
+    route in the router's own namespace, any other (a LoRA adapter) in its own. ``lease`` is the lease of every
+    request in seconds (None: counted until finished), and the longest a ``/route`` body may ask for (a longer one is
+    cut to it). ``healthy`` filters the backends to route to (e.g.
     :meth:`prefixroute.vllm.Fleet.healthy_backends`); when it leaves none, all are used (fail open).
     ``accel_redirect`` is the nginx named location a pick answer redirects to. ``clock`` times each decision
     (decode, route, start) for the histogram.
@@ -190,7 +191,7 @@ class Sidecar:
         started = self._clock()
         request: RouteBody = decode(body, RouteBody)
         prompt = route_prompt(request)
-        decision = self.decide(prompt, model=request.model, backends=request.backends, lease=request.lease)
+        decision = self.decide(prompt, model=request.model, backends=request.backends, lease=self._cut(request.lease))
         self.metrics.decided(decision, self._clock() - started)
         return decision
 
@@ -205,7 +206,7 @@ class Sidecar:
         request: RouteBody = decode(body, RouteBody)
         prompt = route_prompt(request)
         decision = await self._decide_async(
-            prompt, len(body), model=request.model, backends=request.backends, lease=request.lease
+            prompt, len(body), model=request.model, backends=request.backends, lease=self._cut(request.lease)
         )
         self.metrics.decided(decision, self._clock() - started)
         return decision
@@ -328,6 +329,13 @@ class Sidecar:
             "releases": dict(self.metrics.releases),
             "bad_requests": {str(k): v for k, v in self.metrics.bad_requests.items()},
         }
+
+    def _cut(self, lease: float | None) -> float | None:
+        """A ``/route`` body's own lease, cut to the sidecar's: ``--lease`` bounds every request, so a client cannot
+        pin a decision in flight for longer (one that sends milliseconds for seconds, or a lease of years)."""
+        if lease is None or self._lease is None:
+            return lease
+        return min(lease, self._lease)
 
     def _namespace(self, model: str | None) -> str | None:
         if model is None:

@@ -63,8 +63,9 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--port", type=_port, default=8100, metavar="P", help="HTTP port (default 8100; 0: any)")
     parser.add_argument(
-        "--lease", type=_seconds, default=600.0, metavar="SECONDS", help="default lease of a request (default 600)"
-    )
+        "--lease", type=_seconds, default=600.0, metavar="SECONDS",
+        help="lease of a request, and the longest a /route body may ask for (default 600)",
+    )  # fmt: skip
     parser.add_argument("--models", nargs="+", metavar="NAME", help="the only accepted models (the first: default)")
     parser.add_argument(
         "--kv-events", nargs="+", default=[], metavar="BACKEND=ENDPOINT[,REPLAY]",
