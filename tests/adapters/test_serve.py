@@ -207,7 +207,21 @@ def test_text_and_chat_prompts_use_the_model_tokenizer_and_template(model_dir: P
     text = call(sidecar, "POST", "/route", {"prompt": CORPUS[0]}).json()
     assert text["prompt_tokens"] == len(encoder.encode(CORPUS[0]))
     out_of_range = call(sidecar, "POST", "/route", {"prompt_token_ids": [1, encoder.vocab_size]})
-    assert out_of_range.status_code == 400 and "out of range" in out_of_range.json()["error"]
+    assert out_of_range.status_code == 400 and "out of vocabulary" in out_of_range.json()["error"]
+
+
+def test_token_ids_of_a_padded_vocabulary_are_routed_as_vllm_serves_them(model_dir: Path, tmp_path: Path) -> None:
+    """A model's vocabulary may be padded past its tokenizer's (Qwen's is) and vLLM serves the ids in between: the
+    sidecar refused every id past the tokenizer's; it now takes the engine's limit, PromptEncoder.max_token_id."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((model_dir / name).read_bytes())
+    tokenizer_size = PromptEncoder(tmp_path).vocab_size
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": tokenizer_size + 64}))
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, encoder=PromptEncoder(tmp_path))
+    padded = call(sidecar, "POST", "/route", {"prompt_token_ids": [1, tokenizer_size + 63]})
+    assert padded.status_code == 200, padded.json()
+    past = call(sidecar, "POST", "/route", {"prompt_token_ids": [1, tokenizer_size + 64]})
+    assert past.status_code == 400 and f"Token id {tokenizer_size + 64} is out of vocabulary" in past.json()["error"]
 
 
 def test_chat_without_a_template_uses_the_documented_serialisation(model_dir: Path, tmp_path: Path) -> None:

@@ -157,6 +157,10 @@ class Sidecar:
         self._fixed = frozenset(self.backends)
         self.metrics = SidecarMetrics()
         self._encoder = encoder
+        # The largest token id the engine takes (vLLM's rule, PromptEncoder.max_token_id): a model's vocabulary may be
+        # padded past its tokenizer's, and vLLM serves those ids.
+        largest = getattr(encoder, "max_token_id", None)
+        self._max_token_id = largest if type(largest) is int else None if encoder is None else encoder.vocab_size - 1
         self._models = tuple(models) if models is not None else None
         if (
             isinstance(base_models, (str, bytes))
@@ -349,10 +353,9 @@ class Sidecar:
     def _tokens(self, prompt: Prompt) -> list[int]:
         if _is_token_ids(prompt):
             tokens = prompt
-            if self._encoder is not None and max(tokens) >= self._encoder.vocab_size:
-                raise BadRequest(
-                    400, f"token id {max(tokens)} is out of range: the model's tokenizer has {self._encoder.vocab_size}"
-                )
+            if self._max_token_id is not None and max(tokens) > self._max_token_id:
+                raise BadRequest(400, f"Token id {max(tokens)} is out of vocabulary (the model's largest is "
+                                      f"{self._max_token_id})")  # fmt: skip
             return tokens
         if self._encoder is None:
             raise BadRequest(400, "text prompts need a tokenizer: send 'prompt_token_ids', or start with --tokenizer")
