@@ -300,15 +300,25 @@ class FakeVLLM:
                 raise TimeoutError(f"the fake engine did not send its batches within {timeout}s")
 
     def drop_next(self, count: int = 1) -> None:
-        """Lose the next ``count`` published messages on the PUB socket (they stay replayable)."""
+        """Lose the next ``count`` published messages on the PUB socket (they stay replayable).
+
+        Raises:
+            ConfigurationError: ``count`` is not an int in [0, 2**31].
+        """
+        number = _count(count, "count")
         with self._lock:
-            self._drop += count
+            self._drop += number
 
     def set_load(self, *, running: int = 0, waiting: int = 0) -> None:
-        """Report ``running`` extra running and ``waiting`` queued requests (waiting also slows TTFT)."""
+        """Report ``running`` extra running and ``waiting`` queued requests (waiting also slows TTFT).
+
+        Raises:
+            ConfigurationError: either is not an int in [0, 2**31] (nothing changes; ``/metrics`` would fail on it).
+        """
+        extra, queued = _count(running, "running"), _count(waiting, "waiting")
         with self._lock:
-            self._extra_running = running
-            self._waiting = waiting
+            self._extra_running = extra
+            self._waiting = queued
 
     def set_metrics_fault(self, *, text: str | None = None, delay: float = 0.0, trickle: float | None = None) -> None:
         """Make ``/metrics`` misbehave: serve ``text`` instead of the real figures (None: the real ones), answer
@@ -546,3 +556,11 @@ def _token_prompts(prompt: object) -> list[list[int]]:
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in p):
             raise ValueError("token ids must be ints in [0, 2**32)")
     return [list(p) for p in prompts]
+
+
+def _count(value: object, name: str) -> int:
+    """``value`` as a count in [0, 2**31], else ConfigurationError naming ``name``."""
+    number = as_int(value)
+    if number is None or not 0 <= number <= 2**31:
+        raise ConfigurationError(f"{name} must be an int in [0, 2**31], not {shown(value)}")
+    return number

@@ -204,3 +204,20 @@ def test_run_policy_summarize_and_check_speedup_refuse_the_wrong_types_with_erro
         summarize(None, policy="random")  # type: ignore[arg-type]
     with pytest.raises(InvalidTypeError, match="TraceWorkload"):
         check_speedup(None, 1.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", ["3", -1, 2.0, True, None, 2**40])
+@pytest.mark.parametrize("call", ["set_load_running", "set_load_waiting", "drop_next"])
+def test_fake_engine_load_and_drop_counts_are_checked_and_change_nothing(call: str, value: object) -> None:
+    """Was: set_load(waiting="3") was taken, and every later /metrics scrape failed inside the HTTP thread;
+    drop_next("3") raised a bare TypeError, drop_next(-1) made the engine publish without ever dropping."""
+    engine = FakeVLLM(block_size=4, num_blocks=16)
+    engine.set_load(running=1, waiting=2)
+    name = "count" if call == "drop_next" else call.removeprefix("set_load_")
+    with pytest.raises(ConfigurationError, match=re.escape(f"{name} must be an int in [0, 2**31]")):
+        if call == "drop_next":
+            engine.drop_next(value)  # type: ignore[arg-type]
+        else:
+            engine.set_load(**{name: value})  # type: ignore[arg-type]
+    assert "vllm:num_requests_waiting" in engine.metrics_text()  # unchanged, still served
+    engine.set_load(running=0, waiting=0)
