@@ -229,8 +229,11 @@ class LlmdDefaultProfile(LoadPolicy):
     blocks, in blocks of ``max(block size, 64)`` tokens (llm-d takes the engine's block size, 16 on vLLM, and raises
     it to 64); the request's blocks count a partial last block, matched only when the whole prompt is (a prompt
     under one block is that one partial block), and both stop at ``131072 // block`` blocks (a longer prompt is
-    hashed up to there only); queue = ``(max - q) / (max - min)`` over the endpoints' waiting queues, 1 for all
-    when equal; KV = ``1 - kv_usage``; each clamped to [0, 1] before weighting (``enforceScoreRange`` in
+    hashed up to there only). The router's index hashes whole blocks only, so the whole prompt counts as matched
+    when every whole router block of it is: an identical earlier prompt, which llm-d matches to the end, shows as no
+    more (a longer earlier prompt sharing those blocks does too, where llm-d's partial block would differ). Queue =
+    ``(max - q) / (max - min)`` over the endpoints' waiting queues, 1 for all when equal; KV = ``1 - kv_usage``;
+    each clamped to [0, 1] before weighting (``enforceScoreRange`` in
     ``pkg/epp/scheduling/scheduler_profile.go``). The highest weighted sum wins (ties: placement order, where the
     picker shuffles). The queue is the engine's ``queue_len`` (vLLM's waiting requests) when metrics supply it, else
     the router's ``in_prefill`` (its requests without a first token yet: waiting, or in prefill), the nearest it
@@ -264,13 +267,15 @@ class LlmdDefaultProfile(LoadPolicy):
         Blocks are ``max(block_size, min_block_tokens)`` tokens. llm-d hashes a partial last block too, so it matches
         only when the whole prompt is cached; a prompt shorter than one block is that one partial block. The router
         matches its own whole blocks, so a match ending within an llm-d block counts only llm-d's whole blocks
-        within it.
+        within it, and the whole prompt counts as cached when all of its whole router blocks are matched (the most
+        an identical earlier prompt can show; under one router block nothing shows, and nothing matches).
         """
         size = max(candidate.block_size, self.min_block_tokens)
         total = min(-(-candidate.prompt_tokens // size), self.max_prefix_tokens // size)
         if total <= 0:
             return 0.0
-        whole = candidate.matched_tokens >= candidate.prompt_tokens
+        visible = candidate.prompt_tokens // candidate.block_size * candidate.block_size
+        whole = candidate.matched_tokens >= candidate.prompt_tokens or 0 < visible <= candidate.matched_tokens
         matched = total if whole else min(candidate.matched_tokens // size, total)
         return matched / total
 

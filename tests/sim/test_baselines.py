@@ -140,7 +140,7 @@ def test_llmd_prefix_score_counts_blocks_of_at_least_64_tokens_a_partial_one_inc
     assert policy.prefix_score(Candidate("a", 192, 300, 0)) == pytest.approx(3 / 5)
     assert policy.prefix_score(Candidate("a", 250, 300, 0)) == pytest.approx(3 / 5)  # 250 // 64 = 3 whole blocks
     # A router block above 64 tokens is used as it is.
-    assert policy.prefix_score(Candidate("a", 256, 300, 0, block_size=128)) == pytest.approx(2 / 3)
+    assert policy.prefix_score(Candidate("a", 256, 400, 0, block_size=128)) == pytest.approx(2 / 4)
     cached = Candidate("cached", 192, 300, 0, queue_len=4, kv_usage=0.45)  # 3*0.6 + 0 + 2*0.55 = 2.9
     idle = Candidate("idle", 0, 300, 0, queue_len=0, kv_usage=0.5)  # 0 + 2 + 1 = 3
     assert policy.choose([cached, idle]) is idle  # at 16-token blocks: 3*12/19 + 1.1 = 2.99, still idle
@@ -168,8 +168,26 @@ def test_llmd_prefix_score_matches_the_partial_last_block_only_when_the_whole_pr
     assert policy.prefix_score(Candidate("a", 400, 400, 0)) == 1.0
     assert policy.prefix_score(Candidate("a", 399, 400, 0)) == pytest.approx(6 / 7)
     # A prompt shorter than one block is one partial block (getKVCacheBlocksFromTokens): 1 when identical, else 0.
+    # Identical as far as the router can tell: all of its whole blocks are matched (48 of 50 tokens).
     assert policy.prefix_score(Candidate("a", 10, 10, 0)) == 1.0
-    assert policy.prefix_score(Candidate("a", 48, 50, 0)) == 0.0
+    assert policy.prefix_score(Candidate("a", 48, 50, 0)) == 1.0
+    assert policy.prefix_score(Candidate("a", 32, 50, 0)) == 0.0
+
+
+def test_llmd_prefix_score_counts_an_identical_prompt_whole_though_the_router_sees_only_its_whole_blocks() -> None:
+    policy = LlmdDefaultProfile()
+    # The router hashes whole 16-token blocks only, so an identical earlier 300-token prompt shows as 288 matched
+    # tokens, never 300. llm-d hashes the 44-token partial block too, and an identical prompt matches it: 5 of 5.
+    assert policy.prefix_score(Candidate("a", 288, 300, 0)) == 1.0
+    assert policy.prefix_score(Candidate("a", 272, 300, 0)) == pytest.approx(4 / 5)  # a whole block short
+    # A 45-token prompt is one partial llm-d block: an identical one (32 of 32 visible tokens) matches it.
+    assert policy.prefix_score(Candidate("a", 32, 45, 0)) == 1.0
+    assert policy.prefix_score(Candidate("a", 16, 45, 0)) == 0.0
+    # Under one router block nothing is visible: no match, whatever is cached (the same 0 for every backend).
+    assert policy.prefix_score(Candidate("a", 0, 10, 0)) == 0.0
+    repeat = Candidate("repeat", 288, 300, 0, queue_len=3, kv_usage=0.5)  # 3 + 0 + 1 = 4 (at 4 of 5 blocks: 3.4)
+    idle = Candidate("idle", 0, 300, 0, queue_len=0, kv_usage=0.25)  # 0 + 2 + 1.5 = 3.5
+    assert policy.choose([idle, repeat]) is repeat
 
 
 def test_llmd_clamps_each_scorer_to_the_unit_range() -> None:

@@ -284,7 +284,7 @@ def test_llmd_scores_and_chooses_as_its_default_profile_would(drawn: tuple[Reque
     # What llm-d's index holds for an endpoint is what was routed there, as the router's index: its whole llm-d
     # blocks within the router's match. Beyond that a partial last llm-d block matches after an identical prompt,
     # not after a longer one, which the router cannot tell apart when all of its whole blocks match: that case is
-    # not compared here.
+    # left to the sequence test below, where what was routed is known.
     request, fleet = drawn
     size, total = llmd_blocks(request)
     visible = request.prompt_tokens // request.block_size * request.block_size
@@ -297,6 +297,71 @@ def test_llmd_scores_and_chooses_as_its_default_profile_would(drawn: tuple[Reque
     policy = LlmdDefaultProfile()
     assert policy.scores(candidates) == [pytest.approx(x, rel=TOLERANCE, abs=TOLERANCE) for x in expected]
     assert candidates.index(policy.choose(candidates)) in _near_best(expected, lowest=False)
+
+
+class LlmdIndex:
+    """llm-d's approximate prefix index (approximateprefix/plugin.go ``PreRequest``, ``matchLongestPrefix``): the
+    chosen endpoint records the request's block hashes, and an endpoint matches a request's leading run of them."""
+
+    def __init__(self, endpoints: int) -> None:
+        self.hashes: list[set[tuple[int, ...]]] = [set() for _ in range(endpoints)]
+
+    @staticmethod
+    def blocks(prompt: tuple[int, ...], size: int) -> list[tuple[int, ...]]:
+        """hashPrompt: chained blocks of ``size`` tokens, a partial last one included (a chain is its whole prefix)."""
+        return [prompt[: min(end, len(prompt))] for end in range(size, len(prompt) + size, size)]
+
+    def match(self, endpoint: int, blocks: Sequence[tuple[int, ...]]) -> int:
+        return _leading_run(blocks, self.hashes[endpoint])
+
+
+def _leading_run(blocks: Sequence[tuple[int, ...]], held: set[tuple[int, ...]]) -> int:
+    """How many of ``blocks``, from the first, are in ``held``."""
+    run = 0
+    while run < len(blocks) and blocks[run] in held:
+        run += 1
+    return run
+
+
+@st.composite
+def chat_prompts(draw: st.DrawFn, prefixes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+    """A shared prefix and one of a few questions of at least two router blocks (each opening with its own token),
+    so two different prompts part before the last whole router block, and a prompt recurs whole when drawn again."""
+    which = draw(st.integers(0, len(prefixes) - 1))
+    question = draw(st.integers(0, 2))
+    length = 32 + (which * 7 + question * 13) % 50
+    return prefixes[which] + (1000 + which * 10 + question,) * length
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data(), st.integers(1, 4))
+def test_llmd_follows_a_sequence_of_requests_as_its_prefix_index_would(data: st.DataObject, endpoints: int) -> None:
+    # The router's index and llm-d's both hold what was routed to each endpoint; llm-d hashes a partial last block
+    # too, which an identical earlier prompt matches though the router cannot see past its last whole block.
+    size, block_size = 64, 16
+    prefixes = [tuple([p] * data.draw(st.integers(0, 300))) for p in range(3)]
+    llmd = LlmdIndex(endpoints)
+    router: list[set[tuple[int, ...]]] = [set() for _ in range(endpoints)]
+    policy = LlmdDefaultProfile()
+    for _ in range(data.draw(st.integers(1, 20))):
+        prompt = data.draw(chat_prompts(prefixes))
+        fleet = [
+            Worker(0, 0, data.draw(st.integers(0, 3)), data.draw(st.sampled_from([0.0, 0.5, 0.9])))
+            for _ in range(endpoints)
+        ]
+        # The router's index: the prompt's whole blocks only (BlockHasher hashes no partial block).
+        visible = LlmdIndex.blocks(prompt[: len(prompt) // block_size * block_size], block_size)
+        matched_tokens = [_leading_run(visible, router[e]) * block_size for e in range(endpoints)]
+        blocks = LlmdIndex.blocks(prompt, size)
+        expected = llmd_scores(fleet, [llmd.match(e, blocks) for e in range(endpoints)], len(blocks))
+        candidates = [
+            Candidate(f"e{e}", matched_tokens[e], len(prompt), 0, queue_len=w.waiting, kv_usage=w.kv_usage)
+            for e, w in enumerate(fleet)
+        ]
+        assert policy.scores(candidates) == [pytest.approx(x, rel=TOLERANCE, abs=TOLERANCE) for x in expected]
+        chosen = candidates.index(policy.choose(candidates))
+        llmd.hashes[chosen].update(blocks)
+        router[chosen].update(visible)
 
 
 # -- AIBrix prefix-cache ---------------------------------------------------------------------------------------------
