@@ -39,7 +39,9 @@ class _TreeSizes:
     """Tokens a router has inserted per backend: the size of a per-backend prefix tree that never evicts.
 
     Ray Serve's router prefers the backend whose tree is smallest when nothing matches well; a routed request adds
-    the part of its prompt the chosen backend's tree lacks, its uncached tokens.
+    the part of its prompt the chosen backend's tree lacks, its uncached tokens, and nothing when every whole block
+    of it matched: the router hashes no partial block, so that is what a prompt the tree holds already (an
+    identical one) shows.
     """
 
     __slots__ = ("_sizes",)
@@ -51,7 +53,9 @@ class _TreeSizes:
         return self._sizes.get(candidate.backend, 0)
 
     def record(self, chosen: Candidate) -> Candidate:
-        self._sizes[chosen.backend] = self._sizes.get(chosen.backend, 0) + chosen.uncached_tokens
+        visible = chosen.prompt_tokens // chosen.block_size * chosen.block_size
+        grown = 0 if 0 < visible <= chosen.matched_tokens else chosen.uncached_tokens
+        self._sizes[chosen.backend] = self._sizes.get(chosen.backend, 0) + grown
         return chosen
 
 
@@ -378,8 +382,11 @@ class RayServePrefixAware(LoadPolicy):
     longest match if its rate (matched / prompt, 0 for an empty prompt) is at least ``match_rate_threshold``, else
     the replicas with the smallest tree; of those the shortest queue, ties by placement order (Ray's order there is
     that of its replica set and tenant map). A tree's size is the tokens routed there that the backend did not
-    match (:class:`_TreeSizes`), where Ray counts the characters its never-evicting tree gained for that replica.
-    Ray matches characters of the prompt text; this matches the router's blocks. Ray also passes over a replica
+    match (:class:`_TreeSizes`), where Ray counts the characters its never-evicting tree gained for that replica;
+    a prompt whose whole blocks all matched adds nothing, as an identical one adds nothing to Ray's tree. Ray
+    matches characters of the prompt text; this matches the router's blocks, so a match ending within a block
+    grows the tree by the rest of that block more than Ray's (less than one block per request), and one the
+    router's index has evicted by the evicted part. Ray also passes over a replica
     whose queue is at its ``max_ongoing_requests``, which the candidate does not say. O(len(candidates)).
     """
 

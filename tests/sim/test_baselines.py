@@ -308,6 +308,17 @@ def test_ray_serve_an_empty_prompt_has_match_rate_zero() -> None:
     assert policy.choose([Candidate("a", 0, 0, 0), Candidate("b", 0, 0, 1)]).backend == "a"
 
 
+def test_ray_serve_tree_gains_nothing_from_a_prompt_it_holds_though_the_router_sees_only_its_whole_blocks() -> None:
+    # Ray's tree gains only characters it lacks. The router sees a repeated 170-token prompt as 160 matched tokens
+    # (its whole 16-token blocks): the 10-token tail is in the tree already and must not count as growth.
+    policy = RayServePrefixAware()
+    assert policy.choose([Candidate("a", 0, 170, 0), Candidate("b", 0, 170, 0)]).backend == "a"  # trees: a 170
+    assert policy.choose([Candidate("a", 0, 175, 0), Candidate("b", 0, 175, 0)]).backend == "b"  # smaller: b 175
+    assert policy.choose([Candidate("a", 160, 170, 0), Candidate("b", 0, 170, 0)]).backend == "a"  # the repeat
+    # A miss goes to the smaller tree: a's 170 (Ray), not b's 175 (with the tail counted again, a would be 180).
+    assert policy.choose([Candidate("a", 0, 300, 0), Candidate("b", 0, 300, 0)]).backend == "a"
+
+
 # -- production-stack prefixaware ----------------------------------------------------------------------------------
 
 

@@ -484,6 +484,30 @@ def test_ray_serve_follows_a_sequence_of_requests_as_ray_would(data: st.DataObje
         tree.insert(chosen, prompt)
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.data(), st.integers(2, 4), st.sampled_from([4, 16]))
+def test_ray_serve_tree_follows_repeated_prompts_of_any_length_as_ray_would(
+    data: st.DataObject, replicas: int, size: int
+) -> None:
+    # A few prompts of any length (a partial last block too), each opening with its own token, drawn again and again:
+    # a prompt either repeats one the tree holds (Ray's tree gains nothing) or shares nothing with the others. Their
+    # lengths are close, so that a tail counted as growth would change which tree is the smallest.
+    lengths = st.integers(size, 100) | st.sampled_from([3 * size + 1, 3 * size + size // 2, 4 * size - 1, 4 * size])
+    pool = [(first,) * data.draw(lengths) for first in range(data.draw(st.integers(2, 5)))]
+    policy = RayServePrefixAware()
+    tree = RayTree(replicas)
+    for _ in range(data.draw(st.integers(1, 25))):
+        prompt = data.draw(st.sampled_from(pool))
+        queues = data.draw(st.lists(st.integers(0, 1), min_size=replicas, max_size=replicas))
+        candidates = [
+            Candidate(f"r{r}", tree.match(r, prompt) // size * size, len(prompt), queues[r], block_size=size)
+            for r in range(replicas)
+        ]
+        chosen = candidates.index(policy.choose(candidates))
+        assert chosen in ray_choices(tree, prompt, queues)
+        tree.insert(chosen, prompt)
+
+
 def test_the_references_themselves_on_hand_worked_cases() -> None:
     # A reference that is wrong the same way as the baseline would pass every test above: pin a few by hand.
     request = Request(1000, 10)
