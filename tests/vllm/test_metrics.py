@@ -171,34 +171,8 @@ def test_the_timeout_bounds_the_whole_read_of_a_slow_or_trickling_engine(delay: 
 def header_trickler() -> Iterator[str]:
     """A URL whose server answers every request with a status line, then one byte of a header every 20 ms, for ever
     (while the client keeps the connection open)."""
-    server = socket.create_server(("127.0.0.1", 0))
-    stop = threading.Event()
-
-    def trickle(conn: socket.socket) -> None:
-        with conn:
-            try:
-                conn.recv(65536)
-                conn.sendall(b"HTTP/1.1 200 OK\r\nX-Slow: ")
-                while not stop.is_set():
-                    conn.sendall(b"a")
-                    stop.wait(0.02)
-            except OSError:  # the client shut the connection down
-                pass
-
-    def accept() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            threading.Thread(target=trickle, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.getsockname()[1]}/metrics"
-    finally:
-        stop.set()
-        server.close()
+    with http_server(lambda _: None) as (url, _):
+        yield url
 
 
 @pytest.mark.parametrize("shared_client", [False, True])
