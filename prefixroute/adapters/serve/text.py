@@ -99,18 +99,28 @@ def _model_vocab_size(folder: Path) -> int | None:
     file = folder / "config.json"
     if not file.is_file():
         return None
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigurationError(f"{str(file)!r} is not readable JSON: {exc}") from exc
-    if not isinstance(config, dict):
-        raise ConfigurationError(f"{str(file)!r} must hold a JSON object, not {type(config).__name__}")
+    config = _json_object(file)
     text_config = config.get("text_config")
     for source in (text_config if isinstance(text_config, dict) else {}, config):
         size = source.get("vocab_size")
         if type(size) is int and size > 0:
             return size
     return None
+
+
+def _json_object(file: Path) -> dict[str, Any]:
+    """The JSON object ``file`` holds.
+
+    Raises:
+        ConfigurationError: the file is not readable JSON, or holds something else than an object.
+    """
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigurationError(f"{str(file)!r} is not readable JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ConfigurationError(f"{str(file)!r} must hold a JSON object, not {type(value).__name__}")
+    return value
 
 
 def _flattened(message: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -129,12 +139,7 @@ def _load_template(folder: Path) -> Callable[..., str] | None:
     config: dict[str, Any] = {}
     config_file = folder / "tokenizer_config.json"
     if config_file.is_file():
-        try:
-            config = json.loads(config_file.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise ConfigurationError(f"{str(config_file)!r} is not readable JSON: {exc}") from exc
-        if not isinstance(config, dict):
-            raise ConfigurationError(f"{str(config_file)!r} must hold a JSON object, not {type(config).__name__}")
+        config = _json_object(config_file)
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: the "default" one
             if not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in template):
