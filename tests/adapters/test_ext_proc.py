@@ -203,32 +203,18 @@ def picker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Process, 
         yield process, grpc_port, client
 
 
-def stream(grpc_port: int, messages: list[bytes]) -> tuple[list[Any], grpc.RpcError | None]:
-    """Send raw (serialized) messages on one Process stream of a real gRPC channel; its answers and its error."""
-    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
-        process = channel.stream_stream(
-            "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
-            request_serializer=lambda raw: raw,
-            response_deserializer=pb.ProcessingResponse.FromString,
-        )
-        answers: list[Any] = []
-        try:
-            answers.extend(process(iter(messages), timeout=20))
-        except grpc.RpcError as exc:
-            return answers, exc
-        return answers, None
-
-
-def held_stream(
-    grpc_port: int, messages: list[bytes], *, timeout: float = 5.0
+def stream(
+    grpc_port: int, messages: list[bytes], *, held: bool = False, timeout: float = 20.0
 ) -> tuple[list[Any], grpc.RpcError | None]:
-    """As :func:`stream`, but the request side stays open after ``messages``, as Envoy's does mid-request: an answer
-    the picker owes and never sends shows as DEADLINE_EXCEEDED, not as a clean end of the stream."""
+    """Send raw (serialized) messages on one Process stream of a real gRPC channel; its answers and its error. With
+    ``held`` the request side stays open after ``messages``, as Envoy's does mid-request: an answer the picker owes
+    and never sends shows as DEADLINE_EXCEEDED, not as a clean end of the stream."""
     sent = threading.Event()
 
     def requests() -> Iterator[bytes]:
         yield from messages
-        sent.wait(timeout)
+        if held:
+            sent.wait(timeout)
 
     with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
         process = channel.stream_stream(
@@ -285,12 +271,12 @@ def test_a_message_with_no_phase_ends_the_stream_invalid_argument_and_releases_i
         b"\xf0\x01\x01",  # field 30, which this proto does not know (a newer Envoy's phase): no phase set either
     ]
     for message in no_phase:
-        answers, error = held_stream(grpc_port, [*picked, message])
+        answers, error = stream(grpc_port, [*picked, message], held=True, timeout=5.0)
         assert destination(answers[1]) is not None  # routed, then the message without a phase came
         assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
         assert "sets no phase" in (error.details() or "")
         wait_until(lambda: client.get("/stats").json()["in_flight_total"] == 0, what="the release of the decision")
-    answers, error = held_stream(grpc_port, [b""])  # first thing on the stream
+    answers, error = stream(grpc_port, [b""], held=True, timeout=5.0)  # first thing on the stream
     assert answers == [] and error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
     assert client.get("/stats").json()["bad_requests"]["400"] - before == len(no_phase) + 1
     a_good_request_is_routed_and_released(grpc_port, client)
