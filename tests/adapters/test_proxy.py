@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import Iterator
@@ -281,3 +282,51 @@ def test_a_proxy_takes_any_prompt_encoding_and_starts_with_zero_stats() -> None:
     assert proxy.stats() == ProxyStats(0, 0, 0, 0, 0, 0, 0, ())
     with pytest.raises(TypeError):
         Proxy(Router(), ["http://127.0.0.1:9"], encoder=object())  # type: ignore[arg-type]
+
+
+def test_a_client_that_leaves_at_done_is_served_whole() -> None:
+    """OpenAI's Python client closes a stream as soon as it reads ``data: [DONE]``, before the body's end: the proxy,
+    still waiting for the engine's end of stream, was cancelled and counted a complete answer as a client gone (the
+    openai-client test flaked on it). The answer is whole once [DONE] went out: counted ok, the request released."""
+    from aiohttp import web
+
+    ended = threading.Event()
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        answer = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await answer.prepare(request)
+        await answer.write(b'data: {"choices": [{"text": "ok"}]}\n\n')
+        await answer.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(0.5)  # the stream's end comes late: the client has left by then
+        ended.set()
+        await answer.write_eof()
+        return answer
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    urls: list[str] = []
+
+    async def serve() -> None:
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
+
+    backend = ServerThread(serve, runner.cleanup, name="late-end-backend")
+    backend.start()
+    try:
+        with Proxy(Router(), urls, base_models=()) as proxy, httpx.Client(timeout=10) as client:
+            body = {"prompt": [1, 2, 3], "stream": True}
+            with client.stream("POST", proxy.url + "/v1/completions", json=body) as reply:
+                received = b""
+                for chunk in reply.iter_raw():
+                    received += chunk
+                    if b"data: [DONE]" in received:
+                        break  # as openai's client does: the connection closes with the body unfinished
+            assert not ended.is_set()
+            wait_until(lambda: proxy.router.stats().in_flight == 0)
+            wait_until(lambda: proxy.stats().ok + proxy.stats().client_disconnect == 1)
+            assert (proxy.stats().ok, proxy.stats().client_disconnect) == (1, 0)
+    finally:
+        backend.stop()

@@ -52,6 +52,18 @@ _log = logging.getLogger("prefixroute.proxy")
 # breaks after the request was sent is not retried: the engine may be generating it already.)
 _UNREACHED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 # A backend that breaks off its answer midway (closes, or sends less than it announced).
+_SSE_DONE = b"data: [DONE]\n\n"
+"""The event that ends an OpenAI stream; vLLM sends it last."""
+
+
+@dataclass(slots=True)
+class _Relayed:
+    """How far a relay got: ``whole`` once the client has been sent its whole answer (the engine's end of stream, or
+    its ``[DONE]`` event), so a client that leaves after that was served, not cut off."""
+
+    whole: bool = False
+
+
 _BROKE_OFF = (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 _OUTCOMES = ("ok", "backend_error", "unreachable", "client_disconnect", "bad_request", "internal_error")
 # Headers that belong to one connection (RFC 9110 7.6.1), or that the proxy sets itself: not relayed either way.
@@ -363,6 +375,7 @@ class Proxy:
         assert session is not None, "serve() opens the session"
         upstream: aiohttp.ClientResponse | None = None
         outcome = "client_disconnect"
+        relayed = _Relayed()
         tried: list[str] = []
         started = False
         try:
@@ -397,7 +410,8 @@ class Proxy:
                     _log.exception("forwarding to backend %s failed", decision.backend)
                     outcome = "backend_error"
                     return error_response(502, f"the proxy could not forward the request: {exc}", "BadGatewayError")
-            response, outcome = await self._relay(request, upstream, decision, stream=body.get("stream") is True)
+            stream = body.get("stream") is True
+            response, outcome = await self._relay(request, upstream, decision, stream=stream, relayed=relayed)
             return response
         finally:
             if started:
@@ -405,14 +419,23 @@ class Proxy:
                 # so the router forgets the blocks it predicted there. A 5xx or a broken connection is not.
                 refused = upstream is not None and is_refusal(upstream.status)
                 self.router.finish(decision, refused=refused)
-            if upstream is not None and outcome != "ok":
-                upstream.close()  # a half-read answer closes its connection: the engine stops generating
+            if outcome == "client_disconnect" and relayed.whole:
+                outcome = "ok"  # the client left once its answer was whole (OpenAI's client closes at [DONE])
+            if upstream is not None:
+                upstream.close()  # a half-read answer closes its connection (the engine stops); a read one is free
             self._counts[outcome] += 1
 
     async def _relay(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, decision: Decision, *, stream: bool
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        decision: Decision,
+        *,
+        stream: bool,
+        relayed: _Relayed,
     ) -> tuple[web.StreamResponse, str]:
-        """Send ``upstream``'s answer to the client as it comes; return the response and the request's outcome."""
+        """Send ``upstream``'s answer to the client as it comes; return the response and the request's outcome.
+        ``relayed`` notes when the client has its whole answer, for a cancellation after that (a client gone)."""
         content_type = upstream.headers.get("Content-Type", "application/json")
         # A multidict: a header the engine repeats (Set-Cookie) is relayed as many times.
         headers = CIMultiDict((k, v) for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP)
@@ -443,6 +466,9 @@ class Proxy:
                     self.router.first_token(decision)
                     first = False
                 await response.write(chunk)
+                if chunk.endswith(_SSE_DONE):  # OpenAI's last event: its clients may close now, before the end
+                    relayed.whole = True
+            relayed.whole = True
             await response.write_eof()
         except _BROKE_OFF as exc:
             _log.warning("backend %s broke off a streamed answer: %s", decision.backend, exc)
@@ -452,7 +478,7 @@ class Proxy:
                 request.transport.abort()
             return response, "backend_error"
         except ConnectionError:  # writing to a client that has gone
-            return response, "client_disconnect"
+            return response, "ok" if relayed.whole else "client_disconnect"
         return response, "ok"
 
     def _unlearned(self, namespace: str | None) -> bool:
