@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -57,6 +58,30 @@ def complete(proxy: Proxy, body: dict[str, object], *, chat: bool = False) -> ht
 
 def served_by(engines: list[OpenAIEngine]) -> list[int]:
     return [engine.stats().requests for engine in engines]
+
+
+@contextmanager
+def engine_serving(completions: Callable[[Any], Awaitable[Any]]) -> Iterator[str]:
+    """A one-route engine (``POST /v1/completions`` answered by ``completions``) on loopback; yields its URL."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    urls: list[str] = []
+
+    async def serve() -> None:
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
+
+    backend = ServerThread(serve, runner.cleanup, name="one-route-engine")
+    backend.start()
+    try:
+        yield urls[0]
+    finally:
+        backend.stop()
 
 
 def test_the_same_prefix_goes_to_the_same_backend_and_hits_its_cache(proxy: Proxy, healthy: list[Any]) -> None:
@@ -243,28 +268,12 @@ def test_a_repeated_header_is_passed_on_as_many_times_both_ways() -> None:
         answer.headers.add("Set-Cookie", "b=2")
         return answer
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    urls: list[str] = []
-
-    async def serve() -> None:
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
-
-    backend = ServerThread(serve, runner.cleanup, name="repeating-backend")
-    backend.start()
-    try:
-        with Proxy(Router(), urls, base_models=()) as proxy:
-            headers = [("X-Trace", "one"), ("X-Trace", "two")]
-            answer = httpx.post(proxy.url + "/v1/completions", json={"prompt": [1, 2, 3]}, headers=headers)
-            assert answer.status_code == 200, answer.text
-            assert answer.headers.get_list("set-cookie") == ["a=1", "b=2"]
-            assert seen == [["one", "two"]]
-    finally:
-        backend.stop()
+    with engine_serving(completions) as url, Proxy(Router(), [url], base_models=()) as proxy:
+        headers = [("X-Trace", "one"), ("X-Trace", "two")]
+        answer = httpx.post(proxy.url + "/v1/completions", json={"prompt": [1, 2, 3]}, headers=headers)
+        assert answer.status_code == 200, answer.text
+        assert answer.headers.get_list("set-cookie") == ["a=1", "b=2"]
+        assert seen == [["one", "two"]]
 
 
 def test_a_proxy_takes_any_prompt_encoding_and_starts_with_zero_stats() -> None:
@@ -302,31 +311,19 @@ def test_a_client_that_leaves_at_done_is_served_whole() -> None:
         await answer.write_eof()
         return answer
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    urls: list[str] = []
-
-    async def serve() -> None:
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
-
-    backend = ServerThread(serve, runner.cleanup, name="late-end-backend")
-    backend.start()
-    try:
-        with Proxy(Router(), urls, base_models=()) as proxy, httpx.Client(timeout=10) as client:
-            body = {"prompt": [1, 2, 3], "stream": True}
-            with client.stream("POST", proxy.url + "/v1/completions", json=body) as reply:
-                received = b""
-                for chunk in reply.iter_raw():
-                    received += chunk
-                    if b"data: [DONE]" in received:
-                        break  # as openai's client does: the connection closes with the body unfinished
-            assert not ended.is_set()
-            wait_until(lambda: proxy.router.stats().in_flight == 0)
-            wait_until(lambda: proxy.stats().ok + proxy.stats().client_disconnect == 1)
-            assert (proxy.stats().ok, proxy.stats().client_disconnect) == (1, 0)
-    finally:
-        backend.stop()
+    with (
+        engine_serving(completions) as url,
+        Proxy(Router(), [url], base_models=()) as proxy,
+        httpx.Client(timeout=10) as client,
+    ):
+        body = {"prompt": [1, 2, 3], "stream": True}
+        with client.stream("POST", proxy.url + "/v1/completions", json=body) as reply:
+            received = b""
+            for chunk in reply.iter_raw():
+                received += chunk
+                if b"data: [DONE]" in received:
+                    break  # as openai's client does: the connection closes with the body unfinished
+        assert not ended.is_set()
+        wait_until(lambda: proxy.router.stats().in_flight == 0)
+        wait_until(lambda: proxy.stats().ok + proxy.stats().client_disconnect == 1)
+        assert (proxy.stats().ok, proxy.stats().client_disconnect) == (1, 0)
