@@ -154,13 +154,17 @@ def test_a_body_exactly_at_the_limit_is_routed_and_one_byte_over_is_not() -> Non
 
 
 def test_a_request_without_a_body_is_counted_as_a_bad_request_as_over_http() -> None:
-    """Headers that end the stream: no body to route on (HTTP's sidecar answers an empty body 400, counted)."""
+    """Headers that end the stream, or trailers before any body: no body to route on (HTTP's sidecar answers an
+    empty body 400, counted)."""
     sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
     answers = run(sidecar, headers("/v1/completions", end=True), response_headers("200"), response_body(end=True))
     assert len(answers) == 3 and destination(answers[0]) is None
     assert (sidecar.router.stats().decisions, sidecar.metrics.bad_requests.get(400, 0)) == (0, 1)
     run(sidecar, headers("/healthz", end=True))  # not an OpenAI path: not the picker's to count
     assert sidecar.metrics.bad_requests.get(400, 0) == 1
+    # An HTTP/2 request whose empty body is ended by trailers: Envoy sends the trailers and no body message.
+    run(sidecar, headers("/v1/completions"), request_trailers(), body(PROMPT, end=True), response_body(end=True))
+    assert (sidecar.router.stats().decisions, sidecar.metrics.bad_requests.get(400, 0)) == (0, 2)
 
 
 class Noting(LoadPolicy):

@@ -13,10 +13,10 @@ routed, and falls back to Envoy's pool. The first response body chunk reports th
 one whose ``:status`` the picker is not sent: an error's body is no first token); the last one, or the stream's end
 for any other reason (upstream error, client abort: Envoy resets the stream), finishes the request, exactly once;
 refused when the response headers' ``:status`` is a 4xx (the engine computed nothing). A body the picker cannot route
-gets no header, so Envoy's route falls back to its plain balancer cluster (a request with no body too, counted as a
-400 as HTTP's empty body is). A message that is not a ``ProcessingRequest``, or one that sets no phase (no answer
-fits it), ends the stream with ``INVALID_ARGUMENT`` (counted as a 400); a body over the sidecar's ``max_body_bytes``
-(streamed chunk by chunk, or buffered) is not kept nor routed (counted as a 413).
+gets no header, so Envoy's route falls back to its plain balancer cluster (a request with no body too, or an empty
+one ended by trailers, counted as a 400 as HTTP's empty body is). A message that is not a ``ProcessingRequest``, or
+one that sets no phase (no answer fits it), ends the stream with ``INVALID_ARGUMENT`` (counted as a 400); a body over
+the sidecar's ``max_body_bytes`` (streamed chunk by chunk, or buffered) is not kept nor routed (counted as a 413).
 
 Needs the ``prefixroute[serve]`` extra (grpcio and the generated Envoy protos of ``xds-protos``).
 """
@@ -113,6 +113,9 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     yield pb.ProcessingResponse(response_body=pb.BodyResponse())
                 elif kind == "request_trailers":
                     if not picked and path in PICK_PATHS:  # too late: Envoy no longer holds the request headers
+                        picked = True
+                        if not size:  # no body came before the trailers: HTTP's empty body, a 400 as above
+                            self._sidecar.metrics.refused(400)
                         _log.debug("ext_proc: not routed (the trailers came before a body message that could be)")
                     yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
                 elif kind == "response_trailers":
