@@ -1,0 +1,233 @@
+"""``prefixroute proxy`` driven as a client of vLLM's OpenAI server drives it, written from issue 11's contract and
+the docs alone: every request form vLLM takes (``prompt`` as text, texts, token ids or lists of them; chat content
+as text or text parts; ``n``; ``stream_options.include_usage``) through the ``openai`` package and raw HTTP, vLLM's
+404 for an unknown model, hostile bodies, ``/v1/models`` merged when the backends disagree or one is down, and
+clients that leave before the first byte or mid-stream; after each, ``/metrics`` parses strictly and nothing is left
+in flight or pending prefill. (The refusals test_http_contract_proxy.py and test_proxy_hostile.py already send are
+not repeated here.)"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import re
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from prefixroute import Router
+from prefixroute.adapters.proxy import Proxy
+from prefixroute.adapters.serve.text import PromptEncoder
+from prefixroute.cli import main
+from prefixroute.testing.openai_engine import OpenAIEngine
+
+from ..conftest import running_engines, wait_until
+
+TOKENS = 3  # each fake engine's answer: " t0 t1 t2"
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[list[OpenAIEngine]]:
+    yield from running_engines(2, max_tokens=TOKENS)
+
+
+@pytest.fixture(scope="module")
+def proxy(engines: list[OpenAIEngine], model_dir: Path) -> Iterator[Proxy]:
+    """The proxy as ``prefixroute proxy --tokenizer MODEL`` runs it."""
+    with Proxy(Router(), [engine.url for engine in engines], encoder=PromptEncoder(model_dir)) as running:
+        yield running
+
+
+@pytest.fixture
+def client(proxy: Proxy, engines: list[OpenAIEngine]) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=10) as opened:
+        yield opened
+    for engine in engines:
+        engine.resume()
+    assert_idle(proxy)
+
+
+def assert_idle(proxy: Proxy) -> None:
+    """Nothing in flight, pending prefill or held, by the router's own counts and by ``/metrics`` (parsed strictly)."""
+    wait_until(lambda: proxy.router.stats().in_flight == 0, what="no request in flight")
+    for candidate in proxy.router.decide([7] * 64, proxy.backends).candidates:
+        assert (candidate.in_flight, candidate.pending_prefill_tokens, candidate.held_blocks) == (0, 0, 0)
+    samples = strict_metrics(get(proxy, "/metrics"))
+    assert set(samples["prefixroute_router_in_flight"].values()) == {0}
+
+
+def request(proxy: Proxy, method: str, path: str, body: bytes | None = None) -> tuple[int, str, bytes]:
+    """One request over a connection of its own: status, Content-Type and the whole body."""
+    connection = http.client.HTTPConnection("127.0.0.1", int(proxy.url.rsplit(":", 1)[1]), timeout=10)
+    try:
+        connection.request(method, path, body, {"Content-Type": "application/json"})
+        reply = connection.getresponse()
+        return reply.status, reply.getheader("Content-Type", ""), reply.read()
+    finally:
+        connection.close()
+
+
+def get(proxy: Proxy, path: str) -> str:
+    status, kind, body = request(proxy, "GET", path)
+    assert status == 200 and kind.startswith("text/plain")
+    return body.decode()
+
+
+_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
+_LABELS = r'\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*",?)*\}'
+_SAMPLE = re.compile(rf"({_NAME})({_LABELS})? (\S+)(?: -?\d+)?")
+_TYPE = re.compile(rf"# TYPE ({_NAME}) (counter|gauge|histogram|summary|untyped)")
+
+
+def strict_metrics(text: str) -> dict[str, dict[str, float]]:
+    """Prometheus' text format 0.0.4, checked line by line: each sample after its family's one TYPE line, the
+    families not interleaved, no series twice, every value a number. Returns name -> labels -> value."""
+    assert text.endswith("\n")
+    samples: dict[str, dict[str, float]] = {}
+    types: dict[str, str] = {}
+    family = ""
+    for line in text.splitlines():
+        if line.startswith("# TYPE"):
+            typed = _TYPE.fullmatch(line)
+            assert typed and typed[1] not in types, line
+            types[typed[1]] = family = typed[1]
+        elif line.startswith("#") or not line:
+            assert not line or line.startswith("# HELP "), line
+        else:
+            sample = _SAMPLE.fullmatch(line)
+            assert sample, line
+            name, labels, value = sample[1], sample[2] or "", sample[3]
+            assert name == family or name.removeprefix(family).lstrip("_") in ("bucket", "sum", "count"), line
+            assert labels not in samples.setdefault(name, {}), line
+            samples[name][labels] = float(value)
+            assert not math.isnan(samples[name][labels]), line
+    return samples
+
+
+# -- every request form, as the openai package sends it ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/v1/completions", {"prompt": [5, 6], "stream": True}),
+     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True}),
+     ("/v1/completions", {"prompt": "a b", "stream": False})],
+)  # fmt: skip
+def test_raw_http_gets_vllms_framing(proxy: Proxy, path: str, body: dict[str, Any]) -> None:
+    """Over plain HTTP/1.1 (no client library): an SSE stream of ``data: JSON`` events ending in ``[DONE]``, or
+    one JSON body, with ``max_tokens`` absent (the engine's default)."""
+    status, kind, raw = request(proxy, "POST", path, json.dumps(body).encode())
+    assert status == 200, raw
+    if body["stream"]:
+        assert kind.startswith("text/event-stream")
+        events = raw.split(b"\n\n")
+        assert events[-2:] == [b"data: [DONE]", b""]
+        for event in events[:-2]:
+            assert event.startswith(b"data: ") and json.loads(event[6:])["choices"], event
+    else:
+        assert len(json.loads(raw)["choices"]) == 1
+    assert_idle(proxy)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_unknown_model_is_vllms_not_found(client: openai.OpenAI, stream: bool) -> None:
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="no-such-model", prompt="hello", stream=stream)
+    assert missing.value.body == {
+        "message": "The model `no-such-model` does not exist.", "type": "NotFoundError", "param": None, "code": 404
+    }  # fmt: skip
+
+
+# -- hostile bodies ------------------------------------------------------------------------------------------------
+
+HOSTILE: list[tuple[str, bytes]] = [
+    ("/v1/completions", b'{"prompt": [[5, 6], [7, true]]}'),  # a bool deep in a batch
+    ("/v1/completions", b'{"prompt": ["a", [5]]}'),  # a batch of mixed kinds
+    ("/v1/completions", b'{"prompt": "a", "model": "\\udfff"}'),  # a lone surrogate outside the prompt
+    ("/v1/completions", b'{"\\ud800": 1, "prompt": "a"}'),  # and in a key
+    ("/v1/completions", b'{"prompt": [5], "stream": "maybe"}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, 5]}]}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}'),
+]
+
+
+@pytest.mark.parametrize(("path", "raw"), HOSTILE, ids=[raw.decode()[:48] for _, raw in HOSTILE])
+def test_a_hostile_body_is_an_openai_400_and_leaves_nothing_behind(proxy: Proxy, path: str, raw: bytes) -> None:
+    status, _, answer = request(proxy, "POST", path, raw)
+    body = json.loads(answer)
+    assert status == 400, body
+    assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["code"] == 400, body
+    assert body["error"]["type"] == "BadRequestError" and body["error"]["message"]
+    assert_idle(proxy)
+
+
+# -- /v1/models ----------------------------------------------------------------------------------------------------
+
+
+def test_models_are_merged_when_the_backends_disagree_and_one_is_down() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    with (
+        OpenAIEngine(model="model-a", lora_adapters=["adapter-a"], max_tokens=TOKENS) as a,
+        OpenAIEngine(model="model-b", max_tokens=TOKENS) as b,
+        OpenAIEngine(model="model-a", seed=1, max_tokens=TOKENS) as a2,
+        Proxy(Router(), [down, a.url, b.url, a2.url]) as proxy,
+        openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=10) as client,
+    ):
+        models = {model.id: model for model in client.models.list()}
+        assert sorted(models) == ["adapter-a", "model-a", "model-b"]  # each once
+        assert models["adapter-a"].model_extra and models["adapter-a"].model_extra["parent"] == "model-a"
+        for model in ("model-b", "adapter-a"):
+            assert client.completions.create(model=model, prompt="hi").choices[0].text == " t0 t1 t2"
+        assert_idle(proxy)
+
+
+# -- clients that leave --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("after_tokens", [0, 1], ids=["before-the-first-byte", "mid-answer"])
+def test_a_client_that_leaves_leaves_nothing_in_flight_or_pending(
+    proxy: Proxy, engines: list[OpenAIEngine], stream: bool, after_tokens: int
+) -> None:
+    for engine in engines:
+        engine.stall(after_tokens=after_tokens)
+    disconnects = proxy.stats().client_disconnect
+    body = json.dumps({"prompt": "the same long prefix " * 20, "n": 2, "stream": stream}).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    with socket.create_connection(("127.0.0.1", int(proxy.url.rsplit(":", 1)[1])), timeout=10) as raw:
+        raw.sendall(head + body)
+        wait_until(lambda: proxy.router.stats().in_flight == 1, what="the request in flight")
+        if stream and after_tokens:
+            assert raw.recv(65536).startswith(b"HTTP/1.1 200")
+        time.sleep(0.02)
+    wait_until(lambda: proxy.stats().client_disconnect == disconnects + 1, what="the disconnect counted")
+    wait_until(lambda: sum(engine.stats().running for engine in engines) == 0, what="the engine stopped")
+    for engine in engines:
+        engine.resume()
+    assert_idle(proxy)
+
+
+# -- the command line ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["--backends"], ["--backends", "ftp://gpu0"], ["--backends", "http://127.0.0.1:9", "http://127.0.0.1:9"],
+     ["--port", "70000"], ["--port", "-1"], ["--policy", "os:system"], ["--policy", "no.such.module:Policy"],
+     ["--block-size", "0"], ["--tokenizer", "/dev/null"], ["--tokenizer", "/nonexistent"], ["--base-model"],
+     ["--kv-events", "tcp://127.0.0.1:5557"], ["--no-such-option"]],
+)  # fmt: skip
+def test_a_bad_command_line_is_exit_2_and_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    backends = [] if not argv or argv[0] == "--backends" else ["--backends", "http://127.0.0.1:9"]
+    assert main(["proxy", *backends, *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("prefixroute proxy: error: "), err
+    assert "Traceback" not in err
