@@ -5,8 +5,9 @@ It serves what ``vllm serve`` serves, in vLLM's formats: ``POST /v1/completions`
 including ``prompt_tokens_details.cached_tokens``), ``GET /v1/models``, ``/metrics`` (vLLM's Prometheus names) and
 ``/health``. Behind them is a real block-level prefix cache (:class:`~prefixroute.testing.FakeBlockCache`): a
 request hits the longest cached prefix of full blocks and its time to first token grows with its *uncached*
-tokens, so a router that keeps prefixes together measurably wins. Prompts are token ids or text; text is split on
-whitespace, each word one token (or pass ``tokenizer=``).
+tokens, so a router that keeps prefixes together measurably wins. Prompts are token ids or text (a completion's
+``prompt`` may be a batch of either, and ``n`` asks for that many answers per prompt, as vLLM takes them); text is
+split on whitespace, each word one token (or pass ``tokenizer=``).
 
 ::
 
@@ -54,6 +55,7 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
 _POLL_S = 0.005  # how often a stalled request looks for resume() or its client leaving
 _MAX_BODY_BYTES = 256 * 2**20  # the largest request body served (the proxy in front of it takes up to 64 MiB)
 _MAX_MODEL_LEN = 1 << 20  # the context length served (max_model_len in /v1/models): prompt plus max_tokens
+_MAX_CHOICES = 1 << 16  # the most answers per request (prompts times ``n``) served
 
 
 def whitespace_tokens(text: str) -> list[int]:
@@ -91,10 +93,23 @@ def render_chat(messages: object) -> str:
     return "\n".join(parts) + "\n<|assistant|>"
 
 
+def _lax_int(name: str, value: object) -> int:
+    """``value`` as pydantic's lax int reads it: an int, ``16.0`` or ``"16"``.
+
+    Raises:
+        ValueError: anything else (vLLM answers 400), e.g. ``true`` or ``1.5``.
+    """
+    if isinstance(value, float) and value.is_integer() or isinstance(value, str) and value.strip().isdecimal():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, not {shown(value)}")
+    return value
+
+
 def _max_tokens(body: dict[str, Any], default: int, prompt_tokens: int) -> int:
     """The tokens to generate, as vLLM reads ``max_completion_tokens`` or else ``max_tokens`` (absent or null: the
     engine's default): an integer (``16.0`` and ``"16"`` too, pydantic's lax int) of at least 1 that fits the
-    context with the prompt.
+    context with the (longest) prompt.
 
     Raises:
         ValueError: anything else (vLLM answers 400), e.g. ``true``, ``1.5``, ``0``, or more than the context.
@@ -104,10 +119,7 @@ def _max_tokens(body: dict[str, Any], default: int, prompt_tokens: int) -> int:
         value = body.get("max_tokens")
     if value is None:
         return default
-    if isinstance(value, float) and value.is_integer() or isinstance(value, str) and value.strip().isdecimal():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"max_tokens must be an integer, not {shown(value)}")
+    value = _lax_int("max_tokens", value)
     if value < 1:
         raise ValueError(f"max_tokens must be at least 1, got {value}.")
     if prompt_tokens + value > _MAX_MODEL_LEN:
@@ -117,6 +129,24 @@ def _max_tokens(body: dict[str, Any], default: int, prompt_tokens: int) -> int:
             "Please reduce the length of the messages or completion."
         )
     return value
+
+
+def _choices(body: dict[str, Any], prompts: int) -> int:
+    """``n``, the answers per prompt, as vLLM reads it: absent or null 1, else a lax int of at least 1 (here with
+    at most :data:`_MAX_CHOICES` answers in all, so that no request makes the fake build an unbounded answer).
+
+    Raises:
+        ValueError: anything else (vLLM answers 400).
+    """
+    value = body.get("n")
+    n = 1 if value is None else _lax_int("n", value)
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got {n}.")
+    if n * prompts > _MAX_CHOICES:
+        raise ValueError(
+            f"the fake engine answers at most {_MAX_CHOICES} choices a request, not {prompts} prompts times n={n}"
+        )
+    return n
 
 
 _FLAGS = {"1": True, "on": True, "t": True, "true": True, "y": True, "yes": True,
@@ -441,9 +471,10 @@ class OpenAIEngine:
                 raise ValueError("the request body must be a JSON object")
             if body.get("model") is not None and not isinstance(body["model"], str):  # vLLM's model: str | None
                 raise ValueError(f"'model' must be a string, not {type(body['model']).__name__}")
-            prompt = self._prompt(body, chat=chat)
+            prompts = self._prompts(body, chat=chat)
             _stream_flag(body.get("stream"))
-            max_tokens = _max_tokens(body, self.max_tokens, len(prompt))
+            n = _choices(body, len(prompts))
+            max_tokens = _max_tokens(body, self.max_tokens, max(map(len, prompts)))
         except (ValueError, TypeError) as exc:
             return _error(400, str(exc), "BadRequestError")
         if body.get("model") not in (None, self.model, *self.lora_adapters):
@@ -457,44 +488,63 @@ class OpenAIEngine:
                 with self._lock:
                     self._waiting -= 1
         try:
-            return await self._answer(request, body, prompt, max_tokens, chat=chat)
+            return await self._answer(request, body, prompts, n, max_tokens, chat=chat)
         except _ClientGone:  # counted; nobody is left to answer
             return web.Response(status=499)
         finally:
             if self._slots is not None:
                 self._slots.release()
 
-    def _prompt(self, body: dict[str, Any], *, chat: bool) -> list[int]:
+    def _prompts(self, body: dict[str, Any], *, chat: bool) -> list[list[int]]:
+        """The request's prompts as token ids: a chat's one, or a completion's ``prompt`` as vLLM takes it (a text,
+        token ids, or a batch: a list of texts or of token-id lists)."""
         if chat:
-            return self._tokenizer(render_chat(body.get("messages")))
+            return [self._tokenizer(render_chat(body.get("messages")))]
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
-            return self._tokenizer(prompt)
-        if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < 2**32 for t in prompt):
-            return list(prompt)
-        raise ValueError("'prompt' must be a string or a non-empty list of token ids (batches are not supported)")
+        batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        texts = all(isinstance(one, str) for one in batch)  # a batch is all texts or all token-id lists
+        prompts = []
+        for one in batch:
+            if texts and isinstance(one, str):
+                prompts.append(self._tokenizer(one))
+            elif isinstance(one, list) and one and all(type(t) is int and 0 <= t < 2**32 for t in one):
+                prompts.append(list(one))
+            else:
+                raise ValueError(
+                    "'prompt' must be a string, a non-empty list of token ids, or a list of strings or of those"
+                )
+        return prompts
 
     async def _answer(
-        self, request: web.Request, body: dict[str, Any], prompt: list[int], max_tokens: int, *, chat: bool
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        prompts: list[list[int]],
+        n: int,
+        max_tokens: int,
+        *,
+        chat: bool,
     ) -> web.StreamResponse:
         lora_name = body.get("model") if body.get("model") in self.lora_adapters else None
         with self._lock:
-            held = self.cache.allocate(prompt, lora_name=lora_name)
+            held = [self.cache.allocate(prompt, lora_name=lora_name) for prompt in prompts]
+            prompt_tokens = sum(one.prompt_tokens for one in held)
+            cached_tokens = sum(one.cached_tokens for one in held)
             self._running += 1
-            self._counts["prompt"] += held.prompt_tokens
-            self._counts["cached"] += held.cached_tokens
+            self._counts["prompt"] += prompt_tokens
+            self._counts["cached"] += cached_tokens
         stream = _stream_flag(body.get("stream"))
         with self._lock:
             number = self._ids.getrandbits(64)
         chunks = _Chunks(self.model, chat=chat, number=number, created=int(self._clock()))
-        usage = {"prompt_tokens": held.prompt_tokens, "completion_tokens": max_tokens,
-                 "total_tokens": held.prompt_tokens + max_tokens,
-                 "prompt_tokens_details": {"cached_tokens": held.cached_tokens}}  # fmt: skip
+        choices = range(len(prompts) * n)  # as vLLM numbers them: prompt p's i-th answer is p * n + i
+        completion_tokens = max_tokens * len(choices)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens,
+                 "prompt_tokens_details": {"cached_tokens": cached_tokens}}  # fmt: skip
         response: web.StreamResponse | None = None
         finished = False
-        prefill = self.prefill_s + self.prefill_per_token_s * (held.prompt_tokens - held.cached_tokens)
+        prefill = self.prefill_s + self.prefill_per_token_s * (prompt_tokens - cached_tokens)
         started = time.perf_counter()
         try:
             if stream:  # vLLM (Starlette) sends the headers at once, the first chunk after prefill
@@ -508,14 +558,15 @@ class OpenAIEngine:
                     await self._pause(request, sent=sent)
                     await asyncio.sleep(self.token_delay_s)
                 finished = True
-                return web.json_response(chunks.whole(max_tokens, usage))
+                return web.json_response(chunks.whole(max_tokens, choices, usage))
             if chat:
-                await response.write(chunks.sse(chunks.role()))
+                await response.write(b"".join(chunks.sse(chunks.role(index)) for index in choices))
             for sent in range(max_tokens):
                 if sent:
                     await self._pause(request, sent=sent)
                     await asyncio.sleep(self.token_delay_s)
-                await response.write(chunks.sse(chunks.token(sent, last=sent == max_tokens - 1)))
+                last = sent == max_tokens - 1
+                await response.write(b"".join(chunks.sse(chunks.token(sent, index, last=last)) for index in choices))
             options = body.get("stream_options")
             if isinstance(options, dict) and options.get("include_usage"):
                 await response.write(chunks.sse(chunks.usage(usage)))
@@ -531,7 +582,8 @@ class OpenAIEngine:
             raise
         finally:
             with self._lock:
-                self.cache.free(held)
+                for one in held:
+                    self.cache.free(one)
                 self._running -= 1
                 self._counts["completed" if finished else "disconnected"] += 1
 
@@ -572,31 +624,36 @@ class _Chunks:
     def sse(data: dict[str, Any]) -> bytes:
         return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
-    def role(self) -> dict[str, Any]:
+    def role(self, index: int) -> dict[str, Any]:
         delta = {"role": "assistant", "content": ""}
-        return {**self.head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
+        return {**self.head, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]}
 
-    def token(self, i: int, *, last: bool) -> dict[str, Any]:
+    def token(self, i: int, index: int, *, last: bool) -> dict[str, Any]:
         reason = "length" if last else None
         if self.chat:
-            choice = {"index": 0, "delta": {"content": f" t{i}"}, "logprobs": None, "finish_reason": reason,
+            choice = {"index": index, "delta": {"content": f" t{i}"}, "logprobs": None, "finish_reason": reason,
                       "stop_reason": None}  # fmt: skip
         else:
-            choice = {"index": 0, "text": f" t{i}", "logprobs": None, "finish_reason": reason, "stop_reason": None}
+            choice = {"index": index, "text": f" t{i}", "logprobs": None, "finish_reason": reason,
+                      "stop_reason": None}  # fmt: skip
         return {**self.head, "choices": [choice]}
 
     def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         return {**self.head, "choices": [], "usage": usage}
 
-    def whole(self, tokens: int, usage: dict[str, Any]) -> dict[str, Any]:
+    def whole(self, tokens: int, indices: range, usage: dict[str, Any]) -> dict[str, Any]:
         text = "".join(f" t{i}" for i in range(tokens))
-        if self.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []}}
-        else:
-            choice = {"index": 0, "text": text, "prompt_logprobs": None}
-        choice.update(logprobs=None, finish_reason="length", stop_reason=None)
+        choices: list[dict[str, Any]] = []
+        for index in indices:
+            if self.chat:
+                message = {"role": "assistant", "content": text, "tool_calls": []}
+                choice: dict[str, Any] = {"index": index, "message": message}
+            else:
+                choice = {"index": index, "text": text, "prompt_logprobs": None}
+            choice.update(logprobs=None, finish_reason="length", stop_reason=None)
+            choices.append(choice)
         kind = "chat.completion" if self.chat else "text_completion"
-        return {**self.head, "object": kind, "choices": [choice], "usage": usage}
+        return {**self.head, "object": kind, "choices": choices, "usage": usage}
 
 
 def _error(status: int, message: str, kind: str) -> web.Response:

@@ -30,6 +30,10 @@ from prefixroute.testing.openai_engine import OpenAIEngine
 from ..conftest import running_engines, wait_until
 
 TOKENS = 3  # each fake engine's answer: " t0 t1 t2"
+PROMPTS: list[Any] = ["You are a helpful assistant", ["You are a helpful assistant", "SELECT name"], [5, 6, 7],
+                      [[5, 6, 7], [8, 9]]]  # fmt: skip
+BATCH = [1, 2, 1, 2]  # how many prompts each of PROMPTS holds
+WORDS = [5, 7, 3, 5]  # their tokens as the fakes count them (a word each), all prompts together
 
 
 @pytest.fixture(scope="module")
@@ -113,11 +117,63 @@ def strict_metrics(text: str) -> dict[str, dict[str, float]]:
 # -- every request form, as the openai package sends it ------------------------------------------------------------
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("form", range(len(PROMPTS)), ids=["text", "texts", "ids", "lists-of-ids"])
+def test_every_prompt_form_with_n_is_answered_as_vllm_answers_it(
+    client: openai.OpenAI, form: int, stream: bool
+) -> None:
+    """One choice per prompt and per ``n`` (index prompt * n + i), and usage over all of them, as vLLM answers."""
+    n, choices = 2, 2 * BATCH[form]
+    if not stream:
+        whole = client.completions.create(model="fake-model", prompt=PROMPTS[form], n=n)
+        assert sorted(choice.index for choice in whole.choices) == list(range(choices))
+        assert {choice.text for choice in whole.choices} == {" t0 t1 t2"}
+        assert whole.usage is not None
+        assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (WORDS[form], choices * TOKENS)
+        return
+    texts: dict[int, str] = {}
+    chunks = list(
+        client.completions.create(
+            model="fake-model", prompt=PROMPTS[form], n=n, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == dict.fromkeys(range(choices), " t0 t1 t2")
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (WORDS[form], choices * TOKENS)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("content", ["hi there", [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]])
+def test_chat_content_as_text_or_parts_with_n(client: openai.OpenAI, content: Any, stream: bool) -> None:
+    messages: Any = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": content}]
+    if not stream:
+        whole = client.chat.completions.create(model="fake-model", messages=messages, n=2)
+        assert [(c.index, c.message.content) for c in whole.choices] == [(0, " t0 t1 t2"), (1, " t0 t1 t2")]
+        assert whole.usage is not None and whole.usage.completion_tokens == 2 * TOKENS
+        return
+    chunks = list(
+        client.chat.completions.create(
+            model="fake-model", messages=messages, n=2, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    roles = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role == "assistant"]
+    texts: dict[int, str] = {}
+    for chunk in chunks[:-1]:
+        texts[chunk.choices[0].index] = texts.get(chunk.choices[0].index, "") + (chunk.choices[0].delta.content or "")
+    assert sorted(roles) == [0, 1] and texts == {0: " t0 t1 t2", 1: " t0 t1 t2"}
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 2 * TOKENS
+
+
 @pytest.mark.parametrize(
     ("path", "body"),
-    [("/v1/completions", {"prompt": [5, 6], "stream": True}),
-     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True}),
-     ("/v1/completions", {"prompt": "a b", "stream": False})],
+    [("/v1/completions", {"prompt": [[5, 6], [7, 8]], "stream": True}),
+     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 2}),
+     ("/v1/completions", {"prompt": ["a b", "c"], "stream": False})],
 )  # fmt: skip
 def test_raw_http_gets_vllms_framing(proxy: Proxy, path: str, body: dict[str, Any]) -> None:
     """Over plain HTTP/1.1 (no client library): an SSE stream of ``data: JSON`` events ending in ``[DONE]``, or
@@ -131,7 +187,7 @@ def test_raw_http_gets_vllms_framing(proxy: Proxy, path: str, body: dict[str, An
         for event in events[:-2]:
             assert event.startswith(b"data: ") and json.loads(event[6:])["choices"], event
     else:
-        assert len(json.loads(raw)["choices"]) == 1
+        assert len(json.loads(raw)["choices"]) == 2
     assert_idle(proxy)
 
 
@@ -151,9 +207,12 @@ HOSTILE: list[tuple[str, bytes]] = [
     ("/v1/completions", b'{"prompt": ["a", [5]]}'),  # a batch of mixed kinds
     ("/v1/completions", b'{"prompt": "a", "model": "\\udfff"}'),  # a lone surrogate outside the prompt
     ("/v1/completions", b'{"\\ud800": 1, "prompt": "a"}'),  # and in a key
+    ("/v1/completions", b'{"prompt": "a", "n": 0}'),  # vLLM: n must be at least 1
+    ("/v1/completions", b'{"prompt": "a", "n": "two"}'),
     ("/v1/completions", b'{"prompt": [5], "stream": "maybe"}'),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, 5]}]}'),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], "n": -1}'),
 ]
 
 
