@@ -200,6 +200,17 @@ def test_an_unknown_model_is_vllms_not_found(client: openai.OpenAI, stream: bool
     }  # fmt: skip
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_empty_prompt_is_vllms_400_before_any_decision(proxy: Proxy, client: openai.OpenAI, stream: bool) -> None:
+    # Was: routed (a decision committed) and sent on; the fake engines answered it 200 where vLLM answers 400.
+    decisions = proxy.router.stats().decisions
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="fake-model", prompt="", stream=stream)
+    assert refused.value.body == {"message": "Either prompt or prompt_embeds must be provided and non-empty.",
+                                  "type": "BadRequestError", "param": None, "code": 400}  # fmt: skip
+    assert proxy.router.stats().decisions == decisions
+
+
 # -- hostile bodies ------------------------------------------------------------------------------------------------
 
 HOSTILE: list[tuple[str, bytes]] = [

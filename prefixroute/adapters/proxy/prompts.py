@@ -99,8 +99,9 @@ def request_tokens(body: object, *, chat: bool, encoder: PromptEncoding, max_tok
     refuse a prompt of token ids past it, every prompt of a batch, as vLLM does; None: not checked.
 
     Raises:
-        BadRequest: the body is not an object, or has no usable ``prompt`` / ``messages``, or a prompt's token id is
-            past ``max_token_id`` (vLLM's message: ``Token id N is out of vocabulary``).
+        BadRequest: the body is not an object, or has no usable ``prompt`` / ``messages`` (a ``prompt`` absent, null
+            or ``""`` in vLLM's words), or a prompt's token id is past ``max_token_id`` (vLLM's message: ``Token id
+            N is out of vocabulary``).
     """
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
@@ -110,6 +111,8 @@ def request_tokens(body: object, *, chat: bool, encoder: PromptEncoding, max_tok
             raise BadRequest('\'messages\' must be a non-empty list of {"role", "content"} objects')
         return encoder.encode_chat(messages)
     prompt = body.get("prompt")
+    if prompt is None or prompt == "":  # vLLM's check and words: no prompt to route on, nor for the engine
+        raise BadRequest("Either prompt or prompt_embeds must be provided and non-empty.")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if max_token_id is not None:  # the engine refuses the whole batch for one prompt's id
             for other in prompt[1:]:
