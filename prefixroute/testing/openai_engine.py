@@ -472,6 +472,8 @@ class OpenAIEngine:
             if body.get("model") is not None and not isinstance(body["model"], str):  # vLLM's model: str | None
                 raise ValueError(f"'model' must be a string, not {type(body['model']).__name__}")
             prompts = self._prompts(body, chat=chat)
+            if body.get("stream_options") and not body.get("stream"):  # vLLM's check, on the values as sent
+                raise ValueError("Stream options can only be defined when `stream=True`.")
             _stream_flag(body.get("stream"))
             n = _choices(body, len(prompts))
             max_tokens = _max_tokens(body, self.max_tokens, max(map(len, prompts)))
@@ -501,6 +503,8 @@ class OpenAIEngine:
         if chat:
             return [self._tokenizer(render_chat(body.get("messages")))]
         prompt = body.get("prompt")
+        if prompt is None or prompt == "":
+            raise ValueError("Either prompt or prompt_embeds must be provided and non-empty.")
         batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
         texts = all(isinstance(one, str) for one in batch)  # a batch is all texts or all token-id lists
         prompts = []

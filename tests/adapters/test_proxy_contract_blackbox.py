@@ -221,6 +221,11 @@ HOSTILE: list[tuple[str, bytes]] = [
     ("/v1/completions", b'{"prompt": "a", "n": 0}'),  # vLLM: n must be at least 1
     ("/v1/completions", b'{"prompt": "a", "n": "two"}'),
     ("/v1/completions", b'{"prompt": [5], "stream": "maybe"}'),
+    ("/v1/completions", b'{"prompt": [5], "stream_options": {"include_usage": true}}'),  # vLLM: only with stream
+    (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "a"}], "stream_options": {"a": 1}, "stream": false}',
+    ),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, 5]}]}'),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}'),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], "n": -1}'),

@@ -111,7 +111,8 @@ def test_metrics_count_each_time_to_first_token_as_vllm_does() -> None:
 
 
 def test_bad_requests_get_openai_errors(engine: OpenAIEngine) -> None:
-    for body, status in (({"prompt": [-1]}, 400), ({"prompt": 3}, 400), ({"model": "other", "prompt": "a"}, 404)):
+    for body, status in (({"prompt": [-1]}, 400), ({"prompt": 3}, 400), ({"model": "other", "prompt": "a"}, 404),
+                         ({"prompt": ""}, 400)):  # fmt: skip
         reply = httpx.post(f"{engine.url}/v1/completions", json=body)
         assert reply.status_code == status and reply.json()["error"]["code"] == status
     assert httpx.post(f"{engine.url}/v1/chat/completions", json={"messages": "hi"}).status_code == 400
