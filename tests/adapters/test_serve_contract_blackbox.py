@@ -136,6 +136,10 @@ REFUSED: list[tuple[str, bytes, str]] = [
     ("/route", b'{"prompt_token_ids": "1,2"}', "$.prompt_token_ids"),
     ("/route", b'{"prompt_token_ids": null, "prompt": null, "messages": null}', "exactly one of"),
     ("/route", b'{"messages": []}', "messages"),
+    # a content part's type was not checked: one typed 5 or null was silently left out of the prompt routed
+    ("/route", b'{"messages": [{"role": "user", "content": [{"type": 5, "text": "x"}]}]}', "content[0].type"),
+    ("/route", b'{"messages": [{"role": "user", "content": [{"type": null, "text": "x"}]}]}', "content[0].type"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": ["text"]}]}]}', "content[0].type"),
     ("/first_token", b"{}", "id"),
     ("/finish", b'{"id": "x", "refused": null}', "$.refused"),
 ]  # fmt: skip

@@ -163,7 +163,8 @@ def route_prompt(body: RouteBody) -> Prompt:
 
 def check_messages(messages: list[dict[str, Any]]) -> None:
     """Check chat messages as OpenAI types them: a string ``role``, and a ``content`` that is a string, a list of
-    content part objects (a text part's ``text`` a string) or null / absent (an assistant's tool calls). O(parts).
+    content part objects (a str ``type``, ``text`` when absent; a text part's ``text`` a string) or null / absent (an
+    assistant's tool calls). O(parts).
 
     Raises:
         BadRequest: 400 naming the first wrong field, e.g. ``$.messages[2].content``.
@@ -186,7 +187,14 @@ def check_messages(messages: list[dict[str, Any]]) -> None:
                     f'$.messages[{i}].content[{j}] must be a content part like {{"type": "text", "text": "..."}}, '
                     f"not {_json_type(part)}",
                 )
-            if part.get("type", "text") == "text" and not isinstance(part.get("text"), str):
+            kind = part.get("type", "text")  # a part without a type is read as text
+            if not isinstance(kind, str):
+                raise BadRequest(
+                    400,
+                    f'$.messages[{i}].content[{j}].type must be a string such as "text", not '
+                    f"{'null' if kind is None else _json_type(kind)}",
+                )
+            if kind == "text" and not isinstance(part.get("text"), str):
                 raise BadRequest(
                     400, f"$.messages[{i}].content[{j}].text must be a string, not {_json_type(part.get('text'))}"
                 )
