@@ -208,8 +208,13 @@ def test_metrics_stay_a_valid_exposition_whatever_backend_ids_requests_name(clie
 # -- a sidecar without --backends ------------------------------------------------------------------------------------
 
 
-def test_without_fixed_backends_a_route_must_name_them(bare: Client) -> None:
-    assert "backends" in assert_error(bare.http.post("/route", json={"prompt_token_ids": [1]}), 400)
+def test_without_fixed_backends_a_route_must_name_them_and_the_pick_mode_says_to_start_with_them(bare: Client) -> None:
+    assert "'backends'" in assert_error(bare.http.post("/route", json={"prompt_token_ids": [1]}), 400)
+    # The pick mode forwards the client's OpenAI body, which cannot carry 'backends': the error told it to send them.
+    for path, body in [("/v1/completions", {"prompt": [1, 2]}),
+                       ("/v1/completions", {"prompt": [1, 2], "backends": ["http://127.0.0.1:9303"]})]:  # fmt: skip
+        error = assert_error(bare.http.post(path, json=body), 400)
+        assert "start the sidecar with --backends" in error and "send 'backends'" not in error, error
     answer = bare.http.post("/route", json={"prompt_token_ids": [1], "backends": ["http://127.0.0.1:9303"]})
     assert answer.status_code == 200 and answer.json()["backend"] == "http://127.0.0.1:9303"
     bare.http.post("/finish", json={"id": answer.json()["id"]})

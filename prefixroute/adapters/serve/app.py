@@ -271,7 +271,10 @@ class Sidecar:
         if backends is None:
             backends = self.backends
             if not backends:
-                raise BadRequest(400, "no backends: send 'backends' or start the sidecar with --backends URL ...")
+                raise BadRequest(  # the pick mode's body is the client's OpenAI request: it cannot name backends
+                    400,
+                    "no backends: start the sidecar with --backends URL ... (or in a /route body's 'backends')",
+                )
             if self._healthy is not None:
                 backends = self._healthy(backends) or backends
         try:
