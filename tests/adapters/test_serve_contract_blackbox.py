@@ -219,3 +219,18 @@ def test_without_fixed_backends_a_route_must_name_them_and_the_pick_mode_says_to
     assert answer.status_code == 200 and answer.json()["backend"] == "http://127.0.0.1:9303"
     bare.http.post("/finish", json={"id": answer.json()["id"]})
     assert bare.total("prefixroute_in_flight") == 0
+
+
+# -- the command line -------------------------------------------------------------------------------------------------
+
+
+def test_a_backend_url_with_a_trailing_slash_is_routed_without_it(tmp_path: Path) -> None:
+    """nginx's ``proxy_pass $prefixroute_backend`` replaces the request's path with a URL's own: a backend announced
+    as ``http://host:port/`` in X-Prefixroute-Backend sent every completion to ``/``."""
+    port = free_port()
+    with start_sidecar(tmp_path, [BACKENDS[0] + "/", BACKENDS[1]], port=port):
+        for prompt in ([1, 2, 3], [4, 5, 6]):  # one request to each backend (the second is the less loaded)
+            reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": prompt})
+            assert reply.status_code == 200 and reply.headers["X-Prefixroute-Backend"] in BACKENDS, reply.headers
+        metrics = parse_exposition(httpx.get(f"http://127.0.0.1:{port}/metrics").text)
+        assert {dict(ls)["backend"] for n, ls in metrics if n == "prefixroute_in_flight"} == set(BACKENDS)

@@ -73,10 +73,10 @@ _INLINE_TEXT_BYTES = 64 * 2**10  # a text or chat body over this is tokenized on
 class Sidecar:
     """The HTTP face of a router: decode a request, route it, count it in flight, answer.
 
-    ``backends`` is the fixed backend list (each request may give its own ``backends`` instead). ``encoder``
-    tokenizes text and chat prompts (without it they are refused with 400). ``models``, when given, are the only
-    ``model`` values accepted; the first is the router's own namespace (so KV events hashed without a namespace
-    match it), any other is its own namespace. Without ``models`` any model is accepted: those in
+    ``backends`` is the fixed backend list, kept without a trailing ``/`` (each request may give its own ``backends``
+    instead). ``encoder`` tokenizes text and chat prompts (without it they are refused with 400). ``models``, when
+    given, are the only ``model`` values accepted; the first is the router's own namespace (so KV events hashed
+    without a namespace match it), any other is its own namespace. Without ``models`` any model is accepted: those in
     :attr:`base_models` (the backends' base model, which ``prefixroute serve`` learns from their ``/v1/models``)
     route in the router's own namespace, any other (a LoRA adapter) in its own. ``lease`` is the lease of every
     request in seconds (None: counted until finished), and the longest a ``/route`` body may ask for (a longer one is
@@ -123,9 +123,9 @@ class Sidecar:
             raise InvalidTypeError(f"router must be a prefixroute.Router, not {type(router).__name__}")
         if isinstance(backends, (str, bytes)) or not isinstance(backends, Iterable):
             raise InvalidTypeError(f"backends must be a list of backend URLs, not {type(backends).__name__}")
-        backends = list(backends)
-        for backend in backends:
-            upstream_of(backend, strict=True)
+        # Without a trailing "/": nginx's proxy_pass to the X-Prefixroute-Backend URL would take it as every request's
+        # path (proxy_pass with a variable sends a URL's own path instead of the request's).
+        backends = [check_backend_url(backend, path=False) for backend in backends]
         if len(set(backends)) != len(backends):
             raise ConfigurationError("a backend is listed twice: list each backend URL once")
         lease = _check_lease(lease)

@@ -29,7 +29,7 @@ import urllib.request
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
-from prefixroute.adapters.urls import listen_host
+from prefixroute.adapters.urls import check_backend_url, listen_host
 from prefixroute.errors import ConfigurationError
 
 __all__ = ["BaseModelLearner", "register", "run"]
@@ -106,7 +106,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(format="prefixroute serve: %(levelname)s %(message)s")
     logging.getLogger("prefixroute").setLevel(args.log_level.upper())
     encoder = PromptEncoder(args.tokenizer) if args.tokenizer is not None else None
-    events = [_kv_events(spec, args.backends) for spec in args.kv_events]
+    # Each engine in the one spelling the sidecar routes with (a trailing "/" dropped), for --kv-events to match.
+    backends = [check_backend_url(url, path=False) for url in args.backends]
+    events = [_kv_events(spec, backends) for spec in args.kv_events]
     if args.data_parallel_size is not None and not events:
         raise ConfigurationError("--data-parallel-size needs --kv-events: it says how many ranks publish per backend")
     policy = policy_from_name(args.policy, **dict(_policy_option(option) for option in args.policy_option))
@@ -128,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         router = Router(block_size=args.block_size, policy=policy)
     sidecar = Sidecar(
         router,
-        backends=args.backends,
+        backends=backends,
         encoder=encoder,
         models=args.models,
         lease=args.lease,
@@ -140,13 +142,13 @@ def run(args: argparse.Namespace) -> int:
     if args.ext_proc:  # gRPC binds it itself, later: try it now, so a busy port is refused in our words alone
         _bind(socket.SOCK_STREAM, args.host, args.ext_proc, what="ext_proc").close()
     learner = None
-    if args.models is None and args.backends:
-        learner = BaseModelLearner(args.backends, lambda names: setattr(sidecar, "base_models", names))
+    if args.models is None and backends:
+        learner = BaseModelLearner(backends, lambda names: setattr(sidecar, "base_models", names))
         learner.start()
     try:
         if fleet is not None:
             by_backend = dict(events)
-            for backend in args.backends:
+            for backend in backends:
                 endpoints = by_backend.get(backend)
                 fleet.add_backend(
                     backend,
@@ -328,6 +330,7 @@ def _kv_events(spec: str, backends: list[str]) -> tuple[str, tuple[str, str | No
     if not sep or not backend or not endpoints:
         raise ConfigurationError(f"--kv-events takes BACKEND=ENDPOINT[,REPLAY], like "
                                  f"http://gpu0:8000=tcp://gpu0:5557, not {spec!r}")  # fmt: skip
+    backend = backend.removesuffix("/")  # as --backends are read
     if backend not in backends:
         raise ConfigurationError(f"--kv-events names backend {backend!r}, which is not one of --backends {backends}")
     publisher, _, replay = endpoints.partition(",")
