@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -234,3 +236,25 @@ def test_a_backend_url_with_a_trailing_slash_is_routed_without_it(tmp_path: Path
             assert reply.status_code == 200 and reply.headers["X-Prefixroute-Backend"] in BACKENDS, reply.headers
         metrics = parse_exposition(httpx.get(f"http://127.0.0.1:{port}/metrics").text)
         assert {dict(ls)["backend"] for n, ls in metrics if n == "prefixroute_in_flight"} == set(BACKENDS)
+
+
+def serve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "prefixroute", "serve", "--port", "0", *args], capture_output=True,
+                          text=True, timeout=15, check=False)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--backends", "http://127.0.0.1:9301", "http://127.0.0.1:09301"], "127.0.0.1:9301"),
+        (["--backends", "http://127.0.0.1:80", "http://127.0.0.1"], "127.0.0.1:80"),
+        (["--backends", "http://gpu0:8000", "HTTP://GPU0:8000/"], "gpu0:8000"),
+    ],
+    ids=["leading-zero-port", "default-port", "case-and-slash"],
+)
+def test_one_engine_named_twice_on_the_command_line_exits_2_with_one_line(args: list[str], message: str) -> None:
+    """Each spelling passed as a backend of its own: the engine got twice its share and half its cache hits."""
+    done = serve(*args)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    assert message in done.stderr, done.stderr

@@ -126,8 +126,12 @@ class Sidecar:
         # Without a trailing "/": nginx's proxy_pass to the X-Prefixroute-Backend URL would take it as every request's
         # path (proxy_pass with a variable sends a URL's own path instead of the request's).
         backends = [check_backend_url(backend, path=False) for backend in backends]
-        if len(set(backends)) != len(backends):
-            raise ConfigurationError("a backend is listed twice: list each backend URL once")
+        # One engine, one backend, however its URL is spelt (http://gpu0 and http://gpu0:80, :8000 and :08000, case):
+        # two would split its load and its cache, and share one X-Prefixroute-Upstream (HAProxy's map key).
+        engines = [upstream_of(backend) for backend in backends]
+        if len(set(engines)) != len(engines):
+            twice = next(engine for i, engine in enumerate(engines) if engine in engines[:i])
+            raise ConfigurationError(f"a backend is listed twice (engine {twice}): list each backend URL once")
         lease = _check_lease(lease)
         if models is not None and (
             isinstance(models, (str, bytes))
