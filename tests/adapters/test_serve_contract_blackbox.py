@@ -249,9 +249,12 @@ def serve(*args: str) -> subprocess.CompletedProcess[str]:
         (["--backends", "http://127.0.0.1:9301", "http://127.0.0.1:09301"], "127.0.0.1:9301"),
         (["--backends", "http://127.0.0.1:80", "http://127.0.0.1"], "127.0.0.1:80"),
         (["--backends", "http://gpu0:8000", "HTTP://GPU0:8000/"], "gpu0:8000"),
+        # the second publisher of a backend silently replaced the first
+        (["--backends", "http://127.0.0.1:9301", "--kv-events", "http://127.0.0.1:9301=tcp://127.0.0.1:5557",
+          "http://127.0.0.1:9301/=tcp://127.0.0.1:5558"], "--kv-events names backend 'http://127.0.0.1:9301' twice"),
     ],
-    ids=["leading-zero-port", "default-port", "case-and-slash"],
-)
+    ids=["leading-zero-port", "default-port", "case-and-slash", "kv-events-twice"],
+)  # fmt: skip
 def test_one_engine_named_twice_on_the_command_line_exits_2_with_one_line(args: list[str], message: str) -> None:
     """Each spelling passed as a backend of its own: the engine got twice its share and half its cache hits."""
     done = serve(*args)

@@ -109,6 +109,10 @@ def run(args: argparse.Namespace) -> int:
     # Each engine in the one spelling the sidecar routes with (a trailing "/" dropped), for --kv-events to match.
     backends = [check_backend_url(url, path=False) for url in args.backends]
     events = [_kv_events(spec, backends) for spec in args.kv_events]
+    named = [backend for backend, _ in events]
+    if len(set(named)) != len(named):  # not one silently dropped: which publisher is the right one?
+        twice = next(backend for i, backend in enumerate(named) if backend in named[:i])
+        raise ConfigurationError(f"--kv-events names backend {twice!r} twice: give each backend one ENDPOINT[,REPLAY]")
     if args.data_parallel_size is not None and not events:
         raise ConfigurationError("--data-parallel-size needs --kv-events: it says how many ranks publish per backend")
     policy = policy_from_name(args.policy, **dict(_policy_option(option) for option in args.policy_option))
