@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 
-__all__ = ["check_backend_url", "listen_host"]
+__all__ = ["check_backend_url", "engine_of", "listen_host"]
 
 
 def check_backend_url(url: object, *, path: bool = True) -> str:
@@ -49,6 +49,20 @@ def check_backend_url(url: object, *, path: bool = True) -> str:
             f"backend {url!r} has a path: give each engine's scheme, host and port only, like {example}"
         )
     return url.rstrip("/")
+
+
+def engine_of(url: str) -> str:
+    """The one spelling of a checked backend URL's engine: ``http://GPU0`` and ``http://gpu0:80/`` are both
+    ``http://gpu0:80`` (scheme and host in lower case, the scheme's default port written out, no trailing ``/``), so
+    a list that names one engine twice is found however it is spelt. O(len(url)).
+
+    >>> engine_of("HTTP://GPU0:08000/v1/") == engine_of("http://gpu0:8000/v1")
+    True
+    """
+    parts = urlsplit(url)
+    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+    port = parts.port if parts.port is not None else 443 if parts.scheme.lower() == "https" else 80
+    return f"{parts.scheme.lower()}://{host}:{port}{parts.path.rstrip('/')}"
 
 
 def listen_host(text: str) -> str:

@@ -235,6 +235,21 @@ def test_backend_urls_that_cannot_go_in_a_request_line_are_refused(url: str) -> 
         Proxy(Router(), [url])
 
 
+@pytest.mark.parametrize(
+    "twice",
+    [
+        ["http://gpu0", "http://gpu0:80"],
+        ["http://gpu0:8000/", "http://GPU0:08000"],
+        ["https://g:443/v1", "https://g/v1/"],
+    ],
+)
+def test_one_engine_named_twice_however_it_is_spelt_is_refused(twice: list[str]) -> None:
+    """Two spellings of one engine would count as two backends: its load and cache split, its share doubled."""
+    with pytest.raises(ConfigurationError, match="appears twice"):
+        Proxy(Router(), ["http://other:1", *twice])
+    Proxy(Router(), ["http://gpu0:8000", "http://gpu0:8001", "https://gpu0:8000", "http://gpu0:8000/v2"])
+
+
 def test_models_a_backend_refuses_relay_its_refusal_not_a_502(backend: Backend, good: OpenAIEngine) -> None:
     start, _ = backend
 

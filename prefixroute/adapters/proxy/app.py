@@ -37,7 +37,7 @@ from prefixroute.adapters.proxy.prompts import (
 )
 from prefixroute.adapters.serve.contract import base_model_names, is_refusal, json_error, without_bom
 from prefixroute.adapters.threaded import ServerThread
-from prefixroute.adapters.urls import check_backend_url
+from prefixroute.adapters.urls import check_backend_url, engine_of
 from prefixroute.errors import ConfigurationError, InvalidTypeError, PolicyError
 from prefixroute.router import Decision, Router
 
@@ -154,8 +154,10 @@ class Proxy:
         urls = [check_backend_url(url) for url in _names(backends, "backends", "backend URLs")]
         if not urls:
             raise ConfigurationError("the proxy needs at least one backend URL, like http://127.0.0.1:8000")
-        if len(set(urls)) != len(urls):
-            raise ConfigurationError(f"a backend URL appears twice in {urls}: name each backend once")
+        engines = [engine_of(url) for url in urls]  # http://gpu0 and http://gpu0:80 are one engine, named twice
+        if len(set(engines)) != len(engines):
+            twice = next(engine for i, engine in enumerate(engines) if engine in engines[:i])
+            raise ConfigurationError(f"a backend appears twice in {urls} (engine {twice}): name each backend once")
         resends = as_int(retries)
         if resends is None or not 0 <= resends <= MAX_RETRIES:
             raise ConfigurationError(f"retries must be an int in [0, {MAX_RETRIES}], not {shown(retries)}")
