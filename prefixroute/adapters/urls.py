@@ -17,7 +17,7 @@ def check_backend_url(url: object, *, path: bool = True) -> str:
 
     Refused: anything but printable ASCII (a CR or LF from a file with Windows line endings, which ``urlsplit`` would
     silently drop, or a host not yet in its ``xn--`` form), credentials (``user:pass@``: they would leak into the
-    decision headers and metrics labels), a query or fragment, and a port outside 0-65535.
+    decision headers and metrics labels), a query or fragment, and a port outside 1-65535 (no engine listens on 0).
 
     Raises:
         ConfigurationError: the message says what is wrong with the URL.
@@ -36,6 +36,8 @@ def check_backend_url(url: object, *, path: bool = True) -> str:
         parts.port  # noqa: B018 - raises ValueError for a port that is not a number in [0, 65535]
     except ValueError as exc:
         raise ConfigurationError(f"backend URL {url!r} is not a valid URL ({exc}): write it like {example}") from None
+    if parts.port == 0:
+        raise ConfigurationError(f"backend URL {url!r} has port 0, which no engine listens on: write it like {example}")
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigurationError(f"backend {url!r} is not an http(s):// URL with a host, like {example}")
     if parts.username is not None or parts.password is not None:

@@ -228,7 +228,7 @@ def test_refusals_say_what_to_fix() -> None:
 @pytest.mark.parametrize(
     "url",
     ["http://user:secret@127.0.0.1:8000", "http://a\n:1", "http://a:1\r", "http://\u4f8b.jp:8000", "http://c:3?x=1"]
-    + ["http://c:3#f", "http://c:99999", "ftp://c:1"],
+    + ["http://c:3#f", "http://c:99999", "http://c:0", "ftp://c:1"],
 )
 def test_backend_urls_that_cannot_go_in_a_request_line_are_refused(url: str) -> None:
     with pytest.raises(ConfigurationError):
