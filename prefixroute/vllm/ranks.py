@@ -53,7 +53,9 @@ class RankMerge:
     def __init__(self, writer: IndexWriter) -> None:
         check_writer(writer)
         self._writer = writer
-        self._lock = threading.Lock()
+        # Reentrant: a writer may make another rank's subscriber write from inside this write (its reset() writes
+        # that rank's removals here); the counts are whole before ``writer`` is called, so the inner write sees them.
+        self._lock = threading.RLock()
         self._holders: dict[str, dict[int, int]] = {}  # backend -> block hash -> ranks holding it
 
     @property

@@ -4,6 +4,7 @@ so the backend's index holds a block while any rank holds it; the endpoints' che
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -265,6 +266,33 @@ def test_rank_merge_refuses_a_malformed_batch_before_counting_any_of_it(
         merge.write("dp", updates)  # type: ignore[arg-type]
     assert [merge.holders("dp", h) for h in H] == [1, 1, 1] and merge.blocks("dp") == 3
     assert router.index.hashes("dp") == set(H)
+    router._check()
+
+
+def test_a_writer_that_makes_another_rank_write_from_inside_a_write_does_not_deadlock() -> None:
+    """A writer under the merge may reset another rank's subscriber, which writes that rank's removals through the
+    merge from inside the merge's own write (the lock was not reentrant: the thread waited on itself for good)."""
+    router = events_router()
+
+    class ResettingWriter:
+        block_size = router.block_size
+
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def write(self, backend: str, updates: Any) -> None:
+            self.calls += 1
+            if self.calls == 2:  # rank 0's store of H reached the index: rank 1 resets, dropping H[0]
+                merge.write(backend, [(False, H[:1], None)])
+            router.write(backend, updates)
+
+    merge = RankMerge(ResettingWriter())
+    merge.write("dp", [(True, H[:1], None)])  # rank 1 holds H[0]
+    done = threading.Thread(target=merge.write, args=("dp", [(True, H, None)]), daemon=True)  # rank 0 stores H
+    done.start()
+    done.join(timeout=30)
+    assert not done.is_alive(), "the merge's write waited on its own lock"
+    assert [merge.holders("dp", h) for h in H] == [1, 1, 1] and router.index.hashes("dp") == set(H)
     router._check()
 
 
