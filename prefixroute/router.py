@@ -985,12 +985,16 @@ def _check_backend_id(backend: object) -> str:
 _EMPTY_ID = "a backend id is an empty str: give each backend a non-empty id, such as its URL"
 
 
-def _check_backends(backends: Sequence[str]) -> Sequence[str]:
+def _check_backends(backends: Sequence[str]) -> tuple[str, ...]:
+    """``backends`` as a tuple of plain str ids, read in one pass: the placement cache is keyed by that tuple and
+    sorts it, so a list that another thread changes, or a subclass whose ``__iter__`` yields something else on a
+    second pass, cannot store one list's order under another's key. (A list's tuple is the copy the cache key made
+    before, so the hot path does no more.)"""
     if isinstance(backends, str):
         raise InvalidTypeError("backends must be a sequence of backend ids, not a single str: wrap it in a list")
-    if not isinstance(backends, (list, tuple)):
+    if type(backends) is not tuple:
         try:
-            backends = list(backends)
+            backends = tuple(backends)
         except (TypeError, NotImplementedError):  # not iterable, or a 2-D memoryview
             raise InvalidTypeError(
                 f"backends must be a sequence of backend ids, not {type(backends).__name__}"
@@ -998,7 +1002,7 @@ def _check_backends(backends: Sequence[str]) -> Sequence[str]:
     if not backends:
         raise NoBackendError("route() needs at least one backend, but the backend list is empty")
     if not set(map(type, backends)) <= {str}:  # C-level; before the duplicate check, which needs hashable ids
-        backends = [_check_backend_id(backend) for backend in backends]
+        backends = tuple([_check_backend_id(backend) for backend in backends])
     ids = set(backends)
     if "" in ids:
         raise ConfigurationError(_EMPTY_ID)
