@@ -714,19 +714,24 @@ class Router:
         and record what its fields say, so a field changed since (``dataclasses.replace``) must not reach them."""
         if not isinstance(decision, Decision):
             raise InvalidTypeError(f"expected a Decision, not {type(decision).__name__}")
-        if not isinstance(decision.id, str) or not decision.id.startswith(self._id_prefix):
-            raise DecisionError(f"decision {shown(decision.id)} was made by another router: pass it back to that one")
+        decision_id = decision.id
+        if not isinstance(decision_id, str) or not str.startswith(decision_id, self._id_prefix):
+            raise DecisionError(f"decision {shown(decision_id)} was made by another router: pass it back to that one")
         backend, prompt, matched = decision.backend, decision.prompt_tokens, decision.matched_tokens
         candidates = decision.candidates
         if (
-            type(prompt) is not int
+            # The id and backend become keys of the router's maps: the router made them plain str, and a subclass's
+            # own __hash__ would file the request apart from its backend's counts, where finish() and policies miss it.
+            type(decision_id) is not str
+            or type(backend) is not str
+            or type(prompt) is not int
             or type(matched) is not int
             or not 0 <= matched <= prompt
             or type(candidates) is not tuple
             or not any(type(c) is Candidate and c.backend == backend for c in candidates)
         ):
             raise DecisionError(
-                f"decision {decision.id!r} was altered after the router made it (backend {shown(backend)}, "
+                f"decision {shown(decision_id)} was altered after the router made it (backend {shown(backend)}, "
                 f"{shown(matched)} of {shown(prompt)} prompt tokens matched): pass the Decision that route(), "
                 "decide() or commit() returned, unchanged; to send it to another candidate, commit(decision, backend)"
             )

@@ -21,6 +21,7 @@ import pytest
 from prefixroute import (
     Candidate,
     Decision,
+    DecisionError,
     InvalidTypeError,
     LoadPolicy,
     PolicyError,
@@ -178,6 +179,23 @@ def test_a_backend_iterable_that_raises_midway_changes_nothing() -> None:
 
 
 # -- decisions given back ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field", ["id", "backend"])
+@pytest.mark.parametrize("kind", [CollidingStr, UnhashableStr])
+def test_a_decision_whose_id_or_backend_became_a_str_subclass_is_refused(field: str, kind: type[str]) -> None:
+    router = Router(block_size=4)
+    decision = router.route(prompt(5), BACKENDS)
+    altered = dataclasses.replace(decision, **{field: kind(getattr(decision, field))})  # type: ignore[arg-type]
+    for call in (router.start, router.commit):
+        with pytest.raises(DecisionError, match="altered|another router"):
+            call(altered)
+    assert router.stats().in_flight == 0
+    router.start(decision)  # the real one still counts, once, where it says
+    assert router.in_flight(decision.backend) == 1
+    router.finish(decision)
+    assert router.stats().in_flight == 0
+    router._check()
 
 
 # -- ints and strs that stand for plain ones -----------------------------------------------------------------------
