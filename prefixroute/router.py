@@ -928,11 +928,18 @@ def _text(exc: BaseException) -> str:
 
 
 def _id_of(decision: Decision | str) -> str:
-    """The id a lifecycle call names: "" (no request) for anything without a str id, an unhashable one included."""
-    if isinstance(decision, str):
+    """The id a lifecycle call names, as a plain str (a subclass's own ``__hash__`` must not reach the live-request
+    table, where it could raise from finish()): "" (no request) for anything without a str id, also an object
+    whose ``id`` attribute raises."""
+    if type(decision) is str:
         return decision
-    decision_id = getattr(decision, "id", "")
-    return decision_id if isinstance(decision_id, str) else ""
+    try:
+        decision_id = decision if isinstance(decision, str) else getattr(decision, "id", "")
+    except Exception:  # noqa: BLE001 - finish() is called in finally blocks and never raises for an id
+        return ""
+    if type(decision_id) is str:
+        return decision_id
+    return str.__str__(decision_id) if isinstance(decision_id, str) else ""
 
 
 def _shared(hashes: Sequence[int], other: Sequence[int]) -> int:

@@ -198,6 +198,36 @@ def test_a_decision_whose_id_or_backend_became_a_str_subclass_is_refused(field: 
     router._check()
 
 
+class RaisingId:
+    @property
+    def id(self) -> str:
+        raise Boom("id")
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [UnhashableStr("x"), RaisingId(), HostileInt(3), None, np.array(["a", "b"]), b"id"],
+    ids=["unhashable-str", "raising-id-property", "hostile-int", "none", "ndarray", "bytes"],
+)
+def test_finish_and_first_token_never_raise_for_an_id(bad: object) -> None:
+    router, decision = busy_router()
+    before = state(router)
+    router.first_token(bad)  # type: ignore[arg-type]
+    router.finish(bad)  # type: ignore[arg-type]
+    router.finish(bad, refused=True)  # type: ignore[arg-type]
+    assert state(router) == before
+    assert router.stats().ignored == 3  # a first token for no request in flight is counted too
+    router._check()
+
+
+def test_finish_by_a_str_subclass_of_the_id_ends_the_request() -> None:
+    router, decision = busy_router()
+    router.first_token(CollidingStr(decision.id))
+    router.finish(UnhashableStr(decision.id))
+    assert router.stats().in_flight == 0
+    router._check()
+
+
 # -- ints and strs that stand for plain ones -----------------------------------------------------------------------
 
 
