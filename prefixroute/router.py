@@ -269,9 +269,9 @@ class Router:
             raise InvalidTypeError(f"index must be a PrefixIndex (or a subclass), not {type(index).__name__}")
         elif capacity_blocks is not None:
             raise ConfigurationError("pass capacity_blocks to the PrefixIndex you give as index=, not to the Router")
-        elif index.block_size != block_size:
+        elif index.block_size != self._hasher.block_size:  # the plain int block_size stands for, checked
             raise ConfigurationError(
-                f"index.block_size is {index.block_size} but block_size is {block_size}: they must agree"
+                f"index.block_size is {index.block_size} but block_size is {self._hasher.block_size}: they must agree"
             )
         self._index = index
         self._policy: LoadPolicy = policy if policy is not None else PredictedTTFT()

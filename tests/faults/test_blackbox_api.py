@@ -27,6 +27,7 @@ from prefixroute import (
     PolicyError,
     PredictedTTFT,
     PrefixIndex,
+    PrefixRouteError,
     Router,
     RouterStats,
 )
@@ -229,6 +230,15 @@ def test_finish_by_a_str_subclass_of_the_id_ends_the_request() -> None:
 
 
 # -- ints and strs that stand for plain ones -----------------------------------------------------------------------
+
+
+def test_an_int_subclass_block_size_is_the_plain_int_even_beside_an_index() -> None:
+    for index in (None, PrefixIndex(4)):
+        router = Router(block_size=HostileInt(4), index=index)
+        assert type(router.block_size) is int and router.block_size == 4
+        assert router.route(prompt(1), BACKENDS).prompt_tokens == 24
+    with pytest.raises(PrefixRouteError, match="must agree"):
+        Router(block_size=HostileInt(8), index=PrefixIndex(4))
 
 
 @pytest.mark.parametrize(
