@@ -570,6 +570,7 @@ def policy_from_name(name: str, **options: Any) -> LoadPolicy:
     """
     if not isinstance(name, str):
         raise InvalidTypeError(f"policy name must be a str, not {type(name).__name__}")
+    name = str.__str__(name)  # a subclass's own __hash__ or __contains__ is no part of the name
     if ":" in name:
         cls = _import_policy(name)
     else:

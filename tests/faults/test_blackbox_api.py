@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from prefixroute import (
+    BoundedLoad,
     Candidate,
     Decision,
     DecisionError,
@@ -30,6 +31,7 @@ from prefixroute import (
     PrefixRouteError,
     Router,
     RouterStats,
+    policy_from_name,
 )
 
 BACKENDS = ["gpu0", "gpu1", "gpu2"]
@@ -239,6 +241,12 @@ def test_an_int_subclass_block_size_is_the_plain_int_even_beside_an_index() -> N
         assert router.route(prompt(1), BACKENDS).prompt_tokens == 24
     with pytest.raises(PrefixRouteError, match="must agree"):
         Router(block_size=HostileInt(8), index=PrefixIndex(4))
+
+
+def test_policy_from_name_takes_a_str_subclass_name() -> None:
+    assert isinstance(policy_from_name(UnhashableStr("bounded-load"), factor=1.5), BoundedLoad)
+    with pytest.raises(PrefixRouteError, match="unknown policy"):
+        policy_from_name(UnhashableStr("no-such-policy"))
 
 
 @pytest.mark.parametrize(
