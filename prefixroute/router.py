@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, NoReturn, SupportsIndex, TypeAlias
 
 import cachetools
 import xxhash
@@ -223,7 +223,8 @@ class Router:
     it does I/O or sleeps, so calling :meth:`route` from an asyncio coroutine does not stall the loop. Other
     components write the index only through :meth:`store`, :meth:`evict`, :meth:`write` and
     :meth:`clear_backend`, which take the lock. A policy or an index hook that calls back into the router while it
-    holds the lock gets a :class:`PolicyError` instead of a deadlock.
+    holds the lock gets a :class:`PolicyError` instead of a deadlock. A router cannot be copied or pickled
+    (``TypeError``): make one per process with the same options.
 
     >>> router = Router(block_size=4)
     >>> first = router.route([1, 2, 3, 4, 5, 6, 7, 8], ["gpu0", "gpu1", "gpu2"])
@@ -843,6 +844,14 @@ class Router:
         with self._lock:
             blocks = self._index.remove_backend(backend)
         del blocks  # freed outside the lock
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        """Refuse :func:`copy.copy`, :func:`copy.deepcopy` and :mod:`pickle` (``TypeError``): a copy would share or
+        duplicate the lock, the requests in flight and the id counter, and hand out ids that name another request."""
+        raise InvalidTypeError(
+            "a Router cannot be copied or pickled: it holds a lock, the requests in flight and the counter of their "
+            "ids, which a copy would share or duplicate; build another Router with the same options instead"
+        )
 
     def __repr__(self) -> str:
         return f"Router(block_size={self._hasher.block_size}, policy={self._policy!r}, index={self._index!r})"

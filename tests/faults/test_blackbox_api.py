@@ -419,6 +419,16 @@ def test_a_documented_subclass_is_unit_testable_offline() -> None:
 # -- copying and pickling ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    "how", [copy.copy, copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))], ids=["copy", "deepcopy", "pickle"]
+)
+def test_a_router_cannot_be_copied_or_pickled_and_says_why(how: Callable[[object], object]) -> None:
+    router, _ = busy_router()
+    with pytest.raises(TypeError, match="Router cannot be copied or pickled"):
+        how(router)
+    router._check()
+
+
 @pytest.mark.parametrize("how", [copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))])
 def test_a_deep_copy_of_an_index_is_independent(how: Callable[[PrefixIndex], PrefixIndex]) -> None:
     index = PrefixIndex(4, capacity_blocks=8)
