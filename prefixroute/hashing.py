@@ -166,7 +166,8 @@ class BlockHasher:
     """Hash prompts into one chained 64-bit xxh3 hash per full block of ``block_size`` tokens.
 
     ``namespace`` (a model name, LoRA adapter name or cache salt) seeds the chain, so prompts under different
-    namespaces never share a hash. Hashes are deterministic across processes and machines.
+    namespaces never share a hash. Hashes are deterministic across processes and machines, and a hasher copies and
+    pickles as its block size and namespace.
 
     >>> hasher = BlockHasher(block_size=4)
     >>> a = hasher.hash([1, 2, 3, 4, 5, 6, 7, 8, 9])
@@ -235,6 +236,14 @@ class BlockHasher:
 
     def __repr__(self) -> str:
         return f"BlockHasher(block_size={self._block_size}, namespace={self._namespace!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Copy and pickle as what it is made of, its block size and namespace (its C structs cannot be pickled)."""
+        return _rebuild_hasher, (type(self), self._block_size, self._namespace)
+
+
+def _rebuild_hasher(cls: type[BlockHasher], block_size: int, namespace: str | bytes | None) -> BlockHasher:
+    return cls(block_size, namespace=namespace)
 
 
 MAX_BLOCK_SIZE = 65536

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from prefixroute import (
+    BlockHasher,
     BoundedLoad,
     Candidate,
     Decision,
@@ -29,9 +30,11 @@ from prefixroute import (
     PredictedTTFT,
     PrefixIndex,
     PrefixRouteError,
+    Random,
     Router,
     RouterStats,
     policy_from_name,
+    policy_names,
 )
 
 BACKENDS = ["gpu0", "gpu1", "gpu2"]
@@ -427,6 +430,27 @@ def test_a_router_cannot_be_copied_or_pickled_and_says_why(how: Callable[[object
     with pytest.raises(TypeError, match="Router cannot be copied or pickled"):
         how(router)
     router._check()
+
+
+@pytest.mark.parametrize("how", [copy.copy, copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))])
+def test_value_objects_copy_and_pickle_to_equals_that_work(how: Callable[[Any], Any]) -> None:
+    router, decision = busy_router()
+    assert how(decision) == decision
+    router.finish(how(decision))  # a pickled decision names the same request
+    assert router.stats().in_flight == 0
+    assert how(router.stats()) == router.stats()
+    assert how(decision.candidates[0]) == decision.candidates[0]
+    hasher = BlockHasher(4, namespace="model")
+    assert how(hasher).hash(prompt(1)) == hasher.hash(prompt(1))
+    for name in policy_names():
+        policy = policy_from_name(name)
+        twin = how(policy)
+        assert type(twin) is type(policy) and repr(twin) == repr(policy)
+        assert twin.choose(decision.candidates) in decision.candidates
+    seeded, twin = Random(seed=3), how(Random(seed=3))
+    assert [seeded.choose(decision.candidates) for _ in range(5)] == [
+        twin.choose(decision.candidates) for _ in range(5)
+    ]
 
 
 @pytest.mark.parametrize("how", [copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))])
