@@ -15,6 +15,7 @@ store is over its capacity (as cachetools' ``Cache`` calls ``popitem``). Interna
 
 from __future__ import annotations
 
+import copy
 import sys
 from array import array
 from collections.abc import Collection, Container, Iterable, Iterator, Mapping, Sequence
@@ -370,7 +371,8 @@ class PrefixIndex:
     held, and :meth:`match` binary-searches whole prefixes. Only :meth:`remove` can punch holes; a store then walks
     block by block until the holes are gone (see ``docs/internals.md``).
 
-    Not thread-safe by itself: :class:`~prefixroute.Router` serialises access with its lock.
+    Not thread-safe by itself: :class:`~prefixroute.Router` serialises access with its lock. :func:`copy.copy`,
+    :func:`copy.deepcopy` and :mod:`pickle` give an independent index.
 
     >>> index = PrefixIndex(capacity_blocks=1000)
     >>> index.insert([11, 12, 13], "gpu0")
@@ -754,6 +756,13 @@ class PrefixIndex:
 
     def __repr__(self) -> str:
         return f"PrefixIndex(block_size={self._block_size}, backends={len(self._stores)}, entries={len(self)})"
+
+    def __copy__(self) -> PrefixIndex:
+        """An independent copy, as :func:`copy.deepcopy` makes. O(entries).
+
+        A shallow one would share the stores but not the counters kept beside them (the capacity changes a router
+        watches, the orphan inserts): writing to it would change this index behind its router's back."""
+        return copy.deepcopy(self)
 
     def _check(self, *, chains: Iterable[Sequence[int]] = ()) -> None:
         """Assert every invariant of the index (for tests). O(entries + chains × backends).

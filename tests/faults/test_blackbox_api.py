@@ -453,16 +453,28 @@ def test_value_objects_copy_and_pickle_to_equals_that_work(how: Callable[[Any], 
     ]
 
 
-@pytest.mark.parametrize("how", [copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))])
-def test_a_deep_copy_of_an_index_is_independent(how: Callable[[PrefixIndex], PrefixIndex]) -> None:
+@pytest.mark.parametrize(
+    "how", [copy.copy, copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))], ids=["copy", "deepcopy", "pickle"]
+)
+def test_a_copy_of_an_index_is_independent_of_it_and_of_its_router(how: Callable[[PrefixIndex], PrefixIndex]) -> None:
     index = PrefixIndex(4, capacity_blocks=8)
     index.insert([1, 2, 3], "a")
     twin = how(index)
     twin.insert([9, 10], "a")
     twin.remove([3], "a")
-    assert sorted(index.hashes("a")) == [1, 2, 3] and sorted(twin.hashes("a")) == [1, 2, 9, 10]
+    twin.set_capacity("a", 1)
+    assert sorted(index.hashes("a")) == [1, 2, 3] and index.capacity("a") == 8
     index._check(chains=[[1, 2, 3]])
     twin._check(chains=[[9, 10]])
+    router = Router(block_size=4)
+    first = router.route(prompt(1), BACKENDS)
+    twin = how(router.index)
+    twin.set_capacity(first.backend, 2)
+    twin.remove_backend(first.backend)
+    again = router.route(prompt(1), BACKENDS)
+    assert (again.backend, again.matched_tokens) == (first.backend, 24)
+    assert {c.capacity_blocks for c in again.candidates} == {None} and router.index.capacity(first.backend) is None
+    router._check()
 
 
 # -- many threads --------------------------------------------------------------------------------------------------
