@@ -347,7 +347,9 @@ class Router:
             TypeError: a backend id is not a str, or the prompt is not a token sequence.
             InvalidPromptError: a token id is not an int in [0, 2**32) (the message names its position).
             PolicyError: the policy returned something that is not one of its candidates, or raised an exception
-                that is not a :class:`PrefixRouteError` (the original is the cause); nothing is recorded.
+                that is not a :class:`PrefixRouteError` or raised an :class:`InvalidTypeError` (the original is the
+                cause); nothing is recorded. Its other errors of the tree, and exceptions that are not an
+                ``Exception`` (``KeyboardInterrupt``), propagate unchanged, also with nothing recorded.
         """
         return self._decide(prompt_tokens, backends, namespace, commit=True)
 

@@ -22,10 +22,12 @@ from prefixroute import (
     BlockHasher,
     BoundedLoad,
     Candidate,
+    ConfigurationError,
     Decision,
     DecisionError,
     InvalidTypeError,
     LoadPolicy,
+    NoBackendError,
     PolicyError,
     PredictedTTFT,
     PrefixIndex,
@@ -33,6 +35,7 @@ from prefixroute import (
     Random,
     Router,
     RouterStats,
+    kv_fraction,
     policy_from_name,
     policy_names,
 )
@@ -309,6 +312,33 @@ def test_a_base_exception_in_choose_propagates_and_changes_nothing(exc: BaseExce
     policy.act = lambda candidates: candidates[0]
     assert router.route(prompt(8), BACKENDS).backend in BACKENDS
     router._check()
+
+
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [(NoBackendError("none fits"), NoBackendError), (ConfigurationError("x"), ConfigurationError)],
+    ids=["no-backend", "configuration"],
+)
+def test_an_error_of_the_tree_raised_on_purpose_in_choose_reaches_the_caller_unchanged(
+    exc: PrefixRouteError, expected: type[PrefixRouteError]
+) -> None:
+    policy = Scripted()
+    router, _ = busy_router(policy)
+    before = state(router)
+
+    def act(candidates: Sequence[Candidate]) -> Candidate:
+        raise exc
+
+    policy.act = act
+    with pytest.raises(expected) as info:
+        router.route(prompt(8), BACKENDS)
+    assert info.value is exc and not isinstance(info.value, PolicyError)
+    assert state(router) == before
+    policy.act = lambda candidates: (kv_fraction(candidates), candidates[0])[1]  # type: ignore[arg-type]
+    with pytest.raises(PolicyError) as wrapped:
+        router.route(prompt(8), BACKENDS)
+    assert isinstance(wrapped.value.__cause__, InvalidTypeError)
+    assert state(router) == before
 
 
 @pytest.mark.parametrize(
