@@ -1,0 +1,599 @@
+"""Black-box checks of prefixroute.vllm against vLLM's wire formats, written from vLLM's own source.
+
+The publisher here is a real pyzmq PUB/ROUTER pair that frames and encodes as vLLM's ``ZmqEventPublisher`` does
+(``[topic, 8-byte big-endian seq, msgpack payload]``; a replay ROUTER answering ``[seq, payload]`` or, in newer vLLM,
+``[topic, seq, payload]`` and then an end frame of seq -1), with each vLLM version's field layout spelled out by
+hand: prefixroute's own encoder is never used, so a disagreement with vLLM cannot hide behind a shared mistake.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from prefixroute import BlockHasher, Router
+from prefixroute.vllm import EventIndex, KVEventSubscriber, lora_namespace
+
+from ..conftest import wait_until
+
+BS = 16
+TOPIC = b"kv@gpu0"
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def seq_bytes(seq: int) -> bytes:
+    return seq.to_bytes(8, "big", signed=seq < 0)
+
+
+def pack(obj: object) -> bytes:
+    return msgspec.msgpack.encode(obj)
+
+
+def tokens(start: int, blocks: int = 1) -> list[int]:
+    return list(range(start, start + blocks * BS))
+
+
+def sha(*parts: object) -> bytes:
+    """A 32-byte block hash, as vLLM's sha256 prefix hashing produces."""
+    return hashlib.sha256(repr(parts).encode()).digest()
+
+
+# --- each vLLM version's layout of an event, spelled out -------------------------------------------------------------
+
+
+def stored_v1(hashes: list[Any], parent: Any, toks: list[int]) -> list[Any]:
+    """vLLM 0.9: array_like, tagged, fields up to lora_id."""
+    return ["BlockStored", hashes, parent, toks, BS, None]
+
+
+def stored_v2(hashes: list[Any], parent: Any, toks: list[int]) -> list[Any]:
+    """vLLM 0.10: medium appended."""
+    return ["BlockStored", hashes, parent, toks, BS, None, "GPU"]
+
+
+def stored_v3(hashes: list[Any], parent: Any, toks: list[int]) -> list[Any]:
+    """lora_name appended, then group metadata (omit_defaults drops trailing defaults)."""
+    return ["BlockStored", hashes, parent, toks, BS, None, "GPU", None, None, 0, "full_attention"]
+
+
+def stored_future_array(hashes: list[Any], parent: Any, toks: list[int]) -> list[Any]:
+    """A later version that appends fields prefixroute has never heard of."""
+    return [*stored_v3(hashes, parent, toks), None, "LOCAL", "tier0", {"new": [1, 2]}, 7]
+
+
+def stored_map(hashes: list[Any], parent: Any, toks: list[int]) -> dict[str, Any]:
+    """Newer vLLM: events are maps tagged by "type"; fields without a default are always sent, defaults omitted."""
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": toks,
+        "block_size": BS,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+
+
+def stored_map_future(hashes: list[Any], parent: Any, toks: list[int]) -> dict[str, Any]:
+    """A later map version: typed extra keys absent, an event_version, locality and fields unknown today."""
+    return {
+        **stored_map(hashes, parent, toks),
+        "event_version": 3,
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+        "locality": "LOCAL",
+        "brand_new": {"x": [1, {"y": None}]},
+    }
+
+
+def removed_array(hashes: list[Any]) -> list[Any]:
+    return ["BlockRemoved", hashes, "GPU"]
+
+
+def removed_array_oldest(hashes: list[Any]) -> list[Any]:
+    return ["BlockRemoved", hashes]
+
+
+def removed_map(hashes: list[Any]) -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU"}
+
+
+def batch_array(events: list[Any], ts: float | None = None, rank: int | None = None) -> bytes:
+    body: list[Any] = [time.time() if ts is None else ts, events]
+    if rank is not None:
+        body.append(rank)
+    return pack(body)
+
+
+def batch_map(events: list[Any], ts: float | None = None, rank: int | None = 0) -> bytes:
+    return pack({"ts": time.time() if ts is None else ts, "events": events, "data_parallel_rank": rank})
+
+
+# --- a hostile, hand-driven vLLM publisher ---------------------------------------------------------------------------
+
+
+class Publisher:
+    """PUB and replay ROUTER sockets on loopback; ``replay_mode`` says how the ROUTER answers."""
+
+    def __init__(self, topic: bytes = TOPIC) -> None:
+        self.ctx: zmq.Context[Any] = zmq.Context.instance()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind("tcp://127.0.0.1:*")
+        self.rep = self.ctx.socket(zmq.ROUTER)
+        self.rep.setsockopt(zmq.LINGER, 0)
+        self.rep.bind("tcp://127.0.0.1:*")
+        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = self.rep.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.topic = topic
+        self.buffer: dict[int, bytes] = {}
+        self.replay_mode: str | Callable[[Publisher, bytes, int], None] = "new"  # or "old", "silent"
+        self.requests: list[int] = []
+        self.next_seq = 0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def publish(self, payload: bytes, *, seq: int | None = None, keep: bool = True, send: bool = True) -> int:
+        """Publish ``payload`` under ``seq`` (the next one by default); keep it for replay; maybe lose it."""
+        if seq is None:
+            seq = self.next_seq
+        self.next_seq = seq + 1
+        if keep:
+            self.buffer[seq] = payload
+        if send:
+            with self._lock:
+                self.pub.send_multipart([self.topic, seq_bytes(seq), payload])
+        return seq
+
+    def raw(self, frames: list[bytes]) -> None:
+        with self._lock:
+            self.pub.send_multipart(frames)
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.rep, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(20):
+                continue
+            with self._lock:
+                frames = self.rep.recv_multipart()
+            if len(frames) != 3:
+                continue
+            client, _, start_b = frames
+            start = int.from_bytes(start_b, "big")
+            self.requests.append(start)
+            mode = self.replay_mode
+            if callable(mode):
+                mode(self, client, start)
+                continue
+            if mode == "silent":
+                continue
+            for seq in sorted(self.buffer):
+                if seq >= start:
+                    head = [client, b""] + ([self.topic] if mode == "new" else [])
+                    with self._lock:
+                        self.rep.send_multipart([*head, seq_bytes(seq), self.buffer[seq]])
+            end = [client, b""] + ([b""] if mode == "new" else [])
+            with self._lock:
+                self.rep.send_multipart([*end, END_SEQ, b""])
+
+    def reply(self, frames: list[bytes]) -> None:
+        with self._lock:
+            self.rep.send_multipart(frames)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.pub.close(0)
+        self.rep.close(0)
+
+
+@contextmanager
+def publisher(topic: bytes = TOPIC) -> Iterator[Publisher]:
+    pub = Publisher(topic)
+    try:
+        yield pub
+    finally:
+        pub.close()
+
+
+def events_router() -> Router:
+    return Router(index=EventIndex(BS, speculative_ttl=0))
+
+
+@contextmanager
+def subscribed(
+    pub: Publisher, router: Router | None = None, backend: str = "gpu0", **options: Any
+) -> Iterator[tuple[Router, KVEventSubscriber]]:
+    """A started subscriber on ``pub`` that has applied at least one of its batches."""
+    router = router or events_router()
+    options.setdefault("replay_timeout", 0.5)
+    options.setdefault("reconnect_backoff", (0.02, 0.2))
+    sub = KVEventSubscriber(
+        router, backend, pub.endpoint, replay_endpoint=pub.replay_endpoint, topic=pub.topic.decode(), **options
+    )
+    with sub:
+        join(pub, sub)
+        yield router, sub
+    assert not sub.running
+
+
+def join(pub: Publisher, sub: KVEventSubscriber) -> None:
+    """Publish empty batches until the subscriber has applied the latest (a SUB socket misses what came first)."""
+    state = {"at": 0.0, "seq": -1}
+
+    def caught_up() -> bool:
+        if state["seq"] >= 0 and sub.last_seq >= state["seq"]:
+            return True
+        if time.monotonic() - state["at"] > 0.1:
+            state["seq"] = pub.publish(batch_array([]))
+            state["at"] = time.monotonic()
+        return False
+
+    wait_until(caught_up, what="the subscriber to apply the publisher's latest batch")
+
+
+def applied(sub: KVEventSubscriber, seq: int) -> Callable[[], bool]:
+    return lambda: sub.last_seq >= seq
+
+
+def sound(router: Router, sub: KVEventSubscriber) -> None:
+    """What must hold after any input: the index is consistent and the thread lives."""
+    router._check()
+    assert sub.running
+
+
+def own(toks: list[int], namespace: str | bytes | None = None) -> set[int]:
+    """prefixroute's own hashes of the full blocks of ``toks``, as route() computes them."""
+    return set(BlockHasher(BS, namespace=namespace).hash(toks))
+
+
+# --- events of every vLLM version's layout ---------------------------------------------------------------------------
+
+LAYOUTS: dict[str, tuple[Callable[..., Any], Callable[[list[Any]], Any], Callable[..., bytes]]] = {
+    "0.9 array, int hashes, [ts, events]": (stored_v1, removed_array_oldest, lambda ev: batch_array(ev)),
+    "0.10 array, medium, rank": (stored_v2, removed_array, lambda ev: batch_array(ev, rank=0)),
+    "array with lora_name and group metadata": (stored_v3, removed_array, lambda ev: batch_array(ev, rank=0)),
+    "array with trailing fields of a future version": (
+        stored_future_array,
+        lambda h: [*removed_array(h), 0, "LOCAL", None, "more"],
+        lambda ev: batch_array(ev, rank=0),
+    ),
+    "map events in an array batch": (stored_map, removed_map, lambda ev: batch_array(ev, rank=0)),
+    "map events in a map batch": (stored_map, removed_map, lambda ev: batch_map(ev)),
+    "map of a future version": (
+        stored_map_future,
+        lambda h: {**removed_map(h), "group_idx": 0, "locality": "LOCAL", "later": [1]},
+        lambda ev: batch_map(ev, rank=None),
+    ),
+}
+
+
+@pytest.mark.parametrize("hash_kind", ["int", "bytes"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_vllm_layout_is_applied_and_evicted(layout: str, hash_kind: str) -> None:
+    stored, removed, batch = LAYOUTS[layout]
+
+    def h(i: int) -> Any:
+        return sha("blk", i) if hash_kind == "bytes" else (2**64 - 1 - i)
+
+    with publisher() as pub, subscribed(pub) as (router, sub):
+        chain = tokens(1000, 3)
+        seq = pub.publish(batch([stored([h(0), h(1)], None, chain[: 2 * BS]), stored([h(2)], h(1), chain[2 * BS :])]))
+        wait_until(applied(sub, seq))
+        assert router.index.hashes("gpu0") == own(chain)
+        seq = pub.publish(batch([removed([h(2)])]))
+        wait_until(applied(sub, seq))
+        assert router.index.hashes("gpu0") == own(chain[: 2 * BS])
+        seq = pub.publish(
+            batch([["AllBlocksCleared"] if isinstance(stored([], None, []), list) else {"type": "AllBlocksCleared"}])
+        )
+        wait_until(applied(sub, seq))
+        assert router.index.hashes("gpu0") == set()
+        stats = sub.stats()
+        assert (stats.invalid_batches, stats.bad_sequences) == (0, 0)
+        sound(router, sub)
+
+
+def lora_stored_map(hashes: list[Any], parent: Any, toks: list[int], extra: Any) -> dict[str, Any]:
+    return {**stored_map(hashes, parent, toks), "lora_id": 3, "lora_name": "sql", "extra_keys": extra}
+
+
+@pytest.mark.parametrize(
+    "extra_keys",
+    [
+        None,
+        [["sql"], ["sql"]],  # vLLM before typed keys: one tuple per block, the adapter's name
+    ],
+    ids=["no extra keys", "tuple extra keys"],
+)
+def test_a_lora_block_is_indexed_in_its_adapters_namespace_whatever_its_extra_keys_look_like(extra_keys: Any) -> None:
+    chain = tokens(5000, 2)
+    with publisher() as pub, subscribed(pub) as (router, sub):
+        seq = pub.publish(batch_map([lora_stored_map([sha(1), sha(2)], None, chain, extra_keys)]))
+        wait_until(applied(sub, seq))
+        assert router.index.hashes("gpu0") == own(chain, lora_namespace(None, "sql"))
+        sound(router, sub)
+
+
+@pytest.mark.parametrize(
+    "extra_keys",
+    [
+        [[{"type": "cache_salt", "salt": "s"}], None],
+        [[{"type": "mm", "modality": "image", "hash": "abc", "block_offset": 0}], None],
+        [[{"type": "prompt_embeds", "hash": b"\x01" * 8}], None],
+        [[{"type": "legacy", "value": ["x", 1]}], None],
+        [["salt"], None],
+    ],
+    ids=["salt", "mm", "prompt embeds", "legacy", "tuple salt"],
+)
+def test_blocks_named_by_more_than_their_tokens_are_not_indexed(extra_keys: Any) -> None:
+    chain = tokens(6000, 2)
+    with publisher() as pub, subscribed(pub) as (router, sub):
+        seq = pub.publish(batch_map([{**stored_map([sha(1), sha(2)], None, chain), "extra_keys": extra_keys}]))
+        wait_until(applied(sub, seq))
+        assert router.index.hashes("gpu0") == set()
+        sound(router, sub)
+
+
+@pytest.mark.parametrize("medium", ["CPU", "STORAGE", "cpu", "DISK"])
+def test_blocks_off_the_gpu_are_not_indexed(medium: str) -> None:
+    chain = tokens(8000, 1)
+    with publisher() as pub, subscribed(pub) as (router, sub):
+        seq = pub.publish(batch_array([["BlockStored", [21], None, chain, BS, None, medium]]))
+        wait_until(applied(sub, seq))
+        assert router.index.hashes("gpu0") == set()
+        sound(router, sub)
+
+
+# --- sequences: restarts, gaps, replays ------------------------------------------------------------------------------
+
+
+def stored_batch(start: int, blocks: int = 1, parent: Any = None, first_hash: int = 0) -> bytes:
+    toks = tokens(start, blocks)
+    return batch_array([stored_v2([first_hash + i for i in range(blocks)], parent, toks)], rank=0)
+
+
+@pytest.mark.parametrize("mode", ["new", "old"])
+def test_a_gap_is_filled_from_the_replay_in_either_framing(mode: str) -> None:
+    with publisher() as pub, subscribed(pub) as (router, sub):
+        pub.replay_mode = mode
+        base = pub.publish(stored_batch(100, 1, first_hash=1))
+        pub.publish(stored_batch(116, 1, parent=1, first_hash=2), send=False)  # lost on the way
+        pub.publish(stored_batch(132, 1, parent=2, first_hash=3), send=False)
+        last = pub.publish(stored_batch(148, 1, parent=3, first_hash=4))
+        wait_until(applied(sub, last))
+        assert base + 1 in pub.requests
+        assert router.index.hashes("gpu0") == own(tokens(100, 4))
+        stats = sub.stats()
+        assert (stats.gaps, stats.unrecovered_gaps, stats.failed_replays) == (1, 0, 0)
+        sound(router, sub)
+
+
+def garbage_replies(*frames: list[bytes]) -> Callable[[Publisher, bytes, int], None]:
+    def answer(pub: Publisher, client: bytes, start: int) -> None:
+        for body in frames:
+            pub.reply([client, b"", *body])
+
+    return answer
+
+
+GARBAGE_REPLAYS: dict[str, list[list[bytes]]] = {
+    "not msgpack": [[TOPIC, seq_bytes(1), b"\xc1\xc1\xc1"], [b"", END_SEQ, b""]],
+    "seq of 3 bytes": [[TOPIC, b"\x00\x00\x01", b"x"], [b"", END_SEQ, b""]],
+    "one frame": [[b"hello"]],
+    "six frames": [[b"a", b"b", b"c", b"d"]],
+    "an empty frame list after the delimiter": [[]],
+    "msgpack of the wrong shape": [[TOPIC, seq_bytes(1), pack({"a": 1})], [b"", END_SEQ, b""]],
+    "a seq far in the future": [[TOPIC, seq_bytes(2**62), batch_array([])], [b"", END_SEQ, b""]],
+    "a negative seq that is not the end": [[TOPIC, seq_bytes(-7), batch_array([])]],
+    "a seq before the one asked for": [[TOPIC, seq_bytes(0), batch_array([])], [b"", END_SEQ, b""]],
+    "no end frame": [[TOPIC, seq_bytes(1), batch_array([])]],
+}
+
+
+@pytest.mark.parametrize("garbage", list(GARBAGE_REPLAYS))
+def test_a_replay_that_answers_garbage_costs_nothing_but_the_gap(garbage: str) -> None:
+    with publisher() as pub, subscribed(pub, replay_timeout=0.3) as (router, sub):
+        pub.replay_mode = garbage_replies(*GARBAGE_REPLAYS[garbage])
+        first = pub.publish(stored_batch(100, 1, first_hash=1))
+        wait_until(applied(sub, first))
+        pub.publish(stored_batch(116, 1, parent=1, first_hash=2), send=False)
+        last = pub.publish(stored_batch(132, 1, first_hash=3))
+        wait_until(applied(sub, last))
+        # live events go on after whatever the replay did
+        pub.replay_mode = "new"
+        after = pub.publish(stored_batch(148, 1, first_hash=4))
+        wait_until(applied(sub, after))
+        assert own(tokens(100, 1)) | own(tokens(148, 1)) <= router.index.hashes("gpu0")
+        stats = sub.stats()
+        assert stats.gaps >= 1
+        sound(router, sub)
+
+
+def test_a_replay_that_never_answers_is_cut_and_live_events_go_on() -> None:
+    with publisher() as pub, subscribed(pub, replay_timeout=0.2) as (router, sub):
+        pub.replay_mode = "silent"
+        first = pub.publish(stored_batch(100, 1, first_hash=1))
+        wait_until(applied(sub, first))
+        pub.publish(batch_array([]), send=False)
+        last = pub.publish(stored_batch(132, 1, first_hash=3))
+        wait_until(applied(sub, last))
+        assert sub.stats().failed_replays == 1
+        assert own(tokens(132, 1)) <= router.index.hashes("gpu0")
+        sound(router, sub)
+
+
+def test_a_replay_endpoint_that_is_not_a_router_is_survived() -> None:
+    with publisher() as pub:
+        other = pub.ctx.socket(zmq.PUB)  # nothing answers a DEALER there
+        other.setsockopt(zmq.LINGER, 0)
+        other.bind("tcp://127.0.0.1:*")
+        router = events_router()
+        sub = KVEventSubscriber(
+            router,
+            "gpu0",
+            pub.endpoint,
+            replay_endpoint=other.getsockopt_string(zmq.LAST_ENDPOINT),
+            topic=pub.topic.decode(),
+            replay_timeout=0.2,
+        )
+        try:
+            with sub:
+                pub.replay_mode = "silent"
+                wait_until(lambda: pub.publish(stored_batch(100, 1, first_hash=1)) >= 0 and sub.last_seq >= 0)
+                last = pub.publish(stored_batch(300, 1, first_hash=9))
+                wait_until(applied(sub, last))
+                sound(router, sub)
+        finally:
+            other.close(0)
+
+
+# --- hostile live messages -------------------------------------------------------------------------------------------
+
+
+def test_batches_under_another_topic_are_not_applied() -> None:
+    with publisher() as pub, subscribed(pub) as (router, sub):
+        before = sub.stats()
+        pub.raw([b"kv@gpu1", seq_bytes(pub.next_seq), stored_batch(100, 1, first_hash=1)])
+        pub.raw([b"other", seq_bytes(pub.next_seq), b"\xc1"])
+        last = pub.publish(stored_batch(300, 1, first_hash=2))
+        wait_until(applied(sub, last))
+        assert router.index.hashes("gpu0") == own(tokens(300, 1))
+        after = sub.stats()
+        assert (after.invalid_batches, after.bad_sequences, after.gaps) == (before.invalid_batches, 0, 0)
+        sound(router, sub)
+
+
+HOSTILE_PAYLOADS = {
+    "not msgpack": b"\xc1\xff\x00garbage",
+    "empty": b"",
+    "a msgpack int": pack(7),
+    "a msgpack str": pack("BlockStored"),
+    "a batch of two": pack([1.0]),
+    "events not a list": pack([1.0, {"x": 1}, 0]),
+    "ts a str": pack(["now", [], 0]),
+    "a stored event missing fields": pack([1.0, [["BlockStored", [1]]], 0]),
+    "a stored event with a str hash": pack([1.0, [["BlockStored", ["h"], None, tokens(0), BS, None]], 0]),
+    "a stored event with a nil hash": pack([1.0, [["BlockStored", [None], None, tokens(0), BS, None]], 0]),
+    "a stored event with tokens of the wrong count": pack([1.0, [["BlockStored", [1], None, [1, 2], BS, None]], 0]),
+    "a stored event with block_size 0": pack([1.0, [["BlockStored", [], None, [], 0, None]], 0]),
+    "a stored event with token 2**40": pack([1.0, [["BlockStored", [1], None, [2**40] * BS, BS, None]], 0]),
+    "a map event without type": pack({"ts": 1.0, "events": [{"block_hashes": [1]}]}),
+    "a map batch without events": pack({"ts": 1.0}),
+    "nested deeply": b"\x91" * 100_000 + b"\xc0",
+    "a float hash": pack([1.0, [["BlockRemoved", [1.5]]], 0]),
+    "truncated": stored_batch(100, 4)[:-5],
+    "huge": pack([1.0, [["BlockRemoved", ["x"] * 2_000_000]], 0]),
+    "huge garbage": b"\xdb\xff\xff\xff\xff" + b"x" * 1_000_000,
+}
+
+
+@pytest.mark.parametrize("hostile", list(HOSTILE_PAYLOADS))
+def test_a_hostile_payload_costs_only_its_batch(hostile: str) -> None:
+    with publisher() as pub, subscribed(pub) as (router, sub):
+        first = pub.publish(stored_batch(100, 1, first_hash=1))
+        wait_until(applied(sub, first))
+        before = sub.stats().invalid_batches
+        bad = pub.publish(HOSTILE_PAYLOADS[hostile])
+        wait_until(applied(sub, bad))
+        last = pub.publish(stored_batch(116, 1, parent=1, first_hash=2))
+        wait_until(applied(sub, last))
+        assert router.index.hashes("gpu0") == own(tokens(100, 2))
+        stats = sub.stats()
+        assert stats.invalid_batches + stats.tracker.invalid_events > before
+        assert stats.gaps == 0
+        sound(router, sub)
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [TOPIC],
+        [TOPIC, seq_bytes(1)],
+        [TOPIC, b"\x00" * 7, b"x"],
+        [TOPIC, b"\x00" * 9, b"x"],
+        [TOPIC, seq_bytes(1), b"x", b"y"],
+        [TOPIC, b"", b""],
+    ],
+    ids=["one frame", "two frames", "seq of 7 bytes", "seq of 9 bytes", "four frames", "empty frames"],
+)
+def test_a_message_of_the_wrong_shape_is_counted_and_skipped(frames: list[bytes]) -> None:
+    with publisher() as pub, subscribed(pub) as (router, sub):
+        before = sub.stats().invalid_batches
+        pub.raw(frames)
+        last = pub.publish(stored_batch(100, 1, first_hash=1))
+        wait_until(applied(sub, last))
+        assert router.index.hashes("gpu0") == own(tokens(100, 1))
+        assert sub.stats().invalid_batches == before + 1
+        sound(router, sub)
+
+
+@pytest.mark.parametrize("ts", [math.nan, math.inf, -math.inf, 1e300, -1e300, 0.0, -1.0, 2.0**70])
+def test_an_absurd_timestamp_still_applies_its_events_and_gives_no_absurd_lag(ts: float) -> None:
+    seen: list[float] = []
+    with publisher() as pub, subscribed(pub, lag_observer=seen.append) as (router, sub):
+        seq = pub.publish(batch_array([stored_v2([1], None, tokens(100))], ts=ts, rank=0))
+        wait_until(applied(sub, seq))
+        assert router.index.hashes("gpu0") == own(tokens(100))
+        lag = sub.stats().last_lag_s
+        assert lag is None or math.isfinite(lag)
+        assert all(math.isfinite(x) for x in seen)
+        assert sub.stats().observer_errors == 0
+        sound(router, sub)
+
+
+@pytest.mark.parametrize("seq", [2**63 - 1, 2**62, -1, -(2**63), 10**6])
+def test_one_absurd_sequence_number_costs_one_batch_not_the_index(seq: int) -> None:
+    with publisher() as pub, subscribed(pub) as (router, sub):
+        first = pub.publish(stored_batch(100, 1, first_hash=1))
+        wait_until(applied(sub, first))
+        pub.raw([TOPIC, seq_bytes(seq), stored_batch(500, 1, first_hash=5)])
+        last = pub.publish(stored_batch(116, 1, parent=1, first_hash=2))
+        wait_until(applied(sub, last))
+        nxt = pub.publish(stored_batch(132, 1, parent=2, first_hash=3))
+        wait_until(applied(sub, nxt))
+        assert router.index.hashes("gpu0") == own(tokens(100, 3))
+        stats = sub.stats()
+        assert stats.bad_sequences == 1
+        assert (stats.restarts, stats.gaps) == (0, 0)
+        sound(router, sub)
+
+
+def test_signed_hashes_of_vllm_s_builtin_hash_are_applied_and_evicted() -> None:
+    """vLLM 0.9's default ``builtin`` prefix-caching hash is Python's hash(): a signed 64-bit int."""
+    with publisher() as pub, subscribed(pub) as (router, sub):
+        chain = tokens(100, 2)
+        seq = pub.publish(batch_array([stored_v1([-(2**63), -1], None, chain)]))
+        wait_until(applied(sub, seq))
+        assert router.index.hashes("gpu0") == own(chain)
+        seq = pub.publish(batch_array([removed_array_oldest([-1])]))
+        wait_until(applied(sub, seq))
+        assert router.index.hashes("gpu0") == own(chain[:BS])
+        assert sub.stats().invalid_batches == 0
+        sound(router, sub)
+
+
+def test_a_huge_valid_batch_is_applied() -> None:
+    with publisher() as pub, subscribed(pub) as (router, sub):
+        n = 20_000
+        chain = list(range(n * BS))
+        seq = pub.publish(batch_array([stored_v2(list(range(1, n + 1)), None, chain)], rank=0))
+        wait_until(applied(sub, seq))
+        assert len(router.index.hashes("gpu0")) == n
+        seq = pub.publish(batch_array([removed_array(list(range(1, n + 1)))], rank=0))
+        wait_until(applied(sub, seq))
+        assert router.index.hashes("gpu0") == set()
+        sound(router, sub)
