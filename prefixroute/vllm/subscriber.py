@@ -86,9 +86,10 @@ class KVEventSubscriber:
     Sequence handling: a gap triggers a replay request; a sequence that goes backwards means the engine restarted,
     and the backend's blocks are dropped before the new stream applies; a subscriber that starts late replays from
     sequence 0 (as far back as the engine's replay buffer reaches). A sequence number that is negative, or repeats
-    the last one (but 0), is skipped; one that goes backwards or jumps more than ``max_sequence_jump`` ahead, live
-    or in a replay, is believed only when the next message continues from it (so a restart is acted on one batch
-    late, and one corrupt number costs one batch, not the backend's blocks). :meth:`reset` forgets the sequence too.
+    the last one (but 0, or one that continues a number held back), is skipped; one that goes backwards or jumps
+    more than ``max_sequence_jump`` ahead, live or in a replay, is believed only when the next message continues
+    from it (so a restart is acted on one batch late, and one corrupt number costs one batch, not the backend's
+    blocks). :meth:`reset` forgets the sequence too.
 
     A replay is bounded as a whole: ``replay_timeout`` seconds from the request to the end-of-replay frame (not per
     frame), and at most :data:`MAX_REPLAY_BATCHES` batches kept; a replay that runs past either is counted in
@@ -418,12 +419,16 @@ class KVEventSubscriber:
         if seq < 0:
             self._bad_sequence(seq, "negative")
             return
-        if seq == self._last_seq and seq > 0:  # not a restart, whose stream starts again at 0
+        pending = self._pending
+        continues = pending is not None and seq == pending[0] + 1
+        # A repeat of the last number, unless it continues a held-back one: a restarted engine's 1 after its 0,
+        # where the old stream had ended at 1, is the new stream's (else the restart would never be seen).
+        if seq == self._last_seq and seq > 0 and not continues:
             self._bad_sequence(seq, "a repeat of the last batch")
             return
-        pending, self._pending = self._pending, None
+        self._pending = None
         if pending is not None:
-            if seq == pending[0] + 1:  # the stream really moved there: an engine restart, or a long loss
+            if continues:  # the stream really moved there: an engine restart, or a long loss
                 self._accept(*pending, ops, timestamps, context)
             else:
                 self._bad_sequence(pending[0], f"out of line after {self._last_seq}, and {seq} did not follow it")

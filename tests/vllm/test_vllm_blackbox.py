@@ -382,6 +382,26 @@ def test_a_gap_is_filled_from_the_replay_in_either_framing(mode: str) -> None:
         sound(router, sub)
 
 
+def test_a_restart_is_seen_when_the_new_stream_reaches_the_old_streams_last_number() -> None:
+    """The new stream's first batches are lost; the one held back is the old stream's last number minus one, and the
+    one that continues it repeats the old last number: it is the new stream's, not a repeat."""
+    with publisher() as pub, subscribed(pub) as (router, sub):
+        old_last = pub.publish(stored_batch(100, 1, first_hash=1))
+        wait_until(applied(sub, old_last))
+        pub.buffer.clear()  # a new engine process, its replay buffer empty
+        pub.publish(stored_batch(900, 1, first_hash=7), seq=0, send=old_last == 1)
+        while pub.next_seq < old_last - 1:
+            pub.publish(batch_array([], rank=0), send=False)
+        while pub.next_seq <= old_last + 1:  # old_last - 1 (held back), old_last (continues it), old_last + 1
+            pub.publish(batch_array([], rank=0))
+        wait_until(
+            lambda: sub.stats().restarts == 1 and sub.last_seq == pub.next_seq - 1, what="the restart to be acted on"
+        )
+        assert router.index.hashes("gpu0") == own(tokens(900, 1))
+        assert sub.stats().bad_sequences == 0
+        sound(router, sub)
+
+
 def garbage_replies(*frames: list[bytes]) -> Callable[[Publisher, bytes, int], None]:
     def answer(pub: Publisher, client: bytes, start: int) -> None:
         for body in frames:
