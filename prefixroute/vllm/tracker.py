@@ -472,7 +472,11 @@ def _plain_prefix(extra_keys: list[object] | None, count: int, lora_name: str | 
 
 
 def _in(key: object, adapter: set[str | int]) -> bool:
-    """Whether ``key`` names the adapter (an unhashable key, such as a list, never does)."""
+    """Whether ``key`` names the adapter: its name or id, or (newer vLLM's typed extra keys) a ``LoRAKey`` struct,
+    ``{"type": "lora", "name": ...}``. Another unhashable key, such as a list, never does."""
+    if type(key) is dict:
+        name = key.get("name")
+        return len(key) == 2 and key.get("type") == "lora" and type(name) is str and name in adapter
     try:
         return key in adapter and not isinstance(key, bool)
     except TypeError:

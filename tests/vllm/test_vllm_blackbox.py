@@ -316,8 +316,9 @@ def lora_stored_map(hashes: list[Any], parent: Any, toks: list[int], extra: Any)
     [
         None,
         [["sql"], ["sql"]],  # vLLM before typed keys: one tuple per block, the adapter's name
+        [[{"type": "lora", "name": "sql"}], [{"type": "lora", "name": "sql"}]],  # typed ExtraKey structs
     ],
-    ids=["no extra keys", "tuple extra keys"],
+    ids=["no extra keys", "tuple extra keys", "typed lora keys"],
 )
 def test_a_lora_block_is_indexed_in_its_adapters_namespace_whatever_its_extra_keys_look_like(extra_keys: Any) -> None:
     chain = tokens(5000, 2)
@@ -336,13 +337,15 @@ def test_a_lora_block_is_indexed_in_its_adapters_namespace_whatever_its_extra_ke
         [[{"type": "prompt_embeds", "hash": b"\x01" * 8}], None],
         [[{"type": "legacy", "value": ["x", 1]}], None],
         [["salt"], None],
+        [[{"type": "lora", "name": "other"}], None],
+        [[{"type": "lora", "name": "sql", "more": 1}], None],
     ],
-    ids=["salt", "mm", "prompt embeds", "legacy", "tuple salt"],
+    ids=["salt", "mm", "prompt embeds", "legacy", "tuple salt", "another adapter", "a lora key with more"],
 )
 def test_blocks_named_by_more_than_their_tokens_are_not_indexed(extra_keys: Any) -> None:
     chain = tokens(6000, 2)
     with publisher() as pub, subscribed(pub) as (router, sub):
-        seq = pub.publish(batch_map([{**stored_map([sha(1), sha(2)], None, chain), "extra_keys": extra_keys}]))
+        seq = pub.publish(batch_map([lora_stored_map([sha(1), sha(2)], None, chain, extra_keys)]))
         wait_until(applied(sub, seq))
         assert router.index.hashes("gpu0") == set()
         sound(router, sub)
