@@ -83,11 +83,11 @@ class BlockTracker:
     ``vllm_block_size // block_size`` own blocks). ``namespace`` seeds the chains of requests without a LoRA adapter.
 
     Kept: blocks on the GPU (``medium`` None or ``"GPU"``) in full-attention groups (``kv_cache_spec_kind`` None or
-    a full-attention kind). Skipped: other media and groups, blocks carrying ``extra_keys`` (multimodal inputs or a
-    cache salt, which token ids alone do not name; extra keys that only name the block's LoRA adapter, as vLLM sends
-    for every LoRA block, are covered by the adapter's namespace) and every block whose parent is unknown (stored
-    before this tracker started and never replayed): a prompt could not reach them through a contiguous prefix
-    anyway.
+    a full-attention kind). Skipped: other media and groups, LoRA blocks whose adapter has no ``lora_name`` (older
+    vLLM sends only its ``lora_id``), blocks carrying ``extra_keys`` (multimodal inputs or a cache salt, which token
+    ids alone do not name; extra keys that only name the block's LoRA adapter, as vLLM sends for every LoRA block,
+    are covered by the adapter's namespace) and every block whose parent is unknown (stored before this tracker
+    started and never replayed): a prompt could not reach them through a contiguous prefix anyway.
 
     >>> tracker = BlockTracker(block_size=2)
     >>> ops = tracker.apply([BlockStored([0xA, 0xB], None, [1, 2, 3, 4], 2)])
@@ -421,10 +421,13 @@ def _check_removed(event: BlockRemoved) -> None:
 
 
 def _indexed(event: BlockStored) -> bool:
-    """Whether the event's blocks are indexed: on the GPU, in a full-attention group. Others are skipped before their
-    block size is looked at (a Mamba group's, a CPU tier's may be one the router's does not divide)."""
+    """Whether the event's blocks are indexed: on the GPU, in a full-attention group, under a known adapter (vLLM
+    before ``lora_name`` names a LoRA block's adapter by its ``lora_id`` alone, which gives no namespace to hash it
+    in: hashed as the base model's, it would claim a cache the base model's prompts do not have). Others are skipped
+    before their block size is looked at (a Mamba group's, a CPU tier's may be one the router's does not divide)."""
     kind = event.kv_cache_spec_kind
-    return _is_gpu(event.medium) and (kind is None or kind in FULL_ATTENTION_KINDS)
+    named = event.lora_id is None or event.lora_name is not None
+    return named and _is_gpu(event.medium) and (kind is None or kind in FULL_ATTENTION_KINDS)
 
 
 def _check_token_count(event: BlockStored) -> None:

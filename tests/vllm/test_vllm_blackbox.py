@@ -351,6 +351,15 @@ def test_blocks_named_by_more_than_their_tokens_are_not_indexed(extra_keys: Any)
         sound(router, sub)
 
 
+def test_a_lora_block_from_a_vllm_that_sends_only_lora_id_is_not_taken_for_a_base_model_block() -> None:
+    chain = tokens(7000, 2)
+    with publisher() as pub, subscribed(pub) as (router, sub):
+        seq = pub.publish(batch_array([["BlockStored", [11, 12], None, chain, BS, 3]]))
+        wait_until(applied(sub, seq))
+        assert not router.index.hashes("gpu0") & own(chain)
+        sound(router, sub)
+
+
 @pytest.mark.parametrize("medium", ["CPU", "STORAGE", "cpu", "DISK"])
 def test_blocks_off_the_gpu_are_not_indexed(medium: str) -> None:
     chain = tokens(8000, 1)
