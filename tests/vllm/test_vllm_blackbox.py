@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import msgspec
@@ -21,7 +22,8 @@ import pytest
 import zmq
 
 from prefixroute import BlockHasher, Router
-from prefixroute.vllm import EventIndex, KVEventSubscriber, lora_namespace
+from prefixroute.errors import MetricsError
+from prefixroute.vllm import EventIndex, KVEventSubscriber, fetch_metrics, lora_namespace, parse_metrics
 
 from ..conftest import wait_until
 
@@ -47,7 +49,7 @@ def sha(*parts: object) -> bytes:
     return hashlib.sha256(repr(parts).encode()).digest()
 
 
-# --- each vLLM version's layout of an event, spelled out -------------------------------------------------------------
+# --- each vLLM version's layout of an event, spelled out --------------------------------------------------------------
 
 
 def stored_v1(hashes: list[Any], parent: Any, toks: list[int]) -> list[Any]:
@@ -119,7 +121,7 @@ def batch_map(events: list[Any], ts: float | None = None, rank: int | None = 0) 
     return pack({"ts": time.time() if ts is None else ts, "events": events, "data_parallel_rank": rank})
 
 
-# --- a hostile, hand-driven vLLM publisher ---------------------------------------------------------------------------
+# --- a hostile, hand-driven vLLM publisher ----------------------------------------------------------------------------
 
 
 class Publisher:
@@ -260,7 +262,7 @@ def own(toks: list[int], namespace: str | bytes | None = None) -> set[int]:
     return set(BlockHasher(BS, namespace=namespace).hash(toks))
 
 
-# --- events of every vLLM version's layout ---------------------------------------------------------------------------
+# --- events of every vLLM version's layout ----------------------------------------------------------------------------
 
 LAYOUTS: dict[str, tuple[Callable[..., Any], Callable[[list[Any]], Any], Callable[..., bytes]]] = {
     "0.9 array, int hashes, [ts, events]": (stored_v1, removed_array_oldest, lambda ev: batch_array(ev)),
@@ -370,7 +372,7 @@ def test_blocks_off_the_gpu_are_not_indexed(medium: str) -> None:
         sound(router, sub)
 
 
-# --- sequences: restarts, gaps, replays ------------------------------------------------------------------------------
+# --- sequences: restarts, gaps, replays -------------------------------------------------------------------------------
 
 
 def stored_batch(start: int, blocks: int = 1, parent: Any = None, first_hash: int = 0) -> bytes:
@@ -493,7 +495,7 @@ def test_a_replay_endpoint_that_is_not_a_router_is_survived() -> None:
             other.close(0)
 
 
-# --- hostile live messages -------------------------------------------------------------------------------------------
+# --- hostile live messages --------------------------------------------------------------------------------------------
 
 
 def test_batches_under_another_topic_are_not_applied() -> None:
@@ -629,3 +631,225 @@ def test_a_huge_valid_batch_is_applied() -> None:
         wait_until(applied(sub, seq))
         assert router.index.hashes("gpu0") == set()
         sound(router, sub)
+
+
+# --- /metrics of several vLLM versions --------------------------------------------------------------------------------
+
+V0_TEXT = """\
+# HELP vllm:cache_config_info information of cache_config
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",cpu_offload_gb="0",enable_prefix_caching="True",\
+gpu_memory_utilization="0.9",num_cpu_blocks="2048",num_gpu_blocks="8192",num_gpu_blocks_override="None",\
+sliding_window="None",swap_space_bytes="4294967296"} 1.0
+# HELP vllm:num_requests_running Number of requests currently running on GPU.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="meta-llama/Llama-3.1-8B-Instruct"} 3.0
+# HELP vllm:num_requests_swapped Number of requests swapped to CPU.
+# TYPE vllm:num_requests_swapped gauge
+vllm:num_requests_swapped{model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="meta-llama/Llama-3.1-8B-Instruct"} 2.0
+# HELP vllm:gpu_cache_usage_perc GPU KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.25
+# HELP vllm:gpu_prefix_cache_hit_rate GPU prefix cache block hit rate.
+# TYPE vllm:gpu_prefix_cache_hit_rate gauge
+vllm:gpu_prefix_cache_hit_rate{model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.5
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 5.0
+vllm:time_to_first_token_seconds_bucket{le="1.0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 9.0
+vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="meta-llama/Llama-3.1-8B-Instruct"} 10.0
+vllm:time_to_first_token_seconds_count{model_name="meta-llama/Llama-3.1-8B-Instruct"} 10.0
+vllm:time_to_first_token_seconds_sum{model_name="meta-llama/Llama-3.1-8B-Instruct"} 3.5
+"""
+
+V1_DP_TEXT = """\
+# HELP python_gc_objects_collected_total Objects collected during gc
+# TYPE python_gc_objects_collected_total counter
+python_gc_objects_collected_total{generation="0"} 1234.0
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="my \\"quoted\\" model, {a}"} 1.0
+vllm:num_requests_running{engine="1",model_name="my \\"quoted\\" model, {a}"} 2.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="my \\"quoted\\" model, {a}"} 4.0
+vllm:num_requests_waiting{engine="1",model_name="my \\"quoted\\" model, {a}"} 6.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="my \\"quoted\\" model, {a}"} 0.2
+vllm:kv_cache_usage_perc{engine="1",model_name="my \\"quoted\\" model, {a}"} 0.4
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="my \\"quoted\\" model, {a}"} 1000.0
+vllm:prefix_cache_queries_total{engine="1",model_name="my \\"quoted\\" model, {a}"} 3000.0
+# HELP vllm:prefix_cache_queries_created Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_created gauge
+vllm:prefix_cache_queries_created{engine="0",model_name="my \\"quoted\\" model, {a}"} 1.7e+09
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="my \\"quoted\\" model, {a}"} 500.0
+vllm:prefix_cache_hits_total{engine="1",model_name="my \\"quoted\\" model, {a}"} 1500.0
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="1000",\
+num_gpu_blocks_override="None",prefix_caching_hash_algo="sha256"} 1.0
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="1",num_gpu_blocks="1000",\
+num_gpu_blocks_override="None",prefix_caching_hash_algo="sha256"} 1.0
+"""
+
+
+def test_metrics_of_vllm_v0_are_read() -> None:
+    m = parse_metrics(V0_TEXT)
+    assert (m.running, m.waiting, m.kv_usage) == (3, 2, 0.25)
+    assert (m.block_size, m.num_gpu_blocks) == (16, 8192)
+    assert m.ttft_count == 10
+
+
+def test_metrics_of_a_data_parallel_v1_server_are_summed_with_escaped_labels() -> None:
+    m = parse_metrics(V1_DP_TEXT)
+    assert (m.running, m.waiting) == (3, 10)
+    assert m.kv_usage == pytest.approx(0.3)
+    assert (m.prefix_queries, m.prefix_hits) == (4000, 2000)
+    assert (m.block_size, m.num_gpu_blocks) == (16, 2000)
+
+
+def test_openmetrics_counters_without_the_total_suffix_in_their_type_line_are_read() -> None:
+    text = (
+        "# TYPE vllm:prefix_cache_queries counter\n"
+        'vllm:prefix_cache_queries_total{engine="0"} 10.0\n'
+        'vllm:prefix_cache_queries_created{engine="0"} 1.7e9\n'
+        "# TYPE vllm:prefix_cache_hits counter\n"
+        'vllm:prefix_cache_hits_total{engine="0"} 4.0\n'
+        "# EOF\n"
+    )
+    m = parse_metrics(text)
+    assert (m.prefix_queries, m.prefix_hits) == (10, 4)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "vllm:num_requests_waiting NaN\n",
+        "vllm:num_requests_waiting +Inf\n",
+        "vllm:kv_cache_usage_perc -Inf\n",
+        'vllm:num_requests_waiting{engine="0"} 1\nvllm:num_requests_waiting{engine="1"} 1.7e308\n'
+        'vllm:num_requests_waiting{engine="2"} 1.7e308\n',
+        'vllm:num_requests_waiting{engine="0',
+        'vllm:num_requests_waiting{engine="0"',
+        'vllm:num_requests_waiting{engine="0"} ',
+        "num_requests_waiting 3\nnum_requests_running 1\n",
+        '<html><body>{"detail":"Not Found"}</body></html>',
+        '{"detail":"Not Found"}',
+        'vllm:cache_config_info{block_size="16",num_gpu_blocks="1e400"} 1.0\n',
+        'vllm:cache_config_info{block_size="sixteen",num_gpu_blocks="10"} 1.0\n',
+        "",
+        "\x00\x01\x02",
+    ],
+)
+def test_unreadable_or_nonsense_metrics_are_metrics_errors(text: str) -> None:
+    with pytest.raises(MetricsError):
+        parse_metrics(text)
+
+
+def test_unset_cache_config_figures_of_a_starting_engine_are_unknown() -> None:
+    text = 'vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0\nvllm:num_requests_waiting 0\n'
+    m = parse_metrics(text)
+    assert m.num_gpu_blocks is None
+
+
+# --- a fake engine's HTTP side: any answer to any path ----------------------------------------------------------------
+
+Route = tuple[int, dict[str, str], bytes]
+
+
+@contextmanager
+def http_engine(routes: dict[str, Route | Callable[[BaseHTTPRequestHandler], None]]) -> Iterator[str]:
+    """An HTTP server on loopback answering each path from ``routes`` (404 otherwise); yields its base URL."""
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            route = routes.get(self.path.split("?")[0])
+            try:
+                if callable(route):
+                    route(self)
+                    return
+                status, headers, body = route if route is not None else (404, {}, b'{"detail":"Not Found"}')
+                self.send_response(status)
+                for name, value in {"Content-Length": str(len(body)), **headers}.items():
+                    self.send_header(name, value)
+                self.end_headers()
+                self.wfile.write(body)
+            except OSError:  # the client went away
+                pass
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def ok(text: str | bytes, **headers: str) -> Route:
+    return (
+        200,
+        {"Content-Type": "text/plain; version=0.0.4; charset=utf-8", **headers},
+        (text.encode() if isinstance(text, str) else text),
+    )
+
+
+def trickle(body: bytes, pause: float = 0.05) -> Callable[[BaseHTTPRequestHandler], None]:
+    def serve(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        for i in range(len(body)):
+            handler.wfile.write(body[i : i + 1])
+            handler.wfile.flush()
+            time.sleep(pause)
+
+    return serve
+
+
+def test_fetch_reads_every_version_and_follows_what_a_real_vllm_serves() -> None:
+    with http_engine({"/metrics": ok(V1_DP_TEXT)}) as url:
+        assert fetch_metrics(url + "/metrics", timeout=2).waiting == 10
+
+
+@pytest.mark.parametrize(
+    "route",
+    [
+        (500, {}, b"Internal Server Error"),
+        (503, {"Retry-After": "1"}, b""),
+        (200, {"Content-Type": "text/plain"}, b"\xff\xfe\xfavllm:num_requests_waiting 1\n\xc3\x28"),
+        (200, {"Content-Type": "text/html"}, b"<html><title>nginx</title></html>"),
+        (301, {"Location": "/elsewhere"}, b""),
+        (302, {"Location": "/metrics"}, b""),  # a loop
+    ],
+    ids=["500", "503", "not utf-8", "not vllm", "redirect to a 404", "redirect loop"],
+)
+def test_a_bad_answer_is_a_metrics_error(route: Route) -> None:
+    with http_engine({"/metrics": route}) as url, pytest.raises(MetricsError):
+        fetch_metrics(url + "/metrics", timeout=2)
+
+
+def test_a_50_mb_body_and_a_trickling_server_are_metrics_errors() -> None:
+    big = b"vllm:num_requests_waiting 1\n" + b"# padding " + b"x" * (50 * 2**20) + b"\n"
+    slow = trickle(V0_TEXT.encode())
+    with http_engine({"/metrics": ok(big), "/slow/metrics": slow}) as url:
+        with pytest.raises(MetricsError):
+            fetch_metrics(url + "/metrics", timeout=3)
+        for path in ("/slow/metrics",):
+            with pytest.raises(MetricsError, match="no complete answer"):
+                fetch_metrics(url + path, timeout=0.3)
