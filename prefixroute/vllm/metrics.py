@@ -232,6 +232,7 @@ def fetch_metrics(url: str, *, timeout: float = 2.0, client: httpx.Client | None
 
     The body is asked for gzip-compressed (or plain) and inflated as it arrives, never more than a byte past
     :data:`MAX_METRICS_BYTES`, so a compressed bomb is refused with about that much in memory. O(size of the body).
+    Redirects (3xx with a ``Location``) are followed, at most 20 in a row, as Prometheus follows them.
 
     Raises:
         MetricsError: every failure: no answer or a body not parsed within ``timeout``, network, HTTP status, a body
@@ -315,7 +316,11 @@ def _read_body(
         # Only the codings _Body inflates within the cap are asked for (httpx would ask for brotli or zstd too when
         # installed, and inflates each network chunk whole: 64 KiB of gzip can hold 64 MiB, stacked codings far more).
         headers = {"Accept-Encoding": "gzip"}
-        with http.stream("GET", url, timeout=timeout, headers=headers, extensions={"trace": trace}) as response:
+        # Redirects are followed (at most httpx's 20), as Prometheus follows them: a /metrics behind a proxy that
+        # sends http:// to https:// or /metrics to /metrics/ is still read. Each hop's connection is traced too.
+        with http.stream(
+            "GET", url, timeout=timeout, headers=headers, extensions={"trace": trace}, follow_redirects=True
+        ) as response:
             response.raise_for_status()
             body = _Body(url, response.headers.get("Content-Encoding", ""))
             for chunk in response.iter_raw():

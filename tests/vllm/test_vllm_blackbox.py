@@ -827,6 +827,13 @@ def test_fetch_reads_every_version_and_follows_what_a_real_vllm_serves() -> None
         assert fetch_metrics(url + "/metrics", timeout=2).waiting == 10
 
 
+@pytest.mark.parametrize("status", [301, 302, 307, 308])
+def test_a_redirect_to_the_metrics_is_followed(status: int) -> None:
+    """Older vLLM mounted prometheus' ASGI app at /metrics, which answers /metrics with a 307 to /metrics/."""
+    with http_engine({"/metrics": (status, {"Location": "/metrics/"}, b""), "/metrics/": ok(V0_TEXT)}) as url:
+        assert fetch_metrics(url + "/metrics", timeout=2).waiting == 2
+
+
 @pytest.mark.parametrize(
     "route",
     [
@@ -847,9 +854,10 @@ def test_a_bad_answer_is_a_metrics_error(route: Route) -> None:
 def test_a_50_mb_body_and_a_trickling_server_are_metrics_errors() -> None:
     big = b"vllm:num_requests_waiting 1\n" + b"# padding " + b"x" * (50 * 2**20) + b"\n"
     slow = trickle(V0_TEXT.encode())
-    with http_engine({"/metrics": ok(big), "/slow/metrics": slow}) as url:
+    hop: Route = (307, {"Location": "/slow/metrics"}, b"")
+    with http_engine({"/metrics": ok(big), "/slow/metrics": slow, "/hop/metrics": hop}) as url:
         with pytest.raises(MetricsError):
             fetch_metrics(url + "/metrics", timeout=3)
-        for path in ("/slow/metrics",):
+        for path in ("/slow/metrics", "/hop/metrics"):
             with pytest.raises(MetricsError, match="no complete answer"):
                 fetch_metrics(url + path, timeout=0.3)
