@@ -9,11 +9,14 @@ hand: prefixroute's own encoder is never used, so a disagreement with vLLM canno
 from __future__ import annotations
 
 import hashlib
+import io
+import json
 import math
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -22,8 +25,9 @@ import pytest
 import zmq
 
 from prefixroute import BlockHasher, Router
+from prefixroute.cli import main
 from prefixroute.errors import MetricsError
-from prefixroute.vllm import EventIndex, KVEventSubscriber, fetch_metrics, lora_namespace, parse_metrics
+from prefixroute.vllm import EventIndex, Fleet, KVEventSubscriber, fetch_metrics, lora_namespace, parse_metrics
 
 from ..conftest import wait_until
 
@@ -861,3 +865,140 @@ def test_a_50_mb_body_and_a_trickling_server_are_metrics_errors() -> None:
         for path in ("/slow/metrics", "/hop/metrics"):
             with pytest.raises(MetricsError, match="no complete answer"):
                 fetch_metrics(url + path, timeout=0.3)
+
+
+# --- doctor against fake engines --------------------------------------------------------------------------------------
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def doctor_run(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        status = main(["doctor", "--timeout", "2", *args])
+    return status, out.getvalue(), err.getvalue()
+
+
+def test_doctor_reads_engines_of_every_version_and_judges_each() -> None:
+    with http_engine({"/metrics": ok(V1_DP_TEXT), "/old/metrics": ok(V0_TEXT)}) as url:
+        status, out, _ = doctor_run(url, url + "/old", "--json")
+    report = json.loads(out)
+    assert status == report["exit_code"] == 1
+    assert [t["verdict"] for t in report["targets"]] == ["healthy", "suspect"]  # v0's P99 is past its last bucket
+    assert report["targets"][0]["prefix_hit_rate"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "http://127.0.0.1:{closed}",
+        "http://[::1",
+        "http://127.0.0.1:99999",
+        "http://",
+        "ftp://127.0.0.1/metrics",
+        "{url}/not-vllm",
+        "{url}/broken",
+        "{url}/nan",
+        "{url}/cut",
+    ],
+)
+def test_doctor_answers_what_it_cannot_read_with_exit_2_and_a_one_line_reason(target: str) -> None:
+    routes: dict[str, Route | Callable[[BaseHTTPRequestHandler], None]] = {
+        "/not-vllm/metrics": ok("<!doctype html><title>Welcome to nginx!</title>"),
+        "/broken/metrics": (502, {}, b"Bad Gateway"),
+        "/nan/metrics": ok("vllm:num_requests_waiting NaN\n"),
+        "/cut/metrics": ok(V1_DP_TEXT[: V1_DP_TEXT.index('model_name="my') + 8]),
+    }
+    with http_engine(routes) as url:
+        status, out, err = doctor_run(target.format(closed=closed_port(), url=url))
+    assert status == 2
+    assert "Traceback" not in out + err
+    verdict, *reasons = [line for line in (out + err).splitlines() if line.strip()]
+    assert verdict.endswith(": UNREADABLE") and len(reasons) == 1, (verdict, reasons)
+
+
+# --- a fleet whose backends come and go while events flow -------------------------------------------------------------
+
+
+class Flow:
+    """Publishes a growing chain on ``pub`` from a thread of its own until stopped."""
+
+    def __init__(self, pub: Publisher, base: int) -> None:
+        self.pub, self.base, self.blocks = pub, base, 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set() and self.blocks < 400:
+            parent = self.base + self.blocks - 1 if self.blocks else None
+            toks = tokens(self.base * BS + self.blocks * BS)
+            self.pub.publish(batch_array([stored_v2([self.base + self.blocks], parent, toks)], rank=0))
+            self.blocks += 1
+            time.sleep(0.002)
+
+    def end(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+
+
+def test_backends_added_and_removed_while_events_flow_leave_the_others_exact() -> None:
+    router = events_router()
+    with publisher() as a, publisher() as b, publisher() as c, Fleet(router) as fleet:
+        for name, pub in (("a", a), ("b", b)):
+            fleet.add_backend(name, kv_events=pub.endpoint, replay=pub.replay_endpoint, topic=TOPIC.decode())
+        flows = [Flow(a, 10_000), Flow(b, 20_000), Flow(c, 30_000)]
+        wait_until(lambda: len(router.index.hashes("a")) > 20 and len(router.index.hashes("b")) > 20)
+        fleet.remove_backend("a")
+        fleet.add_backend("c", kv_events=c.endpoint, replay=c.replay_endpoint, topic=TOPIC.decode())
+        router._check()
+        for flow in flows:
+            flow.end()
+        assert router.index.hashes("a") == set()
+        assert "a" not in fleet.backends()
+        # b and c: exactly what their engines published, once a last batch shows the subscriber caught up
+        for name, pub, flow in (("b", b, flows[1]), ("c", c, flows[2])):
+            sub = fleet.subscriber(name)
+            assert sub is not None
+            join(pub, sub)
+            blocks = flow.blocks
+            want = own(tokens(flow.base * BS, blocks))
+            assert router.index.hashes(name) == want, name
+            assert sub.stats().invalid_batches == 0 and sub.running
+        router._check()
+        assert router.index.hashes("a") == set()
+
+
+def test_a_backend_removed_during_a_replay_fetch_stops_and_writes_nothing_after() -> None:
+    router = events_router()
+    with publisher() as pub, publisher() as other, Fleet(router) as fleet:
+        fleet.add_backend("gpu0", kv_events=pub.endpoint, replay=pub.replay_endpoint, topic=TOPIC.decode())
+        fleet.add_backend("gpu1", kv_events=other.endpoint, replay=other.replay_endpoint, topic=TOPIC.decode())
+        sub = fleet.subscriber("gpu0")
+        assert sub is not None
+        join(pub, sub)
+        pub.replay_mode = "silent"
+        first = pub.publish(stored_batch(100, 1, first_hash=1))
+        wait_until(applied(sub, first))
+        pub.publish(stored_batch(116, 1, parent=1, first_hash=2), send=False)
+        asked = len(pub.requests)
+        pub.publish(stored_batch(132, 1, parent=2, first_hash=3))
+        wait_until(lambda: len(pub.requests) > asked, what="the replay request")
+        fleet.remove_backend("gpu0")  # while the subscriber waits for a replay that never comes
+        assert not sub.running
+        assert router.index.hashes("gpu0") == set()
+        other_sub = fleet.subscriber("gpu1")
+        assert other_sub is not None
+        join(other, other_sub)
+        seq = other.publish(stored_batch(500, 1, first_hash=5))
+        wait_until(applied(other_sub, seq))
+        assert router.index.hashes("gpu1") == own(tokens(500, 1))
+        pub.replay_mode = "new"
+        pub.publish(stored_batch(148, 1, first_hash=4))
+        time.sleep(0.05)
+        assert router.index.hashes("gpu0") == set()
+        router._check()
