@@ -173,7 +173,7 @@ class PrefixRouteHook(CustomLogger):
         if not healthy_deployments or (self._groups is not None and model not in self._groups):
             return healthy_deployments, None
         by_id: dict[str, Any] = {}
-        for deployment in healthy_deployments:
+        for deployment in _order_level(healthy_deployments, request):
             identifier = _deployment_id(deployment)
             if identifier is not None:
                 by_id.setdefault(identifier, deployment)
@@ -376,6 +376,24 @@ def _group_names(groups: object, what: str) -> frozenset[str]:
         if not isinstance(group, str):
             raise InvalidTypeError(f"{what} must hold model group names (str), not {type(group).__name__} ({group!r})")
     return frozenset(groups)
+
+
+def _order_level(deployments: list[Any], request: Mapping[str, Any] | None) -> list[Any]:
+    """The deployments LiteLLM picks among after the filters: those of ``litellm_params.order`` equal to the
+    request's ``_target_order`` (its fallback to the next order), else to the lowest order given; all of them when
+    none has that order. A filter that chose outside this level would send the request to a backup deployment."""
+    orders = [_order(deployment) for deployment in deployments]
+    target = request.get("_target_order") if isinstance(request, Mapping) else None
+    if not isinstance(target, int) or isinstance(target, bool):
+        target = min((order for order in orders if order is not None), default=None)
+    level = [deployment for deployment, order in zip(deployments, orders, strict=True) if order == target]
+    return level if target is not None and level else deployments
+
+
+def _order(deployment: object) -> int | None:
+    params = deployment.get("litellm_params") if isinstance(deployment, Mapping) else None
+    order = params.get("order") if isinstance(params, Mapping) else None
+    return order if isinstance(order, int) and not isinstance(order, bool) else None
 
 
 def _deployment_id(deployment: object) -> str | None:

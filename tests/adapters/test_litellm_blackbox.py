@@ -321,6 +321,31 @@ def test_another_callback_that_raises_does_not_leave_a_count(
         litellm.logging_callback_manager.remove_callback_from_all_lists(raising)
 
 
+def test_deployments_of_a_lower_priority_order_serve_only_when_the_first_order_cannot(
+    hook: PrefixRouteHook, engines: list[OpenAIEngine]
+) -> None:
+    """LiteLLM's ``order``: after the filters it keeps the deployments of the lowest order left (of the request's
+    ``_target_order`` in its order fallback), so a filter that keeps an order-2 deployment beside healthy order-1
+    ones sends the request to the backup."""
+    deployments = model_list(engines)
+    for d, order in zip(deployments, (1, 1, 2), strict=True):
+        d["litellm_params"]["order"] = order
+
+    async def run() -> None:
+        router = LiteLLMRouter(model_list=deployments, num_retries=0)
+        places = set()
+        for prompt in range(12):  # prefixes that spread over every deployment given to the filter
+            places.add(served_by(await router.acompletion(model="fake", messages=chat("x", f"{prompt} " * 40))))
+            await settled(hook)
+        assert places == {"gpu0", "gpu1"}
+        engines[0].fail_next(1)
+        engines[1].fail_next(1)
+        assert served_by(await router.acompletion(model="fake", messages=chat("x", "0 " * 40))) == "gpu2"
+        await settled(hook)
+
+    asyncio.run(run())
+
+
 def test_a_refused_connection_or_a_timeout_is_retried_on_another_deployment(
     hook: PrefixRouteHook, engines: list[OpenAIEngine]
 ) -> None:
