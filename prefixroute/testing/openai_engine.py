@@ -108,8 +108,8 @@ def _lax_int(name: str, value: object) -> int:
 
 def _max_tokens(body: dict[str, Any], default: int, prompt_tokens: int) -> int:
     """The tokens to generate, as vLLM reads ``max_completion_tokens`` or else ``max_tokens`` (absent or null: the
-    engine's default): an integer (``16.0`` and ``"16"`` too, pydantic's lax int) of at least 1 that fits the
-    context with the (longest) prompt.
+    engine's default, at most what the context leaves): an integer (``16.0`` and ``"16"`` too, pydantic's lax int) of
+    at least 1 that fits the context with the (longest) prompt.
 
     Raises:
         ValueError: anything else (vLLM answers 400), e.g. ``true``, ``1.5``, ``0``, or more than the context.
@@ -117,8 +117,13 @@ def _max_tokens(body: dict[str, Any], default: int, prompt_tokens: int) -> int:
     value = body.get("max_completion_tokens")
     if value is None:
         value = body.get("max_tokens")
-    if value is None:
-        return default
+    if value is None:  # vLLM then generates up to the context's end, and refuses a prompt that fills it
+        if prompt_tokens >= _MAX_MODEL_LEN:
+            raise ValueError(
+                f"This model's maximum context length is {_MAX_MODEL_LEN} tokens. However, your request has "
+                f"{prompt_tokens} input tokens. Please reduce the length of the input messages."
+            )
+        return min(default, _MAX_MODEL_LEN - prompt_tokens)
     value = _lax_int("max_tokens", value)
     if value < 1:
         raise ValueError(f"max_tokens must be at least 1, got {value}.")
@@ -540,7 +545,8 @@ class OpenAIEngine:
         stream = _stream_flag(body.get("stream"))
         with self._lock:
             number = self._ids.getrandbits(64)
-        chunks = _Chunks(self.model, chat=chat, number=number, created=int(self._clock()))
+        # The answer names the model asked for, an adapter's own name too, as vLLM's does.
+        chunks = _Chunks(lora_name or self.model, chat=chat, number=number, created=int(self._clock()))
         choices = range(len(prompts) * n)  # as vLLM numbers them: prompt p's i-th answer is p * n + i
         completion_tokens = max_tokens * len(choices)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,

@@ -180,6 +180,21 @@ def test_max_tokens_reads_as_vllm_reads_it(engine: OpenAIEngine, value: object) 
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == (3 if value is None else 2)
 
 
+def test_a_prompt_that_fills_the_context_is_a_400_without_max_tokens_too(engine: OpenAIEngine) -> None:
+    """vLLM generates up to the context's end when ``max_tokens`` is absent, and refuses a prompt with no room left
+    (the fake served a 2M-token prompt, after seconds of caching it)."""
+    reply = httpx.post(f"{engine.url}/v1/completions", json={"prompt": [1] * 1048576}, timeout=30)
+    assert reply.status_code == 400 and "maximum context length is 1048576" in reply.json()["error"]["message"]
+    assert engine.stats().running == 0
+
+
+def test_an_adapters_answer_names_the_adapter_as_vllms_does() -> None:
+    with OpenAIEngine(model="base", lora_adapters=["sql"], max_tokens=1) as engine:
+        for model in ("sql", "base", None):
+            body = {"prompt": [1, 2], **({"model": model} if model else {})}
+            assert httpx.post(f"{engine.url}/v1/completions", json=body).json()["model"] == (model or "base")
+
+
 def test_fail_next_fails_exactly_that_many(engine: OpenAIEngine) -> None:
     engine.fail_next(2, status=503)
     statuses = [httpx.post(f"{engine.url}/v1/completions", json={"prompt": "a"}).status_code for _ in range(3)]
