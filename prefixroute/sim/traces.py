@@ -7,7 +7,8 @@ real token lists that share exactly what the trace says they share. A Qwen-Baili
 ``qwen-bailian-usagetraces-anon``, ATC'25) is read the same way with its own units: ``timestamp`` in seconds and
 one hash id per 16-token block (its other fields, ``chat_id``, ``parent_chat_id``, ``turn`` and ``type``, are
 ignored: the timestamps already place each turn). A Splitwise/Vidur CSV
-(``arrived_at,num_prefill_tokens,num_decode_tokens``), an Azure LLM inference trace
+(``arrived_at,num_prefill_tokens,num_decode_tokens``, or SplitwiseSim's ``arrival_timestamp``, ``prompt_size``,
+``token_size``), an Azure LLM inference trace
 (``TIMESTAMP,ContextTokens,GeneratedTokens``) and a BurstGPT CSV (``Timestamp``, ``Request tokens``, ``Response
 tokens``) have no prefix identity: every prompt gets its own tokens.
 
@@ -272,11 +273,16 @@ class _LengthsFormat:
     dated: bool  # arrival is a date and time (relative to the earliest row), else seconds
 
 
-_LENGTHS_FORMATS: Mapping[str, _LengthsFormat] = MappingProxyType(
+# Each format's layouts, the first named when a header has none of them: ``splitwise`` is Vidur's
+# ``processed_traces`` CSV and SplitwiseSim's own request trace (``traces/*.csv``, arrivals in seconds too).
+_LENGTHS_FORMATS: Mapping[str, tuple[_LengthsFormat, ...]] = MappingProxyType(
     {
-        "splitwise": _LengthsFormat("arrived_at", "num_prefill_tokens", "num_decode_tokens", dated=False),
-        "azure": _LengthsFormat("TIMESTAMP", "ContextTokens", "GeneratedTokens", dated=True),
-        "burstgpt": _LengthsFormat("Timestamp", "Request tokens", "Response tokens", dated=False),
+        "splitwise": (
+            _LengthsFormat("arrived_at", "num_prefill_tokens", "num_decode_tokens", dated=False),
+            _LengthsFormat("arrival_timestamp", "prompt_size", "token_size", dated=False),
+        ),
+        "azure": (_LengthsFormat("TIMESTAMP", "ContextTokens", "GeneratedTokens", dated=True),),
+        "burstgpt": (_LengthsFormat("Timestamp", "Request tokens", "Response tokens", dated=False),),
     }
 )
 # An offset's minutes are 00-59 (timezone() would take +05:99 as 6 h 39 min).
@@ -284,7 +290,8 @@ _DATETIME = re.compile(r"(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:\.(\d+)
 
 
 def read_splitwise(path: str | Path, *, limit: int | None = None) -> list[TraceEntry]:
-    """Parse a Splitwise/Vidur CSV (``arrived_at`` s, ``num_prefill_tokens``, ``num_decode_tokens``).
+    """Parse a Splitwise/Vidur CSV: Vidur's (``arrived_at`` s, ``num_prefill_tokens``, ``num_decode_tokens``) or
+    SplitwiseSim's request trace (``arrival_timestamp`` s, ``prompt_size``, ``token_size``; its other columns ignored).
 
     In this and the other formats (the JSONL ones too) a request that generated no token counts as one, and a prompt
     of no tokens as one token (vLLM always computes one).
@@ -308,8 +315,7 @@ def read_burstgpt(path: str | Path, *, limit: int | None = None) -> list[TraceEn
     return _read_lengths(path, _LENGTHS_FORMATS["burstgpt"], limit)
 
 
-def _read_lengths(path: str | Path, form: _LengthsFormat, limit: int | None) -> list[TraceEntry]:
-    columns = (form.arrival, form.prompt, form.output)
+def _read_lengths(path: str | Path, forms: Sequence[_LengthsFormat], limit: int | None) -> list[TraceEntry]:
     entries = _Earliest(limit)
     first: float | None = None  # of a dated trace: the first row's date, in seconds; arrivals are relative to it
     # A trace's rows share their minute with the rows around them: each minute is converted once per read (the
@@ -329,6 +335,8 @@ def _read_lengths(path: str | Path, form: _LengthsFormat, limit: int | None) -> 
         at = f"{path}:{reader.reader.line_num}"  # the header's line
         fieldnames = [name.strip() for name in header_row]
         reader.fieldnames = fieldnames
+        form = next((f for f in forms if {f.arrival, f.prompt, f.output} <= set(fieldnames)), forms[0])
+        columns = (form.arrival, form.prompt, form.output)
         absent = [c for c in columns if c not in fieldnames]
         if absent:
             header = ",".join(fieldnames)
@@ -467,8 +475,8 @@ def _csv_format(header: str) -> str | None:
         names = {name.strip() for name in next(csv.reader([header.lstrip("\ufeff")]), [])}
     except csv.Error:
         return None
-    for kind, form in _LENGTHS_FORMATS.items():
-        if {form.arrival, form.prompt, form.output} <= names:
+    for kind, forms in _LENGTHS_FORMATS.items():
+        if any({form.arrival, form.prompt, form.output} <= names for form in forms):
             return kind
     return None
 

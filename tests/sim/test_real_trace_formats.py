@@ -8,6 +8,8 @@ Each sample is a handful of lines typed after the upstream file (formats and sou
 - BurstGPT ``BurstGPT_without_fails_1.csv`` and ``BurstGPT_1.csv`` (failed rows: ``Response tokens`` 0), ``API log``
   rows, and v1.2 ``BurstGPT_3.csv`` whose API-log rows leave ``Session ID`` empty.
 - Azure 2024 ``_1week`` files mixing ``…00:00:00+00:00`` and ``…00:00:00.001163+00:00`` in one file.
+- SplitwiseSim's own request trace (Mutinifni/splitwise-sim ``traces/test_trace.csv``, as its ``generate_trace.py``
+  writes them): ``request_id,request_type,application_id,arrival_timestamp,batch_size,prompt_size,token_size``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from prefixroute.cli import main
+from prefixroute.errors import InvalidTraceError
 from prefixroute.sim.traces import load_trace
 
 
@@ -116,6 +119,22 @@ def test_azure_2023_seven_digit_fractions_across_midnight(tmp_path: Path) -> Non
     ]
 
 
+SPLITWISE_SIM = """\
+request_id,request_type,application_id,arrival_timestamp,batch_size,prompt_size,token_size
+0,2,0,1,1,4096,32
+1,2,0,3,1,2048,8
+2,2,0,4,1,2048,16
+"""
+
+
+def test_splitwise_sim_request_trace(tmp_path: Path) -> None:
+    """``splitwise:`` refused SplitwiseSim's own trace: its header lacks Vidur's ``arrived_at`` columns."""
+    path = _write(tmp_path, "test_trace.csv", SPLITWISE_SIM)
+    assert _all(f"splitwise:{path}") == [(0.0, 4096, 32), (2.0, 2048, 8), (3.0, 2048, 16)]
+    with pytest.raises(InvalidTraceError, match=r"lacks column\(s\) TIMESTAMP.*looks like a splitwise: trace"):
+        load_trace(f"azure:{path}")
+
+
 @pytest.mark.parametrize(
     ("spec", "name", "text"),
     [
@@ -123,6 +142,7 @@ def test_azure_2023_seven_digit_fractions_across_midnight(tmp_path: Path) -> Non
         ("burstgpt", "BurstGPT_1.csv", BURSTGPT_1_WITH_FAILS),
         ("burstgpt", "BurstGPT_3.csv", BURSTGPT_3_WITH_API_ROWS),
         ("azure", "AzureLLMInferenceTrace_conv_1week.csv", AZURE_2024_MIXED),
+        ("splitwise", "test_trace.csv", SPLITWISE_SIM),
     ],
 )
 def test_cli_simulates_each_published_form(
