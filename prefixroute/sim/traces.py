@@ -15,7 +15,7 @@ tokens``) have no prefix identity: every prompt gets its own tokens.
 Readers parse and check the whole file up front (a malformed line raises :class:`InvalidTraceError` naming it)
 but build a prompt's tokens only when the simulator asks for it. They return the requests in timestamp order (rows
 with equal timestamps in file order), so a trace whose rows are not sorted still replays at its own timestamps, and
-count arrivals from the earliest request: a file whose clock does not start at 0 (BurstGPT v2's ``BurstGPT_3.csv``
+count arrivals from the earliest request: a file whose clock does not start at 0 (BurstGPT v1.2's ``BurstGPT_3.csv``
 starts 225 days in, a slice of a Mooncake trace where it was cut) replays from its first request, not after months
 of an idle fleet. A UTF-8 byte-order mark and CRLF line ends are read as published; a compressed file is refused
 with what to do.

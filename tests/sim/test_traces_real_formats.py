@@ -8,7 +8,7 @@ Sources (the lines below are copied from them; the data files themselves are not
 - Azure LLM inference 2023 ``data/AzureLLMInferenceTrace_code.csv`` (Azure/AzurePublicDataset, first rows: seven
   fractional digits, no zone) and the 2024 ``AzureLLMInferenceTrace_{code,conv}_1week.csv`` release files (six
   fractional digits and ``+00:00``; a whole second is written without a fraction).
-- BurstGPT v1.1 ``BurstGPT_1.csv`` (six columns, integer seconds from 5) and v2.0 ``BurstGPT_3.csv`` (eight columns
+- BurstGPT v1.1 ``BurstGPT_1.csv`` (six columns, integer seconds from 5) and v1.2 ``BurstGPT_3.csv`` (eight columns
   with ``Session ID`` and ``Elapsed time``, float seconds that continue the earlier files' clock: its first row is
   at 19,440,110 s, 225 days in; ``BurstGPT_2.csv`` likewise continues ``BurstGPT_1.csv`` two months in).
 - Vidur ``data/processed_traces/splitwise_conv.csv`` (microsoft/vidur; also in data/vidur-profiling here).
