@@ -15,10 +15,6 @@ Each sample is a handful of lines typed after the upstream file (formats and sou
 from __future__ import annotations
 
 import json
-import os
-import resource
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -179,14 +175,11 @@ def test_a_malformed_line_is_exit_2_and_one_line_naming_it(
     assert len(err.splitlines()) == 1 and f"{name}:{line}:" in err, err
 
 
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 @pytest.mark.parametrize("kind", ["azure", "burstgpt"])
-def test_a_million_rows_are_read_in_one_pass(tmp_path: Path, kind: str) -> None:
-    """Not asserted on time: prints the figure (``pytest -s``) for the audit report."""
-    rows = int(os.environ.get("PREFIXROUTE_BIG_TRACE_ROWS", "1000000"))
+def test_a_large_file_is_read_whole_and_keeps_the_earliest_rows(tmp_path: Path, kind: str) -> None:
+    """100,000 rows of a published layout: every row is checked, the ``limit`` earliest kept (a published week is
+    tens of millions of rows; their read time is in the audit's report, not asserted here)."""
+    rows = 100_000
     path = tmp_path / f"{kind}.csv"
     with path.open("w", encoding="utf-8", newline="") as file:
         if kind == "azure":
@@ -203,14 +196,6 @@ def test_a_million_rows_are_read_in_one_pass(tmp_path: Path, kind: str) -> None:
                 f"{100 + i % 7000 + i % 300},{'API log' if i % 3 else 'Conversation log'}\n"
                 for i in range(rows)
             )
-    size_mb = path.stat().st_size / 1e6
-    before = _peak_rss_mb()
-    start = time.perf_counter()
     workload = load_trace(f"{kind}:{path}", limit=200)
-    took = time.perf_counter() - start
-    print(
-        f"\n{kind}: {rows:,} rows ({size_mb:.0f} MB) read in {took:.2f} s, "
-        f"peak RSS {before:.0f} -> {_peak_rss_mb():.0f} MB ({sys.platform})",
-        file=sys.stderr,
-    )
     assert len(workload) == 200 and workload.entries[0].arrival == 0.0
+    assert [e.input_length for e in workload.entries] == [100 + i for i in range(200)]
