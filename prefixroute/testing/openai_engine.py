@@ -326,6 +326,10 @@ class OpenAIEngine:
     async def aclose(self) -> None:
         """Stop serving (open connections are dropped). Idempotent."""
         if self._runner is not None:
+            # Drop them first, as refuse() does: aiohttp's cleanup alone is a graceful shutdown, which waits for the
+            # requests in progress (a stalled one for its 60 s), and a request sent meanwhile on a kept-alive
+            # connection is neither served nor refused, so its client hangs as long.
+            await self._unlisten()
             runner, self._runner, self._site = self._runner, None, None
             await runner.cleanup()
 
@@ -437,7 +441,10 @@ class OpenAIEngine:
             return
         site, self._site = self._site, None
         await site.stop()
-        server = self._runner.server
+        # A connection accepted as the site stopped registers a loop turn or two later: drop it too.
+        for _ in range(3):
+            await asyncio.sleep(0)
+        server = self._runner.server if self._runner is not None else None
         for handler in server.connections if server is not None else ():
             if handler.transport is not None:
                 handler.transport.abort()

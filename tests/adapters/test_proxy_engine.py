@@ -214,6 +214,29 @@ def test_refuse_and_accept_keep_the_port(engine: OpenAIEngine) -> None:
         assert engine.url == url and httpx.get(f"{url}/health").status_code == 200
 
 
+def test_stop_drops_a_request_in_progress_at_once_as_a_dead_engine_does() -> None:
+    engine = OpenAIEngine(max_tokens=3).start()
+    engine.stall(after_tokens=1)
+    errors: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            httpx.post(f"{engine.url}/v1/completions", json={"prompt": "a", "stream": True}, timeout=30).read()
+        except BaseException as exc:  # the dropped connection, checked below
+            errors.append(exc)
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    deadline = time.monotonic() + 5
+    while not engine.stats().running and time.monotonic() < deadline:
+        time.sleep(0.005)
+    started = time.monotonic()
+    engine.stop()  # was a graceful shutdown: it waited for the stalled request (aiohttp's 60 s, ours 10 s to join)
+    asking.join(5)
+    assert time.monotonic() - started < 3 and not asking.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], httpx.TransportError), errors
+
+
 def test_a_stalled_stream_counts_its_client_leaving(engine: OpenAIEngine) -> None:
     engine.stall(after_tokens=1)
     body = {"prompt": list(range(8)), "stream": True}
