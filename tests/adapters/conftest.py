@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -12,6 +13,22 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from prefixroute.adapters.proxy.prompts import ByteEncoder
+
+TOOL_CALL_SYSTEM = "You are a careful assistant. " * 20
+
+
+def tool_call_conversation() -> list[dict[str, Any]]:
+    """A chat as a tool-using client sends it: a system prompt in content parts, a user turn with an image part, an
+    assistant turn with no content and a tool call, and the tool's answer (a fresh copy each call)."""
+    return [
+        {"role": "system", "content": [{"type": "text", "text": TOOL_CALL_SYSTEM}]},
+        {"role": "user", "content": [{"type": "text", "text": "weather?"},
+                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]  # fmt: skip
+
 
 CORPUS = ["You are a helpful assistant that answers questions about SQL databases.",
           "SELECT name, count(*) FROM orders GROUP BY name ORDER BY 2 DESC;"] * 20  # fmt: skip

@@ -23,6 +23,7 @@ from prefixroute.adapters.litellm import PrefixRouteHook  # noqa: E402
 from prefixroute.testing.openai_engine import OpenAIEngine  # noqa: E402
 
 from ..conftest import running_engines
+from .conftest import tool_call_conversation
 
 SYSTEM = "You are a careful assistant. " * 20
 IDS = ["gpu0", "gpu1", "gpu2"]
@@ -110,15 +111,7 @@ def test_content_parts_tool_calls_and_images_route_and_finish(
     hook: PrefixRouteHook, engines: list[OpenAIEngine]
 ) -> None:
     router = LiteLLMRouter(model_list=model_list(engines))
-    system = {"role": "system", "content": [{"type": "text", "text": SYSTEM}]}
-    conversation: list[dict[str, Any]] = [
-        system,
-        {"role": "user", "content": [{"type": "text", "text": "weather?"},
-                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
-        {"role": "assistant", "content": None,
-         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
-    ]  # fmt: skip
+    conversation = tool_call_conversation()
 
     async def run() -> list[str]:
         places = []

@@ -16,8 +16,9 @@ from ray.serve.handle import DeploymentHandle
 
 from prefixroute.adapters.ray import PrefixRouteRequestRouter
 
+from .conftest import tool_call_conversation
+
 Handle = DeploymentHandle[Any]
-SYSTEM = "You are a careful assistant. " * 20
 
 
 @serve.deployment(
@@ -62,15 +63,7 @@ def settled(handle: Handle) -> PrefixRouteRequestRouter:
 
 
 def test_chat_bodies_of_every_shape_and_a_body_by_keyword_route_on_their_prefix(handle: Handle) -> None:
-    system = {"role": "system", "content": [{"type": "text", "text": SYSTEM}]}
-    conversation: list[dict[str, Any]] = [
-        system,
-        {"role": "user", "content": [{"type": "text", "text": "weather?"},
-                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
-        {"role": "assistant", "content": None,
-         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
-    ]  # fmt: skip
+    conversation = tool_call_conversation()
     handle.remote({"prompt": "warm up"}).result()
     router = settled(handle)
     commits = router.router.stats().commits
