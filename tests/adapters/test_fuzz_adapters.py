@@ -74,7 +74,7 @@ _CONSTRUCTORS: dict[str, Callable[[Any], object]] = {
     "ByteEncoder.encode_chat": lambda v: ByteEncoder().encode_chat(v),
     "serialise_chat": lambda v: serialise_chat(v),
     "check_backend_url": lambda v: check_backend_url(v),
-    "upstream_of": lambda v: upstream_of(v, strict=True),
+    "upstream_of": lambda v: upstream_of(v),
     "release_ids": lambda v: release_ids(v),
 }  # fmt: skip
 

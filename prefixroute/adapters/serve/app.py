@@ -538,17 +538,14 @@ async def _respond(send: Send, status: int, body: bytes, headers: list[tuple[byt
     await send({"type": "http.response.body", "body": body})
 
 
-def upstream_of(backend: str, *, strict: bool = False) -> str:
+def upstream_of(backend: str) -> str:
     """``host:port`` of a backend URL (``http://gpu0:8000`` → ``gpu0:8000``); the backend itself if not a URL.
 
     Raises:
-        ConfigurationError: with ``strict``, ``backend`` is not an ``http(s)://host:port`` URL without a path
-            (see :func:`~prefixroute.adapters.urls.check_backend_url`).
+        TypeError: ``backend`` is not a str.
     """
     if not isinstance(backend, str):
         raise InvalidTypeError(f"a backend is a URL str, not {type(backend).__name__}")
-    if strict:
-        check_backend_url(backend, path=False)
     try:
         parts = urlsplit(backend)
         port = parts.port

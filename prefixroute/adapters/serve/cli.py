@@ -334,7 +334,7 @@ def _kv_events(spec: str, backends: list[str]) -> tuple[str, tuple[str, str | No
     if not sep or not backend or not endpoints:
         raise ConfigurationError(f"--kv-events takes BACKEND=ENDPOINT[,REPLAY], like "
                                  f"http://gpu0:8000=tcp://gpu0:5557, not {spec!r}")  # fmt: skip
-    backend = backend.removesuffix("/")  # as --backends are read
+    backend = backend.rstrip("/")  # as check_backend_url reads --backends
     if backend not in backends:
         raise ConfigurationError(f"--kv-events names backend {backend!r}, which is not one of --backends {backends}")
     publisher, _, replay = endpoints.partition(",")
