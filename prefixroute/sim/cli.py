@@ -6,8 +6,9 @@ import argparse
 import errno
 import functools
 import os
+import stat
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from prefixroute.sim.workloads import scenario_names
 
 __all__ = [
     "add_workload_arguments",
+    "check_distinct",
     "check_writable",
     "folder_argument",
     "plot_argument",
@@ -196,9 +198,12 @@ def _check_before_running(
         trace = functools.partial(
             TraceWorkload, read.entries, kind=read.kind, seed=spec.seed, output_tokens=spec.output_tokens
         )
-    for option, path in (("--json", args.json), ("--plot", args.plot)):
-        if path is not None:
-            check_writable(path, option)
+    outputs = {option: path for option, path in (("--json", args.json), ("--plot", args.plot)) if path is not None}
+    for option, path in outputs.items():
+        check_writable(path, option)
+    trace_path = None if spec.trace is None else os.path.expanduser(spec.trace.partition(":")[2])
+    inputs = {} if trace_path is None else {"the trace --trace reads": trace_path}
+    check_distinct(outputs, inputs)
     if args.plot is not None:
         from prefixroute.sim.report import check_plot_path
 
@@ -234,6 +239,37 @@ def check_writable(path: str | Path, option: str) -> None:
             raise ConfigurationError(f"{option} {path}: not writable ({exc.strerror or exc})") from exc
     if not existed:
         target.unlink(missing_ok=True)
+
+
+def check_distinct(outputs: Mapping[str, str | Path], inputs: Mapping[str, str | Path]) -> None:
+    """Fail now if an output would overwrite an input or another output: the same path, or another name of the same
+    file (a link, a relative spelling). ``outputs`` maps each output's option to its path, ``inputs`` what the run
+    reads (described as the message names it: ``"the trace --trace reads"``) to its path.
+
+    What is not a regular file is never a collision: writing ``/dev/null`` or a pipe destroys nothing, and a run may
+    read its trace from ``/dev/stdin`` and write its JSON to ``/dev/stdout`` (one terminal). O(outputs x paths).
+
+    Raises:
+        ConfigurationError: an output names an input's file, or another output's (the message names both).
+    """
+    for option, path in outputs.items():
+        for read, taken in inputs.items():
+            if _same_file(path, taken):
+                raise ConfigurationError(f"{option} {path} would overwrite {read}: give another path")
+    written = list(outputs.items())
+    for i, (option, path) in enumerate(written):
+        for other, taken in written[:i]:
+            if _same_file(path, taken):
+                raise ConfigurationError(f"{other} and {option} name one file, {path}: give each its own")
+
+
+def _same_file(one: str | Path, other: str | Path) -> bool:
+    """Whether ``one`` and ``other`` name one regular file, or one path that is no file yet."""
+    try:
+        first, second = os.stat(one), os.stat(other)
+    except (OSError, ValueError):  # one does not exist (yet): the same once written if its path is the same
+        return os.path.realpath(one) == os.path.realpath(other)
+    return stat.S_ISREG(first.st_mode) and os.path.samestat(first, second)
 
 
 def folder_argument(text: str) -> Path:
@@ -438,14 +474,20 @@ def _check_served(results: Sequence[PolicyResult], spec: SimSpec) -> None:
 
 
 def _run_suite(args: argparse.Namespace, defaults: argparse.ArgumentParser, console: Any) -> int:
-    from prefixroute.sim.suite import run_suite
+    from prefixroute.sim.suite import run_suite, suite_workloads
 
     for dest in _SUITE_FIXED:
         if getattr(args, dest) != defaults.get_default(dest):
             flag = "--no-first-token" if dest == "first_token" else "--" + dest.replace("_", "-")
             raise ConfigurationError(f"--suite fixes each workload's settings: drop {flag}")
     output = Path(args.output or _SUITE_PAGE)
+    plot = output.with_suffix(".png")  # where run_suite writes it
+    if plot == output:
+        raise ConfigurationError(f"--output {output}: the plot is written beside the page as .png: name the page .md")
     check_writable(output, "--output")
+    check_writable(plot, "--output's plot")
+    traces = [w.spec.trace.partition(":")[2] for w in suite_workloads(seed=args.seed) if w.spec.trace is not None]
+    check_distinct({"--output": output, "--output's plot": plot}, {f"the suite's trace {t}": t for t in traces})
     page, verdicts = run_suite(output, seed=args.seed, jobs=args.jobs, progress=console.print)
     passed = sum(v.passed for v in verdicts)
     console.print(f"the default meets every check on {passed} of {len(verdicts)} workloads; wrote {page}")

@@ -1,0 +1,98 @@
+"""File-system hostility at the commands' path options (traces, tokenizers, model folders, outputs, pages, caches):
+each bad path is exit status 2 and one line on stderr, found before anything runs, never a traceback or a hang, and
+an input file is never overwritten by an output."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from prefixroute.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--requests", "3", "--policy", "round-robin", "--backends", "2"]
+LINE = '{"timestamp": %d, "input_length": 20, "output_length": 4, "hash_ids": [1]}\n'
+
+
+def _one_line(err: str, expected: str) -> None:
+    assert err.endswith("\n") and err.count("\n") == 1, f"not one line: {err!r}"
+    assert "Traceback" not in err and expected in err, err
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def trace(tmp_path: Path) -> Path:
+    """A small Mooncake trace (named .png too, so that --plot can name it)."""
+    path = tmp_path / "trace.png"
+    path.write_text(LINE % 0 + LINE % 1, encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("command", [["simulate"], ["compare", "--jobs", "1"]])
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+@pytest.mark.parametrize("spelling", ["same", "link", "relative"])
+def test_an_output_naming_the_trace_is_refused_and_the_trace_kept(
+    command: list[str], option: str, spelling: str, trace: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    # Was: the run, then the trace overwritten by the results (the input lost).
+    monkeypatch.chdir(trace.parent)
+    output = {"same": str(trace), "link": str(trace.parent / "link.png"), "relative": f"./{trace.name}"}[spelling]
+    if spelling == "link":
+        os.symlink(trace, output)
+    before = _digest(trace)
+    assert main([*command, *TINY, "--trace", f"mooncake:{trace}", option, output]) == 2
+    out, err = capsys.readouterr()
+    _one_line(err, f"{option} {output} would overwrite the trace --trace reads")
+    assert out == "" and _digest(trace) == before
+
+
+@pytest.mark.parametrize("command", [["simulate"], ["compare", "--jobs", "1"]])
+def test_json_and_plot_naming_one_file_are_refused(
+    command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Was: the JSON written, then overwritten by the plot.
+    both = str(tmp_path / "results.png")
+    assert main([*command, *TINY, "--json", both, "--plot", both]) == 2
+    out, err = capsys.readouterr()
+    _one_line(err, "--json and --plot name one file")
+    assert out == "" and not Path(both).exists()
+
+
+def test_an_output_to_a_device_or_a_pipe_is_not_a_collision(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # /dev/null is no file an output destroys: it is written as asked, whatever else names it.
+    assert main(["simulate", *TINY, "--trace", f"mooncake:{trace}", "--json", os.devnull]) == 0
+    assert "round-robin" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("output", ["data/mooncake-fast25/synthetic_trace.jsonl", "page.png"])
+def test_suite_output_naming_a_suite_trace_or_its_own_plot_is_refused_before_the_runs(
+    output: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Was: minutes of runs, then the repository's trace overwritten by the page (or the plot by the page).
+    monkeypatch.chdir(ROOT)  # the suite reads its traces under the repository root
+    target = ROOT / output
+    before = _digest(target) if target.exists() else None
+    assert main(["compare", "--suite", "--jobs", "1", "--output", output]) == 2
+    out, err = capsys.readouterr()
+    _one_line(err, "--output")
+    assert out == ""
+    assert (_digest(target) if target.exists() else None) == before
+
+
+def test_suite_output_whose_plot_cannot_be_written_is_refused_before_the_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Was: minutes of runs, then IsADirectoryError writing the plot next to the page.
+    (tmp_path / "page.png").mkdir()
+    monkeypatch.chdir(ROOT)
+    assert main(["compare", "--suite", "--jobs", "1", "--output", str(tmp_path / "page.md")]) == 2
+    out, err = capsys.readouterr()
+    _one_line(err, "page.png is a folder")
+    assert out == ""
