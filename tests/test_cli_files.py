@@ -96,3 +96,37 @@ def test_suite_output_whose_plot_cannot_be_written_is_refused_before_the_runs(
     out, err = capsys.readouterr()
     _one_line(err, "page.png is a folder")
     assert out == ""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["simulate", *TINY, "--json", " "],
+        ["compare", "--suite", "--jobs", "1", "--output", ""],
+        ["compare", "--suite", "--jobs", "1", "--output", " "],
+    ],
+)
+def test_a_blank_output_name_is_refused_not_written_or_taken_as_the_default(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Was: --json " " wrote a file named " " in the current folder; --output "" (an unset "$OUT") ran the whole
+    # suite and wrote the default page, docs/policies-benchmark.md.
+    monkeypatch.chdir(ROOT)  # where the suite runs, and where its default page is
+    page = ROOT / "docs" / "policies-benchmark.md"
+    before = _digest(page)
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    _one_line(err, "needs a file path")
+    assert out == "" and not (ROOT / " ").exists() and _digest(page) == before
+
+
+def test_costplot_blank_plot_name_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    from prefixroute.sim import costplot
+
+    # Was: the plot written as " .png" in the current folder.
+    monkeypatch.chdir(tmp_path)
+    assert costplot.main([" "]) == 2
+    out, err = capsys.readouterr()
+    _one_line(err, "needs a file path")
+    assert out == "" and not list(tmp_path.iterdir())

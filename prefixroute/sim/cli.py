@@ -219,11 +219,12 @@ def check_writable(path: str | Path, option: str) -> None:
     says yes to root everywhere.
 
     Raises:
-        ConfigurationError: ``path`` is a folder, or its folder cannot be created, or the file cannot be opened for
-            writing.
+        ConfigurationError: ``path`` is empty or blank, or a folder, or its folder cannot be created, or the file
+            cannot be opened for writing.
     """
-    if not str(path):
-        raise ConfigurationError(f"{option} needs a file path, not an empty one")
+    if not str(path).strip():  # an unset "$OUT": no name (Path("") is the current folder), or a blank one
+        blank = "an empty one" if not str(path) else f"the blank name {str(path)!r}"
+        raise ConfigurationError(f"{option} needs a file path, not {blank}")
     target = Path(path)
     if target.is_dir():
         raise ConfigurationError(f"{option} {path} is a folder: give a file path")
@@ -480,13 +481,14 @@ def _run_suite(args: argparse.Namespace, defaults: argparse.ArgumentParser, cons
         if getattr(args, dest) != defaults.get_default(dest):
             flag = "--no-first-token" if dest == "first_token" else "--" + dest.replace("_", "-")
             raise ConfigurationError(f"--suite fixes each workload's settings: drop {flag}")
-    output = Path(args.output or _SUITE_PAGE)
+    traces = [w.spec.trace.partition(":")[2] for w in suite_workloads(seed=args.seed) if w.spec.trace is not None]
+    name = args.output if args.output is not None else _SUITE_PAGE  # "" is no page (Path("") is the current folder)
+    check_writable(name, "--output")
+    output = Path(name)
     plot = output.with_suffix(".png")  # where run_suite writes it
     if plot == output:
         raise ConfigurationError(f"--output {output}: the plot is written beside the page as .png: name the page .md")
-    check_writable(output, "--output")
     check_writable(plot, "--output's plot")
-    traces = [w.spec.trace.partition(":")[2] for w in suite_workloads(seed=args.seed) if w.spec.trace is not None]
     check_distinct({"--output": output, "--output's plot": plot}, {f"the suite's trace {t}": t for t in traces})
     page, verdicts = run_suite(output, seed=args.seed, jobs=args.jobs, progress=console.print)
     passed = sum(v.passed for v in verdicts)
