@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -130,3 +134,63 @@ def test_costplot_blank_plot_name_is_refused(tmp_path: Path, monkeypatch: pytest
     out, err = capsys.readouterr()
     _one_line(err, "needs a file path")
     assert out == "" and not list(tmp_path.iterdir())
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model folder holding a real (tiny) tokenizer.json, trained here."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(["SELECT name FROM orders;"] * 5, trainers.BpeTrainer(special_tokens=["[UNK]"]))
+    folder = tmp_path_factory.mktemp("model")
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+@pytest.fixture
+def taken_port() -> Iterator[str]:
+    """A port the commands cannot bind: were a path taken, the command would fail there, naming the port."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        yield str(taken.getsockname()[1])
+
+
+def _serving(command: str, port: str) -> list[str]:
+    return [command, "--backends", "http://127.0.0.1:9", "--port", port]
+
+
+@pytest.mark.parametrize("command", ["serve", "proxy"])
+@pytest.mark.parametrize("path", ["", " "])
+def test_a_blank_tokenizer_path_is_refused_not_the_current_folder(
+    command: str, path: str, model: Path, taken_port: str, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    # Was: --tokenizer "" (an unset "$TOKENIZER") loaded ./tokenizer.json, as Path("") is the current folder.
+    monkeypatch.chdir(model)
+    assert main([*_serving(command, taken_port), "--tokenizer", path]) == 2
+    _one_line(capsys.readouterr().err, "a tokenizer path must name a tokenizer.json or a model folder")
+
+
+@pytest.mark.parametrize("command", ["serve", "proxy"])
+@pytest.mark.parametrize("kind", ["folder", "device", "fifo"])
+def test_a_tokenizer_that_is_no_regular_file_is_named_so_not_missing(
+    command: str, kind: str, tmp_path: Path, taken_port: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Was: "tokenizer file ... not found", for a path that is there. The FIFO case also checks that nothing opens it
+    # (without a writer, that would hang): it runs in a process of its own, with a timeout.
+    path = {"folder": tmp_path / "tokenizer.json", "device": Path(os.devnull), "fifo": tmp_path / "fifo"}[kind]
+    argv = [*_serving(command, taken_port), "--tokenizer", str(tmp_path if kind == "folder" else path)]
+    expected = f"tokenizer file {str(path)!r} is not a regular file"
+    if kind == "folder":
+        path.mkdir()  # the model folder's tokenizer.json
+    if kind != "fifo":
+        assert main(argv) == 2
+        _one_line(capsys.readouterr().err, expected)
+        return
+    os.mkfifo(path)
+    done = subprocess.run([sys.executable, "-m", "prefixroute", *argv], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    _one_line(done.stderr, expected)

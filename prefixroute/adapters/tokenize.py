@@ -101,13 +101,15 @@ class PromptTokenizer:
         """Load a local ``tokenizer.json``.
 
         Raises:
-            ConfigurationError: the file is missing or is not a tokenizer file.
+            ConfigurationError: ``path`` is empty or blank, or the file is missing, is no regular file (a folder, a
+                pipe, a device: none is opened) or is not a tokenizer file.
             TypeError: ``path`` is not a str or path.
         """
         file = tokenizer_path(path)
         if not _looked_up(file.is_file):
+            problem = "is not a regular file" if _looked_up(file.exists) else "not found"
             raise ConfigurationError(
-                f"tokenizer file {str(file)!r} not found: pass the path of the model's local tokenizer.json "
+                f"tokenizer file {str(file)!r} {problem}: pass the path of the model's local tokenizer.json "
                 "(prefixroute never downloads tokenizers)"
             )
         try:
@@ -186,9 +188,12 @@ class PromptTokenizer:
 
 
 def tokenizer_path(path: object) -> Path:
-    """``path`` as a Path, else InvalidTypeError (a str or an ``os.PathLike`` is one)."""
+    """``path`` as a Path, else InvalidTypeError (a str or an ``os.PathLike`` is one); ConfigurationError for an
+    empty or blank str, which names no file (an unset ``"$TOKENIZER"``: ``Path("")`` is the current folder)."""
     if not isinstance(path, (str, os.PathLike)):
         raise InvalidTypeError(f"a tokenizer path is a str or a path, not {type(path).__name__}")
+    if isinstance(path, str) and not path.strip():
+        raise ConfigurationError(f"a tokenizer path must name a tokenizer.json or a model folder, not {path!r}")
     return Path(path)
 
 
