@@ -194,3 +194,15 @@ def test_a_tokenizer_that_is_no_regular_file_is_named_so_not_missing(
     done = subprocess.run([sys.executable, "-m", "prefixroute", *argv], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
     _one_line(done.stderr, expected)
+
+
+@pytest.mark.parametrize("source", ["", " ", "ftp://gpu0:8000/metrics", "HTTP://gpu0:8000"])
+def test_doctor_source_that_names_no_file_or_url_is_a_bad_option(
+    source: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Was: a diagnosis of an unreadable source, "cannot read : [Errno 21] Is a directory: '.'" for "" (Path("") is
+    # the current folder) and "No such file or directory: 'ftp:/gpu0:8000/metrics'" for another scheme.
+    assert main(["doctor", source]) == 2
+    out, err = capsys.readouterr()
+    _one_line(err, f"a source must be an http:// or https:// URL, a saved /metrics file or - for stdin, not {source!r}")
+    assert out == ""

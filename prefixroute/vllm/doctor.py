@@ -257,6 +257,13 @@ def run(args: argparse.Namespace) -> int:
 def _options(args: argparse.Namespace) -> tuple[float, float, float]:
     if not args.sources:
         raise ConfigurationError("give at least one source: a vLLM URL, a saved /metrics file, or - for stdin")
+    for source in args.sources:
+        # "" is no file (Path("") is the current folder, "cannot read : Is a directory"), and ftp://host would be
+        # read as the file ftp:/host.
+        if not source.strip() or ("://" in source and not source.startswith(("http://", "https://"))):
+            raise ConfigurationError(
+                f"a source must be an http:// or https:// URL, a saved /metrics file or - for stdin, not {source!r}"
+            )
     timeout = check_seconds(_number(args.timeout, "--timeout"), "--timeout")
     ratio = _number(args.ratio_threshold, "--ratio-threshold")
     if not (math.isfinite(ratio) and ratio >= 1):
