@@ -46,10 +46,16 @@ def unit_fraction(text: str) -> float:
 
 
 def existing_file(text: str) -> Path:
-    """The path of a file that exists."""
+    """The path of a regular file that exists (a folder, a FIFO or a device is refused, and none is opened)."""
     path = Path(text)
-    if not path.is_file():
-        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    try:
+        exists, regular = path.exists(), path.is_file()
+    except (OSError, ValueError) as exc:  # a name too long to look up, a NUL byte
+        raise argparse.ArgumentTypeError(f"cannot look up {text!r}: {getattr(exc, 'strerror', None) or exc}") from exc
+    if not regular:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a regular file (a folder, a pipe or a device)" if exists else f"no such file: {text!r}"
+        )
     return path
 
 

@@ -20,7 +20,9 @@ from pathlib import Path
 
 from _args import Parser, existing_file, positive_int
 
+from prefixroute.errors import PrefixRouteError
 from prefixroute.sim.runner import SimSpec, run_policy
+from prefixroute.sim.traces import load_trace
 
 MOONCAKE = Path(__file__).resolve().parents[1] / "data" / "mooncake-fast25" / "synthetic_trace.jsonl"
 
@@ -42,6 +44,10 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="one short run of each (a smoke test)")
     parser.add_argument("--trace", type=existing_file, default=MOONCAKE, help="the Mooncake synthetic trace")
     args = parser.parse_args()
+    try:  # read once now: a malformed trace fails before the scenario runs, not a minute later
+        load_trace(f"mooncake:{args.trace}")
+    except PrefixRouteError as exc:
+        parser.error(f"argument --trace: {exc}")
     runs = 1 if args.quick else args.runs
     seed = SimSpec(requests=300 if args.quick else 1500)
     print(f"method: median of {runs} timed run(s) after one warm-up; single process")

@@ -134,6 +134,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.tokens, args.texts, args.runs = 256, 20, 1
+    for path in args.tokenizer:  # each checked before the first is measured
+        try:
+            Tokenizer.from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for a malformed file
+            parser.error(f"argument --tokenizer: {str(path)!r} is not a tokenizer.json ({exc})")
     files = tokenizer_files(args.tokenizer)
     print(f"CPU per {args.tokens}-token text, median of {args.runs} passes of {args.texts}; ratio to encode")
     print(f"{'tokenizer':28} {'prompts':7} {'encode':>17}  {'no cache':>17}  {'cache':>17}")

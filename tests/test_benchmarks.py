@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -120,4 +121,49 @@ def test_a_benchmark_answers_a_bad_option_with_one_line_and_status_2(script: str
     )
     assert done.returncode == 2, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "error:" in done.stderr, done.stderr
+    assert done.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("script", "option", "content", "expected"),
+    [
+        ("bench_sim.py", "--trace", b"", "no requests in the trace"),
+        ("bench_sim.py", "--trace", b'{"timestamp": 0}\n', "missing field(s)"),
+        ("bench_tokenize.py", "--tokenizer", b"", "is not a tokenizer.json"),
+        ("bench_tokenize.py", "--tokenizer", b"\xff\xfe\x00binary", "is not a tokenizer.json"),
+    ],
+)
+def test_a_benchmark_refuses_a_malformed_input_file_before_it_runs(
+    script: str, option: str, content: bytes, expected: str, tmp_path: Path
+) -> None:
+    # Was: a traceback (exit status 1), for bench_sim.py after a minute of scenario runs, for bench_tokenize.py
+    # after its header.
+    path = tmp_path / "input"
+    path.write_bytes(content)
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), option, str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and expected in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert done.stdout == "" and path.read_bytes() == content
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "expected"),
+    [
+        ("bench_sim.py", ["--trace", "{fifo}"], "is not a regular file"),  # was: "no such file", and it is there
+        ("bench_tokenize.py", ["--tokenizer", "{folder}"], "is not a regular file"),
+        ("bench_sim.py", ["--trace", "{long}"], "cannot look up"),  # was: an OSError traceback
+    ],
+)
+def test_a_benchmark_refuses_an_input_path_it_cannot_read(
+    script: str, args: list[str], expected: str, tmp_path: Path
+) -> None:
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "file").write_text("")
+    paths = {"fifo": tmp_path / "fifo", "folder": tmp_path, "long": tmp_path / ("x" * 300), "file": tmp_path / "file"}
+    argv = [arg.format(**paths) for arg in args]
+    done = subprocess.run([sys.executable, str(BENCHMARKS / script), *argv], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and expected in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert done.stdout == ""
