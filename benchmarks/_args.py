@@ -59,6 +59,18 @@ def existing_file(text: str) -> Path:
     return path
 
 
+def check_output(parser: argparse.ArgumentParser, path: Path, option: str) -> None:
+    """Exit now (one line, status 2), not after the run, if a file cannot be written at ``path``: the check
+    ``prefixroute simulate`` makes of its outputs (a folder, a path under a file, a name the OS refuses)."""
+    from prefixroute.errors import ConfigurationError
+    from prefixroute.sim.cli import check_writable
+
+    try:
+        check_writable(path, option)
+    except ConfigurationError as exc:
+        parser.error(str(exc))
+
+
 def _finite(text: str, *, minimum: float, inclusive: bool) -> float:
     bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
     try:

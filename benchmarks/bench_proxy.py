@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from _args import Parser, non_negative_float, positive_int
+from _args import Parser, check_output, non_negative_float, positive_int
 
 from prefixroute.adapters.serve.loopback import Process, free_port
 
@@ -253,6 +253,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, one run")
     parser.add_argument("--bare-relay", nargs="+", metavar="ARG", help=argparse.SUPPRESS)  # PORT URL...: baseline
     args = parser.parse_args(argv)
+    try:
+        outputs = profile_outputs(args.profile)
+    except ValueError as exc:
+        parser.error(f"argument --profile: {exc}")
+    for output in outputs.values():  # checked now, not after the benchmark's minutes
+        check_output(parser, output, "--profile")
     if args.bare_relay:
         bare_relay(int(args.bare_relay[0]), args.bare_relay[1:])
         return
@@ -378,18 +384,31 @@ def bare_relay(port: int, backends: list[str]) -> None:
     _runner()(serve())
 
 
+def profile_outputs(profile: str | None) -> dict[str, Path]:
+    """The file of each prompt kind's profile: ``--profile``'s stem + ``-ids`` (``-text``, ``-chat``), its suffix kept
+    (``out/proxy.svg``: ``out/proxy-ids.svg``; ``prof``: ``prof-ids``); none without ``--profile``.
+
+    Raises:
+        ValueError: ``profile`` names no file (empty, blank, or a root such as ``/``).
+    """
+    if profile is None:
+        return {}
+    path = Path(profile)
+    if not profile.strip() or not path.stem.strip():
+        raise ValueError(f"give a file name, not {profile!r}")
+    return {kind: path.with_name(f"{path.stem}-{kind}{path.suffix}") for kind in KINDS}
+
+
 def profile(args: argparse.Namespace, proxy_port: int, proxy: Process, loop_runner: Runner) -> None:
     """Record a py-spy profile of the proxy under the closed loop, per prompt kind (``.txt``: collapsed stacks)."""
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(spy).is_file():
         print("py-spy is not installed: no profile")
         return
-    stem, _, suffix = args.profile.rpartition(".")
-    for kind in KINDS:
-        output = f"{stem}-{kind}.{suffix}"
+    for kind, output in profile_outputs(args.profile).items():
         requests = make_requests(args, count=args.loop_requests, kind=kind, seed=999)
-        command = [spy, "record", "--pid", str(proxy.pid), "--output", output, "--rate", "1000", "--nonblocking",
-                   "--format", "raw" if suffix == "txt" else "flamegraph"]  # fmt: skip
+        command = [spy, "record", "--pid", str(proxy.pid), "--output", str(output), "--rate", "1000", "--nonblocking",
+                   "--format", "raw" if output.suffix == ".txt" else "flamegraph"]  # fmt: skip
         recorder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         time.sleep(1.0)
         loop_runner(closed_loop(proxy_port, requests, concurrency=args.concurrency))

@@ -25,7 +25,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from _args import Parser, positive_int
+from _args import Parser, check_output, positive_int
 
 from prefixroute import Candidate, PredictedTTFT, kv_fraction
 from prefixroute.sim.compare import compared_policies, default_policy_name, run_grid
@@ -289,6 +289,25 @@ VARIANTS = (
 )
 
 
+def read_cache(parser: Parser, path: Path, *, metrics: bool) -> list[PolicyResult] | None:
+    """The results ``--cache`` holds for this half of the suite (``--metrics`` or not), or None when it holds none:
+    no file yet (then it must be writable, checked now rather than after the runs), another half's or an older
+    format's. A file that is no cache this script wrote (not a pickle, a folder, a pipe) exits with one line."""
+    if not path.exists():
+        check_output(parser, path, "--cache")
+        return None
+    if not path.is_file():  # a folder is no cache, and reading a FIFO or a device would hang or never end
+        parser.error(f"argument --cache: {path} is not a regular file: give the cache file's path")
+    try:
+        cached = pickle.loads(path.read_bytes())
+    except Exception as exc:  # noqa: BLE001 - unpickling raises any error its data makes it raise
+        parser.error(f"argument --cache: {path} is not a cache this script wrote ({type(exc).__name__}): delete it")
+    check_output(parser, path, "--cache")  # rewritten after the runs when it holds another half's results
+    # (metrics, results); another half of the suite's runs, or a cache of an older format: run them again
+    fits = isinstance(cached, tuple) and len(cached) == 2 and cached[0] == metrics and isinstance(cached[1], list)
+    return cached[1] if fits else None
+
+
 def main() -> int:
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=positive_int, default=2, help="simulation processes (2)")
@@ -318,10 +337,8 @@ def main() -> int:
     variants = [f"default_variants:{cls.__name__}" for cls in classes]
     names = [*policies, *variants]
     fixed: list[PolicyResult] | None = None
-    if args.cache is not None and args.cache.is_file() and not args.quick:
-        cached = pickle.loads(args.cache.read_bytes())
-        # (metrics, results); another half of the suite's runs, or a cache of an older format: run them again
-        fixed = cached[1] if isinstance(cached, tuple) and cached[0] == args.metrics else None
+    if args.cache is not None and not args.quick:
+        fixed = read_cache(parser, args.cache, metrics=args.metrics)
     if fixed is None or len(fixed) != len(workloads) * len(policies):
         fixed = run_grid([(w.spec, name) for w in workloads for name in policies], jobs=args.jobs)
         if args.cache is not None and not args.quick:

@@ -131,6 +131,7 @@ def test_a_benchmark_answers_a_bad_option_with_one_line_and_status_2(script: str
         ("bench_sim.py", "--trace", b'{"timestamp": 0}\n', "missing field(s)"),
         ("bench_tokenize.py", "--tokenizer", b"", "is not a tokenizer.json"),
         ("bench_tokenize.py", "--tokenizer", b"\xff\xfe\x00binary", "is not a tokenizer.json"),
+        ("default_variants.py", "--cache", b"not a pickle", "is not a cache this script wrote"),
     ],
 )
 def test_a_benchmark_refuses_a_malformed_input_file_before_it_runs(
@@ -154,9 +155,14 @@ def test_a_benchmark_refuses_a_malformed_input_file_before_it_runs(
         ("bench_sim.py", ["--trace", "{fifo}"], "is not a regular file"),  # was: "no such file", and it is there
         ("bench_tokenize.py", ["--tokenizer", "{folder}"], "is not a regular file"),
         ("bench_sim.py", ["--trace", "{long}"], "cannot look up"),  # was: an OSError traceback
+        ("default_variants.py", ["--cache", "{folder}"], "is not a regular file"),  # was: the runs, then a traceback
+        ("default_variants.py", ["--cache", "{fifo}"], "is not a regular file"),  # a FIFO: not opened, no hang
+        ("default_variants.py", ["--cache", "{file}/cache.pickle"], "cannot create its folder"),  # was: the same
+        ("bench_proxy.py", ["--profile", "{file}/proxy.svg"], "cannot create its folder"),  # was: py-spy failed, late
+        ("bench_proxy.py", ["--profile", ""], "give a file name"),
     ],
 )
-def test_a_benchmark_refuses_an_input_path_it_cannot_read(
+def test_a_benchmark_refuses_a_path_it_cannot_use_before_it_runs(
     script: str, args: list[str], expected: str, tmp_path: Path
 ) -> None:
     os.mkfifo(tmp_path / "fifo")
@@ -167,3 +173,13 @@ def test_a_benchmark_refuses_an_input_path_it_cannot_read(
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1 and expected in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert done.stdout == ""
+
+
+def test_bench_proxy_names_each_profile_after_the_one_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from bench_proxy import profile_outputs
+
+    assert profile_outputs("out/proxy.svg")["ids"] == Path("out/proxy-ids.svg")
+    assert profile_outputs("out/stacks.txt")["chat"] == Path("out/stacks-chat.txt")
+    assert profile_outputs("prof")["text"] == Path("prof-text")  # was: "-text.prof", in the current folder
+    assert profile_outputs(None) == {}
