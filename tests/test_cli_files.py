@@ -206,3 +206,25 @@ def test_doctor_source_that_names_no_file_or_url_is_a_bad_option(
     out, err = capsys.readouterr()
     _one_line(err, f"a source must be an http:// or https:// URL, a saved /metrics file or - for stdin, not {source!r}")
     assert out == ""
+
+
+@pytest.mark.parametrize(
+    ("page", "expected"),
+    [
+        (b"\xff\xfe# not UTF-8\n", "--update {page}: 'utf-8' codec can't decode"),  # was: no file named
+        (b"# no markers\n", "--update {page}: markers <!-- costplot:"),  # was: no file named
+        (None, "png {plot}: matplotlib writes no 'txt' files"),  # was: "Format 'txt' is not supported", after tables
+    ],
+)
+def test_costplot_errors_name_the_file(
+    page: bytes | None, expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from prefixroute.sim import costplot
+
+    markdown = tmp_path / "page.md"
+    markdown.write_bytes(page or b"")
+    plot = tmp_path / ("plot.png" if page is not None else "plot.txt")
+    assert costplot.main([str(plot), "--update", str(markdown)]) == 2
+    out, err = capsys.readouterr()
+    _one_line(err, expected.format(page=markdown, plot=plot))
+    assert out == "" and markdown.read_bytes() == (page or b"") and not plot.exists()

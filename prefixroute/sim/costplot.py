@@ -185,12 +185,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         return fail(str(exc))
     try:
+        from prefixroute.sim.report import check_plot_path
+
+        check_plot_path(args.png, "png")  # matplotlib writes it, in a format it knows: checked before anything
         generated = tables()
         page = None
         if args.update is not None:  # read and check the page before anything is written
             if args.update.exists() and not args.update.is_file():  # /dev/zero would fill the memory, a FIFO hang
                 raise ValueError(f"--update {args.update} is not a regular file: give the Markdown page to rewrite")
-            page = update_markdown(args.update.read_text(encoding="utf-8"), generated)
+            try:
+                page = update_markdown(args.update.read_text(encoding="utf-8"), generated)
+            except ValueError as exc:  # not UTF-8 text, or a marker missing: say which file
+                raise ValueError(f"--update {args.update}: {exc}") from exc
             check_writable(args.update, "--update")
         check_writable(args.png, "png")
         plot_calibration(args.png)
