@@ -228,3 +228,31 @@ def test_costplot_errors_name_the_file(
     out, err = capsys.readouterr()
     _one_line(err, expected.format(page=markdown, plot=plot))
     assert out == "" and markdown.read_bytes() == (page or b"") and not plot.exists()
+
+
+LONG = "x" * 300  # a file name over NAME_MAX (255)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["simulate", *TINY, "--json", "a\0b"], "--json 'a\\x00b': a path cannot hold a NUL byte"),
+        (["simulate", *TINY, "--plot", "a\0b.png"], "--plot 'a\\x00b.png': a path cannot hold a NUL byte"),
+        (["compare", "--jobs", "1", *TINY, "--json", "a\0b"], "--json 'a\\x00b': a path cannot hold a NUL byte"),
+        (["study", "--requests", "3", "--output", "a\0b"], "not a name holding a NUL byte"),
+        (["doctor", "a\0b"], "a source must be an http:// or https:// URL"),
+        (["simulate", *TINY, "--json", f"{LONG}.json"], f"--json {LONG}.json: File name too long"),
+    ],
+)
+def test_a_path_the_os_cannot_take_is_one_line_from_main(
+    argv: list[str], expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    # Was: a ValueError ("embedded null byte") out of main(argv), which promises one line and status 2 for any bad
+    # input (a command line cannot hold a NUL byte, a caller of main() can); a name too long was an OSError's
+    # "File name too long: PATH", naming no option.
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    _one_line(err, expected)
+    assert out == "" and not list(tmp_path.iterdir())

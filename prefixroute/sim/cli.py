@@ -219,14 +219,20 @@ def check_writable(path: str | Path, option: str) -> None:
     says yes to root everywhere.
 
     Raises:
-        ConfigurationError: ``path`` is empty or blank, or a folder, or its folder cannot be created, or the file
-            cannot be opened for writing.
+        ConfigurationError: ``path`` is empty or blank, holds a NUL byte, cannot be looked up, is a folder, or its
+            folder cannot be created, or the file cannot be opened for writing.
     """
     if not str(path).strip():  # an unset "$OUT": no name (Path("") is the current folder), or a blank one
         blank = "an empty one" if not str(path) else f"the blank name {str(path)!r}"
         raise ConfigurationError(f"{option} needs a file path, not {blank}")
+    if "\0" in str(path):  # only main(argv) can pass one (the OS cannot): os.open would raise ValueError
+        raise ConfigurationError(f"{option} {str(path)!r}: a path cannot hold a NUL byte")
     target = Path(path)
-    if target.is_dir():
+    try:
+        folder = target.is_dir()
+    except OSError as exc:  # a name the OS cannot look up (too long): is_dir() raises for it
+        raise ConfigurationError(f"{option} {path}: {exc.strerror or exc}") from exc
+    if folder:
         raise ConfigurationError(f"{option} {path} is a folder: give a file path")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -278,10 +284,13 @@ def folder_argument(text: str) -> Path:
     value (an unset ``"$OUT"``) would write there unasked.
 
     Raises:
-        argparse.ArgumentTypeError: ``text`` is empty or blank (argparse prints it as one line and exits 2).
+        argparse.ArgumentTypeError: ``text`` is empty or blank, or holds a NUL byte (argparse prints it as one line
+            and exits 2).
     """
     if not text.strip():
         raise argparse.ArgumentTypeError(f"expected a folder, not an empty name {text!r} (. is the current folder)")
+    if "\0" in text:  # only main(argv) can pass one: making the folder would raise ValueError
+        raise argparse.ArgumentTypeError(f"expected a folder, not a name holding a NUL byte {text!r}")
     return Path(text)
 
 

@@ -260,7 +260,11 @@ def _options(args: argparse.Namespace) -> tuple[float, float, float]:
     for source in args.sources:
         # "" is no file (Path("") is the current folder, "cannot read : Is a directory"), and ftp://host would be
         # read as the file ftp:/host.
-        if not source.strip() or ("://" in source and not source.startswith(("http://", "https://"))):
+        if (
+            not source.strip()
+            or "\0" in source  # only main(argv) can pass one; opening it would raise ValueError
+            or ("://" in source and not source.startswith(("http://", "https://")))
+        ):
             raise ConfigurationError(
                 f"a source must be an http:// or https:// URL, a saved /metrics file or - for stdin, not {source!r}"
             )
