@@ -256,3 +256,38 @@ def test_a_path_the_os_cannot_take_is_one_line_from_main(
     out, err = capsys.readouterr()
     _one_line(err, expected)
     assert out == "" and not list(tmp_path.iterdir())
+
+
+def _data_copy(into: Path) -> Path:
+    """The repository's data/ for costfit, as links to its files (the fit reads vidur-profiling and splitwise-sim)."""
+    for folder in ("vidur-profiling/a100", "vidur-profiling/h100", "splitwise-sim"):
+        (into / folder).mkdir(parents=True)
+        for file in (ROOT / "data" / folder).glob("*.csv"):
+            (into / folder / file.name).symlink_to(file)
+    return into
+
+
+def test_costfit_optional_data_file_that_is_a_fifo_is_refused_not_read(tmp_path: Path) -> None:
+    # Was: the fit opened it and waited for a writer forever (a device would never end it).
+    data = _data_copy(tmp_path / "data")
+    os.mkfifo(data / "vidur-profiling" / "h100" / "Meta-Llama-3-8B__mlp.csv")  # optional: derived when absent
+    done = subprocess.run(
+        [sys.executable, "-m", "prefixroute.sim.costfit", "--data", str(data), "--check"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    _one_line(done.stderr, "Meta-Llama-3-8B__mlp.csv is not a regular file")
+
+
+def test_costfit_check_of_an_out_that_is_a_file_is_a_bad_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from prefixroute.sim import costfit
+
+    # Was: every file "missing" and "stale package data ...; rerun with --out FILE", exit status 1.
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert costfit.main(["--data", str(ROOT / "data"), "--check", "--out", str(blocker)]) == 2
+    out, err = capsys.readouterr()
+    _one_line(err, f"--out {blocker} is not a folder")
+    assert out == ""

@@ -99,13 +99,19 @@ def fit_linear(points: Sequence[tuple[int, float]]) -> LinearFit:
 
 
 def read_vidur(data: Path) -> list[Measurement]:
-    """Median per-layer linear time (all ops but the embedding) by GPU family, model, tp and tokens."""
+    """Median per-layer linear time (all ops but the embedding) by GPU family, model, tp and tokens.
+
+    Raises:
+        ConfigurationError: a profiling file is there but is no regular file (a folder, a FIFO, a device).
+    """
     out: list[Measurement] = []
     for family in ("a100", "h100"):
         for model, filename in _VIDUR_FILES.items():
             path = data / "vidur-profiling" / family / filename
             if not path.exists():
                 continue
+            if not path.is_file():  # a FIFO would hang the fit, a device never end it
+                raise ConfigurationError(f"{path} is not a regular file: --data must hold the profiling CSVs")
             samples: dict[tuple[int, int], list[float]] = defaultdict(list)
             with path.open(newline="") as handle:
                 for row in csv.DictReader(handle):
@@ -467,6 +473,8 @@ def _run(args: argparse.Namespace) -> int:
     if not args.check:
         for name in _OUTPUTS:
             check_writable(args.out / name, "--out")
+    elif args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise ConfigurationError(f"--out {args.out} is not a folder: --check compares the files of a folder")
     if args.plot is not None:
         from prefixroute.sim.report import check_plot_path
 
