@@ -333,6 +333,13 @@ def main() -> int:
         workloads = [replace(workloads[0], spec=workloads[0].spec.with_(requests=100))]
         policies = ["round-robin", default]
     judged = (*VARIANTS, EngineUsageFloor) if args.metrics else VARIANTS
+    unknown = [name for name in args.only or () if name not in {cls.__name__ for cls in judged}]
+    if unknown:  # judged silently on none of them otherwise
+        metrics = "" if args.metrics else " (EngineUsageFloor needs --metrics)"
+        parser.error(
+            f"argument --only: no variant class {', '.join(map(repr, unknown))}{metrics}; "
+            f"one of {', '.join(cls.__name__ for cls in judged)}"
+        )
     classes = [cls for cls in judged if not args.only or cls.__name__ in args.only]
     variants = [f"default_variants:{cls.__name__}" for cls in classes]
     names = [*policies, *variants]

@@ -112,6 +112,8 @@ def test_default_variants_classes_are_policies_the_simulator_can_name(monkeypatc
         ("bench_sim.py", ["--trace", "no/such/trace.jsonl"]),
         ("bench_tokenize.py", ["--tokenizer", "no/such/tokenizer.json"]),
         ("default_variants.py", ["--jobs", "0"]),
+        ("default_variants.py", ["--quick", "--only", "NoSuchVariant"]),  # was: the default alone, judged on none
+        ("default_variants.py", ["--quick", "--only", "EngineUsageFloor"]),  # judged only with --metrics
         ("bench_route.py", ["--no-such-option"]),
     ],
 )
