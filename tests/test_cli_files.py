@@ -196,7 +196,7 @@ def test_a_tokenizer_that_is_no_regular_file_is_named_so_not_missing(
     _one_line(done.stderr, expected)
 
 
-@pytest.mark.parametrize("source", ["", " ", "ftp://gpu0:8000/metrics", "HTTP://gpu0:8000"])
+@pytest.mark.parametrize("source", ["", " ", "ftp://gpu0:8000/metrics", "file:///tmp/metrics"])
 def test_doctor_source_that_names_no_file_or_url_is_a_bad_option(
     source: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -206,6 +206,17 @@ def test_doctor_source_that_names_no_file_or_url_is_a_bad_option(
     out, err = capsys.readouterr()
     _one_line(err, f"a source must be an http:// or https:// URL, a saved /metrics file or - for stdin, not {source!r}")
     assert out == ""
+
+
+def test_doctor_reads_a_url_whose_scheme_is_upper_case(capsys: pytest.CaptureFixture[str]) -> None:
+    # URL schemes are case-insensitive: HTTP://host is a URL (here one that refuses the connection), not a file.
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    main(["doctor", "--timeout", "2", f"HTTP://127.0.0.1:{port}"])
+    out, err = capsys.readouterr()
+    assert "a source must be" not in err
+    assert f"127.0.0.1:{port}/metrics" in out + err
 
 
 @pytest.mark.parametrize(

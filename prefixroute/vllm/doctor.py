@@ -184,7 +184,7 @@ def read_source(source: str, *, timeout: float) -> EngineMetrics:
     Raises:
         MetricsError: the source cannot be read, is too large or is not vLLM metrics (the message says why).
     """
-    if source.startswith(("http://", "https://")):
+    if _is_url(source):
         return fetch_metrics(metrics_url(source), timeout=timeout)
     try:
         if source == "-":
@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"prefixroute doctor: {exc}", file=sys.stderr)
         return 2
     readings: dict[int, EngineMetrics | MetricsError] = {}
-    urls = [i for i, source in enumerate(args.sources) if source.startswith(("http://", "https://"))]
+    urls = [i for i, source in enumerate(args.sources) if _is_url(source)]
     for i, source in enumerate(args.sources):
         if i not in urls:
             readings[i] = _read(source, timeout)
@@ -254,6 +254,11 @@ def run(args: argparse.Namespace) -> int:
     return status
 
 
+def _is_url(source: str) -> bool:
+    """Whether ``source`` is an http(s) URL (the scheme in any case, as URLs allow: ``HTTP://gpu0``)."""
+    return source[:8].lower().startswith(("http://", "https://"))
+
+
 def _options(args: argparse.Namespace) -> tuple[float, float, float]:
     if not args.sources:
         raise ConfigurationError("give at least one source: a vLLM URL, a saved /metrics file, or - for stdin")
@@ -263,7 +268,7 @@ def _options(args: argparse.Namespace) -> tuple[float, float, float]:
         if (
             not source.strip()
             or "\0" in source  # only main(argv) can pass one; opening it would raise ValueError
-            or ("://" in source and not source.startswith(("http://", "https://")))
+            or ("://" in source and not _is_url(source))
         ):
             raise ConfigurationError(
                 f"a source must be an http:// or https:// URL, a saved /metrics file or - for stdin, not {source!r}"
