@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
@@ -33,6 +34,7 @@ from prefixroute.adapters.threaded import ServerThread
 from prefixroute.testing.openai_engine import OpenAIEngine
 
 from ..conftest import BuggyPolicy, StrangerPolicy, running_engines, wait_until
+from .conftest import metric_samples
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Backend = tuple[Callable[[Handler], str], list[web.Request]]
@@ -267,6 +269,93 @@ def test_models_a_backend_refuses_relay_its_refusal_not_a_502(backend: Backend, 
         assert merged.status_code == 200 and [card["id"] for card in merged.json()["data"]] == ["fake-model"]
 
 
+NO_MODELS: list[Any] = [{"id": 5}, {"object": "model"}, {"id": ""}, {"id": " "}, {"id": None}, {"id": ["m"]},
+                        {"id": "a\nb"}, {"id": "x", "object": "file"}, "m", None, 7, []]  # fmt: skip
+KEPT = [{"id": "kept", "object": "model", "owned_by": "vllm"}, {"id": "kept", "object": "model", "owned_by": "again"}]
+MODEL_LISTS: list[tuple[str, bytes]] = [
+    ("entries-that-are-no-model", json.dumps({"object": "list", "data": NO_MODELS + KEPT}).encode()),
+    ("data-not-a-list", b'{"object": "list", "data": {"id": "m", "object": "model"}}'),
+    ("data-null", b'{"object": "list", "data": null}'),
+    ("no-data", b'{"object": "list"}'),
+    ("a-list-not-an-object", b'[{"id": "m", "object": "model"}]'),
+    ("not-json", b"<html>502 Bad Gateway</html>"),
+    ("cut-short", b'{"object": "list", "data": [{"id": "m"'),
+    ("nested-too-deep", b'{"data": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+    ("over-16-MiB", b'{"data": [' + b'{"id": "m"},' * (2**24 // 12) + b'{"id": "m"}]}'),
+    ("a-server-error", b""),
+]
+
+
+@pytest.mark.parametrize(("answer", "raw"), MODEL_LISTS, ids=[name for name, _ in MODEL_LISTS])
+def test_a_backends_malformed_model_list_never_reaches_the_merged_one(
+    backend: Backend, good: OpenAIEngine, answer: str, raw: bytes
+) -> None:
+    """Only model objects (a JSON object with a non-empty string ``id``) are merged, once per id: a backend's
+    entries that are none were relayed as they came (``{"id": 5}``, ``{"object": "model"}``), so a client reading
+    ``data[i]["id"]`` as a string broke. A backend whose list is unreadable is skipped, logged and counted; the
+    others' models are still listed."""
+    start, _ = backend
+
+    async def hostile(request: web.Request) -> web.StreamResponse:
+        status = 500 if answer == "a-server-error" else 200
+        return web.Response(status=status, body=raw, content_type="application/json")
+
+    bad = start(hostile)
+    with Proxy(Router(), [bad, good.url]) as proxy:
+        reply = httpx.get(proxy.url + "/v1/models")
+        assert reply.status_code == 200, reply.text
+        listing = reply.json()
+        assert set(listing) == {"object", "data"} and listing["object"] == "list"
+        ids = [card["id"] for card in listing["data"]]
+        assert ids == (["kept", "fake-model"] if answer == "entries-that-are-no-model" else ["fake-model"])
+        assert all(isinstance(card, dict) and card["object"] == "model" for card in listing["data"])
+        if answer == "entries-that-are-no-model":
+            assert listing["data"][0]["owned_by"] == "vllm"  # the first backend's card for an id
+        with openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0) as client:
+            assert [model.id for model in client.models.list()] == ids
+        skipped = metric_samples(httpx.get(proxy.url + "/metrics"))["prefixroute_proxy_models_skipped_total"]
+        counted = {dict(labels)["backend"]: value for labels, value in skipped.items()}
+        listed_nothing = answer != "entries-that-are-no-model"
+        assert counted == {bad: 3.0 * listed_nothing, good.url: 0.0}  # at start, and for each client's listing
+        assert proxy.base_models == frozenset({"kept", "fake-model"} if not listed_nothing else {"fake-model"})
+
+
+def test_a_backend_that_never_answers_models_is_skipped_within_the_bound_and_generations_have_none(
+    good: OpenAIEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A backend that takes the connection and never answers held ``/v1/models`` (and the proxy's start) for 5 s.
+    Now it is skipped after ``models_timeout``; a completion, however long, is not bounded by it."""
+    with socket.socket() as silent, OpenAIEngine(max_tokens=4, token_delay_s=0.3) as slow:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # accepts (the kernel does), never answers
+        mute = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        began = time.monotonic()
+        with (
+            caplog.at_level(logging.WARNING, "prefixroute.proxy"),
+            Proxy(Router(), [mute, slow.url], models_timeout=0.3) as proxy,
+        ):
+            for _ in range(3):
+                asked = time.monotonic()
+                reply = httpx.get(proxy.url + "/v1/models", timeout=30)
+                assert reply.status_code == 200 and [c["id"] for c in reply.json()["data"]] == ["fake-model"]
+                assert time.monotonic() - asked < 3.0
+            assert time.monotonic() - began < 6.0  # the start and three listings, where one took 5 s
+        with Proxy(Router(), [slow.url], models_timeout=0.3) as proxy:
+            for stream in (False, True):  # 0.9 s of tokens: three times the models bound
+                body = {"prompt": "hello", "model": "fake-model", "stream": stream}
+                answer = httpx.post(proxy.url + "/v1/completions", json=body, timeout=30)
+                assert answer.status_code == 200 and answer.text.count(" t3") == 1, answer.text
+        skipped = [r for r in caplog.records if mute in r.getMessage()]
+        assert len(skipped) == 1 and skipped[0].levelno == logging.WARNING  # once, not at every listing
+        assert "within 0.3 s" in skipped[0].getMessage()
+
+
+@pytest.mark.parametrize("seconds", [0, -1, float("nan"), float("inf"), "2"])
+def test_the_models_bound_is_a_positive_number_of_seconds(seconds: object) -> None:
+    with pytest.raises(ConfigurationError, match="models_timeout"):
+        Proxy(Router(), ["http://127.0.0.1:1"], models_timeout=seconds)  # type: ignore[arg-type]
+
+
 def test_a_compressed_request_body_goes_on_decoded_and_a_corrupt_one_is_a_bad_request(good: OpenAIEngine) -> None:
     plain = json.dumps({"prompt": [1, 2, 3], "max_tokens": 2}).encode()
     with Proxy(Router(), [good.url], base_models=[]) as proxy:
@@ -393,7 +482,10 @@ def test_the_command_stops_gracefully_on_sigterm_as_on_ctrl_c(stop: signal.Signa
             assert httpx.get(f"http://127.0.0.1:{port}/metrics").status_code == 200
             process.send_signal(stop)
             _, err = process.communicate(timeout=20)
-            assert (process.returncode, err) == (0, "")
+            assert process.returncode == 0  # and nothing said but that the backend (none at :9) lists no models
+            assert [line.split(": ")[0] for line in err.splitlines()] == [
+                "backend http://127.0.0.1:9 is left out of /v1/models until it lists again"
+            ], err
         finally:
             process.kill()
 

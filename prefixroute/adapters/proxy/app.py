@@ -27,6 +27,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 
 from prefixroute._numbers import as_float, as_int, shown
+from prefixroute.adapters.proxy.models import MAX_MODELS_BYTES, UnreadableModels, merge_cards, model_cards
 from prefixroute.adapters.proxy.prompts import (
     INLINE_TEXT,
     BadRequest,
@@ -97,6 +98,9 @@ class ProxyStats:
     """Requests sent to another backend after the chosen one refused the connection."""
     unhealthy: tuple[str, ...]
     """Backends taken out of rotation now, after failing ``max_failures`` times in a row."""
+    models_skipped: int = 0
+    """Times a backend was left out of a ``/v1/models`` listing because it failed to list (unreachable, no answer
+    within ``models_timeout``, a 5xx, an answer that is no model list); a 4xx refusal of the client is not one."""
 
 
 class Proxy:
@@ -118,6 +122,9 @@ class Proxy:
         max_failures: consecutive failures (unreachable, or a 5xx answer) that take a backend out of rotation for
             ``cooldown`` seconds. While every backend is out, all are tried.
         connect_timeout: seconds to open a connection to a backend.
+        models_timeout: seconds a backend has to answer ``/v1/models`` (connection included) before that listing
+            skips it, so one backend that takes the connection and never answers holds neither the proxy's start
+            nor a client's listing longer. It bounds nothing else: a completion waits as long as its engine takes.
         base_models: the model names that are the backends' base model. A request naming another model (a LoRA
             adapter) routes in a namespace of its own, so it never shares prefixes with the base model or other
             adapters (see :meth:`namespace`). Default: learned from the backends' ``/v1/models`` (cards without
@@ -127,8 +134,8 @@ class Proxy:
     Raises:
         ConfigurationError: no backends, a backend that is not an http(s) URL
             (:func:`~prefixroute.adapters.urls.check_backend_url`), or a duplicate; ``retries`` not an int in [0, 16],
-            ``max_failures`` not an int >= 1, ``cooldown`` or ``connect_timeout`` not a positive, finite number of
-            seconds, a blank name in ``base_models``.
+            ``max_failures`` not an int >= 1, ``cooldown``, ``connect_timeout`` or ``models_timeout`` not a
+            positive, finite number of seconds, a blank name in ``base_models``.
         TypeError: ``backends`` or ``base_models`` is not a collection of str (a str alone is not), ``encoder`` has
             no ``encode()`` and ``encode_chat()``, ``fleet`` is not a Fleet, ``clock`` not a callable.
 
@@ -146,6 +153,7 @@ class Proxy:
         max_failures: int = 3,
         cooldown: float = 10.0,
         connect_timeout: float = 2.0,
+        models_timeout: float = 2.0,
         base_models: Collection[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -167,6 +175,7 @@ class Proxy:
         retries, max_failures = resends, threshold
         cooldown = _positive_seconds("cooldown", cooldown)
         connect_timeout = _positive_seconds("connect_timeout", connect_timeout)
+        models_timeout = _positive_seconds("models_timeout", models_timeout)
         if encoder is not None:
             check_encoder(encoder)
         if fleet is not None and not callable(getattr(fleet, "healthy_backends", None)):
@@ -188,10 +197,13 @@ class Proxy:
         self._max_failures = max_failures
         self._cooldown = cooldown
         self._connect_timeout = connect_timeout
+        self._models_timeout = models_timeout
         self._clock = clock
         self._learn_models = base_models is None
         self._base_models: frozenset[str] = frozenset(() if base_models is None else base_models)
         self._served: dict[str, frozenset[str]] = {}  # each backend's model ids, as its /v1/models last listed them
+        self._models_skipped = dict.fromkeys(self.backends, 0)
+        self._models_failing: set[str] = set()  # backends whose last listing failed: logged once until they list
         self._learning: asyncio.Task[list[dict[str, Any]] | None] | None = None
         self._next_learning = 0.0
         self._counts = dict.fromkeys((*_OUTCOMES, "retries"), 0)
@@ -282,6 +294,7 @@ class Proxy:
             internal_error=counts["internal_error"],
             retries=counts["retries"],
             unhealthy=down,
+            models_skipped=sum(self._models_skipped.values()),
         )
 
     def namespace(self, body: dict[str, Any]) -> str | None:
@@ -506,9 +519,10 @@ class Proxy:
     # -- the other endpoints ---------------------------------------------------------------------------------------
 
     async def _models(self, request: web.Request) -> web.Response:
-        """``/v1/models`` merged from every backend in rotation (by model id; unreachable ones skipped). When none
-        answered with a list but one refused the client (4xx, e.g. 401 for a missing API key), that refusal is
-        relayed as the engine gave it; otherwise 502."""
+        """``/v1/models`` merged from every backend in rotation: their model objects, once per id (see
+        :func:`~prefixroute.adapters.proxy.models.model_cards`); a backend that fails to list within
+        ``models_timeout`` is skipped. When none listed but one refused the client (4xx, e.g. 401 for a missing API
+        key), that refusal is relayed as the engine gave it; otherwise 502."""
         answers = await self._ask_models(_auth(request))
         cards = self._merge_models(answers)
         if cards is not None:
@@ -526,34 +540,56 @@ class Proxy:
         return self._merge_models(await self._ask_models(headers))
 
     async def _ask_models(self, headers: dict[str, str] | None) -> list[list[dict[str, Any]] | BaseException]:
-        """Each backend in rotation's model cards, or why it gave none (:class:`_Refused` for an error status)."""
+        """Each backend in rotation's model cards, or why it gave none (:class:`_Refused` for a 4xx), each within
+        ``models_timeout``; a backend that failed to list is logged (once until it lists again) and counted."""
         session = self._session
         assert session is not None
-        timeout = aiohttp.ClientTimeout(total=5)
+        # Per request, so only these: the session's own timeout (none after connecting) stays the completions'.
+        timeout = aiohttp.ClientTimeout(total=self._models_timeout)
 
         async def models(backend: str) -> list[dict[str, Any]]:
             async with session.get(f"{backend}/v1/models", timeout=timeout, headers=headers) as reply:
+                raw = await _read_at_most(reply, MAX_MODELS_BYTES)
                 if reply.status >= 400:
-                    raise _Refused(reply.status, await reply.read(), reply.content_type)
-                data = (await reply.json()).get("data")
-                cards = [card for card in data if isinstance(card, dict)] if isinstance(data, list) else []
-                self._served[backend] = frozenset(card["id"] for card in cards if isinstance(card.get("id"), str))
-                return cards
+                    raise _Refused(reply.status, raw, reply.content_type)
+            cards = model_cards(raw)
+            self._served[backend] = frozenset(card["id"] for card in cards)
+            return cards
 
-        return await asyncio.gather(*(models(b) for b in self.healthy_backends()), return_exceptions=True)
+        backends = self.healthy_backends()
+        answers = await asyncio.gather(*(models(b) for b in backends), return_exceptions=True)
+        for backend, answer in zip(backends, answers, strict=True):
+            if isinstance(answer, list) or isinstance(answer, _Refused) and answer.status < 500:
+                self._models_failing.discard(backend)  # it answers: a refusal is the client's to fix
+            else:
+                self._models_skipped[backend] += 1
+                log = _log.debug if backend in self._models_failing else _log.warning
+                self._models_failing.add(backend)
+                log("backend %s is left out of /v1/models until it lists again: %s", backend, self._why(answer))
+        return answers
+
+    def _why(self, failure: BaseException) -> str:
+        """Why a backend's ``/v1/models`` gave no list, in a few words."""
+        if isinstance(failure, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
+            return f"no answer within {self._models_timeout:g} s"
+        if isinstance(failure, aiohttp.ClientConnectorError):
+            return f"unreachable ({failure})"
+        if isinstance(failure, _Refused):
+            return f"HTTP {failure.status}"
+        if isinstance(failure, UnreadableModels):
+            return f"its answer is no model list: {failure}"
+        return f"{type(failure).__name__}: {failure}"
 
     def _merge_models(self, answers: list[list[dict[str, Any]] | BaseException]) -> list[dict[str, Any]] | None:
         """The cards of ``answers`` merged by id (None: no backend gave a list); learn the base models from them
         (:func:`~prefixroute.adapters.serve.contract.base_model_names`)."""
-        merged: dict[str, dict[str, Any]] = {}
-        for answer in answers:
-            for card in answer if isinstance(answer, list) else ():
-                merged.setdefault(str(card.get("id")), card)
-        if not any(isinstance(answer, list) for answer in answers):
+        lists = [answer for answer in answers if isinstance(answer, list)]
+        if not lists:
             return None
+        merged = merge_cards(lists)
         if self._learn_models:
-            self._base_models = base_model_names(list(merged.values()))
-        return list(merged.values())
+            self._base_models = base_model_names(merged)
+        return merged
 
     async def _healthz(self, request: web.Request) -> web.Response:
         healthy = self._in_rotation()
@@ -579,6 +615,9 @@ class Proxy:
         lines += [f'prefixroute_router_in_flight{{backend="{labels[b]}"}} {self.router.in_flight(b)}' for b in labels]
         lines.append("# TYPE prefixroute_proxy_backend_up gauge")
         lines += [f'prefixroute_proxy_backend_up{{backend="{labels[b]}"}} {int(b in up)}' for b in labels]
+        lines.append("# TYPE prefixroute_proxy_models_skipped_total counter")
+        skipped = self._models_skipped
+        lines += [f'prefixroute_proxy_models_skipped_total{{backend="{labels[b]}"}} {skipped[b]}' for b in labels]
         return "\n".join(lines) + "\n"
 
 
@@ -602,6 +641,20 @@ class _ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]  # generic on
             what = str(msg) % args if args else str(msg)
             level, msg, args, exc_info = logging.WARNING, "%s: %s", (what, " ".join(str(exc_info).split())), None
         super().log(level, msg, *args, exc_info=exc_info, **kwargs)
+
+
+async def _read_at_most(reply: aiohttp.ClientResponse, limit: int) -> bytes:
+    """A backend's answer, read whole unless it is over ``limit`` bytes.
+
+    Raises:
+        UnreadableModels: the answer is over ``limit`` bytes (what came is not kept).
+    """
+    raw = bytearray()
+    async for chunk in reply.content.iter_chunked(2**16):
+        raw += chunk
+        if len(raw) > limit:
+            raise UnreadableModels(f"over {limit} bytes")
+    return bytes(raw)
 
 
 class _Refused(Exception):
