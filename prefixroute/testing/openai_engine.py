@@ -63,13 +63,22 @@ def whitespace_tokens(text: str) -> list[int]:
     return [zlib.crc32(word.encode("utf-8", "surrogatepass")) for word in text.split()]
 
 
+# The keys that make a content part without "type" one of vLLM's simple media forms (chat_utils'
+# _parse_chat_message_content_mm_part); "input_audio" counts only when it is not null.
+_TYPELESS_MEDIA = ("image_url", "image_pil", "image_embeds", "audio_embeds", "audio_url", "video_url")
+
+
 def render_chat(messages: object) -> str:
     """The fake's chat template: ``<|role|> content`` per message, then ``<|assistant|>``.
 
-    A null or absent ``content`` (an assistant's tool calls) renders empty, as vLLM reads it.
+    A null or absent ``content`` (an assistant's tool calls) renders empty, as vLLM reads it; parts that are not
+    text (images and the like, also vLLM's simple forms without ``type``: ``{"image_url": ...}``) render nothing.
+    Any string ``role`` is rendered, ``""`` too: vLLM's message type takes any str and leaves roles to the template.
 
     Raises:
-        ValueError: a message is not ``{"role": str, "content": str | [{"type": "text", "text": str}, ...] | null}``.
+        ValueError: a message is not ``{"role": str, "content": str | [{"type": "text", "text": str}, ...] | null}``;
+            a content part without a string ``type`` that is no media part either, in vLLM's words (``Missing 'type'
+            field in multimodal part.``, ``Invalid 'type' field in multimodal part.``).
     """
     if not isinstance(messages, list) or not messages:
         raise ValueError("'messages' must be a non-empty list of {role, content} objects")
@@ -83,6 +92,8 @@ def render_chat(messages: object) -> str:
         elif isinstance(content, list):
             if not all(isinstance(part, dict) for part in content):
                 raise ValueError("a message's 'content' parts must be objects")
+            for part in content:
+                _check_part_type(part)
             texts = [part.get("text") for part in content if part.get("type") == "text"]  # images and the like: none
             if not all(isinstance(text, str) for text in texts):
                 raise ValueError("a text part's 'text' must be a string")
@@ -91,6 +102,21 @@ def render_chat(messages: object) -> str:
             raise ValueError("a message's 'content' must be a string or a list of text parts")
         parts.append(f"<|{message['role']}|> {content}")
     return "\n".join(parts) + "\n<|assistant|>"
+
+
+def _check_part_type(part: dict[str, Any]) -> None:
+    """Refuse a content part as vLLM does: one without ``type`` unless it is a simple media form, or whose ``type``
+    is no string. O(1).
+
+    Raises:
+        ValueError: in vLLM's words (it answers 400).
+    """
+    kind = part.get("type")
+    if kind is None:
+        if not any(key in part for key in _TYPELESS_MEDIA) and part.get("input_audio") is None:
+            raise ValueError("Missing 'type' field in multimodal part.")
+    elif not isinstance(kind, str):
+        raise ValueError("Invalid 'type' field in multimodal part.")
 
 
 def _lax_int(name: str, value: object) -> int:

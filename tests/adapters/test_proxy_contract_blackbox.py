@@ -228,6 +228,7 @@ HOSTILE: list[tuple[str, bytes]] = [
     ),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, 5]}]}'),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"text": "a"}]}]}'),  # vLLM: no type
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], "n": -1}'),
 ]
 

@@ -159,6 +159,45 @@ def test_content_parts_vllm_refuses_are_a_400(engine: OpenAIEngine, parts: list[
 
 
 @pytest.mark.parametrize(
+    ("part", "message"),
+    [({"text": "hi"}, "Missing 'type' field in multimodal part."),
+     ({"type": None, "text": "hi"}, "Missing 'type' field in multimodal part."),
+     ({"input_audio": None}, "Missing 'type' field in multimodal part."),
+     ({"type": 5, "text": "hi"}, "Invalid 'type' field in multimodal part."),
+     ({"type": ["text"], "text": "hi"}, "Invalid 'type' field in multimodal part.")],
+)  # fmt: skip
+def test_a_content_part_without_a_string_type_is_vllms_400(engine: OpenAIEngine, part: object, message: str) -> None:
+    """vLLM's content-part union takes a part without ``type`` (its simple media forms have none), then refuses one
+    that is no media either, in chat_utils' words; the fake dropped it and answered 200."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hello"}, part]}]
+    for stream in (False, True):
+        reply = httpx.post(f"{engine.url}/v1/chat/completions", json={"messages": messages, "stream": stream})
+        assert reply.status_code == 400, reply.text
+        assert reply.json() == {"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}}
+    assert engine.stats().requests == 2 and engine.stats().running == 0
+
+
+TYPELESS_MEDIA: list[dict[str, object]] = [{"image_url": "data:image/png;base64,AAAA"}, {"image_url": {"url": "x"}},
+                                           {"audio_url": "a.wav"}, {"video_url": "v.mp4"},
+                                           {"input_audio": {"data": "x"}}]  # fmt: skip
+
+
+@pytest.mark.parametrize("media", TYPELESS_MEDIA)
+def test_vllms_media_parts_without_type_are_served_as_media(engine: OpenAIEngine, media: dict[str, object]) -> None:
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}, media]}]
+    reply = httpx.post(f"{engine.url}/v1/chat/completions", json={"messages": messages})
+    assert reply.status_code == 200, reply.text
+    assert render_chat(messages) == render_chat([{"role": "user", "content": "hi"}])  # no text, as an image part
+
+
+def test_an_empty_role_is_served_as_vllm_serves_it(engine: OpenAIEngine) -> None:
+    """vLLM's custom message type takes any string ``role`` (``role: Required[str]``), "" too, and leaves it to the
+    chat template; the fake's template renders it, as a template that names roles as they come does."""
+    reply = httpx.post(f"{engine.url}/v1/chat/completions", json={"messages": [{"role": "", "content": "hi"}]})
+    assert reply.status_code == 200, reply.text
+
+
+@pytest.mark.parametrize(
     "raw",
     ["Infinity", "NaN", "1e300", "1048576", "true", "1.5", "0", "-3", '"many"', "[2]", "{}"],
 )
