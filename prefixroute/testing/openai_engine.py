@@ -119,6 +119,28 @@ def _check_part_type(part: dict[str, Any]) -> None:
         raise ValueError("Invalid 'type' field in multimodal part.")
 
 
+def _stream_options(value: object) -> None:
+    """Refuse ``stream_options`` as vLLM's pydantic model does: null, or an object whose ``include_usage`` and
+    ``continuous_usage_stats`` are lax booleans (or null). O(1).
+
+    Raises:
+        ValueError: anything else (vLLM answers 400).
+    """
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"stream_options: Input should be a valid dictionary or instance of StreamOptions, not {shown(value)}"
+        )
+    for key in ("include_usage", "continuous_usage_stats"):
+        try:
+            _stream_flag(value.get(key))
+        except ValueError:
+            raise ValueError(
+                f"stream_options.{key}: Input should be a valid boolean, not {shown(value[key])}"
+            ) from None
+
+
 def _lax_int(name: str, value: object) -> int:
     """``value`` as pydantic's lax int reads it: an int, ``16.0`` or ``"16"``.
 
@@ -512,6 +534,7 @@ class OpenAIEngine:
             prompts = self._prompts(body, chat=chat)
             if body.get("stream_options") and not body.get("stream"):  # vLLM's check, on the values as sent
                 raise ValueError("Stream options can only be defined when `stream=True`.")
+            _stream_options(body.get("stream_options"))
             _stream_flag(body.get("stream"))
             n = _choices(body, len(prompts))
             max_tokens = _max_tokens(body, self.max_tokens, max(map(len, prompts)))
@@ -611,7 +634,7 @@ class OpenAIEngine:
                 last = sent == max_tokens - 1
                 await response.write(b"".join(chunks.sse(chunks.token(sent, index, last=last)) for index in choices))
             options = body.get("stream_options")
-            if isinstance(options, dict) and options.get("include_usage"):
+            if options is not None and _stream_flag(options.get("include_usage", True)):  # vLLM's default: True
                 await response.write(chunks.sse(chunks.usage(usage)))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()

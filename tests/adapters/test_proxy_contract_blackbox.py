@@ -222,6 +222,7 @@ HOSTILE: list[tuple[str, bytes]] = [
     ("/v1/completions", b'{"prompt": "a", "n": "two"}'),
     ("/v1/completions", b'{"prompt": [5], "stream": "maybe"}'),
     ("/v1/completions", b'{"prompt": [5], "stream_options": {"include_usage": true}}'),  # vLLM: only with stream
+    ("/v1/completions", b'{"prompt": [5], "stream": true, "stream_options": 5}'),  # vLLM: an object or null
     (
         "/v1/chat/completions",
         b'{"messages": [{"role": "user", "content": "a"}], "stream_options": {"a": 1}, "stream": false}',

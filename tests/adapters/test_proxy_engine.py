@@ -197,6 +197,26 @@ def test_an_empty_role_is_served_as_vllm_serves_it(engine: OpenAIEngine) -> None
     assert reply.status_code == 200, reply.text
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("options", [5, "yes", [], ["include_usage"], True, 0, "", {"include_usage": "maybe"},
+                                     {"include_usage": 2}, {"continuous_usage_stats": []}])  # fmt: skip
+def test_stream_options_that_are_not_vllms_object_are_a_400(engine: OpenAIEngine, path: str, options: object) -> None:
+    """vLLM types ``stream_options`` as an optional StreamOptions (``include_usage`` and ``continuous_usage_stats``
+    lax booleans): pydantic refuses anything else with 400, streamed or not. The fake streamed on (or answered the
+    "only with stream" 400 for a truthy one only)."""
+    prompt = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    for stream in (True, False):
+        reply = httpx.post(f"{engine.url}{path}", json={**prompt, "stream": stream, "stream_options": options})
+        error = reply.json()["error"]
+        assert reply.status_code == 400 and error["type"] == "BadRequestError", reply.text
+        assert "stream_options" in error["message"] or stream is False and "only be defined when" in error["message"]
+    assert engine.stats().running == 0
+    usage = {"include_usage": "yes", "continuous_usage_stats": None}  # lax booleans, as pydantic reads them
+    for options, chunks in ((usage, 1), ({}, 1), ({"include_usage": None}, 0), (None, 0)):  # vLLM's default: True
+        served = httpx.post(f"{engine.url}{path}", json={**prompt, "stream": True, "stream_options": options})
+        assert served.status_code == 200 and served.text.count('"usage"') == chunks, (options, served.text)
+
+
 @pytest.mark.parametrize(
     "raw",
     ["Infinity", "NaN", "1e300", "1048576", "true", "1.5", "0", "-3", '"many"', "[2]", "{}"],
