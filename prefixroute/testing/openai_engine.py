@@ -42,6 +42,7 @@ from typing import Any
 from aiohttp import web
 
 from prefixroute._numbers import as_float, as_int, shown
+from prefixroute.adapters.serve.contract import UNSUPPORTED_MEDIA_TYPE, is_json_media_type
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.adapters.urls import listen_host
 from prefixroute.errors import ConfigurationError, InvalidTypeError
@@ -526,6 +527,8 @@ class OpenAIEngine:
         if failures:
             return _error(status, "injected failure (OpenAIEngine.fail_next)", "InternalServerError")
         try:
+            if not is_json_media_type(request.headers.get("Content-Type")):  # vLLM's validate_json_request
+                raise ValueError(UNSUPPORTED_MEDIA_TYPE)
             body = json.loads(await request.read())  # bytes, as vLLM's server reads them: a UTF-8 BOM is allowed
             if not isinstance(body, dict):
                 raise ValueError("the request body must be a JSON object")

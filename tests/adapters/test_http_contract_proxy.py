@@ -120,6 +120,37 @@ def test_a_hostile_body_is_an_openai_400_that_routes_nothing(client: Client, pat
     client.still_serves()
 
 
+# vLLM cuts the header at the first ";" and compares what is left as it is, so a blank before the ";" is refused.
+NOT_JSON: list[str | None] = [
+    None, "", "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+    "application/vnd.api+json", "application/jsonl", "text/json", "application/json ; charset=utf-8",
+]  # fmt: skip
+JSON: list[str | None] = ["application/json", "application/json; charset=utf-8", "Application/JSON",
+                          "application/json;charset=UTF-8"]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("content_type", NOT_JSON + JSON)
+def test_a_body_is_json_only_under_vllms_content_type(client: Client, path: str, content_type: str | None) -> None:
+    """vLLM's completion routes depend on ``validate_json_request``: a media type (lowercased, parameters cut at the
+    first ``;``) other than ``application/json``, none included, is a 400 before the body is read, where the proxy
+    routed any JSON body whatever it was labelled."""
+    body = (
+        {"prompt": [5, 6, 7], "max_tokens": 2}
+        if path == COMPLETIONS
+        else {"messages": [{"role": "user", "content": "a"}]}
+    )
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    decisions = client.decisions()
+    reply = client.http.post(path, content=json.dumps(body).encode(), headers=headers)
+    if content_type in JSON:
+        assert reply.status_code == 200, reply.text
+        return
+    assert_openai_error(reply, 400)
+    assert reply.json()["error"]["message"] == "Unsupported Media Type: Only 'application/json' is allowed"
+    assert client.decisions() == decisions and client.in_flight() == 0
+
+
 @pytest.mark.parametrize(
     ("method", "path", "status", "allow"),
     [("HEAD", COMPLETIONS, 405, "POST"), ("OPTIONS", CHAT, 405, "POST"), ("PUT", COMPLETIONS, 405, "POST"),

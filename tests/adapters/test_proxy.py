@@ -235,7 +235,7 @@ def test_bad_requests_get_openai_errors_and_route_nothing(proxy: Proxy) -> None:
              (b'{"messages": []}', 400)]  # fmt: skip
     for raw, status in cases:
         path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
-        reply = httpx.post(proxy.url + path, content=raw)
+        reply = httpx.post(proxy.url + path, content=raw, headers={"Content-Type": "application/json"})
         assert reply.status_code == status, raw
         assert reply.json()["error"]["code"] == status
     assert httpx.get(proxy.url + "/v1/nowhere").json()["error"]["code"] == 404

@@ -278,9 +278,10 @@ def test_a_client_that_leaves_leaves_nothing_in_flight_or_pending(
         engine.stall(after_tokens=after_tokens)
     disconnects = proxy.stats().client_disconnect
     body = json.dumps({"prompt": "the same long prefix " * 20, "n": 2, "stream": stream}).encode()
-    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
+    head += "\r\n\r\n"
     with socket.create_connection(("127.0.0.1", int(proxy.url.rsplit(":", 1)[1])), timeout=10) as raw:
-        raw.sendall(head + body)
+        raw.sendall(head.encode() + body)
         wait_until(lambda: proxy.router.stats().in_flight == 1, what="the request in flight")
         if stream and after_tokens:
             assert raw.recv(65536).startswith(b"HTTP/1.1 200")

@@ -217,6 +217,24 @@ def test_stream_options_that_are_not_vllms_object_are_a_400(engine: OpenAIEngine
         assert served.status_code == 200 and served.text.count('"usage"') == chunks, (options, served.text)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(
+    "content_type", [None, "", "text/plain", "application/x-www-form-urlencoded", "application/vnd.api+json"]
+)
+def test_a_body_not_labelled_json_is_vllms_400(engine: OpenAIEngine, path: str, content_type: str | None) -> None:
+    """vLLM's ``validate_json_request``: only ``application/json`` (any case, any parameters) is read as a body; the
+    fake read any body as JSON whatever its Content-Type, so a client that forgot the header passed here only."""
+    body = {"prompt": "a"} if "chat" not in path else {"messages": [{"role": "user", "content": "a"}]}
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    reply = httpx.post(f"{engine.url}{path}", content=json.dumps(body).encode(), headers=headers)
+    assert reply.status_code == 400 and reply.json()["error"] == {
+        "message": "Unsupported Media Type: Only 'application/json' is allowed", "type": "BadRequestError",
+        "param": None, "code": 400}  # fmt: skip
+    for label in ("application/json; charset=utf-8", "APPLICATION/JSON"):
+        served = httpx.post(f"{engine.url}{path}", content=json.dumps(body).encode(), headers={"Content-Type": label})
+        assert served.status_code == 200, served.text
+
+
 @pytest.mark.parametrize(
     "raw",
     ["Infinity", "NaN", "1e300", "1048576", "true", "1.5", "0", "-3", '"many"', "[2]", "{}"],

@@ -40,6 +40,10 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Backend = tuple[Callable[[Handler], str], list[web.Request]]
 
 
+JSON_BODY = {"Content-Type": "application/json"}
+"""The header every body sent here carries: vLLM (and the proxy) read a body only when it is labelled JSON."""
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -216,9 +220,9 @@ def test_metrics_group_each_family_and_health_follows_the_fleet() -> None:
 def test_refusals_say_what_to_fix() -> None:
     with Proxy(Router(), [f"http://127.0.0.1:{free_port()}"], base_models=[]) as proxy:
         deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # past 3.12+'s C recursion limit too
-        reply = httpx.post(proxy.url + "/v1/completions", content=deep)
+        reply = httpx.post(proxy.url + "/v1/completions", content=deep, headers=JSON_BODY)
         assert reply.status_code == 400 and "nests arrays or objects deeper" in reply.json()["error"]["message"]
-        reply = httpx.post(proxy.url + "/v1/completions", content=b'{"prompt": "\\ud800 hi"}')
+        reply = httpx.post(proxy.url + "/v1/completions", content=b'{"prompt": "\\ud800 hi"}', headers=JSON_BODY)
         assert reply.status_code == 400 and "surrogate" in reply.json()["error"]["message"]
         wrong = httpx.get(proxy.url + "/v1/completions")
         assert wrong.status_code == 405 and "POST" in wrong.headers["allow"]
@@ -365,7 +369,9 @@ def test_a_compressed_request_body_goes_on_decoded_and_a_corrupt_one_is_a_bad_re
                 reply = httpx.post(proxy.url + "/v1/completions", content=body, headers=headers)
                 assert reply.status_code == 200, reply.text
                 assert reply.json()["usage"]["prompt_tokens"] == 3
-        corrupt = httpx.post(proxy.url + "/v1/completions", content=plain, headers={"Content-Encoding": "gzip"})
+        corrupt = httpx.post(
+            proxy.url + "/v1/completions", content=plain, headers={**JSON_BODY, "Content-Encoding": "gzip"}
+        )
         assert corrupt.status_code == 400 and corrupt.json()["error"]["type"] == "BadRequestError"
         stats = proxy.stats()
         assert (stats.ok, stats.bad_request, stats.backend_error, stats.unhealthy) == (8, 1, 0, ())
@@ -374,7 +380,7 @@ def test_a_compressed_request_body_goes_on_decoded_and_a_corrupt_one_is_a_bad_re
 
 def test_a_body_over_the_limit_is_a_counted_bad_request() -> None:
     with Proxy(Router(), [f"http://127.0.0.1:{free_port()}"], base_models=[]) as proxy:
-        reply = httpx.post(proxy.url + "/v1/completions", content=b" " * ((64 << 20) + 1))
+        reply = httpx.post(proxy.url + "/v1/completions", content=b" " * ((64 << 20) + 1), headers=JSON_BODY)
         assert reply.status_code == 413 and reply.json()["error"]["code"] == 413
         assert proxy.stats().bad_request == 1
 
@@ -422,7 +428,8 @@ def test_a_client_that_leaves_before_its_whole_body_came_is_one_client_disconnec
     with Proxy(Router(), [f"http://127.0.0.1:{free_port()}"], base_models=[]) as proxy:
         host, port = proxy.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port))) as client:
-            client.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"prompt": ')
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000"
+            client.sendall(head + b'\r\n\r\n{"prompt": ')
             time.sleep(0.2)  # the handler waits for the rest of the body
         wait_until(lambda: proxy.stats().client_disconnect == 1, what="the disconnect counted")
         stats = proxy.stats()

@@ -36,7 +36,14 @@ from prefixroute.adapters.proxy.prompts import (
     check_encoder,
     request_tokens,
 )
-from prefixroute.adapters.serve.contract import base_model_names, is_refusal, json_error, without_bom
+from prefixroute.adapters.serve.contract import (
+    UNSUPPORTED_MEDIA_TYPE,
+    base_model_names,
+    is_json_media_type,
+    is_refusal,
+    json_error,
+    without_bom,
+)
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.adapters.urls import check_backend_url, engine_of
 from prefixroute.errors import ConfigurationError, InvalidTypeError, PolicyError
@@ -90,8 +97,8 @@ class ProxyStats:
     client_disconnect: int
     """The client left before the answer was complete (or before sending its whole body)."""
     bad_request: int
-    """Refused before routing (400, or 413 for a body over 64 MiB): not JSON, no prompt, bad token ids, a body
-    that does not decompress as its ``Content-Encoding`` says."""
+    """Refused before routing (400, or 413 for a body over 64 MiB): not labelled JSON (``Content-Type``), not JSON,
+    no prompt, bad token ids, a body that does not decompress as its ``Content-Encoding`` says."""
     internal_error: int
     """The proxy's own fault (500): the routing policy raised, or returned something that is not a candidate."""
     retries: int
@@ -349,6 +356,8 @@ class Proxy:
 
     async def _proxy(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
+            if not is_json_media_type(request.headers.get("Content-Type")):  # as vLLM: before the body is read
+                raise BadRequest(UNSUPPORTED_MEDIA_TYPE)
             raw = await request.read()
             if len(raw) > INLINE_TEXT:  # decoding and tokenizing a long prompt on the loop would hold every stream up
                 body, tokens = await asyncio.to_thread(self._tokens, raw, chat)

@@ -29,7 +29,9 @@ __all__ = [
     "MAX_REQUEST_BACKENDS",
     "Prompt",
     "RouteBody",
+    "UNSUPPORTED_MEDIA_TYPE",
     "decode",
+    "is_json_media_type",
     "is_refusal",
     "json_error",
     "openai_prompt",
@@ -92,6 +94,21 @@ def is_refusal(status: int) -> bool:
     if code is None:
         raise InvalidTypeError(f"an HTTP status is an int such as 400, not {type(status).__name__}")
     return 400 <= code < 500 and code not in (408, 499)
+
+
+UNSUPPORTED_MEDIA_TYPE = "Unsupported Media Type: Only 'application/json' is allowed"
+"""vLLM's message for a completion request whose body is not labelled JSON (its answer: 400)."""
+
+
+def is_json_media_type(content_type: str | None) -> bool:
+    """Whether a request's ``Content-Type`` labels its body JSON as vLLM's OpenAI server reads it (the
+    ``validate_json_request`` dependency of its completion routes): lowercased and cut at the first ``;``, exactly
+    ``application/json``. No header at all is not JSON. O(len(content_type)).
+
+    >>> [is_json_media_type(t) for t in ("application/json; charset=utf-8", "Application/JSON", "text/plain", None)]
+    [True, True, False, False]
+    """
+    return (content_type or "").lower().split(";", 1)[0] == "application/json"
 
 
 Prompt = list[int] | str | list[dict[str, Any]]
