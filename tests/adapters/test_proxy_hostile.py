@@ -189,6 +189,45 @@ def test_a_request_that_reached_a_backend_is_not_sent_again(good: OpenAIEngine) 
         server.server_close()
 
 
+def test_a_clients_expect_100_continue_is_answered_by_the_proxy_not_sent_on() -> None:
+    """curl sends ``Expect: 100-continue`` with a large body (a long prompt). The proxy answers it (aiohttp sends 100
+    and reads the body) and then holds the whole body, yet it sent the expectation on, and aiohttp's client waits for
+    the backend's 100 before sending the body: a backend that does not send one (it need not) never got the body,
+    and with no read timeout the client waited for ever."""
+    heads: list[bytes] = []
+
+    class NoContinue(socketserver.StreamRequestHandler):
+        def handle(self) -> None:
+            head = b""
+            while not head.endswith(b"\r\n\r\n"):
+                head += self.rfile.read(1) or b"\r\n\r\n"
+            heads.append(head)
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            answer = json.dumps({"choices": [{"text": "ok"}], "read": len(self.rfile.read(length))}).encode()
+            self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                             % (len(answer), answer))  # fmt: skip
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), NoContinue)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    body = json.dumps({"prompt": "a long prompt " * 1000}).encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nExpect: 100-continue\r\n"
+    try:
+        with Proxy(Router(), [f"http://127.0.0.1:{server.server_address[1]}"], base_models=[]) as proxy:
+            host, port = proxy.url.removeprefix("http://").split(":")
+            with socket.create_connection((host, int(port)), timeout=10) as client:
+                client.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body))
+                assert client.recv(1024) == b"HTTP/1.1 100 Continue\r\n\r\n"
+                client.sendall(body)
+                answer = client.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200 OK") and answer.endswith(b'"read": %d}' % len(body)), answer
+            assert b"expect" not in heads[0].lower()
+            assert idle(proxy)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_request_no_backend_could_take_is_finished_once() -> None:
     dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
     with Proxy(Router(), dead, base_models=[]) as proxy:

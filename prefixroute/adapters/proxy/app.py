@@ -78,8 +78,10 @@ _OUTCOMES = ("ok", "backend_error", "unreachable", "client_disconnect", "bad_req
 _HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
                          "te", "trailer", "transfer-encoding", "upgrade", "host", "content-length"))  # fmt: skip
 # The client's headers not forwarded with its body: aiohttp has already decoded a compressed body (gzip, deflate),
-# so the body goes on plain, and the engine must not decode it again.
-_NOT_FORWARDED = _HOP_BY_HOP | {"content-encoding"}
+# so the body goes on plain, and the engine must not decode it again; and it has answered an "Expect: 100-continue"
+# and read the whole body, so there is nothing left to expect (sent on, aiohttp's client would hold the body until
+# the engine sent a 100, which a server need not send: with no read timeout, for ever).
+_NOT_FORWARDED = _HOP_BY_HOP | {"content-encoding", "expect"}
 MAX_RETRIES = 16
 """The most resends of a request whose connection failed: more would only hold a client while a fleet is down."""
 
