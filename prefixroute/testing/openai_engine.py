@@ -602,10 +602,15 @@ class OpenAIEngine:
             self._counts["prompt"] += prompt_tokens
             self._counts["cached"] += cached_tokens
         stream = _stream_flag(body.get("stream"))
-        with self._lock:
-            number = self._ids.getrandbits(64)
+        # vLLM's _base_request_id: the client's X-Request-Id, else the body's request_id, else a random one.
+        request_id = request.headers.get("X-Request-Id")
+        if request_id is None and isinstance(body.get("request_id"), str):
+            request_id = body["request_id"]
+        if request_id is None:
+            with self._lock:
+                request_id = f"{self._ids.getrandbits(64):016x}"
         # The answer names the model asked for, an adapter's own name too, as vLLM's does.
-        chunks = _Chunks(lora_name or self.model, chat=chat, number=number, created=int(self._clock()))
+        chunks = _Chunks(lora_name or self.model, chat=chat, request_id=request_id, created=int(self._clock()))
         choices = range(len(prompts) * n)  # as vLLM numbers them: prompt p's i-th answer is p * n + i
         completion_tokens = max_tokens * len(choices)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -683,9 +688,9 @@ class _ClientGone(Exception):
 class _Chunks:
     """vLLM's response bodies for one request: stream chunks and the whole answer."""
 
-    def __init__(self, model: str, *, chat: bool, number: int, created: int) -> None:
+    def __init__(self, model: str, *, chat: bool, request_id: str, created: int) -> None:
         self.chat = chat
-        self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{number:016x}",
+        self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
                      "object": "chat.completion.chunk" if chat else "text_completion",
                      "created": created, "model": model}  # fmt: skip
 

@@ -191,6 +191,20 @@ def test_raw_http_gets_vllms_framing(proxy: Proxy, path: str, body: dict[str, An
     assert_idle(proxy)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_clients_request_id_names_the_engines_answer(client: openai.OpenAI, stream: bool) -> None:
+    """``X-Request-Id`` goes on to the engine, which names its answer after it (vLLM: ``chatcmpl-`` + the id)."""
+    messages: Any = [{"role": "user", "content": "hi"}]
+    headers = {"X-Request-Id": f"client-{stream}"}
+    if not stream:
+        whole = client.chat.completions.create(model="fake-model", messages=messages, extra_headers=headers)
+        assert whole.id == "chatcmpl-client-False"
+        return
+    chunks = list(client.chat.completions.create(model="fake-model", messages=messages, stream=True,
+                                                 extra_headers=headers))  # fmt: skip
+    assert chunks and {chunk.id for chunk in chunks} == {"chatcmpl-client-True"}
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_unknown_model_is_vllms_not_found(client: openai.OpenAI, stream: bool) -> None:
     with pytest.raises(openai.NotFoundError) as missing:

@@ -405,6 +405,26 @@ def test_the_command_line_starts_n_engines() -> None:
             process.terminate()
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_a_request_id_names_the_answer_as_vllm_names_it(engine: OpenAIEngine, chat: bool) -> None:
+    """vLLM's answer id is ``cmpl-`` (``chatcmpl-``) and ``_base_request_id``: the ``X-Request-Id`` header, else the
+    body's ``request_id``, else a random one; the fake always drew its own, so a client (or a proxy) tracing a
+    request by its id found another one in the answer."""
+    kind = "chatcmpl" if chat else "cmpl"
+    path, body = ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]}) if chat else (
+        "completions", {"prompt": "hi"})  # fmt: skip
+    url = f"{engine.url}/v1/{path}"
+    assert httpx.post(url, json=body, headers={"X-Request-Id": "trace-7"}).json()["id"] == f"{kind}-trace-7"
+    both = {**body, "request_id": "in-body"}
+    assert httpx.post(url, json=both).json()["id"] == f"{kind}-in-body"
+    assert httpx.post(url, json=both, headers={"X-Request-Id": "header"}).json()["id"] == f"{kind}-header"
+    streamed = httpx.post(url, json={**body, "stream": True, "n": 2}, headers={"X-Request-Id": "s-1"}).text
+    events = [json.loads(event) for event in sse_events(streamed)[:-1]]
+    assert len(events) > 2 and {event["id"] for event in events} == {f"{kind}-s-1"}
+    drawn = httpx.post(url, json=body).json()["id"]
+    assert drawn.startswith(f"{kind}-") and drawn != httpx.post(url, json=body).json()["id"]
+
+
 @pytest.mark.parametrize(
     ("options", "error", "message"),
     [
