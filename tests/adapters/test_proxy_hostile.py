@@ -424,6 +424,19 @@ def test_a_body_over_the_limit_is_a_counted_bad_request() -> None:
         assert proxy.stats().bad_request == 1
 
 
+def test_a_long_context_prompt_goes_through_where_warnings_are_errors(good: OpenAIEngine) -> None:
+    """A 100,000-token prompt as text (~4 MB here) or as ids (~0.7 MB) goes through. A body over 1 MiB was sent on as
+    bytes, for which aiohttp warns (ResourceWarning: "might lock the event loop"): where warnings are errors (this
+    suite, a user's pytest with filterwarnings = error, ``python -W error``) each such prompt was a 502."""
+    text = " ".join(f"w{i % 5000:04d}" * 8 for i in range(100_000))  # 100,000 words of 40 characters
+    ids = list(range(100_000, 200_000))
+    with Proxy(Router(), [good.url], base_models=[]) as proxy:
+        for prompt in (text, ids):
+            body = {"prompt": prompt, "max_tokens": 1}
+            reply = httpx.post(proxy.url + "/v1/completions", json=body, timeout=60)
+            assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == 100_000, reply.text[:200]
+
+
 @pytest.mark.parametrize("model", [5, 1.5, True, ["m"], {"id": "m"}])
 def test_a_model_that_is_not_a_string_is_a_bad_request_routed_nowhere(model: object) -> None:
     """An OpenAI ``model`` is a string (the sidecar's pick mode refused others already): a number or a list is the

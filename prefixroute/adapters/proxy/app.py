@@ -13,6 +13,7 @@ computed nothing, so the router forgets what it predicted there.
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -23,6 +24,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.payload import TOO_LARGE_BYTES_BODY
 from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 
@@ -409,7 +411,9 @@ class Proxy:
                 self.router.start(decision)
                 started = True
                 try:
-                    upstream = await session.post(decision.backend + request.path_qs, data=raw, headers=headers)
+                    upstream = await session.post(
+                        decision.backend + request.path_qs, data=_payload(raw), headers=headers
+                    )
                 except _UNREACHED as exc:
                     self.router.finish(decision, refused=True)  # never reached the engine: it cached nothing there
                     started = False
@@ -695,6 +699,14 @@ def _positive_seconds(name: str, value: object) -> float:
     if seconds is None or seconds <= 0:
         raise ConfigurationError(f"{name} must be a positive, finite number of seconds, not {shown(value)}")
     return seconds
+
+
+def _payload(raw: bytes) -> bytes | io.BytesIO:
+    """A request body as the upstream request sends it: bytes, or over 1 MiB a BytesIO (which aiohttp writes in
+    chunks; for bytes that large it warns that they might hold the loop up, an error where warnings are). CPython's
+    BytesIO shares the bytes it starts with, so this copies nothing. A new one for each attempt: it is closed once
+    sent."""
+    return raw if len(raw) <= TOO_LARGE_BYTES_BODY else io.BytesIO(raw)
 
 
 def _auth(request: web.Request) -> dict[str, str]:
