@@ -54,7 +54,7 @@ __all__ = ["EngineStats", "OpenAIEngine", "main", "register", "whitespace_tokens
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _POLL_S = 0.005  # how often a stalled request looks for resume() or its client leaving
-_MAX_BODY_BYTES = 256 * 2**20  # the largest request body served (the proxy in front of it takes up to 64 MiB)
+_MAX_BODY_BYTES = 256 * 2**20  # the largest request body served (the proxy in front of it takes 64 MiB by default)
 _MAX_MODEL_LEN = 1 << 20  # the context length served (max_model_len in /v1/models): prompt plus max_tokens
 _MAX_CHOICES = 1 << 16  # the most answers per request (prompts times ``n``) served
 

@@ -315,7 +315,8 @@ def test_a_client_that_leaves_leaves_nothing_in_flight_or_pending(
     [[], ["--backends"], ["--backends", "ftp://gpu0"], ["--backends", "http://127.0.0.1:9", "http://127.0.0.1:9"],
      ["--port", "70000"], ["--port", "-1"], ["--policy", "os:system"], ["--policy", "no.such.module:Policy"],
      ["--block-size", "0"], ["--tokenizer", "/dev/null"], ["--tokenizer", "/nonexistent"], ["--base-model"],
-     ["--kv-events", "tcp://127.0.0.1:5557"], ["--no-such-option"]],
+     ["--kv-events", "tcp://127.0.0.1:5557"], ["--no-such-option"], ["--max-body-mib", "0"],
+     ["--max-body-mib", "-5"], ["--max-body-mib", "1e3"], ["--max-body-mib", "5000"]],
 )  # fmt: skip
 def test_a_bad_command_line_is_exit_2_and_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     backends = [] if not argv or argv[0] == "--backends" else ["--backends", "http://127.0.0.1:9"]

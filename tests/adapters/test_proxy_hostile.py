@@ -31,6 +31,7 @@ from prefixroute import ConfigurationError, LoadPolicy, Router
 from prefixroute.adapters.proxy import Proxy
 from prefixroute.adapters.proxy.cli import build
 from prefixroute.adapters.threaded import ServerThread
+from prefixroute.cli import build_parser
 from prefixroute.testing.openai_engine import OpenAIEngine
 
 from ..conftest import BuggyPolicy, StrangerPolicy, running_engines, wait_until
@@ -241,7 +242,7 @@ def test_metrics_group_each_family_and_health_follows_the_fleet() -> None:
     dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
     args = argparse.Namespace(backends=dead, tokenizer=None, base_model=None, policy="predicted-ttft",
                               block_size=16, kv_events=None, metrics_from_backends=True, retries=1,
-                              data_parallel_size=None)  # fmt: skip
+                              data_parallel_size=None, max_body_mib=64)  # fmt: skip
     proxy, fleet = build(args)
     try:
         with proxy:
@@ -421,7 +422,29 @@ def test_a_body_over_the_limit_is_a_counted_bad_request() -> None:
     with Proxy(Router(), [f"http://127.0.0.1:{free_port()}"], base_models=[]) as proxy:
         reply = httpx.post(proxy.url + "/v1/completions", content=b" " * ((64 << 20) + 1), headers=JSON_BODY)
         assert reply.status_code == 413 and reply.json()["error"]["code"] == 413
+        assert "67108864 bytes" in reply.json()["error"]["message"]  # the limit, and how to raise it
+        assert "max_body_bytes" in reply.json()["error"]["message"]
         assert proxy.stats().bad_request == 1
+
+
+def test_the_body_limit_is_the_operators_to_set(good: OpenAIEngine) -> None:
+    """A model with a context of millions of tokens takes prompts of tens of MB as token ids (vLLM reads any size),
+    and a chat carries images inline: the 64 MiB limit was fixed. ``max_body_bytes`` (``--max-body-mib``) sets it."""
+    prompt = list(range(1000, 1000 + 150_000))  # 150,000 ids: about 1 MB of JSON
+    body = json.dumps({"prompt": prompt, "max_tokens": 1}).encode()
+    with Proxy(Router(), [good.url], base_models=[], max_body_bytes=len(body) - 1) as proxy:
+        reply = httpx.post(proxy.url + "/v1/completions", content=body, headers=JSON_BODY, timeout=30)
+        assert reply.status_code == 413 and f"{len(body) - 1} bytes" in reply.json()["error"]["message"]
+        assert proxy.stats().bad_request == 1 and proxy.router.stats().decisions == 0
+    with Proxy(Router(), [good.url], base_models=[], max_body_bytes=len(body)) as proxy:
+        reply = httpx.post(proxy.url + "/v1/completions", content=body, headers=JSON_BODY, timeout=30)
+        assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == len(prompt)
+    for bad in (0, -1, 1.5, True, "64"):
+        with pytest.raises(ConfigurationError, match="max_body_bytes"):
+            Proxy(Router(), [good.url], max_body_bytes=bad)  # type: ignore[arg-type]
+    for argv, limit in ((["--max-body-mib", "256"], 256 * 2**20), ([], 64 * 2**20)):
+        proxy, _ = build(build_parser().parse_args(["proxy", "--backends", good.url, *argv]))
+        assert proxy.max_body_bytes == limit
 
 
 def test_a_long_context_prompt_goes_through_where_warnings_are_errors(good: OpenAIEngine) -> None:

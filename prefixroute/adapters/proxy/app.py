@@ -86,6 +86,9 @@ _HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "prox
 _NOT_FORWARDED = _HOP_BY_HOP | {"content-encoding", "expect"}
 MAX_RETRIES = 16
 """The most resends of a request whose connection failed: more would only hold a client while a fleet is down."""
+MAX_BODY_BYTES = 64 * 2**20
+"""The default limit on a request body: a million-token prompt as token ids is about 8 MB of JSON, a 100,000-token
+one as text a few MB (vLLM itself reads any size; aiohttp's own default, 1 MiB, would refuse those)."""
 
 
 @dataclass(frozen=True)
@@ -101,8 +104,9 @@ class ProxyStats:
     client_disconnect: int
     """The client left before the answer was complete (or before sending its whole body)."""
     bad_request: int
-    """Refused before routing (400, or 413 for a body over 64 MiB): not labelled JSON (``Content-Type``), not JSON,
-    no prompt, bad token ids, a body that does not decompress as its ``Content-Encoding`` says."""
+    """Refused before routing (400, or 413 for a body over ``max_body_bytes``): not labelled JSON
+    (``Content-Type``), not JSON, no prompt, bad token ids, a body that does not decompress as its
+    ``Content-Encoding`` says."""
     internal_error: int
     """The proxy's own fault (500): the routing policy raised, or returned something that is not a candidate."""
     retries: int
@@ -136,6 +140,8 @@ class Proxy:
         models_timeout: seconds a backend has to answer ``/v1/models`` (connection included) before that listing
             skips it, so one backend that takes the connection and never answers holds neither the proxy's start
             nor a client's listing longer. It bounds nothing else: a completion waits as long as its engine takes.
+        max_body_bytes: the largest request body taken, in bytes (:data:`MAX_BODY_BYTES`, 64 MiB); a larger one is
+            answered 413 and routed nowhere. The proxy holds a body whole (and its decoded JSON) while it routes it.
         base_models: the model names that are the backends' base model. A request naming another model (a LoRA
             adapter) routes in a namespace of its own, so it never shares prefixes with the base model or other
             adapters (see :meth:`namespace`). Default: learned from the backends' ``/v1/models`` (cards without
@@ -146,7 +152,8 @@ class Proxy:
         ConfigurationError: no backends, a backend that is not an http(s) URL
             (:func:`~prefixroute.adapters.urls.check_backend_url`), or a duplicate; ``retries`` not an int in [0, 16],
             ``max_failures`` not an int >= 1, ``cooldown``, ``connect_timeout`` or ``models_timeout`` not a
-            positive, finite number of seconds, a blank name in ``base_models``.
+            positive, finite number of seconds, ``max_body_bytes`` not a positive int, a blank name in
+            ``base_models``.
         TypeError: ``backends`` or ``base_models`` is not a collection of str (a str alone is not), ``encoder`` has
             no ``encode()`` and ``encode_chat()``, ``fleet`` is not a Fleet, ``clock`` not a callable.
 
@@ -165,6 +172,7 @@ class Proxy:
         cooldown: float = 10.0,
         connect_timeout: float = 2.0,
         models_timeout: float = 2.0,
+        max_body_bytes: int = MAX_BODY_BYTES,
         base_models: Collection[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -187,6 +195,9 @@ class Proxy:
         cooldown = _positive_seconds("cooldown", cooldown)
         connect_timeout = _positive_seconds("connect_timeout", connect_timeout)
         models_timeout = _positive_seconds("models_timeout", models_timeout)
+        body_limit = as_int(max_body_bytes)
+        if body_limit is None or body_limit < 1:
+            raise ConfigurationError(f"max_body_bytes must be a positive int, not {shown(max_body_bytes)}")
         if encoder is not None:
             check_encoder(encoder)
         if fleet is not None and not callable(getattr(fleet, "healthy_backends", None)):
@@ -209,6 +220,7 @@ class Proxy:
         self._cooldown = cooldown
         self._connect_timeout = connect_timeout
         self._models_timeout = models_timeout
+        self._max_body = body_limit
         self._clock = clock
         self._learn_models = base_models is None
         self._base_models: frozenset[str] = frozenset(() if base_models is None else base_models)
@@ -230,7 +242,7 @@ class Proxy:
 
     def app(self) -> web.Application:
         """The aiohttp application (routes and error middleware)."""
-        app = web.Application(middlewares=[_cors_preflight, _json_errors], client_max_size=64 << 20)
+        app = web.Application(middlewares=[_cors_preflight, _json_errors], client_max_size=self._max_body)
         app.on_response_prepare.append(_allow_any_origin)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
@@ -319,6 +331,11 @@ class Proxy:
         return None if not isinstance(model, str) or model in self._base_models else model
 
     @property
+    def max_body_bytes(self) -> int:
+        """The largest request body the proxy takes, in bytes (a larger one is answered 413)."""
+        return self._max_body
+
+    @property
     def base_models(self) -> frozenset[str]:
         """The model names that route in the base namespace (given, or learned from the backends so far)."""
         return self._base_models
@@ -385,9 +402,10 @@ class Proxy:
         except RequestPayloadError as exc:  # e.g. a body that does not decompress as its Content-Encoding says
             self._counts["bad_request"] += 1
             return error_response(400, f"the request body could not be read: {exc}", "BadRequestError")
-        except web.HTTPRequestEntityTooLarge as exc:
+        except web.HTTPRequestEntityTooLarge:
             self._counts["bad_request"] += 1
-            return error_response(413, exc.text or "the request body is too large", "RequestEntityTooLargeError")
+            message = f"the request body is over the proxy's limit of {self._max_body} bytes (max_body_bytes)"
+            return error_response(413, message, "RequestEntityTooLargeError")
         except (asyncio.CancelledError, ConnectionError):  # the client left before its whole body came
             self._counts["client_disconnect"] += 1
             raise

@@ -8,13 +8,16 @@ import signal
 from typing import Any
 
 from prefixroute._numbers import shown
-from prefixroute.adapters.proxy.app import MAX_RETRIES, Proxy
+from prefixroute.adapters.proxy.app import MAX_BODY_BYTES, MAX_RETRIES, Proxy
 from prefixroute.adapters.proxy.prompts import PromptEncoding
 from prefixroute.adapters.serve.text import PromptEncoder
 from prefixroute.adapters.urls import listen_host
 from prefixroute.errors import ConfigurationError
 from prefixroute.policies import policy_from_name, policy_names
 from prefixroute.router import Router
+
+MAX_BODY_MIB = 4096
+"""The largest ``--max-body-mib``: the proxy holds a body whole, so a larger limit is a typo, not a plan."""
 
 __all__ = ["build", "register", "run"]
 
@@ -56,6 +59,10 @@ def register(subparsers: Any) -> None:
                         "scrapes take it out of rotation")  # fmt: skip
     parser.add_argument("--retries", type=int, default=1,
                         help=f"resends after a refused connection, 0 to {MAX_RETRIES} (1)")  # fmt: skip
+    parser.add_argument("--max-body-mib", type=int, default=MAX_BODY_BYTES >> 20, metavar="MIB",
+                        help=f"the largest request body taken, 1 to {MAX_BODY_MIB} MiB (64); larger ones are "
+                        "answered 413. vLLM reads any size: raise it for prompts of millions of tokens or large "
+                        "inline images")  # fmt: skip
     parser.add_argument("--host", type=listen_host, default="127.0.0.1", help="address to listen on (127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
     parser.set_defaults(func=run)
@@ -69,9 +76,12 @@ def build(args: argparse.Namespace) -> tuple[Proxy, Any]:
     """
     if not 0 <= args.retries <= MAX_RETRIES:  # before a tokenizer is read or a fleet started
         raise ConfigurationError(f"--retries must be an int in [0, {MAX_RETRIES}], not {shown(args.retries)}")
+    if not 1 <= args.max_body_mib <= MAX_BODY_MIB:  # a limit past memory is a typo (bytes given as MiB)
+        raise ConfigurationError(f"--max-body-mib must be an int in [1, {MAX_BODY_MIB}], not {args.max_body_mib}")
     policy = policy_from_name(args.policy)
     encoder: PromptEncoding | None = None if args.tokenizer is None else PromptEncoder(args.tokenizer)
-    options: dict[str, Any] = {"encoder": encoder, "retries": args.retries, "base_models": args.base_model}
+    options: dict[str, Any] = {"encoder": encoder, "retries": args.retries, "base_models": args.base_model,
+                               "max_body_bytes": args.max_body_mib << 20}  # fmt: skip
     backends = [url.rstrip("/") for url in args.backends]
     kv_events = args.kv_events or []
     if kv_events and len(kv_events) != len(backends):
