@@ -1,8 +1,9 @@
 """``prefixroute proxy`` driven as a client of vLLM's OpenAI server drives it, written from issue 11's contract and
 the docs alone: every request form vLLM takes (``prompt`` as text, texts, token ids or lists of them; chat content
 as text or text parts; ``n``; ``stream_options.include_usage``) through the ``openai`` package and raw HTTP, vLLM's
-404 for an unknown model, hostile bodies, ``/v1/models`` merged when the backends disagree or one is down, and
-clients that leave before the first byte or mid-stream; after each, ``/metrics`` parses strictly and nothing is left
+404 for an unknown model, hostile bodies, a client's ``X-Request-Id`` naming the answer, ``/v1/models`` merged when
+the backends disagree or one is down, every backend down (health, models, metrics), and clients that leave before the
+first byte or mid-stream; after each, ``/metrics`` parses strictly and nothing is left
 in flight or pending prefill. (The refusals test_http_contract_proxy.py and test_proxy_hostile.py already send are
 not repeated here.)"""
 
@@ -278,6 +279,41 @@ def test_models_are_merged_when_the_backends_disagree_and_one_is_down() -> None:
         for model in ("model-b", "adapter-a"):
             assert client.completions.create(model=model, prompt="hi").choices[0].text == " t0 t1 t2"
         assert_idle(proxy)
+
+
+# -- every backend down ---------------------------------------------------------------------------------------------
+
+
+def test_with_every_backend_down_health_says_so_and_metrics_stay_exposition_text() -> None:
+    """Without ``--metrics-from-backends`` nothing probes the engines: ``/healthz`` is 200 until requests have failed
+    on each backend ``max_failures`` times (the documented behaviour), then 503 in JSON; ``/v1/models`` is a 502 in
+    OpenAI's error shape; and after hostile requests of every kind ``/metrics`` still parses strictly."""
+    ports = []
+    for _ in range(2):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
+    with Proxy(Router(), [f"http://127.0.0.1:{port}" for port in ports], max_failures=2) as proxy:
+        assert request(proxy, "GET", "/healthz")[0] == 200
+        hostile = [("POST", "/v1/completions", b'{"prompt": "a", "model": "m\\n\\"x"}'),  # 502: none reachable
+                   ("POST", "/v1/completions", b"{}"), ("GET", "/v1/completions", None),
+                   ("HEAD", "/v1/chat/completions", None), ("POST", "/v1/%22%0A/../x", b"{}"),
+                   ("OPTIONS", "/metrics", None)] * 2  # fmt: skip
+        for method, path, body in hostile:
+            status, kind, answer = request(proxy, method, path, body)
+            assert status in (400, 404, 405, 502), (method, path, status)
+            if method != "HEAD":
+                assert kind.startswith("application/json") and set(json.loads(answer)["error"]) == {
+                    "message", "type", "param", "code"}, answer  # fmt: skip
+        status, _, answer = request(proxy, "GET", "/v1/models")
+        assert status == 502 and json.loads(answer)["error"]["type"] == "BadGatewayError"
+        status, _, answer = request(proxy, "GET", "/healthz")
+        assert (status, json.loads(answer)) == (503, {"status": "unavailable", "healthy_backends": []})
+        samples = strict_metrics(get(proxy, "/metrics"))
+        assert set(samples["prefixroute_proxy_backend_up"].values()) == {0}
+        assert samples["prefixroute_proxy_requests_total"]['{outcome="unreachable"}'] == 2
+        assert samples["prefixroute_proxy_requests_total"]['{outcome="bad_request"}'] == 2
+        assert min(samples["prefixroute_proxy_models_skipped_total"].values()) >= 1  # at start, and each listing
 
 
 # -- clients that leave --------------------------------------------------------------------------------------------
