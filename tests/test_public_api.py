@@ -4,6 +4,7 @@ import importlib
 import inspect
 import re
 import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -32,15 +33,6 @@ def test_every_public_name_is_documented_and_in_the_api_reference() -> None:
         if inspect.isclass(obj) or inspect.isfunction(obj):
             assert inspect.getdoc(obj), f"{name} has no docstring"
         assert f"`{name}`" in reference or f"::: prefixroute.{name}\n" in reference, f"{name} missing from docs/api.md"
-
-
-def test_options_are_keyword_only() -> None:
-    for cls in (prefixroute.Router,):
-        for parameter in list(inspect.signature(cls).parameters.values()):
-            assert parameter.kind is inspect.Parameter.KEYWORD_ONLY, (cls, parameter)
-    for with_block_size in (prefixroute.BlockHasher, prefixroute.PrefixIndex):
-        options = list(inspect.signature(with_block_size).parameters.values())[1:]
-        assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in options), with_block_size
 
 
 def test_package_ships_type_information() -> None:
@@ -98,6 +90,78 @@ def test_every_subpackage_name_is_documented_and_in_the_api_reference(package: s
         if inspect.isclass(obj) or inspect.isfunction(obj):
             assert inspect.getdoc(obj), f"{package}.{name} has no docstring"
         assert f"::: {package}.{name}\n" in reference, f"{package}.{name} missing from docs/api.md"
+
+
+# Parameters with a default that may still be passed by position: the data a call is about, not a setting of it.
+POSITIONAL_DATA = {
+    # The block size every hash and index entry is counted in, what the object is made of: `PrefixIndex(16)`,
+    # `EventIndex(16)`, `profile.kv_capacity_blocks(16)` (docs/api.md says so).
+    "BlockHasher": "block_size",
+    "PrefixIndex": "block_size",
+    "EventIndex": "block_size",
+    "EventsOnlyIndex": "block_size",
+    "Profile.kv_capacity_blocks": "block_size",
+    # The backend the request was sent to, commit's datum as route()'s backends are route()'s (None: the decided one).
+    "Router.commit": "backend",
+    # The backends to filter (None: every backend of the fleet), as route()'s backends.
+    "Fleet.healthy_backends": "backends",
+    # How many messages to lose: the call's one datum.
+    "FakeVLLM.drop_next": "count",
+}
+
+# Records: values whose every field is data, built positionally like the tuples they are or read back from
+# prefixroute (decisions, statistics, results, a trace's requests). A NamedTuple or a msgspec Struct (vLLM's event
+# arrays, positional on the wire) is one by its type; these dataclasses are one by what they hold.
+RECORDS = {
+    "Decision", "BackendStats", "EngineMetrics", "TrackerStats", "CostCoefficients", "ModelSpec", "PolicyResult",
+    "RequestRecord", "SimRequest", "CachedChain", "FakeRequest",
+}  # fmt: skip
+
+
+def _public_callables() -> Iterator[tuple[str, Callable[..., object]]]:
+    """Every public class (its constructor, but an exception's: Python's), function and method reachable from the
+    public ``__all__`` lists, named ``Class`` or ``Class.method``; methods that override a third-party base's
+    (LiteLLM's or Ray's hook, whose signature that library fixes and calls) are left out."""
+    import msgspec
+
+    for package in ("prefixroute", *SUBPACKAGES):
+        module = importlib.import_module(package)
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if inspect.isfunction(obj):
+                yield name, obj
+            if not inspect.isclass(obj):
+                continue
+            if not (issubclass(obj, (tuple, msgspec.Struct, BaseException)) or name in RECORDS):
+                yield name, obj
+            ours = [base for base in obj.__mro__ if base.__module__.startswith("prefixroute")]
+            theirs = [base for base in obj.__mro__[1:] if base not in ours]
+            for attribute in sorted({a for base in ours for a in vars(base) if not a.startswith("_")}):
+                member = inspect.getattr_static(obj, attribute)
+                if isinstance(member, (staticmethod, classmethod)):
+                    member = member.__func__
+                if inspect.isfunction(member) and not any(attribute in vars(base) for base in theirs):
+                    yield f"{name}.{attribute}", member
+
+
+def test_options_are_keyword_only() -> None:
+    """A parameter with a default is a setting, passed by name (``stop(timeout=1)``, not ``stop(1)``), so a call
+    reads as what it sets and a new option can be added anywhere; only :data:`POSITIONAL_DATA` is positional."""
+    positional = []
+    for name, function in _public_callables():
+        for parameter in inspect.signature(function).parameters.values():
+            option = parameter.default is not parameter.empty and POSITIONAL_DATA.get(name) != parameter.name
+            if option and parameter.kind is not parameter.KEYWORD_ONLY:
+                positional.append(f"{name}({parameter.name}=)")
+    assert positional == []
+
+
+def test_the_positional_exceptions_are_all_still_there() -> None:
+    names = dict(_public_callables())
+    for name, parameter in POSITIONAL_DATA.items():
+        assert inspect.signature(names[name]).parameters[parameter].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    exported = {name for package in ("prefixroute", *SUBPACKAGES) for name in importlib.import_module(package).__all__}
+    assert exported >= RECORDS
 
 
 @pytest.mark.parametrize("package", SUBPACKAGES)

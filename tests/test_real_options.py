@@ -73,7 +73,7 @@ def _subscriber(**options: Any) -> KVEventSubscriber:
 
 
 def _stopped(timeout: Any) -> None:
-    _subscriber().stop(timeout)
+    _subscriber().stop(timeout=timeout)
 
 
 _BUCKETS = [(1.0, 0.0), (2.0, 10.0), (math.inf, 10.0)]

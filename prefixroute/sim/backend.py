@@ -205,7 +205,7 @@ class SimBackend:
         while waiting and budget > 0 and len(running) < self.config.max_num_seqs:
             active = waiting[0]
             hashes = active.hashes
-            hit = cache.match(hashes, (active.tokens - 1) // size)
+            hit = cache.match(hashes, limit=(active.tokens - 1) // size)
             n = min(active.tokens - hit * size, budget)
             need = -(-(hit * size + n) // size) - hit
             available = cache.available()

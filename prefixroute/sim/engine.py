@@ -92,7 +92,7 @@ class OpenLoop:
         object.__setattr__(self, "users", _check_count(self.users, "users", MAX_USERS))  # frozen: set on entry
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TraceTimes:
     """Arrivals at each request's own ``arrival`` time (a trace's timestamps), divided by ``speedup``."""
 
@@ -398,7 +398,7 @@ class Simulation:
             if other is not backend:
                 cache = other.cache
                 if cache.holds(hashes[best]) if best < limit else False:
-                    best = max(best, cache.match(hashes, limit))
+                    best = max(best, cache.match(hashes, limit=limit))
         return best
 
 

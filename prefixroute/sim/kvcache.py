@@ -120,7 +120,7 @@ class BlockCache:
         """Whether ``block_hash`` is cached. O(1)."""
         return block_hash in self._refs
 
-    def match(self, hashes: Sequence[int], limit: int | None = None) -> int:
+    def match(self, hashes: Sequence[int], *, limit: int | None = None) -> int:
         """Return how many leading blocks of ``hashes`` (at most ``limit``) are cached. O(log n).
 
         A binary search: the cache is *prefix-closed* (a cached block's parent is cached: requests hold whole

@@ -329,7 +329,7 @@ def _workload(spec: SimSpec, build: Callable[[], Workload] | None = None) -> tup
     if spec.rate is not None:
         arrivals = OpenLoop(spec.rate, users=spec.users or 64)
     elif spec.users is None:  # a trace (the spec refuses a scenario without users or rate)
-        arrivals = TraceTimes(spec.speedup)
+        arrivals = TraceTimes(speedup=spec.speedup)
         if isinstance(workload, TraceWorkload):
             check_speedup(workload, spec.speedup)
     else:

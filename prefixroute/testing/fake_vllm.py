@@ -289,7 +289,7 @@ class FakeVLLM:
             self._buffer.clear()
             self._new_metrics()
 
-    def flush(self, timeout: float = 10.0) -> None:
+    def flush(self, *, timeout: float = 10.0) -> None:
         """Wait until every batch published so far has been sent on the PUB socket (a subscriber that connects
         afterwards cannot receive them live: it has to replay them)."""
         with self._lock:

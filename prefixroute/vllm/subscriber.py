@@ -207,7 +207,7 @@ class KVEventSubscriber:
         self._thread = thread  # only once started: a stop() from another thread cannot join it before (RuntimeError)
         return self
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, *, timeout: float = 5.0) -> None:
         """Stop the thread, waiting at most ``timeout`` seconds; the index keeps what was applied. Idempotent.
 
         The thread closes its own sockets as it ends. When it has not ended within ``timeout`` (a writer that

@@ -89,7 +89,7 @@ _CALLS: dict[str, Callable[[Any], object]] = {
     **{f"ClosedLoop {o}": _option(lambda **kw: ClosedLoop(2, **kw), o) for o in ("think_time", "ramp")},
     "OpenLoop rate": lambda v: OpenLoop(v),
     "OpenLoop users": lambda v: OpenLoop(1.0, users=v),
-    "TraceTimes": lambda v: TraceTimes(v),
+    "TraceTimes": lambda v: TraceTimes(speedup=v),
     **{f"Simulation {o}": _option(_simulation, o)
        for o in ("router", "workload", "arrivals", "cost", "config", "backends", "max_requests", "duration", "seed",
                  "gpus_per_backend", "on_progress", "metrics_interval")},  # built, never run

@@ -152,7 +152,7 @@ _NONE: Any = None  # None where a dataclass field's annotation says otherwise
      (lambda: ClosedLoop(2, think_time=10**400), "think_time"), (lambda: ClosedLoop(2, think_time=_NONE), "think_time"),
      (lambda: ClosedLoop(2, ramp=_NONE), "ramp"), (lambda: ClosedLoop(2, ramp=math.inf), "ramp"),
      (lambda: OpenLoop(1.0, users=_NONE), "users"), (lambda: OpenLoop(math.nan), "rate"),
-     (lambda: TraceTimes(0.0), "speedup"), (lambda: TraceTimes(_NONE), "speedup")],
+     (lambda: TraceTimes(speedup=0.0), "speedup"), (lambda: TraceTimes(speedup=_NONE), "speedup")],
 )  # fmt: skip
 def test_arrival_processes_are_checked_when_made_not_mid_run(build: Callable[[], object], match: str) -> None:
     with pytest.raises(ConfigurationError, match=match):

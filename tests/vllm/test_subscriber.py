@@ -754,11 +754,11 @@ def test_stop_refuses_a_nonsense_timeout_before_stopping_anything(timeout: objec
     sub = KVEventSubscriber(events_router(), "gpu0", "tcp://127.0.0.1:1").start()
     try:
         with pytest.raises(ConfigurationError, match="timeout must be a finite number of seconds >= 0"):
-            sub.stop(timeout)  # type: ignore[arg-type]
+            sub.stop(timeout=timeout)  # type: ignore[arg-type]
         assert sub.running
     finally:
-        sub.stop(0)
-    wait_until(lambda: not sub.running, what="the thread to end after stop(0)")
+        sub.stop(timeout=0)
+    wait_until(lambda: not sub.running, what="the thread to end after stop(timeout=0)")
 
 
 def test_a_stop_from_another_thread_while_start_starts_the_thread_neither_raises_nor_leaves_it_running(
