@@ -1,4 +1,4 @@
-"""Number checks shared by every layer's option checks (a nonsense number is refused when it is given)."""
+"""Number and flag checks shared by every layer's option checks (a nonsense value is refused when it is given)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import math
 import numbers
 import operator
 
-__all__ = ["as_float", "as_int", "shown"]
+from prefixroute.errors import ConfigurationError
+
+__all__ = ["as_float", "as_int", "check_flag", "shown"]
 
 
 def as_int(value: object) -> int | None:
@@ -51,6 +53,18 @@ def as_float(value: object, *, infinite: bool = False) -> float | None:
     else:
         return None
     return number if math.isfinite(number) or (infinite and not math.isnan(number)) else None
+
+
+def check_flag(value: object, name: str) -> bool:
+    """``value`` if it is True or False; else a ConfigurationError naming the option ``name``. O(1).
+
+    Every flag option of the public API is read through this: a value a flag cannot use, whatever its type, is an
+    option's error, as a float for a count is (not an InvalidTypeError), and a truthy value such as ``"no"`` or ``1``
+    never switches a flag on.
+    """
+    if value is True or value is False:
+        return value
+    raise ConfigurationError(f"{name} must be True or False, not {shown(value)}")
 
 
 def shown(value: object) -> str:

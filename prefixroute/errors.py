@@ -50,8 +50,8 @@ class InvalidPromptError(PrefixRouteError, ValueError):
 class InvalidTypeError(PrefixRouteError, TypeError):
     """An argument has the wrong type (a str where a list of backend ids is due, None where a Decision is); the
     message names the argument and the type it takes. A ``TypeError`` too, as Python's own type checks raise. An
-    option given a value it cannot use, of whatever type (a float or a str for a size or a count), is a
-    :class:`ConfigurationError`."""
+    option given a value it cannot use, of whatever type (a float or a str for a size or a count, anything but True
+    or False for a flag), is a :class:`ConfigurationError`."""
 
 
 class NoBackendError(PrefixRouteError, LookupError):

@@ -21,7 +21,7 @@ from operator import attrgetter
 from types import MappingProxyType
 from typing import Any, ClassVar, NamedTuple
 
-from prefixroute._numbers import as_float, as_int, shown
+from prefixroute._numbers import as_float, as_int, check_flag, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError, NoBackendError, PrefixRouteError
 
 __all__ = [
@@ -373,10 +373,8 @@ class PredictedTTFT(LoadPolicy):
         cap = as_float(kv_cap)
         if cap is None or not 0.0 <= cap < 1.0:
             raise ConfigurationError(f"PredictedTTFT kv_cap must be a fraction in [0, 1), not {shown(kv_cap)}")
-        if not isinstance(use_speed, bool):
-            raise ConfigurationError(f"PredictedTTFT use_speed must be True or False, not {shown(use_speed)}")
         self.kv_cap = cap
-        self.use_speed = use_speed
+        self.use_speed = check_flag(use_speed, "PredictedTTFT use_speed")
 
     def cost(
         self,

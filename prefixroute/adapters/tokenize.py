@@ -27,7 +27,7 @@ from typing import Any
 import cachetools
 from tokenizers import Encoding, Tokenizer
 
-from prefixroute._numbers import as_int, shown
+from prefixroute._numbers import as_int, check_flag, shown
 from prefixroute.errors import ConfigurationError, InvalidPromptError, InvalidTypeError
 from prefixroute.router import Decision, Router
 
@@ -60,9 +60,9 @@ class PromptTokenizer:
     ``cache_tokens=0`` turns the cache off.
 
     Raises:
-        ConfigurationError: ``cache_tokens`` is not a non-negative int, or the tokenizer cannot encode a short probe
-            text (e.g. its unknown token is missing from its vocabulary).
-        TypeError: ``tokenizer`` is not a ``tokenizers.Tokenizer`` or ``add_special_tokens`` not a bool.
+        ConfigurationError: ``cache_tokens`` is not a non-negative int, ``add_special_tokens`` not a bool, or the
+            tokenizer cannot encode a short probe text (e.g. its unknown token is missing from its vocabulary).
+        TypeError: ``tokenizer`` is not a ``tokenizers.Tokenizer``.
     """
 
     def __init__(self, tokenizer: Tokenizer, *, add_special_tokens: bool = True, cache_tokens: int = 262_144) -> None:
@@ -74,10 +74,8 @@ class PromptTokenizer:
                 f"cache_tokens must be a non-negative int number of ids, not {shown(cache_tokens)}"
             )
         cache_tokens = cache_size
-        if not isinstance(add_special_tokens, bool):
-            raise InvalidTypeError(f"add_special_tokens must be True or False, not {add_special_tokens!r}")
         self._tokenizer = tokenizer
-        self._add_special_tokens = add_special_tokens
+        self._add_special_tokens = check_flag(add_special_tokens, "add_special_tokens")
         config: dict[str, Any] = {}
         # A custom (Python) pre-tokenizer or normalizer has no config to read (the library raises a bare Exception):
         # whole texts are encoded.

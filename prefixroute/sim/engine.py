@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Protocol
 
-from prefixroute._numbers import as_float, as_int, shown
+from prefixroute._numbers import as_float, as_int, check_flag, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.router import Decision, Router
 from prefixroute.sim.backend import Active, BackendConfig, CostModel, SimBackend
@@ -181,6 +181,8 @@ class Simulation:
         if seed_int is None:
             raise InvalidTypeError(f"seed must be an int, not {type(seed).__name__}")
         gpus_per_backend = _check_count(gpus_per_backend, "gpus_per_backend", MAX_BACKENDS)
+        for name, flag in (("check", check), ("kv_events", kv_events), ("first_token", first_token)):
+            check_flag(flag, name)
         if max_requests is None and duration is None and not isinstance(arrivals, (ClosedLoop, TraceTimes)):
             raise ConfigurationError("give max_requests or duration: open-loop arrivals never stop by themselves")
         endless = isinstance(workload, Scenario)  # a synthetic scenario draws requests for ever

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
-from prefixroute._numbers import as_float, as_int, shown
+from prefixroute._numbers import as_float, as_int, check_flag, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError, PrefixRouteError
 from prefixroute.index import PrefixIndex
 from prefixroute.policies import (
@@ -65,9 +65,9 @@ class SimSpec:
             ``--think-time`` over 10^7 s, ``--requests`` ÷ ``--rate`` over that, ``--metrics-interval`` under
             1 ms or polling more than 10^8 times over the span the spec gives), a number that is NaN, infinite,
             negative or (where it makes no sense) zero, a fraction outside its range, an unknown ``index_source`` or
-            scenario, a ``trace`` or ``scenario`` that is not a str, a scenario with neither ``users`` nor ``rate``,
-            or arrivals with no stop (a scenario or ``rate`` with neither ``requests`` nor ``duration``). Checked
-            when the spec is made.
+            scenario, a ``trace`` or ``scenario`` that is not a str, a ``first_token`` that is not a bool, a
+            scenario with neither ``users`` nor ``rate``, or arrivals with no stop (a scenario or ``rate`` with
+            neither ``requests`` nor ``duration``). Checked when the spec is made.
     """
 
     scenario: str = "seed"
@@ -175,8 +175,7 @@ def _check_spec(spec: SimSpec) -> None:
     if seed is None:
         raise ConfigurationError(f"--seed must be an int, not {shown(spec.seed)}")
     object.__setattr__(spec, "seed", seed)
-    if not isinstance(spec.first_token, bool):
-        raise ConfigurationError(f"first_token must be True or False, not {spec.first_token!r}")
+    check_flag(spec.first_token, "first_token")
     if spec.index_source not in ("predictions", "events"):
         raise ConfigurationError(f"--index-source must be 'predictions' or 'events', not {spec.index_source!r}")
     if spec.trace is not None and not isinstance(spec.trace, str):
@@ -355,6 +354,7 @@ def run_policy(
     Raises:
         TypeError: ``spec`` is not a :class:`SimSpec`, ``policy`` neither a name nor a callable, ``workload`` or
             ``on_progress`` not a callable (or None).
+        ConfigurationError: ``check`` is not a bool.
     """
     if not isinstance(spec, SimSpec):
         raise InvalidTypeError(f"spec must be a SimSpec, not {type(spec).__name__}")
@@ -365,6 +365,7 @@ def run_policy(
     for name, function in (("workload", workload), ("on_progress", on_progress)):
         if function is not None and not callable(function):
             raise InvalidTypeError(f"{name} must be a callable or None, not {type(function).__name__}")
+    check_flag(check, "check")
     config, profile = backend_config(spec)
     source, arrivals = _workload(spec, workload)
     load_policy = build_policy(policy, seed=spec.seed) if isinstance(policy, str) else policy()

@@ -16,7 +16,7 @@ from typing import Literal
 
 import xxhash
 
-from prefixroute._numbers import as_int, shown
+from prefixroute._numbers import as_int, check_flag, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.hashing import BlockHasher, encode_tokens
 from prefixroute.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, ExternalBlockHash
@@ -49,14 +49,6 @@ class _Block:
     refs: int = 1
 
 
-def _check_flag(value: object, name: str) -> bool:
-    """``value`` if it is a bool (a flag of the fakes); else InvalidTypeError naming ``name``: a truthy str such as
-    ``"no"`` must not switch a flag on."""
-    if not isinstance(value, bool):
-        raise InvalidTypeError(f"{name} must be True or False, not {shown(value)}")
-    return value
-
-
 class FakeBlockCache:
     """An engine's KV block store with capacity ``num_blocks`` and vLLM-like events (see the module docstring).
 
@@ -64,8 +56,9 @@ class FakeBlockCache:
     comes from ``rng``, so each engine (and each restart) names blocks differently, as vLLM does.
 
     Raises:
-        ConfigurationError: ``block_size`` or ``num_blocks`` is not a positive int, ``hash_format`` not a format.
-        TypeError: ``rng`` is not a ``random.Random``, ``extra_group`` not a bool.
+        ConfigurationError: ``block_size`` or ``num_blocks`` is not a positive int, ``hash_format`` not a format,
+            ``extra_group`` not a bool.
+        TypeError: ``rng`` is not a ``random.Random``.
     """
 
     def __init__(
@@ -88,7 +81,7 @@ class FakeBlockCache:
             raise InvalidTypeError(f"rng must be a random.Random, not {type(rng).__name__}")
         if not isinstance(hash_format, str) or hash_format not in ("int", "bytes"):
             raise ConfigurationError(f"hash_format must be 'int' or 'bytes', not {shown(hash_format)}")
-        _check_flag(extra_group, "extra_group")
+        check_flag(extra_group, "extra_group")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.hash_format = hash_format
@@ -135,9 +128,9 @@ class FakeBlockCache:
         """Schedule a request: hit the cached prefix, cache its other full blocks (evicting as needed).
 
         Raises:
-            TypeError: ``share`` is not a bool (nothing changes).
+            ConfigurationError: ``share`` is not a bool (nothing changes).
         """
-        _check_flag(share, "share")
+        check_flag(share, "share")
         size = self.block_size
         full = len(prompt) // size
         hashes = self._hashes(prompt[: full * size], lora_name)

@@ -29,10 +29,10 @@ from typing import Any, Literal
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from prefixroute._numbers import as_float, as_int, shown
+from prefixroute._numbers import as_float, as_int, check_flag, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.testing._names import check_served_names
-from prefixroute.testing.fake_cache import CachedChain, FakeBlockCache, FakeRequest, _check_flag
+from prefixroute.testing.fake_cache import CachedChain, FakeBlockCache, FakeRequest
 from prefixroute.vllm.events import EventBatch, encode_batch
 from prefixroute.vllm.metrics import TTFT_BUCKETS
 
@@ -72,7 +72,7 @@ def _check_options(
     options (``replay_buffer``, ``seed``, the two ports) as Python ints."""
     check_served_names(model, ())
     for name, flag in flags.items():
-        _check_flag(flag, name)
+        check_flag(flag, name)
     for name, text in (("topic", topic), ("host", host)):
         if not isinstance(text, str):
             raise InvalidTypeError(f"{name} must be a str, not {type(text).__name__}")
@@ -118,10 +118,11 @@ class FakeVLLM:
     engine's ports is how a test restarts the process for real). Thread-safe.
 
     Raises:
-        ConfigurationError: a count, port, ``encoding`` or ``hash_format`` the fake cannot use, or a ``model`` name
-            that is blank, not printable or holds a lone surrogate (checked when given).
+        ConfigurationError: a count, port, ``encoding`` or ``hash_format`` the fake cannot use, a flag
+            (``extra_group``, ``replay``, ``replay_topic``, ``legacy_metric_names``) that is not a bool, or a
+            ``model`` name that is blank, not printable or holds a lone surrogate (checked when given).
         TypeError: ``model``, ``topic`` or ``host`` is not a str, ``seed`` not an int, ``ttft`` or ``clock`` not a
-            callable, ``extra_group``, ``replay``, ``replay_topic`` or ``legacy_metric_names`` not a bool.
+            callable.
     """
 
     def __init__(
@@ -250,10 +251,10 @@ class FakeVLLM:
         ``hold=True`` keeps it running (its blocks stay referenced) until :meth:`finish_all`.
 
         Raises:
-            TypeError: ``share`` or ``hold`` is not a bool (nothing changes).
+            ConfigurationError: ``share`` or ``hold`` is not a bool (nothing changes).
         """
-        _check_flag(share, "share")
-        _check_flag(hold, "hold")
+        check_flag(share, "share")
+        check_flag(hold, "hold")
         with self._lock:
             request = self.cache.allocate(list(prompt), lora_name=lora_name, share=share)
             ttft = self._ttft(request.cached_tokens, request.prompt_tokens, self._waiting)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 import random
 import re
@@ -116,29 +115,17 @@ def test_fake_vllm_options_are_checked_when_given_with_errors_of_the_tree(
         FakeVLLM(**{option: value})  # type: ignore[arg-type]
 
 
-_FAKE_FLAGS = {"FakeVLLM": ("extra_group", "replay", "replay_topic", "legacy_metric_names"),
-               "FakeBlockCache": ("extra_group",)}  # fmt: skip
-
-
-@pytest.mark.parametrize("value", ["no", 1, 0, None, 1.0, [True]])
-@pytest.mark.parametrize(("fake", "option"), [(fake, flag) for fake, flags in _FAKE_FLAGS.items() for flag in flags])
-def test_fake_engine_flags_that_are_no_bool_are_type_errors_when_given(fake: str, option: str, value: object) -> None:
-    """Was: any value was taken and read for its truth, so replay="no" answered replays (a truthy str)."""
-    build: Callable[..., object] = FakeVLLM
-    if fake == "FakeBlockCache":
-        build = functools.partial(FakeBlockCache, rng=random.Random(0))
-    with pytest.raises(InvalidTypeError, match=re.escape(f"{option} must be True or False, not {value!r}")):
-        build(**{option: value})
-    build(**{option: True})  # a bool is taken
+# The fakes' flags refuse a value that is no bool (was: read for its truth, so replay="no" answered replays):
+# tests/test_flag_options.py, with every other flag of the public API.
 
 
 @pytest.mark.parametrize("flag", ["share", "hold"])
 def test_fake_engine_complete_refuses_a_flag_that_is_no_bool_and_changes_nothing(flag: str) -> None:
     engine = FakeVLLM(block_size=4, num_blocks=16)  # not started: complete() works on the cache alone
-    with pytest.raises(InvalidTypeError, match=f"{flag} must be True or False, not 'no'"):
+    with pytest.raises(ConfigurationError, match=f"{flag} must be True or False, not 'no'"):
         engine.complete(list(range(8)), **{flag: "no"})  # type: ignore[arg-type]
     assert engine.chains() == [] and engine.seq == 0 and engine.cache.queries == 0
-    with pytest.raises(InvalidTypeError, match="share must be True or False, not 0"):
+    with pytest.raises(ConfigurationError, match="share must be True or False, not 0"):
         engine.cache.allocate(list(range(8)), share=0)  # type: ignore[arg-type]
     assert engine.chains() == [] and engine.cache.queries == 0
 
