@@ -8,23 +8,16 @@ import math
 from pathlib import Path
 from typing import NoReturn
 
+from prefixroute.cli import positive_int  # an int >= 1 (a count of runs, requests, connections): the commands' check
+
+__all__ = ["Parser", "existing_file", "non_negative_float", "positive_float", "positive_int", "unit_fraction"]
+
 
 class Parser(argparse.ArgumentParser):
     """An argument parser whose usage errors are one line (argparse's own print the usage first)."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def positive_int(text: str) -> int:
-    """An int >= 1 (a count of runs, requests, connections)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, not {text!r}")
-    return value
 
 
 def positive_float(text: str) -> float:

@@ -127,6 +127,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return status
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an int >= 1 (a count, a size); else the one-line usage error. The commands' and the
+    benchmarks' (``benchmarks/_args.py``) one check of it."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, not {text!r}")
+    return value
+
+
 def fail(message: str, *, status: int = 2) -> int:
     """Print ``message`` to stderr as one line; return ``status`` (the exit status of bad input)."""
     print(" ".join(message.split()), file=sys.stderr)  # one line, whatever the message holds

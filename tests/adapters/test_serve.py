@@ -548,8 +548,9 @@ def serve(*args: str) -> subprocess.CompletedProcess[str]:
         (["--backends", "http://a:1", "--data-parallel-size", "2"], "needs --kv-events"),
         (
             ["--backends", "http://a:1", "--kv-events", "http://a:1=tcp://a:5557", "--data-parallel-size", "0"],
-            "--data-parallel-size",
+            "--data-parallel-size: expected a whole number >= 1, not '0'",  # the benchmarks' check (prefixroute.cli)
         ),  # fmt: skip
+        (["--block-size", "16.0"], "--block-size: expected a whole number >= 1, not '16.0'"),
     ],
 )
 def test_bad_command_lines_exit_2_with_one_line(args: list[str], message: str) -> None:

@@ -30,6 +30,7 @@ from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
 from prefixroute.adapters.urls import check_backend_url, listen_host
+from prefixroute.cli import positive_int
 from prefixroute.errors import ConfigurationError
 
 __all__ = ["BaseModelLearner", "register", "run"]
@@ -56,7 +57,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--tokenizer", metavar="PATH", help="local tokenizer.json, or a model folder holding one")
     parser.add_argument(
-        "--block-size", type=_positive_int, default=16, metavar="N", help="tokens per block (default 16, vLLM's)"
+        "--block-size", type=positive_int, default=16, metavar="N", help="tokens per block (default 16, vLLM's)"
     )
     parser.add_argument(
         "--host", type=listen_host, default="127.0.0.1", help="address of every listener (default 127.0.0.1)"
@@ -73,7 +74,7 @@ def register(subparsers: Any) -> None:
         "http://gpu0:8000=tcp://gpu0:5557,tcp://gpu0:5558 (needs the vllm extra)",
     )  # fmt: skip
     parser.add_argument(
-        "--data-parallel-size", type=_positive_int, metavar="N",
+        "--data-parallel-size", type=positive_int, metavar="N",
         help="engines per backend (vLLM's --data-parallel-size): each --kv-events endpoint is rank 0's, and rank r "
         "publishes on its port + r, as vLLM offsets it",
     )  # fmt: skip
@@ -351,16 +352,6 @@ def _policy_option(text: str) -> tuple[str, Any]:
         except ValueError:
             pass
     return key, value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}")
-    return value
 
 
 def _port(text: str) -> int:
