@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
 from hypothesis import settings
@@ -25,6 +25,8 @@ settings.register_profile("ci", derandomize=True, database=None)
 if os.environ.get("CI") == "true":
     settings.load_profile("ci")
 
+T = TypeVar("T")
+
 DEADLINE_S = 10.0
 """How long a test waits for something another thread or process does (generous: CI machines are slow)."""
 
@@ -36,6 +38,30 @@ def wait_until(predicate: Callable[[], bool], *, timeout: float = DEADLINE_S, wh
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.005)
+
+
+def returns(call: Callable[[], T], *, what: str) -> T:
+    """``call()``, run on a thread of its own; fail the test, naming ``what``, when it has not returned after
+    :data:`DEADLINE_S`. A guard against a hang, never a measure of speed: give the call a fault that lasts longer than
+    that (an engine that answers minutes late), so that only the call's own timeout, far shorter, can end it and the
+    test passes or fails alike on any machine."""
+    outcome: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except BaseException as exc:  # raised below, in the test's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="test-returns", daemon=True)
+    thread.start()
+    thread.join(DEADLINE_S)
+    if thread.is_alive():
+        pytest.fail(f"{what} had not returned after {DEADLINE_S}s: its own timeout did not end it")
+    if errors:
+        raise errors[0]
+    return outcome[0]
 
 
 def run_together(*jobs: Callable[[], object]) -> None:

@@ -324,7 +324,7 @@ class FakeVLLM:
     def set_metrics_fault(self, *, text: str | None = None, delay: float = 0.0, trickle: float | None = None) -> None:
         """Make ``/metrics`` misbehave: serve ``text`` instead of the real figures (None: the real ones), answer
         after ``delay`` seconds, and with ``trickle`` send the body one byte every ``trickle`` seconds. Call with no
-        arguments to behave again. Requests already being answered keep their fault."""
+        arguments to behave again. Requests already being answered keep their fault; :meth:`stop` ends them."""
         with self._lock:
             self._metrics_fault = (text, delay, trickle)
 
@@ -480,8 +480,8 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
                 return
             text, delay, trickle = engine.metrics_fault()
             body = (engine.metrics_text() if text is None else text).encode()
-            if delay:
-                time.sleep(delay)
+            if delay and engine._stop.wait(delay):  # stop() ends the wait: a long delay holds no thread past it
+                return
             if trickle is None:
                 self._reply(200, body, "text/plain; version=0.0.4; charset=utf-8")
                 return
