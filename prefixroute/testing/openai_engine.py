@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import contextlib
 import json
 import random
 import sys
@@ -344,7 +345,7 @@ class OpenAIEngine:
         self._stall_after: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
-        self._site: web.TCPSite | None = None
+        self._listener: asyncio.Server | None = None
         self._slots: asyncio.Semaphore | None = None
         self._serving: ServerThread | None = None
 
@@ -379,7 +380,7 @@ class OpenAIEngine:
             # requests in progress (a stalled one for its 60 s), and a request sent meanwhile on a kept-alive
             # connection is neither served nor refused, so its client hangs as long.
             await self._unlisten()
-            runner, self._runner, self._site = self._runner, None, None
+            runner, self._runner = self._runner, None
             await runner.cleanup()
 
     def start(self) -> OpenAIEngine:
@@ -477,22 +478,29 @@ class OpenAIEngine:
             self._loop.create_task(coroutine)
 
     async def _listen(self) -> None:
-        assert self._runner is not None
-        if self._site is not None:
+        assert self._runner is not None and self._runner.server is not None
+        if self._listener is not None:
             return
-        self._site = web.TCPSite(self._runner, self._host, self._port, reuse_address=True)
-        await self._site.start()
-        sockets = self._runner.addresses
-        self._port = self._port or int(sockets[0][1])
+        # asyncio's server itself (aiohttp's TCPSite wraps one), so that _unlisten() can stop it accepting first
+        loop = asyncio.get_running_loop()
+        self._listener = await loop.create_server(self._runner.server, self._host, self._port, reuse_address=True)
+        self._port = self._port or int(self._listener.sockets[0].getsockname()[1])
 
     async def _unlisten(self) -> None:
-        if self._site is None or self._runner is None:
+        if self._listener is None or self._runner is None:
             return
-        site, self._site = self._site, None
-        await site.stop()
-        # A connection accepted as the site stopped registers a loop turn or two later: drop it too.
-        for _ in range(3):
-            await asyncio.sleep(0)
+        listener, self._listener = self._listener, None
+        # Stop accepting, let the connections accepted so far get their transports, and only then close: asyncio
+        # gives an accepted connection its transport a loop turn after accepting it, and a server closed in between
+        # fails that unseen, leaving the connection open, neither served nor closed, until the garbage collector
+        # finds it (CPython gh-109564); a client that sent a request on it waited that long for an answer.
+        loop = asyncio.get_running_loop()
+        for sock in listener.sockets:
+            with contextlib.suppress(NotImplementedError):  # a proactor loop (Windows) has no readers
+                loop.remove_reader(sock.fileno())
+        await asyncio.sleep(0)
+        listener.close()
+        await asyncio.sleep(0)  # their connection_made, which registers them with aiohttp, came in that turn
         server = self._runner.server if self._runner is not None else None
         for handler in server.connections if server is not None else ():
             if handler.transport is not None:

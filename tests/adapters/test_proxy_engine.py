@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -289,6 +291,32 @@ def test_refuse_and_accept_keep_the_port(engine: OpenAIEngine) -> None:
             httpx.get(f"{url}/health")
         engine.accept()
         assert engine.url == url and httpx.get(f"{url}/health").status_code == 200
+
+
+def test_refuse_drops_a_connection_accepted_the_loop_turn_before() -> None:
+    # asyncio gives an accepted connection its transport a loop turn after accepting it; refuse() closed the server
+    # in between, which fails that unseen (CPython gh-109564) and left the connection open, neither served nor
+    # closed, until the garbage collector found it: a proxy that sent a request on it waited that long.
+    request = b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 15\r\n\r\n{"prompt": "a"}'
+
+    async def scenario() -> None:
+        engine = OpenAIEngine()
+        await engine.serve()
+        port = int(engine.url.rsplit(":", 1)[1])
+        loop = asyncio.get_running_loop()
+        try:
+            with socket.create_connection(("127.0.0.1", port)) as client:  # the kernel completes it at once
+                client.setblocking(False)
+                await asyncio.sleep(0)  # the loop's next turn runs this test on, then accepts the connection
+                engine.refuse()  # on the engine's loop: it runs the turn after, before the connection's transport
+                await loop.sock_sendall(client, request)
+                with contextlib.suppress(ConnectionResetError):  # or dropped without a reset: b""
+                    assert await asyncio.wait_for(loop.sock_recv(client, 1024), 5) == b""
+            assert engine.stats().requests == 0
+        finally:
+            await engine.aclose()
+
+    asyncio.run(scenario())
 
 
 def test_stop_drops_a_request_in_progress_at_once_as_a_dead_engine_does() -> None:
