@@ -114,7 +114,7 @@ POSITIONAL_DATA = {
 # arrays, positional on the wire) is one by its type; these dataclasses are one by what they hold.
 RECORDS = {
     "Decision", "BackendStats", "EngineMetrics", "TrackerStats", "CostCoefficients", "ModelSpec", "PolicyResult",
-    "RequestRecord", "SimRequest", "CachedChain", "FakeRequest",
+    "RequestRecord", "SimRequest", "CachedChain", "FakeRequest", "ProxyStats",
 }  # fmt: skip
 
 
