@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
-import contextlib
 import json
 import random
 import sys
@@ -43,6 +42,7 @@ from typing import Any
 from aiohttp import web
 
 from prefixroute._numbers import as_float, as_int, shown
+from prefixroute.adapters._listening import close_listener
 from prefixroute.adapters.serve.contract import UNSUPPORTED_MEDIA_TYPE, is_json_media_type
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.adapters.urls import listen_host
@@ -481,7 +481,7 @@ class OpenAIEngine:
         assert self._runner is not None and self._runner.server is not None
         if self._listener is not None:
             return
-        # asyncio's server itself (aiohttp's TCPSite wraps one), so that _unlisten() can stop it accepting first
+        # asyncio's server itself (aiohttp's TCPSite hides it), which _unlisten() closes with close_listener()
         loop = asyncio.get_running_loop()
         self._listener = await loop.create_server(self._runner.server, self._host, self._port, reuse_address=True)
         self._port = self._port or int(self._listener.sockets[0].getsockname()[1])
@@ -490,17 +490,8 @@ class OpenAIEngine:
         if self._listener is None or self._runner is None:
             return
         listener, self._listener = self._listener, None
-        # Stop accepting, let the connections accepted so far get their transports, and only then close: asyncio
-        # gives an accepted connection its transport a loop turn after accepting it, and a server closed in between
-        # fails that unseen, leaving the connection open, neither served nor closed, until the garbage collector
-        # finds it (CPython gh-109564); a client that sent a request on it waited that long for an answer.
-        loop = asyncio.get_running_loop()
-        for sock in listener.sockets:
-            with contextlib.suppress(NotImplementedError):  # a proactor loop (Windows) has no readers
-                loop.remove_reader(sock.fileno())
-        await asyncio.sleep(0)
-        listener.close()
-        await asyncio.sleep(0)  # their connection_made, which registers them with aiohttp, came in that turn
+        # Closed so, every connection it accepted, however late, is registered with aiohttp: all are dropped below.
+        await close_listener(listener)
         server = self._runner.server if self._runner is not None else None
         for handler in server.connections if server is not None else ():
             if handler.transport is not None:
