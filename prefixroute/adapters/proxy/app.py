@@ -29,6 +29,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 
 from prefixroute._numbers import as_float, as_int, shown
+from prefixroute.adapters._listening import close_listener
 from prefixroute.adapters.proxy.models import MAX_MODELS_BYTES, UnreadableModels, merge_cards, model_cards
 from prefixroute.adapters.proxy.prompts import (
     INLINE_TEXT,
@@ -234,6 +235,7 @@ class Proxy:
         self._down_until: dict[str, float] = {}
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._serving: ServerThread | None = None
         self.url = ""
@@ -263,12 +265,16 @@ class Proxy:
                                      logger=_ServerLog(logging.getLogger("aiohttp.server")))  # fmt: skip
         try:
             await self._runner.setup()
-            site = web.TCPSite(self._runner, host, port, reuse_address=True)
-            await site.start()
+            assert self._runner.server is not None
+            # asyncio's server, made as aiohttp's TCPSite makes it but held here, so that aclose() can close it with
+            # close_listener(): TCPSite's plain close loses a connection accepted the loop turn before
+            self._listener = await asyncio.get_running_loop().create_server(
+                self._runner.server, host, port, reuse_address=True, backlog=128
+            )
         except BaseException:  # e.g. the port is taken: close the session too, so nothing is left to warn about
             await self.aclose()
             raise
-        address = self._runner.addresses[0]
+        address = self._listener.sockets[0].getsockname()
         self.url = f"http://[{address[0]}]:{address[1]}" if ":" in address[0] else f"http://{address[0]}:{address[1]}"
         if self._learn_models:
             await self._backend_models()  # at once, so the first requests already know the base models
@@ -278,6 +284,9 @@ class Proxy:
         """Stop listening and close the upstream connections. Idempotent."""
         if self._learning is not None:
             self._learning.cancel()
+        if self._listener is not None:
+            listener, self._listener = self._listener, None
+            await close_listener(listener)  # then the runner knows every connection it accepted, to close or finish
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()
