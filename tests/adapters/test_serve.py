@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import socket
@@ -595,6 +596,48 @@ def test_sigterm_stops_every_listener_and_exits_0(tmp_path: Path) -> None:
         assert process.popen.wait(20) == 0, process.output()
     assert "Traceback" not in process.output()
     assert process.output().count("prefixroute serve: ") == 3  # the three listeners, announced once each
+
+
+@pytest.mark.parametrize("turns", [1, 2], ids=["before-its-transport", "before-connection-made"])
+def test_shutdown_answers_or_drops_a_connection_accepted_just_before(turns: int) -> None:
+    # asyncio gives an accepted connection its transport a loop turn after accepting it, and calls connection_made a
+    # turn after that; uvicorn's shutdown closed the server and at once told the connections it knew of to close. One
+    # accepted the turn before was lost unseen (CPython gh-109564): open, neither answered nor closed, until the
+    # garbage collector found it. One accepted two turns before was never told: answered and kept alive, it held the
+    # shutdown until its client left (for ever, for a gateway's pooled connection that sends nothing).
+    from prefixroute.adapters.serve.cli import _http_server
+
+    request = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+
+    async def scenario() -> None:
+        server = _http_server(Sidecar(Router(block_size=16), backends=BACKENDS))
+        server.config.load()  # as uvicorn's serve() starts it, so that the test can stop it in a chosen turn
+        server.lifespan = server.config.lifespan_class(server.config)
+        loop = asyncio.get_running_loop()
+        with socket.create_server(("127.0.0.1", 0)) as listening:
+            listening.setblocking(False)
+            await server.startup(sockets=[listening])
+            closing = None
+            try:
+                with socket.create_connection(listening.getsockname()) as client:  # the kernel completes it at once
+                    client.setblocking(False)
+                    for _ in range(turns):  # the loop's next turn accepts it, the one after gives its transport
+                        await asyncio.sleep(0)
+                    closing = asyncio.ensure_future(server.shutdown(sockets=[listening]))  # runs the turn after
+                    await loop.sock_sendall(client, request)
+                    received = b""
+                    with contextlib.suppress(ConnectionResetError):  # or dropped with a reset
+                        while chunk := await asyncio.wait_for(loop.sock_recv(client, 65536), 5):
+                            received += chunk
+                    # a graceful shutdown: the request is answered or refused, then the connection is closed, and
+                    # the shutdown ends
+                    assert received == b"" or received.startswith(b"HTTP/1.1 200 OK\r\n"), received
+                    await asyncio.wait_for(closing, 5)
+            finally:
+                if closing is not None:
+                    closing.cancel()
+
+    asyncio.run(scenario())
 
 
 def test_a_long_text_prompt_does_not_hold_up_other_requests(tmp_path: Path, model_dir: Path) -> None:

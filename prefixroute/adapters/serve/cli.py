@@ -227,15 +227,21 @@ class BaseModelLearner:
             self._stopped.wait(self._interval)
 
 
-async def _serve(sidecar: Any, http_socket: socket.socket, udp_socket: socket.socket | None, args: Any) -> None:
+def _http_server(sidecar: Any) -> Any:
+    """uvicorn's server for the sidecar's HTTP endpoint, as ``prefixroute serve`` runs it (a ``uvicorn.Server``)."""
     import uvicorn
 
-    from prefixroute.adapters.serve.release import ReleaseProtocol
+    from prefixroute.adapters._listening import close_listener
 
     class Server(uvicorn.Server):
-        """uvicorn's server, except that a SIGINT or SIGTERM only asks it to stop: uvicorn's own re-raises the
-        signal once it has stopped, which would kill the process (status 143 for SIGTERM) before the listeners are
-        closed below."""
+        """uvicorn's server, except that a SIGINT or SIGTERM only asks it to stop, and that its shutdown closes the
+        listening sockets with :func:`close_listener` first.
+
+        uvicorn's own signal handling re-raises the signal once it has stopped, which would kill the process (status
+        143 for SIGTERM) before the listeners are closed in ``_serve``. uvicorn's own shutdown closes its servers and
+        at once tells the connections it knows of to close: a connection accepted the loop turn before was lost
+        unseen (CPython gh-109564), open until the garbage collector found it, and one accepted two turns before was
+        never told, so the shutdown waited for its client to leave."""
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
@@ -249,6 +255,22 @@ async def _serve(sidecar: Any, http_socket: socket.socket, udp_socket: socket.so
             finally:
                 for sig, handler in original.items():
                     signal.signal(sig, handler)
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            for listener in self.servers:
+                await close_listener(listener)
+            await super().shutdown(sockets)
+
+    # No proxy-headers middleware, Server or Date header: each costs every request and a proxy needs none.
+    config = uvicorn.Config(
+        sidecar, http=_http_impl(), lifespan="off", access_log=False, log_level="warning", ws="none",
+        timeout_keep_alive=75, backlog=4096, proxy_headers=False, server_header=False, date_header=False,
+    )  # fmt: skip
+    return Server(config)
+
+
+async def _serve(sidecar: Any, http_socket: socket.socket, udp_socket: socket.socket | None, args: Any) -> None:
+    from prefixroute.adapters.serve.release import ReleaseProtocol
 
     loop = asyncio.get_running_loop()
     transport = None
@@ -264,12 +286,7 @@ async def _serve(sidecar: Any, http_socket: socket.socket, udp_socket: socket.so
                 grpc_server, port = await start_ext_proc(sidecar, args.host, args.ext_proc)
             except (OSError, RuntimeError) as exc:
                 raise ConfigurationError(f"cannot listen for ext_proc on {args.host}:{args.ext_proc}: {exc}") from None
-        # No proxy-headers middleware, Server or Date header: each costs every request and a proxy needs none.
-        config = uvicorn.Config(
-            sidecar, http=_http_impl(), lifespan="off", access_log=False, log_level="warning", ws="none",
-            timeout_keep_alive=75, backlog=4096, proxy_headers=False, server_header=False, date_header=False,
-        )  # fmt: skip
-        server = Server(config)
+        server = _http_server(sidecar)
         if udp_socket is not None:
             _say(f"release listener on udp://{_address(udp_socket)}")
         if grpc_server is not None:
