@@ -73,12 +73,14 @@ _TYPELESS_MEDIA = ("image_url", "image_pil", "image_embeds", "audio_embeds", "au
 def render_chat(messages: object) -> str:
     """The fake's chat template: ``<|role|> content`` per message, then ``<|assistant|>``.
 
-    A null or absent ``content`` (an assistant's tool calls) renders empty, as vLLM reads it; parts that are not
+    A null or absent ``content`` (an assistant's tool calls) renders empty, as vLLM reads it; a content part may be a
+    plain string (its text) or an object; a text part without ``text`` (or null) is skipped, and parts that are not
     text (images and the like, also vLLM's simple forms without ``type``: ``{"image_url": ...}``) render nothing.
     Any string ``role`` is rendered, ``""`` too: vLLM's message type takes any str and leaves roles to the template.
 
     Raises:
-        ValueError: a message is not ``{"role": str, "content": str | [{"type": "text", "text": str}, ...] | null}``;
+        ValueError: a message is not ``{"role": str, "content": str | [str | {"type": "text", "text": str}, ...] |
+            null}``;
             a content part without a string ``type`` that is no media part either, in vLLM's words (``Missing 'type'
             field in multimodal part.``, ``Invalid 'type' field in multimodal part.``).
     """
@@ -92,18 +94,33 @@ def render_chat(messages: object) -> str:
         if content is None:
             content = ""
         elif isinstance(content, list):
-            if not all(isinstance(part, dict) for part in content):
-                raise ValueError("a message's 'content' parts must be objects")
-            for part in content:
-                _check_part_type(part)
-            texts = [part.get("text") for part in content if part.get("type") == "text"]  # images and the like: none
-            if not all(isinstance(text, str) for text in texts):
-                raise ValueError("a text part's 'text' must be a string")
+            if not all(isinstance(part, (dict, str)) for part in content):
+                raise ValueError("a message's 'content' parts must be objects or strings")
+            texts = [text for part in content if (text := _part_text(part)) is not None]
             content = " ".join(texts)
         if not isinstance(content, str):
             raise ValueError("a message's 'content' must be a string or a list of text parts")
         parts.append(f"<|{message['role']}|> {content}")
     return "\n".join(parts) + "\n<|assistant|>"
+
+
+def _part_text(part: dict[str, Any] | str) -> str | None:
+    """The text a content part renders, as chat_utils' _parse_chat_message_content_part reads it: a plain string is
+    its own text, a ``"text"`` part its ``text``, and a ``"text"`` part whose ``text`` is absent or null is skipped
+    (None), as are images and the like. O(1).
+
+    Raises:
+        ValueError: a part vLLM refuses (see :func:`_check_part_type`), or a ``text`` that is no string.
+    """
+    if isinstance(part, str):
+        return part
+    _check_part_type(part)
+    if part.get("type") != "text":
+        return None  # images and the like: no text
+    text = part.get("text")
+    if text is not None and not isinstance(text, str):
+        raise ValueError("a text part's 'text' must be a string")
+    return text
 
 
 def _check_part_type(part: dict[str, Any]) -> None:

@@ -150,14 +150,41 @@ def test_a_tool_call_conversation_is_served_as_vllm_serves_it(engine: OpenAIEngi
     assert render_chat(messages[1:2]) == "<|assistant|> \n<|assistant|>"
 
 
-@pytest.mark.parametrize("parts", [[{"type": "text", "text": 5}], ["hi"], [{"type": "text"}], [None]])
+@pytest.mark.parametrize("parts", [[{"type": "text", "text": 5}], [None], [5], [["hi"]]])
 def test_content_parts_vllm_refuses_are_a_400(engine: OpenAIEngine, parts: list[object]) -> None:
-    """A text part whose text is not a string, or a part that is no object: the fake rendered them as text."""
+    """A text part whose text is not a string, or a part that is neither an object nor a string: the fake rendered
+    them as text. (A plain string is a part vLLM takes, and a text part without text one it skips: see below.)"""
     reply = httpx.post(f"{engine.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": parts}]})
     assert reply.status_code == 400 and reply.json()["error"]["code"] == 400
     image = {"type": "image_url", "image_url": {"url": "x"}}  # not text: no tokens, as a text-only template reads it
     messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]
     assert render_chat(messages) == render_chat([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [["hello", {"type": "text", "text": "world"}], [{"type": "text", "text": "hello"}, "world"],
+     [{"type": "text", "text": "hello"}, {"type": "text"}, "world"],
+     ["hello", {"type": "text", "text": None}, {"type": "text", "text": "world"}],
+     [{"type": "text"}, {"type": "text", "text": "hello world"}]],
+)  # fmt: skip
+def test_plain_string_parts_are_text_and_a_text_part_without_text_is_skipped_as_vllm_does(
+    engine: OpenAIEngine, parts: list[object]
+) -> None:
+    """vLLM's content-part union ends in ``str`` and chat_utils' _parse_chat_message_content_part takes a plain
+    string as the text it is; a part whose ``type`` is ``"text"`` and whose ``text`` is absent or null parses to no
+    content and is skipped (PART_TYPES_TO_SKIP_NONE_CONTENT), not refused. The fake refused both (400), as the
+    vLLM this test was first written for did. Each list holds one ordinary text part: a list of a user message with
+    none (``["hi"]`` alone) pydantic may bind to openai's own message type, whose parts it checks lazily, when
+    chat_utils reads them, and refuses there, which the fake does not reproduce."""
+    whole = [{"role": "user", "content": "hello world"}]
+    messages = [{"role": "user", "content": parts}]
+    assert render_chat(messages) == render_chat(whole)
+    for stream in (False, True):
+        reply = httpx.post(f"{engine.url}/v1/chat/completions", json={"messages": messages, "stream": stream})
+        assert reply.status_code == 200, reply.text
+    usage = httpx.post(f"{engine.url}/v1/chat/completions", json={"messages": messages}).json()["usage"]
+    assert usage["prompt_tokens"] == len(whitespace_tokens(render_chat(whole)))
 
 
 @pytest.mark.parametrize(
