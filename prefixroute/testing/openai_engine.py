@@ -81,8 +81,9 @@ def render_chat(messages: object) -> str:
     Raises:
         ValueError: a message is not ``{"role": str, "content": str | [str | {"type": "text", "text": str}, ...] |
             null}``;
-            a content part without a string ``type`` that is no media part either, in vLLM's words (``Missing 'type'
-            field in multimodal part.``, ``Invalid 'type' field in multimodal part.``).
+            a content part without a string ``type`` that is no media part either, or of a type vLLM does not
+            know, in vLLM's words (``Missing 'type' field in multimodal part.``, ``Invalid 'type' field in
+            multimodal part.``, ``Unsupported chat content part type: ...``).
     """
     if not isinstance(messages, list) or not messages:
         raise ValueError("'messages' must be a non-empty list of {role, content} objects")
@@ -104,22 +105,49 @@ def render_chat(messages: object) -> str:
     return "\n".join(parts) + "\n<|assistant|>"
 
 
+# The content-part types vLLM's chat_utils parses (MM_PARSER_MAP): those it renders as text, each with the key its
+# text is read from (a tool reference renders its name), and the media ones, which a text template renders as none.
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+               "thinking": "thinking", "tool_reference": "name"}  # fmt: skip
+_MEDIA_PARTS = ("image_url", "input_image", "image_pil", "image_embeds", "audio_url", "input_audio", "audio_embeds",
+                "video_url", "video_embeds", "prompt_embeds")  # fmt: skip
+_SUPPORTED_PARTS = ", ".join(sorted((*_TEXT_PARTS, *_MEDIA_PARTS)))
+
+
+class _Refused(ValueError):
+    """What vLLM refuses with a VLLMValidationError naming a parameter: 400, the parameter its answer's ``param``."""
+
+    def __init__(self, message: str, *, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def _part_text(part: dict[str, Any] | str) -> str | None:
     """The text a content part renders, as chat_utils' _parse_chat_message_content_part reads it: a plain string is
-    its own text, a ``"text"`` part its ``text``, and a ``"text"`` part whose ``text`` is absent or null is skipped
-    (None), as are images and the like. O(1).
+    its own text, a text part (``text``, ``input_text``, ``output_text``, ``refusal``, ``thinking``,
+    ``tool_reference``) its text, and one whose text is absent or null is skipped (None), as are images and the
+    like. O(1).
 
     Raises:
-        ValueError: a part vLLM refuses (see :func:`_check_part_type`), or a ``text`` that is no string.
+        ValueError: a part vLLM refuses (see :func:`_check_part_type`), or a text that is no string; a type vLLM has
+            no parser for, in its words (``Unsupported chat content part type: ...``), with ``param`` "type".
     """
     if isinstance(part, str):
         return part
     _check_part_type(part)
-    if part.get("type") != "text":
-        return None  # images and the like: no text
-    text = part.get("text")
+    kind = part.get("type")
+    if kind is None or kind in _MEDIA_PARTS:
+        return None  # images and the like (typeless media forms too): no text
+    key = _TEXT_PARTS.get(kind)
+    if key is None:  # VLLMValidationError's str() appends its parameter and value
+        raise _Refused(
+            f"Unsupported chat content part type: {kind!r}. Supported types: {_SUPPORTED_PARTS}. "
+            f"(parameter=type, value={kind})",
+            param="type",
+        )
+    text = part.get(key)
     if text is not None and not isinstance(text, str):
-        raise ValueError("a text part's 'text' must be a string")
+        raise ValueError(f"a {kind} part's {key!r} must be a string")
     return text
 
 
@@ -558,7 +586,7 @@ class OpenAIEngine:
             n = _choices(body, len(prompts))
             max_tokens = _max_tokens(body, self.max_tokens, max(map(len, prompts)))
         except (ValueError, TypeError) as exc:
-            return _error(400, str(exc), "BadRequestError")
+            return _error(400, str(exc), "BadRequestError", param=exc.param if isinstance(exc, _Refused) else None)
         if body.get("model") not in (None, self.model, *self.lora_adapters):
             return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
         if self._slots is not None:
@@ -746,8 +774,8 @@ class _Chunks:
         return {**self.head, "object": kind, "choices": choices, "usage": usage}
 
 
-def _error(status: int, message: str, kind: str) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+def _error(status: int, message: str, kind: str, *, param: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return web.json_response(body, status=status)
 
 

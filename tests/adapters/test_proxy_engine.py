@@ -206,6 +206,47 @@ def test_a_content_part_without_a_string_type_is_vllms_400(engine: OpenAIEngine,
     assert engine.stats().requests == 2 and engine.stats().running == 0
 
 
+# vLLM's renderers/chat_utils.py (MM_PARSER_MAP and the two types it skips when empty), in its order: sorted
+SUPPORTED_PART_TYPES = ("audio_embeds, audio_url, image_embeds, image_pil, image_url, input_audio, input_image, "
+                        "input_text, output_text, prompt_embeds, refusal, text, thinking, tool_reference, "
+                        "video_embeds, video_url")  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["foo", "video", "file", "input_file", "tool_use", "TEXT", ""])
+def test_a_content_part_of_a_type_vllm_does_not_know_is_its_400(engine: OpenAIEngine, kind: str) -> None:
+    """chat_utils' _parse_chat_message_content_part raises VLLMValidationError(parameter="type", value=...) for a
+    type it has no parser for, which vLLM answers 400 BadRequestError with ``param`` "type" and the error's str()
+    as the message (its parameter and value appended). The fake dropped such a part and answered 200 (vLLM before
+    that answered NotImplementedError's 501 "Unknown part type"). Chat only: a completion has no content parts."""
+    message = (f"Unsupported chat content part type: {kind!r}. Supported types: {SUPPORTED_PART_TYPES}. "
+               f"(parameter=type, value={kind})")  # fmt: skip
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": kind, kind: "x"}]}]
+    for stream in (False, True):
+        reply = httpx.post(f"{engine.url}/v1/chat/completions", json={"messages": messages, "stream": stream})
+        assert reply.status_code == 400, reply.text
+        assert reply.json() == {"error": {"message": message, "type": "BadRequestError", "param": "type", "code": 400}}
+    assert engine.stats().running == 0 and engine.stats().prompt_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("part", "text"),
+    [({"type": "input_text", "text": "world"}, "world"), ({"type": "output_text", "text": "world"}, "world"),
+     ({"type": "refusal", "refusal": "world"}, "world"), ({"type": "thinking", "thinking": "world"}, "world"),
+     ({"type": "tool_reference", "name": "world"}, "world"), ({"type": "refusal"}, ""), ({"type": "thinking"}, ""),
+     ({"type": "input_image", "image_url": "x"}, ""), ({"type": "video_embeds", "video_embeds": "x"}, ""),
+     ({"type": "prompt_embeds", "data": "x"}, ""), ({"type": "image_url", "image_url": {"url": "x"}}, "")],
+)  # fmt: skip
+def test_every_content_part_type_vllm_knows_is_served_as_it_renders_it(
+    engine: OpenAIEngine, part: dict[str, object], text: str
+) -> None:
+    """The text types render their text (a refusal its ``refusal``, a thinking part its ``thinking``, a tool
+    reference its ``name``) and the media types none, as chat_utils renders them for a text template."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hello"}, part]}]
+    reply = httpx.post(f"{engine.url}/v1/chat/completions", json={"messages": messages})
+    assert reply.status_code == 200, reply.text
+    assert render_chat(messages) == render_chat([{"role": "user", "content": f"hello {text}".strip()}])
+
+
 TYPELESS_MEDIA: list[dict[str, object]] = [{"image_url": "data:image/png;base64,AAAA"}, {"image_url": {"url": "x"}},
                                            {"audio_url": "a.wav"}, {"video_url": "v.mp4"},
                                            {"input_audio": {"data": "x"}}]  # fmt: skip
