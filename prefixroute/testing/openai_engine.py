@@ -578,6 +578,8 @@ class OpenAIEngine:
                 raise ValueError("the request body must be a JSON object")
             if body.get("model") is not None and not isinstance(body["model"], str):  # vLLM's model: str | None
                 raise ValueError(f"'model' must be a string, not {type(body['model']).__name__}")
+            if "request_id" in body and not isinstance(body["request_id"], str):  # vLLM's: str, a random one if absent
+                raise ValueError(f"request_id: Input should be a valid string, not {shown(body['request_id'])}")
             prompts = self._prompts(body, chat=chat)
             if body.get("stream_options") and not body.get("stream"):  # vLLM's check, on the values as sent
                 raise ValueError("Stream options can only be defined when `stream=True`.")
@@ -648,7 +650,7 @@ class OpenAIEngine:
         stream = _stream_flag(body.get("stream"))
         # vLLM's _base_request_id: the client's X-Request-Id, else the body's request_id, else a random one.
         request_id = request.headers.get("X-Request-Id")
-        if request_id is None and isinstance(body.get("request_id"), str):
+        if request_id is None and "request_id" in body:  # a str: anything else was refused
             request_id = body["request_id"]
         if request_id is None:
             with self._lock:

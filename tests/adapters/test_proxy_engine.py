@@ -521,6 +521,27 @@ def test_a_request_id_names_the_answer_as_vllm_names_it(engine: OpenAIEngine, ch
     assert drawn.startswith(f"{kind}-") and drawn != httpx.post(url, json=body).json()["id"]
 
 
+@pytest.mark.parametrize("request_id", [5, 1.5, True, None, [], {"id": "x"}])
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_a_request_id_that_is_not_a_string_is_vllms_400(engine: OpenAIEngine, chat: bool, request_id: object) -> None:
+    """vLLM's CompletionRequest and ChatCompletionRequest type ``request_id`` as ``str`` (a random one when it is
+    absent, not when it is null), so pydantic refuses anything else 400, before an X-Request-Id header could name the
+    answer; the fake named the answer with a random id and served it."""
+    path, body = ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]}) if chat else (
+        "completions", {"prompt": "hi"})  # fmt: skip
+    for headers in ({}, {"X-Request-Id": "trace-7"}):
+        for stream in (False, True):
+            reply = httpx.post(f"{engine.url}/v1/{path}", json={**body, "request_id": request_id, "stream": stream},
+                               headers=headers)  # fmt: skip
+            assert reply.status_code == 400, reply.text
+            error = reply.json()["error"]
+            assert (error["type"], error["code"]) == ("BadRequestError", 400)
+            assert error["message"].startswith("request_id: Input should be a valid string"), error
+    assert engine.stats().prompt_tokens == 0
+    served = httpx.post(f"{engine.url}/v1/{path}", json={**body, "request_id": ""})  # a string, if empty: taken
+    assert served.status_code == 200 and served.json()["id"] == ("chatcmpl-" if chat else "cmpl-")
+
+
 @pytest.mark.parametrize(
     ("options", "error", "message"),
     [
