@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from prefixroute._numbers import shown
-from prefixroute.errors import ConfigurationError, InvalidTypeError
+from prefixroute.errors import ConfigurationError
 
 __all__ = ["check_served_names"]
 
@@ -19,20 +19,20 @@ def check_served_names(
     named as the model (a request naming it would be ambiguous). ``*_option`` name them in messages (a CLI's flags).
 
     Raises:
-        ConfigurationError: a name that is blank, not printable or holds a lone surrogate, an adapter listed twice
-            or named as the model.
-        TypeError: ``model`` is not a str, ``lora_adapters`` not a collection of str (a str alone is not).
+        ConfigurationError: ``model`` is not a str or ``lora_adapters`` not a collection of str (a str alone is not),
+            whatever they are instead (an option given a value it cannot use, errors.py); a name that is blank, not
+            printable or holds a lone surrogate, an adapter listed twice or named as the model.
     """
     if not isinstance(model, str):
-        raise InvalidTypeError(f"{model_option} must be a str, not {type(model).__name__}")
+        raise ConfigurationError(f"{model_option} must be a str, not {shown(model)}")
     if isinstance(lora_adapters, (str, bytes)) or not isinstance(lora_adapters, Iterable):
-        raise InvalidTypeError(
-            f"{adapters_option} must be a collection of adapter names (str), not {type(lora_adapters).__name__}"
+        raise ConfigurationError(
+            f"{adapters_option} must be a collection of adapter names (str), not {shown(lora_adapters)}"
         )
     adapters = tuple(lora_adapters)
     for option, name in [(model_option, model), *((adapters_option, a) for a in adapters)]:
         if not isinstance(name, str):
-            raise InvalidTypeError(f"{option} must hold names (str), not {type(name).__name__}")
+            raise ConfigurationError(f"{option} must hold names (str), not {shown(name)}")
         if not name.strip() or not name.isprintable():  # a lone surrogate is not printable (category Cs)
             raise ConfigurationError(
                 f"{option} must name a model in printable text (no lone surrogate), not blank, not {shown(name)}"

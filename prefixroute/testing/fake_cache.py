@@ -18,11 +18,19 @@ import xxhash
 
 from prefixroute._numbers import as_int, check_flag, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
-from prefixroute.hashing import BlockHasher, encode_tokens
+from prefixroute.hashing import BlockHasher, check_block_size, encode_tokens, namespace_seed
 from prefixroute.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, ExternalBlockHash
 from prefixroute.vllm.tracker import lora_namespace
 
 __all__ = ["CachedChain", "FakeBlockCache", "FakeRequest"]
+
+
+def _check_lora_name(lora_name: object) -> None:
+    """Raise ConfigurationError unless ``lora_name`` is None (the base model) or a non-empty str. O(1)."""
+    if lora_name is not None and (not isinstance(lora_name, str) or not lora_name):
+        raise ConfigurationError(
+            f"lora_name must be None or an adapter's name (a str, not empty), not {shown(lora_name)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -115,7 +123,14 @@ class FakeBlockCache:
         return [self._blocks[ids[0]].chain for ids in self._by_hash.values()]
 
     def own_hashes(self, *, block_size: int = 16, namespace: str | bytes | None = None) -> set[int]:
-        """Return the true contents as prefixroute hashes (what an exact index must hold)."""
+        """Return the true contents as prefixroute hashes (what an exact index must hold).
+
+        Raises:
+            ConfigurationError: ``block_size`` is not an int in [1, MAX_BLOCK_SIZE] (an empty cache too).
+            TypeError: ``namespace`` is not a str, bytes or None (as :class:`~prefixroute.BlockHasher` refuses it).
+        """
+        check_block_size(block_size)
+        namespace_seed(namespace)  # its type checked, as the hasher checks it, though no block may need a hasher
         result: set[int] = set()
         for chain in self.chains():
             space = lora_namespace(namespace, chain.lora_name)
@@ -128,9 +143,11 @@ class FakeBlockCache:
         """Schedule a request: hit the cached prefix, cache its other full blocks (evicting as needed).
 
         Raises:
-            ConfigurationError: ``share`` is not a bool (nothing changes).
+            ConfigurationError: ``share`` is not a bool, or ``lora_name`` not None nor an adapter's name (a str that
+                is not empty); nothing changes.
         """
         check_flag(share, "share")
+        _check_lora_name(lora_name)
         size = self.block_size
         full = len(prompt) // size
         hashes = self._hashes(prompt[: full * size], lora_name)

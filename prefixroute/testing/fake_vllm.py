@@ -33,6 +33,7 @@ from prefixroute._numbers import as_float, as_int, check_flag, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.testing._names import check_served_names
 from prefixroute.testing.fake_cache import CachedChain, FakeBlockCache, FakeRequest
+from prefixroute.vllm._checks import MAX_SECONDS
 from prefixroute.vllm.events import EventBatch, encode_batch
 from prefixroute.vllm.metrics import TTFT_BUCKETS
 
@@ -75,7 +76,7 @@ def _check_options(
         check_flag(flag, name)
     for name, text in (("topic", topic), ("host", host)):
         if not isinstance(text, str):
-            raise InvalidTypeError(f"{name} must be a str, not {type(text).__name__}")
+            raise ConfigurationError(f"{name} must be a str, not {shown(text)}")
     if not isinstance(encoding, str) or encoding not in ("array", "map", "alternate"):
         raise ConfigurationError(f"encoding must be 'array', 'map' or 'alternate', not {shown(encoding)}")
     buffer = as_int(replay_buffer)
@@ -89,7 +90,7 @@ def _check_options(
         raise InvalidTypeError(f"clock must be a callable returning seconds since the epoch, not {shown(clock)}")
     seed_int = as_int(seed)
     if seed_int is None:
-        raise InvalidTypeError(f"seed must be an int, not {type(seed).__name__}")
+        raise ConfigurationError(f"seed must be an int, not {shown(seed)}")
     numbers = []
     for port in ports:
         number = as_int(port)
@@ -118,11 +119,11 @@ class FakeVLLM:
     engine's ports is how a test restarts the process for real). Thread-safe.
 
     Raises:
-        ConfigurationError: a count, port, ``encoding`` or ``hash_format`` the fake cannot use, a flag
-            (``extra_group``, ``replay``, ``replay_topic``, ``legacy_metric_names``) that is not a bool, or a
-            ``model`` name that is blank, not printable or holds a lone surrogate (checked when given).
-        TypeError: ``model``, ``topic`` or ``host`` is not a str, ``seed`` not an int, ``ttft`` or ``clock`` not a
-            callable.
+        ConfigurationError: a count, port, ``seed``, ``encoding`` or ``hash_format`` the fake cannot use, a flag
+            (``extra_group``, ``replay``, ``replay_topic``, ``legacy_metric_names``) that is not a bool, a ``model``,
+            ``topic`` or ``host`` that is not a str, or a ``model`` name that is blank, not printable or holds a
+            lone surrogate: whatever its type, an option's value it cannot use (checked when given).
+        TypeError: ``ttft`` or ``clock`` is not a callable.
     """
 
     def __init__(
@@ -251,7 +252,8 @@ class FakeVLLM:
         ``hold=True`` keeps it running (its blocks stay referenced) until :meth:`finish_all`.
 
         Raises:
-            ConfigurationError: ``share`` or ``hold`` is not a bool (nothing changes).
+            ConfigurationError: ``share`` or ``hold`` is not a bool, or ``lora_name`` not None nor an adapter's name
+                (nothing changes).
         """
         check_flag(share, "share")
         check_flag(hold, "hold")
@@ -292,7 +294,13 @@ class FakeVLLM:
 
     def flush(self, *, timeout: float = 10.0) -> None:
         """Wait until every batch published so far has been sent on the PUB socket (a subscriber that connects
-        afterwards cannot receive them live: it has to replay them)."""
+        afterwards cannot receive them live: it has to replay them).
+
+        Raises:
+            ConfigurationError: ``timeout`` is not a finite number of seconds >= 0 (nothing is waited for).
+            TimeoutError: the batches were not all sent within ``timeout``.
+        """
+        timeout = _wait_seconds(timeout, "timeout")
         with self._lock:
             pending, self._queued = self._queued, 0
         deadline = time.monotonic() + timeout
@@ -324,9 +332,19 @@ class FakeVLLM:
     def set_metrics_fault(self, *, text: str | None = None, delay: float = 0.0, trickle: float | None = None) -> None:
         """Make ``/metrics`` misbehave: serve ``text`` instead of the real figures (None: the real ones), answer
         after ``delay`` seconds, and with ``trickle`` send the body one byte every ``trickle`` seconds. Call with no
-        arguments to behave again. Requests already being answered keep their fault; :meth:`stop` ends them."""
+        arguments to behave again. Requests already being answered keep their fault; :meth:`stop` ends them.
+
+        Raises:
+            ConfigurationError: ``text`` is not a str or None, ``delay`` not a finite number of seconds >= 0,
+                ``trickle`` neither None nor one (checked here, not by the request that would meet the fault; the
+                fault set before stays).
+        """
+        if text is not None and not isinstance(text, str):
+            raise ConfigurationError(f"text must be the /metrics body (a str) or None, not {shown(text)}")
+        seconds = _wait_seconds(delay, "delay")
+        every = None if trickle is None else _wait_seconds(trickle, "trickle", none=True)
         with self._lock:
-            self._metrics_fault = (text, delay, trickle)
+            self._metrics_fault = (text, seconds, every)
 
     def metrics_fault(self) -> tuple[str | None, float, float | None]:
         """The fault set by :meth:`set_metrics_fault`: ``(text, delay, trickle)``."""
@@ -349,9 +367,16 @@ class FakeVLLM:
             self._outbox.put(list(frames))
 
     def observe_ttft(self, seconds: float) -> None:
-        """Record one TTFT sample directly."""
+        """Record one TTFT sample directly.
+
+        Raises:
+            ConfigurationError: ``seconds`` is not a finite number >= 0 (nothing is recorded).
+        """
+        sample = as_float(seconds)
+        if sample is None or sample < 0:
+            raise ConfigurationError(f"seconds must be a finite number >= 0, not {shown(seconds)}")
         with self._lock:
-            self._m_ttft.observe(seconds)
+            self._m_ttft.observe(sample)
 
     def chains(self) -> list[CachedChain]:
         """The true cache contents, one token chain per cached block."""
@@ -557,6 +582,19 @@ def _token_prompts(prompt: object) -> list[list[int]]:
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in p):
             raise ValueError("token ids must be ints in [0, 2**32)")
     return [list(p) for p in prompts]
+
+
+def _wait_seconds(value: object, name: str, *, none: bool = False) -> float:
+    """``value`` as a plain float if it is a finite number of seconds >= 0 that a thread can wait (at most
+    :data:`~prefixroute.vllm._checks.MAX_SECONDS`), else ConfigurationError naming ``name`` (``none``: the message
+    says None is taken too)."""
+    seconds = as_float(value)
+    if seconds is None or not 0 <= seconds <= MAX_SECONDS:
+        also = "None or " if none else ""
+        raise ConfigurationError(
+            f"{name} must be {also}a finite number of seconds >= 0 (at most {MAX_SECONDS:.0f}), not {shown(value)}"
+        )
+    return seconds
 
 
 def _count(value: object, name: str) -> int:

@@ -268,6 +268,14 @@ def _stream_flag(value: object) -> bool:
     raise ValueError(f"'stream' must be a boolean, not {value!r}")
 
 
+def _hook_count(value: object, option: str) -> int:
+    """``value`` as a plain int if it is an int in [0, 2**31] (numpy's too, not a bool); else a ConfigurationError."""
+    number = as_int(value)
+    if number is None or not 0 <= number <= 2**31:
+        raise ConfigurationError(f"{option} must be an int in [0, 2**31], not {shown(value)}")
+    return number
+
+
 def _delay(option: str, value: object) -> float:
     """``value`` as a plain float if it is a finite number of seconds >= 0; else a ConfigurationError."""
     seconds = as_float(value)
@@ -318,11 +326,11 @@ class OpenAIEngine:
         host, port: where to listen (port 0: a free one the OS picks; kept across :meth:`refuse`/:meth:`accept`).
 
     Raises:
-        ConfigurationError: a ``model`` or adapter name that :func:`check_served_names` refuses (blank, a lone
-            surrogate, an adapter twice or named as the model), a delay that is negative or infinite, a
-            ``max_tokens``, ``max_running`` or ``port`` out of range.
-        TypeError: ``model`` or ``host`` is not a str, ``lora_adapters`` not a collection of str, ``seed`` not an
-            int, ``clock`` or ``tokenizer`` not a callable.
+        ConfigurationError: a ``model`` or ``lora_adapters`` that :func:`check_served_names` refuses (no str, no
+            collection of str, blank, a lone surrogate, an adapter twice or named as the model), a ``host`` that is
+            not a str, a ``seed`` that is not an int, a delay that is negative or infinite, a ``max_tokens``,
+            ``max_running`` or ``port`` out of range: whatever its type, an option's value it cannot use.
+        TypeError: ``clock`` or ``tokenizer`` is not a callable.
 
     :meth:`start` serves on a thread of its own (its own event loop), so synchronous and asynchronous tests alike
     can use it; :meth:`serve` runs it on the caller's loop instead. The test hooks are thread-safe.
@@ -350,7 +358,7 @@ class OpenAIEngine:
             if not callable(function):
                 raise InvalidTypeError(f"{option} must be a callable, not {shown(function)}")
         if not isinstance(host, str):
-            raise InvalidTypeError(f"host must be a str, not {type(host).__name__}")
+            raise ConfigurationError(f"host must be a str, not {shown(host)}")
         prefill_s = _delay("prefill_s", prefill_s)
         prefill_per_token_s = _delay("prefill_per_token_s", prefill_per_token_s)
         token_delay_s = _delay("token_delay_s", token_delay_s)
@@ -366,7 +374,7 @@ class OpenAIEngine:
             raise ConfigurationError(f"port must be an int in [0, 65535] (0: any free), not {shown(port)}")
         seed_int = as_int(seed)
         if seed_int is None:
-            raise InvalidTypeError(f"seed must be an int, not {type(seed).__name__}")
+            raise ConfigurationError(f"seed must be an int, not {shown(seed)}")
         max_tokens, max_running, port = tokens, running, listen_port
         self.model, self.lora_adapters = check_served_names(model, lora_adapters)
         self.cache = FakeBlockCache(block_size=block_size, num_blocks=num_blocks, rng=random.Random(seed_int))
@@ -451,15 +459,29 @@ class OpenAIEngine:
     # -- test hooks ------------------------------------------------------------------------------------------------
 
     def fail_next(self, count: int = 1, *, status: int = 500) -> None:
-        """Answer the next ``count`` completion requests with HTTP ``status`` and an OpenAI-style error body."""
+        """Answer the next ``count`` completion requests with HTTP ``status`` and an OpenAI-style error body.
+
+        Raises:
+            ConfigurationError: ``count`` is not an int in [0, 2**31], ``status`` not an HTTP error status (an int
+                in [400, 599]); checked here, not by the request that would fail, and nothing changes.
+        """
+        times = _hook_count(count, "count")
+        code = as_int(status)
+        if code is None or not 400 <= code <= 599:
+            raise ConfigurationError(f"status must be an HTTP error status, an int in [400, 599], not {shown(status)}")
         with self._lock:
-            self._fail = (count, status)
+            self._fail = (times, code)
 
     def stall(self, *, after_tokens: int = 0) -> None:
         """Make requests hang once they have streamed ``after_tokens`` tokens (0: before any answer), until
-        :meth:`resume`. Requests already past that point are not held."""
+        :meth:`resume`. Requests already past that point are not held.
+
+        Raises:
+            ConfigurationError: ``after_tokens`` is not an int in [0, 2**31] (nothing changes).
+        """
+        tokens = _hook_count(after_tokens, "after_tokens")
         with self._lock:
-            self._stall_after = after_tokens
+            self._stall_after = tokens
 
     def resume(self) -> None:
         """Let stalled requests go on."""

@@ -550,9 +550,9 @@ def test_a_request_id_that_is_not_a_string_is_vllms_400(engine: OpenAIEngine, ch
         ({"lora_adapters": ["fake-model"]}, ConfigurationError, "names the base model 'fake-model'"),
         ({"model": ""}, ConfigurationError, "model must name a model"),
         ({"model": "\ud800"}, ConfigurationError, "model must name a model"),
-        ({"model": 5}, TypeError, "model must be a str"),
-        ({"lora_adapters": "sql"}, TypeError, "collection of adapter names"),
-        ({"lora_adapters": [5]}, TypeError, "must hold names"),
+        ({"model": 5}, ConfigurationError, "model must be a str"),
+        ({"lora_adapters": "sql"}, ConfigurationError, "collection of adapter names"),
+        ({"lora_adapters": [5]}, ConfigurationError, "must hold names"),
     ],
 )
 def test_served_names_are_checked_when_the_engine_is_made(
@@ -593,7 +593,7 @@ def test_response_ids_and_times_come_from_the_engine_seed_and_clock_not_the_glob
         ({"prefill_per_token_s": float("nan")}, ConfigurationError, "prefill_per_token_s must be a finite"),
         ({"tokenizer": "words"}, TypeError, "tokenizer must be a callable"),
         ({"clock": 5}, TypeError, "clock must be a callable"),
-        ({"host": None}, TypeError, "host must be a str"),
+        ({"host": None}, ConfigurationError, "host must be a str"),
     ],
 )
 def test_engine_options_of_the_wrong_type_are_refused_when_given(
