@@ -304,6 +304,10 @@ class EngineStats:
     """Prompt tokens of admitted requests."""
     cached_tokens: int
     """Of those, tokens served from the prefix cache."""
+    simulated_prefill_s: float = 0.0
+    """Prefill the engine simulated for admitted requests, seconds: ``prefill_s`` plus ``prefill_per_token_s`` per
+    uncached prompt token, each request's slept before its first token (a stall not counted). Its record, not a
+    clock's: a test asserts on it, and on :attr:`cached_tokens`, rather than on how long a request took."""
 
 
 class OpenAIEngine:
@@ -393,6 +397,7 @@ class OpenAIEngine:
         self._waiting = 0
         self._ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)  # per bucket (not cumulative), the last one +Inf
         self._ttft_sum = 0.0
+        self._prefill_total = 0.0  # seconds of prefill simulated (EngineStats.simulated_prefill_s)
         self._max_running = max_running
         self._fail: tuple[int, int] = (0, 500)
         self._stall_after: int | None = None
@@ -501,7 +506,7 @@ class OpenAIEngine:
         with self._lock:
             c = self._counts
             return EngineStats(c["requests"], c["completed"], c["failed"], c["disconnected"], self._running,
-                               self._waiting, c["prompt"], c["cached"])  # fmt: skip
+                               self._waiting, c["prompt"], c["cached"], self._prefill_total)  # fmt: skip
 
     def metrics_text(self) -> str:
         """The Prometheus text ``/metrics`` serves, with vLLM's metric names."""
@@ -669,6 +674,8 @@ class OpenAIEngine:
             self._running += 1
             self._counts["prompt"] += prompt_tokens
             self._counts["cached"] += cached_tokens
+            prefill = self.prefill_s + self.prefill_per_token_s * (prompt_tokens - cached_tokens)
+            self._prefill_total += prefill
         stream = _stream_flag(body.get("stream"))
         # vLLM's _base_request_id: the client's X-Request-Id, else the body's request_id, else a random one.
         request_id = request.headers.get("X-Request-Id")
@@ -686,7 +693,6 @@ class OpenAIEngine:
                  "prompt_tokens_details": {"cached_tokens": cached_tokens}}  # fmt: skip
         response: web.StreamResponse | None = None
         finished = False
-        prefill = self.prefill_s + self.prefill_per_token_s * (prompt_tokens - cached_tokens)
         started = time.perf_counter()
         try:
             if stream:  # vLLM (Starlette) sends the headers at once, the first chunk after prefill
