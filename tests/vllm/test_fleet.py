@@ -19,7 +19,7 @@ from prefixroute import ConfigurationError, InvalidTypeError, LeastLoaded, Route
 from prefixroute.testing import FakeVLLM
 from prefixroute.vllm import EventIndex, Fleet, KVEventSubscriber
 
-from ..conftest import FakeClock, wait_until
+from ..conftest import FakeClock, returns, wait_until
 from .conftest import SMALL_BODY, answer, events_router, fresh, http_server, settle
 
 PROMPT = [random.Random(1).randrange(30_000) for _ in range(96)]  # 6 blocks
@@ -154,9 +154,9 @@ def test_a_slow_engine_never_makes_the_others_stale() -> None:
         assert stats["slow"].scrapes == 0 and "within 0.5s" in (stats["slow"].last_error or "")
         assert stats["fast"].scrapes >= 8 and stats["fast"].failed_scrapes == 0  # not held up by the slow one
         assert fleet.healthy_backends() == ["fast"]
-        began = time.monotonic()
-        fleet.remove_backend("slow")  # waits for the scrape in flight, at most about the timeout
-        assert time.monotonic() - began < 2.0
+        # It waits for the scrape in flight, which only the fleet's timeout ends: the body trickles for minutes, so
+        # the hang guard fails a remove that waits for the engine, whatever the machine's speed.
+        returns(lambda: fleet.remove_backend("slow"), what="remove_backend() with a scrape in flight")
 
 
 def test_unknown_is_healthy_until_the_stale_window_passes() -> None:

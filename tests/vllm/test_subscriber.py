@@ -19,7 +19,7 @@ from prefixroute.testing import FakeVLLM
 from prefixroute.vllm import EventIndex, Fleet, KVEventSubscriber, lora_namespace
 from prefixroute.vllm import subscriber as subscriber_module
 
-from ..conftest import wait_until
+from ..conftest import DEADLINE_S, wait_until
 from .conftest import events_router, fresh, settle
 
 STEMS = [[random.Random(stem).randrange(30_000) for _ in range(160)] for stem in range(4)]
@@ -627,16 +627,15 @@ def test_a_replay_that_never_ends_is_cut_at_replay_timeout_and_live_events_go_on
                     state["at"] = time.monotonic()
                 return False
 
-            began = time.monotonic()
-            wait_until(applied_live, timeout=10.0, what="live batches applied despite the endless replay")
-            assert time.monotonic() - began < 5.0
+            # The replay never ends, so only replay_timeout cutting it lets live batches through: wait_until is a
+            # hang guard, not a measure (the 5 s bound on it was a speed assertion).
+            wait_until(applied_live, what="live batches applied despite the endless replay")
             stats = sub.stats()
             assert replay.requests >= 1 and replay.sent > 1  # the endpoint did keep answering
             assert stats.failed_replays >= 1 and stats.last_seq >= 0
             assert sub.held()  # the state lock is free again: live events were applied
-            began = time.monotonic()
-            sub.stop(timeout=3)
-            assert time.monotonic() - began < 1.0 and not sub.running
+            sub.stop(timeout=DEADLINE_S)  # ends the thread, replay and all: running is False once it has ended
+            assert not sub.running
     finally:
         context.destroy(linger=0)
 
