@@ -126,10 +126,13 @@ def body(suffix: int, *, stream: bool = True, chat: bool = False) -> dict[str, o
     return {"model": "fake-model", "prompt": [*SHARED, suffix, suffix + 1], "stream": stream, "max_tokens": 8}
 
 
-def stream_request(url: str, payload: dict[str, object], *, chat: bool = False) -> tuple[int, list[str]]:
-    """POST a streaming completion; return the status and the SSE data lines."""
+def stream_request(
+    url: str, payload: dict[str, object], *, chat: bool = False, timeout: float = DEADLINE_S
+) -> tuple[int, list[str]]:
+    """POST a streaming completion; return the status and the SSE data lines. ``timeout``: the longest silence
+    waited for, a guard against a hang."""
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    with httpx.Client(timeout=DEADLINE_S) as client, client.stream("POST", url + path, json=payload) as reply:
+    with httpx.Client(timeout=timeout) as client, client.stream("POST", url + path, json=payload) as reply:
         lines = [line[6:] for line in reply.iter_lines() if line.startswith("data: ")]
         return reply.status_code, lines
 
@@ -284,8 +287,10 @@ def check_a_prompt_of_megabytes_is_served(stack: Stack) -> None:
     (a gRPC message over gRPC's default limit, 4 MiB, failed the stream: the request fell back unrouted)."""
     decided = stack.decisions()
     prompt = list(range(60_000, 60_000 + 700_000))  # over 5 MiB as JSON
+    # Decoding and hashing 700,000 ids in the gateway's sidecar and in the engine takes 1.5-6 s of CPU on a quiet
+    # machine and 7-8 s beside two busy processes (it failed once at 10 s in CI): a hang guard of a minute.
     status, lines = stream_request(
-        stack.url, {"model": "fake-model", "prompt": prompt, "stream": True, "max_tokens": 8}
+        stack.url, {"model": "fake-model", "prompt": prompt, "stream": True, "max_tokens": 8}, timeout=60
     )
     assert status == 200 and lines[-1] == "[DONE]"
     wait_until(lambda: stack.in_flight() == 0, what="the release of the long prompt")
