@@ -860,7 +860,8 @@ class Router:
 
     def _check(self) -> None:
         """Assert that every per-backend counter is what the requests in flight add up to (their footprints
-        included), and the index's own invariants when it has a ``_check``. For tests; O(requests + index)."""
+        included), and the index's own invariants when it has a ``_check``, all under the router's lock, so it may run
+        while other threads route. For tests; O(requests + index)."""
         with self._lock:
             expected: dict[str, list[int]] = {}
             own: dict[str, int] = {}
@@ -887,9 +888,9 @@ class Router:
                 assert {key: group[1] for key, group in groups.items()} == holders.get(backend, {}), backend
                 distinct = own.get(backend, 0) + sum(group[0] for group in groups.values())
                 assert (footprint.blocks if footprint else 0) == distinct == self._active.get(backend, 0), backend
-        check = getattr(self._index, "_check", None)
-        if check is not None:
-            check()
+            check = getattr(self._index, "_check", None)
+            if check is not None:  # under the lock: a route() on another thread may be inserting
+                check()
 
 
 class _Lock:
