@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -72,3 +74,17 @@ class LoopNoting(ByteEncoder):
         except RuntimeError:
             self.on_loop.append(False)
         return super().encode(text)
+
+
+async def request_during_close(client: socket.socket, closing: asyncio.Future[Any]) -> None:
+    """Send a /healthz request on ``client``, a connection the server accepted just before ``closing`` (its close)
+    began, and assert a graceful close: the request answered 200 or refused (a reset, or closed unanswered), then the
+    connection closed and the close done, each within 5 s (an unserved connection waits for ever)."""
+    loop = asyncio.get_running_loop()
+    await loop.sock_sendall(client, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    received = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := await asyncio.wait_for(loop.sock_recv(client, 65536), 5):
+            received += chunk
+    assert received == b"" or received.startswith(b"HTTP/1.1 200 OK\r\n"), received
+    await asyncio.wait_for(closing, 5)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import socket
 import threading
@@ -20,6 +19,7 @@ from prefixroute.adapters.threaded import ServerThread
 from prefixroute.testing.openai_engine import OpenAIEngine
 
 from ..conftest import running_engines, wait_until
+from .conftest import request_during_close
 
 SYSTEM = " ".join(f"rule{i}" for i in range(64))  # 64 words: four 16-token blocks for the engines
 
@@ -335,26 +335,15 @@ def test_aclose_answers_or_drops_a_connection_accepted_the_loop_turn_before() ->
     # asyncio gives an accepted connection its transport a loop turn after accepting it; aclose() closed the server
     # in between, which fails that unseen (CPython gh-109564) and left the connection open, neither served nor
     # closed, until the garbage collector found it: a client that sent a request on it waited that long.
-    request = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
-
     async def scenario() -> None:
         proxy = Proxy(Router(), ["http://127.0.0.1:9"], base_models=())
         port = int((await proxy.serve()).rsplit(":", 1)[1])
-        loop = asyncio.get_running_loop()
         try:
             with socket.create_connection(("127.0.0.1", port)) as client:  # the kernel completes it at once
                 client.setblocking(False)
                 await asyncio.sleep(0)  # the loop's next turn runs this test on, then accepts the connection
                 closing = asyncio.ensure_future(proxy.aclose())  # runs the turn after, before the transport
-                await loop.sock_sendall(client, request)
-                received = b""
-                with contextlib.suppress(ConnectionResetError):  # or dropped with a reset
-                    while chunk := await asyncio.wait_for(loop.sock_recv(client, 65536), 5):
-                        received += chunk
-                # a graceful close: the request is answered (what aiohttp does now) or refused, then the connection
-                # is closed, and aclose() returns
-                assert received == b"" or received.startswith(b"HTTP/1.1 200 OK\r\n"), received
-                await asyncio.wait_for(closing, 5)
+                await request_during_close(client, closing)  # answered (as aiohttp does now) or refused, and closed
         finally:
             await proxy.aclose()
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import signal
 import socket
@@ -29,7 +28,7 @@ from prefixroute.adapters.serve.release import ReleaseProtocol, refused
 from prefixroute.errors import ConfigurationError
 
 from ..conftest import DEADLINE_S, BuggyPolicy, StrangerPolicy
-from .conftest import CORPUS
+from .conftest import CORPUS, request_during_close
 
 BACKENDS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"]
 
@@ -607,13 +606,10 @@ def test_shutdown_answers_or_drops_a_connection_accepted_just_before(turns: int)
     # shutdown until its client left (for ever, for a gateway's pooled connection that sends nothing).
     from prefixroute.adapters.serve.cli import _http_server
 
-    request = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
-
     async def scenario() -> None:
         server = _http_server(Sidecar(Router(block_size=16), backends=BACKENDS))
         server.config.load()  # as uvicorn's serve() starts it, so that the test can stop it in a chosen turn
         server.lifespan = server.config.lifespan_class(server.config)
-        loop = asyncio.get_running_loop()
         with socket.create_server(("127.0.0.1", 0)) as listening:
             listening.setblocking(False)
             await server.startup(sockets=[listening])
@@ -624,15 +620,7 @@ def test_shutdown_answers_or_drops_a_connection_accepted_just_before(turns: int)
                     for _ in range(turns):  # the loop's next turn accepts it, the one after gives its transport
                         await asyncio.sleep(0)
                     closing = asyncio.ensure_future(server.shutdown(sockets=[listening]))  # runs the turn after
-                    await loop.sock_sendall(client, request)
-                    received = b""
-                    with contextlib.suppress(ConnectionResetError):  # or dropped with a reset
-                        while chunk := await asyncio.wait_for(loop.sock_recv(client, 65536), 5):
-                            received += chunk
-                    # a graceful shutdown: the request is answered or refused, then the connection is closed, and
-                    # the shutdown ends
-                    assert received == b"" or received.startswith(b"HTTP/1.1 200 OK\r\n"), received
-                    await asyncio.wait_for(closing, 5)
+                    await request_during_close(client, closing)  # answered or refused, and closed
             finally:
                 if closing is not None:
                     closing.cancel()
