@@ -26,6 +26,8 @@ _NO_COUNTS: list[Any] = ["1", None, True, -1, 1.5, 1.0, 2**31 + 1, [1]]
 _NO_TEXTS: list[Any] = [5, 1.5, True, b"x", ["x"]]
 _NO_SIZES: list[Any] = [0, "1", None, True, -1, 1.5, 1.0, [1]]
 
+npa: Any = np  # numpy's scalars typed loosely: numpy 2.2's stubs (Python 3.10's) refuse np.int64 as int, 2.4's not
+
 
 def _fake() -> FakeVLLM:
     return FakeVLLM()  # built, never started: every option is checked when it is given
@@ -163,14 +165,14 @@ def test_refused_test_hooks_change_nothing() -> None:
 
 def test_good_values_are_taken_as_the_plain_numbers_they_stand_for() -> None:
     engine = FakeVLLM()
-    engine.flush(timeout=np.float32(0.5))
+    engine.flush(timeout=npa.float32(0.5))
     engine.flush(timeout=0)
-    engine.set_metrics_fault(delay=np.int64(1), trickle=np.float64(0.25))
+    engine.set_metrics_fault(delay=npa.int64(1), trickle=npa.float64(0.25))
     assert engine.metrics_fault() == (None, 1.0, 0.25) and type(engine.metrics_fault()[1]) is float
     engine.set_metrics_fault()
     assert engine.metrics_fault() == (None, 0.0, None)
     assert engine.complete(list(range(32)), lora_name="sql").prompt_tokens == 32
-    fake = OpenAIEngine(seed=np.int64(3), host="localhost")
-    fake.fail_next(np.int64(1), status=np.int64(429))
-    fake.stall(after_tokens=np.int64(2))
+    fake = OpenAIEngine(seed=npa.int64(3), host="localhost")
+    fake.fail_next(npa.int64(1), status=npa.int64(429))
+    fake.stall(after_tokens=npa.int64(2))
     assert fake._fail == (1, 429) and type(fake._fail[1]) is int and fake._stall_after == 2
