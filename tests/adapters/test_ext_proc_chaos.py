@@ -50,6 +50,7 @@ from prefixroute.adapters.serve.ext_proc import DESTINATION_HEADER, start_ext_pr
 
 from ..conftest import FakeClock
 from .conftest import CORPUS
+from .test_serve_chaos import Fault, Health, apply_fault
 from .test_serve_contract_blackbox import parse_exposition
 
 FIXED = [f"http://10.0.0.{i}:8000" for i in range(1, 5)]  # the picker only decides: nothing listens there
@@ -280,14 +281,6 @@ def plan_streams(rng: random.Random, max_id: int) -> list[Stream]:
     return streams
 
 
-@dataclass
-class Fault:
-    at_s: float
-    kind: str
-    backend: str
-    value: int
-
-
 def plan_faults(rng: random.Random) -> list[Fault]:
     """What --kv-events and --metrics-from-backends do to the router while it serves, the clock's steps, and checks
     of the router's invariants in between."""
@@ -418,40 +411,12 @@ def decision_of(answer: Any) -> str:
     return str(next(h.header.raw_value.decode() for h in mutation.set_headers if h.header.key == "x-prefixroute-id"))
 
 
-class Health:
-    """The backends' health as ``Fleet.healthy_backends`` reports it; the chaos changes it (none: fail open)."""
-
-    def __init__(self) -> None:
-        self.up = frozenset(FIXED)
-
-    def __call__(self, backends: Any) -> list[str]:
-        return [backend for backend in backends if backend in self.up]
-
-
 async def chaos(faults: list[Fault], router: Router, clock: FakeClock, health: Health, chains: list[list[BlockHash]],
                 started: float) -> None:  # fmt: skip
-    """The fleet's changes at their times, on the picker's loop (so ``Router._check()`` sees no write midway)."""
+    """The fleet's changes at their times, on the picker's loop."""
     for fault in faults:
         await asyncio.sleep(max(0.0, fault.at_s - (time.monotonic() - started)))
-        value, backend = fault.value, fault.backend
-        if fault.kind == "step":
-            clock.tick(STEP_S)
-        elif fault.kind == "health":
-            health.up = frozenset(b for i, b in enumerate(FIXED) if value >> i & 1)
-        elif fault.kind == "capacity":
-            router.set_capacity(backend, [2, 8, 64, None][value % 4])
-        elif fault.kind == "load":
-            router.set_engine_load(backend, queue_len=value % 9 or None, kv_usage=(value % 11) / 10 or None)
-        elif fault.kind in ("store", "evict"):
-            hashes = chains[value % len(chains)]
-            if fault.kind == "store":
-                router.store(backend, hashes)
-            else:
-                router.evict(backend, hashes[value % len(hashes) :])
-        elif fault.kind == "clear":
-            router.clear_backend(backend)
-        else:
-            router._check()
+        apply_fault(fault, router, clock, health, chains)
 
 
 async def settle(sidecar: Sidecar, finishes: int, what: str) -> None:

@@ -36,7 +36,7 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -292,21 +292,11 @@ class Serving:
     port: int
     release_port: int
     thread: threading.Thread | None = None  # the sidecar's
-    loop: asyncio.AbstractEventLoop | None = None  # the sidecar's
 
     def idle(self) -> bool:
         """No connection open and no request being served: every request the sidecar was sent is settled."""
         state = self.server.server_state
         return not state.connections and not state.tasks
-
-    async def on_loop(self, function: Callable[[], None]) -> None:
-        """Run ``function`` on the sidecar's event loop, between two of its steps, and wait for it."""
-        assert self.loop is not None
-
-        async def call() -> None:
-            function()
-
-        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call(), self.loop))
 
 
 @contextlib.contextmanager
@@ -325,7 +315,7 @@ def serving(sidecar: Sidecar) -> Iterator[Serving]:
     served = Serving(uvicorn.Server(config), listener.getsockname()[1], release.getsockname()[1])
 
     async def main() -> None:
-        served.loop = loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
         transport, _ = await loop.create_datagram_endpoint(lambda: ReleaseProtocol(sidecar), sock=release)
         try:
             await served.server.serve(sockets=[listener])
@@ -654,33 +644,39 @@ def one_answer(raw: bytes) -> tuple[Answer, bytes]:
     return Answer(status, headers, rest[:length]), rest[length:]
 
 
-async def chaos(faults: list[Fault], serving: Serving, router: Router, clock: FakeClock, health: Health,
+async def chaos(faults: list[Fault], router: Router, clock: FakeClock, health: Health,
                 chains: list[list[BlockHash]], started: float, log: list[str]) -> None:  # fmt: skip
-    """Apply the fleet's changes at their times, from this thread (as Fleet's threads do); ``chains`` are the block
-    hashes KV events store and evict. The invariants are checked on the sidecar's loop: ``Router._check()`` reads
-    the index outside the router's lock, so it needs a moment when nothing writes it (this thread is in it)."""
+    """Apply the fleet's changes at their times, from this thread (as Fleet's threads do)."""
     for fault in faults:
         await asyncio.sleep(max(0.0, fault.at_s - (time.monotonic() - started)))
         log.append(f"{time.monotonic() - started:.3f} {fault.kind} {fault.backend} {fault.value}")
-        value, backend = fault.value, fault.backend
-        if fault.kind == "step":
-            clock.tick(STEP_S)
-        elif fault.kind == "health":
-            health.up = frozenset(b for i, b in enumerate(FIXED) if value >> i & 1)  # none at all: fail open
-        elif fault.kind == "capacity":
-            router.set_capacity(backend, [2, 8, 64, None][value % 4])
-        elif fault.kind == "load":
-            router.set_engine_load(backend, queue_len=value % 9 or None, kv_usage=(value % 11) / 10 or None)
-        elif fault.kind in ("store", "evict"):
-            hashes = chains[value % len(chains)]
-            if fault.kind == "store":
-                router.store(backend, hashes)
-            else:
-                router.evict(backend, hashes[value % len(hashes) :])
-        elif fault.kind == "clear":
-            router.clear_backend(backend)
+        apply_fault(fault, router, clock, health, chains)
+
+
+def apply_fault(fault: Fault, router: Router, clock: FakeClock, health: Health, chains: list[list[BlockHash]]) -> None:
+    """Change the router as --metrics-from-backends (health, engine load, capacity) and --kv-events (blocks stored,
+    evicted, cleared on an engine restart) do, step the clock, or check the router's invariants (under its lock,
+    whichever thread writes meanwhile); ``chains`` are the block hashes KV events store and evict. The ext_proc
+    chaos test applies its faults with it too."""
+    value, backend = fault.value, fault.backend
+    if fault.kind == "step":
+        clock.tick(STEP_S)
+    elif fault.kind == "health":
+        health.up = frozenset(b for i, b in enumerate(FIXED) if value >> i & 1)  # none at all: fail open
+    elif fault.kind == "capacity":
+        router.set_capacity(backend, [2, 8, 64, None][value % 4])
+    elif fault.kind == "load":
+        router.set_engine_load(backend, queue_len=value % 9 or None, kv_usage=(value % 11) / 10 or None)
+    elif fault.kind in ("store", "evict"):
+        hashes = chains[value % len(chains)]
+        if fault.kind == "store":
+            router.store(backend, hashes)
         else:
-            await serving.on_loop(router._check)
+            router.evict(backend, hashes[value % len(hashes) :])
+    elif fault.kind == "clear":
+        router.clear_backend(backend)
+    else:
+        router._check()
 
 
 async def drive(serving: Serving, stories: list[Story], faults: list[Fault], router: Router, clock: FakeClock,
@@ -693,7 +689,7 @@ async def drive(serving: Serving, stories: list[Story], faults: list[Fault], rou
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         client = Client(session, serving, books, started)
         try:
-            fault_task = asyncio.ensure_future(chaos(faults, serving, router, clock, health, chains, started, log))
+            fault_task = asyncio.ensure_future(chaos(faults, router, clock, health, chains, started, log))
             await asyncio.gather(*(client.story(story) for story in stories))
             await fault_task
         finally:
