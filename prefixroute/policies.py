@@ -214,8 +214,8 @@ class BoundedLoad(LoadPolicy):
     A miss has no cached prefix to protect, so it gets the tightest bound (factor 1): the first backend in
     placement order whose load after placing stays within the mean. With nothing in flight that is the rendezvous
     choice, so router replicas agree where a new prefix lives; under load, new prefixes avoid busy backends (the
-    simulator's ``seed`` scenario shows the difference: see docs/simulator.md). If no candidate qualifies, the
-    least loaded. O(len(candidates)).
+    simulator's ``seed`` scenario shows the difference: see docs/simulator.md). One candidate always qualifies: the
+    least loaded is at most the mean, below ``(total load + 1) / len(candidates)``. O(len(candidates)).
     """
 
     name = "bounded-load"
@@ -233,9 +233,8 @@ class BoundedLoad(LoadPolicy):
         total = sum(loads)
         # An int load is below ceil(x) exactly when it is below x: no ceil, so a huge factor's infinite x works too.
         bound = self.factor * (total + 1) / len(candidates)
+        # Never empty: the least loaded is at most the mean, below (total + 1) / n, which factor >= 1 keeps below bound.
         eligible = [c for c, load in zip(candidates, loads, strict=True) if load < bound]
-        if not eligible:
-            return min(candidates, key=_load)
         longest = max(map(_matched, eligible))
         if longest == 0:
             # A miss has no cached prefix to protect, so it gets the tightest bound (factor 1): the first backend in
