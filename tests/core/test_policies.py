@@ -147,6 +147,28 @@ def test_bounded_load_places_a_miss_by_placement_order_among_backends_at_most_av
     # 5 in flight + this one over 3 backends: a mean of 2, so "first" (2 already) would go above it.
     busy_first = [Candidate("first", 0, 512, 2), Candidate("second", 0, 512, 0), Candidate("third", 0, 512, 3)]
     assert BoundedLoad().choose(busy_first).backend == "second"
+    # The first within the mean, not the least loaded: 6 in flight + this one over 3 is a mean of 7/3, and "first"
+    # (1, so 2 after) stays within it before "second" (0) is looked at.
+    light_first = [Candidate("first", 0, 512, 1), Candidate("second", 0, 512, 0), Candidate("third", 0, 512, 5)]
+    assert BoundedLoad().choose(light_first).backend == "first"
+
+
+def test_bounded_load_bound_is_exact_and_its_factor_two_by_default() -> None:
+    # factor 1.5, 3 in flight + this one over 2 backends: ceil(1.5 x 4 / 2) = 3, so "hot" (3, 4 after) is over it
+    # and the request goes to "cold"; at factor 2 the bound is 4, which "hot" reaches and does not exceed.
+    hot, cold = Candidate("hot", 512, 512, 3), Candidate("cold", 0, 512, 0)
+    assert BoundedLoad(factor=1.5).choose([hot, cold]) is cold
+    assert BoundedLoad(factor=2.0).choose([hot, cold]) is hot
+    # The default factor is 2 (docs/policies.md): 2 in flight + 1 over 3 backends gives ceil(2 x 3 / 3) = 2, which
+    # "hot" (2, 3 after) would exceed; a factor of 3 (bound 3) would keep it.
+    three = [Candidate("hot", 512, 512, 2), Candidate("a", 0, 512, 0), Candidate("b", 0, 512, 0)]
+    assert BoundedLoad().choose(three).backend == "a"
+    assert BoundedLoad(factor=3.0).choose(three).backend == "hot"
+
+
+def test_bounded_load_gives_equally_matched_candidates_to_the_least_loaded() -> None:
+    busier, calmer = Candidate("a", 256, 512, 2), Candidate("b", 256, 512, 1)  # bound ceil(2 x 4 / 2) = 4: both
+    assert BoundedLoad().choose([busier, calmer]) is calmer
 
 
 @given(candidates=candidate_lists, factor=st.floats(1.0, 4.0))
