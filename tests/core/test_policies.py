@@ -201,6 +201,16 @@ def test_cost_aware_trades_cache_against_queue() -> None:
     assert CostAware(cost=cost).choose([idle_cold, cached_but_busy]) is cached_but_busy
     very_busy = Candidate("cached", 1000, 1000, 20)  # 2.0 s of queue
     assert CostAware(cost=cost).choose([idle_cold, very_busy]) is idle_cold
+    # The default cost is LinearTTFT() (docs/policies.md): 1000 uncached tokens at 1.2e-4 s, 0.12 s, against one
+    # request queued at 0.05 s.
+    warm = Candidate("warm", 1000, 1000, 1)
+    assert CostAware().choose([idle_cold, warm]) is warm
+
+
+def test_linear_ttft_is_queueing_plus_prefill_plus_attention_over_the_cached_context() -> None:
+    cost = LinearTTFT(per_request_s=0.5, per_token_s=0.01, per_token_pair_s=0.001)
+    # load x per_request_s + uncached x per_token_s + uncached x matched x per_token_pair_s: 1.5 + 0.7 + 2.1
+    assert cost(Candidate("a", 30, 100, 2, queue_len=1)) == pytest.approx(4.3)
 
 
 def test_policy_from_name_options_and_errors() -> None:
