@@ -275,6 +275,25 @@ def test_predicted_ttft_sends_a_long_prompt_where_it_fits_in_the_kv_memory_left(
     # cost() everywhere is test_predicted_ttft_chooses_a_lowest_cost_candidate's).
     for unknown in (busy._replace(capacity_blocks=None), busy._replace(block_size=0)):
         assert PredictedTTFT().cost(unknown) < PredictedTTFT().cost(busy)
+        assert PredictedTTFT().choose([unknown, roomy]) is unknown  # 8192 x 2 / 0.4 against 8192 x 4 / 0.6
+
+
+def test_predicted_ttft_counts_a_backend_full_only_where_the_prompt_does_not_fit() -> None:
+    # A prompt that fills the memory left exactly fits: 512 blocks beside 488 of 1,000 active, 8192 x 2 / 0.512
+    # (32,000) against 8192 x 4 (32,768) on an empty backend; one block more and it is full, 8192 x 2 / 0.05.
+    exact = Candidate("exact", 0, 8192, 1, active_blocks=488, capacity_blocks=1000)
+    empty = Candidate("empty", 0, 8192, 3, capacity_blocks=1000)
+    policy = PredictedTTFT()
+    assert policy.cost(exact) == pytest.approx(8192 * 2 / 0.512)
+    assert policy.choose([exact, empty]) is exact
+    over = exact._replace(active_blocks=489)
+    assert policy.cost(over) == pytest.approx(8192 * 2 / 0.05)
+    assert policy.choose([over, empty]) is empty
+    # Blocks of one token: 100 of them do not fit beside 901 of 1,000, so 100 / 0.05 (2,000) against 100 x 15.
+    tight = Candidate("tight", 0, 100, 0, active_blocks=901, capacity_blocks=1000, block_size=1)
+    crowded = Candidate("crowded", 0, 100, 14, capacity_blocks=1000, block_size=1)
+    assert policy.cost(tight) == pytest.approx(100 / 0.05)
+    assert policy.choose([tight, crowded]) is crowded
 
 
 def test_predicted_ttft_keeps_affinity_while_queued_work_is_less_than_the_prefill_it_saves() -> None:
@@ -323,6 +342,18 @@ def test_predicted_ttft_uses_learned_speeds_only_when_asked() -> None:
     unknown = Candidate("unknown", 0, 1000, 1, pending_prefill_tokens=4000)  # the median speed, 8000: 0.75 s
     assert PredictedTTFT(use_speed=True).choose([slow, unknown, fast]) is fast
     assert PredictedTTFT(use_speed=True).cost(unknown, speed=8000.0) == pytest.approx(6000 / 8000)
+    # Without an estimate a backend takes the median of the others' (of five, the middle one, 4000/s): 2000 tokens
+    # of work there take 0.5 s, less than the 0.75 s of the best estimated ones, where 2000/s (1 s) would not be.
+    speeds_and_queued = ((1000.0, 0), (2000.0, 0), (4000.0, 1000), (8000.0, 4000), (16_000.0, 10_000))
+    estimated = [Candidate(f"s{int(speed)}", 0, 1000, 1, pending_prefill_tokens=pending, prefill_tokens_per_s=speed)
+                 for speed, pending in speeds_and_queued]  # fmt: skip
+    light = Candidate("light", 0, 1000, 1)
+    assert PredictedTTFT(use_speed=True).choose([*estimated[:3], light, *estimated[3:]]) is light
+    # With no estimate at all every backend counts tokens, as without use_speed; ties go to placement order.
+    unmeasured = [Candidate("a", 0, 1000, 2), Candidate("b", 0, 1000, 1)]
+    assert PredictedTTFT(use_speed=True).choose(unmeasured) is unmeasured[1]
+    assert PredictedTTFT(use_speed=True).choose([fast, fast._replace(backend="twin")]) is fast
+    assert PredictedTTFT(use_speed=True).choose([slow]) is slow
 
 
 def test_predicted_ttft_reads_a_longer_engine_queue_as_requests_in_prefill() -> None:
@@ -343,6 +374,7 @@ def test_predicted_ttft_options_and_kv_fraction() -> None:
     with pytest.raises(ConfigurationError, match="use_speed"):
         PredictedTTFT(use_speed=1)  # type: ignore[arg-type]
     assert isinstance(policy_from_name("predicted-ttft", kv_cap=0.9), PredictedTTFT)
+    assert PredictedTTFT(kv_cap=0.0).kv_cap == 0.0  # a fraction in [0, 1): 0 leaves the KV memory out
     assert kv_fraction(Candidate("a", 0, 1, 0)) == 0.0
     assert kv_fraction(Candidate("a", 0, 1, 0, active_blocks=50, held_blocks=500, capacity_blocks=200)) == 0.25
     assert kv_fraction(Candidate("a", 0, 1, 0, active_blocks=500, capacity_blocks=200)) == 1.0
@@ -555,6 +587,10 @@ def test_predicted_ttft_steers_a_very_long_prompt_by_queued_work_not_by_request_
     capped = policy.cost(queued, common_tokens=10_000, typical_prompt=8192.0)
     assert capped == 120_000 + 100_000 + (8192 + 90_000) * 4 + 100_000 * 2
     assert policy.choose([queued, cached]) is cached
+    # Left out, the cap terms cap nothing: no common tokens, whatever the typical prompt.
+    assert policy.cost(queued, typical_prompt=0.0) == policy.cost(queued) == 120_000 + 100_000 * 7
+    # A candidate's held blocks are known from the first one: 1 block of 16 tokens over 2 requests in flight.
+    assert policy.cap_terms([Candidate("a", 0, 100, 2, held_blocks=1), Candidate("b", 50, 100, 3)]) == (50, 8.0)
 
 
 def test_predicted_ttft_charges_its_prefill_only_to_the_requests_the_kv_memory_holds() -> None:
