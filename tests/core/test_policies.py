@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import random
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -231,6 +233,37 @@ def test_policy_from_name_options_and_errors() -> None:
 def test_policy_from_name_imports_a_user_subclass() -> None:
     policy = policy_from_name("prefixroute.policies:LeastLoaded")
     assert isinstance(policy, LeastLoaded)
+
+
+def test_policy_from_name_appends_the_current_directory_only_for_a_package_found_nowhere_else(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # _import_module's docstring: the current directory is appended to sys.path (which pool workers spawned later
+    # inherit) when the named module's top-level package is found nowhere else, and the import retried.
+    here = tmp_path / "here"
+    package = f"pr_here_{tmp_path.name.replace('-', '_')}"
+    (here / package / "sub").mkdir(parents=True)
+    (here / package / "__init__.py").write_text("")
+    (here / package / "sub" / "__init__.py").write_text("")
+    (here / package / "sub" / "mine.py").write_text("from prefixroute import LeastLoaded as Mine\n")
+    monkeypatch.chdir(here)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # whatever an import appends goes with the test
+    assert isinstance(policy_from_name(f"{package}.sub.mine:Mine"), LeastLoaded)
+    assert sys.path.count(str(here)) == 1
+    # Already there, it is not appended again for a module found nowhere.
+    with pytest.raises(ConfigurationError, match="pr_nowhere"):
+        policy_from_name("pr_nowhere:Policy")
+    assert sys.path.count(str(here)) == 1
+    # A module found elsewhere that imports a missing package is the user's to fix: the directory plays no part.
+    lib, elsewhere = tmp_path / "lib", tmp_path / "elsewhere"
+    lib.mkdir()
+    elsewhere.mkdir()
+    (lib / f"{package}_needs.py").write_text("import pr_no_such_dependency\n")
+    monkeypatch.syspath_prepend(str(lib))
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(ConfigurationError, match="pr_no_such_dependency"):
+        policy_from_name(f"{package}_needs:Policy")
+    assert str(elsewhere) not in sys.path
 
 
 # -- PredictedTTFT, the default: its choices in situations built by hand --------------------------------------------
