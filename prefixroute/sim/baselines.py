@@ -409,9 +409,7 @@ class RayServePrefixAware(LoadPolicy):
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         _require_candidates(candidates)
         queues = [c.in_flight for c in candidates]
-        if max(queues) - min(queues) > self.imbalanced_threshold:
-            if len(candidates) == 1:
-                return self._trees.record(candidates[0])
+        if max(queues) - min(queues) > self.imbalanced_threshold:  # never for one candidate: the threshold is >= 0
             # Ray keeps the sampled order: of two equal queues the first drawn wins.
             first, second = self._rng.sample(range(len(candidates)), 2)
             return self._trees.record(min(candidates[first], candidates[second], key=lambda c: c.in_flight))
