@@ -47,6 +47,8 @@ def test_sglang_goes_to_the_least_loaded_below_the_cache_threshold() -> None:
     assert {policy.choose(misses[:2]).backend for _ in range(40)} == {"a", "b"}
     draws = [SGLangCacheAware(seed=7).choose(misses[:2]).backend for _ in range(5)]
     assert len(set(draws)) == 1  # the same seed, the same draw
+    # An empty prompt matches nothing: its match rate is not above the threshold, so the least loaded.
+    assert SGLangCacheAware().choose([Candidate("a", 0, 0, 3), Candidate("b", 0, 0, 1)]).backend == "b"
 
 
 def test_sglang_takes_the_first_least_loaded_when_imbalanced() -> None:
@@ -63,6 +65,11 @@ def test_sglang_switches_to_shortest_queue_only_when_both_thresholds_are_crossed
     # With a relative threshold of 4, 100 > 4 * 30 fails: balanced.
     relaxed = SGLangCacheAware(balance_rel_threshold=4.0)
     assert relaxed.choose([hot, Candidate("cool", 0, 1000, 30)]).backend == "hot"
+    # The relative threshold is router_args.py's 1.5: 130 - 60 = 70 > 64 and 130 > 1.5 x 60 (not 2.5 x 60).
+    assert SGLangCacheAware().choose([hot._replace(in_flight=130), Candidate("cool", 0, 1000, 60)]).backend == "cool"
+    # A threshold of 0 is a threshold: 2 - 1 > 0 and 2 > 1.5 x 1.
+    strict = SGLangCacheAware(balance_abs_threshold=0)
+    assert strict.choose([hot._replace(in_flight=2), Candidate("cool", 0, 1000, 1)]).backend == "cool"
 
 
 # -- Dynamo KV router ----------------------------------------------------------------------------------------------
