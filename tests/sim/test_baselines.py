@@ -127,6 +127,24 @@ def test_dynamo_samples_by_softmax_above_temperature_zero() -> None:
         DynamoKvRouter(temperature=-1.0)
 
 
+def test_dynamo_softmax_scales_by_the_logit_range_and_the_temperature() -> None:
+    def share_of_first(candidates: list[Candidate], temperature: float) -> float:
+        picks = [
+            DynamoKvRouter(temperature=temperature, rng=random.Random(seed)).choose(candidates) for seed in range(400)
+        ]
+        return picks.count(candidates[0]) / len(picks)
+
+    low, high = Candidate("low", 0, 160, 0), Candidate("high", 0, 160, 0, active_blocks=200)  # logits 20 and 220
+    # At temperature 0.5 the normalised logits 0 and 1 become 0 and 2: 1 / (1 + e^-2) = 0.88 (x 0.5 would be 0.62).
+    assert 0.83 < share_of_first([low, high], 0.5) < 0.93
+    # Normalised by max - min (100), not by the logits' size: 1020 and 1120 weigh as 20 and 120 do, 0.73.
+    busy_low, busy_high = low._replace(active_blocks=1000), high._replace(active_blocks=1100)
+    assert DynamoKvRouter().logit(busy_low) == 1020.0 and DynamoKvRouter().logit(busy_high) == 1120.0
+    assert 0.65 < share_of_first([busy_low, busy_high], 1.0) < 0.81
+    # Equal logits: uniform.
+    assert 0.4 < share_of_first([low, low._replace(backend="twin")], 1.0) < 0.6
+
+
 # -- llm-d default profile -----------------------------------------------------------------------------------------
 
 
