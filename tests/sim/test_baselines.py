@@ -182,6 +182,10 @@ def test_llmd_prefix_score_caps_the_prompt_at_131072_tokens() -> None:
     assert policy.prefix_score(Candidate("a", 131072, 200000, 0)) == 1.0
     assert policy.prefix_score(Candidate("a", 65536, 200000, 0)) == pytest.approx(0.5)
     assert LlmdDefaultProfile(max_prefix_tokens=8192).prefix_score(Candidate("a", 8192, 16000, 0)) == 1.0
+    # A block above 64 tokens that does not divide it: resolveMaxBlocks caps at 131072 // 100 = 1310 whole blocks.
+    assert policy.prefix_score(Candidate("a", 65_500, 200_000, 0, block_size=100)) == pytest.approx(655 / 1310)
+    # The least the options take is 1 token.
+    assert LlmdDefaultProfile(max_prefix_tokens=1, min_block_tokens=1).prefix_score(Candidate("a", 0, 1, 0)) == 0.0
     for option, bad in (("max_prefix_tokens", 0), ("max_prefix_tokens", 2.5), ("min_block_tokens", 0)):
         with pytest.raises(ConfigurationError, match=f"{option} must be an int"):
             LlmdDefaultProfile(**{option: bad})  # type: ignore[arg-type]
@@ -219,6 +223,8 @@ def test_llmd_clamps_each_scorer_to_the_unit_range() -> None:
     # The scheduler profile clamps every scorer's value to [0, 1] (enforceScoreRange) before weighting it.
     over = Candidate("over", 0, 1000, 0, queue_len=0, kv_usage=1.5)
     assert LlmdDefaultProfile().scores([over]) == [pytest.approx(2.0)]  # 0 + 2 x 1 + 2 x max(0, 1 - 1.5)
+    under = Candidate("under", 0, 1000, 0, queue_len=0, kv_usage=-0.5)
+    assert LlmdDefaultProfile().scores([under]) == [pytest.approx(4.0)]  # 0 + 2 x 1 + 2 x min(1, 1 + 0.5)
 
 
 def test_llmd_without_metrics_uses_the_router_accounting() -> None:
