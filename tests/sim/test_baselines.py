@@ -264,6 +264,8 @@ def test_aibrix_match_percentage_counts_full_blocks() -> None:
     # By tokens both would be 80 % and the tie would go to the fewer requests; by blocks the deeper match wins.
     pods = [Candidate("fewer", 1296, 1620, 1), Candidate("deeper", 1312, 1620, 2)]
     assert AIBrixPrefixCache().choose(pods).backend == "deeper"
+    # A match ending within a block counts its full blocks: 1311 tokens are 81 blocks, 80 % (not 81.9 blocks, 81 %).
+    assert AIBrixPrefixCache().choose([pods[0]._replace(matched_tokens=1311), pods[1]]).backend == "deeper"
     # One matched block of 200 is 0 %, yet the pod is a matched pod and within mean + sigma (0.5 + 0.71).
     assert AIBrixPrefixCache().choose([Candidate("idle", 0, 3200, 0), Candidate("tiny", 16, 3200, 1)]).backend == (
         "tiny"
@@ -288,6 +290,8 @@ def test_aibrix_least_requests_when_nothing_matches_within_the_limit() -> None:
     assert AIBrixPrefixCache().choose([hot, Candidate("idle", 0, 1000, 2)]).backend == "idle"
     misses = [Candidate("a", 0, 1000, 2), Candidate("b", 0, 1000, 1)]
     assert AIBrixPrefixCache().choose(misses).backend == "b"
+    # A count of 0 is a count: 2 - 1 > 0, so only "b" (the fewest) is matched against.
+    assert AIBrixPrefixCache(imbalance_abs_count=0).choose([hot._replace(in_flight=2), misses[1]]).backend == "b"
 
 
 # -- Ray Serve PrefixCacheAffinityRouter ---------------------------------------------------------------------------
