@@ -312,6 +312,16 @@ def test_ray_serve_falls_back_to_power_of_two_when_imbalanced() -> None:
     others = [Candidate(f"c{i}", 0, 1000, 5) for i in range(3)]  # 20 - 5 = 15 > 10
     picks = {RayServePrefixAware(imbalanced_threshold=10, seed=s).choose([hot, *others]).backend for s in range(30)}
     assert "hot" not in picks and len(picks) > 1
+    # Only above the threshold: queues 15 and 5 differ by exactly 10, so the longest match still wins.
+    cold = Candidate("cold", 0, 1000, 5)
+    at_threshold = [hot._replace(in_flight=15), cold]
+    assert {RayServePrefixAware(imbalanced_threshold=10, seed=s).choose(at_threshold).backend for s in range(20)} == {
+        "hot"
+    }
+    # At 0 any difference is imbalanced: power of two choices over both replicas, the shorter queue.
+    assert {RayServePrefixAware(imbalanced_threshold=0, seed=s).choose(at_threshold).backend for s in range(20)} == {
+        "cold"
+    }
 
 
 def test_ray_serve_never_falls_back_to_power_of_two_at_its_default_threshold() -> None:
@@ -352,6 +362,13 @@ def test_ray_serve_tree_gains_nothing_from_a_prompt_it_holds_though_the_router_s
     assert policy.choose([Candidate("a", 160, 170, 0), Candidate("b", 0, 170, 0)]).backend == "a"  # the repeat
     # A miss goes to the smaller tree: a's 170 (Ray), not b's 175 (with the tail counted again, a would be 180).
     assert policy.choose([Candidate("a", 0, 300, 0), Candidate("b", 0, 300, 0)]).backend == "a"
+
+
+def test_ray_serve_tree_grows_by_a_new_prompt_shorter_than_one_block() -> None:
+    # The router sees no block of a 10-token prompt, so nothing of it matched: Ray's tree gains its 10 characters.
+    policy = RayServePrefixAware()
+    assert policy.choose([Candidate("a", 0, 10, 0), Candidate("b", 0, 10, 0)]).backend == "a"  # a's tree: 10
+    assert policy.choose([Candidate("a", 0, 300, 0), Candidate("b", 0, 300, 0)]).backend == "b"  # the smaller tree
 
 
 # -- production-stack prefixaware ----------------------------------------------------------------------------------
