@@ -81,6 +81,18 @@ def test_array_encoding_puts_the_tag_first_and_fields_in_order() -> None:
     assert raw[1][0][:6] == ["BlockStored", [7], None, [1, 2], 2, 3]
 
 
+def test_events_decoded_in_one_encoding_are_written_in_the_one_asked_for() -> None:
+    batch = EventBatch(1.0, [BlockStored([7], None, [1, 2], 2, lora_id=3), BlockRemoved([5]), AllBlocksCleared()])
+    from_maps = EventDecoder().decode(encode_batch(batch, encoding="map"))
+    raw = msgspec.msgpack.decode(encode_batch(from_maps, encoding="array"))
+    stored, removed, cleared = raw[1]
+    assert (stored[:6], removed[:2], cleared) == (["BlockStored", [7], None, [1, 2], 2, 3], ["BlockRemoved", [5]],
+                                                  ["AllBlocksCleared"])  # fmt: skip
+    from_arrays = EventDecoder().decode(encode_batch(batch, encoding="array"))
+    raw = msgspec.msgpack.decode(encode_batch(from_arrays, encoding="map"))
+    assert raw[1][1:] == [{"type": "BlockRemoved", "block_hashes": [5]}, {"type": "AllBlocksCleared"}]
+
+
 def test_unknown_fields_and_unknown_event_types_are_ignored() -> None:
     payload = msgspec.msgpack.encode(
         [
