@@ -378,6 +378,7 @@ def test_parsing_stops_at_its_deadline() -> None:
     with pytest.raises(MetricsError, match="not parsed by the deadline"):
         parse_metrics(text, deadline=time.monotonic() - 1.0)  # already past: stops at the first check
     assert parse_metrics(text, deadline=time.monotonic() + 600).waiting == 10_000
+    assert parse_metrics(text).waiting == 10_000  # no deadline: 430 KB read without a look at the clock
 
 
 def test_the_timeout_bounds_the_parsing_of_a_huge_valid_body_too() -> None:
