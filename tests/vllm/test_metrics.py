@@ -118,6 +118,7 @@ vllm:cache_config_info{block_size="16",num_gpu_blocks="100"} 1
         (GOOD.replace('num_gpu_blocks="100"', 'num_gpu_blocks="1e400"'), "num_gpu_blocks"),
         (GOOD.replace('num_gpu_blocks="100"', 'num_gpu_blocks="1e30"'), "at most"),
         (GOOD.replace('num_gpu_blocks="100"', 'num_gpu_blocks="12.5"'), "positive int"),
+        (GOOD.replace('block_size="16"', f'block_size="{2**20 + 1}"'), "block_size is '1048577': .* at most 1048576"),
         (
             "# TYPE vllm:time_to_first_token_seconds histogram\n"
             'vllm:time_to_first_token_seconds_bucket{le="0.1"} 5\n'
@@ -141,6 +142,16 @@ def test_nonsense_figures_are_metrics_errors_naming_the_figure(text: str, messag
 def test_unset_cache_config_labels_are_unknown_not_errors() -> None:
     metrics = parse_metrics(GOOD.replace('num_gpu_blocks="100"', 'num_gpu_blocks="None"'))
     assert (metrics.block_size, metrics.num_gpu_blocks) == (16, None)
+    # An empty label is no label (Prometheus reads them alike).
+    assert parse_metrics(GOOD.replace('block_size="16"', 'block_size=""')).block_size is None
+
+
+def test_cache_config_takes_every_positive_int_up_to_its_bound() -> None:
+    # A block of one token up to 2**20 tokens; a block count far past that (2**40 engines' blocks at most).
+    for block_size, blocks in ((1, 1), (2**20, 2**20 + 1), (16, 2**40)):
+        text = GOOD.replace('block_size="16"', f'block_size="{block_size}"')
+        metrics = parse_metrics(text.replace('num_gpu_blocks="100"', f'num_gpu_blocks="{blocks}"'))
+        assert (metrics.block_size, metrics.num_gpu_blocks) == (block_size, blocks)
 
 
 def test_fetch_reads_a_live_engine_and_reports_failures_as_metrics_errors() -> None:
