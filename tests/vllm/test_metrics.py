@@ -410,6 +410,9 @@ def test_the_timeout_bounds_the_parsing_of_a_huge_valid_body_too() -> None:
         ("http://gpu0:8000/metrics?token=abc", "http://gpu0:8000/metrics?token=abc"),
         ("http://gpu0:8000#top", "http://gpu0:8000/metrics#top"),
         ("http://metrics", "http://metrics/metrics"),  # a host called metrics: no /metrics path yet
+        ("http://gpu0:8000/?next=/a?b", "http://gpu0:8000/metrics?next=/a?b"),  # the query starts at the first ?
+        ("http://gpu0:8000#a#b", "http://gpu0:8000/metrics#a#b"),  # and the fragment at the first #
+        ("http://gpuX", "http://gpuX/metrics"),  # only slashes are trimmed
     ],
 )
 def test_metrics_url_adds_the_path_before_any_query(url: str, expected: str) -> None:
