@@ -144,6 +144,19 @@ def test_unset_cache_config_labels_are_unknown_not_errors() -> None:
     assert (metrics.block_size, metrics.num_gpu_blocks) == (16, None)
     # An empty label is no label (Prometheus reads them alike).
     assert parse_metrics(GOOD.replace('block_size="16"', 'block_size=""')).block_size is None
+    # One engine's unset block size leaves the one another engine reported.
+    second = 'vllm:cache_config_info{block_size="None",engine="1",num_gpu_blocks="50"} 1\n'
+    assert parse_metrics(GOOD + second).block_size == 16
+
+
+def test_a_histogram_bucket_without_a_bound_is_passed_over() -> None:
+    text = (
+        "# TYPE vllm:time_to_first_token_seconds histogram\n"
+        'vllm:time_to_first_token_seconds_bucket{le="0.1"} 2\n'
+        'vllm:time_to_first_token_seconds_bucket{engine="0"} 9\n'
+        'vllm:time_to_first_token_seconds_bucket{le="+Inf"} 3\n'
+    )
+    assert parse_metrics(text).ttft_buckets == ((0.1, 2.0), (math.inf, 3.0))
 
 
 def test_cache_config_takes_every_positive_int_up_to_its_bound() -> None:
@@ -342,6 +355,8 @@ def test_a_series_repeated_in_the_text_counts_once() -> None:
     text = line + line + 'vllm:num_requests_waiting{engine="1",model_name="m"} 1\n' + bucket + bucket
     metrics = parse_metrics(text)
     assert metrics.waiting == 5 and metrics.ttft_buckets == ((math.inf, 7.0),)
+    # Under a TYPE line the three are one family: the repeat is passed over, not the rest of the family.
+    assert parse_metrics("# TYPE vllm:num_requests_waiting gauge\n" + text).waiting == 5
 
 
 def test_what_real_exposition_allows_parses() -> None:
