@@ -269,6 +269,49 @@ def test_a_compressed_bomb_is_refused_with_about_the_cap_in_memory(monkeypatch: 
     assert peak < cap + (2 << 20)  # the cap, a network chunk, and change
 
 
+def test_a_body_inflated_over_several_chunks_holds_at_most_a_byte_past_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Half the cap arrives inflated from a first chunk; the next may inflate to no more than what is left of the cap
+    # and a byte (a byte past it proves the body over it), not a whole cap more on top of what is held.
+    cap = 1 << 20
+    monkeypatch.setattr(metrics_module, "MAX_METRICS_BYTES", cap)
+    packer = zlib.compressobj(9, wbits=zlib.MAX_WBITS | 16)
+    first = packer.compress(bytes(cap // 2)) + packer.flush(zlib.Z_SYNC_FLUSH)
+    bomb = b"".join(packer.compress(bytes(1 << 20)) for _ in range(8)) + packer.flush()
+    body = metrics_module._Body("http://gpu0:8000/metrics", "gzip")
+    body.add(first)
+    tracemalloc.start()
+    try:
+        with pytest.raises(MetricsError, match=f"the body is over {cap} bytes"):
+            body.add(bomb)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # zlib's output grows to about twice what it returns: the half left of the cap costs about the cap, where a whole
+    # cap on top of what is held (1.5 caps) would cost about three.
+    assert peak < 2 * cap
+
+
+def test_a_body_of_exactly_the_cap_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(metrics_module, "MAX_METRICS_BYTES", 1000)
+    body = metrics_module._Body("http://gpu0:8000/metrics", "")
+    body.add(b"#" * 1000)
+    assert len(body.finish()) == 1000
+    with pytest.raises(MetricsError, match="the body is over 1000 bytes"):
+        body.add(b"#")
+
+
+def test_fetch_asks_only_for_the_coding_it_inflates_within_the_cap() -> None:
+    asked: list[str | None] = []
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        asked.append(request.headers.get("Accept-Encoding"))
+        return httpx.Response(200, stream=httpx.ByteStream(SMALL_BODY))
+
+    with httpx.Client(transport=httpx.MockTransport(engine)) as client:
+        assert fetch_metrics("http://gpu0:8000/metrics", client=client).waiting == 3
+    assert asked == ["gzip"]  # not httpx's default, which adds deflate, and br or zstd where installed
+
+
 @pytest.mark.parametrize(
     ("body", "coding", "message"),
     [(gzip.compress(SMALL_BODY), "br", "encoded 'br'; prefixroute reads gzip, deflate or none"),
