@@ -312,6 +312,20 @@ def test_fetch_asks_only_for_the_coding_it_inflates_within_the_cap() -> None:
     assert asked == ["gzip"]  # not httpx's default, which adds deflate, and br or zstd where installed
 
 
+def test_a_stray_byte_that_is_not_utf8_does_not_cost_the_scrape() -> None:
+    def engine(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=httpx.ByteStream(b"# built by \xff\xfe\n" + SMALL_BODY))
+
+    with httpx.Client(transport=httpx.MockTransport(engine)) as client:
+        assert fetch_metrics("http://gpu0:8000/metrics", client=client).waiting == 3
+
+
+def test_identity_beside_one_coding_is_that_coding() -> None:
+    body = metrics_module._Body("http://gpu0:8000/metrics", "identity, GZIP")
+    body.add(gzip.compress(SMALL_BODY))
+    assert body.finish() == SMALL_BODY
+
+
 @pytest.mark.parametrize(
     ("body", "coding", "message"),
     [(gzip.compress(SMALL_BODY), "br", "encoded 'br'; prefixroute reads gzip, deflate or none"),
