@@ -312,6 +312,29 @@ def test_fetch_asks_only_for_the_coding_it_inflates_within_the_cap() -> None:
     assert asked == ["gzip"]  # not httpx's default, which adds deflate, and br or zstd where installed
 
 
+def test_each_read_is_bounded_by_the_timeout_two_seconds_by_default() -> None:
+    timeouts: list[dict[str, float]] = []
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        timeouts.append(request.extensions["timeout"])
+        return httpx.Response(200, stream=httpx.ByteStream(SMALL_BODY))
+
+    with httpx.Client(transport=httpx.MockTransport(engine)) as client:
+        fetch_metrics("http://gpu0:8000/metrics", client=client)
+        fetch_metrics("http://gpu0:8000/metrics", client=client, timeout=0.5)
+    assert timeouts == [dict.fromkeys(("connect", "read", "write", "pool"), seconds) for seconds in (2.0, 0.5)]
+
+
+def test_a_body_of_many_chunks_of_text_is_parsed_within_a_timeout_that_allows_it() -> None:
+    text = many_engines_text(10_000).encode()  # 430 KB: the parsing looks at its deadline several times
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=httpx.ByteStream(text))
+
+    with httpx.Client(transport=httpx.MockTransport(engine)) as client:
+        assert fetch_metrics("http://gpu0:8000/metrics", client=client, timeout=60).waiting == 10_000
+
+
 def test_a_stray_byte_that_is_not_utf8_does_not_cost_the_scrape() -> None:
     def engine(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, stream=httpx.ByteStream(b"# built by \xff\xfe\n" + SMALL_BODY))
@@ -324,6 +347,10 @@ def test_identity_beside_one_coding_is_that_coding() -> None:
     body = metrics_module._Body("http://gpu0:8000/metrics", "identity, GZIP")
     body.add(gzip.compress(SMALL_BODY))
     assert body.finish() == SMALL_BODY
+    # Only a body labelled deflate may turn out to be raw deflate (as some servers send it): gzip is gzip.
+    raw = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    with pytest.raises(MetricsError, match="its gzip body is corrupt"):
+        metrics_module._Body("http://gpu0:8000/metrics", "gzip").add(raw.compress(SMALL_BODY) + raw.flush())
 
 
 @pytest.mark.parametrize(
