@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -242,7 +243,7 @@ def test_policy_from_name_appends_the_current_directory_only_for_a_package_found
     # _import_module's docstring: the current directory is appended to sys.path (which pool workers spawned later
     # inherit) when the named module's top-level package is found nowhere else, and the import retried.
     here = tmp_path / "here"
-    package = f"pr_here_{tmp_path.name.replace('-', '_')}"
+    package = f"pr_here_{uuid.uuid4().hex}"  # not one a run before in this process imported (mutmut runs twice)
     (here / package / "sub").mkdir(parents=True)
     (here / package / "__init__.py").write_text("")
     (here / package / "sub" / "__init__.py").write_text("")
