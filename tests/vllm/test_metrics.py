@@ -47,6 +47,21 @@ def test_parse_reads_load_cache_config_counters_and_histogram(legacy: bool) -> N
     assert [b for b, _ in metrics.ttft_buckets] == sorted(b for b, _ in metrics.ttft_buckets)
 
 
+def test_parse_reads_the_histograms_count_and_sum_and_a_full_kv_cache() -> None:
+    text = (
+        "# TYPE vllm:time_to_first_token_seconds histogram\n"
+        'vllm:time_to_first_token_seconds_bucket{le="0.1"} 2\n'
+        'vllm:time_to_first_token_seconds_bucket{le="+Inf"} 3\n'
+        "vllm:time_to_first_token_seconds_count 4\n"
+        "vllm:time_to_first_token_seconds_sum 1.25\n"
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        "vllm:kv_cache_usage_perc 1.0\n"
+    )
+    metrics = parse_metrics(text)
+    assert (metrics.ttft_count, metrics.ttft_sum) == (4.0, 1.25)  # the histogram's own _count, not its last bucket
+    assert metrics.kv_usage == 1.0  # a full cache is a fraction in [0, 1]
+
+
 def test_parse_sums_engines_and_averages_kv_usage() -> None:
     text = """
 # TYPE vllm:num_requests_waiting gauge
