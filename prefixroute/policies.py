@@ -215,7 +215,8 @@ class BoundedLoad(LoadPolicy):
     placement order whose load after placing stays within the mean. With nothing in flight that is the rendezvous
     choice, so router replicas agree where a new prefix lives; under load, new prefixes avoid busy backends (the
     simulator's ``seed`` scenario shows the difference: see docs/simulator.md). One candidate always qualifies: the
-    least loaded is at most the mean, below ``(total load + 1) / len(candidates)``. O(len(candidates)).
+    least loaded is at most the mean, below ``(total load + 1) / len(candidates)`` (compared in integers, so
+    also for loads past 2**53). O(len(candidates)).
     """
 
     name = "bounded-load"
@@ -231,17 +232,18 @@ class BoundedLoad(LoadPolicy):
         _require_candidates(candidates)
         loads = [c.load for c in candidates]
         total = sum(loads)
+        n = len(candidates)
         # An int load is below ceil(x) exactly when it is below x: no ceil, so a huge factor's infinite x works too.
-        bound = self.factor * (total + 1) / len(candidates)
-        # Never empty: the least loaded is at most the mean, below (total + 1) / n, which factor >= 1 keeps below bound.
-        eligible = [c for c, load in zip(candidates, loads, strict=True) if load < bound]
+        bound = self.factor * (total + 1) / n
+        # A load within the mean (load * n <= total, exact in ints) always qualifies, whatever the rounding of bound
+        # for loads past 2**53: so eligible always holds the least loaded.
+        eligible = [c for c, load in zip(candidates, loads, strict=True) if load < bound or load * n <= total]
         longest = max(map(_matched, eligible))
         if longest == 0:
             # A miss has no cached prefix to protect, so it gets the tightest bound (factor 1): the first backend in
             # placement order that is at most averagely loaded. One always qualifies, and when nothing is in flight
             # it is the rendezvous choice, so replicas still agree where a new prefix lives.
-            mean_bound = (total + 1) / len(candidates)
-            return next(c for c, load in zip(candidates, loads, strict=True) if load < mean_bound)
+            return next(c for c, load in zip(candidates, loads, strict=True) if load * n <= total)
         return min((c for c in eligible if c.matched_tokens == longest), key=_load)
 
     def __repr__(self) -> str:

@@ -187,6 +187,19 @@ def test_bounded_load_respects_the_bound_which_someone_always_can(candidates: li
     assert chosen.matched_tokens == max(c.matched_tokens for c in qualifying)
 
 
+def test_bounded_load_qualifies_the_least_loaded_exactly_even_past_float_precision() -> None:
+    # Loads past 2**53: the float bound (2 * 2**60 + 1) / 2 rounds to 2**60, which no load is below. The least
+    # loaded still qualifies (within the mean, compared in ints): a miss goes to the first, a hit keeps its prefix.
+    huge = 2**60
+    misses = [Candidate("a", 0, 32, huge), Candidate("b", 0, 32, huge)]
+    assert BoundedLoad(factor=1.0).choose(misses).backend == "a"
+    assert BoundedLoad(factor=2.0).choose(misses).backend == "a"
+    hit = [Candidate("cold", 0, 32, huge), Candidate("hot", 16, 32, huge)]
+    assert BoundedLoad(factor=1.0).choose(hit).backend == "hot"
+    uneven = [Candidate("busy", 16, 32, huge + 2), Candidate("calm", 0, 32, huge)]
+    assert BoundedLoad(factor=1.0).choose(uneven).backend == "calm"
+
+
 def test_bounded_load_bounds_the_load_it_documents_engine_queue_included() -> None:
     # Two in flight each; "hot" also has 6 waiting in its engine: load 8 of 10 + 1, bound ceil(2 * 11 / 2) = 11,
     # so it still qualifies; with 12 waiting (load 14 of 16 + 1, bound 17) it qualifies too, but a factor of 1
