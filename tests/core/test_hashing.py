@@ -110,10 +110,13 @@ def test_namespaces_never_share_hashes() -> None:
     [
         ([1, 2, -3], "position 2 is -3"),
         ([1, 2**32], "position 1 is 4294967296"),
+        ([0, 2**32], "position 1 is 4294967296"),  # 0 is a token id: the first bad one is named, not token 0
         ([1, 2.5], "position 1 is 2.5"),
         ([None], "position 0 is None"),
         (np.array([4, -1]), "position 1 is -1"),
         (np.array([4, 2**40]), "position 1 is 1099511627776"),
+        (np.array([4, 2**32]), "position 1 is 4294967296"),  # the first id past uint32, not wrapped to 0
+        (np.array([4, 2**64 - 1], dtype=np.uint64), "position 1 is 18446744073709551615;"),  # as given, an int
         (np.array([1.0, 2.0]), "integer dtype"),
         (b"\x00\x00\x00", "multiple of 4"),
     ],
