@@ -103,14 +103,17 @@ def test_a_chain_holding_a_block_under_another_parent_keeps_the_store_exact(pare
         index.insert([50, 51], "a")
         index.insert([0, 1, 51], "a", parent=parent)  # 1 and 51 are held, each under another parent
         index._check(chains=[[1, 2, 3], [50, 51]])
+        store = index.store("a")
+        assert store is not None and store.open  # walked from now on: such a store can fool a binary search
+        probe = [*([900] if parent else []), 0, 7777, 51]  # its last block is held, its third is not
+        assert index.match(probe, ["a"]) == {"a": len(probe) - 2}
         assert index.match([1, 2, 3], ["a"]) == {"a": 3} and index.match([50, 51], ["a"]) == {"a": 2}
         full = [0, 1, 51] if parent is None else [900, 0, 1, 51]
         assert index.match(full, ["a"]) == {"a": len(full)}
         for p in range(200):  # every generation turns over: the store is exact again, and closed
             index.insert([10_000 + 10 * p + k for k in range(4)], "a")
             index._check()
-        store = index.store("a")
-        assert store is not None and (capacity is None or not store.open)
+        assert index.store("a") is store and (capacity is None or not store.open)
 
 
 def test_an_insert_whose_parent_is_not_held_is_skipped_and_counted() -> None:
@@ -131,6 +134,10 @@ def test_predict_is_robust_to_a_stale_held_count() -> None:
     for capacity in (None, 100):
         index = PrefixIndex(block_size=1, capacity_blocks=capacity)
         hashes = chain(*range(10))
+        index.insert(hashes[:1], "a")
+        index.predict(hashes, "a", 2)  # says 2 are held, 1 is
+        assert index.match(hashes, ["a"]) == {"a": 10} and index.blocks("a") == 10
+        index.remove_backend("a")
         index.insert(hashes[:6], "a")
         index.predict(hashes, "a", 9)  # says 9 are held, 6 are
         assert index.match(hashes, ["a"]) == {"a": 10} and index.blocks("a") == 10
@@ -138,6 +145,27 @@ def test_predict_is_robust_to_a_stale_held_count() -> None:
         index.predict(hashes, "a", 1)  # says 1, 4 are
         assert index.match(hashes, ["a"]) == {"a": 10} and index.blocks("a") == 10
         index._check(chains=[hashes])
+
+
+def test_predict_does_not_trust_a_held_count_that_points_into_another_chain() -> None:
+    """predict() does not validate its hashes: a count whose last block is held under another root must not let
+    the store skip this chain's root (it would list a root it does not hold)."""
+    for capacity in (None, 100):
+        index = PrefixIndex(block_size=1, capacity_blocks=capacity)
+        index.insert([1, 2], "a")
+        index.predict([9, 2, 3], "a", 2)
+        assert index.hashes("a") == {1, 2, 3, 9}
+        index._check()
+
+
+def test_an_unbounded_stores_discard_counts_what_it_held_and_opens_only_on_a_removal() -> None:
+    store = UnboundedStore([1, 2, 3], roots={1})
+    assert not store.open  # blocks given without open=True are prefix-closed
+    assert store.discard([99]) == 0 and not store.open
+    assert store.discard([3, 99]) == 1 and store.open and store.size == 2  # it cannot tell a leaf from a hole
+    store._check()
+    assert store.discard([1, 2]) == 2 and not store.open and not store.roots  # empty: nothing to walk
+    store._check()
 
 
 def test_set_capacity_none_returns_to_the_default() -> None:
