@@ -4,8 +4,8 @@ import tracemalloc
 
 import pytest
 
-from prefixroute import BlockHasher, ConfigurationError, PrefixIndex, Router
-from prefixroute.index import DEFAULT_BOUND_BLOCKS, LRUStore, UnboundedStore, apply_updates, leading_run
+from prefixroute import BlockHasher, ConfigurationError, InvalidEventError, PrefixIndex, Router
+from prefixroute.index import DEFAULT_BOUND_BLOCKS, LRUStore, UnboundedStore, apply_updates, check_update, leading_run
 
 
 def chain(*tokens: int, block_size: int = 1) -> list[int]:
@@ -267,6 +267,13 @@ def test_apply_updates_stores_and_removes_in_order() -> None:
     hashes = chain(1, 2, 3)
     apply_updates(index, "a", [(True, hashes[:1], None), (True, hashes[1:], hashes[0]), (False, hashes[2:], None)])
     assert index.match(hashes, ["a"]) == {"a": 2}
+
+
+def test_an_update_may_continue_block_hash_zero_but_no_parent_past_64_bits() -> None:
+    assert check_update((True, [5], 0)) == (True, [5], 0)
+    for parent in (-1, 2**64, 3**64):
+        with pytest.raises(InvalidEventError, match="parent"):
+            check_update((True, [5], parent))
 
 
 def test_the_eviction_hook_is_called_with_the_excess_and_its_result_enforced() -> None:
