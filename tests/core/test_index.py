@@ -1,11 +1,20 @@
 from __future__ import annotations
 
+import sys
 import tracemalloc
 
 import pytest
 
 from prefixroute import BlockHasher, ConfigurationError, InvalidEventError, PrefixIndex, Router
-from prefixroute.index import DEFAULT_BOUND_BLOCKS, LRUStore, UnboundedStore, apply_updates, check_update, leading_run
+from prefixroute.index import (
+    DEFAULT_BOUND_BLOCKS,
+    LRUStore,
+    UnboundedStore,
+    _room,
+    apply_updates,
+    check_update,
+    leading_run,
+)
 
 
 def chain(*tokens: int, block_size: int = 1) -> list[int]:
@@ -215,6 +224,7 @@ def test_a_capacity_below_an_unbounded_stores_size_leaves_holes_that_heal() -> N
         assert matched == len(hashes) or not index.holds(hashes[matched], "a")
     for p in range(10, 20):  # the generation that held the orphans is evicted: binary search again
         index.insert(chain(p, *range(7)), "a")
+        index.insert(chain(10, *range(7)), "a")  # a recurring prompt stored again contradicts nothing
     assert not store.open
     index._check(chains=prompts)
 
@@ -228,6 +238,16 @@ def test_holes_in_an_unbounded_store_are_walked() -> None:
     assert store is not None and store.open and index.match(hashes, ["a"]) == {"a": 3}
     index.predict(hashes, "a", 3)  # filling the hole makes the whole chain usable again
     assert index.match(hashes, ["a"]) == {"a": 10}
+
+
+@pytest.mark.skipif(sys.implementation.name != "cpython", reason="CPython's set table")
+def test_room_is_how_many_blocks_a_set_takes_before_its_table_grows() -> None:
+    """What LRUStore.put() reads to start a generation before the newest one's set would grow its table."""
+    blocks: set[int] = set()
+    for block in range(20_000):
+        room, size = _room(blocks), sys.getsizeof(blocks)
+        blocks.add(block)
+        assert (sys.getsizeof(blocks) > size) == (room == 0), (block, room)
 
 
 def test_zero_capacity_holds_nothing() -> None:
