@@ -1,4 +1,4 @@
-"""as_float(): the one reading of every option in seconds, fractions and factors."""
+"""as_float(): the one reading of every option in seconds, fractions and factors; shown(): a value in a message."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from prefixroute._numbers import as_float
+from prefixroute._numbers import as_float, shown
 
 npa: Any = np  # numpy's scalars typed loosely: stubs differ on which of them are floats
 
@@ -54,3 +54,16 @@ def test_infinite_takes_an_infinity_of_any_real_but_not_nan_or_a_number_too_larg
         assert type(number) is float and math.isinf(number) and (number > 0) == (value > 0)
     bads: list[Any] = [math.nan, npa.float32("nan"), 10**400, Fraction(10**400), True, "inf", Decimal("Infinity")]
     assert [as_float(bad, infinite=True) for bad in bads] == [None] * len(bads)
+
+
+class ReprRaises:
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+def test_shown_is_the_repr_of_a_value_cut_to_80_characters_and_never_raises() -> None:
+    assert shown(2**64 - 1) == "18446744073709551615"  # a block hash is shown whole
+    assert shown(2**64) == "an int of 65 bits" and shown(-(10**400)) == "an int of 1329 bits"
+    assert shown("a" * 78) == repr("a" * 78)  # 80 characters: kept
+    assert shown("a" * 79) == "'" + "a" * 76 + "..."  # 81: cut to 80
+    assert shown(ReprRaises()) == "a ReprRaises whose repr() raised"
