@@ -125,8 +125,16 @@ def test_leases_end_requests_that_are_never_finished() -> None:
     router.finish(short)  # too late: ignored
     assert router.stats().ignored == 1
     clock.tick(100)
-    assert router.expire() == 1
+    assert router.expire() == 1 and router.stats().leases_expired == 2
     assert counters(router, "a") == (0, 0, 0)
+
+
+def test_a_lease_has_run_out_once_its_seconds_have_passed() -> None:
+    clock = FakeClock(now=0.0)
+    router = Router(clock=clock, lease=10.0)
+    router.start(router.route([1], ["a"]))
+    clock.tick(10.0)
+    assert router.in_flight("a") == 0 and router.stats().leases_expired == 1
 
 
 @pytest.mark.parametrize("lease", [0, -1, math.nan, math.inf, True, "5"])
@@ -202,6 +210,23 @@ def test_engine_figures_are_validated(queue_len: object, kv_usage: object) -> No
         router.set_engine_load("a", queue_len=queue_len, kv_usage=kv_usage)  # type: ignore[arg-type]
 
 
+def test_engine_figures_reach_the_candidates_and_two_nones_drop_them() -> None:
+    router = Router()
+
+    def figures() -> tuple[int | None, float | None]:
+        candidate = router.decide([1], ["a"]).candidates[0]
+        return candidate.queue_len, candidate.kv_usage
+
+    router.set_engine_load("a", queue_len=3, kv_usage=0.5)
+    assert figures() == (3, 0.5)
+    router.set_engine_load("a", queue_len=None, kv_usage=None)
+    assert figures() == (None, None)
+    router.set_engine_load("a", queue_len=None, kv_usage=0.25)  # one figure unknown: the other still counts
+    assert figures() == (None, 0.25)
+    router.set_engine_load("a", queue_len=4, kv_usage=None)
+    assert figures() == (4, None)
+
+
 def test_the_write_path_stores_chains_continuations_and_removals() -> None:
     router = Router(block_size=2)
     hashes = BlockHasher(2).hash([1, 2, 3, 4, 5, 6])
@@ -215,6 +240,20 @@ def test_the_write_path_stores_chains_continuations_and_removals() -> None:
     router.clear_backend("a")
     assert router.decide([1, 2, 3, 4, 5, 6], ["a"]).matched_tokens == 0
     router._check()
+
+
+def test_commit_describes_the_confirmed_tokens_of_the_backend_it_commits_to() -> None:
+    confirmed = {"a": 1, "b": 2}
+
+    class Confirming(PrefixIndex):
+        def match_confirmed(self, hashes: Sequence[int], backend: str) -> int | None:
+            return min(confirmed[backend], len(hashes))
+
+    router = Router(block_size=4, index=Confirming(4))
+    decision = router.decide(list(range(16)), ["a", "b"])
+    assert decision.confirmed_tokens == 4 * confirmed[decision.backend]
+    for backend in ("b", "a", "b"):
+        assert router.commit(decision, backend).confirmed_tokens == 4 * confirmed[backend]
 
 
 def test_a_user_index_subclass_is_the_one_used() -> None:
