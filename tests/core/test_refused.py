@@ -104,6 +104,19 @@ def test_the_matched_prefix_and_blocks_a_request_in_flight_shares_stay() -> None
     idle(router, "gpu0")
 
 
+def test_a_request_in_flight_on_another_backend_keeps_nothing_of_a_refused_prompt() -> None:
+    router = Router(block_size=BLOCK)
+    prompt = tokens(0, 5)
+    elsewhere = router.route(prompt, ["gpu1"])
+    router.start(elsewhere)  # the same prompt in flight, but gpu1 computes it for itself, not for gpu0
+    refused = router.route(prompt, ["gpu0"])
+    router.start(refused)
+    router.finish(refused, refused=True)
+    assert router.index.blocks("gpu0") == 0 and held(router, prompt, "gpu1") == 5
+    router.finish(elsewhere)
+    idle(router, "gpu0")
+
+
 def test_blocks_the_kv_events_confirm_stay() -> None:
     clock = FakeClock()
     router = Router(block_size=BLOCK, index=EventIndex(BLOCK, speculative_ttl=3.0, clock=clock))
