@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import statistics
 from collections import Counter
 
@@ -20,6 +21,7 @@ from prefixroute import (
     RoundRobin,
     Router,
 )
+from prefixroute.router import _ANCHORS
 
 BACKENDS = [f"http://gpu{i}:8000" for i in range(8)]
 
@@ -191,6 +193,30 @@ def test_an_exception_from_a_policy_is_a_policy_error_with_its_cause_and_changes
     assert (len(router.index), stats.decisions, stats.in_flight) == (0, 0, 0)
 
 
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no str")
+
+
+@pytest.mark.parametrize(
+    ("error", "shown"),
+    [
+        (ValueError("x" * 200), "ValueError: " + "x" * 200),  # 200 characters: kept whole
+        (ValueError("x" * 201), "ValueError: " + "x" * 197 + "..."),  # 201: cut to 200
+        (Unprintable(), "Unprintable: (its str() raised)"),
+    ],
+    ids=["200", "201", "unprintable"],
+)
+def test_a_policy_errors_message_is_shown_short_and_never_fails_on_it(error: Exception, shown: str) -> None:
+    class Buggy(LoadPolicy):
+        def choose(self, candidates: object) -> Candidate:
+            raise error
+
+    with pytest.raises(PolicyError, match=re.escape(f"raised {shown} (in its choose()")) as raised:
+        Router(policy=Buggy()).route(list(range(64)), ["a"])
+    assert raised.value.__cause__ is error
+
+
 def test_a_library_error_from_a_policy_passes_through() -> None:
     class Refuses(LoadPolicy):
         def choose(self, candidates: object) -> Candidate:
@@ -198,6 +224,13 @@ def test_a_library_error_from_a_policy_passes_through() -> None:
 
     with pytest.raises(NoBackendError, match="no acceptable backend"):
         Router(policy=Refuses()).route(list(range(64)), ["a"])
+
+
+def test_footprint_anchors_are_every_block_up_to_8_then_a_quarter_further_each() -> None:
+    """Where a backend's distinct-block count cuts matched prefixes, which bounds its over-count to a quarter."""
+    assert _ANCHORS[:10] == (0, 1, 2, 3, 4, 5, 6, 7, 8, 10)
+    assert (sum(d < 512 for d in _ANCHORS), sum(d < 12_000 for d in _ANCHORS)) == (28, 42)  # router.py's figures
+    assert _ANCHORS[-1] >= 1 << 26
 
 
 def test_track_counts_until_exit_also_on_exception() -> None:
