@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import Bundle, MultipleResults, RuleBasedStateMachine, invariant, multiple, rule
 
 from prefixroute import (
     BlockHasher,
@@ -86,6 +86,21 @@ class RouterMachine(RuleBasedStateMachine):
     )
     def route(self, prefix: list[int], tail: list[int], backends: list[str]) -> Decision:
         return self.router.route(prefix + tail, backends)
+
+    @rule(
+        target=decisions,
+        prefix=st.sampled_from(PREFIXES),
+        tails=st.lists(st.lists(st.integers(0, 50), max_size=12), min_size=2, max_size=5),
+        backends=st.lists(st.sampled_from(BACKENDS), min_size=1, max_size=3, unique=True),
+    )
+    def burst(self, prefix: list[int], tails: list[list[int]], backends: list[str]) -> MultipleResults[Decision]:
+        """Prompts of one prefix routed and started together, as concurrent traffic is: several requests in flight
+        on one backend, sharing their matched prefix (which its footprint counts once). Without this rule no step
+        ever had two requests in flight on one backend to check the counters' sums on."""
+        decisions = [self.router.route(prefix + tail, backends) for tail in tails]
+        for decision in decisions:
+            self.start(decision, None)
+        return multiple(*decisions)
 
     def _state(self) -> tuple[object, ...]:
         return (self.router.stats(), *(self.router.index.hashes(b) for b in BACKENDS))
