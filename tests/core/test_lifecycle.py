@@ -155,12 +155,28 @@ def test_decide_records_nothing_and_commit_records_the_backend_actually_used() -
     assert len(router.index) == 0 and router.stats().commits == 0
     other = next(c.backend for c in decision.candidates if c.backend != decision.backend)
     committed = router.commit(decision, other)
-    assert (committed.id, committed.backend) == (decision.id, other)
+    assert (committed.id, committed.backend) == (decision.id, other) and router.stats().commits == 1
     assert router.index.hashes(other) and not router.index.hashes(decision.backend)
     again = router.route(tokens, ["a", "b", "c"])
     assert (again.backend, again.matched_tokens) == (other, 32)
     with pytest.raises(ValueError, match="not a candidate"):
         router.commit(decision, "z")
+
+
+def test_a_commit_elsewhere_describes_that_backends_match_and_reason() -> None:
+    router = Router(block_size=4)
+    with router.track(router.route(list(range(8)), ["a"])):  # a holds the first two blocks
+        pass
+    decision = router.decide(list(range(16)), ["a", "b"])
+    assert (decision.backend, decision.matched_tokens, decision.reason) == ("a", 8, "prefix")
+    on_b = router.commit(decision, "b")
+    assert (on_b.backend, on_b.matched_tokens, on_b.reason) == ("b", 0, "load-fallback")
+    back = router.commit(on_b, "a")
+    assert (back.backend, back.matched_tokens, back.reason) == ("a", 8, "prefix")
+    fresh = router.decide(list(range(100, 116)), ["a", "b"])
+    elsewhere = next(c.backend for c in fresh.candidates if c.backend != fresh.backend)
+    assert router.commit(fresh, elsewhere).reason == "miss"
+    assert router.stats().commits == 4  # the route, and each commit
 
 
 def test_a_start_after_a_commit_elsewhere_moves_the_count_and_a_repeat_is_ignored() -> None:
