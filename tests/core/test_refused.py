@@ -164,6 +164,16 @@ def test_a_decision_never_committed_or_never_started_retracts_nothing() -> None:
     idle(router, "gpu0")
 
 
+def test_a_commit_again_refreshes_recency_but_a_refusal_still_retracts_the_first_prediction() -> None:
+    router = Router(block_size=BLOCK)
+    prompt = tokens(0, 5)
+    again = router.commit(router.route(prompt, ["gpu0"]))  # the backend now "holds" what the route predicted
+    router.start(again)
+    router.finish(again, refused=True)
+    assert router.index.blocks("gpu0") == 0
+    idle(router, "gpu0")
+
+
 def test_a_commit_elsewhere_retracts_there() -> None:
     router = Router(block_size=BLOCK)
     prompt = tokens(0, 5)
