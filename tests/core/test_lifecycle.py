@@ -102,6 +102,35 @@ def test_first_token_moves_work_out_of_pending_prefill_and_learns_the_prefill_sp
     assert router.stats().ignored == 1
 
 
+def speed_of(router: Router, backend: str) -> float | None:
+    return router.decide([1], [backend]).candidates[0].prefill_tokens_per_s
+
+
+def test_the_prefill_speed_moves_a_fifth_of_the_way_to_each_new_observation() -> None:
+    clock = FakeClock()
+    router = Router(block_size=4, clock=clock)
+    for prompt, seconds in ((list(range(20)), 1.0), (list(range(100, 140)), 0.1)):  # 20, then 400 tokens/s
+        with router.track(router.route(prompt, ["a"])) as decision:
+            clock.tick(seconds)
+            router.first_token(decision)
+    assert speed_of(router, "a") == pytest.approx(20 + 0.2 * (400 - 20))
+    with router.track(router.route([7], ["b"])) as slow:  # one token in two seconds: slow, but a speed
+        clock.tick(2.0)
+        router.first_token(slow)
+    assert speed_of(router, "b") == pytest.approx(0.5) and speed_of(router, "a") == pytest.approx(96.0)
+
+
+def test_a_clock_that_stops_returning_numbers_teaches_no_speed_and_raises_nothing() -> None:
+    clock = FakeClock()
+    router = Router(block_size=4, clock=clock)  # no lease: the router needs no time to count requests
+    decision = router.route(list(range(8)), ["a"])
+    router.start(decision)
+    clock.now = None  # type: ignore[assignment]
+    router.first_token(decision)
+    assert counters(router, "a") == (1, 0, 2) and speed_of(router, "a") is None
+    router.finish(decision)
+
+
 def test_finish_without_first_token_takes_back_the_pending_prefill_too() -> None:
     router = Router(block_size=4)
     decision = router.route(list(range(40)), ["a"])
