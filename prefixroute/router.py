@@ -581,7 +581,7 @@ class Router:
             # A clock that returns no number (it need not, without leases) teaches no speed rather than raising.
             elapsed = now - started if now is not None and started is not None else 0.0
             work = request.pending_before + request.uncached
-            observed = work / elapsed if elapsed > 0 and work > 0 else 0.0
+            observed = work / elapsed if elapsed > 0 else 0.0
             if 0.0 < observed < math.inf:  # an elapsed time of a few subnormal seconds makes an infinite speed
                 previous = self._speed.get(backend)
                 self._speed[backend] = (
