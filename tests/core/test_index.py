@@ -37,6 +37,7 @@ def test_a_guess_never_changes_a_leading_run() -> None:
     hashes = list(range(100, 120))
     for held_count in range(len(hashes) + 1):
         held = set(hashes[:held_count])
+        assert leading_run(held, hashes) == held_count  # from block 0 by default, however few are held
         for limit in (None, 7, 20):
             for low in range(min(held_count, 5) + 1):
                 expected = leading_run(held, hashes, limit, low=low)
