@@ -178,6 +178,25 @@ def test_an_unbounded_stores_discard_counts_what_it_held_and_opens_only_on_a_rem
     store._check()
 
 
+def test_an_lru_store_walks_until_every_generation_alive_at_a_hole_is_evicted_and_no_longer() -> None:
+    store = LRUStore(100, blocks=[1, 2, 3], roots={1})  # generation 0; new blocks go to generation 1
+    store.put([7, 8], None)
+    assert store.generation_sizes() == [3, 2] and not store.open
+    assert store.discard([99]) == 0 and not store.open  # nothing removed: no hole
+    assert store.discard([2, 99]) == 1 and store.open  # 3 is an orphan now
+    assert store.drop_oldest(1) == 2 and store.open  # generation 1 existed at the hole too
+    assert store.generation_sizes() == [2]
+    store._check()
+    assert store.drop_oldest(1) == 2 and not store.open and len(store) == 0 and not store.roots
+    assert store.generation_sizes() == [0]  # one generation to put into, and only one
+    store._check()
+    store.put([10, 11], None)  # an emptied store keeps a generation to put into
+    assert store.match([10, 11]) == 2 and store.generation_sizes()[-1] == 2
+    store._check()
+    assert store.discard([10, 11]) == 2 and not store.open  # empty: nothing to walk
+    store._check()
+
+
 def test_set_capacity_none_returns_to_the_default() -> None:
     index = PrefixIndex(block_size=1, capacity_blocks=20)
     index.set_capacity("a", 100)
