@@ -311,9 +311,16 @@ def test_apply_updates_stores_and_removes_in_order() -> None:
 
 def test_an_update_may_continue_block_hash_zero_but_no_parent_past_64_bits() -> None:
     assert check_update((True, [5], 0)) == (True, [5], 0)
+    index = PrefixIndex(block_size=1)
+    index.insert([0], "a")
+    index.insert([5], "a", parent=0)
+    assert index.match([0, 5], ["a"]) == {"a": 2} and index.orphan_inserts == 0
     for parent in (-1, 2**64, 3**64):
         with pytest.raises(InvalidEventError, match="parent"):
             check_update((True, [5], parent))
+        with pytest.raises(InvalidEventError, match="parent"):
+            index.insert([6], "a", parent=parent)
+    assert index.hashes("a") == {0, 5} and index.orphan_inserts == 0
 
 
 def test_the_eviction_hook_is_called_with_the_excess_and_its_result_enforced() -> None:
