@@ -233,6 +233,30 @@ def test_footprint_anchors_are_every_block_up_to_8_then_a_quarter_further_each()
     assert _ANCHORS[-1] >= 1 << 26
 
 
+def test_active_blocks_count_one_request_exactly_and_a_shared_matched_prefix_once() -> None:
+    router = Router(block_size=4)
+    shared = list(range(12))  # 3 blocks
+    prompts = [shared + list(range(100, 112)), shared + list(range(200, 212))]  # 6 blocks each, parting at 3
+    for prompt in prompts:
+        with router.track(router.route(prompt, ["a"])):
+            pass
+    first, second = (router.route(prompt + [9] * 4, ["a"]) for prompt in prompts)  # 6 of 7 blocks matched
+    assert first.matched_tokens == second.matched_tokens == 24
+
+    def active() -> int:
+        return router.decide([1], ["a"]).candidates[0].active_blocks
+
+    router.start(first)
+    assert active() == 7
+    router.start(second)
+    assert active() == 7 + 7 - 3  # anchors at every one of the first 8 blocks: the 3 shared ones count once
+    router.finish(first)
+    assert active() == 7
+    router.finish(second)
+    assert active() == 0
+    router._check()
+
+
 def test_track_counts_until_exit_also_on_exception() -> None:
     router = Router()
     decision = router.route(list(range(32)), ["a"])
