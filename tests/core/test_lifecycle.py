@@ -6,12 +6,14 @@ import functools
 import math
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 
 from prefixroute import (
     Candidate,
     ConfigurationError,
+    DecisionError,
     LoadPolicy,
     PolicyError,
     PrefixIndex,
@@ -158,6 +160,16 @@ def test_leases_end_requests_that_are_never_finished() -> None:
     assert counters(router, "a") == (0, 0, 0)
 
 
+def test_start_ends_due_leases_first_so_a_request_whose_lease_ran_out_starts_again() -> None:
+    clock = FakeClock(now=0.0)
+    router = Router(clock=clock)
+    decision = router.route([1], ["a"])
+    router.start(decision, lease=1.0)
+    clock.tick(1.0)
+    router.start(decision, lease=5.0)  # not a repeat: the request it named is no longer counted
+    assert router.stats() == RouterStats(decisions=1, commits=1, in_flight=1, ignored=0, leases_expired=1)
+
+
 def test_a_lease_has_run_out_once_its_seconds_have_passed() -> None:
     clock = FakeClock(now=0.0)
     router = Router(clock=clock, lease=10.0)
@@ -175,6 +187,26 @@ def test_nonsense_leases_are_refused_when_given(lease: object) -> None:
     with pytest.raises((ConfigurationError, TypeError)):
         router.start(decision, lease=lease)  # type: ignore[arg-type]
     assert router.in_flight("a") == 0
+
+
+class Sly(str):
+    """A str whose own hash files it apart from the plain str it equals."""
+
+    def __hash__(self) -> int:
+        return 1
+
+
+def test_a_decision_whose_id_or_backend_became_a_str_subclass_is_refused_but_a_bare_one_finishes() -> None:
+    router = Router(block_size=4)
+    decision = router.route(list(range(8)), ["a"])
+    for field in ("id", "backend"):
+        altered = replace(decision, **{field: Sly(getattr(decision, field))})  # type: ignore[arg-type]
+        for call in (router.start, router.commit):
+            with pytest.raises(DecisionError, match="altered"):
+                call(altered)
+    router.start(decision)
+    router.finish(Sly(decision.id))  # a lifecycle call reads a str subclass's id as the plain str
+    assert router.stats().in_flight == 0 and router.stats().ignored == 0
 
 
 def test_decide_records_nothing_and_commit_records_the_backend_actually_used() -> None:
