@@ -336,6 +336,9 @@ def test_the_eviction_hook_is_called_with_the_excess_and_its_result_enforced() -
         index.insert(chain(p, 1, 2, 3), "a")
     assert calls and all(backend == "a" and excess > 0 for backend, excess in calls)
     assert index.blocks("a") <= 10
+    calls.clear()
+    index.set_capacity("a", index.blocks("a"))  # exactly full: nothing over
+    assert calls == []
     index._check()
 
 
