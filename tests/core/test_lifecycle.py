@@ -206,6 +206,8 @@ def test_a_decision_whose_id_or_backend_became_a_str_subclass_is_refused_but_a_b
                 call(altered)
     router.start(decision)
     router.finish(Sly(decision.id))  # a lifecycle call reads a str subclass's id as the plain str
+    router.start(decision)
+    router.finish(replace(decision, id=Sly(decision.id)))  # also as an object's id
     assert router.stats().in_flight == 0 and router.stats().ignored == 0
 
 
