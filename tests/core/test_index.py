@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import sys
 import tracemalloc
+from array import array
 
 import pytest
 
@@ -184,6 +185,7 @@ def test_an_lru_store_walks_until_every_generation_alive_at_a_hole_is_evicted_an
     assert store.generation_sizes() == [3, 2] and not store.open
     assert store.discard([99]) == 0 and not store.open  # nothing removed: no hole
     assert store.discard([2, 99]) == 1 and store.open  # 3 is an orphan now
+    assert store.match([555, 1]) == 0 and store.match([1, 2, 3]) == 1  # walked from block 0
     assert store.drop_oldest(1) == 2 and store.open  # generation 1 existed at the hole too
     assert store.generation_sizes() == [2]
     store._check()
@@ -195,6 +197,38 @@ def test_an_lru_store_walks_until_every_generation_alive_at_a_hole_is_evicted_an
     store._check()
     assert store.discard([10, 11]) == 2 and not store.open  # empty: nothing to walk
     store._check()
+
+
+def test_a_prompt_whose_blocks_span_generations_matches_its_whole_run() -> None:
+    index = PrefixIndex(block_size=1)
+    hashes = chain(*range(20))
+    index.insert(hashes[:7], "a")
+    index.set_capacity("a", 100)  # the 7 blocks become one generation, without recency
+    index.insert(hashes[:5], "a")  # a shorter prompt: its blocks move to the newest generation, 5 and 6 stay
+    store = index.store("a")
+    assert isinstance(store, LRUStore) and store.generation_sizes()[0] == 2 and not store.open
+    assert index.match(hashes, ["a"]) == {"a": 7}
+    index._check(chains=[hashes])
+
+
+def test_predict_keeps_to_the_backends_own_capacity() -> None:
+    index = PrefixIndex(block_size=1, capacity_blocks={"a": 4})
+    index.insert([1, 2], "a")
+    index.predict(chain(*range(6)), "a", 0)  # more blocks than "a" keeps: its engine would refuse the prompt
+    assert index.hashes("a") == {1, 2}
+
+
+def test_a_one_dimensional_memoryview_of_hashes_is_a_sequence_and_a_two_dimensional_one_is_not() -> None:
+    index = PrefixIndex(block_size=1)
+    hashes = chain(*range(4))
+    packed = memoryview(array("Q", hashes))
+    index.predict(packed, "a", 0)
+    assert index.match(packed, ["a"]) == {"a": 4}
+    batch = packed.cast("B").cast("Q", [2, 2])  # two prompts' hashes, not one's
+    with pytest.raises(TypeError, match="sequence"):
+        index.match(batch, ["a"])
+    with pytest.raises(TypeError, match="sequence"):
+        index.predict(batch, "a", 0)
 
 
 def test_set_capacity_none_returns_to_the_default() -> None:
@@ -411,4 +445,9 @@ def test_a_subclass_generations_sets_each_bounded_store() -> None:
     index = Fine(capacity_blocks=100)
     index.insert([1, 2, 3], "a")
     store = index.store("a")
+    assert isinstance(store, LRUStore) and store.generations == 4
+    unbounded = Fine()
+    unbounded.insert([1, 2, 3], "a")
+    unbounded.set_capacity("a", 50)  # its unbounded store becomes a bounded one
+    store = unbounded.store("a")
     assert isinstance(store, LRUStore) and store.generations == 4
