@@ -50,7 +50,7 @@ from prefixroute.adapters.serve.ext_proc import DESTINATION_HEADER, start_ext_pr
 
 from ..conftest import FakeClock
 from .conftest import CORPUS
-from .test_serve_chaos import Fault, Health, apply_fault
+from .test_serve_chaos import Fault, Health, apply_fault, plan_faults
 from .test_serve_contract_blackbox import parse_exposition
 
 FIXED = [f"http://10.0.0.{i}:8000" for i in range(1, 5)]  # the picker only decides: nothing listens there
@@ -58,10 +58,11 @@ UPSTREAMS = {upstream_of(backend) for backend in FIXED}
 BLOCK = 4
 LEASE_S = 60.0
 STEP_S = 1.0
-MAX_STEPS = 8  # the clock moves at most 8 s in a run: no lease runs out before the end
 MAX_BODY = 128 * 2**10
 STREAMS = 240
 RUN_S = 1.0  # streams start over this long
+# The fleet's changes while the picker serves (plan_faults() moves the clock at most 8 s: no lease runs out).
+PICKER_FAULTS = ("step", "health", "capacity", "load", "store", "store", "evict", "clear", "check", "check")
 CHANNELS = 4  # Envoy's connections to the picker (and one more, which is lost with the streams it holds)
 TIMEOUT_S = 20.0
 METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
@@ -281,21 +282,6 @@ def plan_streams(rng: random.Random, max_id: int) -> list[Stream]:
     return streams
 
 
-def plan_faults(rng: random.Random) -> list[Fault]:
-    """What --kv-events and --metrics-from-backends do to the router while it serves, the clock's steps, and checks
-    of the router's invariants in between."""
-    faults, at, steps = [], 0.0, 0
-    while at < RUN_S + 0.2:
-        at += rng.uniform(0.02, 0.08)
-        kind = rng.choice(["step", "health", "capacity", "load", "store", "store", "evict", "clear", "check", "check"])
-        if kind == "step":
-            if steps == MAX_STEPS:
-                continue
-            steps += 1
-        faults.append(Fault(at, kind, rng.choice(FIXED), rng.randrange(1 << 16)))
-    return faults
-
-
 # -- the run ----------------------------------------------------------------------------------------------------------
 
 
@@ -506,7 +492,7 @@ def test_the_books_balance_after_seeded_chaos_on_the_ext_proc_streams(seed: int,
     encoder = PromptEncoder(model_dir)
     rng = random.Random(seed)
     streams = plan_streams(rng, encoder.max_token_id)
-    faults = plan_faults(rng)
+    faults = plan_faults(rng, kinds=PICKER_FAULTS, backends=FIXED, run_s=RUN_S)
     clock, health = FakeClock(1000.0), Health()
     router = Router(block_size=BLOCK, policy=policy_from_name(policy), clock=clock, rng=random.Random(seed))
     sidecar = Sidecar(router, backends=FIXED, encoder=encoder, lease=LEASE_S, max_body_bytes=MAX_BODY, healthy=health,

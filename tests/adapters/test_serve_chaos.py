@@ -36,7 +36,7 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -256,20 +256,29 @@ class Fault:
     value: int
 
 
-def plan_faults(rng: random.Random) -> list[Fault]:
+SIDECAR_FAULTS = ("step", "health", "health", "capacity", "load", "store", "store", "evict", "clear", "check")
+
+
+def plan_faults(
+    rng: random.Random,
+    *,
+    kinds: Sequence[str] = SIDECAR_FAULTS,
+    backends: Sequence[str] = (*FIXED, *OWN[:3]),
+    run_s: float = RUN_S,
+) -> list[Fault]:
     """The fleet's changes: what --metrics-from-backends (health, engine load, capacity) and --kv-events (blocks
-    stored, evicted, cleared on an engine restart) do to the router while it serves, the clock's steps, and
-    checks of the router's invariants in between."""
+    stored, evicted, cleared on an engine restart) do to the router while it serves, the clock's steps (at most
+    MAX_STEPS), and checks of the router's invariants in between; ``kinds`` weighs them by repetition."""
     faults = []
     at, steps = 0.0, 0
-    while at < RUN_S + 0.2:
+    while at < run_s + 0.2:
         at += rng.uniform(0.02, 0.08)
-        kind = rng.choice(["step", "health", "health", "capacity", "load", "store", "store", "evict", "clear", "check"])
+        kind = rng.choice(kinds)
         if kind == "step":
             if steps == MAX_STEPS:
                 continue
             steps += 1
-        faults.append(Fault(at, kind, rng.choice(FIXED + OWN[:3]), rng.randrange(1 << 16)))
+        faults.append(Fault(at, kind, rng.choice(backends), rng.randrange(1 << 16)))
     return faults
 
 
