@@ -1,4 +1,6 @@
-"""The Ray Serve request router on a local Ray: one deployment of three replicas, routed by prefixroute."""
+"""The Ray Serve request router on one local Ray: two deployments of three replicas each, routed by prefixroute (one
+with ``bounded-load``, one with the defaults as a user deploys it: chat bodies of every shape, ``body=`` given by
+keyword, a replica that dies with requests in flight), then its parts driven by hand."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from prefixroute.adapters.proxy.prompts import INLINE_TEXT
 from prefixroute.adapters.ray import PrefixRouteRequestRouter
 from prefixroute.errors import ConfigurationError
 
-from .conftest import LoopNoting
+from .conftest import LoopNoting, tool_call_conversation
 
 PREFIX = list(range(1000, 1064))
 Handle = DeploymentHandle[Any]
@@ -54,18 +56,43 @@ class Replica:
             yield i
 
 
+@serve.deployment(
+    num_replicas=3,
+    ray_actor_options={"num_cpus": 0},
+    request_router_config=RequestRouterConfig(
+        request_router_class=cast(Any, "prefixroute.adapters.ray:PrefixRouteRequestRouter"),  # typed too narrowly
+        request_router_kwargs={"block_size": 16},
+    ),
+)
+class Engine:
+    """As a user deploys it (the default policy): answers with its replica id after ``sleep`` seconds."""
+
+    async def __call__(self, body: dict[str, Any]) -> str:
+        await asyncio.sleep(body.get("sleep", 0))
+        return str(serve.get_replica_context().replica_id.unique_id)
+
+
 @pytest.fixture(scope="module")
-def handle() -> Iterator[Handle]:
+def serving() -> Iterator[None]:
+    """One local Ray and Serve for the module, both applications in it: starting Ray is most of the cost, and Ray
+    started again in one process once failed to bring up its GCS in time."""
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(proxy_location="Disabled")  # calls go through handles: no HTTP proxy actor to start
-        yield serve.run(
-            Replica.bind(),  # type: ignore[attr-defined]  # serve.deployment's class
-            name="prefixroute-test",
-        )
+        yield
     finally:
         serve.shutdown()  # type: ignore[no-untyped-call]
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def handle(serving: None) -> Handle:
+    return serve.run(Replica.bind(), name="prefixroute-test", route_prefix=None)  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def engine(serving: None) -> Handle:
+    return serve.run(Engine.bind(), name="prefixroute-blackbox", route_prefix=None)  # type: ignore[attr-defined]
 
 
 def request_router(handle: Handle) -> PrefixRouteRequestRouter:
@@ -196,6 +223,49 @@ def zero(router: PrefixRouteRequestRouter) -> None:
     assert router.router.stats().in_flight == 0 and not router._started
     for candidate in router.router.decide([1] * 64, ["r0", "r1", "r2"]).candidates:
         assert (candidate.in_flight, candidate.pending_prefill_tokens, candidate.held_blocks) == (0, 0, 0)
+
+
+def test_chat_bodies_of_every_shape_and_a_body_by_keyword_route_on_their_prefix(engine: Handle) -> None:
+    conversation = tool_call_conversation()
+    engine.remote({"prompt": "warm up"}).result()
+    router = settled(engine)
+    commits = router.router.stats().commits
+    places = set()
+    for turn in range(4):
+        body = {"messages": [*conversation, {"role": "user", "content": f"and then {turn}?"}]}
+        reply = engine.remote(body=body) if turn % 2 else engine.remote(body)
+        places.add(reply.result())
+        settled(engine)
+    assert len(places) == 1
+    assert router.router.stats().commits == commits + 4
+    assert router.errors == 0
+
+
+def test_a_replica_that_dies_with_requests_in_flight_is_forgotten_and_counts_end(engine: Handle) -> None:
+    body = {"prompt": list(range(5000, 5128))}
+    home = engine.remote(body).result()
+    router = settled(engine)
+    assert home in router.router.index.backends()
+    slow = [engine.remote({**body, "sleep": 30}) for _ in range(2)]
+    time.sleep(0.5)
+    assert router.router.stats().in_flight == 2
+    [name] = [
+        actor["name"]
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["name"].startswith("SERVE_REPLICA") and actor["name"].endswith(home)
+    ]
+    ray.kill(ray.get_actor(name, namespace="serve"))
+    for reply in slow:
+        with pytest.raises(ray.exceptions.ActorDiedError):
+            reply.result(timeout_s=20)
+    router = settled(engine)
+    deadline = time.monotonic() + 10  # Ray tells its router of the death on its own loop, a moment later
+    while home in router.router.index.backends() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert home not in router.router.index.backends()
+    assert engine.remote(body).result() != home
+    settled(engine)
+    assert router.errors == 0
 
 
 def test_bad_request_router_kwargs_raise_when_given() -> None:
