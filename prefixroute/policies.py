@@ -8,9 +8,11 @@ the router (that raises :class:`~prefixroute.errors.PolicyError`; the candidates
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import math
+import numbers
 import os
 import random
 import sys
@@ -19,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from types import MappingProxyType
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from prefixroute._numbers import as_float, as_int, check_flag, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError, NoBackendError, PrefixRouteError
@@ -59,7 +61,10 @@ class Candidate(NamedTuple):
     reads); ``in_prefill`` how many of its requests there have no first token yet; ``block_size`` the router's
     tokens per block, the unit of the block figures.
 
-    A ``NamedTuple``: built once per backend per request, it costs a quarter of a frozen dataclass.
+    A ``NamedTuple``: built once per backend per request, it costs a quarter of a frozen dataclass. Its fields are
+    not checked when it is built; a built-in policy whose rule fails on one of the wrong type or an impossible value
+    raises an :class:`~prefixroute.errors.InvalidTypeError` or a :class:`~prefixroute.errors.ConfigurationError`
+    naming the candidate and the field.
     """
 
     backend: str
@@ -133,6 +138,74 @@ def _require_candidates(candidates: Sequence[Candidate]) -> None:
 
 _CANDIDATE = frozenset({Candidate})
 _NOT_CANDIDATES = (str, bytes, bytearray, memoryview)
+_OPTIONAL_REALS = frozenset({"kv_usage", "prefill_tokens_per_s"})
+_OPTIONAL = _OPTIONAL_REALS | {"queue_len", "capacity_blocks"}
+
+_Policy = TypeVar("_Policy", bound=LoadPolicy)
+
+
+def _names_bad_fields(
+    choose: Callable[[_Policy, Sequence[Candidate]], Candidate],
+) -> Callable[[_Policy, Sequence[Candidate]], Candidate]:
+    """Wrap a built-in ``choose()``: when its rule fails on a hand-built :class:`Candidate` whose field has the wrong
+    type or an impossible value (None or NaN for a count, more tokens matched than the prompt has), raise an
+    :class:`~prefixroute.errors.InvalidTypeError` or a :class:`~prefixroute.errors.ConfigurationError` that names the
+    candidate and the field, instead of whatever the arithmetic inside the rule raised. Costs nothing until the rule
+    raises (the router's own candidates are always well formed)."""
+
+    @functools.wraps(choose)
+    def checked(policy: _Policy, candidates: Sequence[Candidate]) -> Candidate:
+        try:
+            return choose(policy, candidates)
+        except PrefixRouteError:
+            raise
+        except Exception as error:
+            _check_fields(candidates, error)
+            raise
+
+    return checked
+
+
+def _check_fields(candidates: Sequence[Candidate], error: Exception | None) -> None:
+    """Raise, from ``error``, for the first field of ``candidates`` that is not as :class:`Candidate` documents it (a
+    wrong type an InvalidTypeError, a wrong value a ConfigurationError); returns if every field is well formed."""
+    for candidate in candidates:
+        if not isinstance(candidate, Candidate):
+            return  # choose() raised on something else than a Candidate's field
+        for name, value in zip(Candidate._fields, candidate, strict=True):
+            fault = _field_fault(name, value)
+            if fault is not None:
+                kind, due = fault
+                raise kind(f"Candidate {shown(candidate[0])}: {name} must be {due}, not {shown(value)}") from error
+        if candidate.matched_tokens > candidate.prompt_tokens:
+            raise ConfigurationError(
+                f"Candidate {shown(candidate[0])}: matched_tokens ({candidate.matched_tokens}) must be at most "
+                f"prompt_tokens ({candidate.prompt_tokens})"
+            ) from error
+
+
+def _field_fault(name: str, value: object) -> tuple[type[PrefixRouteError], str] | None:
+    """What is wrong with the value of a :class:`Candidate`'s field ``name``: the error to raise and what the value
+    must be; None if nothing. ``backend`` a str; ``kv_usage`` a finite real ≥ 0 and ``prefill_tokens_per_s`` one
+    > 0; ``block_size`` an int ≥ 1, every other field an int ≥ 0; ``queue_len``, ``capacity_blocks`` and the two
+    reals may be None."""
+    if name == "backend":
+        return None if isinstance(value, str) else (InvalidTypeError, "a str")
+    if value is None and name in _OPTIONAL:
+        return None
+    either = " or None" if name in _OPTIONAL else ""
+    if name in _OPTIONAL_REALS:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            return InvalidTypeError, f"a real number{either}"
+        number = as_float(value)
+        if name == "prefill_tokens_per_s":
+            return None if number is not None and number > 0 else (ConfigurationError, "finite and above 0")
+        return None if number is not None and number >= 0 else (ConfigurationError, "finite and at least 0")
+    integer = as_int(value)
+    low = 1 if name == "block_size" else 0
+    if integer is None:
+        return InvalidTypeError, f"an int{either}"
+    return None if integer >= low else (ConfigurationError, f"at least {low}")
 
 
 class RoundRobin(LoadPolicy):
@@ -143,6 +216,7 @@ class RoundRobin(LoadPolicy):
     def __init__(self) -> None:
         self._turn = 0
 
+    @_names_bad_fields
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         _require_candidates(candidates)
         # Candidates arrive in per-prompt placement order; rotate over a fixed order (by backend id) instead.
@@ -160,6 +234,7 @@ class Random(LoadPolicy):
     def __init__(self, *, seed: int | None = None, rng: random.Random | None = None) -> None:
         self._rng = _rng(seed, rng, "Random")
 
+    @_names_bad_fields
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         _require_candidates(candidates)
         return candidates[self._rng.randrange(len(candidates))]
@@ -170,6 +245,7 @@ class LeastLoaded(LoadPolicy):
 
     name = "least-loaded"
 
+    @_names_bad_fields
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         _require_candidates(candidates)
         return min(candidates, key=_load)
@@ -183,6 +259,7 @@ class PowerOfTwo(LoadPolicy):
     def __init__(self, *, seed: int | None = None, rng: random.Random | None = None) -> None:
         self._rng = _rng(seed, rng, "PowerOfTwo")
 
+    @_names_bad_fields
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         _require_candidates(candidates)
         if len(candidates) == 1:
@@ -197,6 +274,7 @@ class PrefixAffinity(LoadPolicy):
     name = "prefix-affinity"
     prefix_aware = True
 
+    @_names_bad_fields
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         _require_candidates(candidates)
         return min(candidates, key=lambda c: (-c.matched_tokens, c.load))
@@ -228,6 +306,7 @@ class BoundedLoad(LoadPolicy):
             raise ConfigurationError(f"BoundedLoad factor must be a finite number >= 1.0, not {shown(factor)}")
         self.factor = value
 
+    @_names_bad_fields
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         _require_candidates(candidates)
         loads = [c.load for c in candidates]
@@ -302,6 +381,7 @@ class CostAware(LoadPolicy):
             raise InvalidTypeError(f"CostAware cost must be a callable from a Candidate to seconds, not {shown(cost)}")
         self.cost: Callable[[Candidate], float] = cost if cost is not None else LinearTTFT()
 
+    @_names_bad_fields
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         _require_candidates(candidates)
         return min(candidates, key=self.cost)
@@ -427,6 +507,7 @@ class PredictedTTFT(LoadPolicy):
                 held += blocks * size
         return common, held / flying if flying else math.inf
 
+    @_names_bad_fields
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         common, typical = self.cap_terms(candidates)  # raises for no candidates
         if not self.use_speed and type(self).cost is PredictedTTFT.cost:

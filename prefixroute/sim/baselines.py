@@ -21,7 +21,7 @@ from types import MappingProxyType
 
 from prefixroute._numbers import as_float, as_int, shown
 from prefixroute.errors import ConfigurationError
-from prefixroute.policies import Candidate, LoadPolicy, _require_candidates
+from prefixroute.policies import Candidate, LoadPolicy, _check_fields, _names_bad_fields, _require_candidates
 from prefixroute.policies import _rng as seeded_rng  # the core's checks: the same errors for the same mistakes
 
 __all__ = [
@@ -55,6 +55,8 @@ class _TreeSizes:
     def record(self, chosen: Candidate) -> Candidate:
         visible = chosen.prompt_tokens // chosen.block_size * chosen.block_size
         grown = 0 if 0 < visible <= chosen.matched_tokens else chosen.uncached_tokens
+        if type(grown) is not int or grown < 0:  # a hand-built candidate's NaN would stay in every later choice
+            _check_fields((chosen,), None)
         self._sizes[chosen.backend] = self._sizes.get(chosen.backend, 0) + grown
         return chosen
 
@@ -125,6 +127,7 @@ class SGLangCacheAware(LoadPolicy):
         self.balance_rel_threshold = _number("balance_rel_threshold", balance_rel_threshold)
         self._rng = seeded_rng(seed, rng, "SGLangCacheAware")
 
+    @_names_bad_fields
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         _require_candidates(candidates)
         loads = [c.in_flight for c in candidates]
@@ -202,6 +205,7 @@ class DynamoKvRouter(LoadPolicy):
         decode_blocks = candidate.active_blocks + request_blocks - already_active
         return self.overlap_score_weight * prefill_blocks + decode_blocks
 
+    @_names_bad_fields
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         _require_candidates(candidates)
         logits = [self.logit(c) for c in candidates]
@@ -298,6 +302,7 @@ class LlmdDefaultProfile(LoadPolicy):
             )
         return result
 
+    @_names_bad_fields
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         _require_candidates(candidates)
         scores = self.scores(candidates)
@@ -335,6 +340,7 @@ class AIBrixPrefixCache(LoadPolicy):
         self.imbalance_abs_count = _count("imbalance_abs_count", imbalance_abs_count)
         self.standard_deviation_factor = _number("standard_deviation_factor", standard_deviation_factor)
 
+    @_names_bad_fields
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         _require_candidates(candidates)
         counts = [c.in_flight for c in candidates]
@@ -406,6 +412,7 @@ class RayServePrefixAware(LoadPolicy):
         self._rng = seeded_rng(seed, rng, "RayServePrefixAware")
         self._trees = _TreeSizes()
 
+    @_names_bad_fields
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         _require_candidates(candidates)
         queues = [c.in_flight for c in candidates]
@@ -447,6 +454,7 @@ class ProductionStackPrefixAware(LoadPolicy):
     def __init__(self, *, seed: int | None = None, rng: random.Random | None = None) -> None:
         self._rng = seeded_rng(seed, rng, "ProductionStackPrefixAware")
 
+    @_names_bad_fields
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         _require_candidates(candidates)
         longest = max(c.matched_tokens for c in candidates)

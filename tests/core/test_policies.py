@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import math
 import os
 import random
+import re
 import sys
 import uuid
 from collections.abc import Callable
@@ -17,6 +19,7 @@ from prefixroute import (
     Candidate,
     ConfigurationError,
     CostAware,
+    InvalidTypeError,
     LeastLoaded,
     LinearTTFT,
     LoadPolicy,
@@ -97,6 +100,62 @@ def test_contract_no_candidates_is_a_clear_error(name: str) -> None:
 def test_contract_single_candidate(name: str) -> None:
     only = Candidate("only", 0, 100, 7)
     assert CONTRACT[name]().choose([only]) is only
+
+
+# A value of each kind a hand-built Candidate may wrongly carry, and the fields a well-formed one takes them in.
+MALFORMED = [None, "7", b"7", 1.5, math.nan, math.inf, [], object(), True, -1, -(2**70)]
+
+
+@pytest.mark.parametrize("name", sorted(CONTRACT))
+@settings(max_examples=60, deadline=None)
+@given(
+    faults=st.lists(
+        st.tuples(st.integers(0, 3), st.sampled_from(Candidate._fields), st.sampled_from(MALFORMED)), max_size=3
+    ),
+    seed=st.integers(0, 2**32),
+)
+def test_contract_a_malformed_candidate_is_a_clear_error_or_a_choice_and_harms_no_later_choice(
+    name: str, faults: list[tuple[int, str, object]], seed: int
+) -> None:
+    """A hand-built Candidate with a field of the wrong type or an impossible value: the policy either chooses (it
+    does not read that field) or raises the library's error naming the candidate and the field, never a bare
+    TypeError from its arithmetic; and a stateful policy (Ray Serve's tree sizes) keeps choosing well after it."""
+    rng = random.Random(seed)
+    policy = CONTRACT[name]()
+    well_formed = [Candidate(f"b{i}", rng.randrange(0, 65), 64, rng.randrange(4), block_size=16) for i in range(4)]
+    candidates = list(well_formed)
+    for position, field, value in faults:
+        candidates[position] = candidates[position]._replace(**{field: value})  # type: ignore[arg-type]
+    try:
+        chosen = policy.choose(candidates)
+    except (InvalidTypeError, ConfigurationError) as error:
+        assert re.match(r"Candidate .*: \w+ must be ", str(error)), error
+        assert any(f": {field} must be " in str(error) for _, field, _ in faults)
+    else:
+        assert any(chosen is c for c in candidates)
+    for _ in range(3):
+        assert policy.choose(well_formed) in well_formed
+
+
+def test_a_malformed_candidate_names_the_candidate_the_field_and_what_it_takes() -> None:
+    good = Candidate("good", 0, 64, 0)
+    with pytest.raises(InvalidTypeError, match=r"^Candidate 'bad': in_flight must be an int, not None$"):
+        LeastLoaded().choose([good, Candidate("bad", 0, 64, None)])  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match=r"^Candidate 'bad': matched_tokens must be an int, not 'x'$"):
+        PredictedTTFT().choose([good, Candidate("bad", "x", 64, 0)])  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match=r"kv_usage must be a real number or None, not '0.5'$"):
+        BASELINES["llm-d"]().choose([Candidate("bad", 0, 64, 0, kv_usage="0.5"), good])  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match=r"^Candidate 'bad': in_flight must be an int, not nan$"):
+        BASELINES["aibrix"]().choose([Candidate("bad", 16, 64, math.nan), good])  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=r"^Candidate 'bad': block_size must be at least 1, not 0$"):
+        BASELINES["ray-serve"]().choose([Candidate("bad", 0, 64, 0, block_size=0)])
+    with pytest.raises(InvalidTypeError, match=r"^Candidate None: backend must be a str, not None$"):
+        RoundRobin().choose([good, Candidate(None, 0, 64, 0)])  # type: ignore[arg-type]
+    # Ray Serve's tree would keep a NaN size for this backend, and choose from nothing ever after.
+    ray = BASELINES["ray-serve"]()
+    with pytest.raises(InvalidTypeError, match=r"^Candidate 'bad': matched_tokens must be an int, not nan$"):
+        ray.choose([Candidate("bad", math.nan, 64, 0)])  # type: ignore[arg-type]
+    assert ray.choose([good, Candidate("bad", 0, 64, 0)]) is good
 
 
 @pytest.mark.parametrize("name", sorted(CONTRACT))
