@@ -362,8 +362,9 @@ class LinearTTFT:
                 + uncached * self.per_token_s
                 + uncached * candidate.matched_tokens * self.per_token_pair_s
             )
-        except (AttributeError, TypeError):
+        except (AttributeError, TypeError) as error:
             _require_candidate(candidate)
+            _check_fields((candidate,), error)
             raise
 
 
@@ -472,19 +473,43 @@ class PredictedTTFT(LoadPolicy):
         ``typical_prompt`` for each request in flight. Left out, nothing is capped.
 
         Raises:
-            TypeError: ``candidate`` is not a :class:`Candidate`.
+            TypeError: ``candidate`` is not a :class:`Candidate`, or one of its fields has the wrong type.
+            ConfigurationError: ``speed`` is not a finite number above 0; or the arithmetic failed on a field of
+                ``candidate`` with an impossible value, on ``common_tokens`` that is not an int >= 0 or on
+                ``typical_prompt`` that is not a number above 0.
         """
         _require_candidate(candidate)
-        in_flight, in_prefill, queued = candidate.in_flight, candidate.in_prefill, candidate.queue_len or 0
-        if queued > in_prefill:  # the engine's waiting queue shows requests this router does not count
-            in_prefill, in_flight = queued, max(in_flight, queued)
-        uncached = candidate.uncached_tokens
-        common = min(common_tokens, uncached)
-        per_request = min(common, typical_prompt) + uncached - common
-        harm = (per_request * in_flight + uncached * in_prefill) * _runnable(candidate)
-        work = candidate.pending_prefill_tokens + uncached + harm
-        fraction = 1.0 if _overflows(candidate) else kv_fraction(candidate)
-        return work / speed / (1.0 - min(fraction, self.kv_cap))
+        if type(speed) is not float or not 0.0 < speed < math.inf:
+            number = as_float(speed)
+            if number is None or number <= 0:
+                raise ConfigurationError(f"cost() speed must be a finite number above 0, not {shown(speed)}")
+            speed = number
+        try:
+            in_flight, in_prefill, queued = candidate.in_flight, candidate.in_prefill, candidate.queue_len or 0
+            if queued > in_prefill:  # the engine's waiting queue shows requests this router does not count
+                in_prefill, in_flight = queued, max(in_flight, queued)
+            uncached = candidate.uncached_tokens
+            common = min(common_tokens, uncached)
+            per_request = min(common, typical_prompt) + uncached - common
+            harm = (per_request * in_flight + uncached * in_prefill) * _runnable(candidate)
+            work = candidate.pending_prefill_tokens + uncached + harm
+            fraction = 1.0 if _overflows(candidate) else kv_fraction(candidate)
+            return work / speed / (1.0 - min(fraction, self.kv_cap))
+        except PrefixRouteError:
+            raise
+        except Exception as error:
+            _check_fields((candidate,), error)
+            count = as_int(common_tokens)
+            if count is None or count < 0:
+                raise ConfigurationError(
+                    f"cost() common_tokens must be an int >= 0, not {shown(common_tokens)}"
+                ) from error
+            typical = as_float(typical_prompt, infinite=True)
+            if typical is None or typical <= 0:
+                raise ConfigurationError(
+                    f"cost() typical_prompt must be a number above 0 or math.inf, not {shown(typical_prompt)}"
+                ) from error
+            raise
 
     @staticmethod
     def cap_terms(candidates: Sequence[Candidate]) -> tuple[int, float]:
@@ -499,12 +524,16 @@ class PredictedTTFT(LoadPolicy):
         _require_candidates(candidates)
         common = -1
         flying = held = 0
-        for _, matched, prompt, in_flight, _, _, _, blocks, _, _, _, _, size in candidates:
-            if common < 0 or prompt - matched < common:
-                common = prompt - matched
-            if blocks > 0:  # a hand-built candidate may count requests in flight without their blocks
-                flying += in_flight
-                held += blocks * size
+        try:
+            for _, matched, prompt, in_flight, _, _, _, blocks, _, _, _, _, size in candidates:
+                if common < 0 or prompt - matched < common:
+                    common = prompt - matched
+                if blocks > 0:  # a hand-built candidate may count requests in flight without their blocks
+                    flying += in_flight
+                    held += blocks * size
+        except TypeError as error:
+            _check_fields(candidates, error)
+            raise
         return common, held / flying if flying else math.inf
 
     @_names_bad_fields
@@ -578,11 +607,19 @@ def kv_fraction(candidate: Candidate) -> float:
     requests (see docs/policies.md).
     """
     _require_candidate(candidate, "kv_fraction()")
-    if candidate.capacity_blocks:
-        return min(1.0, candidate.active_blocks / candidate.capacity_blocks)
-    if candidate.kv_usage is not None:
-        return candidate.kv_usage
-    return 0.0
+    try:
+        if candidate.capacity_blocks:
+            return min(1.0, candidate.active_blocks / candidate.capacity_blocks)
+    except TypeError as error:
+        _check_fields((candidate,), error)
+        raise
+    usage = candidate.kv_usage
+    if usage is None:
+        return 0.0
+    if type(usage) is not float:  # a hand-built candidate's: a numpy float, an int, or something else to refuse
+        _check_fields((candidate,), None)
+        return float(usage)
+    return usage
 
 
 def _require_candidate(candidate: object, what: str = "the cost model") -> None:

@@ -158,6 +158,46 @@ def test_a_malformed_candidate_names_the_candidate_the_field_and_what_it_takes()
     assert ray.choose([good, Candidate("bad", 0, 64, 0)]) is good
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    field=st.sampled_from(Candidate._fields),
+    value=st.sampled_from(MALFORMED),
+    model=st.sampled_from(["kv_fraction", "LinearTTFT", "cost", "cap_terms"]),
+)
+def test_the_public_cost_helpers_name_a_malformed_field_or_answer_a_float(
+    field: str, value: object, model: str
+) -> None:
+    candidate = Candidate("bad", 16, 64, 1, held_blocks=4, capacity_blocks=100, active_blocks=4)._replace(
+        **{field: value}  # type: ignore[arg-type]
+    )
+    helpers: dict[str, Callable[[Candidate], object]] = {
+        "kv_fraction": kv_fraction,
+        "LinearTTFT": LinearTTFT(),
+        "cost": lambda c: PredictedTTFT().cost(c, speed=2.0, common_tokens=8, typical_prompt=32.0),
+        "cap_terms": lambda c: PredictedTTFT.cap_terms([c]),
+    }
+    try:
+        answer = helpers[model](candidate)
+    except (InvalidTypeError, ConfigurationError) as error:
+        assert str(error).startswith(f"Candidate 'bad': {field} must be "), error
+    else:
+        assert type(answer) in (float, int, tuple)
+        if model == "kv_fraction":
+            assert type(answer) is float
+
+
+def test_cost_refuses_a_speed_it_cannot_divide_by_and_names_bad_terms() -> None:
+    candidate = Candidate("a", 16, 64, 1)
+    for speed in (0, -1.0, math.nan, math.inf, "fast", None, True):
+        with pytest.raises(ConfigurationError, match="^cost\\(\\) speed must be a finite number above 0, not "):
+            PredictedTTFT().cost(candidate, speed=speed)  # type: ignore[arg-type]
+    assert PredictedTTFT().cost(candidate, speed=2) == PredictedTTFT().cost(candidate, speed=2.0)
+    with pytest.raises(ConfigurationError, match="common_tokens must be an int >= 0, not 'x'"):
+        PredictedTTFT().cost(candidate, common_tokens="x")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="typical_prompt must be a number above 0 or math.inf, not None"):
+        PredictedTTFT().cost(candidate, common_tokens=8, typical_prompt=None)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("name", sorted(CONTRACT))
 def test_contract_same_input_same_choice_for_fresh_instances(name: str) -> None:
     rng = random.Random(5)
