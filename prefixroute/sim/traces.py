@@ -285,8 +285,9 @@ _LENGTHS_FORMATS: Mapping[str, tuple[_LengthsFormat, ...]] = MappingProxyType(
         "burstgpt": (_LengthsFormat("Timestamp", "Request tokens", "Response tokens", dated=False),),
     }
 )
-# An offset's minutes are 00-59 (timezone() would take +05:99 as 6 h 39 min).
-_DATETIME = re.compile(r"(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:\.(\d+))?(Z|[+-]\d\d:?[0-5]\d)?")
+# An offset's minutes are 00-59 (timezone() would take +05:99 as 6 h 39 min). ASCII digits only, as in counts and
+# seconds: a str pattern's \d matches any script's digits, and int() and float() read them.
+_DATETIME = re.compile(r"(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:\.(\d+))?(Z|[+-]\d\d:?[0-5]\d)?", re.ASCII)
 
 
 def read_splitwise(path: str | Path, *, limit: int | None = None) -> list[TraceEntry]:

@@ -218,6 +218,12 @@ def test_a_pipe_is_read_from_its_start(tmp_path: Path) -> None:
         ("yesterday,10,2", "expected a date and time"),
         ("2023-02-30 00:00:00,10,2", "expected a date and time"),
         ("2023-11-16 18:15:50+05:99,10,2", "expected a date and time"),
+        ("2023-11-16 18:15:60,10,2", "expected a date and time"),  # as datetime refuses a leap second
+        # other scripts' digits, as in counts and seconds: \d matched them, so these read as 2023 and 0.5 s
+        ("\u0662023-11-16 18:15:50,10,2", "expected a date and time"),
+        ("\uff12\uff10\uff12\uff13-11-16 18:15:50,10,2", "expected a date and time"),
+        ("2023-11-16 18:15:50.\u0665,10,2", "expected a date and time"),
+        ("2023-11-16 18:15:50+\u0660\u0665:00,10,2", "expected a date and time"),
         ("2423-11-16 18:15:40,10,2", "within 1e\\+10 s of the first row's"),
         ("2023-11-16 18:15:50,-1,2", r"token counts in \[0,"),
         ("2023-11-16 18:15:50,10,-1", r"token counts in \[0,"),
