@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -175,6 +176,41 @@ def test_read_azure_dates_and_offsets(tmp_path: Path) -> None:
     path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
                     "2024-05-10 00:00:00.009930+00:00,10,2\n2024-05-10 02:00:01.5+02:00,10,2\n")  # fmt: skip
     assert [e.arrival for e in read_azure(path)] == pytest.approx([0.0, 1.490070])  # the same hour in UTC+2
+
+
+def test_azure_offsets_of_every_form_name_the_same_instant(tmp_path: Path) -> None:
+    """Azure's files write +00:00; a trace written by other tools in this layout may say Z, a negative offset, or
+    one of half an hour, with or without its colon: each row below is the same instant, the last one second on."""
+    path = tmp_path / "a.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                    "2024-05-10 12:00:00+00:00,1,1\n2024-05-10 12:00:00Z,2,1\n2024-05-10 07:00:00-05:00,3,1\n"
+                    "2024-05-10 17:30:00+05:30,4,1\n2024-05-10T17:30:00+0530,5,1\n2024-05-10 02:15:00-0945,6,1\n"
+                    "2024-05-10 12:00:01+00:00,7,1\n")  # fmt: skip
+    assert [(e.arrival, e.input_length) for e in read_azure(path)] == [(0.0, n) for n in range(1, 7)] + [(1.0, 7)]
+
+
+@pytest.fixture
+def new_york_clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The process's local time zone set to one with daylight saving time, and put back after."""
+    if not hasattr(time, "tzset"):
+        pytest.skip("time.tzset() is Unix-only")
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    try:
+        yield
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+
+
+@pytest.mark.usefixtures("new_york_clock")
+def test_azure_dates_without_an_offset_are_utc_whatever_the_local_time_zone(tmp_path: Path) -> None:
+    """New York's clocks went from 01:59:59 to 03:00 on 2023-03-12: read as local time these rows are one hour
+    apart, not two."""
+    assert time.localtime(1678602600).tm_isdst == 0 and time.localtime(1678606200).tm_isdst == 1  # the zone is on
+    path = tmp_path / "a.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-03-12 01:30:00,1,1\n2023-03-12 03:30:00,2,1\n")
+    assert [e.arrival for e in read_azure(path)] == [0.0, 7200.0]
 
 
 def test_load_trace_reads_a_home_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
