@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -448,6 +449,95 @@ def test_timestamps_past_float_millisecond_resolution_are_refused(tmp_path: Path
         read_mooncake(zero)
 
 
+_AT_MOST_SECONDS = 10**10  # the latest replayed arrival the readers and check_speedup allow: 1e10 s, not past it
+_AT_MOST_TOKENS = 2**20  # the longest prompt or output a trace line may give
+
+
+@pytest.mark.parametrize(
+    ("reader", "content"),
+    [
+        (read_mooncake, _line() + "\n" + _line(timestamp=_AT_MOST_SECONDS * 1000) + "\n"),  # in ms
+        (read_bailian, _bailian(timestamp=0) + "\n" + _bailian(timestamp=_AT_MOST_SECONDS) + "\n"),
+        (read_splitwise, f"arrived_at,num_prefill_tokens,num_decode_tokens\n0,1,1\n{_AT_MOST_SECONDS:.0e},1,1\n"),
+        (read_burstgpt, f"Timestamp,Request tokens,Response tokens\n0,1,1\n{_AT_MOST_SECONDS},1,1\n"),
+    ],
+)
+def test_a_timestamp_of_exactly_1e10_s_is_read(tmp_path: Path, reader: Callable[[Path], Any], content: str) -> None:
+    """Only a timestamp past 1e10 s is refused (docs/simulator.md): 1e10 itself is the last one read."""
+    path = tmp_path / "t"
+    path.write_text(content)
+    assert [e.arrival for e in reader(path)] == [0.0, _AT_MOST_SECONDS]
+
+
+def _azure_rows(*seconds: float) -> str:
+    """An Azure trace whose rows are ``seconds`` after (or before) 2000-01-01 00:00 UTC, in that order."""
+    start = datetime(2000, 1, 1, tzinfo=timezone.utc)
+    return "TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"{(start + timedelta(seconds=s)).isoformat(' ')},{i + 1},1\n" for i, s in enumerate(seconds)
+    )
+
+
+@pytest.mark.parametrize(
+    ("offset", "expected"),
+    [(_AT_MOST_SECONDS, [(0.0, 1), (_AT_MOST_SECONDS, 2)]), (-_AT_MOST_SECONDS, [(0.0, 2), (_AT_MOST_SECONDS, 1)])],
+)  # the second row 1e10 s after the first, or before it
+def test_an_azure_row_exactly_1e10_s_from_the_first_is_read(
+    tmp_path: Path, offset: int, expected: list[tuple[float, int]]
+) -> None:
+    path = tmp_path / "a.csv"
+    path.write_text(_azure_rows(0, offset))
+    assert [(e.arrival, e.input_length) for e in read_azure(path)] == expected
+
+
+def test_azure_rows_each_within_1e10_s_of_the_first_but_spanning_more_are_refused(tmp_path: Path) -> None:
+    """Rows before the first row are kept (arrivals count from the earliest), so each row's own check does not
+    bound the replay: 0.6e10 s before the first and 0.6e10 s after it span 1.2e10 s."""
+    path = tmp_path / "a.csv"
+    path.write_text(_azure_rows(0, -0.6 * _AT_MOST_SECONDS, 0.6 * _AT_MOST_SECONDS))
+    with pytest.raises(InvalidTraceError, match=r"a\.csv: its TIMESTAMPs span more than 1e\+10 s"):
+        read_azure(path)
+    path.write_text(_azure_rows(0, -0.5 * _AT_MOST_SECONDS, 0.5 * _AT_MOST_SECONDS))  # exactly 1e10 s: read
+    assert [e.arrival for e in read_azure(path)] == [0.0, 0.5 * _AT_MOST_SECONDS, _AT_MOST_SECONDS]
+
+
+@pytest.mark.parametrize(
+    ("reader", "row"),
+    [(read_splitwise, "arrived_at,num_prefill_tokens,num_decode_tokens\n-0.5,10,2\n"),
+     (read_burstgpt, "Timestamp,Request tokens,Response tokens\n-5,10,2\n")],
+)  # fmt: skip
+def test_a_negative_csv_arrival_in_seconds_is_refused(tmp_path: Path, reader: Callable[[Path], Any], row: str) -> None:
+    """Only Azure's dates may lie before the first row's; seconds are a clock from 0, as JSONL timestamps are."""
+    path = tmp_path / "t.csv"
+    path.write_text(row)
+    with pytest.raises(InvalidTraceError, match=r"t\.csv:2: \w+ must be a finite number in \[0, 1e\+10\]"):
+        reader(path)
+
+
+def test_the_longest_lengths_and_the_highest_hash_id_are_read(tmp_path: Path) -> None:
+    """The bounds the errors name are inclusive: 2**20 tokens, and the hash id whose block ends at token id
+    2**32 - 1 (the last uint32)."""
+    top = 2**32 // 512 - 1
+    path = tmp_path / "m.jsonl"
+    blocks = _AT_MOST_TOKENS // 512
+    path.write_text(_line(input_length=_AT_MOST_TOKENS, output_length=_AT_MOST_TOKENS,
+                          hash_ids=[*range(blocks - 1), top]) + "\n")  # fmt: skip
+    workload = load_trace(f"mooncake:{path}")
+    request = workload.next_request(0)
+    assert request is not None and (request.prompt_tokens, request.output_tokens) == (_AT_MOST_TOKENS,) * 2
+    assert int.from_bytes(request.prompt[-4:], "little") == 2**32 - 1
+    csv_path = tmp_path / "s.csv"
+    csv_path.write_text(f"arrived_at,num_prefill_tokens,num_decode_tokens\n0,{_AT_MOST_TOKENS},{_AT_MOST_TOKENS}\n")
+    assert [(e.input_length, e.output_length) for e in read_splitwise(csv_path)] == [(_AT_MOST_TOKENS,) * 2]
+
+
+def test_a_line_of_exactly_2_to_the_20_characters_is_read(tmp_path: Path) -> None:
+    """Only a line over 2**20 characters is refused (docs/simulator.md)."""
+    line = _line()
+    path = tmp_path / "m.jsonl"
+    path.write_text(line + " " * (2**20 - len(line) - 1) + "\n")
+    assert len(read_mooncake(path)) == 1
+
+
 def test_a_speedup_that_stretches_the_trace_too_far_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -459,6 +549,18 @@ def test_a_speedup_that_stretches_the_trace_too_far_is_refused(
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
     assert "--speedup 1e-310 puts the trace's last request at" in err and "give a --speedup of at least 3e-10" in err
+
+
+def test_check_speedup_allows_a_last_arrival_of_exactly_1e10_s(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_text(_line() + "\n" + _line(timestamp=_AT_MOST_SECONDS * 1000) + "\n")
+    workload = load_trace(f"mooncake:{path}")
+    check_speedup(workload, 1.0)
+    with pytest.raises(
+        ConfigurationError, match=r"at 2e\+10 simulated s, past 1e\+10: give a --speedup of at least 1$"
+    ):
+        check_speedup(workload, 0.5)
+    check_speedup(TraceWorkload([], kind="mooncake"), 1e-300)  # no arrival to place
 
 
 @pytest.mark.parametrize("speedup", [0, 0.0, -1.0, float("nan"), float("inf"), 10**400, True, "2"])
