@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ import pytest
 
 from prefixroute import BlockHasher
 from prefixroute.errors import ConfigurationError, InvalidTraceError
+from prefixroute.sim.request import SimRequest
 from prefixroute.sim.traces import (
     TraceWorkload,
     check_speedup,
@@ -411,6 +413,16 @@ def test_load_trace_keeps_only_the_first_requests_but_checks_every_line(tmp_path
         load_trace(f"splitwise:{path}", limit=1)
 
 
+def test_a_limit_keeps_the_earliest_rows_of_a_trace_written_latest_first(tmp_path: Path) -> None:
+    """Each row after the first ``limit`` is earlier than every one kept so far, so each replaces the latest kept;
+    of equal timestamps the first in the file are kept."""
+    path = tmp_path / "s.csv"
+    path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n"
+                    + "".join(f"{t},{10 + t},1\n" for t in range(5, -1, -1)) + "0,99,1\n")  # fmt: skip
+    assert [(e.arrival, e.input_length) for e in read_splitwise(path, limit=3)] == [(0, 10), (0, 99), (1, 11)]
+    assert [(e.arrival, e.input_length) for e in read_splitwise(path, limit=1)] == [(0, 10)]
+
+
 @pytest.mark.parametrize("command", [["simulate"], ["compare", "--jobs", "1"]])
 def test_the_cli_reads_a_trace_once(
     command: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
@@ -668,6 +680,50 @@ def test_an_output_tokens_override_is_checked_when_the_workload_is_made(tmp_path
         load_trace(f"mooncake:{path}", output_tokens=output_tokens)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="output_tokens must be a positive int or None"):
         TraceWorkload(read_mooncake(path), kind="mooncake", output_tokens=output_tokens)  # type: ignore[arg-type]
+
+
+def _requests(workload: TraceWorkload) -> list[SimRequest]:
+    requests = []
+    while (request := workload.next_request(0)) is not None:
+        requests.append(request)
+    return requests
+
+
+def test_an_output_tokens_override_replaces_every_lines_output_length(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_text(_line(output_length=5) + "\n" + _line(timestamp=3, output_length=9) + "\n")
+    assert [r.output_tokens for r in _requests(load_trace(f"mooncake:{path}"))] == [5, 9]
+    for tokens in (1, 7):
+        for workload in (
+            load_trace(f"mooncake:{path}", output_tokens=tokens),
+            TraceWorkload(read_mooncake(path), kind="mooncake", output_tokens=tokens),
+        ):
+            assert [r.output_tokens for r in _requests(workload)] == [tokens, tokens]
+
+
+def test_a_seed_makes_the_unique_prompts_of_a_csv_trace_reproducible(tmp_path: Path) -> None:
+    path = tmp_path / "s.csv"
+    path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0,100,1\n1,100,1\n2,50,1\n")
+
+    def prompts(seed: int) -> list[bytes]:
+        return [r.prompt for r in _requests(load_trace(f"splitwise:{path}", seed=seed))]
+
+    assert prompts(3) == prompts(3) != prompts(4)
+    assert [r.prompt for r in _requests(TraceWorkload(read_splitwise(path), kind="splitwise", seed=3))] == prompts(3)
+
+
+@pytest.mark.parametrize("draw", ["lowest", "highest"])
+def test_a_unique_prompts_token_ids_stay_in_the_upper_half_of_uint32_wherever_the_draw_lands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, draw: str
+) -> None:
+    """From 2**31 on, clear of the ids of any Mooncake hash id below 2**22, and below 2**32, where uint32 ids end
+    (past it building the prompt raises)."""
+    monkeypatch.setattr(random.Random, "randrange", lambda _self, n: 0 if draw == "lowest" else n - 1)
+    path = tmp_path / "s.csv"
+    path.write_text(f"arrived_at,num_prefill_tokens,num_decode_tokens\n0,{_AT_MOST_TOKENS},1\n")
+    [request] = _requests(load_trace(f"splitwise:{path}"))
+    first, last = (int.from_bytes(request.prompt[i : i + 4], "little") for i in (0, len(request.prompt) - 4))
+    assert request.prompt_tokens == _AT_MOST_TOKENS and first >= 2**31 and last == first + _AT_MOST_TOKENS - 1
 
 
 def test_a_mooncake_field_given_twice_is_refused(tmp_path: Path) -> None:
