@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -63,10 +64,13 @@ def test_read_mooncake_parses_and_converts_timestamps(tmp_path: Path) -> None:
     ("line", "message"),
     [
         ("{not json", "not valid JSON"),
-        ("[1, 2]", "expected a JSON object"),
-        ('{"timestamp": 0}', "missing field"),
+        ("[1, 2]", "expected a JSON object, got list"),
+        ('{"timestamp": 0}', "missing field.s. input_length, output_length, hash_ids$"),
+        ("[" * 100_000 + "]" * 100_000, "JSON nested too deeply"),
         (_line(hash_ids=[1]), r"a mooncake: trace has one per 512 tokens, ceil\(600/512\) = 2"),
         (_line(input_length=-1), "input_length"),
+        (_line(input_length=True, hash_ids=[1]), r"input_length must be an int in \[0, 1048576\], not True"),
+        (_line(input_length="600"), r"input_length must be an int in \[0, 1048576\], not '600'"),
         (_line(input_length=0), r"2 hash_ids for input_length 0"),
         (_line(output_length="5"), "output_length"),
         (_line(timestamp=-1), "timestamp"),
@@ -400,7 +404,30 @@ def test_a_trace_of_another_format_names_the_format(tmp_path: Path, kind: str, c
     path = tmp_path / "t.txt"
     path.write_text(content)
     article = "an" if hint == "azure:" else "a"
-    with pytest.raises(InvalidTraceError, match=rf"t\.txt:1: .*looks like {article} {hint}"):
+    rerun = re.escape(f"(--trace {hint}{path})")
+    with pytest.raises(InvalidTraceError, match=rf"t\.txt:1: .*looks like {article} {hint} trace {rerun}$"):
+        load_trace(f"{kind}:{path}")
+
+
+@pytest.mark.parametrize(
+    ("kind", "content", "message"),
+    [
+        ("mooncake", _line() + "\n" + _bailian() + "\n",
+         r"m\.jsonl:2: 3 hash_ids for input_length 40; a mooncake: trace has one per 512 tokens, ceil\(40/512\) = 1$"),
+        ("bailian", _bailian() + "\n" + _line() + "\n",
+         r"m\.jsonl:2: 2 hash_ids for input_length 600; a bailian: trace has one per 16 tokens, ceil\(600/16\) = 38$"),
+        ("splitwise", "time,prompt\n0,1\n",
+         r"m\.jsonl:1: header lacks column\(s\) arrived_at, num_prefill_tokens, num_decode_tokens$"),
+    ],
+)  # fmt: skip
+def test_no_other_format_is_named_for_a_file_this_one_has_read_or_none_reads(
+    tmp_path: Path, kind: str, content: str, message: str
+) -> None:
+    """The hint is for a file given the wrong FORMAT, which fails at its first line: a bad line after good ones,
+    or a header no format has, is named as it is (the other format would fail at line 1)."""
+    path = tmp_path / "m.jsonl"
+    path.write_text(content)
+    with pytest.raises(InvalidTraceError, match=message):
         load_trace(f"{kind}:{path}")
 
 
