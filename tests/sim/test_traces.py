@@ -298,8 +298,42 @@ def test_trace_spec_errors(tmp_path: Path) -> None:
         load_trace("sharegpt:x.csv")
     with pytest.raises(InvalidTraceError, match="cannot read trace"):
         load_trace(f"mooncake:{tmp_path / 'missing.jsonl'}")
-    with pytest.raises(InvalidTraceError, match="--trace azure: names no file: give FORMAT:PATH"):
+    with pytest.raises(
+        InvalidTraceError, match="--trace azure: names no file: give FORMAT:PATH, such as azure:trace.csv$"
+    ):
         load_trace("azure:")
+    with pytest.raises(InvalidTraceError, match="--trace bailian: names no file: .* such as bailian:trace.jsonl$"):
+        load_trace("bailian:")
+
+
+def test_a_path_may_hold_a_colon(tmp_path: Path) -> None:
+    """FORMAT ends at the first colon: the rest, colons and all, is the path."""
+    path = tmp_path / "run:2024-05-10.jsonl"
+    path.write_text(_line() + "\n")
+    assert len(load_trace(f"mooncake:{path}")) == 1
+
+
+@pytest.mark.parametrize(
+    ("reader", "content"),
+    [
+        (read_mooncake, "\n  \n"),
+        (read_bailian, ""),
+        (read_splitwise, "arrived_at,num_prefill_tokens,num_decode_tokens\n"),
+        (read_burstgpt, "Timestamp,Request tokens,Response tokens\n\n \n"),
+    ],
+)
+def test_a_trace_with_no_request_names_its_file(tmp_path: Path, reader: Callable[[Path], Any], content: str) -> None:
+    path = tmp_path / "t.trace"
+    path.write_text(content)
+    with pytest.raises(InvalidTraceError, match=r"t\.trace: no requests in the trace$"):
+        reader(path)
+
+
+def test_splitwise_sims_three_columns_alone_are_read(tmp_path: Path) -> None:
+    """Its trace cut down to the columns replayed (request_id and the others dropped) is still SplitwiseSim's."""
+    path = tmp_path / "s.csv"
+    path.write_text("arrival_timestamp,prompt_size,token_size\n1,4096,32\n3,2048,8\n")
+    assert [(e.arrival, e.input_length, e.output_length) for e in read_splitwise(path)] == [(0, 4096, 32), (2, 2048, 8)]
 
 
 def test_shared_traces_parse(data_dir: Path) -> None:
@@ -548,8 +582,10 @@ def test_a_negative_csv_arrival_in_seconds_is_refused(tmp_path: Path, reader: Ca
     """Only Azure's dates may lie before the first row's; seconds are a clock from 0, as JSONL timestamps are."""
     path = tmp_path / "t.csv"
     path.write_text(row)
-    with pytest.raises(InvalidTraceError, match=r"t\.csv:2: \w+ must be a finite number in \[0, 1e\+10\]"):
+    with pytest.raises(InvalidTraceError, match=r"t\.csv:2: \w+ must be a finite number in \[0, 1e\+10\]") as error:
         reader(path)
+    header, values = row.splitlines()
+    assert f"{header.split(',')[0]!r}: {values.split(',')[0]!r}" in str(error.value)  # the row, as read
 
 
 def test_the_longest_lengths_and_the_highest_hash_id_are_read(tmp_path: Path) -> None:
@@ -631,8 +667,11 @@ def test_a_row_with_more_or_fewer_fields_than_the_header_names_its_line(
     path = tmp_path / "t.csv"
     path.write_text(f"{header}\n{first}\n{row}\n")
     fields, columns = len(row.split(",")), len(header.split(","))
-    with pytest.raises(InvalidTraceError, match=rf"t\.csv:3: {fields} field\(s\) where the header names {columns}"):
+    with pytest.raises(
+        InvalidTraceError, match=rf"t\.csv:3: {fields} field\(s\) where the header names {columns}"
+    ) as error:
         reader(path)
+    assert f"{header.split(',')[0]!r}: {row.split(',')[0]!r}" in str(error.value)  # the row, as read
 
 
 def test_a_row_the_csv_module_refuses_names_its_own_line(tmp_path: Path) -> None:
@@ -640,6 +679,9 @@ def test_a_row_the_csv_module_refuses_names_its_own_line(tmp_path: Path) -> None
     path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0.5,1,7\n0.6,1,7\n0.7,2," + "7" * 140_000 + "\n")
     with pytest.raises(InvalidTraceError, match=r"t\.csv:4: not valid CSV \(field larger than field limit"):
         read_splitwise(path)  # it named line 3, the last good row's
+    path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens," + "x" * 140_000 + "\n0.5,1,7,x\n")
+    with pytest.raises(InvalidTraceError, match=r"t\.csv:1: not a CSV header \(field larger than field limit"):
+        read_splitwise(path)
 
 
 @pytest.mark.parametrize("row", ["0.5,1,7," + "x" * 10**5, "0.5," + "1" * 10**5 + "x,7", "0.5,-1,7" + " " * 10**5])
@@ -761,13 +803,18 @@ def test_a_mooncake_field_given_twice_is_refused(tmp_path: Path) -> None:
         read_mooncake(path)
 
 
-@pytest.mark.parametrize("row", ["0.5,1_000,7", "0.5,\uff11\uff10,7", "0.5,10.5,7", "0.5,1e3,7", "1_0,10,7"])
+@pytest.mark.parametrize(
+    "row", ["0.5,1_000,7", "0.5,\uff11\uff10,7", "0.5,10.5,7", "0.5,1e3,7", "1_0,10,7", "\uff10.5,10,7"]
+)
 def test_csv_counts_and_arrivals_are_ascii_numbers(tmp_path: Path, row: str) -> None:
-    """int() reads 1_000 and full-width digits, float() 1_0: a broken row read as numbers."""
+    """int() reads 1_000 and full-width digits, float() 1_0 and full-width digits: a broken row read as numbers.
+    The error shows the row as read."""
     path = tmp_path / "t.csv"
     path.write_text(f"arrived_at,num_prefill_tokens,num_decode_tokens\n{row}\n")
-    with pytest.raises(InvalidTraceError, match=r"t\.csv:2: expected numbers and token counts"):
+    arrival, prompt, _ = row.split(",")
+    with pytest.raises(InvalidTraceError, match=r"t\.csv:2: expected numbers and token counts") as error:
         read_splitwise(path)
+    assert f"'arrived_at': {arrival!r}, 'num_prefill_tokens': {prompt!r}" in str(error.value)
 
 
 def test_a_csv_count_with_a_zero_fraction_is_read(tmp_path: Path) -> None:
