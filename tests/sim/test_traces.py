@@ -457,8 +457,9 @@ def test_a_trace_of_another_format_names_the_format(tmp_path: Path, kind: str, c
 def test_no_other_format_is_named_for_a_file_this_one_has_read_or_none_reads(
     tmp_path: Path, kind: str, content: str, message: str
 ) -> None:
-    """The hint is for a file given the wrong FORMAT, which fails at its first line: a bad line after good ones,
-    or a header no format has, is named as it is (the other format would fail at line 1)."""
+    """The hint is for a file given the wrong FORMAT, found at its first line: a bad line after lines this format
+    read is that line's error alone (it may parse as the other format by chance), and a header that no format has
+    is named as it is."""
     path = tmp_path / "m.jsonl"
     path.write_text(content)
     with pytest.raises(InvalidTraceError, match=message):
