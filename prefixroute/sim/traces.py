@@ -609,7 +609,8 @@ def _read(lines: TextIO, path: str | Path) -> Iterator[str]:
                     f"{path}:{number}: not UTF-8 text (byte 0x{ord(bad[0]) - 0xDC00:02x} at byte {column} of the "
                     "line): save it as UTF-8"
                 )
-            yield line
+            # utf-8-sig drops one byte-order mark; a tool that kept a file's mark as text and wrote its own left two
+            yield line.lstrip("\ufeff") if number == 1 else line
     except OSError as exc:
         raise InvalidTraceError(f"cannot read trace {path}: {exc.strerror or exc}") from exc
 

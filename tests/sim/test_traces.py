@@ -357,6 +357,25 @@ def test_files_as_published_crlf_bom_and_no_final_newline(tmp_path: Path) -> Non
     assert len(read_mooncake(mooncake)) == 2
 
 
+@pytest.mark.parametrize(
+    ("reader", "lines", "entry"),
+    [
+        (read_azure, ["TIMESTAMP,ContextTokens,GeneratedTokens", "2023-11-16 18:17:03.9799600,4808,10"], (4808, 10)),
+        (read_burstgpt, ["Timestamp,Request tokens,Response tokens", "5,4808,10"], (4808, 10)),
+        (read_mooncake, [_line(), _line(timestamp=3)], (600, 5)),
+    ],
+)
+def test_a_trace_whose_byte_order_mark_was_saved_twice_reads(
+    tmp_path: Path, reader: Callable[[Path], Any], lines: list[str], entry: tuple[int, int]
+) -> None:
+    """A tool that reads a file with a BOM as plain UTF-8 keeps the mark as a character, and may write its own
+    before it. A CSV said "header lacks column(s) Timestamp; it looks like a burstgpt: trace (--trace
+    burstgpt:...)", the format it was given, and a JSONL file "not valid JSON (Unexpected UTF-8 BOM ...)"."""
+    path = tmp_path / "t"
+    path.write_bytes(b"\xef\xbb\xbf" * 2 + "\r\n".join(lines).encode() + b"\r\n")
+    assert [(e.input_length, e.output_length) for e in reader(path)][0] == entry
+
+
 def test_blank_lines_and_lines_of_spaces_are_skipped_and_an_empty_file_is_named(tmp_path: Path) -> None:
     azure = tmp_path / "a.csv"  # a line of spaces was a row of one field, refused
     azure.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\r\n2023-11-16 18:17:03.9799600,4808,10\r\n   \r\n\r\n"
