@@ -727,7 +727,7 @@ def test_a_header_that_names_a_column_twice_is_refused(tmp_path: Path) -> None:
 def test_a_path_that_is_not_a_path_is_a_type_error(reader: Callable[[object], object], path: object) -> None:
     """open() takes an int as a file descriptor: 0 read the caller's stdin, and both were closed after."""
     before = os.fstat(1)
-    with pytest.raises(TypeError, match="a trace's path must be a str or a pathlib.Path"):
+    with pytest.raises(TypeError, match=rf"a trace's path must be a str or a pathlib.Path, not {type(path).__name__}$"):
         reader(path)
     assert os.fstat(1).st_ino == before.st_ino  # stdout still open
 
@@ -755,7 +755,9 @@ def test_every_reader_checks_its_limit(
     """As load_trace does; before, 0 and -1 raised IndexError and "3" a TypeError from the heap's comparison."""
     path = tmp_path / "t"
     path.write_text(content)
-    with pytest.raises(ConfigurationError, match="limit must be a positive int or None"):
+    with pytest.raises(
+        ConfigurationError, match=rf"limit must be a positive int or None, not {re.escape(repr(limit))}$"
+    ):
         reader(path, limit=limit)
 
 
@@ -765,10 +767,23 @@ def test_an_output_tokens_override_is_checked_when_the_workload_is_made(tmp_path
     with 2.5 or True output tokens)."""
     path = tmp_path / "m.jsonl"
     path.write_text(_line() + "\n")
-    with pytest.raises(ConfigurationError, match="output_tokens must be a positive int or None"):
+    message = rf"output_tokens must be a positive int or None, not {re.escape(repr(output_tokens))}$"
+    with pytest.raises(ConfigurationError, match=message):
         load_trace(f"mooncake:{path}", output_tokens=output_tokens)  # type: ignore[arg-type]
-    with pytest.raises(ConfigurationError, match="output_tokens must be a positive int or None"):
+    with pytest.raises(ConfigurationError, match=message):
         TraceWorkload(read_mooncake(path), kind="mooncake", output_tokens=output_tokens)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("seed", ["1", None, True, 1.5, [1]])
+def test_a_seed_that_is_not_an_int_is_a_type_error(tmp_path: Path, seed: object) -> None:
+    """As TraceWorkload documents; a seed is what makes a CSV trace's unique prompts reproducible."""
+    path = tmp_path / "m.jsonl"
+    path.write_text(_line() + "\n")
+    message = rf"seed must be an int, not {type(seed).__name__}$"
+    with pytest.raises(TypeError, match=message):
+        load_trace(f"mooncake:{path}", seed=seed)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=message):
+        TraceWorkload(read_mooncake(path), kind="mooncake", seed=seed)  # type: ignore[arg-type]
 
 
 def _requests(workload: TraceWorkload) -> list[SimRequest]:
