@@ -664,8 +664,17 @@ def test_check_speedup_refuses_a_speedup_that_is_not_a_finite_positive_number(tm
     to 0 (a trace of one instant)."""
     path = tmp_path / "m.jsonl"
     path.write_text(_line() + "\n" + _line(timestamp=3000) + "\n")
-    with pytest.raises(ConfigurationError, match="--speedup must be a finite number > 0, not "):
+    given = "an int of 1329 bits" if speedup == 10**400 else repr(speedup)  # not its 401 digits
+    with pytest.raises(ConfigurationError, match=rf"--speedup must be a finite number > 0, not {re.escape(given)}$"):
         check_speedup(load_trace(f"mooncake:{path}"), speedup)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("workload", [None, [], "mooncake:t.jsonl"])
+def test_check_speedup_of_something_not_a_workload_is_a_type_error(workload: object) -> None:
+    with pytest.raises(
+        TypeError, match=rf"a TraceWorkload \(load_trace\(\) gives one\), not {type(workload).__name__}$"
+    ):
+        check_speedup(workload, 2.0)  # type: ignore[arg-type]
 
 
 _BURSTGPT_HEADER = "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type"
