@@ -82,8 +82,40 @@ class TraceEntry:
 
 def mooncake_tokens(hash_ids: Sequence[int], input_length: int, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> bytes:
     """Return the prompt's token ids (uint32 little-endian bytes) for a trace line's ``hash_ids``, one id per
-    ``block_tokens`` tokens (512 for Mooncake, :data:`BAILIAN_BLOCK_TOKENS` for Qwen-Bailian). O(tokens)."""
-    size = block_tokens
+    ``block_tokens`` tokens (512 for Mooncake, :data:`BAILIAN_BLOCK_TOKENS` for Qwen-Bailian). O(tokens).
+
+    As the readers check for every line: at least one hash id, each an int whose block stays within the uint32
+    token ids, and ``input_length`` within the last one's block (more than ``block_tokens × (len(hash_ids) - 1)``,
+    at most ``block_tokens × len(hash_ids)``).
+
+    Raises:
+        InvalidTraceError: the arguments break one of those rules (the message says which).
+    """
+    size = as_int(block_tokens)
+    if size is None or size < 1:
+        raise InvalidTraceError(f"block_tokens must be an int >= 1, not {shown(block_tokens)}")
+    most_id = (2**32 - size) // size
+    if (
+        isinstance(hash_ids, (str, bytes))
+        or not isinstance(hash_ids, Sequence)
+        or not hash_ids
+        or not all(as_int(h) is not None and 0 <= h <= most_id for h in hash_ids)
+    ):
+        raise InvalidTraceError(
+            f"hash_ids must be a non-empty sequence of ints in [0, {most_id}], not {shown(hash_ids)}"
+        )
+    length = as_int(input_length)
+    low, high = size * (len(hash_ids) - 1) + 1, size * len(hash_ids)
+    if length is None or not low <= length <= high:
+        raise InvalidTraceError(
+            f"input_length must be an int in [{low}, {high}] for {len(hash_ids)} hash ids of {size} tokens, "
+            f"not {shown(input_length)}"
+        )
+    return _block_tokens([as_int(h) or 0 for h in hash_ids], length, size)
+
+
+def _block_tokens(hash_ids: Sequence[int], input_length: int, size: int) -> bytes:
+    """:func:`mooncake_tokens` of arguments known good (a reader's :class:`TraceEntry`)."""
     last = input_length - size * (len(hash_ids) - 1)
     parts = [token_bytes(h * size, size) for h in hash_ids[:-1]]
     parts.append(token_bytes(hash_ids[-1] * size, last))
@@ -129,7 +161,7 @@ class TraceWorkload:
         entry = self.entries[self._cursor]
         self._cursor += 1
         if entry.hash_ids:
-            prompt = mooncake_tokens(entry.hash_ids, entry.input_length, block_tokens=entry.block_tokens)
+            prompt = _block_tokens(entry.hash_ids, entry.input_length, entry.block_tokens)
         else:
             start = _UNIQUE_BASE + self._rng.randrange(2**31 - entry.input_length)
             prompt = token_bytes(start, entry.input_length)

@@ -13,6 +13,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, TextIO
 
+import numpy as np
 import pytest
 
 from prefixroute import BlockHasher
@@ -35,6 +36,33 @@ def _line(**fields: object) -> str:
     item: dict[str, object] = {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}
     item.update(fields)
     return json.dumps(item)
+
+
+@pytest.mark.parametrize(
+    ("hash_ids", "input_length", "block_tokens", "message"),
+    [
+        ([], 0, 512, r"hash_ids must be a non-empty sequence of ints in \[0, 8388607\], not \[\]"),
+        ("ab", 600, 512, "hash_ids must be a non-empty sequence"),
+        ([1, None], 600, 512, "hash_ids must be"),
+        ([1, -1], 600, 512, "hash_ids must be"),
+        ([2**23], 100, 512, r"in \[0, 8388607\]"),  # its block would end past token 2**32 - 1
+        ([1, 2], 1025, 512, r"input_length must be an int in \[513, 1024\] for 2 hash ids of 512 tokens, not 1025"),
+        ([1, 2], 512, 512, r"\[513, 1024\]"),  # the second id would name an empty block
+        ([1, 2], 600.0, 512, "input_length must be an int"),
+        ([1], 10, 0, "block_tokens must be an int >= 1, not 0"),
+    ],
+)
+def test_mooncake_tokens_refuses_ids_and_lengths_a_reader_would_refuse(
+    hash_ids: Any, input_length: Any, block_tokens: Any, message: str
+) -> None:
+    with pytest.raises(InvalidTraceError, match=message):
+        mooncake_tokens(hash_ids, input_length, block_tokens=block_tokens)
+
+
+def test_mooncake_tokens_takes_the_edges_of_the_last_block_and_the_top_id() -> None:
+    assert len(mooncake_tokens([1, 2], 513)) == 4 * 513 and len(mooncake_tokens([1, 2], 1024)) == 4 * 1024
+    assert mooncake_tokens([2**23 - 1], 512)[-4:] == (2**32 - 1).to_bytes(4, "little")
+    assert mooncake_tokens((np.int64(4), np.int64(9)), np.int64(600)) == mooncake_tokens([4, 9], 600)
 
 
 def test_mooncake_tokens_share_exactly_the_shared_hash_ids() -> None:
