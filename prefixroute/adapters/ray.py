@@ -30,7 +30,7 @@ own router; they share no state but place new prefixes alike (rendezvous hashing
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -73,10 +73,20 @@ class _Attempt:
 
 def request_body(pending_request: PendingRequest | None) -> Mapping[str, Any] | None:
     """The OpenAI-style body of a Serve request: its first positional argument or its ``body`` keyword, when that
-    is a dict with ``prompt`` or ``messages``; None otherwise (such requests are ranked by load alone)."""
+    is a dict with ``prompt`` or ``messages``; None otherwise (such requests are ranked by load alone).
+
+    Raises:
+        InvalidTypeError: ``pending_request`` is neither None nor a request with ``args`` and ``kwargs``.
+    """
     if pending_request is None:
         return None
-    for value in (*pending_request.args[:1], pending_request.kwargs.get("body"), pending_request.kwargs):
+    args, kwargs = getattr(pending_request, "args", None), getattr(pending_request, "kwargs", None)
+    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence) or not isinstance(kwargs, Mapping):
+        raise InvalidTypeError(
+            f"request_body() takes a Ray Serve PendingRequest (args and kwargs) or None, not "
+            f"{type(pending_request).__name__}"
+        )
+    for value in (*args[:1], kwargs.get("body"), kwargs):
         if isinstance(value, Mapping) and ("prompt" in value or "messages" in value):
             return value
     return None

@@ -5,6 +5,9 @@ from __future__ import annotations
 import array
 from dataclasses import dataclass
 
+from prefixroute._numbers import as_float, as_int, shown
+from prefixroute.errors import ConfigurationError, InvalidPromptError, InvalidTypeError
+
 __all__ = ["RequestRecord", "SimRequest", "token_bytes"]
 
 _UINT32 = "I" if array.array("I").itemsize == 4 else "L"
@@ -14,11 +17,17 @@ def token_bytes(start: int, count: int) -> bytes:
     """Return ``count`` consecutive token ids from ``start`` as little-endian uint32 bytes. O(count).
 
     Simulated prompts are built from such runs: the content does not matter, only which requests share it.
-    ``start + count`` must stay below ``2**32``.
+
+    Raises:
+        InvalidTypeError: ``start`` or ``count`` is not an int.
+        InvalidPromptError: either is negative, or the run passes the largest uint32 id (``start + count > 2**32``).
     """
-    if count < 0 or start < 0 or start + count > 2**32:
-        raise ValueError(f"token run [{start}, {start + count}) is outside the uint32 token id range")
-    return array.array(_UINT32, range(start, start + count)).tobytes()
+    first, length = as_int(start), as_int(count)
+    if first is None or length is None:
+        raise InvalidTypeError(f"token_bytes() takes ints, not {type(start).__name__} and {type(count).__name__}")
+    if length < 0 or first < 0 or first + length > 2**32:
+        raise InvalidPromptError(f"token run [{first}, {first + length}) is outside the uint32 token id range")
+    return array.array(_UINT32, range(first, first + length)).tobytes()
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,12 +48,33 @@ class SimRequest:
     tag: str = ""
 
     def __post_init__(self) -> None:
+        """Raises InvalidTypeError for a field of the wrong type (``prompt`` and ``output`` are bytes, ``tag`` a
+        str), InvalidPromptError for an empty prompt or one that is not whole uint32 ids, ConfigurationError for
+        ``output_tokens`` below 1, an ``output`` of another length or an ``arrival`` that is not a finite number
+        >= 0."""
+        for name in ("prompt", "output"):
+            value = getattr(self, name)
+            if not isinstance(value, bytes) and (name == "prompt" or value is not None):
+                raise InvalidTypeError(
+                    f"SimRequest {name} must be bytes (uint32 token ids), not {type(value).__name__}"
+                )
         if len(self.prompt) % 4 or not self.prompt:
-            raise ValueError("prompt must be non-empty little-endian uint32 token ids (a multiple of 4 bytes)")
-        if self.output_tokens < 1:
-            raise ValueError(f"output_tokens must be >= 1, not {self.output_tokens}")
-        if self.output is not None and len(self.output) != 4 * self.output_tokens:
-            raise ValueError("output must hold exactly output_tokens token ids")
+            raise InvalidPromptError("prompt must be non-empty little-endian uint32 token ids (a multiple of 4 bytes)")
+        count = as_int(self.output_tokens)
+        if count is None or count < 1:
+            raise ConfigurationError(f"output_tokens must be an int >= 1, not {shown(self.output_tokens)}")
+        object.__setattr__(self, "output_tokens", count)  # frozen: a numpy int kept as the int it stands for
+        if self.output is not None and len(self.output) != 4 * count:
+            raise ConfigurationError(f"output must hold exactly output_tokens ({count}) token ids")
+        if self.arrival is not None:
+            arrival = as_float(self.arrival)
+            if arrival is None or arrival < 0:
+                raise ConfigurationError(
+                    f"arrival must be a finite number of seconds >= 0 or None, not {shown(self.arrival)}"
+                )
+            object.__setattr__(self, "arrival", arrival)
+        if not isinstance(self.tag, str):
+            raise InvalidTypeError(f"SimRequest tag must be a str, not {type(self.tag).__name__}")
 
     @property
     def prompt_tokens(self) -> int:

@@ -22,8 +22,8 @@ from ray.serve.request_router import RequestRouter
 
 from prefixroute import Candidate, LoadPolicy
 from prefixroute.adapters.proxy.prompts import INLINE_TEXT
-from prefixroute.adapters.ray import PrefixRouteRequestRouter
-from prefixroute.errors import ConfigurationError
+from prefixroute.adapters.ray import PrefixRouteRequestRouter, request_body
+from prefixroute.errors import ConfigurationError, InvalidTypeError
 
 from .conftest import LoopNoting, tool_call_conversation
 
@@ -266,6 +266,19 @@ def test_a_replica_that_dies_with_requests_in_flight_is_forgotten_and_counts_end
     assert engine.remote(body).result() != home
     settled(engine)
     assert router.errors == 0
+
+
+def test_request_body_finds_the_openai_body_where_serve_calls_put_it() -> None:
+    body = {"prompt": "hi"}
+    find: Any = request_body  # fed Ray's PendingRequest's shape, not its class
+    assert find(None) is None
+    assert find(SimpleNamespace(args=[body, 2], kwargs={})) is body
+    assert find(SimpleNamespace(args=[], kwargs={"body": body})) is body
+    assert find(SimpleNamespace(args=(), kwargs={"messages": []})) == {"messages": []}
+    assert find(SimpleNamespace(args=["hi"], kwargs={"body": {"text": "hi"}})) is None
+    for junk in ("x", 3, SimpleNamespace(args="ab", kwargs={}), SimpleNamespace(args=[], kwargs=[])):
+        with pytest.raises(InvalidTypeError, match=r"^request_body\(\) takes a Ray Serve PendingRequest"):
+            find(junk)
 
 
 def test_bad_request_router_kwargs_raise_when_given() -> None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
+import numpy as np
 import pytest
 
 from prefixroute import BlockHasher
-from prefixroute.errors import ConfigurationError
-from prefixroute.sim.request import SimRequest
+from prefixroute.errors import ConfigurationError, InvalidPromptError, InvalidTypeError
+from prefixroute.sim.request import SimRequest, token_bytes
 from prefixroute.sim.workloads import make_workload, scenario_names
 
 
@@ -98,3 +100,47 @@ def test_system_prompt_scenario_shares_one_long_prefix_then_grows_each_conversat
     assert extended >= 60  # most turns continue their conversation (2–8 turns per session)
     fresh = make_workload("system-prompt", seed=3, sharing_ratio=0.0).next_request(0)
     assert fresh is not None and hasher.hash(fresh.prompt)[0] not in {blocks[0] for blocks in first_blocks}
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "message"),
+    [
+        ({"prompt": None}, InvalidTypeError, "SimRequest prompt must be bytes"),
+        ({"prompt": [1, 2]}, InvalidTypeError, "SimRequest prompt must be bytes .*, not list"),
+        ({"prompt": b""}, InvalidPromptError, "prompt must be non-empty"),
+        ({"prompt": b"\x01\x00\x00"}, InvalidPromptError, "a multiple of 4 bytes"),
+        ({"output_tokens": 0}, ConfigurationError, "output_tokens must be an int >= 1, not 0"),
+        ({"output_tokens": 2.0}, ConfigurationError, "output_tokens must be an int >= 1, not 2.0"),
+        ({"output_tokens": None}, ConfigurationError, "output_tokens must be an int >= 1, not None"),
+        ({"output": "ab"}, InvalidTypeError, "SimRequest output must be bytes"),
+        ({"output": b"\x00" * 4}, ConfigurationError, r"output must hold exactly output_tokens \(2\) token ids"),
+        ({"arrival": -1.0}, ConfigurationError, "arrival must be a finite number of seconds >= 0 or None, not -1.0"),
+        ({"arrival": float("nan")}, ConfigurationError, "arrival must be"),
+        ({"arrival": "0"}, ConfigurationError, "arrival must be"),
+        ({"tag": None}, InvalidTypeError, "SimRequest tag must be a str, not NoneType"),
+    ],
+)
+def test_a_sim_request_names_the_field_it_cannot_take(
+    fields: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    good: dict[str, Any] = {"prompt": b"\x01\x00\x00\x00" * 3, "output_tokens": 2}
+    SimRequest(**good)
+    with pytest.raises(error, match=message):
+        SimRequest(**{**good, **fields})
+
+
+def test_a_sim_request_keeps_numpy_figures_as_plain_numbers() -> None:
+    request = SimRequest(b"\x01\x00\x00\x00", np.int64(3), arrival=np.float32(1.5))
+    assert type(request.output_tokens) is int and request.output_tokens == 3
+    assert type(request.arrival) is float and request.arrival == 1.5
+
+
+@pytest.mark.parametrize(
+    ("start", "count", "error"),
+    [(None, 1, InvalidTypeError), (0, 1.0, InvalidTypeError), (-1, 1, InvalidPromptError),
+     (0, -1, InvalidPromptError), (2**32 - 1, 2, InvalidPromptError)],
+)  # fmt: skip
+def test_token_bytes_refuses_runs_outside_the_uint32_ids(start: Any, count: Any, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        token_bytes(start, count)
+    assert token_bytes(2**32 - 2, 2) == (2**32 - 2).to_bytes(4, "little") + (2**32 - 1).to_bytes(4, "little")
