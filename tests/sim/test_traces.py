@@ -798,29 +798,28 @@ def test_every_reader_checks_its_limit(
         reader(path, limit=limit)
 
 
-@pytest.mark.parametrize("output_tokens", [0, -3, 2.5, True, "7"])
-def test_an_output_tokens_override_is_checked_when_the_workload_is_made(tmp_path: Path, output_tokens: object) -> None:
-    """Before, load_trace accepted it and the first next_request() raised a bare ValueError (or built a request
-    with 2.5 or True output tokens)."""
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [*[("output_tokens", value) for value in (0, -3, 2.5, True, "7")],
+     *[("seed", value) for value in ("1", None, True, 1.5, [1])]],
+)  # fmt: skip
+def test_a_workload_option_is_checked_when_the_workload_is_made(tmp_path: Path, option: str, value: object) -> None:
+    """An output_tokens override: before, load_trace accepted it and the first next_request() raised a bare
+    ValueError (or built a request with 2.5 or True output tokens). A seed, as TraceWorkload documents: it is what
+    makes a CSV trace's unique prompts reproducible."""
+    error: type[Exception] = TypeError
+    message = rf"seed must be an int, not {type(value).__name__}$"
+    if option == "output_tokens":
+        error, message = (
+            ConfigurationError,
+            rf"output_tokens must be a positive int or None, not {re.escape(repr(value))}$",
+        )
     path = tmp_path / "m.jsonl"
     path.write_text(_line() + "\n")
-    message = rf"output_tokens must be a positive int or None, not {re.escape(repr(output_tokens))}$"
-    with pytest.raises(ConfigurationError, match=message):
-        load_trace(f"mooncake:{path}", output_tokens=output_tokens)  # type: ignore[arg-type]
-    with pytest.raises(ConfigurationError, match=message):
-        TraceWorkload(read_mooncake(path), kind="mooncake", output_tokens=output_tokens)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize("seed", ["1", None, True, 1.5, [1]])
-def test_a_seed_that_is_not_an_int_is_a_type_error(tmp_path: Path, seed: object) -> None:
-    """As TraceWorkload documents; a seed is what makes a CSV trace's unique prompts reproducible."""
-    path = tmp_path / "m.jsonl"
-    path.write_text(_line() + "\n")
-    message = rf"seed must be an int, not {type(seed).__name__}$"
-    with pytest.raises(TypeError, match=message):
-        load_trace(f"mooncake:{path}", seed=seed)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=message):
-        TraceWorkload(read_mooncake(path), kind="mooncake", seed=seed)  # type: ignore[arg-type]
+    with pytest.raises(error, match=message):
+        load_trace(f"mooncake:{path}", **{option: value})  # type: ignore[arg-type]
+    with pytest.raises(error, match=message):
+        TraceWorkload(read_mooncake(path), kind="mooncake", **{option: value})  # type: ignore[arg-type]
 
 
 def _requests(workload: TraceWorkload) -> list[SimRequest]:
