@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from prefixroute.adapters.proxy.prompts import INLINE_TEXT, BadRequest, ByteEncoder, request_tokens_async
+from prefixroute import InvalidPromptError, InvalidTypeError, Router
+from prefixroute.adapters.proxy.prompts import (
+    INLINE_TEXT,
+    BadRequest,
+    ByteEncoder,
+    TokenizerEncoder,
+    check_encoder,
+    request_tokens,
+    request_tokens_async,
+)
+from prefixroute.adapters.tokenize import PromptTokenizer, serialise_chat
 
-from .conftest import LoopNoting
+from .conftest import LoopNoting, tool_call_conversation
 
 LONG = "y" * INLINE_TEXT
 
@@ -25,6 +36,20 @@ LONG = "y" * INLINE_TEXT
         ({"messages": [{"role": "user", "content": LONG}]}, True, False),  # the message's markers count too
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": LONG}] * 2}]}, True, False),
         ({"messages": [{"role": "user", "content": "hi"}] * 100}, True, True),
+        # every message's text counts, a list content's parts added to the others' text
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": LONG},
+                    {"role": "user", "content": [{"type": "text", "text": "b"}]},
+                ]
+            },
+            True,
+            False,
+        ),
+        # and each message's markers count 16: over the limit with these alone
+        ({"messages": [{"role": "user", "content": ""}] * (INLINE_TEXT // 16)}, True, True),
+        ({"messages": [{"role": "user", "content": ""}] * (INLINE_TEXT // 16 + 1)}, True, False),
     ],
 )
 def test_long_text_is_encoded_on_a_worker_thread(body: dict[str, Any], chat: bool, on_loop: bool) -> None:
@@ -39,3 +64,163 @@ def test_what_cannot_be_read_is_refused_as_inline(body: object) -> None:
     chat = isinstance(body, dict) and "messages" in body
     with pytest.raises(BadRequest):
         asyncio.run(request_tokens_async(body, chat=chat, encoder=ByteEncoder()))
+
+
+# request_tokens: what each shape of body routes on, and what it is refused with (docs/adapters.md, the proxy).
+
+VLLM_NO_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."
+
+
+def _refusal(body: object, *, chat: bool = False, max_token_id: int | None = None) -> str:
+    """The message of the BadRequest ``body`` is refused with, checked to be the default 400 ``BadRequestError``."""
+    with pytest.raises(BadRequest) as refused:
+        request_tokens(body, chat=chat, encoder=ByteEncoder(), max_token_id=max_token_id)
+    assert (refused.value.status, refused.value.kind) == (400, "BadRequestError")
+    return str(refused.value)
+
+
+@pytest.mark.parametrize("max_token_id", [None, 7])
+def test_a_prompt_of_token_ids_routes_on_them_as_sent(max_token_id: int | None) -> None:
+    ids = [5, 0, 7, 7]
+    assert request_tokens({"prompt": ids}, chat=False, encoder=ByteEncoder(), max_token_id=max_token_id) == ids
+    assert request_tokens({"prompt": [ids]}, chat=False, encoder=ByteEncoder(), max_token_id=max_token_id) == ids
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [["first", "second"], ["first", [1, 2]], [[1, 2], [3]], [[1, 2], "second"], [[1, 2], [3, True], [1.5]]],
+)
+def test_a_batch_routes_on_its_first_prompt(prompt: list[Any]) -> None:
+    first = prompt[0]
+    expected = ByteEncoder().encode(first) if isinstance(first, str) else first
+    for max_token_id in (None, 3):
+        assert request_tokens({"prompt": prompt}, chat=False, encoder=ByteEncoder(), max_token_id=max_token_id) == (
+            expected
+        )
+
+
+@pytest.mark.parametrize(
+    "prompt", [[4, 9, 2], [[9]], [[1], [2, 9]], [[1], [2], [9]], ["text", [9, 1]], [[1, 2], "text", [5, 9]]]
+)
+def test_a_token_id_past_the_vocabulary_is_refused_in_vllm_s_words_in_any_prompt_of_a_batch(prompt: list[Any]) -> None:
+    """9 is past 8, the largest id the engine takes; 8 itself is no reason to refuse."""
+    assert _refusal({"prompt": prompt}, max_token_id=8) == "Token id 9 is out of vocabulary"
+    assert request_tokens({"prompt": prompt}, chat=False, encoder=ByteEncoder(), max_token_id=9)
+    assert request_tokens({"prompt": prompt}, chat=False, encoder=ByteEncoder())  # None: not checked
+
+
+def test_the_refusal_names_the_prompt_s_largest_id() -> None:
+    assert _refusal({"prompt": [3, 12, 10, 1]}, max_token_id=8) == "Token id 12 is out of vocabulary"
+
+
+@pytest.mark.parametrize("max_token_id", [None, 8])
+@pytest.mark.parametrize(
+    ("prompt", "word", "position"), [([1, True], "true", 1), ([False, 2, 3], "false", 0), ([[4, 5, True]], "true", 2)]
+)
+def test_json_true_and_false_among_token_ids_are_refused_naming_where(
+    prompt: list[Any], word: str, position: int, max_token_id: int | None
+) -> None:
+    """Python's bools are ints: the router would take them for ids 1 and 0."""
+    message = _refusal({"prompt": prompt}, max_token_id=max_token_id)
+    assert message == f"'prompt' has {word} at position {position}: token ids are integers"
+
+
+@pytest.mark.parametrize("prompt", [[1, 1.5], [[2, "3"]], [[4, None]], [2, -1], [1, None]])
+def test_ids_of_another_kind_go_on_for_the_router_to_refuse_naming_the_id(prompt: list[Any]) -> None:
+    tokens = request_tokens({"prompt": prompt}, chat=False, encoder=ByteEncoder())
+    assert tokens == (prompt[0] if isinstance(prompt[0], list) else prompt)
+    with pytest.raises(InvalidPromptError, match="position 1"):
+        Router().route(tokens, ["a", "b"])
+
+
+@pytest.mark.parametrize("body", [{}, {"prompt": None}, {"prompt": ""}, {"prompt": "", "messages": "x"}])
+def test_a_body_without_a_prompt_is_refused_in_vllm_s_words(body: dict[str, Any]) -> None:
+    assert _refusal(body) == VLLM_NO_PROMPT
+
+
+@pytest.mark.parametrize("prompt", [5, True, {"text": "a"}, [], [[]], [[], [1]]])
+def test_a_prompt_that_is_no_text_nor_token_ids_is_refused(prompt: object) -> None:
+    assert _refusal({"prompt": prompt}).startswith("'prompt' must be a string, a non-empty list of token ids")
+
+
+@pytest.mark.parametrize("body", [None, [{"prompt": "a"}], "a", 5])
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_body_that_is_no_json_object_is_refused(body: object, chat: bool) -> None:
+    assert "must be a JSON object" in _refusal(body, chat=chat)
+
+
+@pytest.mark.parametrize(
+    "messages", [None, [], "hi", 5, {"role": "user", "content": "hi"}, ["hi"], [{"role": "user"}, None]]
+)
+def test_chat_messages_that_are_no_non_empty_list_of_objects_are_refused(messages: object) -> None:
+    body = {"prompt": "text", "messages": messages}  # a prompt does not stand in for the messages
+    assert _refusal(body, chat=True).startswith("'messages' must be a non-empty list")
+
+
+def test_chat_messages_are_encoded_with_the_encoder_s_chat_rendering() -> None:
+    messages = tool_call_conversation()
+    body = {"messages": messages, "prompt": "ignored"}
+    assert request_tokens(body, chat=True, encoder=ByteEncoder()) == ByteEncoder().encode(serialise_chat(messages))
+
+
+@pytest.mark.parametrize("prompt", [[[9]], [LONG + "y", [9]], ["short", [9]]])
+def test_the_async_form_refuses_ids_past_the_vocabulary_inline_and_on_a_thread(prompt: list[Any]) -> None:
+    body = {"prompt": prompt}
+    with pytest.raises(BadRequest, match="Token id 9 is out of vocabulary"):
+        asyncio.run(request_tokens_async(body, chat=False, encoder=ByteEncoder(), max_token_id=8))
+    assert asyncio.run(request_tokens_async(body, chat=False, encoder=ByteEncoder(), max_token_id=9))
+
+
+# The encoders.
+
+
+def test_the_byte_encoder_routes_text_on_its_utf8_bytes_a_lone_surrogate_too() -> None:
+    """A body decoded by Python's json (Ray Serve, LiteLLM) can hold a lone surrogate (a ``\\ud800`` escape): it routes
+    on the bytes of its code point, rather than failing the request."""
+    encoder = ByteEncoder()
+    assert encoder.encode("aé") == [*"aé".encode()]
+    assert encoder.encode("a\ud800b") == [*b"a", 0xED, 0xA0, 0x80, *b"b"]
+    assert encoder.encode("\ud800") != encoder.encode("\udfff")
+
+
+def test_the_tokenizer_encoder_encodes_as_its_tokenizer_and_chats_as_serialised(model_dir: Path) -> None:
+    tokenizer = PromptTokenizer.from_file(model_dir / "tokenizer.json")
+    encoder = TokenizerEncoder(tokenizer)
+    text = "You are a helpful assistant. SELECT name FROM orders;"
+    assert encoder.encode(text) == tokenizer.encode(text) != []
+    messages = tool_call_conversation()
+    assert encoder.encode_chat(messages) == tokenizer.encode(serialise_chat(messages))
+    assert request_tokens({"prompt": text}, chat=False, encoder=encoder) == tokenizer.encode(text)
+
+
+class _EncodeOnly:
+    def encode(self, text: str) -> list[int]:
+        return []
+
+
+class _ChatOnly:
+    def encode_chat(self, messages: Any) -> list[int]:
+        return []
+
+
+class _NotCallable:
+    encode = "encode"
+    encode_chat = "encode_chat"
+
+
+@pytest.mark.parametrize("encoder", [_EncodeOnly(), _ChatOnly(), _NotCallable(), "encoder"])
+def test_an_encoder_without_both_encode_methods_is_refused_naming_its_type(encoder: object) -> None:
+    with pytest.raises(InvalidTypeError, match=f"encode\\(\\) and encode_chat\\(\\), not {type(encoder).__name__}$"):
+        check_encoder(encoder)
+
+
+def test_an_encoder_with_both_is_taken(model_dir: Path) -> None:
+    check_encoder(ByteEncoder())
+    check_encoder(TokenizerEncoder(PromptTokenizer.from_file(model_dir / "tokenizer.json")))
+
+
+def test_the_encoders_name_the_type_they_refuse() -> None:
+    with pytest.raises(InvalidTypeError, match="must be a str, not bytes$"):
+        ByteEncoder().encode(b"text")  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="must be a PromptTokenizer, not str$"):
+        TokenizerEncoder("tokenizer.json")  # type: ignore[arg-type]
