@@ -455,3 +455,93 @@ def test_a_tokenizer_with_a_custom_pre_tokenizer_encodes_whole_texts() -> None:
     assert not prompt_tokenizer.caches_pieces
     text = " ".join(["a", "b"] * 400)
     assert prompt_tokenizer.encode(text) == tokenizer.encode(text).ids == [0, 1] * 400
+
+
+def test_from_file_passes_its_options_on(tmp_path: Path) -> None:
+    """By default the post-processor's ids go around the text, as vLLM encodes a prompt."""
+    tokenizer = _byte_level()  # <s> ... </s> around every text
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    text = "<|im_start|>user\n" + CORPUS[0] + "<|im_end|>"
+    assert PromptTokenizer.from_file(path).encode(text) == tokenizer.encode(text).ids
+    bare = PromptTokenizer.from_file(path, add_special_tokens=False).encode(text)
+    assert bare == tokenizer.encode(text, add_special_tokens=False).ids != tokenizer.encode(text).ids
+    assert PromptTokenizer.from_file(path).caches_pieces
+    assert not PromptTokenizer.from_file(path, cache_tokens=0).caches_pieces
+
+
+def test_from_file_says_which_file_is_missing_or_no_tokenizer(tmp_path: Path) -> None:
+    absent = tmp_path / "absent.json"
+    with pytest.raises(ConfigurationError, match=f"tokenizer file {str(absent)!r} not found: pass the path"):
+        PromptTokenizer.from_file(absent)
+    with pytest.raises(ConfigurationError, match=f"tokenizer file {str(tmp_path)!r} is not a regular file: pass"):
+        PromptTokenizer.from_file(tmp_path)  # a folder
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("{}")
+    with pytest.raises(ConfigurationError, match=f"^{str(bad)!r} is not a valid tokenizer.json"):
+        PromptTokenizer.from_file(bad)
+
+
+def test_a_tokenizer_path_of_the_wrong_type_or_blank_is_refused_saying_so() -> None:
+    with pytest.raises(TypeError, match="a tokenizer path is a str or a path, not int$"):
+        PromptTokenizer.from_file(5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="must name a tokenizer.json or a model folder, not ' '$"):
+        PromptTokenizer.from_file(" ")
+
+
+def test_a_cached_piece_is_not_encoded_again() -> None:
+    """A system prompt that many texts share is encoded once, and a piece of exactly ``cache_tokens`` ids is kept."""
+    tokenizer = _byte_level()
+    system = "<|im_start|>system\n" + " ".join(CORPUS[:4]) + "<|im_end|>"
+    size = len(tokenizer.encode(system[len("<|im_start|>") : -len("<|im_end|>")], add_special_tokens=False).ids)
+    for cache_tokens in (262_144, size):
+        prompt_tokenizer = PromptTokenizer(tokenizer, cache_tokens=cache_tokens)
+        assert prompt_tokenizer.encode(system) == tokenizer.encode(system).ids
+        with mock.patch.object(prompt_tokenizer, "_encode", wraps=prompt_tokenizer._encode) as encode:
+            assert prompt_tokenizer.encode(system) == tokenizer.encode(system).ids
+        assert encode.call_count == 0
+
+
+def test_a_tokenizer_cut_at_special_tokens_only_is_not_cut_between_words() -> None:
+    """Its long pieces are encoded whole: a space ends no word for it, so a cut there would change the ids."""
+    vocab = {chr(c): c - 32 for c in range(32, 127)} | {"Q ": 95}
+    merged = Tokenizer(models.BPE(vocab=vocab, merges=[("Q", " ")]))
+    merged.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")  # the space ends the word
+    merged.add_special_tokens(["<s>"])
+    prompt_tokenizer = PromptTokenizer(merged)
+    assert prompt_tokenizer._cuts and not prompt_tokenizer._words
+    text = "<s>" + "a" * 510 + "FAQ about"
+    assert prompt_tokenizer.encode(text) == merged.encode(text).ids
+
+
+def test_texts_are_routed_in_their_namespace() -> None:
+    text_router = TextRouter(Router(block_size=4), PromptTokenizer(_byte_level()))
+    text = " ".join(CORPUS[:3])
+    backends = ["gpu0", "gpu1"]
+    text_router.route(text, backends, namespace="lora-a")
+    assert text_router.route(text, backends, namespace="lora-b").reason != "prefix"
+    assert text_router.route(text, backends).reason != "prefix"
+    assert text_router.route(text, backends, namespace="lora-a").reason == "prefix"
+
+
+def test_chat_messages_are_serialised_role_by_role_then_the_assistant_s_turn() -> None:
+    """``<|role|>\\ncontent\\n`` per message (docs/adapters.md): a list content joined from its parts' string texts,
+    any other content, or none, empty; a message without a role has an empty one."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}},
+                                     "b", {"type": "text", "text": 5}, {"type": "text", "text": "c"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "function": {"arguments": "{}"}}]},
+        {"role": "tool", "content": 5},
+        {"content": "x"},
+        {"role": "user"},
+    ]  # fmt: skip
+    blocks = ["<|system|>\nBe brief.\n", "<|user|>\nac\n", "<|assistant|>\n\n", "<|tool|>\n\n", "<||>\nx\n"]
+    assert tokenize.serialise_chat(messages) == "".join([*blocks, "<|user|>\n\n", "<|assistant|>\n"])
+
+
+def test_chat_messages_that_are_no_list_of_objects_are_refused_naming_what_was_sent() -> None:
+    with pytest.raises(TypeError, match="objects, not str$"):
+        tokenize.serialise_chat("hello")  # type: ignore[arg-type]
+    with pytest.raises(InvalidPromptError, match="^chat message 1 is a int, not an object"):
+        tokenize.serialise_chat([{"role": "user", "content": "a"}, 5])  # type: ignore[list-item]
