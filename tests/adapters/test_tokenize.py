@@ -249,6 +249,8 @@ def test_which_tokenizers_cut_their_texts() -> None:
     }
     assert not PromptTokenizer(_byte_level(), cache_tokens=0).caches_pieces
     assert PromptTokenizer(_bpe(normalizer=normalizers.NFKC()))._words
+    assert PromptTokenizer(_bpe(pre_tokenizer=pre_tokenizers.Whitespace()))._words
+    assert PromptTokenizer(_bpe(pre_tokenizer=pre_tokenizers.WhitespaceSplit()))._words
     # Not between words: a normalizer that is not per character, no pre-tokenizer or one that does not end words at
     # spaces (named so, or a Digits trained to merge across spaces, which the probes find), an added token that
     # strips spaces.
@@ -545,3 +547,49 @@ def test_chat_messages_that_are_no_list_of_objects_are_refused_naming_what_was_s
         tokenize.serialise_chat("hello")  # type: ignore[arg-type]
     with pytest.raises(InvalidPromptError, match="^chat message 1 is a int, not an object"):
         tokenize.serialise_chat([{"role": "user", "content": "a"}, 5])  # type: ignore[list-item]
+
+
+def test_tokenizers_the_probe_texts_pass_are_still_not_cut_between_words_when_their_config_says_so() -> None:
+    """An added token that holds a space, and a Replace inside a normalizer Sequence (the form Llama 2's takes), where
+    the probe texts hold nothing either changes: a cut between words would change the ids of the texts that do."""
+    cases = [
+        (_bpe(added=AddedToken("hello world")), "w" * 507 + " hello world"),  # the first gap after 512: in the token
+        (_bpe(normalizer=normalizers.Sequence([normalizers.Replace("w z", "wz")])), "a" * 511 + "w zeta"),
+    ]
+    for tokenizer, text in cases:
+        prompt_tokenizer = PromptTokenizer(tokenizer)
+        assert not prompt_tokenizer._words
+        assert prompt_tokenizer.encode(text) == tokenizer.encode(text).ids
+
+
+@pytest.mark.parametrize("side", ["lstrip", "rstrip"])
+def test_a_special_token_that_strips_the_spaces_on_one_side_is_no_cut(side: str) -> None:
+    tokenizer = _byte_level()
+    tokenizer.add_special_tokens([AddedToken("<|eot|>", normalized=False, **{side: True})])
+    prompt_tokenizer = PromptTokenizer(tokenizer)
+    assert "<|eot|>" not in prompt_tokenizer._cuts and "<|im_end|>" in prompt_tokenizer._cuts
+    text = "<|im_start|>user a <|eot|> b<|im_end|>"
+    assert prompt_tokenizer.encode(text) == tokenizer.encode(text).ids
+
+
+def test_a_special_token_is_no_cut_where_another_added_token_holds_or_overlaps_it_or_over_256_characters() -> None:
+    """The library matches added tokens leftmost-longest, so a text cut at such a token could be matched otherwise
+    there: of these special tokens only the one of exactly 256 characters, which overlaps no other, is a cut."""
+    plain = "«" + "y" * 254 + "»"  # 256 characters, no end of it also its start
+    over = "<" + "z" * 255 + ">"  # 257
+    held = {  # special token: the added token that holds it or overlaps it, of up to or over 256 characters
+        "</s>": "<" + "v" * 150 + "</s>" + "v" * 150 + ">",
+        "<s>": "<" + "x" * 125 + "<s>" + "x" * 126 + ">",
+        "[INST]": "<" + "w" * 299 + "[",  # a long one's end is the token's start
+        "§": "<§>",  # a one-character token inside another
+        "</t>": "x</t>",  # the end of another
+        "(a)": "x(",  # another's end is the token's start (by one character)
+        "{b}": "}y",  # the token's end is another's start
+    }
+    tokenizer = _word_level(["[UNK]", "a", "x", "y"])
+    tokenizer.add_special_tokens([AddedToken(token, normalized=False) for token in [over, *held, plain]])
+    tokenizer.add_tokens([AddedToken(other, normalized=False) for other in held.values()])
+    prompt_tokenizer = PromptTokenizer(tokenizer)
+    assert len(plain) == 256 and list(prompt_tokenizer._cuts) == [plain]
+    text = " a ".join([over, *held, *held.values(), plain, "x(a)", "{b}y", held["[INST]"] + "INST]", "a"])
+    assert prompt_tokenizer.encode(text) == tokenizer.encode(text).ids
