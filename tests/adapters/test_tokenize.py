@@ -69,7 +69,7 @@ def test_missing_or_malformed_files_are_configuration_errors(tmp_path: Path) -> 
 
 def test_wrong_types_are_type_errors(tokenizer_file: Path) -> None:
     prompt_tokenizer = PromptTokenizer.from_file(tokenizer_file)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="text must be a str, not bytes$"):
         prompt_tokenizer.encode(b"bytes")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         prompt_tokenizer.encode_batch("one string")
@@ -592,4 +592,34 @@ def test_a_special_token_is_no_cut_where_another_added_token_holds_or_overlaps_i
     prompt_tokenizer = PromptTokenizer(tokenizer)
     assert len(plain) == 256 and list(prompt_tokenizer._cuts) == [plain]
     text = " a ".join([over, *held, *held.values(), plain, "x(a)", "{b}y", held["[INST]"] + "INST]", "a"])
+    assert prompt_tokenizer.encode(text) == tokenizer.encode(text).ids
+
+
+def test_a_long_text_gets_the_post_processor_s_ids_with_the_cache_off() -> None:
+    """With no cut to make, a text over 512 characters is encoded whole, the ids around it added by the library."""
+    tokenizer = _byte_level()  # <s> ... </s> around every text
+    text = " ".join(CORPUS)
+    assert PromptTokenizer(tokenizer, cache_tokens=0).encode(text) == tokenizer.encode(text).ids
+
+
+def test_a_tokenizer_without_special_tokens_cuts_a_long_text_between_words() -> None:
+    tokenizer = _word_level(["[UNK]", "a", "b"])  # no added token: nothing to cut at but word gaps
+    prompt_tokenizer = PromptTokenizer(tokenizer)
+    text = " ".join(["a", "b", "c"] * 300)
+    assert prompt_tokenizer.caches_pieces and not prompt_tokenizer._cuts
+    assert prompt_tokenizer.encode(text) == tokenizer.encode(text).ids
+    assert len(prompt_tokenizer._pieces) > 1
+
+
+@pytest.mark.parametrize("setting", ["truncation", "padding"])
+def test_a_tokenizer_that_truncates_or_pads_encodes_whole_texts(setting: str) -> None:
+    """Each piece would be truncated or padded on its own: the text is encoded whole, as the library would."""
+    tokenizer = _byte_level()
+    if setting == "truncation":
+        tokenizer.enable_truncation(max_length=24)
+    else:
+        tokenizer.enable_padding(length=600)
+    prompt_tokenizer = PromptTokenizer(tokenizer)
+    assert not prompt_tokenizer.caches_pieces
+    text = "<|im_start|>system\n" + " ".join(CORPUS[:8]) + "<|im_end|>\n<|im_start|>user\nhi<|im_end|>"
     assert prompt_tokenizer.encode(text) == tokenizer.encode(text).ids
