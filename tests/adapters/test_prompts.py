@@ -48,8 +48,14 @@ LONG = "y" * INLINE_TEXT
             False,
         ),
         # and each message's markers count 16: over the limit with these alone
-        ({"messages": [{"role": "user", "content": ""}] * (INLINE_TEXT // 16)}, True, True),
-        ({"messages": [{"role": "user", "content": ""}] * (INLINE_TEXT // 16 + 1)}, True, False),
+        ({"messages": [{"content": ""}] * (INLINE_TEXT // 16)}, True, True),
+        ({"messages": [{"content": ""}] * (INLINE_TEXT // 16 + 1)}, True, False),
+        # as does what else a chat template renders: a tool call's arguments
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": LONG}}]}]},
+            True,
+            False,
+        ),
     ],
 )
 def test_long_text_is_encoded_on_a_worker_thread(body: dict[str, Any], chat: bool, on_loop: bool) -> None:

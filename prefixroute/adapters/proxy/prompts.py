@@ -142,30 +142,36 @@ async def request_tokens_async(
 
 
 def _text_length(body: object, chat: bool) -> int:
-    """About how many characters of text ``body`` gives the encoder (each message counted 16 more, its role and
-    markers), without reading what :func:`request_tokens` refuses. O(messages)."""
+    """About how many characters of text ``body`` gives the encoder (each message counted 16 more, its markers),
+    without reading what :func:`request_tokens` refuses. O(messages); O(the messages' values) for a chat."""
     if not isinstance(body, dict):
         return 0
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list):
             return 0
-        total = 16 * len(messages)
-        for message in messages:
-            content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, str):
-                total += len(content)
-            elif isinstance(content, list):
-                total += sum(
-                    len(text)
-                    for part in content
-                    if isinstance(part, dict) and isinstance(text := part.get("text"), str)
-                )
-        return total
+        return 16 * len(messages) + sum(_strings_length(message) for message in messages if isinstance(message, dict))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt:
         prompt = prompt[0]
     return len(prompt) if isinstance(prompt, str) else 0
+
+
+def _strings_length(message: dict[str, Any]) -> int:
+    """The characters of every string in ``message``: its role and content, its content parts' text, and what else a
+    chat template renders (a tool call's arguments, a reasoning text). O(its values), iterative: a body nested deep
+    does not recurse."""
+    total = 0
+    stack: list[object] = [message]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            total += len(node)
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return total
 
 
 def _token_ids(prompt: list[Any], max_token_id: int | None) -> list[Any]:
