@@ -73,7 +73,7 @@ def test_wrong_types_are_type_errors(tokenizer_file: Path) -> None:
         prompt_tokenizer.encode(b"bytes")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         prompt_tokenizer.encode_batch("one string")
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="must be a tokenizers.Tokenizer, not str$"):
         PromptTokenizer("tokenizer.json")  # type: ignore[arg-type]
 
 
@@ -366,8 +366,9 @@ def test_a_shared_system_prompt_is_encoded_once() -> None:
 
 @pytest.mark.parametrize("cache_tokens", [-1, 1.5, True, "8"])
 def test_cache_size_is_checked(cache_tokens: object) -> None:
-    with pytest.raises(ConfigurationError, match="cache_tokens"):
+    with pytest.raises(ConfigurationError, match="cache_tokens must be a non-negative int") as refused:
         PromptTokenizer(_byte_level(), cache_tokens=cache_tokens)  # type: ignore[arg-type]
+    assert str(refused.value).endswith(f"not {cache_tokens!r}")  # the value sent
 
 
 def test_threads_share_the_cache_safely() -> None:
