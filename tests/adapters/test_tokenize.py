@@ -588,11 +588,13 @@ def test_a_special_token_is_no_cut_where_another_added_token_holds_or_overlaps_i
         "{b}": "}y",  # the token's end is another's start
     }
     tokenizer = _word_level(["[UNK]", "a", "x", "y"])
-    tokenizer.add_special_tokens([AddedToken(token, normalized=False) for token in [over, *held, plain]])
+    holding = "q§"  # holds a one-character token, "§", at its end
+    specials = [over, *held, holding, plain]
+    tokenizer.add_special_tokens([AddedToken(token, normalized=False) for token in specials])
     tokenizer.add_tokens([AddedToken(other, normalized=False) for other in held.values()])
     prompt_tokenizer = PromptTokenizer(tokenizer)
     assert len(plain) == 256 and list(prompt_tokenizer._cuts) == [plain]
-    text = " a ".join([over, *held, *held.values(), plain, "x(a)", "{b}y", held["[INST]"] + "INST]", "a"])
+    text = " a ".join([*specials, *held.values(), "x(a)", "{b}y", held["[INST]"] + "INST]", "a"])
     assert prompt_tokenizer.encode(text) == tokenizer.encode(text).ids
 
 
