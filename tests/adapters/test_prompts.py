@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,32 @@ def test_long_text_is_encoded_on_a_worker_thread(body: dict[str, Any], chat: boo
     tokens = asyncio.run(request_tokens_async(body, chat=chat, encoder=encoder))
     assert encoder.on_loop == [on_loop]
     assert tokens == asyncio.run(request_tokens_async(body, chat=chat, encoder=ByteEncoder()))
+
+
+def test_a_python_caller_s_cyclic_or_shared_message_is_measured_each_part_once() -> None:
+    """The LiteLLM hook and the Ray Serve router take bodies a Python caller built: a message that holds itself, or
+    a list shared 2**200 times over, must not loop forever (nor exponentially long) while its text is measured."""
+    cyclic: dict[str, Any] = {"role": "user", "content": "hi"}
+    cyclic["again"] = cyclic
+    shared: list[Any] = ["x"]
+    for _ in range(200):
+        shared = [shared, shared]
+    long_cyclic: dict[str, Any] = {"role": "user", "content": LONG}
+    long_cyclic["again"] = [long_cyclic]
+    cases = [(cyclic, True), ({"role": "user", "content": "hi", "tool_calls": shared}, True), (long_cyclic, False)]
+    for message, on_loop in cases:
+        encoder = LoopNoting()
+        done: list[list[int]] = []
+        body = {"messages": [message]}
+        worker = threading.Thread(target=_route_into, args=(body, encoder, done), daemon=True)
+        worker.start()
+        worker.join(timeout=30)
+        assert done, "measuring the message's text did not end"
+        assert encoder.on_loop == [on_loop]
+
+
+def _route_into(body: dict[str, Any], encoder: LoopNoting, done: list[list[int]]) -> None:
+    done.append(asyncio.run(request_tokens_async(body, chat=True, encoder=encoder)))
 
 
 @pytest.mark.parametrize("body", [None, [LONG], {"prompt": 5}, {"messages": LONG}, {"messages": [LONG * 2]}])

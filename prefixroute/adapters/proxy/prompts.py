@@ -159,18 +159,19 @@ def _text_length(body: object, chat: bool) -> int:
 
 def _strings_length(message: dict[str, Any]) -> int:
     """The characters of every string in ``message``: its role and content, its content parts' text, and what else a
-    chat template renders (a tool call's arguments, a reasoning text). O(its values), iterative: a body nested deep
-    does not recurse."""
+    chat template renders (a tool call's arguments, a reasoning text), counted until past :data:`INLINE_TEXT`.
+    Iterative, each dict and list once: a body nested deep does not recurse, and one a Python caller built with a
+    cycle or with one list shared many times over ends. O(its values)."""
     total = 0
     stack: list[object] = [message]
-    while stack:
+    seen: set[int] = set()
+    while stack and total <= INLINE_TEXT:
         node = stack.pop()
         if isinstance(node, str):
             total += len(node)
-        elif isinstance(node, dict):
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
+        elif isinstance(node, (dict, list)) and id(node) not in seen:
+            seen.add(id(node))
+            stack.extend(node.values() if isinstance(node, dict) else node)
     return total
 
 
