@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 
 from prefixroute import LoadPolicy, Router
 from prefixroute.adapters.serve import PromptEncoder, Sidecar, release_ids, upstream_of
-from prefixroute.adapters.serve.contract import is_refusal
+from prefixroute.adapters.serve.contract import MAX_REQUEST_BACKENDS, is_refusal
 from prefixroute.adapters.serve.loopback import free_port, start_sidecar
 from prefixroute.adapters.serve.release import ReleaseProtocol, refused
 from prefixroute.errors import ConfigurationError
@@ -109,8 +109,12 @@ BAD_BODIES: list[tuple[bytes, str]] = [
     (b"{not json", "not valid JSON"),
     (b"[1, 2]", "object"),
     (b"{}", "exactly one of"),
-    (b'{"prompt_token_ids": [1, 2], "prompt": "x"}', "exactly one of"),
-    (b'{"prompt_token_ids": []}', "empty"),
+    (b"{}", "not none of them"),
+    (b'{"prompt_token_ids": [1, 2], "prompt": "x"}', "not prompt_token_ids and prompt"),
+    (b'{"prompt": "x", "messages": []}', "not prompt and messages"),
+    (b'{"prompt_token_ids": []}', "'prompt_token_ids' is empty"),
+    (b'{"prompt": ""}', "'prompt' is empty"),
+    (b'{"messages": []}', "'messages' is empty"),
     (b'{"prompt_token_ids": [1, "2"]}', "$.prompt_token_ids[1]"),
     (b'{"prompt_token_ids": [1, true]}', "$.prompt_token_ids[1]"),
     (b'{"prompt_token_ids": [1, -1]}', "position 1"),
@@ -127,13 +131,24 @@ BAD_BODIES: list[tuple[bytes, str]] = [
 
 
 @pytest.mark.parametrize(("raw", "message"), BAD_BODIES)
-def test_bad_input_is_a_4xx_with_a_message_and_changes_no_count(raw: bytes, message: str) -> None:
+def test_bad_input_is_a_400_with_a_message_and_changes_no_count(raw: bytes, message: str) -> None:
     sidecar = Sidecar(Router(), backends=BACKENDS)
     reply = call(sidecar, "POST", "/route", raw=raw)
-    assert 400 <= reply.status_code < 500
+    assert reply.status_code == 400
     assert message in reply.json()["error"]
     stats = sidecar.router.stats()
     assert (stats.decisions, stats.in_flight) == (0, 0)
+
+
+def test_a_route_body_may_list_4096_backends_and_one_more_is_a_400_naming_both_counts() -> None:
+    sidecar = Sidecar(Router(block_size=4))
+    many = [f"http://10.{i // 256}.{i % 256}.1:8000" for i in range(MAX_REQUEST_BACKENDS + 1)]
+    body = {"prompt_token_ids": ids(8), "backends": many[:MAX_REQUEST_BACKENDS]}
+    assert call(sidecar, "POST", "/route", body).json()["backend"] in many
+    reply = call(sidecar, "POST", "/route", {"prompt_token_ids": ids(8), "backends": many})
+    assert reply.status_code == 400
+    assert f"lists {MAX_REQUEST_BACKENDS + 1} backends: list at most {MAX_REQUEST_BACKENDS}" in reply.json()["error"]
+    assert sidecar.router.stats().decisions == 1 and sidecar.stats()["bad_requests"] == {"400": 1}
 
 
 def test_lifecycle_and_endpoint_errors() -> None:
