@@ -151,6 +151,70 @@ def test_a_route_body_may_list_4096_backends_and_one_more_is_a_400_naming_both_c
     assert sidecar.router.stats().decisions == 1 and sidecar.stats()["bad_requests"] == {"400": 1}
 
 
+USER = {"role": "user", "content": "hi"}
+BAD_MESSAGES: list[tuple[list[Any], str]] = [
+    ([{"content": "x"}], "$.messages[0].role must be a string, not null (or missing)"),
+    ([USER, {"role": 3, "content": "x"}], "$.messages[1].role must be a string, not a number"),
+    ([{"role": True, "content": "x"}], "$.messages[0].role must be a string, not a boolean"),
+    (
+        [USER, {"role": "user", "content": 3}],
+        "$.messages[1].content must be a string, a list of content parts or null, not a number",
+    ),
+    (
+        [{"role": "user", "content": {"type": "text"}}],
+        "$.messages[0].content must be a string, a list of content parts or null, not an object",
+    ),
+    ([{"role": "user", "content": ["x"]}], "$.messages[0].content[0] must be a content part like"),
+    (
+        [{"role": "user", "content": [{"type": "text", "text": "a"}, ["x"]]}],
+        '$.messages[0].content[1] must be a content part like {"type": "text", "text": "..."}, not an array',
+    ),
+    (
+        [{"role": "user", "content": [{"type": None, "text": "x"}]}],
+        '$.messages[0].content[0].type must be a string such as "text", not null',
+    ),
+    (
+        [{"role": "user", "content": [{"type": 5, "text": "x"}]}],
+        '$.messages[0].content[0].type must be a string such as "text", not a number',
+    ),
+    (
+        [{"role": "user", "content": [{"type": "text", "text": None}]}],
+        "$.messages[0].content[0].text must be a string, not null (or missing)",
+    ),
+    ([{"role": "user", "content": [{"text": 1.5}]}], "$.messages[0].content[0].text must be a string, not a number"),
+    ([{"role": "user", "content": [{"type": "image_url"}, {}]}], "$.messages[0].content[1].text must be a string"),
+]
+
+
+@pytest.mark.parametrize("path", ["/route", "/v1/chat/completions"])
+@pytest.mark.parametrize(("messages", "message"), BAD_MESSAGES)
+def test_a_chat_message_openai_would_refuse_is_a_400_naming_its_first_wrong_field_and_what_was_sent(
+    path: str, messages: list[Any], message: str
+) -> None:
+    sidecar = Sidecar(Router(), backends=BACKENDS)
+    reply = call(sidecar, "POST", path, {"messages": messages})
+    assert reply.status_code == 400
+    assert message in reply.json()["error"]
+    assert sidecar.router.stats().decisions == 0 and sidecar.stats()["bad_requests"] == {"400": 1}
+
+
+@pytest.mark.parametrize("path", ["/route", "/v1/chat/completions"])
+def test_every_content_openai_allows_is_routed_in_process(path: str, model_dir: Path) -> None:
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, encoder=PromptEncoder(model_dir))
+    contents: list[Any] = [
+        "count the rows",
+        None,
+        [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "x"}}],
+        [{"text": "a part without a type is text"}],
+    ]
+    for content in contents:
+        reply = call(sidecar, "POST", path, {"messages": [USER, {"role": "assistant", "content": content}]})
+        assert reply.status_code == 200, (content, reply.text)
+    reply = call(sidecar, "POST", path, {"messages": [USER, {"role": "assistant", "tool_calls": []}]})
+    assert reply.status_code == 200, reply.text
+    assert sidecar.router.stats().decisions == len(contents) + 1
+
+
 def test_lifecycle_and_endpoint_errors() -> None:
     sidecar = Sidecar(Router(), backends=BACKENDS)
     assert call(sidecar, "POST", "/finish", raw=b'{"id": 7}').status_code == 400
