@@ -259,6 +259,56 @@ def test_pick_mode_answers_in_headers_for_nginx_and_haproxy() -> None:
     assert call(sidecar, "POST", "/v1/completions", {"prompt": [1, -2]}).status_code == 400
 
 
+BAD_OPENAI_BODIES: list[tuple[str, bytes, str]] = [
+    ("/v1/completions", b"null", "an OpenAI request body is a JSON object"),
+    ("/v1/chat/completions", b"[]", "an OpenAI request body is a JSON object"),
+    ("/v1/completions", b'{"model": 3, "prompt": "x"}', "'model' must be a string"),
+    (
+        "/v1/chat/completions",
+        b'{"model": ["m"], "messages": [{"role": "user", "content": "x"}]}',
+        "'model' must be a string",
+    ),
+    ("/v1/chat/completions", b'{"prompt": "no messages"}', "a chat completion needs 'messages'"),
+    ("/v1/chat/completions", b'{"messages": []}', "a chat completion needs 'messages'"),
+    (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}, null]}',
+        "a chat completion needs 'messages'",
+    ),
+    ("/v1/completions", b"{}", "a completion needs 'prompt'"),
+    ("/v1/completions", b'{"prompt": ""}', "a completion needs 'prompt'"),
+    ("/v1/completions", b'{"prompt": 5}', "a completion needs 'prompt'"),
+    ("/v1/completions", b'{"prompt": {"text": "x"}}', "a completion needs 'prompt'"),
+    ("/v1/completions", b'{"prompt": []}', "a completion needs 'prompt'"),
+    ("/v1/completions", b'{"prompt": [[]]}', "a completion needs 'prompt'"),
+    ("/v1/completions", b'{"prompt": [1, true]}', "a completion needs 'prompt'"),
+    ("/v1/completions", b'{"prompt": [1, -1]}', "a completion needs 'prompt'"),
+    ("/v1/completions", b'{"prompt": [1, 1.0]}', "a completion needs 'prompt'"),
+    ("/v1/completions", b'{"prompt": [1, 4294967296]}', "a completion needs 'prompt'"),
+]
+
+
+@pytest.mark.parametrize(("path", "raw", "message"), BAD_OPENAI_BODIES)
+def test_a_body_that_is_no_openai_request_is_a_400_in_pick_mode(path: str, raw: bytes, message: str) -> None:
+    sidecar = Sidecar(Router(), backends=BACKENDS)
+    reply = call(sidecar, "POST", path, raw=raw)
+    assert reply.status_code == 400
+    assert message in reply.json()["error"]
+    assert sidecar.router.stats().decisions == 0 and sidecar.stats()["bad_requests"] == {"400": 1}
+
+
+def test_pick_mode_routes_every_token_id_below_2_to_the_32_and_checks_the_requests_model() -> None:
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, models=["m", "lora"])
+    for prompt in ([0, 1000, 2**31, 2**32 - 1], [[2**32 - 1, 7], [1]], ["a text batch", "is routed by its first"]):
+        reply = call(sidecar, "POST", "/v1/completions", {"model": "lora", "prompt": prompt})
+        expected = 400 if isinstance(prompt[0], str) else 200  # text, and this sidecar has no tokenizer
+        assert reply.status_code == expected, (prompt, reply.text)
+    assert "text prompts need a tokenizer" in reply.json()["error"]
+    for path, body in (("/v1/completions", {"prompt": [1, 2]}), ("/v1/chat/completions", {"messages": [USER]})):
+        unknown = call(sidecar, "POST", path, {"model": "other", **body})
+        assert unknown.status_code == 404 and "unknown model 'other'" in unknown.json()["error"], path
+
+
 @pytest.mark.parametrize("policy", [BuggyPolicy(), StrangerPolicy()])
 @pytest.mark.parametrize(
     ("path", "body"), [("/route", {"prompt_token_ids": [1, 2]}), ("/v1/completions", {"prompt": [1]})]
