@@ -164,7 +164,10 @@ BAD_MESSAGES: list[tuple[list[Any], str]] = [
         [{"role": "user", "content": {"type": "text"}}],
         "$.messages[0].content must be a string, a list of content parts or null, not an object",
     ),
-    ([{"role": "user", "content": ["x"]}], "$.messages[0].content[0] must be a content part like"),
+    (
+        [{"role": "user", "content": ["x"]}],
+        '$.messages[0].content[0] must be a content part like {"type": "text", "text": "..."}, not a string',
+    ),
     (
         [{"role": "user", "content": [{"type": "text", "text": "a"}, ["x"]]}],
         '$.messages[0].content[1] must be a content part like {"type": "text", "text": "..."}, not an array',
@@ -196,6 +199,13 @@ def test_a_chat_message_openai_would_refuse_is_a_400_naming_its_first_wrong_fiel
     assert reply.status_code == 400
     assert message in reply.json()["error"]
     assert sidecar.router.stats().decisions == 0 and sidecar.stats()["bad_requests"] == {"400": 1}
+
+
+def test_a_content_parts_type_sent_as_null_is_named_null_not_missing_as_a_missing_type_is_text() -> None:
+    sidecar = Sidecar(Router(), backends=BACKENDS)
+    reply = call(sidecar, "POST", "/route", {"messages": [{"role": "user", "content": [{"type": None, "text": "x"}]}]})
+    assert reply.status_code == 400
+    assert reply.json()["error"].endswith(", not null") and "missing" not in reply.json()["error"]
 
 
 @pytest.mark.parametrize("path", ["/route", "/v1/chat/completions"])
