@@ -259,18 +259,25 @@ def test_a_hostile_body_is_an_openai_400_and_leaves_nothing_behind(proxy: Proxy,
     assert_idle(proxy)
 
 
+def _refusing(probe: socket.socket) -> str:
+    """The URL of a port ``probe`` binds without listening: connections to it are refused while ``probe`` is open,
+    and no server started meanwhile can take the port."""
+    probe.bind(("127.0.0.1", 0))
+    return f"http://127.0.0.1:{probe.getsockname()[1]}"
+
+
 # -- /v1/models ----------------------------------------------------------------------------------------------------
 
 
 def test_models_are_merged_when_the_backends_disagree_and_one_is_down() -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        down = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    # The port stays bound, not listening, for the whole test: it refuses connections, and no engine nor the proxy
+    # started here can be given it (one once was, and the proxy refused a backend named twice).
     with (
+        socket.socket() as probe,
         OpenAIEngine(model="model-a", lora_adapters=["adapter-a"], max_tokens=TOKENS) as a,
         OpenAIEngine(model="model-b", max_tokens=TOKENS) as b,
         OpenAIEngine(model="model-a", seed=1, max_tokens=TOKENS) as a2,
-        Proxy(Router(), [down, a.url, b.url, a2.url]) as proxy,
+        Proxy(Router(), [_refusing(probe), a.url, b.url, a2.url]) as proxy,
         openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=10) as client,
     ):
         models = {model.id: model for model in client.models.list()}
@@ -288,12 +295,11 @@ def test_with_every_backend_down_health_says_so_and_metrics_stay_exposition_text
     """Without ``--metrics-from-backends`` nothing probes the engines: ``/healthz`` is 200 until requests have failed
     on each backend ``max_failures`` times (the documented behaviour), then 503 in JSON; ``/v1/models`` is a 502 in
     OpenAI's error shape; and after hostile requests of every kind ``/metrics`` still parses strictly."""
-    ports = []
-    for _ in range(2):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            ports.append(probe.getsockname()[1])
-    with Proxy(Router(), [f"http://127.0.0.1:{port}" for port in ports], max_failures=2) as proxy:
+    with (
+        socket.socket() as first,
+        socket.socket() as second,
+        Proxy(Router(), [_refusing(first), _refusing(second)], max_failures=2) as proxy,
+    ):
         assert request(proxy, "GET", "/healthz")[0] == 200
         hostile = [("POST", "/v1/completions", b'{"prompt": "a", "model": "m\\n\\"x"}'),  # 502: none reachable
                    ("POST", "/v1/completions", b"{}"), ("GET", "/v1/completions", None),
