@@ -111,7 +111,7 @@ def mooncake_tokens(hash_ids: Sequence[int], input_length: int, *, block_tokens:
             f"input_length must be an int in [{low}, {high}] for {len(hash_ids)} hash ids of {size} tokens, "
             f"not {shown(input_length)}"
         )
-    return _block_tokens([as_int(h) or 0 for h in hash_ids], length, size)
+    return _block_tokens([int(h) for h in hash_ids], length, size)  # plain ints: numpy's too, checked above
 
 
 def _block_tokens(hash_ids: Sequence[int], input_length: int, size: int) -> bytes:
