@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -137,6 +139,22 @@ def _prefixroute_log_level() -> Iterator[None]:
         yield
     finally:
         logger.setLevel(level)
+
+
+@pytest.fixture
+def refused_port() -> Iterator[Callable[[], int]]:
+    """Hand out loopback ports that refuse connections: each stays bound, not listening, until the test ends.
+
+    A port bound and closed at once could be given to a server the test starts next (one was, and a proxy refused a
+    backend named twice); a port held bound cannot, and connecting to it is refused all the same."""
+    with contextlib.ExitStack() as held:
+
+        def port() -> int:
+            probe = held.enter_context(socket.socket())
+            probe.bind(("127.0.0.1", 0))
+            return int(probe.getsockname()[1])
+
+        yield port
 
 
 @pytest.fixture

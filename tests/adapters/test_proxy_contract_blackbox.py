@@ -15,7 +15,7 @@ import math
 import re
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -259,25 +259,16 @@ def test_a_hostile_body_is_an_openai_400_and_leaves_nothing_behind(proxy: Proxy,
     assert_idle(proxy)
 
 
-def _refusing(probe: socket.socket) -> str:
-    """The URL of a port ``probe`` binds without listening: connections to it are refused while ``probe`` is open,
-    and no server started meanwhile can take the port."""
-    probe.bind(("127.0.0.1", 0))
-    return f"http://127.0.0.1:{probe.getsockname()[1]}"
-
-
 # -- /v1/models ----------------------------------------------------------------------------------------------------
 
 
-def test_models_are_merged_when_the_backends_disagree_and_one_is_down() -> None:
-    # The port stays bound, not listening, for the whole test: it refuses connections, and no engine nor the proxy
-    # started here can be given it (one once was, and the proxy refused a backend named twice).
+def test_models_are_merged_when_the_backends_disagree_and_one_is_down(refused_port: Callable[[], int]) -> None:
+    down = f"http://127.0.0.1:{refused_port()}"
     with (
-        socket.socket() as probe,
         OpenAIEngine(model="model-a", lora_adapters=["adapter-a"], max_tokens=TOKENS) as a,
         OpenAIEngine(model="model-b", max_tokens=TOKENS) as b,
         OpenAIEngine(model="model-a", seed=1, max_tokens=TOKENS) as a2,
-        Proxy(Router(), [_refusing(probe), a.url, b.url, a2.url]) as proxy,
+        Proxy(Router(), [down, a.url, b.url, a2.url]) as proxy,
         openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=10) as client,
     ):
         models = {model.id: model for model in client.models.list()}
@@ -291,15 +282,14 @@ def test_models_are_merged_when_the_backends_disagree_and_one_is_down() -> None:
 # -- every backend down ---------------------------------------------------------------------------------------------
 
 
-def test_with_every_backend_down_health_says_so_and_metrics_stay_exposition_text() -> None:
+def test_with_every_backend_down_health_says_so_and_metrics_stay_exposition_text(
+    refused_port: Callable[[], int],
+) -> None:
     """Without ``--metrics-from-backends`` nothing probes the engines: ``/healthz`` is 200 until requests have failed
     on each backend ``max_failures`` times (the documented behaviour), then 503 in JSON; ``/v1/models`` is a 502 in
     OpenAI's error shape; and after hostile requests of every kind ``/metrics`` still parses strictly."""
-    with (
-        socket.socket() as first,
-        socket.socket() as second,
-        Proxy(Router(), [_refusing(first), _refusing(second)], max_failures=2) as proxy,
-    ):
+    down = [f"http://127.0.0.1:{refused_port()}" for _ in range(2)]
+    with Proxy(Router(), down, max_failures=2) as proxy:
         assert request(proxy, "GET", "/healthz")[0] == 200
         hostile = [("POST", "/v1/completions", b'{"prompt": "a", "model": "m\\n\\"x"}'),  # 502: none reachable
                    ("POST", "/v1/completions", b"{}"), ("GET", "/v1/completions", None),

@@ -230,8 +230,8 @@ def test_a_clients_expect_100_continue_is_answered_by_the_proxy_not_sent_on() ->
         server.server_close()
 
 
-def test_a_request_no_backend_could_take_is_finished_once() -> None:
-    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+def test_a_request_no_backend_could_take_is_finished_once(refused_port: Callable[[], int]) -> None:
+    dead = [f"http://127.0.0.1:{refused_port()}" for _ in range(2)]
     with Proxy(Router(), dead, base_models=[]) as proxy:
         for i in range(3):
             assert httpx.post(proxy.url + "/v1/completions", json={"prompt": f"p{i}"}).status_code == 502
@@ -239,8 +239,8 @@ def test_a_request_no_backend_could_take_is_finished_once() -> None:
         assert proxy.router.stats().ignored == 0  # no second finish of the request the failed retry had finished
 
 
-def test_metrics_group_each_family_and_health_follows_the_fleet() -> None:
-    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+def test_metrics_group_each_family_and_health_follows_the_fleet(refused_port: Callable[[], int]) -> None:
+    dead = [f"http://127.0.0.1:{refused_port()}" for _ in range(2)]
     args = argparse.Namespace(backends=dead, tokenizer=None, base_model=None, policy="predicted-ttft",
                               block_size=16, kv_events=None, metrics_from_backends=True, retries=1,
                               data_parallel_size=None, max_body_mib=64)  # fmt: skip
@@ -258,8 +258,8 @@ def test_metrics_group_each_family_and_health_follows_the_fleet() -> None:
         fleet.close()
 
 
-def test_refusals_say_what_to_fix() -> None:
-    with Proxy(Router(), [f"http://127.0.0.1:{free_port()}"], base_models=[]) as proxy:
+def test_refusals_say_what_to_fix(refused_port: Callable[[], int]) -> None:
+    with Proxy(Router(), [f"http://127.0.0.1:{refused_port()}"], base_models=[]) as proxy:
         deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # past 3.12+'s C recursion limit too
         reply = httpx.post(proxy.url + "/v1/completions", content=deep, headers=JSON_BODY)
         assert reply.status_code == 400 and "nests arrays or objects deeper" in reply.json()["error"]["message"]
@@ -418,8 +418,8 @@ def test_a_compressed_request_body_goes_on_decoded_and_a_corrupt_one_is_a_bad_re
         assert idle(proxy)
 
 
-def test_a_body_over_the_limit_is_a_counted_bad_request() -> None:
-    with Proxy(Router(), [f"http://127.0.0.1:{free_port()}"], base_models=[]) as proxy:
+def test_a_body_over_the_limit_is_a_counted_bad_request(refused_port: Callable[[], int]) -> None:
+    with Proxy(Router(), [f"http://127.0.0.1:{refused_port()}"], base_models=[]) as proxy:
         reply = httpx.post(proxy.url + "/v1/completions", content=b" " * ((64 << 20) + 1), headers=JSON_BODY)
         assert reply.status_code == 413 and reply.json()["error"]["code"] == 413
         assert "67108864 bytes" in reply.json()["error"]["message"]  # the limit, and how to raise it
@@ -461,10 +461,12 @@ def test_a_long_context_prompt_goes_through_where_warnings_are_errors(good: Open
 
 
 @pytest.mark.parametrize("model", [5, 1.5, True, ["m"], {"id": "m"}])
-def test_a_model_that_is_not_a_string_is_a_bad_request_routed_nowhere(model: object) -> None:
+def test_a_model_that_is_not_a_string_is_a_bad_request_routed_nowhere(
+    model: object, refused_port: Callable[[], int]
+) -> None:
     """An OpenAI ``model`` is a string (the sidecar's pick mode refused others already): a number or a list is the
     client's to fix, a 400 before routing, not whatever a backend makes of it (the fake engines answered 404)."""
-    with Proxy(Router(), [f"http://127.0.0.1:{free_port()}"], base_models=[]) as proxy:
+    with Proxy(Router(), [f"http://127.0.0.1:{refused_port()}"], base_models=[]) as proxy:
         bodies: list[tuple[str, dict[str, Any]]] = [
             ("/v1/completions", {"prompt": "a"}),
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]}),
@@ -479,8 +481,8 @@ def test_a_model_that_is_not_a_string_is_a_bad_request_routed_nowhere(model: obj
         assert httpx.post(proxy.url + "/v1/completions", json={"model": None, "prompt": "a"}).status_code == 502
 
 
-def test_json_booleans_are_not_token_ids() -> None:
-    with Proxy(Router(), [f"http://127.0.0.1:{free_port()}"], base_models=[]) as proxy:
+def test_json_booleans_are_not_token_ids(refused_port: Callable[[], int]) -> None:
+    with Proxy(Router(), [f"http://127.0.0.1:{refused_port()}"], base_models=[]) as proxy:
         for prompt in ([5, True, 7], [[False, 1]]):
             reply = httpx.post(proxy.url + "/v1/completions", json={"prompt": prompt})
             assert reply.status_code == 400 and "token ids are integers" in reply.json()["error"]["message"]
@@ -499,8 +501,10 @@ def test_a_failing_policy_is_the_proxys_fault_not_the_clients(policy: LoadPolicy
         assert idle(proxy)
 
 
-def test_a_client_that_leaves_before_its_whole_body_came_is_one_client_disconnect() -> None:
-    with Proxy(Router(), [f"http://127.0.0.1:{free_port()}"], base_models=[]) as proxy:
+def test_a_client_that_leaves_before_its_whole_body_came_is_one_client_disconnect(
+    refused_port: Callable[[], int],
+) -> None:
+    with Proxy(Router(), [f"http://127.0.0.1:{refused_port()}"], base_models=[]) as proxy:
         host, port = proxy.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port))) as client:
             head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000"
@@ -534,11 +538,11 @@ def test_a_json_body_with_a_byte_order_mark_is_routed_as_vllm_reads_it(good: Ope
     ids=["control-character", "header-too-long", "bad-content-length", "body-that-does-not-decompress"],
 )
 def test_a_malformed_request_is_a_warning_line_not_a_traceback(
-    request_bytes: bytes, caplog: pytest.LogCaptureFixture
+    request_bytes: bytes, caplog: pytest.LogCaptureFixture, refused_port: Callable[[], int]
 ) -> None:
     """Any client can send broken HTTP or a body that does not decode: aiohttp logged each as an error with a
     traceback (a log anyone could flood); now one warning line, and the client still gets its 400."""
-    with Proxy(Router(), [f"http://127.0.0.1:{free_port()}"], base_models=[]) as proxy:
+    with Proxy(Router(), [f"http://127.0.0.1:{refused_port()}"], base_models=[]) as proxy:
         host, port = proxy.url.removeprefix("http://").split(":")
         with caplog.at_level(logging.DEBUG), socket.create_connection((host, int(port))) as client:
             client.sendall(request_bytes)

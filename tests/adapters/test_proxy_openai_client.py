@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import openai
 import pytest
@@ -38,12 +37,6 @@ def proxy(engines: list[OpenAIEngine]) -> Iterator[Proxy]:
         yield running
     for engine in engines:
         engine.resume()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def client(proxy: Proxy) -> openai.OpenAI:
@@ -111,7 +104,9 @@ def test_an_async_client_that_leaves_a_stream_releases_it(proxy: Proxy, engines:
     wait_until(lambda: proxy.stats().client_disconnect == 1, what="the disconnect counted")
 
 
-def test_error_statuses_raise_the_openai_exception_of_their_class(proxy: Proxy) -> None:
+def test_error_statuses_raise_the_openai_exception_of_their_class(
+    proxy: Proxy, refused_port: Callable[[], int]
+) -> None:
     with client(proxy) as openai_client:
         with pytest.raises(openai.BadRequestError) as bad:  # the proxy's own refusal
             openai_client.completions.create(model="fake-model", prompt=[])
@@ -120,7 +115,7 @@ def test_error_statuses_raise_the_openai_exception_of_their_class(proxy: Proxy) 
             openai_client.completions.create(model="no-such-model", prompt="x")
         with pytest.raises(openai.NotFoundError):
             openai_client.get("/embeddings", cast_to=object)
-    with Proxy(Router(), [f"http://127.0.0.1:{free_port()}"], base_models=[]) as down, client(down) as openai_client:
+    with Proxy(Router(), [f"http://127.0.0.1:{refused_port()}"], base_models=[]) as down, client(down) as openai_client:
         with pytest.raises(openai.InternalServerError) as unreachable:
             openai_client.chat.completions.create(model="fake-model", messages=CHAT)
         assert unreachable.value.status_code == 502 and unreachable.value.type == "BadGatewayError"
@@ -165,9 +160,9 @@ class FailsOnOne(LoadPolicy):
         return candidates[0]
 
 
-def test_a_policy_that_fails_on_the_retry_is_a_json_500_and_the_proxys_fault() -> None:
+def test_a_policy_that_fails_on_the_retry_is_a_json_500_and_the_proxys_fault(refused_port: Callable[[], int]) -> None:
     # Before: aiohttp's plain-text "500 Internal Server Error", counted as the client's disconnect.
-    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    dead = [f"http://127.0.0.1:{refused_port()}" for _ in range(2)]
     with Proxy(Router(policy=FailsOnOne()), dead, base_models=[]) as proxy, client(proxy) as openai_client:
         with pytest.raises(openai.InternalServerError) as failed:
             openai_client.completions.create(model="fake-model", prompt="x")

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -401,12 +401,14 @@ def test_without_models_the_base_models_route_in_the_routers_own_namespace() -> 
     assert call(sidecar, "POST", "/route", {"prompt_token_ids": ids(8), "model": "llama"}).json()["reason"] == "miss"
 
 
-def test_the_base_model_learner_reads_cards_without_a_parent_and_skips_bad_backends() -> None:
+def test_the_base_model_learner_reads_cards_without_a_parent_and_skips_bad_backends(
+    refused_port: Callable[[], int],
+) -> None:
     from prefixroute.adapters.serve.cli import BaseModelLearner
     from prefixroute.testing.openai_engine import OpenAIEngine
 
     engine = OpenAIEngine(model="llama", lora_adapters=["sql-lora"]).start()
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = f"http://127.0.0.1:{refused_port()}"
     try:
         learned: list[frozenset[str]] = []
         learner = BaseModelLearner([dead, engine.url], learned.append, timeout=1.0)

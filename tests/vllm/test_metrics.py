@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import math
-import socket
 import threading
 import time
 import tracemalloc
@@ -24,12 +23,6 @@ from prefixroute.vllm.metrics import MAX_METRICS_BYTES, fetch_metrics, metrics_u
 
 from ..conftest import returns, wait_until
 from .conftest import SMALL_BODY, answer, http_server
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize("legacy", [False, True])
@@ -182,7 +175,7 @@ def test_cache_config_takes_every_positive_int_up_to_its_bound() -> None:
         assert (metrics.block_size, metrics.num_gpu_blocks) == (block_size, blocks)
 
 
-def test_fetch_reads_a_live_engine_and_reports_failures_as_metrics_errors() -> None:
+def test_fetch_reads_a_live_engine_and_reports_failures_as_metrics_errors(refused_port: Callable[[], int]) -> None:
     with FakeVLLM(num_blocks=77) as engine:
         engine.set_load(waiting=3)
         assert fetch_metrics(engine.url + "/metrics", timeout=2).num_gpu_blocks == 77
@@ -192,7 +185,7 @@ def test_fetch_reads_a_live_engine_and_reports_failures_as_metrics_errors() -> N
         with pytest.raises(MetricsError, match="not Prometheus text"):
             fetch_metrics(engine.url + "/metrics", timeout=2)
     with pytest.raises(MetricsError, match="cannot read"):
-        fetch_metrics(f"http://127.0.0.1:{closed_port()}/metrics", timeout=2)
+        fetch_metrics(f"http://127.0.0.1:{refused_port()}/metrics", timeout=2)
     with pytest.raises(MetricsError, match="cannot read"):
         fetch_metrics("http://", timeout=2)
 

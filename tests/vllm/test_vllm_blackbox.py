@@ -12,7 +12,6 @@ import hashlib
 import io
 import json
 import math
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -877,12 +876,6 @@ def test_a_50_mb_body_and_a_trickling_server_are_metrics_errors() -> None:
 # --- doctor against fake engines --------------------------------------------------------------------------------------
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def doctor_run(*args: str) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     with redirect_stdout(out), redirect_stderr(err):
@@ -912,7 +905,9 @@ def test_doctor_reads_engines_of_every_version_and_judges_each() -> None:
         "{url}/cut",
     ],
 )
-def test_doctor_answers_what_it_cannot_read_with_exit_2_and_a_one_line_reason(target: str) -> None:
+def test_doctor_answers_what_it_cannot_read_with_exit_2_and_a_one_line_reason(
+    target: str, refused_port: Callable[[], int]
+) -> None:
     routes: dict[str, Route | Callable[[BaseHTTPRequestHandler], None]] = {
         "/not-vllm/metrics": ok("<!doctype html><title>Welcome to nginx!</title>"),
         "/broken/metrics": (502, {}, b"Bad Gateway"),
@@ -920,7 +915,7 @@ def test_doctor_answers_what_it_cannot_read_with_exit_2_and_a_one_line_reason(ta
         "/cut/metrics": ok(V1_DP_TEXT[: V1_DP_TEXT.index('model_name="my') + 8]),
     }
     with http_engine(routes) as url:
-        status, out, err = doctor_run(target.format(closed=closed_port(), url=url))
+        status, out, err = doctor_run(target.format(closed=refused_port(), url=url))
     assert status == 2
     assert "Traceback" not in out + err
     verdict, *reasons = [line for line in (out + err).splitlines() if line.strip()]
