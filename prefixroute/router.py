@@ -26,7 +26,14 @@ from prefixroute.errors import (
     PrefixRouteError,
 )
 from prefixroute.hashing import BlockHasher, Tokens, encode_tokens, namespace_seed
-from prefixroute.index import DEFAULT_BOUND_BLOCKS, IndexUpdate, PrefixIndex, apply_updates, check_update
+from prefixroute.index import (
+    DEFAULT_BOUND_BLOCKS,
+    IndexUpdate,
+    PrefixIndex,
+    _RoutedHashes,
+    apply_updates,
+    check_update,
+)
 from prefixroute.policies import Candidate, LoadPolicy, PredictedTTFT
 
 __all__ = ["Decision", "Reason", "Router", "RouterStats"]
@@ -423,7 +430,7 @@ class Router:
             seed = self._seed(str.__str__(namespace) if isinstance(namespace, str) else bytes(memoryview(namespace)))
         else:
             raise InvalidTypeError(f"namespace must be a str, bytes or None, not {type(namespace).__name__}")
-        hashes = self._hasher.hash_encoded(data, seed)
+        hashes = _RoutedHashes(self._hasher.hash_encoded(data, seed))  # predict() takes its own hasher's unchecked
         prompt_len = len(data) // 4
         order = self._order(ids, _placement_key(hashes, data, seed, self._placement_blocks))
         block_size = self._hasher.block_size

@@ -24,6 +24,7 @@ from prefixroute import (
     PredictedTTFT,
     PrefixAffinity,
     PrefixIndex,
+    PrefixRouteError,
     Random,
     RoundRobin,
     Router,
@@ -66,6 +67,20 @@ def test_a_refused_predict_leaves_no_empty_store(capacity: int | None, hashes: o
     index._check()
     assert index.backends() == ["kept"]
     assert index.hashes("kept") == {7, 8}
+
+
+@pytest.mark.parametrize("bad", [-1, 2**64, "x", None, 1.5, float("nan"), True, [1]])
+def test_predict_checks_each_hash_as_insert_does(bad: object) -> None:
+    # Was: predict() stored any item of a sequence unchecked (the router's hot path calls it), and the index's own
+    # invariants then failed (a str, a negative or a float block). Only the hashes a Router computes are trusted.
+    index = PrefixIndex(4, capacity_blocks=8)
+    index.insert([7, 8], "kept")
+    with pytest.raises(PrefixRouteError, match="block hashes must be ints"):
+        index.predict([1, bad, 3], "kept", 0)  # type: ignore[list-item]
+    index._check()
+    assert index.hashes("kept") == {7, 8}
+    index.predict([1, 2, 3], "kept", 0)  # the same call with ints records
+    assert index.hashes("kept") == {1, 2, 3, 7, 8}
 
 
 @pytest.mark.parametrize("backend", [None, 5, ["a"], {"a": 1}])

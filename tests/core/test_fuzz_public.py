@@ -138,8 +138,8 @@ _INDEX_CALLS: dict[str, Callable[[PrefixIndex, Any], object]] = {
     "capacity": lambda i, v: i.capacity(v),
     "set_capacity backend": lambda i, v: i.set_capacity(v, 3),
     "set_capacity blocks": lambda i, v: i.set_capacity("gpu0", v),
-    # predict() leaves a sequence's items unchecked (the router's hot path): only what is no sequence at all.
-    "predict hashes": lambda i, v: None if isinstance(v, (list, tuple, range)) else i.predict(v, "gpu0", 0),
+    "predict hashes": lambda i, v: i.predict(v, "gpu0", 0),
+    "predict one hash": lambda i, v: i.predict([1, v], "gpu0", 1),
     "predict held": lambda i, v: i.predict([1, 2, 9], "gpu0", v),
     "retract hashes": lambda i, v: i.retract(v, "gpu0", 0),
     "retract start": lambda i, v: i.retract([1, 2], "gpu0", v),
