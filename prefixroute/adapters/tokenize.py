@@ -402,7 +402,8 @@ def _added_around(tokenizer: Tokenizer, add_special_tokens: bool) -> tuple[list[
 def serialise_chat(messages: Sequence[Mapping[str, Any]]) -> str:
     """Messages as ``<|role|>\\ncontent\\n`` blocks then ``<|assistant|>\\n``, for models without a chat template.
 
-    A list content is joined from its parts' string ``text``; any other non-string content counts as empty.
+    A list content is joined from its parts' string ``text``; any other non-string content, and a non-string role
+    (JSON ``null``, a number: the engine refuses such a request), count as empty.
     Conversations that share their first messages then share a text prefix (not the engine's exact tokens).
     O(total length).
 
@@ -411,7 +412,7 @@ def serialise_chat(messages: Sequence[Mapping[str, Any]]) -> str:
         InvalidPromptError: a message is not an object (a mapping).
     """
     check_chat(messages)
-    parts = [f"<|{message.get('role', '')}|>\n{_content(message.get('content'))}\n" for message in messages]
+    parts = [f"<|{_role(message.get('role'))}|>\n{_content(message.get('content'))}\n" for message in messages]
     parts.append("<|assistant|>\n")
     return "".join(parts)
 
@@ -432,6 +433,10 @@ def check_chat(messages: object) -> None:
             raise InvalidPromptError(
                 f"chat message {position} is a {type(message).__name__}, not an object with a 'role' and a 'content'"
             )
+
+
+def _role(role: object) -> str:
+    return role if isinstance(role, str) else ""
 
 
 def _content(content: object) -> str:

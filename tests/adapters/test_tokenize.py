@@ -529,7 +529,8 @@ def test_texts_are_routed_in_their_namespace() -> None:
 
 def test_chat_messages_are_serialised_role_by_role_then_the_assistant_s_turn() -> None:
     """``<|role|>\\ncontent\\n`` per message (docs/adapters.md): a list content joined from its parts' string texts,
-    any other content, or none, empty; a message without a role has an empty one."""
+    any other content, or none, empty; a message without a role, or whose role is no string, has an empty one (it
+    was rendered with Python's repr, ``<|None|>``, so a JSON null role grouped apart from a missing one)."""
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}},
@@ -537,9 +538,12 @@ def test_chat_messages_are_serialised_role_by_role_then_the_assistant_s_turn() -
         {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "function": {"arguments": "{}"}}]},
         {"role": "tool", "content": 5},
         {"content": "x"},
+        {"role": None, "content": "y"},
+        {"role": {"name": "user"}, "content": "z"},
         {"role": "user"},
     ]  # fmt: skip
-    blocks = ["<|system|>\nBe brief.\n", "<|user|>\nac\n", "<|assistant|>\n\n", "<|tool|>\n\n", "<||>\nx\n"]
+    blocks = ["<|system|>\nBe brief.\n", "<|user|>\nac\n", "<|assistant|>\n\n", "<|tool|>\n\n", "<||>\nx\n",
+              "<||>\ny\n", "<||>\nz\n"]  # fmt: skip
     assert tokenize.serialise_chat(messages) == "".join([*blocks, "<|user|>\n\n", "<|assistant|>\n"])
 
 
