@@ -276,49 +276,45 @@ def write_plot(path: str | Path, ranking: Ranking, *, default: str | None = None
     """Write a PNG: P50 and P99 TTFT per policy in rank order (left), throughput with the eligibility floor (right).
 
     Raises:
-        ConfigurationError: matplotlib (``pip install 'prefixroute[sim]'``) is missing.
+        ConfigurationError: as :func:`~prefixroute.sim.report.plot_file` says.
     """
-    from prefixroute.sim.report import pyplot
+    from prefixroute.sim.report import plot_file
 
-    plt = pyplot()
     results = list(ranking.results)
     labels = [r.policy + (" (default)" if r.policy == default else "") for r in results]
     ys = range(len(results))
-    figure, (ttft, rate) = plt.subplots(1, 2, figsize=(12, 1.4 + 0.38 * len(results)), sharey=True)
-    colors = [_color(ranking, r) for r in results]
-    p99 = [r.ttft_ms["p99"] if _served(r) else 0.0 for r in results]
-    p50 = [r.ttft_ms["p50"] if _served(r) else 0.0 for r in results]
-    ttft.barh(ys, p99, color=colors)
-    ttft.scatter(p50, ys, color="black", marker="|", s=120, zorder=3)
-    ttft.set_xscale("log")
-    ttft.set_xlabel("TTFT ms (log scale): bar P99, tick P50")
-    ttft.set_yticks(list(ys), labels)
-    ttft.invert_yaxis()
-    ttft.grid(True, axis="x", which="both", alpha=0.3)
-    ttft.set_title("time to first token, ranked (best first)")
-    rate.barh(ys, [r.throughput_rps for r in results], color=colors)
-    floor = (1 - ranking.tolerance) * ranking.best_throughput
-    rate.axvline(floor, color="black", linestyle="--", linewidth=1)
-    rate.set_xlabel("requests / s")
-    rate.set_title("throughput")
-    rate.grid(True, axis="x", alpha=0.3)
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
+    size = (12, 1.4 + 0.38 * len(results))
+    with plot_file(path, dpi=100, rect=(0, 0.06, 1, 1), ncols=2, figsize=size, sharey=True) as (figure, (ttft, rate)):
+        colors = [_color(ranking, r) for r in results]
+        p99 = [r.ttft_ms["p99"] if _served(r) else 0.0 for r in results]
+        p50 = [r.ttft_ms["p50"] if _served(r) else 0.0 for r in results]
+        ttft.barh(ys, p99, color=colors)
+        ttft.scatter(p50, ys, color="black", marker="|", s=120, zorder=3)
+        ttft.set_xscale("log")
+        ttft.set_xlabel("TTFT ms (log scale): bar P99, tick P50")
+        ttft.set_yticks(list(ys), labels)
+        ttft.invert_yaxis()
+        ttft.grid(True, axis="x", which="both", alpha=0.3)
+        ttft.set_title("time to first token, ranked (best first)")
+        rate.barh(ys, [r.throughput_rps for r in results], color=colors)
+        floor = (1 - ranking.tolerance) * ranking.best_throughput
+        rate.axvline(floor, color="black", linestyle="--", linewidth=1)
+        rate.set_xlabel("requests / s")
+        rate.set_title("throughput")
+        rate.grid(True, axis="x", alpha=0.3)
+        from matplotlib.lines import Line2D
+        from matplotlib.patches import Patch
 
-    share = f"{100 * (1 - ranking.tolerance):.0f} %"
-    handles = [
-        Patch(color="tab:green", label="recommended"),
-        Patch(color="tab:blue", label=f"within {share} of the best throughput"),
-        Patch(color="tab:gray", label="below that"),
-        Line2D([], [], color="black", linestyle="--", linewidth=1, label=f"{share} of the best throughput"),
-    ]
-    figure.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False)
-    if title:
-        figure.suptitle(title)
-    figure.tight_layout(rect=(0, 0.06, 1, 1))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+        share = f"{100 * (1 - ranking.tolerance):.0f} %"
+        handles = [
+            Patch(color="tab:green", label="recommended"),
+            Patch(color="tab:blue", label=f"within {share} of the best throughput"),
+            Patch(color="tab:gray", label="below that"),
+            Line2D([], [], color="black", linestyle="--", linewidth=1, label=f"{share} of the best throughput"),
+        ]
+        figure.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False)
+        if title:
+            figure.suptitle(title)
 
 
 def _color(ranking: Ranking, result: PolicyResult) -> str:

@@ -31,54 +31,56 @@ _TOKENS = tuple(2**k for k in range(13))
 
 def plot_calibration(path: Path) -> None:
     """Write a PNG: SplitwiseSim Llama-2-70B prefill (A100, H100) and Vidur linear-operator time vs model."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from prefixroute.sim.report import plot_file
 
     points = read_points()
-    figure, axes = plt.subplots(1, 3, figsize=(15, 4.6))
-    colours = {1: "tab:purple", 2: "tab:blue", 4: "tab:orange", 8: "tab:green"}
-    for axis, gpu in zip(axes[:2], ("a100-80gb", "h100-80gb"), strict=True):
-        for tp in (2, 4, 8):
+    with plot_file(path, dpi=80, ncols=3, figsize=(15, 4.6)) as (_, axes):
+        colours = {1: "tab:purple", 2: "tab:blue", 4: "tab:orange", 8: "tab:green"}
+        for axis, gpu in zip(axes[:2], ("a100-80gb", "h100-80gb"), strict=True):
+            for tp in (2, 4, 8):
+                measured = [
+                    (int(p["tokens"]), float(p["seconds"]) * 1e3)
+                    for p in points
+                    if p["kind"] == "prefill" and p["gpu"] == gpu and int(p["tp"]) == tp and p["batch"] == "1"
+                ]
+                profile = load_profile("llama-2-70b", gpu, tp=tp)
+                axis.plot(*zip(*measured, strict=True), "o", color=colours[tp], label=f"measured TP{tp}")
+                modelled = [profile.prefill_seconds(n, 0) * 1e3 for n in _PROMPTS]
+                axis.plot(_PROMPTS, modelled, "-", color=colours[tp], label=f"model TP{tp}")
+            axis.set(title=f"Llama-2-70B prefill on {gpu} (SplitwiseSim)", xlabel="prompt tokens", ylabel="TTFT (ms)")
+            axis.set_xscale("log", base=2)
+            axis.set_yscale("log")
+            axis.legend(fontsize=7)
+        axis = axes[2]
+        styles = {"llama-2-7b": "tab:blue", "llama-3-8b": "tab:orange", "codellama-34b": "tab:green"}
+        styles["llama-2-70b"] = "tab:red"
+        for model, colour in styles.items():
             measured = [
                 (int(p["tokens"]), float(p["seconds"]) * 1e3)
                 for p in points
-                if p["kind"] == "prefill" and p["gpu"] == gpu and int(p["tp"]) == tp and p["batch"] == "1"
+                if p["kind"] == "linear" and p["model"] == model and p["gpu"] == "a100-80gb" and p["tp"] == "1"
             ]
-            profile = load_profile("llama-2-70b", gpu, tp=tp)
-            axis.plot(*zip(*measured, strict=True), "o", color=colours[tp], label=f"measured TP{tp}")
-            modelled = [profile.prefill_seconds(n, 0) * 1e3 for n in _PROMPTS]
-            axis.plot(_PROMPTS, modelled, "-", color=colours[tp], label=f"model TP{tp}")
-        axis.set(title=f"Llama-2-70B prefill on {gpu} (SplitwiseSim)", xlabel="prompt tokens", ylabel="TTFT (ms)")
+            profile = load_profile(model, "a100-80gb", tp=1)
+            axis.plot(
+                *zip(*measured, strict=True),
+                "o",
+                color=colour,
+                markersize=3,
+                label=f"{model}: Vidur (dots), fit (line)",
+            )
+            axis.plot(_TOKENS, [profile.linear_seconds(n) * 1e3 for n in _TOKENS], "-", color=colour)
+        derived = load_profile("codellama-13b", "a100-80gb", tp=1)
+        axis.plot(
+            _TOKENS,
+            [derived.linear_seconds(n) * 1e3 for n in _TOKENS],
+            "--",
+            color="k",
+            label="codellama-13b (derived)",
+        )
+        axis.set(title="Linear operators, all layers, A100 TP1 (Vidur)", xlabel="tokens", ylabel="ms")
         axis.set_xscale("log", base=2)
         axis.set_yscale("log")
         axis.legend(fontsize=7)
-    axis = axes[2]
-    styles = {"llama-2-7b": "tab:blue", "llama-3-8b": "tab:orange", "codellama-34b": "tab:green"}
-    styles["llama-2-70b"] = "tab:red"
-    for model, colour in styles.items():
-        measured = [
-            (int(p["tokens"]), float(p["seconds"]) * 1e3)
-            for p in points
-            if p["kind"] == "linear" and p["model"] == model and p["gpu"] == "a100-80gb" and p["tp"] == "1"
-        ]
-        profile = load_profile(model, "a100-80gb", tp=1)
-        axis.plot(
-            *zip(*measured, strict=True), "o", color=colour, markersize=3, label=f"{model}: Vidur (dots), fit (line)"
-        )
-        axis.plot(_TOKENS, [profile.linear_seconds(n) * 1e3 for n in _TOKENS], "-", color=colour)
-    derived = load_profile("codellama-13b", "a100-80gb", tp=1)
-    axis.plot(
-        _TOKENS, [derived.linear_seconds(n) * 1e3 for n in _TOKENS], "--", color="k", label="codellama-13b (derived)"
-    )
-    axis.set(title="Linear operators, all layers, A100 TP1 (Vidur)", xlabel="tokens", ylabel="ms")
-    axis.set_xscale("log", base=2)
-    axis.set_yscale("log")
-    axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=80)
-    plt.close(figure)
 
 
 def calibration_table() -> str:

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prefixroute.errors import ConfigurationError
+from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.sim.metrics import PolicyResult
 
 if TYPE_CHECKING:
@@ -21,6 +23,7 @@ __all__ = [
     "check_plot_path",
     "json_document",
     "markdown_table",
+    "plot_file",
     "pyplot",
     "rich_table",
     "table_rows",
@@ -146,37 +149,65 @@ def _nan_to_none(value: object) -> object:
 def write_plot(path: str | Path, results: Sequence[PolicyResult], *, title: str = "") -> None:
     """Write a PNG: TTFT CDF per policy (left) and each backend's share of requests per policy (right).
 
-    Raises ConfigurationError if matplotlib (``pip install 'prefixroute[sim]'``) is missing.
+    Raises:
+        ConfigurationError: ``results`` is empty, or as :func:`plot_file` says.
     """
+    if not results:
+        raise ConfigurationError("write_plot needs the result of at least one policy; results is empty")
+    with plot_file(path, dpi=110, ncols=2, figsize=(12, 4.5)) as (figure, (cdf, load)):
+        for r in results:
+            values = sorted(r.ttfts_ms)
+            if values:
+                cdf.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=r.policy)
+        cdf.set_xscale("log")
+        cdf.set_xlabel("time to first token (ms, log scale)")
+        cdf.set_ylabel("fraction of requests")
+        cdf.set_title("TTFT CDF")
+        cdf.grid(True, which="both", alpha=0.3)
+        if any(r.ttfts_ms for r in results):
+            cdf.legend()
+        backends = list(results[0].backend_share)
+        width = 0.8 / len(results)
+        for i, r in enumerate(results):
+            xs = [j + (i - (len(results) - 1) / 2) * width for j in range(len(backends))]
+            load.bar(xs, [100 * r.backend_share.get(b, 0.0) for b in backends], width=width, label=r.policy)
+        if backends:
+            load.axhline(100 / len(backends), color="grey", linestyle="--", linewidth=1, label="even share")
+            load.legend()
+        load.set_xticks(range(len(backends)), backends, rotation=45 if len(backends) > 8 else 0)
+        load.set_ylabel("% of requests")
+        load.set_title("per-backend load")
+        if title:
+            figure.suptitle(title)
+
+
+@contextmanager
+def plot_file(
+    path: str | Path, *, dpi: int, rect: tuple[float, float, float, float] | None = None, **subplots: Any
+) -> Iterator[tuple[Any, Any]]:
+    """Yield ``(figure, axes)`` from ``pyplot.subplots(**subplots)`` to draw on; when the block ends, lay the figure
+    out (within ``rect``) and save it at ``path`` (its folder made), in the format its extension names (none: PNG).
+    The figure is closed whatever happens, so a failed plot leaves nothing open in pyplot.
+
+    Raises:
+        InvalidTypeError: ``path`` is not a str or a path.
+        ConfigurationError: matplotlib is missing, writes no file of that extension, or the file cannot be written.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidTypeError(f"a plot's path must be a str or a path, not {type(path).__name__}")
+    check_plot_path(path, "plot")
     plt = pyplot()
-    figure, (cdf, load) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in results:
-        values = sorted(r.ttfts_ms)
-        if values:
-            cdf.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=r.policy)
-    cdf.set_xscale("log")
-    cdf.set_xlabel("time to first token (ms, log scale)")
-    cdf.set_ylabel("fraction of requests")
-    cdf.set_title("TTFT CDF")
-    cdf.grid(True, which="both", alpha=0.3)
-    cdf.legend()
-    backends = list(results[0].backend_share) if results else []
-    width = 0.8 / max(len(results), 1)
-    for i, r in enumerate(results):
-        xs = [j + (i - (len(results) - 1) / 2) * width for j in range(len(backends))]
-        load.bar(xs, [100 * r.backend_share.get(b, 0.0) for b in backends], width=width, label=r.policy)
-    if backends:
-        load.axhline(100 / len(backends), color="grey", linestyle="--", linewidth=1, label="even share")
-    load.set_xticks(range(len(backends)), backends, rotation=45 if len(backends) > 8 else 0)
-    load.set_ylabel("% of requests")
-    load.set_title("per-backend load")
-    load.legend()
-    if title:
-        figure.suptitle(title)
-    figure.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    figure, axes = plt.subplots(**subplots)
+    try:
+        yield figure, axes
+        figure.tight_layout(rect=rect)
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            figure.savefig(path, dpi=dpi)
+        except OSError as exc:
+            raise ConfigurationError(f"cannot write the plot {path}: {exc.strerror or exc}") from exc
+    finally:
+        plt.close(figure)
 
 
 def pyplot() -> Any:
@@ -225,39 +256,38 @@ def write_sweep_plot(
     hot: list[tuple[str, float, PolicyResult]],
 ) -> None:
     """Write the study's four sweep panels: model size, prefix length, sharing ratio, hot-prefix load bound."""
-    plt = pyplot()
-
-    figure, axes = plt.subplots(2, 2, figsize=(12, 8))
-    ax = axes[0][0]
-    ax.bar(range(len(models)), [bl.ttft_ms["p99"] / rr.ttft_ms["p99"] for _, rr, bl in models])
-    ax.set_xticks(range(len(models)), [m for m, _, _ in models])
-    ax.axhline(1.0, color="grey", linewidth=1)
-    ax.set_title("model size: bounded-load / round-robin P99 TTFT")
-    ax = axes[0][1]
-    ax.plot([n for n, _, _ in lengths], [rr.ttft_ms["p50"] for _, rr, _ in lengths], "o-", label="round-robin p50")
-    ax.plot([n for n, _, _ in lengths], [bl.ttft_ms["p50"] for _, _, bl in lengths], "o-", label="bounded-load p50")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("shared prefix tokens")
-    ax.set_ylabel("TTFT ms")
-    ax.set_title("prefix length")
-    ax.legend()
-    ax = axes[1][0]
-    ax.plot([100 * s for s, _, _ in sharing], [100 * rr.hit_rate for _, rr, _ in sharing], "o-", label="round-robin")
-    ax.plot([100 * s for s, _, _ in sharing], [100 * bl.hit_rate for _, _, bl in sharing], "o-", label="bounded-load")
-    ax.set_xlabel("% of requests on a shared prefix")
-    ax.set_ylabel("KV hit rate %")
-    ax.set_title("sharing ratio")
-    ax.legend()
-    ax = axes[1][1]
-    for mode in dict.fromkeys(m for m, _, _ in hot):
-        pts = [(f, r) for m, f, r in hot if m == mode]
-        ax.plot([f for f, _ in pts], [r.ttft_ms["p99"] for _, r in pts], "o-", label=f"P99 TTFT, {mode}")
-    ax.set_xlabel("bounded-load factor")
-    ax.set_ylabel("ms")
-    ax.set_yscale("log")
-    ax.set_title("hot prefix: load bound")
-    ax.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    with plot_file(path, dpi=100, nrows=2, ncols=2, figsize=(12, 8)) as (_, axes):
+        ax = axes[0][0]
+        ax.bar(range(len(models)), [bl.ttft_ms["p99"] / rr.ttft_ms["p99"] for _, rr, bl in models])
+        ax.set_xticks(range(len(models)), [m for m, _, _ in models])
+        ax.axhline(1.0, color="grey", linewidth=1)
+        ax.set_title("model size: bounded-load / round-robin P99 TTFT")
+        ax = axes[0][1]
+        ax.plot([n for n, _, _ in lengths], [rr.ttft_ms["p50"] for _, rr, _ in lengths], "o-", label="round-robin p50")
+        ax.plot([n for n, _, _ in lengths], [bl.ttft_ms["p50"] for _, _, bl in lengths], "o-", label="bounded-load p50")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("shared prefix tokens")
+        ax.set_ylabel("TTFT ms")
+        ax.set_title("prefix length")
+        ax.legend()
+        ax = axes[1][0]
+        ax.plot(
+            [100 * s for s, _, _ in sharing], [100 * rr.hit_rate for _, rr, _ in sharing], "o-", label="round-robin"
+        )
+        ax.plot(
+            [100 * s for s, _, _ in sharing], [100 * bl.hit_rate for _, _, bl in sharing], "o-", label="bounded-load"
+        )
+        ax.set_xlabel("% of requests on a shared prefix")
+        ax.set_ylabel("KV hit rate %")
+        ax.set_title("sharing ratio")
+        ax.legend()
+        ax = axes[1][1]
+        for mode in dict.fromkeys(m for m, _, _ in hot):
+            pts = [(f, r) for m, f, r in hot if m == mode]
+            ax.plot([f for f, _ in pts], [r.ttft_ms["p99"] for _, r in pts], "o-", label=f"P99 TTFT, {mode}")
+        ax.set_xlabel("bounded-load factor")
+        ax.set_ylabel("ms")
+        ax.set_yscale("log")
+        ax.set_title("hot prefix: load bound")
+        ax.legend()

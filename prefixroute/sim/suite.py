@@ -363,24 +363,19 @@ def _ms(value: float) -> str:
 
 def write_suite_plot(path: Path, verdicts: Sequence[WorkloadVerdict], *, default: str) -> None:
     """Write a PNG: the default's P99 TTFT ÷ round-robin's and ÷ the best policy's, per workload (log scale)."""
-    from prefixroute.sim.report import pyplot
+    from prefixroute.sim.report import plot_file
 
-    plt = pyplot()
     labels = [v.workload.label for v in verdicts]
     ys = range(len(verdicts))
-    figure, axis = plt.subplots(figsize=(10, 1 + 0.4 * len(verdicts)))
-    height = 0.4
-    axis.barh([y - height / 2 for y in ys], [v.checks[0].value for v in verdicts], height, label="÷ round-robin")
-    axis.barh([y + height / 2 for y in ys], [v.checks[1].value for v in verdicts], height, label="÷ best policy")
-    axis.axvline(1.0, color="black", linewidth=1)
-    axis.axvline(P99_VS_BEST, color="grey", linestyle="--", linewidth=1, label=f"{P99_VS_BEST:g}× best")
-    axis.set_xscale("log")
-    axis.set_yticks(list(ys), labels)
-    axis.invert_yaxis()
-    axis.set_xlabel(f"{default} P99 TTFT ratio (log scale; left of 1 is better)")
-    axis.grid(True, axis="x", which="both", alpha=0.3)
-    axis.legend(loc="lower right")
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    with plot_file(path, dpi=100, figsize=(10, 1 + 0.4 * len(verdicts))) as (_, axis):
+        height = 0.4
+        axis.barh([y - height / 2 for y in ys], [v.checks[0].value for v in verdicts], height, label="÷ round-robin")
+        axis.barh([y + height / 2 for y in ys], [v.checks[1].value for v in verdicts], height, label="÷ best policy")
+        axis.axvline(1.0, color="black", linewidth=1)
+        axis.axvline(P99_VS_BEST, color="grey", linestyle="--", linewidth=1, label=f"{P99_VS_BEST:g}× best")
+        axis.set_xscale("log")
+        axis.set_yticks(list(ys), labels)
+        axis.invert_yaxis()
+        axis.set_xlabel(f"{default} P99 TTFT ratio (log scale; left of 1 is better)")
+        axis.grid(True, axis="x", which="both", alpha=0.3)
+        axis.legend(loc="lower right")
