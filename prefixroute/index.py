@@ -545,15 +545,7 @@ class PrefixIndex:
                 is recorded).
             InvalidEventError: a hash is outside [0, 2**64) (nothing is recorded).
         """
-        if type(hashes) is not _RoutedHashes:
-            if _not_a_sequence(hashes):
-                raise InvalidTypeError(f"hashes must be a sequence of block hashes, not {type(hashes).__name__}")
-            hashes = _check_hashes(hashes)
-        backend = _check_backend(backend)
-        count = as_int(held)
-        if count is None:
-            raise InvalidTypeError(f"held must be a count of blocks (an int), not {type(held).__name__}")
-        held = count
+        hashes, backend, held = _check_prediction(hashes, backend, held)
         if hashes:
             capacity = self._limit(backend)
             if capacity is None or len(hashes) <= capacity:
@@ -573,14 +565,7 @@ class PrefixIndex:
             InvalidEventError: a hash is outside [0, 2**64) (nothing is removed).
             ConfigurationError: ``start`` is negative (nothing is removed).
         """
-        hashes = _check_hashes(hashes)
-        backend = _check_backend(backend)
-        position = as_int(start)
-        if position is None:
-            raise InvalidTypeError(f"start must be a block position (an int), not {type(start).__name__}")
-        if position < 0:
-            raise ConfigurationError(f"start must be a block position >= 0, not {shown(start)}")
-        start = position
+        hashes, backend, start = _check_retraction(hashes, backend, start)
         store = self._stores.get(backend)
         if store is None or start >= len(hashes):
             return
@@ -907,6 +892,42 @@ def leading_run(
 
 # Text and raw bytes are not block hashes: array("Q", bytearray) would read its bytes as uint64s, or fail on a length
 # that is not a multiple of 8.
+def _check_prediction(hashes: object, backend: object, held: object) -> tuple[Sequence[int], str, int]:
+    """:meth:`PrefixIndex.predict`'s arguments, checked (the overrides in this package check them the same way).
+
+    Raises:
+        TypeError: ``hashes`` is not a sequence of ints, ``backend`` not a str or ``held`` not an int.
+        InvalidEventError: a hash is outside [0, 2**64).
+    """
+    if type(hashes) is _RoutedHashes:
+        checked: Sequence[int] = hashes
+    elif _not_a_sequence(hashes):
+        raise InvalidTypeError(f"hashes must be a sequence of block hashes, not {type(hashes).__name__}")
+    else:
+        checked = _check_hashes(hashes)
+    count = as_int(held)
+    if count is None:
+        raise InvalidTypeError(f"held must be a count of blocks (an int), not {type(held).__name__}")
+    return checked, _check_backend(backend), count
+
+
+def _check_retraction(hashes: object, backend: object, start: object) -> tuple[Sequence[int], str, int]:
+    """:meth:`PrefixIndex.retract`'s arguments, checked (the overrides in this package check them the same way).
+
+    Raises:
+        TypeError: a hash is not an int, ``backend`` not a str, or ``start`` not an int.
+        InvalidEventError: a hash is outside [0, 2**64).
+        ConfigurationError: ``start`` is negative.
+    """
+    checked = _check_hashes(hashes)
+    position = as_int(start)
+    if position is None:
+        raise InvalidTypeError(f"start must be a block position (an int), not {type(start).__name__}")
+    if position < 0:
+        raise ConfigurationError(f"start must be a block position >= 0, not {shown(start)}")
+    return checked, _check_backend(backend), position
+
+
 class _RoutedHashes(list):  # type: ignore[type-arg]  # of ints
     """A prompt's block hashes as a :class:`~prefixroute.Router` computed them with its own hasher, never handed out:
     :meth:`PrefixIndex.predict` takes them unchecked (checking 512 hashes costs ~10 % of an 8K-token route)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from prefixroute.index import PrefixIndex
+from prefixroute.index import PrefixIndex, _check_prediction, _check_retraction
 
 __all__ = ["EventsOnlyIndex"]
 
@@ -28,10 +28,19 @@ class EventsOnlyIndex(PrefixIndex):
     __slots__ = ()
 
     def predict(self, hashes: Sequence[int], backend: str, held: int) -> None:
-        """Record nothing: only the engines' events say what a backend holds. O(1)."""
+        """Record nothing: only the engines' events say what a backend holds. O(1) for a router's own hashes.
+
+        Raises as :meth:`PrefixIndex.predict` does.
+        """
+        _check_prediction(hashes, backend, held)
 
     def retract(self, hashes: Sequence[int], backend: str, start: int) -> None:
-        """Forget nothing: routing recorded nothing, and every block held is the events'. O(1)."""
+        """Forget nothing: routing recorded nothing, and every block held is the events'. O(len(hashes)) to check
+        them (rare: a refusal).
+
+        Raises as :meth:`PrefixIndex.retract` does.
+        """
+        _check_retraction(hashes, backend, start)
 
     def match_confirmed(self, hashes: Sequence[int], backend: str) -> int | None:
         """The leading blocks of ``hashes`` that ``backend`` holds: all of them are confirmed by events.

@@ -8,7 +8,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 
 from prefixroute._numbers import as_float, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
-from prefixroute.index import PrefixIndex
+from prefixroute.index import PrefixIndex, _check_hashes, _check_prediction, _check_retraction
 
 __all__ = ["EventIndex"]
 
@@ -88,14 +88,22 @@ class EventIndex(PrefixIndex):
         return super().match(hashes, (backend,))[backend]
 
     def predict(self, hashes: Sequence[int], backend: str, held: int) -> None:
-        """Trust for a while that ``backend`` now holds ``hashes`` (nothing with ``speculative_ttl=0``). O(n)."""
+        """Trust for a while that ``backend`` now holds ``hashes`` (nothing with ``speculative_ttl=0``). O(n).
+
+        Raises as :meth:`PrefixIndex.predict` does, with any ``speculative_ttl``.
+        """
+        hashes, backend, held = _check_prediction(hashes, backend, held)
         if self._ttl:
             self._rotate()
             self._current.predict(hashes, backend, 0)
 
     def retract(self, hashes: Sequence[int], backend: str, start: int) -> None:
         """Forget the speculative entries of ``hashes`` from block ``start`` on (the engine refused the prompt);
-        the confirmed part, what the events say, stays. O(len(hashes) - start)."""
+        the confirmed part, what the events say, stays. O(len(hashes) - start).
+
+        Raises as :meth:`PrefixIndex.retract` does, with any ``speculative_ttl``.
+        """
+        hashes, backend, start = _check_retraction(hashes, backend, start)
         if self._ttl and start < len(hashes):
             self._current.retract(hashes, backend, start)
             self._previous.retract(hashes, backend, start)
@@ -105,7 +113,7 @@ class EventIndex(PrefixIndex):
         if not self._ttl:
             super().remove(hashes, backend)
             return
-        hashes = hashes if isinstance(hashes, (list, tuple)) else list(hashes)  # read three times
+        hashes = _check_hashes(hashes)  # read three times: an iterator once, into a list
         super().remove(hashes, backend)
         self._current.remove(hashes, backend)
         self._previous.remove(hashes, backend)

@@ -145,3 +145,30 @@ def test_a_hand_built_events_array_of_extra_keys_stops_its_chain_instead_of_leak
     event = BlockStored([2], 1, [5, 6, 7, 8], 4, extra_keys=[np.array([1, 2])])
     tracker.apply([event])
     assert tracker.held() == before  # a block with extra keys is not indexed, as a multimodal one
+
+
+@pytest.mark.parametrize("ttl", [0.0, 3.0])
+@pytest.mark.parametrize(
+    ("call", "value"),
+    [
+        ("predict", None), ("predict", ["x"]), ("predict", [-1]), ("retract", None), ("retract", [1.5]),
+        ("remove", None), ("remove", [2**64]), ("retract start", None), ("retract start", -1),
+    ],
+)  # fmt: skip
+def test_the_event_index_refuses_what_its_base_refuses_whatever_its_ttl(ttl: float, call: str, value: object) -> None:
+    # Was: with a TTL, remove(None) and retract(None, ...) raised Python's bare TypeError; without one, predict()
+    # and retract() took anything silently (they record nothing then).
+    index = EventIndex(4, speculative_ttl=ttl, clock=lambda: 0.0)
+    index.insert([1, 2], "gpu0")
+    index.predict([1, 2, 3], "gpu0", 2)
+    before = (index.hashes("gpu0"), index.match([1, 2, 3], ["gpu0"]))
+    actions = {
+        "predict": lambda: index.predict(value, "gpu0", 0),  # type: ignore[arg-type]
+        "retract": lambda: index.retract(value, "gpu0", 0),  # type: ignore[arg-type]
+        "remove": lambda: index.remove(value, "gpu0"),  # type: ignore[arg-type]
+        "retract start": lambda: index.retract([1, 2, 3], "gpu0", value),  # type: ignore[arg-type]
+    }
+    with pytest.raises((InvalidTypeError, InvalidEventError, ConfigurationError)):
+        actions[call]()
+    index._check()
+    assert (index.hashes("gpu0"), index.match([1, 2, 3], ["gpu0"])) == before
