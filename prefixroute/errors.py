@@ -13,6 +13,9 @@
     ├── InvalidTraceError      a malformed line in a workload trace
     └── MetricsError           unreadable Prometheus metrics text
 
+The sidecar's refusals (:class:`prefixroute.adapters.serve.BadRequest`, with the HTTP status it answers) are
+``PrefixRouteError`` too.
+
 Each error is also the builtin a Python user would catch: ``ConfigurationError``, ``InvalidPromptError``,
 ``DecisionError``, ``InvalidEventError``, ``InvalidTraceError`` and ``MetricsError`` (figures that could not be
 read, also when fetching them failed) are ``ValueError``, ``NoBackendError`` a

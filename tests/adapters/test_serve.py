@@ -21,11 +21,11 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from prefixroute import LoadPolicy, Router
-from prefixroute.adapters.serve import PromptEncoder, Sidecar, release_ids, upstream_of
+from prefixroute.adapters.serve import BadRequest, PromptEncoder, Sidecar, release_ids, upstream_of
 from prefixroute.adapters.serve.contract import MAX_REQUEST_BACKENDS, is_refusal
 from prefixroute.adapters.serve.loopback import free_port, start_sidecar
 from prefixroute.adapters.serve.release import ReleaseProtocol, refused
-from prefixroute.errors import ConfigurationError
+from prefixroute.errors import ConfigurationError, InvalidTypeError, PrefixRouteError
 
 from ..conftest import DEADLINE_S, BuggyPolicy, StrangerPolicy
 from .conftest import CORPUS, request_during_close
@@ -240,6 +240,33 @@ def test_lifecycle_and_endpoint_errors() -> None:
     metrics = call(sidecar, "GET", "/metrics").text
     assert 'prefixroute_bad_requests_total{status="400"} 2' in metrics
     assert sidecar.router.stats().ignored == 0
+
+
+def test_the_python_api_refuses_what_http_cannot_send_with_the_librarys_errors_and_loses_nothing() -> None:
+    # Was: a body that is no bytes, or a path that is no str, raised AttributeError ('startswith'); a junk 'via'
+    # ended the request, then raised TypeError while counting it; BadRequest was outside PrefixRouteError's tree.
+    sidecar = Sidecar(Router(), backends=BACKENDS)
+    body = json.dumps({"prompt_token_ids": ids(32)}).encode()
+    for junk in (None, "text", 5, {"prompt_token_ids": [1]}):
+        for call_with in (sidecar.route, lambda b: sidecar.pick("/v1/completions", b)):
+            with pytest.raises(InvalidTypeError, match="a request body must be bytes"):
+                call_with(junk)  # type: ignore[arg-type]
+        with pytest.raises(InvalidTypeError, match="a request body must be bytes"):
+            asyncio.run(sidecar.route_async(junk))  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="path must be"):
+        sidecar.pick(None, body)  # type: ignore[arg-type]
+    assert sidecar.route(bytearray(b"\xef\xbb\xbf" + body)).prompt_tokens == 32  # type: ignore[arg-type]  # a BOM
+    decision = sidecar.route(memoryview(body))  # type: ignore[arg-type]  # any bytes-like body is read
+    for via in ("HTTP", "", None, ["http"]):
+        for report in (sidecar.first_token, sidecar.finish):
+            with pytest.raises(ConfigurationError, match="via must be one of http, udp, ext_proc"):
+                report(decision.id, via=via)  # type: ignore[arg-type]
+    assert sidecar.router.in_flight(decision.backend) == 2 and sidecar.metrics.releases == {}
+    sidecar.finish(decision.id, via="udp")
+    assert sidecar.router.in_flight(decision.backend) == 1 and sidecar.metrics.releases == {"udp": 1}
+    with pytest.raises(PrefixRouteError) as refused:
+        sidecar.route(b'{"prompt_token_ids": []}')
+    assert isinstance(refused.value, BadRequest) and refused.value.status == 400
 
 
 def test_metrics_expose_every_figure() -> None:

@@ -44,7 +44,7 @@ from prefixroute.adapters.serve.contract import (
     openai_prompt,
     route_prompt,
 )
-from prefixroute.adapters.serve.metrics import SidecarMetrics
+from prefixroute.adapters.serve.metrics import RELEASE_PATHS, SidecarMetrics
 from prefixroute.adapters.serve.text import PromptEncoder
 from prefixroute.adapters.urls import check_backend_url
 from prefixroute.errors import ConfigurationError, InvalidTypeError, NoBackendError, PolicyError, PrefixRouteError
@@ -296,14 +296,24 @@ class Sidecar:
         return decision
 
     def first_token(self, decision_id: str, *, via: str = "http") -> None:
-        """Report that the request's first token came back. Idempotent; unknown ids are ignored and counted."""
+        """Report that the request's first token came back. Idempotent; unknown ids are ignored and counted.
+
+        Raises:
+            ConfigurationError: ``via`` is not ``"http"``, ``"udp"`` or ``"ext_proc"`` (nothing is reported).
+        """
+        _check_via(via)
         self.router.first_token(decision_id)
         self.metrics.released(via)
 
     def finish(self, decision_id: str, *, via: str = "http", refused: bool = False) -> None:
-        """Stop counting the request. Idempotent; unknown ids are ignored and counted (never raises). ``refused``:
-        the engine refused it (a 4xx answer), so the router forgets the blocks it predicted there
-        (:meth:`Router.finish`)."""
+        """Stop counting the request. Idempotent; unknown ids are ignored and counted. ``refused``: the engine
+        refused it (a 4xx answer), so the router forgets the blocks it predicted there (:meth:`Router.finish`).
+
+        Raises:
+            ConfigurationError: ``via`` is not ``"http"``, ``"udp"`` or ``"ext_proc"``, or ``refused`` not a bool
+                (nothing is finished).
+        """
+        _check_via(via)
         self.router.finish(decision_id, refused=refused)
         self.metrics.released(via)
 
@@ -521,6 +531,11 @@ class Sidecar:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return chunk if len(chunks) == 1 else b"".join(chunks)
+
+
+def _check_via(via: object) -> None:
+    if type(via) is not str or via not in RELEASE_PATHS:
+        raise ConfigurationError(f"via must be one of {', '.join(RELEASE_PATHS)}, not {shown(via)}")
 
 
 def _is_token_ids(prompt: Prompt) -> TypeGuard[list[int]]:

@@ -18,7 +18,7 @@ from typing import Annotated, Any
 import msgspec
 
 from prefixroute._numbers import as_int
-from prefixroute.errors import InvalidTypeError
+from prefixroute.errors import InvalidTypeError, PrefixRouteError
 
 __all__ = [
     "BadRequest",
@@ -46,9 +46,10 @@ million (32 MiB allows it) held every other request up for seconds; the sidecar 
 than this either (it forgets the least recently routed past it)."""
 
 
-class BadRequest(Exception):
+class BadRequest(PrefixRouteError):
     """Input the sidecar refuses: ``status`` (4xx) and a message naming the field and what to send instead; or 500
-    and what failed, when the routing policy did."""
+    and what failed, when the routing policy did. A :class:`~prefixroute.PrefixRouteError`, as every error
+    prefixroute raises itself."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -118,8 +119,14 @@ Prompt = list[int] | str | list[dict[str, Any]]
 def without_bom(body: bytes) -> bytes:
     """``body`` without a leading UTF-8 byte-order mark: RFC 8259 lets a JSON parser ignore one, and vLLM's does
     (Python's ``json`` reads bytes that start with one), so a client that works against vLLM works through prefixroute
-    too. O(1) without one."""
-    return body[3:] if body.startswith(b"\xef\xbb\xbf") else body
+    too. O(1) without one.
+
+    Raises:
+        InvalidTypeError: ``body`` is not bytes (a ``bytearray`` or ``memoryview`` of bytes is read as bytes).
+    """
+    if not isinstance(body, (bytes, bytearray, memoryview)):
+        raise InvalidTypeError(f"a request body must be bytes, not {type(body).__name__}")
+    return body[3:] if body[:3] == b"\xef\xbb\xbf" else body
 
 
 def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
@@ -238,7 +245,10 @@ def openai_prompt(path: str, body: bytes) -> tuple[Prompt, str | None]:
     Raises:
         BadRequest: 400 when the body is not such a request (no usable ``prompt`` or ``messages``, or a message
             that breaks :func:`check_messages`).
+        InvalidTypeError: ``path`` is not a str, or ``body`` not bytes.
     """
+    if not isinstance(path, str):
+        raise InvalidTypeError(f"path must be the request's URL path (a str), not {type(path).__name__}")
     try:
         request = msgspec.json.decode(without_bom(body))
     except (msgspec.DecodeError, RecursionError) as exc:

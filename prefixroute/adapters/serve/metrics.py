@@ -13,10 +13,13 @@ from collections.abc import Iterable
 
 from prefixroute.router import Decision, Router
 
-__all__ = ["LATENCY_BUCKETS", "SidecarMetrics"]
+__all__ = ["LATENCY_BUCKETS", "RELEASE_PATHS", "SidecarMetrics"]
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 """Upper bounds (seconds) of the decision latency histogram's buckets."""
+
+RELEASE_PATHS = ("http", "udp", "ext_proc")
+"""The paths a finish or first-token report comes on, each counted in ``prefixroute_releases_total``."""
 
 
 class SidecarMetrics:
@@ -49,7 +52,7 @@ class SidecarMetrics:
         self.bad_requests[status] = self.bad_requests.get(status, 0) + 1
 
     def released(self, path: str) -> None:
-        """Count one finish or first-token report, by the path it came on (``http``, ``udp``, ``ext_proc``)."""
+        """Count one finish or first-token report, by the path it came on (one of :data:`RELEASE_PATHS`)."""
         self.releases[path] = self.releases.get(path, 0) + 1
 
     def render(self, router: Router, backends: Iterable[str]) -> str:
@@ -84,7 +87,7 @@ class SidecarMetrics:
             "# HELP prefixroute_releases_total Finish and first-token reports received, by path.",
             "# TYPE prefixroute_releases_total counter",
         ]
-        for path in ("http", "udp", "ext_proc"):
+        for path in RELEASE_PATHS:
             lines.append(f'prefixroute_releases_total{{path="{path}"}} {self.releases.get(path, 0)}')
         lines += [
             "# HELP prefixroute_bad_requests_total Requests refused, by HTTP status.",
