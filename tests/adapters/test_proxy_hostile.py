@@ -27,7 +27,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixroute import ConfigurationError, LoadPolicy, RoundRobin, Router
+from prefixroute import ConfigurationError, InvalidTypeError, LoadPolicy, RoundRobin, Router
 from prefixroute.adapters.proxy import Proxy
 from prefixroute.adapters.proxy.cli import build
 from prefixroute.adapters.threaded import ServerThread
@@ -642,3 +642,12 @@ def test_numpy_integers_are_taken_for_the_adapters_and_fakes_int_options() -> No
             Proxy(Router(), ["http://127.0.0.1:1"], retries=bad)
         with pytest.raises(ConfigurationError, match="max_tokens"):
             OpenAIEngine(max_tokens=bad)
+
+
+@pytest.mark.parametrize("body", [None, "model", ["model"], 5])
+def test_namespace_refuses_a_body_that_is_no_json_object(body: object, refused_port: Callable[[], int]) -> None:
+    # Was: AttributeError ('get'), from the public Proxy.namespace().
+    proxy = Proxy(Router(), [f"http://127.0.0.1:{refused_port()}"], base_models=["base"])  # built, never started
+    with pytest.raises(InvalidTypeError, match="body must be a request body decoded from JSON"):
+        proxy.namespace(body)  # type: ignore[arg-type]
+    assert proxy.namespace({"model": "base"}) is None and proxy.namespace({"model": "lora"}) == "lora"

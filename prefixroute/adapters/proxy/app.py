@@ -16,7 +16,7 @@ import asyncio
 import io
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -335,7 +335,12 @@ class Proxy:
         A LoRA adapter's requests thus hash apart from the base model's and from other adapters', as vLLM caches
         them; and the name is what :func:`~prefixroute.vllm.lora_namespace` gives the adapter's KV events (the
         router's own namespace being None), so ``--kv-events`` confirm them too. O(1).
+
+        Raises:
+            InvalidTypeError: ``body`` is not a mapping (a request body decoded from JSON).
         """
+        if type(body) is not dict and not isinstance(body, Mapping):  # a JSON body is a dict: no ABC check
+            raise InvalidTypeError(f"body must be a request body decoded from JSON (a dict), not {type(body).__name__}")
         model = body.get("model")
         return None if not isinstance(model, str) or model in self._base_models else model
 
