@@ -32,6 +32,14 @@ _UINT32 = "I" if array.array("I").itemsize == 4 else "L"
 _BIG_ENDIAN = sys.byteorder == "big"
 
 
+def _decode_tokens(data: bytes) -> list[int]:
+    """The token ids :func:`encode_tokens` packed into ``data``, as Python ints. O(n), in C."""
+    packed = array.array(_UINT32, data)
+    if _BIG_ENDIAN:  # pragma: no cover - every supported platform is little-endian
+        packed.byteswap()
+    return packed.tolist()
+
+
 @runtime_checkable
 class _IntegerArray(Protocol):
     """The part of numpy's ndarray interface that :func:`encode_tokens` uses (numpy is not a dependency)."""

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from prefixroute import ConfigurationError, InvalidTypeError
+from prefixroute import ConfigurationError, InvalidPromptError, InvalidTypeError
 from prefixroute._numbers import shown
 from prefixroute.testing import FakeBlockCache, FakeVLLM
 from prefixroute.testing.openai_engine import OpenAIEngine
@@ -176,3 +176,39 @@ def test_good_values_are_taken_as_the_plain_numbers_they_stand_for() -> None:
     fake.fail_next(npa.int64(1), status=npa.int64(429))
     fake.stall(after_tokens=npa.int64(2))
     assert fake._fail == (1, 429) and type(fake._fail[1]) is int and fake._stall_after == 2
+
+
+def test_a_frame_zmq_cannot_send_is_refused_and_the_publisher_thread_goes_on() -> None:
+    # Was: publish_payload("text") or publish_raw([5]) queued the frame; the publisher thread died sending it and
+    # every later batch was lost (flush() timed out).
+    with FakeVLLM() as engine:
+        for publish in (engine.publish_payload, lambda bad: engine.publish_raw([b"topic", bad])):
+            for bad in (None, "text", 5, [b"x"]):
+                with pytest.raises(InvalidTypeError, match="must be bytes, not"):
+                    publish(bad)  # type: ignore[arg-type]
+        for frames in (None, b"frame", "frames"):
+            with pytest.raises(InvalidTypeError, match="frames must be a list of bytes frames"):
+                engine.publish_raw(frames)  # type: ignore[arg-type]
+        engine.publish_payload(bytearray(b"\x00corrupt"))  # type: ignore[arg-type]  # bytes-like: sent as bytes
+        engine.publish_raw([b"", memoryview(b"x")])  # type: ignore[list-item]
+        assert engine.complete(list(range(64))).prompt_tokens == 64
+        engine.flush(timeout=10)  # every batch sent: the thread lives
+
+
+def test_a_prompt_that_is_no_token_ids_and_a_request_from_elsewhere_change_nothing() -> None:
+    cache, other = _cache(block_size=4), _cache(block_size=4)
+    kept = cache.allocate(list(range(8)))
+    stranger = other.allocate(list(range(100, 112)))
+    state = (cache.queries, cache.hits, cache.chains(), list(kept.block_ids))
+    for bad in (None, "text", 5, [1, None], [-1], iter([1, 2])):
+        with pytest.raises((InvalidTypeError, InvalidPromptError)):
+            cache.allocate(bad)  # type: ignore[arg-type]
+    for request in (None, "request", stranger):
+        with pytest.raises((InvalidTypeError, ConfigurationError)):
+            cache.free(request)  # type: ignore[arg-type]
+    assert (cache.queries, cache.hits, cache.chains(), list(kept.block_ids)) == state
+    with pytest.raises(InvalidTypeError):
+        FakeVLLM().complete(None)  # type: ignore[arg-type]
+    assert cache.allocate(npa.arange(8)).cached_tokens == 8  # numpy token ids, as encode_tokens reads them
+    cache.free(kept)
+    cache.free(kept)  # a second free does nothing

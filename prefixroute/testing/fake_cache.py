@@ -18,7 +18,7 @@ import xxhash
 
 from prefixroute._numbers import as_int, check_flag, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
-from prefixroute.hashing import BlockHasher, check_block_size, encode_tokens, namespace_seed
+from prefixroute.hashing import BlockHasher, _decode_tokens, check_block_size, encode_tokens, namespace_seed
 from prefixroute.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, ExternalBlockHash
 from prefixroute.vllm.tracker import lora_namespace
 
@@ -145,9 +145,12 @@ class FakeBlockCache:
         Raises:
             ConfigurationError: ``share`` is not a bool, or ``lora_name`` not None nor an adapter's name (a str that
                 is not empty); nothing changes.
+            InvalidTypeError, InvalidPromptError: ``prompt`` is not token ids, as :func:`~prefixroute.encode_tokens`
+                reads them (a list, tuple, array or numpy array of ints in [0, 2**32)); nothing changes.
         """
         check_flag(share, "share")
         _check_lora_name(lora_name)
+        prompt = _decode_tokens(encode_tokens(prompt))
         size = self.block_size
         full = len(prompt) // size
         hashes = self._hashes(prompt[: full * size], lora_name)
@@ -203,7 +206,17 @@ class FakeBlockCache:
         return request
 
     def free(self, request: FakeRequest) -> None:
-        """Finish a request: release its blocks tail first, so its tail is evicted first."""
+        """Finish a request: release its blocks tail first, so its tail is evicted first. A second free does nothing.
+
+        Raises:
+            InvalidTypeError: ``request`` is not a :class:`FakeRequest`.
+            ConfigurationError: ``request`` holds blocks this cache did not give it (another cache's; nothing changes).
+        """
+        if not isinstance(request, FakeRequest):
+            raise InvalidTypeError(f"request must be a FakeRequest from allocate(), not {type(request).__name__}")
+        held = [self._blocks.get(block_id) for block_id in request.block_ids]
+        if any(block is None or block.refs < 1 for block in held):
+            raise ConfigurationError("request holds blocks this cache did not allocate: free it on its own cache")
         for block_id in reversed(request.block_ids):
             block = self._blocks[block_id]
             block.refs -= 1

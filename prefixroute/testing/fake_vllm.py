@@ -51,6 +51,16 @@ class Completion:
     ttft_s: float
 
 
+def _frame(frame: object, name: str) -> bytes:
+    """``frame`` as the bytes of a ZMQ frame (a bytearray or memoryview copied), checked before the publisher thread
+    sees it: a frame ZMQ cannot send would end that thread, and every batch after it would be lost."""
+    if isinstance(frame, bytes):
+        return frame
+    if isinstance(frame, (bytearray, memoryview)):
+        return bytes(frame)
+    raise InvalidTypeError(f"{name} must be bytes, not {type(frame).__name__}")
+
+
 def default_ttft(cached_tokens: int, prompt_tokens: int, waiting: int) -> float:
     """A 13B-on-A100-like TTFT: 15 ms, plus 0.12 ms per uncached prompt token, plus 60 ms per waiting request."""
     return 0.015 + 0.00012 * (prompt_tokens - cached_tokens) + 0.06 * waiting
@@ -254,11 +264,12 @@ class FakeVLLM:
         Raises:
             ConfigurationError: ``share`` or ``hold`` is not a bool, or ``lora_name`` not None nor an adapter's name
                 (nothing changes).
+            InvalidTypeError, InvalidPromptError: as :meth:`FakeBlockCache.allocate` (nothing changes).
         """
         check_flag(share, "share")
         check_flag(hold, "hold")
         with self._lock:
-            request = self.cache.allocate(list(prompt), lora_name=lora_name, share=share)
+            request = self.cache.allocate(prompt, lora_name=lora_name, share=share)
             ttft = self._ttft(request.cached_tokens, request.prompt_tokens, self._waiting)
             self._m_ttft.observe(ttft)
             self._m_queries.inc(request.prompt_tokens)
@@ -352,7 +363,12 @@ class FakeVLLM:
             return self._metrics_fault
 
     def publish_payload(self, payload: bytes) -> None:
-        """Publish ``payload`` as the next batch, numbered and kept for replay as a real one (e.g. corrupt bytes)."""
+        """Publish ``payload`` as the next batch, numbered and kept for replay as a real one (e.g. corrupt bytes).
+
+        Raises:
+            InvalidTypeError: ``payload`` is not bytes (nothing is published).
+        """
+        payload = _frame(payload, "payload")
         with self._lock:
             seq = self._seq
             self._seq += 1
@@ -361,10 +377,17 @@ class FakeVLLM:
             self._outbox.put([self.topic.encode(), seq.to_bytes(8, "big"), payload])
 
     def publish_raw(self, frames: list[bytes]) -> None:
-        """Send ``frames`` as one message on the PUB socket, as they are (not numbered, not buffered for replay)."""
+        """Send ``frames`` as one message on the PUB socket, as they are (not numbered, not buffered for replay).
+
+        Raises:
+            InvalidTypeError: ``frames`` is not a list of bytes (nothing is sent).
+        """
+        if not isinstance(frames, (list, tuple)):
+            raise InvalidTypeError(f"frames must be a list of bytes frames, not {type(frames).__name__}")
+        message = [_frame(frame, f"frames[{i}]") for i, frame in enumerate(frames)]
         with self._lock:
             self._queued += 1
-            self._outbox.put(list(frames))
+            self._outbox.put(message)
 
     def observe_ttft(self, seconds: float) -> None:
         """Record one TTFT sample directly.
