@@ -16,10 +16,11 @@ import json
 import math
 import numbers
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 
 from prefixroute._numbers import as_float, shown
@@ -30,7 +31,7 @@ from prefixroute.vllm.metrics import MAX_METRICS_BYTES, EngineMetrics, fetch_met
 __all__ = ["Diagnosis", "diagnose", "histogram_quantile", "register", "run"]
 
 Verdict = Literal["healthy", "suspect", "unreadable"]
-EXIT_CODES: dict[str, int] = {"healthy": 0, "suspect": 1, "unreadable": 2}
+EXIT_CODES: Mapping[str, int] = MappingProxyType({"healthy": 0, "suspect": 1, "unreadable": 2})
 MISS_ADVICE = "likely cache misses under load; prefix-aware routing should help"
 CONCURRENT_READS = 16
 """URLs read at once. Each read holds a thread or two, a socket and up to :data:`MAX_METRICS_BYTES` of body (32 MiB),

@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
+from types import MappingProxyType, TracebackType
 
 import httpx
 
@@ -38,7 +38,9 @@ __all__ = [
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 """The ``examples`` folder of the source checkout."""
 
-EXAMPLE_PORTS = {"proxy": 8080, "engine0": 8001, "engine1": 8002, "sidecar": 8100, "release": 8101, "ext_proc": 8102}
+EXAMPLE_PORTS = MappingProxyType(
+    {"proxy": 8080, "engine0": 8001, "engine1": 8002, "sidecar": 8100, "release": 8101, "ext_proc": 8102}
+)
 """The ports the example configurations name, by role."""
 
 

@@ -11,6 +11,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from prefixroute.policies import BoundedLoad, LoadPolicy
 from prefixroute.router import Router
@@ -30,10 +31,10 @@ FACTORS = (1.25, 1.5, 2.0, 3.0, 4.0)
 PROMPT_LENGTHS = (2048, 4096, 8192, 16384)  # the hit/miss table
 SWEEP_PREFIXES = 8  # the sweeps use 8 shared prefixes: a working set one engine's KV cache may or may not hold
 HIT_TAIL_TOKENS = 100  # a hit leaves the prompt's last tokens to compute
-HOT_MODES = {
+HOT_MODES = MappingProxyType({
     "closed loop": SimSpec(scenario="hot-prefix"),
     "open loop 3 req/s": SimSpec(scenario="hot-prefix", users=None, rate=3.0),
-}
+})  # fmt: skip
 
 Pair = tuple[PolicyResult, PolicyResult]  # (round-robin, bounded-load)
 
