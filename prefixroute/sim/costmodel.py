@@ -20,6 +20,7 @@ A decoding sequence with context ``k`` is ``attention(1, k - 1)``: reading its K
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
@@ -159,9 +160,12 @@ class Profile:
         return m.layers * m.kv_heads * m.head_dim * 2 * m.dtype_bytes // self.tp
 
     def linear_seconds(self, tokens: int) -> float:
-        """Time of every layer's linear operators (GEMMs, norms, rotary) for ``tokens`` tokens, 0 for 0."""
-        if tokens < 0:
-            raise ValueError(f"tokens must be >= 0, got {tokens}")
+        """Time of every layer's linear operators (GEMMs, norms, rotary) for ``tokens`` tokens, 0 for 0.
+
+        Raises:
+            ConfigurationError: ``tokens`` is not a count >= 0.
+        """
+        tokens = _count(tokens, "tokens")
         c = self.coefficients
         per_layer = max(c.linear_floor_s, c.linear_intercept_s + c.linear_per_token_s * tokens)
         return self.model.layers * per_layer if tokens else 0.0
@@ -172,7 +176,11 @@ class Profile:
         ``prefill`` holds ``(new_tokens, cached_tokens)`` per chunk: ``new_tokens`` are computed in this
         step, ``cached_tokens`` precede them (prefix-cache hits or earlier chunks). ``decode_contexts``
         holds each decoding sequence's context length (tokens in its KV cache, >= 1, the token being
-        decoded included). An empty step costs 0. Raises ValueError on negative counts.
+        decoded included). An empty step costs 0.
+
+        Raises:
+            InvalidTypeError: ``prefill`` is not a sequence of pairs of numbers, or ``decode_contexts`` of numbers.
+            ConfigurationError: a count is negative, a context under 1, or one is NaN or infinite.
 
         >>> from prefixroute.sim import load_profile
         >>> profile = load_profile("codellama-13b", "a100-40gb")
@@ -184,27 +192,43 @@ class Profile:
         query_key, kv_token = self._query_key_s, self._kv_token_s
         tokens = sequences = 0
         attention = 0.0
-        for new, cached in prefill:
-            if new < 0 or cached < 0:
-                raise ValueError(f"prefill chunk needs new_tokens, cached_tokens >= 0, got {(new, cached)}")
-            if new:
-                tokens += new
-                sequences += 1
-                attention += max(query_key * new * (cached + (new + 1) / 2), kv_token * (cached + new))
-        if decode_contexts:
-            if min(decode_contexts) < 1:
-                raise ValueError(f"a decoding sequence has context >= 1, got {min(decode_contexts)}")
-            # Each sequence is attention(1, context - 1); both roofline terms are proportional to the
-            # context, so the sum of the maxima is the maximum of the sums.
-            tokens += len(decode_contexts)
-            sequences += len(decode_contexts)
-            attention += max(query_key, kv_token) * sum(decode_contexts)
+        try:  # the engine's own calls pass plain ints: checked by comparisons, and the result's finiteness at the end
+            for new, cached in prefill:
+                if not (new >= 0 and cached >= 0):
+                    raise ConfigurationError(
+                        f"a prefill chunk needs new_tokens, cached_tokens >= 0, not {(shown(new), shown(cached))}"
+                    )
+                if new:
+                    tokens += new
+                    sequences += 1
+                    attention += max(query_key * new * (cached + (new + 1) / 2), kv_token * (cached + new))
+            if decode_contexts:
+                if not min(decode_contexts) >= 1:
+                    raise ConfigurationError(
+                        f"a decoding sequence has a context >= 1, not {shown(min(decode_contexts))}"
+                    )
+                # Each sequence is attention(1, context - 1); both roofline terms are proportional to the
+                # context, so the sum of the maxima is the maximum of the sums.
+                tokens += len(decode_contexts)
+                sequences += len(decode_contexts)
+                attention += max(query_key, kv_token) * sum(decode_contexts)
+        except (TypeError, ValueError) as exc:  # ValueError: a chunk that is not a pair
+            if isinstance(exc, ConfigurationError):
+                raise
+            raise InvalidTypeError(
+                "step_seconds takes prefill as (new_tokens, cached_tokens) pairs of counts and decode_contexts as "
+                f"counts: {exc}"
+            ) from None
         if tokens == 0:
             return 0.0
         c = self.coefficients
         linear = max(c.linear_floor_s, c.linear_intercept_s + c.linear_per_token_s * tokens)
         per_layer = linear + c.comm_per_token_s * tokens + attention
-        return c.step_overhead_s + c.per_sequence_s * sequences + self.model.layers * per_layer
+        seconds = c.step_overhead_s + c.per_sequence_s * sequences + self.model.layers * per_layer
+        if not math.isfinite(seconds):  # a NaN or infinite count, which every comparison above let through
+            raise ConfigurationError(f"a step's counts must be finite: prefill {prefill!r:.80}, decode contexts sum "
+                                     f"{shown(sum(decode_contexts) if decode_contexts else 0)}")  # fmt: skip
+        return seconds
 
     def prefill_seconds(self, new_tokens: int, cached_tokens: int) -> float:
         """Time to prefill ``new_tokens`` after ``cached_tokens`` already cached, alone in one step.
@@ -217,11 +241,17 @@ class Profile:
     def decode_seconds(self, batch_size: int, total_context_tokens: int) -> float:
         """Time of one decode step for ``batch_size`` sequences holding ``total_context_tokens`` in all.
 
-        Equal to :meth:`step_seconds` with those sequences only. Raises ValueError unless
-        ``0 <= batch_size <= total_context_tokens``.
+        Equal to :meth:`step_seconds` with those sequences only.
+
+        Raises:
+            ConfigurationError: unless both are counts and ``0 <= batch_size <= total_context_tokens``.
         """
-        if batch_size < 0 or total_context_tokens < batch_size:
-            raise ValueError(f"need 0 <= batch_size <= total_context_tokens, got {batch_size}, {total_context_tokens}")
+        batch_size = _count(batch_size, "batch_size")
+        total_context_tokens = _count(total_context_tokens, "total_context_tokens")
+        if total_context_tokens < batch_size:
+            raise ConfigurationError(
+                f"need batch_size <= total_context_tokens, not {batch_size} > {total_context_tokens}"
+            )
         if batch_size == 0:
             return 0.0
         c = self.coefficients
@@ -235,7 +265,12 @@ class Profile:
 
         Residual stream and norms (4 x hidden), the QKV output, and the gated MLP's gate/up/down
         intermediates, for ``max_num_batched_tokens`` tokens; plus float32 logits for ``max_num_seqs``.
+
+        Raises:
+            ConfigurationError: either is not a count >= 0.
         """
+        max_num_batched_tokens = _count(max_num_batched_tokens, "max_num_batched_tokens")
+        max_num_seqs = _count(max_num_seqs, "max_num_seqs")
         m = self.model
         qkv = (m.heads + 2 * m.kv_heads) * m.head_dim // self.tp
         per_token = (4 * m.hidden_size + qkv + 3 * m.intermediate_size // self.tp) * m.dtype_bytes
@@ -253,17 +288,31 @@ class Profile:
         """KV blocks that fit on each GPU, as vLLM sizes ``num_gpu_blocks`` (0 if none fit).
 
         ``utilization x memory - weights / tp - activations - runtime overhead``, divided by the
-        bytes of one block. Raises ValueError on a bad block size or utilization.
+        bytes of one block.
+
+        Raises:
+            ConfigurationError: ``block_size`` is not a count >= 1, ``gpu_memory_utilization`` not a number in
+                (0, 1], or a count of :meth:`activation_bytes` is bad.
         """
+        block_size = _count(block_size, "block_size")
         if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if not 0.0 < gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+            raise ConfigurationError(f"block_size must be >= 1, not {block_size}")
+        utilization = as_float(gpu_memory_utilization)
+        if utilization is None or not 0.0 < utilization <= 1.0:
+            raise ConfigurationError(f"gpu_memory_utilization must be in (0, 1], not {shown(gpu_memory_utilization)}")
+        gpu_memory_utilization = utilization
         budget = int(self.gpu.memory_bytes * gpu_memory_utilization)
         used = self.model.weight_bytes // self.tp + RUNTIME_OVERHEAD_BYTES
         used += self.activation_bytes(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
         free = budget - used
         return max(0, free // (self.kv_bytes_per_token * block_size))
+
+
+def _count(value: object, name: str) -> int:
+    count = as_int(value)
+    if count is None or count < 0:
+        raise ConfigurationError(f"{name} must be a count (an int >= 0), not {shown(value)}")
+    return count
 
 
 def _check_name(spec: GpuSpec | ModelSpec) -> None:

@@ -6,11 +6,12 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixroute.errors import ConfigurationError, InvalidTypeError
+from prefixroute.errors import ConfigurationError, InvalidTypeError, PrefixRouteError
 from prefixroute.sim import Profile, available_profiles, load_profile
 from prefixroute.sim.costmodel import RUNTIME_OVERHEAD_BYTES
 from prefixroute.sim.profiles import GPUS, MODELS, TP_DEGREES
@@ -205,3 +206,28 @@ def test_a_hand_built_profile_is_refused_with_an_error_of_the_tree_when_made(cas
     build = dict(_bad_parts())[case]
     with pytest.raises((ConfigurationError, InvalidTypeError)):
         build()
+
+
+@pytest.mark.parametrize("bad", [None, "8", math.nan, math.inf, -1, [1]])
+def test_every_figure_a_profile_is_asked_about_is_checked(bad: object) -> None:
+    # Was: None or a str raised Python's TypeError from a comparison, a NaN or an infinite count came back as a NaN
+    # or infinite time, and the checks that did hold raised a bare ValueError.
+    profile = load_profile("llama-3-8b", "a100-80gb")
+    calls: list[Callable[[], object]] = [
+        lambda: profile.linear_seconds(bad),  # type: ignore[arg-type]
+        lambda: profile.prefill_seconds(bad, 0),  # type: ignore[arg-type]
+        lambda: profile.prefill_seconds(16, bad),  # type: ignore[arg-type]
+        lambda: profile.step_seconds([(16, 0), (bad, 0)], []),  # type: ignore[list-item]
+        lambda: profile.step_seconds([], [5, bad]),  # type: ignore[list-item]
+        lambda: profile.step_seconds([bad], []),  # type: ignore[list-item]
+        lambda: profile.step_seconds(bad, []),  # type: ignore[arg-type]
+        lambda: profile.decode_seconds(bad, 100),  # type: ignore[arg-type]
+        lambda: profile.decode_seconds(1, bad),  # type: ignore[arg-type]
+        lambda: profile.activation_bytes(max_num_seqs=bad),  # type: ignore[arg-type]
+        lambda: profile.kv_capacity_blocks(bad),  # type: ignore[arg-type]
+        lambda: profile.kv_capacity_blocks(gpu_memory_utilization=bad),  # type: ignore[arg-type]
+    ]
+    for call in calls:
+        with pytest.raises(PrefixRouteError):
+            call()
+    assert profile.step_seconds([(16, 0)], [5]) > 0 and profile.decode_seconds(np.int64(2), 10) > 0
