@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import random
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 
 from prefixroute._numbers import as_float, as_int, check_flag, shown
@@ -98,7 +98,17 @@ class SimSpec:
         _check_spec(self)
 
     def with_(self, **changes: object) -> SimSpec:
-        """A copy with some fields changed."""
+        """A copy with some fields changed, each checked as when the spec is made.
+
+        Raises:
+            ConfigurationError: a name is no field of SimSpec, or a value is one the field cannot use.
+        """
+        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        if unknown:
+            raise ConfigurationError(
+                f"SimSpec has no field {', '.join(map(repr, unknown))}: its fields are "
+                f"{', '.join(f.name for f in fields(self))}"
+            )
         return replace(self, **changes)  # type: ignore[arg-type]
 
 

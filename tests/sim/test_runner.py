@@ -198,3 +198,13 @@ def test_user_policies_taking_rng_or_seed_are_seeded(
     assert first.to_json() == second.to_json()  # same seed, same result
     assert run_policy(spec.with_(seed=1), name).to_json() != first.to_json()  # the seed reaches the policy
     assert isinstance(build_policy(name, seed=3), LoadPolicy)
+
+
+def test_a_spec_copy_names_a_field_it_does_not_have_and_checks_the_values_it_does() -> None:
+    # Was: SimSpec.with_(nope=1) raised dataclasses' TypeError ("unexpected keyword argument").
+    spec = SimSpec(scenario="rag")
+    with pytest.raises(ConfigurationError, match="SimSpec has no field 'nope': its fields are scenario, "):
+        spec.with_(nope=1)
+    with pytest.raises(ConfigurationError, match="backends"):
+        spec.with_(backends=0)
+    assert spec.with_(backends=3).backends == 3 and spec.backends != 3
