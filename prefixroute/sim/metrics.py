@@ -58,7 +58,13 @@ class PolicyResult:
     ttfts_ms: list[float] = field(default_factory=list, repr=False)
 
     def tag_hit_rate(self, *, exclude: str = "unique") -> float:
-        """KV hit rate over the requests whose tag is not ``exclude`` (e.g. only those on a shared prefix)."""
+        """KV hit rate over the requests whose tag is not ``exclude`` (e.g. only those on a shared prefix).
+
+        Raises:
+            InvalidTypeError: ``exclude`` is not a tag (a str).
+        """
+        if not isinstance(exclude, str):
+            raise InvalidTypeError(f"exclude must be a request tag (a str), not {type(exclude).__name__}")
         cached = sum(c for tag, (c, _p) in self.tag_tokens.items() if tag != exclude)
         prompt = sum(p for tag, (_c, p) in self.tag_tokens.items() if tag != exclude)
         return cached / prompt if prompt else 0.0

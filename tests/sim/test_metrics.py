@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from prefixroute.errors import InvalidTypeError
 from prefixroute.sim.engine import SimOutcome
 from prefixroute.sim.metrics import percentile, summarize
 from prefixroute.sim.request import RequestRecord
@@ -54,3 +57,14 @@ def test_summary_arithmetic() -> None:
     assert result.backend_share == {"a": 2 / 3, "b": 1 / 3} and result.max_backend_share == 2 / 3
     # 0.36 GPU-s recomputed in 3.6 s of traffic: 10 % of a GPU, all month, at $10/h
     assert math.isclose(result.recompute_usd_per_month, 0.1 * 30 * 24 * 10.0)
+
+
+def test_the_tag_hit_rate_leaves_out_one_tag_and_refuses_what_is_no_tag() -> None:
+    records = [_record(0, "a", 0, 0, 0.0), _record(1, "a", 64, 64, 0.0), _record(2, "b", 32, 80, 0.0)]
+    records[0] = replace(records[0], tag="unique")
+    outcome = SimOutcome(records, duration=3.0, steps={}, peak_in_flight={}, prefill_tokens={}, evictions={})
+    result = summarize(outcome, policy="p")
+    assert result.tag_hit_rate() == (64 + 32) / 200  # the unique request left out
+    assert result.tag_hit_rate(exclude="") == 0 / 100 and result.tag_hit_rate(exclude="other") == result.hit_rate
+    with pytest.raises(InvalidTypeError, match="exclude must be a request tag"):
+        result.tag_hit_rate(exclude=None)  # type: ignore[arg-type]  # was: every tag kept, silently
