@@ -675,6 +675,10 @@ def test_a_release_line_with_a_4xx_status_finishes_the_request_refused() -> None
     for status in ("400", True, 400.0, None):
         with pytest.raises(TypeError, match="an HTTP status is an int"):
             is_refusal(status)  # type: ignore[arg-type]
+    for line in ("status=400", None):  # was: Python's own TypeError from the regex
+        with pytest.raises(InvalidTypeError, match="line must be bytes"):
+            refused(line)  # type: ignore[arg-type]
+    assert refused(bytearray(b"status=404")) and refused(memoryview(b"status=404"))  # type: ignore[arg-type]
     sidecar = Sidecar(Router(block_size=16), backends=BACKENDS)
     decisions = [call(sidecar, "POST", "/route", {"prompt_token_ids": ids(64, start=s)}).json() for s in (0, 500)]
     # Two log lines in one datagram, each with its own status: only the refused one forgets its blocks.

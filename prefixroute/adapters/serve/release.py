@@ -46,7 +46,12 @@ def refused(line: bytes) -> bool:
 
     >>> refused(b"prefixroute_finish=ab12-3f status=400"), refused(b"prefixroute_finish=ab12-3f status=499")
     (True, False)
+
+    Raises:
+        TypeError: ``line`` is not bytes.
     """
+    if not isinstance(line, (bytes, bytearray, memoryview)):
+        raise InvalidTypeError(f"line must be bytes, not {type(line).__name__}")
     found = _STATUS.search(line)
     return found is not None and is_refusal(int(found.group(1)))
 
