@@ -83,12 +83,14 @@ def test_a_block_stays_while_any_rank_holds_it(ranks: tuple[FakeVLLM, FakeVLLM])
         router._check()
         router.index._check(chains=[H])
 
-        events = fleet.stats()["dp"].events
-        per_rank = fleet.stats()["dp"].ranks
-        assert events is not None and len(per_rank) == 2
+        stats = fleet.stats()["dp"]
+        events, per_rank = stats.events, stats.ranks
+        assert events is not None and len(per_rank) == 2 and events.backend == "dp"
         assert events.batches == per_rank[0].batches + per_rank[1].batches >= 7
         assert events.tracker.clears == 1 and events.tracker.blocks_removed == 3
         assert events.last_seq == min(r.last_seq for r in per_rank)
+        lags = [r.last_lag_s for r in per_rank if r.last_lag_s is not None]
+        assert len(lags) == 2 and events.last_lag_s == max(lags)  # the latest rank's
         assert events.blocks_held == len(sub0.held() | sub1.held()) == router.index.blocks("dp")  # distinct ones
 
 
