@@ -17,7 +17,7 @@ import zmq
 
 from prefixroute import ConfigurationError, InvalidTypeError, LeastLoaded, Router
 from prefixroute.testing import FakeVLLM
-from prefixroute.vllm import EventIndex, Fleet, KVEventSubscriber
+from prefixroute.vllm import BackendStats, EventIndex, Fleet, KVEventSubscriber
 
 from ..conftest import FakeClock, returns, wait_until
 from .conftest import SMALL_BODY, answer, events_router, fresh, http_server, settle
@@ -35,6 +35,17 @@ def seen(router: Router, backend: str) -> tuple[int | None, float | None]:
     """(queue_len, kv_usage) the policy sees for ``backend``."""
     candidate = next(c for c in router.decide(PROMPT, [backend, "other"]).candidates if c.backend == backend)
     return candidate.queue_len, candidate.kv_usage
+
+
+def finished(stats: BackendStats) -> int:
+    """The scrapes of a backend that have ended, well or not."""
+    return stats.scrapes + stats.failed_scrapes
+
+
+def next_scrape(fleet: Fleet, backend: str) -> None:
+    """Wait for a scrape of ``backend`` that ends after this call (well or not)."""
+    before = finished(fleet.stats()[backend])
+    wait_until(lambda: finished(fleet.stats()[backend]) > before, what=f"a scrape of {backend}")
 
 
 def threads_of(backend: str) -> list[str]:
@@ -66,11 +77,14 @@ def test_an_event_index_gets_no_capacity_from_metrics(engine: FakeVLLM) -> None:
         assert router.index.capacity("gpu0") is None  # the events carry the evictions
 
 
-def test_a_block_size_it_cannot_use_is_warned_about_not_guessed(caplog: pytest.LogCaptureFixture) -> None:
-    with FakeVLLM(block_size=24, num_blocks=32) as odd, Fleet(Router(block_size=16), interval=0.05) as fleet:
+def test_a_block_size_it_cannot_use_is_warned_about_once_not_guessed(caplog: pytest.LogCaptureFixture) -> None:
+    with FakeVLLM(block_size=24, num_blocks=32) as odd, Fleet(Router(block_size=16), interval=0.02) as fleet:
         fleet.add_backend("gpu0", metrics_url=odd.url)
         wait_until(lambda: "block_size is 24" in caplog.text, what="a warning about vLLM's block size")
+        wait_until(lambda: fleet.stats()["gpu0"].scrapes >= 5, what="more scrapes of the same cache config")
         assert fleet.router.index.capacity("gpu0") is None
+    warnings = [r.getMessage() for r in caplog.records if "block_size is 24" in r.getMessage()]
+    assert len(warnings) == 1 and "gpu0" in warnings[0]  # once per config, naming the engine to fix
 
 
 def test_remove_backend_stops_its_subscriber_and_poller_and_nothing_is_written_back(engine: FakeVLLM) -> None:
@@ -180,6 +194,113 @@ def test_figures_older_than_stale_after_are_not_trusted() -> None:
         wait_until(lambda: fleet.stats()["gpu0"].failed_scrapes >= 1, what="a failed scrape")
         assert fleet.healthy_backends() == []
         assert fleet.stats()["gpu0"].queue_len is None
+
+
+def test_every_successful_scrape_renews_the_stale_window_and_on_health_hears_only_of_changes() -> None:
+    clock = FakeClock()
+    reports: list[tuple[str, bool]] = []
+
+    def on_health(backend: str, healthy: bool) -> None:
+        reports.append((backend, healthy))
+
+    with (
+        FakeVLLM() as engine,
+        Fleet(Router(), interval=0.02, stale_after=5.0, clock=clock, on_health=on_health) as fleet,
+    ):
+        fleet.add_backend("gpu0", metrics_url=engine.url)
+        for _ in range(3):  # 12 s after add_backend(), each scrape fresh
+            clock.tick(4.0)
+            next_scrape(fleet, "gpu0")
+            assert fleet.healthy_backends() == ["gpu0"]
+    assert reports == [("gpu0", True)]  # its first scrape, then no change
+
+
+def test_figures_are_shown_while_the_latest_scrape_is_at_most_stale_after_old_then_dropped() -> None:
+    body = b'vllm:num_requests_waiting{engine="0"} 3\nvllm:kv_cache_usage_perc{engine="0"} 0.25\n'
+    clock = FakeClock()
+    # One scrape: the next is 30 s away, so only the test moves the figures' age.
+    with (
+        http_server(lambda _: answer(body)) as (url, _),
+        Fleet(Router(), interval=30.0, stale_after=60.0, clock=clock) as fleet,
+    ):
+        fleet.add_backend("gpu0", metrics_url=url)
+        wait_until(lambda: fleet.stats()["gpu0"].scrapes == 1, what="the first scrape")
+        clock.tick(60.0)
+        stats = fleet.stats()["gpu0"]
+        assert stats.healthy and (stats.metrics_url, stats.queue_len, stats.kv_usage) == (url, 3, 0.25)
+        clock.tick(0.5)
+        stats = fleet.stats()["gpu0"]
+        assert not stats.healthy and (stats.queue_len, stats.kv_usage) == (None, None)
+        assert (stats.scrapes, stats.failed_scrapes, stats.last_error) == (1, 0, None)  # stale, not failed
+        assert fleet.healthy_backends() == []
+
+
+def test_each_failed_scrape_is_counted_once_and_logged_with_why(caplog: pytest.LogCaptureFixture) -> None:
+    reports: list[tuple[str, bool]] = []
+
+    def on_health(backend: str, healthy: bool) -> None:
+        reports.append((backend, healthy))
+
+    with Fleet(Router(), interval=30.0, stale_after=60.0, on_health=on_health) as fleet:
+        fleet.add_backend("gpu0", metrics_url="http://127.0.0.1:1")  # nothing listens: refused at once
+        wait_until(lambda: bool(reports), what="the first scrape failing")  # reported after it is counted
+        stats = fleet.stats()["gpu0"]
+        assert (stats.healthy, stats.scrapes, stats.failed_scrapes) == (False, 0, 1)
+        assert reports == [("gpu0", False)]
+    assert stats.last_error and any(
+        r.levelno == logging.WARNING and "gpu0" in r.getMessage() and stats.last_error in r.getMessage()
+        for r in caplog.records
+    )
+
+
+def test_a_backend_without_metrics_url_is_always_healthy_and_never_scraped() -> None:
+    with Fleet(Router()) as fleet:
+        fleet.add_backend("events-only")
+        stats = fleet.stats()["events-only"]
+        assert stats.healthy is True and (stats.metrics_url, stats.last_error) == (None, None)
+        assert (stats.scrapes, stats.failed_scrapes, stats.queue_len) == (0, 0, None)
+
+
+def test_a_fleet_iterates_over_its_backends_and_its_stats_name_a_backend_it_lacks() -> None:
+    with Fleet(Router()) as fleet:
+        fleet.add_backend("gpu0")
+        fleet.add_backend("gpu1")
+        assert list(fleet) == ["gpu0", "gpu1"]
+        with pytest.raises(KeyError) as missing:
+            fleet.stats()["gpu9"]
+        assert missing.value.args == ("gpu9",)
+
+
+@pytest.mark.parametrize(
+    ("waiting", "queue_len"),
+    [("0", 0), (str(2**62), 2**62), (str(2**63), None), ("1e19", None)],
+    ids=["idle", "2**62", "2**63", "1e19"],
+)
+def test_waiting_figures_reach_the_router_as_queue_lengths_or_as_unknown_past_what_it_takes(
+    waiting: str, queue_len: int | None
+) -> None:
+    """An idle engine's 0 is known, not unknown; a finite figure past what set_engine_load() takes (2**63) is no
+    error of the engine's: the scrape succeeds and the queue length is unknown."""
+    body = f'vllm:num_requests_waiting{{engine="0"}} {waiting}\nvllm:kv_cache_usage_perc{{engine="0"}} 0.5\n'
+    router = Router()
+    with http_server(lambda _: answer(body.encode())) as (url, _), Fleet(router, interval=0.02) as fleet:
+        fleet.add_backend("gpu0", metrics_url=url)
+        wait_until(lambda: finished(fleet.stats()["gpu0"]) >= 2, what="two scrapes finished")
+        stats = fleet.stats()["gpu0"]
+        assert stats.healthy and stats.failed_scrapes == 0 and stats.queue_len == queue_len
+        assert seen(router, "gpu0") == (queue_len, 0.5)
+
+
+@pytest.mark.parametrize("label", ['block_size="16"', 'num_gpu_blocks="64"'])
+def test_a_cache_config_missing_one_figure_sets_no_capacity_and_is_no_error(label: str) -> None:
+    body = f"vllm:cache_config_info{{{label}}} 1\n".encode() + SMALL_BODY
+    router = Router()
+    with http_server(lambda _: answer(body)) as (url, _), Fleet(router, interval=0.02) as fleet:
+        fleet.add_backend("gpu0", metrics_url=url)
+        wait_until(lambda: finished(fleet.stats()["gpu0"]) >= 2, what="two scrapes finished")
+        stats = fleet.stats()["gpu0"]
+        assert stats.healthy and stats.failed_scrapes == 0 and stats.queue_len == 3
+        assert router.index.capacity("gpu0") is None
 
 
 @contextmanager
@@ -386,9 +507,12 @@ def test_a_failing_health_callback_is_counted_and_polling_goes_on(
     caplog.set_level(logging.ERROR)
     with Fleet(Router(), interval=0.02, on_health=explode) as fleet:
         fleet.add_backend("gpu0", metrics_url=engine.url)
-        wait_until(lambda: fleet.stats().callback_errors == 1, what="the callback's error counted")
+        fleet.add_backend("gpu1", metrics_url=engine.url)
+        wait_until(lambda: fleet.stats().callback_errors == 2, what="each backend's first health report counted")
         wait_until(lambda: fleet.stats()["gpu0"].scrapes >= 3, what="polling going on")
     assert "callback bug" in caplog.text
+    logged = [r.getMessage() for r in caplog.records if r.exc_info]
+    assert any("on_health" in m and "'gpu0'" in m and "True" in m for m in logged)  # which call raised
 
 
 def test_waiting_figures_summing_to_infinity_mark_only_that_engine_bad_and_stats_still_work() -> None:
@@ -486,10 +610,10 @@ def test_options_of_the_wrong_type_are_type_errors_when_given() -> None:
                 fleet.add_backend("gpu0", namespace=namespace)  # type: ignore[arg-type]
         assert fleet.backends() == []
         fleet.add_backend("ab")
-        for backends in ("ab", b"ab"):
-            with pytest.raises(TypeError, match="iterable of str ids"):
+        for backends in ("ab", b"ab", 5):
+            with pytest.raises(TypeError, match=f"iterable of str ids, not .*{type(backends).__name__}"):
                 fleet.healthy_backends(backends)  # type: ignore[arg-type]
-        with pytest.raises(TypeError, match="str ids"):
+        with pytest.raises(TypeError, match="str ids, not int"):
             fleet.healthy_backends(["ab", 5])  # type: ignore[list-item]
         assert fleet.healthy_backends(["ab", "other"]) == ["ab", "other"]
 
