@@ -65,6 +65,8 @@ def test_metrics_feed_engine_load_capacity_and_health(engine: FakeVLLM) -> None:
         stats = fleet.stats()["gpu0"]
         assert stats.healthy and stats.scrapes >= 1 and stats.failed_scrapes == 0
         assert (stats.queue_len, stats.engine_block_size, stats.num_gpu_blocks) == (3, 16, 64)
+        # Daemon threads: a fleet that is never closed does not keep the process from exiting.
+        assert all(t.daemon for t in threading.enumerate() if t.name.endswith("[gpu0]"))
     assert seen(router, "gpu0") == (None, None)  # close() drops figures that would only go stale
     assert router.index.capacity("gpu0") == 64 and threads_of("gpu0") == []
 
@@ -109,6 +111,24 @@ def test_remove_backend_stops_its_subscriber_and_poller_and_nothing_is_written_b
         assert fleet.backends() == [] and fleet.healthy_backends() == []
         fleet.add_backend("gpu0", metrics_url=engine.url)  # and it can come back
         wait_until(lambda: seen(router, "gpu0")[0] == 9, what="figures after re-adding")
+
+
+def test_remove_backend_waits_for_a_stuck_poller_at_most_about_timeout(engine: FakeVLLM) -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def stuck(backend: str, healthy: bool) -> None:
+        entered.set()
+        release.wait()
+
+    fleet = Fleet(Router(), interval=0.02, timeout=0.2, stale_after=1.0, on_health=stuck)
+    try:
+        fleet.add_backend("gpu0", metrics_url=engine.url)
+        wait_until(entered.is_set, what="the poller in on_health")
+        returns(lambda: fleet.remove_backend("gpu0"), what="remove_backend() with its poller stuck in on_health")
+        assert fleet.backends() == []
+    finally:
+        release.set()
+        fleet.close()
 
 
 def test_an_unknown_backend_is_still_removed_from_the_router() -> None:
@@ -224,7 +244,7 @@ def test_figures_are_shown_while_the_latest_scrape_is_at_most_stale_after_old_th
         Fleet(Router(), interval=30.0, stale_after=60.0, clock=clock) as fleet,
     ):
         fleet.add_backend("gpu0", metrics_url=url)
-        wait_until(lambda: fleet.stats()["gpu0"].scrapes == 1, what="the first scrape")
+        wait_until(lambda: fleet.stats()["gpu0"].scrapes >= 1, what="the first scrape")
         clock.tick(60.0)
         stats = fleet.stats()["gpu0"]
         assert stats.healthy and (stats.metrics_url, stats.queue_len, stats.kv_usage) == (url, 3, 0.25)
@@ -233,6 +253,8 @@ def test_figures_are_shown_while_the_latest_scrape_is_at_most_stale_after_old_th
         assert not stats.healthy and (stats.queue_len, stats.kv_usage) == (None, None)
         assert (stats.scrapes, stats.failed_scrapes, stats.last_error) == (1, 0, None)  # stale, not failed
         assert fleet.healthy_backends() == []
+        time.sleep(0.3)  # many scrapes' time: still one, the poller waits for its interval
+        assert fleet.stats()["gpu0"].scrapes == 1
 
 
 def test_each_failed_scrape_is_counted_once_and_logged_with_why(caplog: pytest.LogCaptureFixture) -> None:
@@ -559,6 +581,33 @@ def test_an_unexpected_error_in_a_scrape_counts_as_a_failed_scrape_of_only_that_
         assert fleet.healthy_backends() == ["good"]
         assert ("bad", False) in events and ("bad", True) not in events  # no flapping between scrapes
     assert "metrics of bad: unexpected error" in caplog.text
+    unexpected = [r for r in caplog.records if "unexpected" in r.getMessage()]
+    assert unexpected and all(r.exc_info for r in unexpected)  # logged once, with its traceback
+
+
+class BrokenRouter(Router):
+    """A router whose set_engine_load() raises while ``broken``, even to forget figures."""
+
+    broken = True
+
+    def set_engine_load(self, backend: str, *, queue_len: int | None, kv_usage: float | None) -> None:
+        if self.broken:
+            raise RuntimeError("the router cannot take engine figures")
+        super().set_engine_load(backend, queue_len=queue_len, kv_usage=kv_usage)
+
+
+def test_a_router_that_cannot_even_forget_figures_never_stops_the_poller(
+    engine: FakeVLLM, caplog: pytest.LogCaptureFixture
+) -> None:
+    router = BrokenRouter()
+    with Fleet(router, interval=0.02) as fleet:
+        fleet.add_backend("gpu0", metrics_url=engine.url)
+        wait_until(
+            lambda: caplog.text.count("metrics of gpu0: could not mark the backend unhealthy") >= 2,
+            what="the poller going on after it could not mark the backend",
+        )
+        assert [t for t in threads_of("gpu0") if t.startswith("prefixroute-metrics")]
+        router.broken = False  # so that close() can drop the figures
 
 
 class CapacityOnceRefused(Router):
