@@ -288,6 +288,8 @@ class Fleet:
             member.signal_stop()
         for member in members:
             member.stop()
+        # Only once every thread has ended: a router that raises here must not leave a backend running unreachable.
+        for member in members:
             if member.poller is not None:
                 self._router.set_engine_load(member.backend, queue_len=None, kv_usage=None)
 

@@ -610,6 +610,17 @@ def test_a_router_that_cannot_even_forget_figures_never_stops_the_poller(
         router.broken = False  # so that close() can drop the figures
 
 
+def test_close_stops_every_backend_even_when_the_router_refuses_to_drop_figures(engine: FakeVLLM) -> None:
+    """Was: close() dropped each backend's figures right after stopping it, so a router that raised there left the
+    subscribers of the backends after the first running, out of the fleet, where nothing could stop them."""
+    fleet = Fleet(BrokenRouter(index=EventIndex(16)), interval=0.02)
+    for backend in ("gpu0", "gpu1"):
+        fleet.add_backend(backend, kv_events=engine.endpoint, metrics_url=engine.url)
+    with pytest.raises(RuntimeError, match="cannot take engine figures"):
+        fleet.close()
+    assert threads_of("gpu0") == [] and threads_of("gpu1") == [] and fleet.backends() == []
+
+
 class CapacityOnceRefused(Router):
     """A router whose first set_capacity() raises (as a bug in an index subclass's eviction hook would)."""
 
