@@ -195,7 +195,10 @@ class BlockTracker:
         ``ready`` is what :func:`_prepared` computed, None for blocks that are not indexed."""
         vllm_hashes = event.block_hashes
         if ready is None:
-            if event.group_idx is not None and _is_gpu(event.medium) and len(self._skipped_groups) < _MAX_GROUPS:
+            # Only a group whose kind is not indexed: a block skipped for its adapter (a LoRA block named by its
+            # lora_id alone) may share the full-attention group, whose removals must still apply.
+            group_skipped = _is_gpu(event.medium) and not _full_attention(event.kv_cache_spec_kind)
+            if event.group_idx is not None and group_skipped and len(self._skipped_groups) < _MAX_GROUPS:
                 self._skipped_groups.add(event.group_idx)
             self.stats.skipped_blocks += len(vllm_hashes)
             return
@@ -425,9 +428,13 @@ def _indexed(event: BlockStored) -> bool:
     before ``lora_name`` names a LoRA block's adapter by its ``lora_id`` alone, which gives no namespace to hash it
     in: hashed as the base model's, it would claim a cache the base model's prompts do not have). Others are skipped
     before their block size is looked at (a Mamba group's, a CPU tier's may be one the router's does not divide)."""
-    kind = event.kv_cache_spec_kind
     named = event.lora_id is None or event.lora_name is not None
-    return named and _is_gpu(event.medium) and (kind is None or kind in FULL_ATTENTION_KINDS)
+    return named and _is_gpu(event.medium) and _full_attention(event.kv_cache_spec_kind)
+
+
+def _full_attention(kind: str | None) -> bool:
+    """Whether a KV cache group of ``kind`` is indexed (None: vLLM before groups had kinds)."""
+    return kind is None or kind in FULL_ATTENTION_KINDS
 
 
 def _check_token_count(event: BlockStored) -> None:

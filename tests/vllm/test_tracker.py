@@ -101,6 +101,17 @@ def test_groups_and_media_that_are_not_indexed_are_skipped_whatever_their_block_
     assert tracker.stats.unknown_removals == 0
 
 
+def test_a_lora_block_named_only_by_its_id_does_not_stop_removals_in_its_group() -> None:
+    """Was: such a block (not indexed: no adapter name to hash it under) in the full-attention group marked that group
+    as one not indexed, so every later removal in it was ignored and the index kept evicted blocks for good."""
+    tracker = BlockTracker()
+    tracker.apply([BlockStored([11], None, TOKENS[:16], 16, group_idx=0, kv_cache_spec_kind="full_attention")])
+    unnamed = BlockStored([21], None, TOKENS[16:32], 16, lora_id=3, group_idx=0, kv_cache_spec_kind="full_attention")
+    assert tracker.apply([unnamed]) == [] and tracker.stats.skipped_blocks == 1
+    assert tracker.apply([BlockRemoved([11], group_idx=0)]) == [(False, own(TOKENS[:16]), None)]
+    assert tracker.apply([BlockRemoved([21], group_idx=0)]) == [] and tracker.held() == set()
+
+
 def test_blocks_with_extra_keys_end_the_indexed_chain() -> None:
     tracker = BlockTracker()
     tracker.apply([BlockStored([11, 12, 13], None, TOKENS[:48], 16, extra_keys=[None, ["mm-hash"], None])])
