@@ -225,6 +225,13 @@ def test_hand_built_events_with_mistyped_fields_are_invalid_events_and_change_no
     assert tracker.apply([BlockRemoved([1])]) == [(False, own(TOKENS[:16]), None)]
 
 
+def test_an_invalid_events_error_names_the_value_it_refused() -> None:
+    with pytest.raises(InvalidEventError, match=r"BlockStored\.block_size must be an int, not '16'"):
+        BlockTracker().apply_strict([BlockStored([1], None, TOKENS[:16], "16")])  # type: ignore[arg-type]
+    with pytest.raises(InvalidEventError, match=r"BlockRemoved\.medium must be a str or None, not 5"):
+        BlockTracker().apply_strict([BlockRemoved([1], medium=5)])  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("events", ["abc", None, [1], [AllBlocksCleared(), "x"], 5])
 def test_what_is_not_an_iterable_of_events_is_a_type_error_before_any_applies(events: object) -> None:
     tracker = BlockTracker()
