@@ -225,7 +225,7 @@ def test_every_successful_scrape_renews_the_stale_window_and_on_health_hears_onl
 
     with (
         FakeVLLM() as engine,
-        Fleet(Router(), interval=0.02, stale_after=5.0, clock=clock, on_health=on_health) as fleet,
+        Fleet(Router(), interval=0.02, timeout=4.0, stale_after=5.0, clock=clock, on_health=on_health) as fleet,
     ):
         fleet.add_backend("gpu0", metrics_url=engine.url)
         for _ in range(3):  # 12 s after add_backend(), each scrape fresh
@@ -530,7 +530,7 @@ def test_a_failing_health_callback_is_counted_and_polling_goes_on(
     with Fleet(Router(), interval=0.02, on_health=explode) as fleet:
         fleet.add_backend("gpu0", metrics_url=engine.url)
         fleet.add_backend("gpu1", metrics_url=engine.url)
-        wait_until(lambda: fleet.stats().callback_errors == 2, what="each backend's first health report counted")
+        wait_until(lambda: fleet.stats().callback_errors >= 2, what="each backend's first health report counted")
         wait_until(lambda: fleet.stats()["gpu0"].scrapes >= 3, what="polling going on")
     assert "callback bug" in caplog.text
     logged = [r.getMessage() for r in caplog.records if r.exc_info]
