@@ -27,6 +27,18 @@ class LinearCost:
         return self.overhead + self.per_token * new_tokens
 
 
+class StepLog(LinearCost):
+    """LinearCost that keeps every step it was asked to price: (prefill chunks, decode contexts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[tuple[list[tuple[int, int]], list[int]]] = []
+
+    def step_seconds(self, prefill: Sequence[tuple[int, int]], decode_contexts: Sequence[int]) -> float:
+        self.steps.append((list(prefill), list(decode_contexts)))
+        return super().step_seconds(prefill, decode_contexts)
+
+
 @pytest.fixture
 def cost() -> LinearCost:
     return LinearCost()

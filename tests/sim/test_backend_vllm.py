@@ -9,21 +9,24 @@ from prefixroute.router import Decision
 from prefixroute.sim.backend import Active, BackendConfig, SimBackend
 from prefixroute.sim.request import RequestRecord, token_bytes
 
-from .conftest import LinearCost
+from .conftest import LinearCost, StepLog
 
 HASHER = BlockHasher(16)
 
 
-def _active(request_id: int, tokens: bytes, output: int = 1) -> Active:
+def _active(request_id: int, tokens: bytes, output: int = 1, answer: bytes = b"") -> Active:
+    """A request of prompt ``tokens``; ``answer``: the output token ids when known (hashed with the prompt)."""
     record = RequestRecord(
         request_id=request_id, user=0, tag="", arrival=0.0, prompt_tokens=len(tokens) // 4, output_tokens=output
     )
-    return Active(record, list(HASHER.hash(tokens)), cast(Decision, None))  # the backend only hands it back
+    return Active(record, list(HASHER.hash(tokens + answer)), cast(Decision, None))  # the backend only hands it back
 
 
-def _backend(capacity: int | None = None, budget: int = 256) -> SimBackend:
-    config = BackendConfig(capacity_blocks=capacity, max_num_batched_tokens=budget)
-    return SimBackend("gpu0", config=config, cost=LinearCost())
+def _backend(
+    capacity: int | None = None, budget: int = 256, seqs: int = 256, cost: LinearCost | None = None
+) -> SimBackend:
+    config = BackendConfig(capacity_blocks=capacity, max_num_batched_tokens=budget, max_num_seqs=seqs)
+    return SimBackend("gpu0", config=config, cost=cost or LinearCost())
 
 
 def _drain(backend: SimBackend) -> float:
@@ -57,3 +60,111 @@ def test_a_chunked_prefill_s_current_chunk_is_hit_by_a_request_admitted_beside_i
     backend.enqueue(second)
     _drain(backend)
     assert second.record.cached_tokens == 80
+
+
+def test_every_running_request_advances_each_step_and_a_decode_costs_one_token() -> None:
+    # Two one-token prompts and a two-token budget: each step has room for both, so both are prefilled in step 1
+    # and decode side by side after it, each decode priced with its context (its KV tokens, the new one included).
+    log = StepLog()
+    backend = _backend(budget=2, cost=log)
+    first, second = _active(0, token_bytes(0, 1), output=3), _active(1, token_bytes(100, 1), output=3)
+    backend.enqueue(first)
+    backend.enqueue(second)
+    end = _drain(backend)
+    assert log.steps == [([(1, 0), (1, 0)], []), ([], [2, 2]), ([], [3, 3])]
+    assert backend.steps == 3
+    assert first.record.finished == second.record.finished == end
+    assert first.record.computed_prompt_tokens == second.record.computed_prompt_tokens == 1
+
+
+def test_a_prompt_s_last_token_in_a_chunk_of_its_own_is_a_prefill_not_a_decode() -> None:
+    # 65 prompt tokens at 64 a step: the second step computes one prompt token, which is still prefill (it samples
+    # the first token); only then does the request decode.
+    log = StepLog()
+    backend = _backend(budget=64, cost=log)
+    active = _active(0, token_bytes(0, 65), output=2)
+    backend.enqueue(active)
+    _drain(backend)
+    assert log.steps == [([(64, 0)], []), ([(1, 64)], []), ([], [66])]
+    assert active.record.computed_prompt_tokens == backend.prefill_tokens == 65
+
+
+def test_admission_uses_the_budget_to_its_last_token_and_stops_at_max_num_seqs() -> None:
+    log = StepLog()
+    backend = _backend(budget=33, seqs=2, cost=log)
+    requests = [_active(i, token_bytes(1000 * i, 32), output=2) for i in range(3)]
+    for active in requests:
+        backend.enqueue(active)
+    _drain(backend)
+    # step 1: the first prompt whole and one token of the second (the budget's last); the third waits for a seat
+    assert log.steps[0] == ([(32, 0), (1, 0)], [])
+    assert log.steps[1] == ([(31, 1)], [33])
+    assert max(len(prefill) + len(decode) for prefill, decode in log.steps) == 2
+    assert requests[2].record.scheduled == requests[0].record.finished
+
+
+def test_a_prefix_hit_stops_one_token_short_of_the_prompt() -> None:
+    # 33 tokens: two full blocks and one token; the second identical prompt reuses both blocks (32 tokens), as
+    # vLLM computes only the last prompt token.
+    prompt = token_bytes(0, 33)
+    first, second = _active(0, prompt), _active(1, prompt)
+    backend = _backend()
+    backend.enqueue(first)
+    backend.enqueue(second)
+    _drain(backend)
+    assert second.record.cached_tokens == 32
+    assert second.record.computed_prompt_tokens == 1
+
+
+def test_a_request_needing_every_block_is_admitted() -> None:
+    # 31 prompt tokens and one output token: two blocks, the whole cache; admission needs enough, not more.
+    backend = _backend(capacity=2)
+    assert backend.fits(31, 1) and not backend.fits(32, 1)
+    active = _active(0, token_bytes(0, 31))
+    backend.enqueue(active)
+    _drain(backend)
+    assert active.record.finished is not None and backend.cache.used_blocks == 0
+
+
+def test_a_step_that_preempts_admits_nobody_and_preempts_the_newest_request() -> None:
+    # Four blocks for two growing requests: the second is admitted a step later (the first prompt takes the whole
+    # budget), so it is the newest; whenever the older one needs a block, or the newer one does, the newer one is
+    # preempted, and vLLM admits nothing in a step that preempted, although a small first chunk would fit.
+    backend = _backend(capacity=4, budget=8)
+    older, newer = _active(0, token_bytes(0, 8), output=30), _active(1, token_bytes(1000, 9), output=30)
+    backend.enqueue(older)
+    backend.enqueue(newer)
+    now, preemptions = 0.0, 0
+    while True:
+        was_waiting = {id(a) for a in backend.waiting}
+        newest = backend.running[-1] if backend.running else None
+        before = newer.record.preemptions + older.record.preemptions
+        seconds = backend.schedule(now)
+        if seconds is None:
+            break
+        if newer.record.preemptions + older.record.preemptions > before:
+            preemptions += 1
+            assert newest is newer and backend.waiting[0] is newer and newer not in backend.running
+            assert not any(id(a) in was_waiting for a in backend.running), "admitted in a step that preempted"
+        now += seconds
+        backend.complete(now)
+        backend._check()
+    assert older.record.preemptions == 0 and newer.record.preemptions == preemptions > 1
+    assert older.record.finished is not None and newer.record.finished is not None
+
+
+def test_a_recomputed_request_s_last_two_tokens_are_prefill_counted_as_computed() -> None:
+    # Five blocks: the older request (30 prompt tokens) needs its third block in step 4, when the newer one (31,
+    # output known, so its output's full blocks are hashed) holds three; the newer one is preempted with 34 tokens,
+    # and readmitted with its two cached blocks it recomputes the last two as a prefill chunk.
+    log = StepLog()
+    backend = _backend(capacity=5, cost=log)
+    older = _active(0, token_bytes(0, 30), output=4)
+    newer = _active(1, token_bytes(1000, 31), output=4, answer=token_bytes(5000, 4))
+    backend.enqueue(older)
+    backend.enqueue(newer)
+    _drain(backend)
+    assert newer.record.preemptions == 1
+    assert log.steps[-1] == ([(2, 32)], [])
+    assert newer.record.computed_prompt_tokens == 31 + 2
+    assert backend.prefill_tokens == sum(new for prefill, _decode in log.steps for new, _cached in prefill)

@@ -16,7 +16,7 @@ from prefixroute.sim.engine import ClosedLoop, OpenLoop, SimOutcome, Simulation,
 from prefixroute.sim.index import EventsOnlyIndex
 from prefixroute.sim.request import SimRequest, token_bytes
 
-from .conftest import LinearCost
+from .conftest import LinearCost, StepLog
 
 
 class ListWorkload:
@@ -64,13 +64,14 @@ def _run(
     seqs: int = 4,
     check: bool = True,
     first_token: bool = True,
+    cost: LinearCost | None = None,
 ) -> tuple[Simulation, SimOutcome]:
     config = BackendConfig(capacity_blocks=capacity, max_num_seqs=seqs, max_num_batched_tokens=budget)
     simulation = Simulation(
         router=Router(policy=policy_from_name(policy), capacity_blocks=capacity),
         workload=ListWorkload(requests),
         arrivals=ClosedLoop(users, think_time=0.05),
-        cost=LinearCost(),
+        cost=cost or LinearCost(),
         config=config,
         backends=3,
         seed=7,
@@ -93,7 +94,8 @@ def test_random_request_mixes_keep_invariants_and_conserve_tokens(
 ) -> None:
     # check=True runs every backend's _check() after each step: capacity never exceeded, every running
     # request's blocks pinned (never evicted), reference counts and private-block counts consistent.
-    simulation, outcome = _run(requests, policy=policy, capacity=capacity, budget=budget, seqs=seqs)
+    log = StepLog()
+    simulation, outcome = _run(requests, policy=policy, capacity=capacity, budget=budget, seqs=seqs, cost=log)
     records = outcome.records
     assert len(records) == len(requests)  # every request issued once...
     assert all(r.finished is not None for r in records)  # ...and finished once: no finish was ignored
@@ -116,8 +118,17 @@ def test_random_request_mixes_keep_invariants_and_conserve_tokens(
             # admission (others committed those blocks meanwhile), as in vLLM; so only bounds hold: every admission
             # computes at least one token and at most the prompt plus what it had generated.
             assert 1 <= r.computed_prompt_tokens <= (r.preemptions + 1) * (r.prompt_tokens + r.output_tokens)
-    # tokens the backends prefilled, step by step, are exactly the tokens the records account for
+    # tokens the backends prefilled, step by step, are exactly the tokens the records account for, and the tokens
+    # the cost model was asked to price as prefill
     assert sum(outcome.prefill_tokens.values()) == sum(r.computed_prompt_tokens for r in served)
+    priced = sum(new for prefill, _decode in log.steps for new, _cached in prefill)
+    assert priced == sum(outcome.prefill_tokens.values())
+    # every step fits vLLM's limits: at most max_num_batched_tokens tokens (a decode is one) in at most max_num_seqs
+    # sequences, each computing at least one token
+    for prefill, decode in log.steps:
+        assert sum(new for new, _cached in prefill) + len(decode) <= budget
+        assert 1 <= len(prefill) + len(decode) <= seqs
+        assert all(new >= 1 for new, _cached in prefill)
     for r in records:
         if r.rejected:
             assert -(-(r.prompt_tokens + r.output_tokens) // 16) > capacity
