@@ -135,3 +135,63 @@ def test_a_block_freed_earlier_is_evicted_before_a_partial_block_freed_later() -
     assert cache.match([1, 2]) == 1 and cache.match([11, 12]) == 2
     assert cache.evictions == 1
     cache._check()
+
+
+class EventLog:
+    """A CacheListener that keeps what it hears, as a KV-event subscriber would."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, list[int], int | None]] = []
+
+    def stored(self, hashes: list[int], parent: int | None) -> None:
+        self.events.append(("stored", list(hashes), parent))
+
+    def removed(self, hashes: list[int]) -> None:
+        self.events.append(("removed", list(hashes), None))
+
+
+def test_the_listener_hears_each_newly_cached_run_with_its_parent_and_each_eviction() -> None:
+    # vLLM's BlockStored names the block a run continues (None: block 0); a block already cached is no event.
+    cache = BlockCache(capacity_blocks=6)
+    log = EventLog()
+    cache.listener = log
+    a: list[int] = []
+    assert cache.allocate(3)
+    cache.commit([1, 2], a)
+    cache.commit([3], a)  # the same request's next block, a step later: continues block 2
+    b, c = [1], [1]
+    cache.acquire(b)  # a second request hits block 1, computes block 2 again and then its own block 7
+    assert cache.allocate(2)
+    assert cache.commit([2, 7], b) == 1
+    cache.acquire(c)  # a third computes block 2 again and nothing new: no event, not even an empty one
+    assert cache.allocate(1)
+    assert cache.commit([2], c) == 0
+    assert log.events == [("stored", [1, 2], None), ("stored", [3], 2), ("stored", [7], 2)]
+    cache.release(a, private=0)
+    cache.release(b, private=1)
+    cache.release(c, private=1)
+    log.events.clear()
+    # the pool is full (4 cached, 2 freed private): allocations take the least recently freed, a request's tail
+    # first, and only the cached ones are evictions
+    assert cache.allocate(2)
+    assert cache.allocate(2)
+    assert cache.allocate(1)
+    assert log.events == [("removed", [3], None), ("removed", [7], None), ("removed", [2], None)]
+    assert cache.evictions == 3 and cache.match([1, 2]) == 1
+    cache._check()
+
+
+def test_a_one_block_pool_is_valid_and_a_bad_capacity_is_named() -> None:
+    cache = BlockCache(capacity_blocks=1)
+    assert cache.allocate(1) and not cache.allocate(1)
+    with pytest.raises(ValueError, match="capacity_blocks must be a positive int or None, not -3"):
+        BlockCache(capacity_blocks=-3)
+
+
+def test_repr_counts_free_cached_blocks_apart_from_freed_private_ones() -> None:
+    cache = BlockCache(capacity_blocks=4)
+    held: list[int] = []
+    assert cache.allocate(3)
+    cache.commit([1, 2], held)
+    cache.release(held, private=1)
+    assert repr(cache) == "BlockCache(capacity_blocks=4, used=0, cached=2, free_cached=2)"
