@@ -114,6 +114,8 @@ def test_a_prefix_hit_stops_one_token_short_of_the_prompt() -> None:
     _drain(backend)
     assert second.record.cached_tokens == 32
     assert second.record.computed_prompt_tokens == 1
+    # an engine with no fleet around it: what any engine held is what this one held
+    assert (first.record.fleet_cached_tokens, second.record.fleet_cached_tokens) == (0, 32)
 
 
 def test_a_request_needing_every_block_is_admitted() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -319,3 +319,88 @@ def test_metrics_polling_shows_engine_load_to_the_policy() -> None:
     assert any(q for q, _u in policy.seen)  # some engine had a queue when asked
     assert all(0.0 <= u <= 1.0 for _q, u in policy.seen if u is not None)
     assert outcome.duration == max(r.finished for r in outcome.records if r.finished is not None)
+
+
+def test_arrival_processes_refuse_what_they_document_and_name_the_value() -> None:
+    cases: list[tuple[Callable[[], object], str]] = [
+        (lambda: OpenLoop(0), "rate must be a finite number > 0 of requests a second, not 0"),
+        (lambda: OpenLoop(1.0, users=0), "users must be an int in"),
+        (lambda: ClosedLoop(0), "users must be an int in"),
+        (lambda: ClosedLoop(2, ramp=-1.0), "ramp must be a finite number of seconds >= 0, not -1.0"),
+        (lambda: TraceTimes(speedup=0), "speedup must be a finite number > 0, not 0"),
+    ]
+    for make, message in cases:
+        with pytest.raises(ConfigurationError, match=message):
+            make()
+    assert TraceTimes(speedup=0.5).speedup == 0.5  # a slowed-down replay is allowed
+
+
+class CountingRouter(Router):
+    """A Router that counts the hashes the simulation's KV events evict, per backend."""
+
+    def __init__(self, **options: object) -> None:
+        super().__init__(**options)  # type: ignore[arg-type]
+        self.evicted: Counter[str] = Counter()
+
+    def evict(self, backend: str, hashes: Sequence[int]) -> None:  # type: ignore[override]
+        self.evicted[backend] += len(hashes)
+        super().evict(backend, hashes)
+
+
+def test_a_run_accounts_for_requests_fleet_reuse_progress_and_evictions() -> None:
+    # Round-robin over two engines: a shared 64-token prefix is cached on gpu0 when gpu1 first computes it, so
+    # gpu1's first request recomputes what the fleet held, costed by the cost model; small caches evict.
+    cost = StepLog()
+    router = CountingRouter(policy=policy_from_name("round-robin"), index=EventsOnlyIndex(16))
+    requests = [_request(1, 64, i, 40, 3, False) for i in range(12)]
+    progress: list[tuple[int, int]] = []
+    simulation = Simulation(
+        router=router,
+        workload=ListWorkload(requests),
+        arrivals=ClosedLoop(1),
+        cost=cost,
+        config=BackendConfig(capacity_blocks=12),
+        backends=2,
+        max_requests=12,
+        gpus_per_backend=2,
+        check=True,
+        kv_events=True,
+        on_progress=lambda done, total: progress.append((done, total)),
+    )
+    outcome = simulation.run()
+    records = outcome.records
+    assert [r.request_id for r in records] == list(range(12)) and {r.user for r in records} == {0}
+    assert [r.backend for r in records[:2]] == ["gpu0", "gpu1"]
+    second = records[1]
+    assert second.cached_tokens == 0 and second.fleet_cached_tokens == 64
+    total = second.prompt_tokens
+    assert second.recompute_seconds == pytest.approx(
+        2 * (cost.prefill_seconds(total, 0) - cost.prefill_seconds(total - 64, 64))
+    )
+    assert all(r.recompute_seconds == 0.0 for r in records if r.cached_tokens == r.fleet_cached_tokens)
+    assert progress == [(done, 12) for done in range(1, 13)]
+    assert outcome.peak_in_flight == {"gpu0": 1, "gpu1": 1}  # one user: one request in the system at a time
+    assert sum(outcome.steps.values()) == len(cost.steps)
+    assert sum(outcome.evictions.values()) > 0 and outcome.evictions == dict(router.evicted)
+    for backend in simulation.backends:
+        assert router.index.hashes(backend.name) == set(backend.cache._refs)
+    with pytest.raises(RuntimeError, match="runs once"):
+        simulation.run()
+
+
+def test_what_the_fleet_held_is_bounded_as_an_engine_s_own_hit() -> None:
+    # An engine reuses at most prompt - 1 tokens (it computes the last one), so the fleet's reusable prefix is
+    # bounded the same way: 32 tokens held elsewhere count as 16 for a 32-token prompt and 32 for a 33-token one.
+    short, long = SimRequest(token_bytes(0, 32), 2), SimRequest(token_bytes(10**6, 33), 2)
+    simulation = Simulation(
+        router=Router(policy=policy_from_name("round-robin")),
+        workload=ListWorkload([short, short, long, long]),
+        arrivals=ClosedLoop(1),
+        cost=LinearCost(),
+        config=BackendConfig(capacity_blocks=None),
+        backends=2,
+    )
+    records = simulation.run().records
+    assert [r.backend for r in records] == ["gpu0", "gpu1", "gpu0", "gpu1"]
+    assert [r.fleet_cached_tokens for r in records] == [0, 16, 0, 32]
+    assert all(r.cached_tokens == 0 for r in records)
