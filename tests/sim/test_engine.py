@@ -110,6 +110,7 @@ def test_random_request_mixes_keep_invariants_and_conserve_tokens(
     for r in served:
         assert r.generated_tokens == r.output_tokens
         assert r.first_token is not None and r.arrival <= r.first_token <= r.finished  # type: ignore[operator]
+        assert r.scheduled is not None and r.arrival <= r.scheduled <= r.first_token
         assert r.cached_tokens % 16 == 0 and r.cached_tokens < r.prompt_tokens
         if r.preemptions == 0:
             assert r.cached_tokens + r.computed_prompt_tokens == r.prompt_tokens
@@ -194,6 +195,7 @@ def test_a_request_larger_than_the_cache_is_rejected_not_stuck() -> None:
     requests = [_request(0, 0, 1, 2000, 5, False), _request(0, 0, 2, 100, 5, False)]
     _, outcome = _run(requests, capacity=40)
     assert [r.rejected for r in outcome.records] == [True, False]
+    assert outcome.records[0].finished == outcome.records[0].arrival  # refused at once
 
 
 def test_a_rejected_request_leaves_no_predicted_blocks_in_the_router() -> None:
@@ -404,3 +406,85 @@ def test_what_the_fleet_held_is_bounded_as_an_engine_s_own_hit() -> None:
     assert [r.backend for r in records] == ["gpu0", "gpu1", "gpu0", "gpu1"]
     assert [r.fleet_cached_tokens for r in records] == [0, 16, 0, 32]
     assert all(r.cached_tokens == 0 for r in records)
+
+
+class UserLog(ListWorkload):
+    """A ListWorkload that remembers which user each request was asked for."""
+
+    def __init__(self, requests: list[SimRequest]) -> None:
+        super().__init__(requests)
+        self.users: list[int] = []
+
+    def next_request(self, user: int) -> SimRequest | None:
+        self.users.append(user)
+        return super().next_request(user)
+
+
+def _simulation(workload: ListWorkload, arrivals: ClosedLoop | OpenLoop | TraceTimes, **options: object) -> Simulation:
+    parts = {"router": Router(), "cost": LinearCost(), "config": BackendConfig(capacity_blocks=100), "backends": 1}
+    return Simulation(workload=workload, arrivals=arrivals, **(parts | options))  # type: ignore[arg-type]
+
+
+def test_users_who_arrive_together_are_served_in_user_order_and_all_count_in_flight() -> None:
+    requests = [SimRequest(token_bytes(1000 * i, 40), 3, tag=f"t{i}") for i in range(3)]
+    outcome = _simulation(ListWorkload(requests), ClosedLoop(3, ramp=0.0)).run()
+    # equal times keep the order events were made in (the heap's sequence numbers)
+    assert [(r.user, r.arrival, r.tag) for r in outcome.records] == [(0, 0.0, "t0"), (1, 0.0, "t1"), (2, 0.0, "t2")]
+    assert outcome.peak_in_flight == {"gpu0": 3}
+
+
+def test_open_loop_arrival_i_is_sent_for_user_i_mod_users() -> None:
+    workload = UserLog([SimRequest(token_bytes(1000 * i, 20), 2) for i in range(7)])
+    outcome = _simulation(workload, OpenLoop(rate=50.0, users=3), max_requests=7).run()
+    assert workload.users == [0, 1, 2, 0, 1, 2, 0]
+    assert [r.user for r in outcome.records] == [i % 3 for i in range(7)]
+    trace = UserLog([SimRequest(token_bytes(1000 * i, 20), 2, arrival=0.1 * i) for i in range(3)])
+    replayed = _simulation(trace, TraceTimes()).run()
+    assert trace.users[:3] == [0, 1, 2] and [r.user for r in replayed.records] == [0, 1, 2]
+
+
+def test_duration_stops_arrivals_at_and_after_it() -> None:
+    # The window is [0, duration): a trace request arriving exactly at the end is not sent.
+    requests = [SimRequest(token_bytes(1000 * i, 20), 2, arrival=t) for i, t in enumerate([0.5, 1.0, 1.5])]
+    outcome = _simulation(ListWorkload(requests), TraceTimes(), duration=1.0).run()
+    assert [r.arrival for r in outcome.records] == [0.5]
+    workload = UserLog([SimRequest(token_bytes(1000 * i, 20), 2) for i in range(50)])
+    closed = _simulation(workload, ClosedLoop(2, think_time=0.2), duration=1.0).run()
+    assert closed.records and all(r.arrival < 1.0 for r in closed.records)
+    assert set(workload.users) == {0, 1}
+
+
+def test_an_empty_run_lasts_nothing_and_trace_times_need_arrival_times() -> None:
+    outcome = _simulation(ListWorkload([]), ClosedLoop(2, ramp=0.0)).run()
+    assert outcome.records == [] and outcome.duration == 0.0
+    with pytest.raises(ConfigurationError, match="trace-time arrivals need requests with an arrival time"):
+        _simulation(ListWorkload([SimRequest(token_bytes(0, 20), 2)]), TraceTimes()).run()
+
+
+def test_closed_loop_users_think_for_exponential_times_of_the_given_mean() -> None:
+    progress: list[tuple[int, int]] = []
+    requests = [SimRequest(token_bytes(1000 * i, 8), 1) for i in range(400)]
+    outcome = _simulation(
+        ListWorkload(requests), ClosedLoop(1, think_time=0.5), seed=5, on_progress=lambda *a: progress.append(a)
+    ).run()
+    records = outcome.records
+    thinks = [b.arrival - a.finished for a, b in zip(records, records[1:], strict=False)]  # type: ignore[operator]
+    assert min(thinks) >= 0 and 0.4 < sum(thinks) / len(thinks) < 0.6
+    assert progress == [(done, 0) for done in range(1, 401)]  # no max_requests: the total is 0
+    eager = _simulation(ListWorkload(requests[:5]), ClosedLoop(1)).run().records  # think_time 0: send at once
+    assert all(b.arrival == a.finished for a, b in zip(eager, eager[1:], strict=False))
+
+
+def test_metrics_polling_of_an_unbounded_engine_shows_no_kv_usage() -> None:
+    policy = RecordingPolicy()
+    requests = [_request(0, 100, i, 20, 5, False) for i in range(10)]
+    simulation = _simulation(
+        ListWorkload(requests),
+        ClosedLoop(3),
+        router=Router(policy=policy),
+        config=BackendConfig(capacity_blocks=None),
+        backends=2,
+        metrics_interval=0.01,
+    )
+    simulation.run()
+    assert policy.seen and all(q is not None and u is None for q, u in policy.seen)
