@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixroute import ConfigurationError, Router
+from prefixroute import ConfigurationError, InvalidTypeError, Router
 from prefixroute.policies import Candidate, LoadPolicy, policy_from_name
 from prefixroute.sim.backend import BackendConfig
 from prefixroute.sim.engine import ClosedLoop, OpenLoop, SimOutcome, Simulation, TraceTimes
@@ -488,3 +489,68 @@ def test_metrics_polling_of_an_unbounded_engine_shows_no_kv_usage() -> None:
     )
     simulation.run()
     assert policy.seen and all(q is not None and u is None for q, u in policy.seen)
+
+
+class StepCostOnly:
+    """Half a cost model: no prefill_seconds."""
+
+    def step_seconds(self, prefill: Sequence[tuple[int, int]], decode_contexts: Sequence[int]) -> float:
+        return 0.01
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"backends": 0}, ConfigurationError, "backends must be an int in [1, 4,096], not 0"),
+        ({"backends": []}, ConfigurationError, "backends must be a positive count or distinct backend names"),
+        ({"backends": ["a", "a"]}, ConfigurationError, "backends must be a positive count or distinct backend names"),
+        (
+            {"backends": ["a", ""]},
+            ConfigurationError,
+            "backends must be a positive count or distinct, non-empty backend names",
+        ),
+        ({"backends": "ab"}, InvalidTypeError, "backends must be a count or a list of names, not str"),
+        ({"max_requests": 0}, ConfigurationError, "max_requests must be an int in [1, 100,000,000], not 0"),
+        ({"duration": 0}, ConfigurationError, "duration must be a finite number > 0 of seconds, not 0"),
+        ({"seed": 1.5}, InvalidTypeError, "seed must be an int, not float"),
+        ({"gpus_per_backend": 0}, ConfigurationError, "gpus_per_backend must be an int in [1, 4,096], not 0"),
+        ({"check": "yes"}, ConfigurationError, "check must be True or False, not 'yes'"),
+        ({"kv_events": "yes"}, ConfigurationError, "kv_events must be True or False, not 'yes'"),
+        ({"first_token": "no"}, ConfigurationError, "first_token must be True or False, not 'no'"),
+        ({"metrics_interval": 0}, ConfigurationError, "metrics_interval must be a finite number > 0 of seconds, not 0"),
+        ({"router": None}, InvalidTypeError, "router must be a prefixroute.Router, not NoneType"),
+        ({"workload": 5}, InvalidTypeError, "workload must have next_request(user), not int"),
+        ({"arrivals": 5}, InvalidTypeError, "arrivals must be a ClosedLoop, OpenLoop or TraceTimes, not int"),
+        (
+            {"cost": StepCostOnly()},
+            InvalidTypeError,
+            "cost must be a CostModel (step_seconds, prefill_seconds), not StepCostOnly",
+        ),
+        ({"config": 5}, InvalidTypeError, "config must be a BackendConfig, not int"),
+        ({"on_progress": 5}, InvalidTypeError, "on_progress must be a callable (done, total) or None, not int"),
+    ],
+)
+def test_a_simulation_refuses_bad_parts_naming_them(options: dict[str, object], error: type, message: str) -> None:
+    parts = {"router": Router(), "workload": ListWorkload([]), "arrivals": ClosedLoop(1), "cost": LinearCost()}
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        Simulation(**(parts | {"config": BackendConfig(capacity_blocks=10)} | options))  # type: ignore[arg-type]
+
+
+def test_the_documented_defaults_and_limits_hold() -> None:
+    requests = [_request(i % 2, 100, i, 20, 4, False) for i in range(40)]
+    default = Simulation(
+        router=Router(policy=policy_from_name("round-robin")), workload=ListWorkload(requests),
+        arrivals=ClosedLoop(6), cost=LinearCost(),
+        config=BackendConfig(capacity_blocks=30),
+    )  # fmt: skip
+    explicit = Simulation(
+        router=Router(policy=policy_from_name("round-robin")), workload=ListWorkload(requests),
+        arrivals=ClosedLoop(6), cost=LinearCost(),
+        config=BackendConfig(capacity_blocks=30), backends=8, seed=0, gpus_per_backend=1, first_token=True,
+    )  # fmt: skip
+    assert default.names == [f"gpu{i}" for i in range(8)]
+    records = default.run().records
+    assert records == explicit.run().records
+    assert any(r.recompute_seconds > 0 for r in records)  # round-robin recomputes what another engine held
+    assert ClosedLoop(1_000_000).users == 1_000_000  # MAX_USERS is allowed
+    assert _simulation(ListWorkload([]), ClosedLoop(1), duration=0.5).duration == 0.5
