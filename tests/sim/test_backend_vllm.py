@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import cast
 
+import pytest
+
+from prefixroute.errors import ConfigurationError
 from prefixroute.hashing import BlockHasher
 from prefixroute.router import Decision
 from prefixroute.sim.backend import Active, BackendConfig, SimBackend
@@ -170,3 +173,17 @@ def test_a_recomputed_request_s_last_two_tokens_are_prefill_counted_as_computed(
     assert log.steps[-1] == ([(2, 32)], [])
     assert newer.record.computed_prompt_tokens == 31 + 2
     assert backend.prefill_tokens == sum(new for prefill, _decode in log.steps for new, _cached in prefill)
+
+
+def test_engine_settings_allow_a_one_block_cache_and_name_what_does_not_fit() -> None:
+    assert BackendConfig(capacity_blocks=1).capacity_blocks == 1
+    with pytest.raises(
+        ConfigurationError,
+        match=r"^capacity_blocks is 0: the model does not fit on this GPU; choose a larger GPU or more tensor "
+        r"parallelism$",
+    ):
+        BackendConfig(capacity_blocks=0)
+    with pytest.raises(
+        ConfigurationError, match=r"^block_size, max_num_seqs and max_num_batched_tokens must be ints >= 1$"
+    ):
+        BackendConfig(capacity_blocks=4, block_size=0)

@@ -554,3 +554,30 @@ def test_the_documented_defaults_and_limits_hold() -> None:
     assert any(r.recompute_seconds > 0 for r in records)  # round-robin recomputes what another engine held
     assert ClosedLoop(1_000_000).users == 1_000_000  # MAX_USERS is allowed
     assert _simulation(ListWorkload([]), ClosedLoop(1), duration=0.5).duration == 0.5
+
+
+def test_recomputation_counts_only_what_the_fleet_held_beyond_the_engine_s_own_hit() -> None:
+    # gpu1 holds the first 32 tokens of a 64-token prefix that gpu0 holds whole: a request for it on gpu1 reuses
+    # 32 and recomputes 32 that the fleet held, costed as the prefill with its own hit less that with the fleet's.
+    def unique(i: int, tokens: int) -> bytes:
+        return token_bytes(10**6 * (i + 1), tokens)
+
+    prompts = [token_bytes(0, 64) + unique(0, 20), token_bytes(0, 32) + unique(1, 20), unique(2, 40)]
+    prompts.append(token_bytes(0, 64) + unique(3, 20))
+    cost = LinearCost()
+    records = (
+        _simulation(
+            ListWorkload([SimRequest(prompt, 2) for prompt in prompts]),
+            ClosedLoop(1),
+            router=Router(policy=policy_from_name("round-robin")),
+            config=BackendConfig(capacity_blocks=None),
+            backends=2,
+        )
+        .run()
+        .records
+    )
+    last = records[3]
+    assert (last.backend, last.cached_tokens, last.fleet_cached_tokens) == ("gpu1", 32, 64)
+    assert last.recompute_seconds == pytest.approx(
+        cost.prefill_seconds(84 - 32, 32) - cost.prefill_seconds(84 - 64, 64)
+    )
