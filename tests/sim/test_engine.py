@@ -581,3 +581,13 @@ def test_recomputation_counts_only_what_the_fleet_held_beyond_the_engine_s_own_h
     assert last.recompute_seconds == pytest.approx(
         cost.prefill_seconds(84 - 32, 32) - cost.prefill_seconds(84 - 64, 64)
     )
+
+
+def test_peak_in_flight_counts_requests_still_in_the_system_after_others_finished() -> None:
+    # The first user sends request after request without thinking; the second arrives later, while one of them is
+    # in flight: two requests in the system at once, whatever finished before.
+    requests = [SimRequest(token_bytes(1000 * i, 20), 2) for i in range(100)]
+    outcome = _simulation(ListWorkload(requests), ClosedLoop(2, ramp=1.0), seed=1).run()
+    second_user_arrives = max(min(r.arrival for r in outcome.records if r.user == user) for user in (0, 1))
+    assert second_user_arrives > min(r.finished for r in outcome.records if r.finished is not None)
+    assert outcome.peak_in_flight == {"gpu0": 2}
