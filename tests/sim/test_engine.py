@@ -16,6 +16,7 @@ from prefixroute.sim.backend import BackendConfig
 from prefixroute.sim.engine import ClosedLoop, OpenLoop, SimOutcome, Simulation, TraceTimes
 from prefixroute.sim.index import EventsOnlyIndex
 from prefixroute.sim.request import SimRequest, token_bytes
+from prefixroute.sim.workloads import make_workload
 
 from .conftest import LinearCost, StepLog
 
@@ -234,8 +235,6 @@ def test_open_loop_needs_a_stop_condition() -> None:
 @pytest.mark.parametrize("arrivals", [ClosedLoop(2), TraceTimes()], ids=["closed-loop", "trace-times"])
 def test_a_synthetic_scenario_without_a_stop_is_refused_when_made(arrivals: ClosedLoop | TraceTimes) -> None:
     # Was: closed-loop users over an endless scenario ran for ever (trace times: an error only at the first request).
-    from prefixroute.sim.workloads import make_workload
-
     parts = {"router": Router(), "cost": LinearCost(), "config": BackendConfig(capacity_blocks=10)}
     with pytest.raises(ConfigurationError, match="max_requests or duration" if arrivals.__class__ is ClosedLoop
                        else "synthetic scenario has none"):  # fmt: skip
@@ -458,6 +457,7 @@ def test_duration_stops_arrivals_at_and_after_it() -> None:
 def test_an_empty_run_lasts_nothing_and_trace_times_need_arrival_times() -> None:
     outcome = _simulation(ListWorkload([]), ClosedLoop(2, ramp=0.0)).run()
     assert outcome.records == [] and outcome.duration == 0.0
+    assert outcome.peak_in_flight == {"gpu0": 0} and outcome.steps == {"gpu0": 0}
     with pytest.raises(ConfigurationError, match="trace-time arrivals need requests with an arrival time"):
         _simulation(ListWorkload([SimRequest(token_bytes(0, 20), 2)]), TraceTimes()).run()
 
@@ -518,7 +518,24 @@ class StepCostOnly:
         ({"kv_events": "yes"}, ConfigurationError, "kv_events must be True or False, not 'yes'"),
         ({"first_token": "no"}, ConfigurationError, "first_token must be True or False, not 'no'"),
         ({"metrics_interval": 0}, ConfigurationError, "metrics_interval must be a finite number > 0 of seconds, not 0"),
-        ({"router": None}, InvalidTypeError, "router must be a prefixroute.Router, not NoneType"),
+        ({"router": 5}, InvalidTypeError, "router must be a prefixroute.Router, not int"),
+        (
+            {"arrivals": OpenLoop(1.0)},
+            ConfigurationError,
+            "give max_requests or duration: open-loop arrivals never stop by themselves",
+        ),
+        (
+            {"workload": make_workload("seed"), "arrivals": TraceTimes()},
+            ConfigurationError,
+            "trace-time arrivals need a trace's arrival times, and a synthetic scenario has none: use ClosedLoop "
+            "or OpenLoop arrivals",
+        ),
+        (
+            {"workload": make_workload("seed")},
+            ConfigurationError,
+            "a synthetic scenario (SeedScenario) never runs out of requests: set max_requests or duration, or the "
+            "simulation never ends",
+        ),
         ({"workload": 5}, InvalidTypeError, "workload must have next_request(user), not int"),
         ({"arrivals": 5}, InvalidTypeError, "arrivals must be a ClosedLoop, OpenLoop or TraceTimes, not int"),
         (
@@ -549,6 +566,15 @@ def test_the_documented_defaults_and_limits_hold() -> None:
         config=BackendConfig(capacity_blocks=30), backends=8, seed=0, gpus_per_backend=1, first_token=True,
     )  # fmt: skip
     assert default.names == [f"gpu{i}" for i in range(8)]
+    events_only = Router(index=EventsOnlyIndex(16))
+    served = Simulation(
+        router=events_only, workload=ListWorkload(requests[:4]), arrivals=ClosedLoop(1), cost=LinearCost(),
+        config=BackendConfig(capacity_blocks=30),
+    ).run().records[0].backend  # fmt: skip
+    assert all(not events_only.index.hashes(f"gpu{i}") for i in range(8))  # kv_events is off by default
+    # first tokens are reported by default: the router has seen the engine's prefill speed
+    probe = events_only.decide([1] * 64, [served])
+    assert probe.candidates[0].prefill_tokens_per_s is not None
     records = default.run().records
     assert records == explicit.run().records
     assert any(r.recompute_seconds > 0 for r in records)  # round-robin recomputes what another engine held
