@@ -209,10 +209,10 @@ class SimBackend:
             n = min(active.tokens - hit * size, budget)
             need = -(-(hit * size + n) // size) - hit
             available = cache.available()
-            if available is not None and available - cache.unreferenced(hashes[:hit]) < need:
+            if available is not None and available - cache._unreferenced(hashes[:hit]) < need:
                 break  # first come first served: the head of the queue waits for memory
             held = hashes[:hit]
-            cache.acquire(held)
+            cache._acquire(held)
             allocated = cache.allocate(need)
             assert allocated, "admission checked the blocks were available"
             waiting.popleft()
@@ -242,12 +242,12 @@ class SimBackend:
         """
         full = min((active.computed + n) // self.block_size, len(active.hashes))
         if full > active.next_commit:
-            active.private -= self.cache.commit(active.hashes[active.next_commit : full], active.held)
+            active.private -= self.cache._commit(active.hashes[active.next_commit : full], active.held)
             active.next_commit = full
 
     def _preempt(self, active: Active) -> None:
         """Free a running request's blocks and put it back at the head of the queue to recompute (vLLM V1)."""
-        self.cache.release(active.held, private=active.private)
+        self.cache._release(active.held, active.private)
         active.held = []
         active.blocks = 0
         active.private = 0
@@ -281,7 +281,7 @@ class SimBackend:
             done = set(map(id, finished))
             self.running = [a for a in self.running if id(a) not in done]
             for active in finished:
-                cache.release(active.held, private=active.private)
+                cache._release(active.held, active.private)
         return finished
 
     def _check(self) -> None:

@@ -18,13 +18,13 @@ not named.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from prefixroute._numbers import as_int, shown
-from prefixroute.errors import ConfigurationError
-from prefixroute.index import leading_run
+from prefixroute.errors import ConfigurationError, InvalidTypeError
+from prefixroute.index import _not_a_sequence, leading_run
 
 __all__ = ["BlockCache", "CacheListener"]
 
@@ -53,7 +53,10 @@ class BlockCache:
     """Count KV blocks in use, free, and free-but-cached, evicting cached blocks nobody references, oldest freed first.
 
     ``capacity_blocks=None`` makes the pool unbounded (nothing is ever evicted). Every method is O(blocks it
-    touches). ``_check()`` asserts the invariants; tests call it after every simulator step.
+    touches). ``_check()`` asserts the invariants; tests call it after every simulator step. A method given what it
+    cannot use (a hash that is no int, a block it does not hold, more blocks than the request has) raises
+    :class:`~prefixroute.InvalidTypeError` or :class:`~prefixroute.ConfigurationError` and changes nothing; the
+    simulated engine, whose calls keep those rules, calls each O(n) method's unchecked twin (``_commit``, ...).
 
     >>> cache = BlockCache(capacity_blocks=4)
     >>> cache.allocate(2)                  # a new request's two private blocks
@@ -118,6 +121,8 @@ class BlockCache:
 
     def holds(self, block_hash: int) -> bool:
         """Whether ``block_hash`` is cached. O(1)."""
+        if type(block_hash) is not int:
+            _check_hash(block_hash)
         return block_hash in self._refs
 
     def match(self, hashes: Sequence[int], *, limit: int | None = None) -> int:
@@ -127,15 +132,32 @@ class BlockCache:
         prefixes and free them tail first, so eviction takes children before parents), which makes "block k is
         cached" true for a leading run of k and false after it. ``_check()`` and the tests verify the property.
         """
+        if type(hashes) is not list and _not_a_sequence(hashes):
+            raise InvalidTypeError(f"hashes must be a sequence of block hashes, not {type(hashes).__name__}")
+        if limit is not None and (type(limit) is not int or limit < 0):
+            count = as_int(limit)
+            if count is None or count < 0:
+                raise ConfigurationError(f"limit must be None or a count of blocks >= 0, not {shown(limit)}")
+            limit = count
         return leading_run(self._refs, hashes, limit)
 
     def unreferenced(self, hashes: Sequence[int]) -> int:
         """Return how many of ``hashes`` (all cached) are free-but-cached: taking them uses up that many. O(n)."""
+        _check_cached(self._refs, hashes, "unreferenced")
+        return self._unreferenced(hashes)
+
+    def _unreferenced(self, hashes: Sequence[int]) -> int:
+        """:meth:`unreferenced` unchecked: the simulated engine's own calls."""
         refs = self._refs
         return sum(1 for h in hashes if refs[h] == 0)
 
     def acquire(self, hashes: Sequence[int]) -> None:
         """Reference cached blocks (a request's prefix hit); unreferenced ones leave the free queue. O(n)."""
+        _check_cached(self._refs, hashes, "acquire")
+        self._acquire(hashes)
+
+    def _acquire(self, hashes: Sequence[int]) -> None:
+        """:meth:`acquire` unchecked: the simulated engine's own calls."""
         refs, free_queue = self._refs, self._free_queue
         for h in hashes:
             count = refs[h]
@@ -148,6 +170,11 @@ class BlockCache:
 
         Returns False, changing nothing, when fewer than ``blocks`` are available. O(evicted).
         """
+        if type(blocks) is not int:
+            count = as_int(blocks)
+            if count is None:
+                raise ConfigurationError(f"blocks must be a count of blocks (an int), not {shown(blocks)}")
+            blocks = count
         if blocks <= 0:
             return True
         capacity = self._capacity
@@ -180,6 +207,22 @@ class BlockCache:
         finds for that prefix while the duplicate lives. So a request always holds a whole prefix. Returns how
         many private blocks became cached. O(n).
         """
+        refs = self._refs
+        if not isinstance(held, list):
+            raise InvalidTypeError(f"held must be the request's list of hashed blocks, not {type(held).__name__}")
+        new = _uncached(refs, hashes, "commit")
+        for h in new:
+            if type(h) is not int:
+                _check_hash(h)
+        if len(new) > self._private:
+            raise ConfigurationError(
+                f"commit() caches a request's private blocks: {len(new)} new hashes, but only {self._private} "
+                "private blocks are allocated (allocate() them first)"
+            )
+        return self._commit(hashes, held)
+
+    def _commit(self, hashes: Sequence[int], held: list[int]) -> int:
+        """:meth:`commit` unchecked: the simulated engine's own calls."""
         refs, free_queue = self._refs, self._free_queue
         committed = 0
         listener = self.listener
@@ -216,6 +259,30 @@ class BlockCache:
         (the partial last block, blocks being filled, output blocks) come last in a request's block table, so they
         are freed first. O(n).
         """
+        refs = self._refs
+        count = as_int(private)
+        if count is None or not 0 <= count <= self._private:
+            raise ConfigurationError(
+                f"private must be a count of the request's private blocks, 0 to the {self._private} allocated, "
+                f"not {shown(private)}"
+            )
+        private = count
+        if _not_a_sequence(hashed):
+            raise InvalidTypeError(f"hashed must be a sequence of block hashes, not {type(hashed).__name__}")
+        try:
+            counts = list(map(refs.get, hashed))  # None: not cached; 0: cached, held by no request
+            listed_twice = len(set(hashed)) != len(counts)  # never for a request's own blocks (a chain)
+        except TypeError:
+            raise InvalidTypeError("hashed must hold block hashes (ints)") from None
+        if None in counts or 0 in counts or listed_twice:
+            needed = Counter(hashed)
+            unheld = next((h for h, n in needed.items() if refs.get(h, 0) < n), None)
+            if unheld is not None:
+                raise ConfigurationError(f"release() of block {shown(unheld)}, which no request holds that often")
+        self._release(hashed, private)
+
+    def _release(self, hashed: Sequence[int], private: int) -> None:
+        """:meth:`release` unchecked: the simulated engine's own calls."""
         refs, free_queue = self._refs, self._free_queue
         if self._capacity is not None and private > 0:
             for _ in range(private):
@@ -249,4 +316,28 @@ class BlockCache:
         return (
             f"BlockCache(capacity_blocks={self._capacity}, used={self.used_blocks}, "
             f"cached={self.cached_blocks}, free_cached={len(self._free_queue) - self._free_private})"
+        )
+
+
+def _check_hash(block_hash: object) -> None:
+    count = as_int(block_hash)
+    if count is None or not 0 <= count < 2**64:
+        raise InvalidTypeError(f"a block hash is an int in [0, 2**64), not {shown(block_hash)}")
+
+
+def _uncached(refs: dict[int, int], hashes: Iterable[int], method: str) -> set[int]:
+    """The distinct ``hashes`` not cached, checking that ``hashes`` is a sequence of hashable values. O(n)."""
+    if _not_a_sequence(hashes):
+        raise InvalidTypeError(f"{method}() takes a sequence of block hashes, not {type(hashes).__name__}")
+    try:
+        return {h for h in hashes if h not in refs}
+    except TypeError:
+        raise InvalidTypeError(f"{method}() takes block hashes (ints)") from None
+
+
+def _check_cached(refs: dict[int, int], hashes: Iterable[int], method: str) -> None:
+    uncached = _uncached(refs, hashes, method)
+    if uncached:
+        raise ConfigurationError(
+            f"{method}() takes cached blocks only: {shown(next(iter(uncached)))} is not cached (see match())"
         )

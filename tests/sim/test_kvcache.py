@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import math
+import re
+from collections.abc import Callable
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.sim.kvcache import BlockCache
 
 
@@ -195,3 +200,47 @@ def test_repr_counts_free_cached_blocks_apart_from_freed_private_ones() -> None:
     cache.commit([1, 2], held)
     cache.release(held, private=1)
     assert repr(cache) == "BlockCache(capacity_blocks=4, used=0, cached=2, free_cached=2)"
+
+
+def _state(cache: BlockCache) -> tuple[object, ...]:
+    return (dict(cache._refs), list(cache._free_queue), cache._private, cache._free_private, cache.evictions)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda c, held: c.allocate(None), ConfigurationError, "blocks must be a count"),
+        (lambda c, held: c.allocate(math.nan), ConfigurationError, "blocks must be a count"),  # was: a NaN count
+        (lambda c, held: c.holds([1]), InvalidTypeError, "a block hash is an int"),
+        (lambda c, held: c.match(None), InvalidTypeError, "hashes must be a sequence"),
+        (lambda c, held: c.match([1], limit="2"), ConfigurationError, "limit must be None or a count"),
+        (lambda c, held: c.unreferenced([1, 99]), ConfigurationError, "takes cached blocks only: 99"),
+        (lambda c, held: c.acquire([1, 99]), ConfigurationError, "takes cached blocks only: 99"),  # was: half done
+        (lambda c, held: c.acquire([[1]]), InvalidTypeError, "takes block hashes"),
+        (lambda c, held: c.commit(None, held), InvalidTypeError, "sequence of block hashes"),
+        (lambda c, held: c.commit([5], None), InvalidTypeError, "held must be the request's list"),
+        (lambda c, held: c.commit(["x"], held), InvalidTypeError, "a block hash is an int"),
+        (lambda c, held: c.commit([5, 6, 7], held), ConfigurationError, "3 new hashes, but only 2 private blocks"),
+        (lambda c, held: c.release(held, private=3), ConfigurationError, "0 to the 2 allocated"),
+        (lambda c, held: c.release(held, private=None), ConfigurationError, "private must be a count"),
+        (lambda c, held: c.release([*held, 99], private=0), ConfigurationError, "release() of block 99"),
+        (lambda c, held: c.release([*held, 1], private=0), ConfigurationError, "release() of block 1"),  # twice
+        (lambda c, held: c.release(None, private=0), InvalidTypeError, "hashed must be a sequence"),
+    ],
+)
+def test_a_call_the_pool_cannot_follow_is_refused_and_changes_nothing(
+    call: Callable[[BlockCache, list[int]], object], error: type[Exception], message: str
+) -> None:
+    # Was: Python's own KeyError/TypeError/AttributeError, some after part of the change (acquire() of an uncached
+    # block referenced those before it), or a silent corruption (a NaN allocation, a release of more private blocks
+    # than allocated, a block released twice: negative counts that _check() then found).
+    cache = BlockCache(capacity_blocks=8)
+    held: list[int] = []
+    assert cache.allocate(4) and cache.commit([1, 2], held) == 2  # a request: two cached blocks, two private
+    before = _state(cache)
+    with pytest.raises(error, match=re.escape(message)):
+        call(cache, held)
+    assert _state(cache) == before and held == [1, 2]
+    cache._check()
+    cache.release(held, private=2)  # the request itself still finishes
+    assert cache.used_blocks == 0
