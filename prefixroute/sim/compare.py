@@ -263,7 +263,7 @@ def rich_table(ranking: Ranking, *, default: str | None = None, title: str = "")
 
 
 def markdown_table(ranking: Ranking, *, default: str | None = None) -> str:
-    """The ranked table as Markdown; the recommendation's row and the default's name are in bold."""
+    """The ranked table as Markdown; the recommendation's row is in bold, the default is marked in its kind cell."""
     lines = ["| " + " | ".join(_HEADERS) + " |", "|" + "---|" * 3 + "---:|" * (len(_HEADERS) - 3)]
     for row in table_rows(ranking, default=default):
         if row[1] == ranking.recommended.policy and ranking.eligible(ranking.recommended):
