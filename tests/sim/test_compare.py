@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import re
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -14,6 +18,7 @@ from prefixroute import policy_names
 from prefixroute.cli import main
 from prefixroute.errors import ConfigurationError
 from prefixroute.router import Router
+from prefixroute.sim import compare
 from prefixroute.sim.baselines import BASELINES
 from prefixroute.sim.compare import (
     THROUGHPUT_TOLERANCE,
@@ -23,23 +28,34 @@ from prefixroute.sim.compare import (
     policy_kind,
     rank,
     recommendation,
+    rich_table,
     run_grid,
+    table_rows,
 )
 from prefixroute.sim.metrics import PolicyResult
 from prefixroute.sim.runner import SimSpec, build_policy, run_policy
 from prefixroute.sim.suite import judge, render, suite_workloads
+from prefixroute.sim.workloads import make_workload
 
 TINY = ["--requests", "24", "--users", "4", "--jobs", "1"]
 
 
 def result(
-    policy: str, *, p99: float, rps: float, p50: float = 10.0, hit: float = 0.5, requests: int = 100
+    policy: str,
+    *,
+    p99: float,
+    rps: float,
+    p50: float = 10.0,
+    hit: float = 0.5,
+    requests: int = 100,
+    rejected: int = 0,
+    share: float = 1.0,
 ) -> PolicyResult:
-    """A hand-built result: only the figures the ranking and the verdicts read."""
+    """A hand-built result: only the figures the ranking, the tables and the verdicts read."""
     return PolicyResult(
         policy=policy,
         requests=requests,
-        rejected=0,
+        rejected=rejected,
         hit_rate=hit,
         predicted_hit_rate=hit,
         ttft_ms={"p50": p50, "p95": p99, "p99": p99},
@@ -48,12 +64,17 @@ def result(
         prompt_tokens_per_s=0.0,
         backend_share={"gpu0": 1.0},
         peak_in_flight={"gpu0": 1},
-        max_backend_share=1.0,
+        max_backend_share=share,
         recompute_gpu_seconds=0.0,
         recompute_usd_per_month=0.0,
         preemptions=0,
         duration_s=1.0,
     )
+
+
+def unserved(policy: str) -> PolicyResult:
+    """A run that served no request: NaN latencies, as :func:`~prefixroute.sim.metrics.summarize` reports one."""
+    return result(policy, p99=math.nan, p50=math.nan, rps=0.0, hit=0.0, requests=0, share=0.0)
 
 
 def test_the_recommendation_is_the_lowest_p99_within_three_percent_of_the_best_throughput() -> None:
@@ -86,26 +107,148 @@ def test_ties_break_on_p50_then_hit_rate_then_name() -> None:
 
 
 def test_a_policy_that_served_nothing_ranks_last_and_is_never_recommended() -> None:
-    empty = result("empty", p99=math.nan, rps=0.0, p50=math.nan, requests=0)
+    empty = unserved("empty")
     ranking = rank([empty, result("slow", p99=5000, rps=0.5)])
     assert [r.policy for r in ranking.results] == ["slow", "empty"]
+    # Last means after the served policies that missed the throughput floor too.
+    ranking = rank([unserved("a-empty"), result("fast-tail", p99=50, rps=1.0), result("rate", p99=400, rps=10.0)])
+    assert [r.policy for r in ranking.results] == ["rate", "fast-tail", "a-empty"]
     alone = rank([empty])
     assert not alone.eligible(alone.recommended)
-    assert recommendation(alone).startswith("No recommendation")
+    assert recommendation(alone) == "No recommendation: no policy served a request."
+    # With nothing served there is no best throughput and no best P99 to compare with.
+    assert alone.best_throughput == 0.0 and math.isnan(alone.best_p99_ms)
+    assert table_rows(alone) == [["(1)", "empty", "user", "–", "–", "0.00", "0.0 %", "0 %", "–", "–"]]
+    assert "**" not in markdown_table(alone)  # no recommendation to set in bold
+
+
+def test_one_served_request_is_served() -> None:
+    ranking = rank([unserved("idle"), result("one", p99=80, rps=0.1, requests=1)])
+    assert ranking.recommended.policy == "one" and ranking.eligible(ranking.recommended)
+
+
+def test_the_throughput_floor_is_inclusive() -> None:
+    # "at least 1 - tolerance of the best throughput": a policy exactly at the floor is eligible and ranks by P99.
+    at_floor = result("at-floor", p99=300, rps=5.0)
+    ranking = rank([result("rate", p99=400, rps=10.0), result("below", p99=100, rps=4.99), at_floor], tolerance=0.5)
+    assert [r.policy for r in ranking.results] == ["at-floor", "rate", "below"]
+    assert ranking.eligible(at_floor) and not ranking.eligible(ranking.results[2])
+    # The default tolerance: 9.7 req/s is exactly 97 % of 10.
+    ranking = rank([result("rate", p99=400, rps=10.0), result("at-floor", p99=300, rps=9.7)])
+    assert ranking.recommended.policy == "at-floor" and ranking.eligible(ranking.recommended)
+
+
+def test_tolerance_zero_admits_only_the_best_throughput() -> None:
+    ranking = rank([result("fast-tail", p99=100, rps=9.99), result("rate", p99=400, rps=10.0)], tolerance=0)
+    assert ranking.tolerance == 0.0
+    assert ranking.recommended.policy == "rate" and ranking.eligible(ranking.recommended)
+    assert not ranking.eligible(ranking.results[1])
 
 
 @pytest.mark.parametrize(
-    ("results", "tolerance", "message"),
+    ("names", "tolerance", "message"),
     [
-        ([], THROUGHPUT_TOLERANCE, "nothing to rank"),
-        ([result("a", p99=1, rps=1), result("a", p99=2, rps=1)], THROUGHPUT_TOLERANCE, "repeated: a"),
-        ([result("a", p99=1, rps=1)], 1.0, "tolerance must be in [0, 1)"),
-        ([result("a", p99=1, rps=1)], -0.1, "tolerance must be in [0, 1)"),
+        ([], THROUGHPUT_TOLERANCE, "nothing to rank: compare at least one policy"),
+        (["a", "a"], THROUGHPUT_TOLERANCE, "each policy may be compared once; repeated: a"),
+        (["c", "a", "b", "a", "c"], THROUGHPUT_TOLERANCE, "each policy may be compared once; repeated: a, c"),
+        (["a"], 1.0, "tolerance must be in [0, 1), not 1.0"),
+        (["a"], -0.1, "tolerance must be in [0, 1), not -0.1"),
     ],
 )
-def test_rank_rejects_bad_input(results: list[PolicyResult], tolerance: float, message: str) -> None:
-    with pytest.raises(ConfigurationError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
-        rank(results, tolerance=tolerance)
+def test_rank_rejects_bad_input(names: list[str], tolerance: float, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=f"^{re.escape(message)}$"):
+        rank([result(name, p99=1, rps=1) for name in names], tolerance=tolerance)
+
+
+def _mixed_ranking() -> compare.Ranking:
+    """A built-in, two baselines (one under the floor), a user policy that served nothing."""
+    return rank(
+        [
+            result("round-robin", p99=1500, rps=10.0, p50=1234, hit=0.5, share=0.8),
+            result("dynamo", p99=1000, rps=9.8, p50=600, hit=0.25, share=0.5),
+            result("sglang", p99=300, rps=5.0, p50=100, hit=0.125, share=0.25),
+            unserved("mypkg:Mine"),
+        ]
+    )
+
+
+TABLE_COLUMNS = [
+    "rank",
+    "policy",
+    "kind",
+    "TTFT p50 ms",
+    "TTFT p99 ms",
+    "req/s",
+    "KV hit",
+    "max share",
+    "P99 ÷ best",
+    "req/s ÷ best",
+]
+
+
+def test_table_rows_show_each_policy_s_figures_and_its_ratios_to_the_best() -> None:
+    # "P99 ÷ best" divides by the lowest P99 any policy served (sglang's, though it is under the floor), "req/s ÷
+    # best" by the highest throughput; an ineligible policy's rank is in parentheses, figures it lacks are "–".
+    assert table_rows(_mixed_ranking(), default="round-robin") == [
+        ["1", "dynamo", "baseline", "600", "1,000", "9.80", "25.0 %", "50 %", "3.33×", "0.98×"],
+        ["2", "round-robin", "built-in, default", "1,234", "1,500", "10.00", "50.0 %", "80 %", "5.00×", "1.00×"],
+        ["(3)", "sglang", "baseline", "100", "300", "5.00", "12.5 %", "25 %", "1.00×", "0.50×"],
+        ["(4)", "mypkg:Mine", "user", "–", "–", "0.00", "0.0 %", "0 %", "–", "0.00×"],
+    ]
+
+
+def _table_cells(lines: list[str]) -> list[list[str]]:
+    """The cells of a Markdown table's lines, checking that each is one row of the same width."""
+    rows = []
+    for line in lines:
+        assert line.startswith("|") and line.endswith("|"), line
+        rows.append([cell.strip() for cell in line[1:-1].split("|")])
+    header, rule, *body = rows
+    assert all(re.fullmatch(r":?-{3,}:?", cell) for cell in rule), rule
+    assert all(len(row) == len(header) for row in (rule, *body)), rows
+    return [header, *body]
+
+
+def test_markdown_table_is_one_table_with_the_recommendation_in_bold() -> None:
+    ranking = _mixed_ranking()
+    header, *body = _table_cells(markdown_table(ranking, default="round-robin").splitlines())
+    assert header == TABLE_COLUMNS
+    rows = table_rows(ranking, default="round-robin")
+    assert body == [[f"**{cell}**" for cell in rows[0]], *rows[1:]]
+    assert body[1][2] == "built-in, default"
+
+
+def test_the_terminal_table_has_the_markdown_table_s_columns_and_cells() -> None:
+    ranking = _mixed_ranking()
+    table = rich_table(ranking, default="round-robin", title="seed: policies ranked")
+    assert table.title == "seed: policies ranked"
+    assert [column.header for column in table.columns] == TABLE_COLUMNS
+    rows = table_rows(ranking, default="round-robin")
+    assert [list(column.cells) for column in table.columns] == [list(cells) for cells in zip(*rows, strict=True)]
+    assert rich_table(ranking).title is None
+
+
+def test_the_recommendation_names_the_default_s_rank_and_its_ratios() -> None:
+    ranking = rank(
+        [
+            result("fast-tail-slow-rate", p99=100, rps=9.6),
+            result("best-rate", p99=400, rps=10.0),
+            result("good", p99=300, rps=9.75),
+            result("worse", p99=350, rps=9.9),
+        ]
+    )
+    rule = (
+        "Recommended: good — the lowest P99 TTFT (300 ms) among the policies that keep 97 % of the best throughput "
+        "(10.00 req/s)."
+    )
+    assert recommendation(ranking, default="worse") == (
+        f"{rule} The default, worse, ranks 2: P99 350 ms (1.17× the recommendation's), 0.99× the best throughput."
+    )
+    assert recommendation(ranking, default="good") == f"{rule} It is the default policy."
+    assert recommendation(ranking, default="not-compared") == rule
+    assert recommendation(ranking) == rule
+    looser = rank(ranking.results, tolerance=0.1)
+    assert "keep 90 % of the best throughput" in recommendation(looser)
 
 
 figures = st.tuples(
@@ -156,6 +299,39 @@ def test_a_process_pool_gives_the_results_of_one_process() -> None:
     assert sorted(seen) == [0, 1, 2]
     with pytest.raises(ConfigurationError, match="--jobs must be a positive int"):
         run_grid(runs, jobs=0)
+
+
+def test_run_grid_builds_every_run_from_the_workload_given() -> None:
+    spec = SimSpec(requests=20, users=4)  # the seed scenario, unless the workload replaces it
+    rag = functools.partial(make_workload, "rag")
+    expected = run_policy(spec, "round-robin", workload=rag).to_json()
+    assert expected != run_policy(spec, "round-robin").to_json()
+    for jobs in (1, 2):
+        results = run_grid([(spec, "least-loaded"), (spec, "round-robin")], jobs=jobs, workload=rag)
+        assert results[1].to_json() == expected
+
+
+def test_run_grid_runs_in_this_process_unless_several_jobs_have_several_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    pools: list[tuple[int | None, str | None]] = []
+
+    class RecordingPool(ProcessPoolExecutor):
+        def __init__(self, max_workers: int | None = None, mp_context: Any = None, **options: Any) -> None:
+            pools.append((max_workers, mp_context.get_start_method() if mp_context is not None else None))
+            super().__init__(max_workers=max_workers, mp_context=mp_context, **options)
+
+    monkeypatch.setattr(compare, "ProcessPoolExecutor", RecordingPool)
+    run = (SimSpec(requests=12, users=3), "round-robin")
+    done: list[tuple[int, str]] = []
+    run_grid([run, run, run], on_done=lambda i, r: done.append((i, r.policy)))  # jobs=1 by default
+    assert done == [(0, "round-robin"), (1, "round-robin"), (2, "round-robin")]  # in order, in this process
+    run_grid([run], jobs=4)
+    assert pools == []
+    # A pool of spawned processes (nothing of this one's state shared), no more of them than runs.
+    run_grid([run, run], jobs=2)
+    run_grid([run, run, run], jobs=8)
+    assert pools == [(2, "spawn"), (3, "spawn")]
+    with pytest.raises(ConfigurationError, match="^--jobs must be a positive int, not 0$"):
+        run_grid([run], jobs=0)
 
 
 def test_compare_command_ranks_recommends_and_writes_json_and_plot(
