@@ -35,7 +35,8 @@ from prefixroute.sim.compare import (
 from prefixroute.sim.metrics import PolicyResult
 from prefixroute.sim.runner import SimSpec, build_policy, run_policy
 from prefixroute.sim.suite import judge, render, suite_workloads
-from prefixroute.sim.workloads import make_workload
+from prefixroute.sim.traces import read_mooncake, read_splitwise
+from prefixroute.sim.workloads import make_workload, scenario_names
 
 TINY = ["--requests", "24", "--users", "4", "--jobs", "1"]
 
@@ -466,3 +467,180 @@ def test_judge_needs_the_default_and_round_robin(data_dir: Path) -> None:
         judge(workload, [result("mine", p99=1, rps=1)], default="mine")
     with pytest.raises(ConfigurationError, match="no result for 'mine'"):
         judge(workload, [result("round-robin", p99=1, rps=1)], default="mine")
+
+
+def test_each_suite_workload_runs_as_its_setup_sentence_says(data_dir: Path) -> None:
+    workloads = suite_workloads(seed=3, root=data_dir.parent)
+    base, with_metrics = workloads[:8], workloads[8:]
+    assert all(w.spec.seed == 3 for w in workloads)
+    scenarios, (mooncake, splitwise) = base[:6], base[6:]
+    assert [w.spec.scenario for w in scenarios] == scenario_names()
+    for w in scenarios:  # as `prefixroute simulate --scenario S` runs them
+        spec = w.spec
+        assert spec.trace is None and spec.with_(scenario="seed", seed=0) == SimSpec()
+        assert w.setup == f"{spec.backends} × {spec.model} on {spec.gpu}, {spec.users} closed-loop users, " + (
+            f"{spec.requests:,} requests"
+        )
+    # The traces run at their own timestamps (no closed-loop users), every request of the file.
+    trace = data_dir / "mooncake-fast25" / "synthetic_trace.jsonl"
+    assert mooncake.spec.trace == f"mooncake:{trace}"
+    assert (mooncake.spec.users, mooncake.spec.requests) == (None, None)
+    assert (mooncake.spec.model, mooncake.spec.gpu) == ("llama-3-8b", "h100-80gb")
+    assert mooncake.setup.startswith(f"Mooncake FAST'25 synthetic trace ({len(read_mooncake(trace)):,} requests)")
+    trace = data_dir / "vidur-profiling" / "processed_traces" / "splitwise_code.csv"
+    assert splitwise.spec.trace == f"splitwise:{trace}"
+    assert splitwise.spec.with_(trace=None, users=30, requests=1500, seed=0) == SimSpec()
+    assert (splitwise.spec.users, splitwise.spec.requests) == (None, None)
+    assert splitwise.setup.startswith(f"Splitwise code trace ({len(read_splitwise(trace)):,} requests, no shared")
+    for w in (mooncake, splitwise):
+        assert w.setup.endswith(f"at its own timestamps, {w.spec.backends} × {w.spec.model} on {w.spec.gpu}")
+    # The same workloads again, with engine metrics.
+    assert [(w.name, w.setup) for w in with_metrics] == [(w.name, w.setup) for w in base]
+    assert [w.spec for w in with_metrics] == [w.spec.with_(metrics_interval=0.1) for w in base]
+
+
+def test_judge_names_each_check_its_target_and_includes_the_boundary(data_dir: Path) -> None:
+    # Issue 9's rule, all four bounds inclusive: here the default sits exactly on each of them.
+    results = [
+        unserved("stalled"),  # served nothing: not the best P99, though it comes first
+        result("round-robin", p99=1200, rps=8.0, hit=0.06),
+        result("tail", p99=1000, rps=9.0, hit=0.06),
+        result("rate", p99=2000, rps=10.0, hit=0.06),
+        result("hits", p99=3000, rps=5.0, hit=0.1),
+        result("mine", p99=1200, rps=9.7, hit=0.05),
+    ]
+    verdict = judge(suite_workloads(root=data_dir.parent)[0], results, default="mine")
+    assert [(c.name, c.value, c.target, c.passed) for c in verdict.checks] == [
+        ("P99 ≤ round-robin", 1.0, 1.0, True),
+        ("P99 ≤ 1.2× best", 1.2, 1.2, True),
+        ("req/s ≥ 0.97× best", 0.97, 0.97, True),
+        ("hit ≥ best − 5 points", -5.0, -5.0, True),
+    ]
+    assert verdict.passed
+    assert verdict.default.policy == "mine" and verdict.round_robin.policy == "round-robin"
+    assert (verdict.best_p99.policy, verdict.best_throughput.policy, verdict.best_hit.policy) == (
+        "tail",
+        "rate",
+        "hits",
+    )
+
+
+def test_judge_a_workload_where_nothing_was_served(data_dir: Path) -> None:
+    # "A run that served nothing (NaN) fails every check it enters", even with no best throughput to divide by.
+    workload = suite_workloads(root=data_dir.parent)[0]
+    verdict = judge(workload, [unserved("round-robin"), unserved("mine")], default="mine")
+    assert [c.passed for c in verdict.checks[:3]] == [False, False, False] and not verdict.passed
+    page = render([verdict], default="mine", plot=None, wall_s=1.0, runs=2, jobs=1)
+    summary = next(line for line in page.splitlines() if line.startswith(f"| {workload.name} |"))
+    assert summary.split(" | ")[2] == "–"  # the default's P99
+    across = next(line for line in page.splitlines() if line.startswith("| mine (default) |"))
+    assert across.endswith("| 0.00× |")  # its lowest req/s ÷ best: no throughput kept
+
+
+def _page_blocks(page: str) -> None:
+    """Check that every heading, paragraph and table of a Markdown page is set off by blank lines."""
+    lines = page.splitlines()
+    assert page.endswith("\n") and lines[0] and lines[-1]
+    for i, line in enumerate(lines):
+        table = line.startswith("|")
+        before = lines[i - 1] if i else ""
+        after = lines[i + 1] if i + 1 < len(lines) else ""
+        if line and not (table and before.startswith("|")):
+            assert before == "", (before, line)
+        if line and not (table and after.startswith("|")):
+            assert after == "", (line, after)
+
+
+SUMMARY_COLUMNS = [
+    "workload",
+    "metrics",
+    "default P99 ms",
+    "÷ round-robin",
+    "÷ best (policy)",
+    "req/s ÷ best",
+    "hit − best (points)",
+    "P99 ≤ RR",
+    "P99 ≤ 1.2× best",
+    "req/s ≥ 0.97×",
+    "hit ≥ best − 5",
+    "verdict",
+    "recommended",
+]
+ACROSS_COLUMNS = ["policy", "recommended on", "median P99 ÷ best", "worst P99 ÷ best", "lowest req/s ÷ best"]
+
+
+def _tables(page: str) -> list[list[list[str]]]:
+    """Every Markdown table of a page, as rows of cells (the header first)."""
+    tables: list[list[str]] = []
+    previous = ""
+    for line in page.splitlines():
+        if line.startswith("|"):
+            if not previous.startswith("|"):
+                tables.append([])
+            tables[-1].append(line)
+        previous = line
+    return [_table_cells(lines) for lines in tables]
+
+
+def test_the_page_shows_each_workload_s_figures_tables_and_sections(data_dir: Path) -> None:
+    workloads = suite_workloads(root=data_dir.parent)
+    plain, metered = workloads[0], workloads[8]
+    results = [
+        result("round-robin", p99=1500, rps=10.0),
+        result("mine", p99=1234, rps=9.9, rejected=3),
+        result("other", p99=1000, rps=10.0, rejected=1),
+    ]
+    verdicts = [judge(plain, results, default="mine"), judge(metered, results, default="mine")]
+    page = render(verdicts, default="mine", plot="bench.png", wall_s=225.4, runs=6, jobs=2)
+    _page_blocks(page)
+    lines = page.splitlines()
+    assert lines[0] == "# Policy benchmark" and "## Summary" in lines
+    assert "![The default's P99 TTFT against round-robin and the best policy](bench.png)" in lines
+    summary, across, *ranked = _tables(page)
+    assert summary[0] == SUMMARY_COLUMNS
+    assert [row[:3] for row in summary[1:]] == [["seed", "off", "1,234"], ["seed", "0.1 s", "1,234"]]
+    assert lines[lines.index("### Across the suite") + 4].startswith("| policy |")
+    assert across[0] == ACROSS_COLUMNS
+    assert [row[0] for row in across[1:]] == ["other", "mine (default)", "round-robin"]
+    assert len(ranked) == 2 and all(table[0] == TABLE_COLUMNS for table in ranked)
+    assert [row[2] for row in ranked[0][1:]] == ["**user**", "user, default", "built-in"]
+    for workload, sentence in ((plain, "."), (metered, "; engine metrics polled every 0.1 s.")):
+        section = lines.index(f"## {workload.label}")
+        assert lines[section + 2] == workload.setup + sentence
+    assert page.count("The default, mine, ranks 2: P99 1,234 ms (1.23× the recommendation's)") == 2
+    assert page.count("\nRequests rejected (longer than one engine's KV cache): 1, 3.\n") == 2
+    assert page.endswith("\n## How long it takes\n\n6 simulations in 225 s wall time on 2 processes.\n")
+    without_plot = render(verdicts, default="mine", plot=None, wall_s=225.4, runs=6, jobs=2)
+    assert not [line for line in without_plot.splitlines() if line.startswith("![")]
+    assert "**0 of 0**" in render([], default="mine", plot=None, wall_s=0.0, runs=0, jobs=1)
+
+
+def test_across_the_suite_takes_each_policy_s_median_worst_and_lowest_rate(data_dir: Path) -> None:
+    # Per workload, P99 in units of the best policy's (100 ms) and req/s; "gappy" was not run on the second workload.
+    p99s: dict[str, list[float | None]] = {
+        "best": [100, 100, 100, 100],
+        "mine": [120, 120, 120, 120],
+        "steady": [110, 130, 160, 120],
+        "gappy": [150, None, 300, 200],
+        "round-robin": [500, 500, 500, 500],
+    }
+    rates: dict[str, list[float]] = {"steady": [10.0, 9.0, 8.0, 9.5]}
+    workload = suite_workloads(root=data_dir.parent)[0]
+    verdicts = []
+    for k in range(4):
+        results = []
+        for name, p99 in p99s.items():
+            figure = p99[k]
+            if figure is not None:
+                results.append(result(name, p99=figure, rps=rates.get(name, [10.0] * 4)[k]))
+        verdicts.append(judge(workload, results, default="mine"))
+    page = render(verdicts, default="mine", plot=None, wall_s=1.0, runs=19, jobs=1)
+    across = _tables(page)[1]
+    # Ordered by the worst P99 ÷ best; the median of an even count is the upper of the middle two (1.20, 1.30).
+    assert across[1:] == [
+        ["best", "4", "1.00×", "1.00×", "1.00×"],
+        ["mine (default)", "0", "1.20×", "1.20×", "1.00×"],
+        ["steady", "0", "1.30×", "1.60×", "0.80×"],
+        ["gappy", "0", "2.00×", "3.00×", "1.00×"],
+        ["round-robin", "0", "5.00×", "5.00×", "1.00×"],
+    ]
