@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import re
+import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -18,7 +21,7 @@ from prefixroute import policy_names
 from prefixroute.cli import main
 from prefixroute.errors import ConfigurationError
 from prefixroute.router import Router
-from prefixroute.sim import compare
+from prefixroute.sim import compare, suite
 from prefixroute.sim.baselines import BASELINES
 from prefixroute.sim.compare import (
     THROUGHPUT_TOLERANCE,
@@ -31,10 +34,11 @@ from prefixroute.sim.compare import (
     rich_table,
     run_grid,
     table_rows,
+    write_plot,
 )
 from prefixroute.sim.metrics import PolicyResult
 from prefixroute.sim.runner import SimSpec, build_policy, run_policy
-from prefixroute.sim.suite import judge, render, suite_workloads
+from prefixroute.sim.suite import SuiteWorkload, judge, render, run_suite, suite_workloads, write_suite_plot
 from prefixroute.sim.traces import read_mooncake, read_splitwise
 from prefixroute.sim.workloads import make_workload, scenario_names
 
@@ -644,3 +648,127 @@ def test_across_the_suite_takes_each_policy_s_median_worst_and_lowest_rate(data_
         ["gappy", "0", "2.00×", "3.00×", "1.00×"],
         ["round-robin", "0", "5.00×", "5.00×", "1.00×"],
     ]
+
+
+@contextlib.contextmanager
+def _drawn(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
+    """Keep the axes that the plot functions draw on, to read back what they plotted."""
+    from prefixroute.sim import report
+
+    axes: list[Any] = []
+    real = report.plot_file
+
+    @contextlib.contextmanager
+    def keeping(*args: Any, **kwargs: Any) -> Iterator[tuple[Any, Any]]:
+        with real(*args, **kwargs) as (figure, drawn):
+            axes.append(drawn)
+            yield figure, drawn
+
+    monkeypatch.setattr(report, "plot_file", keeping)
+    yield axes
+
+
+def _bars(container: Any) -> list[tuple[float, float]]:
+    """(width, vertical centre) of each bar of a horizontal bar chart."""
+    return [(bar.get_width(), bar.get_y() + bar.get_height() / 2) for bar in container]
+
+
+def test_the_compare_plot_draws_each_policy_s_figures_in_rank_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ranking = _mixed_ranking()  # dynamo, round-robin, sglang, then mypkg:Mine, which served nothing
+    with _drawn(monkeypatch) as axes:
+        write_plot(tmp_path / "c.png", ranking, default="round-robin")
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ((ttft, rate),) = axes
+    names = ["dynamo", "round-robin (default)", "sglang", "mypkg:Mine"]
+    assert [label.get_text() for label in ttft.get_yticklabels()] == names
+    # P99 bars and P50 ticks (none for the policy that served nothing), throughput bars, the throughput floor.
+    assert _bars(ttft.containers[0]) == [(1000, 0), (1500, 1), (300, 2), (0, 3)]
+    assert ttft.collections[0].get_offsets().tolist() == [[600, 0], [1234, 1], [100, 2], [0, 3]]
+    assert _bars(rate.containers[0]) == [(9.8, 0), (10.0, 1), (5.0, 2), (0.0, 3)]
+    assert rate.lines[0].get_xdata()[0] == pytest.approx(0.97 * 10.0)
+    assert rate.get_ylim() == ttft.get_ylim()  # one y axis: each row of bars is one policy
+
+
+def test_the_suite_plot_draws_the_default_s_two_p99_ratios_per_workload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data_dir: Path
+) -> None:
+    workloads = suite_workloads(root=data_dir.parent)
+    verdicts = [
+        judge(
+            workloads[0], [result("round-robin", p99=2000, rps=10), result("mine", p99=1000, rps=10)], default="mine"
+        ),
+        judge(workloads[8], [result("round-robin", p99=500, rps=10), result("mine", p99=1000, rps=10)], default="mine"),
+    ]
+    with _drawn(monkeypatch) as axes:
+        write_suite_plot(tmp_path / "suite.png", verdicts, default="mine")
+    assert (tmp_path / "suite.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (axis,) = axes
+    assert [label.get_text() for label in axis.get_yticklabels()] == ["seed", "seed, metrics 0.1 s"]
+    series = {container.get_label(): _bars(container) for container in axis.containers}
+    vs_rr, vs_best = series["÷ round-robin"], series["÷ best policy"]
+    assert [width for width, _ in vs_rr] == [0.5, 2.0] and [width for width, _ in vs_best] == [1.0, 2.0]
+    for y, (rr_bar, best_bar) in enumerate(zip(vs_rr, vs_best, strict=True)):  # both next to their workload's name
+        assert y - 0.5 < rr_bar[1] < y < best_bar[1] < y + 0.5
+    assert sorted(line.get_xdata()[0] for line in axis.lines) == [1.0, 1.2]
+
+
+def test_run_suite_judges_each_workload_on_its_own_runs_and_writes_the_page_and_plot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two tiny workloads stand in for the suite's sixteen (minutes): a scenario, then a trace, which runs first.
+    trace = tmp_path / "tiny.jsonl"
+    trace.write_text(
+        "".join(
+            json.dumps({"timestamp": 50 * i, "input_length": 600, "output_length": 8, "hash_ids": [i % 2, i]}) + "\n"
+            for i in range(16)
+        )
+    )
+    tiny = [
+        SuiteWorkload("seed", "a few closed-loop users", SimSpec(requests=16, users=3, seed=2)),
+        SuiteWorkload("tiny trace", "a trace at its own timestamps", SimSpec(trace=f"mooncake:{trace}", users=None)),
+    ]
+    asked: list[tuple[int, Path]] = []
+
+    def workloads(*, seed: int, root: Path) -> list[SuiteWorkload]:
+        asked.append((seed, root))
+        return tiny
+
+    jobs: list[int] = []
+
+    def grid(runs: list[tuple[SimSpec, str]], **options: Any) -> list[PolicyResult]:
+        jobs.append(options["jobs"])
+        return run_grid(runs, **options)
+
+    policies = ["round-robin", default_policy_name()]
+    monkeypatch.setattr(suite, "suite_workloads", workloads)
+    monkeypatch.setattr(suite, "compared_policies", lambda: policies)
+    monkeypatch.setattr(suite, "run_grid", grid)
+    said: list[str] = []
+    output = tmp_path / "docs" / "bench.md"
+    started = time.perf_counter()
+    written, verdicts = run_suite(output, root=tmp_path, progress=said.append)
+    elapsed = time.perf_counter() - started
+    assert written == output and asked == [(0, tmp_path)]  # seed 0, as the page says
+    assert jobs == [2]  # two processes by default
+    assert [v.workload for v in verdicts] == tiny
+    for v in verdicts:  # each workload judged on its own runs
+        assert [r.to_json() for r in v.ranking.results] == [
+            run_policy(v.workload.spec, r.policy).to_json() for r in v.ranking.results
+        ]
+        assert sorted(r.policy for r in v.ranking.results) == sorted(policies)
+    # One line as each run finishes, counting up (the pool finishes them in any order).
+    assert [line.split("] ")[0] for line in said] == ["[1/4", "[2/4", "[3/4", "[4/4"]
+    assert sorted(line.split("] ")[1] for line in said) == sorted(policies * 2)
+    page = output.read_text(encoding="utf-8")
+    assert page == render(verdicts, default=policies[1], plot="bench.png", wall_s=_wall(page), runs=4, jobs=2)
+    assert 0 <= _wall(page) <= math.ceil(elapsed)  # the time the run took, measured around it
+    assert output.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _wall(page: str) -> float:
+    """The wall time a page reports (it varies from run to run)."""
+    found = re.search(r"\n4 simulations in (\d+) s wall time", page)
+    assert found is not None, page[-200:]
+    return float(found.group(1))
