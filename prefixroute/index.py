@@ -890,8 +890,6 @@ def leading_run(
     return low
 
 
-# Text and raw bytes are not block hashes: array("Q", bytearray) would read its bytes as uint64s, or fail on a length
-# that is not a multiple of 8.
 def _check_prediction(hashes: object, backend: object, held: object) -> tuple[Sequence[int], str, int]:
     """:meth:`PrefixIndex.predict`'s arguments, checked (the overrides in this package check them the same way).
 
@@ -935,6 +933,8 @@ class _RoutedHashes(list):  # type: ignore[type-arg]  # of ints
     __slots__ = ()
 
 
+# Text and raw bytes are not block hashes: array("Q", bytearray) would read its bytes as uint64s, or fail on a length
+# that is not a multiple of 8.
 _NOT_HASHES = (str, bytes, bytearray)
 
 
