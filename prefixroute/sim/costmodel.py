@@ -212,9 +212,9 @@ class Profile:
                 tokens += len(decode_contexts)
                 sequences += len(decode_contexts)
                 attention += max(query_key, kv_token) * sum(decode_contexts)
+        except ConfigurationError:
+            raise
         except (TypeError, ValueError) as exc:  # ValueError: a chunk that is not a pair
-            if isinstance(exc, ConfigurationError):
-                raise
             raise InvalidTypeError(
                 "step_seconds takes prefill as (new_tokens, cached_tokens) pairs of counts and decode_contexts as "
                 f"counts: {exc}"

@@ -193,8 +193,6 @@ def plot_file(
         InvalidTypeError: ``path`` is not a str or a path.
         ConfigurationError: matplotlib is missing, writes no file of that extension, or the file cannot be written.
     """
-    if not isinstance(path, (str, os.PathLike)):
-        raise InvalidTypeError(f"a plot's path must be a str or a path, not {type(path).__name__}")
     check_plot_path(path, "plot")
     plt = pyplot()
     figure, axes = plt.subplots(**subplots)
@@ -235,8 +233,11 @@ def check_plot_path(path: str | Path, option: str) -> None:
     PNG). Whether the file can be created is :func:`prefixroute.sim.cli.check_writable`'s to check.
 
     Raises:
+        InvalidTypeError: ``path`` is not a str or a path.
         ConfigurationError: the message says what to fix.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidTypeError(f"{option} must be a str or a path, not {type(path).__name__}")
     pyplot()
     from matplotlib.backend_bases import FigureCanvasBase
 

@@ -150,10 +150,11 @@ class FakeBlockCache:
         """
         check_flag(share, "share")
         _check_lora_name(lora_name)
-        prompt = _decode_tokens(encode_tokens(prompt))
+        data = encode_tokens(prompt)
+        prompt = _decode_tokens(data)
         size = self.block_size
         full = len(prompt) // size
-        hashes = self._hashes(prompt[: full * size], lora_name)
+        hashes = self._hashes(data[: 4 * full * size], lora_name)
         request = FakeRequest(prompt_tokens=len(prompt), cached_tokens=0)
         hit = 0
         if share:
@@ -259,8 +260,8 @@ class FakeBlockCache:
             if self.extra_group:
                 self.events.append(BlockRemoved([block.block_hash], medium="GPU", group_idx=1))
 
-    def _hashes(self, tokens: list[int], lora_name: str | None) -> list[ExternalBlockHash]:
-        data = encode_tokens(tokens)
+    def _hashes(self, data: bytes, lora_name: str | None) -> list[ExternalBlockHash]:
+        """The chained block hashes of ``data`` (whole blocks of uint32 token ids, as encode_tokens packs them)."""
         step = 4 * self.block_size
         parent = self._seed ^ (xxhash.xxh3_64_intdigest(lora_name.encode()) if lora_name else 0)
         result: list[ExternalBlockHash] = []

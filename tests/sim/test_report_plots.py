@@ -37,7 +37,7 @@ def test_a_plot_that_fails_while_drawn_or_saved_leaves_no_figure_open(tmp_path: 
 
 
 @pytest.mark.parametrize(("path", "error", "match"), [
-    (None, InvalidTypeError, "a plot's path must be a str or a path, not NoneType"),
+    (None, InvalidTypeError, "plot must be a str or a path, not NoneType"),
     (5, InvalidTypeError, "not int"),
     ("a.nope", ConfigurationError, "writes no 'nope' files"),
 ])  # fmt: skip
