@@ -101,6 +101,13 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> argparse._Mutuall
         help="poll engine queue length and KV usage into the router every S simulated seconds (off)",
     )
     parser.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        metavar="N",
+        help="gateway replicas, each with its own router and no shared state; requests spread at random (1)",
+    )
+    parser.add_argument(
         "--no-first-token",
         dest="first_token",
         action="store_false",
@@ -133,6 +140,7 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
         index_source=args.index_source,
         metrics_interval=args.metrics_interval,
         first_token=args.first_token,
+        gateways=args.gateways,
     )
 
 
@@ -346,6 +354,8 @@ def _describe(spec: SimSpec, profile: str, capacity: int | None) -> str:
         load = f"{spec.users} closed-loop users"
     stop = f"{spec.requests} requests" if spec.requests else (f"{spec.duration:g} s" if spec.duration else "all")
     lifecycle = "" if spec.first_token else " · no first tokens reported"
+    if spec.gateways > 1:
+        lifecycle += f" · {spec.gateways} gateway replicas"
     return (
         f"{source} · {spec.backends} × {profile}, {capacity} KV blocks of 16 tokens each\n"
         f"{load} · {stop} per policy · seed {spec.seed}{lifecycle}"
@@ -394,7 +404,8 @@ _SUITE_PAGE = "docs/policies-benchmark.md"
 # Options the suite fixes per workload (docs/policies-benchmark.md states each workload's settings).
 _SUITE_FIXED = (
     "backends", "users", "rate", "model", "gpu", "tp", "requests", "duration", "think_time", "sharing_ratio",
-    "speedup", "gpu_hour_usd", "index_source", "metrics_interval", "first_token", "policy", "json", "plot",
+    "speedup", "gpu_hour_usd", "index_source", "metrics_interval", "first_token", "gateways", "policy", "json",
+    "plot",
 )  # fmt: skip
 
 

@@ -123,6 +123,11 @@ class SimOutcome:
 class Simulation:
     """One run of one policy: ``backends`` simulated engines behind ``router``, fed by ``workload``.
 
+    ``router`` may be a sequence of routers: gateway replicas that share no state, as several proxy or sidecar
+    processes behind one load balancer. Each request goes to one of them drawn at random (from its own seeded
+    generator, so one router draws nothing and runs as before), which routes it and follows its life; engine
+    metrics and KV events reach every one of them. They must hash alike (the same block size and namespace).
+
     ``max_requests`` and/or ``duration`` (simulated seconds) stop new arrivals; requests already in the system run
     to completion. Without either, only a workload that runs out (a trace) ends the run: open-loop arrivals and a
     synthetic scenario (:class:`~prefixroute.sim.workloads.Scenario`, endless) are refused when the simulation is
@@ -143,7 +148,7 @@ class Simulation:
     def __init__(
         self,
         *,
-        router: Router,
+        router: Router | Sequence[Router],
         workload: Workload,
         arrivals: Arrivals,
         cost: CostModel,
@@ -159,7 +164,8 @@ class Simulation:
         metrics_interval: float | None = None,
         first_token: bool = True,
     ) -> None:
-        _check_parts(router, workload, arrivals, cost, config, on_progress)
+        routers = _check_routers(router)
+        _check_parts(workload, arrivals, cost, config, on_progress)
         if as_int(backends) is not None:
             names = [f"gpu{i}" for i in range(_check_count(backends, "backends", MAX_BACKENDS))]
         elif isinstance(backends, Sequence) and not isinstance(backends, (str, bytes)):
@@ -196,7 +202,8 @@ class Simulation:
                 f"a synthetic scenario ({type(workload).__name__}) never runs out of requests: set max_requests or "
                 "duration, or the simulation never ends"
             )
-        self.router = router
+        self.routers = routers
+        self.router = routers[0]
         self.workload = workload
         self.arrivals = arrivals
         self.cost = cost
@@ -215,6 +222,8 @@ class Simulation:
         self.max_requests = max_requests
         self.duration = duration
         self.rng = random.Random(seed_int)
+        self._gateway_rng = random.Random(f"gateways:{seed_int}")
+        self._gateway_of: dict[str, Router] = {}  # decision id -> the replica that routed it, while in flight
         self.gpus = gpus_per_backend
         self.check = check
         self.on_progress = on_progress
@@ -226,7 +235,7 @@ class Simulation:
         self.records: list[RequestRecord] = []
         self._in_flight = [0] * len(names)
         self._peak = [0] * len(names)
-        self._hasher = router.hasher
+        self._hasher = self.router.hasher
         if metrics_interval is not None:
             interval = as_float(metrics_interval)
             if interval is None or interval <= 0:
@@ -237,7 +246,7 @@ class Simulation:
         self.metrics_interval = metrics_interval
         if kv_events:
             for backend in self.backends:
-                backend.cache.listener = _IndexFeed(router, backend.name)
+                backend.cache.listener = _IndexFeed(routers, backend.name)
 
     def _push(self, time: float, kind: int, payload: object) -> None:
         self._seq += 1
@@ -331,8 +340,13 @@ class Simulation:
             output_tokens=request.output_tokens,
         )
         self.records.append(record)
-        decision = self.router.route(request.prompt, self.names)
-        self.router.start(decision)
+        router = self.router
+        if len(self.routers) > 1:
+            router = self.routers[self._gateway_rng.randrange(len(self.routers))]
+        decision = router.route(request.prompt, self.names)
+        router.start(decision)
+        if len(self.routers) > 1:
+            self._gateway_of[decision.id] = router
         record.backend = decision.backend
         record.predicted_tokens = decision.matched_tokens
         index = self._by_name[decision.backend]
@@ -369,12 +383,12 @@ class Simulation:
         self._start_step(index)
 
     def _first_token(self, active: Active) -> None:
-        self.router.first_token(active.decision)
+        self._gateway_of.get(active.decision.id, self.router).first_token(active.decision)
 
     def _finish(self, index: int, decision: Decision, record: RequestRecord, *, refused: bool = False) -> None:
         if record.finished is None:
             record.finished = self.now
-        self.router.finish(decision, refused=refused)
+        self._gateway_of.pop(decision.id, self.router).finish(decision, refused=refused)
         self._in_flight[index] -= 1
         self._done += 1
         if self.on_progress is not None:
@@ -385,11 +399,12 @@ class Simulation:
             self._push(self.now + think, _WAKE, record.user)
 
     def _poll(self) -> None:
-        """Hand every engine's queue length and KV usage to the router, then poll again while work remains."""
+        """Hand every engine's queue length and KV usage to every router, then poll again while work remains."""
         for backend in self.backends:
             capacity = backend.cache.capacity
             usage = backend.cache.used_blocks / capacity if capacity else None
-            self.router.set_engine_load(backend.name, queue_len=len(backend.waiting), kv_usage=usage)
+            for router in self.routers:
+                router.set_engine_load(backend.name, queue_len=len(backend.waiting), kv_usage=usage)
         if self._events and self.metrics_interval is not None:
             self._push(self.now + self.metrics_interval, _POLL, None)
 
@@ -405,27 +420,49 @@ class Simulation:
 
 
 class _IndexFeed:
-    """A backend's cache changes written through the router's public write path, as a KV-event subscriber does."""
+    """A backend's cache changes written through each router's public write path, as a KV-event subscriber does."""
 
-    __slots__ = ("backend", "router")
+    __slots__ = ("backend", "routers")
 
-    def __init__(self, router: Router, backend: str) -> None:
-        self.router = router
+    def __init__(self, routers: Sequence[Router], backend: str) -> None:
+        self.routers = routers
         self.backend = backend
 
     def stored(self, hashes: list[int], parent: int | None) -> None:
-        self.router.store(self.backend, hashes, parent=parent)
+        for router in self.routers:
+            router.store(self.backend, hashes, parent=parent)
 
     def removed(self, hashes: list[int]) -> None:
-        self.router.evict(self.backend, hashes)
+        for router in self.routers:
+            router.evict(self.backend, hashes)
 
 
-def _check_parts(
-    router: object, workload: object, arrivals: object, cost: object, config: object, on_progress: object
-) -> None:
+def _check_routers(router: object) -> tuple[Router, ...]:
+    """The gateway replicas a :class:`Simulation` drives: one Router, or distinct ones that hash alike."""
+    if isinstance(router, Router):
+        return (router,)
+    if not isinstance(router, Sequence) or isinstance(router, (str, bytes)):
+        raise InvalidTypeError(f"router must be a prefixroute.Router or a list of them, not {type(router).__name__}")
+    routers = tuple(router)
+    for item in routers:
+        if not isinstance(item, Router):
+            raise InvalidTypeError(
+                f"router must be a prefixroute.Router or a list of them, not a list holding {type(item).__name__}"
+            )
+    if not routers:
+        raise ConfigurationError("router must be a prefixroute.Router or a non-empty list of them, not an empty list")
+    if len({id(r) for r in routers}) != len(routers):
+        raise ConfigurationError("each gateway replica needs its own Router: the list names one Router twice")
+    first = routers[0].hasher
+    if any(r.hasher.block_size != first.block_size or r.hasher.seed != first.seed for r in routers[1:]):
+        raise ConfigurationError(
+            "the routers hash prompts differently (block_size or namespace): gateway replicas of one fleet must agree"
+        )
+    return routers
+
+
+def _check_parts(workload: object, arrivals: object, cost: object, config: object, on_progress: object) -> None:
     """Raise InvalidTypeError for a :class:`Simulation` part of the wrong type (when given, not mid-run)."""
-    if not isinstance(router, Router):
-        raise InvalidTypeError(f"router must be a prefixroute.Router, not {type(router).__name__}")
     if not callable(getattr(workload, "next_request", None)):
         raise InvalidTypeError(f"workload must have next_request(user), not {type(workload).__name__}")
     if not isinstance(arrivals, (ClosedLoop, OpenLoop, TraceTimes)):

@@ -58,6 +58,8 @@ class SimSpec:
     ``first_token``: call :meth:`Router.first_token` when a request's first token is produced, as a streaming proxy
     does; False simulates a gateway that reports none (LiteLLM's Router, Ray Serve), where a request's uncached
     tokens count as pending prefill until it finishes.
+    ``gateways``: gateway replicas, each with its own Router, index and policy and no shared state (as several
+    ``prefixroute proxy`` processes behind one load balancer); each request goes to one drawn at random.
 
     Raises:
         ConfigurationError: a count that is not a positive int or is absurdly large (``--backends`` over 4,096,
@@ -93,6 +95,7 @@ class SimSpec:
     index_source: str = "predictions"
     metrics_interval: float | None = None
     first_token: bool = True
+    gateways: int = 1
 
     def __post_init__(self) -> None:
         _check_spec(self)
@@ -124,6 +127,7 @@ _POSITIVE_INTS: Mapping[str, int] = MappingProxyType(
         "capacity_blocks": 2**40,
         "max_num_seqs": 1_000_000,
         "max_num_batched_tokens": 100_000_000,
+        "gateways": 256,  # gateway replicas, each a Router of its own
     }
 )
 _MIN_METRICS_INTERVAL = 0.001  # seconds of simulated time between polls: below that the run is all polling
@@ -133,7 +137,7 @@ _NON_NEGATIVE_NUMBERS = ("think_time", "gpu_hour_usd")
 # Options the CLI has: their messages name the flag.
 _FLAGS = frozenset(
     {"backends", "users", "tp", "requests", "rate", "speedup", "duration", "metrics_interval", "think_time"}
-    | {"gpu_hour_usd", "sharing_ratio", "seed", "index_source"}
+    | {"gpu_hour_usd", "sharing_ratio", "seed", "index_source", "gateways"}
 )
 
 
@@ -378,21 +382,23 @@ def run_policy(
     check_flag(check, "check")
     config, profile = backend_config(spec)
     source, arrivals = _workload(spec, workload)
-    load_policy = build_policy(policy, seed=spec.seed) if isinstance(policy, str) else policy()
     clock = _SimClock()
     events = spec.index_source == "events"
-    # Events: the engines' KV events are the only writer (exact). Predictions: the router records where it sent
-    # each prompt, its index capped at each engine's KV capacity.
-    index = (
-        EventsOnlyIndex(config.block_size)
-        if events
-        else PrefixIndex(config.block_size, capacity_blocks=config.capacity_blocks)
-    )
-    router = Router(
-        block_size=config.block_size, policy=load_policy, clock=clock, index=index, rng=random.Random(spec.seed)
-    )
+    routers = []
+    for gateway in range(spec.gateways):  # replicas share nothing: each its own index, policy and decision ids
+        seed = spec.seed + gateway
+        load_policy = build_policy(policy, seed=seed) if isinstance(policy, str) else policy()
+        # Events: the engines' KV events are the only writer (exact). Predictions: the router records where it sent
+        # each prompt, its index capped at each engine's KV capacity.
+        index = (
+            EventsOnlyIndex(config.block_size)
+            if events
+            else PrefixIndex(config.block_size, capacity_blocks=config.capacity_blocks)
+        )
+        ids = random.Random(spec.seed if gateway == 0 else f"{spec.seed}:{gateway}")
+        routers.append(Router(block_size=config.block_size, policy=load_policy, clock=clock, index=index, rng=ids))
     simulation = Simulation(
-        router=router,
+        router=routers,
         workload=source,
         arrivals=arrivals,
         cost=profile,
@@ -409,7 +415,7 @@ def run_policy(
         first_token=spec.first_token,
     )
     clock.simulation = simulation
-    name = label or (policy if isinstance(policy, str) else repr(load_policy))
+    name = label or (policy if isinstance(policy, str) else repr(routers[0].policy))
     try:
         outcome = simulation.run()
     except PrefixRouteError as exc:  # the router's, or one a policy raised: named as the user named the policy

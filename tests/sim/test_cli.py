@@ -74,6 +74,14 @@ def test_no_first_token_changes_only_what_the_router_is_told(
     assert told_results[1] != untold_results[1]  # the default does
 
 
+def test_gateways_run_replicas_and_say_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    one = _simulate(tmp_path, "a", "--policy", "predicted-ttft")
+    assert "gateway replicas" not in capsys.readouterr().out
+    four = _simulate(tmp_path, "b", "--policy", "predicted-ttft", "--gateways", "4")
+    assert "4 gateway replicas" in capsys.readouterr().out
+    assert one["results"] != four["results"]  # each replica sees a quarter of the traffic
+
+
 def test_user_policy_class_and_trace_replay(tmp_path: Path, data_dir: Path) -> None:
     trace = f"splitwise:{data_dir / 'vidur-profiling' / 'processed_traces' / 'splitwise_conv.csv'}"
     status = main(

@@ -388,6 +388,7 @@ def _fails_with_one_line(argv: list[str], capsys: pytest.CaptureFixture[str], ex
         (["--suite", "--policy", "dynamo"], "drop --policy"),
         (["--suite", "--metrics-interval", "0.5"], "drop --metrics-interval"),
         (["--suite", "--no-first-token"], "drop --no-first-token"),
+        (["--suite", "--gateways", "2"], "drop --gateways"),
         (["--scenario", "nope"], "invalid choice: 'nope'"),
         (["--metrics-interval", "0"], "--metrics-interval must be a finite number > 0"),
         (["--trace", "mooncake:/nonexistent/trace.jsonl"], "cannot read trace /nonexistent/trace.jsonl"),

@@ -323,6 +323,53 @@ def test_metrics_polling_shows_engine_load_to_the_policy() -> None:
     assert outcome.duration == max(r.finished for r in outcome.records if r.finished is not None)
 
 
+def _gateways(routers: list[Router], requests: list[SimRequest], **options: object) -> tuple[Simulation, SimOutcome]:
+    simulation = Simulation(
+        router=routers,
+        workload=ListWorkload(requests),
+        arrivals=ClosedLoop(6, think_time=0.05),
+        cost=LinearCost(),
+        config=BackendConfig(capacity_blocks=60, max_num_seqs=3, max_num_batched_tokens=64),
+        backends=3,
+        seed=7,
+        check=True,
+        **options,  # type: ignore[arg-type]
+    )
+    return simulation, simulation.run()
+
+
+def test_gateway_replicas_each_follow_the_requests_they_routed_back_to_zero() -> None:
+    routers = [Router(policy=policy_from_name("bounded-load"), capacity_blocks=60) for _ in range(3)]
+    requests = [_request(i % 3, 200, i, 40, 5, False) for i in range(60)]
+    simulation, outcome = _gateways(routers, requests)
+    assert simulation.router is routers[0] and simulation.routers == tuple(routers)
+    decisions = [router.stats().decisions for router in routers]
+    assert sum(decisions) == len(outcome.records) == 60
+    assert min(decisions) > 5  # drawn at random: every replica routed its share
+    for router in routers:
+        stats = router.stats()
+        # ignored == 0: every first token and finish went to the replica that routed the request
+        assert (stats.in_flight, stats.ignored, stats.commits) == (0, 0, stats.decisions)
+        for candidate in router.decide([1] * 64, [f"gpu{i}" for i in range(3)]).candidates:
+            assert (candidate.in_flight, candidate.pending_prefill_tokens, candidate.in_prefill) == (0, 0, 0)
+    again = [Router(policy=policy_from_name("bounded-load"), capacity_blocks=60) for _ in range(3)]
+    _, repeated = _gateways(again, [_request(i % 3, 200, i, 40, 5, False) for i in range(60)])
+    assert [r.backend for r in repeated.records] == [r.backend for r in outcome.records]  # same seed, same run
+    assert [router.stats().decisions for router in again] == decisions
+
+
+def test_every_gateway_replica_gets_the_kv_events_and_the_engine_metrics() -> None:
+    policies = [RecordingPolicy(), RecordingPolicy()]
+    routers = [Router(policy=policy, index=EventsOnlyIndex(16)) for policy in policies]
+    requests = [_request(i % 2, 200, i, 40, 20, False) for i in range(40)]
+    simulation, _ = _gateways(routers, requests, kv_events=True, metrics_interval=0.05)
+    for router, policy in zip(routers, policies, strict=True):
+        router.index._check()
+        for backend in simulation.backends:
+            assert router.index.hashes(backend.name) == set(backend.cache._refs)
+        assert policy.seen and all(q is not None and u is not None for q, u in policy.seen)
+
+
 def test_arrival_processes_refuse_what_they_document_and_name_the_value() -> None:
     cases: list[tuple[Callable[[], object], str]] = [
         (lambda: OpenLoop(0), "rate must be a finite number > 0 of requests a second, not 0"),
@@ -498,6 +545,9 @@ class StepCostOnly:
         return 0.01
 
 
+_ONE_ROUTER = Router()
+
+
 @pytest.mark.parametrize(
     ("options", "error", "message"),
     [
@@ -518,7 +568,32 @@ class StepCostOnly:
         ({"kv_events": "yes"}, ConfigurationError, "kv_events must be True or False, not 'yes'"),
         ({"first_token": "no"}, ConfigurationError, "first_token must be True or False, not 'no'"),
         ({"metrics_interval": 0}, ConfigurationError, "metrics_interval must be a finite number > 0 of seconds, not 0"),
-        ({"router": 5}, InvalidTypeError, "router must be a prefixroute.Router, not int"),
+        ({"router": 5}, InvalidTypeError, "router must be a prefixroute.Router or a list of them, not int"),
+        ({"router": "ab"}, InvalidTypeError, "router must be a prefixroute.Router or a list of them, not str"),
+        (
+            {"router": [Router(), 5]},
+            InvalidTypeError,
+            "router must be a prefixroute.Router or a list of them, not a list holding int",
+        ),
+        (
+            {"router": []},
+            ConfigurationError,
+            "router must be a prefixroute.Router or a non-empty list of them, not an empty list",
+        ),
+        (
+            {"router": [_ONE_ROUTER, _ONE_ROUTER]},
+            ConfigurationError,
+            "each gateway replica needs its own Router: the list names one Router twice",
+        ),
+        *(
+            (
+                {"router": [Router(), other]},
+                ConfigurationError,
+                "the routers hash prompts differently (block_size or namespace): gateway replicas of one fleet "
+                "must agree",
+            )
+            for other in (Router(block_size=8), Router(namespace="another-model"))
+        ),
         (
             {"arrivals": OpenLoop(1.0)},
             ConfigurationError,

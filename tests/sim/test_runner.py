@@ -36,6 +36,23 @@ def test_events_mode_predicts_what_the_engines_hold() -> None:
     assert abs(result.predicted_hit_rate - result.hit_rate) < 0.05
 
 
+def test_gateway_replicas_each_build_their_own_policy_and_share_nothing() -> None:
+    built: list[LoadPolicy] = []
+
+    def policy() -> LoadPolicy:
+        built.append(build_policy("round-robin", seed=0))
+        return built[-1]
+
+    spec = SimSpec(requests=90, users=9, gateways=3)
+    first = run_policy(spec, policy, check=True)
+    assert len(built) == 3 and len({id(p) for p in built}) == 3  # a stateful policy is each replica's own
+    assert first.requests == 90
+    assert run_policy(spec, policy).to_json() == first.to_json()  # same seed, same result
+    for bad in (0, 257, 1.5, "2"):
+        with pytest.raises(ConfigurationError, match=r"^--gateways must be an int in \[1, 256\]"):
+            SimSpec(gateways=bad)  # type: ignore[arg-type]
+
+
 def test_configuration_errors_are_raised_when_the_spec_is_made() -> None:
     with pytest.raises(ConfigurationError, match="--index-source"):
         SimSpec(requests=5, index_source="gossip")
