@@ -185,19 +185,23 @@ class SimBackend:
                 plan.append((active, n))
                 self._commit(active, n)
                 budget -= n
-                if active.record.generated_tokens and n == 1 and active.tokens - active.computed == 1:
-                    decode.append(active.computed + 1)
-                else:
-                    prefill.append((n, active.computed))
+                _price(active, n, prefill, decode)
                 index += 1
         if not preempted:
-            self._admit(now, budget, plan, prefill)
+            self._admit(now, budget, plan, prefill, decode)
         if not plan:
             return None
         self.steps += 1
         return self.cost.step_seconds(prefill, decode)
 
-    def _admit(self, now: float, budget: int, plan: list[tuple[Active, int]], prefill: list[tuple[int, int]]) -> None:
+    def _admit(
+        self,
+        now: float,
+        budget: int,
+        plan: list[tuple[Active, int]],
+        prefill: list[tuple[int, int]],
+        decode: list[int],
+    ) -> None:
         size = self.block_size
         cache = self.cache
         waiting = self.waiting
@@ -229,7 +233,7 @@ class SimBackend:
                 record.fleet_cached_tokens = max(fleet, hit) * size
                 record.scheduled = now
             plan.append((active, n))
-            prefill.append((n, active.computed))
+            _price(active, n, prefill, decode)
             self._commit(active, n)
             budget -= n
 
@@ -262,7 +266,7 @@ class SimBackend:
         finished: list[Active] = []
         for active, n in self._plan:
             record = active.record
-            if active.tokens - active.computed > 1 or not record.generated_tokens:
+            if not _decodes(active, n):  # as the step was priced
                 record.computed_prompt_tokens += n
                 self.prefill_tokens += n
             active.computed += n
@@ -306,3 +310,18 @@ class SimBackend:
 
     def __repr__(self) -> str:
         return f"SimBackend({self.name!r}, running={len(self.running)}, waiting={len(self.waiting)}, {self.cache!r})"
+
+
+def _decodes(active: Active, n: int) -> bool:
+    """Whether computing ``n`` tokens of ``active`` is a decode: the one token it sampled last, nothing else left.
+
+    A request readmitted after a preemption with all but that token cached decodes too (its chunk is that token)."""
+    return n == 1 and active.tokens - active.computed == 1 and active.record.generated_tokens > 0
+
+
+def _price(active: Active, n: int, prefill: list[tuple[int, int]], decode: list[int]) -> None:
+    """Add ``active``'s ``n`` scheduled tokens to the step's decodes or its prefill chunks, for the cost model."""
+    if _decodes(active, n):
+        decode.append(active.computed + 1)
+    else:
+        prefill.append((n, active.computed))

@@ -190,8 +190,9 @@ def _check_spec(spec: SimSpec) -> None:
         raise ConfigurationError(f"--seed must be an int, not {shown(spec.seed)}")
     object.__setattr__(spec, "seed", seed)
     check_flag(spec.first_token, "first_token")
-    if spec.index_source not in ("predictions", "events"):
-        raise ConfigurationError(f"--index-source must be 'predictions' or 'events', not {spec.index_source!r}")
+    # A str first: an array's == answers elementwise, and `in` would raise numpy's own ValueError.
+    if not isinstance(spec.index_source, str) or spec.index_source not in ("predictions", "events"):
+        raise ConfigurationError(f"--index-source must be 'predictions' or 'events', not {shown(spec.index_source)}")
     if spec.trace is not None and not isinstance(spec.trace, str):
         raise ConfigurationError(f"--trace must be FORMAT:PATH, a str, not {type(spec.trace).__name__}")
     if not isinstance(spec.scenario, str):

@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from prefixroute import ConfigurationError, InvalidTypeError, Router
@@ -90,6 +90,17 @@ def _run(
     budget=st.integers(8, 200),
     seqs=st.integers(1, 6),
     policy=st.sampled_from(["round-robin", "prefix-affinity", "bounded-load"]),
+)
+# Found by this test: a request readmitted after a preemption with all but its last sampled token cached computes
+# that one token; the step priced it as a prefill chunk while the engine counted it as a decode, one token apart.
+@example(
+    requests=[_request(0, 0, 0, 1, output, False) for output in (1, 13, 29, 19, 1, 31, 21, 1, 1)]
+    + [_request(0, 129, 0, 120, 25, False), _request(0, 0, 0, 1, 6, False), _request(0, 0, 0, 1, 1, False)]
+    + [_request(1, 211, 0, 120, 7, True)],
+    capacity=39,
+    budget=28,
+    seqs=2,
+    policy="bounded-load",
 )
 def test_random_request_mixes_keep_invariants_and_conserve_tokens(
     requests: list[SimRequest], capacity: int, budget: int, seqs: int, policy: str

@@ -8,6 +8,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 
 from prefixroute import ConfigurationError, InvalidTraceError, InvalidTypeError, Router
@@ -209,3 +210,9 @@ def test_fake_engine_load_and_drop_counts_are_checked_and_change_nothing(call: s
             engine.set_load(**{name: value})  # type: ignore[arg-type]
     assert "vllm:num_requests_waiting" in engine.metrics_text()  # unchanged, still served
     engine.set_load(running=0, waiting=0)
+
+
+def test_an_index_source_that_compares_elementwise_is_refused_as_a_configuration_error() -> None:
+    # `array in ("predictions", "events")` compared elementwise and raised numpy's own ValueError.
+    with pytest.raises(ConfigurationError, match=r"^--index-source must be 'predictions' or 'events', not array"):
+        SimSpec(index_source=np.array([1, 2]))  # type: ignore[arg-type]
