@@ -223,7 +223,9 @@ class Simulation:
         self.duration = duration
         self.rng = random.Random(seed_int)
         self._gateway_rng = random.Random(f"gateways:{seed_int}")
-        self._gateway_of: dict[str, Router] = {}  # decision id -> the replica that routed it, while in flight
+        # id() of a Decision in flight -> the replica that made it (decision ids of routers built with equal rngs
+        # would collide; the object lives until its finish)
+        self._gateway_of: dict[int, Router] = {}
         self.gpus = gpus_per_backend
         self.check = check
         self.on_progress = on_progress
@@ -346,7 +348,7 @@ class Simulation:
         decision = router.route(request.prompt, self.names)
         router.start(decision)
         if len(self.routers) > 1:
-            self._gateway_of[decision.id] = router
+            self._gateway_of[id(decision)] = router
         record.backend = decision.backend
         record.predicted_tokens = decision.matched_tokens
         index = self._by_name[decision.backend]
@@ -383,12 +385,12 @@ class Simulation:
         self._start_step(index)
 
     def _first_token(self, active: Active) -> None:
-        self._gateway_of.get(active.decision.id, self.router).first_token(active.decision)
+        self._gateway_of.get(id(active.decision), self.router).first_token(active.decision)
 
     def _finish(self, index: int, decision: Decision, record: RequestRecord, *, refused: bool = False) -> None:
         if record.finished is None:
             record.finished = self.now
-        self._gateway_of.pop(decision.id, self.router).finish(decision, refused=refused)
+        self._gateway_of.pop(id(decision), self.router).finish(decision, refused=refused)
         self._in_flight[index] -= 1
         self._done += 1
         if self.on_progress is not None:

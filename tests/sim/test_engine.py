@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -367,6 +368,13 @@ def test_gateway_replicas_each_follow_the_requests_they_routed_back_to_zero() ->
     _, repeated = _gateways(again, [_request(i % 3, 200, i, 40, 5, False) for i in range(60)])
     assert [r.backend for r in repeated.records] == [r.backend for r in outcome.records]  # same seed, same run
     assert [router.stats().decisions for router in again] == decisions
+
+
+def test_gateway_replicas_whose_decision_ids_collide_still_each_hear_their_own_requests() -> None:
+    routers = [Router(policy=policy_from_name("least-loaded"), rng=random.Random(0)) for _ in range(2)]
+    _gateways(routers, [_request(i % 3, 200, i, 40, 5, False) for i in range(30)])
+    assert all(router.stats().decisions > 0 for router in routers)
+    assert [(r.stats().in_flight, r.stats().ignored) for r in routers] == [(0, 0), (0, 0)]
 
 
 def test_every_gateway_replica_gets_the_kv_events_and_the_engine_metrics() -> None:
