@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from prefixroute import BlockHasher, ConfigurationError, InvalidEventError, Router
+from prefixroute import BlockHasher, ConfigurationError, InvalidEventError, InvalidTypeError, Router
 from prefixroute.testing import FakeVLLM
 from prefixroute.vllm import (
     AllBlocksCleared,
@@ -135,9 +135,20 @@ def test_data_parallel_size_derives_the_ranks_endpoints_as_vllm_does() -> None:
         fleet.remove_backend("dp")
         assert fleet.subscribers("dp") == [] and fleet.subscriber("dp") is None
     assert rank_endpoint("inproc://kv", 2) == "inproc://kv_dp2"
+    # As vLLM's offset_endpoint_port: the port is after the last colon (an IPv6 host has colons of its own), the
+    # last port there is 65535, and an inproc:// name is any text after the scheme, "://" in it included.
+    assert rank_endpoint("tcp://[::1]:5557", 2) == "tcp://[::1]:5559"
+    assert rank_endpoint("tcp://gpu0:65534", 1) == "tcp://gpu0:65535"
+    assert rank_endpoint("inproc://kv://a", 1) == "inproc://kv://a_dp1"
+    with pytest.raises(ConfigurationError, match=r"rank 2 is past port 65535: configure vLLM with a lower port"):
+        rank_endpoint("tcp://gpu0:65534", 2)
+    with pytest.raises(
+        ConfigurationError, match=r"^endpoint must be a ZMQ address to connect to, like 'tcp://gpu0:5557'"
+    ):
+        rank_endpoint("gpu0:5557", 1)
     assert rank_endpoint("inproc://kv", 1023) == "inproc://kv_dp1023"
     for rank in (-1, 1024, 60000):  # a rank of at most 1024 ranks
-        with pytest.raises(ConfigurationError, match=r"rank must be an int in \[0, 1023\]"):
+        with pytest.raises(ConfigurationError, match=rf"rank must be an int in \[0, 1023\] .*, not {rank}$"):
             rank_endpoint("inproc://kv", rank)
 
 
@@ -238,8 +249,10 @@ def test_rank_merge_counts_the_ranks_holding_each_block() -> None:
     router._check()
     with pytest.raises(TypeError, match="IndexWriter"):
         RankMerge(object())  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="backend must be a str"):
+    with pytest.raises(TypeError, match="backend must be a str id, not int"):
         merge.write(7, [])  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="block_hash must be an int, not str"):
+        merge.holders("dp", "12345")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"tuple \(stored, hashes, parent\)"):
         merge.write("dp", [[True, H, None]])  # type: ignore[list-item]
 
@@ -256,6 +269,7 @@ def test_rank_merge_counts_the_ranks_holding_each_block() -> None:
         ([(False, [H[0]], 5)], InvalidEventError),  # a removal has no parent
         ([(True, [1], None), (False, [H[0], "x"], None)], InvalidEventError),  # the second update of a batch
         (None, TypeError),
+        ("ab", TypeError),  # a str is iterable, but no iterable of updates
     ],
 )
 def test_rank_merge_refuses_a_malformed_batch_before_counting_any_of_it(
@@ -264,8 +278,11 @@ def test_rank_merge_refuses_a_malformed_batch_before_counting_any_of_it(
     router = events_router()
     merge = RankMerge(router)
     merge.write("dp", [(True, H, None)])
-    with pytest.raises(error):
+    with pytest.raises(error) as raised:
         merge.write("dp", updates)  # type: ignore[arg-type]
+    assert isinstance(raised.value, (InvalidTypeError, InvalidEventError))  # the library's errors, not Python's
+    if not isinstance(updates, list):
+        assert str(raised.value) == f"updates must be an iterable of index updates, not {type(updates).__name__}"
     assert [merge.holders("dp", h) for h in H] == [1, 1, 1] and merge.blocks("dp") == 3
     assert router.index.hashes("dp") == set(H)
     router._check()
