@@ -553,7 +553,10 @@ def test_the_text_report_shows_each_figure_or_what_is_unknown(
     assert "  TTFT            P50 0.510s  P95 0.969s  P99 1e+06s  (100 requests)" in capsys.readouterr().out
 
 
-def test_help_describes_the_command_and_each_option(capsys: pytest.CaptureFixture[str]) -> None:
+def test_help_describes_the_command_and_each_option(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # each option's help on one line, whatever the terminal
     parser = argparse.ArgumentParser(prog="prefixroute")
     doctor.register(parser.add_subparsers())
     assert "doctor" in parser.format_help() and "diagnose vLLM TTFT" in parser.format_help()
