@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import numpy as np
 import pytest
@@ -62,7 +62,8 @@ def test_mooncake_tokens_refuses_ids_and_lengths_a_reader_would_refuse(
 def test_mooncake_tokens_takes_the_edges_of_the_last_block_and_the_top_id() -> None:
     assert len(mooncake_tokens([1, 2], 513)) == 4 * 513 and len(mooncake_tokens([1, 2], 1024)) == 4 * 1024
     assert mooncake_tokens([2**23 - 1], 512)[-4:] == (2**32 - 1).to_bytes(4, "little")
-    assert mooncake_tokens((np.int64(4), np.int64(9)), np.int64(600)) == mooncake_tokens([4, 9], 600)
+    numpy_ids, numpy_length = cast("list[int]", [np.int64(4), np.int64(9)]), cast(int, np.int64(600))
+    assert mooncake_tokens(numpy_ids, numpy_length) == mooncake_tokens([4, 9], 600)
 
 
 def test_mooncake_tokens_share_exactly_the_shared_hash_ids() -> None:

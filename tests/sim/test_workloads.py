@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -130,7 +130,7 @@ def test_a_sim_request_names_the_field_it_cannot_take(
 
 
 def test_a_sim_request_keeps_numpy_figures_as_plain_numbers() -> None:
-    request = SimRequest(b"\x01\x00\x00\x00", np.int64(3), arrival=np.float32(1.5))
+    request = SimRequest(b"\x01\x00\x00\x00", cast(int, np.int64(3)), arrival=cast(float, np.float32(1.5)))
     assert type(request.output_tokens) is int and request.output_tokens == 3
     assert type(request.arrival) is float and request.arrival == 1.5
 

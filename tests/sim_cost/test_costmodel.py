@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import replace
+from typing import cast
 
 import numpy as np
 import pytest
@@ -230,4 +231,4 @@ def test_every_figure_a_profile_is_asked_about_is_checked(bad: object) -> None:
     for call in calls:
         with pytest.raises(PrefixRouteError):
             call()
-    assert profile.step_seconds([(16, 0)], [5]) > 0 and profile.decode_seconds(np.int64(2), 10) > 0
+    assert profile.step_seconds([(16, 0)], [5]) > 0 and profile.decode_seconds(cast(int, np.int64(2)), 10) > 0
