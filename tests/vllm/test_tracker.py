@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixroute import BlockHasher, PrefixIndex
-from prefixroute.errors import InvalidEventError
+from prefixroute.errors import ConfigurationError, InvalidEventError
 from prefixroute.index import apply_updates
 from prefixroute.testing import FakeBlockCache
 from prefixroute.vllm import AllBlocksCleared, BlockRemoved, BlockStored, BlockTracker, lora_namespace
@@ -355,3 +355,161 @@ def test_the_fake_cache_reports_its_requests_and_chains_as_its_public_types() ->
     first, again = engine.complete(list(range(8))), engine.complete(list(range(8)))
     assert isinstance(first, Completion) and (first.prompt_tokens, first.cached_tokens) == (8, 0)
     assert again.cached_tokens == 8 and again.ttft_s < first.ttft_s
+
+
+# The fake block cache on its own: the events, counters and limits its docstrings promise.
+
+
+def _small_cache(**options: object) -> FakeBlockCache:
+    return FakeBlockCache(block_size=4, num_blocks=4, rng=random.Random(0), **options)  # type: ignore[arg-type]
+
+
+def _stored(cache: FakeBlockCache) -> BlockStored:
+    """The first event the cache generated since the last call, a BlockStored (the rest are forgotten)."""
+    event = cache.take_events()[0]
+    assert isinstance(event, BlockStored)
+    return event
+
+
+def test_the_fake_cache_defaults_to_vllms_16_token_blocks_and_one_kv_cache_group() -> None:
+    cache = FakeBlockCache(rng=random.Random(0))
+    assert (cache.block_size, cache.num_blocks, cache.hash_format, cache.extra_group) == (16, 1024, "int", False)
+    cache.allocate(TOKENS)
+    (event,) = cache.take_events()
+    assert isinstance(event, BlockStored) and event.group_idx == 0  # no sliding-window group's events
+    assert cache.own_hashes() == set(own(TOKENS))  # prefixroute's default 16-token blocks too
+
+
+def test_one_block_is_a_positive_block_size_and_a_positive_capacity() -> None:
+    cache = FakeBlockCache(block_size=1, num_blocks=1, rng=random.Random(0))
+    assert cache.allocate([5, 6]).block_ids and cache.used_blocks == 1
+
+
+def test_the_fake_cache_names_what_it_refuses() -> None:
+    with pytest.raises(TypeError, match="rng must be a random.Random, not int"):
+        FakeBlockCache(rng=5)  # type: ignore[arg-type]
+    cache, other = _small_cache(), _small_cache()
+    with pytest.raises(TypeError, match="request must be a FakeRequest from allocate\\(\\), not list"):
+        cache.free([1, 2])  # type: ignore[arg-type]
+    with pytest.raises(
+        ConfigurationError, match="request holds blocks this cache did not allocate: free it on its own cache"
+    ):
+        other.free(cache.allocate(list(range(8))))
+    with pytest.raises(RuntimeError, match=re.escape("clear() with requests running: vLLM only resets an idle")):
+        cache.clear()
+
+
+def test_a_stored_event_names_the_new_blocks_their_parent_and_tokens_as_vllm_does() -> None:
+    cache = _small_cache(extra_group=True)
+    cache.free(cache.allocate(list(range(4)), lora_name="sql"))
+    (first,) = _stored(cache).block_hashes
+    cache.allocate(list(range(12)), lora_name="sql")  # hits the first block, stores two
+    stored, sliding = cache.take_events()
+    assert isinstance(stored, BlockStored)
+    new = stored.block_hashes
+    assert len(new) == 2 and first not in new
+    assert stored == BlockStored(
+        new, first, list(range(4, 12)), 4, lora_name="sql", medium="GPU", extra_keys=[("sql",), ("sql",)],
+        group_idx=0, kv_cache_spec_kind="full_attention",
+    )  # fmt: skip
+    assert sliding == BlockStored(
+        new, first, list(range(4, 12)), 4, medium="GPU", group_idx=1, kv_cache_spec_kind="sliding_window"
+    )
+    cache.allocate([9] * 4)
+    assert _stored(cache).extra_keys == [None]  # the base model's blocks have no extra keys
+
+
+@pytest.mark.parametrize("extra_group", [False, True])
+def test_making_room_evicts_only_as_many_free_blocks_as_needed_from_the_queues_head(extra_group: bool) -> None:
+    cache = _small_cache(extra_group=extra_group)
+    cache.free(cache.allocate(list(range(8))))  # two blocks, freed tail first
+    cache.free(cache.allocate([7] * 8))  # two more: the cache is full, all four blocks free
+    old = {hashes for event in cache.take_events() if isinstance(event, BlockStored) for hashes in event.block_hashes}
+    request = cache.allocate(list(range(12)))  # hits two blocks, needs one: one more block fits after one eviction
+    assert request.cached_tokens == 8 and len(request.block_ids) == 3
+    events = cache.take_events()
+    removed = [event for event in events if isinstance(event, BlockRemoved)]
+    groups = [0, 1] if extra_group else [0]
+    assert removed == [BlockRemoved(removed[0].block_hashes, medium="GPU", group_idx=group) for group in groups]
+    assert removed[0].block_hashes[0] in old  # the [7]*8 prompt's tail, the least recently freed block
+    assert cache.used_blocks == 4
+    cache.free(request)
+    cache.allocate(list(range(8)))  # a full hit: nothing to store, nothing to evict though the cache is full
+    assert cache.take_events() == []
+
+
+def test_a_prompt_that_cannot_fit_caches_nothing_beyond_the_capacity() -> None:
+    cache = _small_cache()
+    held = cache.allocate(list(range(16)))  # all four blocks held by a running request
+    cache.take_events()
+    request = cache.allocate([9] * 8)
+    assert request.block_ids == [] and cache.used_blocks == 4 and cache.take_events() == []
+    cache.free(held)
+
+
+def test_usage_is_the_fraction_of_blocks_held_by_running_requests() -> None:
+    cache = _small_cache()
+    request = cache.allocate(list(range(8)))
+    assert cache.usage() == 0.5
+    cache.free(request)
+    assert cache.usage() == 0.0 and cache.used_blocks == 2  # freed blocks stay cached, no longer in use
+
+
+def test_queries_and_hits_count_prompt_tokens_seen_and_served_from_the_cache() -> None:
+    cache = _small_cache()
+    cache.free(cache.allocate(list(range(10))))
+    cache.free(cache.allocate(list(range(9))))
+    cache.free(cache.allocate(list(range(12))))
+    assert (cache.queries, cache.hits) == (31, 16)  # 10 + 9 + 12 seen; the two 4-token blocks hit twice
+
+
+def test_clear_drops_the_free_blocks_announcing_only_the_reset() -> None:
+    cache = _small_cache()
+    cache.free(cache.allocate(list(range(8))))
+    cache.take_events()
+    cache.clear()
+    assert cache.take_events() == [AllBlocksCleared()] and cache.used_blocks == 0 and cache.chains() == []
+
+
+def test_reset_forgets_everything_silently_and_names_blocks_anew() -> None:
+    cache = _small_cache()
+    cache.free(cache.allocate(list(range(8))))
+    before = _stored(cache).block_hashes
+    cache.allocate([1] * 4)
+    cache.reset()
+    assert (cache.used_blocks, cache.events, cache.queries, cache.hits) == (0, [], 0, 0)
+    request = cache.allocate(list(range(8)))
+    assert request.cached_tokens == 0 and (cache.queries, cache.hits) == (8, 0)
+    assert _stored(cache).block_hashes != before  # a new seed: the restarted engine's own names
+
+
+def test_each_engine_names_the_same_blocks_differently() -> None:
+    names = []
+    for seed in (1, 2):
+        cache = FakeBlockCache(block_size=4, rng=random.Random(seed))
+        cache.allocate(list(range(8)))
+        names.append(_stored(cache).block_hashes)
+    assert names[0] != names[1]
+
+
+def test_a_prefix_hit_needs_only_the_blocks_before_the_first_different_token() -> None:
+    cache = _small_cache()
+    cache.free(cache.allocate([1, 2, 3, 4, 0x01010101]))
+    assert cache.allocate([1, 2, 3, 4, 0x02020202]).cached_tokens == 4
+
+
+def test_byte_hashes_are_32_bytes_and_int_hashes_uint64() -> None:
+    for hash_format, kind, size in (("bytes", bytes, 32), ("int", int, 2**64)):
+        cache = _small_cache(hash_format=hash_format)
+        cache.allocate(list(range(8)))
+        hashes = _stored(cache).block_hashes
+        assert all(isinstance(h, kind) for h in hashes) and len(set(hashes)) == 2
+        assert all(len(h) == size if isinstance(h, bytes) else 0 <= h < size for h in hashes)
+
+
+def test_own_hashes_rehashes_at_the_given_block_size_and_checks_the_namespace_of_an_empty_cache() -> None:
+    cache = FakeBlockCache(block_size=8, rng=random.Random(0))
+    cache.allocate(list(range(16)))
+    assert cache.own_hashes(block_size=4) == set(own(list(range(16)), block_size=4))
+    with pytest.raises(TypeError, match="namespace must be a str, bytes or None"):
+        FakeBlockCache(rng=random.Random(0)).own_hashes(namespace=5)  # type: ignore[arg-type]
