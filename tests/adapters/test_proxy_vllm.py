@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from prefixroute import ConfigurationError, Router
+from prefixroute import ConfigurationError, InvalidPromptError, Router
 from prefixroute.adapters.proxy import Proxy
 from prefixroute.adapters.proxy.cli import build, register
 from prefixroute.adapters.serve.text import PromptEncoder
@@ -208,6 +210,88 @@ def test_content_parts_render_as_vllm_passes_them_to_a_string_template(tmp_path:
     assert encoder.encode_chat([{"role": "user", "content": parts}]) == encoder.encode_chat(
         [{"role": "user", "content": "w1 w2\nw3"}]
     )
+    # No "type" is a text part; "w9" is no part; an audio part's text is not the message's.
+    untyped = [{"text": "w1"}, "w9", {"type": "input_audio", "text": "w8"}, {"type": "text", "text": "w2"}]
+    assert encoder.encode_chat([{"role": "user", "content": untyped}]) == encoder.encode_chat(
+        [{"role": "user", "content": "w1\nw2"}]
+    )
+
+
+def chat_ids(folder: Path) -> list[int]:
+    """The token ids of a one-message chat ("w3") as the folder's template renders it (word ``w{i}`` is id ``i``)."""
+    return PromptEncoder(folder).encode_chat([{"role": "user", "content": "w3"}])
+
+
+def test_the_template_is_the_configs_default_one_else_the_jinja_files(tmp_path: Path) -> None:
+    """tokenizer_config.json's ``chat_template`` (a str, or a list of named templates: the "default" one), else
+    chat_template.jinja beside it, as the module docstring says; the special tokens of the config reach the template
+    as their text ({"content": ...} in older files; any other value is no text)."""
+    folder = make_tokenizer(tmp_path / "named")
+    named = [{"name": "tool_use", "template": "w1"}, {"name": "default", "template": "w2 {{ messages[0].content }}"}]
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
+    assert chat_ids(folder) == [2, 3]
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": named[:1]}))  # no default one
+    assert not PromptEncoder(folder).has_chat_template
+    (folder / "chat_template.jinja").write_text("w4 {{ messages[0].content }}")
+    assert chat_ids(folder) == [4, 3]
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": 5}))
+    assert chat_ids(folder) == [4, 3]  # a template that is no str is none: the file's
+    (folder / "tokenizer_config.json").unlink()
+    assert chat_ids(folder) == [4, 3]  # the file alone
+    specials = {"chat_template": "{{ bos_token }} {{ eos_token }}w6", "bos_token": {"content": "w7"}, "eos_token": 5}
+    (folder / "tokenizer_config.json").write_text(json.dumps(specials))
+    assert chat_ids(folder) == [7, 6]
+
+
+def test_a_text_gets_the_tokenizers_special_tokens_and_a_chat_only_those_its_template_writes(tmp_path: Path) -> None:
+    """The module docstring: a chat's rendered text is tokenized without adding special tokens (the template writes
+    them); a text prompt gets those the tokenizer defines. Added tokens count in vocab_size and max_token_id."""
+    from tokenizers import Tokenizer, processors
+
+    folder = make_tokenizer(tmp_path / "model")  # ids 0 to 203
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.add_special_tokens(["<s>"])
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 204)])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"chat_template": "{{ bos_token }} {{ messages[0].content }}", "bos_token": "<s>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    encoder = PromptEncoder(folder)
+    assert (encoder.vocab_size, encoder.max_token_id) == (205, 204)
+    assert encoder.encode("w1") == [204, 1]
+    assert chat_ids(folder) == [204, 3]
+
+
+def test_the_sandbox_bounds_repetition_only_not_arithmetic(tmp_path: Path) -> None:
+    """Up to the limits, not past them: a sequence repeated to exactly 64 Mi characters, a power of exactly 4096."""
+    folder = make_tokenizer(
+        tmp_path / "model", chat_template="w{{ 3 * 4 }} {{ (['w1'] * 2 + 2 * ['w2']) | join(' ') }}"
+    )
+    assert chat_ids(folder) == [12, 1, 1, 2, 2]
+    limits = "w{{ ('x' * 67108864) | length - 67108859 }} {{ 'w6' if 2 ** 4096 > 2 ** -4096 else 'w0' }}"
+    assert chat_ids(make_tokenizer(tmp_path / "limits", chat_template=limits)) == [5, 6]
+
+
+def test_the_template_renders_as_transformers_renders_chat_templates(tmp_path: Path) -> None:
+    """vLLM renders a chat with transformers' apply_chat_template: blocks trimmed and left-stripped, the special tokens
+    of tokenizer_config.json, raise_exception() and a tojson that keeps non-ASCII text and takes an indent."""
+    folder = make_tokenizer(tmp_path / "model")
+    config = {"bos_token": "w1", "eos_token": "w2", "pad_token": "w3", "unk_token": "w4"}
+    template = (
+        "{% if true %}w{% endif %}\n  {% if true %}5{% endif %} {{ bos_token }} {{ eos_token }} {{ pad_token }} "
+        "{{ unk_token }} {{ 'w6' if messages[0].content | tojson == '\"é\"' else 'w0' }} "
+        "{{ 'w7' if ({'a': 1} | tojson(indent=2)).count(' ') == 3 else 'w0' }}"
+        "{% if messages | length > 1 %}{{ raise_exception('one message only') }}{% endif %}"
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, **config}))
+    encoder = PromptEncoder(folder)
+    assert encoder.encode_chat([{"role": "user", "content": "é"}]) == [5, 1, 2, 3, 4, 6, 7]
+    with pytest.raises(InvalidPromptError, match="the model's chat template rejected the messages: one message only"):
+        encoder.encode_chat([{"role": "user", "content": "w1"}] * 2)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% if %}"}))
+    with pytest.raises(
+        ConfigurationError, match=f"the chat template in {re.escape(repr(str(folder)))} does not compile"
+    ):
+        PromptEncoder(folder)
 
 
 def test_token_ids_past_the_models_vocabulary_are_vllms_400_before_any_decision(tmp_path: Path) -> None:
@@ -218,7 +302,9 @@ def test_token_ids_past_the_models_vocabulary_are_vllms_400_before_any_decision(
     as the engine checks it. Without a tokenizer, ids go on as sent: the engine judges them."""
     folder = make_tokenizer(tmp_path / "model")  # ids 0 to 203
     configs = [(None, 203), ({"vocab_size": 256}, 255), ({"vocab_size": 100}, 203),
-               ({"vocab_size": 32000, "text_config": {"vocab_size": 240}}, 239)]  # fmt: skip
+               ({"vocab_size": 32000, "text_config": {"vocab_size": 240}}, 239),
+               ({"vocab_size": 300, "text_config": {"vocab_size": 0}}, 299),  # text_config gives none: the model's
+               ({"vocab_size": 300, "text_config": {"vocab_size": 1}}, 203)]  # fmt: skip
     with OpenAIEngine(max_tokens=2) as engine:
         for config, top in configs:
             if config is not None:
@@ -260,12 +346,24 @@ def test_a_model_folder_with_a_malformed_template_file_is_a_configuration_error(
         proxy_from_command_line("--backends", "http://127.0.0.1:9", "--tokenizer", str(folder))
 
 
+def test_a_config_that_is_no_json_object_is_refused_naming_what_it_holds(tmp_path: Path) -> None:
+    folder = make_tokenizer(tmp_path / "model")
+    (folder / "tokenizer_config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigurationError, match="tokenizer_config.json' must hold a JSON object, not list"):
+        PromptEncoder(folder)
+
+
 def test_a_runaway_chat_template_is_refused_at_load_or_bounded_when_it_renders(tmp_path: Path) -> None:
     looping = make_tokenizer(tmp_path / "looping")
+    # Endless only for what the probe renders (four messages, the generation prompt asked for), as vLLM renders chats.
     endless = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    endless = "{% if messages | length == 4 and add_generation_prompt %}" + endless + "{% endif %}"
     (looping / "tokenizer_config.json").write_text(json.dumps({"chat_template": endless}))
-    with pytest.raises(ConfigurationError, match="did not render a four-message conversation"):
+    threads = set(threading.enumerate())
+    with pytest.raises(ConfigurationError, match="did not render a four-message conversation") as refused:
         PromptEncoder(looping)  # ten billion steps: refused after the probe's 5 s, not a hang
+    assert repr(str(looping)) in str(refused.value)
+    assert set(threading.enumerate()) <= threads  # the probe was stopped, not left running
     huge = make_tokenizer(tmp_path / "huge")
     (huge / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ 'x' * 10**9 }}"}))
     encoder = PromptEncoder(huge)
