@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prefixroute import ConfigurationError, InvalidTypeError, LoadPolicy, RoundRobin, Router
 from prefixroute.adapters.proxy import Proxy
 from prefixroute.adapters.proxy.cli import build
+from prefixroute.adapters.proxy.models import UnreadableModels, model_cards
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.cli import build_parser
 from prefixroute.testing.openai_engine import OpenAIEngine
@@ -363,6 +364,36 @@ def test_a_backends_malformed_model_list_never_reaches_the_merged_one(
         listed_nothing = answer != "entries-that-are-no-model"
         assert counted == {bad: 3.0 * listed_nothing, good.url: 0.0}  # at start, and for each client's listing
         assert proxy.base_models == frozenset({"kept", "fake-model"} if not listed_nothing else {"fake-model"})
+
+
+UNREADABLE_REASONS = {
+    "data-not-a-list": "its 'data' is dict, not a list",
+    "data-null": "its 'data' is NoneType, not a list",
+    "no-data": "its 'data' is NoneType, not a list",
+    "a-list-not-an-object": "a JSON list, not an object",
+    "not-json": "not JSON (JSONDecodeError)",
+    "cut-short": "not JSON (JSONDecodeError)",
+    "nested-too-deep": "not JSON (RecursionError)",
+}
+UNREADABLE = [
+    pytest.param(raw, UNREADABLE_REASONS[name], id=name) for name, raw in MODEL_LISTS if name in UNREADABLE_REASONS
+]
+
+
+@pytest.mark.parametrize(
+    ("raw", "why"), [*UNREADABLE, pytest.param(b'{"data": ["\xff"]}', "not JSON (UnicodeDecodeError)", id="not-utf-8")]
+)
+def test_an_unreadable_model_list_says_why_in_the_log_line_it_is_skipped_with(raw: bytes, why: str) -> None:
+    """UnreadableModels: "the message says why" (the proxy logs "its answer is no model list: <why>")."""
+    with pytest.raises(UnreadableModels) as unreadable:
+        model_cards(raw)
+    assert str(unreadable.value) == why
+
+
+def test_a_card_without_an_object_field_is_a_model_one_naming_another_object_is_not() -> None:
+    """model_cards' docstring: a model object's ``object``, *when it has one*, is "model"."""
+    raw = json.dumps({"data": [{"id": "bare"}, {"id": "file", "object": "file"}, {"id": "m", "object": "model"}]})
+    assert model_cards(raw.encode()) == [{"id": "bare"}, {"id": "m", "object": "model"}]
 
 
 def test_a_backend_that_never_answers_models_is_skipped_within_the_bound_and_generations_have_none(
