@@ -123,7 +123,8 @@ def test_encode_batch_refuses_what_is_not_iterable(model_dir: Path) -> None:
 
 
 def test_release_ids_and_listen_host_refuse_the_wrong_type_with_errors_of_the_tree() -> None:
-    with pytest.raises(InvalidTypeError, match="datagram"):
-        release_ids(None)  # type: ignore[arg-type]
+    for datagram, kind in ((None, "NoneType"), ("prefixroute_finish=a", "str")):
+        with pytest.raises(InvalidTypeError, match=f"datagram must be bytes, not {kind}"):
+            release_ids(datagram)  # type: ignore[arg-type]
     with pytest.raises(InvalidTypeError, match="host"):
         listen_host(True)  # type: ignore[arg-type]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import socket
 import subprocess
@@ -675,8 +676,8 @@ def test_a_release_line_with_a_4xx_status_finishes_the_request_refused() -> None
     for status in ("400", True, 400.0, None):
         with pytest.raises(TypeError, match="an HTTP status is an int"):
             is_refusal(status)  # type: ignore[arg-type]
-    for line in ("status=400", None):  # was: Python's own TypeError from the regex
-        with pytest.raises(InvalidTypeError, match="line must be bytes"):
+    for line, kind in (("status=400", "str"), (None, "NoneType")):  # was: Python's own TypeError from the regex
+        with pytest.raises(InvalidTypeError, match=f"line must be bytes, not {kind}"):
             refused(line)  # type: ignore[arg-type]
     assert refused(bytearray(b"status=404")) and refused(memoryview(b"status=404"))  # type: ignore[arg-type]
     sidecar = Sidecar(Router(block_size=16), backends=BACKENDS)
@@ -688,6 +689,28 @@ def test_a_release_line_with_a_4xx_status_finishes_the_request_refused() -> None
     assert sidecar.router.stats().in_flight == 0
     matched = [call(sidecar, "POST", "/route", {"prompt_token_ids": ids(64, start=s)}).json() for s in (0, 500)]
     assert [m["matched_tokens"] for m in matched] == [64, 0]
+
+
+def test_a_release_datagram_reports_first_tokens_and_finishes_via_udp_skipping_nginxs_empty_ids() -> None:
+    """ReleaseProtocol: every release token of a line is applied to the sidecar, on the "udp" path; a ``-`` id
+    (nginx's empty value) is skipped, and the tokens after it still count."""
+    sidecar = Sidecar(Router(block_size=16), backends=BACKENDS)
+    decision = call(sidecar, "POST", "/route", {"prompt_token_ids": ids(64)}).json()
+    first = f"<190>nginx: prefixroute_first_token=- prefixroute_first_token={decision['id']}".encode()
+    ReleaseProtocol(sidecar).datagram_received(first, ("127.0.0.1", 1))
+    # A first token ends nothing.
+    assert sidecar.router.stats().in_flight == 1 and sidecar.metrics.releases == {"udp": 1}
+    last = f"<190>nginx: prefixroute_finish=- prefixroute_finish={decision['id']} status=200".encode()
+    ReleaseProtocol(sidecar).datagram_received(last, ("127.0.0.1", 1))
+    stats = sidecar.router.stats()
+    assert (stats.in_flight, stats.ignored) == (0, 0)  # the "-" ids never reached the router
+    assert sidecar.metrics.releases == {"udp": 2}
+
+
+def test_the_release_listener_logs_an_icmp_error_at_debug_and_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG, logger="prefixroute.adapters.serve.release"):
+        ReleaseProtocol(Sidecar(Router(), backends=BACKENDS)).error_received(ConnectionRefusedError("port closed"))
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [(logging.DEBUG, "release listener: port closed")]
 
 
 def test_release_lines_are_parsed_from_any_syslog_format() -> None:

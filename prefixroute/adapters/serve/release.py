@@ -72,5 +72,5 @@ class ReleaseProtocol(asyncio.DatagramProtocol):
                 else:
                     self._sidecar.first_token(decision_id, via="udp")
 
-    def error_received(self, exc: Exception) -> None:  # pragma: no cover - ICMP noise on a UDP socket
+    def error_received(self, exc: Exception) -> None:  # ICMP noise on a UDP socket (a port unreachable)
         _log.debug("release listener: %s", exc)
