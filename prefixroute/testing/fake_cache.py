@@ -48,6 +48,8 @@ class FakeRequest:
     prompt_tokens: int
     cached_tokens: int
     block_ids: list[int] = field(default_factory=list)
+    # The cache that allocated it: block ids count from 0 in every cache, so they alone cannot tell another's.
+    _cache: FakeBlockCache | None = field(default=None, init=False, repr=False, compare=False)
 
 
 @dataclass
@@ -156,6 +158,7 @@ class FakeBlockCache:
         full = len(prompt) // size
         hashes = self._hashes(data[: 4 * full * size], lora_name)
         request = FakeRequest(prompt_tokens=len(prompt), cached_tokens=0)
+        request._cache = self
         hit = 0
         if share:
             while hit < full and hashes[hit] in self._by_hash:
@@ -216,7 +219,7 @@ class FakeBlockCache:
         if not isinstance(request, FakeRequest):
             raise InvalidTypeError(f"request must be a FakeRequest from allocate(), not {type(request).__name__}")
         held = [self._blocks.get(block_id) for block_id in request.block_ids]
-        if any(block is None or block.refs < 1 for block in held):
+        if held and request._cache is not self or any(block is None or block.refs < 1 for block in held):
             raise ConfigurationError("request holds blocks this cache did not allocate: free it on its own cache")
         for block_id in reversed(request.block_ids):
             block = self._blocks[block_id]

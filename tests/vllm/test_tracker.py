@@ -399,6 +399,20 @@ def test_the_fake_cache_names_what_it_refuses() -> None:
         cache.clear()
 
 
+def test_a_request_freed_on_another_cache_holding_blocks_too_is_refused_and_changes_nothing() -> None:
+    """free()'s docstring: a request holding blocks this cache did not give it is a ConfigurationError and nothing
+    changes. Block ids count from 0 in every cache, so another cache's request named blocks this one held too: it
+    freed them (and emptied the request, whose own blocks stayed held for ever)."""
+    cache, other = _small_cache(), _small_cache()
+    mine, theirs = cache.allocate(list(range(8))), other.allocate([9] * 8)
+    with pytest.raises(ConfigurationError, match="request holds blocks this cache did not allocate"):
+        other.free(mine)
+    assert (cache.usage(), other.usage()) == (0.5, 0.5) and len(mine.block_ids) == 2
+    cache.free(mine)
+    other.free(theirs)
+    assert (cache.usage(), other.usage()) == (0.0, 0.0)
+
+
 def test_a_stored_event_names_the_new_blocks_their_parent_and_tokens_as_vllm_does() -> None:
     cache = _small_cache(extra_group=True)
     cache.free(cache.allocate(list(range(4)), lora_name="sql"))
