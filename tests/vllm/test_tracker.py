@@ -489,9 +489,11 @@ def test_reset_forgets_everything_silently_and_names_blocks_anew() -> None:
     cache = _small_cache()
     cache.free(cache.allocate(list(range(8))))
     before = _stored(cache).block_hashes
-    cache.allocate([1] * 4)
+    before_restart = cache.allocate([1] * 4)
     cache.reset()
     assert (cache.used_blocks, cache.events, cache.queries, cache.hits) == (0, [], 0, 0)
+    with pytest.raises(ConfigurationError, match="request holds blocks this cache did not allocate"):
+        cache.free(before_restart)  # its blocks went with the old process
     request = cache.allocate(list(range(8)))
     assert request.cached_tokens == 0 and (cache.queries, cache.hits) == (8, 0)
     assert _stored(cache).block_hashes != before  # a new seed: the restarted engine's own names
