@@ -63,9 +63,10 @@ class SimSpec:
 
     Raises:
         ConfigurationError: a count that is not a positive int or is absurdly large (``--backends`` over 4,096,
-            ``--requests`` over :data:`MAX_REQUESTS`, ``--rate`` × ``--duration`` over that, ``--duration`` or
-            ``--think-time`` over 10^7 s, ``--requests`` ÷ ``--rate`` over that, ``--metrics-interval`` under
-            1 ms or polling more than 10^8 times over the span the spec gives), a number that is NaN, infinite,
+            ``--gateways`` over 256, ``--requests`` over :data:`MAX_REQUESTS`, ``--rate`` × ``--duration`` over
+            that, ``--duration`` or ``--think-time`` over 10^7 s, ``--requests`` ÷ ``--rate`` over that,
+            ``--metrics-interval`` under 1 ms or polling more than 10^8 times over the span the spec gives), a
+            number that is NaN, infinite,
             negative or (where it makes no sense) zero, a fraction outside its range, an unknown ``index_source`` or
             scenario, a ``trace`` or ``scenario`` that is not a str, a ``first_token`` that is not a bool, a
             scenario with neither ``users`` nor ``rate``, or arrivals with no stop (a scenario or ``rate`` with
