@@ -391,12 +391,10 @@ def run_policy(
         seed = spec.seed + gateway
         load_policy = build_policy(policy, seed=seed) if isinstance(policy, str) else policy()
         # Events: the engines' KV events are the only writer (exact). Predictions: the router records where it sent
-        # each prompt, its index capped at each engine's KV capacity.
-        index = (
-            EventsOnlyIndex(config.block_size)
-            if events
-            else PrefixIndex(config.block_size, capacity_blocks=config.capacity_blocks)
-        )
+        # each prompt, its index capped at each engine's KV capacity. Either way the router knows that capacity (as a
+        # Fleet reads num_gpu_blocks from /metrics), which its policies read as Candidate.capacity_blocks.
+        index_class = EventsOnlyIndex if events else PrefixIndex
+        index = index_class(config.block_size, capacity_blocks=config.capacity_blocks)
         ids = random.Random(spec.seed if gateway == 0 else f"{spec.seed}:{gateway}")
         routers.append(Router(block_size=config.block_size, policy=load_policy, clock=clock, index=index, rng=ids))
     simulation = Simulation(
