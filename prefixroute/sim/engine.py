@@ -342,13 +342,11 @@ class Simulation:
             output_tokens=request.output_tokens,
         )
         self.records.append(record)
-        router = self.router
-        if len(self.routers) > 1:
-            router = self.routers[self._gateway_rng.randrange(len(self.routers))]
+        routers = self.routers
+        router = routers[self._gateway_rng.randrange(len(routers))] if len(routers) > 1 else routers[0]
         decision = router.route(request.prompt, self.names)
         router.start(decision)
-        if len(self.routers) > 1:
-            self._gateway_of[id(decision)] = router
+        self._gateway_of[id(decision)] = router
         record.backend = decision.backend
         record.predicted_tokens = decision.matched_tokens
         index = self._by_name[decision.backend]
@@ -385,12 +383,12 @@ class Simulation:
         self._start_step(index)
 
     def _first_token(self, active: Active) -> None:
-        self._gateway_of.get(id(active.decision), self.router).first_token(active.decision)
+        self._gateway_of[id(active.decision)].first_token(active.decision)
 
     def _finish(self, index: int, decision: Decision, record: RequestRecord, *, refused: bool = False) -> None:
         if record.finished is None:
             record.finished = self.now
-        self._gateway_of.pop(id(decision), self.router).finish(decision, refused=refused)
+        self._gateway_of.pop(id(decision)).finish(decision, refused=refused)
         self._in_flight[index] -= 1
         self._done += 1
         if self.on_progress is not None:
