@@ -20,6 +20,7 @@ from prefixroute.errors import (
     NoBackendError,
     PolicyError,
     PrefixRouteError,
+    StateError,
 )
 from prefixroute.hashing import BlockHash, BlockHasher, encode_tokens
 from prefixroute.index import PrefixIndex
@@ -72,6 +73,7 @@ __all__ = [
     "RoundRobin",
     "Router",
     "RouterStats",
+    "StateError",
     "__version__",
     "encode_tokens",
     "kv_fraction",

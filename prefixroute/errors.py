@@ -11,7 +11,9 @@
     ├── DecisionError          a decision given to a router that did not make it, or committed elsewhere
     ├── InvalidEventError      a malformed vLLM KV-cache event
     ├── InvalidTraceError      a malformed line in a workload trace
-    └── MetricsError           unreadable Prometheus metrics text
+    ├── MetricsError           unreadable Prometheus metrics text
+    └── StateError             a call the object's state does not allow: a Simulation run twice, a figure of a
+                               request that never produced it, a fake engine's URL before it started
 
 The sidecar's refusals (:class:`prefixroute.adapters.serve.BadRequest`, with the HTTP status it answers) are
 ``PrefixRouteError`` too.
@@ -19,7 +21,7 @@ The sidecar's refusals (:class:`prefixroute.adapters.serve.BadRequest`, with the
 Each error is also the builtin a Python user would catch: ``ConfigurationError``, ``InvalidPromptError``,
 ``DecisionError``, ``InvalidEventError``, ``InvalidTraceError`` and ``MetricsError`` (figures that could not be
 read, also when fetching them failed) are ``ValueError``, ``NoBackendError`` a
-``LookupError``, ``PolicyError`` and ``InvalidTypeError`` a ``TypeError``.
+``LookupError``, ``PolicyError`` and ``InvalidTypeError`` a ``TypeError``, ``StateError`` a ``RuntimeError``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ __all__ = [
     "NoBackendError",
     "PolicyError",
     "PrefixRouteError",
+    "StateError",
 ]
 
 
@@ -83,3 +86,10 @@ class InvalidTraceError(PrefixRouteError, ValueError):
 
 class MetricsError(PrefixRouteError, ValueError):
     """Prometheus metrics text could not be fetched or parsed."""
+
+
+class StateError(PrefixRouteError, RuntimeError):
+    """A call that the object's present state does not allow, whatever its arguments: running a
+    :class:`~prefixroute.sim.Simulation` a second time, asking a request record for a time to first token it never
+    had, restarting a KV-event subscriber whose previous thread has not ended. The message says what to do instead.
+    A ``RuntimeError`` too, as Python's own state checks raise."""

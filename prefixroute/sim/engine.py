@@ -13,7 +13,7 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Protocol
 
 from prefixroute._numbers import as_float, as_int, check_flag, shown
-from prefixroute.errors import ConfigurationError, InvalidTypeError
+from prefixroute.errors import ConfigurationError, InvalidTypeError, StateError
 from prefixroute.router import Decision, Router
 from prefixroute.sim.backend import Active, BackendConfig, CostModel, SimBackend
 from prefixroute.sim.request import RequestRecord, SimRequest
@@ -262,7 +262,7 @@ class Simulation:
     def run(self) -> SimOutcome:
         """Run to completion and return the outcome. A Simulation runs once."""
         if self._seq:
-            raise RuntimeError("a Simulation runs once; build a new one")
+            raise StateError("a Simulation runs once; build a new one")
         self._start_arrivals()
         if self.metrics_interval is not None:
             self._push(0.0, _POLL, None)

@@ -6,7 +6,7 @@ import array
 from dataclasses import dataclass
 
 from prefixroute._numbers import as_float, as_int, shown
-from prefixroute.errors import ConfigurationError, InvalidPromptError, InvalidTypeError
+from prefixroute.errors import ConfigurationError, InvalidPromptError, InvalidTypeError, StateError
 
 __all__ = ["RequestRecord", "SimRequest", "token_bytes"]
 
@@ -114,14 +114,14 @@ class RequestRecord:
 
     @property
     def ttft(self) -> float:
-        """Time to first token (seconds); raises ValueError if the request produced none."""
+        """Time to first token (seconds); raises :class:`~prefixroute.StateError` if the request produced none."""
         if self.first_token is None:
-            raise ValueError(f"request {self.request_id} produced no token")
+            raise StateError(f"request {self.request_id} produced no token: it has no time to first token")
         return self.first_token - self.arrival
 
     @property
     def e2e(self) -> float:
-        """End-to-end latency (seconds); raises ValueError if the request did not finish."""
+        """End-to-end latency (seconds); raises :class:`~prefixroute.StateError` if the request did not finish."""
         if self.finished is None:
-            raise ValueError(f"request {self.request_id} did not finish")
+            raise StateError(f"request {self.request_id} did not finish: it has no end-to-end latency")
         return self.finished - self.arrival

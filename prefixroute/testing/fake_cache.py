@@ -17,7 +17,7 @@ from typing import Literal
 import xxhash
 
 from prefixroute._numbers import as_int, check_flag, shown
-from prefixroute.errors import ConfigurationError, InvalidTypeError
+from prefixroute.errors import ConfigurationError, InvalidTypeError, StateError
 from prefixroute.hashing import BlockHasher, _decode_tokens, check_block_size, encode_tokens, namespace_seed
 from prefixroute.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, ExternalBlockHash
 from prefixroute.vllm.tracker import lora_namespace
@@ -231,7 +231,7 @@ class FakeBlockCache:
     def clear(self) -> None:
         """Drop every free cached block and announce it as vLLM's ``reset_prefix_cache`` does."""
         if len(self._blocks) != len(self._free):
-            raise RuntimeError("clear() with requests running: vLLM only resets an idle prefix cache")
+            raise StateError("clear() with requests running: vLLM only resets an idle prefix cache; free them first")
         for block_id in list(self._free):
             self._drop(block_id, announce=False)
         self.events.append(AllBlocksCleared())

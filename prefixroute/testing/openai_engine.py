@@ -46,7 +46,7 @@ from prefixroute.adapters._listening import close_listener
 from prefixroute.adapters.serve.contract import UNSUPPORTED_MEDIA_TYPE, is_json_media_type
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.adapters.urls import listen_host
-from prefixroute.errors import ConfigurationError, InvalidTypeError
+from prefixroute.errors import ConfigurationError, InvalidTypeError, StateError
 from prefixroute.testing._names import check_served_names
 from prefixroute.testing.fake_cache import FakeBlockCache
 from prefixroute.vllm.metrics import TTFT_BUCKETS
@@ -413,7 +413,7 @@ class OpenAIEngine:
     def url(self) -> str:
         """``http://host:port``, once started."""
         if not self._port:
-            raise RuntimeError("the engine is not started: call start() (or await serve()) first")
+            raise StateError("the engine is not started: call start() (or await serve()) first")
         return f"http://{self._host}:{self._port}"
 
     async def serve(self) -> None:
@@ -543,7 +543,7 @@ class OpenAIEngine:
     def _call(self, coroutine: Any) -> None:
         if self._loop is None:
             coroutine.close()
-            raise RuntimeError("the engine is not started")
+            raise StateError("the engine is not started: call start() (or await serve()) first")
         if self._serving is not None and not self._serving.is_current():
             asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(10)
         else:  # on the engine's own loop (serve()): schedule it

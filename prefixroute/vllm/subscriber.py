@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 
 from prefixroute._numbers import as_float, shown
-from prefixroute.errors import ConfigurationError, InvalidEventError, InvalidTypeError
+from prefixroute.errors import ConfigurationError, InvalidEventError, InvalidTypeError, StateError
 from prefixroute.vllm._checks import (
     MAX_SECONDS,
     check_callable,
@@ -189,7 +189,7 @@ class KVEventSubscriber:
         After a :meth:`stop` whose wait timed out, first waits (up to 5 s) for that thread to end.
 
         Raises:
-            RuntimeError: the thread of an earlier :meth:`stop` is still running after that wait.
+            StateError: the thread of an earlier :meth:`stop` is still running after that wait.
         """
         old = self._thread
         if old is not None and old.is_alive():
@@ -197,7 +197,7 @@ class KVEventSubscriber:
                 return self
             old.join(5.0)
             if old.is_alive():
-                raise RuntimeError(f"the KV-event thread of {self.backend} has not ended since stop(): try again")
+                raise StateError(f"the KV-event thread of {self.backend} has not ended since stop(): try again")
         self._stop.clear()
         context: zmq.Context[Any] = zmq.Context()
         thread = threading.Thread(

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from prefixroute.errors import ConfigurationError
+from prefixroute.errors import ConfigurationError, StateError
 from prefixroute.testing.openai_engine import OpenAIEngine, render_chat, whitespace_tokens
 from prefixroute.vllm.metrics import parse_metrics
 
@@ -614,3 +614,10 @@ def test_engine_options_of_the_wrong_type_are_refused_when_given(
     """Each failed later, or with a builtin error: a str delay compared with 0, a tokenizer called per request."""
     with pytest.raises(error, match=message):
         OpenAIEngine(**options)
+
+
+def test_an_engine_not_started_says_so_in_the_exception_tree() -> None:
+    engine = OpenAIEngine()
+    for call in (lambda: engine.url, engine.refuse, engine.accept):
+        with pytest.raises(StateError, match=r"the engine is not started: call start\(\) \(or await serve\(\)\) first"):
+            call()

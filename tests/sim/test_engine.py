@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 from collections import Counter
@@ -11,7 +12,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from prefixroute import ConfigurationError, InvalidTypeError, Router
+from prefixroute import ConfigurationError, InvalidTypeError, Router, StateError
 from prefixroute.policies import Candidate, LoadPolicy, policy_from_name
 from prefixroute.sim.backend import BackendConfig
 from prefixroute.sim.engine import ClosedLoop, OpenLoop, SimOutcome, Simulation, TraceTimes
@@ -210,6 +211,11 @@ def test_a_request_larger_than_the_cache_is_rejected_not_stuck() -> None:
     _, outcome = _run(requests, capacity=40)
     assert [r.rejected for r in outcome.records] == [True, False]
     assert outcome.records[0].finished == outcome.records[0].arrival  # refused at once
+    with pytest.raises(StateError, match="request 0 produced no token: it has no time to first token"):
+        _ = outcome.records[0].ttft
+    unfinished = dataclasses.replace(outcome.records[1], finished=None)
+    with pytest.raises(StateError, match="request 1 did not finish: it has no end-to-end latency"):
+        _ = unfinished.e2e
 
 
 def test_a_rejected_request_leaves_no_predicted_blocks_in_the_router() -> None:
@@ -454,7 +460,7 @@ def test_a_run_accounts_for_requests_fleet_reuse_progress_and_evictions() -> Non
     assert sum(outcome.evictions.values()) > 0 and outcome.evictions == dict(router.evicted)
     for backend in simulation.backends:
         assert router.index.hashes(backend.name) == set(backend.cache._refs)
-    with pytest.raises(RuntimeError, match="runs once"):
+    with pytest.raises(StateError, match="runs once"):
         simulation.run()
 
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixroute import BlockHasher, PrefixIndex
-from prefixroute.errors import ConfigurationError, InvalidEventError
+from prefixroute.errors import ConfigurationError, InvalidEventError, StateError
 from prefixroute.index import apply_updates
 from prefixroute.testing import FakeBlockCache
 from prefixroute.vllm import AllBlocksCleared, BlockRemoved, BlockStored, BlockTracker, lora_namespace
@@ -395,7 +395,7 @@ def test_the_fake_cache_names_what_it_refuses() -> None:
         ConfigurationError, match="request holds blocks this cache did not allocate: free it on its own cache"
     ):
         other.free(cache.allocate(list(range(8))))
-    with pytest.raises(RuntimeError, match=re.escape("clear() with requests running: vLLM only resets an idle")):
+    with pytest.raises(StateError, match=re.escape("clear() with requests running: vLLM only resets an idle")):
         cache.clear()
 
 
