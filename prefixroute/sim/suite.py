@@ -9,6 +9,7 @@ acceptance rule (:func:`judge`). Every verdict on the page is computed by :func:
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -337,8 +338,7 @@ def _across_the_suite(verdicts: Sequence[WorkloadVerdict], *, default: str) -> l
             p99_ratios.append(_or_inf(mine.ttft_ms["p99"]) / v.ranking.best_p99_ms)
             rate_ratios.append(mine.throughput_rps / v.ranking.best_throughput if v.ranking.best_throughput else 0.0)
             recommended += v.ranking.recommended.policy == name
-        p99_ratios.sort()
-        rows.append((max(p99_ratios), p99_ratios[len(p99_ratios) // 2], min(rate_ratios), recommended, name))
+        rows.append((max(p99_ratios), statistics.median(p99_ratios), min(rate_ratios), recommended, name))
     lines = [
         "### Across the suite",
         "",
