@@ -67,8 +67,10 @@ class SimSpec:
             that, ``--duration`` or ``--think-time`` over 10^7 s, ``--requests`` ÷ ``--rate`` over that,
             ``--metrics-interval`` under 1 ms or polling more than 10^8 times over the span the spec gives), a
             number that is NaN, infinite,
-            negative or (where it makes no sense) zero, a fraction outside its range, an unknown ``index_source`` or
-            scenario, a ``trace`` or ``scenario`` that is not a str, a ``first_token`` that is not a bool, a
+            negative or (where it makes no sense) zero, a fraction outside its range, None for a field whose type
+            has no None, an unknown ``index_source``, scenario, model or GPU, a ``tp`` the model has no profile for
+            on that GPU, a ``trace``, ``scenario``, ``model`` or ``gpu`` that is not a str, a ``first_token`` that is
+            not a bool, a
             scenario with neither ``users`` nor ``rate``, or arrivals with no stop (a scenario or ``rate`` with
             neither ``requests`` nor ``duration``). Checked when the spec is made.
     """
@@ -161,9 +163,10 @@ def _span(spec: SimSpec) -> float:
 
 
 def _check_spec(spec: SimSpec) -> None:
+    may_be_none = {f.name for f in fields(spec) if "None" in str(f.type)}  # its annotation says `... | None`
     for field, most in _POSITIVE_INTS.items():
         value = getattr(spec, field)
-        if value is None:
+        if value is None and field in may_be_none:
             continue
         count = as_int(value)
         if count is None or not 1 <= count <= most:
@@ -171,7 +174,7 @@ def _check_spec(spec: SimSpec) -> None:
         object.__setattr__(spec, field, count)  # a numpy int kept as the Python int it stands for (frozen spec)
     for field, low in [(f, "> 0") for f in _POSITIVE_NUMBERS] + [(f, ">= 0") for f in _NON_NEGATIVE_NUMBERS]:
         value = getattr(spec, field)
-        if value is None:
+        if value is None and field in may_be_none:
             continue
         number = as_float(value)
         if number is None or not (number > 0 if low == "> 0" else number >= 0):
@@ -198,6 +201,10 @@ def _check_spec(spec: SimSpec) -> None:
         raise ConfigurationError(f"--trace must be FORMAT:PATH, a str, not {type(spec.trace).__name__}")
     if not isinstance(spec.scenario, str):
         raise ConfigurationError(f"--scenario must be a scenario name, a str, not {type(spec.scenario).__name__}")
+    for flag, name in (("--model", spec.model), ("--gpu", spec.gpu)):
+        if not isinstance(name, str):
+            raise ConfigurationError(f"{flag} must be a profile's name, a str, not {type(name).__name__}")
+    load_profile(spec.model, spec.gpu, tp=spec.tp)  # an unknown model or GPU, or a tp it has no profile for
     if spec.trace is None and spec.rate is None and spec.users is None:
         raise ConfigurationError("give --users or --rate (only a trace brings its own arrival times)")
     if spec.trace is None and spec.rate is None and spec.requests is None and spec.duration is None:

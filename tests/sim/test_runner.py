@@ -92,6 +92,29 @@ def test_configuration_errors_are_raised_when_the_spec_is_made() -> None:
             SimSpec(trace=trace)  # type: ignore[arg-type]
 
 
+def test_none_is_refused_where_the_field_has_no_none_and_profiles_are_checked_when_the_spec_is_made() -> None:
+    # These fields were taken as None and failed only when the spec ran (gateways with a bare TypeError).
+    for field, message in [
+        ("gateways", "--gateways must be an int in [1, 256], not None"),
+        ("backends", "--backends must be an int in [1, 4,096], not None"),
+        ("speedup", "--speedup must be a finite number > 0, not None"),
+        ("gpu_hour_usd", "--gpu-hour-usd must be a finite number >= 0, not None"),
+        ("model", "--model must be a profile's name, a str, not NoneType"),
+        ("gpu", "--gpu must be a profile's name, a str, not NoneType"),
+    ]:
+        with pytest.raises(ConfigurationError) as refused:
+            SimSpec(**{field: None})  # type: ignore[arg-type]
+        assert str(refused.value) == message
+    for optional in ("tp", "sharing_ratio", "output_tokens", "capacity_blocks", "max_num_seqs", "metrics_interval"):
+        assert getattr(SimSpec(**{optional: None}), optional) is None  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="^unknown model 'gpt-9'; valid models: codellama-13b, "):
+        SimSpec(model="gpt-9")
+    with pytest.raises(ConfigurationError, match="^unknown GPU 'tpu'; valid GPUs: a100-40gb, "):
+        SimSpec(gpu="tpu")
+    with pytest.raises(ConfigurationError, match=r"^no profile for codellama-13b on a100-40gb with tp=3; valid tp"):
+        SimSpec(tp=3)
+
+
 @pytest.mark.parametrize(
     ("field", "flag"),
     [
