@@ -66,13 +66,12 @@ class SimSpec:
             ``--gateways`` over 256, ``--requests`` over :data:`MAX_REQUESTS`, ``--rate`` × ``--duration`` over
             that, ``--duration`` or ``--think-time`` over 10^7 s, ``--requests`` ÷ ``--rate`` over that,
             ``--metrics-interval`` under 1 ms or polling more than 10^8 times over the span the spec gives), a
-            number that is NaN, infinite,
-            negative or (where it makes no sense) zero, a fraction outside its range, None for a field whose type
-            has no None, an unknown ``index_source``, scenario, model or GPU, a ``tp`` the model has no profile for
-            on that GPU, a ``trace``, ``scenario``, ``model`` or ``gpu`` that is not a str, a ``first_token`` that is
-            not a bool, a
-            scenario with neither ``users`` nor ``rate``, or arrivals with no stop (a scenario or ``rate`` with
-            neither ``requests`` nor ``duration``). Checked when the spec is made.
+            number that is NaN, infinite, negative or (where it makes no sense) zero, a fraction outside its range,
+            None for a field whose type has no None, an unknown ``index_source``, scenario, model or GPU, a ``tp``
+            the model has no profile for on that GPU, a ``trace``, ``scenario``, ``model`` or ``gpu`` that is not a
+            str, a ``first_token`` that is not a bool, a scenario with neither ``users`` nor ``rate``, or arrivals
+            with no stop (a scenario or ``rate`` with neither ``requests`` nor ``duration``). Checked when the spec
+            is made.
     """
 
     scenario: str = "seed"
