@@ -1,7 +1,11 @@
 from __future__ import annotations
 
 import array
+import copy
+import pickle
 import random
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -9,7 +13,8 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefixroute import BlockHasher, ConfigurationError, InvalidPromptError, encode_tokens
+from prefixroute import BlockHasher, ConfigurationError, InvalidPromptError, InvalidTypeError, encode_tokens
+from prefixroute.hashing import MAX_BLOCK_SIZE, _decode_tokens
 
 token_lists = st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=200)
 block_sizes = st.integers(min_value=1, max_value=32)
@@ -142,3 +147,91 @@ def test_block_size_must_be_a_positive_int(block_size: object) -> None:
 def test_parent_must_be_a_64_bit_hash(parent: object) -> None:
     with pytest.raises(ValueError, match="parent"):
         BlockHasher(4).hash([1, 2, 3, 4], parent=parent)  # type: ignore[arg-type]
+
+
+# -- edges and messages (each test was written against a mutant of prefixroute/hashing.py that the suite let through) --
+
+
+@given(tokens=token_lists)
+def test_decode_tokens_gives_back_the_ids_encode_tokens_packed(tokens: list[int]) -> None:
+    assert _decode_tokens(encode_tokens(tokens)) == tokens
+
+
+def test_the_default_block_size_is_vllms_16_and_the_largest_accepted_is_max_block_size() -> None:
+    assert BlockHasher().block_size == 16
+    assert BlockHasher(MAX_BLOCK_SIZE).block_size == MAX_BLOCK_SIZE == 65536
+    with pytest.raises(ConfigurationError, match=r"^block_size must be an int in \[1, 65536\] .*, not 65537$"):
+        BlockHasher(MAX_BLOCK_SIZE + 1)
+
+
+def test_parent_zero_is_the_root_of_a_chain_without_namespace() -> None:
+    # seed: "The chain's root seed (0 without a namespace)"; so 0 is a block hash a chain may continue from.
+    tokens = list(range(32))
+    assert BlockHasher(16).hash(tokens, parent=0) == BlockHasher(16).hash(tokens)
+    assert BlockHasher(16).hash(tokens, parent=2**64 - 1) != BlockHasher(16).hash(tokens)
+    with pytest.raises(InvalidPromptError, match=r"^parent must be a block hash, an int in \[0, 2\*\*64\), not -1$"):
+        BlockHasher(16).hash(tokens, parent=-1)
+
+
+def test_a_namespace_may_be_any_str_even_a_lone_surrogate_and_nothing_else() -> None:
+    tokens = list(range(16))
+    lone = BlockHasher(16, namespace="model\ud800")
+    assert lone.namespace == "model\ud800"
+    assert lone.hash(tokens) != BlockHasher(16, namespace="model").hash(tokens)
+    assert lone.seed == BlockHasher(16, namespace="model\ud800".encode("utf-8", "surrogatepass")).seed
+    with pytest.raises(InvalidTypeError, match=r"^namespace must be a str, bytes or None, not int$"):
+        BlockHasher(16, namespace=7)  # type: ignore[arg-type]
+
+
+class _NamedHasher(BlockHasher):
+    __slots__ = ()
+
+
+@pytest.mark.parametrize("how", [copy.copy, copy.deepcopy, lambda h: pickle.loads(pickle.dumps(h))])
+def test_a_hasher_copies_and_pickles_as_its_class_block_size_and_namespace(how: Callable[[Any], Any]) -> None:
+    original = _NamedHasher(8, namespace="llama-3-8b")
+    again = how(original)
+    assert type(again) is _NamedHasher
+    assert (again.block_size, again.namespace, again.seed) == (8, "llama-3-8b", original.seed)
+    assert again.hash(list(range(24))) == original.hash(list(range(24)))
+
+
+_BIG_ENDIAN_VIEW = memoryview(np.array([1], dtype=">u4"))  # type: ignore[arg-type]  # format '>I'
+
+
+@pytest.mark.parametrize(
+    ("tokens", "error", "message"),
+    [
+        ("hello", InvalidTypeError, r"^prompt_tokens must be token ids, not a str: tokenize the prompt first$"),
+        ({1, 2}, InvalidTypeError, r"^prompt_tokens must be a list, tuple, array.array, numpy array or bytes of "
+         r"token ids, not set$"),
+        (b"\x00" * 5, InvalidPromptError, r"^a bytes prompt must hold little-endian uint32 token ids, but its "
+         r"length 5 is not a multiple of 4$"),
+        (_BIG_ENDIAN_VIEW, InvalidPromptError, r"^a memoryview prompt of format '>I' cannot be "
+         r"read: pass a list, or bytes of little-endian uint32 token ids$"),
+        (np.int64(3), InvalidTypeError, r"^prompt_tokens must be a sequence of token ids, not a numpy scalar or 0-d "
+         r"array: wrap it in a list$"),
+        (np.zeros((2, 4), dtype=np.int64), InvalidPromptError, r"^a numpy prompt must be 1-D \(one prompt's token "
+         r"ids\), not of shape \(2, 4\): pass one row, such as tokens\[0\]$"),
+    ],
+)  # fmt: skip
+def test_a_prompt_that_is_not_token_ids_says_what_to_pass(tokens: object, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        encode_tokens(tokens)  # type: ignore[arg-type]
+
+
+class _ArrayLike:
+    """An array with numpy's dtype and astype() but no shape: what encode_tokens' _IntegerArray protocol requires."""
+
+    def __init__(self, values: list[int], dtype: Any) -> None:
+        self._values, self.dtype = values, dtype
+
+    def astype(self, dtype: str) -> Any:
+        return np.array(self._values, dtype=dtype)
+
+
+def test_an_integer_array_needs_only_dtype_and_astype() -> None:
+    tokens = list(range(16))
+    assert encode_tokens(_ArrayLike(tokens, np.dtype("int32"))) == encode_tokens(tokens)
+    with pytest.raises(InvalidPromptError, match="must have an integer dtype, not int32"):
+        encode_tokens(_ArrayLike(tokens, "int32"))  # a dtype without a kind is no integer dtype
