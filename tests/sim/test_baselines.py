@@ -187,6 +187,13 @@ def test_llmd_prefix_score_caps_the_prompt_at_131072_tokens() -> None:
     assert policy.prefix_score(Candidate("a", 65_500, 200_000, 0, block_size=100)) == pytest.approx(655 / 1310)
     # The least the options take is 1 token.
     assert LlmdDefaultProfile(max_prefix_tokens=1, min_block_tokens=1).prefix_score(Candidate("a", 0, 1, 0)) == 0.0
+    # The cap is 131072 tokens exactly: with 1-token blocks, the first 131072 tokens of a 131073-token prompt are all
+    # its hashed blocks (a cap one token higher would count 131072 of 131073).
+    one_token_blocks = LlmdDefaultProfile(min_block_tokens=1)
+    assert one_token_blocks.prefix_score(Candidate("a", 131072, 131073, 0, block_size=1)) == 1.0
+    assert one_token_blocks.prefix_score(Candidate("a", 131071, 131073, 0, block_size=1)) == pytest.approx(
+        131071 / 131072
+    )
     for option, bad in (("max_prefix_tokens", 0), ("max_prefix_tokens", 2.5), ("min_block_tokens", 0)):
         with pytest.raises(ConfigurationError, match=f"{option} must be an int"):
             LlmdDefaultProfile(**{option: bad})  # type: ignore[arg-type]
