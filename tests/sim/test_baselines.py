@@ -379,6 +379,18 @@ def test_ray_serve_tree_grows_by_a_new_prompt_shorter_than_one_block() -> None:
     assert policy.choose([Candidate("a", 0, 300, 0), Candidate("b", 0, 300, 0)]).backend == "b"  # the smaller tree
 
 
+def test_ray_serve_tree_refuses_a_growth_that_is_not_a_count() -> None:
+    # A hand-built candidate that matches more than its prompt (under one block, where no whole block shows) would
+    # shrink its tree, and a float prompt would leave a float size there: both are named instead of recorded.
+    policy = RayServePrefixAware()
+    with pytest.raises(ConfigurationError, match=r"^Candidate 'b': matched_tokens \(12\) must be at most prompt"):
+        policy.choose([Candidate("b", 12, 10, 0)])
+    with pytest.raises(InvalidTypeError, match=r"^Candidate 'b': prompt_tokens must be an int, not 10\.0$"):
+        policy.choose([Candidate("b", 0, 10.0, 0)])  # type: ignore[arg-type]
+    # b's tree is still empty, as a's is: a miss goes to the first of them, then to the other.
+    assert [policy.choose([Candidate(b, 0, 10, 0) for b in "ab"]).backend for _ in range(2)] == ["a", "b"]
+
+
 # -- production-stack prefixaware ----------------------------------------------------------------------------------
 
 
