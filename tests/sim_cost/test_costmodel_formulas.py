@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 
 from prefixroute.errors import ConfigurationError, InvalidTypeError
@@ -92,6 +93,7 @@ def test_the_toy_profile_s_terms_worked_by_hand() -> None:
         ([], [7]),
         ([], [1, 1000, 64]),
         ([(40, 24)], [9]),
+        ([], [3] * 40),  # 40 decoding sequences: past the linear floor (2 + 0.5 x 40 = 22 > 10)
         ([], []),
     ],
 )
@@ -161,6 +163,16 @@ def test_the_model_s_weight_and_linear_figures_follow_its_shape() -> None:
         ),
         (lambda p: p.decode_seconds(1, "5"), ConfigurationError, r"^total_context_tokens must be a count .*, not '5'$"),
         (lambda p: p.activation_bytes(max_num_seqs=-1), ConfigurationError, r"^max_num_seqs must be a count .*-1$"),
+        (
+            lambda p: p.activation_bytes(max_num_batched_tokens=-1),
+            ConfigurationError,
+            r"^max_num_batched_tokens must be a count \(an int >= 0\), not -1$",
+        ),
+        (
+            lambda p: p.kv_capacity_blocks(-1),
+            ConfigurationError,
+            r"^block_size must be a count \(an int >= 0\), not -1$",
+        ),
         (lambda p: p.kv_capacity_blocks(0), ConfigurationError, r"^block_size must be >= 1, not 0$"),
         (
             lambda p: p.kv_capacity_blocks(gpu_memory_utilization=0.0),
@@ -179,7 +191,16 @@ def test_the_model_s_weight_and_linear_figures_follow_its_shape() -> None:
         ),
         (lambda p: p.step_seconds([], [3, 0]), ConfigurationError, r"^a decoding sequence has a context >= 1, not 0$"),
         (lambda p: p.step_seconds([(1, 2, 3)], []), InvalidTypeError, r"^step_seconds takes prefill as \(new_tokens"),
-        (lambda p: p.step_seconds([], [math.inf]), ConfigurationError, r"^a step's counts must be finite: prefill \["),
+        (
+            lambda p: p.step_seconds([], [5, math.inf]),
+            ConfigurationError,
+            r"^a step's counts must be finite: prefill \[\], decode contexts sum inf$",
+        ),
+        (
+            lambda p: p.step_seconds([(math.inf, 0)], []),
+            ConfigurationError,
+            r"^a step's counts must be finite: prefill \[\(inf, 0\)\], decode contexts sum 0$",
+        ),
     ],
 )
 def test_a_bad_figure_is_named_in_the_error(call: object, error: type[Exception], message: str) -> None:
@@ -190,6 +211,9 @@ def test_a_bad_figure_is_named_in_the_error(call: object, error: type[Exception]
 def test_the_constructors_name_the_field_and_the_value_refused() -> None:
     with pytest.raises(ConfigurationError, match=r"^tp must be a power of two >= 1, not 6$"):
         Profile(TOY, GPU, 6, COEFFICIENTS)
+    # A numpy int tp is kept as the Python int it stands for (the dataclass is frozen: set once, when checked).
+    numpy_tp = Profile(TOY, GPU, np.int64(2), COEFFICIENTS)
+    assert type(numpy_tp.tp) is int and numpy_tp.tp == 2 and numpy_tp == toy(2)
     with pytest.raises(InvalidTypeError, match=r"^Profile gpu must be a GpuSpec, not str$"):
         Profile(TOY, "gpu", 1, COEFFICIENTS)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match=r"^ModelSpec kv_heads must be a positive int, not 0$"):
