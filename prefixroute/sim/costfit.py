@@ -87,12 +87,12 @@ def fit_linear(points: Sequence[tuple[int, float]]) -> LinearFit:
 
     The floor is the median time at ``n <= 16``; intercept and slope (both >= 0, so that splitting a
     batch never makes it cheaper) minimise the relative squared error over ``n >= 512``.
-    Raises ValueError when either range has fewer than 1 / 2 points.
+    Raises :class:`~prefixroute.ConfigurationError` (a ValueError) when either range has fewer than 1 / 2 points.
     """
     low = [t for n, t in points if n <= _FLOOR_MAX_TOKENS]
     high = [(n, t) for n, t in points if n >= _SLOPE_MIN_TOKENS]
     if not low or len(high) < 2:
-        raise ValueError(f"need points at n <= {_FLOOR_MAX_TOKENS} and >= 2 at n >= {_SLOPE_MIN_TOKENS}")
+        raise ConfigurationError(f"need points at n <= {_FLOOR_MAX_TOKENS} and >= 2 at n >= {_SLOPE_MIN_TOKENS}")
     design = np.array([[1.0 / t, n / t] for n, t in high])
     intercept, per_token = _nonnegative_lstsq(design, np.ones(len(high)))
     return LinearFit(float(statistics.median(low)), float(intercept), float(per_token))
@@ -225,14 +225,14 @@ def fit_shared_terms(
 ) -> SharedTerms:
     """Least squares (relative error) of overhead, all-reduce, attention and per-sequence terms on Llama-2-70B.
 
-    Raises ValueError when no SplitwiseSim rows exist for ``family``.
+    Raises :class:`~prefixroute.ConfigurationError` (a ValueError) when no SplitwiseSim rows exist for ``family``.
     """
     model = MODELS["llama-2-70b"]
     # Batched prefill rows (batch > 1) are left out: SplitwiseSim's engine ran them slower than the
     # same tokens as one prompt (e.g. 16 x 512 > 1 x 8192), which vLLM's flat-token batching does not do.
     rows = [m for m in splitwise if m.gpu == family and (m.kind == "decode" or m.batch == 1)]
     if not rows:
-        raise ValueError(f"no SplitwiseSim rows for {family}")
+        raise ConfigurationError(f"no SplitwiseSim rows for {family}")
     layers = model.layers
     kv_layer = model.kv_heads * model.head_dim * 2 * model.dtype_bytes
     design, target = [], []

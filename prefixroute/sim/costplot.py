@@ -11,7 +11,7 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from prefixroute.errors import PrefixRouteError
+from prefixroute.errors import ConfigurationError, PrefixRouteError
 from prefixroute.sim.calibration import predicted_seconds, read_measurements, read_points
 from prefixroute.sim.profiles import available_profiles, load_profile
 
@@ -157,14 +157,15 @@ def tables() -> dict[str, str]:
 def update_markdown(text: str, generated: dict[str, str]) -> str:
     """Replace each ``<!-- costplot:NAME -->`` ... ``<!-- /costplot:NAME -->`` block's body by ``generated[NAME]``.
 
-    Raises ValueError when a marker pair is missing, so a renamed table cannot silently go stale.
+    Raises :class:`~prefixroute.ConfigurationError` (a ValueError) when a marker pair is missing, so a renamed table
+    cannot silently go stale.
     """
     for name, table in generated.items():
         start, end = f"<!-- costplot:{name} -->", f"<!-- /costplot:{name} -->"
         head, found, rest = text.partition(start)
         _, found_end, tail = rest.partition(end)
         if not (found and found_end):
-            raise ValueError(f"markers {start} ... {end} not found")
+            raise ConfigurationError(f"markers {start} ... {end} not found")
         text = f"{head}{start}\n{table}\n{end}{tail}"
     return text
 

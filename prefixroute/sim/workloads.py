@@ -53,16 +53,35 @@ class Scenario:
         self._pieces: dict[int, bytes] = {}
 
     def piece(self, key: int, length: int) -> bytes:
-        """The shared piece number ``key``: always the same ``length`` tokens (cached per key)."""
-        if not 0 <= key < _SHARED_PIECES or not 0 < length <= _SHARED_SPAN:
-            raise ValueError(f"shared piece {key} of {length} tokens is out of range")
+        """The shared piece number ``key``: always the same ``length`` tokens (cached per key).
+
+        Raises:
+            ConfigurationError: ``key`` is not an int in [0, 2048) or ``length`` not one in [1, 2**19].
+        """
+        number, count = as_int(key), as_int(length)
+        if number is None or count is None or not 0 <= number < _SHARED_PIECES or not 0 < count <= _SHARED_SPAN:
+            raise ConfigurationError(
+                f"a shared piece is an int key in [0, {_SHARED_PIECES}) of an int length in [1, {_SHARED_SPAN}] "
+                f"tokens, not key {shown(key)} of length {shown(length)}"
+            )
+        key, length = number, count
         data = self._pieces.get(key)
         if data is None or len(data) != 4 * length:
             data = self._pieces[key] = token_bytes(key * _SHARED_SPAN, length)
         return data
 
     def unique(self, length: int) -> bytes:
-        """``length`` token ids no other piece uses (wrapping after 2**30 tokens)."""
+        """``length`` token ids no other piece uses (wrapping after 2**30 tokens).
+
+        Raises:
+            ConfigurationError: ``length`` is not an int in [1, 2**30].
+        """
+        count = as_int(length)
+        if count is None or not 0 < count <= _UNIQUE_SPAN:
+            raise ConfigurationError(
+                f"a unique piece is an int length in [1, {_UNIQUE_SPAN}] tokens, not {shown(length)}"
+            )
+        length = count
         if self._next_unique + length > _UNIQUE_SPAN:
             self._next_unique = 0
         start = _UNIQUE_BASE + self._next_unique

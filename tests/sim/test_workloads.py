@@ -144,3 +144,18 @@ def test_token_bytes_refuses_runs_outside_the_uint32_ids(start: Any, count: Any,
     with pytest.raises(error):
         token_bytes(start, count)
     assert token_bytes(2**32 - 2, 2) == (2**32 - 2).to_bytes(4, "little") + (2**32 - 1).to_bytes(4, "little")
+
+
+def test_a_scenario_s_pieces_refuse_what_is_no_token_count() -> None:
+    # Scenario's piece() and unique() are the helpers a scenario of one's own builds prompts from: a key or length
+    # they cannot use is a ConfigurationError naming both, never a TypeError from a comparison or an empty prompt.
+    scenario = make_workload("seed", seed=0)
+    assert scenario.piece(cast(int, np.int64(3)), 4) == scenario.piece(3, 4) == token_bytes(3 * 2**19, 4)
+    assert scenario.piece(2047, 2**19) == token_bytes(2047 * 2**19, 2**19)
+    for key, length in (("a", 4), (2048, 4), (-1, 4), (0, 0), (0, 2**19 + 1), (0, 1.5), (True, 4)):
+        with pytest.raises(ConfigurationError, match=r"^a shared piece is an int key in \[0, 2048\) of an int length"):
+            scenario.piece(key, length)  # type: ignore[arg-type]
+    assert len(scenario.unique(cast(int, np.int64(5)))) == 4 * 5
+    for bad in (0, -3, "5", 2.0, 2**30 + 1):
+        with pytest.raises(ConfigurationError, match=r"^a unique piece is an int length in \[1, 1073741824\] tokens"):
+            scenario.unique(bad)  # type: ignore[arg-type]

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from prefixroute.errors import ConfigurationError
 from prefixroute.sim import load_profile
 from prefixroute.sim.calibration import predicted_seconds, read_measurements
 from prefixroute.sim.costfit import LinearFit, _nonnegative_lstsq, fit_linear
@@ -97,7 +98,7 @@ def test_fit_linear_recovers_known_coefficients(floor: float, per_token: float, 
 
 
 def test_fit_linear_needs_both_regimes() -> None:
-    with pytest.raises(ValueError, match="need points"):
+    with pytest.raises(ConfigurationError, match="need points"):
         fit_linear([(1, 1.0), (2, 1.0)])
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from prefixroute.errors import ConfigurationError
 from prefixroute.sim.costplot import calibration_table, hit_miss_table, main, summary_table, tables, update_markdown
 from prefixroute.sim.profiles import GPUS, MODELS
 
@@ -35,7 +36,7 @@ def test_the_cost_model_page_shows_the_current_tables() -> None:
 def test_update_markdown_replaces_between_markers_and_requires_them() -> None:
     text = "a\n<!-- costplot:x -->\nold\n<!-- /costplot:x -->\nb"
     assert update_markdown(text, {"x": "new"}) == "a\n<!-- costplot:x -->\nnew\n<!-- /costplot:x -->\nb"
-    with pytest.raises(ValueError, match="costplot:y"):
+    with pytest.raises(ConfigurationError, match="costplot:y"):
         update_markdown(text, {"y": "new"})
 
 
