@@ -1,0 +1,102 @@
+"""Rules of reading /metrics that the broader tests in test_metrics.py leave open: each pins one documented rule."""
+
+from __future__ import annotations
+
+import gzip
+import time
+import zlib
+
+import httpx
+import pytest
+
+from prefixroute.errors import MetricsError
+from prefixroute.vllm import metrics as metrics_module
+from prefixroute.vllm.metrics import fetch_metrics, metrics_url, parse_metrics
+
+from .conftest import SMALL_BODY
+
+URL = "http://gpu0:8000/metrics"
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("http://gpu0:8000/v1", "http://gpu0:8000/v1/metrics"),  # a path of its own gets /metrics after it
+        ("http://gpu0:8000/metrics/v1", "http://gpu0:8000/metrics/v1/metrics"),  # /metrics not at the end
+        ("https://gw/engines/gpu0?token=abc", "https://gw/engines/gpu0/metrics?token=abc"),
+    ],
+)
+def test_metrics_url_appends_to_a_path_that_does_not_end_in_metrics(url: str, expected: str) -> None:
+    assert metrics_url(url) == expected
+
+
+@pytest.mark.parametrize(("url", "name"), [(8000, "int"), (b"http://gpu0:8000", "bytes"), (None, "NoneType")])
+def test_metrics_url_of_a_non_str_names_the_type_it_was_given(url: object, name: str) -> None:
+    with pytest.raises(TypeError, match=f"not {name}$"):
+        metrics_url(url)  # type: ignore[arg-type]
+
+
+def test_a_corrupt_compressed_body_names_the_url_it_came_from() -> None:
+    def engine(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"Content-Encoding": "gzip"}, stream=httpx.ByteStream(b"not gzip at all"))
+
+    with (
+        httpx.Client(transport=httpx.MockTransport(engine)) as client,
+        pytest.raises(MetricsError, match=f"^cannot read {URL}: its gzip body is corrupt"),
+    ):
+        fetch_metrics(URL, client=client)
+    # Each refusal of the body's bytes names it, the cap and a cut-short stream too.
+    cut = metrics_module._Body(URL, "gzip")
+    cut.add(gzip.compress(SMALL_BODY)[:-12])
+    with pytest.raises(MetricsError, match=f"^cannot read {URL}: its gzip body ends before its stream does"):
+        cut.finish()
+
+
+def test_each_inflated_piece_is_at_most_a_byte_past_what_is_left_of_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The docstring's promise: the body is inflated at most a byte past MAX_METRICS_BYTES at a time. A byte past the
+    # cap proves the body over it; two, or the whole chunk inflated at once, would hold more than needed.
+    cap = 1000
+    monkeypatch.setattr(metrics_module, "MAX_METRICS_BYTES", cap)
+    kept: list[int] = []
+    keep = metrics_module._Body._keep
+
+    def spy(self: metrics_module._Body, piece: bytes) -> None:
+        kept.append(len(piece))
+        keep(self, piece)
+
+    monkeypatch.setattr(metrics_module._Body, "_keep", spy)
+    bomb = metrics_module._Body(URL, "gzip")
+    packer = zlib.compressobj(9, wbits=zlib.MAX_WBITS | 16)
+    first = packer.compress(bytes(cap // 2)) + packer.flush(zlib.Z_SYNC_FLUSH)
+    rest = packer.compress(bytes(10 * cap)) + packer.flush()
+    bomb.add(first)
+    assert sum(kept) == cap // 2
+    with pytest.raises(MetricsError, match=f"the body is over {cap} bytes"):
+        bomb.add(rest)
+    assert kept[1:] == [cap // 2 + 1]  # what was left of the cap and one byte: no more was inflated
+
+
+def test_a_deflate_body_corrupt_after_its_first_bytes_is_not_retried_as_raw_deflate() -> None:
+    # HTTP's deflate is zlib-wrapped; some servers send it raw, which shows in its first bytes. Once a zlib-wrapped
+    # stream has inflated, a later fault is corruption: here a wrong checksum at its end.
+    packer = zlib.compressobj(wbits=zlib.MAX_WBITS)
+    first = packer.compress(SMALL_BODY) + packer.flush(zlib.Z_FULL_FLUSH)  # a fresh dictionary after this
+    rest = bytearray(packer.compress(SMALL_BODY) + packer.flush())
+    rest[-1] ^= 0xFF  # the Adler-32 checksum no longer matches
+    body = metrics_module._Body(URL, "deflate")
+    body.add(first)
+    with pytest.raises(MetricsError, match="its deflate body is corrupt"):
+        body.add(bytes(rest))
+
+
+def test_the_deadline_is_looked_at_once_more_than_64_kib_of_text_has_been_read() -> None:
+    # The first line ends exactly at 64 KiB: not more than 64 KiB yet, so the clock is first read after the next line,
+    # and the error says how far the parsing got, of how much.
+    first = "#" + "x" * ((1 << 16) - 2) + "\n"
+    sample = "vllm:num_requests_waiting 1\n"
+    text = first + sample * 10
+    assert len(first) == 1 << 16
+    read = len(first) + len(sample)
+    with pytest.raises(MetricsError, match=f"^not parsed by the deadline: {read} of {len(text)} characters read$"):
+        parse_metrics(text, deadline=time.monotonic() - 1.0)
+    assert parse_metrics(text).waiting == 1  # the same series ten times: one figure
