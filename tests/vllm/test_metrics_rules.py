@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import math
 import time
 import zlib
 
@@ -100,3 +101,71 @@ def test_the_deadline_is_looked_at_once_more_than_64_kib_of_text_has_been_read()
     with pytest.raises(MetricsError, match=f"^not parsed by the deadline: {read} of {len(text)} characters read$"):
         parse_metrics(text, deadline=time.monotonic() - 1.0)
     assert parse_metrics(text).waiting == 1  # the same series ten times: one figure
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: parse_metrics(b"vllm:num_requests_running 1\n"), "not bytes$"),  # type: ignore[arg-type]
+        (lambda: parse_metrics("vllm:num_requests_running 1\n", deadline="soon"), "not str$"),  # type: ignore[arg-type]
+        (lambda: parse_metrics("vllm:num_requests_running 1\n", deadline=True), "not bool$"),
+    ],
+)
+def test_parse_metrics_type_errors_name_the_type_given(call: object, message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        call()  # type: ignore[operator]
+
+
+TTFT = "# TYPE vllm:time_to_first_token_seconds histogram\n"
+
+
+def test_a_ttft_bucket_bounded_at_zero_is_not_negative_and_is_read() -> None:
+    text = (
+        TTFT + 'vllm:time_to_first_token_seconds_bucket{le="0"} 0\n'
+        'vllm:time_to_first_token_seconds_bucket{le="0.5"} 2\n'
+        'vllm:time_to_first_token_seconds_bucket{le="+Inf"} 3\n'
+    )
+    assert parse_metrics(text).ttft_buckets == ((0.0, 0.0), (0.5, 2.0), (math.inf, 3.0))
+
+
+def test_untyped_samples_named_without_their_suffix_are_read_too() -> None:
+    # Exposition without TYPE lines keeps a sample's name as written: the counters without _total and the cache
+    # config without _info are the same figures.
+    text = (
+        "vllm:prefix_cache_queries 10\n"
+        "vllm:prefix_cache_hits 4\n"
+        'vllm:cache_config{block_size="32",num_gpu_blocks="500"} 1\n'
+    )
+    metrics = parse_metrics(text)
+    assert (metrics.prefix_queries, metrics.prefix_hits, metrics.hit_rate) == (10, 4, 0.4)
+    assert (metrics.block_size, metrics.num_gpu_blocks) == (32, 500)
+    legacy = parse_metrics("vllm:gpu_prefix_cache_queries 8\nvllm:gpu_prefix_cache_hits 2\n")
+    assert (legacy.prefix_queries, legacy.prefix_hits) == (8, 2)
+
+
+def test_engines_whose_gpu_blocks_sum_past_2_to_the_40_are_refused_with_the_sum() -> None:
+    info = "# TYPE vllm:cache_config_info gauge\n"
+    info += "".join(
+        f'vllm:cache_config_info{{block_size="16",engine="{i}",num_gpu_blocks="{2**39 + 1}"}} 1\n' for i in range(2)
+    )
+    message = f"^vllm:cache_config_info's num_gpu_blocks sum to {2**40 + 2}, over {2**40}$"
+    with pytest.raises(MetricsError, match=message):
+        parse_metrics(info)
+
+
+def test_figures_of_other_exporters_never_fail_the_scrape() -> None:
+    # Only vllm: figures are checked: a process collector's huge, negative or NaN figures are not the engine's.
+    text = (
+        'process_virtual_memory_bytes{pid="1"} 1e308\n'
+        'process_virtual_memory_bytes{pid="2"} 1e308\n'
+        "python_gc_objects_collected_total -1\n"
+        "some_ratio NaN\n"
+        "vllm:num_requests_running 2\n"
+    )
+    assert parse_metrics(text).running == 2
+
+
+def test_text_without_a_vllm_figure_says_so_in_full() -> None:
+    message = r"^no vLLM metrics found \(expected vllm:num_requests_running and others\): is this vLLM\?$"
+    with pytest.raises(MetricsError, match=message):
+        parse_metrics("process_virtual_memory_bytes 1\n")
