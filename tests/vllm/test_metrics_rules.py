@@ -169,3 +169,14 @@ def test_text_without_a_vllm_figure_says_so_in_full() -> None:
     message = r"^no vLLM metrics found \(expected vllm:num_requests_running and others\): is this vLLM\?$"
     with pytest.raises(MetricsError, match=message):
         parse_metrics("process_virtual_memory_bytes 1\n")
+
+
+def test_without_a_ttft_histogram_or_its_sum_the_ttft_figures_are_zero() -> None:
+    # EngineMetrics: no histogram is no samples (count 0, sum 0, no buckets), not unknown; a histogram without its
+    # _sum has a sum of 0.
+    none = parse_metrics("vllm:num_requests_running 1\n")
+    assert (none.ttft_buckets, none.ttft_count, none.ttft_sum) == ((), 0.0, 0.0)
+    assert isinstance(none.ttft_sum, float)
+    no_sum = parse_metrics(TTFT + 'vllm:time_to_first_token_seconds_bucket{le="+Inf"} 3\n')
+    assert (no_sum.ttft_count, no_sum.ttft_sum) == (3.0, 0.0)
+    assert isinstance(no_sum.ttft_sum, float)
