@@ -180,3 +180,28 @@ def test_without_a_ttft_histogram_or_its_sum_the_ttft_figures_are_zero() -> None
     no_sum = parse_metrics(TTFT + 'vllm:time_to_first_token_seconds_bucket{le="+Inf"} 3\n')
     assert (no_sum.ttft_count, no_sum.ttft_sum) == (3.0, 0.0)
     assert isinstance(no_sum.ttft_sum, float)
+
+
+def redirecting(hops: int) -> httpx.MockTransport:
+    """An engine behind ``hops`` redirects in a row: /metrics → /r1 → … → /r<hops>, which serves the figures."""
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        step = 0 if path == "/metrics" else int(path.removeprefix("/r"))
+        if step < hops:
+            return httpx.Response(302 if step % 2 else 301, headers={"Location": f"/r{step + 1}"})
+        return httpx.Response(200, stream=httpx.ByteStream(SMALL_BODY))
+
+    return httpx.MockTransport(engine)
+
+
+def test_redirects_are_followed_up_to_twenty_in_a_row() -> None:
+    # As Prometheus does: a /metrics behind a proxy that redirects it is still read, up to 20 redirects in a row.
+    for hops in (1, 20):
+        with httpx.Client(transport=redirecting(hops)) as client:
+            assert fetch_metrics(URL, client=client).waiting == 3
+    with (
+        httpx.Client(transport=redirecting(21)) as client,
+        pytest.raises(MetricsError, match=f"^cannot read {URL}: "),
+    ):
+        fetch_metrics(URL, client=client)
