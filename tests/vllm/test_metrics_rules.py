@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import gzip
 import math
+import threading
 import time
 import zlib
 
 import httpx
 import pytest
 
-from prefixroute.errors import MetricsError
+from prefixroute.errors import ConfigurationError, MetricsError
 from prefixroute.vllm import metrics as metrics_module
 from prefixroute.vllm.metrics import fetch_metrics, metrics_url, parse_metrics
 
@@ -205,3 +206,31 @@ def test_redirects_are_followed_up_to_twenty_in_a_row() -> None:
         pytest.raises(MetricsError, match=f"^cannot read {URL}: "),
     ):
         fetch_metrics(URL, client=client)
+
+
+def test_a_nonsense_timeout_is_refused_by_its_name() -> None:
+    with pytest.raises(ConfigurationError, match="^timeout must be a finite positive number of seconds"):
+        fetch_metrics(URL, timeout=-1.0)
+
+
+def test_the_parsing_of_an_abandoned_scrape_stops_at_its_deadline_too() -> None:
+    # The caller waits at most the timeout; the parsing in the scrape's thread stops at the same deadline (it checks
+    # every 64 KiB), so the abandoned thread ends soon after, not once seconds of parsing are done.
+    text = "# TYPE vllm:num_requests_waiting gauge\n" + "".join(
+        f'vllm:num_requests_waiting{{engine="{i}"}} 1\n' for i in range(600_000)
+    )  # 26 MB: seconds to parse in full
+    body = text.encode()
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=httpx.ByteStream(body))
+
+    before = set(threading.enumerate())
+    with (
+        httpx.Client(transport=httpx.MockTransport(engine)) as client,
+        pytest.raises(MetricsError, match="not parsed within 0.2s"),
+    ):
+        fetch_metrics(URL, client=client, timeout=0.2)
+    scrapes = [t for t in threading.enumerate() if t not in before and t.name == "prefixroute-scrape"]
+    for thread in scrapes:
+        thread.join(1.0)
+    assert not any(thread.is_alive() for thread in scrapes)
