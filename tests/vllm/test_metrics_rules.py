@@ -230,7 +230,31 @@ def test_the_parsing_of_an_abandoned_scrape_stops_at_its_deadline_too() -> None:
         pytest.raises(MetricsError, match="not parsed within 0.2s"),
     ):
         fetch_metrics(URL, client=client, timeout=0.2)
-    scrapes = [t for t in threading.enumerate() if t not in before and t.name == "prefixroute-scrape"]
+    scrapes = [t for t in threading.enumerate() if t not in before]
     for thread in scrapes:
         thread.join(1.0)
     assert not any(thread.is_alive() for thread in scrapes)
+
+
+def test_a_scrape_held_past_its_timeout_is_left_in_a_daemon_thread_named_for_it() -> None:
+    # fetch_metrics' docstring: the request runs in a daemon thread, so one the caller gave up on never holds the
+    # interpreter's exit; its name tells it apart (the tests waiting for abandoned scrapes to end look for it).
+    release = threading.Event()
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        release.wait(10)
+        return httpx.Response(200, stream=httpx.ByteStream(SMALL_BODY))
+
+    before = set(threading.enumerate())
+    try:
+        with (
+            httpx.Client(transport=httpx.MockTransport(engine)) as client,
+            pytest.raises(MetricsError, match=f"^cannot read {URL}: no complete answer within 0.1s$"),
+        ):
+            fetch_metrics(URL, client=client, timeout=0.1)
+        held = [t for t in threading.enumerate() if t not in before]
+        assert [(t.name, t.daemon, t.is_alive()) for t in held] == [("prefixroute-scrape", True, True)]
+    finally:
+        release.set()
+    held[0].join(5)
+    assert not held[0].is_alive()
