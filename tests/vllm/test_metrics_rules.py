@@ -6,6 +6,7 @@ import gzip
 import math
 import threading
 import time
+import types
 import zlib
 
 import httpx
@@ -258,3 +259,29 @@ def test_a_scrape_held_past_its_timeout_is_left_in_a_daemon_thread_named_for_it(
         release.set()
     held[0].join(5)
     assert not held[0].is_alive()
+
+
+def test_the_deadline_is_looked_at_again_after_each_further_64_kib_and_only_once_past(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A clock that reads exactly the deadline at the first check (not past it yet), past it at the second: the second
+    # check comes once more than 64 KiB has been read since the first, here after the line following a 64 KiB one.
+    readings = iter([5.0, 10.0, 10.0])
+    monkeypatch.setattr(metrics_module, "time", types.SimpleNamespace(monotonic=lambda: next(readings)))
+    first = "#" + "x" * ((1 << 16) - 1) + "\n"  # 64 KiB and a character: checked after it
+    second = "#" + "y" * ((1 << 16) - 2) + "\n"  # exactly 64 KiB more: not yet
+    sample = "vllm:num_requests_waiting 1\n"
+    text = first + second + sample * 3
+    read = len(first) + len(second) + len(sample)
+    with pytest.raises(MetricsError, match=f"^not parsed by the deadline: {read} of {len(text)} characters read$"):
+        parse_metrics(text, deadline=5.0)
+
+
+def test_a_body_is_decoded_in_the_charset_its_content_type_declares() -> None:
+    def engine(request: httpx.Request) -> httpx.Response:
+        body = SMALL_BODY.decode().encode("utf-16")
+        headers = {"Content-Type": "text/plain; version=0.0.4; charset=utf-16"}
+        return httpx.Response(200, headers=headers, stream=httpx.ByteStream(body))
+
+    with httpx.Client(transport=httpx.MockTransport(engine)) as client:
+        assert fetch_metrics(URL, client=client).waiting == 3
