@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import math
+import re
 import threading
 import time
 import types
@@ -285,3 +286,22 @@ def test_a_body_is_decoded_in_the_charset_its_content_type_declares() -> None:
 
     with httpx.Client(transport=httpx.MockTransport(engine)) as client:
         assert fetch_metrics(URL, client=client).waiting == 3
+
+
+@pytest.mark.parametrize(
+    ("error", "detail"),
+    [
+        (httpx.ConnectError("[Errno 111] Connection refused\nwhile connecting"), "[Errno 111] Connection refused"),
+        (httpx.ReadError("  "), "ReadError"),  # no text: the error's type says what failed
+    ],
+)
+def test_a_network_failure_is_one_line_naming_the_url_and_what_failed(error: Exception, detail: str) -> None:
+    def engine(request: httpx.Request) -> httpx.Response:
+        raise error
+
+    with (
+        httpx.Client(transport=httpx.MockTransport(engine)) as client,
+        pytest.raises(MetricsError, match="^" + re.escape(f"cannot read {URL}: {detail}") + "$") as refused,
+    ):
+        fetch_metrics(URL, client=client)
+    assert refused.value.__cause__ is error
