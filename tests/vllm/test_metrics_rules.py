@@ -305,3 +305,21 @@ def test_a_network_failure_is_one_line_naming_the_url_and_what_failed(error: Exc
     ):
         fetch_metrics(URL, client=client)
     assert refused.value.__cause__ is error
+
+
+def test_a_raw_deflate_body_is_inflated_a_byte_past_the_cap_at_most_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A body labelled deflate that turns out raw (as some servers send it) is bounded like any other.
+    cap = 1000
+    monkeypatch.setattr(metrics_module, "MAX_METRICS_BYTES", cap)
+    kept: list[int] = []
+    keep = metrics_module._Body._keep
+
+    def spy(self: metrics_module._Body, piece: bytes) -> None:
+        kept.append(len(piece))
+        keep(self, piece)
+
+    monkeypatch.setattr(metrics_module._Body, "_keep", spy)
+    packer = zlib.compressobj(9, wbits=-zlib.MAX_WBITS)
+    with pytest.raises(MetricsError, match=f"the body is over {cap} bytes"):
+        metrics_module._Body(URL, "deflate").add(packer.compress(bytes(10 * cap)) + packer.flush())
+    assert kept == [cap + 1]
