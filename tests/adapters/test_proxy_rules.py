@@ -1,0 +1,204 @@
+"""``prefixroute proxy``'s documented rules, each pinned on loopback with the fake engines: health and cooldown,
+what counts as a backend failure, the error answers' statuses and types, and the /metrics and /healthz bodies."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+
+import httpx
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from prefixroute import RoundRobin, Router
+from prefixroute.adapters.proxy import Proxy
+from prefixroute.adapters.threaded import ServerThread
+from prefixroute.testing.openai_engine import OpenAIEngine
+
+from ..conftest import running_engines, wait_until
+from .conftest import metric_samples
+
+JSON_BODY = {"Content-Type": "application/json"}
+
+
+class Clock:
+    """A clock the test moves by hand (the proxy's cooldowns read it)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[OpenAIEngine]:
+    for engines in running_engines(1, max_tokens=2):
+        yield engines[0]
+
+
+@pytest.fixture
+def fine(engine: OpenAIEngine) -> Iterator[OpenAIEngine]:
+    """The module's engine, put back to normal after each test."""
+    yield engine
+    engine.fail_next(0)
+    engine.resume()
+    engine.accept()
+
+
+@contextmanager
+def backend_serving(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Iterator[str]:
+    """A backend whose ``POST /v1/completions`` is ``handler``, on loopback; yields its URL."""
+    runner = web.AppRunner(web.Application())
+    runner.app.router.add_post("/v1/completions", handler)
+    urls: list[str] = []
+
+    async def serve() -> None:
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
+
+    thread = ServerThread(serve, runner.cleanup, name="test-backend")
+    thread.start()
+    try:
+        yield urls[0]
+    finally:
+        thread.stop()
+
+
+def post(proxy: Proxy, body: dict[str, object]) -> httpx.Response:
+    return httpx.post(proxy.url + "/v1/completions", json=body, timeout=10)
+
+
+def settled(proxy: Proxy, requests: int) -> None:
+    """Wait until ``requests`` requests have their outcome counted (a handler counts in its ``finally``)."""
+
+    def counted() -> bool:
+        s = proxy.stats()
+        outcomes = (s.ok, s.backend_error, s.unreachable, s.client_disconnect, s.bad_request, s.internal_error)
+        return sum(outcomes) >= requests
+
+    wait_until(counted, what=f"{requests} outcomes counted")
+
+
+def test_a_backend_unreachable_max_failures_times_in_a_row_sits_out_exactly_its_cooldown(
+    refused_port: Callable[[], int],
+) -> None:
+    clock = Clock()
+    dead = f"http://127.0.0.1:{refused_port()}"
+    with Proxy(Router(), [dead], max_failures=2, cooldown=10, clock=clock, retries=0, base_models=[]) as proxy:
+        assert post(proxy, {"prompt": "a"}).status_code == 502
+        assert proxy.stats().unhealthy == ()  # one failure of the two
+        assert post(proxy, {"prompt": "b"}).status_code == 502
+        assert proxy.stats().unhealthy == (dead,)
+        health = httpx.get(proxy.url + "/healthz")
+        assert (health.status_code, health.json()) == (503, {"status": "unavailable", "healthy_backends": []})
+        clock.now += 9.5
+        assert proxy.stats().unhealthy == (dead,)
+        clock.now = 1010.0  # the cooldown is over: back in rotation
+        assert proxy.stats().unhealthy == ()
+        health = httpx.get(proxy.url + "/healthz")
+        assert (health.status_code, health.json()) == (200, {"status": "ok", "healthy_backends": [dead]})
+        # Its count started again when it left: one more failure is not "max_failures in a row".
+        assert post(proxy, {"prompt": "c"}).status_code == 502
+        assert proxy.stats().unhealthy == ()
+        assert post(proxy, {"prompt": "d"}).status_code == 502
+        assert proxy.stats().unhealthy == (dead,)
+        assert proxy.stats().unreachable == 4
+
+
+def test_a_5xx_answer_is_a_failure_in_a_row_that_a_success_or_a_4xx_ends(fine: OpenAIEngine) -> None:
+    clock = Clock()
+    with Proxy(Router(), [fine.url], max_failures=2, clock=clock, base_models=[]) as proxy:
+        fine.fail_next(1, status=500)
+        assert post(proxy, {"prompt": "a"}).status_code == 500
+        assert post(proxy, {"prompt": "b"}).status_code == 200  # ends the run of failures
+        fine.fail_next(1, status=500)
+        assert post(proxy, {"prompt": "c"}).status_code == 500
+        assert proxy.stats().unhealthy == ()  # one in a row, not two
+        fine.fail_next(1, status=400)
+        assert post(proxy, {"prompt": "d"}).status_code == 400  # a refusal of the client: the engine is fine
+        fine.fail_next(1, status=500)
+        assert post(proxy, {"prompt": "e"}).status_code == 500
+        assert proxy.stats().unhealthy == ()
+        fine.fail_next(1, status=500)
+        assert post(proxy, {"prompt": "f"}).status_code == 500
+        settled(proxy, 6)
+        stats = proxy.stats()
+        assert stats.unhealthy == (fine.url,)
+        assert (stats.ok, stats.backend_error) == (2, 4)  # a 4xx was answered: ok
+
+
+def test_a_single_5xx_takes_a_backend_out_when_max_failures_is_one(fine: OpenAIEngine) -> None:
+    with Proxy(Router(), [fine.url], max_failures=1, clock=Clock(), base_models=[]) as proxy:
+        fine.fail_next(1, status=503)
+        assert post(proxy, {"prompt": "a", "stream": True}).status_code == 503
+        assert proxy.stats().unhealthy == (fine.url,)
+
+
+def test_metrics_count_each_outcome_retry_skip_and_backend_state_by_name(
+    fine: OpenAIEngine, refused_port: Callable[[], int]
+) -> None:
+    dead = f"http://127.0.0.1:{refused_port()}"
+    with Proxy(Router(policy=RoundRobin()), [dead, fine.url], max_failures=1, clock=Clock()) as proxy:
+        # At start the proxy asked both for their models: the dead one was skipped once. Listing asks again.
+        assert httpx.get(proxy.url + "/v1/models").status_code == 200
+        # Round robin sends one of these two to the dead backend: refused, it is retried on the other, and out.
+        for prompt in ("first", "second"):
+            assert post(proxy, {"prompt": prompt}).status_code == 200
+        assert post(proxy, {"prompt": ""}).status_code == 400
+        settled(proxy, 3)
+        samples = metric_samples(httpx.get(proxy.url + "/metrics"))
+    requests = {labels[0][1]: value for labels, value in samples["prefixroute_proxy_requests_total"].items()}
+    assert requests == {"ok": 2, "backend_error": 0, "unreachable": 0, "client_disconnect": 0, "bad_request": 1,
+                        "internal_error": 0}  # fmt: skip
+    assert samples["prefixroute_proxy_retries_total"] == {(): 1}
+    assert samples["prefixroute_router_decisions_total"] == {(): proxy.router.stats().decisions}
+    by_backend = {name: {labels[0][1]: value for labels, value in samples[name].items()}
+                  for name in ("prefixroute_router_in_flight", "prefixroute_proxy_backend_up",
+                               "prefixroute_proxy_models_skipped_total")}  # fmt: skip
+    assert by_backend == {
+        "prefixroute_router_in_flight": {dead: 0, fine.url: 0},
+        "prefixroute_proxy_backend_up": {dead: 0, fine.url: 1},
+        "prefixroute_proxy_models_skipped_total": {dead: 2, fine.url: 0},
+    }
+
+
+def test_metrics_escape_a_quote_and_a_backslash_in_a_backend_label() -> None:
+    url = 'http://127.0.0.1:9/a"b\\c'
+    proxy = Proxy(Router(), [url], base_models=[])
+    text = proxy.metrics_text()
+    assert 'prefixroute_proxy_backend_up{backend="http://127.0.0.1:9/a\\"b\\\\c"} 1\n' in text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert [s.labels["backend"] for s in families["prefixroute_router_in_flight"].samples] == [url]
+    assert text.endswith("\n") and families["prefixroute_proxy_models_skipped"].type == "counter"
+
+
+@pytest.mark.parametrize(("status", "max_failures", "out"), [(200, 1, True), (500, 2, False), (500, 1, True)])
+def test_an_answer_broken_off_midway_is_a_502_and_one_failure_of_its_backend(
+    status: int, max_failures: int, out: bool
+) -> None:
+    async def breaking(request: web.Request) -> web.StreamResponse:
+        answer = web.StreamResponse(status=status, headers={"Content-Type": "application/json"})
+        answer.content_length = 100
+        await answer.prepare(request)
+        await answer.write(b'{"choices": [')  # then the engine dies, 87 bytes short
+        assert request.transport is not None
+        request.transport.abort()
+        return answer
+
+    with (
+        backend_serving(breaking) as url,
+        Proxy(Router(), [url], max_failures=max_failures, clock=Clock(), base_models=[]) as proxy,
+    ):
+        reply = post(proxy, {"prompt": "x"})
+        assert reply.status_code == 502
+        error = reply.json()["error"]
+        assert (error["type"], error["code"]) == ("BadGatewayError", 502)
+        assert "broke off its answer" in error["message"]
+        settled(proxy, 1)
+        assert proxy.stats().backend_error == 1
+        # One request, one failure: a 5xx counted when it answered, not again when it broke off.
+        assert proxy.stats().unhealthy == ((proxy.backends[0],) if out else ())
