@@ -47,11 +47,17 @@ def fine(engine: OpenAIEngine) -> Iterator[OpenAIEngine]:
     engine.accept()
 
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
 @contextmanager
-def backend_serving(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Iterator[str]:
-    """A backend whose ``POST /v1/completions`` is ``handler``, on loopback; yields its URL."""
+def backend_serving(completions: Handler, models: Handler | None = None) -> Iterator[str]:
+    """A backend whose ``POST /v1/completions`` is ``completions`` (and ``GET /v1/models``, ``models``), on loopback;
+    yields its URL."""
     runner = web.AppRunner(web.Application())
-    runner.app.router.add_post("/v1/completions", handler)
+    runner.app.router.add_post("/v1/completions", completions)
+    if models is not None:
+        runner.app.router.add_get("/v1/models", models)
     urls: list[str] = []
 
     async def serve() -> None:
@@ -66,6 +72,25 @@ def backend_serving(handler: Callable[[web.Request], Awaitable[web.StreamRespons
         yield urls[0]
     finally:
         thread.stop()
+
+
+async def answered(request: web.Request) -> web.Response:
+    """A completion answered at once."""
+    return web.json_response({"choices": [{"text": "ok"}]})
+
+
+class Listing:
+    """A backend's ``GET /v1/models``: answers ``cards`` (or 500 while None) and notes each asker's key."""
+
+    def __init__(self, cards: list[dict[str, object]] | None) -> None:
+        self.cards = cards
+        self.keys: list[str | None] = []
+
+    async def answer(self, request: web.Request) -> web.Response:
+        self.keys.append(request.headers.get("Authorization"))
+        if self.cards is None:
+            return web.json_response({"error": {"message": "down"}}, status=500)
+        return web.json_response({"object": "list", "data": self.cards})
 
 
 def post(proxy: Proxy, body: dict[str, object]) -> httpx.Response:
@@ -202,3 +227,50 @@ def test_an_answer_broken_off_midway_is_a_502_and_one_failure_of_its_backend(
         assert proxy.stats().backend_error == 1
         # One request, one failure: a 5xx counted when it answered, not again when it broke off.
         assert proxy.stats().unhealthy == ((proxy.backends[0],) if out else ())
+
+
+def test_a_request_naming_a_model_asks_unlisted_backends_again_at_most_every_10_s_with_its_key(
+    fine: OpenAIEngine,
+) -> None:
+    clock = Clock()
+    listing = Listing(None)  # fails to list: its models stay unknown
+    with (
+        backend_serving(answered, listing.answer) as flaky,
+        Proxy(Router(), [fine.url, flaky], clock=clock) as proxy,
+    ):
+        assert proxy.base_models == {"fake-model"}  # the other one listed at start
+
+        def ask(key: str, body: dict[str, object]) -> None:
+            reply = httpx.post(proxy.url + "/v1/completions", json=body, headers={"Authorization": key}, timeout=10)
+            assert reply.status_code == 200, reply.text
+
+        ask("k1", {"model": "fake-model", "prompt": "a"})  # a base model, but one backend has not listed: ask again
+        wait_until(lambda: "k1" in listing.keys, what="the listing k1 asked for")
+        clock.now = 1009.5
+        ask("k2", {"model": "fake-model", "prompt": "b"})  # within 10 s of the last: not again
+        clock.now = 1010.0
+        ask("k3", {"prompt": "c"})  # names no model: nothing to learn
+        ask("k4", {"model": "fake-model", "prompt": "d"})  # 10 s on: again
+        wait_until(lambda: "k4" in listing.keys, what="the listing k4 asked for")
+        assert listing.keys == [None, "k1", "k4"]
+
+
+def test_once_every_backend_listed_only_a_model_without_a_known_base_asks_again() -> None:
+    clock = Clock()
+    listing = Listing([{"id": "adapter", "object": "model", "parent": "elsewhere"}])  # no base model among them
+    with backend_serving(answered, listing.answer) as url:
+        with Proxy(Router(), [url], clock=clock) as learning:
+            assert learning.base_models == frozenset()
+            reply = httpx.post(learning.url + "/v1/completions", json={"model": "adapter", "prompt": "a"},
+                               headers={"Authorization": "k1"})  # fmt: skip
+            assert reply.status_code == 200
+            wait_until(lambda: "k1" in listing.keys, what="the listing k1 asked for")
+            assert listing.keys == [None, "k1"]
+        listing.keys.clear()
+        with Proxy(Router(), [url], clock=clock, base_models=[]) as given:  # given: nothing to learn
+            assert httpx.get(given.url + "/v1/models", headers={"Authorization": "k0"}).status_code == 200
+            reply = httpx.post(given.url + "/v1/completions", json={"model": "adapter", "prompt": "a"},
+                               headers={"Authorization": "k1"})  # fmt: skip
+            assert reply.status_code == 200
+            assert httpx.get(given.url + "/v1/models", headers={"Authorization": "k2"}).status_code == 200
+            assert listing.keys == ["k0", "k2"]  # every backend had listed: the request asked nothing
