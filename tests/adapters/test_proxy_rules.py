@@ -3,6 +3,7 @@ what counts as a backend failure, the error answers' statuses and types, and the
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 
@@ -16,7 +17,7 @@ from prefixroute.adapters.proxy import Proxy
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.testing.openai_engine import OpenAIEngine
 
-from ..conftest import running_engines, wait_until
+from ..conftest import BuggyPolicy, running_engines, wait_until
 from .conftest import metric_samples
 
 JSON_BODY = {"Content-Type": "application/json"}
@@ -274,3 +275,49 @@ def test_once_every_backend_listed_only_a_model_without_a_known_base_asks_again(
             assert reply.status_code == 200
             assert httpx.get(given.url + "/v1/models", headers={"Authorization": "k2"}).status_code == 200
             assert listing.keys == ["k0", "k2"]  # every backend had listed: the request asked nothing
+
+
+@pytest.mark.parametrize(("status", "relayed"), [(400, 400), (499, 499), (500, 502), (503, 502)])
+def test_models_relay_a_4xx_refusal_as_the_engine_gave_it_and_answer_a_5xx_with_502(status: int, relayed: int) -> None:
+    async def refusing(request: web.Request) -> web.Response:
+        return web.Response(status=status, text="no models for you", content_type="text/plain")
+
+    with backend_serving(answered, refusing) as url, Proxy(Router(), [url], base_models=[]) as proxy:
+        reply = httpx.get(proxy.url + "/v1/models")
+        assert reply.status_code == relayed
+        if relayed < 500:
+            assert reply.text == "no models for you" and reply.headers["content-type"].startswith("text/plain")
+        else:
+            assert reply.json()["error"] == {"message": "no backend answered /v1/models", "type": "BadGatewayError",
+                                             "param": None, "code": 502}  # fmt: skip
+
+
+def test_a_backend_taken_out_of_rotation_is_logged_with_its_count_and_cooldown(
+    refused_port: Callable[[], int], caplog: pytest.LogCaptureFixture
+) -> None:
+    dead = f"http://127.0.0.1:{refused_port()}"
+    with (
+        caplog.at_level(logging.WARNING, logger="prefixroute.proxy"),
+        Proxy(Router(), [dead], max_failures=2, cooldown=7, clock=Clock(), retries=0, base_models=[]) as proxy,
+    ):
+        for prompt in ("a", "b"):
+            assert post(proxy, {"prompt": prompt}).status_code == 502
+    lines = [r.getMessage() for r in caplog.records if r.name == "prefixroute.proxy"]
+    assert lines == [f"backend {dead} failed 2 times in a row: out of rotation for 7 s"]
+
+
+def test_a_failing_policy_is_logged_with_the_policys_own_exception(
+    fine: OpenAIEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    with (
+        caplog.at_level(logging.ERROR, logger="prefixroute.proxy"),
+        Proxy(Router(policy=BuggyPolicy()), [fine.url], base_models=[]) as proxy,
+    ):
+        assert post(proxy, {"prompt": "hello"}).status_code == 500
+    [record] = [r for r in caplog.records if r.name == "prefixroute.proxy"]
+    assert record.levelno == logging.ERROR
+    assert (
+        record.getMessage().startswith("the routing policy failed: ") and "a bug in the policy" in record.getMessage()
+    )
+    assert record.exc_info is not None and isinstance(record.exc_info[1], ValueError)
+    assert str(record.exc_info[1]) == "a bug in the policy"
