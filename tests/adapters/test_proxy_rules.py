@@ -3,17 +3,22 @@ what counts as a backend failure, the error answers' statuses and types, and the
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import httpx
 import pytest
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
+from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixroute import RoundRobin, Router
 from prefixroute.adapters.proxy import Proxy
+from prefixroute.adapters.proxy.app import _ServerLog
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.testing.openai_engine import OpenAIEngine
 
@@ -321,3 +326,72 @@ def test_a_failing_policy_is_logged_with_the_policys_own_exception(
     )
     assert record.exc_info is not None and isinstance(record.exc_info[1], ValueError)
     assert str(record.exc_info[1]) == "a bug in the policy"
+
+
+def _server_log_records(
+    caplog: pytest.LogCaptureFixture, level: int, msg: str, *args: object, **kwargs: Any
+) -> list[logging.LogRecord]:
+    """What aiohttp's server log, as the proxy wraps it, records for one ``log(*args, **kwargs)`` call."""
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="test.serverlog"):
+        _ServerLog(logging.getLogger("test.serverlog")).log(level, msg, *args, **kwargs)
+    return [r for r in caplog.records if r.name == "test.serverlog"]
+
+
+def test_a_malformed_request_is_one_warning_line_and_the_proxys_own_errors_keep_their_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    malformed = BadHttpMessage("Invalid header value char")
+    [record] = _server_log_records(caplog, logging.ERROR, "Error handling request", exc_info=malformed)
+    assert (record.levelno, record.exc_info) == (logging.WARNING, None)
+    assert record.getMessage() == "Error handling request: 400, message: Invalid header value char"
+    corrupt = RequestPayloadError("bad gzip\n  data")
+    [record] = _server_log_records(caplog, logging.ERROR, "Error handling request from %s", "10.0.0.1",
+                                   exc_info=corrupt)  # fmt: skip
+    assert (record.levelno, record.exc_info) == (logging.WARNING, None)
+    assert record.getMessage() == "Error handling request from 10.0.0.1: bad gzip data"
+    bug = ValueError("the proxy's own bug")
+    [record] = _server_log_records(caplog, logging.ERROR, "Error handling %s", "request", exc_info=bug)
+    assert (record.levelno, record.getMessage()) == (logging.ERROR, "Error handling request")
+    assert record.exc_info is not None and record.exc_info[1] is bug
+    [record] = _server_log_records(caplog, logging.INFO, "plain %s", "line", stack_info=True)
+    assert (record.levelno, record.getMessage()) == (logging.INFO, "plain line") and record.stack_info
+
+
+def _model_list_of_size(model: str, size: int) -> bytes:
+    """A one-card model list of exactly ``size`` bytes (a padding field fills it)."""
+    head = b'{"object": "list", "data": [{"id": "' + model.encode() + b'", "object": "model", "pad": "'
+    tail = b'"}]}'
+    return head + b"x" * (size - len(head) - len(tail)) + tail
+
+
+def test_a_model_list_is_read_whole_up_to_16_mib_and_skipped_past_it(caplog: pytest.LogCaptureFixture) -> None:
+    many = [{"id": f"model-{i}", "object": "model"} for i in range(3000)]  # ~100 KB: read in several chunks
+    answers = {
+        "many": json.dumps({"object": "list", "data": many}).encode(),
+        "exact": _model_list_of_size("exact", 16 * 2**20),
+        "over": _model_list_of_size("over", 16 * 2**20 + 1),
+    }
+    assert (len(answers["exact"]), len(answers["over"])) == (16 * 2**20, 16 * 2**20 + 1)
+
+    def listing(name: str) -> Handler:
+        async def answer(request: web.Request) -> web.Response:
+            return web.Response(body=answers[name], content_type="application/json")
+
+        return answer
+
+    with (
+        caplog.at_level(logging.WARNING, logger="prefixroute.proxy"),
+        backend_serving(answered, listing("many")) as a,
+        backend_serving(answered, listing("exact")) as b,
+        backend_serving(answered, listing("over")) as c,
+        Proxy(Router(), [a, b, c], models_timeout=60, base_models=[]) as proxy,
+    ):
+        reply = httpx.get(proxy.url + "/v1/models", timeout=60)
+        assert reply.status_code == 200
+        assert [card["id"] for card in reply.json()["data"]] == [card["id"] for card in many] + ["exact"]
+        assert proxy.stats().models_skipped == 1
+    [line] = [r.getMessage() for r in caplog.records if r.name == "prefixroute.proxy"]
+    assert line == f"backend {c} is left out of /v1/models until it lists again: its answer is no model list: " + (
+        f"over {16 * 2**20} bytes"
+    )
