@@ -395,3 +395,62 @@ def test_a_model_list_is_read_whole_up_to_16_mib_and_skipped_past_it(caplog: pyt
     assert line == f"backend {c} is left out of /v1/models until it lists again: its answer is no model list: " + (
         f"over {16 * 2**20} bytes"
     )
+
+
+def test_answers_name_the_backend_reason_and_matched_tokens_of_their_decision(fine: OpenAIEngine) -> None:
+    prompt = list(range(7000, 7064))  # four 16-token blocks
+    with Proxy(Router(), [fine.url], base_models=[]) as proxy:
+        first = post(proxy, {"prompt": prompt})
+        again = post(proxy, {"prompt": [*prompt, 1], "stream": True})
+    assert (first.headers["x-prefixroute-backend"], first.headers["x-prefixroute-matched-tokens"]) == (fine.url, "0")
+    assert (again.headers["x-prefixroute-reason"], again.headers["x-prefixroute-matched-tokens"]) == ("prefix", "64")
+
+
+class _BrokenEncoder:
+    """An encoder with a bug (not a bad prompt): it raises what no prompt should make it raise."""
+
+    def encode(self, text: str) -> list[int]:
+        raise RuntimeError("the encoder's own bug")
+
+    def encode_chat(self, messages: Any) -> list[int]:
+        raise RuntimeError("the encoder's own bug")
+
+
+def test_an_encoder_that_breaks_is_the_proxys_500_not_the_clients_400(
+    fine: OpenAIEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    with (
+        caplog.at_level(logging.ERROR, logger="prefixroute.proxy"),
+        Proxy(Router(), [fine.url], encoder=_BrokenEncoder(), base_models=[]) as proxy,
+    ):
+        reply = post(proxy, {"prompt": "text needs the encoder"})
+        assert reply.status_code == 500
+        assert reply.json()["error"] == {
+            "message": "the proxy failed to route the request: the encoder's own bug",
+            "type": "InternalServerError",
+            "param": None,
+            "code": 500,
+        }
+        stats = proxy.stats()
+        assert (stats.internal_error, stats.bad_request) == (1, 0) and proxy.router.stats().decisions == 0
+    assert [r.getMessage() for r in caplog.records if r.name == "prefixroute.proxy"] == ["routing a request failed"]
+
+
+def test_a_backend_that_takes_the_request_and_drops_it_is_a_502_and_a_failure() -> None:
+    async def dropping(request: web.Request) -> web.StreamResponse:
+        assert request.transport is not None
+        request.transport.abort()  # took the request, answers nothing
+        return web.Response()
+
+    with (
+        backend_serving(dropping) as url,
+        Proxy(Router(), [url], max_failures=1, clock=Clock(), base_models=[]) as proxy,
+    ):
+        reply = post(proxy, {"prompt": "x"})
+        assert reply.status_code == 502
+        error = reply.json()["error"]
+        assert (error["type"], error["code"]) == ("BadGatewayError", 502)
+        assert error["message"].startswith(f"backend {url} failed to answer: ")
+        settled(proxy, 1)
+        stats = proxy.stats()
+        assert (stats.backend_error, stats.unreachable, stats.retries, stats.unhealthy) == (1, 0, 0, (url,))
