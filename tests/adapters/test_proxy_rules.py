@@ -454,3 +454,37 @@ def test_a_backend_that_takes_the_request_and_drops_it_is_a_502_and_a_failure() 
         settled(proxy, 1)
         stats = proxy.stats()
         assert (stats.backend_error, stats.unreachable, stats.retries, stats.unhealthy) == (1, 0, 0, (url,))
+
+
+def test_health_answers_as_healthz_does(fine: OpenAIEngine) -> None:
+    with Proxy(Router(), [fine.url], base_models=[]) as proxy:
+        for path in ("/health", "/healthz"):
+            reply = httpx.get(proxy.url + path)
+            assert (reply.status_code, reply.json()) == (200, {"status": "ok", "healthy_backends": [fine.url]}), path
+
+
+def test_a_cors_preflight_gets_starlettes_defaults_and_anything_else_goes_on(fine: OpenAIEngine) -> None:
+    """vLLM's server is Starlette's CORSMiddleware allowing everything: every method, the headers asked for, and a
+    preflight cached 600 s. An OPTIONS that is no preflight (no Origin, or no method asked for) is no preflight."""
+    asked = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "x-custom"}  # fmt: skip
+
+    async def own_cors(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True}, headers={"Access-Control-Allow-Origin": "http://ui.example"})
+
+    with backend_serving(own_cors) as url, Proxy(Router(), [url], base_models=[]) as proxy:
+        preflight = httpx.options(proxy.url + "/v1/completions", headers=asked)
+        assert (preflight.status_code, preflight.text) == (200, "OK")
+        assert preflight.headers["access-control-allow-origin"] == "*"
+        assert preflight.headers["access-control-allow-methods"] == "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT"
+        assert preflight.headers["access-control-max-age"] == "600"
+        assert preflight.headers["access-control-allow-headers"] == "x-custom"
+        for partial in ({"Origin": "http://ui.example"}, {"Access-Control-Request-Method": "POST"}):
+            reply = httpx.options(proxy.url + "/v1/completions", headers=partial)
+            assert reply.status_code == 405 and reply.json()["error"]["type"] == "MethodNotAllowedError", partial
+            assert ("access-control-allow-origin" in reply.headers) == ("Origin" in partial)
+        # The engine's own CORS answer stands: the proxy adds "*" only where the answer says nothing.
+        relayed = httpx.post(
+            proxy.url + "/v1/completions", json={"prompt": "x"}, headers={"Origin": "http://ui.example"}
+        )
+        assert relayed.headers.get_list("access-control-allow-origin") == ["http://ui.example"]
