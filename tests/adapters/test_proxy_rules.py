@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -488,3 +489,29 @@ def test_a_cors_preflight_gets_starlettes_defaults_and_anything_else_goes_on(fin
             proxy.url + "/v1/completions", json={"prompt": "x"}, headers={"Origin": "http://ui.example"}
         )
         assert relayed.headers.get_list("access-control-allow-origin") == ["http://ui.example"]
+
+
+def test_stop_closes_the_proxys_port_and_is_idempotent(fine: OpenAIEngine) -> None:
+    proxy = Proxy(Router(), [fine.url], base_models=[])
+    proxy.stop()  # never started: nothing to stop
+    with proxy:
+        url = proxy.url
+        assert httpx.get(url + "/healthz").status_code == 200
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url + "/healthz")
+    proxy.stop()
+
+
+def test_start_listens_on_the_port_given_or_else_on_one_the_os_picks(fine: OpenAIEngine) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    given = Proxy(Router(), [fine.url], base_models=[]).start(port=port)
+    try:
+        assert given.url == f"http://127.0.0.1:{port}"
+        assert httpx.get(given.url + "/healthz").status_code == 200
+    finally:
+        given.stop()
+    with Proxy(Router(), [fine.url], base_models=[]) as one, Proxy(Router(), [fine.url], base_models=[]) as two:
+        ports = {int(one.url.rsplit(":", 1)[1]), int(two.url.rsplit(":", 1)[1])}
+        assert len(ports) == 2 and all(p > 1024 for p in ports)  # the OS's ephemeral ports, one each
