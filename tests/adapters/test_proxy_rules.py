@@ -506,12 +506,37 @@ def test_start_listens_on_the_port_given_or_else_on_one_the_os_picks(fine: OpenA
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    given = Proxy(Router(), [fine.url], base_models=[]).start(port=port)
+    given = Proxy(Router(), [fine.url], base_models=[]).start(host="127.0.0.2", port=port)  # loopback too
     try:
-        assert given.url == f"http://127.0.0.1:{port}"
+        assert given.url == f"http://127.0.0.2:{port}"
         assert httpx.get(given.url + "/healthz").status_code == 200
     finally:
         given.stop()
     with Proxy(Router(), [fine.url], base_models=[]) as one, Proxy(Router(), [fine.url], base_models=[]) as two:
         ports = {int(one.url.rsplit(":", 1)[1]), int(two.url.rsplit(":", 1)[1])}
         assert len(ports) == 2 and all(p > 1024 for p in ports)  # the OS's ephemeral ports, one each
+
+
+def test_a_backend_failing_to_list_is_warned_about_once_until_it_lists_again(caplog: pytest.LogCaptureFixture) -> None:
+    listing = Listing(None)
+    with (
+        caplog.at_level(logging.DEBUG, logger="prefixroute.proxy"),
+        backend_serving(answered, listing.answer) as url,
+        Proxy(Router(), [url], base_models=[]) as proxy,
+    ):
+
+        def listed() -> list[tuple[int, str]]:
+            reply = httpx.get(proxy.url + "/v1/models")
+            lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "prefixroute.proxy"]
+            caplog.clear()
+            assert reply.status_code == (502 if listing.cards is None else 200)
+            return lines
+
+        left_out = f"backend {url} is left out of /v1/models until it lists again: HTTP 500"
+        assert listed() == [(logging.WARNING, left_out)]
+        assert listed() == [(logging.DEBUG, left_out)]  # still failing: said already
+        listing.cards = [{"id": "m", "object": "model"}]
+        assert listed() == []
+        listing.cards = None
+        assert listed() == [(logging.WARNING, left_out)]  # failing anew: said again
+        assert proxy.stats().models_skipped == 3
