@@ -540,3 +540,18 @@ def test_a_backend_failing_to_list_is_warned_about_once_until_it_lists_again(cap
         listing.cards = None
         assert listed() == [(logging.WARNING, left_out)]  # failing anew: said again
         assert proxy.stats().models_skipped == 3
+
+
+def test_by_default_3_failures_in_a_row_take_a_backend_out_for_10_s(refused_port: Callable[[], int]) -> None:
+    """The documented defaults: "A backend failing 3 times in a row leaves the rotation for 10 s"; one retry."""
+    clock = Clock()
+    dead = [f"http://127.0.0.1:{refused_port()}" for _ in range(2)]
+    with Proxy(Router(policy=RoundRobin()), dead, clock=clock, base_models=[]) as proxy:
+        for i in range(3):  # each tries both (one retry): 3 failures of each
+            assert post(proxy, {"prompt": f"p{i}"}).status_code == 502
+            assert sorted(proxy.stats().unhealthy) == ([] if i < 2 else sorted(dead))
+        assert proxy.stats().retries == 3
+        clock.now += 9.9
+        assert sorted(proxy.stats().unhealthy) == sorted(dead)
+        clock.now = 1010.0
+        assert proxy.stats().unhealthy == ()
