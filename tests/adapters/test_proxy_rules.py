@@ -555,3 +555,23 @@ def test_by_default_3_failures_in_a_row_take_a_backend_out_for_10_s(refused_port
         assert sorted(proxy.stats().unhealthy) == sorted(dead)
         clock.now = 1010.0
         assert proxy.stats().unhealthy == ()
+
+
+def test_a_model_list_broken_off_is_skipped_and_the_log_names_the_error(caplog: pytest.LogCaptureFixture) -> None:
+    async def breaking(request: web.Request) -> web.StreamResponse:
+        answer = web.StreamResponse(headers={"Content-Type": "application/json"})
+        answer.content_length = 100
+        await answer.prepare(request)
+        await answer.write(b'{"object": "list", "data": [')
+        assert request.transport is not None
+        request.transport.abort()
+        return answer
+
+    with (
+        caplog.at_level(logging.WARNING, logger="prefixroute.proxy"),
+        backend_serving(answered, breaking) as url,
+        Proxy(Router(), [url], base_models=[]) as proxy,
+    ):
+        assert httpx.get(proxy.url + "/v1/models").status_code == 502
+    [line] = [r.getMessage() for r in caplog.records if r.name == "prefixroute.proxy"]
+    assert line.startswith(f"backend {url} is left out of /v1/models until it lists again: ClientPayloadError: ")
