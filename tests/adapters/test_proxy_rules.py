@@ -3,9 +3,11 @@ what counts as a backend failure, the error answers' statuses and types, and the
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import socket
+import threading
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -388,7 +390,7 @@ def test_a_model_list_is_read_whole_up_to_16_mib_and_skipped_past_it(caplog: pyt
         backend_serving(answered, listing("over")) as c,
         Proxy(Router(), [a, b, c], models_timeout=60, base_models=[]) as proxy,
     ):
-        reply = httpx.get(proxy.url + "/v1/models", timeout=60)
+        reply = httpx.get(proxy.url + "/v1/models", timeout=30)
         assert reply.status_code == 200
         assert [card["id"] for card in reply.json()["data"]] == [card["id"] for card in many] + ["exact"]
         assert proxy.stats().models_skipped == 1
@@ -575,3 +577,48 @@ def test_a_model_list_broken_off_is_skipped_and_the_log_names_the_error(caplog: 
         assert httpx.get(proxy.url + "/v1/models").status_code == 502
     [line] = [r.getMessage() for r in caplog.records if r.name == "prefixroute.proxy"]
     assert line.startswith(f"backend {url} is left out of /v1/models until it lists again: ClientPayloadError: ")
+
+
+def test_more_than_a_hundred_streams_reach_one_backend_at_once() -> None:
+    """The proxy's own connection pool sets no limit (aiohttp's default would be 100 connections): the engine, not
+    the proxy, decides how many requests it runs at once (vLLM's ``max_num_seqs`` is often 256)."""
+    streams = 105
+    released = threading.Event()
+
+    async def holding(request: web.Request) -> web.StreamResponse:
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await stream.prepare(request)
+        await stream.write(b'data: {"choices": [{"text": "t0"}]}\n\n')
+        while not released.is_set():  # generating, until every stream has started
+            await asyncio.sleep(0.01)
+        await stream.write(b"data: [DONE]\n\n")
+        await stream.write_eof()
+        return stream
+
+    async def clients(proxy: Proxy) -> int:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        started = 0
+        async with httpx.AsyncClient(limits=limits, timeout=30) as client:
+
+            async def one(i: int) -> None:
+                nonlocal started
+                body = {"prompt": f"stream {i}", "stream": True}
+                async with client.stream("POST", proxy.url + "/v1/completions", json=body) as reply:
+                    assert reply.status_code == 200
+                    chunks = reply.aiter_raw()
+                    await anext(chunks)  # its first chunk: the backend holds it open now
+                    started += 1
+                    if started == streams:
+                        released.set()
+                    async for _ in chunks:  # the rest, once released
+                        pass
+
+            await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(streams))), timeout=30)
+        return started
+
+    with backend_serving(holding) as url, Proxy(Router(), [url], base_models=[]) as proxy:
+        try:
+            assert asyncio.run(clients(proxy)) == streams
+        finally:
+            released.set()
+        wait_until(lambda: proxy.stats().ok == streams, what="every stream served")
