@@ -622,3 +622,22 @@ def test_more_than_a_hundred_streams_reach_one_backend_at_once() -> None:
         finally:
             released.set()
         wait_until(lambda: proxy.stats().ok == streams, what="every stream served")
+
+
+def test_a_backend_that_never_takes_the_connection_is_retried_elsewhere_after_connect_timeout(
+    fine: OpenAIEngine,
+) -> None:
+    with socket.socket() as full:
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        stuck = f"http://127.0.0.1:{full.getsockname()[1]}"
+        # One connection fills its accept queue (nothing accepts it): the next ones wait for ever to be taken.
+        with (
+            socket.create_connection(full.getsockname()),
+            Proxy(Router(policy=RoundRobin()), [stuck, fine.url], connect_timeout=0.5, base_models=[]) as proxy,
+        ):
+            replies = [httpx.post(proxy.url + "/v1/completions", json={"prompt": p}, timeout=20) for p in ("a", "b")]
+            assert [r.status_code for r in replies] == [200, 200]
+            assert {r.headers["x-prefixroute-backend"] for r in replies} == {fine.url}
+            stats = proxy.stats()
+            assert stats.retries >= 1 and stats.unreachable == 0  # round robin sent one or both to the stuck one
