@@ -641,3 +641,19 @@ def test_a_backend_that_never_takes_the_connection_is_retried_elsewhere_after_co
             assert {r.headers["x-prefixroute-backend"] for r in replies} == {fine.url}
             stats = proxy.stats()
             assert stats.retries >= 1 and stats.unreachable == 0  # round robin sent one or both to the stuck one
+
+
+def test_serve_on_the_callers_loop_listens_on_loopback_on_a_port_the_os_picks(fine: OpenAIEngine) -> None:
+    async def both() -> list[str]:
+        proxies = [Proxy(Router(), [fine.url], base_models=[]) for _ in range(2)]
+        try:
+            urls = [await proxy.serve() for proxy in proxies]
+            async with httpx.AsyncClient() as client:
+                assert [(await client.get(url + "/healthz")).status_code for url in urls] == [200, 200]
+            return urls
+        finally:
+            for proxy in proxies:
+                await proxy.aclose()
+
+    urls = asyncio.run(both())
+    assert all(url.startswith("http://127.0.0.1:") for url in urls) and urls[0] != urls[1]
