@@ -19,9 +19,10 @@ from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixroute import RoundRobin, Router
+from prefixroute import ConfigurationError, InvalidTypeError, RoundRobin, Router
 from prefixroute.adapters.proxy import Proxy
 from prefixroute.adapters.proxy.app import _ServerLog
+from prefixroute.adapters.proxy.prompts import ByteEncoder
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.testing.openai_engine import OpenAIEngine
 
@@ -657,3 +658,50 @@ def test_serve_on_the_callers_loop_listens_on_loopback_on_a_port_the_os_picks(fi
 
     urls = asyncio.run(both())
     assert all(url.startswith("http://127.0.0.1:") for url in urls) and urls[0] != urls[1]
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"backends": []}, ConfigurationError, "the proxy needs at least one backend URL"),
+        ({"router": "router"}, InvalidTypeError, "router must be a prefixroute.Router, not str"),
+        ({"max_failures": 0}, ConfigurationError, "max_failures must be an int >= 1, not 0"),
+        ({"cooldown": 0}, ConfigurationError, "cooldown must be a positive, finite number of seconds, not 0"),
+        ({"cooldown": -1.0}, ConfigurationError, "cooldown must be a positive, finite number of seconds"),
+        ({"connect_timeout": 0.0}, ConfigurationError, "connect_timeout must be a positive, finite number of seconds"),
+        ({"base_models": ["llama", " "]}, ConfigurationError, "base_models must name models, not [' ', 'llama']"),
+        ({"fleet": object()}, InvalidTypeError, "fleet must be a prefixroute.vllm.Fleet or None, not object"),
+        ({"clock": 1.0}, InvalidTypeError, "clock must be a callable returning seconds, not float"),
+        ({"backends": ("http://a:1", 5)}, InvalidTypeError, "backends must hold backend URLs (str), not int"),
+    ],
+)
+def test_options_out_of_their_documented_range_are_refused_with_what_to_fix(
+    options: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    arguments: dict[str, Any] = {"router": Router(), "backends": ["http://127.0.0.1:8000"], **options}
+    with pytest.raises(error) as refused:
+        Proxy(**arguments)
+    assert str(refused.value).startswith(message)
+
+
+def test_the_smallest_documented_values_are_taken() -> None:
+    proxy = Proxy(Router(), ["http://127.0.0.1:8000"], retries=0, max_failures=1, cooldown=0.001,
+                  connect_timeout=0.001, models_timeout=0.001, max_body_bytes=1, base_models=[])  # fmt: skip
+    assert (proxy.max_body_bytes, proxy.base_models, proxy.backends) == (1, frozenset(), ("http://127.0.0.1:8000",))
+
+
+class _HundredIds(ByteEncoder):
+    """An encoder that knows the engine's largest token id, as the model's tokenizer does."""
+
+    max_token_id = 100
+
+
+def test_an_encoder_with_an_int_max_token_id_has_ids_past_it_refused_before_routing(fine: OpenAIEngine) -> None:
+    with Proxy(Router(), [fine.url], encoder=_HundredIds(), base_models=[]) as proxy:
+        past = post(proxy, {"prompt": [5, 101]})
+        assert past.status_code == 400
+        assert past.json()["error"]["message"] == "Token id 101 is out of vocabulary"
+        assert proxy.router.stats().decisions == 0
+        assert post(proxy, {"prompt": [5, 100]}).status_code == 200  # the largest id itself is in the vocabulary
+    with Proxy(Router(), [fine.url], base_models=[]) as unknowing:  # no max_token_id: ids go on as sent
+        assert post(unknowing, {"prompt": [5, 101]}).status_code == 200
