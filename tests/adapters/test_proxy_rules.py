@@ -705,3 +705,34 @@ def test_an_encoder_with_an_int_max_token_id_has_ids_past_it_refused_before_rout
         assert post(proxy, {"prompt": [5, 100]}).status_code == 200  # the largest id itself is in the vocabulary
     with Proxy(Router(), [fine.url], base_models=[]) as unknowing:  # no max_token_id: ids go on as sent
         assert post(unknowing, {"prompt": [5, 101]}).status_code == 200
+
+
+def test_an_ipv6_listener_gets_a_bracketed_url(fine: OpenAIEngine) -> None:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    proxy = Proxy(Router(), [fine.url], base_models=[]).start(host="::1")
+    try:
+        host, port = proxy.url.removeprefix("http://").rsplit(":", 1)
+        assert host == "[::1]" and int(port) > 1024
+        assert httpx.get(proxy.url + "/healthz").status_code == 200
+    finally:
+        proxy.stop()
+
+
+def test_a_stopped_proxy_can_listen_again_on_its_port_at_once(fine: OpenAIEngine) -> None:
+    first = Proxy(Router(), [fine.url], base_models=[]).start()
+    try:
+        port = int(first.url.rsplit(":", 1)[1])
+        with httpx.Client() as client:  # a kept-alive connection, closed by the proxy as it stops
+            assert client.get(first.url + "/healthz").status_code == 200
+            first.stop()
+    finally:
+        first.stop()
+    again = Proxy(Router(), [fine.url], base_models=[]).start(port=port)  # its old connection may be in TIME_WAIT
+    try:
+        assert httpx.get(again.url + "/healthz").status_code == 200
+    finally:
+        again.stop()
