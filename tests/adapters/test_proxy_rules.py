@@ -736,3 +736,12 @@ def test_a_stopped_proxy_can_listen_again_on_its_port_at_once(fine: OpenAIEngine
         assert httpx.get(again.url + "/healthz").status_code == 200
     finally:
         again.stop()
+
+
+def test_by_default_a_refused_request_is_retried_once_not_on_every_backend(refused_port: Callable[[], int]) -> None:
+    dead = [f"http://127.0.0.1:{refused_port()}" for _ in range(3)]
+    with Proxy(Router(), dead, clock=Clock(), base_models=[]) as proxy:
+        reply = post(proxy, {"prompt": "x"})
+        assert reply.status_code == 502 and "is unreachable" in reply.json()["error"]["message"]
+        stats = proxy.stats()
+        assert (stats.retries, stats.unreachable) == (1, 1)  # two of the three tried
