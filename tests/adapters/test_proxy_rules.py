@@ -664,6 +664,11 @@ def test_serve_on_the_callers_loop_listens_on_loopback_on_a_port_the_os_picks(fi
     ("options", "error", "message"),
     [
         ({"backends": []}, ConfigurationError, "the proxy needs at least one backend URL"),
+        (
+            {"backends": ["http://a:1", "http://gpu0", "http://GPU0:80/"]},
+            ConfigurationError,
+            "a backend appears twice in ['http://a:1', 'http://gpu0', 'http://GPU0:80'] (engine http://gpu0:80)",
+        ),
         ({"router": "router"}, InvalidTypeError, "router must be a prefixroute.Router, not str"),
         ({"max_failures": 0}, ConfigurationError, "max_failures must be an int >= 1, not 0"),
         ({"cooldown": 0}, ConfigurationError, "cooldown must be a positive, finite number of seconds, not 0"),
