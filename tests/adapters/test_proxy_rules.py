@@ -670,6 +670,7 @@ def test_serve_on_the_callers_loop_listens_on_loopback_on_a_port_the_os_picks(fi
             "a backend appears twice in ['http://a:1', 'http://gpu0', 'http://GPU0:80'] (engine http://gpu0:80)",
         ),
         ({"router": "router"}, InvalidTypeError, "router must be a prefixroute.Router, not str"),
+        ({"retries": 17}, ConfigurationError, "retries must be an int in [0, 16], not 17"),
         ({"max_failures": 0}, ConfigurationError, "max_failures must be an int >= 1, not 0"),
         ({"cooldown": 0}, ConfigurationError, "cooldown must be a positive, finite number of seconds, not 0"),
         ({"cooldown": -1.0}, ConfigurationError, "cooldown must be a positive, finite number of seconds"),
@@ -689,10 +690,11 @@ def test_options_out_of_their_documented_range_are_refused_with_what_to_fix(
     assert str(refused.value).startswith(message)
 
 
-def test_the_smallest_documented_values_are_taken() -> None:
+def test_the_bounds_of_the_documented_ranges_are_taken() -> None:
     proxy = Proxy(Router(), ["http://127.0.0.1:8000"], retries=0, max_failures=1, cooldown=0.001,
                   connect_timeout=0.001, models_timeout=0.001, max_body_bytes=1, base_models=[])  # fmt: skip
     assert (proxy.max_body_bytes, proxy.base_models, proxy.backends) == (1, frozenset(), ("http://127.0.0.1:8000",))
+    Proxy(Router(), ["http://127.0.0.1:8000"], retries=16)  # the most resends, MAX_RETRIES, is taken too
 
 
 class _HundredIds(ByteEncoder):
