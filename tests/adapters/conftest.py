@@ -6,15 +6,19 @@ import asyncio
 import contextlib
 import json
 import socket
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from prefixroute.adapters.proxy.prompts import ByteEncoder
+from prefixroute.adapters.threaded import ServerThread
 
 TOOL_CALL_SYSTEM = "You are a careful assistant. " * 20
 
@@ -88,3 +92,30 @@ async def request_during_close(client: socket.socket, closing: asyncio.Future[An
             received += chunk
     assert received == b"" or received.startswith(b"HTTP/1.1 200 OK\r\n"), received
     await asyncio.wait_for(closing, 5)
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@contextmanager
+def backend_serving(completions: Handler, models: Handler | None = None) -> Iterator[str]:
+    """A backend whose ``POST /v1/completions`` is ``completions`` (and ``GET /v1/models``, ``models``), on loopback;
+    yields its URL."""
+    runner = web.AppRunner(web.Application())
+    runner.app.router.add_post("/v1/completions", completions)
+    if models is not None:
+        runner.app.router.add_get("/v1/models", models)
+    urls: list[str] = []
+
+    async def serve() -> None:
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
+
+    thread = ServerThread(serve, runner.cleanup, name="test-backend")
+    thread.start()
+    try:
+        yield urls[0]
+    finally:
+        thread.stop()

@@ -6,8 +6,7 @@ import asyncio
 import json
 import socket
 import threading
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -15,11 +14,10 @@ import pytest
 
 from prefixroute import BoundedLoad, Router
 from prefixroute.adapters.proxy import Proxy
-from prefixroute.adapters.threaded import ServerThread
 from prefixroute.testing.openai_engine import OpenAIEngine
 
 from ..conftest import running_engines, wait_until
-from .conftest import request_during_close
+from .conftest import backend_serving, request_during_close
 
 SYSTEM = " ".join(f"rule{i}" for i in range(64))  # 64 words: four 16-token blocks for the engines
 
@@ -60,30 +58,6 @@ def complete(proxy: Proxy, body: dict[str, object], *, chat: bool = False) -> ht
 
 def served_by(engines: list[OpenAIEngine]) -> list[int]:
     return [engine.stats().requests for engine in engines]
-
-
-@contextmanager
-def engine_serving(completions: Callable[[Any], Awaitable[Any]]) -> Iterator[str]:
-    """A one-route engine (``POST /v1/completions`` answered by ``completions``) on loopback; yields its URL."""
-    from aiohttp import web
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    urls: list[str] = []
-
-    async def serve() -> None:
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
-
-    backend = ServerThread(serve, runner.cleanup, name="one-route-engine")
-    backend.start()
-    try:
-        yield urls[0]
-    finally:
-        backend.stop()
 
 
 def test_the_same_prefix_goes_to_the_same_backend_and_hits_its_cache(proxy: Proxy, healthy: list[Any]) -> None:
@@ -270,7 +244,7 @@ def test_a_repeated_header_is_passed_on_as_many_times_both_ways() -> None:
         answer.headers.add("Set-Cookie", "b=2")
         return answer
 
-    with engine_serving(completions) as url, Proxy(Router(), [url], base_models=()) as proxy:
+    with backend_serving(completions) as url, Proxy(Router(), [url], base_models=()) as proxy:
         headers = [("X-Trace", "one"), ("X-Trace", "two")]
         answer = httpx.post(proxy.url + "/v1/completions", json={"prompt": [1, 2, 3]}, headers=headers)
         assert answer.status_code == 200, answer.text
@@ -314,7 +288,7 @@ def test_a_client_that_leaves_at_done_is_served_whole() -> None:
         return answer
 
     with (
-        engine_serving(completions) as url,
+        backend_serving(completions) as url,
         Proxy(Router(), [url], base_models=()) as proxy,
         httpx.Client(timeout=10) as client,
     ):

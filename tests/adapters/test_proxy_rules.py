@@ -8,8 +8,7 @@ import json
 import logging
 import socket
 import threading
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -23,11 +22,10 @@ from prefixroute import ConfigurationError, InvalidTypeError, RoundRobin, Router
 from prefixroute.adapters.proxy import Proxy
 from prefixroute.adapters.proxy.app import _ServerLog
 from prefixroute.adapters.proxy.prompts import ByteEncoder
-from prefixroute.adapters.threaded import ServerThread
 from prefixroute.testing.openai_engine import OpenAIEngine
 
 from ..conftest import BuggyPolicy, running_engines, wait_until
-from .conftest import metric_samples
+from .conftest import Handler, backend_serving, metric_samples
 
 JSON_BODY = {"Content-Type": "application/json"}
 
@@ -55,33 +53,6 @@ def fine(engine: OpenAIEngine) -> Iterator[OpenAIEngine]:
     engine.fail_next(0)
     engine.resume()
     engine.accept()
-
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-@contextmanager
-def backend_serving(completions: Handler, models: Handler | None = None) -> Iterator[str]:
-    """A backend whose ``POST /v1/completions`` is ``completions`` (and ``GET /v1/models``, ``models``), on loopback;
-    yields its URL."""
-    runner = web.AppRunner(web.Application())
-    runner.app.router.add_post("/v1/completions", completions)
-    if models is not None:
-        runner.app.router.add_get("/v1/models", models)
-    urls: list[str] = []
-
-    async def serve() -> None:
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
-
-    thread = ServerThread(serve, runner.cleanup, name="test-backend")
-    thread.start()
-    try:
-        yield urls[0]
-    finally:
-        thread.stop()
 
 
 async def answered(request: web.Request) -> web.Response:

@@ -56,10 +56,8 @@ def test_a_corrupt_compressed_body_names_the_url_it_came_from() -> None:
         cut.finish()
 
 
-def test_each_inflated_piece_is_at_most_a_byte_past_what_is_left_of_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The docstring's promise: the body is inflated at most a byte past MAX_METRICS_BYTES at a time. A byte past the
-    # cap proves the body over it; two, or the whole chunk inflated at once, would hold more than needed.
-    cap = 1000
+def _pieces_kept_under_a_cap_of(cap: int, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Lower MAX_METRICS_BYTES to ``cap``; the list returned fills with the length of each piece a body keeps."""
     monkeypatch.setattr(metrics_module, "MAX_METRICS_BYTES", cap)
     kept: list[int] = []
     keep = metrics_module._Body._keep
@@ -69,6 +67,14 @@ def test_each_inflated_piece_is_at_most_a_byte_past_what_is_left_of_the_cap(monk
         keep(self, piece)
 
     monkeypatch.setattr(metrics_module._Body, "_keep", spy)
+    return kept
+
+
+def test_each_inflated_piece_is_at_most_a_byte_past_what_is_left_of_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The docstring's promise: the body is inflated at most a byte past MAX_METRICS_BYTES at a time. A byte past the
+    # cap proves the body over it; two, or the whole chunk inflated at once, would hold more than needed.
+    cap = 1000
+    kept = _pieces_kept_under_a_cap_of(cap, monkeypatch)
     bomb = metrics_module._Body(URL, "gzip")
     packer = zlib.compressobj(9, wbits=zlib.MAX_WBITS | 16)
     first = packer.compress(bytes(cap // 2)) + packer.flush(zlib.Z_SYNC_FLUSH)
@@ -310,15 +316,7 @@ def test_a_network_failure_is_one_line_naming_the_url_and_what_failed(error: Exc
 def test_a_raw_deflate_body_is_inflated_a_byte_past_the_cap_at_most_too(monkeypatch: pytest.MonkeyPatch) -> None:
     # A body labelled deflate that turns out raw (as some servers send it) is bounded like any other.
     cap = 1000
-    monkeypatch.setattr(metrics_module, "MAX_METRICS_BYTES", cap)
-    kept: list[int] = []
-    keep = metrics_module._Body._keep
-
-    def spy(self: metrics_module._Body, piece: bytes) -> None:
-        kept.append(len(piece))
-        keep(self, piece)
-
-    monkeypatch.setattr(metrics_module._Body, "_keep", spy)
+    kept = _pieces_kept_under_a_cap_of(cap, monkeypatch)
     packer = zlib.compressobj(9, wbits=-zlib.MAX_WBITS)
     with pytest.raises(MetricsError, match=f"the body is over {cap} bytes"):
         metrics_module._Body(URL, "deflate").add(packer.compress(bytes(10 * cap)) + packer.flush())
