@@ -260,7 +260,8 @@ class Simulation:
         return self.duration is None or at < self.duration
 
     def run(self) -> SimOutcome:
-        """Run to completion and return the outcome. A Simulation runs once."""
+        """Run to completion and return the outcome. A Simulation runs once: a second call raises
+        :class:`~prefixroute.StateError`."""
         if self._seq:
             raise StateError("a Simulation runs once; build a new one")
         self._start_arrivals()

@@ -229,7 +229,11 @@ class FakeBlockCache:
         request.block_ids.clear()
 
     def clear(self) -> None:
-        """Drop every free cached block and announce it as vLLM's ``reset_prefix_cache`` does."""
+        """Drop every free cached block and announce it as vLLM's ``reset_prefix_cache`` does.
+
+        Raises:
+            StateError: requests are running (vLLM only resets an idle prefix cache): free them first.
+        """
         if len(self._blocks) != len(self._free):
             raise StateError("clear() with requests running: vLLM only resets an idle prefix cache; free them first")
         for block_id in list(self._free):
