@@ -348,7 +348,9 @@ def test_a_client_that_leaves_leaves_nothing_in_flight_or_pending(
      ["--port", "70000"], ["--port", "-1"], ["--policy", "os:system"], ["--policy", "no.such.module:Policy"],
      ["--block-size", "0"], ["--tokenizer", "/dev/null"], ["--tokenizer", "/nonexistent"], ["--base-model"],
      ["--kv-events", "tcp://127.0.0.1:5557"], ["--no-such-option"], ["--max-body-mib", "0"],
-     ["--max-body-mib", "-5"], ["--max-body-mib", "1e3"], ["--max-body-mib", "5000"]],
+     ["--max-body-mib", "-5"], ["--max-body-mib", "1e3"], ["--max-body-mib", "5000"], ["--max-failures", "0"],
+     ["--max-failures", "1.5"], ["--cooldown", "0"], ["--cooldown", "nan"], ["--cooldown", "ten"],
+     ["--connect-timeout", "-1"], ["--connect-timeout", "inf"], ["--models-timeout", "0"]],
 )  # fmt: skip
 def test_a_bad_command_line_is_exit_2_and_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     backends = [] if not argv or argv[0] == "--backends" else ["--backends", "http://127.0.0.1:9"]

@@ -5,8 +5,8 @@ The backends here are small aiohttp apps or raw sockets on loopback, each misbeh
 
 from __future__ import annotations
 
-import argparse
 import gzip
+import inspect
 import json
 import logging
 import random
@@ -242,10 +242,7 @@ def test_a_request_no_backend_could_take_is_finished_once(refused_port: Callable
 
 def test_metrics_group_each_family_and_health_follows_the_fleet(refused_port: Callable[[], int]) -> None:
     dead = [f"http://127.0.0.1:{refused_port()}" for _ in range(2)]
-    args = argparse.Namespace(backends=dead, tokenizer=None, base_model=None, policy="predicted-ttft",
-                              block_size=16, kv_events=None, metrics_from_backends=True, retries=1,
-                              data_parallel_size=None, max_body_mib=64)  # fmt: skip
-    proxy, fleet = build(args)
+    proxy, fleet = build(build_parser().parse_args(["proxy", "--backends", *dead, "--metrics-from-backends"]))
     try:
         with proxy:
             wait_until(lambda: fleet.healthy_backends() == [], what="both scrapes failed")
@@ -476,6 +473,22 @@ def test_the_body_limit_is_the_operators_to_set(good: OpenAIEngine) -> None:
     for argv, limit in ((["--max-body-mib", "256"], 256 * 2**20), ([], 64 * 2**20)):
         proxy, _ = build(build_parser().parse_args(["proxy", "--backends", good.url, *argv]))
         assert proxy.max_body_bytes == limit
+
+
+def test_the_failure_and_timeout_options_are_the_operators_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--max-failures``, ``--cooldown``, ``--connect-timeout`` and ``--models-timeout`` reach the proxy's options
+    of those names, and without them the command serves with the constructor's own defaults."""
+    import prefixroute.adapters.proxy.cli as proxy_cli
+
+    given: list[dict[str, Any]] = []
+    monkeypatch.setattr(proxy_cli, "Proxy", lambda router, backends, **options: given.append(options))
+    names = ("max_failures", "cooldown", "connect_timeout", "models_timeout")
+    flags = ["--max-failures", "7", "--cooldown", "0.5", "--connect-timeout", "0.25", "--models-timeout", "30"]
+    for argv in ([], flags):
+        build(build_parser().parse_args(["proxy", "--backends", "http://127.0.0.1:9", *argv]))
+    defaults = {name: inspect.signature(Proxy).parameters[name].default for name in names}
+    assert {name: given[0][name] for name in names} == defaults
+    assert {name: given[1][name] for name in names} == dict(zip(names, (7, 0.5, 0.25, 30.0), strict=True))
 
 
 def test_a_long_context_prompt_goes_through_where_warnings_are_errors(good: OpenAIEngine) -> None:

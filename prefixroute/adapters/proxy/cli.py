@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import signal
 from typing import Any
 
@@ -59,6 +60,16 @@ def register(subparsers: Any) -> None:
                         "scrapes take it out of rotation")  # fmt: skip
     parser.add_argument("--retries", type=int, default=1,
                         help=f"resends after a refused connection, 0 to {MAX_RETRIES} (1)")  # fmt: skip
+    parser.add_argument("--max-failures", type=int, default=3, metavar="N",
+                        help="connection failures in a row that take a backend out of rotation for --cooldown "
+                        "(3)")  # fmt: skip
+    parser.add_argument("--cooldown", type=float, default=10.0, metavar="SECONDS",
+                        help="how long a failing backend stays out of rotation (10)")  # fmt: skip
+    parser.add_argument("--connect-timeout", type=float, default=2.0, metavar="SECONDS",
+                        help="the longest wait to open a connection to a backend before the request is committed "
+                        "to the next (2)")  # fmt: skip
+    parser.add_argument("--models-timeout", type=float, default=2.0, metavar="SECONDS",
+                        help="the longest wait for a backend's /v1/models, the connection included (2)")  # fmt: skip
     parser.add_argument("--max-body-mib", type=int, default=MAX_BODY_BYTES >> 20, metavar="MIB",
                         help=f"the largest request body taken, 1 to {MAX_BODY_MIB} MiB (64); larger ones are "
                         "answered 413. vLLM reads any size: raise it for prompts of millions of tokens or large "
@@ -78,9 +89,18 @@ def build(args: argparse.Namespace) -> tuple[Proxy, Any]:
         raise ConfigurationError(f"--retries must be an int in [0, {MAX_RETRIES}], not {shown(args.retries)}")
     if not 1 <= args.max_body_mib <= MAX_BODY_MIB:  # a limit past memory is a typo (bytes given as MiB)
         raise ConfigurationError(f"--max-body-mib must be an int in [1, {MAX_BODY_MIB}], not {args.max_body_mib}")
+    if args.max_failures < 1:
+        raise ConfigurationError(f"--max-failures must be an int >= 1, not {args.max_failures}")
+    for option in ("cooldown", "connect_timeout", "models_timeout"):
+        seconds = getattr(args, option)
+        if not (math.isfinite(seconds) and seconds > 0):
+            flag = "--" + option.replace("_", "-")
+            raise ConfigurationError(f"{flag} must be a positive, finite number of seconds, not {shown(seconds)}")
     policy = policy_from_name(args.policy)
     encoder: PromptEncoding | None = None if args.tokenizer is None else PromptEncoder(args.tokenizer)
     options: dict[str, Any] = {"encoder": encoder, "retries": args.retries, "base_models": args.base_model,
+                               "max_failures": args.max_failures, "cooldown": args.cooldown,
+                               "connect_timeout": args.connect_timeout, "models_timeout": args.models_timeout,
                                "max_body_bytes": args.max_body_mib << 20}  # fmt: skip
     backends = [url.rstrip("/") for url in args.backends]
     kv_events = args.kv_events or []
