@@ -127,6 +127,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return status
 
 
+MAX_BODY_MIB = 4096
+"""The largest ``--max-body-mib`` of ``prefixroute proxy`` and ``prefixroute serve``: each holds a request body whole,
+so a larger limit is a typo (bytes given as MiB), not a plan."""
+
+
 def positive_int(text: str) -> int:
     """An argparse ``type``: an int >= 1 (a count, a size); else the one-line usage error. The commands' and the
     benchmarks' (``benchmarks/_args.py``) one check of it."""

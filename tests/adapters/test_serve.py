@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import signal
@@ -746,6 +747,9 @@ def serve(*args: str) -> subprocess.CompletedProcess[str]:
             "--data-parallel-size: expected a whole number >= 1, not '0'",  # the benchmarks' check (prefixroute.cli)
         ),  # fmt: skip
         (["--block-size", "16.0"], "--block-size: expected a whole number >= 1, not '16.0'"),
+        (["--max-body-mib", "0"], "--max-body-mib: expected a whole number >= 1, not '0'"),
+        (["--max-body-mib", "1.5"], "--max-body-mib: expected a whole number >= 1"),
+        (["--max-body-mib", "4097"], "--max-body-mib: expected a whole number of MiB from 1 to 4096, not '4097'"),
     ],
 )
 def test_bad_command_lines_exit_2_with_one_line(args: list[str], message: str) -> None:
@@ -753,6 +757,22 @@ def test_bad_command_lines_exit_2_with_one_line(args: list[str], message: str) -
     assert done.returncode == 2
     assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr
     assert done.stderr.startswith("prefixroute serve")
+
+
+def test_the_body_limit_is_the_operators_to_set(tmp_path: Path) -> None:
+    """``--max-body-mib`` sets the sidecar's limit (32 MiB without it, the constructor's default): a body past it is
+    a 413 that routes nothing, as a gateway whose own limit was raised for long contexts needs it raised too."""
+    assert inspect.signature(Sidecar).parameters["max_body_bytes"].default == 32 * 2**20
+    port = free_port()
+    prompt = {"prompt_token_ids": list(range(1000, 1000 + 200_000))}  # about 1.4 MB of JSON
+    body = json.dumps(prompt).encode()
+    assert 2**20 < len(body) < 2 * 2**20
+    for mib, status in ((1, 413), (2, 200)):
+        with start_sidecar(tmp_path, BACKENDS, port=port, options=["--max-body-mib", str(mib)]):
+            reply = httpx.post(f"http://127.0.0.1:{port}/route", content=body, timeout=30)
+            assert reply.status_code == status, reply.text[:200]
+            decisions = httpx.get(f"http://127.0.0.1:{port}/stats").json()["decisions"]
+            assert sum(decisions.values()) == (status == 200)
 
 
 def test_a_port_in_use_exits_2(tmp_path: Path) -> None:

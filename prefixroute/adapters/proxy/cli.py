@@ -13,12 +13,10 @@ from prefixroute.adapters.proxy.app import MAX_BODY_BYTES, MAX_RETRIES, Proxy
 from prefixroute.adapters.proxy.prompts import PromptEncoding
 from prefixroute.adapters.serve.text import PromptEncoder
 from prefixroute.adapters.urls import listen_host
+from prefixroute.cli import MAX_BODY_MIB
 from prefixroute.errors import ConfigurationError
 from prefixroute.policies import policy_from_name, policy_names
 from prefixroute.router import Router
-
-MAX_BODY_MIB = 4096
-"""The largest ``--max-body-mib``: the proxy holds a body whole, so a larger limit is a typo, not a plan."""
 
 __all__ = ["build", "register", "run"]
 

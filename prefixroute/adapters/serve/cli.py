@@ -30,7 +30,7 @@ from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
 from prefixroute.adapters.urls import check_backend_url, listen_host
-from prefixroute.cli import positive_int
+from prefixroute.cli import MAX_BODY_MIB, positive_int
 from prefixroute.errors import ConfigurationError
 
 __all__ = ["BaseModelLearner", "register", "run"]
@@ -66,6 +66,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--lease", type=_seconds, default=600.0, metavar="SECONDS",
         help="lease of a request, and the longest a /route body may ask for (default 600)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-body-mib", type=_mib, default=32, metavar="MIB",
+        help=f"the largest request body taken, 1 to {MAX_BODY_MIB} MiB (default 32); a larger one is answered 413 "
+        "and the gateway sends it to its own pool. Raise it with the gateway's limit (nginx's "
+        "client_max_body_size) for prompts of millions of tokens",
     )  # fmt: skip
     parser.add_argument("--models", nargs="+", metavar="NAME", help="the only accepted models (the first: default)")
     parser.add_argument(
@@ -141,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         lease=args.lease,
         healthy=fleet.healthy_backends if fleet is not None and args.metrics_from_backends else None,
         accel_redirect=args.accel_redirect,
+        max_body_bytes=args.max_body_mib << 20,
     )
     http_socket = _bind(socket.SOCK_STREAM, args.host, args.port)
     udp_socket = _bind(socket.SOCK_DGRAM, args.host, args.release_port) if args.release_port is not None else None
@@ -378,6 +385,13 @@ def _port(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a port number 0-65535, not {text!r}") from None
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"expected a port number 0-65535, not {text!r}")
+    return value
+
+
+def _mib(text: str) -> int:
+    value = positive_int(text)
+    if value > MAX_BODY_MIB:  # the sidecar holds a body whole: a larger limit is a typo (bytes given as MiB)
+        raise argparse.ArgumentTypeError(f"expected a whole number of MiB from 1 to {MAX_BODY_MIB}, not {text!r}")
     return value
 
 
