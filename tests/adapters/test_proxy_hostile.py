@@ -600,12 +600,12 @@ def test_a_malformed_request_is_a_warning_line_not_a_traceback(
     assert all("\n" not in r.getMessage() for r in server)
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
-def test_the_command_stops_gracefully_on_sigterm_as_on_ctrl_c(stop: signal.Signals) -> None:
+@pytest.mark.parametrize(("stop", "level"), [(signal.SIGTERM, []), (signal.SIGINT, ["--log-level", "error"])])
+def test_the_command_stops_gracefully_on_sigterm_as_on_ctrl_c(stop: signal.Signals, level: list[str]) -> None:
     # Was: SIGTERM (what systemd, Docker and Kubernetes send) killed the proxy, status -15, nothing closed.
     port = free_port()
     command = [sys.executable, "-m", "prefixroute", "proxy", "--backends", "http://127.0.0.1:9", "--port", str(port)]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+    with subprocess.Popen([*command, *level], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
         try:
             assert process.stdout is not None
             assert process.stdout.readline().startswith("prefixroute proxy at ")
@@ -613,9 +613,11 @@ def test_the_command_stops_gracefully_on_sigterm_as_on_ctrl_c(stop: signal.Signa
             process.send_signal(stop)
             _, err = process.communicate(timeout=20)
             assert process.returncode == 0  # and nothing said but that the backend (none at :9) lists no models
-            assert [line.split(": ")[0] for line in err.splitlines()] == [
-                "backend http://127.0.0.1:9 is left out of /v1/models until it lists again"
-            ], err
+            said = (
+                "prefixroute proxy: WARNING backend http://127.0.0.1:9 is left out of /v1/models until it lists again"
+            )
+            lines = err.splitlines()  # with --log-level error, not even that
+            assert lines == [] if level else len(lines) == 1 and lines[0].startswith(said + ": "), err
         finally:
             process.kill()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import math
 import signal
 from typing import Any
@@ -72,6 +73,9 @@ def register(subparsers: Any) -> None:
                         help=f"the largest request body taken, 1 to {MAX_BODY_MIB} MiB (64); larger ones are "
                         "answered 413. vLLM reads any size: raise it for prompts of millions of tokens or large "
                         "inline images")  # fmt: skip
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                        help="prefixroute's log level (default warning: a backend leaving the rotation, a stream "
+                        "broken off, a failing scrape)")  # fmt: skip
     parser.add_argument("--host", type=listen_host, default="127.0.0.1", help="address to listen on (127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
     parser.set_defaults(func=run)
@@ -145,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM; return the exit status (0 once stopped)."""
     if not 0 <= args.port < 65536:
         raise ConfigurationError(f"--port must be a port number, not {args.port}")
+    logging.basicConfig(format="prefixroute proxy: %(levelname)s %(message)s")
+    logging.getLogger("prefixroute").setLevel(args.log_level.upper())
     proxy, fleet = build(args)
 
     async def serve() -> None:
