@@ -775,6 +775,29 @@ def test_the_body_limit_is_the_operators_to_set(tmp_path: Path) -> None:
             assert sum(decisions.values()) == (status == 200)
 
 
+@pytest.mark.parametrize("level", ["info", "error"])
+def test_the_log_level_says_what_is_logged(level: str, tmp_path: Path) -> None:
+    """``--log-level`` sets prefixroute's level: at ``info`` the base model learned from the backends is logged, one
+    line that says whose it is; at ``error``, the default, it is not."""
+    from prefixroute.testing.openai_engine import OpenAIEngine
+
+    engine = OpenAIEngine(model="llama").start()
+    port = free_port()
+    try:
+        with start_sidecar(tmp_path, [engine.url], port=port, options=["--log-level", level]) as process:
+            url = f"http://127.0.0.1:{port}/route"
+            httpx.post(url, json={"prompt_token_ids": ids(32)})  # in the base namespace
+            deadline = time.monotonic() + DEADLINE_S
+            # Learned once "llama" routes in the base namespace too (its prompt matches there): logged by then.
+            while httpx.post(url, json={"prompt_token_ids": ids(32), "model": "llama"}).json()["matched_tokens"] == 0:
+                assert time.monotonic() < deadline, "the base model was never learned"
+                time.sleep(0.02)
+            line = "prefixroute serve: INFO base models of the backends: ['llama']"
+            assert (line in process.output()) == (level == "info"), process.output()
+    finally:
+        engine.stop()
+
+
 def test_a_port_in_use_exits_2(tmp_path: Path) -> None:
     port = free_port()
     with start_sidecar(tmp_path, BACKENDS, port=port):

@@ -228,8 +228,8 @@ class BaseModelLearner:
         while not self._stopped.is_set():
             names = self.ask()
             if names is not None:
+                _log.info("base models of the backends: %s", sorted(names))  # logged before they route
                 self._learned(names)
-                _log.info("base models of the backends: %s", sorted(names))
                 return
             self._stopped.wait(self._interval)
 
