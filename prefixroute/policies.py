@@ -289,6 +289,9 @@ class BoundedLoad(LoadPolicy):
     backend ever exceeds ``factor`` × the mean + 1. At ``factor=2`` this is the "divert above 2× the mean" rule.
     When requests do not overlap (nothing in flight) every candidate qualifies and affinity always holds; under
     load, a hot prefix spills to the next-best match, and among equally matched candidates the least loaded wins.
+    The bound is relative to the mean, idle backends included: backends holding a prefix that every request shares
+    keep all of the traffic, however long their queues, while they are at least 1/``factor`` of the candidates
+    (half of them at the default factor 2; docs/policies.md measures it on a real trace).
     A miss has no cached prefix to protect, so it gets the tightest bound (factor 1): the first backend in
     placement order whose load after placing stays within the mean. With nothing in flight that is the rendezvous
     choice, so router replicas agree where a new prefix lives; under load, new prefixes avoid busy backends (the

@@ -269,6 +269,21 @@ def test_bounded_load_bound_is_exact_and_its_factor_two_by_default() -> None:
     assert BoundedLoad(factor=3.0).choose(three).backend == "hot"
 
 
+@pytest.mark.parametrize("factor", [2.0, 1.25])
+def test_bounded_load_lets_a_shared_first_block_starve_all_but_one_factorth_of_the_fleet(factor: float) -> None:
+    # docs/policies.md: every prompt begins with one block (a system prompt) that some backends hold and the others
+    # dropped. The bound is relative to the mean, idle backends included: hot backends at equal loads L are within
+    # factor x the mean as long as they are at least 1/factor of the fleet, so the idle ones (no match) never get a
+    # request, however long the hot queues grow. At factor 2 that is half of 8 backends; at 1.25, 7 of them.
+    hot = math.ceil(8 / factor)
+    for load in (10, 1_000):
+        fleet = [Candidate(f"hot{i}", 512, 12_000, load) for i in range(hot)]
+        fleet += [Candidate(f"idle{i}", 0, 12_000, 0) for i in range(8 - hot)]
+        assert BoundedLoad(factor=factor).choose(fleet).backend.startswith("hot")
+        fewer = fleet[1:] + [Candidate("idle", 0, 12_000, 0)]  # one hot backend fewer: now over the bound
+        assert BoundedLoad(factor=factor).choose(fewer).backend.startswith("idle")
+
+
 def test_bounded_load_gives_equally_matched_candidates_to_the_least_loaded() -> None:
     busier, calmer = Candidate("a", 256, 512, 2), Candidate("b", 256, 512, 1)  # bound ceil(2 x 4 / 2) = 4: both
     assert BoundedLoad().choose([busier, calmer]) is calmer
