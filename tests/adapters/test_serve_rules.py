@@ -1,0 +1,501 @@
+"""The decision sidecar's documented rules (``prefixroute/adapters/serve/app.py``'s docstrings and the ``prefixroute
+serve`` section of docs/adapters.md), each pinned in process: the ASGI messages it sends (lowercase header names, as
+the ASGI spec requires, and the exact headers of each answer), how it reads a body, lifespan, the constructor's
+refusals, the Python API (route, pick) and the helpers the proxies rely on (upstream_of)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from prefixroute import Router
+from prefixroute.adapters.proxy.prompts import ByteEncoder
+from prefixroute.adapters.serve import BadRequest, Sidecar, upstream_of
+from prefixroute.errors import ConfigurationError, InvalidTypeError
+
+from ..conftest import BuggyPolicy, TickingClock
+from .conftest import metric_samples
+from .test_serve import BACKENDS, call, ids
+
+JSON = (b"content-type", b"application/json")
+
+
+def asgi(sidecar: Sidecar, method: str, path: str, chunks: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """What ``sidecar`` sends for one raw ASGI request whose ``receive()`` gives ``chunks``, then a disconnect (a
+    client that leaves as soon as its body is sent)."""
+    sent: list[dict[str, Any]] = []
+    waiting = list(chunks)
+
+    async def receive() -> dict[str, Any]:
+        return waiting.pop(0) if waiting else {"type": "http.disconnect"}
+
+    async def send(message: Any) -> None:
+        sent.append(dict(message))
+
+    scope = {"type": "http", "method": method, "path": path, "headers": []}
+    asyncio.run(asyncio.wait_for(sidecar(scope, receive, send), 10))
+    return sent
+
+
+def body(raw: bytes, *, more: bool = False) -> dict[str, Any]:
+    return {"type": "http.request", "body": raw, "more_body": more}
+
+
+def answer(sent: list[dict[str, Any]]) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """The status, headers and body of the one answer in ``sent``."""
+    assert [message["type"] for message in sent] == ["http.response.start", "http.response.body"], sent
+    return sent[0]["status"], list(sent[0]["headers"]), sent[1]["body"]
+
+
+def length(raw: bytes) -> tuple[bytes, bytes]:
+    return (b"content-length", str(len(raw)).encode())
+
+
+# -- the ASGI answers --------------------------------------------------------------------------------------------------
+
+
+def test_a_pick_answer_sends_the_decision_in_exactly_the_documented_lowercase_headers() -> None:
+    """The pick mode's answer: the JSON decision, and in headers (names lowercase, as ASGI requires) the nginx
+    redirect to the default @prefixroute_upstream location, the backend, its host:port, the id, the reason and the
+    matched tokens."""
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    for expected_reason, matched in (("miss", 0), ("prefix", 8)):
+        raw = json.dumps({"model": "m", "prompt": ids(8)}).encode()
+        status, headers, answered = answer(asgi(sidecar, "POST", "/v1/completions", [body(raw)]))
+        decision = json.loads(answered)
+        assert (status, decision["reason"], decision["matched_tokens"]) == (200, expected_reason, matched)
+        backend = decision["backend"]
+        assert headers == [
+            JSON,
+            (b"x-accel-redirect", b"@prefixroute_upstream"),
+            (b"x-prefixroute-backend", backend.encode()),
+            (b"x-prefixroute-upstream", upstream_of(backend).encode()),
+            (b"x-prefixroute-id", decision["id"].encode()),
+            (b"x-prefixroute-reason", expected_reason.encode()),
+            (b"x-prefixroute-matched-tokens", str(matched).encode()),
+            length(answered),
+        ]
+        sidecar.first_token(decision["id"])  # prefilled: the next request follows its cached prefix
+
+
+def test_lifecycle_and_get_answers_are_exactly_the_documented_bodies_and_headers() -> None:
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    for path in ("/first_token", "/finish"):
+        status, headers, answered = answer(asgi(sidecar, "POST", path, [body(b'{"id": "abc"}')]))
+        assert (status, json.loads(answered), headers) == (200, {"id": "abc"}, [JSON, length(answered)]), path
+    status, headers, answered = answer(asgi(sidecar, "GET", "/healthz"))
+    assert (status, json.loads(answered), headers) == (
+        200,
+        {"status": "ok", "backends": BACKENDS},
+        [JSON, length(answered)],
+    )
+    status, headers, answered = answer(asgi(sidecar, "GET", "/stats"))
+    assert (status, headers) == (200, [JSON, length(answered)])
+    assert set(json.loads(answered)) == {"decisions", "in_flight", "in_flight_total", "leases_expired",
+                                         "unknown_finishes", "releases", "bad_requests"}  # fmt: skip
+    status, headers, answered = answer(asgi(sidecar, "GET", "/metrics"))
+    assert status == 200 and answered.startswith(b"# HELP ")
+    assert headers == [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8"), length(answered)]
+
+
+def test_head_is_served_on_every_get_path() -> None:
+    """A 405 names ``GET, HEAD`` for the GET paths: HEAD is served there (health checks may use it)."""
+    sidecar = Sidecar(Router(), backends=BACKENDS)
+    for path in ("/metrics", "/healthz", "/stats"):
+        assert answer(asgi(sidecar, "HEAD", path))[0] == 200, path
+    assert sidecar.stats()["bad_requests"] == {}
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allowed"),
+    [("GET", "/route", b"POST"), ("PUT", "/v1/completions", b"POST"), ("POST", "/healthz", b"GET, HEAD"),
+     ("DELETE", "/stats", b"GET, HEAD")],
+)  # fmt: skip
+def test_a_wrong_method_is_a_405_naming_the_methods_in_its_allow_header_and_its_message(
+    method: str, path: str, allowed: bytes
+) -> None:
+    sidecar = Sidecar(Router(), backends=BACKENDS)
+    status, headers, answered = answer(asgi(sidecar, method, path, [body(b"{}")]))
+    assert (status, headers) == (405, [JSON, (b"allow", allowed), length(answered)])
+    assert json.loads(answered) == {"error": f"{method} {path} is not served: use {allowed.decode()}"}
+    assert sidecar.stats()["bad_requests"] == {"405": 1}
+
+
+def test_an_unknown_path_is_a_404_listing_every_endpoint() -> None:
+    status, headers, answered = answer(asgi(Sidecar(Router(), backends=BACKENDS), "GET", "/v1/models"))
+    assert (status, headers) == (404, [JSON, length(answered)])
+    assert json.loads(answered) == {
+        "error": "no such endpoint '/v1/models': POST /route, /first_token, /finish, /v1/completions, "
+        "/v1/chat/completions; GET /metrics, /healthz, /stats"
+    }
+
+
+def test_lifespan_is_acknowledged_and_other_scopes_are_left_alone() -> None:
+    """``lifespan`` is acknowledged: startup, then shutdown, after which the call returns; a scope that is neither
+    lifespan nor http (a websocket) gets nothing."""
+    sidecar = Sidecar(Router(), backends=BACKENDS)
+    sent: list[Any] = []
+    messages = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0)
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    asyncio.run(asyncio.wait_for(sidecar({"type": "lifespan"}, receive, send), 10))
+    assert sent == [{"type": "lifespan.startup.complete"}, {"type": "lifespan.shutdown.complete"}]
+    sent.clear()
+    asyncio.run(asyncio.wait_for(sidecar({"type": "websocket", "path": "/route"}, receive, send), 10))
+    assert sent == []
+
+
+def test_a_fault_of_the_sidecar_itself_is_a_500_in_json_logged_and_counted(caplog: pytest.LogCaptureFixture) -> None:
+    def broken(backends: Sequence[str]) -> list[str]:
+        raise RuntimeError("health table gone")
+
+    sidecar = Sidecar(Router(), backends=BACKENDS, healthy=broken)
+    raw = json.dumps({"prompt": ids(4)}).encode()
+    with caplog.at_level(logging.ERROR, logger="prefixroute.serve"):
+        status, headers, answered = answer(asgi(sidecar, "POST", "/v1/completions", [body(raw)]))
+    assert (status, headers) == (500, [JSON, length(answered)])
+    assert json.loads(answered) == {"error": "the sidecar failed: health table gone"}
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.ERROR, "serving POST /v1/completions failed")
+    ]
+    assert caplog.records[0].exc_info is not None and caplog.records[0].exc_info[0] is RuntimeError
+    assert sidecar.stats()["bad_requests"] == {"500": 1} and sidecar.router.stats().in_flight == 0
+
+
+def test_a_failing_policy_is_logged_with_its_own_error(caplog: pytest.LogCaptureFixture) -> None:
+    sidecar = Sidecar(Router(policy=BuggyPolicy()), backends=BACKENDS)
+    with caplog.at_level(logging.ERROR, logger="prefixroute.serve"):
+        assert call(sidecar, "POST", "/route", {"prompt_token_ids": ids(4)}).status_code == 500
+    [record] = caplog.records
+    assert record.levelno == logging.ERROR and record.getMessage().startswith("the routing policy failed: ")
+    assert "a bug in the policy" in record.getMessage()
+    assert record.exc_info is not None and str(record.exc_info[1]) == "a bug in the policy"
+
+
+# -- reading the body --------------------------------------------------------------------------------------------------
+
+
+def test_a_body_of_exactly_max_body_bytes_is_read_across_chunks_and_one_byte_more_is_a_413() -> None:
+    """``max_body_bytes`` is the largest body read, counted over all its chunks: past it, a 413 naming the limit and
+    no decision. A chunk may leave out ``body`` and ``more_body`` (ASGI's defaults: empty, and the last one)."""
+    raw = json.dumps({"prompt_token_ids": ids(8)}).encode()
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, max_body_bytes=len(raw))
+    halves = [body(raw[:10], more=True), body(raw[10:], more=True), {"type": "http.request"}]
+    status, _, answered = answer(asgi(sidecar, "POST", "/route", halves))
+    assert status == 200 and json.loads(answered)["prompt_tokens"] == 8
+    longer = raw[:-1] + b" }"  # one byte more, still valid JSON
+    status, headers, answered = answer(
+        asgi(sidecar, "POST", "/route", [body(longer[:10], more=True), body(longer[10:])])
+    )
+    assert (status, headers) == (413, [JSON, length(answered)])
+    assert json.loads(answered) == {"error": f"the request body is over {len(raw)} bytes"}
+    assert sidecar.router.stats().decisions == 1 and sidecar.stats()["bad_requests"] == {"413": 1}
+
+
+def test_a_client_that_leaves_mid_body_gets_no_decision_and_no_answer() -> None:
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    whole_json = json.dumps({"prompt_token_ids": ids(8)}).encode()  # valid JSON, but more was announced
+    assert asgi(sidecar, "POST", "/route", [body(whole_json, more=True)]) == []
+    assert (sidecar.router.stats().decisions, sidecar.stats()["bad_requests"]) == (0, {})
+
+
+# -- the constructor ---------------------------------------------------------------------------------------------------
+
+
+class VocabularyBytes(ByteEncoder):
+    """A byte encoder with a vocabulary of 256 ids and no ``max_token_id``: the sidecar takes ``vocab_size - 1``."""
+
+    vocab_size = 256
+
+
+class NoEncode:
+    vocab_size = 256
+
+    def encode_chat(self, messages: Any) -> list[int]:
+        return [1]
+
+
+class NoEncodeChat:
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return [1]
+
+
+class NoVocabulary(ByteEncoder):
+    vocab_size = "256"
+
+
+CONSTRUCTION_ERRORS: list[tuple[dict[str, Any], type[Exception], str]] = [
+    ({"router": "router"}, InvalidTypeError, "router must be a prefixroute.Router, not str"),
+    ({"backends": BACKENDS[0]}, InvalidTypeError, "backends must be a list of backend URLs, not str"),
+    ({"backends": 5}, InvalidTypeError, "backends must be a list of backend URLs, not int"),
+    ({"backends": ["http://gpu0:8000/v1"]}, ConfigurationError, "backend 'http://gpu0:8000/v1' has a path"),
+    ({"backends": ["http://a:1", "http://b:2", "http://B:2/"]}, ConfigurationError,
+     "a backend is listed twice (engine b:2): list each backend URL once"),
+    ({"models": "llama"}, ConfigurationError, "models must be a non-empty list of model names (or None to accept any)"),
+    ({"models": []}, ConfigurationError, "models must be a non-empty list"),
+    ({"models": 5}, ConfigurationError, "models must be a non-empty list"),
+    ({"models": ["llama", ""]}, ConfigurationError, "models must be a non-empty list"),
+    ({"models": ["llama", 3]}, ConfigurationError, "models must be a non-empty list"),
+    ({"encoder": NoEncode()}, InvalidTypeError, "encoder must be a PromptEncoder or None, not NoEncode"),
+    ({"encoder": NoEncodeChat()}, InvalidTypeError, "encoder must be a PromptEncoder or None, not NoEncodeChat"),
+    ({"encoder": NoVocabulary()}, InvalidTypeError, "encoder must be a PromptEncoder or None, not NoVocabulary"),
+    ({"healthy": 5}, InvalidTypeError, "healthy must be a callable, not int"),
+    ({"clock": 5}, InvalidTypeError, "clock must be a callable, not int"),
+    ({"clock": None}, InvalidTypeError, "clock must be a callable, not NoneType"),
+    ({"max_body_bytes": 0}, ConfigurationError, "max_body_bytes must be a positive int, not 0"),
+    ({"max_body_bytes": 1.5}, ConfigurationError, "max_body_bytes must be a positive int, not 1.5"),
+    ({"accel_redirect": "@up\nX-Injected: 1"}, ConfigurationError,
+     "accel_redirect must be an nginx location like @prefixroute_upstream (printable ASCII, it is sent as a header "
+     "value), not '@up\\nX-Injected: 1'"),
+    ({"accel_redirect": "@упстрим"}, ConfigurationError, "accel_redirect must be an nginx location"),
+    ({"accel_redirect": " "}, ConfigurationError, "accel_redirect must be an nginx location"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("options", "error", "message"), CONSTRUCTION_ERRORS)
+def test_the_constructor_refuses_what_its_docstring_names_with_a_message_naming_it(
+    options: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    given = {"backends": BACKENDS, **options}
+    with pytest.raises(error) as refused:
+        Sidecar(given.pop("router", Router()), **given)
+    assert str(refused.value).startswith(message)
+
+
+def test_the_smallest_body_limit_is_one_byte() -> None:
+    sidecar = Sidecar(Router(), backends=BACKENDS, max_body_bytes=1)
+    assert sidecar.max_body_bytes == 1
+    assert answer(asgi(sidecar, "POST", "/route", [body(b"{}")]))[0] == 413
+
+
+def test_without_max_token_id_the_largest_token_id_is_the_vocabulary_size_less_one() -> None:
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, encoder=VocabularyBytes())  # type: ignore[arg-type]
+    assert call(sidecar, "POST", "/route", {"prompt_token_ids": [1, 255]}).status_code == 200
+    past = call(sidecar, "POST", "/route", {"prompt_token_ids": [1, 256]})
+    assert past.status_code == 400
+    assert past.json() == {"error": "Token id 256 is out of vocabulary (the model's largest is 255)"}
+
+
+def test_the_default_lease_is_600_seconds_and_bounds_a_route_bodys_own() -> None:
+    clock = [0.0]
+    sidecar = Sidecar(Router(block_size=4, clock=lambda: clock[0]), backends=BACKENDS)
+    for lease in (None, 1e9):
+        extra = {} if lease is None else {"lease": lease}
+        assert call(sidecar, "POST", "/route", {"prompt_token_ids": ids(8), **extra}).status_code == 200
+    clock[0] = 599.5
+    assert sidecar.router.expire() == 0
+    clock[0] = 600.5
+    assert sidecar.router.expire() == 2
+
+
+# -- routing -----------------------------------------------------------------------------------------------------------
+
+
+def test_healthy_filters_the_fixed_backends_and_failing_open_uses_all_when_it_leaves_none() -> None:
+    asked: list[tuple[str, ...]] = []
+    healthy_now = [BACKENDS[2]]
+
+    def healthy(backends: Sequence[str]) -> list[str]:
+        asked.append(tuple(backends))
+        return list(healthy_now)
+
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, healthy=healthy)
+    chosen = {call(sidecar, "POST", "/v1/completions", {"prompt": ids(8, 100 * i)}).json()["backend"] for i in range(6)}
+    assert chosen == {BACKENDS[2]} and asked == [tuple(BACKENDS)] * 6
+    healthy_now.clear()  # none healthy: all are used
+    chosen = {
+        call(sidecar, "POST", "/route", {"prompt_token_ids": ids(8, 100 * i)}).json()["backend"] for i in range(9)
+    }
+    assert chosen == set(BACKENDS)
+
+
+def test_without_fixed_backends_the_pick_mode_is_a_400_saying_how_to_give_them() -> None:
+    reply = call(Sidecar(Router()), "POST", "/v1/completions", {"prompt": ids(4)})
+    assert reply.status_code == 400
+    assert reply.json() == {
+        "error": "no backends: start the sidecar with --backends URL ... (or in a /route body's 'backends')"
+    }
+
+
+def test_an_empty_backend_list_given_to_decide_is_a_400() -> None:
+    with pytest.raises(BadRequest) as refused:
+        Sidecar(Router(), backends=BACKENDS).decide(ids(4), model=None, backends=[], lease=None)
+    assert (refused.value.status, refused.value.message) == (
+        400,
+        "route() needs at least one backend, but the backend list is empty",
+    )
+
+
+def test_text_without_a_tokenizer_is_a_400_saying_what_to_send_instead() -> None:
+    reply = call(Sidecar(Router(), backends=BACKENDS), "POST", "/route", {"prompt": "SELECT 1"})
+    assert reply.status_code == 400
+    assert reply.json() == {
+        "error": "text prompts need a tokenizer: send 'prompt_token_ids', or start with --tokenizer"
+    }
+
+
+def test_a_prompt_the_tokenizer_refuses_is_a_400_with_its_message() -> None:
+    class Refusing(VocabularyBytes):
+        def encode(self, text: str) -> list[int]:
+            raise ValueError(f"cannot encode {text!r}")
+
+    sidecar = Sidecar(Router(), backends=BACKENDS, encoder=Refusing())  # type: ignore[arg-type]
+    for path, payload in (("/route", {"prompt": "x"}), ("/v1/chat/completions", {"messages": [{"role": "user"}]})):
+        reply = call(sidecar, "POST", path, payload)
+        assert reply.status_code == 400, path
+        assert reply.json()["error"].startswith("cannot encode "), path
+    assert sidecar.router.stats().decisions == 0
+
+
+def test_the_python_route_and_pick_apply_the_bodys_model_backends_and_lease() -> None:
+    """:meth:`Sidecar.route` and :meth:`Sidecar.pick`, called directly (as ext_proc does), decide as over HTTP: the
+    body's model is checked and is the namespace, a ``/route`` body's backends and lease are used."""
+    clock = [0.0]
+    sidecar = Sidecar(Router(block_size=4, clock=lambda: clock[0]), backends=BACKENDS, models=["base", "lora"])
+    own = sidecar.route(json.dumps({"prompt_token_ids": ids(8), "backends": ["http://own:1"], "lease": 5}).encode())
+    assert own.backend == "http://own:1" and sidecar.router.in_flight("http://own:1") == 1
+    clock[0] = 6.0
+    assert sidecar.router.expire() == 1  # its own 5 s lease, not the sidecar's 600 s
+    pick = functools.partial(sidecar.pick, "/v1/completions")
+    for decide, payload in ((sidecar.route, {"prompt_token_ids": ids(8)}), (pick, {"prompt": ids(8)})):
+        with pytest.raises(BadRequest) as unknown:
+            decide(json.dumps({**payload, "model": "gpt"}).encode())
+        assert unknown.value.status == 404 and "unknown model 'gpt'" in unknown.value.message
+    picked = sidecar.pick("/v1/completions", json.dumps({"prompt": ids(8), "model": "lora"}).encode())
+    assert picked.reason == "miss" and sidecar.router.in_flight(picked.backend) == 1  # lora: its own namespace
+    sidecar.first_token(picked.id)
+    again = sidecar.pick("/v1/completions", json.dumps({"prompt": ids(8), "model": "lora"}).encode())
+    assert (again.backend, again.reason, again.matched_tokens) == (picked.backend, "prefix", 8)
+    assert sidecar.stats()["decisions"] == {"miss": 2, "prefix": 1}
+    sidecar.finish(picked.id)
+    assert sidecar.stats()["releases"] == {"http": 2}
+
+
+def test_each_decision_is_timed_by_the_sidecars_clock_in_the_histogram() -> None:
+    """``clock`` times each decision, HTTP or Python, route or pick: here 0.25 s between its two readings."""
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, clock=TickingClock(0.25))
+    sidecar.route(json.dumps({"prompt_token_ids": ids(8)}).encode())
+    sidecar.pick("/v1/completions", json.dumps({"prompt": ids(8)}).encode())
+    assert call(sidecar, "POST", "/route", {"prompt_token_ids": ids(8)}).status_code == 200
+    assert call(sidecar, "POST", "/v1/completions", {"prompt": ids(8)}).status_code == 200
+    samples = metric_samples(call(sidecar, "GET", "/metrics"))
+    assert samples["prefixroute_decision_seconds_count"][()] == 4
+    assert samples["prefixroute_decision_seconds_sum"][()] == 1.0
+
+
+def test_a_via_out_of_the_list_is_named_in_the_error() -> None:
+    with pytest.raises(ConfigurationError, match=r"^via must be one of http, udp, ext_proc, not 'HTTP'$"):
+        Sidecar(Router(), backends=BACKENDS).finish("a", via="HTTP")
+
+
+@pytest.mark.parametrize(
+    ("backend", "upstream"),
+    [("http://gpu0:8000", "gpu0:8000"), ("http://gpu0", "gpu0:80"), ("https://gpu0", "gpu0:443"),
+     ("https://gpu0:8443/", "gpu0:8443"), ("http://GPU0:08000", "gpu0:8000"), ("http://[::1]:8000", "[::1]:8000"),
+     ("http://[fe80::1]", "[fe80::1]:80"), ("http://gpu0:8000/v1", "http://gpu0:8000/v1"), ("gpu0", "gpu0"),
+     ("ftp://gpu0:21", "ftp://gpu0:21"), ("http://:8000", "http://:8000"), ("http://gpu0:99999", "http://gpu0:99999"),
+     ("busy", "busy")],
+)  # fmt: skip
+def test_upstream_of_is_the_host_and_port_a_proxy_connects_to(backend: str, upstream: str) -> None:
+    """``host:port`` of a backend URL, its scheme's port when it has none, an IPv6 host in brackets; anything that is
+    not an http(s) URL of a host without a path is kept as it is."""
+    assert upstream_of(backend) == upstream
+
+
+def test_upstream_of_a_non_str_is_a_type_error_naming_its_type() -> None:
+    with pytest.raises(InvalidTypeError, match="^a backend is a URL str, not bytes$"):
+        upstream_of(b"http://gpu0:8000")  # type: ignore[arg-type]
+
+
+# -- long prompts, tokenized on a worker thread ------------------------------------------------------------------------
+
+INLINE_BYTES = 64 * 2**10
+
+
+def padded(payload: dict[str, Any], size: int) -> bytes:
+    """``payload`` as JSON, padded with trailing blanks to ``size`` bytes."""
+    raw = json.dumps(payload).encode()
+    assert len(raw) <= size
+    return raw + b" " * (size - len(raw))
+
+
+class CountingBytes(VocabularyBytes):
+    def __init__(self) -> None:
+        self.encoded = 0
+
+    def encode(self, text: str) -> list[int]:
+        self.encoded += 1
+        return super().encode(text)
+
+
+def test_a_body_of_64_kib_is_tokenized_inline_and_one_byte_more_on_a_worker_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hops: list[int] = []
+
+    async def to_thread(function: Any, *args: Any) -> Any:
+        hops.append(len(args[0]))
+        return function(*args)
+
+    monkeypatch.setattr("prefixroute.adapters.serve.app.asyncio.to_thread", to_thread)
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, encoder=VocabularyBytes())  # type: ignore[arg-type]
+    text = "SELECT 1; " * 6000
+    for size, expected in ((INLINE_BYTES, []), (INLINE_BYTES + 1, [len(text)])):
+        hops.clear()
+        assert call(sidecar, "POST", "/route", raw=padded({"prompt": text}, size)).status_code == 200
+        assert hops == expected, size
+
+
+def test_a_long_prompt_routes_with_its_model_backends_and_lease_and_an_unknown_model_costs_no_tokenizing() -> None:
+    clock = [0.0]
+    encoder = CountingBytes()
+    sidecar = Sidecar(Router(block_size=4, clock=lambda: clock[0]), backends=BACKENDS, encoder=encoder,  # type: ignore[arg-type]
+                      models=["base", "lora"])  # fmt: skip
+    text = "SELECT name FROM orders; " * 3000  # 75 KB
+    unknown = call(sidecar, "POST", "/route", {"prompt": text, "model": "gpt"})
+    assert unknown.status_code == 404 and encoder.encoded == 0
+    own = ["http://own:1", "http://own:2"]
+    first = call(sidecar, "POST", "/route", {"prompt": text, "model": "lora", "backends": own, "lease": 5}).json()
+    assert first["backend"] in own and encoder.encoded == 1
+    sidecar.first_token(first["id"])
+    base = call(sidecar, "POST", "/route", {"prompt": text, "model": "base", "backends": own, "lease": 5}).json()
+    assert base["reason"] == "miss"  # another model, another namespace
+    lora = call(sidecar, "POST", "/route", {"prompt": text, "model": "lora", "backends": own, "lease": 5}).json()
+    assert (lora["backend"], lora["reason"]) == (first["backend"], "prefix")
+    clock[0] = 6.0
+    assert sidecar.router.expire() == 3 and sidecar.router.stats().in_flight == 0
+
+
+def test_a_decision_made_as_its_client_left_is_finished_refused_forgetting_its_prediction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def to_thread(function: Any, *args: Any) -> Any:
+        return function(*args)  # done before the sidecar looks: the client's disconnect is already there
+
+    monkeypatch.setattr("prefixroute.adapters.serve.app.asyncio.to_thread", to_thread)
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, encoder=VocabularyBytes())  # type: ignore[arg-type]
+    raw = json.dumps({"prompt": "SELECT 1; " * 7000}).encode()  # over 64 KiB
+    assert asgi(sidecar, "POST", "/route", [body(raw)]) == []
+    assert (sidecar.router.stats().decisions, sidecar.router.stats().in_flight) == (1, 0)
+    again = call(sidecar, "POST", "/route", raw=raw).json()
+    assert (again["reason"], again["matched_tokens"]) == ("miss", 0)
+
+
+def test_a_body_of_64_kib_is_decided_inline_and_answered_without_watching_for_its_client_leaving() -> None:
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    raw = padded({"prompt_token_ids": [7] * 20_000}, INLINE_BYTES)
+    status, _, answered = answer(asgi(sidecar, "POST", "/route", [body(raw)]))
+    assert status == 200 and sidecar.router.in_flight(json.loads(answered)["backend"]) == 1
