@@ -17,6 +17,7 @@ import pytest
 from prefixroute import Router
 from prefixroute.adapters.proxy.prompts import ByteEncoder
 from prefixroute.adapters.serve import BadRequest, Sidecar, upstream_of
+from prefixroute.adapters.serve.ext_proc import start_ext_proc
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 
 from ..conftest import BuggyPolicy, TickingClock
@@ -499,3 +500,20 @@ def test_a_body_of_64_kib_is_decided_inline_and_answered_without_watching_for_it
     raw = padded({"prompt_token_ids": [7] * 20_000}, INLINE_BYTES)
     status, _, answered = answer(asgi(sidecar, "POST", "/route", [body(raw)]))
     assert status == 200 and sidecar.router.in_flight(json.loads(answered)["backend"]) == 1
+
+
+# -- the ext_proc endpoint picker -------------------------------------------------------------------------------------
+
+
+def test_a_port_another_ext_proc_server_serves_is_refused_not_shared() -> None:
+    sidecar = Sidecar(Router(), backends=BACKENDS)
+
+    async def go() -> None:
+        server, port = await start_ext_proc(sidecar, "127.0.0.1", 0)
+        try:
+            with pytest.raises(OSError, match=f"^cannot bind the ext_proc port 127.0.0.1:{port}$"):
+                await start_ext_proc(sidecar, "127.0.0.1", port)
+        finally:
+            await server.stop(None)
+
+    asyncio.run(go())

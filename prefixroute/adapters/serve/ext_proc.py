@@ -208,7 +208,10 @@ async def start_ext_proc(
     ]
     server = grpc.aio.server(options=options)
     pb_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(sidecar), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpcio raises this ("Failed to bind to address ...") where it once returned 0
+        bound = 0
     if bound == 0:
         raise OSError(f"cannot bind the ext_proc port {host}:{port}")
     await server.start()
