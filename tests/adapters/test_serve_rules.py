@@ -1,7 +1,8 @@
-"""The decision sidecar's documented rules (``prefixroute/adapters/serve/app.py``'s docstrings and the ``prefixroute
-serve`` section of docs/adapters.md), each pinned in process: the ASGI messages it sends (lowercase header names, as
-the ASGI spec requires, and the exact headers of each answer), how it reads a body, lifespan, the constructor's
-refusals, the Python API (route, pick) and the helpers the proxies rely on (upstream_of)."""
+"""The decision sidecar's documented rules (``prefixroute/adapters/serve/app.py``'s and ``ext_proc.py``'s docstrings
+and the ``prefixroute serve`` section of docs/adapters.md), each pinned in process: the ASGI messages it sends
+(lowercase header names, as the ASGI spec requires, and the exact headers of each answer), how it reads a body,
+lifespan, the constructor's refusals, the Python API (route, pick), the helpers the proxies rely on (upstream_of),
+and the ext_proc endpoint picker's answers and gRPC server."""
 
 from __future__ import annotations
 
@@ -12,16 +13,23 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import grpc
 import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 
 from prefixroute import Router
 from prefixroute.adapters.proxy.prompts import ByteEncoder
 from prefixroute.adapters.serve import BadRequest, Sidecar, upstream_of
-from prefixroute.adapters.serve.ext_proc import start_ext_proc
+from prefixroute.adapters.serve.ext_proc import DESTINATION_HEADER, EndpointPicker, _milliseconds, start_ext_proc
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 
 from ..conftest import BuggyPolicy, TickingClock
 from .conftest import metric_samples
+from .test_ext_proc import PROMPT, destination, headers, request_trailers, response_body, response_headers, run
+from .test_ext_proc import body as body_message
 from .test_serve import BACKENDS, call, ids
 
 JSON = (b"content-type", b"application/json")
@@ -502,7 +510,58 @@ def test_a_body_of_64_kib_is_decided_inline_and_answered_without_watching_for_it
     assert status == 200 and sidecar.router.in_flight(json.loads(answered)["backend"]) == 1
 
 
-# -- the ext_proc endpoint picker -------------------------------------------------------------------------------------
+# -- the ext_proc endpoint picker --------------------------------------------------------------------------------------
+
+
+def test_a_body_the_picker_cannot_route_gets_no_destination_and_is_counted_under_its_status() -> None:
+    """A body the picker cannot route (here an unknown model, 404, and a body that is no JSON, 400) gets a plain body
+    answer without the destination header, so Envoy's route falls back to its pool, and is counted as over HTTP; a
+    body on a path that is not an OpenAI completion gets a plain body answer too, and counts nothing."""
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, models=["m"])
+    for raw in (json.dumps({"model": "other", "prompt": ids(8)}).encode(), b"{not json"):
+        answers = run(sidecar, headers("/v1/completions"), body_message(raw, end=True))
+        assert answers[1].WhichOneof("response") == "request_body" and destination(answers[1]) is None
+    assert sidecar.stats()["bad_requests"] == {"404": 1, "400": 1}
+    answers = run(sidecar, headers("/v1/models"), body_message(json.dumps({"prompt": ids(8)}).encode(), end=True))
+    assert answers[1].WhichOneof("response") == "request_body" and destination(answers[1]) is None
+    assert sidecar.stats()["bad_requests"] == {"404": 1, "400": 1} and sidecar.router.stats().decisions == 0
+
+
+PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+
+
+async def exchange(port: int, messages: Sequence[Any]) -> list[Any]:
+    """The answers of one Process stream on a real gRPC channel to ``port`` that sends ``messages``."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        process = channel.stream_stream(
+            PROCESS,
+            request_serializer=lambda message: message.SerializeToString(),
+            response_deserializer=pb.ProcessingResponse.FromString,
+        )
+        return [answer async for answer in process(iter(messages))]
+
+
+def test_a_buffered_body_comes_in_one_message_as_long_as_max_body_bytes_and_1_mib_more() -> None:
+    """A message may be as long as the sidecar's max_body_bytes and 1 MiB more: a whole body of max_body_bytes (over
+    gRPC's default 4 MiB) is routed, a longer one is answered unrouted and counted 413, neither fails the stream."""
+    limit = 4 * 2**20
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, max_body_bytes=limit)
+    whole = padded({"prompt": ids(64)}, limit)
+    longer = padded({"prompt": ids(64)}, limit + 2**19)
+
+    async def go() -> tuple[list[Any], list[Any]]:
+        server, port = await start_ext_proc(sidecar, "127.0.0.1", 0)
+        try:
+            routed = await exchange(port, [headers("/v1/completions"), body_message(whole, end=True)])
+            refused = await exchange(port, [headers("/v1/completions"), body_message(longer, end=True)])
+            return routed, refused
+        finally:
+            await server.stop(None)
+
+    routed, refused = asyncio.run(go())
+    assert destination(routed[1]) in {upstream_of(backend) for backend in BACKENDS}
+    assert refused[1].WhichOneof("response") == "request_body" and destination(refused[1]) is None
+    assert sidecar.stats()["bad_requests"] == {"413": 1} and sidecar.router.stats().in_flight == 0
 
 
 def test_a_port_another_ext_proc_server_serves_is_refused_not_shared() -> None:
@@ -517,3 +576,148 @@ def test_a_port_another_ext_proc_server_serves_is_refused_not_shared() -> None:
             await server.stop(None)
 
     asyncio.run(go())
+
+
+def test_keepalive_seconds_are_whole_milliseconds_at_least_one_and_a_bad_one_is_named() -> None:
+    assert [_milliseconds("keepalive_s", s) for s in (2, 0.25, 0.0001)] == [2000, 250, 1]
+    for name in ("keepalive_s", "keepalive_timeout_s"):
+        with pytest.raises(ConfigurationError, match=f"^{name} must be a positive, finite number of seconds, not 0$"):
+            asyncio.run(start_ext_proc(Sidecar(Router(), backends=BACKENDS), "127.0.0.1", 0, **{name: 0}))
+
+
+def response_trailers() -> Any:
+    return pb.ProcessingRequest(response_trailers=pb.HttpTrailers())
+
+
+def test_every_ext_proc_message_gets_the_answer_of_its_own_phase() -> None:
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    messages = [headers("/v1/completions"), body_message(PROMPT[:10], end=False), body_message(PROMPT[10:], end=True),
+                request_trailers(), response_headers("200"), response_body(end=False), response_body(end=True),
+                response_trailers()]  # fmt: skip
+    answers = run(sidecar, *messages)
+    assert [answer.WhichOneof("response") for answer in answers] == [
+        message.WhichOneof("request") for message in messages
+    ]
+    assert destination(answers[2]) is not None and sidecar.router.stats().in_flight == 0
+    assert sidecar.stats()["releases"] == {"ext_proc": 2}  # one first token, one finish, on the ext_proc path
+
+
+def test_a_query_string_does_not_change_the_path_the_picker_routes() -> None:
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    answers = run(sidecar, headers("/v1/completions?a=1?b=2"), body_message(PROMPT, end=True))
+    assert destination(answers[1]) in {upstream_of(backend) for backend in BACKENDS}
+
+
+def test_a_stream_without_a_decision_reports_no_release() -> None:
+    """A stream the picker did not route (not an OpenAI path) releases nothing when its response comes or it ends:
+    no first token, no finish, no unknown finish counted."""
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    run(
+        sidecar,
+        headers("/v1/models"),
+        body_message(PROMPT, end=True),
+        response_body(end=False),
+        response_body(end=True),
+    )
+    run(sidecar, headers("/v1/models"), body_message(PROMPT, end=True), response_body(end=False))  # cut short
+    run(sidecar, headers("/healthz"), request_trailers())  # trailers and no body, on a path that is not the picker's
+    assert sidecar.stats()["releases"] == {} and sidecar.router.stats().ignored == 0
+    assert sidecar.stats()["bad_requests"] == {}
+
+
+def test_a_response_whose_headers_the_picker_is_not_sent_is_finished_not_refused() -> None:
+    """Without the response headers (Envoy's SKIP mode for them) the status is unknown: the request is finished as
+    served, and its prediction kept, as a refusal is only a 4xx the picker saw."""
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    for ends in ([response_body(end=True)], []):  # the last response chunk, or the stream's end
+        run(sidecar, headers("/v1/completions"), body_message(PROMPT, end=True), *ends)
+        assert sidecar.router.stats().in_flight == 0
+        again = sidecar.route(json.dumps({"prompt_token_ids": json.loads(PROMPT)["prompt"]}).encode())
+        assert again.matched_tokens == 40
+        sidecar.finish(again.id)
+        sidecar.router.remove_backend(again.backend)  # forget it for the next case
+
+
+def test_a_body_after_headers_that_ended_the_request_is_not_routed_nor_counted_twice() -> None:
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    answers = run(sidecar, headers("/v1/completions", end=True), body_message(PROMPT, end=True), request_trailers())
+    assert destination(answers[1]) is None
+    assert (sidecar.router.stats().decisions, sidecar.stats()["bad_requests"]) == (0, {"400": 1})
+
+
+def test_a_streamed_body_over_the_limit_is_counted_413_once_and_never_routed() -> None:
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, max_body_bytes=len(PROMPT) // 2)
+    third = len(PROMPT) // 3 + 1
+    chunks = [PROMPT[:third], PROMPT[third : 2 * third], PROMPT[2 * third :]]
+    answers = run(sidecar, headers("/v1/completions"), *(body_message(c, end=i == 2) for i, c in enumerate(chunks)))
+    assert [destination(answer) for answer in answers[1:]] == [None, None, None]
+    assert (sidecar.router.stats().decisions, sidecar.stats()["bad_requests"]) == (0, {"413": 1})
+
+
+def test_a_routed_answer_sets_the_destination_the_id_and_the_envoy_lb_metadata_and_clears_the_route_cache() -> None:
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    path = base_pb2.HeaderValue(key=":path", value="/v1/completions")  # in value, not raw_value: read too
+    request_headers = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[path])))
+    answers = run(sidecar, request_headers, body_message(PROMPT, end=True))
+    common = answers[1].request_body.response
+    endpoint = destination(answers[1])
+    assert endpoint in {upstream_of(backend) for backend in BACKENDS} and common.clear_route_cache
+    set_headers = {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+    assert list(set_headers) == [DESTINATION_HEADER, "x-prefixroute-id"]
+    decision_id = set_headers["x-prefixroute-id"]
+    assert json_format.MessageToDict(answers[1].dynamic_metadata) == {"envoy.lb": {DESTINATION_HEADER: endpoint}}
+    assert sidecar.router.stats().in_flight == 0  # the stream ended: released, by that id
+    sidecar.finish(decision_id)
+    assert sidecar.router.stats().ignored == 1  # already finished: the id was the decision's
+
+
+class Aborted(Exception):
+    """What a gRPC context's abort() raises to end the handler."""
+
+
+class AbortingContext:
+    """A gRPC servicer context that notes each abort() and ends the handler as grpc.aio does."""
+
+    def __init__(self) -> None:
+        self.aborted: list[tuple[grpc.StatusCode, str]] = []
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.aborted.append((code, details))
+        raise Aborted
+
+
+def process_until_aborted(sidecar: Sidecar, messages: Sequence[Any], error: Exception | None) -> AbortingContext:
+    """Feed ``messages`` to one Process stream, then raise ``error`` from the stream's read (if any)."""
+    context = AbortingContext()
+
+    async def requests() -> Any:
+        for message in messages:
+            yield message
+        if error is not None:
+            raise error
+
+    async def go() -> None:
+        with pytest.raises(Aborted):
+            async for _ in EndpointPicker(sidecar).Process(requests(), context):
+                pass
+
+    asyncio.run(go())
+    return context
+
+
+@pytest.mark.parametrize("how", ["no phase", "not a ProcessingRequest"])
+def test_a_message_the_picker_cannot_answer_ends_the_stream_invalid_argument_counted_and_released(how: str) -> None:
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    routed = [headers("/v1/completions"), body_message(PROMPT, end=True)]
+    if how == "no phase":
+        context = process_until_aborted(sidecar, [*routed, pb.ProcessingRequest()], None)
+        expected = (
+            "a ProcessingRequest sets no phase: send one of request_headers, request_body, request_trailers, "
+            "response_headers, response_body or response_trailers"
+        )
+    else:
+        context = process_until_aborted(sidecar, routed, DecodeError("truncated"))
+        expected = "a message is not a ProcessingRequest: truncated"
+    assert context.aborted == [(grpc.StatusCode.INVALID_ARGUMENT, expected)]
+    assert sidecar.stats()["bad_requests"] == {"400": 1}
+    assert sidecar.router.stats().in_flight == 0 and sidecar.stats()["releases"] == {"ext_proc": 1}
