@@ -721,3 +721,12 @@ def test_a_message_the_picker_cannot_answer_ends_the_stream_invalid_argument_cou
     assert context.aborted == [(grpc.StatusCode.INVALID_ARGUMENT, expected)]
     assert sidecar.stats()["bad_requests"] == {"400": 1}
     assert sidecar.router.stats().in_flight == 0 and sidecar.stats()["releases"] == {"ext_proc": 1}
+
+
+def test_response_headers_without_a_status_let_the_first_chunk_report_the_first_token() -> None:
+    """The first response chunk reports the first token of a 200 answer, or of one whose ``:status`` the picker is
+    not sent: here response headers that carry no ``:status``."""
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    no_status = pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[])))
+    run(sidecar, headers("/v1/completions"), body_message(PROMPT, end=True), no_status, response_body(end=True))
+    assert sidecar.stats()["releases"] == {"ext_proc": 2} and sidecar.router.stats().in_flight == 0
