@@ -534,9 +534,7 @@ async def exchange(port: int, messages: Sequence[Any]) -> list[Any]:
     """The answers of one Process stream on a real gRPC channel to ``port`` that sends ``messages``."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         process = channel.stream_stream(
-            PROCESS,
-            request_serializer=lambda message: message.SerializeToString(),
-            response_deserializer=pb.ProcessingResponse.FromString,
+            PROCESS, pb.ProcessingRequest.SerializeToString, pb.ProcessingResponse.FromString
         )
         return [answer async for answer in process(iter(messages))]
 
