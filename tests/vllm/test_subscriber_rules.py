@@ -1,0 +1,96 @@
+"""The subscriber's documented rules, each pinned at its edge (found by mutation testing of vllm/subscriber.py).
+
+docs/vllm.md, "Lost messages, restarts, late start", and the KVEventSubscriber docstring say what these check.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixroute.vllm import KVEventSubscriber
+
+from ..conftest import wait_until
+from .test_vllm_blackbox import (
+    applied,
+    batch_array,
+    events_router,
+    own,
+    publisher,
+    sound,
+    stored_batch,
+    subscribed,
+    tokens,
+)
+
+
+def test_a_repeated_0_is_held_back_not_skipped_and_the_next_batch_makes_it_a_restart() -> None:
+    """0 is where a restarted engine begins: a 0 after a 0 is the new stream's first batch once 1 follows it."""
+    with publisher() as pub, subscribed(pub) as (router, sub):
+        sub.reset()  # the next batch starts a new stream: 0 is then the last number seen
+        pub.buffer.clear()
+        first = pub.publish(stored_batch(100, 1, first_hash=1), seq=0)
+        wait_until(applied(sub, first))
+        before = sub.stats()
+        pub.publish(stored_batch(200, 1, first_hash=2), seq=0)  # the engine restarted after one batch
+        last = pub.publish(stored_batch(300, 1, first_hash=3), seq=1)
+        wait_until(applied(sub, last))
+        after = sub.stats()
+        assert (after.restarts - before.restarts, after.bad_sequences - before.bad_sequences) == (1, 0)
+        assert router.index.hashes("gpu0") == own(tokens(200, 1)) | own(tokens(300, 1))
+        sound(router, sub)
+
+
+def test_a_repeated_0_that_the_next_batch_does_not_continue_costs_only_itself() -> None:
+    """Held back, a corrupt 0 is skipped when the next number does not follow it: the blocks stay, no restart."""
+    with publisher() as pub, subscribed(pub) as (router, sub):
+        sub.reset()
+        pub.buffer.clear()
+        first = pub.publish(stored_batch(100, 1, first_hash=1), seq=0)
+        wait_until(applied(sub, first))
+        before = sub.stats()
+        pub.publish(stored_batch(200, 1, first_hash=2), seq=0)
+        pub.publish(batch_array([]), seq=1, send=False)  # lost live: the replay brings it
+        last = pub.publish(stored_batch(300, 1, first_hash=3), seq=2)
+        wait_until(applied(sub, last))
+        after = sub.stats()
+        assert (after.restarts - before.restarts, after.bad_sequences - before.bad_sequences) == (0, 1)
+        assert router.index.hashes("gpu0") == own(tokens(100, 1)) | own(tokens(300, 1))
+        sound(router, sub)
+
+
+def test_a_jump_of_max_sequence_jump_is_believed_at_once_and_one_more_is_held_back() -> None:
+    """``max_sequence_jump`` counts the numbers skipped: that many missing batches are a gap, replayed at once; one
+    more and the number waits for the next message to continue it (here none does: it is skipped)."""
+    with publisher() as pub, subscribed(pub, max_sequence_jump=2) as (router, sub):
+        base = sub.last_seq
+        before = sub.stats()
+        for seq in (base + 1, base + 2):
+            pub.publish(batch_array([]), seq=seq, send=False)  # lost live, in the replay buffer
+        jump = pub.publish(stored_batch(100, 1, first_hash=1), seq=base + 3)  # two skipped: a gap
+        wait_until(applied(sub, jump), what="the jump of max_sequence_jump applied without waiting")
+        pub.publish(stored_batch(200, 1, first_hash=2), seq=base + 7)  # three skipped: held back
+        last = pub.publish(stored_batch(300, 1, first_hash=3), seq=base + 4)  # does not continue it
+        wait_until(lambda: sub.last_seq == last, what="the batch after the one held back")
+        after = sub.stats()
+        assert (after.gaps - before.gaps, after.bad_sequences - before.bad_sequences) == (1, 1)
+        assert (after.restarts, after.unrecovered_gaps) == (before.restarts, before.unrecovered_gaps)
+        assert router.index.hashes("gpu0") == own(tokens(100, 1)) | own(tokens(300, 1))
+        sound(router, sub)
+
+
+def test_a_reconnect_backoff_whose_low_equals_its_high_is_a_constant_backoff() -> None:
+    sub = KVEventSubscriber(events_router(), "gpu0", "tcp://127.0.0.1:1", reconnect_backoff=(0.5, 0.5))
+    assert not sub.running
+
+
+@pytest.mark.parametrize("backoff", [(1e-6, 1e-6), (0.1, 1e9)], ids=["under-a-millisecond", "years"])
+def test_a_reconnect_backoff_beyond_what_a_zmq_socket_takes_is_clamped_not_a_socket_error(
+    backoff: tuple[float, float],
+) -> None:
+    """libzmq takes its reconnect intervals as C ints of milliseconds: the subscriber clamps them into that range."""
+    with publisher() as pub, subscribed(pub, reconnect_backoff=backoff) as (router, sub):
+        last = pub.publish(stored_batch(100, 1, first_hash=1))
+        wait_until(applied(sub, last))
+        assert sub.stats().reconnects == 0
+        assert router.index.hashes("gpu0") == own(tokens(100, 1))
+        sound(router, sub)
