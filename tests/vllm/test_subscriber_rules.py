@@ -10,10 +10,12 @@ import pytest
 from prefixroute.vllm import KVEventSubscriber
 
 from ..conftest import wait_until
+from .test_subscriber import ResettingWriter
 from .test_vllm_blackbox import (
     applied,
     batch_array,
     events_router,
+    join,
     own,
     publisher,
     sound,
@@ -94,3 +96,31 @@ def test_a_reconnect_backoff_beyond_what_a_zmq_socket_takes_is_clamped_not_a_soc
         assert sub.stats().reconnects == 0
         assert router.index.hashes("gpu0") == own(tokens(100, 1))
         sound(router, sub)
+
+
+def test_reset_drops_the_backends_blocks_from_the_index_at_once_and_forgets_the_sequence() -> None:
+    with publisher() as pub, subscribed(pub) as (router, sub):
+        last = pub.publish(stored_batch(100, 2, first_hash=1))
+        wait_until(applied(sub, last))
+        assert router.index.hashes("gpu0") == own(tokens(100, 2))
+        sub.reset()
+        assert router.index.hashes("gpu0") == sub.held() == set()
+        assert sub.last_seq == -1
+
+
+def test_a_reset_the_writer_makes_inside_its_write_drops_that_writes_blocks_as_it_returns() -> None:
+    """docs/vllm.md: such a reset "takes effect as that write returns, after the updates it was writing"."""
+    router = events_router()
+    writer = ResettingWriter(router)
+    with publisher() as pub:
+        sub = KVEventSubscriber(writer, "gpu0", pub.endpoint, replay_endpoint=pub.replay_endpoint)
+        with sub:
+            join(pub, sub)  # empty batches: no write stores a block, none resets
+            writer.subscriber = sub
+            pub.publish(stored_batch(100, 2, first_hash=1), keep=False)  # its write resets; no replay brings it back
+            wait_until(lambda: writer.resets == 1, what="the write that resets")
+            last = pub.publish(stored_batch(300, 1, first_hash=3))  # a new stream's first batch to the subscriber
+            wait_until(applied(sub, last))
+            assert router.index.hashes("gpu0") == sub.held() == own(tokens(300, 1))
+            assert sub.stats().write_errors == 0
+            sound(router, sub)
