@@ -5,7 +5,12 @@ docs/vllm.md, "Lost messages, restarts, late start", and the KVEventSubscriber d
 
 from __future__ import annotations
 
+import errno
+import threading
+from typing import Any
+
 import pytest
+import zmq
 
 from prefixroute.vllm import KVEventSubscriber
 
@@ -124,3 +129,48 @@ def test_a_reset_the_writer_makes_inside_its_write_drops_that_writes_blocks_as_i
             assert router.index.hashes("gpu0") == sub.held() == own(tokens(300, 1))
             assert sub.stats().write_errors == 0
             sound(router, sub)
+
+
+class FailingContext(zmq.Context):  # type: ignore[type-arg]
+    """A ZMQ context whose first ``failures`` sockets cannot be made (a process out of file descriptors)."""
+
+    failures = 0
+
+    def socket(self, *args: Any, **kwargs: Any) -> Any:
+        if FailingContext.failures:
+            FailingContext.failures -= 1
+            raise zmq.ZMQError(errno.EMFILE)
+        return super().socket(*args, **kwargs)
+
+
+class RecordingStop(threading.Event):
+    """A stop event that records how long the thread asks to wait between reconnects, and does not wait."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits: list[float] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        assert timeout is not None
+        self.waits.append(timeout)
+        return self.is_set()
+
+
+def test_socket_errors_reconnect_with_exponential_backoff_from_low_capped_at_high(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """docs/vllm.md: "socket errors rebuild the socket with the same backoff" (``reconnect_backoff=(low, high)``)."""
+    with publisher() as pub:
+        sub = KVEventSubscriber(events_router(), "gpu0", pub.endpoint, reconnect_backoff=(1.0, 3.0))
+        stop = sub._stop = RecordingStop()
+        FailingContext.failures = 5
+        with monkeypatch.context() as patch:
+            patch.setattr(zmq, "Context", FailingContext)
+            sub.start()  # only the subscriber's context fails
+        try:
+            join(pub, sub)  # the sixth socket is made: events flow
+            assert stop.waits == [1.0, 2.0, 3.0, 3.0, 3.0]
+            assert (sub.stats().reconnects, FailingContext.failures) == (5, 0)
+        finally:
+            sub.stop()
+        assert not sub.running
