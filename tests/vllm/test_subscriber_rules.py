@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import errno
 import threading
+import time
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
 import zmq
 
+from prefixroute.index import IndexUpdate
 from prefixroute.vllm import KVEventSubscriber
 
 from ..conftest import wait_until
-from .test_subscriber import ResettingWriter
+from .test_subscriber import BlockingWriter, ResettingWriter
 from .test_vllm_blackbox import (
     applied,
     batch_array,
@@ -174,3 +177,33 @@ def test_socket_errors_reconnect_with_exponential_backoff_from_low_capped_at_hig
         finally:
             sub.stop()
         assert not sub.running
+
+
+class CountingWriter(BlockingWriter):
+    """A writer whose writes wait for ``release`` (so messages queue up behind the first) and are recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[list[IndexUpdate]] = []
+
+    def write(self, backend: str, updates: Iterable[IndexUpdate]) -> None:
+        self.writes.append(list(updates))
+        super().write(backend, updates)
+
+
+def test_each_write_carries_at_most_max_batches_per_apply_batches() -> None:
+    writer = CountingWriter()
+    with publisher() as pub:
+        sub = KVEventSubscriber(writer, "gpu0", pub.endpoint, topic=pub.topic.decode(), max_batches_per_apply=3)
+        with sub:
+            join(pub, sub)  # empty batches: nothing to write
+            pub.publish(stored_batch(0, 1, first_hash=1))
+            wait_until(writer.entered.is_set, what="the first write")
+            last = 0
+            for n in range(1, 11):  # ten batches of one stored block each, queued behind the stuck write
+                last = pub.publish(stored_batch(n * 16, 1, first_hash=n + 1))
+            time.sleep(0.2)  # time to reach the subscriber's socket (a shorter wait only lets fewer queue up)
+            writer.release.set()
+            wait_until(applied(sub, last))
+        stored = [sum(1 for update in updates if update[0]) for updates in writer.writes]
+        assert sum(stored) == 11 and max(stored[1:]) <= 3, stored
