@@ -207,3 +207,35 @@ def test_each_write_carries_at_most_max_batches_per_apply_batches() -> None:
             wait_until(applied(sub, last))
         stored = [sum(1 for update in updates if update[0]) for updates in writer.writes]
         assert sum(stored) == 11 and max(stored[1:]) <= 3, stored
+
+
+def test_start_is_idempotent_while_the_thread_runs() -> None:
+    with publisher() as pub, subscribed(pub) as (router, sub):
+        assert sub.start() is sub
+        assert [t.name for t in threading.enumerate()].count("prefixroute-kv-events[gpu0]") == 1
+        last = pub.publish(stored_batch(100, 1, first_hash=1))
+        wait_until(applied(sub, last))
+        sound(router, sub)
+
+
+def test_start_after_a_stop_that_timed_out_waits_for_the_old_thread_then_starts_a_new_one() -> None:
+    writer = CountingWriter()
+    with publisher() as pub:
+        sub = KVEventSubscriber(writer, "gpu0", pub.endpoint, topic=pub.topic.decode())
+        try:
+            sub.start()
+            join(pub, sub)
+            pub.publish(stored_batch(0, 1, first_hash=1))
+            wait_until(writer.entered.is_set, what="a write that blocks")
+            sub.stop(timeout=0)
+            assert sub.running  # the old thread is still in the writer
+            old = [t for t in threading.enumerate() if t.name == "prefixroute-kv-events[gpu0]"]
+            threading.Timer(0.1, writer.release.set).start()  # the writer returns while start() waits
+            assert sub.start() is sub
+            assert not any(t.is_alive() for t in old)
+            join(pub, sub)  # the new thread follows the stream
+            assert sub.running
+        finally:
+            writer.release.set()
+            sub.stop()
+        assert not sub.running
