@@ -239,3 +239,28 @@ def test_start_after_a_stop_that_timed_out_waits_for_the_old_thread_then_starts_
             writer.release.set()
             sub.stop()
         assert not sub.running
+
+
+@pytest.mark.parametrize("fault", ["lag_observer", "clock"])
+def test_a_callback_that_raises_once_is_one_observer_error_and_the_lag_is_measured_again_after(fault: str) -> None:
+    """``observer_errors`` counts the rounds whose ``clock`` or ``lag_observer`` raised: exactly one here."""
+    calls = {"n": 0}
+
+    def once(*_: object) -> float:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("a bug that shows once")
+        return 1_000.0
+
+    lags: list[float] = []
+    options: dict[str, Any] = (
+        {"clock": once, "lag_observer": lags.append} if fault == "clock" else {"lag_observer": once}
+    )
+    with publisher() as pub, subscribed(pub, **options) as (router, sub):
+        last = pub.publish(batch_array([], ts=990.0))
+        wait_until(applied(sub, last))
+        stats = sub.stats()
+        assert stats.observer_errors == 1
+        if fault == "clock":
+            assert stats.last_lag_s == 10.0 and lags[-1] == 10.0
+        sound(router, sub)
