@@ -264,3 +264,10 @@ def test_a_callback_that_raises_once_is_one_observer_error_and_the_lag_is_measur
         if fault == "clock":
             assert stats.last_lag_s == 10.0 and lags[-1] == 10.0
         sound(router, sub)
+
+
+@pytest.mark.parametrize("timeout", [0, threading.TIMEOUT_MAX], ids=["zero", "the-largest"])
+def test_stop_takes_any_timeout_from_zero_to_the_largest_a_thread_can_wait(timeout: float) -> None:
+    with publisher() as pub, subscribed(pub) as (router, sub):
+        sub.stop(timeout=timeout)
+        wait_until(lambda: not sub.running, what="the thread to end")
