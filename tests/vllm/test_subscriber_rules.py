@@ -271,3 +271,27 @@ def test_stop_takes_any_timeout_from_zero_to_the_largest_a_thread_can_wait(timeo
     with publisher() as pub, subscribed(pub) as (router, sub):
         sub.stop(timeout=timeout)
         wait_until(lambda: not sub.running, what="the thread to end")
+
+
+def test_every_gap_and_every_restart_is_counted_once_including_a_gap_right_after_batch_0() -> None:
+    with publisher() as pub, subscribed(pub) as (router, sub):
+        sub.reset()  # a new stream from 0
+        pub.buffer.clear()
+        before = sub.stats()
+        pub.publish(stored_batch(100, 1, first_hash=1), seq=0)
+        for lost, last in ((1, 2), (3, 4)):  # a gap after 0, another after 2: each filled from the replay
+            pub.publish(stored_batch(100 + lost * 16, 1, parent=lost, first_hash=lost + 1), seq=lost, send=False)
+            pub.publish(stored_batch(100 + last * 16, 1, parent=last, first_hash=last + 1), seq=last)
+            wait_until(applied(sub, last))
+        assert router.index.hashes("gpu0") == own(tokens(100, 5))
+        for restart in (1, 2):  # a new engine process each time: numbers from 0 again
+            pub.buffer.clear()
+            pub.publish(stored_batch(1000 * restart, 1, first_hash=10 * restart), seq=0)
+            pub.publish(batch_array([]), seq=1)
+            wait_until(lambda: sub.stats().restarts - before.restarts == restart, what=f"restart {restart}")  # noqa: B023
+            wait_until(lambda: sub.last_seq == 1, what="the new stream's second batch")
+        after = sub.stats()
+        assert (after.gaps - before.gaps, after.restarts - before.restarts) == (2, 2)
+        assert (after.unrecovered_gaps, after.bad_sequences) == (before.unrecovered_gaps, before.bad_sequences)
+        assert router.index.hashes("gpu0") == own(tokens(2000, 1))
+        sound(router, sub)
