@@ -26,6 +26,7 @@ from .test_vllm_blackbox import (
     join,
     own,
     publisher,
+    seq_bytes,
     sound,
     stored_batch,
     subscribed,
@@ -294,4 +295,23 @@ def test_every_gap_and_every_restart_is_counted_once_including_a_gap_right_after
         assert (after.gaps - before.gaps, after.restarts - before.restarts) == (2, 2)
         assert (after.unrecovered_gaps, after.bad_sequences) == (before.unrecovered_gaps, before.bad_sequences)
         assert router.index.hashes("gpu0") == own(tokens(2000, 1))
+        sound(router, sub)
+
+
+def test_negative_sequence_numbers_are_skipped_even_when_one_continues_the_other() -> None:
+    """Negative numbers are read as signed and never believed: -2 after -3 is no stream moving on."""
+    with publisher() as pub, subscribed(pub) as (router, sub):
+        before = sub.stats()
+        for seq in (-3, -2):
+            pub.raw([pub.topic, seq_bytes(seq), stored_batch(500, 1, first_hash=5)])
+        last = pub.publish(stored_batch(100, 1, first_hash=1))
+        wait_until(applied(sub, last))
+        after = sub.stats()
+        assert after.bad_sequences - before.bad_sequences == 2
+        assert (after.gaps, after.restarts, after.unrecovered_gaps) == (
+            before.gaps,
+            before.restarts,
+            before.unrecovered_gaps,
+        )
+        assert sub.last_seq == last and router.index.hashes("gpu0") == own(tokens(100, 1))
         sound(router, sub)
