@@ -315,3 +315,22 @@ def test_negative_sequence_numbers_are_skipped_even_when_one_continues_the_other
         )
         assert sub.last_seq == last and router.index.hashes("gpu0") == own(tokens(100, 1))
         sound(router, sub)
+
+
+def test_a_repeat_of_1_is_skipped_and_counted_not_held_back_for_a_restart() -> None:
+    """Only 0 is exempt from the repeat rule: a repeated 1 that 2 then follows is no new stream."""
+    with publisher() as pub, subscribed(pub) as (router, sub):
+        sub.reset()
+        pub.buffer.clear()
+        pub.publish(stored_batch(100, 1, first_hash=1), seq=0)
+        first = pub.publish(stored_batch(116, 1, parent=1, first_hash=2), seq=1)
+        wait_until(applied(sub, first))
+        before = sub.stats()
+        pub.publish(stored_batch(900, 1, first_hash=9), seq=1)  # a repeat
+        last = pub.publish(stored_batch(132, 1, parent=2, first_hash=3), seq=2)
+        wait_until(applied(sub, last))
+        after = sub.stats()
+        assert (after.bad_sequences - before.bad_sequences, after.restarts - before.restarts) == (1, 0)
+        assert after.invalid_batches == before.invalid_batches
+        assert router.index.hashes("gpu0") == own(tokens(100, 3))
+        sound(router, sub)
