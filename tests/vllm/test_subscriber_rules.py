@@ -334,3 +334,23 @@ def test_a_repeat_of_1_is_skipped_and_counted_not_held_back_for_a_restart() -> N
         assert after.invalid_batches == before.invalid_batches
         assert router.index.hashes("gpu0") == own(tokens(100, 3))
         sound(router, sub)
+
+
+def test_a_jump_beyond_max_sequence_jump_that_the_next_batch_continues_is_a_long_loss_filled_from_the_replay() -> None:
+    with publisher() as pub, subscribed(pub, max_sequence_jump=2) as (router, sub):
+        base = sub.last_seq
+        before = sub.stats()
+        for n in range(1, 5):  # four batches lost live, still in the replay buffer
+            pub.publish(
+                stored_batch(n * 16, 1, parent=n - 1 if n > 1 else None, first_hash=n), seq=base + n, send=False
+            )
+        pub.publish(stored_batch(80, 1, parent=4, first_hash=5), seq=base + 5)  # held back: four skipped
+        last = pub.publish(stored_batch(96, 1, parent=5, first_hash=6), seq=base + 6)  # continues it: believed
+        wait_until(applied(sub, last))
+        after = sub.stats()
+        assert (after.gaps - before.gaps, after.bad_sequences, after.invalid_batches) == (
+            1, before.bad_sequences, before.invalid_batches,
+        )  # fmt: skip
+        assert (after.restarts, after.unrecovered_gaps) == (before.restarts, before.unrecovered_gaps)
+        assert router.index.hashes("gpu0") == own(tokens(16, 6))
+        sound(router, sub)
