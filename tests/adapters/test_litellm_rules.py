@@ -1,0 +1,102 @@
+"""The documented rules of the LiteLLM hook that its other tests leave open (found by mutation testing of
+``prefixroute/adapters/litellm.py``): the hook is driven by hand, as LiteLLM calls it, with no engine."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # offline: LiteLLM's bundled price map
+
+import asyncio  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+
+from prefixroute import Router  # noqa: E402
+from prefixroute.adapters.litellm import PrefixRouteHook  # noqa: E402
+
+from ..conftest import FakeClock
+from .test_litellm import CHAT, group
+
+IDS = ["gpu0", "gpu1", "gpu2"]
+
+
+def chosen(
+    hook: PrefixRouteHook, request: dict[str, Any], messages: list[Any] = CHAT, deployments: list[Any] | None = None
+) -> str:
+    """The one deployment the hook's filter keeps among ``deployments`` (default :func:`group`'s three) for
+    ``request`` (LiteLLM's ``request_kwargs``)."""
+    given = group() if deployments is None else deployments
+    (kept,) = asyncio.run(hook.async_filter_deployments("fake", given, messages, request))
+    return str(kept["model_info"]["id"])
+
+
+def ordered(*orders: object) -> list[dict[str, Any]]:
+    """:func:`group`'s deployments, each with the ``litellm_params.order`` given for it."""
+    deployments = group(len(orders))
+    for deployment, order in zip(deployments, orders, strict=True):
+        deployment["litellm_params"] = {"model": "hosted_vllm/fake-model", "order": order}
+    return deployments
+
+
+def places(hook: PrefixRouteHook, deployments: list[Any], **request: Any) -> set[str]:
+    """Where 24 different prompts go (each finished by its success callback before the next)."""
+    where = set()
+    for prompt in range(24):
+        metadata: dict[str, Any] = {}
+        messages = [{"role": "system", "content": f"{prompt} " * 40}, {"role": "user", "content": "x"}]
+        where.add(chosen(hook, {"metadata": metadata, **request}, messages, deployments))
+        asyncio.run(hook.async_log_success_event({"litellm_params": {"metadata": metadata}}, None, None, None))
+    assert hook.router.stats().in_flight == 0
+    return where
+
+
+def test_bad_options_raise_a_type_error_that_names_the_option() -> None:
+    with pytest.raises(TypeError, match=r"^router must be a prefixroute\.Router, not object$"):
+        PrefixRouteHook(object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^model_groups must be a collection of model group names, not int$"):
+        PrefixRouteHook(Router(), model_groups=5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^model_groups must be a collection of model group names, not str$"):
+        PrefixRouteHook(Router(), model_groups="llama")
+    with pytest.raises(TypeError, match=r"^base_groups must be a collection of model group names, not bytes$"):
+        PrefixRouteHook(Router(), base_groups=b"llama")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^base_groups must hold model group names \(str\), not int \(1\)$"):
+        PrefixRouteHook(Router(), base_groups=["llama", 1])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"^model_groups must hold model group names \(str\), not NoneType"):
+        PrefixRouteHook(Router(), model_groups=[None])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("lease", [None, 30.0])
+def test_a_call_whose_callbacks_never_come_stops_counting_after_its_lease(lease: float | None) -> None:
+    """``lease``: seconds after which a request whose callbacks never came stops counting (default 600)."""
+    clock = FakeClock()
+    hook = PrefixRouteHook(Router(clock=clock)) if lease is None else PrefixRouteHook(Router(clock=clock), lease=lease)
+    expires = 600.0 if lease is None else lease
+    chosen(hook, {"metadata": {}})
+    clock.tick(expires - 0.5)
+    assert hook.router.stats().in_flight == 1
+    clock.tick(1.0)
+    assert hook.router.stats().in_flight == 0 and hook.router.stats().leases_expired == 1
+
+
+def test_no_lease_counts_a_call_until_its_callback() -> None:
+    clock = FakeClock()
+    hook = PrefixRouteHook(Router(clock=clock), lease=None)
+    metadata: dict[str, Any] = {}
+    chosen(hook, {"metadata": metadata})
+    clock.tick(1e6)
+    assert hook.router.stats().in_flight == 1
+    asyncio.run(hook.async_log_success_event({"litellm_params": {"metadata": metadata}}, None, None, None))
+    assert hook.router.stats().in_flight == 0 and hook.router.stats().leases_expired == 0
+
+
+def test_the_filter_chooses_among_the_order_litellm_picks_after_it() -> None:
+    """The lowest ``order`` given, or the request's ``_target_order`` (LiteLLM's fallback to the next order); all of
+    the deployments when none has that order."""
+    hook = PrefixRouteHook(Router())
+    assert places(hook, ordered(1, 1, 2)) == {"gpu0", "gpu1"}
+    assert places(hook, ordered(2, 3, 2)) == {"gpu0", "gpu2"}
+    assert places(hook, ordered(1, 1, 2), _target_order=2) == {"gpu2"}
+    assert places(hook, ordered(1, 2, 2), _target_order=2) == {"gpu1", "gpu2"}
+    assert places(hook, ordered(1, 1, 2), _target_order=3) == set(IDS)
+    assert places(hook, ordered(None, 2, 2)) == {"gpu1", "gpu2"}  # a deployment without an order is no lower
