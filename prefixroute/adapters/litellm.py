@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 import weakref
 from collections.abc import AsyncGenerator, Collection, Mapping
@@ -74,6 +75,7 @@ _MAX_PER_TASK = 1024
 # then reads the request's metadata, as without the table, or its lease ends it).
 _MAX_ATTEMPTS = 65_536
 _UNSEEN: Any = object()
+_ORDER = re.compile(r"[+-]?[0-9]+")  # an order spelled as a str, as LiteLLM takes it
 
 
 class PrefixRouteHook(CustomLogger):
@@ -391,9 +393,19 @@ def _order_level(deployments: list[Any], request: Mapping[str, Any] | None) -> l
 
 
 def _order(deployment: object) -> int | None:
-    params = deployment.get("litellm_params") if isinstance(deployment, Mapping) else None
+    """A deployment's order as LiteLLM reads it: ``litellm_params.order``, else ``model_info.order`` (where models
+    added through its API keep it); ``1``, ``True``, ``1.0`` and ``"1"`` all order 1; anything else, none."""
+    if not isinstance(deployment, Mapping):
+        return None
+    params, info = deployment.get("litellm_params"), deployment.get("model_info")
     order = params.get("order") if isinstance(params, Mapping) else None
-    return order if isinstance(order, int) and not isinstance(order, bool) else None
+    if order is None:
+        order = info.get("order") if isinstance(info, Mapping) else None
+    if isinstance(order, int):  # bool too: True is order 1
+        return int(order)
+    if isinstance(order, float):
+        return int(order) if order.is_integer() else None
+    return int(order) if isinstance(order, str) and _ORDER.fullmatch(order) else None
 
 
 def _deployment_id(deployment: object) -> str | None:

@@ -100,3 +100,17 @@ def test_the_filter_chooses_among_the_order_litellm_picks_after_it() -> None:
     assert places(hook, ordered(1, 2, 2), _target_order=2) == {"gpu1", "gpu2"}
     assert places(hook, ordered(1, 1, 2), _target_order=3) == set(IDS)
     assert places(hook, ordered(None, 2, 2)) == {"gpu1", "gpu2"}  # a deployment without an order is no lower
+
+
+def test_the_filter_reads_an_order_as_litellm_does() -> None:
+    """LiteLLM reads a deployment's order from ``litellm_params.order``, else ``model_info.order`` (models added
+    through its API keep it there), and takes ``1``, ``1.0``, ``"1"`` and ``True`` for order 1: a filter that missed
+    one of them would keep an order-2 backup beside healthy order-1 deployments, and LiteLLM would send it there."""
+    hook = PrefixRouteHook(Router())
+    for spelled in (("1", "1", "2"), (1.0, 1.0, 2.0), (True, True, 2), ("+1", 1.0, "2")):
+        assert places(hook, ordered(*spelled)) == {"gpu0", "gpu1"}, spelled
+    in_model_info = group()
+    for deployment, order in zip(in_model_info, (1, 1, 2), strict=True):
+        deployment["model_info"]["order"] = order
+    assert places(hook, in_model_info) == {"gpu0", "gpu1"}
+    assert places(hook, ordered(1.5, "first", 2)) == {"gpu2"}  # no order LiteLLM reads: only the order-2 one has one
