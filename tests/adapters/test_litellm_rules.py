@@ -114,3 +114,54 @@ def test_the_filter_reads_an_order_as_litellm_does() -> None:
         deployment["model_info"]["order"] = order
     assert places(hook, in_model_info) == {"gpu0", "gpu1"}
     assert places(hook, ordered(1.5, "first", 2)) == {"gpu2"}  # no order LiteLLM reads: only the order-2 one has one
+
+
+def attempt_kwargs(
+    call_id: str, metadata: dict[str, Any], deployment: str | None = None, **more: Any
+) -> dict[str, Any]:
+    """The ``kwargs`` LiteLLM gives the deployment hook and the callbacks of one attempt."""
+    params: dict[str, Any] = {"metadata": metadata}
+    if deployment is not None:
+        params["model_info"] = {"id": deployment}
+    return {"litellm_call_id": call_id, "metadata": metadata, "litellm_params": params, **more}
+
+
+def test_calls_sharing_one_metadata_dict_each_end_their_own_decision() -> None:
+    """Each attempt's decision is tied, as it is sent, to its ``litellm_call_id``, so its callback ends it even when
+    the shared ``metadata`` dict names another call's decision by then: the other call's filter ran in between."""
+    hook = PrefixRouteHook(Router())
+    shared: dict[str, Any] = {}
+    sent: dict[str, str] = {}
+    tied: list[str] = []
+    both_routed, done = asyncio.Event(), asyncio.Event()
+
+    async def call(call_id: str, text: str) -> None:
+        messages = [{"role": "system", "content": f"{text} " * 40}, {"role": "user", "content": "x"}]
+        (kept,) = await hook.async_filter_deployments("fake", group(), messages, {"metadata": shared})
+        sent[call_id] = kept["model_info"]["id"]
+        await both_routed.wait()
+        await hook.async_pre_call_deployment_hook(attempt_kwargs(call_id, shared), None)
+        tied.append(call_id)
+        await done.wait()  # the call runs on: its task's end would finish its decision
+
+    async def run() -> None:
+        calls = [asyncio.create_task(call("a", "first"))]
+        while "a" not in sent:
+            await asyncio.sleep(0)
+        calls.append(asyncio.create_task(call("b", "second")))  # the metadata then names b's decision
+        while "b" not in sent:
+            await asyncio.sleep(0)
+        both_routed.set()
+        while len(tied) < 2:
+            await asyncio.sleep(0)
+        assert hook.router.stats().in_flight == 2
+        await hook.async_log_success_event(attempt_kwargs("a", shared, sent["a"]), None, None, None)
+        assert hook.router.stats().in_flight == 1 and hook.router.in_flight(sent["b"]) == 1
+        await hook.async_log_success_event(attempt_kwargs("b", shared, sent["b"]), None, None, None)
+        assert hook.router.stats().in_flight == 0
+        done.set()
+        await asyncio.gather(*calls)
+        assert hook.router.stats().in_flight == 0 and hook.router.stats().ignored == 0
+
+    asyncio.run(run())
+    assert hook.errors == 0
