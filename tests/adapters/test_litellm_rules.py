@@ -8,6 +8,7 @@ import os
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # offline: LiteLLM's bundled price map
 
 import asyncio  # noqa: E402
+from collections.abc import Iterator, Mapping  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
@@ -16,7 +17,7 @@ from prefixroute import Router  # noqa: E402
 from prefixroute.adapters.litellm import PrefixRouteHook  # noqa: E402
 
 from ..conftest import FakeClock
-from .test_litellm import CHAT, group
+from .test_litellm import CHAT, _chunks, group
 
 IDS = ["gpu0", "gpu1", "gpu2"]
 
@@ -165,3 +166,40 @@ def test_calls_sharing_one_metadata_dict_each_end_their_own_decision() -> None:
 
     asyncio.run(run())
     assert hook.errors == 0
+
+
+class Unreadable(Mapping[str, Any]):
+    """A mapping whose every read raises."""
+
+    def __getitem__(self, key: str) -> Any:
+        raise RuntimeError("unreadable")
+
+    def __iter__(self) -> Iterator[str]:
+        raise RuntimeError("unreadable")
+
+    def __len__(self) -> int:
+        return 1
+
+
+def test_each_error_in_a_callback_is_counted_once_and_never_raised() -> None:
+    """At request time the hook never raises into LiteLLM: an error is logged and counted in ``hook.errors``."""
+    hook = PrefixRouteHook(Router())
+
+    async def run() -> None:
+        await hook.async_pre_call_deployment_hook(Unreadable(), None)  # type: ignore[arg-type]
+        assert hook.errors == 1
+        metadata: dict[str, Any] = {}
+        await hook.async_filter_deployments("fake", group(), CHAT, {"metadata": metadata})
+        unwatchable = attempt_kwargs("a", metadata, litellm_logging_obj=5)  # an int takes no weak reference
+        await hook.async_pre_call_deployment_hook(unwatchable, None)
+        assert hook.errors == 2
+        await hook.async_log_success_event(Unreadable(), None, None, None)
+        await hook.async_log_failure_event(Unreadable(), None, None, None)
+        assert hook.errors == 4
+        passed: Any = hook.async_post_call_streaming_iterator_hook(None, _chunks(), Unreadable())
+        assert [chunk async for chunk in passed] == [1, 2]
+        assert hook.errors == 5
+        await hook.async_log_success_event(attempt_kwargs("a", metadata), None, None, None)
+        assert hook.router.stats().in_flight == 0 and hook.errors == 5
+
+    asyncio.run(run())
