@@ -203,3 +203,38 @@ def test_each_error_in_a_callback_is_counted_once_and_never_raised() -> None:
         assert hook.router.stats().in_flight == 0 and hook.errors == 5
 
     asyncio.run(run())
+
+
+class Call:
+    """A stand-in for LiteLLM's logging object of one call (it takes weak references)."""
+
+
+def test_a_stream_whose_callbacks_never_come_ends_when_its_logging_object_is_gone() -> None:
+    """Its decision ends on the loop once the call's logging object is collected, at once where the loop is closed
+    by then; a callback that came first ends it, and the object's end then finishes nothing more."""
+    hook = PrefixRouteHook(Router())
+    calls = [Call(), Call(), Call()]
+
+    async def send(call_id: str, call: Call) -> dict[str, Any]:
+        metadata: dict[str, Any] = {}
+        await hook.async_filter_deployments("fake", group(), CHAT, {"metadata": metadata, "stream": True})
+        await hook.async_pre_call_deployment_hook(attempt_kwargs(call_id, metadata, litellm_logging_obj=call), None)
+        return metadata
+
+    async def run() -> None:
+        await asyncio.create_task(send("dropped", calls[0]))  # a stream outlives its task
+        metadata = await asyncio.create_task(send("read", calls[1]))
+        assert hook.router.stats().in_flight == 2
+        del calls[0]
+        await asyncio.sleep(0)
+        assert hook.router.stats().in_flight == 1
+        await hook.async_log_success_event(attempt_kwargs("read", metadata), None, None, None)
+        del calls[0]
+        await asyncio.sleep(0)
+        assert hook.router.stats().in_flight == 0 and hook.router.stats().ignored == 0
+        await asyncio.create_task(send("late", calls[0]))
+
+    asyncio.run(run())
+    assert hook.router.stats().in_flight == 1
+    del calls[0]  # collected after its loop closed
+    assert hook.router.stats().in_flight == 0 and hook.router.stats().ignored == 0 and hook.errors == 0
