@@ -238,3 +238,40 @@ def test_a_stream_whose_callbacks_never_come_ends_when_its_logging_object_is_gon
     assert hook.router.stats().in_flight == 1
     del calls[0]  # collected after its loop closed
     assert hook.router.stats().in_flight == 0 and hook.router.stats().ignored == 0 and hook.errors == 0
+
+
+def test_a_decision_ended_one_way_is_not_ended_again_another_way() -> None:
+    """A call ends once: by its logging object's end while its task runs on (then the task's end finishes nothing
+    more), or by the proxy's stream hook (then its logging object's end finishes nothing more)."""
+    hook = PrefixRouteHook(Router())
+    calls = [Call(), Call()]
+    dropped, done = asyncio.Event(), asyncio.Event()
+
+    async def send(call_id: str, call: Call, stream: bool) -> dict[str, Any]:
+        metadata: dict[str, Any] = {}
+        await hook.async_filter_deployments("fake", group(), CHAT, {"metadata": metadata, "stream": stream})
+        await hook.async_pre_call_deployment_hook(attempt_kwargs(call_id, metadata, litellm_logging_obj=call), None)
+        return metadata
+
+    async def runs_on() -> None:
+        await send("dropped", calls[0], stream=False)
+        dropped.set()
+        await done.wait()
+
+    async def run() -> None:
+        task = asyncio.create_task(runs_on())
+        await dropped.wait()
+        del calls[0]
+        await asyncio.sleep(0)
+        assert hook.router.stats().in_flight == 0
+        done.set()
+        await task
+        metadata = await asyncio.create_task(send("proxied", calls[0], stream=True))
+        passed: Any = hook.async_post_call_streaming_iterator_hook(None, _chunks(), {"metadata": metadata})
+        assert [chunk async for chunk in passed] == [1, 2]
+        assert hook.router.stats().in_flight == 0
+        del calls[0]
+        await asyncio.sleep(0)
+
+    asyncio.run(run())
+    assert hook.router.stats().in_flight == 0 and hook.router.stats().ignored == 0 and hook.errors == 0
