@@ -241,10 +241,12 @@ def test_a_stream_whose_callbacks_never_come_ends_when_its_logging_object_is_gon
 
 
 def test_a_decision_ended_one_way_is_not_ended_again_another_way() -> None:
-    """A call ends once: by its logging object's end while its task runs on (then the task's end finishes nothing
-    more), or by the proxy's stream hook (then its logging object's end finishes nothing more)."""
+    """A call ends once: by its callback just after its logging object went (the end then due on the loop finishes
+    nothing more, and raises nothing there), by its logging object's end while its task runs on (then the task's
+    end finishes nothing more), or by the proxy's stream hook (then its logging object's end finishes nothing
+    more)."""
     hook = PrefixRouteHook(Router())
-    calls = [Call(), Call()]
+    calls = [Call(), Call(), Call()]
     dropped, done = asyncio.Event(), asyncio.Event()
 
     async def send(call_id: str, call: Call, stream: bool) -> dict[str, Any]:
@@ -259,6 +261,13 @@ def test_a_decision_ended_one_way_is_not_ended_again_another_way() -> None:
         await done.wait()
 
     async def run() -> None:
+        failures: list[dict[str, Any]] = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: failures.append(context))
+        metadata = await asyncio.create_task(send("raced", calls[0], stream=True))
+        del calls[0]  # its end is due on the loop's next iteration, when the callback has ended it
+        await hook.async_log_success_event(attempt_kwargs("raced", metadata), None, None, None)
+        await asyncio.sleep(0)
+        assert failures == [] and hook.router.stats().in_flight == 0
         task = asyncio.create_task(runs_on())
         await dropped.wait()
         del calls[0]
