@@ -299,9 +299,12 @@ class PrefixRouteHook(CustomLogger):
             cancelled = task.cancelled()
             with self._tasks_lock:
                 held = self._by_task.pop(task, None) or {}
-                for decision_id in held:
-                    self._task_of.pop(decision_id, None)
                 ended = [decision_id for decision_id, stream in held.items() if cancelled or not stream]
+                for decision_id in ended:
+                    self._task_of.pop(decision_id, None)
+                    del held[decision_id]
+                # A stream it returned stays in ``held``, no running task's now: a call that finds it in a shared
+                # metadata dict leaves it to its own callback (_of_this_task); _unwatch forgets it then.
                 watched = [self._gone.pop(decision_id, None) for decision_id in ended]
             for gone in watched:
                 if gone is not None:

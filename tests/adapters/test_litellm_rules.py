@@ -284,3 +284,33 @@ def test_a_decision_ended_one_way_is_not_ended_again_another_way() -> None:
 
     asyncio.run(run())
     assert hook.router.stats().in_flight == 0 and hook.router.stats().ignored == 0 and hook.errors == 0
+
+
+def test_a_stream_that_outlives_its_task_is_not_ended_by_another_call_sharing_its_metadata() -> None:
+    """A stream returned by its task (``create_task``/``gather`` of ``acompletion(..., stream=True)``) counts until
+    its own callback, and a retry finishes only an earlier decision of its own task: another call that passes the
+    same ``metadata`` dict (a module constant) must not end the stream's decision when its filter finds it there."""
+    hook = PrefixRouteHook(Router())
+    shared: dict[str, Any] = {}
+    done = asyncio.Event()
+
+    async def call(text: str, stream: bool) -> None:
+        messages = [{"role": "system", "content": f"{text} " * 40}, {"role": "user", "content": "x"}]
+        await hook.async_filter_deployments("fake", group(), messages, {"metadata": shared, "stream": stream})
+        if not stream:
+            await done.wait()
+
+    async def run() -> None:
+        await asyncio.create_task(call("streamed", stream=True))  # the task returns the stream, read later
+        metadata = dict(shared)
+        other = asyncio.create_task(call("another", stream=False))
+        while hook.router.stats().decisions < 2:
+            await asyncio.sleep(0)
+        assert hook.router.stats().in_flight == 2  # the stream still counts
+        done.set()
+        await other
+        assert hook.router.stats().in_flight == 1
+        await hook.async_log_success_event({"litellm_params": {"metadata": metadata}}, None, None, None)
+        assert hook.router.stats().in_flight == 0 and hook.router.stats().ignored == 0
+
+    asyncio.run(run())
