@@ -243,10 +243,10 @@ def test_a_stream_whose_callbacks_never_come_ends_when_its_logging_object_is_gon
 def test_a_decision_ended_one_way_is_not_ended_again_another_way() -> None:
     """A call ends once: by its callback just after its logging object went (the end then due on the loop finishes
     nothing more, and raises nothing there), by its logging object's end while its task runs on (then the task's
-    end finishes nothing more), or by the proxy's stream hook (then its logging object's end finishes nothing
-    more)."""
+    end finishes nothing more), by its task's end (then its logging object's end finishes nothing more), or by the
+    proxy's stream hook (then its logging object's end finishes nothing more)."""
     hook = PrefixRouteHook(Router())
-    calls = [Call(), Call(), Call()]
+    calls = [Call(), Call(), Call(), Call()]
     dropped, done = asyncio.Event(), asyncio.Event()
 
     async def send(call_id: str, call: Call, stream: bool) -> dict[str, Any]:
@@ -275,6 +275,11 @@ def test_a_decision_ended_one_way_is_not_ended_again_another_way() -> None:
         assert hook.router.stats().in_flight == 0
         done.set()
         await task
+        await asyncio.create_task(send("returned", calls[0], stream=False))  # its task's end ends it
+        await asyncio.sleep(0)  # (its done callback runs after this awaiter's wake-up)
+        assert hook.router.stats().in_flight == 0
+        del calls[0]
+        await asyncio.sleep(0)
         metadata = await asyncio.create_task(send("proxied", calls[0], stream=True))
         passed: Any = hook.async_post_call_streaming_iterator_hook(None, _chunks(), {"metadata": metadata})
         assert [chunk async for chunk in passed] == [1, 2]
