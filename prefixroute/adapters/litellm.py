@@ -125,7 +125,9 @@ class PrefixRouteHook(CustomLogger):
         # for a call cancelled (a client gone, a timeout of the caller's), so the task's end finishes them (decision
         # id -> whether it is a stream: a stream is finished only by a cancelled task, see _task_done).
         self._by_task: weakref.WeakKeyDictionary[asyncio.Task[Any], dict[str, bool]] = weakref.WeakKeyDictionary()
-        self._task_of: dict[str, dict[str, bool]] = {}
+        # decision id -> its task's table; a stream kept past its task's end stays here until it ends (the oldest
+        # dropped past _MAX_ATTEMPTS, should their ends never come: then left to their leases, as unwatched).
+        self._task_of: cachetools.LRUCache[str, dict[str, bool]] = cachetools.LRUCache(maxsize=_MAX_ATTEMPTS)
         # The decisions watched through their call's logging object (async_pre_call_deployment_hook), until ended.
         self._gone: dict[str, weakref.finalize[Any, Any]] = {}
         # litellm_call_id of an attempt -> its decision, from async_pre_call_deployment_hook to the callback.

@@ -319,3 +319,25 @@ def test_a_stream_that_outlives_its_task_is_not_ended_by_another_call_sharing_it
         assert hook.router.stats().in_flight == 0 and hook.router.stats().ignored == 0
 
     asyncio.run(run())
+
+
+def test_streams_kept_past_their_tasks_end_are_remembered_within_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream returned by its task is remembered until its end comes; where none ever comes (no callback, no
+    logging object), the table keeps at most the newest ``_MAX_ATTEMPTS`` of them, the rest left to their lease."""
+    import prefixroute.adapters.litellm as adapter
+
+    monkeypatch.setattr(adapter, "_MAX_ATTEMPTS", 4)
+    hook = PrefixRouteHook(Router(), lease=None)
+
+    async def call(i: int) -> None:
+        messages = [{"role": "system", "content": f"stream {i} " * 40}, {"role": "user", "content": "x"}]
+        await hook.async_filter_deployments("fake", group(), messages, {"metadata": {}, "stream": True})
+
+    async def run() -> None:
+        for i in range(10):
+            await asyncio.create_task(call(i))  # each task returns its stream and ends
+        await asyncio.sleep(0)  # the tasks' done callbacks
+
+    asyncio.run(run())
+    assert hook.router.stats().in_flight == 10  # every stream still counts: nothing ended it
+    assert len(hook._task_of) == 4
