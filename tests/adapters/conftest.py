@@ -119,3 +119,17 @@ def backend_serving(completions: Handler, models: Handler | None = None) -> Iter
         yield urls[0]
     finally:
         thread.stop()
+
+
+@pytest.fixture
+def thread_hops(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The length of what the sidecar sends to a worker thread each time it does (``asyncio.to_thread`` in
+    ``serve/app.py``, run inline here)."""
+    hops: list[int] = []
+
+    async def to_thread(function: Any, *args: Any) -> Any:
+        hops.append(len(args[0]))
+        return function(*args)
+
+    monkeypatch.setattr("prefixroute.adapters.serve.app.asyncio.to_thread", to_thread)
+    return hops

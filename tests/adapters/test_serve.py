@@ -557,16 +557,8 @@ def test_metrics_list_per_request_backends_only_once_routed_and_the_4096_latest(
     assert sidecar.router.stats().in_flight == 3
 
 
-def test_only_a_long_text_prompt_is_tokenized_on_a_worker_thread(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    hops: list[int] = []
-
-    async def to_thread(function: Any, *args: Any) -> Any:
-        hops.append(len(args[0]))
-        return function(*args)
-
-    monkeypatch.setattr("prefixroute.adapters.serve.app.asyncio.to_thread", to_thread)
+def test_only_a_long_text_prompt_is_tokenized_on_a_worker_thread(model_dir: Path, thread_hops: list[int]) -> None:
+    hops = thread_hops
     encoder = PromptEncoder(model_dir)
     sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, encoder=encoder)
     short, long = CORPUS[0], CORPUS[0] * 1000  # 70 KB: over the 64 KiB inline limit

@@ -450,16 +450,8 @@ class CountingBytes(VocabularyBytes):
         return super().encode(text)
 
 
-def test_a_body_of_64_kib_is_tokenized_inline_and_one_byte_more_on_a_worker_thread(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    hops: list[int] = []
-
-    async def to_thread(function: Any, *args: Any) -> Any:
-        hops.append(len(args[0]))
-        return function(*args)
-
-    monkeypatch.setattr("prefixroute.adapters.serve.app.asyncio.to_thread", to_thread)
+def test_a_body_of_64_kib_is_tokenized_inline_and_one_byte_more_on_a_worker_thread(thread_hops: list[int]) -> None:
+    hops = thread_hops
     sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, encoder=VocabularyBytes())  # type: ignore[arg-type]
     text = "SELECT 1; " * 6000
     for size, expected in ((INLINE_BYTES, []), (INLINE_BYTES + 1, [len(text)])):
