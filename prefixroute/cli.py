@@ -127,11 +127,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return status
 
 
-MAX_BODY_MIB = 4096
-"""The largest ``--max-body-mib`` of ``prefixroute proxy`` and ``prefixroute serve``: each holds a request body whole,
-so a larger limit is a typo (bytes given as MiB), not a plan."""
-
-
 def positive_int(text: str) -> int:
     """An argparse ``type``: an int >= 1 (a count, a size); else the one-line usage error. The commands' and the
     benchmarks' (``benchmarks/_args.py``) one check of it."""
@@ -141,6 +136,20 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, not {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, not {text!r}")
+    return value
+
+
+MAX_BODY_MIB = 4096
+"""The largest ``--max-body-mib`` of ``prefixroute proxy`` and ``prefixroute serve``: each holds a request body whole,
+so a larger limit is a typo (bytes given as MiB), not a plan."""
+
+
+def body_mib(text: str) -> int:
+    """An argparse ``type``: a body limit in MiB, an int in [1, :data:`MAX_BODY_MIB`]; else the one-line usage
+    error. The proxy's and the sidecar's ``--max-body-mib``."""
+    value = positive_int(text)
+    if value > MAX_BODY_MIB:
+        raise argparse.ArgumentTypeError(f"expected a whole number of MiB from 1 to {MAX_BODY_MIB}, not {text!r}")
     return value
 
 

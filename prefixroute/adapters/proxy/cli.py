@@ -14,7 +14,7 @@ from prefixroute.adapters.proxy.app import MAX_BODY_BYTES, MAX_RETRIES, Proxy
 from prefixroute.adapters.proxy.prompts import PromptEncoding
 from prefixroute.adapters.serve.text import PromptEncoder
 from prefixroute.adapters.urls import listen_host
-from prefixroute.cli import MAX_BODY_MIB
+from prefixroute.cli import MAX_BODY_MIB, body_mib
 from prefixroute.errors import ConfigurationError
 from prefixroute.policies import policy_from_name, policy_names
 from prefixroute.router import Router
@@ -69,7 +69,7 @@ def register(subparsers: Any) -> None:
                         "to the next (2)")  # fmt: skip
     parser.add_argument("--models-timeout", type=float, default=2.0, metavar="SECONDS",
                         help="the longest wait for a backend's /v1/models, the connection included (2)")  # fmt: skip
-    parser.add_argument("--max-body-mib", type=int, default=MAX_BODY_BYTES >> 20, metavar="MIB",
+    parser.add_argument("--max-body-mib", type=body_mib, default=MAX_BODY_BYTES >> 20, metavar="MIB",
                         help=f"the largest request body taken, 1 to {MAX_BODY_MIB} MiB (64); larger ones are "
                         "answered 413. vLLM reads any size: raise it for prompts of millions of tokens or large "
                         "inline images")  # fmt: skip
@@ -89,8 +89,6 @@ def build(args: argparse.Namespace) -> tuple[Proxy, Any]:
     """
     if not 0 <= args.retries <= MAX_RETRIES:  # before a tokenizer is read or a fleet started
         raise ConfigurationError(f"--retries must be an int in [0, {MAX_RETRIES}], not {shown(args.retries)}")
-    if not 1 <= args.max_body_mib <= MAX_BODY_MIB:  # a limit past memory is a typo (bytes given as MiB)
-        raise ConfigurationError(f"--max-body-mib must be an int in [1, {MAX_BODY_MIB}], not {args.max_body_mib}")
     if args.max_failures < 1:
         raise ConfigurationError(f"--max-failures must be an int >= 1, not {args.max_failures}")
     for option in ("cooldown", "connect_timeout", "models_timeout"):

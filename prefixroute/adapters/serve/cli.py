@@ -30,7 +30,7 @@ from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
 from prefixroute.adapters.urls import check_backend_url, listen_host
-from prefixroute.cli import MAX_BODY_MIB, positive_int
+from prefixroute.cli import MAX_BODY_MIB, body_mib, positive_int
 from prefixroute.errors import ConfigurationError
 
 __all__ = ["BaseModelLearner", "register", "run"]
@@ -68,7 +68,7 @@ def register(subparsers: Any) -> None:
         help="lease of a request, and the longest a /route body may ask for (default 600)",
     )  # fmt: skip
     parser.add_argument(
-        "--max-body-mib", type=_mib, default=32, metavar="MIB",
+        "--max-body-mib", type=body_mib, default=32, metavar="MIB",
         help=f"the largest request body taken, 1 to {MAX_BODY_MIB} MiB (default 32); a larger one is answered 413 "
         "and the gateway sends it to its own pool. Raise it with the gateway's limit (nginx's "
         "client_max_body_size) for prompts of millions of tokens",
@@ -385,13 +385,6 @@ def _port(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a port number 0-65535, not {text!r}") from None
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"expected a port number 0-65535, not {text!r}")
-    return value
-
-
-def _mib(text: str) -> int:
-    value = positive_int(text)
-    if value > MAX_BODY_MIB:  # the sidecar holds a body whole: a larger limit is a typo (bytes given as MiB)
-        raise argparse.ArgumentTypeError(f"expected a whole number of MiB from 1 to {MAX_BODY_MIB}, not {text!r}")
     return value
 
 
