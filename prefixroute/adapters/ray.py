@@ -30,7 +30,8 @@ own router; they share no state but place new prefixes alike (rendezvous hashing
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -100,7 +101,9 @@ class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
     (the model's local folder or its ``tokenizer.json``; chat messages through its chat template when the folder has
     one; without it text routes on its UTF-8 bytes) and ``lease`` (seconds after which a request Ray never reports
     complete stops counting; default 600). Bad options raise there, when Ray builds the router: TypeError for a
-    wrong type, :class:`~prefixroute.errors.ConfigurationError` for a bad value.
+    wrong type, :class:`~prefixroute.errors.ConfigurationError` for a bad value. ``clock`` (the router's, for the
+    leases; ``time.monotonic``) is for tests that call :meth:`initialize_state` themselves: it is no JSON value, so
+    no deployment's config can give one.
 
     Its callbacks never raise into Ray: a request it cannot route (no prompt, bad token ids, a policy or tokenizer
     that raises) keeps Ray's ranking; unexpected errors are logged and counted in :attr:`errors`.
@@ -113,19 +116,21 @@ class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
         block_size: int = 16,
         tokenizer: str | None = None,
         lease: float | None = 600.0,
+        clock: Callable[[], float] = time.monotonic,
         **options: Any,
     ) -> None:
         """Build the router from ``request_router_kwargs`` (extra ``options`` go to the policy).
 
         Raises:
-            TypeError: ``tokenizer`` is not a str (a path), or ``policy`` / ``block_size`` has a wrong type.
+            TypeError: ``tokenizer`` is not a str (a path), ``clock`` is not callable, or ``policy`` / ``block_size``
+                has a wrong type.
             ConfigurationError: an unknown policy or options it does not take, a bad ``block_size``, or ``lease``
                 not a positive, finite number of seconds or None.
         """
         if tokenizer is not None and not isinstance(tokenizer, str):
             raise InvalidTypeError(f"tokenizer must be a path (str) or None, not {type(tokenizer).__name__}")
         self._lease = _check_lease(lease)
-        self.router = Router(block_size=block_size, policy=policy_from_name(policy, **options))
+        self.router = Router(block_size=block_size, policy=policy_from_name(policy, **options), clock=clock)
         self._encoder: PromptEncoding = ByteEncoder()
         if tokenizer is not None:
             from prefixroute.adapters.serve.text import PromptEncoder
@@ -138,6 +143,7 @@ class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
         self._decided: dict[str, _Attempt] = {}
         self._started: dict[str, Decision] = {}  # by internal request id: committed and in flight
         self._listed: set[str] = set()  # the replicas of Ray's latest update_replicas
+        self._max_pending = _MAX_PENDING
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -181,7 +187,7 @@ class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
         earlier = self._decided.pop(request_id, None)
         if earlier is not None:  # an earlier attempt for this request led nowhere
             self.router.finish(earlier.decision)
-        if len(self._decided) >= _MAX_PENDING:
+        if len(self._decided) >= self._max_pending:
             self.router.finish(self._decided.pop(next(iter(self._decided))).decision)
         # Counted at once: Ray routes many requests concurrently, before it reports any of them routed.
         self.router.start(decision, lease=self._lease)
@@ -239,13 +245,13 @@ class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
         if attempt is None:
             return
         decision = attempt.decision
-        if decision.backend != used:  # Ray used another replica than the first ranked: move the count there
+        if not any(c.backend == used for c in decision.candidates):  # a replica Ray added since: not counted
             self.router.finish(decision)
-            if not any(c.backend == used for c in decision.candidates):
-                return
+            return
         if not (attempt.committed and decision.backend == used):
             decision = self.router.commit(decision, used)
-        self.router.start(decision, lease=self._lease)  # ignored when already counted there
+        # Ignored when already counted there; where Ray used another replica than the first ranked, the count moves.
+        self.router.start(decision, lease=self._lease)
         if callable(getattr(result, "add_done_callback", None)):
             # Exact: this request's own result, whatever other requests share its id (every call a replica makes
             # downstream inherits that replica's request id) and whatever notices rejected attempts send.

@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -19,13 +20,14 @@ from ray.serve._private.request_router.common import RequestRoutingContext
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import RequestRouter
+from tokenizers import Tokenizer
 
-from prefixroute import Candidate, LoadPolicy
+from prefixroute import BoundedLoad, Candidate, LoadPolicy, PredictedTTFT
 from prefixroute.adapters.proxy.prompts import INLINE_TEXT
 from prefixroute.adapters.ray import PrefixRouteRequestRouter, request_body
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 
-from .conftest import LoopNoting, tool_call_conversation
+from .conftest import CORPUS, LoopNoting, tool_call_conversation
 
 PREFIX = list(range(1000, 1064))
 Handle = DeploymentHandle[Any]
@@ -276,20 +278,40 @@ def test_request_body_finds_the_openai_body_where_serve_calls_put_it() -> None:
     assert find(SimpleNamespace(args=[], kwargs={"body": body})) is body
     assert find(SimpleNamespace(args=(), kwargs={"messages": []})) == {"messages": []}
     assert find(SimpleNamespace(args=["hi"], kwargs={"body": {"text": "hi"}})) is None
+    assert find(SimpleNamespace(args=["hi", body], kwargs={})) is None  # only the first positional is the body
     for junk in ("x", 3, SimpleNamespace(args="ab", kwargs={}), SimpleNamespace(args=[], kwargs=[])):
         with pytest.raises(InvalidTypeError, match=r"^request_body\(\) takes a Ray Serve PendingRequest"):
             find(junk)
+    with pytest.raises(InvalidTypeError, match="or None, not int$"):
+        find(3)
 
 
 def test_bad_request_router_kwargs_raise_when_given() -> None:
     for lease in (0, -1, "600", float("inf")):
         with pytest.raises(ConfigurationError, match="lease"):
             bare(lease=lease)
-    with pytest.raises(TypeError, match="tokenizer"):
+    with pytest.raises(TypeError, match="^tokenizer must be a path .* not int$"):
         bare(tokenizer=5)
     with pytest.raises(ConfigurationError, match="policy"):
         bare(policy="no-such-policy")
     assert bare(lease=None)._lease is None
+
+
+def test_request_router_kwargs_reach_the_router_as_documented(model_dir: Path) -> None:
+    router = bare()
+    assert router._lease == 600.0 and router.router.block_size == 16
+    assert isinstance(router.router.policy, PredictedTTFT)
+    router = bare(policy="bounded-load", factor=1.5, block_size=32, lease=30)
+    assert isinstance(router.router.policy, BoundedLoad) and router.router.policy.factor == 1.5
+    assert (router.router.block_size, router._lease) == (32, 30)
+    router = bare(policy="prefix-affinity", tokenizer=str(model_dir))
+    text = " ".join(CORPUS[:4])
+    ((chosen,), _rest) = asyncio.run(router.choose_replicas(REPLICAS, pending("a", {"prompt": text})))
+    decision = router._decided["a"].decision
+    assert decision.prompt_tokens == len(Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(text).ids)
+    router.on_request_routed(pending("a", {}), chosen.replica_id, None)
+    router.on_request_completed(chosen.replica_id, "a")
+    zero(router)
 
 
 def test_a_policy_that_raises_keeps_rays_ranking() -> None:
@@ -543,4 +565,207 @@ def test_a_long_prompt_is_encoded_off_the_event_loop() -> None:
 
     asyncio.run(run())
     assert encoder.on_loop == [False, False, True] and router.errors == 0
+    zero(router)
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_every_way_a_request_counts_ends_with_its_lease() -> None:
+    """A request Ray never reports complete stops counting after ``lease`` seconds, wherever the count stands: as
+    chosen, moved by its routing future to the replica Ray sent it to, or committed by ``on_request_routed``."""
+    clock = Clock()
+    router = bare(policy="bounded-load", lease=5.0, clock=clock)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        await router.choose_replicas(REPLICAS, pending("chosen", {"prompt": PREFIX}))
+        moved = pending("moved", {"prompt": [*PREFIX, 1]})
+        moved.future = loop.create_future()
+        ((_first,), rest) = await router.choose_replicas(REPLICAS, moved)
+        moved.future.set_result(rest[0])
+        await asyncio.sleep(0)
+        assert router.router.in_flight(rest[0].replica_id.unique_id) >= 1
+        ((first,), rest) = await router.choose_replicas(REPLICAS, pending("routed", {"prompt": [*PREFIX, 2]}))
+        router.on_request_routed(pending("routed", {}), rest[0].replica_id, FakeResult())  # never done
+        assert router.router.stats().in_flight == 3
+        clock.now = 4.9
+        assert router.router.stats().in_flight == 3
+        clock.now = 5.1
+        stats = router.router.stats()
+        assert (stats.in_flight, stats.leases_expired) == (0, 3)
+
+    asyncio.run(run())
+    assert router.errors == 0
+    zero(router)
+
+
+def test_requests_ray_abandons_before_routing_are_dropped_oldest_first_past_the_bound() -> None:
+    router = bare(policy="bounded-load")
+    router._max_pending = 3
+
+    async def run() -> None:
+        for i in range(5):  # chosen, never routed, no future: only the bound ends them
+            await router.choose_replicas(REPLICAS, pending(str(i), {"prompt": [*PREFIX, i]}))
+            assert router.router.stats().in_flight == min(i + 1, 3)
+        for dropped in ("0", "1"):  # their late notices find nothing
+            router.on_request_routed(pending(dropped, {}), REPLICAS[0].replica_id, None)
+        assert router.router.stats().in_flight == 3
+        for kept in ("2", "3", "4"):
+            router.on_request_routed(pending(kept, {}), REPLICAS[0].replica_id, None)
+            router.on_request_completed(REPLICAS[0].replica_id, kept)
+
+    asyncio.run(run())
+    assert router.errors == 0
+    zero(router)
+
+
+def test_a_routing_future_moves_the_count_only_to_a_replica_of_that_attempt() -> None:
+    """The future of each attempt names the replica Ray sends it to: the count moves there, once, and on_request_routed
+    then counts it there without committing twice; a future naming a replica that was no candidate, a result that
+    names none, or an earlier attempt's future moves nothing and is no error."""
+    router = bare(policy="bounded-load")
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        request = pending("a", {"prompt": PREFIX})
+        request.future = loop.create_future()
+        ((chosen,), rest) = await router.choose_replicas(REPLICAS, request)
+        request.future.set_result(rest[0])
+        await asyncio.sleep(0)
+        used = rest[0].replica_id.unique_id
+        assert router.router.in_flight(used) == 1 and router.router.stats().in_flight == 1
+        result = FakeResult()
+        router.on_request_routed(request, rest[0].replica_id, result)
+        assert router.router.in_flight(used) == 1 and router.router.stats().in_flight == 1
+        assert router.router.stats().commits == 1
+        result.done()
+        assert router.router.stats().in_flight == 0
+
+        for name, answer in (("stranger", replica("r9")), ("anonymous", object())):
+            request = pending(name, {"prompt": PREFIX})
+            request.future = loop.create_future()
+            ((chosen,), _rest) = await router.choose_replicas(REPLICAS, request)
+            request.future.set_result(answer)
+            await asyncio.sleep(0)
+            assert router.router.in_flight(chosen.replica_id.unique_id) == 1
+            assert router.router.stats().in_flight == 1
+            router.on_request_completed(cast(Any, answer).replica_id if name == "stranger" else chosen.replica_id, name)
+            if name == "anonymous":  # no replica named: only Ray's routing of it ends it
+                router.on_request_routed(request, chosen.replica_id, None)
+                router.on_request_completed(chosen.replica_id, name)
+            assert router.router.stats().in_flight == 0
+
+        stale = pending("b", {"prompt": PREFIX})
+        stale.future = loop.create_future()
+        ((first,), rest) = await router.choose_replicas(REPLICAS, stale)
+        earlier = stale.future
+        stale.future = loop.create_future()  # Ray's reset_future() before it chooses again
+        ((again,), _rest) = await router.choose_replicas(REPLICAS, stale)
+        other = next(r for r in REPLICAS if r is not again)
+        earlier.set_result(other)  # the earlier attempt's, late
+        await asyncio.sleep(0)
+        assert router.router.in_flight(other.replica_id.unique_id) == 0
+        stale.future.cancel()  # the new attempt's own future ends it
+        await asyncio.sleep(0)
+        assert router.router.stats().in_flight == 0
+
+    asyncio.run(run())
+    assert router.errors == 0
+    zero(router)
+
+
+def test_chat_messages_route_on_their_rendered_prefix() -> None:
+    router = bare(policy="prefix-affinity")
+    system = {"role": "system", "content": "You are a careful assistant. " * 40}
+
+    async def send(request_id: str, question: str) -> Any:
+        body = {"messages": [system, {"role": "user", "content": question}]}
+        ranks = await router.choose_replicas(REPLICAS, pending(request_id, body))
+        assert ranks != [REPLICAS]  # ranked by prefixroute, not left in Ray's order
+        ((chosen,), _rest) = ranks
+        router.on_request_routed(pending(request_id, {}), chosen.replica_id, None)
+        router.on_request_completed(chosen.replica_id, request_id)
+        return chosen.replica_id.unique_id
+
+    async def run() -> None:
+        homes = {await send(str(i), f"question {i}?") for i in range(4)}
+        assert len(homes) == 1 and router.router.stats().decisions == 4
+
+    asyncio.run(run())
+    assert router.errors == 0
+    zero(router)
+
+
+class Unreadable:
+    """A routing future whose state cannot be read (garbage Ray never sends)."""
+
+    def add_done_callback(self, callback: Any) -> None:
+        callback(self)
+
+    def cancelled(self) -> bool:
+        raise RuntimeError("unreadable")
+
+
+def follow_unreadable_future(router: PrefixRouteRequestRouter, i: int) -> None:
+    request = pending(str(i), {"prompt": PREFIX})
+    request.future = Unreadable()
+    asyncio.run(router.choose_replicas(REPLICAS, request))
+    router.on_request_routed(request, REPLICAS[0].replica_id, None)
+    router.on_request_completed(REPLICAS[0].replica_id, str(i))
+
+
+FAILING_CALLBACKS: dict[str, Callable[[PrefixRouteRequestRouter, int], None]] = {
+    "a routing future": follow_unreadable_future,
+    "a completion notice": lambda router, i: router.on_request_completed(REPLICAS[0].replica_id, cast(Any, [i])),
+    "a dead replica": lambda router, i: router.on_replica_actor_died(cast(Any, FakeReplicaID)(None)),
+    "Ray's replicas": lambda router, i: router.update_replicas(cast(Any, [None])),
+}
+
+
+def test_every_callback_counts_each_of_its_failures_and_keeps_ray_going(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(RequestRouter, "update_replicas", lambda self, replicas: None)  # Ray's own reads replica ids
+    router = bare(policy=f"{__name__}:Exploding")
+    for _ in range(2):
+        assert asyncio.run(router.choose_replicas(REPLICAS, pending("a", {"prompt": PREFIX}))) == [REPLICAS]
+    assert router.errors == 2
+    for name, call in FAILING_CALLBACKS.items():
+        router = bare(policy="bounded-load")
+        for i in range(2):
+            call(router, i)
+        assert router.errors == 2, name
+        zero(router)
+
+
+def test_a_dead_replica_takes_only_its_own_requests_and_rays_bookkeeping_runs() -> None:
+    router = bare(policy="bounded-load")
+    router._replica_id_set = {r.replica_id for r in REPLICAS}
+
+    async def run() -> None:
+        for i, used in enumerate(REPLICAS):
+            await router.choose_replicas(REPLICAS, pending(str(i), {"prompt": [*PREFIX, i]}))
+            router.on_request_routed(pending(str(i), {}), used.replica_id, None)
+        router.on_replica_actor_died(REPLICAS[0].replica_id)
+        assert REPLICAS[0].replica_id not in router._replica_id_set  # Ray's own bookkeeping ran
+        assert router.router.stats().in_flight == 2
+        for i, used in enumerate(REPLICAS):
+            router.on_request_completed(used.replica_id, str(i))
+
+    asyncio.run(run())
+    assert router.errors == 0
+    zero(router)
+
+
+def test_a_request_ray_sends_to_a_replica_that_was_no_candidate_stops_counting() -> None:
+    router = bare(policy="bounded-load")
+    asyncio.run(router.choose_replicas(REPLICAS, pending("a", {"prompt": PREFIX})))
+    router.on_request_routed(pending("a", {}), replica("r9").replica_id, FakeResult())
+    assert router.errors == 0
     zero(router)
