@@ -1,4 +1,4 @@
-"""Present per-policy results: a comparison table (rich or Markdown), the ``--json`` document, the ``--plot`` PNG.
+"""Present per-policy results: the comparison table (rich), the ``--json`` document, the ``--plot`` PNG.
 
 rich and matplotlib (the ``prefixroute[sim]`` extra) are imported only by the functions that need them.
 """
@@ -22,7 +22,6 @@ if TYPE_CHECKING:
 __all__ = [
     "check_plot_path",
     "json_document",
-    "markdown_table",
     "plot_file",
     "pyplot",
     "rich_table",
@@ -32,25 +31,7 @@ __all__ = [
     "write_sweep_plot",
 ]
 
-_HEADERS = (
-    "policy",
-    "KV hit",
-    "router predicted",
-    "TTFT p50 ms",
-    "TTFT p95 ms",
-    "TTFT p99 ms",
-    "e2e p50 ms",
-    "e2e p99 ms",
-    "req/s",
-    "max backend share",
-    "peak in-flight",
-    "recompute $/month",
-    "p99 TTFT ratio",
-    "req/s ratio",
-    "hit Δ points",
-)
-# The terminal table leaves out TTFT p95 and e2e p50 (in --json and Markdown) and puts headers on two lines.
-_TERMINAL_COLUMNS = (0, 1, 2, 3, 5, 7, 8, 9, 10, 11, 12, 13, 14)
+# The terminal table puts its headers on two lines; --json has every figure (TTFT p95 and e2e p50 too).
 _TERMINAL_HEADERS = (
     "policy",
     "KV\nhit",
@@ -75,7 +56,8 @@ def _ratio(value: float, base: float) -> str:
 
 
 def table_rows(results: Sequence[PolicyResult]) -> list[list[str]]:
-    """One row of formatted cells per policy; the last three columns compare with the first policy."""
+    """One row of formatted cells per policy, in the terminal table's columns; the last three compare with the first
+    policy. A figure no request produced (a policy that served none) is ``–``."""
     rows: list[list[str]] = []
     base = results[0] if results else None
     for r in results:
@@ -85,11 +67,9 @@ def table_rows(results: Sequence[PolicyResult]) -> list[list[str]]:
                 r.policy,
                 f"{100 * r.hit_rate:.1f} %",
                 f"{100 * r.predicted_hit_rate:.1f} %",
-                f"{r.ttft_ms['p50']:.0f}",
-                f"{r.ttft_ms['p95']:.0f}",
-                f"{r.ttft_ms['p99']:.0f}",
-                f"{r.e2e_ms['p50']:.0f}",
-                f"{r.e2e_ms['p99']:.0f}",
+                _ms(r.ttft_ms["p50"]),
+                _ms(r.ttft_ms["p99"]),
+                _ms(r.e2e_ms["p99"]),
                 f"{r.throughput_rps:.2f}",
                 f"{100 * r.max_backend_share:.0f} %",
                 str(max(r.peak_in_flight.values(), default=0)),
@@ -102,6 +82,10 @@ def table_rows(results: Sequence[PolicyResult]) -> list[list[str]]:
     return rows
 
 
+def _ms(value: float) -> str:
+    return "–" if math.isnan(value) else f"{value:.0f}"
+
+
 def rich_table(results: Sequence[PolicyResult], *, title: str = "") -> Table:
     """The comparison table as a :class:`rich.table.Table`."""
     from rich import box
@@ -111,15 +95,8 @@ def rich_table(results: Sequence[PolicyResult], *, title: str = "") -> Table:
     for i, header in enumerate(_TERMINAL_HEADERS):
         table.add_column(header, justify="left" if i == 0 else "right", no_wrap=True)
     for row in table_rows(results):
-        table.add_row(*(row[i] for i in _TERMINAL_COLUMNS))
+        table.add_row(*row)
     return table
-
-
-def markdown_table(results: Sequence[PolicyResult]) -> str:
-    """The comparison table as Markdown (for docs)."""
-    lines = ["| " + " | ".join(_HEADERS) + " |", "|" + "---|" * len(_HEADERS)]
-    lines += ["| " + " | ".join(row) + " |" for row in table_rows(results)]
-    return "\n".join(lines)
 
 
 def json_document(header: Mapping[str, object], results: Sequence[PolicyResult]) -> dict[str, object]:
