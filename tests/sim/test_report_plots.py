@@ -93,7 +93,17 @@ def test_the_simulate_table_shows_each_policy_s_figures_against_the_first_and_da
         ["refused", "0.0 %", "1.0 %", "–", "–", "–", "0.00", *same, "–", "0.00×", "-25.0"],
     ]
     assert table_rows([]) == []
+    first_refused = table_rows(results[::-1])  # nothing to compare with: no ratio
+    assert [row[-3:-1] for row in first_refused] == [["–", "–"]] * 3
     table = rich_table(results, title="t")
     assert table.title == "t" and len(table.columns) == len(table_rows(results)[0]) and table.row_count == 3
     assert [c.justify for c in table.columns] == ["left"] + ["right"] * 12
+    assert [c.header for c in table.columns][:5] == [
+        "policy",
+        "KV\nhit",
+        "router\npredicted",
+        "TTFT\np50 ms",
+        "TTFT\np99 ms",
+    ]
+    assert all(c.no_wrap for c in table.columns)
     assert rich_table(results).title is None
