@@ -732,6 +732,7 @@ def serve(*args: str) -> subprocess.CompletedProcess[str]:
         (["--lease", "0"], "--lease"),
         (["--policy", "nope"], "nope"),
         (["--policy-option", "factor"], "KEY=VALUE"),
+        (["--policy-option", "kv_cap=0.5", "--policy-option", "kv_cap=0.6"], "--policy-option kv_cap is given twice"),
         (["--backends", "http://a:1", "--kv-events", "http://b:1=tcp://b:5557"], "not one of --backends"),
         (["--backends", "http://a:1", "--data-parallel-size", "2"], "needs --kv-events"),
         (
@@ -788,6 +789,15 @@ def test_the_log_level_says_what_is_logged(level: str, tmp_path: Path) -> None:
             assert (line in process.output()) == (level == "info"), process.output()
     finally:
         engine.stop()
+
+
+def test_policy_options_reach_the_policy_as_numbers_and_flags(tmp_path: Path) -> None:
+    """``--policy-option`` values are ints, floats, ``true``/``false`` (a flag, such as PredictedTTFT's
+    ``use_speed``: before, no value reached it as True) or else text; the announcement shows the policy built."""
+    port = free_port()
+    options = ["--policy-option", "use_speed=true", "--policy-option", "kv_cap=0.5"]
+    with start_sidecar(tmp_path, BACKENDS, port=port, options=options) as process:
+        assert "policy PredictedTTFT(kv_cap=0.5, use_speed=True)" in process.output(), process.output()
 
 
 def test_a_port_in_use_exits_2(tmp_path: Path) -> None:

@@ -26,7 +26,8 @@ import socket
 import sys
 import threading
 import urllib.request
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from prefixroute.adapters.urls import check_backend_url, listen_host
@@ -53,8 +54,10 @@ def register(subparsers: Any) -> None:
         help="load policy name, or package.module:ClassName (default predicted-ttft, the library's)",
     )
     parser.add_argument(
-        "--policy-option", action="append", default=[], metavar="KEY=VALUE", help="policy option, e.g. factor=1.5"
-    )
+        "--policy-option", action="append", default=[], metavar="KEY=VALUE",
+        help="policy option, each KEY once: an int, a float, true or false (a flag), else text; e.g. factor=1.5, "
+        "use_speed=true",
+    )  # fmt: skip
     parser.add_argument("--tokenizer", metavar="PATH", help="local tokenizer.json, or a model folder holding one")
     parser.add_argument(
         "--block-size", type=positive_int, default=16, metavar="N", help="tokens per block (default 16, vLLM's)"
@@ -122,7 +125,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigurationError(f"--kv-events names backend {twice!r} twice: give each backend one ENDPOINT[,REPLAY]")
     if args.data_parallel_size is not None and not events:
         raise ConfigurationError("--data-parallel-size needs --kv-events: it says how many ranks publish per backend")
-    policy = policy_from_name(args.policy, **dict(_policy_option(option) for option in args.policy_option))
+    options = [_policy_option(option) for option in args.policy_option]
+    keys = [key for key, _ in options]
+    if len(set(keys)) != len(keys):  # not one silently dropped: which value was meant?
+        twice = next(key for i, key in enumerate(keys) if key in keys[:i])
+        raise ConfigurationError(f"--policy-option {twice} is given twice: give each option once")
+    policy = policy_from_name(args.policy, **dict(options))
     fleet: Any = None
     if events or args.metrics_from_backends:
         try:
@@ -366,10 +374,16 @@ def _kv_events(spec: str, backends: list[str]) -> tuple[str, tuple[str, str | No
     return backend, (publisher, replay or None)
 
 
+_FLAG_VALUES: Mapping[str, bool] = MappingProxyType({"true": True, "false": False})
+
+
 def _policy_option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` as the policy's keyword: an int, a float, ``true``/``false`` (any case) a bool, else the text."""
     key, sep, value = text.partition("=")
     if not sep or not key.isidentifier():
         raise ConfigurationError(f"--policy-option takes KEY=VALUE, like factor=1.5, not {text!r}")
+    if value.lower() in _FLAG_VALUES:  # a flag (PredictedTTFT's use_speed) takes only a bool
+        return key, _FLAG_VALUES[value.lower()]
     for kind in (int, float):
         try:
             return key, kind(value)
