@@ -54,6 +54,16 @@ def test_json_schema_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "round-robin" in printed and "bounded-load" in printed and "1.00×" in printed
 
 
+def test_a_policy_named_twice_runs_once(tmp_path: Path) -> None:
+    """As in ``compare``: before, it ran twice, two rows and two JSON results of one name (a consumer keyed by name
+    kept one), for twice the time."""
+    document = _simulate(tmp_path, "a", "--requests", "5", "--policy", "round-robin", "--policy", "bounded-load",
+                         "--policy", "round-robin")  # fmt: skip
+    results = document["results"]
+    assert isinstance(results, list)
+    assert [r["policy"] for r in results] == ["round-robin", "bounded-load"]
+
+
 def test_same_seed_same_json(tmp_path: Path) -> None:
     first = _simulate(tmp_path, "a", "--policy", "power-of-two", "--policy", "bounded-load", "--seed", "5")
     second = _simulate(tmp_path, "b", "--policy", "power-of-two", "--policy", "bounded-load", "--seed", "5")
