@@ -837,6 +837,39 @@ def test_sigterm_stops_every_listener_and_exits_0(tmp_path: Path) -> None:
     assert process.output().count("prefixroute serve: ") == 3  # the three listeners, announced once each
 
 
+def test_an_ipv6_host_serves_every_listener_and_announces_it_bracketed() -> None:
+    """``--host ::1`` (an example of ``--host``'s own message): before, gRPC took ext_proc's ``::1:0`` for the
+    address ::0.1.0.0, port 443, and the command ended with exit status 2 and two lines on stderr."""
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:  # pragma: no cover - a host without IPv6 loopback
+        pytest.skip("no IPv6 loopback here")
+    command = [sys.executable, "-m", "prefixroute", "serve", "--host", "::1", "--port", "0", "--ext-proc", "0",
+               "--release-port", "0"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    guard = threading.Timer(DEADLINE_S, process.kill)  # a safety net, not a timing: it announces or exits at once
+    guard.start()
+    try:
+        assert process.stdout is not None
+        lines = [process.stdout.readline() for _ in range(3)]
+        assert [line.split(" on ")[0] for line in lines[:2]] == [
+            "prefixroute serve: release listener",
+            "prefixroute serve: ext_proc endpoint picker",
+        ], (lines, process.stderr.read() if process.poll() is not None and process.stderr else "")
+        ext_proc_port = int(lines[1].removeprefix("prefixroute serve: ext_proc endpoint picker on [::1]:"))
+        http_port = int(lines[2].removeprefix("prefixroute serve: http://[::1]:").split(" ")[0])
+        socket.create_connection(("::1", ext_proc_port), timeout=DEADLINE_S).close()
+        assert httpx.get(f"http://[::1]:{http_port}/healthz", timeout=DEADLINE_S).status_code == 200  # serving
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate()
+    finally:
+        guard.cancel()
+        process.kill()
+        process.wait()
+    assert process.returncode == 0 and err == "", err
+
+
 @pytest.mark.parametrize("turns", [1, 2], ids=["before-its-transport", "before-connection-made"])
 def test_shutdown_answers_or_drops_a_connection_accepted_just_before(turns: int) -> None:
     # asyncio gives an accepted connection its transport a loop turn after accepting it, and calls connection_made a

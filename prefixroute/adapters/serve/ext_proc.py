@@ -208,12 +208,13 @@ async def start_ext_proc(
     ]
     server = grpc.aio.server(options=options)
     pb_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(sidecar), server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # gRPC reads ::1:0 as ::0.1.0.0, port 443
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = server.add_insecure_port(address)
     except RuntimeError:  # grpcio raises this ("Failed to bind to address ...") where it once returned 0
         bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind the ext_proc port {host}:{port}")
+        raise OSError(f"cannot bind the ext_proc port {address}")
     await server.start()
     return server, bound
 
