@@ -732,6 +732,8 @@ def serve(*args: str) -> subprocess.CompletedProcess[str]:
         (["--lease", "0"], "--lease"),
         (["--policy", "nope"], "nope"),
         (["--policy-option", "factor"], "KEY=VALUE"),
+        (["--models", " "], "models must name models, not [' ']: a name is blank"),  # was accepted
+        (["--models", "llama", ""], "not ['llama', '']: a name is blank"),  # an unset "$MODEL": was "non-empty list"
         (["--policy-option", "kv_cap=0.5", "--policy-option", "kv_cap=0.6"], "--policy-option kv_cap is given twice"),
         (["--backends", "http://a:1", "--kv-events", "http://b:1=tcp://b:5557"], "not one of --backends"),
         (["--backends", "http://a:1", "--data-parallel-size", "2"], "needs --kv-events"),

@@ -99,8 +99,8 @@ class Sidecar:
 
     Raises:
         ConfigurationError: a fixed backend is not an ``http(s)://host:port`` URL, ``lease`` is not a positive,
-            finite number of seconds, ``models`` or ``base_models`` is not a collection of names, ``max_body_bytes``
-            is not a positive int, or ``accel_redirect`` is not printable ASCII (it is a header value).
+            finite number of seconds, ``models`` or ``base_models`` is not a collection of names (or a name in
+            ``models`` is blank), ``max_body_bytes`` is not a positive int, or ``accel_redirect`` is not printable ASCII (it is a header value).
         TypeError: ``backends`` is not a list of URLs, ``encoder`` not a PromptEncoder, ``healthy`` or ``clock``
             not a callable.
     """
@@ -137,9 +137,11 @@ class Sidecar:
             isinstance(models, (str, bytes))
             or not isinstance(models, Iterable)
             or not (models := list(models))
-            or not all(isinstance(m, str) and m for m in models)
+            or not all(isinstance(m, str) for m in models)
         ):
             raise ConfigurationError("models must be a non-empty list of model names (or None to accept any)")
+        if models is not None and not all(m.strip() for m in models):  # an unset "$MODEL": no request names it
+            raise ConfigurationError(f"models must name models, not {models!r}: a name is blank")
         if encoder is not None and not (
             isinstance(getattr(encoder, "vocab_size", None), int) and callable(getattr(encoder, "encode", None))
             and callable(getattr(encoder, "encode_chat", None))
