@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+from pathlib import Path
 
 import pytest
 
@@ -25,3 +26,22 @@ def test_the_ray_router_defaults_to_the_routers_default_policy() -> None:
 
     default = inspect.signature(PrefixRouteRequestRouter.initialize_state).parameters["policy"].default
     assert default == Router().policy.name
+
+
+def test_each_default_of_serve_is_the_one_its_help_and_the_docs_state(capsys: pytest.CaptureFixture[str]) -> None:
+    """``prefixroute serve --help`` and docs/adapters.md state the defaults an operator relies on (the port the
+    gateway configs name, the lease that bounds a lost release, the body limit): the command takes those."""
+    from prefixroute.cli import build_parser, main
+
+    args, _ = build_parser().parse_known_args(["serve"])
+    taken = (args.host, args.port, args.block_size, args.lease, args.max_body_mib, args.accel_redirect, args.log_level)
+    assert taken == ("127.0.0.1", 8100, 16, 600.0, 32, "@prefixroute_upstream", "error")
+    assert (args.backends, args.models, args.kv_events, args.ext_proc, args.release_port) == ([], None, [], None, None)
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    for stated in ("(default 127.0.0.1)", "(default 8100;", "(default 16,", "(default 600)", "(default 32)",
+                   "(default @prefixroute_upstream)", "(default error:"):  # fmt: skip
+        assert stated in shown, stated
+    docs = " ".join((Path(__file__).parents[2] / "docs" / "adapters.md").read_text().split())
+    assert "(`--lease`, default 600 s;" in docs and "`--max-body-mib`, 32 MiB unless raised" in docs
