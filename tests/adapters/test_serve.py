@@ -452,6 +452,39 @@ def test_the_base_model_learner_reads_cards_without_a_parent_and_skips_bad_backe
         engine.stop()
 
 
+def test_the_base_model_learner_asks_again_until_a_backend_answers_and_skips_a_silent_one() -> None:
+    """A backend down at start is asked again every ``interval`` s (10, as ``prefixroute serve`` documents), and one
+    that accepts but never answers costs ``timeout`` s, not a learner stuck for good."""
+    from prefixroute.adapters.serve.cli import BaseModelLearner
+    from prefixroute.testing.openai_engine import OpenAIEngine
+
+    assert inspect.signature(BaseModelLearner).parameters["interval"].default == 10.0
+    engine = OpenAIEngine(model="llama").start()
+    engine.refuse()
+    asked, learned = threading.Event(), threading.Event()
+
+    class Watched(BaseModelLearner):
+        def ask(self) -> frozenset[str] | None:
+            names = super().ask()
+            asked.set()
+            return names
+
+    with socket.socket() as silent:  # listens, so a connection is taken (in the backlog), and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        learner = Watched([f"http://127.0.0.1:{silent.getsockname()[1]}", engine.url], lambda _: learned.set(),
+                          interval=0.01, timeout=0.2)  # fmt: skip
+        try:
+            learner.start()
+            assert asked.wait(DEADLINE_S), "the first ask never ended: the silent backend held it"
+            assert not learned.is_set()
+            engine.accept()
+            assert learned.wait(DEADLINE_S), "the learner did not ask again"
+        finally:
+            learner.stop()
+            engine.stop()
+
+
 BAD_URLS: list[tuple[str, str]] = [
     ("http://a\n:1", "control character"),
     ("http://a:1\r", "control character"),
