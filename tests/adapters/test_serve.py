@@ -6,6 +6,7 @@ import asyncio
 import inspect
 import json
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -839,7 +840,23 @@ def test_a_port_in_use_exits_2(tmp_path: Path) -> None:
     port = free_port()
     with start_sidecar(tmp_path, BACKENDS, port=port):
         done = serve("--port", str(port))
-    assert done.returncode == 2 and "cannot listen" in done.stderr
+    assert done.returncode == 2
+    assert done.stderr.endswith(f"cannot listen (HTTP) on 127.0.0.1:{port}: Address already in use\n"), done.stderr
+
+
+def test_a_release_port_in_use_exits_2_even_where_its_holder_allows_reuse() -> None:
+    """The UDP release port is bound without SO_REUSEADDR: were a holder that allows reuse (another sidecar, a
+    syslog daemon) to share it, the kernel would hand each release line to one of them, and the other's requests
+    would stay in flight until their lease."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", 0))
+        port = holder.getsockname()[1]
+        done = serve("--port", "0", "--release-port", str(port))
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        f"prefixroute serve: error: cannot listen (UDP) on 127.0.0.1:{port}: Address already in use"
+    ]
 
 
 @pytest.mark.parametrize(("url", "message"), BAD_URLS)
@@ -874,7 +891,8 @@ def test_sigterm_stops_every_listener_and_exits_0(tmp_path: Path) -> None:
 
 def test_an_ipv6_host_serves_every_listener_and_announces_it_bracketed() -> None:
     """``--host ::1`` (an example of ``--host``'s own message): before, gRPC took ext_proc's ``::1:0`` for the
-    address ::0.1.0.0, port 443, and the command ended with exit status 2 and two lines on stderr."""
+    address ::0.1.0.0, port 443, and the command ended with exit status 2 and two lines on stderr. Each listener is
+    announced on stdout as soon as all are bound, for a supervisor reading a pipe."""
     try:
         with socket.socket(socket.AF_INET6) as probe:
             probe.bind(("::1", 0))
@@ -882,7 +900,9 @@ def test_an_ipv6_host_serves_every_listener_and_announces_it_bracketed() -> None
         pytest.skip("no IPv6 loopback here")
     command = [sys.executable, "-m", "prefixroute", "serve", "--host", "::1", "--port", "0", "--ext-proc", "0",
                "--release-port", "0"]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Without PYTHONUNBUFFERED, as a supervisor runs it: each announcement reaches the pipe while it serves.
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     guard = threading.Timer(DEADLINE_S, process.kill)  # a safety net, not a timing: it announces or exits at once
     guard.start()
     try:
