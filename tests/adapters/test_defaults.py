@@ -37,6 +37,8 @@ def test_each_default_of_serve_is_the_one_its_help_and_the_docs_state(capsys: py
     taken = (args.host, args.port, args.block_size, args.lease, args.max_body_mib, args.accel_redirect, args.log_level)
     assert taken == ("127.0.0.1", 8100, 16, 600.0, 32, "@prefixroute_upstream", "error")
     assert (args.backends, args.models, args.kv_events, args.ext_proc, args.release_port) == ([], None, [], None, None)
+    given, _ = build_parser().parse_known_args(["serve", "--lease", "0.5", "--port", "0", "--ext-proc", "65535"])
+    assert (given.lease, given.port, given.ext_proc) == (0.5, 0, 65535)  # the bounds' own values are taken
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     shown = " ".join(capsys.readouterr().out.split())
