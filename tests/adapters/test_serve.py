@@ -764,6 +764,7 @@ def serve(*args: str) -> subprocess.CompletedProcess[str]:
         (["--host", ""], "--host"),
         (["--host", "local host"], "--host"),
         (["--lease", "0"], "--lease"),
+        (["--lease", "ten"], "argument --lease: expected a positive number of seconds, not 'ten'"),
         (["--policy", "nope"], "nope"),
         (["--policy-option", "factor"], "KEY=VALUE"),
         (["--models", " "], "models must name models, not [' ']: a name is blank"),  # was accepted
