@@ -100,7 +100,8 @@ class Sidecar:
     Raises:
         ConfigurationError: a fixed backend is not an ``http(s)://host:port`` URL, ``lease`` is not a positive,
             finite number of seconds, ``models`` or ``base_models`` is not a collection of names (or a name in
-            ``models`` is blank), ``max_body_bytes`` is not a positive int, or ``accel_redirect`` is not printable ASCII (it is a header value).
+            ``models`` is blank), ``max_body_bytes`` is not a positive int, or ``accel_redirect`` is not printable
+            ASCII (it is a header value).
         TypeError: ``backends`` is not a list of URLs, ``encoder`` not a PromptEncoder, ``healthy`` or ``clock``
             not a callable.
     """
