@@ -573,11 +573,19 @@ class OpenAIEngine:
         return web.Response()
 
     async def _models(self, request: web.Request) -> web.Response:
-        card = {"id": self.model, "object": "model", "created": 0, "owned_by": "vllm", "root": self.model,
-                "parent": None, "max_model_len": _MAX_MODEL_LEN}  # fmt: skip
-        adapters = [{**card, "id": name, "root": f"/adapters/{name}", "parent": self.model}
-                    for name in self.lora_adapters]  # fmt: skip
-        return web.json_response({"object": "list", "data": [card, *adapters]})
+        # vLLM's show_available_models: a card per base model (with max_model_len) and per adapter (its parent the
+        # base model, no max_model_len), each made now with one ModelPermission of its own.
+        created = int(self._clock())
+        with self._lock:
+            permissions = [f"modelperm-{self._ids.getrandbits(128):032x}" for _ in range(1 + len(self.lora_adapters))]
+        served = [(self.model, self.model, None, _MAX_MODEL_LEN),
+                  *((name, f"/adapters/{name}", self.model, None) for name in self.lora_adapters)]  # fmt: skip
+        cards = []
+        for (name, root, parent, max_model_len), permission in zip(served, permissions, strict=True):
+            cards.append({"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": root,
+                          "parent": parent, "max_model_len": max_model_len,
+                          "permission": [_permission(permission, created)]})  # fmt: skip
+        return web.json_response({"object": "list", "data": cards})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(text=self.metrics_text(), content_type="text/plain", charset="utf-8")
@@ -802,6 +810,13 @@ class _Chunks:
             choices.append(choice)
         kind = "chat.completion" if self.chat else "text_completion"
         return {**self.head, "object": kind, "choices": choices, "usage": usage}
+
+
+def _permission(permission_id: str, created: int) -> dict[str, Any]:
+    """vLLM's ModelPermission (its defaults), as each ``/v1/models`` card lists it."""
+    return {"id": permission_id, "object": "model_permission", "created": created, "allow_create_engine": False,
+            "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+            "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}  # fmt: skip
 
 
 def _error(status: int, message: str, kind: str, *, param: str | None = None) -> web.Response:

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -109,6 +110,28 @@ def test_metrics_parse_as_vllm_metrics(engine: OpenAIEngine) -> None:
     assert metrics.hit_rate == 0.5
     assert httpx.get(f"{engine.url}/health").status_code == 200
     assert httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"] == "fake-model"
+
+
+def test_models_lists_vllms_cards_for_the_base_model_and_each_adapter() -> None:
+    # vLLM's show_available_models: each card made now, with one ModelPermission, and an adapter's card naming the
+    # base model as its parent, without max_model_len. Was: created 0, no permission, the base's max_model_len on
+    # an adapter too; the proxy passes the cards on as they came, so its clients saw cards no vLLM sends.
+    with OpenAIEngine(model="base", lora_adapters=["sql"], clock=lambda: 1_700_000_000.5) as engine:
+        listing = httpx.get(f"{engine.url}/v1/models").json()
+    assert listing["object"] == "list"
+    base, adapter = listing["data"]
+    permission = {"object": "model_permission", "created": 1_700_000_000, "allow_create_engine": False,
+                  "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                  "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}  # fmt: skip
+    ids = []
+    for card in (base, adapter):
+        (granted,) = card.pop("permission")
+        ids.append(granted.pop("id"))
+        assert granted == permission
+    assert all(re.fullmatch("modelperm-[0-9a-f]{32}", one) for one in ids) and ids[0] != ids[1]
+    card = {"object": "model", "created": 1_700_000_000, "owned_by": "vllm"}
+    assert base == {"id": "base", **card, "root": "base", "parent": None, "max_model_len": 1 << 20}
+    assert adapter == {"id": "sql", **card, "root": "/adapters/sql", "parent": "base", "max_model_len": None}
 
 
 def test_metrics_count_each_time_to_first_token_as_vllm_does() -> None:
