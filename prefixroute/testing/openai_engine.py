@@ -786,13 +786,14 @@ class _Chunks:
 
     def token(self, i: int, index: int, *, last: bool) -> dict[str, Any]:
         reason = "length" if last else None
-        if self.chat:
-            choice = {"index": index, "delta": {"content": f" t{i}"}, "logprobs": None, "finish_reason": reason,
-                      "stop_reason": None}  # fmt: skip
-        else:
-            choice = {"index": index, "text": f" t{i}", "logprobs": None, "finish_reason": reason,
-                      "stop_reason": None}  # fmt: skip
-        return {**self.head, "choices": [choice]}
+        if self.chat:  # vLLM dumps a chat chunk without its unset fields: stop_reason is set on the last one only
+            choice = {"index": index, "delta": {"content": f" t{i}"}, "logprobs": None, "finish_reason": reason}
+            if last:
+                choice["stop_reason"] = None
+            return {**self.head, "choices": [choice]}
+        # and a completion chunk whole, its usage (null unless the stream asked for continuous usage) too
+        choice = {"index": index, "text": f" t{i}", "logprobs": None, "finish_reason": reason, "stop_reason": None}
+        return {**self.head, "choices": [choice], "usage": None}
 
     def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         return {**self.head, "choices": [], "usage": usage}

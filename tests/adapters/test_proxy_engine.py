@@ -51,6 +51,42 @@ def test_streamed_completion_is_vllm_sse_ending_in_done(engine: OpenAIEngine) ->
     assert chunks[4]["choices"] == [] and chunks[4]["usage"]["prompt_tokens"] == 10
 
 
+def test_stream_chunks_carry_the_fields_vllm_sends() -> None:
+    # vLLM dumps a completion chunk whole (exclude_unset=False: usage null, stop_reason null in every chunk) and a
+    # chat chunk without its unset fields (stop_reason only in the finishing chunk); the usage chunk without nulls.
+    # Was: chat chunks all carried stop_reason, completion chunks no usage.
+    prompt = list(range(9))
+    with OpenAIEngine(block_size=4, max_tokens=2, clock=lambda: 1_700_000_000.5) as engine:
+        httpx.post(f"{engine.url}/v1/completions", json={"prompt": prompt})  # caches its two full blocks
+        options = {"stream": True, "stream_options": {"include_usage": True}}
+        streams = {}
+        for path, body in (
+            ("completions", {"prompt": prompt}),
+            ("chat/completions", {"messages": [{"role": "user", "content": "a b c d e f g"}]}),  # 9 tokens
+        ):
+            reply = httpx.post(f"{engine.url}/v1/{path}", json={**body, **options}, headers={"X-Request-Id": "r"})
+            events = sse_events(reply.text)
+            assert events[-1] == "[DONE]"
+            streams[path] = [json.loads(event) for event in events[:-1]]
+    usage = {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11,
+             "prompt_tokens_details": {"cached_tokens": 8}}  # fmt: skip
+    head = {"id": "cmpl-r", "object": "text_completion", "created": 1_700_000_000, "model": "fake-model"}
+    choice = {"index": 0, "logprobs": None, "stop_reason": None}
+    assert streams["completions"] == [
+        {**head, "choices": [{**choice, "text": " t0", "finish_reason": None}], "usage": None},
+        {**head, "choices": [{**choice, "text": " t1", "finish_reason": "length"}], "usage": None},
+        {**head, "choices": [], "usage": usage},
+    ]
+    head = {**head, "id": "chatcmpl-r", "object": "chat.completion.chunk"}
+    choice = {"index": 0, "logprobs": None}
+    assert streams["chat/completions"] == [
+        {**head, "choices": [{**choice, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+        {**head, "choices": [{**choice, "delta": {"content": " t0"}, "finish_reason": None}]},
+        {**head, "choices": [{**choice, "delta": {"content": " t1"}, "finish_reason": "length", "stop_reason": None}]},
+        {**head, "choices": [], "usage": {**usage, "prompt_tokens_details": {"cached_tokens": 0}}},
+    ]
+
+
 def test_chat_stream_starts_with_the_role_and_caches_the_rendered_prompt(engine: OpenAIEngine) -> None:
     messages = [{"role": "system", "content": "a b c d e f g h i"}, {"role": "user", "content": "hi"}]
     body = {"messages": messages, "stream": True}
@@ -318,7 +354,8 @@ def test_stream_options_that_are_not_vllms_object_are_a_400(engine: OpenAIEngine
     usage = {"include_usage": "yes", "continuous_usage_stats": None}  # lax booleans, as pydantic reads them
     for options, chunks in ((usage, 1), ({}, 1), ({"include_usage": None}, 0), (None, 0)):  # vLLM's default: True
         served = httpx.post(f"{engine.url}{path}", json={**prompt, "stream": True, "stream_options": options})
-        assert served.status_code == 200 and served.text.count('"usage"') == chunks, (options, served.text)
+        usages = served.text.count('"usage":{')  # a completion's token chunks carry "usage":null, as vLLM's do
+        assert served.status_code == 200 and usages == chunks, (options, served.text)
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
