@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from prefixroute.errors import ConfigurationError, StateError
 from prefixroute.testing.openai_engine import OpenAIEngine, render_chat, whitespace_tokens
@@ -146,6 +147,45 @@ def test_metrics_parse_as_vllm_metrics(engine: OpenAIEngine) -> None:
     assert metrics.hit_rate == 0.5
     assert httpx.get(f"{engine.url}/health").status_code == 200
     assert httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"] == "fake-model"
+
+
+def test_metrics_are_vllms_families_of_vllms_types(engine: OpenAIEngine) -> None:
+    """What a Prometheus scraper of vLLM reads (vllm/v1/metrics/loggers.py, exposed by prometheus_client): each
+    family's name and type, a counter's samples named ``_total``, plain text exposition."""
+    httpx.post(f"{engine.url}/v1/completions", json={"prompt": list(range(8))})
+    reply = httpx.get(f"{engine.url}/metrics")
+    assert reply.headers["content-type"].split(";")[0].strip().lower() == "text/plain"
+    families = {family.name: family for family in text_string_to_metric_families(reply.text)}
+    assert {name: family.type for name, family in families.items()} == {
+        "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+        "vllm:kv_cache_usage_perc": "gauge", "vllm:prefix_cache_queries": "counter",
+        "vllm:prefix_cache_hits": "counter", "vllm:time_to_first_token_seconds": "histogram",
+        "vllm:cache_config_info": "gauge"}  # fmt: skip
+    samples = {sample.name: sample for family in families.values() for sample in family.samples}
+    assert samples["vllm:prefix_cache_queries_total"].value == 8 and "vllm:prefix_cache_hits_total" in samples
+    assert samples["vllm:kv_cache_usage_perc"].labels == {"engine": "0", "model_name": "fake-model"}
+
+
+def test_fail_next_and_stall_by_default_fail_one_request_with_a_500_and_hold_before_any_token(
+    engine: OpenAIEngine,
+) -> None:
+    engine.fail_next()
+    statuses = [httpx.post(f"{engine.url}/v1/completions", json={"prompt": "a"}).status_code for _ in range(2)]
+    assert statuses == [500, 200]
+    for status in (400, 599):  # the bounds of an HTTP error status
+        engine.fail_next(1, status=status)
+        assert httpx.post(f"{engine.url}/v1/completions", json={"prompt": "a"}).status_code == status
+    engine.fail_next(2**31)  # the most it takes
+    engine.fail_next(0)
+    answered = parse_metrics(engine.metrics_text()).ttft_count
+    engine.stall()
+    body = {"prompt": list(range(8)), "stream": True}
+    with httpx.Client() as client, client.stream("POST", f"{engine.url}/v1/completions", json=body) as reply:
+        assert reply.status_code == 200  # the headers come at once; no token until resume()
+        wait_until(lambda: engine.stats().running == 1, what="the request to stall")
+        assert parse_metrics(engine.metrics_text()).ttft_count == answered  # held before prefill: before any token
+        engine.resume()
+        assert b'" t0"' in reply.read()
 
 
 def test_models_lists_vllms_cards_for_the_base_model_and_each_adapter() -> None:
