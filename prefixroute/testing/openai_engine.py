@@ -2,7 +2,8 @@
 
 It serves what ``vllm serve`` serves, in vLLM's formats: ``POST /v1/completions`` and ``/v1/chat/completions``
 (streamed as Server-Sent Events, chunk by chunk, ending in ``data: [DONE]``, or one JSON body with ``usage``
-including ``prompt_tokens_details.cached_tokens``), ``GET /v1/models``, ``/metrics`` (vLLM's Prometheus names) and
+including ``prompt_tokens_details.cached_tokens`` as vLLM with ``--enable-prompt-tokens-details`` reports it: null
+when no prompt token came from the cache), ``GET /v1/models``, ``/metrics`` (vLLM's Prometheus names) and
 ``/health``. Behind them is a real block-level prefix cache (:class:`~prefixroute.testing.FakeBlockCache`): a
 request hits the longest cached prefix of full blocks and its time to first token grows with its *uncached*
 tokens, so a router that keeps prefixes together measurably wins. Prompts are token ids or text (a completion's
@@ -696,9 +697,11 @@ class OpenAIEngine:
         chunks = _Chunks(lora_name or self.model, chat=chat, request_id=request_id, created=int(self._clock()))
         choices = range(len(prompts) * n)  # as vLLM numbers them: prompt p's i-th answer is p * n + i
         completion_tokens = max_tokens * len(choices)
+        # As vLLM started with --enable-prompt-tokens-details reports them: the details only when some prompt
+        # tokens came from the cache (else null, and left out of a stream's usage chunk).
+        details = {"cached_tokens": cached_tokens} if cached_tokens else None
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                 "total_tokens": prompt_tokens + completion_tokens,
-                 "prompt_tokens_details": {"cached_tokens": cached_tokens}}  # fmt: skip
+                 "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": details}  # fmt: skip
         response: web.StreamResponse | None = None
         finished = False
         started = time.perf_counter()
@@ -796,7 +799,8 @@ class _Chunks:
         return {**self.head, "choices": [choice], "usage": None}
 
     def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
-        return {**self.head, "choices": [], "usage": usage}
+        # vLLM dumps the usage chunk without its nulls (exclude_none=True)
+        return {**self.head, "choices": [], "usage": {key: value for key, value in usage.items() if value is not None}}
 
     def whole(self, tokens: int, indices: range, usage: dict[str, Any]) -> dict[str, Any]:
         text = "".join(f" t{i}" for i in range(tokens))

@@ -38,6 +38,13 @@ def sse_events(text: str) -> list[str]:
     return [block.removeprefix("data: ") for block in text.strip().split("\n\n")]
 
 
+def cached_tokens(usage: dict[str, Any]) -> int:
+    """The prompt tokens an answer's ``usage`` reports served from the cache, read as a vLLM client must: its
+    ``prompt_tokens_details`` is null when none were (and absent unless vLLM runs with
+    ``--enable-prompt-tokens-details``)."""
+    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+
+
 def test_streamed_completion_is_vllm_sse_ending_in_done(engine: OpenAIEngine) -> None:
     body = {"model": "fake-model", "prompt": list(range(10)), "stream": True, "max_tokens": 4,
             "stream_options": {"include_usage": True}}  # fmt: skip
@@ -84,8 +91,28 @@ def test_stream_chunks_carry_the_fields_vllm_sends() -> None:
         {**head, "choices": [{**choice, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
         {**head, "choices": [{**choice, "delta": {"content": " t0"}, "finish_reason": None}]},
         {**head, "choices": [{**choice, "delta": {"content": " t1"}, "finish_reason": "length", "stop_reason": None}]},
-        {**head, "choices": [], "usage": {**usage, "prompt_tokens_details": {"cached_tokens": 0}}},
+        {
+            **head,
+            "choices": [],
+            "usage": {key: value for key, value in usage.items() if key != "prompt_tokens_details"},
+        },
     ]
+
+
+def test_prompt_tokens_details_are_null_when_nothing_was_cached_as_vllm_reports_them(engine: OpenAIEngine) -> None:
+    # vLLM (--enable-prompt-tokens-details) sets usage.prompt_tokens_details only when some prompt tokens came from
+    # the cache: null in an answer, left out of a stream's usage chunk (dumped without nulls). Was: always
+    # {"cached_tokens": 0}, so code reading usage["prompt_tokens_details"]["cached_tokens"] (the docs' own example
+    # did) passed against the fake and raised TypeError against vLLM.
+    whole = httpx.post(f"{engine.url}/v1/completions", json={"prompt": list(range(9))}).json()
+    assert "prompt_tokens_details" in whole["usage"] and whole["usage"]["prompt_tokens_details"] is None
+    body = {"prompt": list(range(100, 109)), "stream": True, "stream_options": {"include_usage": True}}
+    chunks = [
+        json.loads(event) for event in sse_events(httpx.post(f"{engine.url}/v1/completions", json=body).text)[:-1]
+    ]
+    assert chunks[-1]["usage"] == {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}
+    again = httpx.post(f"{engine.url}/v1/completions", json={"prompt": list(range(9))}).json()
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 8}
 
 
 def test_chat_stream_starts_with_the_role_and_caches_the_rendered_prompt(engine: OpenAIEngine) -> None:
@@ -100,13 +127,13 @@ def test_chat_stream_starts_with_the_role_and_caches_the_rendered_prompt(engine:
     assert whole["choices"][0]["message"]["content"] == " t0 t1 t2"
     prompt = len(whitespace_tokens(render_chat(messages)))
     assert whole["usage"]["prompt_tokens"] == prompt
-    assert whole["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt // 4 * 4
+    assert cached_tokens(whole["usage"]) == prompt // 4 * 4
 
 
 def test_the_prefix_cache_is_per_engine_and_block_level(engine: OpenAIEngine) -> None:
     def cached(prompt: Any, url: str = engine.url) -> int:
         usage = httpx.post(f"{url}/v1/completions", json={"prompt": prompt}).json()["usage"]
-        return int(usage["prompt_tokens_details"]["cached_tokens"])
+        return cached_tokens(usage)
 
     assert cached(list(range(10))) == 0
     assert cached([*range(10), 99]) == 8  # two full blocks of 4
@@ -127,7 +154,7 @@ def test_ttft_grows_with_uncached_tokens() -> None:
 
         def cached(prompt: list[int]) -> tuple[int, float]:
             usage = httpx.post(f"{engine.url}/v1/completions", json={"prompt": prompt}).json()["usage"]
-            return usage["prompt_tokens_details"]["cached_tokens"], engine.stats().simulated_prefill_s
+            return cached_tokens(usage), engine.stats().simulated_prefill_s
 
         started = time.perf_counter()
         cold = cached(list(range(64)))
