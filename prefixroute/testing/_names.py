@@ -1,14 +1,18 @@
 """The names a fake engine serves (``/v1/models`` ids, the ``model_name`` label of its metrics), checked once for
-both fakes."""
+both fakes, and the ``/v1/models`` answer that lists them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from prefixroute._numbers import shown
 from prefixroute.errors import ConfigurationError
 
-__all__ = ["check_served_names"]
+__all__ = ["MAX_MODEL_LEN", "check_served_names", "model_list"]
+
+MAX_MODEL_LEN = 1 << 20
+"""The context length the fakes serve (``max_model_len`` in ``/v1/models``): prompt plus generated tokens."""
 
 
 def check_served_names(
@@ -45,3 +49,24 @@ def check_served_names(
             f"{adapters_option} names the base model {model!r}: an adapter needs a name of its own"
         )
     return model, adapters
+
+
+def model_list(
+    model: str, lora_adapters: Iterable[str], *, created: int, permission_ids: Iterator[str]
+) -> dict[str, Any]:
+    """The ``/v1/models`` answer of a vLLM serving ``model`` and ``lora_adapters``, as its show_available_models
+    makes it: a card for the base model (with ``max_model_len``) and one per adapter (its ``parent`` the base model,
+    no ``max_model_len``), each made at ``created`` with one ModelPermission (vLLM's defaults) of the next id. O(n)."""
+    served = [
+        (model, model, None, MAX_MODEL_LEN),
+        *((name, f"/adapters/{name}", model, None) for name in lora_adapters),
+    ]
+    cards = []
+    for name, root, parent, max_model_len in served:
+        permission = {"id": next(permission_ids), "object": "model_permission", "created": created,
+                      "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                      "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                      "organization": "*", "group": None, "is_blocking": False}  # fmt: skip
+        cards.append({"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": root,
+                      "parent": parent, "max_model_len": max_model_len, "permission": [permission]})  # fmt: skip
+    return {"object": "list", "data": cards}

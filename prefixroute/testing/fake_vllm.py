@@ -20,7 +20,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from prefixroute._numbers import as_float, as_int, check_flag, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
-from prefixroute.testing._names import check_served_names
+from prefixroute.testing._names import check_served_names, model_list
 from prefixroute.testing.fake_cache import CachedChain, FakeBlockCache, FakeRequest
 from prefixroute.vllm._checks import MAX_SECONDS
 from prefixroute.vllm.events import EventBatch, encode_batch
@@ -164,6 +164,7 @@ class FakeVLLM:
             clock=clock, seed=seed, host=host, ports=(port, replay_port),
         )  # fmt: skip
         self._rng = random.Random(seed)
+        self._ids = random.Random(seed)  # /v1/models' permission ids (the cache's hashes draw from _rng)
         self.cache = FakeBlockCache(
             block_size=block_size, num_blocks=num_blocks, rng=self._rng, hash_format=hash_format,
             extra_group=extra_group,
@@ -423,6 +424,22 @@ class FakeVLLM:
 
     # -- internals -------------------------------------------------------------------------------------------------
 
+    def _created(self) -> int:
+        """``created`` of an answer: ``clock()`` in whole seconds (0 for a clock that raises or returns no finite
+        number, which a test may set for the batches' stamps: an answer is still made)."""
+        try:
+            stamp = as_float(self._clock())
+        except Exception:  # the clock is the test's: the batches it stamps report it
+            stamp = None
+        return 0 if stamp is None else int(stamp)
+
+    def _permission_ids(self) -> Iterator[str]:
+        """Ids for ``/v1/models``' permissions, as vLLM's ``modelperm-<uuid4 hex>``, from the engine's seed."""
+        while True:
+            with self._lock:  # not held across a yield
+                bits = self._ids.getrandbits(128)
+            yield f"modelperm-{bits:032x}"
+
     def _publish(self) -> None:
         if not self.cache.events:
             return
@@ -519,9 +536,11 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             path = self.path.split("?")[0]
-            if path == "/v1/models":  # vLLM's model card: a base model has no parent
-                card = {"id": engine.model, "object": "model", "owned_by": "vllm", "root": engine.model, "parent": None}
-                self._reply(200, json.dumps({"object": "list", "data": [card]}).encode(), "application/json")
+            if path == "/v1/models":  # vLLM's model list: the base model's card
+                listing = model_list(
+                    engine.model, (), created=engine._created(), permission_ids=engine._permission_ids()
+                )
+                self._reply(200, json.dumps(listing).encode(), "application/json")
                 return
             if path != "/metrics":
                 self._reply(404, b"not found\n", "text/plain")
@@ -557,22 +576,37 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
                 max_tokens = 16 if max_tokens is None else max_tokens
                 if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
                     raise ValueError(f"max_tokens must be a positive integer, not {json.dumps(max_tokens)[:40]}")
-            except (ValueError, TypeError, AttributeError) as exc:
-                error = {"error": {"message": str(exc), "type": "BadRequestError", "code": 400}}
+            except (ValueError, TypeError, AttributeError) as exc:  # vLLM's ErrorResponse
+                error = {"error": {"message": str(exc), "type": "BadRequestError", "param": None, "code": 400}}
                 self._reply(400, json.dumps(error).encode(), "application/json")
                 return
             done = [engine.complete(prompt) for prompt in prompts]
             prompt_tokens = sum(c.prompt_tokens for c in done)
+            cached_tokens = sum(c.cached_tokens for c in done)
+            text = "".join(f" t{i}" for i in range(max_tokens))
+            # vLLM's CompletionResponse; prompt_tokens_details as with --enable-prompt-tokens-details: null when no
+            # prompt token came from the cache
             reply = {
                 "id": f"cmpl-{engine.seq}",
                 "object": "text_completion",
+                "created": engine._created(),
                 "model": engine.model,
-                "choices": [{"index": i, "text": "", "finish_reason": "length"} for i in range(len(done))],
+                "choices": [
+                    {
+                        "index": i,
+                        "text": text,
+                        "logprobs": None,
+                        "finish_reason": "length",
+                        "stop_reason": None,
+                        "prompt_logprobs": None,
+                    }
+                    for i in range(len(done))
+                ],  # fmt: skip
                 "usage": {
                     "prompt_tokens": prompt_tokens,
                     "completion_tokens": max_tokens * len(done),
                     "total_tokens": prompt_tokens + max_tokens * len(done),
-                    "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in done)},
+                    "prompt_tokens_details": {"cached_tokens": cached_tokens} if cached_tokens else None,
                 },
             }
             self._reply(200, json.dumps(reply).encode(), "application/json")

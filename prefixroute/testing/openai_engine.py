@@ -48,7 +48,7 @@ from prefixroute.adapters.serve.contract import UNSUPPORTED_MEDIA_TYPE, is_json_
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.adapters.urls import listen_host
 from prefixroute.errors import ConfigurationError, InvalidTypeError, StateError
-from prefixroute.testing._names import check_served_names
+from prefixroute.testing._names import MAX_MODEL_LEN, check_served_names, model_list
 from prefixroute.testing.fake_cache import FakeBlockCache
 from prefixroute.vllm.metrics import TTFT_BUCKETS
 
@@ -57,7 +57,6 @@ __all__ = ["EngineStats", "OpenAIEngine", "main", "register", "whitespace_tokens
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _POLL_S = 0.005  # how often a stalled request looks for resume() or its client leaving
 _MAX_BODY_BYTES = 256 * 2**20  # the largest request body served (the proxy in front of it takes 64 MiB by default)
-_MAX_MODEL_LEN = 1 << 20  # the context length served (max_model_len in /v1/models): prompt plus max_tokens
 _MAX_CHOICES = 1 << 16  # the most answers per request (prompts times ``n``) served
 
 
@@ -214,18 +213,18 @@ def _max_tokens(body: dict[str, Any], default: int, prompt_tokens: int) -> int:
     if value is None:
         value = body.get("max_tokens")
     if value is None:  # vLLM then generates up to the context's end, and refuses a prompt that fills it
-        if prompt_tokens >= _MAX_MODEL_LEN:
+        if prompt_tokens >= MAX_MODEL_LEN:
             raise ValueError(
-                f"This model's maximum context length is {_MAX_MODEL_LEN} tokens. However, your request has "
+                f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, your request has "
                 f"{prompt_tokens} input tokens. Please reduce the length of the input messages."
             )
-        return min(default, _MAX_MODEL_LEN - prompt_tokens)
+        return min(default, MAX_MODEL_LEN - prompt_tokens)
     value = _lax_int("max_tokens", value)
     if value < 1:
         raise ValueError(f"max_tokens must be at least 1, got {value}.")
-    if prompt_tokens + value > _MAX_MODEL_LEN:
+    if prompt_tokens + value > MAX_MODEL_LEN:
         raise ValueError(
-            f"This model's maximum context length is {_MAX_MODEL_LEN} tokens. However, you requested "
+            f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested "
             f"{prompt_tokens + value} tokens ({prompt_tokens} in the messages, {value} in the completion). "
             "Please reduce the length of the messages or completion."
         )
@@ -574,19 +573,10 @@ class OpenAIEngine:
         return web.Response()
 
     async def _models(self, request: web.Request) -> web.Response:
-        # vLLM's show_available_models: a card per base model (with max_model_len) and per adapter (its parent the
-        # base model, no max_model_len), each made now with one ModelPermission of its own.
-        created = int(self._clock())
-        with self._lock:
-            permissions = [f"modelperm-{self._ids.getrandbits(128):032x}" for _ in range(1 + len(self.lora_adapters))]
-        served = [(self.model, self.model, None, _MAX_MODEL_LEN),
-                  *((name, f"/adapters/{name}", self.model, None) for name in self.lora_adapters)]  # fmt: skip
-        cards = []
-        for (name, root, parent, max_model_len), permission in zip(served, permissions, strict=True):
-            cards.append({"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": root,
-                          "parent": parent, "max_model_len": max_model_len,
-                          "permission": [_permission(permission, created)]})  # fmt: skip
-        return web.json_response({"object": "list", "data": cards})
+        with self._lock:  # the permission ids: the engine's seeded RNG, as the response ids
+            ids = [f"modelperm-{self._ids.getrandbits(128):032x}" for _ in range(1 + len(self.lora_adapters))]
+        listing = model_list(self.model, self.lora_adapters, created=int(self._clock()), permission_ids=iter(ids))
+        return web.json_response(listing)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(text=self.metrics_text(), content_type="text/plain", charset="utf-8")
@@ -815,13 +805,6 @@ class _Chunks:
             choices.append(choice)
         kind = "chat.completion" if self.chat else "text_completion"
         return {**self.head, "object": kind, "choices": choices, "usage": usage}
-
-
-def _permission(permission_id: str, created: int) -> dict[str, Any]:
-    """vLLM's ModelPermission (its defaults), as each ``/v1/models`` card lists it."""
-    return {"id": permission_id, "object": "model_permission", "created": created, "allow_create_engine": False,
-            "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
-            "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}  # fmt: skip
 
 
 def _error(status: int, message: str, kind: str, *, param: str | None = None) -> web.Response:

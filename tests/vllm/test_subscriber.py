@@ -462,7 +462,7 @@ def test_completions_over_http_publish_events_and_report_cached_tokens() -> None
         first = client.post("/v1/completions", json={"model": "fake-model", "prompt": prompt, "max_tokens": 4})
         second = client.post("/v1/completions", json={"prompt": [prompt, STEMS[1][:40]]})
         assert first.status_code == second.status_code == 200
-        assert first.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert first.json()["usage"]["prompt_tokens_details"] is None  # nothing cached: null, as vLLM reports it
         assert second.json()["usage"]["prompt_tokens"] == 140
         assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 96  # six full blocks
         settle(engine, sub)
@@ -472,13 +472,33 @@ def test_completions_over_http_publish_events_and_report_cached_tokens() -> None
         for bad_prompt in bad_prompts:
             reply = client.post("/v1/completions", json={"prompt": bad_prompt})
             assert reply.status_code == 400, reply.text
-            assert "token ids" in reply.json()["error"]["message"]
+            assert "token ids" in reply.json()["error"]["message"] and reply.json()["error"]["param"] is None
         for bad_max in ["Infinity", "0", "true", '"4"', "1.5"]:  # Infinity once raised OverflowError: no answer
             raw = f'{{"prompt": [1, 2, 3], "max_tokens": {bad_max}}}'
             reply = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
             assert reply.status_code == 400, (bad_max, reply.text)
             assert "max_tokens" in reply.json()["error"]["message"]
         assert client.get("/nothing").status_code == 404
+
+
+def test_the_http_answers_are_vllms() -> None:
+    # vLLM's CompletionResponse (created, each choice's logprobs, stop_reason and prompt_logprobs, the text it
+    # generated) and its /v1/models card (created, max_model_len, a ModelPermission). Was: no created, a choice of
+    # index, empty text and finish_reason only, a card without created, max_model_len or permission.
+    with FakeVLLM(clock=lambda: 1_700_000_000.5) as engine, httpx.Client(base_url=engine.url, timeout=5) as client:
+        answer = client.post("/v1/completions", json={"prompt": [[0, 1], [2**32 - 1]], "max_tokens": 2}).json()
+        assert answer["created"] == 1_700_000_000 and answer["object"] == "text_completion"
+        choice = {"text": " t0 t1", "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                  "prompt_logprobs": None}  # fmt: skip
+        assert answer["choices"] == [{"index": 0, **choice}, {"index": 1, **choice}]
+        for bad in ([2**32], [-1]):  # token ids are in [0, 2**32)
+            refused = client.post("/v1/completions", json={"prompt": bad})
+            assert refused.status_code == 400 and "token ids" in refused.json()["error"]["message"]
+        (card,) = client.get("/v1/models").json()["data"]
+    (permission,) = card.pop("permission")
+    assert permission["object"] == "model_permission" and permission["id"].startswith("modelperm-")
+    assert card == {"id": "fake-model", "object": "model", "created": 1_700_000_000, "owned_by": "vllm",
+                    "root": "fake-model", "parent": None, "max_model_len": 1 << 20}  # fmt: skip
 
 
 def test_a_subscriber_later_than_the_replay_buffer_holds_only_true_blocks() -> None:
