@@ -135,6 +135,29 @@ def test_replay_replies_are_read_with_or_without_the_topic_frame(replay_topic: b
             assert stats.failed_replays == 0 and stats.unrecovered_gaps == 0
 
 
+@pytest.mark.parametrize("replay_topic", [True, False], ids=["vllm-0.26-topic-framed", "older-vllm"])
+def test_replay_frames_are_vllms(replay_topic: bool) -> None:
+    """The frames themselves, as vLLM's ZmqEventPublisher._service_replay sends them to a DEALER: each batch
+    ``[b"", topic, seq, payload]`` (``[b"", seq, payload]`` before vllm#45177), the same bytes as published live, then
+    ``[b"", b"", -1, b""]`` (``[b"", -1, b""]``); a request that is not three frames gets no answer. A subscriber
+    reads either form, so only the frames show which one the fake sends."""
+    end = (-1).to_bytes(8, "big", signed=True)
+    with FakeVLLM(topic="kv@gpu0", replay_topic=replay_topic) as engine, zmq.Context() as context:
+        engine.complete(STEMS[0][:32])
+        engine.complete(STEMS[1][:32])
+        engine.flush()
+        payload = engine._buffer[1][1]
+        with context.socket(zmq.DEALER) as dealer:
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.RCVTIMEO, int(DEADLINE_S * 1000))  # a hang guard: the answer comes at once
+            dealer.connect(engine.replay_endpoint)
+            dealer.send_multipart([(0).to_bytes(8, "big")])  # no empty delimiter: two frames, unanswered
+            dealer.send_multipart([b"", b"\x01"])  # from batch 1 (vLLM reads any length of big-endian bytes)
+            topic = [b"kv@gpu0"] if replay_topic else []
+            assert dealer.recv_multipart() == [b"", *topic, (1).to_bytes(8, "big"), payload]
+            assert dealer.recv_multipart() == [b"", *([b""] if replay_topic else []), end, b""]
+
+
 def test_without_replay_a_loss_is_counted_as_unrecovered() -> None:
     router = events_router()
     index = router.index
