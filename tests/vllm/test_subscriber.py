@@ -144,9 +144,11 @@ def test_replay_frames_are_vllms(replay_topic: bool) -> None:
     end = (-1).to_bytes(8, "big", signed=True)
     with FakeVLLM(topic="kv@gpu0", replay_topic=replay_topic) as engine, zmq.Context() as context:
         engine.complete(STEMS[0][:32])
+        engine.publish_payload(b"\x00corrupt")  # numbered and kept for replay as a real batch
         engine.complete(STEMS[1][:32])
+        assert engine.seq == 3
         engine.flush()
-        payload = engine._buffer[1][1]
+        payload = engine._buffer[2][1]
         with context.socket(zmq.DEALER) as dealer:
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.RCVTIMEO, int(DEADLINE_S * 1000))  # a hang guard: the answer comes at once
@@ -154,7 +156,8 @@ def test_replay_frames_are_vllms(replay_topic: bool) -> None:
             dealer.send_multipart([(0).to_bytes(8, "big")])  # no empty delimiter: two frames, unanswered
             dealer.send_multipart([b"", b"\x01"])  # from batch 1 (vLLM reads any length of big-endian bytes)
             topic = [b"kv@gpu0"] if replay_topic else []
-            assert dealer.recv_multipart() == [b"", *topic, (1).to_bytes(8, "big"), payload]
+            assert dealer.recv_multipart() == [b"", *topic, (1).to_bytes(8, "big"), b"\x00corrupt"]
+            assert dealer.recv_multipart() == [b"", *topic, (2).to_bytes(8, "big"), payload]
             assert dealer.recv_multipart() == [b"", *([b""] if replay_topic else []), end, b""]
 
 
