@@ -5,6 +5,7 @@ it is given: not later, in an I/O thread, nor as a TypeError for a value of the 
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 import random
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from prefixroute import ConfigurationError, InvalidPromptError, InvalidTypeError
 from prefixroute._numbers import shown
 from prefixroute.testing import FakeBlockCache, FakeVLLM
 from prefixroute.testing.openai_engine import OpenAIEngine
+from prefixroute.vllm.events import EventDecoder
 
 from .test_flag_options import FLAGS
 
@@ -172,6 +174,10 @@ def test_good_values_are_taken_as_the_plain_numbers_they_stand_for() -> None:
     engine.set_metrics_fault()
     assert engine.metrics_fault() == (None, 0.0, None)
     assert engine.complete(list(range(32)), lora_name="sql").prompt_tokens == 32
+    for whole_seconds in (1_700_000_000, npa.int64(1_700_000_000)):  # such a clock's batches are stamped with it
+        stamped = FakeVLLM(clock=itertools.repeat(whole_seconds).__next__)
+        stamped.complete(list(range(32)))
+        assert EventDecoder().decode(stamped._buffer[-1][1]).ts == 1_700_000_000.0
     fake = OpenAIEngine(seed=npa.int64(3), host="localhost")
     fake.fail_next(npa.int64(1), status=npa.int64(429))
     fake.stall(after_tokens=npa.int64(2))
