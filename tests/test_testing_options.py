@@ -184,6 +184,21 @@ def test_good_values_are_taken_as_the_plain_numbers_they_stand_for() -> None:
     assert fake._fail == (1, 429) and type(fake._fail[1]) is int and fake._stall_after == 2
 
 
+@pytest.mark.parametrize(
+    ("encoding", "maps"),
+    [("array", [False] * 4), ("map", [True] * 4), ("alternate", [False, True, False, True])],
+)
+def test_each_batch_is_encoded_as_the_engine_was_told(encoding: Any, maps: list[bool]) -> None:
+    """Events as tagged arrays (vLLM before #42892) or maps (after), or switching per batch (from an array): a
+    subscriber decodes either, so only the payloads show which the fake sent."""
+    engine = FakeVLLM(encoding=encoding)
+    for start in range(4):
+        engine.complete(list(range(start * 100, start * 100 + 16)))
+    decoded = [EventDecoder().decode(payload) for _, payload in engine._buffer]
+    assert [type(batch.events[0]).__name__.startswith("_Map") for batch in decoded] == maps
+    assert all(batch.data_parallel_rank == 0 for batch in decoded)  # vLLM's publisher stamps its rank
+
+
 def test_a_frame_zmq_cannot_send_is_refused_and_the_publisher_thread_goes_on() -> None:
     # Was: publish_payload("text") or publish_raw([5]) queued the frame; the publisher thread died sending it and
     # every later batch was lost (flush() timed out).
