@@ -254,7 +254,11 @@ def test_bad_requests_get_openai_errors(engine: OpenAIEngine) -> None:
                          ({"prompt": ""}, 400)):  # fmt: skip
         reply = httpx.post(f"{engine.url}/v1/completions", json=body)
         assert reply.status_code == status and reply.json()["error"]["code"] == status
-    assert httpx.post(f"{engine.url}/v1/chat/completions", json={"messages": "hi"}).status_code == 400
+    # vLLM's message types each require a role: a message that is no object, or has none, is its 400 (not a 500,
+    # nor a message rendered with a role of None)
+    for messages in ("hi", ["hi"], [{"content": "hi"}], [{"role": 5, "content": "hi"}]):
+        reply = httpx.post(f"{engine.url}/v1/chat/completions", json={"messages": messages})
+        assert reply.status_code == 400 and reply.json()["error"]["type"] == "BadRequestError", (messages, reply.text)
 
 
 @pytest.mark.parametrize("model", [5, 1.5, True, ["fake-model"], {"id": "fake-model"}])
