@@ -99,6 +99,26 @@ def test_stream_chunks_carry_the_fields_vllm_sends() -> None:
     ]
 
 
+def test_whole_answers_carry_the_fields_vllm_sends() -> None:
+    """vLLM's CompletionResponse and ChatCompletionResponse (those of their fields the fake fills): each of the ``n``
+    choices numbered, its text, null logprobs, the finish and stop reasons, a completion's prompt_logprobs, a chat
+    message's role and its empty tool_calls."""
+    with OpenAIEngine(max_tokens=2, clock=lambda: 1_700_000_000.5) as engine:
+        headers = {"X-Request-Id": "r"}
+        completion = httpx.post(f"{engine.url}/v1/completions", json={"prompt": "a b", "n": 2}, headers=headers)
+        chat = {"messages": [{"role": "user", "content": "a"}]}
+        chatted = httpx.post(f"{engine.url}/v1/chat/completions", json=chat, headers=headers)
+    usage = {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6, "prompt_tokens_details": None}
+    head = {"created": 1_700_000_000, "model": "fake-model"}
+    done = {"logprobs": None, "finish_reason": "length", "stop_reason": None}
+    assert completion.json() == {"id": "cmpl-r", "object": "text_completion", **head, "usage": usage, "choices": [
+        {"index": index, "text": " t0 t1", "prompt_logprobs": None, **done} for index in (0, 1)]}  # fmt: skip
+    message = {"role": "assistant", "content": " t0 t1", "tool_calls": []}
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "prompt_tokens_details": None}
+    assert chatted.json() == {"id": "chatcmpl-r", "object": "chat.completion", **head, "usage": usage,
+                              "choices": [{"index": 0, "message": message, **done}]}  # fmt: skip
+
+
 def test_prompt_tokens_details_are_null_when_nothing_was_cached_as_vllm_reports_them(engine: OpenAIEngine) -> None:
     # vLLM (--enable-prompt-tokens-details) sets usage.prompt_tokens_details only when some prompt tokens came from
     # the cache: null in an answer, left out of a stream's usage chunk (dumped without nulls). Was: always
