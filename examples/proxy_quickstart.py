@@ -21,7 +21,8 @@ def main() -> None:
                     messages = [{"role": "system", "content": system}, {"role": "user", "content": f"question {turn}"}]
                     reply = client.post("/v1/chat/completions", json={"model": "fake-model", "messages": messages})
                     usage = reply.json()["usage"]
-                    cached = f"{usage['prompt_tokens_details']['cached_tokens']}/{usage['prompt_tokens']}"
+                    details = usage.get("prompt_tokens_details") or {}  # vLLM's: null when nothing was cached
+                    cached = f"{details.get('cached_tokens', 0)}/{usage['prompt_tokens']}"
                     where = f"{reply.headers['x-prefixroute-backend']} ({reply.headers['x-prefixroute-reason']})"
                     print(f"{system[:14]!r:18} -> {where}, engine cached {cached} tokens")
             print(client.get("/metrics").text.splitlines()[1])
