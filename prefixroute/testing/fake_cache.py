@@ -1,7 +1,8 @@
 """The block store of a fake vLLM engine: 16-token blocks, chained hashes of its own, LRU eviction of free blocks.
 
 It behaves as vLLM's prefix cache does where the KV events are concerned: a request hits the longest cached prefix
-of full blocks, computes and caches the rest (one ``BlockStored`` event naming the new blocks and their parent),
+of full blocks short of its last token (vLLM computes that token, so a prompt cached whole recomputes its last full
+block), computes and caches the rest (one ``BlockStored`` event naming the new blocks and their parent),
 and when it finishes frees its blocks tail first into an LRU queue of evictable blocks. Making room evicts from the
 head of that queue (one ``BlockRemoved`` per physical block). A request scheduled concurrently with an identical
 one (``share=False``) computes its own physical copies, so one hash can be stored, and removed, twice.
@@ -161,7 +162,10 @@ class FakeBlockCache:
         request._cache = self
         hit = 0
         if share:
-            while hit < full and hashes[hit] in self._by_hash:
+            # As vLLM's get_computed_blocks: at most all but the last token hit, so a prompt cached whole computes
+            # (and caches anew, a second physical copy of one hash) its last full block, whose logits it needs.
+            most = (len(prompt) - 1) // size
+            while hit < most and hashes[hit] in self._by_hash:
                 block_id = self._by_hash[hashes[hit]][0]
                 self._blocks[block_id].refs += 1
                 self._free.pop(block_id, None)
