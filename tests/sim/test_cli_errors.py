@@ -159,9 +159,9 @@ def test_output_the_os_refuses_fails_before_the_run(option: str, capsys: pytest.
 def test_writability_check_leaves_no_file_behind(tmp_path: Path) -> None:
     from prefixroute.sim.cli import check_writable
 
-    new = tmp_path / "sub" / "new.json"
+    new = tmp_path / "sub" / "deeper" / "new.json"
     check_writable(new, "--json")
-    assert not new.exists() and new.parent.is_dir()
+    assert not new.exists() and new.parent.is_dir()  # every missing folder made, as writing it later needs
     old = tmp_path / "old.json"
     old.write_text("kept")
     check_writable(old, "--json")
@@ -246,3 +246,20 @@ def test_no_traceback_from_a_real_process(tmp_path: Path) -> None:
         done = subprocess.run([sys.executable, "-m", "prefixroute", *argv], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2, done.stderr
         assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(("path", "named"), [("", "an empty one"), (" ", "the blank name ' '")])
+def test_a_blank_output_path_is_named_as_given(path: str, named: str) -> None:
+    from prefixroute.errors import ConfigurationError
+    from prefixroute.sim.cli import check_writable
+
+    with pytest.raises(ConfigurationError) as refused:
+        check_writable(path, "--json")
+    assert str(refused.value) == f"--json needs a file path, not {named}"
+
+
+def test_two_outputs_to_a_device_are_no_collision() -> None:
+    """Writing ``/dev/null`` twice destroys nothing: only one regular file under two names collides."""
+    from prefixroute.sim.cli import check_distinct
+
+    check_distinct({"--json": os.devnull, "--plot": os.devnull}, {"the trace --trace reads": os.devnull})
