@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from prefixroute.errors import ConfigurationError
-from prefixroute.policies import LoadPolicy
+from prefixroute.policies import Candidate, LoadPolicy, RoundRobin
+from prefixroute.sim.profiles import load_profile
 from prefixroute.sim.runner import SimSpec, build_policy, run_policy, vllm_defaults
-from prefixroute.sim.workloads import scenario_names
+from prefixroute.sim.workloads import make_workload, scenario_names
 
 
 @pytest.mark.parametrize("scenario", scenario_names())
@@ -248,3 +251,109 @@ def test_a_spec_copy_names_a_field_it_does_not_have_and_checks_the_values_it_doe
     with pytest.raises(ConfigurationError, match="backends"):
         spec.with_(backends=0)
     assert spec.with_(backends=3).backends == 3 and spec.backends != 3
+
+
+class _Watcher(RoundRobin):
+    """Round-robin that keeps every set of candidates it was offered: what a policy sees from the simulation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offered: list[Sequence[Candidate]] = []
+
+    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        self.offered.append(candidates)
+        return super().choose(candidates)
+
+
+def test_a_policy_sees_the_capacity_speed_and_engine_load_a_fleet_would_give_it() -> None:
+    spec = SimSpec(requests=40, users=4, backends=2, capacity_blocks=5000)
+    watcher = _Watcher()
+    run_policy(spec, lambda: watcher)
+    last = watcher.offered[-1]
+    assert [c.capacity_blocks for c in last] == [5000, 5000]  # the index is capped at the engines' KV capacity
+    # First tokens teach the router each engine's prefill speed, timed on the simulated clock: a real clock would
+    # make it millions of tokens/s, a clock that stands still would teach nothing.
+    solo = 2048 / load_profile(spec.model, spec.gpu).prefill_seconds(2048, 0)
+    assert all(c.prefill_tokens_per_s is not None and 0 < c.prefill_tokens_per_s < 10 * solo for c in last)
+    assert all(c.queue_len is None and c.kv_usage is None for c in last)  # no engine metrics unless polled
+
+    watcher = _Watcher()
+    run_policy(spec.with_(first_token=False, metrics_interval=0.5), lambda: watcher)
+    last = watcher.offered[-1]
+    assert all(c.prefill_tokens_per_s is None for c in last)  # a gateway that reports no first token
+    assert all(c.queue_len is not None and c.kv_usage is not None and 0 < c.kv_usage <= 1 for c in last)
+
+
+def _tiny_trace(folder: Path) -> str:
+    """Six requests a second apart, each 1,024 tokens (two of Mooncake's 512-token blocks) and 8 out."""
+    lines = [
+        json.dumps({"timestamp": 1000 * i, "input_length": 1024, "output_length": 8, "hash_ids": [0, 100 + i]})
+        for i in range(6)
+    ]
+    path = folder / "tiny.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return f"mooncake:{path}"
+
+
+def test_a_trace_is_replayed_at_its_timestamps_or_by_closed_loop_users(tmp_path: Path) -> None:
+    spec = SimSpec(trace=_tiny_trace(tmp_path), users=None, requests=None)
+    replay = run_policy(spec, "round-robin")
+    assert replay.requests == 6 and 5.0 <= replay.duration_s < 6.0  # the last request arrives at 5 s
+    faster = run_policy(spec.with_(speedup=2.0), "round-robin")
+    assert faster.requests == 6 and 2.5 <= faster.duration_s < 3.5
+    assert run_policy(spec.with_(requests=4), "round-robin").requests == 4  # the first four
+    longer = run_policy(spec.with_(output_tokens=100), "round-robin")
+    assert longer.e2e_ms["p50"] > replay.e2e_ms["p50"]  # every request now decodes 100 tokens, not the trace's 8
+    one_user = run_policy(spec.with_(users=1), "round-robin")  # back to back, not at the trace's times
+    assert one_user.requests == 6 and one_user.duration_s < replay.duration_s
+    thinking = run_policy(spec.with_(users=1, think_time=2.0), "round-robin")
+    assert thinking.duration_s > one_user.duration_s + 2.0
+
+
+def test_the_polling_limit_counts_the_span_each_kind_of_arrivals_takes() -> None:
+    # Open loop: --requests ÷ --rate seconds; closed loop: --requests × --think-time ÷ --users. 10^8 polls at most.
+    for over in (
+        {"users": None, "rate": 0.01, "requests": 2000},
+        {"users": 10, "think_time": 2000.0, "requests": 1000},
+    ):
+        with pytest.raises(ConfigurationError, match="over 100,000,000 polls"):
+            SimSpec(metrics_interval=0.001, **over)
+    for under in (
+        {"users": None, "rate": 100.0, "requests": 2000},  # 20 s
+        {"users": 100, "think_time": 10.0, "requests": 1000},  # 100 s
+        {"users": 100, "requests": 1000},  # no think time: the run alone tells how long
+    ):
+        assert SimSpec(metrics_interval=0.001, **under).metrics_interval == 0.001
+    # A trace replayed by closed-loop users until it ends: its length is known only when it is read.
+    assert SimSpec(trace="mooncake:t.jsonl", users=5, think_time=1.0, requests=None, metrics_interval=0.001)
+
+
+def test_messages_name_a_flag_only_for_options_the_command_has() -> None:
+    with pytest.raises(ConfigurationError, match=r"^--backends must be an int"):
+        SimSpec(backends=0)
+    for field in ("capacity_blocks", "max_num_seqs", "max_num_batched_tokens", "output_tokens"):  # API only
+        with pytest.raises(ConfigurationError, match=f"^{field} must be an int"):
+            SimSpec(**{field: 0})  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="^SimSpec has no field 'nada', 'nope': its fields are scenario, "):
+        SimSpec().with_(nope=1, nada=2)
+
+
+def test_run_options_reach_the_run_and_the_summary() -> None:
+    spec = SimSpec(requests=40, users=4)
+    progress: list[tuple[int, int]] = []
+    result = run_policy(spec, "round-robin", label="rr", on_progress=lambda *done: progress.append(done))
+    assert result.policy == "rr" and result.requests == 40
+    assert progress == [(done, 40) for done in range(1, 41)]
+    assert result.recompute_usd_per_month > 0  # round-robin recomputes prefixes: the figure --gpu-hour-usd prices
+    dearer = run_policy(spec.with_(gpu_hour_usd=4.0), "round-robin")
+    assert dearer.recompute_usd_per_month == pytest.approx(2 * result.recompute_usd_per_month)
+    timed = run_policy(SimSpec(users=4, requests=None, duration=3.0), "round-robin")
+    assert 0 < timed.requests < 40  # arrivals stop at --duration
+
+
+def test_the_seed_draws_the_arrivals_too() -> None:
+    prompts = lambda: make_workload("seed", seed=0)  # noqa: E731  # the same prompts whatever the spec's seed
+    spec = SimSpec(users=None, rate=5.0, requests=30)
+    first = run_policy(spec, "round-robin", workload=prompts).to_json()
+    assert run_policy(spec, "round-robin", workload=prompts).to_json() == first
+    assert run_policy(spec.with_(seed=1), "round-robin", workload=prompts).to_json() != first
