@@ -13,6 +13,7 @@ from prefixroute.errors import ConfigurationError
 from prefixroute.policies import Candidate, LoadPolicy, RoundRobin
 from prefixroute.sim.profiles import load_profile
 from prefixroute.sim.runner import SimSpec, build_policy, run_policy, vllm_defaults
+from prefixroute.sim.traces import load_trace
 from prefixroute.sim.workloads import make_workload, scenario_names
 
 
@@ -308,6 +309,8 @@ def test_a_trace_is_replayed_at_its_timestamps_or_by_closed_loop_users(tmp_path:
     assert one_user.requests == 6 and one_user.duration_s < replay.duration_s
     thinking = run_policy(spec.with_(users=1, think_time=2.0), "round-robin")
     assert thinking.duration_s > one_user.duration_s + 2.0
+    three = run_policy(spec, "round-robin", workload=lambda: load_trace(spec.trace or "", limit=3))
+    assert three.requests == 3  # a trace already read replaces the spec's, which still gives the arrivals
 
 
 def test_the_polling_limit_counts_the_span_each_kind_of_arrivals_takes() -> None:
@@ -357,3 +360,17 @@ def test_the_seed_draws_the_arrivals_too() -> None:
     first = run_policy(spec, "round-robin", workload=prompts).to_json()
     assert run_policy(spec, "round-robin", workload=prompts).to_json() == first
     assert run_policy(spec.with_(seed=1), "round-robin", workload=prompts).to_json() != first
+
+
+def test_the_scenario_is_drawn_with_the_spec_s_seed_sharing_ratio_and_think_time() -> None:
+    spec = SimSpec(requests=60, users=6)
+    shared = run_policy(spec, "prefix-affinity")
+    assert shared.hit_rate > 0.5
+    assert run_policy(spec.with_(sharing_ratio=0.0), "prefix-affinity").hit_rate == 0.0  # every prompt its own
+    other = run_policy(spec.with_(seed=1), "prefix-affinity")  # another seed, other prompts
+    assert {tag: prompt for tag, (_, prompt) in other.tag_tokens.items()} != {
+        tag: prompt for tag, (_, prompt) in shared.tag_tokens.items()
+    }
+    chat = SimSpec(scenario="multi-turn", users=2, requests=20)  # its users think 2 s between turns
+    durations = [run_policy(chat.with_(think_time=t), "round-robin").duration_s for t in (0.0, None, 10.0)]
+    assert durations == sorted(durations) and durations[0] + 20 < durations[2]
