@@ -31,6 +31,7 @@ def test_open_loop_multi_turn_continues_sessions() -> None:
     spec = SimSpec(scenario="multi-turn", requests=200, users=4, rate=2.0)
     result = run_policy(spec, "prefix-affinity")
     assert result.requests == 200
+    assert sorted(result.tag_tokens) == [f"session{user}" for user in range(4)]  # arrivals take turns among 4 users
     assert result.hit_rate > 0.3  # turns after the first reuse their session's earlier prompt and answer
 
 
