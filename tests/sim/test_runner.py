@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from prefixroute.errors import ConfigurationError
+from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.policies import Candidate, LoadPolicy, RoundRobin
 from prefixroute.sim.profiles import load_profile
-from prefixroute.sim.runner import SimSpec, build_policy, run_policy, vllm_defaults
+from prefixroute.sim.runner import SimSpec, backend_config, build_policy, run_policy, vllm_defaults
 from prefixroute.sim.traces import load_trace
 from prefixroute.sim.workloads import make_workload, scenario_names
 
@@ -199,9 +199,16 @@ def test_numpy_integers_are_taken_where_the_simulator_takes_an_int() -> None:
             BlockCache(bad)
 
 
-def test_vllm_defaults_follow_gpu_memory() -> None:
+def test_vllm_defaults_follow_gpu_memory_and_keep_a100s_on_the_small_budget() -> None:
+    # vLLM's EngineArgs.get_batch_defaults: >= 70 GiB and not an A100 (PR #17885: a large budget slows A100s).
     assert vllm_defaults(40 * 2**30) == (256, 2048)
     assert vllm_defaults(80 * 2**30) == (1024, 8192)
+    assert vllm_defaults(70 * 2**30) == (1024, 8192) and vllm_defaults(70 * 2**30 - 1) == (256, 2048)
+    assert vllm_defaults(80 * 2**30, gpu="h100-80gb") == (1024, 8192)
+    assert vllm_defaults(80 * 2**30, gpu="a100-80gb") == (256, 2048)
+    assert vllm_defaults(80 * 2**30, gpu="NVIDIA A100-SXM4-80GB") == (256, 2048)
+    with pytest.raises(InvalidTypeError, match="^gpu must be a GPU's name, a str, not int"):
+        vllm_defaults(80 * 2**30, gpu=5)  # type: ignore[arg-type]
 
 
 USER_POLICIES = '''
@@ -375,3 +382,21 @@ def test_the_scenario_is_drawn_with_the_spec_s_seed_sharing_ratio_and_think_time
     chat = SimSpec(scenario="multi-turn", users=2, requests=20)  # its users think 2 s between turns
     durations = [run_policy(chat.with_(think_time=t), "round-robin").duration_s for t in (0.0, None, 10.0)]
     assert durations == sorted(durations) and durations[0] + 20 < durations[2]
+
+
+def test_backend_config_sizes_the_engines_as_vllm_would_unless_told() -> None:
+    config, profile = backend_config(SimSpec())
+    assert profile == load_profile("codellama-13b", "a100-40gb")
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.block_size) == (256, 2048, 16)
+    assert config.capacity_blocks == profile.kv_capacity_blocks(16, max_num_batched_tokens=2048, max_num_seqs=256)
+    config, profile = backend_config(SimSpec(gpu="h100-80gb", tp=2, gpu_memory_utilization=0.5))
+    assert profile.tp == 2 and (config.max_num_seqs, config.max_num_batched_tokens) == (1024, 8192)
+    assert config.capacity_blocks == profile.kv_capacity_blocks(
+        16, gpu_memory_utilization=0.5, max_num_batched_tokens=8192, max_num_seqs=1024
+    )
+    assert backend_config(SimSpec(gpu="a100-80gb"))[0].max_num_batched_tokens == 2048  # as vLLM runs an A100
+    given = SimSpec(gpu="h100-80gb", max_num_seqs=8, max_num_batched_tokens=512)
+    config, profile = backend_config(given)
+    assert (config.max_num_seqs, config.max_num_batched_tokens) == (8, 512)
+    assert config.capacity_blocks == profile.kv_capacity_blocks(16, max_num_batched_tokens=512, max_num_seqs=8)
+    assert backend_config(given.with_(capacity_blocks=100))[0].capacity_blocks == 100

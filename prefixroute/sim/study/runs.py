@@ -19,7 +19,7 @@ from prefixroute.sim.engine import Workload
 from prefixroute.sim.metrics import PolicyResult
 from prefixroute.sim.profiles import load_profile
 from prefixroute.sim.request import token_bytes
-from prefixroute.sim.runner import SimSpec, run_policy
+from prefixroute.sim.runner import SimSpec, backend_config, run_policy
 from prefixroute.sim.workloads import SeedScenario
 
 __all__ = ["HOT_MODES", "StudyRuns", "run_all"]
@@ -99,8 +99,8 @@ def run_all(requests: int, progress: Callable[[str], None]) -> StudyRuns:
         )
         model_profile = load_profile(model, "a100-80gb")
         runs.tp[model] = model_profile.tp
-        blocks = model_profile.kv_capacity_blocks(16, max_num_batched_tokens=8192, max_num_seqs=1024)
-        runs.kv_tokens[model] = 16 * blocks
+        config, _ = backend_config(spec)  # the engines' own capacity, sized with vLLM's defaults for that GPU
+        runs.kv_tokens[model] = config.block_size * (config.capacity_blocks or 0)  # backend_config always sizes it
     runs.kv_bytes_ratio_13b_8b = (
         load_profile("codellama-13b", "a100-80gb").kv_bytes_per_token
         / load_profile("llama-3-8b", "a100-80gb").kv_bytes_per_token
