@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from prefixroute.errors import ConfigurationError, InvalidTypeError
-from prefixroute.policies import Candidate, LoadPolicy, RoundRobin
+from prefixroute.errors import ConfigurationError, InvalidTypeError, NoBackendError, PrefixRouteError
+from prefixroute.policies import BoundedLoad, Candidate, LoadPolicy, RoundRobin
 from prefixroute.sim.profiles import load_profile
 from prefixroute.sim.runner import SimSpec, backend_config, build_policy, run_policy, vllm_defaults
 from prefixroute.sim.traces import load_trace
@@ -400,3 +400,38 @@ def test_backend_config_sizes_the_engines_as_vllm_would_unless_told() -> None:
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (8, 512)
     assert config.capacity_blocks == profile.kv_capacity_blocks(16, max_num_batched_tokens=512, max_num_seqs=8)
     assert backend_config(given.with_(capacity_blocks=100))[0].capacity_blocks == 100
+
+
+class _OwnError(PrefixRouteError):
+    """A user's error class in the library's tree, with a constructor of its own."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"code {code}")
+        self.code = code
+
+
+class _Refuses(RoundRobin):
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        raise self.error
+
+
+def test_a_run_is_named_by_label_registry_name_or_the_policy_s_repr_and_so_are_its_errors() -> None:
+    spec = SimSpec(requests=4, users=2, backends=2)
+    assert run_policy(spec, BoundedLoad).policy == repr(BoundedLoad())  # a factory: the policy it built
+    assert run_policy(spec, "bounded-load").policy == "bounded-load"
+    refusal = NoBackendError("none of these will do")
+    with pytest.raises(NoBackendError, match=r"^mine: none of these will do$") as named:
+        run_policy(spec, lambda: _Refuses(refusal), label="mine")
+    assert named.value.__cause__ is refusal  # the traceback still leads to the policy's own raise
+    own = _OwnError(7)
+    with pytest.raises(_OwnError) as passed:  # not rebuilt: its constructor takes other arguments
+        run_policy(spec, lambda: _Refuses(own), label="mine")
+    assert passed.value is own and str(own) == "code 7"
+    with pytest.raises(InvalidTypeError, match="^spec must be a SimSpec, not dict$"):
+        run_policy({"requests": 4}, "round-robin")  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="^on_progress must be a callable or None, not int$"):
+        run_policy(spec, "round-robin", on_progress=5)  # type: ignore[arg-type]
