@@ -433,5 +433,8 @@ def test_a_run_is_named_by_label_registry_name_or_the_policy_s_repr_and_so_are_i
     assert passed.value is own and str(own) == "code 7"
     with pytest.raises(InvalidTypeError, match="^spec must be a SimSpec, not dict$"):
         run_policy({"requests": 4}, "round-robin")  # type: ignore[arg-type]
-    with pytest.raises(InvalidTypeError, match="^on_progress must be a callable or None, not int$"):
-        run_policy(spec, "round-robin", on_progress=5)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="^policy must be a name or a callable returning a LoadPolicy, not int$"):
+        run_policy(spec, 5)  # type: ignore[arg-type]
+    for option in ("workload", "on_progress"):
+        with pytest.raises(InvalidTypeError, match=f"^{option} must be a callable or None, not int$"):
+            run_policy(spec, "round-robin", **{option: 5})  # type: ignore[arg-type]
