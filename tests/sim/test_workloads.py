@@ -159,3 +159,66 @@ def test_a_scenario_s_pieces_refuse_what_is_no_token_count() -> None:
     for bad in (0, -3, "5", 2.0, 2**30 + 1):
         with pytest.raises(ConfigurationError, match=r"^a unique piece is an int length in \[1, 1073741824\] tokens"):
             scenario.unique(bad)  # type: ignore[arg-type]
+
+
+def _span(values: list[int]) -> tuple[int, int]:
+    return min(values), max(values)
+
+
+def test_each_scenario_draws_the_whole_documented_range_and_nothing_outside_it() -> None:
+    # docs/simulator.md's table and each scenario's docstring: many draws reach both ends of every range.
+    hot = _draw("hot-prefix", 4000)
+    assert _span([r.prompt_tokens - 4096 for r in hot]) == (100, 400)
+    assert _span([r.output_tokens for r in hot]) == (80, 120)
+    assert sorted(Counter(r.tag for r in hot)) == ["hot"] + [f"prefix{k}" for k in range(1, 9)]
+    seed = [r for r in _draw("seed", 4000) if r.tag == "prefix0"]
+    assert _span([r.prompt_tokens - 2048 for r in seed]) == (100, 400)
+    rag = _draw("rag", 4000)
+    assert _span([r.prompt_tokens - 512 - 3 * 1024 for r in rag]) == (50, 150)
+    assert {r.output_tokens for r in rag} == {150}
+    first_document = 1 / sum(1 / rank**1.1 for rank in range(1, 201))  # Zipf 1.1 over 200 documents
+    assert abs(Counter(r.tag for r in rag)["doc0"] / len(rag) - first_document) < 0.02
+    shared = _draw("shared-prefix", 2000)
+    assert {(r.prompt_tokens, r.output_tokens) for r in shared} == {(2048 + 128, 256)}
+    assert len({r.tag for r in shared}) == 64 and len({r.prompt for r in shared}) <= 64 * 16
+    by_group: dict[str, set[bytes]] = {}
+    for request in shared:
+        by_group.setdefault(request.tag, set()).add(request.prompt)
+    assert max(len(prompts) for prompts in by_group.values()) == 16  # 16 questions per group, each recurring
+
+
+def test_multi_turn_sessions_run_two_to_eight_turns_of_the_documented_sizes() -> None:
+    workload = make_workload("multi-turn", seed=0)
+    turns: list[int] = []
+    messages: list[int] = []
+    outputs: list[int] = []
+    previous: SimRequest | None = None
+    for _ in range(3000):
+        request = workload.next_request(0)
+        assert request is not None and request.output is not None and request.tag == "session0"
+        if (
+            previous is not None
+            and previous.output is not None
+            and request.prompt.startswith(previous.prompt + previous.output)
+        ):
+            turns[-1] += 1
+            messages.append(request.prompt_tokens - previous.prompt_tokens - previous.output_tokens)
+        else:
+            assert request.prompt.startswith(token_bytes(0, 1024))  # the shared system prompt opens a session
+            turns.append(1)
+            messages.append(request.prompt_tokens - 1024)
+        outputs.append(request.output_tokens)
+        previous = request
+    assert _span(turns[:-1]) == (2, 8)  # the last session may be cut short
+    assert _span(messages) == (50, 300) and _span(outputs) == (100, 300)
+
+
+@pytest.mark.parametrize("name", scenario_names())
+def test_every_scenario_takes_its_sharing_ratio(name: str) -> None:
+    hasher = BlockHasher(16)
+    for ratio, shares in ((0.0, False), (1.0, True)):
+        workload = make_workload(name, seed=0, sharing_ratio=ratio)
+        requests = [workload.next_request(user) for user in range(60)]  # for chats: 60 sessions' first turns
+        first_blocks = Counter(hasher.hash(r.prompt)[0] for r in requests if r is not None)
+        # Shared material leads with a piece many prompts start with; all-unique prompts start each their own.
+        assert (first_blocks.most_common(1)[0][1] > 1) is shares, (name, ratio)
