@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from typing import Any, cast
 
@@ -222,3 +223,15 @@ def test_every_scenario_takes_its_sharing_ratio(name: str) -> None:
         first_blocks = Counter(hasher.hash(r.prompt)[0] for r in requests if r is not None)
         # Shared material leads with a piece many prompts start with; all-unique prompts start each their own.
         assert (first_blocks.most_common(1)[0][1] > 1) is shares, (name, ratio)
+
+
+def test_unique_pieces_never_overlap_each_other_or_the_shared_pieces() -> None:
+    scenario = make_workload("seed", seed=0)
+    runs = []
+    for length in (300, 100, 500, 1, 200):  # a longer piece after a shorter one: where a wrong cursor overlaps
+        ids = np.frombuffer(scenario.unique(length), dtype="<u4")
+        assert len(ids) == length and (np.diff(ids.astype(np.int64)) == 1).all()
+        runs.append((int(ids[0]), int(ids[-1]) + 1))
+    assert all(start >= 2**30 for start, _ in runs)  # above every shared piece (2,048 pieces of 2**19 ids)
+    runs.sort()
+    assert all(end <= next_start for (_, end), (next_start, _) in itertools.pairwise(runs))
