@@ -411,10 +411,11 @@ class OpenAIEngine:
 
     @property
     def url(self) -> str:
-        """``http://host:port``, once started."""
+        """``http://host:port``, once started (an IPv6 host in brackets: ``http://[::1]:PORT``)."""
         if not self._port:
             raise StateError("the engine is not started: call start() (or await serve()) first")
-        return f"http://{self._host}:{self._port}"
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"http://{host}:{self._port}"
 
     async def serve(self) -> None:
         """Start listening on the running event loop and return (stop with :meth:`aclose`)."""

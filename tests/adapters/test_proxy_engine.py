@@ -187,6 +187,12 @@ def test_ttft_grows_with_uncached_tokens() -> None:
     assert half[0] == 32 and half[1] == pytest.approx((64 + 16 + 32) * 2e-3)
 
 
+def test_an_engine_on_an_ipv6_host_gives_a_url_clients_can_use() -> None:
+    with OpenAIEngine(host="::1") as engine:
+        assert engine.url.startswith("http://[::1]:")  # unbracketed, ::1:PORT is no URL (the proxy refuses it)
+        assert httpx.get(f"{engine.url}/health").status_code == 200
+
+
 def test_metrics_parse_as_vllm_metrics(engine: OpenAIEngine) -> None:
     httpx.post(f"{engine.url}/v1/completions", json={"prompt": list(range(8))})
     httpx.post(f"{engine.url}/v1/completions", json={"prompt": list(range(8))})
