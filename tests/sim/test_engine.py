@@ -719,3 +719,18 @@ def test_peak_in_flight_counts_requests_still_in_the_system_after_others_finishe
     second_user_arrives = max(min(r.arrival for r in outcome.records if r.user == user) for user in (0, 1))
     assert second_user_arrives > min(r.finished for r in outcome.records if r.finished is not None)
     assert outcome.peak_in_flight == {"gpu0": 2}
+
+
+def test_recompute_gpu_seconds_count_every_gpu_of_a_tensor_parallel_engine() -> None:
+    """A prefix one backend holds, prefilled again on another, costs that prefill's time on each of its GPUs."""
+    shared = token_bytes(0, 256)
+
+    def recomputed(gpus: int) -> list[float]:
+        requests = [SimRequest(shared + token_bytes(1000 * (i + 1), 16), 2, arrival=float(i)) for i in range(2)]
+        router = Router(policy=policy_from_name("round-robin"))  # the second request goes to the other backend
+        outcome = _simulation(ListWorkload(requests), TraceTimes(), router=router, backends=2, gpus_per_backend=gpus)
+        return [record.recompute_seconds for record in outcome.run().records]
+
+    one, three = recomputed(1), recomputed(3)
+    assert one[0] == 0.0 and one[1] > 0.0  # the second prefilled again the 256 tokens the first backend held
+    assert three == pytest.approx([3 * seconds for seconds in one])

@@ -438,3 +438,19 @@ def test_a_run_is_named_by_label_registry_name_or_the_policy_s_repr_and_so_are_i
     for option in ("workload", "on_progress"):
         with pytest.raises(InvalidTypeError, match=f"^{option} must be a callable or None, not int$"):
             run_policy(spec, "round-robin", **{option: 5})  # type: ignore[arg-type]
+
+
+def test_a_run_charges_recomputation_on_every_gpu_of_its_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulation is told how many GPUs each engine spans (the profile's tensor parallelism, or ``--tp``)."""
+    from prefixroute.sim.engine import Simulation
+
+    built: list[int] = []
+
+    def spy(*args: Any, **kwargs: Any) -> Simulation:
+        built.append(kwargs["gpus_per_backend"])
+        return Simulation(*args, **kwargs)
+
+    monkeypatch.setattr("prefixroute.sim.runner.Simulation", spy)
+    run_policy(SimSpec(requests=4, users=2, model="llama-2-70b", gpu="a100-80gb"), "round-robin")
+    run_policy(SimSpec(requests=4, users=2, model="codellama-13b", gpu="a100-40gb", tp=4), "round-robin")
+    assert built == [load_profile("llama-2-70b", "a100-80gb").tp, 4] and built[0] > 1
