@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 
-__all__ = ["check_backend_url", "engine_of", "listen_host"]
+__all__ = ["check_backend_url", "engine_of", "host_port", "listen_host"]
 
 
 def check_backend_url(url: object, *, path: bool = True) -> str:
@@ -62,9 +62,17 @@ def engine_of(url: str) -> str:
     True
     """
     parts = urlsplit(url)
-    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
     port = parts.port if parts.port is not None else 443 if parts.scheme.lower() == "https" else 80
-    return f"{parts.scheme.lower()}://{host}:{port}{parts.path.rstrip('/')}"
+    return f"{parts.scheme.lower()}://{host_port(parts.hostname or '', port)}{parts.path.rstrip('/')}"
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as a URL and gRPC write it: an IPv6 address in brackets (``::1:8000`` is no address). O(1).
+
+    >>> host_port("127.0.0.1", 8000), host_port("::1", 8000)
+    ('127.0.0.1:8000', '[::1]:8000')
+    """
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def listen_host(text: str) -> str:

@@ -46,7 +46,7 @@ from prefixroute._numbers import as_float, as_int, shown
 from prefixroute.adapters._listening import close_listener
 from prefixroute.adapters.serve.contract import UNSUPPORTED_MEDIA_TYPE, is_json_media_type
 from prefixroute.adapters.threaded import ServerThread
-from prefixroute.adapters.urls import listen_host
+from prefixroute.adapters.urls import host_port, listen_host
 from prefixroute.errors import ConfigurationError, InvalidTypeError, StateError
 from prefixroute.testing._names import MAX_MODEL_LEN, check_served_names, model_list
 from prefixroute.testing.fake_cache import FakeBlockCache
@@ -414,8 +414,7 @@ class OpenAIEngine:
         """``http://host:port``, once started (an IPv6 host in brackets: ``http://[::1]:PORT``)."""
         if not self._port:
             raise StateError("the engine is not started: call start() (or await serve()) first")
-        host = f"[{self._host}]" if ":" in self._host else self._host
-        return f"http://{host}:{self._port}"
+        return f"http://{host_port(self._host, self._port)}"
 
     async def serve(self) -> None:
         """Start listening on the running event loop and return (stop with :meth:`aclose`)."""

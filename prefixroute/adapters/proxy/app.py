@@ -48,7 +48,7 @@ from prefixroute.adapters.serve.contract import (
     without_bom,
 )
 from prefixroute.adapters.threaded import ServerThread
-from prefixroute.adapters.urls import check_backend_url, engine_of
+from prefixroute.adapters.urls import check_backend_url, engine_of, host_port
 from prefixroute.errors import ConfigurationError, InvalidTypeError, PolicyError
 from prefixroute.router import Decision, Router
 
@@ -275,7 +275,7 @@ class Proxy:
             await self.aclose()
             raise
         address = self._listener.sockets[0].getsockname()
-        self.url = f"http://[{address[0]}]:{address[1]}" if ":" in address[0] else f"http://{address[0]}:{address[1]}"
+        self.url = f"http://{host_port(address[0], address[1])}"
         if self._learn_models:
             await self._backend_models()  # at once, so the first requests already know the base models
         return self.url

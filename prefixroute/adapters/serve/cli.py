@@ -30,7 +30,7 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from prefixroute.adapters.urls import check_backend_url, listen_host
+from prefixroute.adapters.urls import check_backend_url, host_port, listen_host
 from prefixroute.cli import MAX_BODY_MIB, body_mib, positive_int
 from prefixroute.errors import ConfigurationError
 
@@ -300,13 +300,13 @@ async def _serve(sidecar: Any, http_socket: socket.socket, udp_socket: socket.so
             try:
                 grpc_server, port = await start_ext_proc(sidecar, args.host, args.ext_proc)
             except (OSError, RuntimeError) as exc:
-                where = _host_port(args.host, args.ext_proc)
+                where = host_port(args.host, args.ext_proc)
                 raise ConfigurationError(f"cannot listen for ext_proc on {where}: {exc}") from None
         server = _http_server(sidecar)
         if udp_socket is not None:
             _say(f"release listener on udp://{_address(udp_socket)}")
         if grpc_server is not None:
-            _say(f"ext_proc endpoint picker on {_host_port(args.host, port)}")
+            _say(f"ext_proc endpoint picker on {host_port(args.host, port)}")
         _say(f"http://{_address(http_socket)} ({len(sidecar.backends)} backends, policy {sidecar.router.policy!r})")
         # What start-up made (modules, the tokenizer, gRPC) lives as long as the process: move it out of the
         # collector's reach, so a full collection under load walks only what serving made (ms less per pause).
@@ -349,19 +349,14 @@ def _bind(kind: int, host: str, port: int, *, what: str | None = None) -> socket
     except OSError as exc:
         sock.close()
         what = what or ("HTTP" if kind == socket.SOCK_STREAM else "UDP")
-        raise ConfigurationError(f"cannot listen ({what}) on {_host_port(host, port)}: {exc.strerror or exc}") from None
+        raise ConfigurationError(f"cannot listen ({what}) on {host_port(host, port)}: {exc.strerror or exc}") from None
     sock.setblocking(False)
     return sock
 
 
 def _address(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
-    return _host_port(host, port)
-
-
-def _host_port(host: str, port: int) -> str:
-    """``host:port``, an IPv6 address in brackets (``[::1]:8100``), as a URL and gRPC write it."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return host_port(host, port)
 
 
 def _say(line: str) -> None:

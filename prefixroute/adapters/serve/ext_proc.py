@@ -38,6 +38,7 @@ from google.protobuf.message import DecodeError
 from prefixroute._numbers import as_float, shown
 from prefixroute.adapters.serve.app import PICK_PATHS, Sidecar
 from prefixroute.adapters.serve.contract import BadRequest, is_refusal
+from prefixroute.adapters.urls import host_port
 from prefixroute.errors import ConfigurationError
 
 __all__ = ["DESTINATION_HEADER", "EndpointPicker", "start_ext_proc"]
@@ -208,7 +209,7 @@ async def start_ext_proc(
     ]
     server = grpc.aio.server(options=options)
     pb_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(sidecar), server)
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # gRPC reads ::1:0 as ::0.1.0.0, port 443
+    address = host_port(host, port)  # gRPC reads ::1:0 as ::0.1.0.0, port 443
     try:
         bound = server.add_insecure_port(address)
     except RuntimeError:  # grpcio raises this ("Failed to bind to address ...") where it once returned 0
