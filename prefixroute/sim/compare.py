@@ -27,6 +27,7 @@ from prefixroute.policies import policy_names
 from prefixroute.router import Router
 from prefixroute.sim.baselines import BASELINES
 from prefixroute.sim.metrics import PolicyResult
+from prefixroute.sim.report import ratio_cell
 from prefixroute.sim.runner import SimSpec, run_policy
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ __all__ = [
     "compared_policies",
     "default_policy_name",
     "markdown_table",
+    "ms_cell",
     "policy_kind",
     "rank",
     "rich_table",
@@ -199,32 +201,27 @@ def table_rows(ranking: Ranking, *, default: str | None = None) -> list[list[str
     rows: list[list[str]] = []
     for i, r in enumerate(ranking.results, 1):
         kind = policy_kind(r.policy) + (", default" if r.policy == default else "")
-        throughput_ratio = _ratio(r.throughput_rps, ranking.best_throughput)
+        throughput_ratio = ratio_cell(r.throughput_rps, ranking.best_throughput)
         rows.append(
             [
                 str(i) if ranking.eligible(r) else f"({i})",
                 r.policy,
                 kind,
-                _ms(r.ttft_ms["p50"]),
-                _ms(r.ttft_ms["p99"]),
+                ms_cell(r.ttft_ms["p50"]),
+                ms_cell(r.ttft_ms["p99"]),
                 f"{r.throughput_rps:.2f}",
                 f"{100 * r.hit_rate:.1f} %",
                 f"{100 * r.max_backend_share:.0f} %",
-                _ratio(r.ttft_ms["p99"], ranking.best_p99_ms),
+                ratio_cell(r.ttft_ms["p99"], ranking.best_p99_ms),
                 throughput_ratio,
             ]
         )
     return rows
 
 
-def _ms(value: float) -> str:
+def ms_cell(value: float) -> str:
+    """Milliseconds as a table cell (``1,234``); ``–`` for NaN (a policy that served nothing). O(1)."""
     return "–" if math.isnan(value) else f"{value:,.0f}"
-
-
-def _ratio(value: float, base: float) -> str:
-    if not base or math.isnan(base) or math.isnan(value):
-        return "–"
-    return f"{value / base:.2f}×"
 
 
 def recommendation(ranking: Ranking, *, default: str | None = None) -> str:
@@ -234,15 +231,15 @@ def recommendation(ranking: Ranking, *, default: str | None = None) -> str:
         return "No recommendation: no policy served a request."
     share = f"{100 * (1 - ranking.tolerance):.0f} %"
     text = (
-        f"Recommended: {best.policy} — the lowest P99 TTFT ({_ms(best.ttft_ms['p99'])} ms) among the policies that "
+        f"Recommended: {best.policy} — the lowest P99 TTFT ({ms_cell(best.ttft_ms['p99'])} ms) among the policies that "
         f"keep {share} of the best throughput ({ranking.best_throughput:.2f} req/s)."
     )
     mine = ranking.of(default) if default is not None else None
     if default is not None and mine is not None and default != best.policy:
         text += (
-            f" The default, {default}, ranks {ranking.position(default)}: P99 {_ms(mine.ttft_ms['p99'])} ms "
-            f"({_ratio(mine.ttft_ms['p99'], best.ttft_ms['p99'])} the recommendation's), "
-            f"{_ratio(mine.throughput_rps, ranking.best_throughput)} the best throughput."
+            f" The default, {default}, ranks {ranking.position(default)}: P99 {ms_cell(mine.ttft_ms['p99'])} ms "
+            f"({ratio_cell(mine.ttft_ms['p99'], best.ttft_ms['p99'])} the recommendation's), "
+            f"{ratio_cell(mine.throughput_rps, ranking.best_throughput)} the best throughput."
         )
     elif default is not None and default == best.policy:
         text += " It is the default policy."

@@ -24,6 +24,7 @@ __all__ = [
     "json_document",
     "plot_file",
     "pyplot",
+    "ratio_cell",
     "rich_table",
     "table_rows",
     "write_json",
@@ -49,7 +50,8 @@ _TERMINAL_HEADERS = (
 )
 
 
-def _ratio(value: float, base: float) -> str:
+def ratio_cell(value: float, base: float) -> str:
+    """``value / base`` as a table cell (``0.25×``); ``–`` when either is NaN or ``base`` is 0. O(1)."""
     if not base or math.isnan(base) or math.isnan(value):
         return "–"
     return f"{value / base:.2f}×"
@@ -74,8 +76,8 @@ def table_rows(results: Sequence[PolicyResult]) -> list[list[str]]:
                 f"{100 * r.max_backend_share:.0f} %",
                 str(max(r.peak_in_flight.values(), default=0)),
                 f"{r.recompute_usd_per_month:,.0f}",
-                _ratio(r.ttft_ms["p99"], base.ttft_ms["p99"]),
-                _ratio(r.throughput_rps, base.throughput_rps),
+                ratio_cell(r.ttft_ms["p99"], base.ttft_ms["p99"]),
+                ratio_cell(r.throughput_rps, base.throughput_rps),
                 f"{100 * (r.hit_rate - base.hit_rate):+.1f}",
             ]
         )

@@ -21,6 +21,7 @@ from prefixroute.sim.compare import (
     compared_policies,
     default_policy_name,
     markdown_table,
+    ms_cell,
     rank,
     recommendation,
     run_grid,
@@ -286,7 +287,7 @@ def render(
                 [
                     v.workload.name,
                     f"{v.workload.spec.metrics_interval:g} s" if v.workload.metrics else "off",
-                    _ms(v.default.ttft_ms["p99"]),
+                    ms_cell(v.default.ttft_ms["p99"]),
                     f"{rr.value:.2f}×",
                     f"{best.value:.2f}× ({v.best_p99.policy})",
                     f"{rate.value:.2f}×",
@@ -355,10 +356,6 @@ def _across_the_suite(verdicts: Sequence[WorkloadVerdict], *, default: str) -> l
 
 def _mark(check: Check) -> str:
     return "PASS" if check.passed else "MISS"
-
-
-def _ms(value: float) -> str:
-    return "–" if math.isnan(value) else f"{value:,.0f}"
 
 
 def write_suite_plot(path: Path, verdicts: Sequence[WorkloadVerdict], *, default: str) -> None:
