@@ -134,6 +134,7 @@ _POSITIVE_INTS: Mapping[str, int] = MappingProxyType(
 )
 _MIN_METRICS_INTERVAL = 0.001  # seconds of simulated time between polls: below that the run is all polling
 _MAX_DURATION = 10_000_000.0  # simulated seconds (16 weeks)
+_MAX_GPU_HOUR_USD = 1_000_000.0  # a price past any GPU's; far above it the monthly recompute cost overflows to inf
 _POSITIVE_NUMBERS = ("rate", "speedup", "duration", "metrics_interval")
 _NON_NEGATIVE_NUMBERS = ("think_time", "gpu_hour_usd")
 # Options the CLI has: their messages name the flag.
@@ -230,6 +231,10 @@ def _check_spec(spec: SimSpec) -> None:
     # 1e300 s): so requests arrive within it, as --duration's do.
     if spec.think_time is not None and spec.think_time > _MAX_DURATION:
         raise ConfigurationError(f"--think-time must be at most {_MAX_DURATION:,.0f} s, not {shown(spec.think_time)}")
+    if spec.gpu_hour_usd > _MAX_GPU_HOUR_USD:
+        raise ConfigurationError(
+            f"--gpu-hour-usd must be at most {_MAX_GPU_HOUR_USD:,.0f} ($ per GPU-hour), not {shown(spec.gpu_hour_usd)}"
+        )
     if spec.rate is not None and spec.requests is not None and spec.requests / spec.rate > _MAX_DURATION:
         raise ConfigurationError(
             f"--rate {shown(spec.rate)} takes {spec.requests / spec.rate:,.3g} s to send --requests "

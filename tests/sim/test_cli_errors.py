@@ -64,6 +64,7 @@ def _fails_with_one_line(
         (["--speedup", "inf"], "--speedup must be a finite number > 0"),
         (["--gpu-hour-usd", "nan"], "--gpu-hour-usd must be a finite number >= 0"),
         (["--gpu-hour-usd", "-2"], "--gpu-hour-usd must be a finite number >= 0"),
+        (["--gpu-hour-usd", "1e308"], "--gpu-hour-usd must be at most 1,000,000 ($ per GPU-hour), not 1e+308"),
         (["--metrics-interval", "0"], "--metrics-interval must be a finite number > 0"),
         (["--metrics-interval", "inf"], "--metrics-interval must be a finite number > 0"),
         (["--metrics-interval", "1e-9"], "--metrics-interval must be at least 0.001 s"),
