@@ -59,7 +59,8 @@ class Candidate(NamedTuple):
     ``active_blocks`` is the distinct KV blocks of its requests in flight there, a prefix they share counted once
     (an estimate, see docs/policies.md: what their memory use is, where ``held_blocks`` is what their attention
     reads); ``in_prefill`` how many of its requests there have no first token yet; ``block_size`` the router's
-    tokens per block, the unit of the block figures.
+    tokens per block, the unit of the block figures. Where the gateway reports no first tokens, the engine's
+    waiting queue (:meth:`Router.set_engine_load`) tells which requests are past their prefill instead.
 
     A ``NamedTuple``: built once per backend per request, it costs a quarter of a frozen dataclass. Its fields are
     not checked when it is built; a built-in policy whose rule fails on one of the wrong type or an impossible value

@@ -292,6 +292,12 @@ class Router:
         self._pending: dict[str, int] = {}
         self._held: dict[str, int] = {}
         self._prefilling: dict[str, int] = {}  # requests in flight without a first token
+        # The same requests per backend, oldest start first (an ordered set), for _infer_prefilled; and what tells
+        # that the gateway reports no first tokens: a request finished without one, and first_token() never called.
+        self._unprefilled: dict[str, dict[_Request, None]] = {}
+        self._first_tokens_reported = False
+        self._first_tokens_missing = False
+        self._polled: dict[str, float] = {}  # per backend: when set_engine_load() last brought its queue (the clock)
         self._footprints: dict[str, _Footprint] = {}
         self._active: dict[str, int] = {}  # distinct KV blocks in flight: each footprint's figure, for _candidates
         self._speed: dict[str, float] = {}  # observed prefill tokens/s
@@ -556,9 +562,10 @@ class Router:
                 footprint = self._footprints[backend] = _Footprint()
             taken = footprint.add(decision._hashes, blocks, decision.matched_tokens // self._hasher.block_size)
             self._active[backend] = footprint.blocks
-            self._live[decision.id] = _Request(
+            request = self._live[decision.id] = _Request(
                 backend, uncached, blocks, pending, now, deadline, taken, decision._hashes, decision._held
             )
+            self._unprefilled.setdefault(backend, {})[request] = None
             self._in_flight[backend] = self._in_flight.get(backend, 0) + 1
             self._pending[backend] = pending + uncached
             self._held[backend] = self._held.get(backend, 0) + blocks
@@ -571,19 +578,18 @@ class Router:
         """Note that the request's prefill is done (its first token came back); optional, idempotent. O(1).
 
         Its uncached tokens leave the backend's pending prefill work, and the time since :meth:`start` updates the
-        backend's observed prefill speed. A request that is not in flight is ignored and counted.
+        backend's observed prefill speed. A request that is not in flight is ignored and counted. Once called, the
+        router stops inferring prefills from the engines' queues (see :meth:`set_engine_load`).
         """
         decision_id = _id_of(decision)
         with self._lock:
+            self._first_tokens_reported = True
             request = self._live.get(decision_id)
             if request is None or not request.prefilling:
                 self._counts["ignored"] += request is None
                 return
-            request.prefilling = False
+            self._prefilled(request)
             backend = request.backend
-            self._pending[backend] -= request.uncached
-            self._prefilling[backend] -= 1
-            self._figures.pop(backend, None)
             now, started = as_float(self._clock()), as_float(request.started_at)
             # A clock that returns no number (it need not, without leases) teaches no speed rather than raising.
             elapsed = now - started if now is not None and started is not None else 0.0
@@ -629,6 +635,8 @@ class Router:
             if request is None:
                 self._counts["ignored"] += 1
                 return
+            if request.prefilling and not refused:
+                self._first_tokens_missing = True
             self._release(request)
             if refused and request.held >= 0:
                 self._retract(request)
@@ -693,8 +701,16 @@ class Router:
         footprint.remove(request.footprint)
         self._active[backend] = footprint.blocks
         if request.prefilling:
-            self._pending[backend] -= request.uncached
-            self._prefilling[backend] -= 1
+            self._prefilled(request)
+        self._figures.pop(backend, None)
+
+    def _prefilled(self, request: _Request) -> None:
+        """Take a request out of its backend's prefill counts (call under the lock)."""
+        backend = request.backend
+        request.prefilling = False
+        self._pending[backend] -= request.uncached
+        self._prefilling[backend] -= 1
+        del self._unprefilled[backend][request]
         self._figures.pop(backend, None)
 
     def _expire_due(self) -> None:
@@ -751,7 +767,17 @@ class Router:
     def set_engine_load(self, backend: str, *, queue_len: int | None, kv_usage: float | None) -> None:
         """Record a backend's engine figures (from its ``/metrics``) for policies to see in :class:`Candidate`.
 
-        Pass None for a figure that is unknown or stale; with both None the backend's entry is dropped. O(1).
+        Pass None for a figure that is unknown or stale; with both None the backend's entry is dropped.
+
+        When the gateway reports no first tokens (a request has finished without :meth:`first_token` and it was
+        never called), ``queue_len`` also tells which of this router's requests there are past their prefill. vLLM
+        admits requests first come, first served, each step until its token budget runs out, so its ``queue_len``
+        waiting requests are the newest, and the newest one admitted may be part-way through a chunked prefill; the
+        others are done with it. Of this router's requests still counted in prefill there that started before the
+        previous call for this backend (so before this figure was read), all but the newest ``queue_len + 1`` leave
+        the prefill counts, as a first token would take them out (without teaching a prefill speed). Requests of
+        other gateways in the queue only make the router keep more of its own. O(1); when it infers, O(requests in
+        prefill there).
 
         Raises:
             ConfigurationError: ``queue_len`` is not an int in [0, 2**63) (policies do float arithmetic on loads) or
@@ -773,9 +799,34 @@ class Router:
             if queue_len is None and kv_usage is None:
                 self._queue_len.pop(backend, None)
                 self._kv_usage.pop(backend, None)
+                self._polled.pop(backend, None)
             else:
                 self._queue_len[backend] = queue_len
                 self._kv_usage[backend] = kv_usage
+                if queue_len is not None and self._first_tokens_missing and not self._first_tokens_reported:
+                    self._infer_prefilled(backend, queue_len)
+
+    def _infer_prefilled(self, backend: str, waiting: int) -> None:
+        """Take out of the prefill counts the requests on ``backend`` that its engine's waiting queue shows past
+        their prefill (call under the lock; see :meth:`set_engine_load`)."""
+        now = as_float(self._clock())
+        before = self._polled.get(backend)
+        if now is None:  # a clock that returns no number (it need not, without leases) infers nothing
+            return
+        self._polled[backend] = now
+        queue = self._unprefilled.get(backend)
+        kept = waiting + 1  # and the newest admitted, which a chunked prefill may be part-way through
+        if before is None or not queue or len(queue) <= kept:
+            return
+        older: list[_Request] = []  # oldest start first, up to the first that started since the previous call
+        for request in queue:
+            started = as_float(request.started_at)
+            if started is None or not started < before:
+                break
+            older.append(request)
+        # The waiting ones are the newest of those (the figure may predate the newer ones, which stay counted).
+        for request in older[: max(0, len(older) - kept)]:
+            self._prefilled(request)
 
     def set_capacity(self, backend: str, capacity_blocks: int | None) -> None:
         """Set ``backend``'s index capacity in router blocks; None returns it to the index's default capacity.
@@ -802,11 +853,13 @@ class Router:
                 self._pending,
                 self._held,
                 self._prefilling,
+                self._unprefilled,
                 self._footprints,
                 self._active,
                 self._speed,
                 self._queue_len,
                 self._kv_usage,
+                self._polled,
                 self._figures,
             ):
                 figures.pop(backend, None)
@@ -887,6 +940,9 @@ class Router:
                 for key in keys:
                     counts[key] = counts.get(key, 0) + 1
             counters = (self._in_flight, self._held, self._pending, self._prefilling)
+            prefilling = {r for r in self._live.values() if r.prefilling}
+            assert prefilling == {r for queue in self._unprefilled.values() for r in queue}
+            assert all(r.backend == backend for backend, queue in self._unprefilled.items() for r in queue)
             for backend in set(expected).union(*counters, self._footprints, self._active):
                 got = [counter.get(backend, 0) for counter in counters]
                 assert got == expected.get(backend, [0, 0, 0, 0]), (backend, got, expected.get(backend))

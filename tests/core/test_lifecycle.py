@@ -141,6 +141,125 @@ def test_finish_without_first_token_takes_back_the_pending_prefill_too() -> None
     assert counters(router, "a") == (0, 0, 0)
 
 
+def prefill_counts(router: Router, backend: str) -> tuple[int, int]:
+    """(pending prefill tokens, requests in prefill) as a policy sees them."""
+    candidate = router.decide([1], [backend]).candidates[0]
+    return candidate.pending_prefill_tokens, candidate.in_prefill
+
+
+def unreporting(clock: FakeClock) -> Router:
+    """A router (no lease) whose gateway reports no first tokens: a request has finished without one."""
+    router = Router(block_size=4, clock=clock)
+    done = router.route([1], ["a"])
+    router.start(done)
+    router.finish(done)
+    return router
+
+
+def started(router: Router, clock: FakeClock, prompts: Sequence[int], backend: str = "a") -> list[str]:
+    """Start one request of each length in ``prompts`` (distinct tokens: nothing cached) a second apart; their ids."""
+    ids = []
+    for length in prompts:
+        decision = router.route([int(clock.now) * 1000 + t for t in range(length)], [backend])
+        router.start(decision)
+        ids.append(decision.id)
+        clock.tick(1.0)
+    return ids
+
+
+def test_without_first_tokens_the_engines_waiting_queue_tells_which_requests_are_past_their_prefill() -> None:
+    clock = FakeClock()
+    router = unreporting(clock)
+    old = started(router, clock, [10, 20, 30, 40, 50])
+    router.set_engine_load("a", queue_len=1, kv_usage=0.5)  # the first figures: nothing known to be older yet
+    assert prefill_counts(router, "a") == (150, 5)
+    new = started(router, clock, [60])
+    router.set_engine_load("a", queue_len=1, kv_usage=0.5)
+    # Of the five started before the previous figures, the newest is waiting and the one before it may be part-way
+    # through a chunked prefill; the three older are past it. The request started since is left in prefill and not
+    # taken for the waiting one (the figure may predate it).
+    assert prefill_counts(router, "a") == (40 + 50 + 60, 3)
+    newer = started(router, clock, [70])
+    router.set_engine_load("a", queue_len=2, kv_usage=0.5)  # as many waiting as started before the previous figures
+    assert prefill_counts(router, "a") == (40 + 50 + 60 + 70, 4)
+    router.set_engine_load("a", queue_len=0, kv_usage=0.5)
+    assert prefill_counts(router, "a") == (70, 1)  # the newest admitted stays, in case its prefill is not done
+    router.first_token(old[4])  # already taken out: nothing moves twice, and no speed is learned from a guess
+    assert prefill_counts(router, "a") == (70, 1) and speed_of(router, "a") is None
+    for decision_id in old + new + newer:
+        router.finish(decision_id)
+    assert counters(router, "a") == (0, 0, 0)
+    router._check()
+
+
+def test_figures_that_were_dropped_or_came_with_no_queue_infer_nothing() -> None:
+    clock = FakeClock()
+    router = unreporting(clock)
+    started(router, clock, [10, 20, 30])
+    router.set_engine_load("a", queue_len=0, kv_usage=None)
+    router.set_engine_load("a", queue_len=None, kv_usage=None)  # a failed scrape: the figures, and when, dropped
+    router.set_engine_load("a", queue_len=0, kv_usage=None)  # again the first figures
+    router.set_engine_load("a", queue_len=None, kv_usage=0.3)  # no queue: nothing to infer from
+    assert prefill_counts(router, "a") == (60, 3)
+    router.set_engine_load("a", queue_len=0, kv_usage=None)
+    assert prefill_counts(router, "a") == (30, 1)
+
+
+def test_a_clock_that_returns_no_number_infers_nothing_and_raises_nothing() -> None:
+    clock = FakeClock()
+    router = unreporting(clock)
+    started(router, clock, [10, 20])
+    router.set_engine_load("a", queue_len=0, kv_usage=None)
+    clock.now = None  # type: ignore[assignment]
+    router.set_engine_load("a", queue_len=0, kv_usage=None)
+    assert prefill_counts(router, "a") == (30, 2)
+    router._check()
+
+
+@pytest.mark.parametrize("reported", ["a first token", "no finish yet", "only a refusal"])
+def test_the_queue_infers_nothing_while_first_tokens_may_come(reported: str) -> None:
+    clock = FakeClock()
+    router = Router(block_size=4, clock=clock)
+    early = router.route([1], ["a"])
+    router.start(early)
+    if reported == "a first token":
+        router.first_token(early)
+        router.finish(early)
+    elif reported == "only a refusal":
+        router.finish(early, refused=True)  # refused by the engine: no first token was to come
+    started(router, clock, [10, 20])
+    for _ in range(3):
+        router.set_engine_load("a", queue_len=0, kv_usage=None)
+        clock.tick(1.0)
+    unfinished = 1 if reported == "no finish yet" else 0
+    assert prefill_counts(router, "a") == (30 + unfinished, 2 + unfinished)
+    router._check()
+
+
+def test_a_request_that_moved_backend_is_inferred_on_its_new_one_only() -> None:
+    clock = FakeClock()
+    router = unreporting(clock)
+    decision = router.route(list(range(10)), ["a", "b"])
+    router.start(decision)
+    other = "b" if decision.backend == "a" else "a"
+    router.set_engine_load(other, queue_len=0, kv_usage=None)
+    clock.tick(1.0)
+    router.start(router.commit(decision, other))  # Ray and LiteLLM retries move a request
+    clock.tick(1.0)
+    later = router.route(list(range(100, 120)), [other])
+    router.start(later)
+    clock.tick(1.0)
+    for _ in range(2):
+        router.set_engine_load(decision.backend, queue_len=0, kv_usage=None)
+    assert prefill_counts(router, decision.backend) == (0, 0)
+    router.set_engine_load(other, queue_len=0, kv_usage=None)  # both started after the previous figures there
+    assert prefill_counts(router, other) == (10 + 20, 2)
+    clock.tick(1.0)
+    router.set_engine_load(other, queue_len=0, kv_usage=None)
+    assert prefill_counts(router, other) == (20, 1)  # the newest admitted stays
+    router._check()
+
+
 def test_leases_end_requests_that_are_never_finished() -> None:
     clock = FakeClock()
     router = Router(block_size=4, clock=clock, lease=10.0)
