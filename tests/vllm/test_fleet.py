@@ -71,6 +71,33 @@ def test_metrics_feed_engine_load_capacity_and_health(engine: FakeVLLM) -> None:
     assert router.index.capacity("gpu0") == 64 and threads_of("gpu0") == []
 
 
+def test_behind_a_gateway_without_first_tokens_the_polled_queue_takes_requests_out_of_prefill(
+    engine: FakeVLLM,
+) -> None:
+    router = Router()
+    done = router.route(PROMPT, ["gpu0"])
+    router.start(done)
+    router.finish(done)  # no first token: this gateway reports none
+    requests = [router.route([i] * 40, ["gpu0"]) for i in range(1, 4)]
+    for decision in requests:
+        router.start(decision)
+
+    def in_prefill() -> int:
+        return router.decide(PROMPT, ["gpu0"]).candidates[0].in_prefill
+
+    assert in_prefill() == 3
+    with Fleet(router, interval=0.05) as fleet:
+        engine.set_load(running=3, waiting=0)
+        fleet.add_backend("gpu0", metrics_url=engine.url)
+        # From the second scrape on, all but the newest started before the previous one are past their prefill.
+        wait_until(lambda: in_prefill() == 1, what="the two older requests out of prefill")
+        next_scrape(fleet, "gpu0")
+        assert in_prefill() == 1  # the newest admitted stays: its prefill may be under way
+    for decision in requests:
+        router.finish(decision)
+    router._check()
+
+
 def test_an_event_index_gets_no_capacity_from_metrics(engine: FakeVLLM) -> None:
     router = events_router()
     with Fleet(router, interval=0.05) as fleet:
