@@ -203,6 +203,9 @@ def test_figures_that_were_dropped_or_came_with_no_queue_infer_nothing() -> None
     assert prefill_counts(router, "a") == (60, 3)
     router.set_engine_load("a", queue_len=0, kv_usage=None)
     assert prefill_counts(router, "a") == (30, 1)
+    for _ in range(2):  # a backend that never had a request: nothing to infer, nothing raised
+        router.set_engine_load("b", queue_len=0, kv_usage=None)
+    assert prefill_counts(router, "b") == (0, 0)
 
 
 def test_a_clock_that_returns_no_number_infers_nothing_and_raises_nothing() -> None:
@@ -216,23 +219,29 @@ def test_a_clock_that_returns_no_number_infers_nothing_and_raises_nothing() -> N
     router._check()
 
 
-@pytest.mark.parametrize("reported", ["a first token", "no finish yet", "only a refusal"])
+@pytest.mark.parametrize(
+    "reported", ["a first token", "a first token after a finish without one", "no finish yet", "only a refusal"]
+)
 def test_the_queue_infers_nothing_while_first_tokens_may_come(reported: str) -> None:
     clock = FakeClock()
     router = Router(block_size=4, clock=clock)
-    early = router.route([1], ["a"])
+    early, failed = router.route([1], ["a"]), router.route([2], ["a"])
     router.start(early)
+    router.start(failed)
     if reported == "a first token":
         router.first_token(early)
-        router.finish(early)
+        router.finish(failed)  # a failure before its first token: no sign that the gateway reports none
+    elif reported == "a first token after a finish without one":
+        router.finish(failed)
+        router.first_token(early)  # it does report them: the inference stops
     elif reported == "only a refusal":
-        router.finish(early, refused=True)  # refused by the engine: no first token was to come
-    started(router, clock, [10, 20])
+        router.finish(failed, refused=True)  # refused by the engine: no first token was to come
+    started(router, clock, [10, 20, 30])
     for _ in range(3):
         router.set_engine_load("a", queue_len=0, kv_usage=None)
         clock.tick(1.0)
-    unfinished = 1 if reported == "no finish yet" else 0
-    assert prefill_counts(router, "a") == (30 + unfinished, 2 + unfinished)
+    in_prefill = {"no finish yet": 2, "only a refusal": 1}.get(reported, 0)  # early and failed, if in prefill
+    assert prefill_counts(router, "a") == (60 + in_prefill, 3 + in_prefill)
     router._check()
 
 
