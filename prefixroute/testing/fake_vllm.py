@@ -542,9 +542,13 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
                 )
                 self._reply(200, json.dumps(listing).encode(), "application/json")
                 return
-            if path != "/metrics":
-                self._reply(404, b"not found\n", "text/plain")
+            if not path.startswith("/metrics"):
+                self._refuse(path)
                 return
+            self._metrics()
+
+        def _metrics(self) -> None:
+            """``/metrics``: as vLLM mounts its Prometheus app, at every path that starts so and for every method."""
             text, delay, trickle = engine.metrics_fault()
             body = (engine.metrics_text() if text is None else text).encode()
             if delay and engine._stop.wait(delay):  # stop() ends the wait: a long delay holds no thread past it
@@ -566,8 +570,12 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
                 return
 
         def do_POST(self) -> None:  # noqa: N802
-            if self.path != "/v1/completions":
-                self._reply(404, b"not found\n", "text/plain")
+            path = self.path.split("?")[0]
+            if path.startswith("/metrics"):
+                self._metrics()
+                return
+            if path != "/v1/completions":
+                self._refuse(path)
                 return
             try:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
@@ -611,9 +619,19 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
             }
             self._reply(200, json.dumps(reply).encode(), "application/json")
 
-        def _reply(self, status: int, body: bytes, content_type: str) -> None:
+        def _refuse(self, path: str) -> None:
+            """FastAPI's answer to a path vLLM does not serve (404), or serves with the other method (405)."""
+            allowed = {"/v1/models": "GET", "/v1/completions": "POST"}.get(path)
+            if allowed is None:
+                self._reply(404, b'{"detail":"Not Found"}', "application/json")
+            else:
+                self._reply(405, b'{"detail":"Method Not Allowed"}', "application/json", allow=allowed)
+
+        def _reply(self, status: int, body: bytes, content_type: str, *, allow: str | None = None) -> None:
             self.send_response(status)
             self.send_header("Content-Type", content_type)
+            if allow is not None:
+                self.send_header("Allow", allow)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             try:

@@ -527,6 +527,31 @@ def test_the_http_answers_are_vllms() -> None:
                     "root": "fake-model", "parent": None, "max_model_len": 1 << 20}  # fmt: skip
 
 
+def test_the_routes_answer_as_vllms_fastapi_app_does() -> None:
+    # vLLM routes by path alone (a query string is ignored), serves its Prometheus app under every /metrics path
+    # and method, answers a path it does not serve with FastAPI's 404 and a path it serves with another method with
+    # a 405 naming the method. Was: a query string on a POST, /metrics/ or POST /metrics was a 404, every refusal
+    # a text/plain "not found" and a wrong method a 404 too.
+    with FakeVLLM() as engine, httpx.Client(base_url=engine.url, timeout=5) as client:
+        for models in (client.get("/v1/models"), client.get("/v1/models?limit=1")):
+            assert models.status_code == 200 and models.headers["content-type"] == "application/json"
+            assert models.json()["data"][0]["id"] == "fake-model"
+        done = client.post("/v1/completions?trace=1", json={"prompt": [1, 2, 3], "max_tokens": 1})
+        assert done.status_code == 200 and done.headers["content-type"] == "application/json"
+        assert done.json()["usage"]["prompt_tokens"] == 3
+        for metrics in (client.get("/metrics?name[]=x"), client.get("/metrics/"), client.post("/metrics")):
+            assert metrics.status_code == 200, metrics.request.url
+            assert metrics.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+            assert "vllm:prefix_cache_queries_total" in metrics.text
+        for unknown in (client.get("/nothing"), client.get("/v1/models/"), client.post("/v1/chat/nothing")):
+            assert unknown.status_code == 404, unknown.request.url
+            assert unknown.headers["content-type"] == "application/json"
+            assert unknown.json() == {"detail": "Not Found"}
+        for wrong, allowed in ((client.get("/v1/completions"), "POST"), (client.post("/v1/models?x=1"), "GET")):
+            assert wrong.status_code == 405 and wrong.headers["allow"] == allowed, wrong.request.url
+            assert wrong.json() == {"detail": "Method Not Allowed"}
+
+
 def test_a_subscriber_later_than_the_replay_buffer_holds_only_true_blocks() -> None:
     rng = random.Random(9)
     router = events_router()
