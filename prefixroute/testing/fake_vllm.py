@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prefixroute._numbers import as_float, as_int, check_flag, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.testing._names import check_served_names, model_list
+from prefixroute.testing._requests import Refused, read_max_tokens
 from prefixroute.testing.fake_cache import CachedChain, FakeBlockCache, FakeRequest
 from prefixroute.vllm._checks import MAX_SECONDS
 from prefixroute.vllm.events import EventBatch, encode_batch
@@ -580,12 +581,11 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
             try:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
                 prompts = _token_prompts(body.get("prompt"))
-                max_tokens = body.get("max_tokens")
-                max_tokens = 16 if max_tokens is None else max_tokens
-                if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-                    raise ValueError(f"max_tokens must be a positive integer, not {json.dumps(max_tokens)[:40]}")
+                # vLLM's CompletionRequest: max_tokens 16 unless given
+                max_tokens = read_max_tokens(body.get("max_tokens"), 16, max(map(len, prompts)))
             except (ValueError, TypeError, AttributeError) as exc:  # vLLM's ErrorResponse
-                error = {"error": {"message": str(exc), "type": "BadRequestError", "param": None, "code": 400}}
+                param = exc.param if isinstance(exc, Refused) else None
+                error = {"error": {"message": str(exc), "type": "BadRequestError", "param": param, "code": 400}}
                 self._reply(400, json.dumps(error).encode(), "application/json")
                 return
             done = [engine.complete(prompt) for prompt in prompts]

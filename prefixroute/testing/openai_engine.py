@@ -48,7 +48,8 @@ from prefixroute.adapters.serve.contract import UNSUPPORTED_MEDIA_TYPE, is_json_
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.adapters.urls import host_port, listen_host
 from prefixroute.errors import ConfigurationError, InvalidTypeError, StateError
-from prefixroute.testing._names import MAX_MODEL_LEN, check_served_names, model_list
+from prefixroute.testing._names import check_served_names, model_list
+from prefixroute.testing._requests import Refused, lax_int, read_max_tokens
 from prefixroute.testing.fake_cache import FakeBlockCache
 from prefixroute.vllm.metrics import TTFT_BUCKETS
 
@@ -114,14 +115,6 @@ _MEDIA_PARTS = ("image_url", "input_image", "image_pil", "image_embeds", "audio_
 _SUPPORTED_PARTS = ", ".join(sorted((*_TEXT_PARTS, *_MEDIA_PARTS)))
 
 
-class _Refused(ValueError):
-    """What vLLM refuses with a VLLMValidationError naming a parameter: 400, the parameter its answer's ``param``."""
-
-    def __init__(self, message: str, *, param: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
 def _part_text(part: dict[str, Any] | str) -> str | None:
     """The text a content part renders, as chat_utils' _parse_chat_message_content_part reads it: a plain string is
     its own text, a text part (``text``, ``input_text``, ``output_text``, ``refusal``, ``thinking``,
@@ -140,7 +133,7 @@ def _part_text(part: dict[str, Any] | str) -> str | None:
         return None  # images and the like (typeless media forms too): no text
     key = _TEXT_PARTS.get(kind)
     if key is None:  # VLLMValidationError's str() appends its parameter and value
-        raise _Refused(
+        raise Refused(
             f"Unsupported chat content part type: {kind!r}. Supported types: {_SUPPORTED_PARTS}. "
             f"(parameter=type, value={kind})",
             param="type",
@@ -188,49 +181,6 @@ def _stream_options(value: object) -> None:
             ) from None
 
 
-def _lax_int(name: str, value: object) -> int:
-    """``value`` as pydantic's lax int reads it: an int, ``16.0`` or ``"16"``.
-
-    Raises:
-        ValueError: anything else (vLLM answers 400), e.g. ``true`` or ``1.5``.
-    """
-    if isinstance(value, float) and value.is_integer() or isinstance(value, str) and value.strip().isdecimal():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, not {shown(value)}")
-    return value
-
-
-def _max_tokens(body: dict[str, Any], default: int, prompt_tokens: int) -> int:
-    """The tokens to generate, as vLLM reads ``max_completion_tokens`` or else ``max_tokens`` (absent or null: the
-    engine's default, at most what the context leaves): an integer (``16.0`` and ``"16"`` too, pydantic's lax int) of
-    at least 1 that fits the context with the (longest) prompt.
-
-    Raises:
-        ValueError: anything else (vLLM answers 400), e.g. ``true``, ``1.5``, ``0``, or more than the context.
-    """
-    value = body.get("max_completion_tokens")
-    if value is None:
-        value = body.get("max_tokens")
-    if value is None:  # vLLM then generates up to the context's end, and refuses a prompt that fills it
-        if prompt_tokens >= MAX_MODEL_LEN:
-            raise ValueError(
-                f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, your request has "
-                f"{prompt_tokens} input tokens. Please reduce the length of the input messages."
-            )
-        return min(default, MAX_MODEL_LEN - prompt_tokens)
-    value = _lax_int("max_tokens", value)
-    if value < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {value}.")
-    if prompt_tokens + value > MAX_MODEL_LEN:
-        raise ValueError(
-            f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested "
-            f"{prompt_tokens + value} tokens ({prompt_tokens} in the messages, {value} in the completion). "
-            "Please reduce the length of the messages or completion."
-        )
-    return value
-
-
 def _choices(body: dict[str, Any], prompts: int) -> int:
     """``n``, the answers per prompt, as vLLM reads it: absent or null 1, else a lax int of at least 1 (here with
     at most :data:`_MAX_CHOICES` answers in all, so that no request makes the fake build an unbounded answer).
@@ -239,7 +189,7 @@ def _choices(body: dict[str, Any], prompts: int) -> int:
         ValueError: anything else (vLLM answers 400).
     """
     value = body.get("n")
-    n = 1 if value is None else _lax_int("n", value)
+    n = 1 if value is None else lax_int("n", value)
     if n < 1:
         raise ValueError(f"n must be at least 1, got {n}.")
     if n * prompts > _MAX_CHOICES:
@@ -612,9 +562,11 @@ class OpenAIEngine:
             _stream_options(body.get("stream_options"))
             _stream_flag(body.get("stream"))
             n = _choices(body, len(prompts))
-            max_tokens = _max_tokens(body, self.max_tokens, max(map(len, prompts)))
+            limit = body.get("max_completion_tokens")  # vLLM reads it before max_tokens
+            limit = body.get("max_tokens") if limit is None else limit
+            max_tokens = read_max_tokens(limit, self.max_tokens, max(map(len, prompts)))
         except (ValueError, TypeError) as exc:
-            return _error(400, str(exc), "BadRequestError", param=exc.param if isinstance(exc, _Refused) else None)
+            return _error(400, str(exc), "BadRequestError", param=exc.param if isinstance(exc, Refused) else None)
         if body.get("model") not in (None, self.model, *self.lora_adapters):
             return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
         if self._slots is not None:

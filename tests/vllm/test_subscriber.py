@@ -499,7 +499,7 @@ def test_completions_over_http_publish_events_and_report_cached_tokens() -> None
             reply = client.post("/v1/completions", json={"prompt": bad_prompt})
             assert reply.status_code == 400, reply.text
             assert "token ids" in reply.json()["error"]["message"] and reply.json()["error"]["param"] is None
-        for bad_max in ["Infinity", "0", "true", '"4"', "1.5"]:  # Infinity once raised OverflowError: no answer
+        for bad_max in ["Infinity", "0", "true", '"four"', "1.5"]:  # Infinity once raised OverflowError: no answer
             raw = f'{{"prompt": [1, 2, 3], "max_tokens": {bad_max}}}'
             reply = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
             assert reply.status_code == 400, (bad_max, reply.text)
@@ -525,6 +525,31 @@ def test_the_http_answers_are_vllms() -> None:
     assert permission["object"] == "model_permission" and permission["id"].startswith("modelperm-")
     assert card == {"id": "fake-model", "object": "model", "created": 1_700_000_000, "owned_by": "vllm",
                     "root": "fake-model", "parent": None, "max_model_len": 1 << 20}  # fmt: skip
+
+
+def test_max_tokens_and_the_refusals_are_vllms() -> None:
+    # vLLM's CompletionRequest (max_tokens: int | None = 16, read as pydantic's lax int) and SamplingParams (at least
+    # 1: a VLLMValidationError naming the parameter, which its str() appends) and the context it serves. Was: "4"
+    # and 2.0 refused, 0 refused with no param, and a max_tokens past the context generated until memory ran out.
+    with FakeVLLM() as engine, httpx.Client(base_url=engine.url, timeout=5) as client:
+        for given, generated in ((None, 16), ("4", 4), (2.0, 2), (1, 1)):
+            body = {"prompt": [[1, 2, 3], [4, 5]]} | ({} if given is None else {"max_tokens": given})
+            answer = client.post("/v1/completions", json=body).json()
+            assert answer["choices"][0]["text"] == "".join(f" t{i}" for i in range(generated)), given
+            assert answer["usage"]["completion_tokens"] == 2 * generated, given
+        too_few = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 0})
+        assert too_few.status_code == 400 and too_few.headers["content-type"] == "application/json"
+        assert too_few.json() == {"error": {
+            "message": "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+            "type": "BadRequestError", "param": "max_tokens", "code": 400}}  # fmt: skip
+        too_many = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 10**12})
+        assert too_many.status_code == 400
+        assert "maximum context length is 1048576 tokens" in too_many.json()["error"]["message"]
+        empty = client.post("/v1/completions", json={"prompt": []})
+        assert empty.status_code == 400 and empty.headers["content-type"] == "application/json"
+        assert empty.json() == {"error": {
+            "message": "prompt must be a non-empty list of token ids or a list of such lists",
+            "type": "BadRequestError", "param": None, "code": 400}}  # fmt: skip
 
 
 def test_the_routes_answer_as_vllms_fastapi_app_does() -> None:
