@@ -21,7 +21,7 @@ from prefixroute.testing import FakeVLLM
 from prefixroute.vllm import metrics as metrics_module
 from prefixroute.vllm.metrics import MAX_METRICS_BYTES, fetch_metrics, metrics_url, parse_metrics
 
-from ..conftest import returns, wait_until
+from ..conftest import DEADLINE_S, returns, wait_until
 from .conftest import SMALL_BODY, answer, http_server
 
 
@@ -205,6 +205,23 @@ def test_the_timeout_bounds_the_whole_read_of_a_slow_or_trickling_engine(fault: 
         engine.set_metrics_fault(**_NEVER[fault])
         with pytest.raises(MetricsError, match="no complete answer within 0.5s"):
             returns(lambda: fetch_metrics(engine.url + "/metrics", timeout=0.5), what="fetch_metrics(timeout=0.5)")
+
+
+@pytest.mark.parametrize(
+    "fault", [{"delay": 0.05}, {"trickle": 0.001}, {"delay": 0.05, "trickle": 0.001}], ids=["late", "trickled", "both"]
+)
+def test_a_late_or_trickled_metrics_answer_arrives_whole_as_vllms(fault: dict[str, float]) -> None:
+    # What a client reads from an engine that is slow but does answer: the whole body, with vLLM's status and
+    # headers (its length in bytes, not characters). Was untested: a late answer that never came, a trickled one
+    # with bytes lost or repeated, a 201 or headers missing would all have passed the timeout tests above.
+    text = SMALL_BODY.decode() + 'vllm:num_requests_running{engine="0",model_name="modèle"} 1\n'
+    with FakeVLLM() as engine:
+        engine.set_metrics_fault(text=text, **fault)
+        reply = httpx.get(engine.url + "/metrics", timeout=DEADLINE_S)
+        assert reply.status_code == 200 and reply.text == text
+        assert reply.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+        assert reply.headers["content-length"] == str(len(text.encode()))
+        assert fetch_metrics(engine.url + "/metrics", timeout=DEADLINE_S).waiting == 3
 
 
 @pytest.fixture
