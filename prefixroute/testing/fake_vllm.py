@@ -165,7 +165,7 @@ class FakeVLLM:
             clock=clock, seed=seed, host=host, ports=(port, replay_port),
         )  # fmt: skip
         self._rng = random.Random(seed)
-        self._ids = random.Random(seed)  # /v1/models' permission ids (the cache's hashes draw from _rng)
+        self._ids = random.Random(seed)  # /v1/models' permission ids and answers' ids (the cache draws from _rng)
         self.cache = FakeBlockCache(
             block_size=block_size, num_blocks=num_blocks, rng=self._rng, hash_format=hash_format,
             extra_group=extra_group,
@@ -581,6 +581,8 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
             try:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
                 prompts = _token_prompts(body.get("prompt"))
+                if "request_id" in body and not isinstance(body["request_id"], str):  # vLLM's: str, random if absent
+                    raise ValueError(f"request_id: Input should be a valid string, not {shown(body['request_id'])}")
                 # vLLM's CompletionRequest: max_tokens 16 unless given
                 max_tokens = read_max_tokens(body.get("max_tokens"), 16, max(map(len, prompts)))
             except (ValueError, TypeError, AttributeError) as exc:  # vLLM's ErrorResponse
@@ -588,6 +590,11 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
                 error = {"error": {"message": str(exc), "type": "BadRequestError", "param": param, "code": 400}}
                 self._reply(400, json.dumps(error).encode(), "application/json")
                 return
+            # vLLM's _base_request_id: the client's X-Request-Id, else the body's request_id, else a random one
+            request_id = self.headers.get("X-Request-Id", body.get("request_id"))
+            if request_id is None:
+                with engine._lock:
+                    request_id = f"{engine._ids.getrandbits(128):032x}"  # as vLLM's random_uuid(), seeded
             done = [engine.complete(prompt) for prompt in prompts]
             prompt_tokens = sum(c.prompt_tokens for c in done)
             cached_tokens = sum(c.cached_tokens for c in done)
@@ -595,7 +602,7 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
             # vLLM's CompletionResponse; prompt_tokens_details as with --enable-prompt-tokens-details: null when no
             # prompt token came from the cache
             reply = {
-                "id": f"cmpl-{engine.seq}",
+                "id": f"cmpl-{request_id}",
                 "object": "text_completion",
                 "created": engine._created(),
                 "model": engine.model,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -550,6 +551,26 @@ def test_max_tokens_and_the_refusals_are_vllms() -> None:
         assert empty.json() == {"error": {
             "message": "prompt must be a non-empty list of token ids or a list of such lists",
             "type": "BadRequestError", "param": None, "code": 400}}  # fmt: skip
+
+
+def test_an_answer_is_named_and_counted_as_vllm_names_and_counts_it() -> None:
+    # vLLM's id is "cmpl-" and _base_request_id: the X-Request-Id header, else the body's request_id (a str, or
+    # 400), else a random uuid4 hex, so no two answers share one. Was: "cmpl-" and the engine's sequence number, the
+    # same for every answer that stored no new block, and the client's ids ignored.
+    with FakeVLLM() as engine, httpx.Client(base_url=engine.url, timeout=5) as client:
+        body = {"prompt": [1, 2, 3], "max_tokens": 2}
+        first, second = (client.post("/v1/completions", json=body).json() for _ in range(2))
+        assert first["id"] != second["id"]
+        for answer in (first, second):
+            assert re.fullmatch("cmpl-[0-9a-f]{32}", answer["id"]) and answer["model"] == "fake-model"
+            usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "prompt_tokens_details": None}
+            assert answer["usage"] == usage  # no full block: nothing cached
+        named = client.post("/v1/completions", json=body | {"request_id": "in-body"}).json()
+        header = client.post("/v1/completions", json=body | {"request_id": "x"}, headers={"X-Request-Id": "trace-7"})
+        assert (named["id"], header.json()["id"]) == ("cmpl-in-body", "cmpl-trace-7")
+        refused = client.post("/v1/completions", json=body | {"request_id": 5})
+        assert refused.status_code == 400
+        assert refused.json()["error"]["message"] == "request_id: Input should be a valid string, not 5"
 
 
 def test_the_routes_answer_as_vllms_fastapi_app_does() -> None:
