@@ -581,6 +581,7 @@ def test_the_routes_answer_as_vllms_fastapi_app_does() -> None:
     with FakeVLLM() as engine, httpx.Client(base_url=engine.url, timeout=5) as client:
         for models in (client.get("/v1/models"), client.get("/v1/models?limit=1")):
             assert models.status_code == 200 and models.headers["content-type"] == "application/json"
+            assert models.headers["content-length"] == str(len(models.content))
             assert models.json()["data"][0]["id"] == "fake-model"
         done = client.post("/v1/completions?trace=1", json={"prompt": [1, 2, 3], "max_tokens": 1})
         assert done.status_code == 200 and done.headers["content-type"] == "application/json"
@@ -595,6 +596,7 @@ def test_the_routes_answer_as_vllms_fastapi_app_does() -> None:
             assert unknown.json() == {"detail": "Not Found"}
         for wrong, allowed in ((client.get("/v1/completions"), "POST"), (client.post("/v1/models?x=1"), "GET")):
             assert wrong.status_code == 405 and wrong.headers["allow"] == allowed, wrong.request.url
+            assert wrong.headers["content-type"] == "application/json"
             assert wrong.json() == {"detail": "Method Not Allowed"}
 
 
