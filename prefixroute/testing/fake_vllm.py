@@ -511,11 +511,9 @@ class FakeVLLM:
         self._m_ttft = Histogram(
             "vllm:time_to_first_token_seconds", "TTFT.", labels, buckets=TTFT_BUCKETS, registry=registry
         )
-        info = Gauge(
-            "vllm:cache_config_info", "Cache config.", ["block_size", "num_gpu_blocks", "enable_prefix_caching"],
-            registry=registry,
-        )  # fmt: skip
-        info.labels(str(self.cache.block_size), str(self.cache.num_blocks), "True").set(1)
+        config_labels = ["block_size", "num_gpu_blocks", "enable_prefix_caching", "engine"]  # vLLM's log_metrics_info:
+        info = Gauge("vllm:cache_config_info", "Cache config.", config_labels, registry=registry)  # config and engine
+        info.labels(str(self.cache.block_size), str(self.cache.num_blocks), "True", "0").set(1)
         self._m_running = self._m_running.labels(**values)
         self._m_waiting = self._m_waiting.labels(**values)
         self._m_usage = self._m_usage.labels(**values)

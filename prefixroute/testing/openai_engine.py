@@ -484,7 +484,8 @@ class OpenAIEngine:
         lines += [f"vllm:time_to_first_token_seconds_count{labels} {float(cumulative)}",
                   f"vllm:time_to_first_token_seconds_sum{labels} {total}"]  # fmt: skip
         cache = self.cache
-        info = f'block_size="{cache.block_size}",enable_prefix_caching="True",num_gpu_blocks="{cache.num_blocks}"'
+        info = (f'block_size="{cache.block_size}",enable_prefix_caching="True",engine="0",'
+                f'num_gpu_blocks="{cache.num_blocks}"')  # fmt: skip
         lines += ["# TYPE vllm:cache_config_info gauge", f"vllm:cache_config_info{{{info}}} 1.0"]
         return "\n".join(lines) + "\n"
 

@@ -220,6 +220,8 @@ def test_metrics_are_vllms_families_of_vllms_types(engine: OpenAIEngine) -> None
     exposed = {line.split("{")[0] for line in reply.text.splitlines() if not line.startswith("#")}  # the parser
     assert {"vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"} <= exposed  # adds _total itself
     assert samples["vllm:kv_cache_usage_perc"].labels == {"engine": "0", "model_name": "fake-model"}
+    info = {"block_size": "4", "num_gpu_blocks": "64", "enable_prefix_caching": "True", "engine": "0"}
+    assert samples["vllm:cache_config_info"].labels == info  # log_metrics_info adds the engine to the config's
 
 
 def test_fail_next_and_stall_by_default_fail_one_request_with_a_500_and_hold_before_any_token(

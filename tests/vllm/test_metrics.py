@@ -15,6 +15,7 @@ import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from prefixroute.errors import ConfigurationError, MetricsError
 from prefixroute.testing import FakeVLLM
@@ -42,6 +43,30 @@ def test_parse_reads_load_cache_config_counters_and_histogram(legacy: bool) -> N
     assert (metrics.block_size, metrics.num_gpu_blocks) == (16, 333)
     assert metrics.ttft_count == 2 and metrics.ttft_buckets[-1] == (math.inf, 2.0)
     assert [b for b, _ in metrics.ttft_buckets] == sorted(b for b, _ in metrics.ttft_buckets)
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_the_fake_engines_metrics_are_vllms_families_types_and_label_sets(legacy: bool) -> None:
+    # What a Prometheus scraper of vLLM reads (vllm/v1/metrics/loggers.py): each family's name and type, and every
+    # series labelled model_name and engine, vllm:cache_config_info by the cache config and its engine
+    # (log_metrics_info adds "engine" to the config's labels); prometheus_client's registry adds a _created gauge
+    # to each counter and histogram, as vLLM's single-process one does. Was: the info gauge without its engine.
+    with FakeVLLM(num_blocks=333, model="m", legacy_metric_names=legacy) as engine:
+        engine.complete(list(range(40)))
+        families = {family.name: family for family in text_string_to_metric_families(engine.metrics_text())}
+    prefix, usage = ("vllm:gpu_", "vllm:gpu_cache_usage_perc") if legacy else ("vllm:", "vllm:kv_cache_usage_perc")
+    assert {name: family.type for name, family in families.items() if not name.endswith("_created")} == {
+        "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge", usage: "gauge",
+        f"{prefix}prefix_cache_queries": "counter", f"{prefix}prefix_cache_hits": "counter",
+        "vllm:time_to_first_token_seconds": "histogram", "vllm:cache_config_info": "gauge"}  # fmt: skip
+    info = {"block_size": "16", "num_gpu_blocks": "333", "enable_prefix_caching": "True", "engine": "0"}
+    for name, family in families.items():
+        for sample in family.samples:
+            labels = {key: value for key, value in sample.labels.items() if key != "le"}
+            assert labels == (info if name == "vllm:cache_config_info" else {"engine": "0", "model_name": "m"})
+    values = {sample.name: sample.value for family in families.values() for sample in family.samples}
+    assert (values[f"{prefix}prefix_cache_queries_total"], values[f"{prefix}prefix_cache_hits_total"]) == (40, 0)
+    assert values["vllm:cache_config_info"] == 1 and values["vllm:time_to_first_token_seconds_count"] == 1
 
 
 def test_parse_reads_the_histograms_count_and_sum_and_a_full_kv_cache() -> None:
