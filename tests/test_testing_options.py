@@ -18,6 +18,7 @@ from prefixroute import ConfigurationError, InvalidPromptError, InvalidTypeError
 from prefixroute._numbers import shown
 from prefixroute.testing import FakeBlockCache, FakeVLLM
 from prefixroute.testing.openai_engine import OpenAIEngine
+from prefixroute.vllm._checks import MAX_SECONDS
 from prefixroute.vllm.events import EventDecoder
 
 from .test_flag_options import FLAGS
@@ -171,6 +172,9 @@ def test_good_values_are_taken_as_the_plain_numbers_they_stand_for() -> None:
     engine.flush(timeout=0)
     engine.set_metrics_fault(delay=npa.int64(1), trickle=npa.float64(0.25))
     assert engine.metrics_fault() == (None, 1.0, 0.25) and type(engine.metrics_fault()[1]) is float
+    engine.set_metrics_fault(delay=MAX_SECONDS, trickle=MAX_SECONDS)  # the bounds the messages state are taken
+    assert engine.metrics_fault() == (None, MAX_SECONDS, MAX_SECONDS)
+    engine.drop_next(2**31)
     engine.set_metrics_fault()
     assert engine.metrics_fault() == (None, 0.0, None)
     assert engine.complete(list(range(32)), lora_name="sql").prompt_tokens == 32
