@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prefixroute.errors import ConfigurationError, MetricsError
 from prefixroute.testing import FakeVLLM
 from prefixroute.vllm import metrics as metrics_module
-from prefixroute.vllm.metrics import MAX_METRICS_BYTES, fetch_metrics, metrics_url, parse_metrics
+from prefixroute.vllm.metrics import MAX_METRICS_BYTES, TTFT_BUCKETS, fetch_metrics, metrics_url, parse_metrics
 
 from ..conftest import DEADLINE_S, returns, wait_until
 from .conftest import SMALL_BODY, answer, http_server
@@ -67,6 +67,8 @@ def test_the_fake_engines_metrics_are_vllms_families_types_and_label_sets(legacy
     values = {sample.name: sample.value for family in families.values() for sample in family.samples}
     assert (values[f"{prefix}prefix_cache_queries_total"], values[f"{prefix}prefix_cache_hits_total"]) == (40, 0)
     assert values["vllm:cache_config_info"] == 1 and values["vllm:time_to_first_token_seconds_count"] == 1
+    ttft = families["vllm:time_to_first_token_seconds"].samples
+    assert [float(s.labels["le"]) for s in ttft if s.name.endswith("_bucket")] == [*TTFT_BUCKETS, math.inf]
 
 
 def test_parse_reads_the_histograms_count_and_sum_and_a_full_kv_cache() -> None:
