@@ -175,6 +175,8 @@ def test_good_values_are_taken_as_the_plain_numbers_they_stand_for() -> None:
     engine.set_metrics_fault(delay=MAX_SECONDS, trickle=MAX_SECONDS)  # the bounds the messages state are taken
     assert engine.metrics_fault() == (None, MAX_SECONDS, MAX_SECONDS)
     engine.drop_next(2**31)
+    for bound in ({"replay_buffer": 0}, {"replay_buffer": 2**31}, {"port": 65535, "replay_port": 65534}):
+        FakeVLLM(**bound)  # type: ignore[arg-type]
     engine.set_metrics_fault()
     assert engine.metrics_fault() == (None, 0.0, None)
     assert engine.complete(list(range(32)), lora_name="sql").prompt_tokens == 32
