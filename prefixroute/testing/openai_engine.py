@@ -661,16 +661,28 @@ class OpenAIEngine:
                     await asyncio.sleep(self.token_delay_s)
                 finished = True
                 return web.json_response(chunks.whole(max_tokens, choices, usage))
+            options: dict[str, Any] | None = body.get("stream_options")  # null or an object: the rest was refused
+            include_usage = continuous = False
+            if options is not None:  # vLLM's should_include_usage: usage by default, the usage so far only with it
+                include_usage = _stream_flag(options.get("include_usage", True))
+                continuous = include_usage and _stream_flag(options.get("continuous_usage_stats"))
+            prompt_of = [held[index // n].prompt_tokens if continuous else None for index in choices]
             if chat:
-                await response.write(b"".join(chunks.sse(chunks.role(index)) for index in choices))
+                await response.write(
+                    b"".join(chunks.sse(chunks.role(index, prompt_tokens=prompt_of[index])) for index in choices)
+                )
             for sent in range(max_tokens):
                 if sent:
                     await self._pause(request, sent=sent)
                     await asyncio.sleep(self.token_delay_s)
                 last = sent == max_tokens - 1
-                await response.write(b"".join(chunks.sse(chunks.token(sent, index, last=last)) for index in choices))
-            options = body.get("stream_options")
-            if options is not None and _stream_flag(options.get("include_usage", True)):  # vLLM's default: True
+                await response.write(
+                    b"".join(
+                        chunks.sse(chunks.token(sent, index, last=last, prompt_tokens=prompt_of[index]))
+                        for index in choices
+                    )
+                )
+            if include_usage:
                 await response.write(chunks.sse(chunks.usage(usage)))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
@@ -726,20 +738,37 @@ class _Chunks:
     def sse(data: dict[str, Any]) -> bytes:
         return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
-    def role(self, index: int) -> dict[str, Any]:
+    def role(self, index: int, *, prompt_tokens: int | None = None) -> dict[str, Any]:
+        """A chat choice's first chunk; ``prompt_tokens`` (continuous usage stats): with the usage so far, none
+        generated."""
         delta = {"role": "assistant", "content": ""}
-        return {**self.head, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]}
+        chunk = {**self.head, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]}
+        return chunk if prompt_tokens is None else {**chunk, "usage": self._so_far(prompt_tokens, 0)}
 
-    def token(self, i: int, index: int, *, last: bool) -> dict[str, Any]:
+    def token(self, i: int, index: int, *, last: bool, prompt_tokens: int | None = None) -> dict[str, Any]:
+        """Choice ``index``'s token ``i``; ``prompt_tokens`` (continuous usage stats): with the usage so far, of the
+        prompt that choice answers."""
         reason = "length" if last else None
+        usage = None if prompt_tokens is None else self._so_far(prompt_tokens, i + 1)
         if self.chat:  # vLLM dumps a chat chunk without its unset fields: stop_reason is set on the last one only
             choice = {"index": index, "delta": {"content": f" t{i}"}, "logprobs": None, "finish_reason": reason}
             if last:
                 choice["stop_reason"] = None
-            return {**self.head, "choices": [choice]}
-        # and a completion chunk whole, its usage (null unless the stream asked for continuous usage) too
+            chunk = {**self.head, "choices": [choice]}
+            return chunk if usage is None else {**chunk, "usage": usage}
+        # and a completion chunk whole: its usage null unless continuous, and then with null details
         choice = {"index": index, "text": f" t{i}", "logprobs": None, "finish_reason": reason, "stop_reason": None}
-        return {**self.head, "choices": [choice], "usage": None}
+        if usage is not None:
+            usage["prompt_tokens_details"] = None
+        return {**self.head, "choices": [choice], "usage": usage}
+
+    @staticmethod
+    def _so_far(prompt_tokens: int, generated: int) -> dict[str, Any]:
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": generated,
+            "total_tokens": prompt_tokens + generated,
+        }
 
     def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         # vLLM dumps the usage chunk without its nulls (exclude_none=True)

@@ -99,6 +99,40 @@ def test_stream_chunks_carry_the_fields_vllm_sends() -> None:
     ]
 
 
+def test_continuous_usage_stats_put_usage_on_every_chunk_as_vllm_does() -> None:
+    """With ``stream_options.continuous_usage_stats`` (and ``include_usage``, as vLLM's should_include_usage asks)
+    vLLM gives every chunk the usage so far: a completion chunk its own prompt's tokens (null details: the chunk is
+    dumped whole), a chat chunk the prompt's, the role chunks none generated; the closing usage chunk is as ever.
+    Was: the flag was read and ignored, every chunk's usage null, so a client metering per chunk read nothing."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    with OpenAIEngine(max_tokens=2) as engine:
+
+        def chunks(path: str, body: dict[str, Any], stream_options: dict[str, Any]) -> list[dict[str, Any]]:
+            body = {**body, "stream": True, "stream_options": stream_options}
+            events = sse_events(httpx.post(f"{engine.url}/v1/{path}", json=body).text)
+            assert events[-1] == "[DONE]"
+            return [json.loads(event) for event in events[:-1]]
+
+        completion = chunks("completions", {"prompt": ["a b c", "d e"]}, options)  # prompts of 3 and 2 tokens
+        chat = chunks("chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 2}, options)
+        asked_no_usage = chunks("completions", {"prompt": "a"}, {"include_usage": False, "continuous_usage_stats": 1})
+
+    def so_far(prompt: int, generated: int) -> dict[str, int]:
+        return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+
+    assert [(c["choices"][0]["index"], c["usage"]) for c in completion[:-1]] == [
+        (0, {**so_far(3, 1), "prompt_tokens_details": None}), (1, {**so_far(2, 1), "prompt_tokens_details": None}),
+        (0, {**so_far(3, 2), "prompt_tokens_details": None}), (1, {**so_far(2, 2), "prompt_tokens_details": None}),
+    ]  # fmt: skip
+    assert completion[-1]["choices"] == [] and completion[-1]["usage"] == so_far(5, 4)
+    # 3 prompt tokens: "<|user|> a" and "<|assistant|>"
+    assert [(c["choices"][0]["index"], c["usage"]) for c in chat[:-1]] == [
+        (0, so_far(3, 0)), (1, so_far(3, 0)), (0, so_far(3, 1)), (1, so_far(3, 1)), (0, so_far(3, 2)), (1, so_far(3, 2))
+    ]  # fmt: skip
+    assert chat[-1]["choices"] == [] and chat[-1]["usage"] == so_far(3, 4)
+    assert [chunk["usage"] for chunk in asked_no_usage] == [None, None]  # continuous usage needs include_usage
+
+
 def test_whole_answers_carry_the_fields_vllm_sends() -> None:
     """vLLM's CompletionResponse and ChatCompletionResponse (those of their fields the fake fills): each of the ``n``
     choices numbered, its text, null logprobs, the finish and stop reasons, a completion's prompt_logprobs, a chat
