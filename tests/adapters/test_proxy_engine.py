@@ -311,6 +311,7 @@ def test_metrics_count_each_time_to_first_token_as_vllm_does() -> None:
     assert metrics.ttft_count == 3
     bounds = dict(metrics.ttft_buckets)
     assert bounds[0.02] == 0 and bounds[float("inf")] == 3  # each waited its 0.03 s prefill
+    assert bounds[2560.0] == 3 and metrics.ttft_sum >= 3 * 0.03  # each counted by its own time, none past every bound
     assert [count for _, count in metrics.ttft_buckets] == sorted(count for _, count in metrics.ttft_buckets)
 
 
@@ -549,6 +550,18 @@ def test_an_adapters_answer_names_the_adapter_as_vllms_does() -> None:
             assert httpx.post(f"{engine.url}/v1/completions", json=body).json()["model"] == (model or "base")
 
 
+def test_the_base_model_named_or_not_is_one_cache_and_an_adapter_its_own() -> None:
+    """vLLM keys cached blocks by LoRA adapter only: a request naming the base model and one naming no model hit each
+    other's blocks; an adapter's prompts are cached apart from them."""
+    with OpenAIEngine(model="base", lora_adapters=["sql"], block_size=4, max_tokens=1) as engine:
+
+        def cached(model: str | None) -> int:
+            body = {"prompt": list(range(9)), **({"model": model} if model else {})}
+            return cached_tokens(httpx.post(f"{engine.url}/v1/completions", json=body).json()["usage"])
+
+        assert [cached(None), cached("base"), cached("sql"), cached("sql"), cached(None)] == [0, 8, 0, 8, 8]
+
+
 def test_fail_next_fails_exactly_that_many(engine: OpenAIEngine) -> None:
     engine.fail_next(2, status=503)
     statuses = [httpx.post(f"{engine.url}/v1/completions", json={"prompt": "a"}).status_code for _ in range(3)]
@@ -635,6 +648,22 @@ def test_a_stalled_stream_counts_its_client_leaving(engine: OpenAIEngine) -> Non
     assert httpx.post(f"{engine.url}/v1/completions", json=body).status_code == 200
 
 
+def test_a_stall_holds_an_answer_that_is_not_streamed_too() -> None:
+    """``stall(after_tokens=1)`` holds a request once it has generated one token, streamed or not: a client that
+    leaves a held answer is counted as gone, not answered."""
+    with OpenAIEngine(max_tokens=3) as engine:
+        engine.stall(after_tokens=1)
+        body = json.dumps({"prompt": "a b"}).encode()
+        head = "POST /v1/completions HTTP/1.1\r\nHost: fake\r\nContent-Type: application/json\r\n"
+        head += f"Content-Length: {len(body)}\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", int(engine.url.rsplit(":", 1)[1]))) as sock:
+            sock.sendall(head.encode() + body)
+            wait_until(lambda: parse_metrics(engine.metrics_text()).ttft_count == 1, what="the first token")
+        wait_until(lambda: engine.stats().running == 0, what="the request to end")
+        stats = engine.stats()
+    assert (stats.disconnected, stats.completed) == (1, 0)
+
+
 def test_a_client_that_leaves_during_a_streamed_prefill_is_counted_not_logged_as_an_error(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -672,6 +701,25 @@ def test_max_running_queues_the_rest() -> None:
             for thread in threads:
                 thread.join()
         assert engine.stats().completed == 2
+
+
+def test_requests_answered_together_are_each_counted() -> None:
+    """``stats().running`` and ``vllm:num_requests_running`` (what a router balances on) count every request being
+    answered, and ``prompt_tokens`` every admitted request's prompt."""
+    with OpenAIEngine() as engine:
+        engine.stall()
+        with httpx.Client(timeout=DEADLINE_S) as client:
+            threads = [threading.Thread(target=client.post, args=(f"{engine.url}/v1/completions",),
+                                        kwargs={"json": {"prompt": "a b"}}) for _ in range(2)]  # fmt: skip
+            for thread in threads:
+                thread.start()
+            wait_until(lambda: engine.stats().running == 2, what="both requests to stall")
+            assert parse_metrics(engine.metrics_text()).running == 2
+            engine.resume()
+            for thread in threads:
+                thread.join()
+        stats = engine.stats()
+    assert (stats.running, stats.completed, stats.prompt_tokens) == (0, 2, 4)
 
 
 def free_port_pair() -> int:
