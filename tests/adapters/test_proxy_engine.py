@@ -57,6 +57,9 @@ def test_streamed_completion_is_vllm_sse_ending_in_done(engine: OpenAIEngine) ->
     assert [c["choices"][0]["finish_reason"] for c in chunks[:4]] == [None, None, None, "length"]
     assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
     assert chunks[4]["choices"] == [] and chunks[4]["usage"]["prompt_tokens"] == 10
+    wait_until(lambda: engine.stats().running == 0, what="the request to be counted")  # after its last byte
+    stats = engine.stats()
+    assert (stats.completed, stats.disconnected) == (1, 0)  # a stream read to its end is answered in full
 
 
 def test_stream_chunks_carry_the_fields_vllm_sends() -> None:
