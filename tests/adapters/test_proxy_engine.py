@@ -320,9 +320,14 @@ def test_metrics_count_each_time_to_first_token_as_vllm_does() -> None:
 
 def test_bad_requests_get_openai_errors(engine: OpenAIEngine) -> None:
     for body, status in (({"prompt": [-1]}, 400), ({"prompt": 3}, 400), ({"model": "other", "prompt": "a"}, 404),
-                         ({"prompt": ""}, 400)):  # fmt: skip
+                         ({"prompt": ""}, 400), ({"prompt": [2**32]}, 400),  # past uint32: no token id, no 500
+                         ({"prompt": [[1], [2**32]]}, 400), ({"prompt": [2**32 - 1]}, 200)):  # fmt: skip
         reply = httpx.post(f"{engine.url}/v1/completions", json=body)
-        assert reply.status_code == status and reply.json()["error"]["code"] == status
+        assert reply.status_code == status, (body, reply.text)
+        assert status == 200 or reply.json()["error"]["code"] == status
+    for body in ({}, {"prompt": None}, {"prompt": ""}):  # in vLLM's words
+        error = httpx.post(f"{engine.url}/v1/completions", json=body).json()["error"]
+        assert error["message"] == "Either prompt or prompt_embeds must be provided and non-empty.", body
     # vLLM's message types each require a role: a message that is no object, or has none, is its 400 (not a 500,
     # nor a message rendered with a role of None)
     for messages in ("hi", ["hi"], [{"content": "hi"}], [{"role": 5, "content": "hi"}]):
