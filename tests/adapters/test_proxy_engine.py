@@ -325,6 +325,9 @@ def test_bad_requests_get_openai_errors(engine: OpenAIEngine) -> None:
         reply = httpx.post(f"{engine.url}/v1/completions", json=body)
         assert reply.status_code == status, (body, reply.text)
         assert status == 200 or reply.json()["error"]["code"] == status
+    for prompt in (3, [-1], [2**32], ["a", [1]]):  # the message says what a prompt must be
+        message = httpx.post(f"{engine.url}/v1/completions", json={"prompt": prompt}).json()["error"]["message"]
+        assert message.startswith("'prompt' must be a string, a non-empty list of token ids"), prompt
     for body in ({}, {"prompt": None}, {"prompt": ""}):  # in vLLM's words
         error = httpx.post(f"{engine.url}/v1/completions", json=body).json()["error"]
         assert error["message"] == "Either prompt or prompt_embeds must be provided and non-empty.", body
