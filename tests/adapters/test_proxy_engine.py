@@ -266,8 +266,10 @@ def test_fail_next_and_stall_by_default_fail_one_request_with_a_500_and_hold_bef
     engine: OpenAIEngine,
 ) -> None:
     engine.fail_next()
-    statuses = [httpx.post(f"{engine.url}/v1/completions", json={"prompt": "a"}).status_code for _ in range(2)]
-    assert statuses == [500, 200]
+    replies = [httpx.post(f"{engine.url}/v1/completions", json={"prompt": "a"}) for _ in range(2)]
+    assert [reply.status_code for reply in replies] == [500, 200]
+    assert replies[0].json() == {"error": {"message": "injected failure (OpenAIEngine.fail_next)",
+                                           "type": "InternalServerError", "param": None, "code": 500}}  # fmt: skip
     for status in (400, 599):  # the bounds of an HTTP error status
         engine.fail_next(1, status=status)
         assert httpx.post(f"{engine.url}/v1/completions", json={"prompt": "a"}).status_code == status
