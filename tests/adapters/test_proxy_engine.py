@@ -332,13 +332,13 @@ def test_bad_requests_get_openai_errors(engine: OpenAIEngine) -> None:
         message = httpx.post(f"{engine.url}/v1/completions", json={"prompt": prompt}).json()["error"]["message"]
         assert message.startswith("'prompt' must be a string, a non-empty list of token ids"), prompt
     for path in ("/v1/completions", "/v1/chat/completions"):  # JSON, but no request: the 400 says what to send
-        for body in (b'[{"prompt": "a"}]', b'"a"', b"null"):
-            reply = httpx.post(f"{engine.url}{path}", content=body, headers={"Content-Type": "application/json"})
-            assert reply.status_code == 400, (path, body)
-            assert reply.json()["error"]["message"] == "the request body must be a JSON object", (path, body)
-    for body in ({}, {"prompt": None}, {"prompt": ""}):  # in vLLM's words
-        error = httpx.post(f"{engine.url}/v1/completions", json=body).json()["error"]
-        assert error["message"] == "Either prompt or prompt_embeds must be provided and non-empty.", body
+        for raw in (b'[{"prompt": "a"}]', b'"a"', b"null"):
+            reply = httpx.post(f"{engine.url}{path}", content=raw, headers={"Content-Type": "application/json"})
+            assert reply.status_code == 400, (path, raw)
+            assert reply.json()["error"]["message"] == "the request body must be a JSON object", (path, raw)
+    for no_prompt in ({}, {"prompt": None}, {"prompt": ""}):  # in vLLM's words
+        error = httpx.post(f"{engine.url}/v1/completions", json=no_prompt).json()["error"]
+        assert error["message"] == "Either prompt or prompt_embeds must be provided and non-empty.", no_prompt
     # vLLM's message types each require a role: a message that is no object, or has none, is its 400 (not a 500,
     # nor a message rendered with a role of None)
     for messages in ("hi", ["hi"], [{"content": "hi"}], [{"role": 5, "content": "hi"}]):
