@@ -705,21 +705,31 @@ def test_a_body_over_a_mebibyte_is_served_as_vllm_serves_it(engine: OpenAIEngine
     assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == 2000
 
 
+@contextlib.contextmanager
+def stalled_posts(engine: OpenAIEngine, count: int) -> Iterator[None]:
+    """``count`` completions posted at once to ``engine``, stalled before their first token; resumed and answered
+    after the block."""
+    engine.stall()
+    with httpx.Client(timeout=DEADLINE_S) as client:
+        threads = [threading.Thread(target=client.post, args=(f"{engine.url}/v1/completions",),
+                                    kwargs={"json": {"prompt": "a b"}}) for _ in range(count)]  # fmt: skip
+        for thread in threads:
+            thread.start()
+        try:
+            yield
+        finally:  # a failed assertion in the block leaves no request stalled
+            engine.resume()
+            for thread in threads:
+                thread.join()
+
+
 def test_max_running_queues_the_rest() -> None:
     """Past ``max_running`` requests wait, each counted in ``waiting`` (and ``vllm:num_requests_waiting``) until
     it runs."""
     with OpenAIEngine(max_running=1) as engine:
-        engine.stall()
-        with httpx.Client(timeout=DEADLINE_S) as client:
-            threads = [threading.Thread(target=client.post, args=(f"{engine.url}/v1/completions",),
-                                        kwargs={"json": {"prompt": "a b"}}) for _ in range(3)]  # fmt: skip
-            for thread in threads:
-                thread.start()
+        with stalled_posts(engine, 3):
             wait_until(lambda: (engine.stats().running, engine.stats().waiting) == (1, 2), what="two to queue")
             assert parse_metrics(engine.metrics_text()).waiting == 2
-            engine.resume()
-            for thread in threads:
-                thread.join()
         stats = engine.stats()
     assert (stats.completed, stats.running, stats.waiting) == (3, 0, 0)
 
@@ -728,17 +738,9 @@ def test_requests_answered_together_are_each_counted() -> None:
     """``stats().running`` and ``vllm:num_requests_running`` (what a router balances on) count every request being
     answered, and ``prompt_tokens`` every admitted request's prompt."""
     with OpenAIEngine() as engine:
-        engine.stall()
-        with httpx.Client(timeout=DEADLINE_S) as client:
-            threads = [threading.Thread(target=client.post, args=(f"{engine.url}/v1/completions",),
-                                        kwargs={"json": {"prompt": "a b"}}) for _ in range(2)]  # fmt: skip
-            for thread in threads:
-                thread.start()
+        with stalled_posts(engine, 2):
             wait_until(lambda: engine.stats().running == 2, what="both requests to stall")
             assert parse_metrics(engine.metrics_text()).running == 2
-            engine.resume()
-            for thread in threads:
-                thread.join()
         stats = engine.stats()
     assert (stats.running, stats.completed, stats.prompt_tokens) == (0, 2, 4)
 
