@@ -223,8 +223,9 @@ class Router:
     (None: requests count until finished). ``clock`` and ``rng`` (which draws the decision ids) are injectable.
 
     A request's life: :meth:`route` (or :meth:`decide`, then :meth:`commit` to the backend actually used) →
-    :meth:`start` → :meth:`first_token` (optional) → :meth:`finish`. Lifecycle calls name the decision by its id and
-    are idempotent; a finish that matches no request in flight is ignored and counted (:meth:`stats`), never raised.
+    :meth:`start` → :meth:`first_token` (optional: without it, engine figures from :meth:`set_engine_load` tell
+    which requests are past their prefill) → :meth:`finish`. Lifecycle calls name the decision by its id and are
+    idempotent; a finish that matches no request in flight is ignored and counted (:meth:`stats`), never raised.
 
     Thread-safe: one lock guards the index, the counters and the policy; hashing runs outside it and nothing inside
     it does I/O or sleeps, so calling :meth:`route` from an asyncio coroutine does not stall the loop. Other
