@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 
+import xxhash
 import zmq
 
 from prefixroute._numbers import as_float, shown
@@ -85,11 +86,12 @@ class KVEventSubscriber:
 
     Sequence handling: a gap triggers a replay request; a sequence that goes backwards means the engine restarted,
     and the backend's blocks are dropped before the new stream applies; a subscriber that starts late replays from
-    sequence 0 (as far back as the engine's replay buffer reaches). A sequence number that is negative, or repeats
-    the last one (but 0, or one that continues a number held back), is skipped; one that goes backwards or jumps
-    more than ``max_sequence_jump`` ahead, live or in a replay, is believed only when the next message continues
-    from it (so a restart is acted on one batch late, and one corrupt number costs one batch, not the backend's
-    blocks). :meth:`reset` forgets the sequence too.
+    sequence 0 (as far back as the engine's replay buffer reaches), and the batches published while that replay
+    ran, heard live after it with the same numbers and bytes, are skipped as duplicates. A sequence number that is
+    negative, or repeats the last one (but 0, or one that continues a number held back), is skipped; one that goes
+    backwards or jumps more than ``max_sequence_jump`` ahead, live or in a replay, is believed only when the next
+    message continues from it (so a restart is acted on one batch late, and one corrupt number costs one batch, not
+    the backend's blocks). :meth:`reset` forgets the sequence too.
 
     A replay is bounded as a whole: ``replay_timeout`` seconds from the request to the end-of-replay frame (not per
     frame), and at most :data:`MAX_REPLAY_BATCHES` batches kept; a replay that runs past either is counted in
@@ -172,6 +174,9 @@ class KVEventSubscriber:
         self._last_seq = -1  # last sequence number received and decoded (the thread writes it, and reset())
         self._applied_seq = -1  # last sequence number whose updates are in the index
         self._pending: tuple[int, bytes] | None = None  # an out-of-line message, until the next one says
+        # The batches the last catch-up replay applied, by sequence number: the digest of each payload. Those
+        # published while it ran are also queued on the SUB socket, and arrive live after it, first.
+        self._caught_up: dict[int, int] = {}
         self._counts = dict.fromkeys(
             (
                 "batches", "events", "gaps", "replayed", "unrecovered", "failed_replays", "restarts", "invalid",
@@ -419,6 +424,11 @@ class KVEventSubscriber:
         if seq < 0:
             self._bad_sequence(seq, "negative")
             return
+        if self._caught_up:
+            digest = self._caught_up.get(seq)
+            if digest is not None and seq <= self._last_seq and digest == xxhash.xxh3_64_intdigest(frames[2]):
+                return  # applied by the catch-up replay already (a restarted engine's batch has other bytes)
+            self._caught_up.clear()  # past the replayed ones: no more can come
         pending = self._pending
         continues = pending is not None and seq == pending[0] + 1
         # A repeat of the last number, unless it continues a held-back one: a restarted engine's 1 after its 0,
@@ -478,6 +488,7 @@ class KVEventSubscriber:
         ops: IndexOps = []
         timestamps: list[float] = []
         replayed = self._replay(context, self._last_seq + 1, _LATEST)
+        self._caught_up = {}
         for position, (seq, payload) in enumerate(replayed):
             if self._last_seq >= 0 and seq > self._last_seq + 1 + self._max_jump:  # believed as live ones are:
                 following = replayed[position + 1][0] if position + 1 < len(replayed) else None
@@ -491,6 +502,7 @@ class KVEventSubscriber:
                                  "may miss updates", self.backend, self._last_seq + 1, seq - 1)  # fmt: skip
                 self._apply_payload(seq, payload, ops, timestamps)
                 self._counts["replayed"] += 1
+                self._caught_up[seq] = xxhash.xxh3_64_intdigest(payload)
         self._finish(ops, timestamps)
 
     def _recover(self, start: int, end: int, ops: IndexOps, timestamps: list[float], context: zmq.Context[Any]) -> None:

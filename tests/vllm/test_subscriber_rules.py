@@ -17,7 +17,7 @@ import zmq
 from prefixroute.index import IndexUpdate
 from prefixroute.vllm import KVEventSubscriber
 
-from ..conftest import wait_until
+from ..conftest import DEADLINE_S, wait_until
 from .test_subscriber import BlockingWriter, ResettingWriter
 from .test_vllm_blackbox import (
     applied,
@@ -354,3 +354,48 @@ def test_a_jump_beyond_max_sequence_jump_that_the_next_batch_continues_is_a_long
         assert (after.restarts, after.unrecovered_gaps) == (before.restarts, before.unrecovered_gaps)
         assert router.index.hashes("gpu0") == own(tokens(16, 6))
         sound(router, sub)
+
+
+def test_batches_heard_live_after_the_catch_up_replay_applied_them_are_duplicates_not_a_restart() -> None:
+    """A subscriber that connects to a quiet engine replays its buffer; batches published while that replay runs
+    reach it again, live, after it: the same number with the same bytes is skipped, not taken for a restart (which
+    counted a restart that never happened and dropped the backend's blocks until the stream re-applied them)."""
+    context: zmq.Context[Any] = zmq.Context()
+    engine = context.socket(zmq.XPUB)  # an XPUB hears the subscription, so the test knows live batches will arrive
+    engine.bind("tcp://127.0.0.1:*")
+    replay = context.socket(zmq.ROUTER)
+    replay.bind("tcp://127.0.0.1:*")
+    router = events_router()
+    sub = KVEventSubscriber(
+        router,
+        "gpu0",
+        engine.getsockopt_string(zmq.LAST_ENDPOINT),
+        replay_endpoint=replay.getsockopt_string(zmq.LAST_ENDPOINT),
+    )
+    batches = [stored_batch(100 + 16 * i, 1, parent=i or None, first_hash=i + 1) for i in range(3)]
+    try:
+        sub.start()
+        assert engine.poll(DEADLINE_S * 1000) and engine.recv() == b"\x01"  # subscribed to every topic
+        assert replay.poll(DEADLINE_S * 1000), "a quiet subscription should ask for a catch-up replay"
+        client, _, start = replay.recv_multipart()
+        assert int.from_bytes(start, "big") == 0
+        for seq, payload in enumerate(batches):  # published while the replay runs: queued on the SUB socket
+            engine.send_multipart([b"kv", seq_bytes(seq), payload])
+        for seq, payload in enumerate(batches):
+            replay.send_multipart([client, b"", b"kv", seq_bytes(seq), payload])
+        replay.send_multipart([client, b"", b"", seq_bytes(-1), b""])
+        engine.send_multipart([b"kv", seq_bytes(3), batch_array([])])
+        wait_until(applied(sub, 3))
+        stats = sub.stats()
+        assert (stats.restarts, stats.bad_sequences, stats.replayed_batches, stats.batches) == (0, 0, 3, 4)
+        assert router.index.hashes("gpu0") == own(tokens(100, 3))
+        # A real restart right after: its 0 and 1 are not the replayed batches' bytes.
+        engine.send_multipart([b"kv", seq_bytes(0), stored_batch(500, 1, first_hash=9)])
+        engine.send_multipart([b"kv", seq_bytes(1), batch_array([])])
+        wait_until(lambda: sub.last_seq == 1, what="the restarted stream's second batch")
+        assert sub.stats().restarts == 1
+        assert router.index.hashes("gpu0") == own(tokens(500, 1))
+        sound(router, sub)
+    finally:
+        sub.stop()
+        context.destroy(linger=0)
