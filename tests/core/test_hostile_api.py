@@ -246,7 +246,10 @@ def test_a_decision_reused_after_its_backend_left_and_came_back_counts_once() ->
     assert router.index.match(decision._hashes, [decision.backend])[decision.backend] == 2
 
 
-def test_every_call_from_many_threads_leaves_exact_counts_and_a_valid_index(switchy: None) -> None:
+@pytest.mark.parametrize("first_tokens", [True, False], ids=["first tokens", "no first token: queues inferred"])
+def test_every_call_from_many_threads_leaves_exact_counts_and_a_valid_index(switchy: None, first_tokens: bool) -> None:
+    """Without a first_token() call, the engines' queue lengths take requests out of prefill (the inference a
+    gateway without first tokens relies on), so that path runs under the same concurrent calls."""
     clock = TickingClock()
     router = Router(block_size=4, capacity_blocks=200, clock=clock, lease=5.0)
     backends = ["a", "b", "c", "d"]
@@ -261,10 +264,10 @@ def test_every_call_from_many_threads_leaves_exact_counts_and_a_valid_index(swit
             if action < 4:
                 decision = router.route(tokens, backends)
                 router.start(decision, lease=rng.choice([None, 1.0]))
-                if rng.random() < 0.5:
+                if first_tokens and rng.random() < 0.5:
                     router.first_token(decision.id)
                 if rng.random() < 0.8:
-                    router.finish(decision)
+                    router.finish(decision, refused=rng.random() < 0.1)
             elif action == 4:
                 decision = router.decide(tokens, backends, namespace=rng.choice(namespaces))
                 router.commit(decision, rng.choice(backends))
@@ -288,6 +291,9 @@ def test_every_call_from_many_threads_leaves_exact_counts_and_a_valid_index(swit
                 router.in_flight(rng.choice(backends))
 
     run_together(*(functools.partial(worker, seed) for seed in range(6)))
+    if not first_tokens:  # the inference was on throughout
+        assert router._first_tokens_missing and not router._first_tokens_reported
+    router._check()
     router.index._check(chains=[router.hasher.hash(prefix) for prefix in prefixes])
     clock.now += 10.0
     router.expire()
