@@ -75,6 +75,17 @@ def test_an_output_to_a_device_or_a_pipe_is_not_a_collision(trace: Path, capsys:
     assert "round-robin" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="/dev/full is Linux's (a write to it fails)")
+@pytest.mark.parametrize("command", [["simulate"], ["compare", "--jobs", "1"]])
+def test_an_output_whose_write_fails_after_the_run_names_the_option_and_the_file(
+    command: list[str], trace: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Was "error: No space left on device" (the OS names no file when a write fails, only when an open does): a
+    # device that opens but refuses the bytes passes the check before the run (as /proc files do for root).
+    assert main([*command, *TINY, "--trace", f"mooncake:{trace}", "--json", "/dev/full"]) == 2
+    _one_line(capsys.readouterr().err, "cannot write /dev/full: No space left on device")
+
+
 @pytest.mark.parametrize("output", ["data/mooncake-fast25/synthetic_trace.jsonl", "page.png"])
 def test_suite_output_naming_a_suite_trace_or_its_own_plot_is_refused_before_the_runs(
     output: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

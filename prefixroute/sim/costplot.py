@@ -188,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         return fail(str(exc))
     try:
-        from prefixroute.sim.report import check_plot_path
+        from prefixroute.sim.report import check_plot_path, write_text
 
         check_plot_path(args.png, "png")  # matplotlib writes it, in a format it knows: checked before anything
         generated = tables()
@@ -203,13 +203,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_writable(args.update, "--update")
         check_writable(args.png, "png")
         plot_calibration(args.png)
+        if page is not None:
+            write_text(args.update, page)
     except (OSError, ValueError, ImportError, PrefixRouteError) as exc:  # a missing marker is a ValueError
         detail = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and exc.strerror else str(exc)
         return fail(f"{prog}: error: {detail}")
     if page is None:
         print(*generated.values(), sep="\n\n")
     else:
-        args.update.write_text(page, encoding="utf-8")
         print(f"updated {args.update}")
     return 0
 

@@ -30,6 +30,7 @@ __all__ = [
     "write_json",
     "write_plot",
     "write_sweep_plot",
+    "write_text",
 ]
 
 # The terminal table puts its headers on two lines; --json has every figure (TTFT p95 and e2e p50 too).
@@ -109,10 +110,27 @@ def json_document(header: Mapping[str, object], results: Sequence[PolicyResult])
 
 
 def write_json(path: str | Path, header: Mapping[str, object], results: Sequence[PolicyResult]) -> None:
-    """Write :func:`json_document` to ``path`` (NaN, from a run with no served request, becomes null)."""
+    """Write :func:`json_document` to ``path`` (NaN, from a run with no served request, becomes null).
+
+    Raises:
+        ConfigurationError: as :func:`write_text` says.
+    """
     document = _nan_to_none(json_document(header, results))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    write_text(path, json.dumps(document, indent=2) + "\n")
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` as UTF-8, its folder made.
+
+    Raises:
+        ConfigurationError: the folder cannot be made or the file written, naming the path (the OS names none when
+            a write fails after the open, as on a full disk or /dev/full).
+    """
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise ConfigurationError(f"cannot write {path}: {exc.strerror or exc}") from exc
 
 
 def _nan_to_none(value: object) -> object:

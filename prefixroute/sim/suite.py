@@ -241,8 +241,9 @@ def run_suite(
     plot = output.with_suffix(".png")
     write_suite_plot(plot, verdicts, default=default)
     page = render(verdicts, default=default, plot=plot.name, wall_s=wall, runs=len(runs), jobs=jobs)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(page, encoding="utf-8")
+    from prefixroute.sim.report import write_text
+
+    write_text(output, page)
     return output, verdicts
 
 
