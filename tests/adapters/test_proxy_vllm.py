@@ -380,8 +380,10 @@ def test_a_runaway_chat_template_is_refused_at_load_or_bounded_when_it_renders(t
     (huge / "tokenizer_config.json").write_text(
         json.dumps(
             {
-                "chat_template": "{% for m in messages %}{% for i in range(99999) %}{{ m['content'] }}{% endfor %}"
-                "{% endfor %}"
+                # Only for a one-message chat: the load's probe (four messages, traced line by line) took seconds
+                # over this loop, past its 5 s on a busy machine (a flaky refusal at load).
+                "chat_template": "{% if messages | length == 1 %}{% for m in messages %}{% for i in range(99999) %}"
+                "{{ m['content'] }}{% endfor %}{% endfor %}{% endif %}"
             }
         )  # fmt: skip
     )
