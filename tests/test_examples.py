@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import importlib.util
 import runpy
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -48,9 +49,18 @@ def test_custom_policy_caps_in_flight_and_skips_full_caches() -> None:
     assert sorted(router.in_flight(b) for b in ("a", "b")) == [1, 2]
 
 
-def test_ray_serve_example_keeps_each_prefix_on_one_replica(capsys: pytest.CaptureFixture[str]) -> None:
-    runpy.run_path(str(EXAMPLES / "ray_serve.py"), run_name="__main__")  # starts and stops a local Ray
-    lines = capsys.readouterr().out.splitlines()
+def test_ray_serve_example_keeps_each_prefix_on_one_replica() -> None:
+    # In a process of its own, as a user runs it: a local Ray started a second time in the test process (after
+    # tests/adapters/test_ray.py's) could miss Ray's fixed 30 s wait for its node on a loaded machine, and the raylet
+    # processes of a start that failed there outlived it, warning (an unraisable error) in whichever test ran next.
+    for attempt in range(2):  # Ray's own start-up timing out is retried once; the example's failures are not
+        done = subprocess.run(
+            [sys.executable, str(EXAMPLES / "ray_serve.py")], capture_output=True, text=True, timeout=600, check=False
+        )
+        if attempt or "timed out during startup" not in done.stderr:
+            break
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = done.stdout.splitlines()
     placed = [line.split(": ") for line in lines if line.startswith("system prompt")]
     assert sorted(group for group, _ in placed) == ["system prompt 0", "system prompt 1", "system prompt 2"]
     assert all(where.startswith("4 requests on replica") for _, where in placed)
