@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import json
 import logging
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -877,6 +879,31 @@ def test_a_busy_ext_proc_port_exits_2_with_one_line_and_announces_nothing() -> N
     assert done.stderr.splitlines() == [
         f"prefixroute serve: error: cannot listen (ext_proc) on 127.0.0.1:{port}: Address already in use"
     ]
+
+
+@pytest.mark.parametrize("late", ["release-port", "ext-proc", "kv-events"])
+def test_a_command_refused_after_binding_leaves_no_socket_open(late: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``main()`` run in a process that goes on (a supervisor, a test): the listeners bound before a busy release or
+    ext_proc port, or before a malformed KV-event endpoint was refused, were left open (ResourceWarning, and the
+    port held until the garbage collector found them)."""
+    from prefixroute.cli import main
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as busy_udp, socket.socket() as busy_tcp:
+        busy_udp.bind(("127.0.0.1", 0))
+        busy_tcp.bind(("127.0.0.1", 0))
+        busy_tcp.listen()
+        options = {
+            "release-port": ["--release-port", str(busy_udp.getsockname()[1])],
+            "ext-proc": ["--release-port", "0", "--ext-proc", str(busy_tcp.getsockname()[1])],
+            "kv-events": ["--release-port", "0", "--kv-events", f"{BACKENDS[0]}=nonsense"],
+        }[late]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            assert main(["serve", "--port", "0", "--backends", BACKENDS[0], "--models", "m", *options]) == 2
+            gc.collect()
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert [str(warning.message) for warning in caught if warning.category is ResourceWarning] == []
 
 
 def test_sigterm_stops_every_listener_and_exits_0(tmp_path: Path) -> None:

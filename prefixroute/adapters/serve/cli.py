@@ -157,15 +157,21 @@ def run(args: argparse.Namespace) -> int:
         accel_redirect=args.accel_redirect,
         max_body_bytes=args.max_body_mib << 20,
     )
-    http_socket = _bind(socket.SOCK_STREAM, args.host, args.port)
-    udp_socket = _bind(socket.SOCK_DGRAM, args.host, args.release_port) if args.release_port is not None else None
-    if args.ext_proc:  # gRPC binds it itself, later: try it now, so a busy port is refused in our words alone
-        _bind(socket.SOCK_STREAM, args.host, args.ext_proc, what="ext_proc").close()
-    learner = None
-    if args.models is None and backends:
-        learner = BaseModelLearner(backends, lambda names: setattr(sidecar, "base_models", names))
-        learner.start()
-    try:
+    # Whatever is refused below (a busy port, a malformed KV-event endpoint), what was bound or started before it is
+    # released: main() may run in a process that goes on (a supervisor, a test).
+    with contextlib.ExitStack() as cleanup:
+        if fleet is not None:
+            cleanup.callback(fleet.close)
+        http_socket = cleanup.enter_context(_bind(socket.SOCK_STREAM, args.host, args.port))
+        udp_socket = None
+        if args.release_port is not None:
+            udp_socket = cleanup.enter_context(_bind(socket.SOCK_DGRAM, args.host, args.release_port))
+        if args.ext_proc:  # gRPC binds it itself, later: try it now, so a busy port is refused in our words alone
+            _bind(socket.SOCK_STREAM, args.host, args.ext_proc, what="ext_proc").close()
+        if args.models is None and backends:
+            learner = BaseModelLearner(backends, lambda names: setattr(sidecar, "base_models", names))
+            learner.start()
+            cleanup.callback(learner.stop)
         if fleet is not None:
             by_backend = dict(events)
             for backend in backends:
@@ -178,11 +184,6 @@ def run(args: argparse.Namespace) -> int:
                     data_parallel_size=args.data_parallel_size if endpoints else None,
                 )
         _run_loop(_serve(sidecar, http_socket, udp_socket, args))
-    finally:
-        if learner is not None:
-            learner.stop()
-        if fleet is not None:
-            fleet.close()
     return 0
 
 
