@@ -847,6 +847,20 @@ def test_a_port_in_use_exits_2(tmp_path: Path) -> None:
     assert done.stderr.endswith(f"cannot listen (HTTP) on 127.0.0.1:{port}: Address already in use\n"), done.stderr
 
 
+def test_start_sidecar_on_a_port_another_sidecar_serves_raises_rather_than_hand_back_that_one(tmp_path: Path) -> None:
+    """``start_sidecar`` returned once something on its port answered ``/healthz``: with another sidecar there (a
+    port taken between ``free_port()`` and the start), it handed back a process about to exit with status 2, and the
+    caller tested the other sidecar, with its options. It returns once its own sidecar says it listens."""
+    port = free_port()
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    with start_sidecar(tmp_path / "first", BACKENDS, port=port) as first:
+        with pytest.raises(RuntimeError, match=f"cannot listen \\(HTTP\\) on 127.0.0.1:{port}: Address already in use"):
+            start_sidecar(tmp_path / "second", BACKENDS[:1], port=port)
+        assert first.popen.poll() is None
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz").json()["backends"] == BACKENDS  # the first one still
+
+
 def test_a_release_port_in_use_exits_2_even_where_its_holder_allows_reuse() -> None:
     """The UDP release port is bound without SO_REUSEADDR: were a holder that allows reuse (another sidecar, a
     syslog daemon) to share it, the kernel would hand each release line to one of them, and the other's requests

@@ -163,17 +163,34 @@ def wait_for_port(port: int, process: Process, *, timeout: float = 20.0) -> None
 def start_sidecar(
     workdir: Path, backends: Sequence[str], *, port: int, options: Sequence[str] = (), timeout: float = 20.0
 ) -> Process:
-    """Run ``prefixroute serve`` in a process of its own on ``port``; return once ``/healthz`` answers."""
+    """Run ``prefixroute serve`` in a process of its own on ``port``; return once it says it listens there and
+    ``/healthz`` answers.
+
+    Raises:
+        RuntimeError: it exited (a bad option, a busy port) or did not listen in ``timeout`` s; the message holds its
+            output, and the process is stopped.
+    """
     command = [sys.executable, "-m", "prefixroute", "serve", "--port", str(port), *options]
     if backends:
         command += ["--backends", *backends]
     process = _spawn(command, f"sidecar-{port}", workdir)
-    wait_for_port(port, process, timeout=timeout)
-    deadline = time.monotonic() + timeout
-    while httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code != 200:
-        if time.monotonic() > deadline:  # pragma: no cover
-            raise RuntimeError(f"the sidecar on {port} is not healthy:\n{process.output()}")
-        time.sleep(0.02)
+    # Its own announcement, not a connection to the port: another server there (the port taken after free_port())
+    # would answer, and this sidecar exit with status 2 unseen.
+    announced = re.compile(rf"^prefixroute serve: http://\S+:{port} \(", re.MULTILINE)
+    try:
+        deadline = time.monotonic() + timeout
+        while announced.search((workdir / f"{process.name}.log").read_text(errors="replace")) is None:
+            if process.popen.poll() is not None:
+                raise RuntimeError(f"{process.name} exited with {process.popen.returncode}:\n{process.output()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{process.name} did not listen on {port} in {timeout}s:\n{process.output()}")
+            time.sleep(0.02)
+        reply = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=timeout)
+        if reply.status_code != 200:  # pragma: no cover - the sidecar answers 200 once it listens
+            raise RuntimeError(f"the sidecar on {port} answered /healthz {reply.status_code}:\n{process.output()}")
+    except BaseException:
+        process.stop()
+        raise
     return process
 
 
