@@ -3,10 +3,12 @@ before anything runs, never a traceback, a hang or a memory blow-up."""
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -157,6 +159,27 @@ def test_fake_engines_refuse_values_that_would_hang_or_name_nothing(
     # Was: --token-delay-ms 1e300 started engines whose every request slept forever; --model ' ' served a blank name.
     assert main(["fake-engines", "--base-port", "39100", option, value]) == 2
     _one_line(capsys.readouterr().err, option)
+
+
+def test_fake_engines_whose_later_port_is_busy_close_the_earlier_and_announce_none(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Was: the first engine announced on stdout, then the one line for the busy second port, and the first engine's
+    # listening socket left open (ResourceWarning; its port held) in a process that goes on.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        base = probe.getsockname()[1]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", base + 1))
+        busy.listen()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            assert main(["fake-engines", "--count", "2", "--base-port", str(base)]) == 2
+            gc.collect()
+    out, err = capsys.readouterr()
+    _one_line(err, f"cannot listen on 127.0.0.1:{base}+")
+    assert out == ""
+    assert [str(warning.message) for warning in caught if warning.category is ResourceWarning] == []
 
 
 @pytest.mark.parametrize(

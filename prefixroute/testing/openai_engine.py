@@ -853,10 +853,11 @@ def run(args: argparse.Namespace) -> int:
     ]
 
     async def serve() -> None:
-        for engine in engines:
-            await engine.serve()
-            print(f"fake vLLM engine serving {engine.model!r} at {engine.url}", flush=True)
-        try:
+        try:  # a busy port closes the engines started before it (aclose: a no-op for the others); none announced
+            for engine in engines:
+                await engine.serve()
+            for engine in engines:
+                print(f"fake vLLM engine serving {engine.model!r} at {engine.url}", flush=True)
             await asyncio.Event().wait()
         finally:
             for engine in engines:
