@@ -22,6 +22,8 @@ from types import MappingProxyType, TracebackType
 
 import httpx
 
+from prefixroute.errors import ConfigurationError
+
 __all__ = [
     "EXAMPLES",
     "EXAMPLE_PORTS",
@@ -53,9 +55,17 @@ def free_port(kind: int = socket.SOCK_STREAM) -> int:
 
 
 def render(text: str, ports: Mapping[str, int], paths: Mapping[str, str] | None = None) -> str:
-    """An example configuration with each example port replaced by ``ports[role]`` and each path by ``paths``."""
+    """An example configuration with each example port replaced by ``ports[role]`` and each path by ``paths``.
+
+    Raises:
+        ConfigurationError: a role of ``ports`` is not one of :data:`EXAMPLE_PORTS`.
+    """
+    unknown = sorted(set(ports) - set(EXAMPLE_PORTS))
+    if unknown:
+        raise ConfigurationError(f"no example port has the role {unknown[0]!r}: the roles are {sorted(EXAMPLE_PORTS)}")
     mapping = {str(EXAMPLE_PORTS[role]): str(port) for role, port in ports.items()}
-    text = re.sub(r"(?<!\d)(" + "|".join(mapping) + r")(?!\d)", lambda m: mapping[m.group(1)], text)
+    if mapping:  # an empty alternation would match between any two characters
+        text = re.sub(r"(?<!\d)(" + "|".join(mapping) + r")(?!\d)", lambda m: mapping[m.group(1)], text)
     for old, new in (paths or {}).items():
         text = text.replace(old, new)
     return text
