@@ -920,15 +920,22 @@ def test_a_command_refused_after_binding_leaves_no_socket_open(late: str, capsys
     assert [str(warning.message) for warning in caught if warning.category is ResourceWarning] == []
 
 
-def test_sigterm_stops_every_listener_and_exits_0(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("stop", "listeners"), [(signal.SIGTERM, "http, release, ext_proc"), (signal.SIGINT, "http")], ids=["TERM", "INT"]
+)
+def test_sigterm_or_sigint_stops_every_listener_and_exits_0(
+    stop: signal.Signals, listeners: str, tmp_path: Path
+) -> None:
+    """Whichever listeners were asked for: the HTTP one alone too, which leaves the others' clean-up nothing to do."""
     port = free_port()
-    options = ["--release-port", str(free_port(socket.SOCK_DGRAM)), "--ext-proc", "0"]
+    options = ["--release-port", str(free_port(socket.SOCK_DGRAM)), "--ext-proc", "0"] if "release" in listeners else []
     with start_sidecar(tmp_path, BACKENDS, port=port, options=options) as process:
         assert httpx.post(f"http://127.0.0.1:{port}/route", json={"prompt_token_ids": ids(8)}).status_code == 200
-        process.popen.send_signal(signal.SIGTERM)
+        process.popen.send_signal(stop)
         assert process.popen.wait(20) == 0, process.output()
     assert "Traceback" not in process.output()
-    assert process.output().count("prefixroute serve: ") == 3  # the three listeners, announced once each
+    # Each listener announced once.
+    assert process.output().count("prefixroute serve: ") == len(listeners.split(", ")), process.output()
 
 
 def test_an_ipv6_host_serves_every_listener_and_announces_it_bracketed() -> None:
@@ -1088,6 +1095,52 @@ def test_two_replicas_following_kv_events_agree(tmp_path: Path) -> None:
                         deadline -= 1
                         time.sleep(0.05)
                     assert (answer["backend"], answer["reason"], answer["matched_tokens"]) == (engine.url, "prefix", 64)
+
+
+def test_a_sidecar_started_late_replays_what_the_engine_cached_before(tmp_path: Path) -> None:
+    """``--kv-events BACKEND=ENDPOINT,REPLAY``: the blocks an engine stored before the sidecar started reach it
+    through the replay endpoint (once a live batch shows it missed some), so a sidecar restarted under load does
+    not route the engine's cached prefixes as misses."""
+    from prefixroute.testing import FakeVLLM
+
+    with FakeVLLM(block_size=16, seed=3) as engine:
+        earlier, later = ids(64, 40_000), ids(64, 50_000)
+        engine.complete(earlier)  # before the sidecar listens: only a replay can tell it
+        port = free_port()
+        events = f"{engine.url}={engine.endpoint},{engine.replay_endpoint}"
+        with start_sidecar(tmp_path, [engine.url], port=port, options=["--kv-events", events, "--models", "m"]):
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + DEADLINE_S
+            answer: dict[str, Any] = {}
+            while answer.get("reason") != "prefix":
+                assert time.monotonic() < deadline, f"the earlier blocks never arrived: {answer}"
+                engine.complete(later)  # a live batch: its sequence number shows the ones missed
+                answer = httpx.post(f"{url}/route", json={"prompt_token_ids": [*earlier, 1]}).json()
+                httpx.post(f"{url}/finish", json={"id": answer["id"]})
+            assert (answer["backend"], answer["matched_tokens"]) == (engine.url, 64)
+
+
+def test_metrics_from_backends_steer_routes_away_from_an_engine_that_is_down(
+    tmp_path: Path, refused_port: Callable[[], int]
+) -> None:
+    """``--metrics-from-backends``: each engine's /metrics is polled, and one whose scrape fails is skipped; without
+    it the load policy spreads the open requests over both, the dead one too."""
+    from prefixroute.testing.openai_engine import OpenAIEngine
+
+    engine = OpenAIEngine(model="llama").start()
+    dead = f"http://127.0.0.1:{refused_port()}"
+    port = free_port()
+    try:
+        options = ["--metrics-from-backends", "--models", "llama"]
+        with start_sidecar(tmp_path, [engine.url, dead], port=port, options=options):
+            url = f"http://127.0.0.1:{port}/route"
+            deadline = time.monotonic() + DEADLINE_S
+            chosen: list[str] = []
+            while chosen[-20:] != [engine.url] * 20:  # open requests (never finished) pile up on the live one
+                assert time.monotonic() < deadline, f"the dead engine was still chosen: {chosen[-20:]}"
+                chosen.append(httpx.post(url, json={"prompt_token_ids": ids(32, 1000 * len(chosen))}).json()["backend"])
+    finally:
+        engine.stop()
 
 
 def test_requests_naming_the_base_model_match_its_kv_events(tmp_path: Path) -> None:
