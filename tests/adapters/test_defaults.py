@@ -47,3 +47,21 @@ def test_each_default_of_serve_is_the_one_its_help_and_the_docs_state(capsys: py
         assert stated in shown, stated
     docs = " ".join((Path(__file__).parents[2] / "docs" / "adapters.md").read_text().split())
     assert "(`--lease`, default 600 s;" in docs and "`--max-body-mib`, 32 MiB unless raised" in docs
+
+
+def test_serve_takes_each_log_level_its_help_names() -> None:
+    from prefixroute.cli import build_parser
+
+    for level in ("debug", "info", "warning", "error"):
+        args, _ = build_parser().parse_known_args(["serve", "--log-level", level])
+        assert args.log_level == level
+
+
+@pytest.mark.parametrize("level", ["verbose", "ERROR"])
+def test_serve_refuses_another_log_level_with_one_line(level: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A level outside ``--log-level``'s choices would reach ``logging.setLevel``: a ValueError traceback."""
+    from prefixroute.cli import main
+
+    assert main(["serve", "--port", "0", "--log-level", level]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "--log-level" in err and "Traceback" not in err, err
