@@ -32,7 +32,10 @@ def test_fake_engines_serve_the_models_and_limits_given_and_stop_on_ctrl_c() -> 
     base = _two_free_ports()
     command = [sys.executable, "-m", "prefixroute", "fake-engines", "--count", "2", "--base-port", str(base),
                "--model", "llama", "--lora-adapters", "sql", "--max-tokens", "3"]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C's SIGINT as a terminal delivers it: a shell starting this run in the background ignored it, and a
+    # child inherits that.
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     guard = threading.Timer(60, process.kill)  # a safety net, not a timing: it announces or exits
     guard.start()
     try:
