@@ -130,16 +130,27 @@ def test_cpu_seconds_counts_the_process_and_its_children(mode: str) -> None:
         popen.stdout.close()
 
 
-def test_wait_for_port_returns_once_the_port_listens_and_raises_when_the_process_exits(tmp_path: Path) -> None:
-    with socket.socket() as listening:
-        listening.bind(("127.0.0.1", 0))
-        listening.listen()
-        with _start(WAITS, log=tmp_path / "idle.log") as idle:
-            wait_for_port(listening.getsockname()[1], idle, timeout=10)
+def test_wait_for_port_returns_once_the_process_listens_and_raises_when_it_exits(tmp_path: Path) -> None:
     port = free_port()
+    listens = f"import socket, time; s = socket.create_server(('127.0.0.1', {port})); time.sleep(3600)"
+    with _start(listens, log=tmp_path / "listens.log") as server:
+        wait_for_port(port, server, timeout=60)
+        socket.create_connection(("127.0.0.1", port), timeout=10).close()
     quits = _start("import sys; print('no luck'); sys.exit(3)", log=tmp_path / "quits.log")
     with quits, pytest.raises(RuntimeError, match="child exited with 3:\nno luck"):
         wait_for_port(port, quits, timeout=60)
+
+
+def test_wait_for_port_is_not_satisfied_by_another_process_on_the_port(tmp_path: Path) -> None:
+    """Was: any listener on the port would do, so a gateway that could not bind its port (taken after free_port())
+    was handed back as started, about to exit, and the test talked to whatever held the port."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        idle = _start(WAITS, log=tmp_path / "idle.log")
+        with idle, pytest.raises(RuntimeError, match=f"child did not listen on {port} in 0.5s"):
+            wait_for_port(port, idle, timeout=0.5)
 
 
 def test_wait_for_port_stops_a_process_that_never_listens(tmp_path: Path) -> None:

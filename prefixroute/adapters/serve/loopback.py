@@ -149,25 +149,58 @@ def _spawn(command: Sequence[str], name: str, workdir: Path, env: Mapping[str, s
 
 
 def wait_for_port(port: int, process: Process, *, timeout: float = 20.0) -> None:
-    """Wait until something accepts TCP connections on 127.0.0.1:``port``.
+    """Wait until ``process`` (or a child of it: nginx's workers) listens on TCP ``port``.
+
+    Its own listening socket, found in ``/proc``: another process on the port (one that took it after
+    :func:`free_port`) would accept connections while ``process`` exits, unable to bind. Where ``/proc`` is absent,
+    any listener on 127.0.0.1:``port`` will do.
 
     Raises:
-        RuntimeError: the process exited or the deadline passed (the message holds its output).
+        RuntimeError: the process exited or the deadline passed (the message holds its output; it is stopped).
     """
     deadline = time.monotonic() + timeout
     while True:
         if process.popen.poll() is not None:
             raise RuntimeError(f"{process.name} exited with {process.popen.returncode}:\n{process.output()}")
+        if _listens(process.pid, port):
+            return
+        if time.monotonic() > deadline:
+            process.stop()
+            raise RuntimeError(f"{process.name} did not listen on {port} in {timeout}s:\n{process.output()}")
+        time.sleep(0.02)
+
+
+def _listens(pid: int, port: int) -> bool:
+    """Whether ``pid`` or one of its children holds a socket listening on TCP ``port`` (IPv4 or IPv6)."""
+    listening = set()
+    tables = [Path("/proc/net/tcp"), Path("/proc/net/tcp6")]
+    if not tables[0].exists():  # pragma: no cover - no /proc: whoever accepts
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
+                return True
         except OSError:
-            if time.monotonic() > deadline:
-                process.stop()
-                raise RuntimeError(
-                    f"{process.name} did not listen on {port} in {timeout}s:\n{process.output()}"
-                ) from None
-            time.sleep(0.02)
+            return False
+    for table in tables:
+        try:
+            rows = table.read_text().splitlines()[1:]
+        except OSError:  # pragma: no cover - no IPv6
+            continue
+        for row in rows:
+            fields = row.split()  # sl, local address (hex ip:port), remote address, state (0A: LISTEN), ..., inode
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                listening.add(f"socket:[{fields[9]}]")
+    for holder in [pid, *_children(pid)]:
+        try:
+            fds = os.listdir(f"/proc/{holder}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{holder}/fd/{fd}") in listening:
+                    return True
+            except OSError:  # closed meanwhile
+                continue
+    return False
 
 
 def start_sidecar(
