@@ -895,6 +895,18 @@ def test_a_busy_ext_proc_port_exits_2_with_one_line_and_announces_nothing() -> N
     ]
 
 
+@pytest.mark.parametrize("spec", [BACKENDS[0], f"{BACKENDS[0]}=", "=tcp://10.0.0.1:5557", "="])
+def test_a_kv_events_spec_missing_a_part_is_refused_with_one_line(
+    spec: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from prefixroute.cli import main
+
+    assert main(["serve", "--port", "0", "--backends", BACKENDS[0], "--kv-events", spec]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert f"--kv-events takes BACKEND=ENDPOINT[,REPLAY], like http://gpu0:8000=tcp://gpu0:5557, not {spec!r}" in err
+
+
 @pytest.mark.parametrize("late", ["release-port", "ext-proc", "kv-events"])
 def test_a_command_refused_after_binding_leaves_no_socket_open(late: str, capsys: pytest.CaptureFixture[str]) -> None:
     """``main()`` run in a process that goes on (a supervisor, a test): the listeners bound before a busy release or
