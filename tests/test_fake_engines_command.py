@@ -9,6 +9,10 @@ import sys
 import threading
 
 import httpx
+import pytest
+
+from prefixroute.cli import main
+from prefixroute.testing import openai_engine
 
 from .conftest import DEADLINE_S
 
@@ -55,3 +59,36 @@ def test_fake_engines_serve_the_models_and_limits_given_and_stop_on_ctrl_c() -> 
         process.kill()
         process.wait()
     assert process.returncode == 0 and out == "" and err == "", err
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--count", "0"], "--count must be positive"),
+        (["--count", "2", "--base-port", "65535"], "room for --count"),  # the second would be on 65536
+        (["--count", "1", "--base-port", "0"], "room for --count"),
+        (["--count", "1", "--base-port", "65535", "--max-tokens", "0"], "--max-tokens"),  # 65535 fits one: next check
+        (["--count", "1", "--base-port", "1", "--max-tokens", "0"], "--max-tokens"),  # so does 1
+    ],
+)
+def test_fake_engines_check_count_and_ports_to_the_bound(
+    options: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["fake-engines", *options]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and message in err, err
+
+
+def test_the_module_entry_point_is_the_fake_engines_command(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m prefixroute.testing.openai_engine ARGS`` is ``prefixroute fake-engines ARGS``."""
+    monkeypatch.setattr(sys, "argv", ["openai_engine.py", "--count", "0"])
+    assert openai_engine.main() == 2
+    assert openai_engine.main(["--max-tokens", "0"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "prefixroute fake-engines: error: --count must be positive and --base-port a port with room for --count "
+        "engines",
+        "prefixroute fake-engines: error: --max-tokens must be in 1..1000000, not 0",
+    ]
