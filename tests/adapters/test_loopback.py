@@ -115,8 +115,11 @@ def test_output_is_the_end_of_the_log_readable_whatever_its_bytes(tmp_path: Path
 
 
 @pytest.mark.parametrize("mode", ["alone", "fork"])
-def test_cpu_seconds_counts_the_process_and_its_children(mode: str) -> None:
-    popen = subprocess.Popen([sys.executable, "-c", BURNER, mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+def test_cpu_seconds_counts_the_process_and_its_children(mode: str, tmp_path: Path) -> None:
+    # Run under a name with ")" and a blank, as /proc/PID/stat shows it: its fields are read after the last ")".
+    python = tmp_path / "burn) er"
+    python.symlink_to(sys.executable)
+    popen = subprocess.Popen([python, "-c", BURNER, mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert popen.stdin is not None and popen.stdout is not None
     process = Process(popen, "burner")
     try:

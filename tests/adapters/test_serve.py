@@ -762,7 +762,8 @@ def serve(*args: str) -> subprocess.CompletedProcess[str]:
     [
         (["--tokenizer", "/no/such/tokenizer.json"], "not found"),
         (["--backends", "gpu0"], "not an http(s):// URL"),
-        (["--port", "70000"], "--port"),
+        (["--port", "65536"], "argument --port: expected a port number 0-65535, not '65536'"),
+        (["--port", "http"], "argument --port: expected a port number 0-65535, not 'http'"),
         (["--host", ""], "--host"),
         (["--host", "local host"], "--host"),
         (["--lease", "0"], "--lease"),
