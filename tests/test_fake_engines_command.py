@@ -17,25 +17,26 @@ from prefixroute.testing import openai_engine
 from .conftest import DEADLINE_S
 
 
-def _two_free_ports() -> int:
-    """A port P such that P and P + 1 are both free on 127.0.0.1 now."""
+def _two_free_ports(host: str) -> int:
+    """A port P such that P and P + 1 are both free on ``host`` now."""
     while True:
         with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
+            first.bind((host, 0))
             base = int(first.getsockname()[1])
             if base < 65535:
                 with socket.socket() as second:
                     try:
-                        second.bind(("127.0.0.1", base + 1))
+                        second.bind((host, base + 1))
                     except OSError:
                         continue
                     return base
 
 
 def test_fake_engines_serve_the_models_and_limits_given_and_stop_on_ctrl_c() -> None:
-    base = _two_free_ports()
+    host = "127.0.0.2"  # loopback too, but not the default: the engines listen where they are told
+    base = _two_free_ports(host)
     command = [sys.executable, "-m", "prefixroute", "fake-engines", "--count", "2", "--base-port", str(base),
-               "--model", "llama", "--lora-adapters", "sql", "--max-tokens", "3"]  # fmt: skip
+               "--host", host, "--model", "llama", "--lora-adapters", "sql", "--max-tokens", "3"]  # fmt: skip
     # Ctrl-C's SIGINT as a terminal delivers it: a shell starting this run in the background ignored it, and a
     # child inherits that.
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -45,7 +46,7 @@ def test_fake_engines_serve_the_models_and_limits_given_and_stop_on_ctrl_c() -> 
     try:
         assert process.stdout is not None
         lines = [process.stdout.readline() for _ in range(2)]
-        urls = [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
+        urls = [f"http://{host}:{base}", f"http://{host}:{base + 1}"]
         assert lines == [f"fake vLLM engine serving 'llama' at {url}\n" for url in urls], lines
         for url in urls:
             cards = httpx.get(f"{url}/v1/models", timeout=DEADLINE_S).json()["data"]
@@ -69,6 +70,13 @@ def test_fake_engines_serve_the_models_and_limits_given_and_stop_on_ctrl_c() -> 
         (["--count", "1", "--base-port", "0"], "room for --count"),
         (["--count", "1", "--base-port", "65535", "--max-tokens", "0"], "--max-tokens"),  # 65535 fits one: next check
         (["--count", "1", "--base-port", "1", "--max-tokens", "0"], "--max-tokens"),  # so does 1
+        (["--max-tokens", "1000001"], "--max-tokens must be in 1..1000000, not 1000001"),
+        (["--max-tokens", "1", "--model", ""], "--model"),  # the bounds taken: the next check speaks
+        (["--max-tokens", "1000000", "--model", ""], "--model"),
+        (["--prefill-us-per-token", "1000001"], "--prefill-us-per-token must be a number in [0, 1e+06], not 1000001.0"),
+        (["--prefill-us-per-token", "0", "--token-delay-ms", "-1"], "--token-delay-ms"),
+        (["--prefill-us-per-token", "1e6", "--token-delay-ms", "-1"], "--token-delay-ms"),
+        (["--token-delay-ms", "60001"], "--token-delay-ms must be a number in [0, 60000], not 60001.0"),
     ],
 )
 def test_fake_engines_check_count_and_ports_to_the_bound(
@@ -77,6 +85,17 @@ def test_fake_engines_check_count_and_ports_to_the_bound(
     assert main(["fake-engines", *options]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("delay", ["0", "60000"])
+def test_fake_engines_take_the_bounds_of_token_delay(delay: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # Taken: the command goes on to listen, where a busy port stops it.
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["fake-engines", "--count", "1", "--base-port", str(port), "--token-delay-ms", delay]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}+" in capsys.readouterr().err
 
 
 def test_the_module_entry_point_is_the_fake_engines_command(
