@@ -111,3 +111,17 @@ def test_the_module_entry_point_is_the_fake_engines_command(
         "engines",
         "prefixroute fake-engines: error: --max-tokens must be in 1..1000000, not 0",
     ]
+
+
+def test_each_default_of_fake_engines_is_the_one_its_help_states(capsys: pytest.CaptureFixture[str]) -> None:
+    from prefixroute.cli import build_parser
+
+    args, _ = build_parser().parse_known_args(["fake-engines"])
+    taken = (args.count, args.base_port, args.host, args.model, tuple(args.lora_adapters))
+    assert taken == (3, 8100, "127.0.0.1", "fake-model", ())
+    assert (args.prefill_us_per_token, args.token_delay_ms, args.max_tokens) == (50.0, 5.0, 16)
+    with pytest.raises(SystemExit):
+        main(["fake-engines", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    for stated in ("(default 3)", "(default 8100)", "(default fake-model)", "(default 50)", "(default 5 ms)", "(16)"):
+        assert stated in shown, stated

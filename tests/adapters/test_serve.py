@@ -766,10 +766,12 @@ def serve(*args: str) -> subprocess.CompletedProcess[str]:
         (["--port", "http"], "argument --port: expected a port number 0-65535, not 'http'"),
         (["--host", ""], "--host"),
         (["--host", "local host"], "--host"),
-        (["--lease", "0"], "--lease"),
+        (["--lease", "0"], "argument --lease: expected a positive number of seconds, not '0'"),
+        (["--lease", "inf"], "argument --lease: expected a positive number of seconds, not 'inf'"),
         (["--lease", "ten"], "argument --lease: expected a positive number of seconds, not 'ten'"),
         (["--policy", "nope"], "nope"),
-        (["--policy-option", "factor"], "KEY=VALUE"),
+        (["--policy-option", "factor"], "--policy-option takes KEY=VALUE, like factor=1.5, not 'factor'"),
+        (["--policy-option", "1x=2"], "--policy-option takes KEY=VALUE, like factor=1.5, not '1x=2'"),
         (["--models", " "], "models must name models, not [' ']: a name is blank"),  # was accepted
         (["--models", "llama", ""], "not ['llama', '']: a name is blank"),  # an unset "$MODEL": was "non-empty list"
         (["--policy-option", "kv_cap=0.5", "--policy-option", "kv_cap=0.6"], "--policy-option kv_cap is given twice"),
