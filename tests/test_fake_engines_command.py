@@ -82,7 +82,14 @@ def test_fake_engines_serve_the_models_and_limits_given_and_stop_on_ctrl_c() -> 
 def test_fake_engines_check_count_and_ports_to_the_bound(
     options: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["fake-engines", *options]) == 2
+    with socket.socket() as busy:  # where a value wrongly taken would serve: "cannot listen", not a hang
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        if "--base-port" not in options:
+            options = [*options, "--base-port", str(busy.getsockname()[1])]
+        if "--count" not in options:
+            options = [*options, "--count", "1"]
+        assert main(["fake-engines", *options]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and message in err, err
 
