@@ -762,6 +762,7 @@ def serve(*args: str) -> subprocess.CompletedProcess[str]:
     [
         (["--tokenizer", "/no/such/tokenizer.json"], "not found"),
         (["--backends", "gpu0"], "not an http(s):// URL"),
+        (["--backends", "http://gpu0:8000/v1"], "has a path: give each engine's scheme, host and port only"),
         (["--port", "65536"], "argument --port: expected a port number 0-65535, not '65536'"),
         (["--port", "http"], "argument --port: expected a port number 0-65535, not 'http'"),
         (["--host", ""], "--host"),
