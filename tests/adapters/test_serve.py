@@ -776,6 +776,22 @@ def serve(*args: str) -> subprocess.CompletedProcess[str]:
         (["--models", " "], "models must name models, not [' ']: a name is blank"),  # was accepted
         (["--models", "llama", ""], "not ['llama', '']: a name is blank"),  # an unset "$MODEL": was "non-empty list"
         (["--policy-option", "kv_cap=0.5", "--policy-option", "kv_cap=0.6"], "--policy-option kv_cap is given twice"),
+        (  # the one given twice is named, not the first one given
+            ["--policy-option", "use_speed=true", "--policy-option", "kv_cap=0.5", "--policy-option", "kv_cap=0.6"],
+            "--policy-option kv_cap is given twice",
+        ),
+        (
+            [
+                "--backends",
+                "http://a:1",
+                "http://b:1",
+                "--kv-events",
+                "http://a:1=tcp://a:5557",
+                "http://b:1=tcp://b:5557",
+                "http://b:1/=tcp://b:5558",
+            ],
+            "--kv-events names backend 'http://b:1' twice",
+        ),  # fmt: skip
         (["--backends", "http://a:1", "--kv-events", "http://b:1=tcp://b:5557"], "not one of --backends"),
         (["--backends", "http://a:1", "--data-parallel-size", "2"], "needs --kv-events"),
         (
