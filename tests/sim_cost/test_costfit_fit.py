@@ -1,0 +1,207 @@
+"""The cost-model fit on data whose answer is known: figures worked out by hand, and terms the fit must recover."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from prefixroute.sim.calibration import Measurement
+from prefixroute.sim.costfit import LinearFit, fit_linear, fit_shared_terms, linear_fits, read_splitwise, read_vidur
+from prefixroute.sim.profiles import MODELS, TP_DEGREES
+
+VIDUR_OPS = (
+    "input_layernorm",
+    "attn_pre_proj",
+    "attn_rope",
+    "attn_post_proj",
+    "post_attention_layernorm",
+    "mlp_up_proj",
+    "mlp_act",
+    "mlp_down_proj",
+    "add",
+)
+SPLITWISE_HEADER = "model,hardware,prompt_size,batch_size,token_size,prompt_time,token_time,tensor_parallel"
+
+
+def test_fit_linear_by_hand_from_the_fewest_points_it_accepts() -> None:
+    # One point at n <= 16 gives the floor; two at n >= 512 fix the line: 1 ms + 10 us per token.
+    fit = fit_linear([(8, 0.002), (512, 0.001 + 512e-5), (1024, 0.001 + 1024e-5)])
+    assert fit.floor == 0.002
+    assert fit.intercept == pytest.approx(0.001, rel=1e-9)
+    assert fit.per_token == pytest.approx(1e-5, rel=1e-9)
+    assert fit(1) == 0.002 and fit(2048) == pytest.approx(0.001 + 2048e-5, rel=1e-9)
+
+
+def _vidur_csv(path: Path, rows: list[tuple[int, int, float]]) -> None:
+    """A Vidur mlp.csv: (tp, tokens, ms per op) rows; the embedding takes 100 ms, which the fit must leave out."""
+    columns = ["time_stats.emb.median", *(f"time_stats.{op}.median" for op in VIDUR_OPS)]
+    lines = [",".join([*columns, "num_tensor_parallel_workers", "num_tokens"])]
+    lines += [",".join(["100", *[str(ms)] * len(VIDUR_OPS), str(tp), str(tokens)]) for tp, tokens, ms in rows]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_read_vidur_sums_the_layers_ops_and_takes_the_median_of_repeats(tmp_path: Path) -> None:
+    # 9 ops of 0.1 ms are 0.9 ms a layer; three repeats at 0.1, 0.3, 0.2 ms per op have the median 1.8 ms.
+    _vidur_csv(tmp_path / "vidur-profiling" / "a100" / "Llama-2-7b-hf__mlp.csv", [(1, 16, 0.1)])
+    _vidur_csv(
+        tmp_path / "vidur-profiling" / "h100" / "Llama-2-70b-hf__mlp.csv", [(2, 512, 0.1), (2, 512, 0.3), (2, 512, 0.2)]
+    )
+    got = read_vidur(tmp_path)
+    assert [(m.gpu, m.model, m.tp, m.tokens, m.batch) for m in got] == [
+        ("a100", "llama-2-7b", 1, 16, 1),
+        ("h100", "llama-2-70b", 2, 512, 1),
+    ]
+    assert got[0].seconds == pytest.approx(0.9e-3) and got[1].seconds == pytest.approx(1.8e-3)
+
+
+def test_read_splitwise_keeps_llama2_70b_rows_wherever_they_are(tmp_path: Path) -> None:
+    # Prefill: the median of the repeats (100, 300, 200 ms -> 0.2 s). Decode: the mean context over 129 generated
+    # tokens after a 1,000-token prompt is 1,000 + 64 tokens, a whole number of tokens.
+    path = tmp_path / "splitwise-sim" / "perf_model.csv"
+    path.parent.mkdir(parents=True)
+    path.write_text(
+        "\n".join([
+            SPLITWISE_HEADER,
+            "llama2-13b,a100-80gb,1000,1,129,1,1,2",  # another model first: not the end of the file
+            "llama2-70b,a100-40gb,1000,1,129,1,1,2",  # a GPU SplitwiseSim measured but the fit does not use
+            "llama2-70b,a100-80gb,1000,1,129,100,50,2",
+            "llama2-70b,a100-80gb,1000,1,129,300,70,2",
+            "llama2-70b,h100-80gb,1000,1,129,200,60,2",
+            "llama2-70b,a100-80gb,1000,1,129,200,60,2",
+        ]) + "\n"
+    )  # fmt: skip
+    got = read_splitwise(tmp_path)
+    assert [(m.kind, m.model, m.gpu, m.tp, m.tokens, m.batch) for m in got] == [
+        ("prefill", "llama-2-70b", "a100", 2, 1000, 1),
+        ("prefill", "llama-2-70b", "h100", 2, 1000, 1),
+        ("decode", "llama-2-70b", "a100", 2, 1064, 1),
+        ("decode", "llama-2-70b", "h100", 2, 1064, 1),
+    ]
+    assert [m.seconds for m in got] == pytest.approx([0.2, 0.2, 0.06, 0.06])
+    assert all(type(m.tokens) is int for m in got)  # calibration_points.csv must read back with int()
+
+
+def _linear_points(fit: LinearFit) -> list[tuple[int, float]]:
+    return [(n, fit(n)) for n in (1, 8, 16, 512, 1024, 2048, 4096)]
+
+
+def _vidur_measurements(fits: dict[tuple[str, str, int], LinearFit]) -> list[Measurement]:
+    return [
+        Measurement("vidur", "linear", model, gpu, tp, n, 1, seconds)
+        for (gpu, model, tp), fit in fits.items()
+        for n, seconds in _linear_points(fit)
+    ]
+
+
+def test_linear_fits_measure_where_they_can_and_derive_the_rest() -> None:
+    a100 = {"llama-2-7b": 1.0, "llama-3-8b": 1.2, "codellama-34b": 4.0, "llama-2-70b": 8.0}
+    truth = {
+        (gpu, model, tp): LinearFit(1e-3 * scale * speed / tp, 1e-5 * scale * speed, 1e-5 * scale * speed / tp)
+        for tp in TP_DEGREES
+        for gpu, speed, models in (("a100", 1.0, a100), ("h100", 0.5, {"llama-2-7b": 1.0, "codellama-34b": 4.0}))
+        for model, scale in models.items()
+    }
+    # H100 Llama-2-70B measured at a speed that no ratio would give: the measurement must win over the derivation.
+    for tp in TP_DEGREES:
+        truth[("h100", "llama-2-70b", tp)] = LinearFit(3e-3 / tp, 3e-5, 3e-5 / tp)
+    fits = linear_fits(_vidur_measurements(truth))
+    for tp in TP_DEGREES:
+        fit, how = fits[("h100", "llama-2-70b", tp)]
+        assert how == "Vidur mlp.csv"
+        assert fit(4096) == pytest.approx(truth[("h100", "llama-2-70b", tp)](4096), rel=1e-6)
+        # H100 Llama-3-8B: the A100 figure times H100/A100 of Llama-2-7B, here 0.5 in every term.
+        fit, how = fits[("h100", "llama-3-8b", tp)]
+        assert how == "Vidur A100 llama-3-8b x H100/A100 ratio of llama-2-7b"
+        expected = truth[("a100", "llama-3-8b", tp)]
+        assert (fit.floor, fit.intercept, fit.per_token) == pytest.approx(
+            (0.5 * expected.floor, 0.5 * expected.intercept, 0.5 * expected.per_token), rel=1e-6
+        )
+        # 13B: 7B's and 34B's floor and slope interpolated in log of per-layer weights.
+        w7, w13, w34 = (
+            math.log(MODELS[m].linear_params_per_layer) for m in ("llama-2-7b", "codellama-13b", "codellama-34b")
+        )
+        weight = (w13 - w7) / (w34 - w7)
+        fit, how = fits[("a100", "codellama-13b", tp)]
+        assert how.startswith("log-log interpolation")
+        assert fit.per_token == pytest.approx(truth[("a100", "llama-2-7b", tp)].per_token * 4.0**weight, rel=1e-6)
+
+
+# Llama-2-70B's shape, written out: 80 layers, hidden 8192, 64 heads and 8 KV heads of 128, fp16.
+LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 80, 8192, 64, 8, 128
+TRUE = {
+    "step_overhead_s": 5e-3,
+    "allreduce_latency_s": 2e-5,
+    "comm_s_per_byte": 1 / 100e9,  # 100 GB/s
+    "per_sequence_s": 1e-4,
+    "attention_flops_per_s": 150e12,
+}
+
+
+def _lin(tp: int) -> LinearFit:
+    return LinearFit(2e-4 / tp, 5e-5, 4e-7 / tp)
+
+
+def _seconds(kind: str, tp: int, tokens: int, batch: int) -> float:
+    """A step's time from the terms in TRUE, computed from the model's shape (not from the code under test)."""
+    lin = _lin(tp)
+    # Two ring all-reduces per layer, each moving 2 (tp - 1) / tp of a token's fp16 hidden state per GPU.
+    comm_bytes_per_token = 2 * 2 * (tp - 1) / tp * HIDDEN * 2
+    if kind == "prefill":
+        step_tokens = batch * tokens
+        attention = batch * 4 * HEADS * HEAD_DIM / tp * tokens * (tokens + 1) / 2 / TRUE["attention_flops_per_s"]
+    else:
+        step_tokens = batch
+        # The KV of every context token is read at the bandwidth a memory-bound layer reaches: its weights / floor.
+        weights = HIDDEN * (HEADS + 2 * KV_HEADS) * HEAD_DIM + HEADS * HEAD_DIM * HIDDEN + 3 * HIDDEN * 28672
+        bandwidth = weights * 2 / tp / lin.floor
+        attention = batch * tokens * KV_HEADS * HEAD_DIM * 2 * 2 / tp / bandwidth
+    per_layer = lin(step_tokens) + attention + TRUE["allreduce_latency_s"] * (tp - 1)
+    per_layer += step_tokens * comm_bytes_per_token * TRUE["comm_s_per_byte"]
+    return TRUE["step_overhead_s"] + LAYERS * per_layer + batch * TRUE["per_sequence_s"]
+
+
+def _splitwise_rows() -> list[Measurement]:
+    rows = [
+        Measurement("splitwise", "prefill", "llama-2-70b", "a100", tp, prompt, 1, _seconds("prefill", tp, prompt, 1))
+        for tp in (2, 4, 8)
+        for prompt in (512, 1024, 2048, 4096, 8192)
+    ]
+    rows += [
+        Measurement(
+            "splitwise", "decode", "llama-2-70b", "a100", tp, context, batch, _seconds("decode", tp, context, batch)
+        )
+        for tp in (2, 4, 8)
+        for context in (600, 1500, 3000)
+        for batch in (1, 4, 16, 64)
+    ]
+    # Rows the fit must leave alone: another GPU family, and batched prefill (SplitwiseSim ran it slower).
+    rows.append(Measurement("splitwise", "decode", "llama-2-70b", "h100", 2, 600, 1, 1.0))
+    rows.append(Measurement("splitwise", "prefill", "llama-2-70b", "a100", 2, 512, 16, 100.0))
+    return rows
+
+
+def _linear() -> dict[tuple[str, str, int], tuple[LinearFit, str]]:
+    return {("a100", "llama-2-70b", tp): (_lin(tp), "test") for tp in TP_DEGREES}
+
+
+def test_fit_shared_terms_recovers_the_terms_that_made_the_measurements() -> None:
+    rows = _splitwise_rows()
+    terms = fit_shared_terms(rows, _linear(), "a100")
+    for name, value in TRUE.items():
+        assert getattr(terms, name) == pytest.approx(value, rel=1e-6), name
+    assert (terms.rows_used, terms.rows_dropped) == (len(rows) - 2, 0)
+
+
+def test_fit_shared_terms_drops_and_counts_a_gross_outlier() -> None:
+    rows = _splitwise_rows()
+    good = rows[3]
+    rows[3] = Measurement(
+        good.source, good.kind, good.model, good.gpu, good.tp, good.tokens, good.batch, 3 * good.seconds
+    )
+    terms = fit_shared_terms(rows, _linear(), "a100")
+    assert (terms.rows_used, terms.rows_dropped) == (len(rows) - 3, 1)
+    for name, value in TRUE.items():
+        assert getattr(terms, name) == pytest.approx(value, rel=1e-6), name
