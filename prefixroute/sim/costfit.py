@@ -31,7 +31,7 @@ import math
 import statistics
 import sys
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -98,11 +98,33 @@ def fit_linear(points: Sequence[tuple[int, float]]) -> LinearFit:
     return LinearFit(float(statistics.median(low)), float(intercept), float(per_token))
 
 
+def _positive(row: dict[str, str], column: str, convert: Callable[[str], float], where: str) -> float:
+    """``row[column]`` as a positive finite number; a ConfigurationError naming the file, line and column if not.
+
+    A NaN, an infinity, zero or a negative figure is no measurement: in a median a NaN sorts anywhere (the fit
+    would depend on the rows' order), and the others fit a cost model that no engine has.
+    """
+    text = row[column]
+    try:
+        value = convert(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        kind = "whole" if convert is int else "finite"
+        raise ConfigurationError(f"{where}: {column} must be a positive {kind} number, not {text!r}")
+    return value
+
+
+def _count(row: dict[str, str], column: str, where: str) -> int:
+    return int(_positive(row, column, int, where))
+
+
 def read_vidur(data: Path) -> list[Measurement]:
     """Median per-layer linear time (all ops but the embedding) by GPU family, model, tp and tokens.
 
     Raises:
-        ConfigurationError: a profiling file is there but is no regular file (a folder, a FIFO, a device).
+        ConfigurationError: a profiling file is there but is no regular file (a folder, a FIFO, a device), or a
+            time or count in it is no positive number.
     """
     out: list[Measurement] = []
     for family in ("a100", "h100"):
@@ -114,9 +136,14 @@ def read_vidur(data: Path) -> list[Measurement]:
                 raise ConfigurationError(f"{path} is not a regular file: --data must hold the profiling CSVs")
             samples: dict[tuple[int, int], list[float]] = defaultdict(list)
             with path.open(newline="") as handle:
-                for row in csv.DictReader(handle):
-                    ms = sum(float(row[f"time_stats.{op}.median"]) for op in _VIDUR_OPS)
-                    samples[(int(row["num_tensor_parallel_workers"]), int(row["num_tokens"]))].append(ms)
+                reader = csv.DictReader(handle)
+                for row in reader:
+                    where = f"{path}:{reader.line_num}"
+                    ms = sum(_positive(row, f"time_stats.{op}.median", float, where) for op in _VIDUR_OPS)
+                    tp, tokens = (
+                        _count(row, column, where) for column in ("num_tensor_parallel_workers", "num_tokens")
+                    )
+                    samples[(tp, tokens)].append(ms)
             for (tp, tokens), values in sorted(samples.items()):
                 seconds = statistics.median(values) / 1e3
                 out.append(Measurement("vidur", "linear", model, family, tp, tokens, 1, seconds))
@@ -124,19 +151,28 @@ def read_vidur(data: Path) -> list[Measurement]:
 
 
 def read_splitwise(data: Path) -> list[Measurement]:
-    """Median Llama-2-70B prefill and decode-step times per configuration (A100-80GB, H100-80GB)."""
+    """Median Llama-2-70B prefill and decode-step times per configuration (A100-80GB, H100-80GB).
+
+    Raises:
+        ConfigurationError: a time or count of a row it fits is no positive number.
+    """
     prefill: dict[tuple[str, int, int, int], list[float]] = defaultdict(list)
     decode: dict[tuple[str, int, int, int], list[float]] = defaultdict(list)
-    with (data / "splitwise-sim" / "perf_model.csv").open(newline="") as handle:
-        for row in csv.DictReader(handle):
+    path = data / "splitwise-sim" / "perf_model.csv"
+    with path.open(newline="") as handle:
+        reader = csv.DictReader(handle)
+        for row in reader:
             if row["model"] != "llama2-70b" or row["hardware"] not in ("a100-80gb", "h100-80gb"):
                 continue
+            where = f"{path}:{reader.line_num}"
             family = _FAMILY_OF[row["hardware"]]
-            tp, prompt, batch = int(row["tensor_parallel"]), int(row["prompt_size"]), int(row["batch_size"])
-            prefill[(family, tp, prompt, batch)].append(float(row["prompt_time"]) / 1e3)
+            tp, prompt, batch, generated = (
+                _count(row, column, where) for column in ("tensor_parallel", "prompt_size", "batch_size", "token_size")
+            )
+            prefill[(family, tp, prompt, batch)].append(_positive(row, "prompt_time", float, where) / 1e3)
             # Mean context over the generation of token_size tokens after the prompt.
-            context = prompt + int(row["token_size"]) // 2
-            decode[(family, tp, context, batch)].append(float(row["token_time"]) / 1e3)
+            context = prompt + generated // 2
+            decode[(family, tp, context, batch)].append(_positive(row, "token_time", float, where) / 1e3)
     out = [
         Measurement("splitwise", "prefill", "llama-2-70b", f, tp, p, b, statistics.median(v))
         for (f, tp, p, b), v in sorted(prefill.items())

@@ -165,6 +165,15 @@ def test_malformed_data_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixtur
     (data / "splitwise-sim" / "perf_model.csv").write_bytes(b"\xff\xfe\x00garbage")
     assert costfit.main(["--data", str(data), "--check"]) == 2
     _one_line_error(capsys.readouterr().err, "cannot fit")
+    header, first, *rest = (DATA / "splitwise-sim" / "perf_model.csv").read_text().splitlines()
+    assert header.endswith(",prompt_time,token_time,e2e_time,tensor_parallel")
+    cells = first.split(",")
+    cells[-4] = "nan"  # a measured time that is no number
+    (data / "splitwise-sim" / "perf_model.csv").write_text("\n".join([header, ",".join(cells), *rest]) + "\n")
+    assert costfit.main(["--data", str(data), "--check"]) == 2
+    _one_line_error(
+        capsys.readouterr().err, "perf_model.csv:2: prompt_time must be a positive finite number, not 'nan'"
+    )
 
 
 def test_outputs_that_cannot_be_written_fail_before_the_fit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

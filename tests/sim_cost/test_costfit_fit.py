@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
 
+from prefixroute.errors import ConfigurationError
 from prefixroute.sim.calibration import Measurement
 from prefixroute.sim.costfit import LinearFit, fit_linear, fit_shared_terms, linear_fits, read_splitwise, read_vidur
 from prefixroute.sim.profiles import MODELS, TP_DEGREES
@@ -205,3 +207,61 @@ def test_fit_shared_terms_drops_and_counts_a_gross_outlier() -> None:
     assert (terms.rows_used, terms.rows_dropped) == (len(rows) - 3, 1)
     for name, value in TRUE.items():
         assert getattr(terms, name) == pytest.approx(value, rel=1e-6), name
+
+
+def _splitwise_with(tmp_path: Path, row: str) -> Path:
+    path = tmp_path / "splitwise-sim" / "perf_model.csv"
+    path.parent.mkdir(parents=True)
+    path.write_text(f"{SPLITWISE_HEADER}\nllama2-70b,a100-80gb,1000,1,129,100,50,2\n{row}\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("column", "row"),
+    [
+        ("prompt_time", "llama2-70b,a100-80gb,1000,1,129,nan,50,2"),
+        ("prompt_time", "llama2-70b,a100-80gb,1000,1,129,inf,50,2"),
+        ("prompt_time", "llama2-70b,a100-80gb,1000,1,129,-5,50,2"),
+        ("token_time", "llama2-70b,a100-80gb,1000,1,129,100,0,2"),
+        ("token_time", "llama2-70b,a100-80gb,1000,1,129,100,fast,2"),
+        ("prompt_size", "llama2-70b,a100-80gb,-16,1,129,100,50,2"),
+        ("batch_size", "llama2-70b,a100-80gb,1000,0,129,100,50,2"),
+        ("token_size", "llama2-70b,a100-80gb,1000,1,1e3,100,50,2"),
+        ("tensor_parallel", "llama2-70b,a100-80gb,1000,1,129,100,50,0"),
+    ],
+)
+def test_read_splitwise_refuses_a_measurement_that_is_no_positive_number(tmp_path: Path, column: str, row: str) -> None:
+    # Was: NaN, inf, negative and zero times went into the medians and the fit without a word (a NaN even made the
+    # median depend on the rows' order), and a count of 0 or -16 tokens was fitted as if measured.
+    path = _splitwise_with(tmp_path, row)
+    with pytest.raises(ConfigurationError, match=rf"^{re.escape(str(path))}:3: {column} must be a positive"):
+        read_splitwise(tmp_path)
+
+
+def test_read_splitwise_checks_only_the_rows_it_fits(tmp_path: Path) -> None:
+    _splitwise_with(tmp_path, "bloom-176b,a100-80gb,1000,1,129,nan,,x")
+    assert len(read_splitwise(tmp_path)) == 2
+
+
+@pytest.mark.parametrize(
+    ("column", "value"),
+    [
+        ("time_stats.mlp_up_proj.median", "nan"),
+        ("time_stats.mlp_up_proj.median", "inf"),
+        ("time_stats.add.median", "-0.5"),
+        ("time_stats.add.median", "0"),
+        ("num_tokens", "0"),
+        ("num_tokens", "-16"),
+        ("num_tensor_parallel_workers", "two"),
+    ],
+)
+def test_read_vidur_refuses_a_measurement_that_is_no_positive_number(tmp_path: Path, column: str, value: str) -> None:
+    path = tmp_path / "vidur-profiling" / "a100" / "Llama-2-7b-hf__mlp.csv"
+    _vidur_csv(path, [(1, 16, 0.1), (1, 512, 0.1)])
+    lines = path.read_text().splitlines()
+    header = lines[0].split(",")
+    cells = lines[2].split(",")
+    cells[header.index(column)] = value
+    path.write_text("\n".join([*lines[:2], ",".join(cells)]) + "\n")
+    with pytest.raises(ConfigurationError, match=rf"^{re.escape(str(path))}:3: {re.escape(column)} must be a positive"):
+        read_vidur(tmp_path)
