@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -192,3 +194,162 @@ def test_unreadable_packaged_file_is_stale(tmp_path: Path, capsys: pytest.Captur
     (out / "profiles.json").write_text("not json")
     assert costfit.main(["--data", str(DATA), "--out", str(out), "--check"]) == 1
     assert "profiles.json: unreadable" in capsys.readouterr().err
+
+
+def test_data_defaults_to_the_data_folder_here(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(DATA.parent)
+    assert costfit.main(["--check"]) == 0, capsys.readouterr().err
+
+
+def test_help_states_what_the_command_does_and_its_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        costfit.main(["--help"])
+    assert stopped.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert costfit.__doc__ is not None and costfit.__doc__.splitlines()[0] in text
+    for default in ("raw measurements (data)", "relative tolerance on numbers (1e-5)", "calibration plot (PNG)"):
+        assert default in text
+
+
+def test_a_refit_prints_the_shared_terms_and_is_laid_out_like_the_package_data(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "package"
+    assert costfit.main(["--data", str(DATA), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "a100: SharedTerms(step_overhead_s=" in printed and "h100: SharedTerms(step_overhead_s=" in printed
+    # Line for line the packaged file but for the last digits, so that a refit's diff shows only what changed.
+    number = re.compile(r"-?\d+(\.\d+)?(e-?\d+)?")
+    for name in ("profiles.json", "calibration_points.csv"):
+        refit, packaged = ((folder / name).read_text() for folder in (out, PACKAGED))
+        assert number.sub("N", refit) == number.sub("N", packaged), name
+
+
+def _stale_rows(out: Path, count: int) -> None:
+    path = out / "calibration_points.csv"
+    header, *rows = path.read_text().splitlines()
+    rows[:count] = [row.replace("vidur", "other", 1) for row in rows[:count]]
+    path.write_text("\n".join([header, *rows]) + "\n")
+
+
+@pytest.mark.parametrize(("count", "more"), [(20, ""), (21, " (first 20 of 21 shown)")])
+def test_check_lists_at_most_twenty_differences_one_a_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], count: int, more: str
+) -> None:
+    out = _copy_packaged(tmp_path)
+    _stale_rows(out, count)
+    assert costfit.main(["--data", str(DATA), "--out", str(out), "--check"]) == 1
+    *listed, summary = capsys.readouterr().err.splitlines()
+    assert len(listed) == 20 and all(line.startswith("calibration_points.csv:") for line in listed)
+    assert summary == f"stale package data: {count} differences{more}; rerun with --out {out}"
+
+
+def test_check_reports_every_missing_or_stale_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = _copy_packaged(tmp_path)
+    (out / "profiles.json").unlink()
+    _stale_rows(out, 1)
+    assert costfit.main(["--data", str(DATA), "--out", str(out), "--check"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"{out / 'profiles.json'}: missing"
+    assert err[1].startswith("calibration_points.csv:2: packaged other,") and len(err) == 3
+
+
+def test_a_packaged_file_that_is_no_utf8_is_stale_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _copy_packaged(tmp_path)
+    (out / "profiles.json").write_bytes(b'{"format": 1, "profiles": "\xff"}')
+    assert costfit.main(["--data", str(DATA), "--out", str(out), "--check"]) == 1
+    assert "profiles.json.profiles: packaged '\ufffd', refitted [" in capsys.readouterr().err
+
+
+def test_compare_files_says_what_differs() -> None:
+    def compare(packaged: str, refit: str) -> list[str]:
+        return costfit.compare_files("p.json", packaged, refit, rel_tol=1e-5)
+
+    assert compare('{"a": 1, "b": 2}', '{"a": 1, "c": 2}') == ["p.json: keys ['a', 'b'] packaged, ['a', 'c'] refitted"]
+    assert compare('{"x": [1, 2]}', '{"x": [1, 2, 3]}') == ["p.json.x: 2 items packaged, 3 refitted"]
+    # A packaged value of another shape is a difference, not a crash.
+    assert compare('{"x": {"a": 1}}', '{"x": 5}') == ["p.json.x: packaged {'a': 1}, refitted 5"]
+    assert compare('{"x": 5}', '{"x": {"a": 1}}') == ["p.json.x: packaged 5, refitted {'a': 1}"]
+    assert compare('{"x": [1]}', '{"x": 1}') == ["p.json.x: packaged [1], refitted 1"]
+    assert compare('{"x": 1}', '{"x": [1]}') == ["p.json.x: packaged 1, refitted [1]"]
+    assert costfit.compare_files("p.csv", "a,b\n1,2\n", "a,b\n1,3\n", rel_tol=1e-5) == [
+        "p.csv:2: packaged 1,2 / refitted 1,3"
+    ]
+
+
+def test_missing_raw_files_are_all_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = _data_without_files(tmp_path)
+    assert costfit.main(["--data", str(data), "--check"]) == 2
+    names = [
+        "vidur-profiling/a100/Llama-2-7b-hf__mlp.csv",
+        "vidur-profiling/a100/Meta-Llama-3-8B__mlp.csv",
+        "vidur-profiling/a100/CodeLlama-34b-Instruct-hf__mlp.csv",
+        "vidur-profiling/a100/Llama-2-70b-hf__mlp.csv",
+        "vidur-profiling/h100/Llama-2-7b-hf__mlp.csv",
+        "vidur-profiling/h100/CodeLlama-34b-Instruct-hf__mlp.csv",
+        "splitwise-sim/perf_model.csv",
+    ]
+    _one_line_error(capsys.readouterr().err, f"--data {data} lacks {', '.join(names)}\n")
+
+
+def test_an_optional_profiling_file_that_is_a_folder_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "data"
+    shutil.copytree(DATA / "vidur-profiling", data / "vidur-profiling")
+    shutil.copytree(DATA / "splitwise-sim", data / "splitwise-sim")
+    folder = data / "vidur-profiling" / "h100" / "Llama-2-70b-hf__mlp.csv"
+    folder.mkdir()
+    assert costfit.main(["--data", str(data), "--check"]) == 2
+    _one_line_error(capsys.readouterr().err, f"{folder} is not a regular file: --data must hold the profiling CSVs")
+
+
+def test_data_that_cannot_be_parsed_names_the_python_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "data"
+    shutil.copytree(DATA / "vidur-profiling", data / "vidur-profiling")
+    (data / "splitwise-sim").mkdir()
+    (data / "splitwise-sim" / "perf_model.csv").write_bytes(b"model\xff\n")
+    assert costfit.main(["--data", str(data), "--check"]) == 2
+    _one_line_error(capsys.readouterr().err, f"--data {data}: cannot fit (UnicodeDecodeError: ")
+
+
+def test_an_os_error_during_the_fit_is_one_line_naming_the_file(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A file that vanishes or turns unreadable between the checks and the fit.
+    def vanished(data: Path) -> None:
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(data / "splitwise-sim"))
+
+    monkeypatch.setattr(costfit, "fit_profiles", vanished)
+    assert costfit.main(["--data", str(DATA), "--check"]) == 2
+    _one_line_error(capsys.readouterr().err, f"error: No such file or directory: {DATA / 'splitwise-sim'}\n")
+    monkeypatch.setattr(costfit, "fit_profiles", lambda data: (_ for _ in ()).throw(OSError("disk on fire")))
+    assert costfit.main(["--data", str(DATA), "--check"]) == 2
+    assert capsys.readouterr().err == "python -m prefixroute.sim.costfit: error: disk on fire\n"
+
+
+def test_plot_is_written_where_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "calibration"  # no extension: PNG, and the name says so
+    assert costfit.main(["--data", str(DATA), "--check", "--plot", str(plot)]) == 0
+    assert (tmp_path / "calibration.png").read_bytes()[:4] == b"\x89PNG"
+    assert f"wrote {tmp_path / 'calibration.png'}\n" in capsys.readouterr().out
+
+
+def test_plot_without_matplotlib_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def no_matplotlib(path: Path) -> None:
+        raise ImportError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(costfit, "plot_calibration", no_matplotlib)
+    monkeypatch.setattr("prefixroute.sim.report.check_plot_path", lambda path, option: None)
+    assert costfit.main(["--data", str(DATA), "--check", "--plot", "p.png"]) == 2
+    _one_line_error(
+        capsys.readouterr().err,
+        "--plot needs matplotlib: pip install 'prefixroute[sim]' (No module named 'matplotlib')",
+    )
