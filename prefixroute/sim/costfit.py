@@ -369,7 +369,7 @@ def _points_csv(measurements: Sequence[Measurement]) -> str:
 def compare_files(name: str, packaged: str, refit: str, *, rel_tol: float) -> list[str]:
     """Differences between a packaged data file and its refit (``profiles.json`` or ``calibration_points.csv``).
 
-    Numbers are equal within ``rel_tol`` (relative) or 1e-12 (absolute, for zeros); keys, strings, lengths and
+    Numbers are equal within ``rel_tol`` (relative) or, against a zero, 1e-12 (absolute); keys, strings, lengths and
     CSV rows exactly. Returns one line per difference (empty: equal). O(size of the files).
     """
     if name.endswith(".json"):
@@ -404,11 +404,17 @@ def _compare_json(old: object, new: object, where: str, rel_tol: float, out: lis
 
 
 def _same(old: object, new: object, rel_tol: float) -> bool:
-    """Equal, or two numbers (or numeric strings) within the tolerance."""
+    """Equal, or two numbers (or numeric strings) within the tolerance; against a zero, within 1e-12.
+
+    The absolute 1e-12 only where one side is zero (no relative tolerance can hold there): on every number it
+    would swamp a small --rel-tol for the smallest coefficients (1e-7 s per token).
+    """
     if old == new:
         return True
     a, b = _number(old), _number(new)
-    return a is not None and b is not None and math.isclose(a, b, rel_tol=rel_tol, abs_tol=1e-12)
+    if a is None or b is None:
+        return False
+    return math.isclose(a, b, rel_tol=rel_tol, abs_tol=1e-12 if a == 0 or b == 0 else 0.0)
 
 
 def _number(value: object) -> float | None:

@@ -227,6 +227,26 @@ def test_a_refit_prints_the_shared_terms_and_is_laid_out_like_the_package_data(
         assert number.sub("N", refit) == number.sub("N", packaged), name
 
 
+def test_rel_tol_holds_for_the_smallest_coefficients(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Was: an absolute 1e-12 was allowed on every number, not only on zeros, so for a coefficient of 1e-7 s
+    # "--rel-tol 1e-7" let 1e-5 through, and "--rel-tol 0" never asked for the same numbers.
+    out = tmp_path / "package"
+    assert costfit.main(["--data", str(DATA), "--out", str(out)]) == 0
+    assert costfit.main(["--data", str(DATA), "--out", str(out), "--check", "--rel-tol", "0"]) == 0
+    path = out / "profiles.json"
+    document = json.loads(path.read_text())
+    coefficients = [c for profile in document["profiles"] for c in [profile["coefficients"]]]
+    smallest, key = min((c[k], k) for c in coefficients for k in c if isinstance(c[k], float) and c[k] > 0)
+    assert smallest < 2e-7
+    for c in coefficients:
+        if c[key] == smallest:
+            c[key] = smallest * (1 + 2e-6)
+    path.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
+    assert costfit.main(["--data", str(DATA), "--out", str(out), "--check", "--rel-tol", "1e-7"]) == 1
+    assert f".coefficients.{key}: packaged" in capsys.readouterr().err
+    assert costfit.main(["--data", str(DATA), "--out", str(out), "--check", "--rel-tol", "1e-5"]) == 0
+
+
 def _stale_rows(out: Path, count: int) -> None:
     path = out / "calibration_points.csv"
     header, *rows = path.read_text().splitlines()
@@ -353,3 +373,9 @@ def test_plot_without_matplotlib_is_one_line(
         capsys.readouterr().err,
         "--plot needs matplotlib: pip install 'prefixroute[sim]' (No module named 'matplotlib')",
     )
+
+
+def test_compare_files_allows_an_absolute_difference_only_against_zero() -> None:
+    assert costfit.compare_files("a.json", '{"x": 0.0}', '{"x": 1e-13}', rel_tol=0) == []
+    assert costfit.compare_files("a.json", '{"x": 1e-7}', '{"x": 1.000005e-7}', rel_tol=1e-7)
+    assert costfit.compare_files("a.csv", "a,1e-7\n", "a,1.000005e-7\n", rel_tol=1e-7)
