@@ -1,0 +1,207 @@
+"""The study's figures and verdicts on hand-made runs: every figure and verdict worked out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from prefixroute.sim.metrics import PolicyResult
+from prefixroute.sim.study.claims import CLAIMS, Check, Claim, Judged, Rule, judge, verdict_of
+from prefixroute.sim.study.runs import StudyRuns
+
+
+def result(
+    policy: str = "p",
+    *,
+    hit: float = 0.5,
+    p50: float = 100.0,
+    p95: float = 200.0,
+    p99: float = 300.0,
+    rps: float = 10.0,
+    share: float = 0.125,
+    tags: dict[str, tuple[int, int]] | None = None,
+) -> PolicyResult:
+    return PolicyResult(
+        policy=policy,
+        requests=100,
+        rejected=0,
+        hit_rate=hit,
+        predicted_hit_rate=hit,
+        ttft_ms={"p50": p50, "p95": p95, "p99": p99},
+        e2e_ms={"p50": p50, "p95": p95, "p99": p99},
+        throughput_rps=rps,
+        prompt_tokens_per_s=1000.0,
+        backend_share={"gpu0": share},
+        peak_in_flight={"gpu0": 1},
+        max_backend_share=share,
+        recompute_gpu_seconds=1.0,
+        recompute_usd_per_month=2.0,
+        preemptions=0,
+        duration_s=10.0,
+        tag_tokens=tags or {},
+    )
+
+
+def hand_made_runs() -> StudyRuns:
+    runs = StudyRuns(requests=10)
+    runs.seed = {
+        "round-robin": result("round-robin", hit=0.10, p99=6000.0, rps=30.0),
+        "prefix-affinity": result("prefix-affinity", hit=0.90, p99=1200.0, rps=40.0),
+        "bounded-load": result("bounded-load", hit=0.85, p99=3000.0, rps=36.0),
+    }
+    runs.prefill_ms = {8192: (600.0, 450.0), 16384: (1000.0, 300.0)}
+    # p50 gains (RR - BL) by length: 100, 200, 150, 300 -> one step where the gain shrinks (200 -> 150).
+    # BL/RR p99 by length: 0.9, 0.8, 0.85, 0.5 -> one step where the ratio rises (0.8 -> 0.85).
+    runs.lengths = {
+        n: (result(p50=1000.0, p99=1000.0), result(p50=1000.0 - gain, p99=1000.0 * ratio))
+        for n, gain, ratio in ((2048, 100, 0.9), (4096, 200, 0.8), (8192, 150, 0.85), (16384, 300, 0.5))
+    }
+    # By model, in run order (not sorted by name): p50 gains 50, 40, 30, 60 -> two shrinking steps;
+    # BL/RR p99 0.95, 0.9, 0.5, 0.4 -> none rising. The smallest model's P99 gain: 1000 - 950 = 50 ms.
+    runs.models = {
+        model: (result(p50=500.0, p99=1000.0), result(p50=500.0 - gain, p99=1000.0 * ratio))
+        for model, gain, ratio in (("m8", 50, 0.95), ("m13", 40, 0.9), ("m34", 30, 0.5), ("m70", 60, 0.4))
+    }
+    runs.route_ms = 0.5  # 1 % of that 50 ms gain
+    runs.sharing = {
+        0.1: (result(hit=0.05), result(hit=0.1)),
+        0.5: (result(hit=0.3), result(hit=0.88, tags={"shared": (95, 100), "unique": (0, 900)})),
+    }
+    runs.hot_affinity = {
+        "closed loop": result(hit=0.95, p95=1000.0, p99=2000.0, share=0.78),
+        "open loop 3 req/s": result(hit=0.90, p95=800.0, p99=1000.0, share=0.5),
+    }
+    runs.hot_bounded = {
+        mode: {
+            1.25: result(hit=0.0, p95=1.0, p99=1.0),  # the other factors must not count
+            2.0: result(hit=affinity.hit_rate - drop, p95=p95, p99=p99),
+        }
+        for (mode, affinity), drop, p95, p99 in zip(
+            runs.hot_affinity.items(), (0.07, 0.2), (600.0, 900.0), (1000.0, 1100.0), strict=True
+        )
+    }
+    # P99/P50 above 5: hits 0.2 and 0.4 (mean 0.3); at most 5 (5 itself included) or no p50: 0.6, 0.8, 1.0.
+    runs.all = [
+        ("a", result(hit=0.2, p50=100.0, p99=600.0)),
+        ("a", result(hit=0.4, p50=10.0, p99=51.0)),
+        ("b", result(hit=0.6, p50=100.0, p99=500.0)),
+        ("b", result(hit=0.8, p50=100.0, p99=100.0)),
+        ("c", result(hit=1.0, p50=0.0, p99=100.0)),
+    ]
+    return runs
+
+
+EXPECTED = {
+    "P99 TTFT, prefix-affinity / round-robin": (0.2, "reproduced"),  # published 1000 / 6800 = 0.147
+    "throughput, prefix-affinity / round-robin": (40 / 30, "reproduced"),  # published 1.223
+    "hit rate gain, prefix-affinity (points)": (80.0, "reproduced"),  # published 85
+    "P99 TTFT, bounded-load / round-robin": (0.5, "direction only"),  # 3.4x the published, below 1
+    "throughput, bounded-load / round-robin": (1.2, "reproduced"),
+    "hit rate gain, bounded-load (points)": (75.0, "reproduced"),
+    "round-robin throughput": (30.0, "reproduced"),  # published 36.3
+    "round-robin P99 TTFT": (6000.0, "reproduced"),  # published 6800
+    "8K miss ms (alone, no queueing)": (600.0, "reproduced"),
+    "8K hit ms (alone, no queueing)": (450.0, "reproduced"),
+    "16K miss ms (alone, no queueing)": (1000.0, "reproduced"),  # published 817
+    "16K hit ms (alone, no queueing)": (300.0, "not reproduced"),  # published 461: 1.54x, just outside
+    "steps along 2K → 16K where bounded-load's p50 TTFT gain over round-robin shrinks": (1.0, "not reproduced"),
+    "steps along 2K → 16K where bounded-load / round-robin P99 TTFT rises": (1.0, "not reproduced"),
+    "steps along 8B → 70B where bounded-load's p50 TTFT gain over round-robin shrinks": (2.0, "not reproduced"),
+    "steps along 8B → 70B where bounded-load / round-robin P99 TTFT rises": (0.0, "reproduced"),
+    "route() time in % of llama-3-8b's P99 TTFT gain (the overhead cancels the gain at ≥ 100 %)": (
+        1.0,
+        "not reproduced",
+    ),
+    "bounded-load KV hit rate at 50 % sharing, all requests": (88.0, "reproduced"),  # published 91
+    "bounded-load KV hit rate at 50 % sharing, shared-prefix requests": (95.0, "reproduced"),
+    "closed loop: prefix-affinity's busiest GPU share": (78.0, "reproduced"),  # published 80
+    "closed loop: hit rate the 2× fallback costs (points)": (7.0, "reproduced"),  # published 5
+    "closed loop: P95 TTFT improvement of the 2× fallback": (40.0, "reproduced"),  # at least 36
+    "closed loop: P99 TTFT improvement of the 2× fallback": (50.0, "reproduced"),  # at least 45
+    "open loop 3 req/s: prefix-affinity's busiest GPU share": (50.0, "not reproduced"),
+    "open loop 3 req/s: hit rate the 2× fallback costs (points)": (20.0, "not reproduced"),
+    "open loop 3 req/s: P95 TTFT improvement of the 2× fallback": (-12.5, "not reproduced"),
+    "open loop 3 req/s: P99 TTFT improvement of the 2× fallback": (-10.0, "not reproduced"),
+    "mean KV hit rate of runs with P99/P50 > 5 minus that of the others (points; the claim: below 0)": (
+        -50.0,
+        "reproduced",
+    ),
+}
+
+
+def test_every_figure_and_verdict_worked_out_by_hand() -> None:
+    judged = judge(CLAIMS, hand_made_runs())
+    got = {j.check.figure: (j.simulated, j.verdict) for j in judged}
+    assert got.keys() == EXPECTED.keys()
+    for figure, (value, verdict) in EXPECTED.items():
+        assert got[figure][0] == pytest.approx(value, rel=1e-9), figure
+        assert got[figure][1] == verdict, figure
+    assert [verdict_of(judged, claim) for claim in CLAIMS] == [
+        "direction only",
+        "not reproduced",
+        "not reproduced",
+        "not reproduced",
+        "reproduced",
+        "not reproduced",
+        "reproduced",
+    ]
+
+
+def test_degenerate_runs_give_no_false_verdict() -> None:
+    runs = hand_made_runs()
+    rr, _bl = runs.models["m8"]
+    runs.models["m8"] = (rr, result(p50=rr.ttft_ms["p50"], p99=rr.ttft_ms["p99"] + 1))  # no P99 gain at all
+    runs.all = [("a", result(p50=100.0, p99=100.0))]  # no run above the P99/P50 threshold: nothing to compare
+    got = {j.check.figure: (j.simulated, j.verdict) for j in judge(CLAIMS, runs)}
+    share = got["route() time in % of llama-3-8b's P99 TTFT gain (the overhead cancels the gain at ≥ 100 %)"]
+    assert share == (math.inf, "reproduced")
+    gap = got["mean KV hit rate of runs with P99/P50 > 5 minus that of the others (points; the claim: below 0)"]
+    assert math.isnan(gap[0]) and gap[1] == "not reproduced"
+    runs.all = [("a", result(p50=100.0, p99=600.0))]  # and none at or below it
+    gap_figure = "mean KV hit rate of runs with P99/P50 > 5 minus that of the others (points; the claim: below 0)"
+    only_high = next(j for j in judge(CLAIMS, runs) if j.check.figure == gap_figure)
+    assert math.isnan(only_high.simulated) and only_high.verdict == "not reproduced"
+
+
+def _verdict(rule: Rule, published: float, simulated: float, no_effect: float | None = None) -> str:
+    check = Check("x", published, lambda _runs: simulated, rule, "×", no_effect)
+    return judge([Claim(0, "claim", (check,))], StudyRuns(requests=1))[0].verdict
+
+
+@pytest.mark.parametrize(
+    ("rule", "published", "simulated", "no_effect", "verdict"),
+    [
+        (Rule.FACTOR, 2.0, 3.0, None, "reproduced"),  # exactly 1.5x above
+        (Rule.FACTOR, 2.0, 3.0001, None, "not reproduced"),
+        (Rule.FACTOR, 0.0, 0.0, None, "not reproduced"),  # no ratio to a published zero
+        (Rule.FACTOR, 0.0, 1.0, -1.0, "direction only"),
+        (Rule.FACTOR, -2.0, -2.5, None, "reproduced"),  # a published fall, simulated a little larger
+        (Rule.FACTOR, 0.5, 1.0, 1.0, "not reproduced"),  # at "no effect" is no direction
+        (Rule.FACTOR, 0.5, math.inf, 1.0, "not reproduced"),
+        (Rule.POINTS, 91.0, 86.0, None, "reproduced"),  # exactly 5 points
+        (Rule.POINTS, 91.0, 96.0, None, "reproduced"),
+        (Rule.POINTS, 91.0, 96.5, None, "not reproduced"),
+        (Rule.POINTS, 91.0, 50.0, 0.0, "direction only"),
+        (Rule.AT_LEAST, 36.0, 36.0, 0.0, "reproduced"),
+        (Rule.AT_LEAST, 36.0, 35.9, None, "not reproduced"),
+        (Rule.AT_LEAST, 36.0, math.nan, 0.0, "not reproduced"),
+        (Rule.AT_MOST, 5.0, 5.0, None, "reproduced"),
+        (Rule.AT_MOST, 5.0, 4.0, None, "reproduced"),
+        (Rule.AT_MOST, 5.0, 6.0, 10.0, "direction only"),
+        (Rule.AT_MOST, 5.0, -math.inf, None, "reproduced"),
+    ],
+)
+def test_rule_boundaries(rule: Rule, published: float, simulated: float, no_effect: float | None, verdict: str) -> None:
+    assert _verdict(rule, published, simulated, no_effect) == verdict
+
+
+def test_a_claim_takes_its_worst_verdict_and_only_its_own() -> None:
+    def check(value: float) -> Check:
+        return Check("x", 1.0, lambda _runs: value, Rule.FACTOR, "×", 0.0)
+
+    mixed = Claim(1, "mixed", (check(1.0), check(3.0)))  # reproduced, direction only
+    bad = Claim(2, "bad", (check(-1.0),))
+    good = Claim(3, "good", (check(1.1),))
+    judged: list[Judged] = judge([mixed, bad, good], StudyRuns(requests=1))
+    assert [verdict_of(judged, c) for c in (mixed, bad, good)] == ["direction only", "not reproduced", "reproduced"]
