@@ -173,6 +173,9 @@ def _verdict(rule: Rule, published: float, simulated: float, no_effect: float | 
     ("rule", "published", "simulated", "no_effect", "verdict"),
     [
         (Rule.FACTOR, 2.0, 3.0, None, "reproduced"),  # exactly 1.5x above
+        # Was "not reproduced": log(2 / 3) is one ulp past -log(1.5), so "within a factor of 1.5" held one way only.
+        (Rule.FACTOR, 3.0, 2.0, None, "reproduced"),  # exactly 1.5x below
+        (Rule.FACTOR, 150.0, 100.0, None, "reproduced"),
         (Rule.FACTOR, 2.0, 3.0001, None, "not reproduced"),
         (Rule.FACTOR, 0.0, 0.0, None, "not reproduced"),  # no ratio to a published zero
         (Rule.FACTOR, 0.0, 1.0, -1.0, "direction only"),

@@ -109,8 +109,8 @@ def _verdict(check: Check, value: float) -> str:
     if math.isnan(value):
         return "not reproduced"
     if check.rule is Rule.FACTOR:
-        close = published != 0 and value / published > 0 and abs(math.log(value / published)) <= math.log(FACTOR)
-        if close:
+        # Both quotients, not |log(value / published)|: that misses a figure exactly 1.5x below by one ulp.
+        if published != 0 and value / published > 0 and max(value / published, published / value) <= FACTOR:
             return "reproduced"
     elif check.rule is Rule.POINTS:
         if abs(value - published) <= POINTS:
