@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from prefixroute.cli import main
+from prefixroute.errors import ConfigurationError, InvalidTypeError
+from prefixroute.sim.study import run_study
 from prefixroute.sim.study.claims import CLAIMS, PUBLISHED, Check, Claim, Rule, judge, verdict_of
 from prefixroute.sim.study.render import render
 from prefixroute.sim.study.runs import StudyRuns, run_all
@@ -97,3 +99,37 @@ def test_published_figures_live_in_one_table() -> None:
     for claim in CLAIMS:
         for check in claim.checks:
             assert check.published in values | derived, check.figure
+
+
+def test_run_study_takes_a_str_folder(tmp_path: Path) -> None:
+    # Was: AttributeError ('str' object has no attribute 'exists'), the public function's only argument.
+    path = run_study(str(tmp_path / "study"), requests=3)
+    assert path == tmp_path / "study" / "study.md" and path.is_file()
+
+
+@pytest.mark.parametrize(
+    ("out", "options", "error", "message"),
+    [
+        (None, {}, InvalidTypeError, "out must be a folder (a str or a path), not NoneType"),
+        (5, {}, InvalidTypeError, "out must be a folder (a str or a path), not int"),
+        ("", {}, ConfigurationError, "out must name a folder, not ''"),
+        ("  ", {}, ConfigurationError, "out must name a folder, not '  '"),
+        ("a\0b", {}, ConfigurationError, "out 'a\\x00b': a path cannot hold a NUL byte"),
+        # Was: TypeError ('NoneType' object is not callable) once the folder was made and the first run began.
+        ("study", {"progress": None}, InvalidTypeError, "progress must be callable, not NoneType"),
+        ("study", {"progress": "log"}, InvalidTypeError, "progress must be callable, not str"),
+    ],
+)
+def test_run_study_refuses_bad_arguments_before_any_work(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    out: object,
+    options: dict[str, object],
+    error: type[Exception],
+    message: str,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(error) as raised:
+        run_study(out, requests=3, **options)  # type: ignore[arg-type]
+    assert str(raised.value) == message
+    assert list(tmp_path.iterdir()) == []  # nothing written, not even into the current folder

@@ -7,11 +7,12 @@ Three parts, each with one job: :mod:`.runs` runs the simulations (nothing there
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 from prefixroute._numbers import as_int, shown
-from prefixroute.errors import ConfigurationError
+from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.sim.engine import MAX_REQUESTS
 from prefixroute.sim.study.claims import CLAIMS, judge
 from prefixroute.sim.study.render import render
@@ -20,24 +21,38 @@ from prefixroute.sim.study.runs import run_all
 __all__ = ["run_study"]
 
 
-def run_study(out: Path, *, requests: int = 1500, progress: Callable[[str], None] = lambda _m: None) -> Path:
+def run_study(
+    out: str | os.PathLike[str], *, requests: int = 1500, progress: Callable[[str], None] = lambda _m: None
+) -> Path:
     """Run every simulation, judge every claim, and write ``out/study.md`` plus its PNGs; return the page's path.
 
-    Takes about a minute at 1,500 requests per run (41 runs).
+    Takes about a minute at 1,500 requests per run (41 runs). Every argument is checked before anything is run
+    or written.
 
     Raises:
-        ConfigurationError: ``requests`` is not an int in [1, ``MAX_REQUESTS``], or ``out`` exists and is not a folder.
+        InvalidTypeError: ``out`` is not a str or a path, or ``progress`` is not callable.
+        ConfigurationError: ``requests`` is not an int in [1, ``MAX_REQUESTS``], ``out`` is a blank name (which
+            would be the current folder) or holds a NUL byte, or exists and is not a folder.
         OSError: ``out`` cannot be created or written.
     """
+    if not isinstance(out, (str, os.PathLike)):
+        raise InvalidTypeError(f"out must be a folder (a str or a path), not {type(out).__name__}")
+    if isinstance(out, str) and not out.strip():
+        raise ConfigurationError(f"out must name a folder, not {out!r}")
+    if "\0" in os.fspath(out):
+        raise ConfigurationError(f"out {os.fspath(out)!r}: a path cannot hold a NUL byte")
+    if not callable(progress):
+        raise InvalidTypeError(f"progress must be callable, not {type(progress).__name__}")
     count = as_int(requests)
     if count is None or not 1 <= count <= MAX_REQUESTS:
         raise ConfigurationError(f"--requests must be an int in [1, {MAX_REQUESTS:,}], not {shown(requests)}")
     requests = count
-    if out.exists() and not out.is_dir():
-        raise ConfigurationError(f"--output {out} is not a folder")
-    out.mkdir(parents=True, exist_ok=True)
+    folder = Path(out)
+    if folder.exists() and not folder.is_dir():
+        raise ConfigurationError(f"--output {folder} is not a folder")
+    folder.mkdir(parents=True, exist_ok=True)
     runs = run_all(requests, progress)
-    page = render(runs, judge(CLAIMS, runs), out)
-    path = out / "study.md"
+    page = render(runs, judge(CLAIMS, runs), folder)
+    path = folder / "study.md"
     path.write_text(page + "\n", encoding="utf-8")
     return path
