@@ -272,3 +272,21 @@ def test_the_page_writes_each_figure_as_worked_out_by_hand(tmp_path: Path) -> No
         assert sentence in page, sentence
     for image in ("study-seed.png", "study-sweeps.png"):
         assert (tmp_path / image).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_page_writes_figures_that_are_no_number_as_such(tmp_path: Path) -> None:
+    runs = hand_made_runs()
+    runs.tp = dict.fromkeys(runs.models, 1)
+    runs.kv_tokens = dict.fromkeys(runs.models, 1000)
+    rr, _bl = runs.models["m8"]
+    runs.models["m8"] = (rr, result(p50=rr.ttft_ms["p50"], p99=rr.ttft_ms["p99"]))  # no P99 gain: overhead share ∞
+    runs.all = [("a", result(p50=100.0, p99=100.0))]  # one side of the P99/P50 split empty: no gap
+    runs.lengths[2048] = (result(p99=math.nan, rps=0.0), result(p99=50.0, rps=1.0))  # ratios to no number and zero
+    runs.seed["bounded-load"] = result("bounded-load", hit=0.85, p99=math.nan, rps=36.0)  # no request finished
+    page = render(runs, judge(CLAIMS, runs), tmp_path)
+    # Was: "nan %" and "nan" in the tables, where the checks' table already wrote "–".
+    assert "| bounded-load | 97.5 % | 85.0 % | 1,000 | – | 44.4 | 36.00 |" in page
+    assert "the overhead cancels the gain at ≥ 100 %) | 100.0 % | ∞ | reproduced |" in page
+    assert "(points; the claim: below 0) | +0.0 | – | not reproduced |" in page
+    assert "| P99/P50 > 5 | 0 | – | – |" in page
+    assert "| 2,048 | 50.0 % | 50.0 % | 100 | 100 | 0 | – | – |" in page

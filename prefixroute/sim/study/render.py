@@ -88,11 +88,11 @@ def _value(value: float, unit: str) -> str:
 
 
 def _pct(x: float) -> str:
-    return f"{100 * x:.1f} %"
+    return "–" if math.isnan(x) else f"{100 * x:.1f} %"
 
 
 def _ms(x: float) -> str:
-    return f"{x:,.0f}"
+    return "–" if math.isnan(x) else f"{x:,.0f}"
 
 
 def _ratio(a: float, b: float) -> str:
