@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,27 @@ def test_run_study_refuses_bad_arguments_before_any_work(
         run_study(out, requests=3, **options)  # type: ignore[arg-type]
     assert str(raised.value) == message
     assert list(tmp_path.iterdir()) == []  # nothing written, not even into the current folder
+
+
+@pytest.mark.parametrize("name", ["study.md", "study-seed.png", "study-sweeps.png"])
+def test_an_output_file_that_cannot_be_written_fails_before_the_runs(tmp_path: Path, name: str) -> None:
+    # Was: all 41 simulations ran first (a minute or more at the default --requests), the plots before the blocked
+    # file were written, and only then did the write fail.
+    (tmp_path / name).mkdir()
+    heard: list[str] = []
+    with pytest.raises(ConfigurationError, match=f"--output {re.escape(str(tmp_path / name))} is a folder"):
+        run_study(tmp_path, requests=3, progress=heard.append)
+    assert heard == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+def test_cli_an_output_file_that_cannot_be_written_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "study.md").mkdir()
+    assert main(["study", "--output", str(tmp_path), "--requests", "3"]) == 2
+    out, err = capsys.readouterr()
+    assert (
+        out == ""
+        and err == f"prefixroute study: error: --output {tmp_path / 'study.md'} is a folder: give a file path\n"
+    )

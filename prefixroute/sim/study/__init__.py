@@ -15,7 +15,7 @@ from prefixroute._numbers import as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.sim.engine import MAX_REQUESTS
 from prefixroute.sim.study.claims import CLAIMS, judge
-from prefixroute.sim.study.render import render
+from prefixroute.sim.study.render import PLOTS, render
 from prefixroute.sim.study.runs import run_all
 
 __all__ = ["run_study"]
@@ -32,7 +32,8 @@ def run_study(
     Raises:
         InvalidTypeError: ``out`` is not a str or a path, or ``progress`` is not callable.
         ConfigurationError: ``requests`` is not an int in [1, ``MAX_REQUESTS``], ``out`` is a blank name (which
-            would be the current folder) or holds a NUL byte, or exists and is not a folder.
+            would be the current folder) or holds a NUL byte, or exists and is not a folder, a file of the page
+            cannot be written there, or matplotlib cannot write the plots.
         OSError: ``out`` cannot be created or written.
     """
     if not isinstance(out, (str, os.PathLike)):
@@ -51,6 +52,13 @@ def run_study(
     if folder.exists() and not folder.is_dir():
         raise ConfigurationError(f"--output {folder} is not a folder")
     folder.mkdir(parents=True, exist_ok=True)
+    # The runs take minutes at the default --requests: find a file that cannot be written (or no matplotlib) now.
+    from prefixroute.sim.cli import check_writable
+    from prefixroute.sim.report import check_plot_path
+
+    for name in ("study.md", *PLOTS):
+        check_writable(folder / name, "--output")
+    check_plot_path(folder / PLOTS[0], "--output")
     runs = run_all(requests, progress)
     page = render(runs, judge(CLAIMS, runs), folder)
     path = folder / "study.md"

@@ -14,14 +14,17 @@ from prefixroute.sim.report import write_plot, write_sweep_plot
 from prefixroute.sim.study.claims import CLAIMS, FACTOR, POINTS, PUBLISHED, Judged, verdict_of
 from prefixroute.sim.study.runs import SWEEP_PREFIXES, StudyRuns
 
-__all__ = ["render"]
+__all__ = ["PLOTS", "render"]
+
+PLOTS = ("study-seed.png", "study-sweeps.png")  # the images render() writes beside the page
 
 
 def render(runs: StudyRuns, judged: Sequence[Judged], out: Path) -> str:
     """The Markdown page for ``runs`` and its verdicts; writes the two PNGs it shows into ``out``."""
-    write_plot(out / "study-seed.png", list(runs.seed.values()), title="seed · codellama-13b@a100-40gb × 8")
+    seed_plot, sweeps_plot = PLOTS
+    write_plot(out / seed_plot, list(runs.seed.values()), title="seed · codellama-13b@a100-40gb × 8")
     write_sweep_plot(
-        out / "study-sweeps.png",
+        out / sweeps_plot,
         [(m, *pair) for m, pair in runs.models.items()],
         [(n, *pair) for n, pair in runs.lengths.items()],
         [(s, *pair) for s, pair in runs.sharing.items()],
