@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from prefixroute._numbers import as_float, as_int
 from prefixroute.errors import ConfigurationError, PrefixRouteError
 from prefixroute.sim.calibration import Measurement
 from prefixroute.sim.costmodel import CostCoefficients, ModelSpec
@@ -87,8 +88,16 @@ def fit_linear(points: Sequence[tuple[int, float]]) -> LinearFit:
 
     The floor is the median time at ``n <= 16``; intercept and slope (both >= 0, so that splitting a
     batch never makes it cheaper) minimise the relative squared error over ``n >= 512``.
-    Raises :class:`~prefixroute.ConfigurationError` (a ValueError) when either range has fewer than 1 / 2 points.
+    Raises :class:`~prefixroute.ConfigurationError` (a ValueError) when either range has fewer than 1 / 2 points,
+    or a point is no pair of a positive int (tokens) and a positive finite number (seconds).
     """
+    for point in points:
+        n, t = (as_int(point[0]), as_float(point[1])) if isinstance(point, tuple) and len(point) == 2 else (None, None)
+        if n is None or t is None or n <= 0 or t <= 0:
+            raise ConfigurationError(
+                "fit_linear needs (tokens, seconds) points of a positive int and a positive finite number, "
+                f"not {point!r}"
+            )
     low = [t for n, t in points if n <= _FLOOR_MAX_TOKENS]
     high = [(n, t) for n, t in points if n >= _SLOPE_MIN_TOKENS]
     if not low or len(high) < 2:
@@ -371,7 +380,13 @@ def compare_files(name: str, packaged: str, refit: str, *, rel_tol: float) -> li
 
     Numbers are equal within ``rel_tol`` (relative) or, against a zero, 1e-12 (absolute); keys, strings, lengths and
     CSV rows exactly. Returns one line per difference (empty: equal). O(size of the files).
+
+    Raises:
+        ConfigurationError: ``rel_tol`` is not a finite number in [0, 1) (as ``--rel-tol``).
     """
+    tolerance = as_float(rel_tol)
+    if tolerance is None or not 0 <= tolerance < 1:
+        raise ConfigurationError(f"rel_tol must be a finite number in [0, 1), not {rel_tol!r}")
     if name.endswith(".json"):
         differences: list[str] = []
         _compare_json(json.loads(packaged), json.loads(refit), name, rel_tol, differences)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from prefixroute.errors import ConfigurationError
 from prefixroute.sim import costfit
 
 DATA = Path(__file__).resolve().parents[2] / "data"
@@ -379,3 +381,11 @@ def test_compare_files_allows_an_absolute_difference_only_against_zero() -> None
     assert costfit.compare_files("a.json", '{"x": 0.0}', '{"x": 1e-13}', rel_tol=0) == []
     assert costfit.compare_files("a.json", '{"x": 1e-7}', '{"x": 1.000005e-7}', rel_tol=1e-7)
     assert costfit.compare_files("a.csv", "a,1e-7\n", "a,1.000005e-7\n", rel_tol=1e-7)
+
+
+@pytest.mark.parametrize("rel_tol", [math.nan, -1.0, 1.0, 2.0, math.inf, True, "1e-5", None])
+def test_compare_files_refuses_a_tolerance_the_command_line_refuses(rel_tol: object) -> None:
+    # Was: -1 raised math.isclose's bare ValueError, and 2.0 or inf made every number equal without a word.
+    with pytest.raises(ConfigurationError) as raised:
+        costfit.compare_files("a.json", "1.0", "1.5", rel_tol=rel_tol)  # type: ignore[arg-type]
+    assert str(raised.value) == f"rel_tol must be a finite number in [0, 1), not {rel_tol!r}"

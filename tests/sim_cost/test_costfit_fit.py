@@ -265,3 +265,25 @@ def test_read_vidur_refuses_a_measurement_that_is_no_positive_number(tmp_path: P
     path.write_text("\n".join([*lines[:2], ",".join(cells)]) + "\n")
     with pytest.raises(ConfigurationError, match=rf"^{re.escape(str(path))}:3: {re.escape(column)} must be a positive"):
         read_vidur(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("points", "shown"),
+    [
+        ([(1, math.nan), (512, 1.0), (1024, 2.0)], "(1, nan)"),  # was: a NaN floor
+        ([(1, 1.0), (512, 0.0), (1024, 2.0)], "(512, 0.0)"),  # was: ZeroDivisionError
+        ([(1, 1.0), (512, -1.0), (1024, -2.0)], "(512, -1.0)"),  # was: a fit of zeros
+        ([(1, 1.0), (512, math.inf), (1024, 2.0)], "(512, inf)"),  # was: the point ignored
+        ([(-5, 1.0), (512, 1.0), (1024, 2.0)], "(-5, 1.0)"),
+        ([(1.5, 1.0), (512, 1.0), (1024, 2.0)], "(1.5, 1.0)"),
+        ([(True, 1.0), (512, 1.0), (1024, 2.0)], "(True, 1.0)"),
+        ([(1, "1.0"), (512, 1.0), (1024, 2.0)], "(1, '1.0')"),
+        ([(1, 1.0, 2.0), (512, 1.0), (1024, 2.0)], "(1, 1.0, 2.0)"),
+    ],
+)
+def test_fit_linear_refuses_points_that_are_no_measurement(points: list[tuple[int, float]], shown: str) -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        fit_linear(points)
+    assert str(raised.value) == (
+        f"fit_linear needs (tokens, seconds) points of a positive int and a positive finite number, not {shown}"
+    )
