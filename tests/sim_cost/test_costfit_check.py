@@ -379,6 +379,8 @@ def test_plot_without_matplotlib_is_one_line(
 
 def test_compare_files_allows_an_absolute_difference_only_against_zero() -> None:
     assert costfit.compare_files("a.json", '{"x": 0.0}', '{"x": 1e-13}', rel_tol=0) == []
+    assert costfit.compare_files("a.json", '{"x": 1e-13}', '{"x": 0.0}', rel_tol=0) == []
+    assert costfit.compare_files("a.json", '{"x": 0.0}', '{"x": 1e-11}', rel_tol=0.5)
     assert costfit.compare_files("a.json", '{"x": 1e-7}', '{"x": 1.000005e-7}', rel_tol=1e-7)
     assert costfit.compare_files("a.csv", "a,1e-7\n", "a,1.000005e-7\n", rel_tol=1e-7)
 

@@ -287,3 +287,8 @@ def test_fit_linear_refuses_points_that_are_no_measurement(points: list[tuple[in
     assert str(raised.value) == (
         f"fit_linear needs (tokens, seconds) points of a positive int and a positive finite number, not {shown}"
     )
+
+
+def test_fit_shared_terms_names_the_gpu_family_it_has_no_rows_for() -> None:
+    with pytest.raises(ConfigurationError, match="^no SplitwiseSim rows for h100$"):
+        fit_shared_terms(_splitwise_rows()[:-2], _linear(), "h100")
