@@ -185,10 +185,14 @@ def test_outputs_that_cannot_be_written_fail_before_the_fit(tmp_path: Path, caps
     blocker.write_text("")
     assert costfit.main(["--data", str(DATA), "--out", str(blocker / "package")]) == 2
     out, err = capsys.readouterr()
-    _one_line_error(err, "--out")
+    _one_line_error(err, f"error: --out {blocker / 'package' / 'profiles.json'}: ")
     assert out == ""  # nothing fitted
     assert costfit.main(["--data", str(DATA), "--check", "--plot", str(tmp_path)]) == 2
-    _one_line_error(capsys.readouterr().err, "--plot")
+    _one_line_error(capsys.readouterr().err, f"error: --plot {tmp_path} is a folder: give a file path")
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "plot.notaformat"
+    assert costfit.main(["--data", str(DATA), "--check", "--plot", str(plot)]) == 2
+    _one_line_error(capsys.readouterr().err, f"error: --plot {plot}: matplotlib writes no 'notaformat' files")
 
 
 def test_unreadable_packaged_file_is_stale(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
