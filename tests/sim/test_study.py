@@ -11,6 +11,7 @@ import pytest
 
 from prefixroute.cli import main
 from prefixroute.errors import ConfigurationError, InvalidTypeError
+from prefixroute.sim.profiles import load_profile
 from prefixroute.sim.study import run_study
 from prefixroute.sim.study.claims import CLAIMS, PUBLISHED, Check, Claim, Rule, judge, verdict_of
 from prefixroute.sim.study.render import render
@@ -20,8 +21,14 @@ VERDICTS = ("reproduced", "direction only", "not reproduced")
 
 
 @pytest.fixture(scope="module")
-def runs() -> StudyRuns:
-    return run_all(40, lambda _m: None)
+def heard_and_runs() -> tuple[list[str], StudyRuns]:
+    heard: list[str] = []
+    return heard, run_all(40, heard.append)
+
+
+@pytest.fixture(scope="module")
+def runs(heard_and_runs: tuple[list[str], StudyRuns]) -> StudyRuns:
+    return heard_and_runs[1]
 
 
 def test_study_writes_every_section(tmp_path: Path) -> None:
@@ -158,3 +165,42 @@ def test_cli_an_output_file_that_cannot_be_written_is_one_line(
         out == ""
         and err == f"prefixroute study: error: --output {tmp_path / 'study.md'} is a folder: give a file path\n"
     )
+
+
+def test_each_run_is_announced_and_labelled_by_section(heard_and_runs: tuple[list[str], StudyRuns]) -> None:
+    heard, runs = heard_and_runs
+    labels = [f"{section}: {result.policy}" for section, result in runs.all]
+    assert heard == labels
+    assert labels[:5] == [
+        "8-GPU table: round-robin",
+        "8-GPU table: prefix-affinity",
+        "8-GPU table: bounded-load",
+        "prefix length: round-robin 2048",
+        "prefix length: bounded-load 2048",
+    ]
+    assert "model size: bounded-load codellama-34b" in labels and "sharing ratio: round-robin 0.5" in labels
+    assert labels[-1] == "hot prefix: bounded-load 4× (open loop 3 req/s)"
+
+
+def test_each_sweep_runs_what_it_names(runs: StudyRuns) -> None:
+    # Prefix length: a longer shared prefix makes longer prompts (prompt tokens per request).
+    mean_prompt = [rr.prompt_tokens_per_s / rr.throughput_rps for rr, _bl in runs.lengths.values()]
+    assert list(runs.lengths) == [2048, 4096, 8192, 16384]
+    assert all(shorter < longer for shorter, longer in zip(mean_prompt, mean_prompt[1:], strict=False))
+    assert mean_prompt[0] > 2048 and mean_prompt[-1] > 16384 * 0.5
+    # Model size: each model's own engines (tp and KV capacity from its profile on a100-80gb).
+    for model in runs.models:
+        profile = load_profile(model, "a100-80gb")
+        assert runs.tp[model] == profile.tp
+        assert runs.kv_tokens[model] > 0 and runs.kv_tokens[model] % 16 == 0  # whole blocks
+    assert len(set(runs.kv_tokens.values())) == len(runs.models)
+    assert runs.kv_bytes_ratio_13b_8b == pytest.approx(
+        load_profile("codellama-13b", "a100-80gb").kv_bytes_per_token
+        / load_profile("llama-3-8b", "a100-80gb").kv_bytes_per_token
+    )
+    # The profile's figures in milliseconds: a miss computes the whole prompt, a hit its last 100 tokens.
+    profile = load_profile("codellama-13b", "a100-40gb")
+    for length, (miss, hit) in runs.prefill_ms.items():
+        assert miss == pytest.approx(1000 * profile.prefill_seconds(length, 0))
+        assert hit == pytest.approx(1000 * profile.prefill_seconds(100, length - 100))
+    assert runs.decode_step_ms == pytest.approx(1000 * profile.step_seconds([], [5000] * 4))
