@@ -204,3 +204,10 @@ def test_each_sweep_runs_what_it_names(runs: StudyRuns) -> None:
         assert miss == pytest.approx(1000 * profile.prefill_seconds(length, 0))
         assert hit == pytest.approx(1000 * profile.prefill_seconds(100, length - 100))
     assert runs.decode_step_ms == pytest.approx(1000 * profile.step_seconds([], [5000] * 4))
+
+
+def test_run_study_makes_a_nested_folder_and_runs_at_one_request(tmp_path: Path) -> None:
+    path = run_study(tmp_path / "a" / "b", requests=1)
+    text = path.read_text(encoding="utf-8")
+    assert path == tmp_path / "a" / "b" / "study.md"
+    assert "1 requests per run, 41 runs" in text and text.endswith("\n") and text.rstrip("\n").endswith("|")
