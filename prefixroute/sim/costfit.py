@@ -516,6 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from prefixroute.sim.cli import check_writable
+    from prefixroute.sim.report import write_text
 
     if not args.check and args.out is None:
         raise ConfigurationError(
@@ -570,7 +571,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"package data is up to date (numbers within a relative {args.rel_tol:g})")
     else:
         for name, text in files.items():
-            (args.out / name).write_text(text, encoding="utf-8")
+            write_text(args.out / name, text)
             print(f"wrote {args.out / name}")
     if args.plot is not None:
         try:

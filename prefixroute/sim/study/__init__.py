@@ -54,7 +54,7 @@ def run_study(
     folder.mkdir(parents=True, exist_ok=True)
     # The runs take minutes at the default --requests: find a file that cannot be written (or no matplotlib) now.
     from prefixroute.sim.cli import check_writable
-    from prefixroute.sim.report import check_plot_path
+    from prefixroute.sim.report import check_plot_path, write_text
 
     for name in ("study.md", *PLOTS):
         check_writable(folder / name, "--output")
@@ -62,5 +62,5 @@ def run_study(
     runs = run_all(requests, progress)
     page = render(runs, judge(CLAIMS, runs), folder)
     path = folder / "study.md"
-    path.write_text(page + "\n", encoding="utf-8")
+    write_text(path, page + "\n")
     return path
