@@ -33,8 +33,9 @@ def run_study(
         InvalidTypeError: ``out`` is not a str or a path, or ``progress`` is not callable.
         ConfigurationError: ``requests`` is not an int in [1, ``MAX_REQUESTS``], ``out`` is a blank name (which
             would be the current folder) or holds a NUL byte, or exists and is not a folder, a file of the page
-            cannot be written there, or matplotlib cannot write the plots.
-        OSError: ``out`` cannot be created or written.
+            cannot be written there (checked before the runs, and when written), or matplotlib cannot write the
+            plots.
+        OSError: ``out`` cannot be created.
     """
     if not isinstance(out, (str, os.PathLike)):
         raise InvalidTypeError(f"out must be a folder (a str or a path), not {type(out).__name__}")
