@@ -288,10 +288,11 @@ def test_metrics_expose_every_figure() -> None:
         assert line in text.splitlines(), line
 
 
-def test_pick_mode_answers_in_headers_for_nginx_and_haproxy() -> None:
-    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, accel_redirect="@up")
+@pytest.mark.parametrize("location", ["@up", "/internal/upstream?via=prefixroute"])  # a named location or a URI
+def test_pick_mode_answers_in_headers_for_nginx_and_haproxy(location: str) -> None:
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, accel_redirect=location)
     reply = call(sidecar, "POST", "/v1/completions", {"model": "m", "prompt": ids(12), "stream": True})
-    assert reply.status_code == 200 and reply.headers["x-accel-redirect"] == "@up"
+    assert reply.status_code == 200 and reply.headers["x-accel-redirect"] == location
     assert reply.headers["x-prefixroute-backend"] == reply.json()["backend"]
     assert reply.headers["x-prefixroute-upstream"] == upstream_of(reply.json()["backend"])
     assert sidecar.router.in_flight(reply.json()["backend"]) == 1

@@ -268,10 +268,11 @@ CONSTRUCTION_ERRORS: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"max_body_bytes": 0}, ConfigurationError, "max_body_bytes must be a positive int, not 0"),
     ({"max_body_bytes": 1.5}, ConfigurationError, "max_body_bytes must be a positive int, not 1.5"),
     ({"accel_redirect": "@up\nX-Injected: 1"}, ConfigurationError,
-     "accel_redirect must be an nginx location like @prefixroute_upstream (printable ASCII, it is sent as a header "
-     "value), not '@up\\nX-Injected: 1'"),
-    ({"accel_redirect": "@упстрим"}, ConfigurationError, "accel_redirect must be an nginx location"),
-    ({"accel_redirect": " "}, ConfigurationError, "accel_redirect must be an nginx location"),
+     "accel_redirect must be an nginx named location like @prefixroute_upstream or a URI like /upstream (printable "
+     "ASCII without spaces, it is sent as a header value), not '@up\\nX-Injected: 1'"),
+    ({"accel_redirect": "foo bar"}, ConfigurationError, "accel_redirect must be an nginx named location"),
+    ({"accel_redirect": "@упстрим"}, ConfigurationError, "accel_redirect must be an nginx named location"),
+    ({"accel_redirect": " "}, ConfigurationError, "accel_redirect must be an nginx named location"),
 ]  # fmt: skip
 
 

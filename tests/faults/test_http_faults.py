@@ -112,7 +112,9 @@ def test_a_body_over_the_limit_is_refused_even_in_one_chunk() -> None:
     assert (sidecar.router.stats().decisions, sidecar.router.stats().in_flight) == (0, 0)
 
 
-@pytest.mark.parametrize("location", ["@up\nX-Injected: 1", "@упстрим", "", " "])
+@pytest.mark.parametrize(
+    "location", ["@up\nX-Injected: 1", "@упстрим", "", " ", "foo bar", "@foo bar", "upstream", "@", "/", " @up"]
+)
 def test_the_accel_redirect_location_must_be_a_header_value(location: str) -> None:
     with pytest.raises(ConfigurationError, match="accel_redirect"):
         Sidecar(Router(), backends=BACKENDS, accel_redirect=location)

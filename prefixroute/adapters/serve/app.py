@@ -82,8 +82,8 @@ class Sidecar:
     request in seconds (None: counted until finished), and the longest a ``/route`` body may ask for (a longer one is
     cut to it). ``healthy`` filters the backends to route to (e.g.
     :meth:`prefixroute.vllm.Fleet.healthy_backends`); when it leaves none, all are used (fail open).
-    ``accel_redirect`` is the nginx named location a pick answer redirects to. ``clock`` times each decision
-    (decode, route, start) for the histogram.
+    ``accel_redirect`` is the nginx named location (``@name``) or URI (``/path``) a pick answer redirects to.
+    ``clock`` times each decision (decode, route, start) for the histogram.
 
     Use it as an ASGI app (``uvicorn.run(sidecar)``) or call :meth:`route`, :meth:`pick` and :meth:`finish`
     directly (the ext_proc server and the UDP release listener do). Not thread-safe by itself: run it on one
@@ -100,8 +100,8 @@ class Sidecar:
     Raises:
         ConfigurationError: a fixed backend is not an ``http(s)://host:port`` URL, ``lease`` is not a positive,
             finite number of seconds, ``models`` or ``base_models`` is not a collection of names (or a name in
-            ``models`` is blank), ``max_body_bytes`` is not a positive int, or ``accel_redirect`` is not printable
-            ASCII (it is a header value).
+            ``models`` is blank), ``max_body_bytes`` is not a positive int, or ``accel_redirect`` is neither an
+            nginx named location (``@name``) nor a URI (``/path``) in printable ASCII without spaces (a header value).
         TypeError: ``backends`` is not a list of URLs, ``encoder`` not a PromptEncoder, ``healthy`` or ``clock``
             not a callable.
     """
@@ -155,10 +155,13 @@ class Sidecar:
         if body_limit is None or body_limit < 1:
             raise ConfigurationError(f"max_body_bytes must be a positive int, not {shown(max_body_bytes)}")
         max_body_bytes = body_limit
+        # nginx takes a named location (@name) or a URI (/path) there; a space would end the name or the path
         if not (isinstance(accel_redirect, str) and accel_redirect.isascii() and accel_redirect.isprintable()
-                and accel_redirect.strip()):  # fmt: skip
-            raise ConfigurationError(f"accel_redirect must be an nginx location like @prefixroute_upstream (printable "
-                                     f"ASCII, it is sent as a header value), not {accel_redirect!r}")  # fmt: skip
+                and accel_redirect[:1] in ("@", "/") and len(accel_redirect) > 1
+                and not any(c.isspace() for c in accel_redirect)):  # fmt: skip
+            raise ConfigurationError(f"accel_redirect must be an nginx named location like @prefixroute_upstream or a "
+                                     f"URI like /upstream (printable ASCII without spaces, it is sent as a header "
+                                     f"value), not {accel_redirect!r}")  # fmt: skip
         self.router = router
         self.backends = tuple(backends)
         self._fixed = frozenset(self.backends)
