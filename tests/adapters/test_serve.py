@@ -412,6 +412,8 @@ def test_construction_errors(tmp_path: Path) -> None:
         Sidecar(Router(), backends=["gpu0"])
     with pytest.raises(ConfigurationError, match="twice"):
         Sidecar(Router(), backends=[BACKENDS[0], BACKENDS[0]])
+    with pytest.raises(ConfigurationError, match="models names 'qwen' twice: name each model once"):
+        Sidecar(Router(), backends=BACKENDS, models=["llama", "qwen", "qwen"])
     with pytest.raises(ConfigurationError, match="never downloads"):
         PromptEncoder(tmp_path)
     with pytest.raises(TypeError):
@@ -776,6 +778,8 @@ def serve(*args: str) -> subprocess.CompletedProcess[str]:
         (["--policy-option", "1x=2"], "--policy-option takes KEY=VALUE, like factor=1.5, not '1x=2'"),
         (["--models", " "], "models must name models, not [' ']: a name is blank"),  # was accepted
         (["--models", "llama", ""], "not ['llama', '']: a name is blank"),  # an unset "$MODEL": was "non-empty list"
+        # Was served, the repeated name dropped without a word: a typo for another model (or "$MODEL $MODEL").
+        (["--port", "0", "--models", "llama", "qwen", "llama"], "models names 'llama' twice: name each model once"),
         (["--policy-option", "kv_cap=0.5", "--policy-option", "kv_cap=0.6"], "--policy-option kv_cap is given twice"),
         (  # the one given twice is named, not the first one given
             ["--policy-option", "use_speed=true", "--policy-option", "kv_cap=0.5", "--policy-option", "kv_cap=0.6"],

@@ -100,8 +100,9 @@ class Sidecar:
     Raises:
         ConfigurationError: a fixed backend is not an ``http(s)://host:port`` URL, ``lease`` is not a positive,
             finite number of seconds, ``models`` or ``base_models`` is not a collection of names (or a name in
-            ``models`` is blank), ``max_body_bytes`` is not a positive int, or ``accel_redirect`` is neither an
-            nginx named location (``@name``) nor a URI (``/path``) in printable ASCII without spaces (a header value).
+            ``models`` is blank or given twice), ``max_body_bytes`` is not a positive int, or ``accel_redirect``
+            is neither an nginx named location (``@name``) nor a URI (``/path``) in printable ASCII without spaces (a
+            header value).
         TypeError: ``backends`` is not a list of URLs, ``encoder`` not a PromptEncoder, ``healthy`` or ``clock``
             not a callable.
     """
@@ -143,6 +144,9 @@ class Sidecar:
             raise ConfigurationError("models must be a non-empty list of model names (or None to accept any)")
         if models is not None and not all(m.strip() for m in models):  # an unset "$MODEL": no request names it
             raise ConfigurationError(f"models must name models, not {models!r}: a name is blank")
+        if models is not None and len(set(models)) != len(models):  # a typo for another model, or "$MODEL $MODEL"
+            twice = next(model for i, model in enumerate(models) if model in models[:i])
+            raise ConfigurationError(f"models names {twice!r} twice: name each model once")
         if encoder is not None and not (
             isinstance(getattr(encoder, "vocab_size", None), int) and callable(getattr(encoder, "encode", None))
             and callable(getattr(encoder, "encode_chat", None))
