@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import inspect
 import json
@@ -32,7 +33,7 @@ from prefixroute.adapters.serve.loopback import free_port, start_sidecar
 from prefixroute.adapters.serve.release import ReleaseProtocol, refused
 from prefixroute.errors import ConfigurationError, InvalidTypeError, PrefixRouteError
 
-from ..conftest import DEADLINE_S, BuggyPolicy, StrangerPolicy
+from ..conftest import DEADLINE_S, BuggyPolicy, StrangerPolicy, returns
 from .conftest import CORPUS, request_during_close
 
 BACKENDS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"]
@@ -489,6 +490,51 @@ def test_the_base_model_learner_asks_again_until_a_backend_answers_and_skips_a_s
         finally:
             learner.stop()
             engine.stop()
+
+
+def test_stopping_the_base_model_learner_cuts_its_request_short_and_nothing_is_learned_after() -> None:
+    """``stop()`` only set a flag: the thread went on waiting for a slow backend's ``/v1/models`` (up to ``timeout``
+    s per backend, after ``prefixroute serve`` had returned) and then called ``learned`` anyway. It cuts the request
+    short, the thread has ended when it returns, and the answer that comes later is never learned."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from prefixroute.adapters.serve.cli import BaseModelLearner
+
+    asked, release = threading.Event(), threading.Event()
+    answering: list[threading.Thread] = []  # the server's own
+
+    class SlowModels(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            answering.append(threading.current_thread())
+            asked.set()
+            release.wait(60)  # far past the test's deadline: only stop() can end the learner's wait for it
+            body = json.dumps({"object": "list", "data": [{"id": "llama", "object": "model"}]}).encode()
+            with contextlib.suppress(OSError):  # the learner hung up
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SlowModels)
+    serving = threading.Thread(target=server.serve_forever, name="test-slow-models", daemon=True)
+    serving.start()
+    learned: list[frozenset[str]] = []
+    try:
+        before = set(threading.enumerate())
+        learner = BaseModelLearner([f"http://127.0.0.1:{server.server_port}"], learned.append, timeout=60)
+        learner.start()
+        assert asked.wait(DEADLINE_S), "the learner never asked"
+        returns(learner.stop, what="stop() with a request in flight")
+        assert [t.name for t in threading.enumerate() if t not in before and t not in answering] == []
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+        serving.join(DEADLINE_S)
+    assert learned == []  # the slow answer came after stop(): the thread that would have learned it has ended
 
 
 BAD_URLS: list[tuple[str, str]] = [

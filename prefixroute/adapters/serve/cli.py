@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import http.client
 import json
 import logging
 import math
@@ -25,7 +26,7 @@ import signal
 import socket
 import sys
 import threading
-import urllib.request
+import urllib.parse
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -192,7 +193,8 @@ class BaseModelLearner:
 
     The base models are the cards without a ``parent`` (:func:`~prefixroute.adapters.serve.contract.base_model_names`).
     The names go to ``learned`` once, from a daemon thread; a backend that is down, slow (``timeout`` s) or answers
-    garbage is skipped.
+    garbage is skipped. Each backend is asked directly (no proxy from the environment, no redirect), as the gateway
+    sends it requests. :meth:`stop` cuts a request in flight short: once it returns, ``learned`` is never called.
     """
 
     def __init__(
@@ -208,13 +210,25 @@ class BaseModelLearner:
         self._interval = interval
         self._timeout = timeout
         self._stopped = threading.Event()
+        # Held to call back and to stop, so that no call back begins once stop() has set _stopped; re-entrant, for a
+        # learned that stops its learner.
+        self._lock = threading.RLock()
+        self._in_flight: set[socket.socket] = set()  # the connections of requests under way, for stop() to cut
         self._thread = threading.Thread(target=self._run, name="prefixroute-base-models", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
-        self._stopped.set()
+        """Stop asking: cut a request in flight short, and wait (at most ``timeout`` s, a connection still being
+        opened) for the thread to end. Once it returns, ``learned`` is not called."""
+        with self._lock:
+            self._stopped.set()
+            for sock in self._in_flight:
+                with contextlib.suppress(OSError):  # closed meanwhile, or not connected yet
+                    sock.shutdown(socket.SHUT_RDWR)  # a read blocked on it in the thread returns at once
+        if self._thread.ident is not None and self._thread is not threading.current_thread():
+            self._thread.join(self._timeout)
 
     def ask(self) -> frozenset[str] | None:
         """The base models of the backends that answered (None: none did). O(backends) requests."""
@@ -223,22 +237,52 @@ class BaseModelLearner:
         names: set[str] = set()
         answered = False
         for backend in self._backends:
+            if self._stopped.is_set():
+                break
             try:
-                with urllib.request.urlopen(f"{backend}/v1/models", timeout=self._timeout) as reply:
-                    cards = json.loads(reply.read(2**22)).get("data")
-            except Exception:  # down, refusing, slow, not JSON, not an object: ask the next one
+                cards = json.loads(self._models_of(backend)).get("data")
+            except Exception:  # down, refusing, slow, cut short, not JSON, not an object: ask the next one
                 continue
             if isinstance(cards, list):
                 answered = True
                 names |= base_model_names(cards)
         return frozenset(names) if answered else None
 
+    def _models_of(self, backend: str) -> bytes:
+        """The body of ``backend``'s ``/v1/models`` (the first 4 MiB); raise for anything but a 2xx answer."""
+        url = urllib.parse.urlsplit(backend)
+        https = url.scheme == "https"
+        kind = http.client.HTTPSConnection if https else http.client.HTTPConnection
+        # The port given, always: http.client would read the host "::1" as host ":" and port 1.
+        connection = kind(url.hostname or "", url.port or (443 if https else 80), timeout=self._timeout)
+        try:
+            connection.connect()
+            sock = connection.sock  # the response reads it on once a "Connection: close" answer has let it go
+            with self._lock:
+                if self._stopped.is_set():
+                    raise ConnectionAbortedError("the learner was stopped")
+                self._in_flight.add(sock)
+            try:
+                connection.request("GET", "/v1/models", headers={"Accept": "application/json"})
+                with connection.getresponse() as reply:
+                    if not 200 <= reply.status < 300:
+                        raise ConnectionRefusedError(f"{backend}/v1/models answered HTTP {reply.status}")
+                    return reply.read(2**22)
+            finally:
+                with self._lock:
+                    self._in_flight.discard(sock)
+        finally:
+            connection.close()
+
     def _run(self) -> None:
         while not self._stopped.is_set():
             names = self.ask()
             if names is not None:
-                _log.info("base models of the backends: %s", sorted(names))  # logged before they route
-                self._learned(names)
+                with self._lock:
+                    if self._stopped.is_set():  # stopped while it asked: learned nothing
+                        return
+                    _log.info("base models of the backends: %s", sorted(names))  # logged before they route
+                    self._learned(names)
                 return
             self._stopped.wait(self._interval)
 
