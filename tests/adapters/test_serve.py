@@ -33,7 +33,7 @@ from prefixroute.adapters.serve.loopback import free_port, start_sidecar
 from prefixroute.adapters.serve.release import ReleaseProtocol, refused
 from prefixroute.errors import ConfigurationError, InvalidTypeError, PrefixRouteError
 
-from ..conftest import DEADLINE_S, BuggyPolicy, StrangerPolicy, returns
+from ..conftest import DEADLINE_S, BuggyPolicy, StrangerPolicy, returns, wait_until
 from .conftest import CORPUS, request_during_close
 
 BACKENDS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"]
@@ -896,7 +896,7 @@ def test_the_log_level_says_what_is_logged(level: str, tmp_path: Path) -> None:
                 assert time.monotonic() < deadline, "the base model was never learned"
                 time.sleep(0.02)
             line = "prefixroute serve: INFO base models of the backends: ['llama']"
-            assert (line in process.output()) == (level == "info"), process.output()
+            assert (line in process.output().splitlines()) == (level == "info"), process.output()  # a line of its own
     finally:
         engine.stop()
 
@@ -908,6 +908,27 @@ def test_policy_options_reach_the_policy_as_numbers_and_flags(tmp_path: Path) ->
     options = ["--policy-option", "use_speed=true", "--policy-option", "kv_cap=0.5"]
     with start_sidecar(tmp_path, BACKENDS, port=port, options=options) as process:
         assert "policy PredictedTTFT(kv_cap=0.5, use_speed=True)" in process.output(), process.output()
+
+
+@pytest.mark.parametrize("fleet", [[], ["--metrics-from-backends"]], ids=["alone", "with-a-fleet"])
+def test_the_block_size_policy_and_lease_given_reach_the_router(fleet: list[str], tmp_path: Path) -> None:
+    """``--block-size``, ``--policy`` with its options and ``--lease`` are the router's, whether the sidecar routes
+    alone or with a :class:`~prefixroute.vllm.Fleet` (``--metrics-from-backends``, which builds its router apart):
+    8 tokens are two blocks of 4 that the next prompt matches (none with vLLM's 16), and requests never finished
+    leave the count once their lease ends."""
+    from prefixroute.testing.openai_engine import OpenAIEngine
+
+    with OpenAIEngine(model="llama") as engine0, OpenAIEngine(model="llama") as engine1:
+        port = free_port()
+        options = ["--block-size", "4", "--policy", "bounded-load", "--policy-option", "factor=3", "--lease", "0.5",
+                   "--models", "llama", *fleet]  # fmt: skip
+        with start_sidecar(tmp_path, [engine0.url, engine1.url], port=port, options=options) as process:
+            assert "policy BoundedLoad(factor=3.0)" in process.output(), process.output()
+            url = f"http://127.0.0.1:{port}"
+            first = httpx.post(f"{url}/route", json={"prompt_token_ids": ids(8)}).json()
+            again = httpx.post(f"{url}/route", json={"prompt_token_ids": ids(9)}).json()
+            assert (again["backend"], again["reason"], again["matched_tokens"]) == (first["backend"], "prefix", 8)
+            wait_until(lambda: httpx.get(f"{url}/stats").json()["in_flight_total"] == 0, what="the leases to end")
 
 
 def test_a_port_in_use_exits_2(tmp_path: Path) -> None:
