@@ -169,6 +169,43 @@ def test_degenerate_runs_give_no_false_verdict() -> None:
     assert math.isnan(only_high.simulated) and only_high.verdict == "not reproduced"
 
 
+def test_a_ratio_to_zero_or_no_number_is_no_number_on_the_page_and_not_reproduced(tmp_path: Path) -> None:
+    # Was: ZeroDivisionError out of judge() (and render()) for a run with a zero P99 or throughput, and a NaN ratio
+    # in a sweep counted as "no step", a false "reproduced".
+    runs = hand_made_runs()
+    runs.tp = dict.fromkeys(runs.models, 1)
+    runs.kv_tokens = dict.fromkeys(runs.models, 1000)
+    runs.seed["round-robin"] = result("round-robin", hit=0.10, p99=0.0, rps=0.0)  # no request served
+    rr, bl = runs.lengths[4096]
+    runs.lengths[4096] = (result(p50=rr.ttft_ms["p50"], p99=0.0), bl)
+    rr, bl = runs.models["m8"]
+    runs.models["m8"] = (result(p50=rr.ttft_ms["p50"], p99=math.nan), bl)
+    runs.hot_affinity["closed loop"] = result(hit=0.95, p95=0.0, p99=math.nan, share=0.78)
+    judged = judge(CLAIMS, runs)
+    got = {j.check.figure: (j.simulated, j.verdict) for j in judged}
+    for figure in [
+        "P99 TTFT, prefix-affinity / round-robin",
+        "throughput, bounded-load / round-robin",
+        "steps along 2K → 16K where bounded-load / round-robin P99 TTFT rises",
+        "steps along 8B → 70B where bounded-load / round-robin P99 TTFT rises",
+        "route() time in % of llama-3-8b's P99 TTFT gain (the overhead cancels the gain at ≥ 100 %)",
+        "closed loop: P95 TTFT improvement of the 2× fallback",
+        "closed loop: P99 TTFT improvement of the 2× fallback",
+    ]:
+        value, verdict = got[figure]
+        assert math.isnan(value) and verdict == "not reproduced", figure
+    # The figures that need no such ratio are as before.
+    assert got["steps along 2K → 16K where bounded-load's p50 TTFT gain over round-robin shrinks"] == (
+        1.0,
+        "not reproduced",
+    )
+    page = render(runs, judged, tmp_path)
+    assert "| P99 TTFT, prefix-affinity / round-robin | 0.15× | – | not reproduced |" in page
+    assert "| 4,096 | 50.0 % | 50.0 % | 1,000 | 800 | 200 | – | 1.00× |" in page
+    assert "| bounded-load 2× | 88.0 % | 600 | 1,000 | 10.00 | 12 % | – | – |" in page
+    assert "| round-robin | 0.00 | – | 1 | $2 |" in page
+
+
 def _verdict(rule: Rule, published: float, simulated: float, no_effect: float | None = None) -> str:
     check = Check("x", published, lambda _runs: simulated, rule, "×", no_effect)
     return judge([Claim(0, "claim", (check,))], StudyRuns(requests=1))[0].verdict

@@ -133,8 +133,8 @@ def _seed_ratio(policy: str, figure: str) -> Callable[[StudyRuns], float]:
     def compute(runs: StudyRuns) -> float:
         chosen, base = runs.seed[policy], runs.seed["round-robin"]
         if figure == "p99":
-            return chosen.ttft_ms["p99"] / base.ttft_ms["p99"]
-        return chosen.throughput_rps / base.throughput_rps
+            return _quotient(chosen.ttft_ms["p99"], base.ttft_ms["p99"])
+        return _quotient(chosen.throughput_rps, base.throughput_rps)
 
     return compute
 
@@ -147,7 +147,15 @@ def _prefill_ms(length: int, index: int) -> Callable[[StudyRuns], float]:
     return lambda runs: runs.prefill_ms[length][index]
 
 
+def _quotient(numerator: float, denominator: float) -> float:
+    """``numerator / denominator``, NaN (written "–", judged "not reproduced") when the denominator is 0 or NaN."""
+    return numerator / denominator if denominator else math.nan  # NaN is truthy: NaN / NaN is NaN
+
+
 def _shrinking_steps(gains: Sequence[float]) -> float:
+    # A NaN compares False either way, so it would count as "no step": the count would claim a trend it never saw.
+    if any(math.isnan(g) for g in gains):
+        return math.nan
     return float(sum(b < a for a, b in zip(gains, gains[1:], strict=False)))
 
 
@@ -158,7 +166,7 @@ def _p50_gain_ms(pair: Pair) -> float:
 
 def _p99_ratio(pair: Pair) -> float:
     rr, bl = pair
-    return bl.ttft_ms["p99"] / rr.ttft_ms["p99"]
+    return _quotient(bl.ttft_ms["p99"], rr.ttft_ms["p99"])
 
 
 def _length_gain_shrinks(runs: StudyRuns) -> float:
@@ -181,6 +189,8 @@ def _route_share_of_small_model_gain(runs: StudyRuns) -> float:
     """route()'s time in % of the smallest model's P99 TTFT gain: the overhead cancels the gain at >= 100 %."""
     rr, bl = next(iter(runs.models.values()))
     gain = rr.ttft_ms["p99"] - bl.ttft_ms["p99"]
+    if math.isnan(gain):  # no P99 on one side: no gain to compare with (not "no gain", which is ∞ %)
+        return math.nan
     return 100 * runs.route_ms / gain if gain > 0 else math.inf
 
 
@@ -191,7 +201,7 @@ def _hot(mode: str, figure: str) -> Callable[[StudyRuns], float]:
             return 100 * affinity.max_backend_share
         if figure == "hit":
             return 100 * (affinity.hit_rate - fallback.hit_rate)
-        return 100 * (1 - fallback.ttft_ms[figure] / affinity.ttft_ms[figure])
+        return 100 * (1 - _quotient(fallback.ttft_ms[figure], affinity.ttft_ms[figure]))
 
     return compute
 

@@ -102,6 +102,11 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}×" if b and not math.isnan(a) and not math.isnan(b) else "–"
 
 
+def _improvement(new: float, old: float) -> str:
+    """How much lower ``new`` is than ``old``, in %; "–" where there is no ratio (``old`` 0 or either NaN)."""
+    return f"{100 * (1 - new / old):+.0f} %" if old and not math.isnan(new) and not math.isnan(old) else "–"
+
+
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -282,8 +287,8 @@ def _section_hot(runs: StudyRuns, judged: Sequence[Judged]) -> list[str]:
                     _ms(r.ttft_ms["p99"]),
                     f"{r.throughput_rps:.2f}",
                     f"{100 * r.max_backend_share:.0f} %",
-                    f"{100 * (1 - r.ttft_ms['p95'] / pa.ttft_ms['p95']):+.0f} %",
-                    f"{100 * (1 - r.ttft_ms['p99'] / pa.ttft_ms['p99']):+.0f} %",
+                    _improvement(r.ttft_ms["p95"], pa.ttft_ms["p95"]),
+                    _improvement(r.ttft_ms["p99"], pa.ttft_ms["p99"]),
                 ]
             )
         headers = ["policy", "KV hit", "P95 ms", "P99 ms", "req/s", "max share", "P95 improvement"]
@@ -325,7 +330,7 @@ def _section_dollars(runs: StudyRuns) -> list[str]:
         [
             r.policy,
             f"{r.throughput_rps:.2f}",
-            f"${8 * 2.0 / (r.throughput_rps * 3600) * 1e6:,.0f}",
+            f"${8 * 2.0 / (r.throughput_rps * 3600) * 1e6:,.0f}" if r.throughput_rps else "–",  # none served
             f"{r.recompute_gpu_seconds:,.0f}",
             f"${r.recompute_usd_per_month:,.0f}",
         ]
