@@ -532,9 +532,13 @@ def _register_study(subparsers: Any) -> None:
 
 
 def _run_study(args: argparse.Namespace) -> int:
-    from prefixroute.sim.study import run_study
+    from prefixroute.sim.study import _run_study
 
-    path = run_study(args.output, requests=args.requests, progress=lambda m: print(m, flush=True))
+    def progress(message: str) -> None:
+        print(message, flush=True)
+
+    # Its messages name this command's options, not run_study's keywords.
+    path = _run_study(args.output, requests=args.requests, progress=progress, names=("--output", "--requests"))
     print(f"wrote {path}")
     return 0
 

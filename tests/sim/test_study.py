@@ -143,13 +143,36 @@ def test_run_study_refuses_bad_arguments_before_any_work(
     assert list(tmp_path.iterdir()) == []  # nothing written, not even into the current folder
 
 
+@pytest.mark.parametrize(
+    ("requests", "message"),
+    [
+        (0, "requests must be an int in [1, 100,000,000], not 0"),
+        (10**13, "requests must be an int in [1, 100,000,000], not 10000000000000"),
+        (2.5, "requests must be an int in [1, 100,000,000], not 2.5"),
+    ],
+)
+def test_run_study_names_the_keyword_a_caller_passed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, requests: object, message: str
+) -> None:
+    # Was: "--requests must be ...", "--output ... is not a folder": options of a command line the caller never used.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigurationError) as raised:
+        run_study("study", requests=requests)  # type: ignore[arg-type]
+    assert str(raised.value) == message
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigurationError) as raised:
+        run_study("file", requests=3)
+    assert str(raised.value) == "out file is not a folder"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
 @pytest.mark.parametrize("name", ["study.md", "study-seed.png", "study-sweeps.png"])
 def test_an_output_file_that_cannot_be_written_fails_before_the_runs(tmp_path: Path, name: str) -> None:
     # Was: all 41 simulations ran first (a minute or more at the default --requests), the plots before the blocked
     # file were written, and only then did the write fail.
     (tmp_path / name).mkdir()
     heard: list[str] = []
-    with pytest.raises(ConfigurationError, match=f"--output {re.escape(str(tmp_path / name))} is a folder"):
+    with pytest.raises(ConfigurationError, match=f"^out {re.escape(str(tmp_path / name))} is a folder"):
         run_study(tmp_path, requests=3, progress=heard.append)
     assert heard == []
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]

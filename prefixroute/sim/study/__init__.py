@@ -34,32 +34,41 @@ def run_study(
         ConfigurationError: ``requests`` is not an int in [1, ``MAX_REQUESTS``], ``out`` is a blank name (which
             would be the current folder) or holds a NUL byte, or exists and is not a folder, a file of the page
             cannot be written there (checked before the runs, and when written), or matplotlib cannot write the
-            plots.
+            plots. The message names the argument as passed here (``requests``, ``out``).
         OSError: ``out`` cannot be created.
     """
+    return _run_study(out, requests=requests, progress=progress, names=("out", "requests"))
+
+
+def _run_study(
+    out: str | os.PathLike[str], *, requests: int, progress: Callable[[str], None], names: tuple[str, str]
+) -> Path:
+    """:func:`run_study`, its messages naming ``out`` and ``requests`` as ``names`` says: the keywords of a Python
+    caller, or the options of ``prefixroute study`` (``--output``, ``--requests``)."""
+    out_name, requests_name = names
     if not isinstance(out, (str, os.PathLike)):
-        raise InvalidTypeError(f"out must be a folder (a str or a path), not {type(out).__name__}")
+        raise InvalidTypeError(f"{out_name} must be a folder (a str or a path), not {type(out).__name__}")
     if isinstance(out, str) and not out.strip():
-        raise ConfigurationError(f"out must name a folder, not {out!r}")
+        raise ConfigurationError(f"{out_name} must name a folder, not {out!r}")
     if "\0" in os.fspath(out):
-        raise ConfigurationError(f"out {os.fspath(out)!r}: a path cannot hold a NUL byte")
+        raise ConfigurationError(f"{out_name} {os.fspath(out)!r}: a path cannot hold a NUL byte")
     if not callable(progress):
         raise InvalidTypeError(f"progress must be callable, not {type(progress).__name__}")
     count = as_int(requests)
     if count is None or not 1 <= count <= MAX_REQUESTS:
-        raise ConfigurationError(f"--requests must be an int in [1, {MAX_REQUESTS:,}], not {shown(requests)}")
+        raise ConfigurationError(f"{requests_name} must be an int in [1, {MAX_REQUESTS:,}], not {shown(requests)}")
     requests = count
     folder = Path(out)
     if folder.exists() and not folder.is_dir():
-        raise ConfigurationError(f"--output {folder} is not a folder")
+        raise ConfigurationError(f"{out_name} {folder} is not a folder")
     folder.mkdir(parents=True, exist_ok=True)
-    # The runs take minutes at the default --requests: find a file that cannot be written (or no matplotlib) now.
+    # The runs take minutes at the default requests: find a file that cannot be written (or no matplotlib) now.
     from prefixroute.sim.cli import check_writable
     from prefixroute.sim.report import check_plot_path, write_text
 
     for name in ("study.md", *PLOTS):
-        check_writable(folder / name, "--output")
-    check_plot_path(folder / PLOTS[0], "--output")
+        check_writable(folder / name, out_name)
+    check_plot_path(folder / PLOTS[0], out_name)
     runs = run_all(requests, progress)
     page = render(runs, judge(CLAIMS, runs), folder)
     path = folder / "study.md"
