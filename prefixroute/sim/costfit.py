@@ -28,6 +28,7 @@ import argparse
 import csv
 import json
 import math
+import os
 import statistics
 import sys
 from collections import defaultdict
@@ -39,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from prefixroute._numbers import as_float, as_int
-from prefixroute.errors import ConfigurationError, PrefixRouteError
+from prefixroute.errors import ConfigurationError, InvalidTypeError, PrefixRouteError
 from prefixroute.sim.calibration import Measurement
 from prefixroute.sim.costmodel import CostCoefficients, ModelSpec
 from prefixroute.sim.costplot import plot_calibration
@@ -330,11 +331,34 @@ def _nonnegative_lstsq(a: npt.NDArray[np.float64], b: npt.NDArray[np.float64]) -
         free.remove(int(np.argmin(x)))
 
 
-def fit_profiles(data: Path) -> tuple[list[dict[str, object]], list[Measurement], dict[str, SharedTerms]]:
-    """Fit every (model, gpu, tp) profile; returns the JSON entries, the measurements and shared terms."""
-    vidur, splitwise = read_vidur(data), read_splitwise(data)
-    linear = linear_fits(vidur)
-    shared = {family: fit_shared_terms(splitwise, linear, family) for family in ("a100", "h100")}
+def fit_profiles(
+    data: str | os.PathLike[str],
+) -> tuple[list[dict[str, object]], list[Measurement], dict[str, SharedTerms]]:
+    """Fit every (model, gpu, tp) profile to the measurements in the folder ``data`` (the repository's ``data/``);
+    returns the JSON entries, the measurements and shared terms.
+
+    Raises:
+        InvalidTypeError: ``data`` is not a str or a path.
+        ConfigurationError: ``data`` is an empty or blank name (which would be the current folder), or its files
+            cannot be fitted (a column or a combination missing, text that is not UTF-8, a measurement that is no
+            positive number); the message names the folder or the file and line.
+        OSError: a file the fit needs cannot be read (``splitwise-sim/perf_model.csv`` missing).
+    """
+    if not isinstance(data, (str, os.PathLike)):
+        raise InvalidTypeError(f"data must be a folder (a str or a path), not {type(data).__name__}")
+    if isinstance(data, str) and not data.strip():
+        raise ConfigurationError(f"data must name a folder, not {data!r}")
+    folder = Path(data)
+    try:
+        vidur, splitwise = read_vidur(folder), read_splitwise(folder)
+        linear = linear_fits(vidur)
+        shared = {family: fit_shared_terms(splitwise, linear, family) for family in ("a100", "h100")}
+    except PrefixRouteError:  # a ConfigurationError is a ValueError: its message is already what to fix
+        raise
+    except KeyError as exc:
+        raise ConfigurationError(f"cannot fit {folder}: missing {exc} (a column or a combination)") from exc
+    except (ValueError, ArithmeticError, csv.Error) as exc:  # UnicodeDecodeError is a ValueError
+        raise ConfigurationError(f"cannot fit {folder}: {exc}") from exc
     reference = GPUS["a100-80gb"]
     entries: list[dict[str, object]] = []
     for model in MODELS.values():
@@ -538,12 +562,7 @@ def _run(args: argparse.Namespace) -> int:
 
         check_writable(args.plot, "--plot")
         check_plot_path(args.plot, "--plot")
-    try:
-        entries, measurements, shared = fit_profiles(args.data)
-    except KeyError as exc:
-        raise ConfigurationError(f"--data {args.data}: cannot fit, missing {exc} (a column or a combination)") from exc
-    except (ValueError, ArithmeticError, csv.Error, UnicodeDecodeError) as exc:
-        raise ConfigurationError(f"--data {args.data}: cannot fit ({type(exc).__name__}: {exc})") from exc
+    entries, measurements, shared = fit_profiles(args.data)
     files = {
         "profiles.json": json.dumps({"format": 1, "profiles": entries}, indent=1, sort_keys=True) + "\n",
         "calibration_points.csv": _points_csv(measurements),

@@ -8,9 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from prefixroute.errors import ConfigurationError
+from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.sim.calibration import Measurement
-from prefixroute.sim.costfit import LinearFit, fit_linear, fit_shared_terms, linear_fits, read_splitwise, read_vidur
+from prefixroute.sim.costfit import (
+    LinearFit,
+    fit_linear,
+    fit_profiles,
+    fit_shared_terms,
+    linear_fits,
+    read_splitwise,
+    read_vidur,
+)
 from prefixroute.sim.profiles import MODELS, TP_DEGREES
 
 VIDUR_OPS = (
@@ -292,3 +300,41 @@ def test_fit_linear_refuses_points_that_are_no_measurement(points: list[tuple[in
 def test_fit_shared_terms_names_the_gpu_family_it_has_no_rows_for() -> None:
     with pytest.raises(ConfigurationError, match="^no SplitwiseSim rows for h100$"):
         fit_shared_terms(_splitwise_rows()[:-2], _linear(), "h100")
+
+
+DATA = Path(__file__).resolve().parents[2] / "data"
+
+
+def test_fit_profiles_takes_the_data_folder_as_a_str_or_a_path() -> None:
+    # Was: TypeError (unsupported operand type(s) for /: 'str' and 'str') for a str, the public function's argument.
+    assert fit_profiles(str(DATA)) == fit_profiles(DATA)
+
+
+@pytest.mark.parametrize(
+    ("data", "error", "message"),
+    [
+        (5, InvalidTypeError, "data must be a folder (a str or a path), not int"),
+        (None, InvalidTypeError, "data must be a folder (a str or a path), not NoneType"),
+        ("", ConfigurationError, "data must name a folder, not ''"),  # Path("") would be the current folder
+        (" ", ConfigurationError, "data must name a folder, not ' '"),
+    ],
+)
+def test_fit_profiles_refuses_what_names_no_folder(data: object, error: type[Exception], message: str) -> None:
+    with pytest.raises(error) as refused:
+        fit_profiles(data)  # type: ignore[arg-type]
+    assert str(refused.value) == message
+
+
+def test_fit_profiles_on_data_it_cannot_fit_raises_from_the_exception_tree(tmp_path: Path) -> None:
+    # Was: a bare KeyError (a column missing) or UnicodeDecodeError out of the public function.
+    data = tmp_path / "data"
+    _vidur_csv(data / "vidur-profiling" / "a100" / "Llama-2-7b-hf__mlp.csv", [(1, 16, 0.1)])
+    perf = data / "splitwise-sim" / "perf_model.csv"
+    perf.parent.mkdir(parents=True)
+    perf.write_text("model,hardware\nllama2-70b,a100-80gb\n")
+    with pytest.raises(ConfigurationError) as refused:
+        fit_profiles(data)
+    assert str(refused.value) == f"cannot fit {data}: missing 'tensor_parallel' (a column or a combination)"
+    perf.write_bytes(b"model\xff\n")
+    with pytest.raises(ConfigurationError, match=f"^cannot fit {re.escape(str(data))}: 'utf-8' codec can't decode"):
+        fit_profiles(data)
