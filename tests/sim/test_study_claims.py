@@ -261,6 +261,7 @@ def test_the_page_writes_each_figure_as_worked_out_by_hand(tmp_path: Path) -> No
     runs.kv_bytes_ratio_13b_8b = 1.625
     runs.route_ms = 0.25  # 0.5 % of m8's 50 ms P99 gain
     page = render(runs, judge(CLAIMS, runs), tmp_path)
+    assert page.endswith("| $2 |\n") and not page.endswith("\n\n")  # one newline at the end, no blank line
     lines = set(page.splitlines())
     expected_lines = [
         # The verdict of each claim, and of each figure in every unit the checks use.

@@ -72,5 +72,5 @@ def _run_study(
     runs = run_all(requests, progress)
     page = render(runs, judge(CLAIMS, runs), folder)
     path = folder / "study.md"
-    write_text(path, page + "\n")
+    write_text(path, page)
     return path

@@ -20,7 +20,8 @@ PLOTS = ("study-seed.png", "study-sweeps.png")  # the images render() writes bes
 
 
 def render(runs: StudyRuns, judged: Sequence[Judged], out: Path) -> str:
-    """The Markdown page for ``runs`` and its verdicts; writes the two PNGs it shows into ``out``."""
+    """The Markdown page for ``runs`` and its verdicts, ending in one newline; writes the two PNGs it shows into
+    ``out``."""
     seed_plot, sweeps_plot = PLOTS
     write_plot(out / seed_plot, list(runs.seed.values()), title="seed · codellama-13b@a100-40gb × 8")
     write_sweep_plot(
@@ -60,7 +61,7 @@ def render(runs: StudyRuns, judged: Sequence[Judged], out: Path) -> str:
     lines += ["![sweeps](study-sweeps.png)", ""]
     lines += _section_rule(runs, judged)
     lines += _section_dollars(runs)
-    return "\n".join(lines)
+    return "\n".join(lines).rstrip("\n") + "\n"  # sections end in a blank line; the page in one newline
 
 
 def _checks(judged: Sequence[Judged], section: int) -> list[str]:
