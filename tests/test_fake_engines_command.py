@@ -62,10 +62,39 @@ def test_fake_engines_serve_the_models_and_limits_given_and_stop_on_ctrl_c() -> 
     assert process.returncode == 0 and out == "" and err == "", err
 
 
+def test_fake_engines_stop_on_sigterm_freeing_their_ports() -> None:
+    # Was: SIGTERM (systemd, Docker, Kubernetes, a test harness's terminate()) killed the process by its default
+    # action, exit status -15, the engines never closed; Ctrl-C alone stopped it cleanly.
+    host = "127.0.0.1"
+    base = _two_free_ports(host)
+    command = [sys.executable, "-m", "prefixroute", "fake-engines", "--count", "2", "--base-port", str(base)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    guard = threading.Timer(60, process.kill)  # a safety net, not a timing: it announces or exits
+    guard.start()
+    try:
+        assert process.stdout is not None
+        lines = [process.stdout.readline() for _ in range(2)]  # announced once every engine listens
+        assert lines == [f"fake vLLM engine serving 'fake-model' at http://{host}:{base + i}\n" for i in range(2)]
+        process.terminate()
+        out, err = process.communicate()
+    finally:
+        guard.cancel()
+        process.kill()
+        process.wait()
+    assert process.returncode == 0 and out == "" and err == "", (process.returncode, err)
+    for port in (base, base + 1):
+        with socket.socket() as again:  # no SO_REUSEADDR: a listener left open would refuse it
+            again.bind((host, port))
+            again.listen()
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (["--count", "0"], "--count must be positive"),
+        (["--count", "0"], "--count must be a whole number in 1..256, not 0"),
+        (["--count", "257"], "--count must be a whole number in 1..256, not 257"),  # one process's sockets, not ports
+        (["--count", "256", "--base-port", "65281"], "room for --count"),  # 65281 + 255 = 65536
+        (["--count", "256", "--base-port", "65280", "--max-tokens", "0"], "--max-tokens"),  # the bounds taken
         (["--count", "2", "--base-port", "65535"], "room for --count"),  # the second would be on 65536
         (["--count", "1", "--base-port", "0"], "room for --count"),
         (["--count", "1", "--base-port", "65535", "--max-tokens", "0"], "--max-tokens"),  # 65535 fits one: next check
@@ -114,8 +143,7 @@ def test_the_module_entry_point_is_the_fake_engines_command(
     assert openai_engine.main(["--max-tokens", "0"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err == [
-        "prefixroute fake-engines: error: --count must be positive and --base-port a port with room for --count "
-        "engines",
+        "prefixroute fake-engines: error: --count must be a whole number in 1..256, not 0",
         "prefixroute fake-engines: error: --max-tokens must be in 1..1000000, not 0",
     ]
 

@@ -18,7 +18,8 @@ split on whitespace, each word one token (or pass ``tokenizer=``).
         engine.refuse()             # stop listening (and drop open connections); engine.accept() listens again
         engine.stall(after_tokens=1)  # requests hang after one streamed token until engine.resume()
 
-From the command line, N engines on consecutive ports (Ctrl-C stops them)::
+From the command line, N engines (at most :data:`MAX_ENGINES`) on consecutive ports; Ctrl-C or SIGTERM closes them
+and exits 0::
 
     python -m prefixroute.testing.openai_engine --count 3 --base-port 8100
     prefixroute fake-engines --count 3 --base-port 8100
@@ -31,6 +32,7 @@ import asyncio
 import bisect
 import json
 import random
+import signal
 import sys
 import threading
 import time
@@ -53,7 +55,12 @@ from prefixroute.testing._requests import Refused, lax_int, read_max_tokens
 from prefixroute.testing.fake_cache import FakeBlockCache
 from prefixroute.vllm.metrics import TTFT_BUCKETS
 
-__all__ = ["EngineStats", "OpenAIEngine", "main", "register", "whitespace_tokens"]
+__all__ = ["MAX_ENGINES", "EngineStats", "OpenAIEngine", "main", "register", "whitespace_tokens"]
+
+MAX_ENGINES = 256
+"""The most engines ``fake-engines --count`` starts: one process serves them all, each with its listener, its
+clients' connections and its cache, so more would run out of file descriptors (1,024 by default) long before ports,
+and a larger count is a typo, not a test."""
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _POLL_S = 0.005  # how often a stalled request looks for resume() or its client leaving
@@ -803,7 +810,8 @@ def register(subparsers: Any) -> None:
         "fake-engines",
         help="serve fake vLLM OpenAI-compatible engines on loopback (for demos and tests)",
         description="Serve --count fake vLLM engines (OpenAI completions and chat, /v1/models, /metrics, a "
-        "block-level prefix cache each) on consecutive ports from --base-port, until interrupted (Ctrl-C).",
+        "block-level prefix cache each) on consecutive ports from --base-port, until interrupted (Ctrl-C or "
+        "SIGTERM: the engines close, exit status 0).",
     )
     add_arguments(parser)
     parser.set_defaults(func=run)
@@ -811,7 +819,7 @@ def register(subparsers: Any) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``fake-engines`` (also ``python -m prefixroute.testing.openai_engine``)."""
-    parser.add_argument("--count", type=int, default=3, help="engines to start (default 3)")
+    parser.add_argument("--count", type=int, default=3, help=f"engines to start, 1 to {MAX_ENGINES} (default 3)")
     parser.add_argument(
         "--base-port", type=int, default=8100, help="port of the first; the others follow (default 8100)"
     )
@@ -826,9 +834,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve ``args.count`` engines until interrupted; return the exit status."""
-    if args.count < 1 or not 0 < args.base_port <= 65536 - args.count:  # the last engine on port 65535 at most
-        raise ConfigurationError("--count must be positive and --base-port a port with room for --count engines")
+    """Serve ``args.count`` engines until SIGINT or SIGTERM; return the exit status (0 once they are closed)."""
+    if not 1 <= args.count <= MAX_ENGINES:
+        raise ConfigurationError(f"--count must be a whole number in 1..{MAX_ENGINES}, not {args.count}")
+    if not 0 < args.base_port <= 65536 - args.count:  # the last engine on port 65535 at most
+        raise ConfigurationError(
+            f"--base-port must be a port with room for --count engines (1..{65536 - args.count}), not {args.base_port}"
+        )
     if not 1 <= args.max_tokens <= 1_000_000:
         raise ConfigurationError(f"--max-tokens must be in 1..1000000, not {shown(args.max_tokens)}")
     check_served_names(args.model, args.lora_adapters, model_option="--model", adapters_option="--lora-adapters")
@@ -853,13 +865,28 @@ def run(args: argparse.Namespace) -> int:
     ]
 
     async def serve() -> None:
+        # SIGTERM (systemd, Docker, a harness's terminate()) stops them as Ctrl-C does: engines closed, status 0.
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        handled = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous = signal.getsignal(sig)
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (ValueError, RuntimeError, NotImplementedError):  # not the main thread, or no such support
+                continue
+            handled[sig] = previous
         try:  # a busy port closes the engines started before it (aclose: a no-op for the others); none announced
             for engine in engines:
                 await engine.serve()
             for engine in engines:
                 print(f"fake vLLM engine serving {engine.model!r} at {engine.url}", flush=True)
-            await asyncio.Event().wait()
+            await stop.wait()
         finally:
+            for sig, previous in handled.items():  # the caller's handlers back (main() may run in a test process)
+                loop.remove_signal_handler(sig)
+                if previous is not None:  # None: a handler not set from Python, which removal leaves at the default
+                    signal.signal(sig, previous)
             for engine in engines:
                 await engine.aclose()
 
