@@ -5,17 +5,21 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from prefixroute import Decision, Router
 from prefixroute.cli import main
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.sim.profiles import load_profile
 from prefixroute.sim.study import run_study
+from prefixroute.sim.study import runs as study_runs
 from prefixroute.sim.study.claims import CLAIMS, PUBLISHED, Check, Claim, Rule, judge, verdict_of
 from prefixroute.sim.study.render import render
-from prefixroute.sim.study.runs import StudyRuns, run_all
+from prefixroute.sim.study.runs import StudyRuns, measure_route_ms, run_all
 
 VERDICTS = ("reproduced", "direction only", "not reproduced")
 
@@ -236,3 +240,37 @@ def test_run_study_makes_a_nested_folder_and_runs_at_one_request(tmp_path: Path)
     assert "1 requests per run, 41 runs" in text
     # Was: "|\n\n", a blank line at the end of a generated page (git diff and editors flag it).
     assert text.endswith("|\n") and not text.endswith("\n\n")
+
+
+def _batch_clock(durations: list[float]) -> Callable[[], float]:
+    """A clock read twice a batch (before, after) on which batch k takes ``durations[k]`` seconds."""
+    readings, now = [], 0.0
+    for duration in durations:
+        readings += [now, now + duration]
+        now += duration
+    return iter(readings).__next__
+
+
+def test_route_time_is_the_median_batch_of_new_8k_prompts_over_8_backends_warm_up_left_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # What §4 reports as "route() of an 8K-token prompt over 8 backends, measured in this run (median)".
+    routed: list[tuple[bytes, tuple[str, ...]]] = []
+
+    class Recording(Router):
+        def route(self, prompt_tokens: Any, backends: Sequence[str], **options: Any) -> Decision:
+            routed.append((bytes(prompt_tokens), tuple(backends)))
+            return super().route(prompt_tokens, backends, **options)
+
+    monkeypatch.setattr(study_runs, "Router", Recording)
+    # 8 batches of 50: the warm-up takes 100 s, the others 1 to 7 s, whose median is 4 s, 80 ms a route.
+    assert measure_route_ms(clock=_batch_clock([100.0, 7.0, 1.0, 6.0, 2.0, 5.0, 3.0, 4.0])) == pytest.approx(80.0)
+    assert len(routed) == 8 * 50
+    assert {len(prompt) for prompt, _ in routed} == {4 * 8192}  # uint32 token ids
+    assert len({prompt for prompt, _ in routed}) == len(routed)  # each prompt new: no prefix cached
+    assert {backends for _, backends in routed} == {tuple(f"gpu{i}" for i in range(8))}
+    routed.clear()
+    assert measure_route_ms(tokens=32, backends=2, repeats=2, batch=4, clock=_batch_clock([9.0, 2.0, 4.0])) == (
+        pytest.approx(1000 * 3.0 / 4)
+    )
+    assert len(routed) == 3 * 4 and {len(prompt) for prompt, _ in routed} == {4 * 32}
