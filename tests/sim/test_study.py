@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -11,10 +12,11 @@ from typing import Any
 
 import pytest
 
-from prefixroute import Decision, Router
+from prefixroute import BoundedLoad, Decision, Router
 from prefixroute.cli import main
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.sim.profiles import load_profile
+from prefixroute.sim.runner import SimSpec, run_policy
 from prefixroute.sim.study import run_study
 from prefixroute.sim.study import runs as study_runs
 from prefixroute.sim.study.claims import CLAIMS, PUBLISHED, Check, Claim, Rule, judge, verdict_of
@@ -231,6 +233,19 @@ def test_each_sweep_runs_what_it_names(runs: StudyRuns) -> None:
         assert miss == pytest.approx(1000 * profile.prefill_seconds(length, 0))
         assert hit == pytest.approx(1000 * profile.prefill_seconds(100, length - 100))
     assert runs.decode_step_ms == pytest.approx(1000 * profile.step_seconds([], [5000] * 4))
+
+
+def test_the_sharing_and_fallback_sweeps_are_the_simulate_runs_they_name(runs: StudyRuns) -> None:
+    # §5 is `prefixroute simulate --sharing-ratio R` (scenario seed, seed 0) and §6 bounded-load at each factor on
+    # hot-prefix: a reader reruns a row with those settings and gets the same figures.
+    for ratio in (0.1, 0.7):
+        spec = SimSpec(requests=runs.requests, sharing_ratio=ratio, seed=0)
+        for policy, result in zip(("round-robin", "bounded-load"), runs.sharing[ratio], strict=True):
+            assert run_policy(spec, policy, label=result.policy) == result, (ratio, policy)
+    spec = SimSpec(scenario="hot-prefix", requests=runs.requests)
+    for factor in (1.25, 4.0):
+        result = runs.hot_bounded["closed loop"][factor]
+        assert run_policy(spec, functools.partial(BoundedLoad, factor=factor), label=result.policy) == result, factor
 
 
 def test_run_study_makes_a_nested_folder_and_runs_at_one_request(tmp_path: Path) -> None:
