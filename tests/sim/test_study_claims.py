@@ -9,7 +9,7 @@ import pytest
 
 from prefixroute.sim.metrics import PolicyResult
 from prefixroute.sim.study.claims import CLAIMS, Check, Claim, Judged, Rule, judge, verdict_of
-from prefixroute.sim.study.render import render
+from prefixroute.sim.study.render import _value, render
 from prefixroute.sim.study.runs import StudyRuns
 
 
@@ -332,3 +332,92 @@ def test_the_page_writes_figures_that_are_no_number_as_such(tmp_path: Path) -> N
     assert "(points; the claim: below 0) | +0.0 | – | not reproduced |" in page
     assert "| P99/P50 > 5 | 0 | – | – |" in page
     assert "| 2,048 | 50.0 % | 50.0 % | 100 | 100 | 0 | – | – |" in page
+
+
+def test_the_page_ends_with_the_hot_prefix_the_rule_and_the_dollars_as_worked_out(tmp_path: Path) -> None:
+    # §6 to §8 whole: each section's checks table lists its own figures only, every table has its header row (in
+    # the order of its columns), its separator and one blank line before it (Markdown renders no table glued to a
+    # paragraph), and the page ends in one newline.
+    runs = hand_made_runs()
+    runs.tp = dict.fromkeys(runs.models, 1)
+    runs.kv_tokens = dict.fromkeys(runs.models, 1000)
+    page = render(runs, judge(CLAIMS, runs), tmp_path)
+    hot_header = "| policy | KV hit | P95 ms | P99 ms | req/s | max share | P95 improvement | P99 improvement |\n"
+    assert page[page.index("## 6. ") :] == (
+        "## 6. Hot prefix, with and without the load fallback\n"
+        "\n"
+        "`hot-prefix` (80 % of traffic on one 4K-token system prompt), closed loop (30 users) and open loop "
+        "(Poisson, 3 req/s):\n"
+        "\n"
+        "**closed loop**\n"
+        "\n" + hot_header + "|---|---|---|---|---|---|---|---|\n"
+        "| prefix-affinity | 95.0 % | 1,000 | 2,000 | 10.00 | 78 % |  |  |\n"
+        "| bounded-load 1.25× | 0.0 % | 1 | 1 | 10.00 | 12 % | +100 % | +100 % |\n"
+        "| bounded-load 2× | 88.0 % | 600 | 1,000 | 10.00 | 12 % | +40 % | +50 % |\n"
+        "\n"
+        "**open loop 3 req/s**\n"
+        "\n" + hot_header + "|---|---|---|---|---|---|---|---|\n"
+        "| prefix-affinity | 90.0 % | 800 | 1,000 | 10.00 | 50 % |  |  |\n"
+        "| bounded-load 1.25× | 0.0 % | 1 | 1 | 10.00 | 12 % | +100 % | +100 % |\n"
+        "| bounded-load 2× | 70.0 % | 900 | 1,100 | 10.00 | 12 % | -12 % | -10 % |\n"
+        "\n"
+        "| figure | published | simulated | verdict |\n"
+        "|---|---|---|---|\n"
+        "| closed loop: prefix-affinity's busiest GPU share | 80.0 % | 78.0 % | reproduced |\n"
+        "| closed loop: hit rate the 2× fallback costs (points) | +5.0 | +7.0 | reproduced |\n"
+        "| closed loop: P95 TTFT improvement of the 2× fallback | 36.0 % | 40.0 % | reproduced |\n"
+        "| closed loop: P99 TTFT improvement of the 2× fallback | 45.0 % | 50.0 % | reproduced |\n"
+        "| open loop 3 req/s: prefix-affinity's busiest GPU share | 80.0 % | 50.0 % | not reproduced |\n"
+        "| open loop 3 req/s: hit rate the 2× fallback costs (points) | +5.0 | +20.0 | not reproduced |\n"
+        "| open loop 3 req/s: P95 TTFT improvement of the 2× fallback | 36.0 % | -12.5 % | not reproduced |\n"
+        "| open loop 3 req/s: P99 TTFT improvement of the 2× fallback | 45.0 % | -10.0 % | not reproduced |\n"
+        "\n"
+        "![sweeps](study-sweeps.png)\n"
+        "\n"
+        "## 7. The P99/P50 > 5 rule\n"
+        "\n"
+        "Over every run of this study (5):\n"
+        "\n"
+        "| runs | count | mean KV hit rate | mean max backend share |\n"
+        "|---|---|---|---|\n"
+        "| P99/P50 > 5 | 2 | 30.0 % | 12.5 % |\n"
+        "| P99/P50 ≤ 5 | 3 | 76.7 % | 12.5 % |\n"
+        "\n"
+        "| figure | published | simulated | verdict |\n"
+        "|---|---|---|---|\n"
+        "| mean KV hit rate of runs with P99/P50 > 5 minus that of the others (points; the claim: below 0) "
+        "| +0.0 | -46.7 | reproduced |\n"
+        "\n"
+        "## 8. Dollars per month\n"
+        "\n"
+        "`seed` at $2 per GPU-hour: what a million requests cost on the 8-GPU fleet at each policy's throughput, "
+        "and the GPU time spent prefilling prefixes another GPU held at the time, scaled to a 30-day month of the "
+        "same traffic.\n"
+        "\n"
+        "| policy | req/s | $ per million requests | recompute GPU-s in run | recompute $/month |\n"
+        "|---|---|---|---|---|\n"
+        "| round-robin | 30.00 | $148 | 1 | $2 |\n"
+        "| prefix-affinity | 40.00 | $111 | 1 | $2 |\n"
+        "| bounded-load | 36.00 | $123 | 1 | $2 |\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "unit", "shown"),
+    [
+        (0.25, "%", "0.25 %"),  # under 1 %: two significant digits, so a small share is not "0.2 %" or "0.0 %"
+        (0.0, "%", "0.0 %"),
+        (1.0, "%", "1.0 %"),
+        (-0.5, "%", "-0.5 %"),
+        (12.345, "%", "12.3 %"),
+        (0.147, "×", "0.15×"),
+        (6800.4, "ms", "6,800 ms"),
+        (36.3, "req/s", "36.30 req/s"),
+        (-46.66, "points", "-46.7"),
+        (3.0, "count", "3"),
+        (math.nan, "%", "–"),
+        (math.inf, "%", "∞"),
+    ],
+)
+def test_each_unit_is_written_as_the_page_states_it(value: float, unit: str, shown: str) -> None:
+    assert _value(value, unit) == shown

@@ -273,7 +273,6 @@ def _section_hot(runs: StudyRuns, judged: Sequence[Judged]) -> list[str]:
         "",
         "`hot-prefix` (80 % of traffic on one 4K-token system prompt), closed loop (30 users) and open loop "
         "(Poisson, 3 req/s):",
-        "",
     ]
     for mode, by_factor in runs.hot_bounded.items():
         pa = runs.hot_affinity[mode]
@@ -293,8 +292,8 @@ def _section_hot(runs: StudyRuns, judged: Sequence[Judged]) -> list[str]:
                 ]
             )
         headers = ["policy", "KV hit", "P95 ms", "P99 ms", "req/s", "max share", "P95 improvement"]
-        lines += [f"**{mode}**", "", _table([*headers, "P99 improvement"], rows), ""]
-    return lines + _checks(judged, 6)
+        lines += ["", f"**{mode}**", "", _table([*headers, "P99 improvement"], rows)]
+    return lines + _checks(judged, 6)  # which starts with the blank line after the last table
 
 
 def _section_rule(runs: StudyRuns, judged: Sequence[Judged]) -> list[str]:
