@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 import threading
@@ -432,7 +433,7 @@ class FlakyWriter:
         self.taken.extend(updates)
 
 
-def test_a_failing_writer_is_counted_and_the_thread_goes_on() -> None:
+def test_a_failing_writer_is_counted_logged_and_the_thread_goes_on(caplog: pytest.LogCaptureFixture) -> None:
     writer = FlakyWriter()
     with (
         FakeVLLM() as engine,
@@ -446,6 +447,12 @@ def test_a_failing_writer_is_counted_and_the_thread_goes_on() -> None:
         stats = sub.stats()
     assert stats.write_errors >= 1 and writer.taken  # some writes failed, later ones still arrived
     assert stats.write_errors == (writer.calls + 1) // 2
+    # Each failure is logged with the backend, what failed, and the writer's own error (its traceback).
+    failures = [r for r in caplog.records if r.levelno == logging.ERROR and "index updates failed" in r.getMessage()]
+    assert len(failures) == stats.write_errors
+    for record in failures:
+        assert re.search(r"\bgpu0: writing \d+ index updates failed$", record.getMessage())
+        assert record.exc_info is not None and str(record.exc_info[1]) == "the index is having a bad day"
 
 
 def test_configuration_errors_are_clear() -> None:
