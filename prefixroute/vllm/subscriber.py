@@ -99,7 +99,8 @@ class KVEventSubscriber:
 
     Nothing kills the thread: a malformed message, a bad sequence number, a failing write or a ``clock`` or
     ``lag_observer`` that raises is logged, counted in :meth:`stats` and skipped; a socket error reconnects with
-    exponential backoff (``reconnect_backoff``, seconds).
+    exponential backoff (``reconnect_backoff=(low, high)``, seconds: ``low`` doubled after each failure in a row, up
+    to ``high``, and ``low`` again once a session has received a batch).
 
     Raises:
         ConfigurationError: an endpoint is not a ZMQ address, ``writer.block_size`` differs from the hasher's, or an
@@ -171,6 +172,7 @@ class KVEventSubscriber:
         self._clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._received = 0  # batches received, live or replayed: a session that received one had a working socket
         self._last_seq = -1  # last sequence number received and decoded (the thread writes it, and reset())
         self._applied_seq = -1  # last sequence number whose updates are in the index
         self._pending: tuple[int, bytes] | None = None  # an out-of-line message, until the next one says
@@ -312,12 +314,14 @@ class KVEventSubscriber:
         try:
             delay = self._backoff[0]
             while not self._stop.is_set():
+                received = self._received
                 try:
-                    self._session(context)
-                    delay = self._backoff[0]
+                    self._session(context)  # returns only once stopped
                 except Exception as exc:  # noqa: BLE001 - the thread must outlive any one bad moment
                     if self._stop.is_set():
                         return
+                    if self._received != received:  # that session worked: its failure starts a new series
+                        delay = self._backoff[0]
                     self._counts["reconnects"] += 1
                     if isinstance(exc, zmq.ZMQError):
                         _log.warning("KV events from %s: %s; reconnecting in %.1fs", self.endpoint, exc, delay)
@@ -470,6 +474,7 @@ class KVEventSubscriber:
 
     def _apply_payload(self, seq: int, payload: bytes, ops: IndexOps, timestamps: list[float]) -> None:
         self._last_seq = seq
+        self._received += 1
         try:
             batch = self._decoder.decode(payload)
         except InvalidEventError as exc:

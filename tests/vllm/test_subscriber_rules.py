@@ -6,6 +6,7 @@ docs/vllm.md, "Lost messages, restarts, late start", and the KVEventSubscriber d
 from __future__ import annotations
 
 import errno
+import logging
 import threading
 import time
 from collections.abc import Iterable
@@ -178,6 +179,61 @@ def test_socket_errors_reconnect_with_exponential_backoff_from_low_capped_at_hig
         finally:
             sub.stop()
         assert not sub.running
+
+
+class BreakingSocket(zmq.Socket):  # type: ignore[type-arg]
+    """A socket whose next receive raises ``BreakingSocket.fault`` once it is set (a socket gone bad mid-stream)."""
+
+    fault: Exception | None = None
+
+    def recv_multipart(self, flags: int = 0, copy: bool = True, track: bool = False) -> Any:
+        fault, BreakingSocket.fault = BreakingSocket.fault, None
+        if fault is not None:
+            raise fault
+        return super().recv_multipart(flags, copy=copy, track=track)
+
+
+class BreakingContext(FailingContext):
+    """A :class:`FailingContext` whose sockets are :class:`BreakingSocket` s."""
+
+    _socket_class = BreakingSocket
+
+
+def test_a_session_that_worked_before_it_failed_reconnects_after_the_low_backoff_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The backoff grows over failures in a row, and starts again from ``low`` once a session has applied events.
+    Was: it never started again (only a session that returned reset it, and one returns only when stopped), so a
+    subscriber that had failed a few times at start waited ``high`` after any later error, however long it had run."""
+    with publisher() as pub:
+        sub = KVEventSubscriber(
+            events_router(), "gpu0", pub.endpoint, replay_endpoint=pub.replay_endpoint, topic=pub.topic.decode(),
+            reconnect_backoff=(1.0, 8.0),
+        )  # fmt: skip
+        stop = sub._stop = RecordingStop()
+        FailingContext.failures = 2  # two sockets in a row cannot be made: waits of 1 s, then 2 s
+        with monkeypatch.context() as patch:
+            patch.setattr(zmq, "Context", BreakingContext)
+            sub.start()
+        try:
+            join(pub, sub)  # the third session works
+            assert stop.waits == [1.0, 2.0]
+            BreakingSocket.fault = RuntimeError("a bug in the receive path")  # then breaks
+            join(pub, sub)  # a fourth session follows the stream
+            assert stop.waits == [1.0, 2.0, 1.0]
+            assert sub.stats().reconnects == 3
+        finally:
+            BreakingSocket.fault = None
+            sub.stop()
+        assert not sub.running
+    logged = [r for r in caplog.records if "reconnecting in" in r.getMessage()]
+    assert [r.levelno for r in logged] == [logging.WARNING, logging.WARNING, logging.ERROR]
+    for record, wait in zip(logged, stop.waits, strict=True):  # which engine, why, and how long until the next try
+        assert record.getMessage().startswith(f"KV events from {pub.endpoint}: "), record.getMessage()
+        assert record.getMessage().endswith(f"; reconnecting in {wait:.1f}s"), record.getMessage()
+    assert str(zmq.ZMQError(errno.EMFILE)) in logged[0].getMessage()
+    assert "unexpected error" in logged[2].getMessage() and logged[2].exc_info is not None
+    assert str(logged[2].exc_info[1]) == "a bug in the receive path"
 
 
 class CountingWriter(BlockingWriter):
