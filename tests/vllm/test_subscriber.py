@@ -82,13 +82,17 @@ def test_engine_restart_drops_the_old_blocks_and_follows_the_new_stream() -> Non
         assert before - engine.own_hashes(), "the restart should have dropped some old blocks"
 
 
-def test_a_new_engine_process_on_the_same_ports_is_reconnected_to_and_seen_as_a_restart() -> None:
+@pytest.mark.parametrize("backoff", [(0.05, 0.2), (0.05, 1e9)], ids=["short", "a-high-end-of-years"])
+def test_a_new_engine_process_on_the_same_ports_is_reconnected_to_and_seen_as_a_restart(
+    backoff: tuple[float, float],
+) -> None:
+    """The first reconnect comes after the backoff's low end, however high its high end is."""
     rng = random.Random(8)
     router = events_router()
     index = router.index
     first = FakeVLLM(num_blocks=64, seed=1).start()
     endpoint, replay = first.endpoint, first.replay_endpoint
-    with KVEventSubscriber(router, "gpu0", endpoint, replay_endpoint=replay, reconnect_backoff=(0.05, 0.2)) as sub:
+    with KVEventSubscriber(router, "gpu0", endpoint, replay_endpoint=replay, reconnect_backoff=backoff) as sub:
         try:
             workload(first, rng, 40)
             settle(first, sub)
@@ -803,7 +807,9 @@ class BlockingWriter:
         self.release.wait(10)
 
 
-def test_running_stays_true_while_a_stop_that_timed_out_leaves_the_thread_alive() -> None:
+def test_running_stays_true_while_a_stop_that_timed_out_leaves_the_thread_alive(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     writer = BlockingWriter()
     with FakeVLLM() as engine:
         sub = KVEventSubscriber(writer, "gpu0", engine.endpoint, replay_endpoint=engine.replay_endpoint).start()
@@ -822,6 +828,10 @@ def test_running_stays_true_while_a_stop_that_timed_out_leaves_the_thread_alive(
             sub.stop(timeout=0.2)
             assert sub.running  # the truth: the thread is still in the writer
             assert [t for t in threading.enumerate() if t.name == "prefixroute-kv-events[gpu0]"]
+            warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+            assert [m for m in warned if "not ended" in m] == [
+                "KV events from gpu0: the thread has not ended within 0.2s of stop()"
+            ]
         finally:
             writer.release.set()
         wait_until(lambda: not sub.running, what="the thread to end once the writer returns")

@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 import zmq
 
+from prefixroute.errors import StateError
 from prefixroute.index import IndexUpdate
 from prefixroute.vllm import KVEventSubscriber
 
-from ..conftest import DEADLINE_S, wait_until
+from ..conftest import DEADLINE_S, returns, wait_until
 from .test_subscriber import BlockingWriter, ResettingWriter
 from .test_vllm_blackbox import (
     applied,
@@ -298,6 +299,40 @@ def test_start_after_a_stop_that_timed_out_waits_for_the_old_thread_then_starts_
         assert not sub.running
 
 
+class StuckWriter(BlockingWriter):
+    """A writer whose writes wait for ``release`` far longer than any test waits for them."""
+
+    def write(self, backend: str, updates: Iterable[IndexUpdate]) -> None:
+        self.entered.set()
+        self.release.wait(60)
+
+
+def test_start_after_a_stop_that_timed_out_raises_a_state_error_while_the_old_thread_stays_stuck() -> None:
+    """start() waits for the old thread a bounded time (5 s), then says so rather than start a second thread
+    beside it or wait for good."""
+    writer = StuckWriter()
+    with publisher() as pub:
+        sub = KVEventSubscriber(writer, "gpu0", pub.endpoint, topic=pub.topic.decode())
+        try:
+            sub.start()
+            join(pub, sub)  # empty batches: nothing to write
+            pub.publish(stored_batch(0, 1, first_hash=1))
+            wait_until(writer.entered.is_set, what="a write that blocks")
+            sub.stop(timeout=0)
+
+            def restart() -> None:
+                with pytest.raises(StateError, match=r"^the KV-event thread of gpu0 has not ended since stop\(\)"):
+                    sub.start()
+
+            returns(restart, what="start() beside a stuck thread")  # a hang guard: start() waits 5 s, then raises
+            assert sub.running
+            assert [t.name for t in threading.enumerate()].count("prefixroute-kv-events[gpu0]") == 1
+        finally:
+            writer.release.set()
+            sub.stop()
+        assert not sub.running
+
+
 @pytest.mark.parametrize("fault", ["lag_observer", "clock"])
 def test_a_callback_that_raises_once_is_one_observer_error_and_the_lag_is_measured_again_after(fault: str) -> None:
     """``observer_errors`` counts the rounds whose ``clock`` or ``lag_observer`` raised: exactly one here."""
@@ -451,6 +486,48 @@ def test_batches_heard_live_after_the_catch_up_replay_applied_them_are_duplicate
         wait_until(lambda: sub.last_seq == 1, what="the restarted stream's second batch")
         assert sub.stats().restarts == 1
         assert router.index.hashes("gpu0") == own(tokens(500, 1))
+        sound(router, sub)
+    finally:
+        sub.stop()
+        context.destroy(linger=0)
+
+
+def test_a_quiet_engine_is_asked_for_one_catch_up_replay_per_connection_not_one_per_quiet_moment() -> None:
+    """The catch-up replay of a new connection is one request: neither the quiet after it nor the quiet after live
+    batches asks the engine's replay socket again."""
+    context: zmq.Context[Any] = zmq.Context()
+    engine = context.socket(zmq.XPUB)  # an XPUB hears the subscription, so the test knows live batches will arrive
+    engine.bind("tcp://127.0.0.1:*")
+    replay = context.socket(zmq.ROUTER)
+    replay.bind("tcp://127.0.0.1:*")
+    router = events_router()
+    sub = KVEventSubscriber(
+        router,
+        "gpu0",
+        engine.getsockopt_string(zmq.LAST_ENDPOINT),
+        replay_endpoint=replay.getsockopt_string(zmq.LAST_ENDPOINT),
+    )
+    try:
+        sub.start()
+        assert engine.poll(DEADLINE_S * 1000) and engine.recv() == b"\x01"  # subscribed to every topic
+        assert replay.poll(DEADLINE_S * 1000), "a quiet subscription should ask for a catch-up replay"
+        client, _, start = replay.recv_multipart()
+        assert int.from_bytes(start, "big") == 0
+        replay.send_multipart([client, b"", b"kv", seq_bytes(0), stored_batch(100, 1, first_hash=1)])
+        replay.send_multipart([client, b"", b"", seq_bytes(-1), b""])
+        wait_until(applied(sub, 0), what="the catch-up replay applied")
+        for seq in (1, 2):  # quiet after the catch-up, then quiet after a live batch
+            time.sleep(0.5)  # ten quiet polls' time: the one way to show that none of them asks again
+            assert not replay.poll(0), f"the engine was asked for another replay before batch {seq}"
+            engine.send_multipart(
+                [b"kv", seq_bytes(seq), stored_batch(100 + 16 * seq, 1, parent=seq, first_hash=seq + 1)]
+            )
+            wait_until(applied(sub, seq))
+        time.sleep(0.5)
+        assert not replay.poll(0), "the engine was asked for another replay after the live batches"
+        stats = sub.stats()
+        assert (stats.replayed_batches, stats.failed_replays, stats.reconnects) == (1, 0, 0)
+        assert router.index.hashes("gpu0") == own(tokens(100, 3))
         sound(router, sub)
     finally:
         sub.stop()
