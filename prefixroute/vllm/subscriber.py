@@ -103,8 +103,8 @@ class KVEventSubscriber:
     to ``high``, and ``low`` again once a session has received a batch).
 
     Raises:
-        ConfigurationError: an endpoint is not a ZMQ address, ``writer.block_size`` differs from the hasher's, or an
-            option is not a finite positive number (an int where a count).
+        ConfigurationError: an endpoint is not a ZMQ address, ``writer.block_size`` differs from the hasher's, an
+            option is not a finite positive number (an int where a count), or ``topic`` holds a lone surrogate.
         TypeError: ``writer`` has no ``write`` method or no int ``block_size``, ``backend`` or ``topic`` is not a
             str, ``namespace`` not a str, bytes or None, ``lag_observer`` not a callable or None, ``clock`` not a
             callable.
@@ -137,6 +137,12 @@ class KVEventSubscriber:
             check_endpoint(replay_endpoint, "replay_endpoint", "tcp://gpu0:5558")
         if not isinstance(topic, str):
             raise InvalidTypeError(f"topic must be a str, not {type(topic).__name__}")
+        try:
+            topic.encode()  # as the thread subscribes: an error there would fail every session for good
+        except UnicodeEncodeError:
+            raise ConfigurationError(
+                f"topic must be text that UTF-8 can encode, as vLLM's is, not {shown(topic)} (a lone surrogate)"
+            ) from None
         replay_timeout = check_seconds(replay_timeout, "replay_timeout")
         max_batches_per_apply = check_count(max_batches_per_apply, "max_batches_per_apply")
         max_sequence_jump = check_count(max_sequence_jump, "max_sequence_jump")

@@ -481,6 +481,7 @@ def test_configuration_errors_are_clear() -> None:
         ("reconnect_backoff", (2.0, 1.0)),
         ("reconnect_backoff", (0.1, float("inf"))),
         ("reconnect_backoff", 5),
+        ("topic", "kv@gpu0\ud800"),  # a lone surrogate: was accepted, then the thread failed on it for good
     ],
 )
 def test_nonsense_options_are_rejected_when_given(option: str, value: object) -> None:
