@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -532,3 +534,16 @@ def test_a_quiet_engine_is_asked_for_one_catch_up_replay_per_connection_not_one_
     finally:
         sub.stop()
         context.destroy(linger=0)
+
+
+def test_a_process_that_never_stops_its_subscriber_still_exits() -> None:
+    """The subscriber's thread does not hold the interpreter up: a script that forgets stop() still ends."""
+    code = (
+        "from prefixroute import Router\n"
+        "from prefixroute.vllm import EventIndex, KVEventSubscriber\n"
+        "sub = KVEventSubscriber(Router(index=EventIndex(16)), 'gpu0', 'tcp://127.0.0.1:1').start()\n"
+        "assert sub.running\n"
+    )
+    # A hang guard, not a measure: the script ends in a second or two; a thread that held it up would never end.
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert (done.returncode, done.stderr) == (0, "")
