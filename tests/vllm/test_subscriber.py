@@ -885,14 +885,19 @@ def test_an_endpoint_no_socket_can_connect_to_is_refused_when_given(endpoint: st
         KVEventSubscriber(events_router(), "gpu0", "tcp://127.0.0.1:1", replay_endpoint=endpoint)
 
 
-@pytest.mark.parametrize("timeout", ["1", None, -1, float("nan"), float("inf"), 10**400, 1e300])
-def test_stop_refuses_a_nonsense_timeout_before_stopping_anything(timeout: object) -> None:
+@pytest.mark.parametrize(
+    ("timeout", "shown"),
+    [("1", "'1'"), (None, "None"), (-1, "-1"), (float("nan"), "nan"), (float("inf"), "inf"),
+     (10**400, "an int of 1329 bits"), (1e300, "1e+300")],
+)  # fmt: skip
+def test_stop_refuses_a_nonsense_timeout_before_stopping_anything(timeout: object, shown: str) -> None:
     # Was a TypeError, ValueError or OverflowError from Thread.join() after the stop was signalled (a str left the
     # thread running with the error, a NaN or huge value stopped it anyway), None waited for good and -1 not at all.
     sub = KVEventSubscriber(events_router(), "gpu0", "tcp://127.0.0.1:1").start()
     try:
-        with pytest.raises(ConfigurationError, match="timeout must be a finite number of seconds >= 0"):
+        with pytest.raises(ConfigurationError, match="timeout must be a finite number of seconds >= 0") as refused:
             sub.stop(timeout=timeout)  # type: ignore[arg-type]
+        assert str(refused.value).endswith(f", not {shown}")  # the value given, as the caller can find it
         assert sub.running
     finally:
         sub.stop(timeout=0)
