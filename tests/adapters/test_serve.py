@@ -911,23 +911,28 @@ def test_policy_options_reach_the_policy_as_numbers_and_flags(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("fleet", [[], ["--metrics-from-backends"]], ids=["alone", "with-a-fleet"])
-def test_the_block_size_policy_and_lease_given_reach_the_router(fleet: list[str], tmp_path: Path) -> None:
-    """``--block-size``, ``--policy`` with its options and ``--lease`` are the router's, whether the sidecar routes
-    alone or with a :class:`~prefixroute.vllm.Fleet` (``--metrics-from-backends``, which builds its router apart):
-    8 tokens are two blocks of 4 that the next prompt matches (none with vLLM's 16), and requests never finished
-    leave the count once their lease ends."""
+def test_the_options_given_reach_the_router_and_the_sidecar(fleet: list[str], tmp_path: Path) -> None:
+    """``--block-size``, ``--policy`` with its options, ``--lease``, ``--models`` and ``--accel-redirect`` are the
+    ones the sidecar routes with, whether alone or with a :class:`~prefixroute.vllm.Fleet`
+    (``--metrics-from-backends``, which builds its router apart): 8 tokens are two blocks of 4 that the next prompt
+    matches (none with vLLM's 16), another model than those given is refused, a pick redirects to the location
+    given, and requests never finished leave the count once their lease ends."""
     from prefixroute.testing.openai_engine import OpenAIEngine
 
     with OpenAIEngine(model="llama") as engine0, OpenAIEngine(model="llama") as engine1:
         port = free_port()
         options = ["--block-size", "4", "--policy", "bounded-load", "--policy-option", "factor=3", "--lease", "0.5",
-                   "--models", "llama", *fleet]  # fmt: skip
+                   "--models", "llama", "--accel-redirect", "@elsewhere", *fleet]  # fmt: skip
         with start_sidecar(tmp_path, [engine0.url, engine1.url], port=port, options=options) as process:
             assert "policy BoundedLoad(factor=3.0)" in process.output(), process.output()
             url = f"http://127.0.0.1:{port}"
             first = httpx.post(f"{url}/route", json={"prompt_token_ids": ids(8)}).json()
             again = httpx.post(f"{url}/route", json={"prompt_token_ids": ids(9)}).json()
             assert (again["backend"], again["reason"], again["matched_tokens"]) == (first["backend"], "prefix", 8)
+            other = httpx.post(f"{url}/route", json={"prompt_token_ids": ids(8), "model": "qwen"})
+            assert other.status_code == 404, other.text
+            pick = httpx.post(f"{url}/v1/completions", json={"model": "llama", "prompt": ids(8)})
+            assert pick.status_code == 200 and pick.headers["x-accel-redirect"] == "@elsewhere", pick.text
             wait_until(lambda: httpx.get(f"{url}/stats").json()["in_flight_total"] == 0, what="the leases to end")
 
 
