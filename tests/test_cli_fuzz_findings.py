@@ -234,14 +234,21 @@ def test_proxy_retries_outside_0_to_16_are_one_line(retries: str, capsys: pytest
     assert out == ""
 
 
-@pytest.mark.parametrize("names", [[""], ["llama", " "]])
-def test_a_blank_proxy_base_model_is_one_line(names: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    # Was: --base-model "$UNSET" accepted: the models were no longer learned and no request's model matched ''.
+@pytest.mark.parametrize(
+    ("names", "message"),
+    [([""], "base_models must name models"), (["llama", " "], "base_models must name models"),
+     (["llama", "llama"], "base_models names 'llama' twice")],
+)  # fmt: skip
+def test_a_blank_or_repeated_proxy_base_model_is_one_line(
+    names: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Was: --base-model "$UNSET" accepted: the models were no longer learned and no request's model matched ''. A
+    # name given twice (a typo for another, or "$MODEL $MODEL") was taken silently, as serve --models refuses it.
     with socket.socket() as taken:  # a port the proxy cannot bind: were the names taken, it would fail there
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = str(taken.getsockname()[1])
         assert main(["proxy", "--backends", "http://127.0.0.1:9", "--port", port, "--base-model", *names]) == 2
     out, err = capsys.readouterr()
-    _one_line(err, "base_models must name models")
+    _one_line(err, message)
     assert out == ""

@@ -647,6 +647,7 @@ def test_serve_on_the_callers_loop_listens_on_loopback_on_a_port_the_os_picks(fi
         ({"cooldown": -1.0}, ConfigurationError, "cooldown must be a positive, finite number of seconds"),
         ({"connect_timeout": 0.0}, ConfigurationError, "connect_timeout must be a positive, finite number of seconds"),
         ({"base_models": ["llama", " "]}, ConfigurationError, "base_models must name models, not [' ', 'llama']"),
+        ({"base_models": ["llama", "qwen", "llama"]}, ConfigurationError, "base_models names 'llama' twice"),
         ({"fleet": object()}, InvalidTypeError, "fleet must be a prefixroute.vllm.Fleet or None, not object"),
         ({"clock": 1.0}, InvalidTypeError, "clock must be a callable returning seconds, not float"),
         ({"backends": ("http://a:1", 5)}, InvalidTypeError, "backends must hold backend URLs (str), not int"),

@@ -154,7 +154,7 @@ class Proxy:
             (:func:`~prefixroute.adapters.urls.check_backend_url`), or a duplicate; ``retries`` not an int in [0, 16],
             ``max_failures`` not an int >= 1, ``cooldown``, ``connect_timeout`` or ``models_timeout`` not a
             positive, finite number of seconds, ``max_body_bytes`` not a positive int, a blank name in
-            ``base_models``.
+            ``base_models`` or one given twice.
         TypeError: ``backends`` or ``base_models`` is not a collection of str (a str alone is not), ``encoder`` has
             no ``encode()`` and ``encode_chat()``, ``fleet`` is not a Fleet, ``clock`` not a callable.
 
@@ -207,6 +207,9 @@ class Proxy:
             base_models = _names(base_models, "base_models", "model names")
             if not all(name.strip() for name in base_models):  # an empty $VAR: it would match no request, learn nothing
                 raise ConfigurationError(f"base_models must name models, not {sorted(base_models)!r}: a name is blank")
+            if len(set(base_models)) < len(base_models):  # a typo for another model, or "$MODEL $MODEL"
+                twice = next(model for i, model in enumerate(base_models) if model in base_models[:i])
+                raise ConfigurationError(f"base_models names {twice!r} twice: name each model once")
         if not callable(clock):
             raise InvalidTypeError(f"clock must be a callable returning seconds, not {type(clock).__name__}")
         self.router = router
