@@ -422,3 +422,25 @@ def test_the_page_ends_with_the_hot_prefix_the_rule_and_the_dollars_as_worked_ou
 )
 def test_each_unit_is_written_as_the_page_states_it(value: float, unit: str, shown: str) -> None:
     assert _value(value, unit) == shown
+
+
+def test_every_table_and_heading_of_the_page_stands_in_its_own_block(tmp_path: Path) -> None:
+    # Markdown (Python-Markdown, which the docs use) renders a table or a heading glued to the line above as text.
+    runs = hand_made_runs()
+    runs.tp = dict.fromkeys(runs.models, 1)
+    runs.kv_tokens = dict.fromkeys(runs.models, 1000)
+    lines = render(runs, judge(CLAIMS, runs), tmp_path).split("\n")
+    tables = [i for i in range(1, len(lines)) if lines[i].startswith("|---")]
+    headings = [i for i, line in enumerate(lines) if line.startswith("#")]
+    assert len(tables) == 17 and len(headings) == 9
+    for i in tables:
+        assert lines[i - 2] == "" and lines[i - 1].startswith("| "), lines[i - 1]
+    for i in headings[1:]:
+        assert lines[i - 1] == "" and lines[i + 1] == "", lines[i]
+    assert lines[1] == ""
+    images = [i for i, line in enumerate(lines) if line.startswith("![")]
+    assert [lines[i] for i in images] == [
+        "![seed TTFT CDF and per-backend load](study-seed.png)",
+        "![sweeps](study-sweeps.png)",
+    ]
+    assert all(lines[i - 1] == "" and lines[i + 1] == "" for i in images)
