@@ -444,3 +444,16 @@ def test_every_table_and_heading_of_the_page_stands_in_its_own_block(tmp_path: P
         "![sweeps](study-sweeps.png)",
     ]
     assert all(lines[i - 1] == "" and lines[i + 1] == "" for i in images)
+
+
+def test_each_sections_checks_table_is_in_that_section(tmp_path: Path) -> None:
+    runs = hand_made_runs()
+    runs.tp = dict.fromkeys(runs.models, 1)
+    runs.kv_tokens = dict.fromkeys(runs.models, 1000)
+    judged = judge(CLAIMS, runs)
+    page = render(runs, judged, tmp_path)
+    sections = page.split("\n## ")[1:]  # "1. The 8-GPU table ...", ..., "8. Dollars per month ..."
+    assert [s.split(".", 1)[0] for s in sections] == [str(n) for n in range(1, 9)]
+    for j in judged:
+        row = f"| {j.check.figure} | "
+        assert [n for n, s in enumerate(sections, 1) if row in s] == [j.claim.section], j.check.figure
