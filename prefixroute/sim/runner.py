@@ -389,8 +389,8 @@ def run_policy(
     Router, workload and backends from ``spec.seed``: same spec, same result.
 
     Raises:
-        TypeError: ``spec`` is not a :class:`SimSpec`, ``policy`` neither a name nor a callable, ``workload`` or
-            ``on_progress`` not a callable (or None).
+        TypeError: ``spec`` is not a :class:`SimSpec`, ``policy`` neither a name nor a callable returning a
+            :class:`~prefixroute.LoadPolicy`, ``workload`` or ``on_progress`` not a callable (or None).
         ConfigurationError: ``check`` is not a bool.
     """
     if not isinstance(spec, SimSpec):
@@ -411,6 +411,8 @@ def run_policy(
     for gateway in range(spec.gateways):  # replicas share nothing: each its own index, policy and decision ids
         seed = spec.seed + gateway
         load_policy = build_policy(policy, seed=seed) if isinstance(policy, str) else policy()
+        if not isinstance(load_policy, LoadPolicy):  # Router() would take None for its default policy
+            raise InvalidTypeError(f"policy() must return a LoadPolicy instance, not {type(load_policy).__name__}")
         # Events: the engines' KV events are the only writer (exact). Predictions: the router records where it sent
         # each prompt, its index capped at each engine's KV capacity. Either way the router knows that capacity (as a
         # Fleet reads num_gpu_blocks from /metrics), which its policies read as Candidate.capacity_blocks.

@@ -454,3 +454,11 @@ def test_a_run_charges_recomputation_on_every_gpu_of_its_engines(monkeypatch: py
     run_policy(SimSpec(requests=4, users=2, model="llama-2-70b", gpu="a100-80gb"), "round-robin")
     run_policy(SimSpec(requests=4, users=2, model="codellama-13b", gpu="a100-40gb", tp=4), "round-robin")
     assert built == [load_profile("llama-2-70b", "a100-80gb").tp, 4] and built[0] > 1
+
+
+@pytest.mark.parametrize("made", [None, "round-robin", RoundRobin])
+def test_a_policy_factory_must_return_a_policy(made: object) -> None:
+    """A factory returning None ran Router()'s default policy under the factory's label, as if it were the policy."""
+    with pytest.raises(InvalidTypeError, match="policy\\(\\) must return a LoadPolicy instance, not"):
+        factory: Any = lambda: made  # noqa: E731 - typed as what a caller without a type checker passes
+        run_policy(SimSpec(requests=5, backends=2), factory)
