@@ -24,6 +24,7 @@ from prefixroute.vllm import KVEventSubscriber
 from ..conftest import DEADLINE_S, returns, wait_until
 from .test_subscriber import BlockingWriter, ResettingWriter
 from .test_vllm_blackbox import (
+    Publisher,
     applied,
     batch_array,
     events_router,
@@ -547,3 +548,57 @@ def test_a_process_that_never_stops_its_subscriber_still_exits() -> None:
     # A hang guard, not a measure: the script ends in a second or two; a thread that held it up would never end.
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert (done.returncode, done.stderr) == (0, "")
+
+
+def test_the_catch_up_after_a_reconnect_skips_a_jump_no_batch_continues_and_believes_one_that_is_continued(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A new session replays what came after the last batch seen; in that replay, as live, a number more than
+    ``max_sequence_jump`` ahead is believed only when the next batch continues from it (a long loss, counted as
+    unrecovered), and is otherwise skipped (one corrupt number costs one batch)."""
+    with publisher() as pub:
+        router = events_router()
+        sub = KVEventSubscriber(
+            router, "gpu0", pub.endpoint, replay_endpoint=pub.replay_endpoint, topic=pub.topic.decode(),
+            max_sequence_jump=2, reconnect_backoff=(0.02, 0.2),
+        )  # fmt: skip
+        with monkeypatch.context() as patch:
+            patch.setattr(zmq, "Context", BreakingContext)
+            sub.start()
+        try:
+            join(pub, sub)
+            base = sub.last_seq
+            before = sub.stats()
+            plan = {  # max_sequence_jump=2: up to two numbers skipped are a gap, three or more a jump
+                base + 1: stored_batch(100, 1, first_hash=1),
+                base + 5: stored_batch(200, 1, first_hash=2),  # three skipped, and base + 8 does not follow: skipped
+                base + 8: stored_batch(300, 1, first_hash=3),  # six skipped, but base + 9 follows: believed
+                base + 9: stored_batch(316, 1, parent=3, first_hash=4),
+                base + 11: stored_batch(400, 1, first_hash=5),  # one skipped: a gap
+                base + 14: stored_batch(500, 1, first_hash=6),  # two skipped, the last: believed without a follower
+            }
+
+            def replay(pub: Publisher, client: bytes, start: int) -> None:
+                for seq, payload in sorted(plan.items()):
+                    if seq >= start:
+                        pub.reply([client, b"", pub.topic, seq_bytes(seq), payload])
+                pub.reply([client, b"", b"", seq_bytes(-1), b""])
+
+            pub.replay_mode = replay
+            BreakingSocket.fault = RuntimeError("a socket gone bad")  # the next receive fails: a new session
+            pub.publish(plan[base + 1], seq=base + 1)  # not received live: the new session's catch-up brings it
+            wait_until(applied(sub, base + 14), what="the catch-up of the new session")
+            after = sub.stats()
+            assert pub.requests[-1] == base + 1 and after.reconnects == before.reconnects + 1
+            assert (after.bad_sequences - before.bad_sequences, after.unrecovered_gaps - before.unrecovered_gaps) == (
+                1, 3,
+            )  # fmt: skip
+            assert (after.replayed_batches - before.replayed_batches, after.restarts) == (5, before.restarts)
+            assert router.index.hashes("gpu0") == own(tokens(100, 1)) | own(tokens(300, 2)) | own(tokens(400, 1)) | own(
+                tokens(500, 1)
+            )
+            sound(router, sub)
+        finally:
+            BreakingSocket.fault = None
+            sub.stop()
+        assert not sub.running
