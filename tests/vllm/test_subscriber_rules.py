@@ -602,3 +602,47 @@ def test_the_catch_up_after_a_reconnect_skips_a_jump_no_batch_continues_and_beli
             BreakingSocket.fault = None
             sub.stop()
         assert not sub.running
+
+
+def test_a_message_whose_replay_socket_cannot_be_made_is_counted_logged_and_recovered_by_the_next(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A batch that reveals a gap asks for a replay on a new socket; when that socket cannot be made (a process out of
+    file descriptors), the batch is skipped (counted in invalid_batches, logged with why), the session goes on, and
+    the next batch's gap replays both."""
+    with publisher() as pub:
+        router = events_router()
+        sub = KVEventSubscriber(
+            router, "gpu0", pub.endpoint, replay_endpoint=pub.replay_endpoint, topic=pub.topic.decode(),
+            reconnect_backoff=(0.02, 0.2),
+        )  # fmt: skip
+        with monkeypatch.context() as patch:
+            patch.setattr(zmq, "Context", BreakingContext)
+            sub.start()
+        try:
+            join(pub, sub)
+            pub.raw([pub.topic])  # one message of the wrong shape first: the count goes on from there
+            wait_until(lambda: sub.stats().invalid_batches == 1, what="the message of the wrong shape counted")
+            before = sub.stats()
+            pub.publish(stored_batch(100, 1, first_hash=1), send=False)  # lost live
+            FailingContext.failures = 1  # the replay's socket, the next one made, cannot be
+            skipped = pub.publish(stored_batch(116, 1, parent=1, first_hash=2))
+            wait_until(lambda: sub.stats().invalid_batches > before.invalid_batches, what="the batch skipped")
+            assert FailingContext.failures == 0 and sub.last_seq < skipped
+            last = pub.publish(stored_batch(132, 1, parent=2, first_hash=3))
+            wait_until(applied(sub, last))
+            after = sub.stats()
+            assert after.invalid_batches - before.invalid_batches == 1
+            assert (after.reconnects, after.unrecovered_gaps) == (before.reconnects, before.unrecovered_gaps)
+            assert router.index.hashes("gpu0") == own(tokens(100, 3))
+            sound(router, sub)
+        finally:
+            FailingContext.failures = 0
+            sub.stop()
+        assert not sub.running
+    (record,) = [r for r in caplog.records if "could not be handled" in r.getMessage()]
+    assert record.levelno == logging.ERROR
+    assert record.getMessage() == "KV events from gpu0: skipping a message that could not be handled"
+    assert record.exc_info is not None
+    error = record.exc_info[1]
+    assert isinstance(error, zmq.ZMQError) and error.errno == errno.EMFILE
