@@ -551,7 +551,7 @@ def test_a_process_that_never_stops_its_subscriber_still_exits() -> None:
 
 
 def test_the_catch_up_after_a_reconnect_skips_a_jump_no_batch_continues_and_believes_one_that_is_continued(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A new session replays what came after the last batch seen; in that replay, as live, a number more than
     ``max_sequence_jump`` ahead is believed only when the next batch continues from it (a long loss, counted as
@@ -575,7 +575,8 @@ def test_the_catch_up_after_a_reconnect_skips_a_jump_no_batch_continues_and_beli
                 base + 8: stored_batch(300, 1, first_hash=3),  # six skipped, but base + 9 follows: believed
                 base + 9: stored_batch(316, 1, parent=3, first_hash=4),
                 base + 11: stored_batch(400, 1, first_hash=5),  # one skipped: a gap
-                base + 14: stored_batch(500, 1, first_hash=6),  # two skipped, the last: believed without a follower
+                base + 14: stored_batch(500, 1, first_hash=6),  # two skipped: believed without a follower
+                base + 30: stored_batch(600, 1, first_hash=7),  # fifteen skipped, the last: nothing continues it
             }
 
             def replay(pub: Publisher, client: bytes, start: int) -> None:
@@ -585,18 +586,29 @@ def test_the_catch_up_after_a_reconnect_skips_a_jump_no_batch_continues_and_beli
                 pub.reply([client, b"", b"", seq_bytes(-1), b""])
 
             pub.replay_mode = replay
+            caplog.set_level(logging.DEBUG, logger="prefixroute.vllm.subscriber")
             BreakingSocket.fault = RuntimeError("a socket gone bad")  # the next receive fails: a new session
             pub.publish(plan[base + 1], seq=base + 1)  # not received live: the new session's catch-up brings it
             wait_until(applied(sub, base + 14), what="the catch-up of the new session")
             after = sub.stats()
             assert pub.requests[-1] == base + 1 and after.reconnects == before.reconnects + 1
             assert (after.bad_sequences - before.bad_sequences, after.unrecovered_gaps - before.unrecovered_gaps) == (
-                1, 3,
+                2, 3,
             )  # fmt: skip
             assert (after.replayed_batches - before.replayed_batches, after.restarts) == (5, before.restarts)
             assert router.index.hashes("gpu0") == own(tokens(100, 1)) | own(tokens(300, 2)) | own(tokens(400, 1)) | own(
                 tokens(500, 1)
             )
+            said = [r.getMessage() for r in caplog.records if r.levelno >= logging.DEBUG]
+            assert [m for m in said if "skipping the batch numbered" in m] == [
+                f"KV events from gpu0: skipping the batch numbered {base + 5}: 4 ahead of {base + 1} in the replay",
+                f"KV events from gpu0: skipping the batch numbered {base + 30}: 16 ahead of {base + 14} in the replay",
+            ]
+            assert [m for m in said if "no longer in the replay buffer" in m] == [
+                f"KV events from gpu0: batches {first}..{last} are no longer in the replay buffer; the index may miss "
+                "updates"
+                for first, last in ((base + 2, base + 7), (base + 10, base + 10), (base + 12, base + 13))
+            ]
             sound(router, sub)
         finally:
             BreakingSocket.fault = None
