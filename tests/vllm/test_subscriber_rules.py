@@ -556,11 +556,12 @@ def test_the_catch_up_after_a_reconnect_skips_a_jump_no_batch_continues_and_beli
     """A new session replays what came after the last batch seen; in that replay, as live, a number more than
     ``max_sequence_jump`` ahead is believed only when the next batch continues from it (a long loss, counted as
     unrecovered), and is otherwise skipped (one corrupt number costs one batch)."""
+    lags: list[float] = []
     with publisher() as pub:
         router = events_router()
         sub = KVEventSubscriber(
             router, "gpu0", pub.endpoint, replay_endpoint=pub.replay_endpoint, topic=pub.topic.decode(),
-            max_sequence_jump=2, reconnect_backoff=(0.02, 0.2),
+            max_sequence_jump=2, reconnect_backoff=(0.02, 0.2), lag_observer=lags.append,
         )  # fmt: skip
         with monkeypatch.context() as patch:
             patch.setattr(zmq, "Context", BreakingContext)
@@ -569,6 +570,7 @@ def test_the_catch_up_after_a_reconnect_skips_a_jump_no_batch_continues_and_beli
             join(pub, sub)
             base = sub.last_seq
             before = sub.stats()
+            heard = len(lags)
             plan = {  # max_sequence_jump=2: up to two numbers skipped are a gap, three or more a jump
                 base + 1: stored_batch(100, 1, first_hash=1),
                 base + 5: stored_batch(200, 1, first_hash=2),  # three skipped, and base + 8 does not follow: skipped
@@ -590,6 +592,7 @@ def test_the_catch_up_after_a_reconnect_skips_a_jump_no_batch_continues_and_beli
             BreakingSocket.fault = RuntimeError("a socket gone bad")  # the next receive fails: a new session
             pub.publish(plan[base + 1], seq=base + 1)  # not received live: the new session's catch-up brings it
             wait_until(applied(sub, base + 14), what="the catch-up of the new session")
+            wait_until(lambda: len(lags) == heard + 5, what="the lag of each batch the catch-up applied observed")
             after = sub.stats()
             assert pub.requests[-1] == base + 1 and after.reconnects == before.reconnects + 1
             assert (after.bad_sequences - before.bad_sequences, after.unrecovered_gaps - before.unrecovered_gaps) == (
