@@ -5,18 +5,20 @@ docs/vllm.md, "Lost messages, restarts, late start", and the KVEventSubscriber d
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pytest
 import zmq
 
+from prefixroute import Router
 from prefixroute.errors import StateError
 from prefixroute.index import IndexUpdate
 from prefixroute.vllm import KVEventSubscriber
@@ -450,12 +452,13 @@ def test_a_jump_beyond_max_sequence_jump_that_the_next_batch_continues_is_a_long
         sound(router, sub)
 
 
-def test_batches_heard_live_after_the_catch_up_replay_applied_them_are_duplicates_not_a_restart() -> None:
-    """A subscriber that connects to a quiet engine replays its buffer; batches published while that replay runs
-    reach it again, live, after it: the same number with the same bytes is skipped, not taken for a restart (which
-    counted a restart that never happened and dropped the backend's blocks until the stream re-applied them)."""
+@contextlib.contextmanager
+def _quiet_engine() -> Iterator[tuple[zmq.Socket[Any], zmq.Socket[Any], bytes, Router, KVEventSubscriber]]:
+    """An engine that has published nothing (its PUB an XPUB, which hears the subscription, so a test knows that
+    live batches will arrive) and a subscriber started on it, once the subscriber has asked for its catch-up replay
+    from 0: ``(engine, replay socket, the replay client's id, router, subscriber)``."""
     context: zmq.Context[Any] = zmq.Context()
-    engine = context.socket(zmq.XPUB)  # an XPUB hears the subscription, so the test knows live batches will arrive
+    engine = context.socket(zmq.XPUB)
     engine.bind("tcp://127.0.0.1:*")
     replay = context.socket(zmq.ROUTER)
     replay.bind("tcp://127.0.0.1:*")
@@ -466,13 +469,24 @@ def test_batches_heard_live_after_the_catch_up_replay_applied_them_are_duplicate
         engine.getsockopt_string(zmq.LAST_ENDPOINT),
         replay_endpoint=replay.getsockopt_string(zmq.LAST_ENDPOINT),
     )
-    batches = [stored_batch(100 + 16 * i, 1, parent=i or None, first_hash=i + 1) for i in range(3)]
     try:
         sub.start()
         assert engine.poll(DEADLINE_S * 1000) and engine.recv() == b"\x01"  # subscribed to every topic
         assert replay.poll(DEADLINE_S * 1000), "a quiet subscription should ask for a catch-up replay"
         client, _, start = replay.recv_multipart()
         assert int.from_bytes(start, "big") == 0
+        yield engine, replay, client, router, sub
+    finally:
+        sub.stop()
+        context.destroy(linger=0)
+
+
+def test_batches_heard_live_after_the_catch_up_replay_applied_them_are_duplicates_not_a_restart() -> None:
+    """A subscriber that connects to a quiet engine replays its buffer; batches published while that replay runs
+    reach it again, live, after it: the same number with the same bytes is skipped, not taken for a restart (which
+    counted a restart that never happened and dropped the backend's blocks until the stream re-applied them)."""
+    batches = [stored_batch(100 + 16 * i, 1, parent=i or None, first_hash=i + 1) for i in range(3)]
+    with _quiet_engine() as (engine, replay, client, router, sub):
         for seq, payload in enumerate(batches):  # published while the replay runs: queued on the SUB socket
             engine.send_multipart([b"kv", seq_bytes(seq), payload])
         for seq, payload in enumerate(batches):
@@ -490,32 +504,12 @@ def test_batches_heard_live_after_the_catch_up_replay_applied_them_are_duplicate
         assert sub.stats().restarts == 1
         assert router.index.hashes("gpu0") == own(tokens(500, 1))
         sound(router, sub)
-    finally:
-        sub.stop()
-        context.destroy(linger=0)
 
 
 def test_a_quiet_engine_is_asked_for_one_catch_up_replay_per_connection_not_one_per_quiet_moment() -> None:
     """The catch-up replay of a new connection is one request: neither the quiet after it nor the quiet after live
     batches asks the engine's replay socket again."""
-    context: zmq.Context[Any] = zmq.Context()
-    engine = context.socket(zmq.XPUB)  # an XPUB hears the subscription, so the test knows live batches will arrive
-    engine.bind("tcp://127.0.0.1:*")
-    replay = context.socket(zmq.ROUTER)
-    replay.bind("tcp://127.0.0.1:*")
-    router = events_router()
-    sub = KVEventSubscriber(
-        router,
-        "gpu0",
-        engine.getsockopt_string(zmq.LAST_ENDPOINT),
-        replay_endpoint=replay.getsockopt_string(zmq.LAST_ENDPOINT),
-    )
-    try:
-        sub.start()
-        assert engine.poll(DEADLINE_S * 1000) and engine.recv() == b"\x01"  # subscribed to every topic
-        assert replay.poll(DEADLINE_S * 1000), "a quiet subscription should ask for a catch-up replay"
-        client, _, start = replay.recv_multipart()
-        assert int.from_bytes(start, "big") == 0
+    with _quiet_engine() as (engine, replay, client, router, sub):
         replay.send_multipart([client, b"", b"kv", seq_bytes(0), stored_batch(100, 1, first_hash=1)])
         replay.send_multipart([client, b"", b"", seq_bytes(-1), b""])
         wait_until(applied(sub, 0), what="the catch-up replay applied")
@@ -532,9 +526,6 @@ def test_a_quiet_engine_is_asked_for_one_catch_up_replay_per_connection_not_one_
         assert (stats.replayed_batches, stats.failed_replays, stats.reconnects) == (1, 0, 0)
         assert router.index.hashes("gpu0") == own(tokens(100, 3))
         sound(router, sub)
-    finally:
-        sub.stop()
-        context.destroy(linger=0)
 
 
 def test_a_process_that_never_stops_its_subscriber_still_exits() -> None:
