@@ -178,7 +178,6 @@ class KVEventSubscriber:
         self._clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._received = 0  # batches received, live or replayed: a session that received one had a working socket
         self._last_seq = -1  # last sequence number received and decoded (the thread writes it, and reset())
         self._applied_seq = -1  # last sequence number whose updates are in the index
         self._pending: tuple[int, bytes] | None = None  # an out-of-line message, until the next one says
@@ -320,13 +319,13 @@ class KVEventSubscriber:
         try:
             delay = self._backoff[0]
             while not self._stop.is_set():
-                received = self._received
+                received = self._messages()
                 try:
                     self._session(context)  # returns only once stopped
                 except Exception as exc:  # noqa: BLE001 - the thread must outlive any one bad moment
                     if self._stop.is_set():
                         return
-                    if self._received != received:  # that session worked: its failure starts a new series
+                    if self._messages() != received:  # that session worked: its failure starts a new series
                         delay = self._backoff[0]
                     self._counts["reconnects"] += 1
                     if isinstance(exc, zmq.ZMQError):
@@ -478,9 +477,13 @@ class KVEventSubscriber:
             self._recover(last + 1, seq - 1, ops, timestamps, context)
         self._apply_payload(seq, payload, ops, timestamps)
 
+    def _messages(self) -> int:
+        """Messages received so far, live or replayed, valid or not: a session that received one had a working
+        socket."""
+        return self._counts["batches"] + self._counts["invalid"]
+
     def _apply_payload(self, seq: int, payload: bytes, ops: IndexOps, timestamps: list[float]) -> None:
         self._last_seq = seq
-        self._received += 1
         try:
             batch = self._decoder.decode(payload)
         except InvalidEventError as exc:
