@@ -32,7 +32,7 @@ import os
 import statistics
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -129,12 +129,29 @@ def _count(row: dict[str, str], column: str, where: str) -> int:
     return int(_positive(row, column, int, where))
 
 
+def _rows(path: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    """The rows of the CSV file ``path`` (UTF-8), each with its ``file:line``; a ConfigurationError naming the file
+    for text that is not UTF-8 or CSV, and naming the line for a row with fewer or more fields than the header."""
+    try:
+        with path.open(newline="", encoding="utf-8") as handle:
+            reader = csv.DictReader(handle)
+            for row in reader:
+                where = f"{path}:{reader.line_num}"
+                if None in row or None in row.values():
+                    fields = len(reader.fieldnames or ())
+                    raise ConfigurationError(f"{where}: a row must have the header's {fields} fields")
+                yield where, row
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise ConfigurationError(f"{path}: {exc}") from exc
+
+
 def read_vidur(data: Path) -> list[Measurement]:
     """Median per-layer linear time (all ops but the embedding) by GPU family, model, tp and tokens.
 
     Raises:
-        ConfigurationError: a profiling file is there but is no regular file (a folder, a FIFO, a device), or a
-            time or count in it is no positive number.
+        ConfigurationError: a profiling file is there but is no regular file (a folder, a FIFO, a device), is not
+            UTF-8 CSV, has a row with another number of fields than its header, or a time or count in it is no
+            positive number.
     """
     out: list[Measurement] = []
     for family in ("a100", "h100"):
@@ -145,15 +162,10 @@ def read_vidur(data: Path) -> list[Measurement]:
             if not path.is_file():  # a FIFO would hang the fit, a device never end it
                 raise ConfigurationError(f"{path} is not a regular file: --data must hold the profiling CSVs")
             samples: dict[tuple[int, int], list[float]] = defaultdict(list)
-            with path.open(newline="") as handle:
-                reader = csv.DictReader(handle)
-                for row in reader:
-                    where = f"{path}:{reader.line_num}"
-                    ms = sum(_positive(row, f"time_stats.{op}.median", float, where) for op in _VIDUR_OPS)
-                    tp, tokens = (
-                        _count(row, column, where) for column in ("num_tensor_parallel_workers", "num_tokens")
-                    )
-                    samples[(tp, tokens)].append(ms)
+            for where, row in _rows(path):
+                ms = sum(_positive(row, f"time_stats.{op}.median", float, where) for op in _VIDUR_OPS)
+                tp, tokens = (_count(row, column, where) for column in ("num_tensor_parallel_workers", "num_tokens"))
+                samples[(tp, tokens)].append(ms)
             for (tp, tokens), values in sorted(samples.items()):
                 seconds = statistics.median(values) / 1e3
                 out.append(Measurement("vidur", "linear", model, family, tp, tokens, 1, seconds))
@@ -164,25 +176,23 @@ def read_splitwise(data: Path) -> list[Measurement]:
     """Median Llama-2-70B prefill and decode-step times per configuration (A100-80GB, H100-80GB).
 
     Raises:
-        ConfigurationError: a time or count of a row it fits is no positive number.
+        ConfigurationError: the file is not UTF-8 CSV, has a row with another number of fields than its header, or
+            a time or count of a row it fits is no positive number.
     """
     prefill: dict[tuple[str, int, int, int], list[float]] = defaultdict(list)
     decode: dict[tuple[str, int, int, int], list[float]] = defaultdict(list)
     path = data / "splitwise-sim" / "perf_model.csv"
-    with path.open(newline="") as handle:
-        reader = csv.DictReader(handle)
-        for row in reader:
-            if row["model"] != "llama2-70b" or row["hardware"] not in ("a100-80gb", "h100-80gb"):
-                continue
-            where = f"{path}:{reader.line_num}"
-            family = _FAMILY_OF[row["hardware"]]
-            tp, prompt, batch, generated = (
-                _count(row, column, where) for column in ("tensor_parallel", "prompt_size", "batch_size", "token_size")
-            )
-            prefill[(family, tp, prompt, batch)].append(_positive(row, "prompt_time", float, where) / 1e3)
-            # Mean context over the generation of token_size tokens after the prompt.
-            context = prompt + generated // 2
-            decode[(family, tp, context, batch)].append(_positive(row, "token_time", float, where) / 1e3)
+    for where, row in _rows(path):
+        if row["model"] != "llama2-70b" or row["hardware"] not in ("a100-80gb", "h100-80gb"):
+            continue
+        family = _FAMILY_OF[row["hardware"]]
+        tp, prompt, batch, generated = (
+            _count(row, column, where) for column in ("tensor_parallel", "prompt_size", "batch_size", "token_size")
+        )
+        prefill[(family, tp, prompt, batch)].append(_positive(row, "prompt_time", float, where) / 1e3)
+        # Mean context over the generation of token_size tokens after the prompt.
+        context = prompt + generated // 2
+        decode[(family, tp, context, batch)].append(_positive(row, "token_time", float, where) / 1e3)
     out = [
         Measurement("splitwise", "prefill", "llama-2-70b", f, tp, p, b, statistics.median(v))
         for (f, tp, p, b), v in sorted(prefill.items())
@@ -357,7 +367,7 @@ def fit_profiles(
         raise
     except KeyError as exc:
         raise ConfigurationError(f"cannot fit {folder}: missing {exc} (a column or a combination)") from exc
-    except (ValueError, ArithmeticError, csv.Error) as exc:  # UnicodeDecodeError is a ValueError
+    except (ValueError, ArithmeticError) as exc:
         raise ConfigurationError(f"cannot fit {folder}: {exc}") from exc
     reference = GPUS["a100-80gb"]
     entries: list[dict[str, object]] = []

@@ -168,7 +168,7 @@ def test_malformed_data_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixtur
     _one_line_error(capsys.readouterr().err, f"cannot fit {data}: missing 'tensor_parallel'")
     (data / "splitwise-sim" / "perf_model.csv").write_bytes(b"\xff\xfe\x00garbage")
     assert costfit.main(["--data", str(data), "--check"]) == 2
-    _one_line_error(capsys.readouterr().err, f"cannot fit {data}: ")
+    _one_line_error(capsys.readouterr().err, f"{data / 'splitwise-sim' / 'perf_model.csv'}: 'utf-8' codec")
     header, first, *rest = (DATA / "splitwise-sim" / "perf_model.csv").read_text().splitlines()
     assert header.endswith(",prompt_time,token_time,e2e_time,tensor_parallel")
     cells = first.split(",")
@@ -344,8 +344,8 @@ def test_data_that_cannot_be_parsed_is_one_plain_line(tmp_path: Path, capsys: py
     (data / "splitwise-sim" / "perf_model.csv").write_bytes(b"model\xff\n")
     assert costfit.main(["--data", str(data), "--check"]) == 2
     assert capsys.readouterr().err == (
-        f"python -m prefixroute.sim.costfit: error: cannot fit {data}: 'utf-8' codec can't decode byte 0xff in "
-        "position 5: invalid start byte\n"
+        f"python -m prefixroute.sim.costfit: error: {data / 'splitwise-sim' / 'perf_model.csv'}: 'utf-8' codec can't "
+        "decode byte 0xff in position 5: invalid start byte\n"
     )
 
 

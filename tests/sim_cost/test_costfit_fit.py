@@ -335,6 +335,38 @@ def test_fit_profiles_on_data_it_cannot_fit_raises_from_the_exception_tree(tmp_p
     with pytest.raises(ConfigurationError) as refused:
         fit_profiles(data)
     assert str(refused.value) == f"cannot fit {data}: missing 'tensor_parallel' (a column or a combination)"
-    perf.write_bytes(b"model\xff\n")
-    with pytest.raises(ConfigurationError, match=f"^cannot fit {re.escape(str(data))}: 'utf-8' codec can't decode"):
+    perf.write_bytes(b"model\xff\n")  # the message names the file, not only the folder
+    with pytest.raises(ConfigurationError, match=f"^{re.escape(str(perf))}: 'utf-8' codec can't decode"):
+        fit_profiles(data)
+
+
+@pytest.mark.parametrize(
+    ("row", "line"),
+    [
+        ("llama2-70b,a100-80gb,512,1,128", 3),  # cut short: the missing fields were None, a bare TypeError
+        ("llama2-70b,a100-80gb,512,1,128,1,1,196,54,7168,2,extra", 3),  # one field more than the header
+    ],
+)
+def test_a_row_with_another_number_of_fields_than_the_header_is_refused_with_its_line(
+    tmp_path: Path, row: str, line: int
+) -> None:
+    data = tmp_path / "data"
+    _vidur_csv(data / "vidur-profiling" / "a100" / "Llama-2-7b-hf__mlp.csv", [(1, 16, 0.1)])
+    perf = data / "splitwise-sim" / "perf_model.csv"
+    perf.parent.mkdir(parents=True)
+    header = (
+        "model,hardware,prompt_size,batch_size,token_size,peak_power,average_power,prompt_time,token_time,e2e_time,"
+    )
+    perf.write_text(f"{header}tensor_parallel\nllama2-70b,a100-80gb,512,1,128,1,1,196,54,7168,2\n{row}\n")
+    with pytest.raises(ConfigurationError) as refused:
+        fit_profiles(data)
+    assert str(refused.value) == f"{perf}:{line}: a row must have the header's 11 fields"
+
+
+def test_a_vidur_file_that_is_not_utf8_is_named(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    mlp = data / "vidur-profiling" / "a100" / "Llama-2-7b-hf__mlp.csv"
+    _vidur_csv(mlp, [(1, 16, 0.1)])
+    mlp.write_bytes(mlp.read_bytes() + b"\xfe\n")
+    with pytest.raises(ConfigurationError, match=f"^{re.escape(str(mlp))}: 'utf-8' codec can't decode byte 0xfe"):
         fit_profiles(data)
