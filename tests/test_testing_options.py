@@ -46,12 +46,13 @@ OPTIONS: dict[str, tuple[Callable[[Any], object], list[Any], str]] = {
     "FakeVLLM(block_size=)": (lambda v: FakeVLLM(block_size=v), _NO_SIZES, "block_size must be a positive int"),
     "FakeVLLM(num_blocks=)": (lambda v: FakeVLLM(num_blocks=v), _NO_SIZES, "num_blocks must be a positive int"),
     "FakeVLLM(model=)": (lambda v: FakeVLLM(model=v), [*_NO_TEXTS, None, "", " "], "model must"),
-    "FakeVLLM(topic=)": (lambda v: FakeVLLM(topic=v), [*_NO_TEXTS, None], "topic must be a str"),
+    # A lone surrogate in topic or host: was taken, then every request that stored blocks, or the start, failed on it.
+    "FakeVLLM(topic=)": (lambda v: FakeVLLM(topic=v), [*_NO_TEXTS, None, "kv\ud800"], "topic must be "),
     "FakeVLLM(encoding=)": (lambda v: FakeVLLM(encoding=v), [*_NO_TEXTS, None, "json"], "encoding must be 'array'"),
     "FakeVLLM(hash_format=)": (lambda v: FakeVLLM(hash_format=v), [*_NO_TEXTS, None, "hex"], "hash_format must be"),
     "FakeVLLM(replay_buffer=)": (lambda v: FakeVLLM(replay_buffer=v), _NO_COUNTS, "replay_buffer must be an int"),
     "FakeVLLM(seed=)": (lambda v: FakeVLLM(seed=v), ["1", None, True, 1.5, 1.0, [1]], "seed must be an int"),
-    "FakeVLLM(host=)": (lambda v: FakeVLLM(host=v), [*_NO_TEXTS, None], "host must be a str"),
+    "FakeVLLM(host=)": (lambda v: FakeVLLM(host=v), [*_NO_TEXTS, None, "127.0.0.1\udfff"], "host must be "),
     "FakeVLLM(port=)": (lambda v: FakeVLLM(port=v), [*_NO_COUNTS, 65536], "port and replay_port must be ints"),
     "FakeVLLM(replay_port=)": (lambda v: FakeVLLM(replay_port=v), [*_NO_COUNTS, 65536], "port and replay_port"),
     "FakeVLLM.complete(lora_name=)": (

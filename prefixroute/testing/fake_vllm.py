@@ -88,6 +88,10 @@ def _check_options(
     for name, text in (("topic", topic), ("host", host)):
         if not isinstance(text, str):
             raise ConfigurationError(f"{name} must be a str, not {shown(text)}")
+        try:  # as each publish and the bind do: an error there would fail every request or the start
+            text.encode()
+        except UnicodeEncodeError:
+            raise ConfigurationError(f"{name} must be text that UTF-8 can encode, not {shown(text)}") from None
     if not isinstance(encoding, str) or encoding not in ("array", "map", "alternate"):
         raise ConfigurationError(f"encoding must be 'array', 'map' or 'alternate', not {shown(encoding)}")
     buffer = as_int(replay_buffer)
@@ -132,8 +136,9 @@ class FakeVLLM:
     Raises:
         ConfigurationError: a count, port, ``seed``, ``encoding`` or ``hash_format`` the fake cannot use, a flag
             (``extra_group``, ``replay``, ``replay_topic``, ``legacy_metric_names``) that is not a bool, a ``model``,
-            ``topic`` or ``host`` that is not a str, or a ``model`` name that is blank, not printable or holds a
-            lone surrogate: whatever its type, an option's value it cannot use (checked when given).
+            ``topic`` or ``host`` that is not a str or holds a lone surrogate, or a ``model`` name that is blank, not
+            printable or holds a lone surrogate: whatever its type, an option's value it cannot use (checked when
+            given).
         TypeError: ``ttft`` or ``clock`` is not a callable.
     """
 
