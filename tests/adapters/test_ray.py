@@ -77,13 +77,15 @@ class Engine:
 @pytest.fixture(scope="module")
 def serving() -> Iterator[None]:
     """One local Ray and Serve for the module, both applications in it: starting Ray is most of the cost, and Ray
-    started again in one process once failed to bring up its GCS in time."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    started again in one process once failed to bring up its GCS in time. A start that fails part way is shut down
+    too (ray.init may have started processes before it timed out)."""
     try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         serve.start(proxy_location="Disabled")  # calls go through handles: no HTTP proxy actor to start
         yield
     finally:
-        serve.shutdown()  # type: ignore[no-untyped-call]
+        if ray.is_initialized():  # else serve.shutdown() would start a Ray of its own to look for Serve in
+            serve.shutdown()  # type: ignore[no-untyped-call]
         ray.shutdown()
 
 
