@@ -4,11 +4,12 @@ and of the address their commands listen on."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 
-__all__ = ["check_backend_url", "engine_of", "host_port", "listen_host"]
+__all__ = ["check_backend_url", "check_distinct", "engine_of", "host_port", "listen_host"]
 
 
 def check_backend_url(url: object, *, path: bool = True) -> str:
@@ -64,6 +65,27 @@ def engine_of(url: str) -> str:
     parts = urlsplit(url)
     port = parts.port if parts.port is not None else 443 if parts.scheme.lower() == "https" else 80
     return f"{parts.scheme.lower()}://{host_port(parts.hostname or '', port)}{parts.path.rstrip('/')}"
+
+
+def check_distinct(urls: Sequence[str], engines: Sequence[str]) -> None:
+    """Raise if two of the backend ``urls`` name one engine (``engines``, each URL's engine as the caller spells
+    it): it would count as two backends, its load and its cache split. The message names both spellings. O(n).
+
+    >>> check_distinct(["http://gpu0", "http://gpu1"], ["gpu0:80", "gpu1:80"])
+    >>> check_distinct(["http://gpu0", "http://GPU0:80"], ["gpu0:80", "gpu0:80"])
+    Traceback (most recent call last):
+    ...
+    prefixroute.errors.ConfigurationError: backends list 'http://gpu0' and 'http://GPU0:80', one engine (gpu0:80): \
+list each backend once
+    """
+    first: dict[str, str] = {}
+    for url, engine in zip(urls, engines, strict=True):
+        if engine in first:
+            named = (
+                f"{url!r} twice" if first[engine] == url else f"{first[engine]!r} and {url!r}, one engine ({engine})"
+            )
+            raise ConfigurationError(f"backends list {named}: list each backend once")
+        first[engine] = url
 
 
 def host_port(host: str, port: int) -> str:

@@ -638,7 +638,8 @@ def test_serve_on_the_callers_loop_listens_on_loopback_on_a_port_the_os_picks(fi
         (
             {"backends": ["http://a:1", "http://gpu0", "http://GPU0:80/"]},
             ConfigurationError,
-            "a backend appears twice in ['http://a:1', 'http://gpu0', 'http://GPU0:80'] (engine http://gpu0:80)",
+            # Was the whole list, however long, in the message: now the two spellings that name one engine.
+            "backends list 'http://gpu0' and 'http://GPU0:80', one engine (http://gpu0:80): list each backend once",
         ),
         ({"router": "router"}, InvalidTypeError, "router must be a prefixroute.Router, not str"),
         ({"retries": 17}, ConfigurationError, "retries must be an int in [0, 16], not 17"),

@@ -48,7 +48,7 @@ from prefixroute.adapters.serve.contract import (
     without_bom,
 )
 from prefixroute.adapters.threaded import ServerThread
-from prefixroute.adapters.urls import check_backend_url, engine_of, host_port
+from prefixroute.adapters.urls import check_backend_url, check_distinct, engine_of, host_port
 from prefixroute.errors import ConfigurationError, InvalidTypeError, PolicyError
 from prefixroute.router import Decision, Router
 
@@ -182,10 +182,7 @@ class Proxy:
         urls = [check_backend_url(url) for url in _names(backends, "backends", "backend URLs")]
         if not urls:
             raise ConfigurationError("the proxy needs at least one backend URL, like http://127.0.0.1:8000")
-        engines = [engine_of(url) for url in urls]  # http://gpu0 and http://gpu0:80 are one engine, named twice
-        if len(set(engines)) != len(engines):
-            twice = next(engine for i, engine in enumerate(engines) if engine in engines[:i])
-            raise ConfigurationError(f"a backend appears twice in {urls} (engine {twice}): name each backend once")
+        check_distinct(urls, [engine_of(url) for url in urls])  # http://gpu0 and http://gpu0:80 are one engine
         resends = as_int(retries)
         if resends is None or not 0 <= resends <= MAX_RETRIES:
             raise ConfigurationError(f"retries must be an int in [0, {MAX_RETRIES}], not {shown(retries)}")

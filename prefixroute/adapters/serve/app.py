@@ -46,7 +46,7 @@ from prefixroute.adapters.serve.contract import (
 )
 from prefixroute.adapters.serve.metrics import RELEASE_PATHS, SidecarMetrics
 from prefixroute.adapters.serve.text import PromptEncoder
-from prefixroute.adapters.urls import check_backend_url
+from prefixroute.adapters.urls import check_backend_url, check_distinct
 from prefixroute.errors import ConfigurationError, InvalidTypeError, NoBackendError, PolicyError, PrefixRouteError
 from prefixroute.router import Decision, Router, _check_lease
 
@@ -130,10 +130,7 @@ class Sidecar:
         backends = [check_backend_url(backend, path=False) for backend in backends]
         # One engine, one backend, however its URL is spelt (http://gpu0 and http://gpu0:80, :8000 and :08000, case):
         # two would split its load and its cache, and share one X-Prefixroute-Upstream (HAProxy's map key).
-        engines = [upstream_of(backend) for backend in backends]
-        if len(set(engines)) != len(engines):
-            twice = next(engine for i, engine in enumerate(engines) if engine in engines[:i])
-            raise ConfigurationError(f"a backend is listed twice (engine {twice}): list each backend URL once")
+        check_distinct(backends, [upstream_of(backend) for backend in backends])
         lease = _check_lease(lease)
         if models is not None and (
             isinstance(models, (str, bytes))
