@@ -47,7 +47,8 @@ class RouterMetrics:
     ``_prompt_tokens_total``, ``_load_fallbacks_total{backend}``, ``_route_seconds`` (histogram),
     ``_index_blocks{backend}``, ``_event_lag_seconds{backend}``, ``_event_batches_total{backend}``,
     ``_event_gaps_total{backend}``, ``_event_unrecovered_gaps_total{backend}``,
-    ``_event_failed_replays_total{backend}``, ``_engine_restarts_total{backend}``.
+    ``_event_failed_replays_total{backend}``, ``_event_handshake_failures_total{backend}``,
+    ``_engine_restarts_total{backend}``.
 
     >>> from prometheus_client import CollectorRegistry
     >>> from prefixroute import Router
@@ -188,6 +189,11 @@ class RouterMetrics:
         failed = CounterMetricFamily(
             f"{p}_event_failed_replays", "Replays cut at replay_timeout or the batch cap.", labels=["backend"]
         )
+        handshakes = CounterMetricFamily(
+            f"{p}_event_handshake_failures",
+            "Connections to a KV-events endpoint that did not answer as a ZMQ publisher.",
+            labels=["backend"],
+        )
         restarts = CounterMetricFamily(f"{p}_engine_restarts", "Engine restarts seen.", labels=["backend"])
         with self._watch_lock:
             indexes, subscribers, fleets = list(self._indexes), list(self._subscribers), list(self._fleets)
@@ -206,8 +212,9 @@ class RouterMetrics:
             gaps.add_metric(label, stats.gaps)
             lost.add_metric(label, stats.unrecovered_gaps)
             failed.add_metric(label, stats.failed_replays)
+            handshakes.add_metric(label, stats.handshake_failures)
             restarts.add_metric(label, stats.restarts)
-        yield from (blocks, lag, batches, gaps, lost, failed, restarts)
+        yield from (blocks, lag, batches, gaps, lost, failed, handshakes, restarts)
 
 
 class _StateCollector(Collector):

@@ -20,6 +20,7 @@ from typing import Any
 
 import xxhash
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from prefixroute._numbers import as_float, shown
 from prefixroute.errors import ConfigurationError, InvalidEventError, InvalidTypeError, StateError
@@ -42,6 +43,27 @@ _END_OF_REPLAY = -1
 MAX_REPLAY_BATCHES = 100_000
 """The most batches one replay keeps: an endpoint that never stops answering cannot grow the replies without bound."""
 _STOP_POLL_MS = 50  # how often a waiting thread looks whether stop() was called
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_WATCHED = (
+    zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+    | _HANDSHAKE_FAILED
+)  # fmt: skip
+_ABANDONED_S = 1.0  # libzmq schedules a reconnect as it drops a connection: one not scheduled by then never is
+
+
+class _Abandoned(Exception):
+    """libzmq dropped the connection to the endpoint and will not reconnect: a peer that broke ZMQ's protocol."""
+
+
+class _Link:
+    """The SUB socket's connection as its monitor tells it."""
+
+    def __init__(self) -> None:
+        self.handshaking = False  # connected, the ZMQ handshake not yet done
+        self.failed_in_a_row = 0  # handshakes failed since the last that succeeded
+        self.dropped_at: float | None = None  # dropped, and no reconnect scheduled since
 
 
 @dataclass(frozen=True)
@@ -68,6 +90,10 @@ class SubscriberStats:
     observer_errors: int
     """Rounds whose ``clock`` or ``lag_observer`` call raised (logged; the updates were applied, the thread goes on)."""
     reconnects: int
+    handshake_failures: int
+    """Connections to ``endpoint`` that did not become a ZMQ session: something listens there but does not speak
+    ZMQ's protocol (vLLM's HTTP port rather than its ``--kv-events-config`` endpoint, say). libzmq retries them with
+    the reconnect backoff; each is counted and logged (sparsely), as no batch can come from there."""
     last_lag_s: float | None
     blocks_held: int
     tracker: TrackerStats
@@ -96,6 +122,10 @@ class KVEventSubscriber:
     A replay is bounded as a whole: ``replay_timeout`` seconds from the request to the end-of-replay frame (not per
     frame), and at most :data:`MAX_REPLAY_BATCHES` batches kept; a replay that runs past either is counted in
     ``stats().failed_replays``, logged, and live events go on.
+
+    An ``endpoint`` that does not answer as a ZMQ publisher (vLLM's HTTP port, or its replay endpoint: the two
+    swapped) is not waited on in silence: each failed handshake is counted in ``stats().handshake_failures`` and,
+    from the second in a row, logged; where libzmq gives up on the connection, a new socket retries it.
 
     Nothing kills the thread: a malformed message, a bad sequence number, a failing write or a ``clock`` or
     ``lag_observer`` that raises is logged, counted in :meth:`stats` and skipped; a socket error reconnects with
@@ -187,7 +217,7 @@ class KVEventSubscriber:
         self._counts = dict.fromkeys(
             (
                 "batches", "events", "gaps", "replayed", "unrecovered", "failed_replays", "restarts", "invalid",
-                "bad_sequences", "write_errors", "observer_errors", "reconnects",
+                "bad_sequences", "write_errors", "observer_errors", "reconnects", "handshake_failures",
             ),
             0,
         )  # fmt: skip
@@ -308,6 +338,7 @@ class KVEventSubscriber:
             write_errors=c["write_errors"],
             observer_errors=c["observer_errors"],
             reconnects=c["reconnects"],
+            handshake_failures=c["handshake_failures"],
             last_lag_s=self._last_lag,
             blocks_held=len(self._tracker),
             tracker=replace(self._tracker.stats),
@@ -328,7 +359,7 @@ class KVEventSubscriber:
                     if self._messages() != received:  # that session worked: its failure starts a new series
                         delay = self._backoff[0]
                     self._counts["reconnects"] += 1
-                    if isinstance(exc, zmq.ZMQError):
+                    if isinstance(exc, (zmq.ZMQError, _Abandoned)):
                         _log.warning("KV events from %s: %s; reconnecting in %.1fs", self.endpoint, exc, delay)
                     else:
                         _log.exception(
@@ -341,6 +372,7 @@ class KVEventSubscriber:
 
     def _session(self, context: zmq.Context[Any]) -> None:
         sub = context.socket(zmq.SUB)
+        monitor: zmq.Socket[bytes] | None = None
         try:
             sub.setsockopt(zmq.LINGER, 0)
             # libzmq reconnects a dropped TCP connection by itself, backing off up to RECONNECT_IVL_MAX (both are
@@ -348,11 +380,27 @@ class KVEventSubscriber:
             sub.setsockopt(zmq.RECONNECT_IVL, _socket_ms(self._backoff[0]))
             sub.setsockopt(zmq.RECONNECT_IVL_MAX, _socket_ms(self._backoff[1]))
             sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+            # A peer that is no publisher fails the handshake (libzmq retries it), or drops the connection before it
+            # is done (a ZMQ socket of another kind: libzmq never reconnects), and libzmq says nothing of either: the
+            # socket's monitor is how they are noticed, and a new session is how the second is retried.
+            monitor = sub.get_monitor_socket(_WATCHED)
+            poller = zmq.Poller()
+            poller.register(sub, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
             sub.connect(self.endpoint)
             caught_up = self.replay_endpoint is None
+            link = _Link()
             while not self._stop.is_set():
-                if not sub.poll(50):
-                    if not caught_up:
+                ready = dict(poller.poll(50))
+                if monitor in ready:
+                    self._watch(monitor, link)
+                if link.dropped_at is not None and time.monotonic() - link.dropped_at > _ABANDONED_S:
+                    raise _Abandoned(
+                        "the connection was dropped and libzmq will not reconnect (a peer that broke ZMQ's protocol, "
+                        "or a ZMQ socket that is no publisher, such as vLLM's replay endpoint)"
+                    )
+                if sub not in ready:
+                    if not ready and not caught_up:
                         # Quiet since connecting: batches published before the subscription took effect (ZMQ's
                         # slow joiner) would only be noticed at the next batch; fetch them from the replay now.
                         caught_up = True
@@ -369,7 +417,33 @@ class KVEventSubscriber:
                 with self._state_lock:
                     self._handle(messages, context)
         finally:
+            if monitor is not None:
+                sub.disable_monitor()
+                monitor.close(linger=0)
             sub.close(linger=0)
+
+    def _watch(self, monitor: zmq.Socket[bytes], link: _Link) -> None:
+        """Follow the SUB socket's monitor in ``link``; count and log the handshakes that fail."""
+        while True:
+            try:
+                event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                return
+            if event in (zmq.EVENT_CONNECTED, zmq.EVENT_CONNECT_RETRIED):
+                link.handshaking, link.dropped_at = event == zmq.EVENT_CONNECTED, None
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                link.handshaking, link.failed_in_a_row = False, 0
+            elif event & _HANDSHAKE_FAILED or (event == zmq.EVENT_DISCONNECTED and link.handshaking):
+                link.handshaking = False
+                link.failed_in_a_row += 1
+                self._counts["handshake_failures"] += 1
+                # Once is an engine that went away during a handshake (a restart); again and again, no publisher.
+                level = sparse_level(link.failed_in_a_row) if link.failed_in_a_row > 1 else logging.DEBUG
+                _log.log(level, "KV events from %s: %s does not answer as a ZMQ publisher (failed handshakes in a "
+                         "row: %d): is it vLLM's --kv-events-config endpoint?", self.backend, self.endpoint,
+                         link.failed_in_a_row)  # fmt: skip
+            if event == zmq.EVENT_DISCONNECTED:
+                link.dropped_at = time.monotonic()
 
     def _handle(self, messages: list[list[bytes]], context: zmq.Context[Any]) -> None:
         ops: IndexOps = []

@@ -86,6 +86,7 @@ def test_index_and_event_stream_state_is_read_at_scrape_time() -> None:
         stats = sub.stats()
         assert value(registry, "pr_event_unrecovered_gaps_total", backend="gpu0") == stats.unrecovered_gaps
         assert value(registry, "pr_engine_restarts_total", backend="gpu0") == stats.restarts
+        assert value(registry, "pr_event_handshake_failures_total", backend="gpu0") == stats.handshake_failures
     names = {family.name for family in text_string_to_metric_families(text)}
     assert {"pr_decisions", "pr_route_seconds", "pr_index_blocks", "pr_engine_restarts"} <= names
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -923,3 +925,101 @@ def test_a_stop_from_another_thread_while_start_starts_the_thread_neither_raises
     monkeypatch.undo()
     sub.stop()
     wait_until(lambda: not sub.running, what="the thread to end")
+
+
+class NotZMQ:
+    """A TCP server on loopback that answers whatever connects as an HTTP server would (vLLM's HTTP port given as its
+    KV-events endpoint), counting the connections."""
+
+    def __init__(self) -> None:
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        self.connections = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):  # closed by close()
+            while True:
+                peer, _ = self._server.accept()
+                self.connections += 1
+                with peer, contextlib.suppress(OSError):
+                    peer.recv(64)
+                    peer.sendall(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+
+    def close(self) -> None:
+        self._server.close()
+
+
+def test_an_endpoint_that_does_not_speak_zmq_is_counted_and_logged_not_waited_on_in_silence(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Was: libzmq retried the handshake forever and said nothing; the index silently heard no event.
+    server = NotZMQ()
+    caplog.set_level(logging.WARNING, logger="prefixroute.vllm.subscriber")
+    endpoint = f"tcp://127.0.0.1:{server.port}"
+    try:
+        with KVEventSubscriber(events_router(), "gpu0", endpoint, reconnect_backoff=(0.01, 0.02)) as sub:
+            wait_until(lambda: sub.stats().handshake_failures >= 3, what="three failed handshakes")
+            assert sub.running and sub.stats().batches == 0
+    finally:
+        server.close()
+    stats = sub.stats()  # final: the thread has stopped
+    assert server.connections >= stats.handshake_failures >= 3
+    assert stats.reconnects == 0  # libzmq retries a failed handshake itself: the session goes on
+    warnings = [r.getMessage() for r in caplog.records if "does not answer as a ZMQ publisher" in r.getMessage()]
+    assert warnings[0] == (
+        f"KV events from gpu0: {endpoint} does not answer as a ZMQ publisher (failed handshakes in a row: 2): is it "
+        "vLLM's --kv-events-config endpoint?"
+    )
+    # At the 2nd, 4th, 8th... failure in a row (once is an engine gone during a handshake): no flood.
+    assert len(warnings) == stats.handshake_failures.bit_length() - 1
+
+
+def test_a_zmq_socket_of_another_kind_fails_the_handshake_and_the_publisher_that_replaces_it_is_heard() -> None:
+    # vLLM's ROUTER replay socket given as the publisher (the two endpoints swapped): libzmq drops the connection
+    # before its handshake is done and never reconnects; was: the subscriber waited on it in silence for good.
+    context = zmq.Context()
+    replay = context.socket(zmq.ROUTER)
+    port = replay.bind_to_random_port("tcp://127.0.0.1")
+    router = events_router()
+    try:
+        with KVEventSubscriber(router, "gpu0", f"tcp://127.0.0.1:{port}", reconnect_backoff=(0.01, 0.02)) as sub:
+            wait_until(lambda: sub.stats().handshake_failures >= 2, what="failed handshakes, retried")
+            assert sub.stats().reconnects >= 1  # libzmq gave up: the subscriber made a new socket
+            replay.close(linger=0)
+            pub = context.socket(zmq.PUB)
+            wait_until(lambda: _bound(pub, f"tcp://127.0.0.1:{port}"), what="the port freed by the ROUTER socket")
+            seq = iter(range(1000))
+
+            def heard() -> bool:  # what a PUB sends while no SUB is connected is dropped: resend, numbered
+                pub.send_multipart([b"", numbered(next(seq)), STORED])
+                return sub.stats().batches > 0
+
+            wait_until(heard, what="the publisher now on that port to be heard")
+            assert router.index.hashes("gpu0") == set(BlockHasher(16).hash(range(16)))
+    finally:
+        context.destroy(linger=0)
+
+
+def _bound(socket_: zmq.Socket[bytes], address: str) -> bool:
+    try:
+        socket_.bind(address)
+    except zmq.ZMQError:  # a closed socket's port is freed by libzmq's I/O thread, a moment later
+        return False
+    return True
+
+
+def test_a_publisher_that_restarts_costs_no_new_socket() -> None:
+    first = FakeVLLM(seed=1).start()
+    with KVEventSubscriber(events_router(), "gpu0", first.endpoint, reconnect_backoff=(0.01, 0.02)) as sub:
+        try:
+            first.complete(list(range(64)))
+            settle(first, sub)
+        finally:
+            first.stop()  # the connection drops after its handshake: libzmq reconnects, to the next process
+        with FakeVLLM(seed=2, port=int(first.endpoint.rsplit(":", 1)[1])) as second:
+            second.complete(list(range(64)))
+            settle(second, sub)
+        stats = sub.stats()
+        # settle(): the second process was heard. At most one handshake failed: the old process closing during one.
+        assert stats.reconnects == 0 and stats.handshake_failures <= 1
