@@ -42,6 +42,10 @@ _LATEST = 2**62  # replay "to the end of the buffer"
 _END_OF_REPLAY = -1
 MAX_REPLAY_BATCHES = 100_000
 """The most batches one replay keeps: an endpoint that never stops answering cannot grow the replies without bound."""
+MAX_MESSAGE_BYTES = 128 * 2**20
+"""The largest frame the event and replay sockets take: libzmq drops the connection of a peer that sends a larger one
+before reading it into memory (the subscriber then connects again). vLLM's largest batches, a step that stores the
+blocks of a million-token prompt, are under 8 MiB."""
 _STOP_POLL_MS = 50  # how often a waiting thread looks whether stop() was called
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -375,6 +379,7 @@ class KVEventSubscriber:
         monitor: zmq.Socket[bytes] | None = None
         try:
             sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             # libzmq reconnects a dropped TCP connection by itself, backing off up to RECONNECT_IVL_MAX (both are
             # C ints of milliseconds: a longer backoff is clamped, not an error in the thread).
             sub.setsockopt(zmq.RECONNECT_IVL, _socket_ms(self._backoff[0]))
@@ -397,7 +402,8 @@ class KVEventSubscriber:
                 if link.dropped_at is not None and time.monotonic() - link.dropped_at > _ABANDONED_S:
                     raise _Abandoned(
                         "the connection was dropped and libzmq will not reconnect (a peer that broke ZMQ's protocol, "
-                        "or a ZMQ socket that is no publisher, such as vLLM's replay endpoint)"
+                        f"sent a frame over {MAX_MESSAGE_BYTES} bytes, or is a ZMQ socket that is no publisher, "
+                        "such as vLLM's replay endpoint)"
                     )
                 if sub not in ready:
                     if not ready and not caught_up:
@@ -634,6 +640,7 @@ class KVEventSubscriber:
         dealer = context.socket(zmq.DEALER)
         try:
             dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             dealer.connect(self.replay_endpoint)
             dealer.send_multipart([b"", start.to_bytes(8, "big")])
             while True:

@@ -1023,3 +1023,48 @@ def test_a_publisher_that_restarts_costs_no_new_socket() -> None:
         stats = sub.stats()
         # settle(): the second process was heard. At most one handshake failed: the old process closing during one.
         assert stats.reconnects == 0 and stats.handshake_failures <= 1
+
+
+def test_a_frame_over_the_size_cap_is_never_read_and_the_stream_goes_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A peer sending a huge frame (garbage on the port, a hostile one) loses its connection before the frame is read
+    into memory; libzmq does not reconnect after that, the subscriber does, and the batches after it are applied."""
+    monkeypatch.setattr(subscriber_module, "MAX_MESSAGE_BYTES", 2**16)  # read when the sockets are made
+    router = events_router()
+    context = zmq.Context()
+    pub = context.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    seq = iter(range(10_000))
+    try:
+        with KVEventSubscriber(router, "gpu0", f"tcp://127.0.0.1:{port}", reconnect_backoff=(0.01, 0.02)) as sub:
+
+            def heard_after(before: int) -> Callable[[], bool]:
+                def heard() -> bool:  # what a PUB sends while no SUB is connected is dropped: resend, numbered
+                    if sub.last_seq > before:
+                        return True
+                    pub.send_multipart([b"", numbered(next(seq)), STORED])
+                    time.sleep(0.02)
+                    return False
+
+                return heard
+
+            wait_until(heard_after(-1), what="the subscriber to connect")
+            base = sub.stats()
+            oversized = next(seq)
+            pub.send_multipart([b"", numbered(oversized), b"\xc1" * (2**16 + 1)])  # had it been read: invalid
+            wait_until(heard_after(oversized), what="a batch after the oversized frame")
+            stats = sub.stats()
+            assert stats.invalid_batches == base.invalid_batches == 0
+            assert stats.reconnects == 1 and stats.handshake_failures == 0
+    finally:
+        context.destroy(linger=0)
+    assert f"frame over {2**16} bytes" in caplog.text
+
+
+def test_the_size_cap_holds_vllms_largest_batches_ten_times_over() -> None:
+    # One step storing the blocks of a million-token prompt: 32-byte block hashes (sha256), ids of a 152K vocabulary.
+    tokens = [151_000 + i % 900 for i in range(2**20)]
+    hashes = [i.to_bytes(32, "big") for i in range(len(tokens) // 16)]
+    batch = msgspec.msgpack.encode([1.0, [["BlockStored", hashes, None, tokens, 16, None, "GPU", None, None]]])
+    assert 10 * len(batch) < subscriber_module.MAX_MESSAGE_BYTES and len(batch) < 8 * 2**20
