@@ -95,9 +95,10 @@ class SubscriberStats:
     """Rounds whose ``clock`` or ``lag_observer`` call raised (logged; the updates were applied, the thread goes on)."""
     reconnects: int
     handshake_failures: int
-    """Connections to ``endpoint`` that did not become a ZMQ session: something listens there but does not speak
-    ZMQ's protocol (vLLM's HTTP port rather than its ``--kv-events-config`` endpoint, say). libzmq retries them with
-    the reconnect backoff; each is counted and logged (sparsely), as no batch can come from there."""
+    """Connections to ``endpoint`` that did not become a ZMQ session with a publisher: something listens there that
+    does not speak ZMQ (vLLM's HTTP port rather than its ``--kv-events-config`` endpoint, say), or a ZMQ socket of
+    another kind (vLLM's replay endpoint). Logged sparsely from the second in a row (once is an engine that went away
+    during a handshake); retried with the reconnect backoff."""
     last_lag_s: float | None
     blocks_held: int
     tracker: TrackerStats
