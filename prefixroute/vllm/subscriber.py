@@ -139,7 +139,8 @@ class KVEventSubscriber:
 
     Raises:
         ConfigurationError: an endpoint is not a ZMQ address, ``writer.block_size`` differs from the hasher's, an
-            option is not a finite positive number (an int where a count), or ``topic`` holds a lone surrogate.
+            option is not a finite positive number (an int where a count), ``topic`` holds a lone surrogate, or
+            ``replay_endpoint`` is ``endpoint``.
         TypeError: ``writer`` has no ``write`` method or no int ``block_size``, ``backend`` or ``topic`` is not a
             str, ``namespace`` not a str, bytes or None, ``lag_observer`` not a callable or None, ``clock`` not a
             callable.
@@ -170,6 +171,11 @@ class KVEventSubscriber:
         check_endpoint(endpoint, "endpoint", "tcp://gpu0:5557")
         if replay_endpoint is not None:
             check_endpoint(replay_endpoint, "replay_endpoint", "tcp://gpu0:5558")
+            if replay_endpoint == endpoint:  # no engine binds both sockets on one address: one of them is a slip
+                raise ConfigurationError(
+                    f"replay_endpoint is endpoint ({endpoint!r}): vLLM publishes on one address and replays on "
+                    "another (e.g. tcp://gpu0:5557 and tcp://gpu0:5558)"
+                )
         if not isinstance(topic, str):
             raise InvalidTypeError(f"topic must be a str, not {type(topic).__name__}")
         try:

@@ -484,6 +484,8 @@ def test_configuration_errors_are_clear() -> None:
         ("reconnect_backoff", (0.1, float("inf"))),
         ("reconnect_backoff", 5),
         ("topic", "kv@gpu0\ud800"),  # a lone surrogate: was accepted, then the thread failed on it for good
+        # The publisher's own address: was accepted, then every replay timed out (a DEALER cannot talk to a PUB).
+        ("replay_endpoint", "tcp://127.0.0.1:1"),
     ],
 )
 def test_nonsense_options_are_rejected_when_given(option: str, value: object) -> None:
