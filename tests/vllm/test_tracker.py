@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import re
+from collections.abc import Sequence
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,7 +17,16 @@ from prefixroute import BlockHasher, PrefixIndex
 from prefixroute.errors import ConfigurationError, InvalidEventError, StateError
 from prefixroute.index import apply_updates
 from prefixroute.testing import FakeBlockCache
-from prefixroute.vllm import AllBlocksCleared, BlockRemoved, BlockStored, BlockTracker, lora_namespace
+from prefixroute.vllm import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    BlockTracker,
+    KVCacheEvent,
+    TrackerStats,
+    lora_namespace,
+)
+from prefixroute.vllm.events import ExternalBlockHash
 
 TOKENS = list(range(100, 164))  # four 16-token blocks
 
@@ -39,6 +51,33 @@ def test_a_hash_stored_twice_is_held_until_removed_twice() -> None:
     assert tracker.apply([BlockRemoved([11])]) == [(False, own(TOKENS[:16]), None)]
     assert tracker.held() == set()
     assert tracker.apply([BlockRemoved([11])]) == [] and tracker.stats.unknown_removals == 1
+
+
+def test_a_removal_naming_blocks_never_held_still_removes_the_ones_held() -> None:
+    """vLLM removes blocks the tracker never indexed (multimodal ones, ones stored before it started) in the same
+    event as indexed ones: those must go all the same."""
+    tracker = BlockTracker()
+    tracker.apply([BlockStored([11, 12, 13], None, TOKENS[:48], 16)])
+    ((stored, dead, parent),) = tracker.apply([BlockRemoved([99, 13, 98, 12])])
+    assert (stored, set(dead), parent) == (False, set(own(TOKENS[:48])[1:]), None)
+    assert tracker.held() == set(own(TOKENS[:16])) and tracker.stats.unknown_removals == 2
+
+
+def test_stats_count_every_event_and_block_exactly_across_applies() -> None:
+    tracker = BlockTracker()
+    for _ in range(2):
+        tracker.apply(
+            [
+                BlockStored([11, 12], None, TOKENS[:32], 16, extra_keys=[None, ["mm"]]),  # block 12 is skipped
+                BlockStored([13], 12, TOKENS[32:48], 16),  # an orphan: its parent was not indexed
+                BlockStored([21], None, TOKENS[:16], 16, medium="CPU"),  # skipped
+                BlockRemoved([11, 12, 13]),  # 12 and 13 unknown
+                AllBlocksCleared(),
+            ]
+        )
+    assert tracker.stats == TrackerStats(
+        blocks_stored=2, blocks_removed=2, clears=2, orphan_blocks=2, unknown_removals=4, skipped_blocks=4
+    )
 
 
 def test_stores_carry_the_own_hash_of_the_block_they_continue() -> None:
@@ -150,6 +189,55 @@ def test_a_lora_blocks_extra_keys_naming_only_its_adapter_do_not_stop_the_chain(
     assert tracker.stats.skipped_blocks == 3
 
 
+@pytest.mark.parametrize(
+    ("keys", "lora_id", "indexed"),
+    [
+        (None, 7, True),
+        ([], 7, True),
+        (["sql"], 7, True),  # the adapter's name
+        ([7], 7, True),  # its id, as older vLLM sends it
+        ([{"type": "lora", "name": "sql"}], 7, True),  # newer vLLM's typed LoRAKey
+        (["other"], 7, False),
+        ([8], 7, False),  # another adapter's id
+        ([None], None, False),
+        ([["sql"]], 7, False),  # a list holding the name is not the name
+        (["sql", "mm-hash"], 7, False),  # the adapter and a multimodal input
+        ([{"type": "lora", "name": "other"}], 7, False),
+        ([{"type": "mm", "name": "sql"}], 7, False),
+        ([{"name": "sql"}], 7, False),
+        ([{"type": "lora", "name": "sql", "salt": "x"}], 7, False),
+    ],
+)
+def test_only_extra_keys_that_name_just_the_blocks_adapter_keep_its_chain_indexed(
+    keys: list[object] | None, lora_id: int | None, indexed: bool
+) -> None:
+    """Any other extra key (a multimodal input, a salt, another adapter) changes what the block caches, which its
+    token ids do not say: indexing it would claim a cache a plain prompt cannot reuse."""
+    tracker = BlockTracker(namespace="llama")
+    ops = tracker.apply([BlockStored([11, 12], None, TOKENS[:32], 16, lora_id=lora_id, lora_name="sql",
+                                     extra_keys=[keys, keys])])  # fmt: skip
+    assert ops == ([(True, own(TOKENS[:32], namespace="llama:sql"), None)] if indexed else [])
+    assert tracker.stats.skipped_blocks == (0 if indexed else 2) and tracker.stats.invalid_events == 0
+
+
+def test_a_lora_block_under_a_bytes_namespace_hashes_as_lora_namespace_says() -> None:
+    tracker = BlockTracker(namespace=b"llama")
+    tracker.apply([BlockStored([11], None, TOKENS[:16], 16, lora_name="sql")])
+    assert lora_namespace(b"llama", "sql") == b"llama:sql"
+    assert tracker.held() == set(own(TOKENS[:16], namespace="llama:sql"))
+
+
+@pytest.mark.parametrize("vllm_block_size", [0, -16])
+def test_a_vllm_block_size_that_is_not_positive_is_an_invalid_event(vllm_block_size: int) -> None:
+    with pytest.raises(InvalidEventError, match=f"vLLM's block size {vllm_block_size} is not a positive multiple"):
+        BlockTracker().apply_strict([BlockStored([], None, [], vllm_block_size)])
+
+
+def test_one_token_blocks_are_blocks_like_any_other() -> None:
+    tracker = BlockTracker(block_size=1)
+    assert tracker.apply_strict([BlockStored([11, 12], None, [5, 6], 1)]) == [(True, own([5, 6], block_size=1), None)]
+
+
 def test_a_larger_vllm_block_maps_to_several_own_blocks() -> None:
     tracker = BlockTracker(block_size=16)
     tracker.apply([BlockStored([11], None, TOKENS[:32], 32), BlockStored([12], 11, TOKENS[32:], 32)])
@@ -165,7 +253,8 @@ def test_an_engine_that_keeps_sending_garbage_is_logged_sparsely_and_counted_exa
         for _ in range(100):  # a block size the router's does not divide, on every event
             tracker.apply([BlockStored([11], None, TOKENS[:8], 8)])
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 7 and "(64 invalid so far)" in warnings[-1]  # the 1st, 2nd, 4th, ... 64th
+    assert len(warnings) == 7  # the 1st, 2nd, 4th, ... 64th
+    assert warnings[-1].startswith("skipping a KV event (64 invalid so far): vLLM's block size 8 is not a positive")
     assert tracker.stats.invalid_events == 100
 
 
@@ -187,7 +276,7 @@ def test_invalid_events_are_counted_and_skipped_or_raised_in_strict_mode() -> No
     good = BlockStored([31], None, TOKENS[:16], 16)
     tracker.apply([bad_count, bad_size, bad_token, good])
     assert tracker.stats.invalid_events == 3 and tracker.held() == set(own(TOKENS[:16]))
-    with pytest.raises(InvalidEventError, match="24 token ids|16 token ids for 2 blocks"):
+    with pytest.raises(InvalidEventError, match="carries 16 token ids for 2 blocks of 16 tokens; vLLM sends exactly"):
         BlockTracker().apply_strict([bad_count])
     with pytest.raises(InvalidEventError, match="block_size=8"):
         BlockTracker().apply_strict([bad_size])
@@ -195,57 +284,128 @@ def test_invalid_events_are_counted_and_skipped_or_raised_in_strict_mode() -> No
         BlockTracker().apply_strict([bad_token])
 
 
+_HOW_TO_FIX = ": build events with vLLM's field types, or decode them with EventDecoder, which checks them"
+
+
 @pytest.mark.parametrize(
     ("event", "message"),
     [
-        (BlockStored([[1]], None, TOKENS[:16], 16), "BlockStored.block_hashes must be a list of int"),  # type: ignore[list-item]
-        (BlockStored([True], None, TOKENS[:16], 16), "BlockStored.block_hashes"),
-        (BlockStored(None, None, TOKENS[:16], 16), "BlockStored.block_hashes"),  # type: ignore[arg-type]
-        (BlockStored([1], [2], TOKENS[:16], 16), "BlockStored.parent_block_hash"),  # type: ignore[arg-type]
-        (BlockStored([1], None, bytes(64), 16), "BlockStored.token_ids must be a list"),  # type: ignore[arg-type]
-        (BlockStored([1], None, TOKENS[:16], "16"), "BlockStored.block_size must be an int"),  # type: ignore[arg-type]
-        (BlockStored([1], None, TOKENS[:16], 16, medium=5), "BlockStored.medium"),  # type: ignore[arg-type]
-        (BlockStored([1], None, TOKENS[:16], 16, lora_name=3), "BlockStored.lora_name"),  # type: ignore[arg-type]
-        (BlockStored([1], None, TOKENS[:16], 16, extra_keys="k"), "BlockStored.extra_keys"),  # type: ignore[arg-type]
-        (BlockStored([1], None, TOKENS[:16], 16, group_idx=[0]), "BlockStored.group_idx"),  # type: ignore[arg-type]
-        (BlockRemoved([[1]]), "BlockRemoved.block_hashes"),  # type: ignore[list-item]
-        (BlockRemoved([1], medium=5), "BlockRemoved.medium"),  # type: ignore[arg-type]
+        (
+            BlockStored([[1]], None, TOKENS[:16], 16),  # type: ignore[list-item]
+            "BlockStored.block_hashes must be a list of int or bytes hashes, not [1]",
+        ),
+        (
+            BlockStored([True], None, TOKENS[:16], 16),
+            "BlockStored.block_hashes must be a list of int or bytes hashes, not True",
+        ),
+        (
+            BlockStored(11, None, TOKENS[:16], 16),  # type: ignore[arg-type]
+            "BlockStored.block_hashes must be a list of int or bytes hashes, not 11",
+        ),
+        (
+            BlockStored([1], [2], TOKENS[:16], 16),  # type: ignore[arg-type]
+            "BlockStored.parent_block_hash must be an int or bytes hash or None, not [2]",
+        ),
+        (
+            BlockStored([1], None, "x" * 16, 16),  # type: ignore[arg-type]
+            "BlockStored.token_ids must be a list of token ids, not 'xxxxxxxxxxxxxxxx'",
+        ),
+        (
+            BlockStored([1], None, TOKENS[:16], "16"),  # type: ignore[arg-type]
+            "BlockStored.block_size must be an int, not '16'",
+        ),
+        (
+            BlockStored([1], None, TOKENS[:16], 16, medium=5),  # type: ignore[arg-type]
+            "BlockStored.medium must be a str or None, not 5",
+        ),
+        (
+            BlockStored([1], None, TOKENS[:16], 16, lora_name=3),  # type: ignore[arg-type]
+            "BlockStored.lora_name must be a str or None, not 3",
+        ),
+        (
+            BlockStored([1], None, TOKENS[:16], 16, lora_id="3"),  # type: ignore[arg-type]
+            "BlockStored.lora_id must be an int or None, not '3'",
+        ),
+        (
+            BlockStored([1], None, TOKENS[:16], 16, extra_keys="k"),  # type: ignore[arg-type]
+            "BlockStored.extra_keys must be a list or None, not 'k'",
+        ),
+        (
+            BlockStored([1], None, TOKENS[:16], 16, group_idx=[0]),  # type: ignore[arg-type]
+            "BlockStored.group_idx must be an int or None, not [0]",
+        ),
+        (
+            BlockStored([1], None, TOKENS[:16], 16, kv_cache_spec_kind=5),  # type: ignore[arg-type]
+            "BlockStored.kv_cache_spec_kind must be a str or None, not 5",
+        ),
+        (
+            BlockRemoved([[1]]),  # type: ignore[list-item]
+            "BlockRemoved.block_hashes must be a list of int or bytes hashes, not [1]",
+        ),
+        (
+            BlockRemoved([1], medium=5),  # type: ignore[arg-type]
+            "BlockRemoved.medium must be a str or None, not 5",
+        ),
+        (
+            BlockRemoved([1], group_idx="0"),  # type: ignore[arg-type]
+            "BlockRemoved.group_idx must be an int or None, not '0'",
+        ),
     ],
 )
 def test_hand_built_events_with_mistyped_fields_are_invalid_events_and_change_nothing(
     event: BlockStored | BlockRemoved, message: str
 ) -> None:
-    """msgspec checks decoded events; an event built by hand is checked by the tracker, before it changes anything."""
+    """msgspec checks decoded events; an event built by hand is checked by the tracker, before it changes anything,
+    and the error names the field, the type it must have, the value refused and how to build it right."""
     tracker = BlockTracker()
     tracker.apply([BlockStored([1], None, TOKENS[:16], 16)])
-    with pytest.raises(InvalidEventError, match=re.escape(message)):
+    with pytest.raises(InvalidEventError) as refused:
         tracker.apply_strict([event])
+    assert str(refused.value) == message + _HOW_TO_FIX
     assert tracker.apply([event]) == [] and tracker.stats.invalid_events == 1
     assert tracker.held() == set(own(TOKENS[:16]))
     assert tracker.apply([BlockRemoved([1])]) == [(False, own(TOKENS[:16]), None)]
 
 
-def test_an_invalid_events_error_names_the_value_it_refused() -> None:
-    with pytest.raises(InvalidEventError, match=r"BlockStored\.block_size must be an int, not '16'"):
-        BlockTracker().apply_strict([BlockStored([1], None, TOKENS[:16], "16")])  # type: ignore[arg-type]
-    with pytest.raises(InvalidEventError, match=r"BlockRemoved\.medium must be a str or None, not 5"):
-        BlockTracker().apply_strict([BlockRemoved([1], medium=5)])  # type: ignore[arg-type]
+class _Hash(int):
+    """A hash type of the user's own (an int subclass), which hand-built events may use as vLLM's ints."""
 
 
-@pytest.mark.parametrize("events", ["abc", None, [1], [AllBlocksCleared(), "x"], 5])
-def test_what_is_not_an_iterable_of_events_is_a_type_error_before_any_applies(events: object) -> None:
+def test_hand_built_events_may_use_tuples_and_int_subclasses_as_vllms_lists_and_ints() -> None:
+    tracker = BlockTracker()
+    ops = tracker.apply_strict(
+        [
+            BlockStored((_Hash(11),), None, tuple(TOKENS[:16]), 16, extra_keys=(None,)),  # type: ignore[arg-type]
+            BlockStored((b"\x0c",), _Hash(11), tuple(TOKENS[16:32]), 16),  # type: ignore[arg-type]
+        ]
+    )
+    assert ops == [(True, own(TOKENS[:16]), None), (True, own(TOKENS[:32])[1:], own(TOKENS[:16])[0])]
+    assert tracker.apply_strict([BlockRemoved((b"\x0c", _Hash(11)))]) and tracker.held() == set()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("events", "message"),
+    [
+        ("abc", "events must be an iterable of KV events, not str"),
+        (None, "events must be an iterable of KV events, not NoneType"),
+        (5, "events must be an iterable of KV events, not int"),
+        ([1], "event 0 is of type int, not a BlockStored, BlockRemoved or AllBlocksCleared (EventDecoder.decode() "),
+        ([AllBlocksCleared(), "x"], "event 1 is of type str, not a BlockStored"),
+    ],
+)
+def test_what_is_not_an_iterable_of_events_is_a_type_error_before_any_applies(events: object, message: str) -> None:
     tracker = BlockTracker()
     tracker.apply([BlockStored([1], None, TOKENS[:16], 16)])
     for apply in (tracker.apply, tracker.apply_strict):
-        with pytest.raises(TypeError, match="iterable of KV events|not a BlockStored"):
+        with pytest.raises(TypeError, match=re.escape(message)):
             apply(events)  # type: ignore[arg-type]
     assert tracker.held() == set(own(TOKENS[:16])) and tracker.stats.clears == 0
 
 
 def test_lora_namespace_refuses_what_is_not_a_name() -> None:
-    with pytest.raises(TypeError, match="namespace must be a str, bytes or None"):
+    with pytest.raises(TypeError, match="namespace must be a str, bytes or None, not int"):
         lora_namespace(5, "sql")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="lora_name must be"):
+    with pytest.raises(TypeError, match=re.escape("lora_name must be the adapter's name (a str) or None, not int")):
         lora_namespace("llama", 5)  # type: ignore[arg-type]
 
 
@@ -273,6 +433,7 @@ def test_all_blocks_cleared_removes_everything() -> None:
     tracker.apply([BlockStored([11, 12], None, TOKENS[:32], 16)])
     assert tracker.apply([AllBlocksCleared()]) == [(False, own(TOKENS[:32]), None)]
     assert tracker.held() == set() and tracker.stats.clears == 1
+    assert tracker.apply([AllBlocksCleared()]) == []  # nothing held: nothing for the index to do
 
 
 STEMS = [[random.Random(stem).randrange(1000) for _ in range(128)] for stem in range(3)]
@@ -286,11 +447,11 @@ operations = st.lists(
 
 
 @settings(max_examples=60, deadline=None)
-@given(operations, st.sampled_from([16, 32]), st.booleans(), st.booleans())
+@given(operations, st.sampled_from([16, 32]), st.booleans(), st.booleans(), st.booleans())
 def test_tracker_and_index_equal_the_engines_true_cache_after_every_step(
-    steps: list[tuple[str, int]], engine_block: int, byte_hashes: bool, extra_group: bool
+    steps: list[tuple[str, int]], engine_block: int, byte_hashes: bool, extra_group: bool, noisy: bool
 ) -> None:
-    run_and_compare(steps, engine_block, byte_hashes, extra_group)
+    run_and_compare(steps, engine_block, byte_hashes, extra_group, noisy)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -298,10 +459,53 @@ def test_seeded_stress_with_duplicates_evictions_and_clears(seed: int) -> None:
     rng = random.Random(seed)
     actions = ["complete", "complete", "twin", "twin", "hold", "finish", "clear"]
     steps = [(rng.choice(actions), rng.randrange(2**31)) for _ in range(150)]
-    run_and_compare(steps, rng.choice([16, 32]), seed % 2 == 0, seed % 3 == 0)
+    run_and_compare(steps, rng.choice([16, 32]), seed % 2 == 0, seed % 3 == 0, seed < 3)
 
 
-def run_and_compare(steps: list[tuple[str, int]], engine_block: int, byte_hashes: bool, extra_group: bool) -> None:
+class BusierEngine:
+    """Rewrites a fake cache's events as an engine that also offloads to CPU and serves multimodal prompts sends
+    them: the removals between two stores in one event per group, a multimodal block (not indexed) stored now and
+    then and evicted among later removals, and each event followed by its CPU tier's copy. None of it may change
+    the index."""
+
+    def __init__(self) -> None:
+        self.made = itertools.count()
+        self.multimodal: list[ExternalBlockHash] = []  # stored, not yet evicted
+
+    def send(self, events: Sequence[KVCacheEvent], rng: random.Random) -> list[KVCacheEvent]:
+        merged: list[KVCacheEvent] = []
+        removals: dict[tuple[str | None, int | None], BlockRemoved] = {}  # the current run's, per medium and group
+        for event in events:
+            if not isinstance(event, BlockRemoved):
+                merged.append(event)
+                removals.clear()
+            elif (event.medium, event.group_idx) in removals:
+                removals[event.medium, event.group_idx].block_hashes.extend(event.block_hashes)
+            else:
+                removals[event.medium, event.group_idx] = msgspec.structs.replace(
+                    event, block_hashes=[*event.block_hashes]
+                )
+                merged.append(removals[event.medium, event.group_idx])
+        out: list[KVCacheEvent] = []
+        for event in merged:
+            if isinstance(event, BlockStored) and rng.random() < 0.3:
+                n = next(self.made)
+                vllm_hash = 2**63 + n if isinstance(event.block_hashes[0], int) else b"mm%d" % n
+                tokens = TOKENS[: event.block_size]
+                out.append(BlockStored([vllm_hash], None, tokens, event.block_size, medium="GPU", extra_keys=[["mm"]],
+                                       group_idx=0, kv_cache_spec_kind="full_attention"))  # fmt: skip
+                self.multimodal.append(vllm_hash)
+            elif isinstance(event, BlockRemoved) and event.group_idx == 0 and self.multimodal:
+                event.block_hashes.insert(rng.randrange(len(event.block_hashes) + 1), self.multimodal.pop())
+            out.append(event)
+            if not isinstance(event, AllBlocksCleared):
+                out.append(msgspec.structs.replace(event, medium="CPU"))
+        return out
+
+
+def run_and_compare(
+    steps: list[tuple[str, int]], engine_block: int, byte_hashes: bool, extra_group: bool, noisy: bool = False
+) -> None:
     """Drive a fake block cache through ``steps``; after each, tracker and index must equal its true contents."""
     cache = FakeBlockCache(
         block_size=engine_block, num_blocks=24, rng=random.Random(7), hash_format="bytes" if byte_hashes else "int",
@@ -310,6 +514,7 @@ def run_and_compare(steps: list[tuple[str, int]], engine_block: int, byte_hashes
     tracker = BlockTracker(block_size=16, namespace="m")
     index = PrefixIndex(16)
     held = []
+    busier = BusierEngine()
     for action, seed in steps:
         rng = random.Random(seed)
         # Shared stems make prefixes collide, hit, get duplicated and get evicted often.
@@ -328,7 +533,8 @@ def run_and_compare(steps: list[tuple[str, int]], engine_block: int, byte_hashes
             held.clear()
         elif not held:
             cache.clear()
-        apply_updates(index, "gpu0", tracker.apply(cache.take_events()))
+        events = cache.take_events()
+        apply_updates(index, "gpu0", tracker.apply(busier.send(events, rng) if noisy else events))
         truth = cache.own_hashes(block_size=16, namespace="m")
         assert tracker.held() == truth
         assert index.hashes("gpu0") == truth
