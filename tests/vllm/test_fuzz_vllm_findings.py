@@ -63,7 +63,7 @@ class _NoBlockSize:
 def test_a_subscriber_writer_without_write_or_block_size_is_a_type_error_not_an_attribute_error(
     writer: object,
 ) -> None:
-    with pytest.raises(InvalidTypeError, match="writer must be an IndexWriter"):
+    with pytest.raises(InvalidTypeError, match=f"^writer must be an IndexWriter .*, not {type(writer).__name__}$"):
         KVEventSubscriber(writer, "gpu0", "tcp://127.0.0.1:5557")  # type: ignore[arg-type]
 
 
