@@ -439,7 +439,7 @@ def test_all_blocks_cleared_removes_everything() -> None:
 STEMS = [[random.Random(stem).randrange(1000) for _ in range(128)] for stem in range(3)]
 operations = st.lists(
     st.tuples(
-        st.sampled_from(["complete", "complete", "complete", "twin", "hold", "finish", "clear"]),
+        st.sampled_from(["complete", "complete", "complete", "twin", "hold", "finish", "clear", "restart"]),
         st.integers(0, 2**31),
     ),
     max_size=60,
@@ -457,7 +457,7 @@ def test_tracker_and_index_equal_the_engines_true_cache_after_every_step(
 @pytest.mark.parametrize("seed", range(6))
 def test_seeded_stress_with_duplicates_evictions_and_clears(seed: int) -> None:
     rng = random.Random(seed)
-    actions = ["complete", "complete", "twin", "twin", "hold", "finish", "clear"]
+    actions = ["complete", "complete", "twin", "twin", "hold", "finish", "clear", "restart"]
     steps = [(rng.choice(actions), rng.randrange(2**31)) for _ in range(150)]
     run_and_compare(steps, rng.choice([16, 32]), seed % 2 == 0, seed % 3 == 0, seed < 3)
 
@@ -531,6 +531,10 @@ def run_and_compare(
             for request in held:
                 cache.free(request)
             held.clear()
+        elif action == "restart":  # the engine restarted, with blocks held: the subscriber resets the tracker
+            cache.reset()
+            held.clear()
+            apply_updates(index, "gpu0", tracker.reset())
         elif not held:
             cache.clear()
         events = cache.take_events()
