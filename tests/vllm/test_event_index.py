@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixroute import BlockHasher, ConfigurationError, Router
+from prefixroute import BlockHasher, ConfigurationError, InvalidTypeError, Router
 from prefixroute.testing import FakeVLLM
 from prefixroute.vllm import EventIndex, Fleet
 
@@ -54,6 +55,24 @@ def test_speculative_entries_expire_between_one_and_two_ttls() -> None:
     assert len(router.index) == 0  # predictions never reach the confirmed part
 
 
+def test_a_prediction_is_trusted_for_at_least_one_ttl_and_dropped_at_the_end_of_the_next_period() -> None:
+    """Generations turn every ``speculative_ttl`` seconds from the index's making, however late a call comes: an
+    entry made in one period is still matched through the next (so it lives at least one ttl) and dropped as that
+    one ends (so it lives at most two)."""
+    clock = FakeClock(0.0)
+    index = EventIndex(16, speculative_ttl=2.0, clock=clock)
+    index.predict(HASHES, "gpu0", 0)  # made as the first period [0, 2) begins
+    clock.tick(1.5)
+    index.predict(HASHES[:2], "gpu1", 0)  # made late in it
+    clock.tick(1.5)  # t=3, in the second period: the first call since the generations turned
+    assert index.match(HASHES, ["gpu0", "gpu1"]) == {"gpu0": 6, "gpu1": 2}
+    assert index.speculative_blocks("gpu0") == 6
+    clock.tick(1.0)  # t=4: the second period ends, both go (gpu0's lived 2 ttls, gpu1's 1.25)
+    assert index.match(HASHES, ["gpu0", "gpu1"]) == {"gpu0": 0, "gpu1": 0}
+    assert index.speculative_blocks("gpu0") == 0
+    index._check()
+
+
 def test_an_eviction_event_overrides_the_speculative_entry() -> None:
     router = hybrid(FakeClock())
     with FakeVLLM(num_blocks=8) as small, Fleet(router) as fleet:
@@ -80,6 +99,9 @@ def test_ttl_zero_means_events_only() -> None:
     assert (decision.matched_tokens, decision.confirmed_tokens) == (0, 0)
     router.store("gpu0", HASHES[:4])
     assert router.route(PROMPT, ["gpu0"]).confirmed_tokens == 64
+    router.write("gpu0", [(False, HASHES[2:3], None)])  # an eviction event
+    assert router.route(PROMPT, ["gpu0"]).confirmed_tokens == 32
+    router.index._check()
 
 
 def test_a_prediction_index_reports_no_confirmation() -> None:
@@ -108,14 +130,40 @@ def test_clear_drops_both_parts_and_a_backwards_clock_starts_over() -> None:
     clock.tick(-100.0)  # a clock that jumps back must not keep entries forever
     assert index.match(HASHES, ["gpu1"]) == {"gpu1": 0}
     index.predict(HASHES, "gpu1", 0)
+    assert index.match(HASHES, ["gpu1"]) == {"gpu1": 6}  # trusted again from the new reading on
+    clock.tick(4.0)
+    assert index.match(HASHES, ["gpu1"]) == {"gpu1": 6}  # and kept for at least a ttl
     index.clear()
     assert index.match(HASHES, ["gpu0", "gpu1"]) == {"gpu0": 0, "gpu1": 0}
 
 
-@pytest.mark.parametrize("ttl", [-1.0, float("nan"), float("inf"), "3", True])
-def test_nonsense_ttls_are_configuration_errors(ttl: object) -> None:
-    with pytest.raises(ConfigurationError, match="speculative_ttl"):
+@pytest.mark.parametrize(
+    ("ttl", "shown"), [(-1.0, "-1.0"), (float("nan"), "nan"), (float("inf"), "inf"), ("3", "'3'"), (True, "True")]
+)
+def test_nonsense_ttls_are_configuration_errors(ttl: object, shown: str) -> None:
+    message = f"speculative_ttl must be a finite number of seconds >= 0 (0: events only), not {shown}"
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
         EventIndex(16, speculative_ttl=ttl)  # type: ignore[arg-type]
+
+
+def test_a_clock_that_is_not_callable_is_a_type_error() -> None:
+    with pytest.raises(InvalidTypeError, match="clock must be a callable returning seconds, not float"):
+        EventIndex(16, clock=1.5)  # type: ignore[arg-type]
+
+
+def test_the_defaults_are_vllms_block_size_and_three_seconds_of_trust() -> None:
+    index = EventIndex()
+    assert (index.block_size, index.speculative_ttl) == (16, 3.0)
+
+
+def test_the_repr_counts_confirmed_and_speculative_entries() -> None:
+    clock = FakeClock()
+    index = EventIndex(16, speculative_ttl=2.0, clock=clock)
+    index.insert(HASHES[:1], "gpu0")
+    index.predict(HASHES[:2], "gpu0", 0)
+    clock.tick(2.0)
+    index.predict(HASHES[:3], "gpu1", 0)  # the first prediction is now the previous generation's
+    assert repr(index) == "EventIndex(block_size=16, speculative_ttl=2, entries=1, speculative=5)"
 
 
 def test_the_router_checks_the_index_block_size() -> None:
