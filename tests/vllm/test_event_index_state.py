@@ -24,8 +24,8 @@ class EventIndexMachine(RuleBasedStateMachine):
 
     The model: ``reference``, a plain PrefixIndex that gets exactly the event writes. The confirmed part
     (match_confirmed, blocks, hashes) must equal it; match() may add unexpired speculation on top, never less; a
-    prediction must be matched whole until TTL has passed; once 2 x TTL pass without one, match() is the confirmed
-    match alone.
+    prediction must be matched whole until TTL has passed (unless a removal or refusal took a block of it); once
+    2 x TTL pass without one, match() is the confirmed match alone.
     """
 
     def __init__(self) -> None:
@@ -34,6 +34,14 @@ class EventIndexMachine(RuleBasedStateMachine):
         self.index = EventIndex(1, speculative_ttl=TTL, clock=self.clock)
         self.reference = PrefixIndex(1)
         self.quiet_since = self.clock.now  # the clock reading of the last prediction
+        # (backend, chain, length) -> when predicted, for predictions nothing has removed a block of since
+        self.trusted: dict[tuple[str, tuple[int, ...], int], float] = {}
+
+    def forget(self, backend: str, chain: list[int] | None = None, start: int = 0) -> None:
+        """Stop expecting the predictions whose blocks from ``start`` on were just removed."""
+        for key in [k for k in self.trusted if k[0] == backend and (chain is None or k[1] == tuple(chain))]:
+            if key[2] > start:
+                del self.trusted[key]
 
     @rule(backend=st.sampled_from(BACKENDS), chain=st.sampled_from(CHAINS), cut=st.integers(0, 6))
     def store(self, backend: str, chain: list[int], cut: int) -> None:
@@ -45,6 +53,7 @@ class EventIndexMachine(RuleBasedStateMachine):
     def remove(self, backend: str, chain: list[int], start: int) -> None:
         self.index.remove(iter(chain[start:]), backend)
         self.reference.remove(chain[start:], backend)
+        self.forget(backend, chain, start)
 
     @rule(backend=st.sampled_from(BACKENDS), capacity=CAPACITIES)
     def set_capacity(self, backend: str, capacity: int | None) -> None:
@@ -55,24 +64,28 @@ class EventIndexMachine(RuleBasedStateMachine):
     def remove_backend(self, backend: str) -> None:
         self.index.remove_backend(backend)
         self.reference.remove_backend(backend)
+        self.forget(backend)
 
     @rule()
     def clear(self) -> None:
         self.index.clear()
         self.reference.clear()
+        self.trusted.clear()
 
     @rule(backend=st.sampled_from(BACKENDS), chain=st.sampled_from(CHAINS), length=st.integers(1, 8))
     def predict(self, backend: str, chain: list[int], length: int) -> None:
         prompt = chain[:length]
         self.index.predict(prompt, backend, 0)
         self.quiet_since = self.clock.now
+        self.trusted[backend, tuple(chain), length] = self.clock.now
         assert self.index.match(prompt, [backend])[backend] == length  # trusted right away, whole
 
     @rule(backend=st.sampled_from(BACKENDS), chain=st.sampled_from(CHAINS), start=st.integers(0, 8))
     def retract(self, backend: str, chain: list[int], start: int) -> None:
         self.index.retract(chain, backend, start)  # speculation only: the confirmed part stays
+        self.forget(backend, chain, start)
 
-    @rule(seconds=st.sampled_from([0.5, 1.0, TTL, 2 * TTL]))
+    @rule(seconds=st.sampled_from([0.5, 1.0, 1.5, TTL, 2 * TTL]))
     def time_passes(self, seconds: float) -> None:
         self.clock.tick(seconds)
 
@@ -92,6 +105,9 @@ class EventIndexMachine(RuleBasedStateMachine):
                 assert matched[backend] >= confirmed[backend], backend
                 if quiet:
                     assert matched[backend] == confirmed[backend], backend
+        for (backend, predicted, length), made in self.trusted.items():
+            if self.clock.now - made < TTL:  # trusted whole for at least TTL, across a turn of the generations
+                assert self.index.match(predicted, [backend])[backend] >= length, (backend, length)
 
 
 EventIndexMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
