@@ -65,15 +65,28 @@ def lora_namespace(namespace: str | bytes | None, lora_name: str | None) -> str 
 
 @dataclass
 class TrackerStats:
-    """Counters of what a :class:`BlockTracker` did with the events it saw."""
+    """Counters of what a :class:`BlockTracker` did with the events it saw.
+
+    Each block of a valid ``BlockStored`` is counted once: stored, orphaned or skipped; each block of a valid
+    ``BlockRemoved`` once: removed, unknown or skipped.
+    """
 
     blocks_stored: int = 0
+    """Stored blocks indexed (a second copy of a block held counts again)."""
     blocks_removed: int = 0
+    """Removed blocks the tracker held (one copy each)."""
     clears: int = 0
+    """``AllBlocksCleared`` events."""
     orphan_blocks: int = 0
+    """Stored blocks not indexed because their parent is unknown (stored before the tracker started, lost, or not
+    indexed itself)."""
     unknown_removals: int = 0
+    """Removed blocks the tracker did not hold (orphans, blocks not indexed, or ones it never heard of)."""
     skipped_blocks: int = 0
+    """Blocks of other media, of groups not indexed, of an adapter named only by id, and stored blocks from the
+    first one with extra keys on (stored and removed both count)."""
     invalid_events: int = 0
+    """Events :meth:`BlockTracker.apply` skipped as invalid."""
 
 
 class BlockTracker:
@@ -213,7 +226,7 @@ class BlockTracker:
         else:
             entry = own.get(parent)
             if entry is None:
-                self.stats.orphan_blocks += len(vllm_hashes)
+                self.stats.orphan_blocks += count  # the rest were counted as skipped, each block once
                 return
             seed = parent_own = entry.own[-1]
         chain = hasher.hash_encoded(data, seed)

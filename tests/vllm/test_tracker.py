@@ -64,19 +64,23 @@ def test_a_removal_naming_blocks_never_held_still_removes_the_ones_held() -> Non
 
 
 def test_stats_count_every_event_and_block_exactly_across_applies() -> None:
+    """Each stored block is counted once, as stored, skipped or orphaned (an operator adds them up to see where the
+    engine's blocks went); each removed block once, as removed, unknown or skipped."""
     tracker = BlockTracker()
     for _ in range(2):
         tracker.apply(
             [
                 BlockStored([11, 12], None, TOKENS[:32], 16, extra_keys=[None, ["mm"]]),  # block 12 is skipped
                 BlockStored([13], 12, TOKENS[32:48], 16),  # an orphan: its parent was not indexed
+                BlockStored([14, 15], 99, TOKENS[:32], 16, extra_keys=[None, ["mm"]]),  # an orphan, then skipped
                 BlockStored([21], None, TOKENS[:16], 16, medium="CPU"),  # skipped
                 BlockRemoved([11, 12, 13]),  # 12 and 13 unknown
+                BlockRemoved([21], medium="CPU"),  # skipped
                 AllBlocksCleared(),
             ]
         )
     assert tracker.stats == TrackerStats(
-        blocks_stored=2, blocks_removed=2, clears=2, orphan_blocks=2, unknown_removals=4, skipped_blocks=4
+        blocks_stored=2, blocks_removed=2, clears=2, orphan_blocks=4, unknown_removals=4, skipped_blocks=8
     )
 
 
