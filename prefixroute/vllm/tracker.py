@@ -471,7 +471,9 @@ def _is_gpu(medium: str | None) -> bool:
 
 
 def _sub_blocks(vllm_block_size: int, block_size: int) -> int:
-    if vllm_block_size <= 0 or vllm_block_size % block_size:
+    if vllm_block_size <= 0:  # no engine has such blocks: the event is corrupt, no router setting would take it
+        raise InvalidEventError(f"vLLM's block size {shown(vllm_block_size)} is not positive: the event is corrupt")
+    if vllm_block_size % block_size:
         raise InvalidEventError(
             f"vLLM's block size {shown(vllm_block_size)} is not a positive multiple of prefixroute's block size "
             f"{block_size}: configure the router with block_size={vllm_block_size} (vLLM's --block-size)"

@@ -233,8 +233,10 @@ def test_a_lora_block_under_a_bytes_namespace_hashes_as_lora_namespace_says() ->
 
 @pytest.mark.parametrize("vllm_block_size", [0, -16])
 def test_a_vllm_block_size_that_is_not_positive_is_an_invalid_event(vllm_block_size: int) -> None:
-    with pytest.raises(InvalidEventError, match=f"vLLM's block size {vllm_block_size} is not a positive multiple"):
+    # Was: "... configure the router with block_size=0", a setting that does not exist.
+    with pytest.raises(InvalidEventError) as refused:
         BlockTracker().apply_strict([BlockStored([], None, [], vllm_block_size)])
+    assert str(refused.value) == f"vLLM's block size {vllm_block_size} is not positive: the event is corrupt"
 
 
 def test_one_token_blocks_are_blocks_like_any_other() -> None:
