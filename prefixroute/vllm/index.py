@@ -88,12 +88,14 @@ class EventIndex(PrefixIndex):
         return super().match(hashes, (backend,))[backend]
 
     def predict(self, hashes: Sequence[int], backend: str, held: int) -> None:
-        """Trust for a while that ``backend`` now holds ``hashes`` (nothing with ``speculative_ttl=0``). O(n).
+        """Trust for a while that ``backend`` now holds ``hashes`` (nothing with ``speculative_ttl=0``, nor for a
+        prompt of more blocks than the backend keeps, which its engine refuses, as :meth:`PrefixIndex.predict`). O(n).
 
         Raises as :meth:`PrefixIndex.predict` does, with any ``speculative_ttl``.
         """
         hashes, backend, held = _check_prediction(hashes, backend, held)
-        if self._ttl:
+        capacity = self._limit(backend)
+        if self._ttl and (capacity is None or len(hashes) <= capacity):
             self._rotate()
             self._current.predict(hashes, backend, 0)
 

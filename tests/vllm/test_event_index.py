@@ -43,6 +43,17 @@ def test_a_fresh_prediction_is_trusted_until_events_confirm_it() -> None:
         assert (confirmed.matched_tokens, confirmed.confirmed_tokens) == (96, 96)
 
 
+def test_a_prompt_longer_than_the_backend_keeps_is_not_predicted_as_prefix_index_does_not() -> None:
+    # Was: trusted for up to two TTLs, though its engine refuses a prompt of more blocks than its KV cache holds.
+    clock = FakeClock()
+    router = hybrid(clock)
+    router.set_capacity("gpu0", len(HASHES) - 1)
+    router.set_capacity("gpu1", len(HASHES))
+    router.route(PROMPT, ["gpu0"])
+    router.route(PROMPT, ["gpu1"])
+    assert router.index.match(HASHES, ["gpu0", "gpu1"]) == {"gpu0": 0, "gpu1": len(HASHES)}
+
+
 def test_speculative_entries_expire_between_one_and_two_ttls() -> None:
     clock = FakeClock()
     router = hybrid(clock, ttl=2.0)

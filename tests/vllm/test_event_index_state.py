@@ -20,7 +20,8 @@ CAPACITIES = st.none() | st.integers(0, 12)
 
 class EventIndexMachine(RuleBasedStateMachine):
     """Event writes (stores from block 0 and continuations, removals, capacities, a backend removed, clear), routing
-    predictions and refusals (retract), and time passing, in any order.
+    predictions (of prompts the backend keeps, and of longer ones, which are not recorded) and refusals (retract), and
+    time passing, in any order.
 
     The model: ``reference``, a plain PrefixIndex that gets exactly the event writes. The confirmed part
     (match_confirmed, blocks, hashes) must equal it; match() may add unexpired speculation on top, never less; a
@@ -36,6 +37,7 @@ class EventIndexMachine(RuleBasedStateMachine):
         self.quiet_since = self.clock.now  # the clock reading of the last prediction
         # (backend, chain, length) -> when predicted, for predictions nothing has removed a block of since
         self.trusted: dict[tuple[str, tuple[int, ...], int], float] = {}
+        self.capacity: dict[str, int | None] = dict.fromkeys(BACKENDS)
 
     def forget(self, backend: str, chain: list[int] | None = None, start: int = 0) -> None:
         """Stop expecting the predictions whose blocks from ``start`` on were just removed."""
@@ -59,6 +61,7 @@ class EventIndexMachine(RuleBasedStateMachine):
     def set_capacity(self, backend: str, capacity: int | None) -> None:
         self.index.set_capacity(backend, capacity)
         self.reference.set_capacity(backend, capacity)
+        self.capacity[backend] = capacity
 
     @rule(backend=st.sampled_from(BACKENDS))
     def remove_backend(self, backend: str) -> None:
@@ -75,7 +78,12 @@ class EventIndexMachine(RuleBasedStateMachine):
     @rule(backend=st.sampled_from(BACKENDS), chain=st.sampled_from(CHAINS), length=st.integers(1, 8))
     def predict(self, backend: str, chain: list[int], length: int) -> None:
         prompt = chain[:length]
+        before = self.index.match(prompt, [backend])[backend]
         self.index.predict(prompt, backend, 0)
+        capacity = self.capacity[backend]
+        if capacity is not None and length > capacity:  # more blocks than the backend keeps: its engine refuses it
+            assert self.index.match(prompt, [backend])[backend] == before
+            return
         self.quiet_since = self.clock.now
         self.trusted[backend, tuple(chain), length] = self.clock.now
         assert self.index.match(prompt, [backend])[backend] == length  # trusted right away, whole
