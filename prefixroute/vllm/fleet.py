@@ -186,7 +186,8 @@ class Fleet:
         ``AllBlocksCleared`` or restart drops only what no other rank holds.
 
         Raises:
-            ConfigurationError: the backend is already in the fleet, the fleet is closed, an endpoint is malformed,
+            ConfigurationError: the backend is already in the fleet, the fleet is closed, an endpoint is malformed
+                or is one that another backend of the fleet follows,
                 ``replay`` comes without ``kv_events``, ``kv_events`` is given to a router whose index is not an
                 :class:`~prefixroute.vllm.EventIndex`, a list of endpoints is empty, repeats one, or its
                 ``replay`` list differs in length, a list or ``data_parallel_size`` has more than
@@ -244,6 +245,11 @@ class Fleet:
                 refusal = ConfigurationError("this Fleet is closed: make a new one")
             elif backend in self._members:
                 refusal = ConfigurationError(f"backend {backend!r} is already in the fleet: remove_backend() it first")
+            elif (claimed := self._claimed(streams)) is not None:
+                refusal = ConfigurationError(
+                    f"endpoint {claimed[0]!r} is already backend {claimed[1]!r}'s: each engine publishes its events "
+                    "(and replays them) on addresses of its own"
+                )
             else:
                 self._members[backend] = member
         if refusal is not None:
@@ -257,6 +263,17 @@ class Fleet:
             gone = self._members.get(backend) is not member
         if gone:  # remove_backend() or close() took it before its threads started: they found nothing to stop
             member.stop()
+
+    def _claimed(self, streams: list[tuple[str, str | None]]) -> tuple[str, str] | None:
+        """An endpoint of ``streams`` that a backend of the fleet already follows, and that backend; the caller
+        holds the lock."""
+        mine = {endpoint for stream in streams for endpoint in stream if endpoint is not None}
+        for other, member in self._members.items():
+            for subscriber in member.subscribers:
+                for endpoint in (subscriber.endpoint, subscriber.replay_endpoint):
+                    if endpoint in mine:
+                        return endpoint, other
+        return None
 
     def remove_backend(self, backend: str) -> None:
         """Stop everything ``backend`` had (its subscriber and its poller), then :meth:`Router.remove_backend` it.

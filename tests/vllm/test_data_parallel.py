@@ -153,11 +153,11 @@ def test_data_parallel_size_derives_the_ranks_endpoints_as_vllm_does() -> None:
 
 
 def test_a_single_endpoint_has_one_subscriber_and_no_merge(ranks: tuple[FakeVLLM, FakeVLLM]) -> None:
-    rank0, _ = ranks
+    rank0, rank1 = ranks
     router = events_router()
     with Fleet(router) as fleet:
         fleet.add_backend("gpu0", kv_events=rank0.endpoint, replay=rank0.replay_endpoint, metrics_url=rank0.url)
-        fleet.add_backend("listed", kv_events=[rank0.endpoint])  # a list of one is the same
+        fleet.add_backend("listed", kv_events=[rank1.endpoint])  # a list of one is the same
         sub = fleet.subscriber("gpu0")
         assert sub is not None and fleet.subscribers("gpu0") == [sub] and sub.writer is not None
         assert type(sub.writer).__name__ == "_Gate" and type(fleet.subscribers("listed")[0].writer).__name__ == "_Gate"

@@ -530,6 +530,37 @@ def test_bad_backends_and_endpoints_are_clear_errors() -> None:
         Fleet(object())  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("first", "second", "taken"),
+    [
+        ({"kv_events": "tcp://127.0.0.1:5557"}, {"kv_events": "tcp://127.0.0.1:5557"}, "tcp://127.0.0.1:5557"),
+        # a publisher given as another backend's replay endpoint, and a replay endpoint given twice
+        ({"kv_events": "tcp://127.0.0.1:5557", "replay": "tcp://127.0.0.1:5558"},
+         {"kv_events": "tcp://127.0.0.1:5558"}, "tcp://127.0.0.1:5558"),
+        ({"kv_events": "tcp://127.0.0.1:5557", "replay": "tcp://127.0.0.1:5558"},
+         {"kv_events": "tcp://127.0.0.1:6557", "replay": "tcp://127.0.0.1:5558"}, "tcp://127.0.0.1:5558"),
+        # one data-parallel rank's endpoint (port + rank) that another backend follows
+        ({"kv_events": "tcp://127.0.0.1:5558"}, {"kv_events": "tcp://127.0.0.1:5557", "data_parallel_size": 2},
+         "tcp://127.0.0.1:5558"),
+    ],
+)  # fmt: skip
+def test_an_endpoint_another_backend_follows_is_refused(
+    first: dict[str, Any], second: dict[str, Any], taken: str
+) -> None:
+    """Was accepted: both backends were then credited with one engine's blocks (a copied config line)."""
+    with Fleet(events_router()) as fleet:
+        fleet.add_backend("gpu0", **first)
+        with pytest.raises(ConfigurationError) as refused:
+            fleet.add_backend("gpu1", **second)
+        assert str(refused.value) == (
+            f"endpoint {taken!r} is already backend 'gpu0''s: each engine publishes its events (and replays them) on "
+            "addresses of its own"
+        )
+        assert fleet.backends() == ["gpu0"]
+        fleet.remove_backend("gpu0")
+        fleet.add_backend("gpu1", **second)  # free again once its backend is gone
+
+
 def test_a_refused_add_closes_the_http_client_it_made(monkeypatch: pytest.MonkeyPatch) -> None:
     clients: list[httpx.Client] = []
 
@@ -643,10 +674,11 @@ def test_close_stops_every_backend_even_when_the_router_refuses_to_drop_figures(
     """Was: close() dropped each backend's figures right after stopping it, so a router that raised there left the
     subscribers of the backends after the first running, out of the fleet, where nothing could stop them."""
     fleet = Fleet(BrokenRouter(index=EventIndex(16)), interval=0.02)
-    for backend in ("gpu0", "gpu1"):
-        fleet.add_backend(backend, kv_events=engine.endpoint, metrics_url=engine.url)
-    with pytest.raises(RuntimeError, match="cannot take engine figures"):
-        fleet.close()
+    with FakeVLLM() as other:
+        for backend, each in (("gpu0", engine), ("gpu1", other)):
+            fleet.add_backend(backend, kv_events=each.endpoint, metrics_url=each.url)
+        with pytest.raises(RuntimeError, match="cannot take engine figures"):
+            fleet.close()
     assert threads_of("gpu0") == [] and threads_of("gpu1") == [] and fleet.backends() == []
 
 
