@@ -12,13 +12,15 @@ import pytest
 
 from prefixroute.vllm import KVEventSubscriber
 
-from ..conftest import wait_until
+from ..conftest import DEADLINE_S, wait_until
 from .test_vllm_blackbox import (
+    Publisher,
     applied,
     events_router,
     join,
     own,
     publisher,
+    seq_bytes,
     sound,
     stored_batch,
     subscribed,
@@ -62,8 +64,11 @@ def test_a_gap_whose_first_batch_the_replay_buffer_lost_applies_the_rest_once_an
             before.failed_replays, before.bad_sequences, before.restarts,
         )  # fmt: skip
         assert router.index.hashes("gpu0") == own(tokens(200, 3))
+        assert (after.backend, after.last_seq, after.blocks_held) == ("gpu0", last, 3)
         (skipped,) = said(caplog, "skipping batch")
-        assert skipped.startswith(f"KV events from gpu0: skipping batch {base + 2} (1 invalid so far): ")
+        assert skipped.startswith(
+            f"KV events from gpu0: skipping batch {base + 2} (1 invalid so far): KV event payload is not valid msgpack"
+        )
         assert said(caplog, "are lost") == [
             f"KV events from gpu0: some of batches {base + 1}..{base + 4} are lost (replay could not supply them "
             "all); the index may miss updates"
@@ -96,3 +101,116 @@ def test_without_a_replay_endpoint_a_gap_is_one_unrecovered_gap_logged_as_replay
             ]
             sound(router, sub)
         assert not sub.running
+
+
+def test_a_replay_that_goes_silent_after_a_batch_keeps_it_and_is_one_failed_replay_logged_with_what_it_kept(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No end-of-replay frame within ``replay_timeout``: the batch it did send is applied, the rest of the gap is
+    lost, and the warning says which replay failed, where, why and how many batches it kept."""
+
+    def first_only(pub: Publisher, client: bytes, start: int) -> None:
+        pub.reply([client, b"", pub.topic, seq_bytes(start), pub.buffer[start]])
+
+    with publisher() as pub, subscribed(pub, replay_timeout=0.2) as (router, sub):
+        base = sub.last_seq
+        before = sub.stats()
+        caplog.clear()
+        pub.replay_mode = first_only
+        pub.publish(stored_batch(100, 1, first_hash=1), send=False)
+        pub.publish(stored_batch(116, 1, parent=1, first_hash=2), send=False)
+        last = pub.publish(stored_batch(200, 1, first_hash=3))
+        wait_until(applied(sub, last))
+        after = sub.stats()
+        moved = {
+            name: getattr(after, name) - getattr(before, name)
+            for name in ("gaps", "failed_replays", "unrecovered_gaps", "replayed_batches", "batches")
+        }
+        assert moved == {"gaps": 1, "failed_replays": 1, "unrecovered_gaps": 1, "replayed_batches": 1, "batches": 2}
+        assert router.index.hashes("gpu0") == own(tokens(100, 1)) | own(tokens(200, 1))
+        assert said(caplog, "replay of batches") == [
+            f"KV events from gpu0: the replay of batches from {base + 1} from {pub.replay_endpoint} failed (no end "
+            "of replay within 0.2s); 1 batches kept, live events go on"
+        ]
+        sound(router, sub)
+
+
+def test_stop_ends_a_replay_in_progress_without_waiting_for_its_timeout(caplog: pytest.LogCaptureFixture) -> None:
+    """A replay waits for its answer in short polls that look whether stop() was called: a stop during a replay
+    that would last far longer than stop's own timeout still ends the thread, and is neither a failed replay nor an
+    error."""
+    with publisher() as pub, subscribed(pub, replay_timeout=30 * DEADLINE_S) as (router, sub):
+        base = sub.last_seq
+        before = sub.stats()
+        caplog.clear()
+        pub.replay_mode = "silent"
+        pub.publish(stored_batch(100, 1, first_hash=1), send=False)
+        pub.publish(stored_batch(116, 1, parent=1, first_hash=2))
+        wait_until(lambda: base + 1 in pub.requests, what="the gap's replay asked for")
+        sub.stop(timeout=DEADLINE_S)
+        assert not sub.running
+        after = sub.stats()
+        assert (after.failed_replays, after.invalid_batches) == (before.failed_replays, before.invalid_batches)
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+        router._check()
+
+
+def test_garbage_in_a_replay_costs_only_itself_and_the_batches_after_it_fill_the_gap() -> None:
+    """Replies of the wrong shape, one numbered before the gap and a duplicate are dropped, and the replay reads on:
+    the gap is filled, each batch applied once, nothing counted as lost or invalid."""
+    with publisher() as pub, subscribed(pub) as (router, sub):
+        base = sub.last_seq
+        before = sub.stats()
+        gap = {base + n: stored_batch(84 + 16 * n, 1, parent=n - 1 or None, first_hash=n) for n in (1, 2, 3)}
+
+        def interleaved(pub: Publisher, client: bytes, start: int) -> None:
+            def send(seq: int, payload: bytes) -> None:
+                pub.reply([client, b"", pub.topic, seq_bytes(seq), payload])
+
+            send(start, gap[start])
+            pub.reply([client, b"", b"one frame"])
+            pub.reply([client, b"", pub.topic, b"\x00\x01", stored_batch(900, 1, first_hash=9)])  # a 2-byte number
+            send(start - 1, stored_batch(900, 1, first_hash=9))  # before what was asked for
+            send(start, gap[start])  # a duplicate
+            send(start + 1, gap[start + 1])
+            send(start + 2, gap[start + 2])
+            pub.reply([client, b"", b"", seq_bytes(-1), b""])
+
+        pub.replay_mode = interleaved
+        for seq, payload in gap.items():
+            pub.publish(payload, seq=seq, send=False)
+        last = pub.publish(stored_batch(148, 1, parent=3, first_hash=4))
+        wait_until(applied(sub, last))
+        after = sub.stats()
+        moved = {
+            name: getattr(after, name) - getattr(before, name)
+            for name in ("gaps", "replayed_batches", "batches", "unrecovered_gaps", "failed_replays", "invalid_batches")
+        }
+        assert moved == {
+            "gaps": 1, "replayed_batches": 3, "batches": 4, "unrecovered_gaps": 0, "failed_replays": 0,
+            "invalid_batches": 0,
+        }  # fmt: skip
+        assert router.index.hashes("gpu0") == own(tokens(100, 4))
+        sound(router, sub)
+
+
+def test_a_replay_that_passes_the_gaps_last_batch_ends_there_and_the_live_batch_still_applies() -> None:
+    """The engine's buffer lacks the gap's last batch and answers the next: the replay ends at once with what came
+    before, the missing batch is one unrecovered gap, and the live batch that revealed the gap is applied."""
+    with publisher() as pub, subscribed(pub) as (router, sub):
+        base = sub.last_seq
+        before = sub.stats()
+        pub.publish(stored_batch(100, 1, first_hash=1), send=False)
+        pub.publish(stored_batch(116, 1, parent=1, first_hash=2), keep=False, send=False)  # lost for good
+        last = pub.publish(stored_batch(200, 1, first_hash=3))
+        wait_until(applied(sub, last))
+        after = sub.stats()
+        moved = {
+            name: getattr(after, name) - getattr(before, name)
+            for name in ("gaps", "replayed_batches", "unrecovered_gaps", "failed_replays", "invalid_batches")
+        }
+        assert moved == {"gaps": 1, "replayed_batches": 1, "unrecovered_gaps": 1, "failed_replays": 0,
+                         "invalid_batches": 0}  # fmt: skip
+        assert pub.requests[-1] == base + 1
+        assert router.index.hashes("gpu0") == own(tokens(100, 1)) | own(tokens(200, 1))
+        sound(router, sub)
