@@ -1,5 +1,5 @@
-"""What a KVEventSubscriber says of each option it refuses, and what a new one reports (found by mutation testing of
-vllm/subscriber.py: __init__, stats).
+"""What a KVEventSubscriber says of each option it refuses, what a new one reports, and a documented default (found by
+mutation testing of vllm/subscriber.py: __init__, stats).
 
 Each refusal names the option, what it must be and what it was given, so that the message alone says what to fix.
 """
@@ -14,7 +14,8 @@ from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.vllm import KVEventSubscriber
 from prefixroute.vllm._checks import MAX_SECONDS
 
-from .test_vllm_blackbox import events_router
+from ..conftest import wait_until
+from .test_vllm_blackbox import applied, events_router, own, publisher, sound, stored_batch, subscribed, tokens
 
 SECONDS = f"a finite positive number of seconds (at most {MAX_SECONDS:.0f})"
 
@@ -103,3 +104,23 @@ def test_a_new_subscriber_reports_nothing_applied_yet() -> None:
     }  # fmt: skip
     assert counts == dict.fromkeys(counts, 0)
     assert sub.last_seq == -1 and not sub.running and sub.held() == set()
+
+
+def test_the_default_max_sequence_jump_is_the_documented_100_000() -> None:
+    """100,000 numbers skipped are a gap, acted on at once; 100,001 are held back until the next message continues
+    them (here none does: the jump is skipped)."""
+    with publisher() as pub, subscribed(pub) as (router, sub):
+        base = sub.last_seq
+        before = sub.stats()
+        gap = pub.publish(stored_batch(100, 1, first_hash=1), seq=base + 1 + 100_000)
+        wait_until(applied(sub, gap), what="a jump of 100,000 applied without waiting")
+        pub.publish(stored_batch(200, 1, first_hash=2), seq=gap + 1 + 100_001)  # held back
+        last = pub.publish(stored_batch(300, 1, first_hash=3), seq=gap + 1)  # does not continue it
+        wait_until(lambda: sub.last_seq == last, what="the batch after the one held back")
+        after = sub.stats()
+        moved = {
+            name: getattr(after, name) - getattr(before, name) for name in ("gaps", "unrecovered_gaps", "bad_sequences")
+        }
+        assert moved == {"gaps": 1, "unrecovered_gaps": 1, "bad_sequences": 1}
+        assert router.index.hashes("gpu0") == own(tokens(100, 1)) | own(tokens(300, 1))
+        sound(router, sub)
