@@ -16,10 +16,12 @@ from ..conftest import DEADLINE_S, wait_until
 from .test_vllm_blackbox import (
     Publisher,
     applied,
+    batch_array,
     events_router,
     join,
     own,
     publisher,
+    removed_array,
     seq_bytes,
     sound,
     stored_batch,
@@ -213,4 +215,21 @@ def test_a_replay_that_passes_the_gaps_last_batch_ends_there_and_the_live_batch_
                          "invalid_batches": 0}  # fmt: skip
         assert pub.requests[-1] == base + 1
         assert router.index.hashes("gpu0") == own(tokens(100, 1)) | own(tokens(200, 1))
+        sound(router, sub)
+
+
+def test_a_removal_in_a_batch_the_replay_cannot_supply_is_lost_too_and_reset_drops_what_it_left() -> None:
+    """An unrecovered gap can leave blocks the engine has evicted in the index (their removal was in a lost batch),
+    as docs/vllm.md says; the subscriber counts the gap, and reset() is how a health check drops what it left."""
+    with publisher() as pub, subscribed(pub) as (router, sub):
+        before = sub.stats()
+        stored = pub.publish(stored_batch(100, 1, first_hash=1))
+        wait_until(applied(sub, stored))
+        pub.publish(batch_array([removed_array([1])], rank=0), keep=False, send=False)  # evicted; the news lost
+        last = pub.publish(stored_batch(200, 1, first_hash=2))
+        wait_until(applied(sub, last))
+        assert sub.stats().unrecovered_gaps == before.unrecovered_gaps + 1
+        assert router.index.hashes("gpu0") == own(tokens(100, 1)) | own(tokens(200, 1))  # 100's block is stale
+        sub.reset()
+        assert router.index.hashes("gpu0") == set()
         sound(router, sub)
