@@ -158,8 +158,9 @@ def test_stop_ends_a_replay_in_progress_without_waiting_for_its_timeout(caplog: 
 
 
 def test_garbage_in_a_replay_costs_only_itself_and_the_batches_after_it_fill_the_gap() -> None:
-    """Replies of the wrong shape, one numbered before the gap and a duplicate are dropped, and the replay reads on:
-    the gap is filled, each batch applied once, nothing counted as lost or invalid."""
+    """Replies of the wrong shape, one numbered before the gap or negative (but -1, the end), and a duplicate are
+    dropped, and the replay reads on: the gap is filled, each batch applied once, nothing counted as lost or
+    invalid."""
     with publisher() as pub, subscribed(pub) as (router, sub):
         base = sub.last_seq
         before = sub.stats()
@@ -173,6 +174,7 @@ def test_garbage_in_a_replay_costs_only_itself_and_the_batches_after_it_fill_the
             pub.reply([client, b"", b"one frame"])
             pub.reply([client, b"", pub.topic, b"\x00\x01", stored_batch(900, 1, first_hash=9)])  # a 2-byte number
             send(start - 1, stored_batch(900, 1, first_hash=9))  # before what was asked for
+            send(-7, stored_batch(900, 1, first_hash=9))  # negative, and not the end of the replay (-1)
             send(start, gap[start])  # a duplicate
             send(start + 1, gap[start + 1])
             send(start + 2, gap[start + 2])
