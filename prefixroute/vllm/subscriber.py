@@ -610,7 +610,8 @@ class KVEventSubscriber:
         """Replay batches ``start..end`` (inclusive); count an unrecovered gap when some cannot be had.
 
         Batches the engine's replay buffer no longer holds are lost; the ones after them are still applied (their
-        blocks whose parent was lost are skipped by the tracker, so the index never holds a false block).
+        blocks whose parent was lost are skipped by the tracker, so no false prefix is stored; a lost removal,
+        though, leaves its blocks in the index until a clear, a restart or :meth:`reset`).
         """
         replies = self._replay(context, start, end) if self.replay_endpoint is not None else []
         expected = start
