@@ -109,13 +109,14 @@ def test_a_replay_that_goes_silent_after_a_batch_keeps_it_and_is_a_failed_replay
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """No end-of-replay frame within ``replay_timeout``: the batch it did send is applied, the rest of the gap is
-    lost, and the warning says which replay failed, where, why and how many batches it kept. Each such replay is
-    counted: two of them, two failed replays."""
+    lost, and the warning says which replay failed, where, why and how many batches it kept (the timeout leaves
+    room for that batch to arrive on a loaded machine). Each such replay is counted: two of them, two failed
+    replays."""
 
     def first_only(pub: Publisher, client: bytes, start: int) -> None:
         pub.reply([client, b"", pub.topic, seq_bytes(start), pub.buffer[start]])
 
-    with publisher() as pub, subscribed(pub, replay_timeout=0.2) as (router, sub):
+    with publisher() as pub, subscribed(pub, replay_timeout=0.5) as (router, sub):
         before = sub.stats()
         caplog.clear()
         pub.replay_mode = first_only
@@ -136,7 +137,7 @@ def test_a_replay_that_goes_silent_after_a_batch_keeps_it_and_is_a_failed_replay
         )
         assert said(caplog, "replay of batches") == [
             f"KV events from gpu0: the replay of batches from {start} from {pub.replay_endpoint} failed (no end of "
-            "replay within 0.2s); 1 batches kept, live events go on"
+            "replay within 0.5s); 1 batches kept, live events go on"
             for start in starts
         ]
         sound(router, sub)
