@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
+from prefixroute import BlockHasher, Router
 from prefixroute.errors import ConfigurationError, InvalidTypeError
-from prefixroute.vllm import KVEventSubscriber
+from prefixroute.vllm import EventIndex, KVEventSubscriber
 from prefixroute.vllm._checks import MAX_SECONDS
 
 from ..conftest import wait_until
@@ -123,4 +124,16 @@ def test_the_default_max_sequence_jump_is_the_documented_100_000() -> None:
         }
         assert moved == {"gaps": 1, "unrecovered_gaps": 1, "bad_sequences": 1}
         assert router.index.hashes("gpu0") == own(tokens(100, 1)) | own(tokens(300, 1))
+        sound(router, sub)
+
+
+def test_events_are_hashed_in_the_writers_block_size() -> None:
+    """A router of 8-token blocks under a vLLM of 16-token blocks: each vLLM block is two of the router's, hashed as
+    route() hashes them (the subscriber takes its block size from its writer, not a default of 16)."""
+    router = Router(block_size=8, index=EventIndex(8, speculative_ttl=0))
+    with publisher() as pub, subscribed(pub, router=router) as (router, sub):
+        last = pub.publish(stored_batch(100, 2, first_hash=1))
+        wait_until(applied(sub, last))
+        assert router.index.hashes("gpu0") == set(BlockHasher(8).hash(tokens(100, 2)))
+        assert sub.stats().blocks_held == 4
         sound(router, sub)
