@@ -100,7 +100,7 @@ def test_a_new_subscriber_reports_nothing_applied_yet() -> None:
         name: getattr(stats, name)
         for name in (
             "batches", "events", "gaps", "replayed_batches", "unrecovered_gaps", "failed_replays", "restarts",
-            "invalid_batches", "bad_sequences", "write_errors", "observer_errors", "reconnects",
+            "invalid_batches", "bad_sequences", "write_errors", "observer_errors", "reconnects", "handshake_failures",
         )
     }  # fmt: skip
     assert counts == dict.fromkeys(counts, 0)
