@@ -266,6 +266,30 @@ def test_which_tokenizers_cut_their_texts() -> None:
         assert not PromptTokenizer(tokenizer)._words
 
 
+PER_CHARACTER_NORMALIZERS: dict[str, Callable[[], normalizers.Normalizer]] = {
+    "NFC": normalizers.NFC,
+    "NFD": normalizers.NFD,
+    "NFKC": normalizers.NFKC,
+    "NFKD": normalizers.NFKD,
+    "Lowercase": normalizers.Lowercase,
+    "StripAccents": lambda: normalizers.Sequence([normalizers.NFD(), normalizers.StripAccents()]),
+    "BertNormalizer": normalizers.BertNormalizer,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PER_CHARACTER_NORMALIZERS))
+def test_a_tokenizer_whose_normalizer_maps_each_character_apart_is_cut_between_words(name: str) -> None:
+    """Unicode normal forms, lower case, accents stripped, BERT's: each maps a text piece by piece, so a long text is
+    cut between words and its pieces cached, with exactly the ids of one encode (accents, ligatures, full-width
+    letters and combining marks included)."""
+    tokenizer = _bpe(normalizer=PER_CHARACTER_NORMALIZERS[name]())
+    prompt_tokenizer = PromptTokenizer(tokenizer)
+    assert prompt_tokenizer._words
+    text = " ".join(["Caf\u00e9 na\u0131ve \ufb01ne \uff21BC Zu\u0308rich \u0130stanbul STRASSE stra\u00dfe"] * 40)
+    assert prompt_tokenizer.encode(text) == tokenizer.encode(text).ids
+    assert len(prompt_tokenizer._pieces) > 1
+
+
 def test_a_pre_tokenizer_that_keeps_words_together_is_not_cut_between_them() -> None:
     """SuperBPE's released pre-tokenizer (a Split on digits, punctuation runs and trailing spaces, then byte-level
     without its own regex) keeps "in the" one pre-token, which its superword merge makes one token; no merge joins
