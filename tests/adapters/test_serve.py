@@ -1236,6 +1236,68 @@ def test_a_sidecar_started_late_replays_what_the_engine_cached_before(tmp_path: 
             assert (answer["backend"], answer["matched_tokens"]) == (engine.url, 64)
 
 
+def free_port_pair() -> int:
+    """A port free on 127.0.0.1 now whose next port is free too: where a data-parallel server's ranks 0 and 1
+    publish (vLLM offsets the configured port by the rank)."""
+    while True:
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port: int = first.getsockname()[1]
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+
+
+def test_data_parallel_size_follows_the_kv_events_of_every_rank(tmp_path: Path) -> None:
+    """``--data-parallel-size N``: each ``--kv-events`` endpoint and its replay are rank 0's, rank r's are their
+    ports + r (as vLLM offsets them), and what any rank caches, before the sidecar started too, reaches the router for
+    that rank's backend, not another's; a backend without ``--kv-events`` serves beside them."""
+    from prefixroute.testing import FakeVLLM
+
+    with contextlib.ExitStack() as stack:
+        servers = []  # per backend, its two ranks: rank 1 on the ports after rank 0's
+        for seed in (1, 3):
+            publisher, replay = free_port_pair(), free_port_pair()
+            servers.append(
+                [
+                    stack.enter_context(
+                        FakeVLLM(block_size=16, seed=seed + rank, port=publisher + rank, replay_port=replay + rank)
+                    )
+                    for rank in range(2)
+                ]
+            )
+        earlier = {}  # a prefix each rank alone cached before the sidecar started: only its replay can tell it
+        for number, ranks in enumerate(servers):
+            for rank, engine in enumerate(ranks):
+                earlier[number, rank] = ids(64, 100_000 * (2 * number + rank + 1))
+                engine.complete(earlier[number, rank])
+        urls = [ranks[0].url for ranks in servers]
+        events = [f"{ranks[0].url}={ranks[0].endpoint},{ranks[0].replay_endpoint}" for ranks in servers]
+        port = free_port()
+
+        def routed(prefix: list[int], what: str) -> tuple[str, int]:
+            """Where the sidecar routes ``prefix`` once a backend's KV events hold it: (backend, matched tokens)."""
+            deadline = time.monotonic() + DEADLINE_S
+            answer: dict[str, Any] = {}
+            while answer.get("reason") != "prefix":
+                assert time.monotonic() < deadline, f"{what} never arrived: {answer}"
+                answer = httpx.post(f"http://127.0.0.1:{port}/route", json={"prompt_token_ids": [*prefix, 1]}).json()
+                # Refused: the router forgets the blocks it predicted, so a match is the KV events' alone.
+                httpx.post(f"http://127.0.0.1:{port}/finish", json={"id": answer["id"], "refused": True})
+            return answer["backend"], answer["matched_tokens"]
+
+        options = ["--kv-events", *events, "--data-parallel-size", "2", "--models", "m"]
+        with start_sidecar(tmp_path, [*urls, "http://127.0.0.1:9"], port=port, options=options):
+            for (number, rank), prefix in earlier.items():
+                engine, url = servers[number][rank], urls[number]
+                assert routed(prefix, f"rank {rank} of {url}: its replay") == (url, 64)
+                later = ids(64, 100_000 * (2 * number + rank + 1) + 50_000)
+                engine.complete(later)  # published live, to a subscriber that has caught up
+                assert routed(later, f"rank {rank} of {url}: its live batch") == (url, 64)
+
+
 def test_metrics_from_backends_steer_routes_away_from_an_engine_that_is_down(
     tmp_path: Path, refused_port: Callable[[], int]
 ) -> None:
