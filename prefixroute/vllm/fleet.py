@@ -607,6 +607,10 @@ def _rank_streams(
             raise ConfigurationError(
                 f"replay must be one endpoint like 'tcp://gpu0:5558' with one kv_events endpoint, not {shown(replay)}"
             )
+        # Checked here, so that the error names the option given, not rank_endpoint()'s or the subscriber's.
+        check_endpoint(kv_events, "kv_events", "tcp://gpu0:5557")
+        if replay is not None:
+            check_endpoint(replay, "replay", "tcp://gpu0:5558")
         if data_parallel_size is None:
             return [(kv_events, replay)]
         return [
