@@ -198,17 +198,30 @@ def test_numpy_integers_are_taken_for_the_vllm_layers_int_options() -> None:
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"kv_events": []}, "empty list"),
-        ({"kv_events": ["tcp://h:1", 5]}, r"kv_events\[1\] must be a ZMQ address"),
+        ({"kv_events": []}, r"^kv_events is an empty list: give at least one endpoint \(one per data-parallel rank\)$"),
+        (
+            {"kv_events": ["tcp://h:1", 5]},
+            r"^kv_events\[1\] must be a ZMQ address to connect to, like 'tcp://gpu0:5557', not 5$",
+        ),
         ({"kv_events": ["tcp://h:1", "tcp://*:2"]}, r"kv_events\[1\] must be a ZMQ address"),
-        ({"kv_events": {"tcp://h:1"}}, "or a list of them"),
-        ({"kv_events": ["tcp://h:1", "tcp://h:2"], "replay": ["tcp://h:3"]}, "a list of 2 endpoints"),
+        ({"kv_events": {"tcp://h:1"}}, r"or a list of them \(one per data-parallel rank\), not \{'tcp://h:1'\}$"),
+        (
+            {"kv_events": ["tcp://h:1", "tcp://h:2"], "replay": ["tcp://h:3"]},
+            r"a list of 2 endpoints, .*, not \['tcp://h:3'\]$",
+        ),
         ({"kv_events": ["tcp://h:1", "tcp://h:2"], "replay": "tcp://h:3"}, "a list of 2 endpoints"),
-        ({"kv_events": ["tcp://h:1", "tcp://h:2"], "replay": ["tcp://h:3", None]}, r"replay\[1\]"),
+        (
+            {"kv_events": ["tcp://h:1", "tcp://h:2"], "replay": ["tcp://h:3", None]},
+            r"^replay\[1\] must be a ZMQ address to connect to, like 'tcp://gpu0:5558', not None$",
+        ),
         ({"kv_events": ["tcp://h:1", "tcp://h:1"]}, "kv_events lists an endpoint twice"),
         ({"kv_events": ["tcp://h:1", "tcp://h:2"], "replay": ["tcp://h:3"] * 2}, "replay lists an endpoint twice"),
-        ({"kv_events": "tcp://h:1", "replay": ["tcp://h:3"]}, "replay must be one endpoint"),
-        ({"kv_events": ["tcp://h:1", "tcp://h:2"], "data_parallel_size": 3}, "data_parallel_size=3 but"),
+        ({"kv_events": "tcp://h:1", "replay": ["tcp://h:3"]}, r"^replay must be one endpoint .*, not \['tcp://h:3'\]$"),
+        (
+            {"kv_events": ["tcp://h:1", "tcp://h:2"], "data_parallel_size": 3},
+            r"^data_parallel_size=3 but kv_events lists 2 endpoints: give one endpoint per rank, or one endpoint with "
+            r"data_parallel_size$",
+        ),
         ({"kv_events": "tcp://h:1", "data_parallel_size": 0}, r"data_parallel_size must be an int in \[1, 1024\]"),
         ({"kv_events": "tcp://h:1", "data_parallel_size": True}, r"data_parallel_size must be an int in \[1, 1024\]"),
         # 60000 started 60000 subscriber threads; a list as long did too
@@ -234,6 +247,16 @@ def test_bad_endpoints_are_refused_before_anything_starts(options: dict[str, obj
         with pytest.raises(ConfigurationError, match=message):
             fleet.add_backend("dp", **options)  # type: ignore[arg-type]
         assert fleet.backends() == [] and fleet.subscribers("dp") == []
+
+
+def test_the_most_ranks_1024_are_taken_as_a_list_or_as_data_parallel_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cap refuses more than 1024 ranks, not 1024 (vLLM's largest data-parallel servers are far below it)."""
+    monkeypatch.setattr(KVEventSubscriber, "start", lambda self: self)  # the count is the point, not 1024 threads
+    with Fleet(events_router()) as fleet:
+        fleet.add_backend("listed", kv_events=[f"inproc://kv{rank}" for rank in range(1024)])
+        fleet.add_backend("sized", kv_events="tcp://h:5557", data_parallel_size=1024)
+        assert [len(fleet.subscribers(backend)) for backend in ("listed", "sized")] == [1024, 1024]
+        assert fleet.subscribers("sized")[-1].endpoint == "tcp://h:6580"
 
 
 def test_a_prediction_router_refuses_a_list_too() -> None:
