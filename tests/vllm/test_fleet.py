@@ -304,6 +304,27 @@ def test_each_failed_scrape_is_counted_once_and_logged_with_why(caplog: pytest.L
     )
 
 
+def test_a_run_of_failed_scrapes_is_warned_about_once_and_again_after_a_recovery(
+    engine: FakeVLLM, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine down for minutes fails a scrape every interval: one warning per run of failures, not one a second
+    (the later ones are logged at debug level)."""
+
+    def warnings() -> int:
+        return sum(r.levelno == logging.WARNING and "metrics of gpu0" in r.getMessage() for r in caplog.records)
+
+    with Fleet(Router(), interval=0.02) as fleet:
+        fleet.add_backend("gpu0", metrics_url=engine.url)
+        for run in (1, 2):
+            engine.set_metrics_fault(text='vllm:num_requests_waiting{engine="0"} nan\n')
+            next_scrape(fleet, "gpu0")  # one may have been under way
+            for _ in range(3):
+                next_scrape(fleet, "gpu0")
+            assert fleet.healthy_backends() == [] and warnings() == run
+            engine.set_metrics_fault()
+            wait_until(lambda: fleet.healthy_backends() == ["gpu0"], what="the engine back")
+
+
 def test_a_backend_without_metrics_url_is_always_healthy_and_never_scraped() -> None:
     with Fleet(Router()) as fleet:
         fleet.add_backend("events-only")
