@@ -113,7 +113,10 @@ def test_a_block_size_it_cannot_use_is_warned_about_once_not_guessed(caplog: pyt
         wait_until(lambda: fleet.stats()["gpu0"].scrapes >= 5, what="more scrapes of the same cache config")
         assert fleet.router.index.capacity("gpu0") is None
     warnings = [r.getMessage() for r in caplog.records if "block_size is 24" in r.getMessage()]
-    assert len(warnings) == 1 and "gpu0" in warnings[0]  # once per config, naming the engine to fix
+    assert warnings == [  # once per config, naming the engine and saying what to fix
+        "gpu0: vLLM block_size is 24 but the router uses 16: prefix matches will be wrong; set Router(block_size=24) "
+        "or vLLM's --block-size"
+    ]
 
 
 def test_remove_backend_stops_its_subscriber_and_poller_and_nothing_is_written_back(engine: FakeVLLM) -> None:
