@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import zmq
 
-from prefixroute import ConfigurationError, InvalidTypeError, LeastLoaded, Router
+from prefixroute import BlockHasher, ConfigurationError, InvalidTypeError, LeastLoaded, Router
 from prefixroute.testing import FakeVLLM
 from prefixroute.vllm import BackendStats, EventIndex, Fleet, KVEventSubscriber
 
@@ -391,6 +391,40 @@ def following(engine: FakeVLLM) -> Iterator[tuple[Router, KVEventSubscriber]]:
         yield router, sub
 
 
+def test_events_are_hashed_in_the_namespace_route_uses_the_routers_or_the_one_given() -> None:
+    """A router built for one model (its namespace) must find what its engines' events report; a backend added with
+    ``namespace=`` (another model behind the same router) is found by requests naming that namespace."""
+    router = events_router(namespace="llama")
+    with FakeVLLM() as engine, Fleet(router) as fleet:
+        fleet.add_backend("default", kv_events=engine.endpoint, replay=engine.replay_endpoint)
+        fleet.add_backend("given", kv_events=engine.endpoint, replay=engine.replay_endpoint, namespace="qwen")
+        engine.complete(PROMPT)
+        for backend in ("default", "given"):
+            sub = fleet.subscriber(backend)
+            assert sub is not None
+            settle(engine, sub)
+        llama, qwen = (set(BlockHasher(16, namespace=name).hash(PROMPT)) for name in ("llama", "qwen"))
+        assert llama <= router.index.hashes("default") and not qwen & router.index.hashes("default")
+        assert qwen <= router.index.hashes("given") and not llama & router.index.hashes("given")
+        decision = router.route(PROMPT, ["given", "default"])
+        assert (decision.backend, decision.matched_tokens) == ("default", 96)
+        decision = router.route(PROMPT, ["default", "given"], namespace="qwen")
+        assert (decision.backend, decision.matched_tokens) == ("given", 96)
+
+
+def test_a_backend_follows_only_the_events_of_its_topic() -> None:
+    router = events_router()
+    with FakeVLLM(topic="kv@gpu0") as engine, Fleet(router) as fleet:
+        fleet.add_backend("gpu0", kv_events=engine.endpoint, replay=engine.replay_endpoint, topic="kv@gpu0")
+        fleet.add_backend("gpu1", kv_events=engine.endpoint, topic="kv@gpu1")  # a topic this publisher never sends
+        sub, other = fleet.subscriber("gpu0"), fleet.subscriber("gpu1")
+        assert sub is not None and other is not None and (sub.topic, other.topic) == ("kv@gpu0", "kv@gpu1")
+        engine.complete(PROMPT)
+        settle(engine, sub)
+        assert set(BlockHasher(16).hash(PROMPT)) <= router.index.hashes("gpu0")
+        assert router.index.blocks("gpu1") == 0 and other.stats().batches == 0
+
+
 def test_garbage_kv_event_messages_cost_only_their_batch(engine: FakeVLLM) -> None:
     with following(engine) as (router, sub):
         before = sub.stats()
@@ -535,13 +569,23 @@ def test_nonsense_options_are_rejected_when_given(options: dict[str, object], me
 
 def test_bad_backends_and_endpoints_are_clear_errors() -> None:
     with Fleet(Router()) as fleet:
-        with pytest.raises(ConfigurationError, match="EventIndex"):
+        with pytest.raises(
+            ConfigurationError,
+            match=r"^kv_events needs a router that reads the events: build it with "
+            r"Router\(index=prefixroute\.vllm\.EventIndex\(block_size\)\), not a prediction index$",
+        ):
             fleet.add_backend("gpu0", kv_events="tcp://127.0.0.1:1")
         with pytest.raises(ConfigurationError, match="http"):
             fleet.add_backend("gpu0", metrics_url="gpu0:8000")
-        with pytest.raises(ConfigurationError, match="without kv_events"):
+        fleet.add_backend("tls", metrics_url="https://127.0.0.1:1")  # an engine behind TLS is polled too
+        assert fleet.stats()["tls"].metrics_url == "https://127.0.0.1:1/metrics"
+        fleet.remove_backend("tls")
+        with pytest.raises(
+            ConfigurationError,
+            match=r"^replay='tcp://127.0.0.1:2' without kv_events: pass the engine's publisher endpoint too$",
+        ):
             fleet.add_backend("gpu0", replay="tcp://127.0.0.1:2")
-        with pytest.raises(TypeError, match="str"):
+        with pytest.raises(TypeError, match="^backend must be a str id, not int$"):
             fleet.add_backend(7)  # type: ignore[arg-type]
         fleet.add_backend("gpu0")
         with pytest.raises(ConfigurationError, match="already in the fleet"):
