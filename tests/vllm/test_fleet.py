@@ -590,7 +590,7 @@ def test_bad_backends_and_endpoints_are_clear_errors() -> None:
         fleet.add_backend("gpu0")
         with pytest.raises(ConfigurationError, match="already in the fleet"):
             fleet.add_backend("gpu0")
-    with pytest.raises(ConfigurationError, match="closed"):
+    with pytest.raises(ConfigurationError, match="^this Fleet is closed: make a new one$"):
         fleet.add_backend("gpu1")
     with Fleet(Router(index=EventIndex(16))) as fleet, pytest.raises(ConfigurationError, match="ZMQ address"):
         fleet.add_backend("gpu0", kv_events="gpu0:5557")
