@@ -233,10 +233,13 @@ def test_numpy_integers_are_taken_for_the_vllm_layers_int_options() -> None:
         ({"kv_events": "tcp://h:65535", "data_parallel_size": 2}, "past port 65535"),
         # Named as add_backend() names them: a bad replay was "endpoint must be ..., like 'tcp://gpu0:5557'" with
         # data_parallel_size (rank_endpoint()'s words), and "replay_endpoint" without (the subscriber's).
-        ({"kv_events": "gpu0:5557", "data_parallel_size": 2}, r"^kv_events must be a ZMQ address .* not 'gpu0:5557'"),
+        (
+            {"kv_events": "gpu0:5557", "data_parallel_size": 2},
+            r"^kv_events must be a ZMQ address to connect to, like 'tcp://gpu0:5557', not 'gpu0:5557'$",
+        ),
         (
             {"kv_events": "tcp://h:1", "replay": "gpu0:5558", "data_parallel_size": 2},
-            r"^replay must be a ZMQ address to connect to, like 'tcp://gpu0:5558', not 'gpu0:5558'",
+            r"^replay must be a ZMQ address to connect to, like 'tcp://gpu0:5558', not 'gpu0:5558'$",
         ),
         ({"kv_events": "gpu0:5557"}, r"^kv_events must be a ZMQ address"),
         ({"kv_events": "tcp://h:1", "replay": "gpu0:5558"}, r"^replay must be a ZMQ address"),
