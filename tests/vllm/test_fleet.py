@@ -820,8 +820,9 @@ def test_remove_backend_refuses_an_id_that_is_not_a_str_while_the_fleet_has_back
     # answers pop() without hashing the key, so the fuzz harness's empty fleet never saw it).
     with Fleet(Router(index=EventIndex(16))) as fleet:
         fleet.add_backend("gpu0")
-        with pytest.raises(InvalidTypeError, match=f"^backend must be a str id, not {type(backend).__name__}$"):
-            fleet.remove_backend(backend)  # type: ignore[arg-type]
+        for call in (fleet.remove_backend, fleet.subscribers, fleet.subscriber):
+            with pytest.raises(InvalidTypeError, match=f"^backend must be a str id, not {type(backend).__name__}$"):
+                call(backend)  # type: ignore[arg-type]
         assert fleet.backends() == ["gpu0"]
 
 
