@@ -338,6 +338,7 @@ def test_a_backend_without_metrics_url_is_always_healthy_and_never_scraped() -> 
 
 def test_a_fleet_iterates_over_its_backends_and_its_stats_name_a_backend_it_lacks() -> None:
     with Fleet(Router()) as fleet:
+        assert repr(fleet) == "Fleet(backends=[], interval=1, timeout=2)"  # the documented defaults
         fleet.add_backend("gpu0")
         fleet.add_backend("gpu1")
         assert list(fleet) == ["gpu0", "gpu1"]
