@@ -595,7 +595,7 @@ def test_bad_backends_and_endpoints_are_clear_errors() -> None:
         fleet.add_backend("gpu1")
     with Fleet(Router(index=EventIndex(16))) as fleet, pytest.raises(ConfigurationError, match="ZMQ address"):
         fleet.add_backend("gpu0", kv_events="gpu0:5557")
-    with pytest.raises(TypeError, match="Router"):
+    with pytest.raises(TypeError, match="^router must be a prefixroute.Router, not object$"):
         Fleet(object())  # type: ignore[arg-type]
 
 
