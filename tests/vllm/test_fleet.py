@@ -559,7 +559,11 @@ def test_a_replay_far_ahead_is_believed_only_when_it_continues() -> None:
         ({"timeout": float("inf")}, "timeout"),
         ({"timeout": -1}, "timeout"),
         ({"stale_after": "5"}, "stale_after"),
-        ({"stale_after": 1.0, "interval": 2.0}, "longer than interval"),
+        (
+            {"stale_after": 1.0, "interval": 2.0},
+            r"^stale_after \(1.0\) must be longer than interval \(2.0\) and timeout \(2.0\): otherwise every "
+            r"engine's figures turn stale between two scrapes$",
+        ),
         ({"stale_after": 1.0, "timeout": 1.0, "interval": 0.5}, "longer than interval"),
     ],
 )
@@ -793,6 +797,10 @@ def test_each_scrape_connects_afresh_so_fetch_metrics_sees_every_socket_it_may_h
 
 
 def test_options_of_the_wrong_type_are_type_errors_when_given() -> None:
+    with pytest.raises(TypeError, match=r"^on_health must be a callable \(backend, healthy\) or None, not int$"):
+        Fleet(Router(), on_health=5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="^clock must be a callable returning seconds, not int$"):
+        Fleet(Router(), clock=5)  # type: ignore[arg-type]
     with Fleet(Router(index=EventIndex(16))) as fleet:
         for namespace in (5, ["model"]):
             with pytest.raises(TypeError, match="namespace"):
