@@ -187,7 +187,7 @@ class Fleet:
 
         Raises:
             ConfigurationError: the backend is already in the fleet, the fleet is closed, an endpoint is malformed
-                or is one that another backend of the fleet follows,
+                or is one that another backend of the fleet follows (but under another topic),
                 ``replay`` comes without ``kv_events``, ``kv_events`` is given to a router whose index is not an
                 :class:`~prefixroute.vllm.EventIndex`, a list of endpoints is empty, repeats one, or its
                 ``replay`` list differs in length, a list or ``data_parallel_size`` has more than
@@ -245,10 +245,10 @@ class Fleet:
                 refusal = ConfigurationError("this Fleet is closed: make a new one")
             elif backend in self._members:
                 refusal = ConfigurationError(f"backend {backend!r} is already in the fleet: remove_backend() it first")
-            elif (claimed := self._claimed(streams)) is not None:
+            elif (claimed := self._claimed(streams, topic)) is not None:
                 refusal = ConfigurationError(
                     f"endpoint {claimed[0]!r} is already backend {claimed[1]!r}'s: each engine publishes its events "
-                    "(and replays them) on addresses of its own"
+                    "(and replays them) on addresses of its own, or under a topic of its own"
                 )
             else:
                 self._members[backend] = member
@@ -264,14 +264,17 @@ class Fleet:
         if gone:  # remove_backend() or close() took it before its threads started: they found nothing to stop
             member.stop()
 
-    def _claimed(self, streams: list[tuple[str, str | None]]) -> tuple[str, str] | None:
+    def _claimed(self, streams: list[tuple[str, str | None]], topic: str) -> tuple[str, str] | None:
         """An endpoint of ``streams`` that a backend of the fleet already follows, and that backend; the caller
-        holds the lock."""
-        mine = {endpoint for stream in streams for endpoint in stream if endpoint is not None}
+        holds the lock. One publisher may carry several engines' events under topics of their own (a ZMQ proxy in
+        front of them): an endpoint followed in the same role under a topic that neither prefixes the other (ZMQ
+        matches a subscription as a prefix) is no clash."""
+        mine = [(role, endpoint) for stream in streams for role, endpoint in enumerate(stream) if endpoint is not None]
         for other, member in self._members.items():
             for subscriber in member.subscribers:
-                for endpoint in (subscriber.endpoint, subscriber.replay_endpoint):
-                    if endpoint in mine:
+                disjoint = not (topic.startswith(subscriber.topic) or subscriber.topic.startswith(topic))
+                for role, endpoint in enumerate((subscriber.endpoint, subscriber.replay_endpoint)):
+                    if endpoint is not None and any(endpoint == e and (r != role or not disjoint) for r, e in mine):
                         return endpoint, other
         return None
 

@@ -396,14 +396,14 @@ def test_events_are_hashed_in_the_namespace_route_uses_the_routers_or_the_one_gi
     """A router built for one model (its namespace) must find what its engines' events report; a backend added with
     ``namespace=`` (another model behind the same router) is found by requests naming that namespace."""
     router = events_router(namespace="llama")
-    with FakeVLLM() as engine, Fleet(router) as fleet:
+    with FakeVLLM() as engine, FakeVLLM() as other, Fleet(router) as fleet:
         fleet.add_backend("default", kv_events=engine.endpoint, replay=engine.replay_endpoint)
-        fleet.add_backend("given", kv_events=engine.endpoint, replay=engine.replay_endpoint, namespace="qwen")
-        engine.complete(PROMPT)
-        for backend in ("default", "given"):
+        fleet.add_backend("given", kv_events=other.endpoint, replay=other.replay_endpoint, namespace="qwen")
+        for backend, each in (("default", engine), ("given", other)):
+            each.complete(PROMPT)
             sub = fleet.subscriber(backend)
             assert sub is not None
-            settle(engine, sub)
+            settle(each, sub)
         llama, qwen = (set(BlockHasher(16, namespace=name).hash(PROMPT)) for name in ("llama", "qwen"))
         assert llama <= router.index.hashes("default") and not qwen & router.index.hashes("default")
         assert qwen <= router.index.hashes("given") and not llama & router.index.hashes("given")
@@ -615,6 +615,11 @@ def test_bad_backends_and_endpoints_are_clear_errors() -> None:
         # one data-parallel rank's endpoint (port + rank) that another backend follows
         ({"kv_events": "tcp://127.0.0.1:5558"}, {"kv_events": "tcp://127.0.0.1:5557", "data_parallel_size": 2},
          "tcp://127.0.0.1:5558"),
+        # one publisher under topics that overlap (ZMQ matches a prefix: "kv@gpu0" takes "kv@gpu01"'s messages too)
+        ({"kv_events": "tcp://127.0.0.1:5557", "topic": "kv@gpu0"},
+         {"kv_events": "tcp://127.0.0.1:5557", "topic": "kv@gpu01"}, "tcp://127.0.0.1:5557"),
+        ({"kv_events": "tcp://127.0.0.1:5557", "topic": "kv@gpu0"}, {"kv_events": "tcp://127.0.0.1:5557"},
+         "tcp://127.0.0.1:5557"),
     ],
 )  # fmt: skip
 def test_an_endpoint_another_backend_follows_is_refused(
@@ -627,11 +632,19 @@ def test_an_endpoint_another_backend_follows_is_refused(
             fleet.add_backend("gpu1", **second)
         assert str(refused.value) == (
             f"endpoint {taken!r} is already backend 'gpu0''s: each engine publishes its events (and replays them) on "
-            "addresses of its own"
+            "addresses of its own, or under a topic of its own"
         )
         assert fleet.backends() == ["gpu0"]
         fleet.remove_backend("gpu0")
         fleet.add_backend("gpu1", **second)  # free again once its backend is gone
+
+
+def test_one_publisher_may_carry_several_engines_under_topics_of_their_own() -> None:
+    # A ZMQ proxy in front of several engines: each backend follows its own topic there (llm-d's "kv@<pod>@<model>").
+    with Fleet(events_router()) as fleet:
+        fleet.add_backend("gpu0", kv_events="tcp://127.0.0.1:5557", topic="kv@gpu0@")
+        fleet.add_backend("gpu1", kv_events="tcp://127.0.0.1:5557", topic="kv@gpu1@")
+        assert fleet.backends() == ["gpu0", "gpu1"]
 
 
 def test_a_refused_add_closes_the_http_client_it_made(monkeypatch: pytest.MonkeyPatch) -> None:
