@@ -187,8 +187,8 @@ class Fleet:
 
         Raises:
             ConfigurationError: the backend is already in the fleet, the fleet is closed, an endpoint is malformed
-                or is one that another backend of the fleet follows (but under another topic),
-                ``replay`` comes without ``kv_events``, ``kv_events`` is given to a router whose index is not an
+                or is one that another backend of the fleet follows (in the other role, or under an overlapping
+                topic), ``replay`` comes without ``kv_events``, ``kv_events`` is given to a router whose index is not an
                 :class:`~prefixroute.vllm.EventIndex`, a list of endpoints is empty, repeats one, or its
                 ``replay`` list differs in length, a list or ``data_parallel_size`` has more than
                 :data:`~prefixroute.vllm._checks.MAX_DATA_PARALLEL_SIZE` (1024) ranks, or ``data_parallel_size`` is
