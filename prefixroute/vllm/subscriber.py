@@ -44,8 +44,8 @@ MAX_REPLAY_BATCHES = 100_000
 """The most batches one replay keeps: an endpoint that never stops answering cannot grow the replies without bound."""
 MAX_MESSAGE_BYTES = 128 * 2**20
 """The largest frame the event and replay sockets take: libzmq drops the connection of a peer that sends a larger one
-before reading it into memory (the subscriber then connects again). vLLM's largest batches, a step that stores the
-blocks of a million-token prompt, are under 8 MiB."""
+before reading it into memory (the event socket is then made again; a replay is cut short, a failed replay). vLLM's
+largest batches, a step that stores the blocks of a million-token prompt, are under 8 MiB."""
 _STOP_POLL_MS = 50  # how often a waiting thread looks whether stop() was called
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
