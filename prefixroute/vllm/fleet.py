@@ -616,10 +616,12 @@ def _rank_streams(
             check_endpoint(replay, "replay", "tcp://gpu0:5558")
         if data_parallel_size is None:
             return [(kv_events, replay)]
-        return [
+        streams = [
             (rank_endpoint(kv_events, rank), None if replay is None else rank_endpoint(replay, rank))
             for rank in range(data_parallel_size)
         ]
+        _check_roles_apart(streams, data_parallel_size)
+        return streams
     if not isinstance(kv_events, (list, tuple)):
         raise ConfigurationError(
             f"kv_events must be a ZMQ address like 'tcp://gpu0:5557', or a list of them (one per data-parallel rank), "
@@ -652,7 +654,28 @@ def _rank_streams(
             raise ConfigurationError(
                 f"{name} lists an endpoint twice ({given!r}): each data-parallel rank publishes on its own"
             )
-    return list(zip(endpoints, replays, strict=True))
+    streams = list(zip(endpoints, replays, strict=True))
+    _check_roles_apart(streams, None)
+    return streams
+
+
+def _check_roles_apart(streams: list[tuple[str, str | None]], derived: int | None) -> None:
+    """Refuse an endpoint that is one rank's publisher and another rank's replay endpoint: no engine can bind both
+    (vLLM's data-parallel ranks would fail to start), and a subscriber there would take a replay socket for a
+    publisher. ``derived``: the data_parallel_size the ranks' endpoints were derived with, None when listed."""
+    replays = {replay: rank for rank, (_, replay) in enumerate(streams) if replay is not None}
+    for rank, (endpoint, _) in enumerate(streams):
+        if endpoint not in replays:
+            continue
+        if derived is None:
+            raise ConfigurationError(
+                f"kv_events[{rank}] {endpoint!r} is also replay[{replays[endpoint]}]: each rank publishes and "
+                "replays on addresses of its own"
+            )
+        raise ConfigurationError(
+            f"with data_parallel_size={derived}, rank {rank} publishes on {endpoint!r}, rank {replays[endpoint]}'s "
+            f"replay endpoint: keep the replay port at least {derived} from the publisher's (say 5557 and 6557)"
+        )
 
 
 def _summed(ranks: tuple[SubscriberStats, ...], blocks_held: int) -> SubscriberStats:

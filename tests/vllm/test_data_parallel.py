@@ -217,6 +217,22 @@ def test_numpy_integers_are_taken_for_the_vllm_layers_int_options() -> None:
         ({"kv_events": ["tcp://h:1", "tcp://h:1"]}, "kv_events lists an endpoint twice"),
         ({"kv_events": ["tcp://h:1", "tcp://h:2"], "replay": ["tcp://h:3"] * 2}, "replay lists an endpoint twice"),
         ({"kv_events": "tcp://h:1", "replay": ["tcp://h:3"]}, r"^replay must be one endpoint .*, not \['tcp://h:3'\]$"),
+        # One rank's publisher that is another's replay endpoint (the docs' 5557/5558 slip) was taken: vLLM cannot
+        # bind both, and that rank's subscriber would have talked to a replay socket.
+        (
+            {"kv_events": "tcp://h:5557", "replay": "tcp://h:5558", "data_parallel_size": 2},
+            r"^with data_parallel_size=2, rank 1 publishes on 'tcp://h:5558', rank 0's replay endpoint: keep the "
+            r"replay port at least 2 from the publisher's \(say 5557 and 6557\)$",
+        ),
+        (
+            {"kv_events": "tcp://h:5557", "replay": "tcp://h:5555", "data_parallel_size": 3},
+            r"^with data_parallel_size=3, rank 0 publishes on 'tcp://h:5557', rank 2's replay endpoint",
+        ),
+        (
+            {"kv_events": ["tcp://h:1", "tcp://h:2"], "replay": ["tcp://h:2", "tcp://h:3"]},
+            r"^kv_events\[1\] 'tcp://h:2' is also replay\[0\]: each rank publishes and replays on addresses of its "
+            r"own$",
+        ),
         (
             {"kv_events": ["tcp://h:1", "tcp://h:2"], "data_parallel_size": 3},
             r"^data_parallel_size=3 but kv_events lists 2 endpoints: give one endpoint per rank, or one endpoint with "
