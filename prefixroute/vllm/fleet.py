@@ -555,8 +555,11 @@ class _Poller:
         if self._stop.is_set():
             return
         # The router forgets the figures before the backend reads as unhealthy: whoever sees it unhealthy never
-        # sees its old queue length still counted.
-        self._gate.run(lambda router: router.set_engine_load(self._backend, queue_len=None, kv_usage=None))
+        # sees its old queue length still counted. A router that cannot forget them still sees the failure counted.
+        try:
+            self._gate.run(lambda router: router.set_engine_load(self._backend, queue_len=None, kv_usage=None))
+        except Exception:  # noqa: BLE001 - a bug in the router's write path must not hide the failed scrape
+            _log.exception("metrics of %s: the router could not drop the engine figures", self._backend)
         with self._lock:
             first_failure = self._error is None
             self._error = error

@@ -746,13 +746,19 @@ class BrokenRouter(Router):
 def test_a_router_that_cannot_even_forget_figures_never_stops_the_poller(
     engine: FakeVLLM, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Was: when the router also refused to forget the figures, the failed scrape was not counted at all: the
+    backend read healthy, without an error, until it went stale."""
     router = BrokenRouter()
-    with Fleet(router, interval=0.02) as fleet:
+    with Fleet(router, interval=0.02, stale_after=3600.0) as fleet:
         fleet.add_backend("gpu0", metrics_url=engine.url)
         wait_until(
-            lambda: caplog.text.count("metrics of gpu0: could not mark the backend unhealthy") >= 2,
-            what="the poller going on after it could not mark the backend",
+            lambda: caplog.text.count("metrics of gpu0: the router could not drop the engine figures") >= 2,
+            what="the poller going on after the router refused twice",
         )
+        stats = fleet.stats()["gpu0"]
+        assert not stats.healthy and stats.failed_scrapes >= 2 and stats.scrapes == 0
+        assert (stats.last_error or "").startswith("unexpected RuntimeError: the router cannot take engine figures")
+        assert fleet.healthy_backends() == []
         assert [t for t in threads_of("gpu0") if t.startswith("prefixroute-metrics")]
         router.broken = False  # so that close() can drop the figures
 
