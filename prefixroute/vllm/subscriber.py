@@ -625,12 +625,18 @@ class KVEventSubscriber:
             expected = seq + 1
         if lost or expected <= end:
             self._counts["unrecovered"] += 1
-            _log.warning(
+            if self.replay_endpoint is None:
+                why = "not configured"
+            elif self._stop.is_set():  # a deliberate stop, not a fault: said, not warned about
+                why = "cut short by stop()"
+            else:
+                why = "could not supply them all"
+            (_log.info if self._stop.is_set() else _log.warning)(
                 "KV events from %s: some of batches %d..%d are lost (replay %s); the index may miss updates",
                 self.backend,
                 start,
                 end,
-                "not configured" if self.replay_endpoint is None else "could not supply them all",
+                why,
             )
 
     def _replay(self, context: zmq.Context[Any], start: int, end: int) -> list[tuple[int, bytes]]:
