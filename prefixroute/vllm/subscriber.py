@@ -332,7 +332,9 @@ class KVEventSubscriber:
         self._pending = None
 
     def stats(self) -> SubscriberStats:
-        """Return a snapshot of the counters."""
+        """Return a snapshot of the counters. Each is exact, but they are read without waiting for the thread (a
+        slow ``writer`` never holds up a metrics scrape), so one taken while a batch is applied may show it counted
+        in ``batches`` before ``last_seq`` moves."""
         c = self._counts
         return SubscriberStats(
             backend=self.backend,
