@@ -654,6 +654,8 @@ class KVEventSubscriber:
         failure: str | None = None
         # A fresh DEALER per request: a late reply to an abandoned request can never be mistaken for this one's.
         dealer = context.socket(zmq.DEALER)
+        # Its monitor says, when no end of replay comes, whether a ZMQ replay socket ever answered.
+        monitor = dealer.get_monitor_socket(_WATCHED)
         try:
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -662,7 +664,7 @@ class KVEventSubscriber:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    failure = f"no end of replay within {self._replay_timeout:g}s"
+                    failure = f"no end of replay within {self._replay_timeout:g}s{self._replay_link(monitor)}"
                     break
                 if self._stop.is_set():
                     break
@@ -686,6 +688,8 @@ class KVEventSubscriber:
                     failure = f"over {MAX_REPLAY_BATCHES} batches"
                     break
         finally:
+            dealer.disable_monitor()
+            monitor.close(linger=0)
             dealer.close(linger=0)
         if failure is not None:
             self._counts["failed_replays"] += 1
@@ -695,6 +699,26 @@ class KVEventSubscriber:
                 self.backend, start, self.replay_endpoint, failure, len(replies),
             )  # fmt: skip
         return replies
+
+    def _replay_link(self, monitor: zmq.Socket[bytes]) -> str:
+        """What the replay socket's monitor tells of a replay that got no end, as the end of its failure's words:
+        nothing for a ZMQ session that stayed up (an engine that did not answer in time)."""
+        connected = handshaking = failed = session = dropped = False
+        while True:
+            try:
+                event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                break
+            connected = connected or event == zmq.EVENT_CONNECTED
+            session = session or event == zmq.EVENT_HANDSHAKE_SUCCEEDED
+            failed = failed or bool(event & _HANDSHAKE_FAILED) or (event == zmq.EVENT_DISCONNECTED and handshaking)
+            dropped = dropped or (event == zmq.EVENT_DISCONNECTED and session)
+            handshaking = event == zmq.EVENT_CONNECTED
+        if dropped:
+            return ": the connection was dropped (a frame over MAX_MESSAGE_BYTES, or the engine went away)"
+        if failed and not session:
+            return f": {self.replay_endpoint} does not answer as a ZMQ replay socket: is it vLLM's replay_endpoint?"
+        return "" if connected else ": no connection could be made to it"
 
 
 def _socket_ms(seconds: float) -> int:

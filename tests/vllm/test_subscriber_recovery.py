@@ -6,9 +6,15 @@ docs/vllm.md, "Lost messages, restarts, late start", says what these check.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
+import zmq
 
 from prefixroute.vllm import KVEventSubscriber
 
@@ -249,3 +255,77 @@ def test_a_removal_in_a_batch_the_replay_cannot_supply_is_lost_too_and_reset_dro
         sub.reset()
         assert router.index.hashes("gpu0") == set()
         sound(router, sub)
+
+
+class _HTTPOnly:
+    """A TCP server on loopback that answers as an HTTP server would (vLLM's HTTP port given as the replay endpoint)."""
+
+    def __init__(self) -> None:
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"tcp://127.0.0.1:{self._server.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):  # closed by close()
+            while True:
+                peer, _ = self._server.accept()
+                with peer, contextlib.suppress(OSError):
+                    peer.recv(64)
+                    peer.sendall(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+
+    def close(self) -> None:
+        self._server.close()
+
+
+@contextlib.contextmanager
+def _replay_endpoint(kind: str) -> Iterator[str]:
+    """An endpoint that is no replay socket: an HTTP server, a PUB socket (another engine's publisher), or a port
+    nothing listens on."""
+    if kind == "http":
+        server = _HTTPOnly()
+        try:
+            yield server.endpoint
+        finally:
+            server.close()
+        return
+    context: zmq.Context[Any] = zmq.Context()
+    try:
+        socket_ = context.socket(zmq.PUB)
+        endpoint = f"tcp://127.0.0.1:{socket_.bind_to_random_port('tcp://127.0.0.1')}"
+        if kind == "nothing":
+            socket_.unbind(endpoint)
+        yield endpoint
+    finally:
+        context.destroy(linger=0)
+
+
+@pytest.mark.parametrize(
+    ("kind", "why"),
+    [
+        ("http", "{endpoint} does not answer as a ZMQ replay socket: is it vLLM's replay_endpoint?"),
+        ("pub", "{endpoint} does not answer as a ZMQ replay socket: is it vLLM's replay_endpoint?"),
+        ("nothing", "no connection could be made to it"),
+    ],
+)
+def test_a_replay_endpoint_that_is_no_replay_socket_is_named_as_the_failure(
+    kind: str, why: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Was: each gap's replay ended in "no end of replay within 0.5s", the same words as an engine slow to answer,
+    though the endpoint was vLLM's HTTP port, a publisher, or nothing at all."""
+    router = events_router()
+    with publisher() as pub, _replay_endpoint(kind) as endpoint:
+        sub = KVEventSubscriber(
+            router, "gpu0", pub.endpoint, replay_endpoint=endpoint, topic=pub.topic.decode(), replay_timeout=0.5
+        )
+        with sub:
+            join(pub, sub)  # a late start's replay from 0 fails the same way first
+            failed = sub.stats().failed_replays
+            start = pub.publish(stored_batch(100, 1, first_hash=1), send=False)
+            last = pub.publish(stored_batch(200, 1, first_hash=2))
+            wait_until(applied(sub, last))
+            assert sub.stats().failed_replays == failed + 1
+            sound(router, sub)
+    assert said(caplog, f"replay of batches from {start} ") == [
+        f"KV events from gpu0: the replay of batches from {start} from {endpoint} failed (no end of replay within "
+        f"0.5s: {why.format(endpoint=endpoint)}); 0 batches kept, live events go on"
+    ]
