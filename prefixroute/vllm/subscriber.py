@@ -715,7 +715,7 @@ class KVEventSubscriber:
             dropped = dropped or (event == zmq.EVENT_DISCONNECTED and session)
             handshaking = event == zmq.EVENT_CONNECTED
         if dropped:
-            return ": the connection was dropped (a frame over MAX_MESSAGE_BYTES, or the engine went away)"
+            return ": the connection was dropped, by a frame over MAX_MESSAGE_BYTES or an engine gone"
         if failed and not session:
             return f": {self.replay_endpoint} does not answer as a ZMQ replay socket: is it vLLM's replay_endpoint?"
         return "" if connected else ": no connection could be made to it"

@@ -17,6 +17,7 @@ import pytest
 import zmq
 
 from prefixroute.vllm import KVEventSubscriber
+from prefixroute.vllm import subscriber as subscriber_module
 
 from ..conftest import DEADLINE_S, wait_until
 from .test_vllm_blackbox import (
@@ -328,4 +329,29 @@ def test_a_replay_endpoint_that_is_no_replay_socket_is_named_as_the_failure(
     assert said(caplog, f"replay of batches from {start} ") == [
         f"KV events from gpu0: the replay of batches from {start} from {endpoint} failed (no end of replay within "
         f"0.5s: {why.format(endpoint=endpoint)}); 0 batches kept, live events go on"
+    ]
+
+
+def test_a_replay_whose_connection_is_dropped_for_an_oversized_frame_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """libzmq drops the replay socket's connection, unread, at a frame over the cap, and never reconnects it: the
+    replay gets no end, and the warning says the connection was dropped, not that the engine was slow."""
+    monkeypatch.setattr(subscriber_module, "MAX_MESSAGE_BYTES", 2**16)  # read when the sockets are made
+
+    def oversized(pub: Publisher, client: bytes, start: int) -> None:
+        pub.reply([client, b"", pub.topic, seq_bytes(start), b"\x00" * 2**17])
+
+    with publisher() as pub, subscribed(pub, replay_timeout=0.5) as (router, sub):
+        pub.replay_mode = oversized
+        failed = sub.stats().failed_replays
+        start = pub.publish(stored_batch(100, 1, first_hash=1), send=False)
+        last = pub.publish(stored_batch(200, 1, first_hash=2))
+        wait_until(applied(sub, last))
+        assert sub.stats().failed_replays == failed + 1 and sub.stats().invalid_batches == 0  # never decoded
+        sound(router, sub)
+    assert said(caplog, f"replay of batches from {start} ") == [
+        f"KV events from gpu0: the replay of batches from {start} from {pub.replay_endpoint} failed (no end of "
+        "replay within 0.5s: the connection was dropped, by a frame over MAX_MESSAGE_BYTES or an engine gone); 0 "
+        "batches kept, live events go on"
     ]
