@@ -166,20 +166,31 @@ class PromptTokenizer:
         return out
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Return the token ids of each text, encoded in parallel by the Rust library (no piece cache)."""
-        if isinstance(texts, str) or not isinstance(texts, Iterable) or not all(isinstance(t, str) for t in texts):
-            raise InvalidTypeError("texts must be a sequence of str")
-        encodings = self._encode(list(texts), add_special_tokens=self._add_special_tokens)
+        """Return the token ids of each text, encoded in parallel by the Rust library (no piece cache). O(total length).
+
+        Raises:
+            TypeError: ``texts`` is not a list or tuple (or other sequence) of str: a str, bytes or an iterator is
+                refused, and the message names the first item that is not a str (``texts[1]``).
+            InvalidPromptError: a text holds a lone surrogate; the message names which text and where.
+        """
+        if isinstance(texts, (str, bytes)) or not isinstance(texts, Sequence):
+            raise InvalidTypeError(f"texts must be a sequence of str (a list or tuple), not {type(texts).__name__}")
+        batch = list(texts)
+        for position, text in enumerate(batch):
+            if not isinstance(text, str):
+                raise InvalidTypeError(f"texts[{position}] must be a str, not {type(text).__name__}")
+        encodings = self._encode(batch, add_special_tokens=self._add_special_tokens, named=True)
         return [encoding.ids for encoding in encodings]
 
-    def _encode(self, texts: list[str], *, add_special_tokens: bool) -> list[Encoding]:
+    def _encode(self, texts: list[str], *, add_special_tokens: bool, named: bool = False) -> list[Encoding]:
         """``encode_batch_fast``, with a clear error for text that is not valid Unicode (a lone surrogate, which
-        JSON's ``\\ud800`` escapes can carry) instead of the library's ``TypeError`` about input types."""
+        JSON's ``\\ud800`` escapes can carry) instead of the library's ``TypeError`` about input types; ``named``:
+        the error names the text as ``texts[i]``."""
         try:
             encodings: list[Encoding] = self._tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
         except TypeError:
-            for text in texts:
-                if (error := _surrogate_error(text)) is not None:
+            for position, text in enumerate(texts):
+                if (error := _surrogate_error(text, f"texts[{position}]" if named else "the text")) is not None:
                     raise error from None
             raise
         return encodings
@@ -207,13 +218,13 @@ def _looked_up(test: Callable[[], bool]) -> bool:
         return False
 
 
-def _surrogate_error(text: str) -> InvalidPromptError | None:
+def _surrogate_error(text: str, name: str = "the text") -> InvalidPromptError | None:
     """The error for a text holding a lone surrogate (which cannot be UTF-8), or None when it has none. O(n)."""
     position = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
     if position is None:
         return None
     return InvalidPromptError(
-        f"the text has a lone surrogate (U+{ord(text[position]):04X}) at character {position}: send valid Unicode text"
+        f"{name} has a lone surrogate (U+{ord(text[position]):04X}) at character {position}: send valid Unicode text"
     )
 
 

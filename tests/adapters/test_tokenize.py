@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from prefixroute import ConfigurationError, InvalidPromptError, Router
+from prefixroute import ConfigurationError, InvalidPromptError, InvalidTypeError, Router
 from prefixroute.adapters import tokenize
 from prefixroute.adapters.tokenize import PromptTokenizer, TextRouter
 
@@ -654,3 +654,35 @@ def test_a_tokenizer_that_truncates_or_pads_encodes_whole_texts(setting: str) ->
     assert not prompt_tokenizer.caches_pieces
     text = "<|im_start|>system\n" + " ".join(CORPUS[:8]) + "<|im_end|>\n<|im_start|>user\nhi<|im_end|>"
     assert prompt_tokenizer.encode(text) == tokenizer.encode(text).ids
+
+
+# -- edges (each test was written against a mutant of adapters/tokenize.py that the suite let through, or a hostile
+# input that got a wrong answer or an error outside prefixroute's tree) --
+
+
+def test_encode_batch_takes_a_sequence_of_str_and_names_the_text_that_is_not_one() -> None:
+    """An iterator passed the old type check, which used it up: the batch was encoded as empty, ``[]``."""
+    tokenizer = _byte_level()
+    prompt_tokenizer = PromptTokenizer(tokenizer)
+    texts = [CORPUS[0], CORPUS[1]]
+    expected = [encoding.ids for encoding in tokenizer.encode_batch(texts)]
+    assert prompt_tokenizer.encode_batch(texts) == prompt_tokenizer.encode_batch(tuple(texts)) == expected
+    assert prompt_tokenizer.encode_batch([]) == []
+    for texts_given, kind in (
+        (iter(texts), "list_iterator"),
+        ("one string", "str"),
+        (b"bytes", "bytes"),
+        (None, "NoneType"),
+    ):
+        with pytest.raises(InvalidTypeError) as refused:
+            prompt_tokenizer.encode_batch(texts_given)  # type: ignore[arg-type]
+        assert str(refused.value) == f"texts must be a sequence of str (a list or tuple), not {kind}"
+    with pytest.raises(InvalidTypeError) as refused:
+        prompt_tokenizer.encode_batch(["fine", 5])  # type: ignore[list-item]
+    assert str(refused.value) == "texts[1] must be a str, not int"
+
+
+def test_encode_batch_names_the_text_that_holds_a_lone_surrogate() -> None:
+    with pytest.raises(InvalidPromptError) as refused:
+        PromptTokenizer(_byte_level()).encode_batch(["fine", "also fine", "a \ud800 b"])
+    assert str(refused.value) == "texts[2] has a lone surrogate (U+D800) at character 2: send valid Unicode text"
