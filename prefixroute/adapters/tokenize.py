@@ -460,9 +460,21 @@ def _content(content: object) -> str:
 
 
 class TextRouter:
-    """A :class:`~prefixroute.Router` for gateways that hold text: tokenize, then route the token ids."""
+    """A :class:`~prefixroute.Router` for gateways that hold text: tokenize, then route the token ids.
+
+    Raises:
+        TypeError: ``router`` is not a :class:`~prefixroute.Router`, or ``tokenizer`` not a :class:`PromptTokenizer`
+            (a bare ``tokenizers.Tokenizer`` is refused: wrap it, ``PromptTokenizer(tokenizer)``).
+    """
 
     def __init__(self, router: Router, tokenizer: PromptTokenizer) -> None:
+        if not isinstance(router, Router):
+            raise InvalidTypeError(f"router must be a prefixroute.Router, not {type(router).__name__}")
+        if not isinstance(tokenizer, PromptTokenizer):
+            hint = (
+                " (wrap a tokenizers.Tokenizer: PromptTokenizer(tokenizer))" if isinstance(tokenizer, Tokenizer) else ""
+            )
+            raise InvalidTypeError(f"tokenizer must be a PromptTokenizer, not {type(tokenizer).__name__}{hint}")
         self.router = router
         self.tokenizer = tokenizer
 

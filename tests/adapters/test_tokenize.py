@@ -686,3 +686,19 @@ def test_encode_batch_names_the_text_that_holds_a_lone_surrogate() -> None:
     with pytest.raises(InvalidPromptError) as refused:
         PromptTokenizer(_byte_level()).encode_batch(["fine", "also fine", "a \ud800 b"])
     assert str(refused.value) == "texts[2] has a lone surrogate (U+D800) at character 2: send valid Unicode text"
+
+
+def test_text_router_refuses_a_router_or_tokenizer_of_the_wrong_type_saying_what_it_takes() -> None:
+    """They were taken as given, and the first route() raised an AttributeError from outside prefixroute's tree."""
+    tokenizer = _byte_level()
+    with pytest.raises(InvalidTypeError) as refused:
+        TextRouter("router", PromptTokenizer(tokenizer))  # type: ignore[arg-type]
+    assert str(refused.value) == "router must be a prefixroute.Router, not str"
+    with pytest.raises(InvalidTypeError) as refused:
+        TextRouter(Router(), tokenizer)  # type: ignore[arg-type]
+    assert str(refused.value) == (
+        "tokenizer must be a PromptTokenizer, not Tokenizer (wrap a tokenizers.Tokenizer: PromptTokenizer(tokenizer))"
+    )
+    router, prompt_tokenizer = Router(), PromptTokenizer(tokenizer)
+    text_router = TextRouter(router, prompt_tokenizer)
+    assert text_router.router is router and text_router.tokenizer is prompt_tokenizer
