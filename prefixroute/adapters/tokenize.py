@@ -101,7 +101,7 @@ class PromptTokenizer:
         Raises:
             ConfigurationError: ``path`` is empty or blank, or the file is missing, is no regular file (a folder, a
                 pipe, a device: none is opened) or is not a tokenizer file.
-            TypeError: ``path`` is not a str or path.
+            TypeError: ``path`` is not a str or path (nor is a path object whose ``os.fspath()`` is bytes).
         """
         file = tokenizer_path(path)
         if not _looked_up(file.is_file):
@@ -197,13 +197,19 @@ class PromptTokenizer:
 
 
 def tokenizer_path(path: object) -> Path:
-    """``path`` as a Path, else InvalidTypeError (a str or an ``os.PathLike`` is one); ConfigurationError for an
-    empty or blank str, which names no file (an unset ``"$TOKENIZER"``: ``Path("")`` is the current folder)."""
+    """``path`` as a Path, else InvalidTypeError (a str or an ``os.PathLike`` giving a str is one, bytes are not);
+    ConfigurationError for an empty or blank str, which names no file (an unset ``"$TOKENIZER"``: ``Path("")`` is
+    the current folder)."""
     if not isinstance(path, (str, os.PathLike)):
         raise InvalidTypeError(f"a tokenizer path is a str or a path, not {type(path).__name__}")
     if isinstance(path, str) and not path.strip():
         raise ConfigurationError(f"a tokenizer path must name a tokenizer.json or a model folder, not {path!r}")
-    return Path(path)
+    try:
+        return Path(path)
+    except TypeError:  # an os.PathLike whose __fspath__() gives bytes
+        raise InvalidTypeError(
+            f"a tokenizer path is a str or a path, not {type(path).__name__} (its os.fspath() is bytes)"
+        ) from None
 
 
 def is_folder(path: Path) -> bool:

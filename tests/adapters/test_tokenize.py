@@ -702,3 +702,15 @@ def test_text_router_refuses_a_router_or_tokenizer_of_the_wrong_type_saying_what
     router, prompt_tokenizer = Router(), PromptTokenizer(tokenizer)
     text_router = TextRouter(router, prompt_tokenizer)
     assert text_router.router is router and text_router.tokenizer is prompt_tokenizer
+
+
+class _BytesPath(os.PathLike):  # type: ignore[type-arg]
+    def __fspath__(self) -> bytes:
+        return b"tokenizer.json"
+
+
+def test_a_path_object_that_gives_bytes_is_refused_as_a_tokenizer_path() -> None:
+    """``Path()`` raised its own TypeError for it, outside prefixroute's tree."""
+    with pytest.raises(InvalidTypeError) as refused:
+        PromptTokenizer.from_file(_BytesPath())
+    assert str(refused.value) == "a tokenizer path is a str or a path, not _BytesPath (its os.fspath() is bytes)"
