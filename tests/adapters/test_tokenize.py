@@ -660,6 +660,55 @@ def test_a_tokenizer_that_truncates_or_pads_encodes_whole_texts(setting: str) ->
 # input that got a wrong answer or an error outside prefixroute's tree) --
 
 
+def _one_id_a_character() -> Tokenizer:
+    """Every printable ASCII character one id, cut at ``<s>`` only (a space ends no word for it): a piece of n
+    characters is n ids and is never cut between words."""
+    tokenizer = Tokenizer(models.BPE(vocab={chr(c): c - 32 for c in range(32, 127)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tokenizer.add_special_tokens(["<s>"])
+    return tokenizer
+
+
+def _encoded_again(prompt_tokenizer: PromptTokenizer, text: str) -> bool:
+    """Whether a second encode of ``text`` (after a first) calls the library, i.e. its piece was not kept."""
+    expected = prompt_tokenizer.encode(text)
+    with mock.patch.object(prompt_tokenizer, "_encode", wraps=prompt_tokenizer._encode) as encode:
+        assert prompt_tokenizer.encode(text) == expected
+    return encode.call_count > 0
+
+
+def test_the_default_cache_keeps_a_piece_of_262_144_ids_and_no_longer_one(tmp_path: Path) -> None:
+    """The default ``cache_tokens=262_144`` (the signature's), for the constructor and from_file alike."""
+    tokenizer = _one_id_a_character()
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    makers: list[Callable[[], PromptTokenizer]] = [
+        lambda: PromptTokenizer(tokenizer),
+        lambda: PromptTokenizer.from_file(path),
+    ]
+    for make in makers:
+        prompt_tokenizer = make()
+        assert prompt_tokenizer.caches_pieces and not prompt_tokenizer._words
+        assert not _encoded_again(prompt_tokenizer, "<s>" + "a" * 262_144)
+        assert _encoded_again(prompt_tokenizer, "<s>" + "b" * 262_145)
+
+
+def test_a_piece_of_more_ids_than_cache_tokens_is_not_kept() -> None:
+    prompt_tokenizer = PromptTokenizer(_one_id_a_character(), cache_tokens=1)
+    assert not _encoded_again(prompt_tokenizer, "<s>a")
+    assert _encoded_again(prompt_tokenizer, "<s>ab")
+
+
+def test_from_file_s_refusal_of_a_missing_file_says_what_to_pass_word_for_word(tmp_path: Path) -> None:
+    absent = tmp_path / "absent.json"
+    with pytest.raises(ConfigurationError) as refused:
+        PromptTokenizer.from_file(absent)
+    assert str(refused.value) == (
+        f"tokenizer file {str(absent)!r} not found: pass the path of the model's local tokenizer.json "
+        "(prefixroute never downloads tokenizers)"
+    )
+
+
 def test_encode_batch_takes_a_sequence_of_str_and_names_the_text_that_is_not_one() -> None:
     """An iterator passed the old type check, which used it up: the batch was encoded as empty, ``[]``."""
     tokenizer = _byte_level()
