@@ -428,11 +428,16 @@ def test_threads_share_the_cache_safely() -> None:
 
 @pytest.mark.parametrize(("text", "position"), [("a \ud800 b", 2), ("<|im_start|>user\nhi\udfff<|im_end|>", 19)])
 def test_a_lone_surrogate_is_a_clear_prompt_error(text: str, position: int) -> None:
-    """JSON can carry one (a ``\\ud800`` escape); the library itself only says its input has the wrong type."""
+    """JSON can carry one (a ``\\ud800`` escape); the library itself only says its input has the wrong type. Both
+    texts: one encoded whole, one cut at its special tokens (the position is in the whole text, not in its piece)."""
     prompt_tokenizer = PromptTokenizer(_byte_level())
     assert prompt_tokenizer.caches_pieces
-    with pytest.raises(InvalidPromptError, match=f"lone surrogate .* at character {position}: send valid Unicode"):
+    with pytest.raises(InvalidPromptError) as refused:
         prompt_tokenizer.encode(text)
+    code = ord(text[position])
+    assert str(refused.value) == (
+        f"the text has a lone surrogate (U+{code:04X}) at character {position}: send valid Unicode text"
+    )
     with pytest.raises(InvalidPromptError, match="lone surrogate"):
         prompt_tokenizer.encode_batch(["fine", text])
 
@@ -748,6 +753,9 @@ def test_text_router_refuses_a_router_or_tokenizer_of_the_wrong_type_saying_what
     assert str(refused.value) == (
         "tokenizer must be a PromptTokenizer, not Tokenizer (wrap a tokenizers.Tokenizer: PromptTokenizer(tokenizer))"
     )
+    with pytest.raises(InvalidTypeError) as refused:
+        TextRouter(Router(), "tokenizer.json")  # type: ignore[arg-type]
+    assert str(refused.value) == "tokenizer must be a PromptTokenizer, not str"
     router, prompt_tokenizer = Router(), PromptTokenizer(tokenizer)
     text_router = TextRouter(router, prompt_tokenizer)
     assert text_router.router is router and text_router.tokenizer is prompt_tokenizer
