@@ -654,9 +654,10 @@ class KVEventSubscriber:
         failure: str | None = None
         # A fresh DEALER per request: a late reply to an abandoned request can never be mistaken for this one's.
         dealer = context.socket(zmq.DEALER)
-        # Its monitor says, when no end of replay comes, whether a ZMQ replay socket ever answered.
-        monitor = dealer.get_monitor_socket(_WATCHED)
+        monitor: zmq.Socket[bytes] | None = None
         try:
+            # Its monitor says, when no end of replay comes, whether a ZMQ replay socket ever answered.
+            monitor = dealer.get_monitor_socket(_WATCHED)
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             dealer.connect(self.replay_endpoint)
@@ -688,8 +689,9 @@ class KVEventSubscriber:
                     failure = f"over {MAX_REPLAY_BATCHES} batches"
                     break
         finally:
-            dealer.disable_monitor()
-            monitor.close(linger=0)
+            if monitor is not None:
+                dealer.disable_monitor()
+                monitor.close(linger=0)
             dealer.close(linger=0)
         if failure is not None:
             self._counts["failed_replays"] += 1
