@@ -322,3 +322,26 @@ def test_aclose_answers_or_drops_a_connection_accepted_the_loop_turn_before() ->
             await proxy.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_proxy_or_engine_on_a_port_in_use_raises_the_bind_error_and_leaves_no_thread() -> None:
+    """start() raises what binding raised (the thread has ended by then), stop() after it is harmless, and the same
+    object serves once the port is free."""
+    taken = socket.create_server(("127.0.0.1", 0))
+    port = taken.getsockname()[1]
+    before = set(threading.enumerate())
+    proxy = Proxy(Router(), ["http://127.0.0.1:9"])
+    engine = OpenAIEngine(port=port)
+    try:
+        with pytest.raises(OSError, match="address already in use"):
+            proxy.start(port=port)
+        with pytest.raises(OSError, match="address already in use"):
+            engine.start()
+        assert set(threading.enumerate()) <= before
+        proxy.stop()
+        taken.close()
+        assert httpx.get(f"{proxy.start(port=port).url}/healthz").status_code in (200, 503)
+    finally:
+        proxy.stop()
+        taken.close()
+    assert set(threading.enumerate()) <= before
