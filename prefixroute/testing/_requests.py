@@ -1,12 +1,15 @@
-"""How both fakes read a request's numbers as vLLM does (pydantic's lax int, ``SamplingParams``' checks), and the
-refusal that names the parameter it refuses."""
+"""How both fakes read a request's numbers as vLLM does (pydantic's lax int, ``SamplingParams``' checks), the
+refusal that names the parameter it refuses, and vLLM's answer to a model it does not serve."""
 
 from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
 
 from prefixroute._numbers import shown
 from prefixroute.testing._names import MAX_MODEL_LEN
 
-__all__ = ["Refused", "lax_int", "read_max_tokens"]
+__all__ = ["Refused", "lax_int", "model_not_found", "read_max_tokens"]
 
 
 class Refused(ValueError):
@@ -15,6 +18,17 @@ class Refused(ValueError):
     def __init__(self, message: str, *, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+def model_not_found(model: object, served: Collection[str]) -> dict[str, Any] | None:
+    """vLLM's answer to a request naming a model it does not serve (``OpenAIServing._check_model``: a 404 body with
+    ``param`` "model"), or None when ``model`` is one of ``served``, absent, null or ``""`` (vLLM's
+    ``_is_model_supported``: no name is the base model). ``model`` is a str or None here (anything else was refused
+    as vLLM's ``model: str | None`` is). O(len(served))."""
+    if not model or model in served:
+        return None
+    return {"error": {"message": f"The model `{model}` does not exist.", "type": "NotFoundError", "param": "model",
+                      "code": 404}}  # fmt: skip
 
 
 def lax_int(name: str, value: object) -> int:

@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prefixroute._numbers import as_float, as_int, check_flag, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.testing._names import check_served_names, model_list
-from prefixroute.testing._requests import Refused, read_max_tokens
+from prefixroute.testing._requests import Refused, model_not_found, read_max_tokens
 from prefixroute.testing.fake_cache import CachedChain, FakeBlockCache, FakeRequest
 from prefixroute.vllm._checks import MAX_SECONDS
 from prefixroute.vllm.events import EventBatch, encode_batch
@@ -119,7 +119,8 @@ def _check_options(
 
 class FakeVLLM:
     """A fake engine: KV events on a ZMQ PUB socket and a replay ROUTER, HTTP ``/metrics``, ``/v1/completions`` and
-    ``/v1/models``.
+    ``/v1/models``. ``/v1/completions`` serves ``model``, and a request that names none (absent, null or ``""``);
+    one naming another model gets vLLM's 404 (``NotFoundError``, ``param`` "model").
 
     Every cache-changing call publishes one ``EventBatch`` (as a vLLM scheduler step does) with the next sequence
     number, in ``encoding`` (``"array"``, ``"map"`` or ``"alternate"``, which switches per batch), stamped with
@@ -584,6 +585,8 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
             try:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
                 prompts = _token_prompts(body.get("prompt"))
+                if body.get("model") is not None and not isinstance(body["model"], str):  # vLLM's: str | None
+                    raise ValueError(f"'model' must be a string, not {type(body['model']).__name__}")
                 if "request_id" in body and not isinstance(body["request_id"], str):  # vLLM's: str, random if absent
                     raise ValueError(f"request_id: Input should be a valid string, not {shown(body['request_id'])}")
                 # vLLM's CompletionRequest: max_tokens 16 unless given
@@ -592,6 +595,10 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
                 param = exc.param if isinstance(exc, Refused) else None
                 error = {"error": {"message": str(exc), "type": "BadRequestError", "param": param, "code": 400}}
                 self._reply(400, json.dumps(error).encode(), "application/json")
+                return
+            missing = model_not_found(body.get("model"), (engine.model,))
+            if missing is not None:
+                self._reply(404, json.dumps(missing).encode(), "application/json")
                 return
             # vLLM's _base_request_id: the client's X-Request-Id, else the body's request_id, else a random one
             request_id = self.headers.get("X-Request-Id", body.get("request_id"))

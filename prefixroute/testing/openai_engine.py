@@ -51,7 +51,7 @@ from prefixroute.adapters.threaded import ServerThread
 from prefixroute.adapters.urls import host_port, listen_host
 from prefixroute.errors import ConfigurationError, InvalidTypeError, StateError
 from prefixroute.testing._names import check_served_names, model_list
-from prefixroute.testing._requests import Refused, lax_int, read_max_tokens
+from prefixroute.testing._requests import Refused, lax_int, model_not_found, read_max_tokens
 from prefixroute.testing.fake_cache import FakeBlockCache
 from prefixroute.vllm.metrics import TTFT_BUCKETS
 
@@ -271,7 +271,8 @@ class OpenAIEngine:
     """One fake engine (see the module docstring). Every option is keyword-only.
 
     Args:
-        model: the model name it serves (``/v1/models``; requests naming another model get 404 as from vLLM).
+        model: the model name it serves (``/v1/models``; a request naming another model gets vLLM's 404, ``param``
+            "model"; one that names none, null or ``""``, is served by the base model, as vLLM serves it).
         lora_adapters: LoRA adapter names it also serves, as vLLM's ``--lora-modules`` do: listed in
             ``/v1/models`` with ``model`` as their ``parent``, and cached apart from the base model and each other.
         block_size: tokens per KV block of its prefix cache.
@@ -575,8 +576,9 @@ class OpenAIEngine:
             max_tokens = read_max_tokens(limit, self.max_tokens, max(map(len, prompts)))
         except (ValueError, TypeError) as exc:
             return _error(400, str(exc), "BadRequestError", param=exc.param if isinstance(exc, Refused) else None)
-        if body.get("model") not in (None, self.model, *self.lora_adapters):
-            return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
+        missing = model_not_found(body.get("model"), (self.model, *self.lora_adapters))
+        if missing is not None:
+            return web.json_response(missing, status=404)
         if self._slots is not None:
             with self._lock:
                 self._waiting += 1
@@ -625,7 +627,7 @@ class OpenAIEngine:
         *,
         chat: bool,
     ) -> web.StreamResponse:
-        lora_name = body.get("model") if body.get("model") in self.lora_adapters else None
+        lora_name = body["model"] if body.get("model") in self.lora_adapters else None
         with self._lock:
             held = [self.cache.allocate(prompt, lora_name=lora_name) for prompt in prompts]
             prompt_tokens = sum(one.prompt_tokens for one in held)

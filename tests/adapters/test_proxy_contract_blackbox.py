@@ -211,7 +211,7 @@ def test_an_unknown_model_is_vllms_not_found(client: openai.OpenAI, stream: bool
     with pytest.raises(openai.NotFoundError) as missing:
         client.completions.create(model="no-such-model", prompt="hello", stream=stream)
     assert missing.value.body == {
-        "message": "The model `no-such-model` does not exist.", "type": "NotFoundError", "param": None, "code": 404
+        "message": "The model `no-such-model` does not exist.", "type": "NotFoundError", "param": "model", "code": 404
     }  # fmt: skip
 
 

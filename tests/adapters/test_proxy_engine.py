@@ -563,6 +563,21 @@ def test_a_prompt_that_fills_the_context_is_a_400_without_max_tokens_too(engine:
     assert engine.stats().running == 0
 
 
+def test_a_model_is_checked_as_vllms_check_model_checks_it() -> None:
+    """vLLM's _check_model: a model it does not serve is a 404 whose ``param`` is "model"; no model, null or ``""``
+    (_is_model_supported: no name) is the base model's. Was: ``param`` null, and ``""`` a 404."""
+    with OpenAIEngine(model="base", lora_adapters=["sql"], max_tokens=1) as engine:
+        for path, body in (("/v1/completions", {"prompt": "a"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]})):  # fmt: skip
+            missing = httpx.post(f"{engine.url}{path}", json={"model": "Base", **body})
+            assert missing.status_code == 404 and missing.headers["content-type"].startswith("application/json")
+            assert missing.json() == {"error": {"message": "The model `Base` does not exist.", "type": "NotFoundError",
+                                                "param": "model", "code": 404}}  # fmt: skip
+            for model in ("", None):
+                served = httpx.post(f"{engine.url}{path}", json={"model": model, **body})
+                assert served.status_code == 200 and served.json()["model"] == "base", (model, served.text)
+
+
 def test_an_adapters_answer_names_the_adapter_as_vllms_does() -> None:
     with OpenAIEngine(model="base", lora_adapters=["sql"], max_tokens=1) as engine:
         for model in ("sql", "base", None):

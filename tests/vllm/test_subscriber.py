@@ -589,6 +589,24 @@ def test_an_answer_is_named_and_counted_as_vllm_names_and_counts_it() -> None:
         assert refused.json()["error"]["message"] == "request_id: Input should be a valid string, not 5"
 
 
+def test_a_model_is_checked_as_vllms_check_model_checks_it() -> None:
+    # vLLM's _check_model: a model it does not serve is a 404 NotFoundError with param "model", and no model, null
+    # or "" is the base model's; a model that is no str is pydantic's 400 (model: str | None). Was: any model
+    # served, as if it were the engine's.
+    with FakeVLLM(model="base") as engine, httpx.Client(base_url=engine.url, timeout=5) as client:
+        body = {"prompt": [1, 2, 3], "max_tokens": 1}
+        missing = client.post("/v1/completions", json=body | {"model": "fake-model"})
+        assert missing.status_code == 404 and missing.headers["content-type"] == "application/json"
+        assert missing.json() == {"error": {"message": "The model `fake-model` does not exist.",
+                                            "type": "NotFoundError", "param": "model", "code": 404}}  # fmt: skip
+        for model in ("base", "", None):
+            served = client.post("/v1/completions", json=body | {"model": model})
+            assert served.status_code == 200 and served.json()["model"] == "base", model
+        no_str = client.post("/v1/completions", json=body | {"model": 5})
+        assert no_str.status_code == 400 and no_str.json()["error"]["message"] == "'model' must be a string, not int"
+    assert engine.cache.queries == 3 * 3  # the refused requests touched no cache
+
+
 def test_the_routes_answer_as_vllms_fastapi_app_does() -> None:
     # vLLM routes by path alone (a query string is ignored), serves its Prometheus app under every /metrics path
     # and method, answers a path it does not serve with FastAPI's 404 and a path it serves with another method with
