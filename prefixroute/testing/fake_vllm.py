@@ -14,6 +14,7 @@ truncated payloads, odd sequence numbers).
 
 from __future__ import annotations
 
+import io
 import json
 import queue
 import random
@@ -41,6 +42,7 @@ from prefixroute.vllm.metrics import TTFT_BUCKETS
 __all__ = ["Completion", "FakeVLLM"]
 
 _END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+_MAX_LINE = 65_536  # the longest chunk-size or trailer line read
 
 
 @dataclass(frozen=True)
@@ -583,7 +585,7 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
                 self._refuse(path)
                 return
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
+                body = json.loads(self._body())
                 prompts = _token_prompts(body.get("prompt"))
                 if body.get("model") is not None and not isinstance(body["model"], str):  # vLLM's: str | None
                     raise ValueError(f"'model' must be a string, not {type(body['model']).__name__}")
@@ -636,6 +638,13 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
             }
             self._reply(200, json.dumps(reply).encode(), "application/json")
 
+        def _body(self) -> bytes:
+            """The request's body as vLLM's server (uvicorn) reads it: ``Content-Length`` bytes, or a body sent
+            ``Transfer-Encoding: chunked`` decoded (http.server reads neither for us)."""
+            if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+                return _dechunk(self.rfile)
+            return self.rfile.read(int(self.headers.get("Content-Length", "0")))
+
         def _refuse(self, path: str) -> None:
             """FastAPI's answer to a path vLLM does not serve (404), or serves with the other method (405)."""
             allowed = {"/v1/models": "GET", "/v1/completions": "POST"}.get(path)
@@ -660,6 +669,28 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
             return
 
     return Handler
+
+
+def _dechunk(stream: io.BufferedIOBase) -> bytes:
+    """Read a chunked body (RFC 9112 section 7.1) from ``stream``: chunks of a hex size (an extension after ``;`` is
+    ignored) up to the empty last one, then its trailer lines, which are skipped. O(body).
+
+    Raises:
+        ValueError: a size line that is no hex number, or a body cut short (the request is a 400).
+    """
+    parts = []
+    while True:
+        line = stream.readline(_MAX_LINE)
+        size = int(line.split(b";", 1)[0].strip(), 16)  # ValueError for a line that is no size
+        if size == 0:
+            break
+        part = stream.read(size)
+        if len(part) != size or stream.readline(_MAX_LINE).strip():
+            raise ValueError("the chunked request body was cut short or malformed")
+        parts.append(part)
+    while stream.readline(_MAX_LINE).strip():  # trailer fields, up to the empty line that ends the request
+        pass
+    return b"".join(parts)
 
 
 def _token_prompts(prompt: object) -> list[list[int]]:

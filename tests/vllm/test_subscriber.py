@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import random
 import re
@@ -605,6 +606,25 @@ def test_a_model_is_checked_as_vllms_check_model_checks_it() -> None:
         no_str = client.post("/v1/completions", json=body | {"model": 5})
         assert no_str.status_code == 400 and no_str.json()["error"]["message"] == "'model' must be a string, not int"
     assert engine.cache.queries == 3 * 3  # the refused requests touched no cache
+
+
+def test_a_chunked_body_is_read_as_vllms_server_reads_it() -> None:
+    # uvicorn reads a body sent Transfer-Encoding: chunked (no Content-Length) as any other. Was: a 400, the fake
+    # reading Content-Length 0 bytes of it.
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 2}).encode()
+    with FakeVLLM() as engine, httpx.Client(base_url=engine.url, timeout=5) as client:
+        streamed = client.post("/v1/completions", content=iter([body[:7], body[7:]]),
+                               headers={"Content-Type": "application/json"})  # fmt: skip
+        assert "content-length" not in streamed.request.headers
+        assert streamed.request.headers["transfer-encoding"] == "chunked"
+        assert streamed.status_code == 200 and streamed.json()["usage"]["prompt_tokens"] == 3
+        host, port = engine.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=5) as raw:  # a chunk extension and a trailer
+            chunks = b"%x;note=1\r\n%s\r\n0\r\nX-Checksum: 1\r\n\r\n" % (len(body), body)
+            raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + chunks)
+            answer = b"".join(iter(lambda: raw.recv(65536), b""))
+        assert answer.split(b" ", 2)[1] == b"200" and json.loads(answer.split(b"\r\n\r\n", 1)[1])["choices"]
+        assert engine.cache.queries == 2 * 3
 
 
 def test_the_routes_answer_as_vllms_fastapi_app_does() -> None:
