@@ -32,6 +32,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from prefixroute._numbers import as_float, as_int, check_flag, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
+from prefixroute.testing._http import (
+    METHOD_NOT_ALLOWED,
+    NOT_FOUND,
+    PREFLIGHT_BODY,
+    cors_headers,
+    is_preflight,
+    preflight_headers,
+)
 from prefixroute.testing._names import check_served_names, model_list
 from prefixroute.testing._requests import Refused, model_not_found, read_max_tokens
 from prefixroute.testing.fake_cache import CachedChain, FakeBlockCache, FakeRequest
@@ -563,10 +571,9 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
             if trickle is None:
                 self._reply(200, body, "text/plain; version=0.0.4; charset=utf-8")
                 return
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
+            self._head(200, "text/plain; version=0.0.4; charset=utf-8", len(body), {})
+            if self.command == "HEAD":
+                return
             try:
                 for i in range(len(body)):
                     self.wfile.write(body[i : i + 1])
@@ -645,25 +652,46 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
                 return _dechunk(self.rfile)
             return self.rfile.read(int(self.headers.get("Content-Length", "0")))
 
+        def _other(self) -> None:
+            """A method no route of vLLM's takes but its Prometheus app (every method under ``/metrics``):
+            CORSMiddleware's 200 to a preflight on any path, else FastAPI's 404 or 405 (HEAD too: FastAPI adds no
+            HEAD to a GET route)."""
+            path = self.path.split("?")[0]
+            if is_preflight(self.command, self.headers):  # CORSMiddleware wraps every route, /metrics too
+                requested = self.headers.get("Access-Control-Request-Headers")
+                self._reply(200, PREFLIGHT_BODY, "text/plain; charset=utf-8", preflight_headers(requested))
+            elif path.startswith("/metrics"):
+                self._metrics()
+            else:
+                self._refuse(path)
+
+        do_HEAD = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _other  # noqa: N815 - http.server's naming
+
         def _refuse(self, path: str) -> None:
-            """FastAPI's answer to a path vLLM does not serve (404), or serves with the other method (405)."""
+            """FastAPI's answer to a path vLLM does not serve (404), or serves with another method (405)."""
             allowed = {"/v1/models": "GET", "/v1/completions": "POST"}.get(path)
             if allowed is None:
-                self._reply(404, b'{"detail":"Not Found"}', "application/json")
+                self._reply(404, NOT_FOUND, "application/json")
             else:
-                self._reply(405, b'{"detail":"Method Not Allowed"}', "application/json", allow=allowed)
+                self._reply(405, METHOD_NOT_ALLOWED, "application/json", {"Allow": allowed})
 
-        def _reply(self, status: int, body: bytes, content_type: str, *, allow: str | None = None) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            if allow is not None:
-                self.send_header("Allow", allow)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
+        def _reply(self, status: int, body: bytes, content_type: str, headers: Mapping[str, str] | None = None) -> None:
+            """Answer ``body`` (its length, but no body, to a HEAD), with CORSMiddleware's header if it adds one."""
+            self._head(status, content_type, len(body), headers or {})
+            if self.command == "HEAD":
+                return
             try:
                 self.wfile.write(body)
             except OSError:  # the client gave up (a timeout in a test): nothing to tell it
                 return
+
+        def _head(self, status: int, content_type: str, length: int, headers: Mapping[str, str]) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            for name, value in {**headers, **cors_headers(self.headers)}.items():
+                self.send_header(name, value)
+            self.send_header("Content-Length", str(length))
+            self.end_headers()
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet in tests
             return

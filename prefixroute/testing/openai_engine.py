@@ -50,6 +50,14 @@ from prefixroute.adapters.serve.contract import UNSUPPORTED_MEDIA_TYPE, is_json_
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.adapters.urls import host_port, listen_host
 from prefixroute.errors import ConfigurationError, InvalidTypeError, StateError
+from prefixroute.testing._http import (
+    METHOD_NOT_ALLOWED,
+    NOT_FOUND,
+    PREFLIGHT_BODY,
+    cors_headers,
+    is_preflight,
+    preflight_headers,
+)
 from prefixroute.testing._names import check_served_names, model_list
 from prefixroute.testing._requests import Refused, lax_int, model_not_found, read_max_tokens
 from prefixroute.testing.fake_cache import FakeBlockCache
@@ -379,12 +387,15 @@ class OpenAIEngine:
         self._loop = asyncio.get_running_loop()
         self._slots = asyncio.Semaphore(self._max_running) if self._max_running else None
         # vLLM caps no request body; aiohttp's default of 1 MiB would refuse a long prompt (100k token ids)
-        app = web.Application(client_max_size=_MAX_BODY_BYTES)
+        app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[_as_vllms_app])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/health", self._health)
+        # FastAPI serves a GET route no HEAD (aiohttp's would); vLLM's Prometheus app is mounted under /metrics, for
+        # every path that starts so and every method
+        app.router.add_get("/v1/models", self._models, allow_head=False)
+        app.router.add_route("*", "/metrics{tail:.*}", self._metrics)
+        app.router.add_get("/health", self._health, allow_head=False)
+        app.on_response_prepare.append(_cors_header)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         await self._listen()
@@ -728,6 +739,30 @@ class OpenAIEngine:
             if not stalled:
                 return
             await asyncio.sleep(_POLL_S)
+
+
+@web.middleware
+async def _as_vllms_app(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Answer as vLLM's FastAPI app does what no route serves: CORSMiddleware's 200 to a preflight on any path,
+    FastAPI's JSON 404 and 405 (with ``Allow``) where aiohttp would answer text."""
+    if is_preflight(request.method, request.headers):
+        requested = request.headers.get("Access-Control-Request-Headers")
+        headers = preflight_headers(requested)
+        return web.Response(body=PREFLIGHT_BODY, content_type="text/plain", charset="utf-8", headers=headers)
+    try:
+        response: web.StreamResponse = await handler(request)
+    except web.HTTPMethodNotAllowed as exc:
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return web.Response(status=405, body=METHOD_NOT_ALLOWED, content_type="application/json",
+                            headers={"Allow": allowed})  # fmt: skip
+    except web.HTTPNotFound:
+        return web.Response(status=404, body=NOT_FOUND, content_type="application/json")
+    return response
+
+
+async def _cors_header(request: web.Request, response: web.StreamResponse) -> None:
+    """Add the header CORSMiddleware adds to an answer to a request with an ``Origin`` (a stream's too)."""
+    response.headers.update(cors_headers(request.headers))
 
 
 class _ClientGone(Exception):

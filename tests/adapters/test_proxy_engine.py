@@ -21,6 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixroute.errors import ConfigurationError, StateError
+from prefixroute.testing import FakeVLLM
 from prefixroute.testing.openai_engine import OpenAIEngine, render_chat, whitespace_tokens
 from prefixroute.vllm.metrics import parse_metrics
 
@@ -576,6 +577,54 @@ def test_a_model_is_checked_as_vllms_check_model_checks_it() -> None:
             for model in ("", None):
                 served = httpx.post(f"{engine.url}{path}", json={"model": model, **body})
                 assert served.status_code == 200 and served.json()["model"] == "base", (model, served.text)
+
+
+@pytest.mark.parametrize("fake", [OpenAIEngine, FakeVLLM])
+def test_other_methods_and_cors_are_answered_as_vllms_app_answers_them(fake: type[OpenAIEngine | FakeVLLM]) -> None:
+    """As FastAPI and Starlette's CORSMiddleware answer, wired as vLLM's build_app wires them (checked on loopback;
+    allowed origins, methods and headers "*"): FastAPI adds no HEAD to a GET route, so HEAD /v1/models is a 405 like
+    any other method a route does not take, with its Allow; a path no route serves is a 404; a preflight (OPTIONS
+    with Origin and Access-Control-Request-Method) is CORSMiddleware's 200 on any path; an answer to a request with
+    an Origin carries Access-Control-Allow-Origin: *; /metrics takes every method. Was: FakeVLLM answered HEAD, PUT,
+    DELETE, PATCH and OPTIONS with http.server's 501 HTML page, OpenAIEngine with aiohttp's text 404 and 405 and a
+    200 to HEAD; neither answered a preflight or added the CORS header."""
+    origin = {"Origin": "http://ui.example"}
+    with fake() as engine, httpx.Client(base_url=engine.url, timeout=5) as client:
+        for method, path, allow in (("HEAD", "/v1/models", "GET"), ("PUT", "/v1/completions", "POST"),
+                                    ("DELETE", "/v1/models", "GET"), ("OPTIONS", "/v1/completions", "POST"),
+                                    ("PATCH", "/nothing", None), ("HEAD", "/nothing", None)):  # fmt: skip
+            reply = client.request(method, path)
+            assert reply.status_code == (404 if allow is None else 405), (method, path)
+            assert reply.headers.get("allow") == allow and reply.headers["content-type"] == "application/json"
+            body = b'{"detail":"Not Found"}' if allow is None else b'{"detail":"Method Not Allowed"}'
+            assert reply.content == (b"" if method == "HEAD" else body), (method, path)
+            assert reply.headers["content-length"] == str(len(body))
+            assert "access-control-allow-origin" not in reply.headers
+        asked = {
+            **origin,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type, x-a",
+        }
+        for path in ("/v1/completions", "/nothing", "/metrics"):
+            preflight = client.options(path, headers=asked)
+            assert preflight.status_code == 200 and preflight.content == b"OK", path
+            assert preflight.headers["content-type"] == "text/plain; charset=utf-8"
+            assert {name: value for name, value in preflight.headers.items() if name.startswith("access-control")} == {
+                "access-control-allow-origin": "*", "access-control-max-age": "600",
+                "access-control-allow-methods": "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT, QUERY",
+                "access-control-allow-headers": "content-type, x-a"}  # fmt: skip
+        plain = client.options("/v1/completions", headers=origin)  # no Access-Control-Request-Method: no preflight
+        assert plain.status_code == 405 and plain.headers["access-control-allow-origin"] == "*"
+        answers = (client.get("/v1/models", headers=origin), client.get("/nothing", headers=origin),
+                   client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}, headers=origin),
+                   client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1, "stream": True},
+                               headers=origin))  # fmt: skip
+        for answer in answers:
+            assert answer.headers["access-control-allow-origin"] == "*", answer.request
+        for method in ("GET", "HEAD", "POST", "DELETE"):
+            metrics = client.request(method, "/metrics/x" if method == "DELETE" else "/metrics")
+            assert metrics.status_code == 200 and metrics.content == (b"" if method == "HEAD" else metrics.content)
+            assert method == "HEAD" or "vllm:num_requests_running" in metrics.text, method
 
 
 def test_an_adapters_answer_names_the_adapter_as_vllms_does() -> None:
