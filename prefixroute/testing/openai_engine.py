@@ -655,7 +655,7 @@ class OpenAIEngine:
             request_id = body["request_id"]
         if request_id is None:
             with self._lock:
-                request_id = f"{self._ids.getrandbits(64):016x}"
+                request_id = f"{self._ids.getrandbits(128):032x}"  # as vLLM's random_uuid(), uuid4().hex, seeded
         # The answer names the model asked for, an adapter's own name too, as vLLM's does.
         chunks = _Chunks(lora_name or self.model, chat=chat, request_id=request_id, created=int(self._clock()))
         choices = range(len(prompts) * n)  # as vLLM numbers them: prompt p's i-th answer is p * n + i

@@ -157,6 +157,15 @@ def test_whole_answers_carry_the_fields_vllm_sends() -> None:
                               "choices": [{"index": 0, "message": message, **done}]}  # fmt: skip
 
 
+def test_an_answers_own_id_is_vllms_random_uuid(engine: OpenAIEngine) -> None:
+    """With no X-Request-Id nor request_id, vLLM names an answer after random_uuid(), uuid4().hex: 32 hex digits (as
+    FakeVLLM does). Was: 16."""
+    chat = {"messages": [{"role": "user", "content": "a"}]}
+    for path, body, prefix in (("completions", {"prompt": "a"}, "cmpl"), ("chat/completions", chat, "chatcmpl")):
+        ids = {httpx.post(f"{engine.url}/v1/{path}", json=body).json()["id"] for _ in range(2)}
+        assert len(ids) == 2 and all(re.fullmatch(f"{prefix}-[0-9a-f]{{32}}", one) for one in ids), ids
+
+
 def test_prompt_tokens_details_are_null_when_nothing_was_cached_as_vllm_reports_them(engine: OpenAIEngine) -> None:
     # vLLM (--enable-prompt-tokens-details) sets usage.prompt_tokens_details only when some prompt tokens came from
     # the cache: null in an answer, left out of a stream's usage chunk (dumped without nulls). Was: always
