@@ -1,15 +1,26 @@
-"""How both fakes read a request's numbers as vLLM does (pydantic's lax int, ``SamplingParams``' checks), the
-refusal that names the parameter it refuses, and vLLM's answer to a model it does not serve."""
+"""How both fakes read a request as vLLM does (its body and field types as FastAPI and pydantic read them, pydantic's
+lax int, ``SamplingParams``' checks), the refusals, with the types and parameters vLLM names, and vLLM's answer to a
+model it does not serve."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection
 from typing import Any
 
 from prefixroute._numbers import shown
 from prefixroute.testing._names import MAX_MODEL_LEN
 
-__all__ = ["Refused", "lax_int", "model_not_found", "read_max_tokens"]
+__all__ = [
+    "Invalid",
+    "Refused",
+    "check_types",
+    "error_body",
+    "json_object",
+    "lax_int",
+    "model_not_found",
+    "read_max_tokens",
+]
 
 
 class Refused(ValueError):
@@ -18,6 +29,59 @@ class Refused(ValueError):
     def __init__(self, message: str, *, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+class Invalid(ValueError):
+    """What vLLM's request model (pydantic) refuses before any of its serving code runs: FastAPI's
+    RequestValidationError, which vLLM's handler answers 400 with type ``"Bad Request"`` (the status phrase) and
+    ``param`` the field's location (``body.max_tokens``; ``body`` for the body as a whole or a model validator's
+    ValueError; a VLLMValidationError's parameter when a model validator raised one; None where FastAPI names no
+    field)."""
+
+    def __init__(self, message: str, *, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def error_body(exc: Exception) -> dict[str, Any]:
+    """vLLM's 400 body for a refusal: an :class:`Invalid` as its RequestValidationError handler answers it (type
+    ``"Bad Request"``), any other as ``create_error_response`` does (type ``"BadRequestError"``, ``param`` a
+    :class:`Refused`'s parameter, else null). The message is the fake's own words. O(1)."""
+    kind = "Bad Request" if isinstance(exc, Invalid) else "BadRequestError"
+    param = exc.param if isinstance(exc, (Invalid, Refused)) else None
+    return {"error": {"message": str(exc), "type": kind, "param": param, "code": 400}}
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """The request body as FastAPI reads it for vLLM's request model: JSON (bytes: a UTF-8 BOM is allowed) holding
+    an object. O(len(raw)).
+
+    Raises:
+        Invalid: JSON FastAPI cannot decode (``param`` ``body.<position>``, as its json_invalid error is located), or
+            a body that is no object (``param`` "body").
+    """
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise Invalid(str(exc), param=f"body.{exc.pos}") from None
+    if not isinstance(body, dict):
+        raise Invalid("the request body must be a JSON object", param="body")
+    return body
+
+
+def check_types(body: dict[str, Any]) -> None:
+    """Refuse a ``model`` or ``request_id`` of another type than vLLM's request models give them (``str | None``;
+    ``str``, a random one when absent). O(1).
+
+    Raises:
+        Invalid: as pydantic refuses them (``param`` ``body.model`` or ``body.request_id``).
+    """
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise Invalid(f"'model' must be a string, not {type(body['model']).__name__}", param="body.model")
+    if "request_id" in body and not isinstance(body["request_id"], str):
+        raise Invalid(
+            f"request_id: Input should be a valid string, not {shown(body['request_id'])}", param="body.request_id"
+        )
 
 
 def model_not_found(model: object, served: Collection[str]) -> dict[str, Any] | None:
@@ -35,24 +99,27 @@ def lax_int(name: str, value: object) -> int:
     """``value`` as pydantic's lax int reads it: an int, ``16.0`` or ``"16"``.
 
     Raises:
-        ValueError: anything else (vLLM answers 400), e.g. ``true`` or ``1.5``.
+        Invalid: anything else (vLLM's pydantic model answers 400, ``param`` ``body.<name>``), e.g. ``true`` or
+            ``1.5``.
     """
     if isinstance(value, float) and value.is_integer() or isinstance(value, str) and value.strip().isdecimal():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, not {shown(value)}")
+        raise Invalid(f"{name} must be an integer, not {shown(value)}", param=f"body.{name}")
     return value
 
 
-def read_max_tokens(value: object, default: int, prompt_tokens: int) -> int:
+def read_max_tokens(value: object, default: int, prompt_tokens: int, *, name: str = "max_tokens") -> int:
     """The tokens to generate, as vLLM reads a request's ``max_tokens`` (None: the engine's default, at most what the
     context leaves): an integer (``16.0`` and ``"16"`` too, pydantic's lax int) of at least 1 that fits the context
-    with the (longest) prompt.
+    with the (longest) prompt. ``name``: the field it was read from (``max_completion_tokens`` for a chat that gave
+    it), for the ``param`` of an :class:`Invalid`.
 
     Raises:
         Refused: below 1, as vLLM's SamplingParams refuses it (``param`` "max_tokens", the message ending in the
             parameter and value, as VLLMValidationError's str() ends).
-        ValueError: anything else (vLLM answers 400), e.g. ``true``, ``1.5``, or more than the context.
+        Invalid: no integer (:func:`lax_int`), e.g. ``true`` or ``1.5``.
+        ValueError: more than the context (vLLM answers 400).
     """
     if value is None:  # vLLM then generates up to the context's end, and refuses a prompt that fills it
         if prompt_tokens >= MAX_MODEL_LEN:
@@ -61,7 +128,7 @@ def read_max_tokens(value: object, default: int, prompt_tokens: int) -> int:
                 f"{prompt_tokens} input tokens. Please reduce the length of the input messages."
             )
         return min(default, MAX_MODEL_LEN - prompt_tokens)
-    value = lax_int("max_tokens", value)
+    value = lax_int(name, value)
     if value < 1:
         raise Refused(
             f"max_tokens must be at least 1, got {value}. (parameter=max_tokens, value={value})", param="max_tokens"

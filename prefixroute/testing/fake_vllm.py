@@ -41,7 +41,14 @@ from prefixroute.testing._http import (
     preflight_headers,
 )
 from prefixroute.testing._names import check_served_names, model_list
-from prefixroute.testing._requests import Refused, model_not_found, read_max_tokens
+from prefixroute.testing._requests import (
+    Invalid,
+    check_types,
+    error_body,
+    json_object,
+    model_not_found,
+    read_max_tokens,
+)
 from prefixroute.testing.fake_cache import CachedChain, FakeBlockCache, FakeRequest
 from prefixroute.vllm._checks import MAX_SECONDS
 from prefixroute.vllm.events import EventBatch, encode_batch
@@ -592,18 +599,13 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
                 self._refuse(path)
                 return
             try:
-                body = json.loads(self._body())
+                body = json_object(self._body())
                 prompts = _token_prompts(body.get("prompt"))
-                if body.get("model") is not None and not isinstance(body["model"], str):  # vLLM's: str | None
-                    raise ValueError(f"'model' must be a string, not {type(body['model']).__name__}")
-                if "request_id" in body and not isinstance(body["request_id"], str):  # vLLM's: str, random if absent
-                    raise ValueError(f"request_id: Input should be a valid string, not {shown(body['request_id'])}")
+                check_types(body)
                 # vLLM's CompletionRequest: max_tokens 16 unless given
                 max_tokens = read_max_tokens(body.get("max_tokens"), 16, max(map(len, prompts)))
-            except (ValueError, TypeError, AttributeError) as exc:  # vLLM's ErrorResponse
-                param = exc.param if isinstance(exc, Refused) else None
-                error = {"error": {"message": str(exc), "type": "BadRequestError", "param": param, "code": 400}}
-                self._reply(400, json.dumps(error).encode(), "application/json")
+            except (ValueError, TypeError) as exc:  # vLLM's ErrorResponse
+                self._reply(400, json.dumps(error_body(exc)).encode(), "application/json")
                 return
             missing = model_not_found(body.get("model"), (engine.model,))
             if missing is not None:
@@ -722,7 +724,17 @@ def _dechunk(stream: io.BufferedIOBase) -> bytes:
 
 
 def _token_prompts(prompt: object) -> list[list[int]]:
-    """Accept ``[ids]`` or ``[[ids], …]`` (the token-id forms of the OpenAI completions API)."""
+    """Accept ``[ids]`` or ``[[ids], …]`` (the token-id forms of the OpenAI completions API; the fake reads no text).
+
+    Raises:
+        Invalid: no prompt, null or ``""`` (vLLM's model validator, located at the body), or one that is neither a
+            list nor a str (pydantic's, ``param`` ``body.prompt``).
+        ValueError: any other prompt the fake does not serve.
+    """
+    if prompt is None or prompt == "":
+        raise Invalid("Either prompt or prompt_embeds must be provided and non-empty.", param="body")
+    if not isinstance(prompt, (list, str)):
+        raise Invalid("prompt must be a non-empty list of token ids or a list of such lists", param="body.prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
         prompts = prompt
     elif isinstance(prompt, list) and prompt:

@@ -59,7 +59,16 @@ from prefixroute.testing._http import (
     preflight_headers,
 )
 from prefixroute.testing._names import check_served_names, model_list
-from prefixroute.testing._requests import Refused, lax_int, model_not_found, read_max_tokens
+from prefixroute.testing._requests import (
+    Invalid,
+    Refused,
+    check_types,
+    error_body,
+    json_object,
+    lax_int,
+    model_not_found,
+    read_max_tokens,
+)
 from prefixroute.testing.fake_cache import FakeBlockCache
 from prefixroute.vllm.metrics import TTFT_BUCKETS
 
@@ -179,20 +188,22 @@ def _stream_options(value: object) -> None:
     ``continuous_usage_stats`` are lax booleans (or null). O(1).
 
     Raises:
-        ValueError: anything else (vLLM answers 400).
+        Invalid: anything else (vLLM's pydantic model answers 400, ``param`` the field's location).
     """
     if value is None:
         return
     if not isinstance(value, dict):
-        raise ValueError(
-            f"stream_options: Input should be a valid dictionary or instance of StreamOptions, not {shown(value)}"
+        raise Invalid(
+            f"stream_options: Input should be a valid dictionary or instance of StreamOptions, not {shown(value)}",
+            param="body.stream_options",
         )
     for key in ("include_usage", "continuous_usage_stats"):
         try:
             _stream_flag(value.get(key))
         except ValueError:
-            raise ValueError(
-                f"stream_options.{key}: Input should be a valid boolean, not {shown(value[key])}"
+            raise Invalid(
+                f"stream_options.{key}: Input should be a valid boolean, not {shown(value[key])}",
+                param=f"body.stream_options.{key}",
             ) from None
 
 
@@ -222,7 +233,7 @@ def _stream_flag(value: object) -> bool:
     """``stream`` as vLLM reads it (pydantic's lax bool): JSON true/false or null, 0/1, or "true"/"no"-like text.
 
     Raises:
-        ValueError: any other value (vLLM answers 400).
+        Invalid: any other value (vLLM's pydantic model answers 400, ``param`` "body.stream").
     """
     if value is None or isinstance(value, bool):
         return bool(value)
@@ -230,7 +241,7 @@ def _stream_flag(value: object) -> bool:
         return bool(value)
     if isinstance(value, str) and value.lower() in _FLAGS:
         return _FLAGS[value.lower()]
-    raise ValueError(f"'stream' must be a boolean, not {value!r}")
+    raise Invalid(f"'stream' must be a boolean, not {value!r}", param="body.stream")
 
 
 def _hook_count(value: object, option: str) -> int:
@@ -568,25 +579,20 @@ class OpenAIEngine:
             return _error(status, "injected failure (OpenAIEngine.fail_next)", "InternalServerError")
         try:
             if not is_json_media_type(request.headers.get("Content-Type")):  # vLLM's validate_json_request
-                raise ValueError(UNSUPPORTED_MEDIA_TYPE)
-            body = json.loads(await request.read())  # bytes, as vLLM's server reads them: a UTF-8 BOM is allowed
-            if not isinstance(body, dict):
-                raise ValueError("the request body must be a JSON object")
-            if body.get("model") is not None and not isinstance(body["model"], str):  # vLLM's model: str | None
-                raise ValueError(f"'model' must be a string, not {type(body['model']).__name__}")
-            if "request_id" in body and not isinstance(body["request_id"], str):  # vLLM's: str, a random one if absent
-                raise ValueError(f"request_id: Input should be a valid string, not {shown(body['request_id'])}")
+                raise Invalid(UNSUPPORTED_MEDIA_TYPE, param=None)  # a RequestValidationError naming no field
+            body = json_object(await request.read())
+            check_types(body)
             prompts = self._prompts(body, chat=chat)
-            if body.get("stream_options") and not body.get("stream"):  # vLLM's check, on the values as sent
-                raise ValueError("Stream options can only be defined when `stream=True`.")
+            if body.get("stream_options") and not body.get("stream"):  # vLLM's model validator, on the values as sent
+                raise Invalid("Stream options can only be defined when `stream=True`.", param="stream_options")
             _stream_options(body.get("stream_options"))
             _stream_flag(body.get("stream"))
             n = _choices(body, len(prompts))
-            limit = body.get("max_completion_tokens")  # vLLM reads it before max_tokens
-            limit = body.get("max_tokens") if limit is None else limit
-            max_tokens = read_max_tokens(limit, self.max_tokens, max(map(len, prompts)))
+            name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+            limit = body.get(name)  # vLLM reads max_completion_tokens before max_tokens
+            max_tokens = read_max_tokens(limit, self.max_tokens, max(map(len, prompts)), name=name)
         except (ValueError, TypeError) as exc:
-            return _error(400, str(exc), "BadRequestError", param=exc.param if isinstance(exc, Refused) else None)
+            return web.json_response(error_body(exc), status=400)
         missing = model_not_found(body.get("model"), (self.model, *self.lora_adapters))
         if missing is not None:
             return web.json_response(missing, status=404)
@@ -612,8 +618,8 @@ class OpenAIEngine:
         if chat:
             return [self._tokenizer(render_chat(body.get("messages")))]
         prompt = body.get("prompt")
-        if prompt is None or prompt == "":
-            raise ValueError("Either prompt or prompt_embeds must be provided and non-empty.")
+        if prompt is None or prompt == "":  # vLLM's model validator: a ValueError, located at the body
+            raise Invalid("Either prompt or prompt_embeds must be provided and non-empty.", param="body")
         batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
         texts = all(isinstance(one, str) for one in batch)  # a batch is all texts or all token-id lists
         prompts = []
@@ -623,9 +629,10 @@ class OpenAIEngine:
             elif isinstance(one, list) and one and all(type(t) is int and 0 <= t < 2**32 for t in one):
                 prompts.append(list(one))
             else:
-                raise ValueError(
-                    "'prompt' must be a string, a non-empty list of token ids, or a list of strings or of those"
-                )
+                message = "'prompt' must be a string, a non-empty list of token ids, or a list of strings or of those"
+                if isinstance(one, list) and all(type(t) is int for t in one):  # pydantic's type: a later 400
+                    raise ValueError(message)
+                raise Invalid(message, param=_prompt_param(prompt))
         return prompts
 
     async def _answer(
@@ -763,6 +770,17 @@ async def _as_vllms_app(request: web.Request, handler: Any) -> web.StreamRespons
 async def _cors_header(request: web.Request, response: web.StreamResponse) -> None:
     """Add the header CORSMiddleware adds to an answer to a request with an ``Origin`` (a stream's too)."""
     response.headers.update(cors_headers(request.headers))
+
+
+def _prompt_param(prompt: object) -> str:
+    """Where pydantic locates the first error of a ``prompt`` that none of vLLM's types (``list[int] |
+    list[list[int]] | str | list[str]``) takes, as vLLM's handler cleans it: the list[int] branch's first item that
+    is no int (``body.prompt.0``), else the prompt (``body.prompt``). O(len(prompt))."""
+    if isinstance(prompt, list):
+        for index, item in enumerate(prompt):
+            if type(item) is not int:
+                return f"body.prompt.{index}"
+    return "body.prompt"
 
 
 class _ClientGone(Exception):

@@ -366,7 +366,8 @@ def test_a_model_that_is_not_a_string_is_a_400_as_vllm_answers_it(engine: OpenAI
     ]
     for path, body in bodies:
         reply = httpx.post(f"{engine.url}{path}", json={"model": model, **body})
-        assert reply.status_code == 400 and reply.json()["error"]["type"] == "BadRequestError", reply.text
+        assert reply.status_code == 400 and reply.json()["error"]["type"] == "Bad Request", reply.text
+        assert reply.json()["error"]["param"] == "body.model"
         assert reply.json()["error"]["message"] == f"'model' must be a string, not {type(model).__name__}"
 
 
@@ -514,9 +515,12 @@ def test_stream_options_that_are_not_vllms_object_are_a_400(engine: OpenAIEngine
     for stream in (True, False):
         reply = httpx.post(f"{engine.url}{path}", json={**prompt, "stream": stream, "stream_options": options})
         error = reply.json()["error"]
-        assert reply.status_code == 400 and error["type"] == "BadRequestError", reply.text
+        assert reply.status_code == 400 and error["type"] == "Bad Request", reply.text  # pydantic's, in vLLM
         only_streamed = "Stream options can only be defined when `stream=True`."  # vLLM's words
-        assert "stream_options" in error["message"] or stream is False and error["message"] == only_streamed
+        if error["message"] == only_streamed:  # its model validator's VLLMValidationError names the parameter
+            assert stream is False and error["param"] == "stream_options"
+        else:  # pydantic locates the field
+            assert "stream_options" in error["message"] and error["param"].startswith("body.stream_options")
     assert engine.stats().running == 0
     usage = {"include_usage": "yes", "continuous_usage_stats": None}  # lax booleans, as pydantic reads them
     for options, chunks in ((usage, 1), ({}, 1), ({"include_usage": None}, 0), (None, 0)):  # vLLM's default: True
@@ -536,7 +540,7 @@ def test_a_body_not_labelled_json_is_vllms_400(engine: OpenAIEngine, path: str, 
     headers = {} if content_type is None else {"Content-Type": content_type}
     reply = httpx.post(f"{engine.url}{path}", content=json.dumps(body).encode(), headers=headers)
     assert reply.status_code == 400 and reply.json()["error"] == {
-        "message": "Unsupported Media Type: Only 'application/json' is allowed", "type": "BadRequestError",
+        "message": "Unsupported Media Type: Only 'application/json' is allowed", "type": "Bad Request",
         "param": None, "code": 400}  # fmt: skip
     for label in ("application/json; charset=utf-8", "APPLICATION/JSON"):
         served = httpx.post(f"{engine.url}{path}", content=json.dumps(body).encode(), headers={"Content-Type": label})
@@ -555,7 +559,11 @@ def test_a_max_tokens_vllm_refuses_is_a_400_not_a_500_or_an_endless_answer(engin
     for path, prompt in (("/v1/completions", '"prompt": [1, 2, 3]'), ("/v1/chat/completions", chat)):
         body = f'{{{prompt}, "stream": true, "max_tokens": {raw}}}'
         reply = httpx.post(engine.url + path, content=body, headers={"Content-Type": "application/json"}, timeout=5)
-        assert reply.status_code == 400 and reply.json()["error"]["type"] == "BadRequestError", reply.text
+        error = reply.json()["error"]
+        # no integer: pydantic's 400 ("Bad Request", located); below 1 or past the context: vLLM's serving code's
+        typed = raw in ("1e300", "1048576", "0", "-3")
+        assert reply.status_code == 400 and error["type"] == ("BadRequestError" if typed else "Bad Request"), error
+        assert typed or error["param"] == "body.max_tokens", error
     assert engine.stats().running == 0
 
 
@@ -634,6 +642,42 @@ def test_other_methods_and_cors_are_answered_as_vllms_app_answers_them(fake: typ
             metrics = client.request(method, "/metrics/x" if method == "DELETE" else "/metrics")
             assert metrics.status_code == 200 and metrics.content == (b"" if method == "HEAD" else metrics.content)
             assert method == "HEAD" or "vllm:num_requests_running" in metrics.text, method
+
+
+def test_a_refusal_is_typed_and_located_as_vllm_types_and_locates_it() -> None:
+    """vLLM answers what its request model (pydantic) refuses through FastAPI's RequestValidationError: type "Bad
+    Request" and ``param`` the field's location (the JSON error's position in the body, ``body`` for a body that is
+    no object or a model validator's ValueError, the first bad item of a prompt); what its serving code refuses is
+    create_error_response's "BadRequestError". Was: every 400 "BadRequestError" with a null param."""
+    chat = {"messages": [{"role": "user", "content": "a"}]}
+    cases: list[tuple[str, bytes, str, str | None]] = [
+        ("completions", b'{"prompt": "a",}', "Bad Request", "body.15"),
+        ("completions", b"[1]", "Bad Request", "body"),
+        ("completions", b'{"prompt": null}', "Bad Request", "body"),
+        ("completions", b'{"prompt": 3}', "Bad Request", "body.prompt"),
+        ("completions", b'{"prompt": [1, "x"]}', "Bad Request", "body.prompt.1"),
+        ("completions", b'{"prompt": "a", "n": "two"}', "Bad Request", "body.n"),
+        ("completions", b'{"prompt": "a", "stream": "maybe"}', "Bad Request", "body.stream"),
+        ("chat/completions", json.dumps({**chat, "max_completion_tokens": 1.5}).encode(), "Bad Request",
+         "body.max_completion_tokens"),
+        ("completions", b'{"prompt": [-1]}', "BadRequestError", None),  # a type pydantic takes: vLLM's later 400
+        ("completions", b'{"prompt": "a", "n": 0}', "BadRequestError", None),
+    ]  # fmt: skip
+    with OpenAIEngine() as engine:
+        for path, raw, kind, param in cases:
+            reply = httpx.post(f"{engine.url}/v1/{path}", content=raw, headers={"Content-Type": "application/json"})
+            assert reply.status_code == 400, (raw, reply.text)
+            assert (reply.json()["error"]["type"], reply.json()["error"]["param"]) == (kind, param), raw
+    with FakeVLLM() as fake, httpx.Client(base_url=fake.url, timeout=5) as client:
+        for raw, kind, param in ((b'{"prompt": [1],}', "Bad Request", "body.15"), (b"[1]", "Bad Request", "body"),
+                                 (b"{}", "Bad Request", "body"), (b'{"prompt": 3}', "Bad Request", "body.prompt"),
+                                 (b'{"prompt": [1], "model": 5}', "Bad Request", "body.model"),
+                                 (b'{"prompt": [1], "request_id": 5}', "Bad Request", "body.request_id"),
+                                 (b'{"prompt": [1], "max_tokens": 1.5}', "Bad Request", "body.max_tokens"),
+                                 (b'{"prompt": [-1]}', "BadRequestError", None)):  # fmt: skip
+            reply = client.post("/v1/completions", content=raw)
+            assert reply.status_code == 400, (raw, reply.text)
+            assert (reply.json()["error"]["type"], reply.json()["error"]["param"]) == (kind, param), raw
 
 
 def test_an_adapters_answer_names_the_adapter_as_vllms_does() -> None:
@@ -887,7 +931,7 @@ def test_a_request_id_that_is_not_a_string_is_vllms_400(engine: OpenAIEngine, ch
                                headers=headers)  # fmt: skip
             assert reply.status_code == 400, reply.text
             error = reply.json()["error"]
-            assert (error["type"], error["code"]) == ("BadRequestError", 400)
+            assert (error["type"], error["code"], error["param"]) == ("Bad Request", 400, "body.request_id")
             assert error["message"] == f"request_id: Input should be a valid string, not {request_id!r}", error
     assert engine.stats().prompt_tokens == 0
     served = httpx.post(f"{engine.url}/v1/{path}", json={**body, "request_id": ""})  # a string, if empty: taken
