@@ -14,6 +14,7 @@ from prefixroute.testing._names import MAX_MODEL_LEN
 __all__ = [
     "Invalid",
     "Refused",
+    "Unparsable",
     "check_types",
     "error_body",
     "json_object",
@@ -43,10 +44,19 @@ class Invalid(ValueError):
         self.param = param
 
 
+class Unparsable(ValueError):
+    """A body FastAPI cannot read as JSON text (no UTF-8): its own 400, ``{"detail": "There was an error parsing the
+    body"}``, raised as a Starlette HTTPException, which vLLM's handler (registered for FastAPI's subclass) does not
+    take."""
+
+
 def error_body(exc: Exception) -> dict[str, Any]:
     """vLLM's 400 body for a refusal: an :class:`Invalid` as its RequestValidationError handler answers it (type
-    ``"Bad Request"``), any other as ``create_error_response`` does (type ``"BadRequestError"``, ``param`` a
-    :class:`Refused`'s parameter, else null). The message is the fake's own words. O(1)."""
+    ``"Bad Request"``), an :class:`Unparsable` as FastAPI does, any other as ``create_error_response`` does (type
+    ``"BadRequestError"``, ``param`` a :class:`Refused`'s parameter, else null). The message is the fake's own words.
+    O(1)."""
+    if isinstance(exc, Unparsable):
+        return {"detail": str(exc)}
     kind = "Bad Request" if isinstance(exc, Invalid) else "BadRequestError"
     param = exc.param if isinstance(exc, (Invalid, Refused)) else None
     return {"error": {"message": str(exc), "type": kind, "param": param, "code": 400}}
@@ -57,13 +67,18 @@ def json_object(raw: bytes) -> dict[str, Any]:
     an object. O(len(raw)).
 
     Raises:
-        Invalid: JSON FastAPI cannot decode (``param`` ``body.<position>``, as its json_invalid error is located), or
-            a body that is no object (``param`` "body").
+        Invalid: JSON FastAPI cannot decode (``param`` ``body.<position>``, as its json_invalid error is located), an
+            empty body (``param`` "body", pydantic's missing body) or one that is no object (``param`` "body").
+        Unparsable: a body that is no UTF-8 text.
     """
+    if not raw:  # FastAPI reads no JSON from an empty body: the request model finds its body missing
+        raise Invalid("Field required: the request has no body", param="body")
     try:
         body = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise Invalid(str(exc), param=f"body.{exc.pos}") from None
+    except UnicodeDecodeError:  # FastAPI's own 400 (a Starlette HTTPException, which vLLM's handler does not take)
+        raise Unparsable("There was an error parsing the body") from None
     if not isinstance(body, dict):
         raise Invalid("the request body must be a JSON object", param="body")
     return body

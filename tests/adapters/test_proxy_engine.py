@@ -647,12 +647,14 @@ def test_other_methods_and_cors_are_answered_as_vllms_app_answers_them(fake: typ
 def test_a_refusal_is_typed_and_located_as_vllm_types_and_locates_it() -> None:
     """vLLM answers what its request model (pydantic) refuses through FastAPI's RequestValidationError: type "Bad
     Request" and ``param`` the field's location (the JSON error's position in the body, ``body`` for a body that is
-    no object or a model validator's ValueError, the first bad item of a prompt); what its serving code refuses is
-    create_error_response's "BadRequestError". Was: every 400 "BadRequestError" with a null param."""
+    empty or no object or a model validator's ValueError, the first bad item of a prompt); what its serving code
+    refuses is create_error_response's "BadRequestError"; a body that is no UTF-8 is FastAPI's own 400. Was: every
+    400 "BadRequestError" with a null param (an empty body "body.0", no UTF-8 the decoder's message)."""
     chat = {"messages": [{"role": "user", "content": "a"}]}
     cases: list[tuple[str, bytes, str, str | None]] = [
         ("completions", b'{"prompt": "a",}', "Bad Request", "body.15"),
         ("completions", b"[1]", "Bad Request", "body"),
+        ("completions", b"", "Bad Request", "body"),
         ("completions", b'{"prompt": null}', "Bad Request", "body"),
         ("completions", b'{"prompt": 3}', "Bad Request", "body.prompt"),
         ("completions", b'{"prompt": [1, "x"]}', "Bad Request", "body.prompt.1"),
@@ -663,13 +665,17 @@ def test_a_refusal_is_typed_and_located_as_vllm_types_and_locates_it() -> None:
         ("completions", b'{"prompt": [-1]}', "BadRequestError", None),  # a type pydantic takes: vLLM's later 400
         ("completions", b'{"prompt": "a", "n": 0}', "BadRequestError", None),
     ]  # fmt: skip
+    label = {"Content-Type": "application/json"}
+    unreadable = []
     with OpenAIEngine() as engine:
         for path, raw, kind, param in cases:
-            reply = httpx.post(f"{engine.url}/v1/{path}", content=raw, headers={"Content-Type": "application/json"})
+            reply = httpx.post(f"{engine.url}/v1/{path}", content=raw, headers=label)
             assert reply.status_code == 400, (raw, reply.text)
             assert (reply.json()["error"]["type"], reply.json()["error"]["param"]) == (kind, param), raw
+        unreadable.append(httpx.post(f"{engine.url}/v1/completions", content=b'{"prompt": "\xff"}', headers=label))
     with FakeVLLM() as fake, httpx.Client(base_url=fake.url, timeout=5) as client:
         for raw, kind, param in ((b'{"prompt": [1],}', "Bad Request", "body.15"), (b"[1]", "Bad Request", "body"),
+                                 (b"", "Bad Request", "body"),
                                  (b"{}", "Bad Request", "body"), (b'{"prompt": 3}', "Bad Request", "body.prompt"),
                                  (b'{"prompt": [1], "model": 5}', "Bad Request", "body.model"),
                                  (b'{"prompt": [1], "request_id": 5}', "Bad Request", "body.request_id"),
@@ -678,6 +684,9 @@ def test_a_refusal_is_typed_and_located_as_vllm_types_and_locates_it() -> None:
             reply = client.post("/v1/completions", content=raw)
             assert reply.status_code == 400, (raw, reply.text)
             assert (reply.json()["error"]["type"], reply.json()["error"]["param"]) == (kind, param), raw
+        unreadable.append(client.post("/v1/completions", content=b'{"prompt": "\xff"}'))
+    for reply in unreadable:  # no UTF-8: FastAPI's own 400, which vLLM's error handler does not take
+        assert reply.status_code == 400 and reply.json() == {"detail": "There was an error parsing the body"}
 
 
 def test_an_adapters_answer_names_the_adapter_as_vllms_does() -> None:
