@@ -4,9 +4,27 @@ and ``--allowed-headers`` all ``*``, no credentials)."""
 
 from __future__ import annotations
 
-from typing import Protocol
+import json
+from typing import Any, Protocol
 
-__all__ = ["METHOD_NOT_ALLOWED", "NOT_FOUND", "PREFLIGHT_BODY", "cors_headers", "is_preflight", "preflight_headers"]
+__all__ = [
+    "JSON",
+    "METHOD_NOT_ALLOWED",
+    "NOT_FOUND",
+    "PREFLIGHT_BODY",
+    "SSE",
+    "cors_headers",
+    "is_preflight",
+    "json_body",
+    "preflight_headers",
+]
+
+JSON = "application/json"
+"""The Content-Type of vLLM's JSON answers (Starlette's JSONResponse adds no charset to it)."""
+
+SSE = "text/event-stream; charset=utf-8"
+"""The Content-Type of vLLM's streamed answers (a StreamingResponse of ``text/event-stream``, to which Starlette adds
+the charset of a ``text/`` type), the only header vLLM sets on them."""
 
 NOT_FOUND = b'{"detail":"Not Found"}'
 """FastAPI's body for a path no route serves (404)."""
@@ -25,6 +43,12 @@ class _Headers(Protocol):
 
 
 _METHODS = "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT, QUERY"  # Starlette's ALL_METHODS, for allow_methods=["*"]
+
+
+def json_body(content: Any) -> bytes:
+    """``content`` rendered as Starlette's JSONResponse renders vLLM's answers: compact, UTF-8 (no ``\\u`` escapes).
+    O(size)."""
+    return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 def is_preflight(method: str, headers: _Headers) -> bool:

@@ -15,7 +15,6 @@ truncated payloads, odd sequence numbers).
 from __future__ import annotations
 
 import io
-import json
 import queue
 import random
 import threading
@@ -33,11 +32,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prefixroute._numbers import as_float, as_int, check_flag, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.testing._http import (
+    JSON,
     METHOD_NOT_ALLOWED,
     NOT_FOUND,
     PREFLIGHT_BODY,
     cors_headers,
     is_preflight,
+    json_body,
     preflight_headers,
 )
 from prefixroute.testing._names import check_served_names, model_list
@@ -562,7 +563,7 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
                 listing = model_list(
                     engine.model, (), created=engine._created(), permission_ids=engine._permission_ids()
                 )
-                self._reply(200, json.dumps(listing).encode(), "application/json")
+                self._reply(200, json_body(listing), JSON)
                 return
             if not path.startswith("/metrics"):
                 self._refuse(path)
@@ -605,11 +606,11 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
                 # vLLM's CompletionRequest: max_tokens 16 unless given
                 max_tokens = read_max_tokens(body.get("max_tokens"), 16, max(map(len, prompts)))
             except (ValueError, TypeError) as exc:  # vLLM's ErrorResponse
-                self._reply(400, json.dumps(error_body(exc)).encode(), "application/json")
+                self._reply(400, json_body(error_body(exc)), JSON)
                 return
             missing = model_not_found(body.get("model"), (engine.model,))
             if missing is not None:
-                self._reply(404, json.dumps(missing).encode(), "application/json")
+                self._reply(404, json_body(missing), JSON)
                 return
             # vLLM's _base_request_id: the client's X-Request-Id, else the body's request_id, else a random one
             request_id = self.headers.get("X-Request-Id", body.get("request_id"))
@@ -645,7 +646,7 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
                     "prompt_tokens_details": {"cached_tokens": cached_tokens} if cached_tokens else None,
                 },
             }
-            self._reply(200, json.dumps(reply).encode(), "application/json")
+            self._reply(200, json_body(reply), JSON)
 
         def _body(self) -> bytes:
             """The request's body as vLLM's server (uvicorn) reads it: ``Content-Length`` bytes, or a body sent
@@ -673,9 +674,9 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
             """FastAPI's answer to a path vLLM does not serve (404), or serves with another method (405)."""
             allowed = {"/v1/models": "GET", "/v1/completions": "POST"}.get(path)
             if allowed is None:
-                self._reply(404, NOT_FOUND, "application/json")
+                self._reply(404, NOT_FOUND, JSON)
             else:
-                self._reply(405, METHOD_NOT_ALLOWED, "application/json", {"Allow": allowed})
+                self._reply(405, METHOD_NOT_ALLOWED, JSON, {"Allow": allowed})
 
         def _reply(self, status: int, body: bytes, content_type: str, headers: Mapping[str, str] | None = None) -> None:
             """Answer ``body`` (its length, but no body, to a HEAD), with CORSMiddleware's header if it adds one."""

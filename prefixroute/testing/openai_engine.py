@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
-import json
 import random
 import signal
 import sys
@@ -51,11 +50,14 @@ from prefixroute.adapters.threaded import ServerThread
 from prefixroute.adapters.urls import host_port, listen_host
 from prefixroute.errors import ConfigurationError, InvalidTypeError, StateError
 from prefixroute.testing._http import (
+    JSON,
     METHOD_NOT_ALLOWED,
     NOT_FOUND,
     PREFLIGHT_BODY,
+    SSE,
     cors_headers,
     is_preflight,
+    json_body,
     preflight_headers,
 )
 from prefixroute.testing._names import check_served_names, model_list
@@ -79,7 +81,7 @@ MAX_ENGINES = 256
 clients' connections and its cache, so more would run out of file descriptors (1,024 by default) long before ports,
 and a larger count is a typo, not a test."""
 
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_SSE_HEADERS = {"Content-Type": SSE}
 _POLL_S = 0.005  # how often a stalled request looks for resume() or its client leaving
 _MAX_BODY_BYTES = 256 * 2**20  # the largest request body served (the proxy in front of it takes 64 MiB by default)
 _MAX_CHOICES = 1 << 16  # the most answers per request (prompts times ``n``) served
@@ -557,7 +559,7 @@ class OpenAIEngine:
         with self._lock:  # the permission ids: the engine's seeded RNG, as the response ids
             ids = [f"modelperm-{self._ids.getrandbits(128):032x}" for _ in range(1 + len(self.lora_adapters))]
         listing = model_list(self.model, self.lora_adapters, created=int(self._clock()), permission_ids=iter(ids))
-        return web.json_response(listing)
+        return _json(listing)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(text=self.metrics_text(), content_type="text/plain", charset="utf-8")
@@ -592,10 +594,10 @@ class OpenAIEngine:
             limit = body.get(name)  # vLLM reads max_completion_tokens before max_tokens
             max_tokens = read_max_tokens(limit, self.max_tokens, max(map(len, prompts)), name=name)
         except (ValueError, TypeError) as exc:
-            return web.json_response(error_body(exc), status=400)
+            return _json(error_body(exc), status=400)
         missing = model_not_found(body.get("model"), (self.model, *self.lora_adapters))
         if missing is not None:
-            return web.json_response(missing, status=404)
+            return _json(missing, status=404)
         if self._slots is not None:
             with self._lock:
                 self._waiting += 1
@@ -687,7 +689,7 @@ class OpenAIEngine:
                     await self._pause(request, sent=sent)
                     await asyncio.sleep(self.token_delay_s)
                 finished = True
-                return web.json_response(chunks.whole(max_tokens, choices, usage))
+                return _json(chunks.whole(max_tokens, choices, usage))
             options: dict[str, Any] | None = body.get("stream_options")  # null or an object: the rest was refused
             include_usage = continuous = False
             if options is not None:  # vLLM's should_include_usage: usage by default, the usage so far only with it
@@ -760,10 +762,10 @@ async def _as_vllms_app(request: web.Request, handler: Any) -> web.StreamRespons
         response: web.StreamResponse = await handler(request)
     except web.HTTPMethodNotAllowed as exc:
         allowed = ", ".join(sorted(exc.allowed_methods))
-        return web.Response(status=405, body=METHOD_NOT_ALLOWED, content_type="application/json",
+        return web.Response(status=405, body=METHOD_NOT_ALLOWED, content_type=JSON,
                             headers={"Allow": allowed})  # fmt: skip
     except web.HTTPNotFound:
-        return web.Response(status=404, body=NOT_FOUND, content_type="application/json")
+        return web.Response(status=404, body=NOT_FOUND, content_type=JSON)
     return response
 
 
@@ -798,7 +800,7 @@ class _Chunks:
 
     @staticmethod
     def sse(data: dict[str, Any]) -> bytes:
-        return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+        return b"data: " + json_body(data) + b"\n\n"  # as pydantic's model_dump_json(): compact, UTF-8
 
     def role(self, index: int, *, prompt_tokens: int | None = None) -> dict[str, Any]:
         """A chat choice's first chunk; ``prompt_tokens`` (continuous usage stats): with the usage so far, none
@@ -853,7 +855,12 @@ class _Chunks:
 
 def _error(status: int, message: str, kind: str, *, param: str | None = None) -> web.Response:
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return web.json_response(body, status=status)
+    return _json(body, status=status)
+
+
+def _json(content: Any, *, status: int = 200) -> web.Response:
+    """``content`` as vLLM's JSONResponse answers it (compact, ``application/json`` with no charset)."""
+    return web.Response(body=json_body(content), status=status, content_type=JSON)
 
 
 # -- the command line ----------------------------------------------------------------------------------------------

@@ -689,6 +689,31 @@ def test_a_refusal_is_typed_and_located_as_vllm_types_and_locates_it() -> None:
         assert reply.status_code == 400 and reply.json() == {"detail": "There was an error parsing the body"}
 
 
+def test_answers_are_labelled_and_rendered_as_vllms_responses_are() -> None:
+    """vLLM answers JSON with Starlette's JSONResponse (``application/json``, no charset; compact, UTF-8 unescaped)
+    and a stream with a StreamingResponse of ``text/event-stream`` (Starlette adds ``; charset=utf-8``; no other
+    header), each chunk pydantic's compact JSON. Was: OpenAIEngine's JSON ``application/json; charset=utf-8`` with
+    ", " and ": " separators, its stream ``text/event-stream`` with ``Cache-Control: no-cache``; FakeVLLM's JSON
+    spaced and escaped."""
+    compact = re.compile(rb'"[,:] |\\u')  # a separator with a space, or an escaped character
+    with OpenAIEngine(model="модель", max_tokens=2) as engine:
+        answers = [httpx.get(f"{engine.url}/v1/models"),
+                   httpx.post(f"{engine.url}/v1/completions", json={"prompt": "a"}),
+                   httpx.post(f"{engine.url}/v1/completions", json={"prompt": "a", "n": 0}),
+                   httpx.post(f"{engine.url}/v1/completions", json={"prompt": "a", "model": "модель-2"})]  # fmt: skip
+        streamed = httpx.post(f"{engine.url}/v1/completions", json={"prompt": "a", "stream": True})
+    with FakeVLLM(model="модель") as fake:
+        answers += [httpx.get(f"{fake.url}/v1/models"), httpx.post(f"{fake.url}/v1/completions", json={"prompt": [1]}),
+                    httpx.post(f"{fake.url}/v1/completions", json={"prompt": [1], "max_tokens": 0})]  # fmt: skip
+    for answer in answers:
+        assert answer.headers["content-type"] == "application/json", answer.request
+        assert "модель".encode() in answer.content or answer.status_code == 400, answer.request  # not escaped
+        assert not compact.search(answer.content), (answer.request, answer.content[:80])
+    assert streamed.headers["content-type"] == "text/event-stream; charset=utf-8"
+    assert "cache-control" not in streamed.headers
+    assert "модель".encode() in streamed.content and not compact.search(streamed.content)
+
+
 def test_an_adapters_answer_names_the_adapter_as_vllms_does() -> None:
     with OpenAIEngine(model="base", lora_adapters=["sql"], max_tokens=1) as engine:
         for model in ("sql", "base", None):
