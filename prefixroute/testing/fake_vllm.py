@@ -137,8 +137,8 @@ def _check_options(
 
 class FakeVLLM:
     """A fake engine: KV events on a ZMQ PUB socket and a replay ROUTER, HTTP ``/metrics``, ``/v1/completions`` and
-    ``/v1/models``. ``/v1/completions`` serves ``model``, and a request that names none (absent, null or ``""``);
-    one naming another model gets vLLM's 404 (``NotFoundError``, ``param`` "model").
+    ``/v1/models`` (and vLLM's ``/health``). ``/v1/completions`` serves ``model``, and a request that names none
+    (absent, null or ``""``); one naming another model gets vLLM's 404 (``NotFoundError``, ``param`` "model").
 
     Every cache-changing call publishes one ``EventBatch`` (as a vLLM scheduler step does) with the next sequence
     number, in ``encoding`` (``"array"``, ``"map"`` or ``"alternate"``, which switches per batch), stamped with
@@ -565,6 +565,9 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
                 )
                 self._reply(200, json_body(listing), JSON)
                 return
+            if path == "/health":  # vLLM's health check: an empty 200 (Response(status_code=200)) while it runs
+                self._reply(200, b"", None)
+                return
             if not path.startswith("/metrics"):
                 self._refuse(path)
                 return
@@ -672,13 +675,15 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
 
         def _refuse(self, path: str) -> None:
             """FastAPI's answer to a path vLLM does not serve (404), or serves with another method (405)."""
-            allowed = {"/v1/models": "GET", "/v1/completions": "POST"}.get(path)
+            allowed = {"/v1/models": "GET", "/health": "GET", "/v1/completions": "POST"}.get(path)
             if allowed is None:
                 self._reply(404, NOT_FOUND, JSON)
             else:
                 self._reply(405, METHOD_NOT_ALLOWED, JSON, {"Allow": allowed})
 
-        def _reply(self, status: int, body: bytes, content_type: str, headers: Mapping[str, str] | None = None) -> None:
+        def _reply(
+            self, status: int, body: bytes, content_type: str | None, headers: Mapping[str, str] | None = None
+        ) -> None:
             """Answer ``body`` (its length, but no body, to a HEAD), with CORSMiddleware's header if it adds one."""
             self._head(status, content_type, len(body), headers or {})
             if self.command == "HEAD":
@@ -688,9 +693,10 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
             except OSError:  # the client gave up (a timeout in a test): nothing to tell it
                 return
 
-        def _head(self, status: int, content_type: str, length: int, headers: Mapping[str, str]) -> None:
+        def _head(self, status: int, content_type: str | None, length: int, headers: Mapping[str, str]) -> None:
             self.send_response(status)
-            self.send_header("Content-Type", content_type)
+            if content_type is not None:  # None: an answer with no body, which Starlette labels with none
+                self.send_header("Content-Type", content_type)
             for name, value in {**headers, **cors_headers(self.headers)}.items():
                 self.send_header(name, value)
             self.send_header("Content-Length", str(length))

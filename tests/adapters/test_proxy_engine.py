@@ -714,6 +714,17 @@ def test_answers_are_labelled_and_rendered_as_vllms_responses_are() -> None:
     assert "модель".encode() in streamed.content and not compact.search(streamed.content)
 
 
+@pytest.mark.parametrize("fake", [OpenAIEngine, FakeVLLM])
+def test_health_is_vllms_empty_200(fake: type[OpenAIEngine | FakeVLLM]) -> None:
+    """vLLM's GET /health answers Response(status_code=200): no body, no Content-Type; other methods get FastAPI's
+    405. Was: FakeVLLM answered 404."""
+    with fake() as engine, httpx.Client(base_url=engine.url, timeout=5) as client:
+        health = client.get("/health")
+        assert health.status_code == 200 and health.content == b"" and "content-type" not in health.headers
+        refused = client.post("/health")
+        assert refused.status_code == 405 and refused.headers["allow"] == "GET"
+
+
 def test_an_adapters_answer_names_the_adapter_as_vllms_does() -> None:
     with OpenAIEngine(model="base", lora_adapters=["sql"], max_tokens=1) as engine:
         for model in ("sql", "base", None):
