@@ -7,6 +7,7 @@ import json
 import re
 import threading
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -297,6 +298,26 @@ def test_the_template_renders_as_transformers_renders_chat_templates(tmp_path: P
         ConfigurationError, match=f"the chat template in {re.escape(repr(str(folder)))} does not compile"
     ):
         PromptEncoder(folder)
+
+
+def test_the_template_has_the_tags_globals_and_filters_transformers_gives_it(tmp_path: Path) -> None:
+    """transformers' environment, as vLLM renders with it: loop controls and ``{% generation %}`` compile (they were
+    refused at load), ``strftime_now()`` is the local time (Llama 3.2 dates its system prompt with it: it was
+    undefined, so the sidecar's tokens left the engine's there), ``tools`` and ``documents`` are none (they were
+    undefined, which ``is not none``), and ``tojson`` takes transformers' arguments (sort_keys was refused)."""
+    template = (
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}w1 {% endfor %}"
+        "{% for i in range(3) %}{% if i == 1 %}{% continue %}{% endif %}w{{ i + 2 }} {% endfor %}"
+        "{% generation %}w5 {% endgeneration %}"
+        "{{ 'w6' if tools is none and documents is none else 'w0' }} "
+        "{{ 'w7' if strftime_now('%Y-%m-%d') == messages[0].content else 'w0' }} "
+        "{{ 'w8' if {'b': 1, 'a': 'é'} | tojson(ensure_ascii=True, separators=(',', ':'), sort_keys=True)"
+        ' == \'{"a":"\\\\u00e9","b":1}\' else \'w0\' }} '
+        "{{ 'w9' if [1] | tojson(indent=256) == '[\\n' ~ ' ' * 256 ~ '1\\n]' else 'w0' }}"
+    )
+    folder = make_tokenizer(tmp_path / "model", chat_template=template)
+    today = datetime.now().strftime("%Y-%m-%d")
+    assert PromptEncoder(folder).encode_chat([{"role": "user", "content": today}] * 2) == [1, 2, 4, 5, 6, 7, 8, 9]
 
 
 def test_token_ids_past_the_models_vocabulary_are_vllms_400_before_any_decision(tmp_path: Path) -> None:

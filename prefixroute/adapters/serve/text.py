@@ -4,7 +4,9 @@
 rendered with the model's chat template when the folder has one (``chat_template`` in ``tokenizer_config.json``, or
 ``chat_template.jinja``), with ``add_generation_prompt=True`` as vLLM's OpenAI server does (a content given as a
 list of parts becomes its text parts joined by newlines, as vLLM passes it to a template that expects a string), then
-tokenized without adding special tokens (the template writes them). Without a template, messages are serialised as::
+tokenized without adding special tokens (the template writes them). It renders as transformers renders it for vLLM:
+loop controls, ``{% generation %}`` blocks, ``raise_exception()``, ``strftime_now()``, ``tojson`` with its arguments,
+``tools`` and ``documents`` none. Without a template, messages are serialised as::
 
     <|role|>
     content
@@ -22,6 +24,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +160,8 @@ def _load_template(folder: Path) -> Callable[..., str] | None:
     if source is None:
         return None
     import jinja2
+    import jinja2.ext
+    import jinja2.nodes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Bounded(ImmutableSandboxedEnvironment):
@@ -177,9 +182,27 @@ def _load_template(folder: Path) -> Callable[..., str] | None:
     def raise_exception(message: str) -> None:
         raise ValueError(message)
 
-    environment = Bounded(trim_blocks=True, lstrip_blocks=True)
+    def strftime_now(format: str) -> str:
+        return datetime.now().strftime(format)
+
+    class Generation(jinja2.ext.Extension):
+        """transformers' ``{% generation %}`` block (it marks the assistant's tokens), rendered as its body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> jinja2.nodes.Node:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Callable[[], str]) -> str:
+            return caller()
+
+    # As transformers' apply_chat_template, which vLLM renders chats with: its extensions, globals and filters.
+    environment = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", Generation])
     environment.globals["raise_exception"] = raise_exception
-    environment.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    environment.globals["strftime_now"] = strftime_now
+    environment.filters["tojson"] = _tojson
     try:
         compiled = environment.from_string(source)
     except jinja2.TemplateError as exc:
@@ -190,7 +213,7 @@ def _load_template(folder: Path) -> Callable[..., str] | None:
         """The rendered text, refused once it grows past ``_MAX_TEMPLATE_CHARS`` (a runaway template)."""
         parts: list[str] = []
         size = 0
-        for part in compiled.generate(**specials, **variables):
+        for part in compiled.generate(**specials, tools=None, documents=None, **variables):
             size += len(part)
             if size > _MAX_TEMPLATE_CHARS:
                 raise ValueError(f"the chat template's output is over {_MAX_TEMPLATE_CHARS:,} characters")
@@ -248,6 +271,17 @@ def _check_renders(render: Callable[..., str], folder: Path) -> None:
             f"the chat template in {str(folder)!r} did not render a four-message conversation within "
             f"{_PROBE_SECONDS:g} s: it loops without end (fix the template, or remove it to use the default)"
         )
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """transformers' ``tojson`` filter (the same arguments)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _token_text(token: object) -> str:
