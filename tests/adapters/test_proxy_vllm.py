@@ -274,7 +274,8 @@ def test_the_sandbox_bounds_repetition_only_not_arithmetic(tmp_path: Path) -> No
     )
     assert chat_ids(folder) == [12, 1, 1, 2, 2]
     limits = "w{{ ('x' * 67108864) | length - 67108859 }} {{ 'w6' if 2 ** 4096 > 2 ** -4096 else 'w0' }}"
-    assert chat_ids(make_tokenizer(tmp_path / "limits", chat_template=limits)) == [5, 6]
+    limits += " w{{ ('x' * 67108863 + 'x') | length - 67108857 }} w{{ ('x' * 67108863 ~ 'x') | length - 67108856 }}"
+    assert chat_ids(make_tokenizer(tmp_path / "limits", chat_template=limits)) == [5, 6, 7, 8]
 
 
 def test_the_template_renders_as_transformers_renders_chat_templates(tmp_path: Path) -> None:
@@ -410,6 +411,32 @@ def test_a_runaway_chat_template_is_refused_at_load_or_bounded_when_it_renders(t
     )
     with pytest.raises(ValueError, match="output is over 67,108,864 characters"):
         PromptEncoder(huge).encode_chat([{"role": "user", "content": "x" * 1000}])
+
+
+@pytest.mark.parametrize(
+    ("step", "refusal"),
+    [
+        ("{% set ns.s = ns.s + ns.s %}", "the chat template adds sequences (+) of over 67,108,864 items"),
+        ("{% set ns.s = ns.s ~ ns.s %}", "the chat template joins strings (~) of over 67,108,864 characters"),
+        ("{{ [ns.s] | tojson(indent=10 ** 9) }}", "the chat template's tojson takes an indent or separator of at "
+                                                  "most 256 characters, not 1,000,000,000"),
+        ("{{ [ns.s] | tojson(separators=(',', ' ' * 257)) }}", "the chat template's tojson takes an indent or "
+                                                               "separator of at most 256 characters, not 257"),
+    ],
+)  # fmt: skip
+def test_a_template_that_builds_a_huge_value_is_refused_before_it_fills_the_memory(
+    tmp_path: Path, step: str, refusal: str
+) -> None:
+    """A string doubled in a loop with ``+`` or ``~`` writes nothing, so the output bound never saw it: a namespace so
+    doubled held 8.9 GB within the 5 s the load's probe gives it (here only a one-message chat runs it, as a request
+    would); a tojson indent of 10**9 built gigabytes inside json.dumps, then the probe called it a loop."""
+    template = "{% if messages | length == 1 %}{% set ns = namespace(s='x') %}{% for i in range(40) %}" + step
+    folder = make_tokenizer(tmp_path / "model", chat_template=template + "{% endfor %}{% endif %}")
+    encoder = PromptEncoder(folder)
+    with pytest.raises(
+        InvalidPromptError, match=re.escape(f"the model's chat template rejected the messages: {refusal}")
+    ):
+        encoder.encode_chat([{"role": "user", "content": "w1"}])
 
 
 def test_data_parallel_size_subscribes_to_every_ranks_endpoint(tmp_path: Path) -> None:

@@ -162,14 +162,40 @@ def _load_template(folder: Path) -> Callable[..., str] | None:
     import jinja2
     import jinja2.ext
     import jinja2.nodes
+    from jinja2.compiler import CodeGenerator, Frame
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    class Bounded(ImmutableSandboxedEnvironment):
-        """Jinja's sandbox, with ``*`` and ``**`` refused when they would build something huge."""
+    class BoundedConcat(CodeGenerator):
+        """Jinja's code generator, with ``~`` joined by :meth:`Bounded.joined` (Jinja has no hook for it)."""
 
-        intercepted_binops = frozenset(("*", "**"))
+        def visit_Concat(self, node: jinja2.nodes.Concat, frame: Frame) -> None:
+            self.write("environment.joined((")
+            for argument in node.nodes:
+                self.visit(argument, frame)
+                self.write(", ")
+            self.write("))")
+
+    class Bounded(ImmutableSandboxedEnvironment):
+        """Jinja's sandbox, with ``*``, ``**``, ``+`` and ``~`` refused when they would build something huge (a
+        template that doubles a string in a loop fills the memory before its output is seen)."""
+
+        intercepted_binops = frozenset(("*", "**", "+"))
+        code_generator_class = BoundedConcat
+
+        def joined(self, values: Sequence[Any]) -> str:
+            texts = [str(value) for value in values]
+            if sum(map(len, texts)) > _MAX_TEMPLATE_CHARS:
+                raise ValueError(f"the chat template joins strings (~) of over {_MAX_TEMPLATE_CHARS:,} characters")
+            return "".join(texts)
 
         def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if (
+                operator == "+"
+                and isinstance(left, (str, list, tuple))
+                and isinstance(right, (str, list, tuple))
+                and len(left) + len(right) > _MAX_TEMPLATE_CHARS
+            ):
+                raise ValueError(f"the chat template adds sequences (+) of over {_MAX_TEMPLATE_CHARS:,} items")
             sized = isinstance(left, (str, list, tuple)) and isinstance(right, int)
             if operator == "*" and (sized or isinstance(right, (str, list, tuple)) and isinstance(left, int)):
                 length, times = (len(left), right) if sized else (len(right), left)
@@ -227,6 +253,8 @@ def _load_template(folder: Path) -> Callable[..., str] | None:
 _MAX_TEMPLATE_CHARS = 64 << 20
 """A rendered conversation longer than this (64 Mi characters, far past any model's context) is a runaway template."""
 _MAX_EXPONENT = 4096
+_MAX_JSON_INDENT = 256
+"""The longest indent or separator ``tojson`` takes (a huge one builds gigabytes inside json.dumps, past any check)."""
 _PROBE_SECONDS = 5.0
 _PROBE_CONVERSATION = (
     {"role": "system", "content": "You are a helpful assistant."},
@@ -280,7 +308,19 @@ def _tojson(
     separators: tuple[str, str] | None = None,
     sort_keys: bool = False,
 ) -> str:
-    """transformers' ``tojson`` filter (the same arguments)."""
+    """transformers' ``tojson`` filter (the same arguments), with its indent and separators bounded.
+
+    Raises:
+        ValueError: the indent or a separator is longer than ``_MAX_JSON_INDENT``.
+    """
+    widths = [len(indent) if isinstance(indent, str) else indent if isinstance(indent, int) else 0]
+    if isinstance(separators, (list, tuple)):
+        widths += [len(separator) for separator in separators if isinstance(separator, str)]
+    if max(widths) > _MAX_JSON_INDENT:
+        raise ValueError(
+            f"the chat template's tojson takes an indent or separator of at most {_MAX_JSON_INDENT} characters, "
+            f"not {max(widths):,}"
+        )
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
