@@ -31,7 +31,7 @@ from prefixroute.adapters.serve import BadRequest, PromptEncoder, Sidecar, relea
 from prefixroute.adapters.serve.contract import MAX_REQUEST_BACKENDS, is_refusal
 from prefixroute.adapters.serve.loopback import free_port, start_sidecar
 from prefixroute.adapters.serve.release import ReleaseProtocol, refused
-from prefixroute.errors import ConfigurationError, InvalidTypeError, PrefixRouteError
+from prefixroute.errors import ConfigurationError, InvalidPromptError, InvalidTypeError, PrefixRouteError
 
 from ..conftest import DEADLINE_S, BuggyPolicy, StrangerPolicy, returns, wait_until
 from .conftest import CORPUS, request_during_close
@@ -404,8 +404,12 @@ def test_chat_without_a_template_uses_the_documented_serialisation(model_dir: Pa
     messages = [{"role": "user", "content": [{"type": "text", "text": "SELECT name"}]}]
     plain = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     assert encoder.encode_chat(messages) == plain.encode("<|user|>\nSELECT name\n<|assistant|>\n").ids
-    with pytest.raises(ValueError, match="role"):
-        encoder.encode_chat([{"content": "no role"}])
+    for role, had in ((None, "no 'role'"), (7, "a 'role' of type int"), (["user"], "a 'role' of type list")):
+        with pytest.raises(InvalidPromptError) as refused:
+            encoder.encode_chat([{"role": "user", "content": "hi"}, {"role": role, "content": "no role"}])
+        assert str(refused.value) == (
+            f"chat message 1 has {had}: each chat message must be an object with a string 'role' and a 'content'"
+        )
 
 
 def test_construction_errors(tmp_path: Path) -> None:

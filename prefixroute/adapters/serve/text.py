@@ -80,9 +80,14 @@ class PromptEncoder:
             TypeError: ``messages`` is not a sequence of messages.
         """
         check_chat(messages)
-        for message in messages:
-            if not isinstance(message.get("role"), str):
-                raise InvalidPromptError("each chat message must be an object with a string 'role' and a 'content'")
+        for position, message in enumerate(messages):
+            role = message.get("role")
+            if not isinstance(role, str):
+                had = "no 'role'" if role is None else f"a 'role' of type {type(role).__name__}"
+                raise InvalidPromptError(
+                    f"chat message {position} has {had}: each chat message must be an object with a string 'role' "
+                    "and a 'content'"
+                )
         if self._template is None:
             return self._chat.encode(serialise_chat(messages))
         try:
