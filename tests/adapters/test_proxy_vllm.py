@@ -387,9 +387,22 @@ def test_a_runaway_chat_template_is_refused_at_load_or_bounded_when_it_renders(t
     endless = "{% if messages | length == 4 and add_generation_prompt %}" + endless + "{% endif %}"
     (looping / "tokenizer_config.json").write_text(json.dumps({"chat_template": endless}))
     threads = set(threading.enumerate())
-    with pytest.raises(ConfigurationError, match="did not render a four-message conversation") as refused:
-        PromptEncoder(looping)  # ten billion steps: refused after the probe's 5 s, not a hang
-    assert repr(str(looping)) in str(refused.value)
+    refusals: list[Exception] = []
+
+    def load() -> None:
+        try:
+            PromptEncoder(looping)  # ten billion steps: refused after the probe's 5 s, not a hang
+        except ConfigurationError as exc:
+            refusals.append(exc)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    # The probe runs on a daemon thread named for what it is (a thread dump names it; a stuck one never blocks exit).
+    wait_until(lambda: any(t.name == "prefixroute-template-probe" for t in threading.enumerate()), what="the probe")
+    assert [t.daemon for t in threading.enumerate() if t.name == "prefixroute-template-probe"] == [True]
+    loader.join()
+    assert len(refusals) == 1 and "did not render a four-message conversation" in str(refusals[0])
+    assert repr(str(looping)) in str(refusals[0])
     assert set(threading.enumerate()) <= threads  # the probe was stopped, not left running
     huge = make_tokenizer(tmp_path / "huge")
     (huge / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ 'x' * 10**9 }}"}))
