@@ -275,7 +275,10 @@ def test_the_sandbox_bounds_repetition_only_not_arithmetic(tmp_path: Path) -> No
     assert chat_ids(folder) == [12, 1, 1, 2, 2]
     limits = "w{{ ('x' * 67108864) | length - 67108859 }} {{ 'w6' if 2 ** 4096 > 2 ** -4096 else 'w0' }}"
     limits += " w{{ ('x' * 67108863 + 'x') | length - 67108857 }} w{{ ('x' * 67108863 ~ 'x') | length - 67108856 }}"
-    assert chat_ids(make_tokenizer(tmp_path / "limits", chat_template=limits)) == [5, 6, 7, 8]
+    limits += (
+        " w{{ ((2 ** 4096) ** 15 * 2 ** 4094).bit_length() - 65526 }} w{{ ((2 ** 15) ** 4096).bit_length() - 61431 }}"
+    )
+    assert chat_ids(make_tokenizer(tmp_path / "limits", chat_template=limits)) == [5, 6, 7, 8, 9, 10]
 
 
 def test_the_template_renders_as_transformers_renders_chat_templates(tmp_path: Path) -> None:
@@ -431,6 +434,8 @@ def test_a_runaway_chat_template_is_refused_at_load_or_bounded_when_it_renders(t
     [
         ("{% set ns.s = ns.s + ns.s %}", "the chat template adds sequences (+) of over 67,108,864 items"),
         ("{% set ns.s = ns.s ~ ns.s %}", "the chat template joins strings (~) of over 67,108,864 characters"),
+        ("{% set ns.n = (ns.n or 3) * (ns.n or 3) %}", "the chat template computes a number of over 65,536 bits"),
+        ("{% set ns.n = (ns.n or 3) ** 4096 %}", "the chat template computes a number of over 65,536 bits"),
         ("{{ [ns.s] | tojson(indent=10 ** 9) }}", "the chat template's tojson takes an indent or separator of at "
                                                   "most 256 characters, not 1,000,000,000"),
         ("{{ [ns.s] | tojson(separators=(',', ' ' * 257)) }}", "the chat template's tojson takes an indent or "
@@ -443,7 +448,7 @@ def test_a_template_that_builds_a_huge_value_is_refused_before_it_fills_the_memo
     """A string doubled in a loop with ``+`` or ``~`` writes nothing, so the output bound never saw it: a namespace so
     doubled held 8.9 GB within the 5 s the load's probe gives it (here only a one-message chat runs it, as a request
     would); a tojson indent of 10**9 built gigabytes inside json.dumps, then the probe called it a loop."""
-    template = "{% if messages | length == 1 %}{% set ns = namespace(s='x') %}{% for i in range(40) %}" + step
+    template = "{% if messages | length == 1 %}{% set ns = namespace(s='x', n=0) %}{% for i in range(40) %}" + step
     folder = make_tokenizer(tmp_path / "model", chat_template=template + "{% endfor %}{% endif %}")
     encoder = PromptEncoder(folder)
     with pytest.raises(

@@ -182,7 +182,8 @@ def _load_template(folder: Path) -> Callable[..., str] | None:
 
     class Bounded(ImmutableSandboxedEnvironment):
         """Jinja's sandbox, with ``*``, ``**``, ``+`` and ``~`` refused when they would build something huge (a
-        template that doubles a string in a loop fills the memory before its output is seen)."""
+        template that doubles a string or squares a number in a loop fills the memory, or spins in C, before its
+        output is seen)."""
 
         intercepted_binops = frozenset(("*", "**", "+"))
         code_generator_class = BoundedConcat
@@ -208,6 +209,10 @@ def _load_template(folder: Path) -> Callable[..., str] | None:
                     raise ValueError(f"the chat template repeats a sequence {times:,} times: over the output limit")
             if operator == "**" and isinstance(right, int) and abs(right) > _MAX_EXPONENT:
                 raise ValueError(f"the chat template raises a number to the power {right:,}")
+            if operator in ("*", "**") and isinstance(left, int) and isinstance(right, int):
+                bits = left.bit_length() + right.bit_length() if operator == "*" else left.bit_length() * abs(right)
+                if bits > _MAX_INT_BITS:  # squared in a loop, a number takes minutes of C per step, past the probe
+                    raise ValueError(f"the chat template computes a number of over {_MAX_INT_BITS:,} bits")
             return super().call_binop(context, operator, left, right)
 
     def raise_exception(message: str) -> None:
@@ -258,6 +263,8 @@ def _load_template(folder: Path) -> Callable[..., str] | None:
 _MAX_TEMPLATE_CHARS = 64 << 20
 """A rendered conversation longer than this (64 Mi characters, far past any model's context) is a runaway template."""
 _MAX_EXPONENT = 4096
+_MAX_INT_BITS = 1 << 16
+"""The largest number a template may compute with ``*`` or ``**`` (about 19,700 digits, past what it can print)."""
 _MAX_JSON_INDENT = 256
 """The longest indent or separator ``tojson`` takes (a huge one builds gigabytes inside json.dumps, past any check)."""
 _PROBE_SECONDS = 5.0
