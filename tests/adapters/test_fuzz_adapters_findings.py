@@ -116,6 +116,21 @@ def test_a_path_the_os_cannot_look_up_is_a_missing_tokenizer_not_an_os_error(pat
         PromptEncoder(path)
 
 
+def test_a_tokenizer_with_an_empty_vocabulary_is_refused_at_load(tmp_path: Path) -> None:
+    """A BPE tokenizer.json with no vocabulary loaded: every prompt encoded to [] (routed as zero tokens, never
+    matching a prefix) and max_token_id was -1, or the config's vocab_size - 1."""
+    from tokenizers import models
+
+    Tokenizer(models.BPE({}, [])).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "config.json").write_text('{"vocab_size": 10}')
+    with pytest.raises(ConfigurationError) as refused:
+        PromptEncoder(tmp_path)
+    assert str(refused.value) == (
+        f"{str(tmp_path / 'tokenizer.json')!r} has an empty vocabulary, which encodes every prompt to no tokens: pass "
+        "the model's own tokenizer.json"
+    )
+
+
 def test_encode_batch_refuses_what_is_not_iterable(model_dir: Path) -> None:
     tokenizer = PromptTokenizer(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
     with pytest.raises(InvalidTypeError, match="sequence of str"):

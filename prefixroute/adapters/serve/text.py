@@ -40,8 +40,8 @@ class PromptEncoder:
     """Encode text prompts and chat messages with one model's tokenizer (thread-safe).
 
     Raises:
-        ConfigurationError: the path holds no tokenizer.json, the file is not one, or the chat template does not
-            compile.
+        ConfigurationError: the path holds no tokenizer.json, the file is not one or has an empty vocabulary, or the
+            chat template does not compile.
         TypeError: ``path`` is not a str or path.
     """
 
@@ -52,9 +52,15 @@ class PromptEncoder:
         tokenizer = Tokenizer.from_file(str(file))
         self._text = PromptTokenizer(tokenizer)
         self._chat = PromptTokenizer(tokenizer, add_special_tokens=False)
+        vocabulary = tokenizer.get_vocab(with_added_tokens=True)
+        if not vocabulary:
+            raise ConfigurationError(
+                f"{str(file)!r} has an empty vocabulary, which encodes every prompt to no tokens: pass the model's "
+                "own tokenizer.json"
+            )
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
         """Token ids at or above this are out of the model's range."""
-        largest = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+        largest = max(vocabulary.values())
         model_vocab_size = _model_vocab_size(file.parent)
         self.max_token_id: int = largest if model_vocab_size is None else max(largest, model_vocab_size - 1)
         """The largest token id the engine takes in a prompt, as vLLM checks it: the larger of the tokenizer's largest
