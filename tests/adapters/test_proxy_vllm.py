@@ -279,6 +279,8 @@ def test_the_sandbox_bounds_repetition_only_not_arithmetic(tmp_path: Path) -> No
         " w{{ ((2 ** 4096) ** 15 * 2 ** 4094).bit_length() - 65526 }} w{{ ((2 ** 15) ** 4096).bit_length() - 61431 }}"
     )
     assert chat_ids(make_tokenizer(tmp_path / "limits", chat_template=limits)) == [5, 6, 7, 8, 9, 10]
+    full = "{{ ' ' * 67108862 }}w1"  # an output of exactly 64 Mi characters renders
+    assert chat_ids(make_tokenizer(tmp_path / "full", chat_template=full)) == [1]
 
 
 def test_the_template_renders_as_transformers_renders_chat_templates(tmp_path: Path) -> None:
