@@ -459,6 +459,16 @@ def test_a_template_that_builds_a_huge_value_is_refused_before_it_fills_the_memo
         encoder.encode_chat([{"role": "user", "content": "w1"}])
 
 
+def test_a_template_error_without_a_message_is_named_by_its_type(tmp_path: Path) -> None:
+    """A template that asks for a petabyte (a width no bound here covers) fails with a MemoryError, whose message is
+    empty: the 400 read "the model's chat template rejected the messages: " and nothing after."""
+    template = "{% if messages | length == 1 %}{{ 'x' | center(10 ** 15) }}{% endif %}"
+    encoder = PromptEncoder(make_tokenizer(tmp_path / "model", chat_template=template))
+    with pytest.raises(InvalidPromptError) as refused:
+        encoder.encode_chat([{"role": "user", "content": "w1"}])
+    assert str(refused.value) == "the model's chat template rejected the messages: MemoryError"
+
+
 def test_data_parallel_size_subscribes_to_every_ranks_endpoint(tmp_path: Path) -> None:
     """--data-parallel-size N: each --kv-events endpoint is rank 0's, rank r's port is its port + r (as vLLM)."""
     tokenizer = str(make_tokenizer(tmp_path))

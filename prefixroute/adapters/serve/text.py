@@ -99,7 +99,8 @@ class PromptEncoder:
         try:
             text = self._template(messages=[_flattened(m) for m in messages], add_generation_prompt=True)
         except Exception as exc:  # the template's own raise_exception(), or a jinja error on odd messages
-            raise InvalidPromptError(f"the model's chat template rejected the messages: {exc}") from exc
+            detail = str(exc) or type(exc).__name__  # a MemoryError says nothing else
+            raise InvalidPromptError(f"the model's chat template rejected the messages: {detail}") from exc
         return self._chat.encode(text)
 
 
