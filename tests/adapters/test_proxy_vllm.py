@@ -319,7 +319,8 @@ def test_the_template_has_the_tags_globals_and_filters_transformers_gives_it(tmp
         "{{ 'w7' if strftime_now('%Y-%m-%d') == messages[0].content else 'w0' }} "
         "{{ 'w8' if {'b': 1, 'a': 'é'} | tojson(ensure_ascii=True, separators=(',', ':'), sort_keys=True)"
         ' == \'{"a":"\\\\u00e9","b":1}\' else \'w0\' }} '
-        "{{ 'w9' if [1] | tojson(indent=256) == '[\\n' ~ ' ' * 256 ~ '1\\n]' else 'w0' }}"
+        "{{ 'w9' if [1] | tojson(indent=256) == '[\\n' ~ ' ' * 256 ~ '1\\n]'"
+        " and {'b': 1, 'a': 2} | tojson == '{\"b\": 1, \"a\": 2}' else 'w0' }}"
     )
     folder = make_tokenizer(tmp_path / "model", chat_template=template)
     today = datetime.now().strftime("%Y-%m-%d")
@@ -442,6 +443,10 @@ def test_a_runaway_chat_template_is_refused_at_load_or_bounded_when_it_renders(t
                                                   "most 256 characters, not 1,000,000,000"),
         ("{{ [ns.s] | tojson(separators=(',', ' ' * 257)) }}", "the chat template's tojson takes an indent or "
                                                                "separator of at most 256 characters, not 257"),
+        ("{{ [ns.s] | tojson(indent=' ' * 257) }}", "the chat template's tojson takes an indent or separator of at "
+                                                    "most 256 characters, not 257"),
+        ("{{ [ns.s] | tojson(indent=300, separators=(',', ':')) }}", "the chat template's tojson takes an indent or "
+                                                                     "separator of at most 256 characters, not 300"),
     ],
 )  # fmt: skip
 def test_a_template_that_builds_a_huge_value_is_refused_before_it_fills_the_memory(
