@@ -279,8 +279,18 @@ def test_the_sandbox_bounds_repetition_only_not_arithmetic(tmp_path: Path) -> No
         " w{{ ((2 ** 4096) ** 15 * 2 ** 4094).bit_length() - 65526 }} w{{ ((2 ** 15) ** 4096).bit_length() - 61431 }}"
     )
     assert chat_ids(make_tokenizer(tmp_path / "limits", chat_template=limits)) == [5, 6, 7, 8, 9, 10]
-    full = "{{ ' ' * 67108862 }}w1"  # an output of exactly 64 Mi characters renders
-    assert chat_ids(make_tokenizer(tmp_path / "full", chat_template=full)) == [1]
+
+
+def test_an_output_of_exactly_the_limit_renders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The output bound counts every character once: an output of exactly the limit renders, one more is refused
+    (the limit made 100 here: at 64 Mi characters the tokenizer alone takes 3 GB)."""
+    from prefixroute.adapters.serve import text
+
+    monkeypatch.setattr(text, "_MAX_TEMPLATE_CHARS", 100)
+    assert chat_ids(make_tokenizer(tmp_path / "full", chat_template="{{ ' ' * 48 }}{{ ' ' * 50 }}w1")) == [1]
+    over = PromptEncoder(make_tokenizer(tmp_path / "over", chat_template="{{ ' ' * 49 }}{{ ' ' * 50 }}w1"))
+    with pytest.raises(InvalidPromptError, match="the chat template's output is over 100 characters"):
+        over.encode_chat([{"role": "user", "content": "w3"}])
 
 
 def test_the_template_renders_as_transformers_renders_chat_templates(tmp_path: Path) -> None:
