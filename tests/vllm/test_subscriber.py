@@ -1024,8 +1024,9 @@ def test_a_zmq_socket_of_another_kind_fails_the_handshake_and_the_publisher_that
     router = events_router()
     try:
         with KVEventSubscriber(router, "gpu0", f"tcp://127.0.0.1:{port}", reconnect_backoff=(0.01, 0.02)) as sub:
+            # Retried: by a new socket where libzmq gave up (it does when it saw the protocol error itself), by
+            # libzmq where the ROUTER closed first (a plain disconnect, which it retries): either may come first.
             wait_until(lambda: sub.stats().handshake_failures >= 2, what="failed handshakes, retried")
-            assert sub.stats().reconnects >= 1  # libzmq gave up: the subscriber made a new socket
             replay.close(linger=0)
             pub = context.socket(zmq.PUB)
             wait_until(lambda: _bound(pub, f"tcp://127.0.0.1:{port}"), what="the port freed by the ROUTER socket")
