@@ -449,6 +449,7 @@ def test_a_runaway_chat_template_is_refused_at_load_or_bounded_when_it_renders(t
         ("{% set ns.s = ns.s ~ ns.s %}", "the chat template joins strings (~) of over 67,108,864 characters"),
         ("{% set ns.n = (ns.n or 3) * (ns.n or 3) %}", "the chat template computes a number of over 65,536 bits"),
         ("{% set ns.n = (ns.n or 3) ** 4096 %}", "the chat template computes a number of over 65,536 bits"),
+        ("{% set ns.n = (2 ** 16) ** 4096 %}", "the chat template computes a number of over 65,536 bits"),
         ("{{ [ns.s] | tojson(indent=10 ** 9) }}", "the chat template's tojson takes an indent or separator of at "
                                                   "most 256 characters, not 1,000,000,000"),
         ("{{ [ns.s] | tojson(separators=(',', ' ' * 257)) }}", "the chat template's tojson takes an indent or "
