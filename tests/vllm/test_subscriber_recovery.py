@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +18,7 @@ from prefixroute.vllm import KVEventSubscriber
 from prefixroute.vllm import subscriber as subscriber_module
 
 from ..conftest import DEADLINE_S, wait_until
+from .test_subscriber import NotZMQ
 from .test_vllm_blackbox import (
     Publisher,
     applied,
@@ -258,34 +257,14 @@ def test_a_removal_in_a_batch_the_replay_cannot_supply_is_lost_too_and_reset_dro
         sound(router, sub)
 
 
-class _HTTPOnly:
-    """A TCP server on loopback that answers as an HTTP server would (vLLM's HTTP port given as the replay endpoint)."""
-
-    def __init__(self) -> None:
-        self._server = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"tcp://127.0.0.1:{self._server.getsockname()[1]}"
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        with contextlib.suppress(OSError):  # closed by close()
-            while True:
-                peer, _ = self._server.accept()
-                with peer, contextlib.suppress(OSError):
-                    peer.recv(64)
-                    peer.sendall(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
-
-    def close(self) -> None:
-        self._server.close()
-
-
 @contextlib.contextmanager
 def _replay_endpoint(kind: str) -> Iterator[str]:
     """An endpoint that is no replay socket: an HTTP server, a PUB socket (another engine's publisher), or a port
     nothing listens on."""
     if kind == "http":
-        server = _HTTPOnly()
+        server = NotZMQ()
         try:
-            yield server.endpoint
+            yield f"tcp://127.0.0.1:{server.port}"
         finally:
             server.close()
         return
