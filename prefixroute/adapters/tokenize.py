@@ -100,7 +100,8 @@ class PromptTokenizer:
 
         Raises:
             ConfigurationError: ``path`` is empty or blank, or the file is missing, is no regular file (a folder, a
-                pipe, a device: none is opened) or is not a tokenizer file.
+                pipe, a device: none is opened), is not a tokenizer file or holds a tokenizer that cannot encode a
+                short probe text (each named with the file).
             TypeError: ``path`` is not a str or path (nor is a path object whose ``os.fspath()`` is bytes).
         """
         file = tokenizer_path(path)
@@ -114,7 +115,12 @@ class PromptTokenizer:
             tokenizer = Tokenizer.from_file(str(file))
         except Exception as exc:  # tokenizers raises a bare Exception for malformed files
             raise ConfigurationError(f"{str(file)!r} is not a valid tokenizer.json: {exc}") from exc
-        return cls(tokenizer, add_special_tokens=add_special_tokens, cache_tokens=cache_tokens)
+        try:
+            return cls(tokenizer, add_special_tokens=add_special_tokens, cache_tokens=cache_tokens)
+        except ConfigurationError as exc:
+            if exc.__cause__ is None:  # an option refused, not the file
+                raise
+            raise ConfigurationError(f"tokenizer file {str(file)!r}: {exc}") from exc.__cause__
 
     @property
     def caches_pieces(self) -> bool:

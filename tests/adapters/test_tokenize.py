@@ -461,9 +461,14 @@ def test_tokenizers_that_cannot_be_cut_as_they_seem_give_their_own_ids() -> None
     assert PromptTokenizer(merged).encode(text) == merged.encode(text).ids
 
 
-def test_a_tokenizer_that_cannot_encode_or_a_huge_added_token_is_handled_at_load() -> None:
+def test_a_tokenizer_that_cannot_encode_or_a_huge_added_token_is_handled_at_load(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match="cannot encode a short probe text"):
         PromptTokenizer(_word_level(["hello"]))  # its unknown token is not in its vocabulary
+    path = tmp_path / "tokenizer.json"
+    _word_level(["hello"]).save(str(path))
+    with pytest.raises(ConfigurationError) as refused:  # was: the file went unnamed
+        PromptTokenizer.from_file(path)
+    assert str(refused.value).startswith(f"tokenizer file {str(path)!r}: the tokenizer cannot encode a short probe")
     huge = _word_level(["[UNK]", "a"])
     long_token = "".join(chr(0x4E00 + i) for i in range(3000))  # every substring kept: ~10^10 characters
     huge.add_special_tokens([AddedToken(long_token, normalized=False), "<s>"])
