@@ -853,8 +853,8 @@ class _Chunks:
         return {**self.head, "object": kind, "choices": choices, "usage": usage}
 
 
-def _error(status: int, message: str, kind: str, *, param: str | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+def _error(status: int, message: str, kind: str) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
     return _json(body, status=status)
 
 
