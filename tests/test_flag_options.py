@@ -16,6 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from prefixroute import ConfigurationError, PredictedTTFT, Router
 from prefixroute._numbers import shown
+from prefixroute.adapters.serve.text import PromptEncoder
 from prefixroute.adapters.tokenize import PromptTokenizer
 from prefixroute.sim import BackendConfig, ClosedLoop, SimSpec, Simulation, make_workload, run_policy
 from prefixroute.testing import FakeBlockCache, FakeVLLM
@@ -41,6 +42,12 @@ def _from_file(add_special_tokens: Any) -> PromptTokenizer:
     path = Path("tokenizer.json")  # in the test's own tmp_path
     _tokenizer().save(str(path))
     return PromptTokenizer.from_file(path, add_special_tokens=add_special_tokens)
+
+
+def _encoded_chat(flag: str, value: Any) -> list[int]:
+    _tokenizer().save("tokenizer.json")  # in the test's own tmp_path
+    options = {"add_generation_prompt": False, flag: value}  # both true is refused for itself
+    return PromptEncoder("tokenizer.json").encode_chat([{"role": "user", "content": "a"}], **options)
 
 
 def _cache() -> FakeBlockCache:
@@ -72,6 +79,8 @@ FLAGS: dict[str, tuple[str, Callable[[Any], object]]] = {
     **{f"FakeVLLM({flag}=)": (flag, functools.partial(_fake_vllm, flag))
        for flag in ("extra_group", "replay", "replay_topic", "legacy_metric_names")},
     **{f"FakeVLLM.complete({flag}=)": (flag, functools.partial(_completed, flag)) for flag in ("share", "hold")},
+    **{f"PromptEncoder.encode_chat({flag}=)": (flag, functools.partial(_encoded_chat, flag))
+       for flag in ("add_generation_prompt", "continue_final_message")},
 }  # fmt: skip
 
 # Flags that are no option: what happened to one request, reported to finish() (an argument, as the decision is),

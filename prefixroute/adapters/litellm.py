@@ -76,6 +76,9 @@ _MAX_PER_TASK = 1024
 _MAX_ATTEMPTS = 65_536
 _UNSEEN: Any = object()
 _ORDER = re.compile(r"[+-]?[0-9]+")  # an order spelled as a str, as LiteLLM takes it
+_CHAT_OPTIONS = ("tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+"""What of a chat call, besides its messages, vLLM's chat template renders (LiteLLM sends vLLM's own ones in
+``extra_body``)."""
 
 
 class PrefixRouteHook(CustomLogger):
@@ -190,7 +193,7 @@ class PrefixRouteHook(CustomLogger):
         candidates = [i for i in by_id if i not in failed] or list(by_id)
         if not candidates:
             return healthy_deployments, None
-        body = {"messages": messages} if messages else {"prompt": request.get("prompt")} if request else {}
+        body = _chat_body(messages, request) if messages else {"prompt": request.get("prompt")} if request else {}
         stream = bool(request.get("stream")) if request else False  # before start(): nothing to undo if it raises
         try:
             tokens = await request_tokens_async(body, chat=bool(messages), encoder=self._encoder)
@@ -417,3 +420,14 @@ def _deployment_id(deployment: object) -> str | None:
     info = deployment.get("model_info") if isinstance(deployment, Mapping) else None
     identifier = info.get("id") if isinstance(info, Mapping) else None
     return identifier if isinstance(identifier, str) else None
+
+
+def _chat_body(messages: list[Any], request: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The chat completion request vLLM gets for a LiteLLM call: its messages, and its tools and template options
+    (from the call, or its ``extra_body``), for an encoder that renders them all. O(1) beside the messages."""
+    body: dict[str, Any] = {"messages": messages}
+    if isinstance(request, Mapping):
+        extra = request.get("extra_body")
+        for source in (request, extra if isinstance(extra, Mapping) else {}):
+            body.update((name, source[name]) for name in _CHAT_OPTIONS if name in source)
+    return body

@@ -113,3 +113,39 @@ def test_encoders_refuse_hostile_texts_and_messages_with_the_library_s_errors(
     for each in (encoder, prompt, ByteEncoder()):
         call_or_refuse(each.encode, text)
         call_or_refuse(each.encode_chat, messages)
+
+
+_CALLS = st.lists(
+    st.one_of(
+        hostile,
+        st.fixed_dictionaries(
+            {"function": st.one_of(hostile, st.fixed_dictionaries({"name": _TEXTS, "arguments": _TEXTS}))}
+        ),
+    ),
+    max_size=2,
+)
+_CHAT_BODIES = st.fixed_dictionaries(
+    {},
+    optional={
+        "messages": st.one_of(
+            _MESSAGES,
+            st.lists(st.fixed_dictionaries({"role": st.just("assistant"), "content": _TEXTS, "tool_calls": _CALLS})),
+            hostile,
+        ),
+        "tools": st.one_of(hostile, st.lists(st.one_of(hostile, st.fixed_dictionaries({"function": hostile})))),
+        "documents": st.one_of(hostile, st.lists(hostile, max_size=2)),
+        "add_generation_prompt": hostile,
+        "continue_final_message": hostile,
+        "chat_template_kwargs": st.one_of(
+            hostile, st.dictionaries(_TEXTS.filter(lambda t: isinstance(t, str)), hostile)
+        ),
+    },
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=st.one_of(_CHAT_BODIES, hostile))
+def test_a_hostile_chat_request_is_rendered_or_refused_with_the_library_s_errors(
+    encoders: dict[str, Any], body: object
+) -> None:
+    call_or_refuse(encoders["prompt"].encode_chat_request, body)

@@ -216,10 +216,11 @@ def test_content_parts_render_as_vllm_passes_them_to_a_string_template(tmp_path:
     assert encoder.encode_chat([{"role": "user", "content": parts}]) == encoder.encode_chat(
         [{"role": "user", "content": "w1 w2\nw3"}]
     )
-    # No "type" is a text part; "w9" is no part; an audio part's text is not the message's.
-    untyped = [{"text": "w1"}, "w9", {"type": "input_audio", "text": "w8"}, {"type": "text", "text": "w2"}]
+    # No "type" is a text part; a plain string is one too (vLLM's _parse_chat_message_content_part); an audio part's
+    # text is not the message's; an empty text is left out, as vLLM keeps only what parses to something.
+    untyped = [{"text": "w1"}, "w9", {"type": "input_audio", "text": "w8"}, {"type": "text", "text": ""}, "w2"]
     assert encoder.encode_chat([{"role": "user", "content": untyped}]) == encoder.encode_chat(
-        [{"role": "user", "content": "w1\nw2"}]
+        [{"role": "user", "content": "w1\nw9\nw2"}]
     )
 
 

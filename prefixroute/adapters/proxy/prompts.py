@@ -37,7 +37,12 @@ class PromptEncoding(Protocol):
         """The token ids of a completion prompt."""
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """The token ids of a chat conversation, as rendered for the model."""
+        """The token ids of a chat conversation, as rendered for the model.
+
+        An encoder may also have ``encode_chat_request(body) -> list[int]``, which the proxy then calls instead with
+        the whole chat completion request (its ``tools`` and template options too), as
+        :class:`~prefixroute.adapters.serve.PromptEncoder` does.
+        """
 
 
 def check_encoder(encoder: object) -> None:
@@ -90,11 +95,20 @@ class ByteEncoder:
         return self.encode(serialise_chat(messages))
 
 
+def chat_tokens(encoder: PromptEncoding, body: dict[str, Any]) -> list[int]:
+    """The token ids of a chat completion request: the encoder's ``encode_chat_request(body)`` when it has one (the
+    whole request, its tools and template options with its messages, as
+    :meth:`PromptEncoder.encode_chat_request <prefixroute.adapters.serve.PromptEncoder.encode_chat_request>`
+    renders it), else its ``encode_chat(messages)``. O(the request)."""
+    whole = getattr(encoder, "encode_chat_request", None)
+    return whole(body) if callable(whole) else encoder.encode_chat(body["messages"])
+
+
 def request_tokens(body: object, *, chat: bool, encoder: PromptEncoding, max_token_id: int | None = None) -> list[int]:
     """The token ids ``body`` (a decoded OpenAI request) routes on. O(prompt); O(batch) for a batch of token ids.
 
     Completions: ``prompt`` as token ids is used as sent; as text it is encoded; a batch routes on its first
-    prompt. Chat: ``messages`` are encoded with the encoder's chat rendering. ``max_token_id``: the largest id the
+    prompt. Chat: the request is encoded by :func:`chat_tokens`. ``max_token_id``: the largest id the
     engine takes (:attr:`PromptEncoder.max_token_id <prefixroute.adapters.serve.PromptEncoder.max_token_id>`), to
     refuse a prompt of token ids past it, every prompt of a batch, as vLLM does; None: not checked.
 
@@ -109,7 +123,7 @@ def request_tokens(body: object, *, chat: bool, encoder: PromptEncoding, max_tok
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise BadRequest('\'messages\' must be a non-empty list of {"role", "content"} objects')
-        return encoder.encode_chat(messages)
+        return chat_tokens(encoder, body)
     prompt = body.get("prompt")
     if prompt is None or prompt == "":  # vLLM's check and words: no prompt to route on, nor for the engine
         raise BadRequest("Either prompt or prompt_embeds must be provided and non-empty.")
@@ -142,28 +156,31 @@ async def request_tokens_async(
 
 
 def _text_length(body: object, chat: bool) -> int:
-    """About how many characters of text ``body`` gives the encoder (each message counted 16 more, its markers),
-    without reading what :func:`request_tokens` refuses. O(messages); O(the messages' values) for a chat."""
+    """About how many characters of text ``body`` gives the encoder (each message counted 16 more, its markers; a
+    chat's tools, documents and template kwargs too), without reading what :func:`request_tokens` refuses.
+    O(messages); O(the messages' values) for a chat."""
     if not isinstance(body, dict):
         return 0
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list):
             return 0
-        return 16 * len(messages) + sum(_strings_length(message) for message in messages if isinstance(message, dict))
+        rendered = [*messages, *(body.get(name) for name in ("tools", "documents", "chat_template_kwargs"))]
+        return 16 * len(messages) + _strings_length(rendered)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt:
         prompt = prompt[0]
     return len(prompt) if isinstance(prompt, str) else 0
 
 
-def _strings_length(message: dict[str, Any]) -> int:
-    """The characters of every string in ``message``: its role and content, its content parts' text, and what else a
-    chat template renders (a tool call's arguments, a reasoning text), counted until past :data:`INLINE_TEXT`.
+def _strings_length(value: object) -> int:
+    """The characters of every string in ``value`` (messages: their role and content, their content parts' text, and
+    what else a chat template renders, a tool call's arguments, a reasoning text), counted until past
+    :data:`INLINE_TEXT`.
     Iterative, each dict and list once: a body nested deep does not recurse, and one a Python caller built with a
     cycle or with one list shared many times over ends. O(its values)."""
     total = 0
-    stack: list[object] = [message]
+    stack: list[object] = [value]
     seen: set[int] = set()
     while stack and total <= INLINE_TEXT:
         node = stack.pop()

@@ -112,8 +112,9 @@ def is_json_media_type(content_type: str | None) -> bool:
     return (content_type or "").lower().split(";", 1)[0] == "application/json"
 
 
-Prompt = list[int] | str | list[dict[str, Any]]
-"""What a request asks to route: token ids, a text prompt, or chat messages (to render with a chat template)."""
+Prompt = list[int] | str | list[dict[str, Any]] | dict[str, Any]
+"""What a request asks to route: token ids, a text prompt, chat messages (to render with a chat template), or a
+whole chat completion request (its messages rendered with its tools and template options)."""
 
 
 def without_bom(body: bytes) -> bytes:
@@ -240,7 +241,8 @@ def _json_type(value: object) -> str:
 def openai_prompt(path: str, body: bytes) -> tuple[Prompt, str | None]:
     """The prompt and model of an OpenAI ``/v1/completions`` or ``/v1/chat/completions`` request body.
 
-    A batch of prompts is routed by its first one. O(len(body)).
+    A batch of prompts is routed by its first one; a chat by the whole request (its ``tools`` and template options
+    render with its messages). O(len(body)).
 
     Raises:
         BadRequest: 400 when the body is not such a request (no usable ``prompt`` or ``messages``, or a message
@@ -263,7 +265,7 @@ def openai_prompt(path: str, body: bytes) -> tuple[Prompt, str | None]:
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise BadRequest(400, "a chat completion needs 'messages', a non-empty list of message objects")
         check_messages(messages)
-        return messages, model
+        return request, model
     prompt = request.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
         prompt = prompt[0]  # a batch: its first prompt decides

@@ -2,11 +2,20 @@
 
 :class:`PromptEncoder` loads a local ``tokenizer.json`` (a file, or a model folder holding one). Chat messages are
 rendered with the model's chat template when the folder has one (``chat_template`` in ``tokenizer_config.json``, or
-``chat_template.jinja``), with ``add_generation_prompt=True`` as vLLM's OpenAI server does (a content given as a
-list of parts becomes its text parts joined by newlines, as vLLM passes it to a template that expects a string), then
-tokenized without adding special tokens (the template writes them). It renders as transformers renders it for vLLM:
-loop controls, ``{% generation %}`` blocks, ``raise_exception()``, ``strftime_now()``, ``tojson`` with its arguments,
-``tools`` and ``documents`` none. Without a template, messages are serialised as::
+``chat_template.jinja``), as vLLM's OpenAI server renders them, then tokenized without adding special tokens (the
+template writes them):
+
+- each message becomes what vLLM passes a template that expects string contents (most do): its ``role``; its
+  ``content`` as one string (a list of parts becomes its text parts joined by newlines, a null content ``""``); an
+  assistant's ``tool_calls`` with their JSON ``arguments`` parsed to objects (an empty list dropped) and its
+  ``reasoning``; a tool message's ``tool_call_id``; a string ``name``; other keys dropped;
+- the template sees ``tools`` and ``documents`` (none unless given), ``add_generation_prompt`` (true unless given),
+  the chat template kwargs a request gives, and ``continue_final_message`` cuts the output after the final message;
+- it renders as transformers renders it for vLLM: loop controls, ``{% generation %}`` blocks, ``raise_exception()``,
+  ``strftime_now()``, ``tojson`` with its arguments.
+
+:meth:`PromptEncoder.encode_chat_request` reads these from an OpenAI chat completion body (its ``tools`` as vLLM
+validates and dumps them). Without a template, messages are serialised as::
 
     <|role|>
     content
@@ -30,8 +39,9 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from prefixroute._numbers import check_flag
 from prefixroute.adapters.tokenize import PromptTokenizer, check_chat, is_folder, serialise_chat, tokenizer_path
-from prefixroute.errors import ConfigurationError, InvalidPromptError
+from prefixroute.errors import ConfigurationError, InvalidPromptError, InvalidTypeError
 
 __all__ = ["PromptEncoder"]
 
@@ -77,12 +87,28 @@ class PromptEncoder:
         """Token ids of a text prompt (special tokens added as the tokenizer defines). O(len(text))."""
         return self._text.encode(text)
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Token ids of chat messages with the generation prompt appended. O(total length).
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of chat messages, rendered as vLLM renders them (the module docstring says how). O(total length).
+
+        ``tools`` and ``documents`` reach the template as given (JSON-like objects); ``chat_template_kwargs`` are
+        more variables for it, which override the four options before them as vLLM's request field does (except
+        ``chat_template`` and ``tokenize``, which vLLM refuses there). Without a chat template only ``messages``
+        count.
 
         Raises:
-            InvalidPromptError: a message is not an object with a string ``role``, or the template rejects the
-                messages (a ValueError).
+            ConfigurationError: a flag is not True or False.
+            InvalidPromptError: a message is not an object with a string ``role``, an assistant's tool call has
+                arguments that are not JSON, ``chat_template_kwargs`` is not a mapping or names ``chat_template``
+                or ``tokenize``, both flags end up true, or the template rejects the messages (a ValueError).
             TypeError: ``messages`` is not a sequence of messages.
         """
         check_chat(messages)
@@ -94,14 +120,224 @@ class PromptEncoder:
                     f"chat message {position} has {had}: each chat message must be an object with a string 'role' "
                     "and a 'content'"
                 )
+        check_flag(add_generation_prompt, "add_generation_prompt")
+        check_flag(continue_final_message, "continue_final_message")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+            raise InvalidPromptError(
+                f"chat_template_kwargs must be an object, not {type(chat_template_kwargs).__name__}"
+            )
         if self._template is None:
             return self._chat.encode(serialise_chat(messages))
+        variables = {
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "tools": tools,
+            "documents": documents,
+            **(chat_template_kwargs or {}),
+        }
+        refused = sorted({"chat_template", "tokenize"} & variables.keys())
+        if refused:  # vLLM's check and words
+            raise InvalidPromptError(f"Found unexpected chat template kwargs from request: {set(refused)}")
+        if variables["add_generation_prompt"] and variables["continue_final_message"]:  # transformers' check
+            raise InvalidPromptError(
+                "continue_final_message and add_generation_prompt are not compatible: continue the final message, "
+                "or add a header that prompts a new assistant message"
+            )
+        conversation = _conversation(messages)
         try:
-            text = self._template(messages=[_flattened(m) for m in messages], add_generation_prompt=True)
+            text = self._template(conversation, **variables)
         except Exception as exc:  # the template's own raise_exception(), or a jinja error on odd messages
             detail = str(exc) or type(exc).__name__  # a MemoryError says nothing else
             raise InvalidPromptError(f"the model's chat template rejected the messages: {detail}") from exc
         return self._chat.encode(text)
+
+    def encode_chat_request(self, body: Mapping[str, Any]) -> list[int]:
+        """Token ids of an OpenAI chat completion request, rendered as vLLM's server renders it. O(body).
+
+        Reads ``messages``, ``tools`` (each checked and dumped as vLLM's request model does: ``{"type":
+        "function", "function": {"name", "description", "parameters", ...}, ...}`` with absent fields null),
+        ``documents``, ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs`` (both
+        flags true is vLLM's 400), then calls :meth:`encode_chat`.
+
+        Raises:
+            InvalidPromptError: a field is not as vLLM's server takes it (the message names it), or as
+                :meth:`encode_chat` raises.
+            TypeError: ``body`` is not a mapping, or its ``messages`` not a sequence of messages.
+        """
+        if not isinstance(body, Mapping):
+            raise InvalidTypeError(f"a chat request body must be an object, not {type(body).__name__}")
+        add_generation_prompt = _flag(body, "add_generation_prompt", default=True)
+        continue_final_message = _flag(body, "continue_final_message", default=False)
+        if add_generation_prompt and continue_final_message:
+            raise InvalidPromptError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        documents = body.get("documents")
+        if documents is not None and not (
+            isinstance(documents, list) and all(isinstance(document, dict) for document in documents)
+        ):
+            raise InvalidPromptError("'documents' must be a list of objects (or null)")
+        return self.encode_chat(
+            body.get("messages"),  # type: ignore[arg-type]  # check_chat's TypeError names what it is
+            tools=_dumped_tools(body.get("tools")),
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=body.get("chat_template_kwargs"),
+        )
+
+
+def _flag(body: Mapping[str, Any], name: str, *, default: bool) -> bool:
+    """A request's boolean field, ``default`` when absent, read as vLLM's request model (pydantic, lax) reads it:
+    ``true``/``false``, ``0``/``1`` (also ``0.0``/``1.0``), or a string such as ``"yes"``, ``"off"``, ``"t"``.
+
+    Raises:
+        InvalidPromptError: it is none of these (null included: the field is not optional).
+    """
+    value = body.get(name, default)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _BOOLEAN_WORDS:
+        return _BOOLEAN_WORDS[value.lower()]
+    raise InvalidPromptError(f"'{name}' must be true or false, not {_json_name(value)}")
+
+
+_BOOLEAN_WORDS = {
+    **dict.fromkeys(("1", "on", "t", "true", "y", "yes"), True),
+    **dict.fromkeys(("0", "off", "f", "false", "n", "no"), False),
+}
+
+
+_TEXT_PARTS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+"""The content parts vLLM joins into a string content, and the key holding each one's text."""
+
+
+def _conversation(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as vLLM's ``parse_chat_messages`` hands them to a string-content template (the module docstring
+    lists what it keeps), with transformers' reasoning aliases (``thinking`` and ``reasoning_content``).
+
+    Raises:
+        InvalidPromptError: an assistant's tool call has ``arguments`` that are not JSON (vLLM's 400 too).
+    """
+    conversation = []
+    for message in messages:
+        role = message["role"]
+        turn: dict[str, Any] = {"role": role, "content": _text(message.get("content"))}
+        if role == "assistant":
+            calls = message.get("tool_calls")
+            if isinstance(calls, list) and not calls:
+                pass  # vLLM drops an empty list, keeping the template on its plain assistant path
+            elif calls is not None:
+                turn["tool_calls"] = [_parsed_call(call) for call in calls] if isinstance(calls, list) else calls
+            reasoning = message.get("reasoning")
+            if reasoning is not None:
+                turn["reasoning"] = reasoning
+                turn = {"thinking": reasoning, **turn, "reasoning_content": reasoning}
+        elif role == "tool" and "tool_call_id" in message:
+            turn["tool_call_id"] = message["tool_call_id"]
+        if isinstance(message.get("name"), str):
+            turn["name"] = message["name"]
+        if role == "developer":
+            turn["tools"] = message.get("tools")
+        conversation.append(turn)
+    return conversation
+
+
+def _text(content: object) -> object:
+    """A message's content as vLLM passes it to a string-content template: a string as is, null as ``""``, a list
+    of parts as its non-empty text parts (plain strings, or text, input/output text, refusal and thinking parts)
+    joined by newlines; anything else as is (the engine refuses it)."""
+    if content is None:
+        return ""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for part in content:
+        if isinstance(part, Mapping):
+            kind = part.get("type", "text")
+            part = part.get(_TEXT_PARTS[kind]) if isinstance(kind, str) and kind in _TEXT_PARTS else None
+        if isinstance(part, str) and part:
+            texts.append(part)
+    return "\n".join(texts)
+
+
+def _parsed_call(call: object) -> object:
+    """A tool call with its ``function.arguments`` as vLLM hands it to templates: JSON text parsed, an empty or
+    absent one ``{}``; an object or list kept. A copy: the request is left as it came.
+
+    Raises:
+        InvalidPromptError: the arguments are text that is not JSON.
+    """
+    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+        return call
+    function = call["function"]
+    arguments = function.get("arguments")
+    if not arguments:
+        arguments = {}
+    elif not isinstance(arguments, (dict, list)):
+        try:
+            arguments = json.loads(arguments)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise InvalidPromptError(f"a tool call's arguments must be JSON text: {exc}") from None
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def _dumped_tools(tools: object) -> list[dict[str, Any]] | None:
+    """A request's ``tools`` as vLLM hands them to the template: each validated as its ``ChatCompletionToolsParam``
+    and dumped, declared fields first (absent ones null), then the others as sent.
+
+    Raises:
+        InvalidPromptError: ``tools`` is not a list of such objects (naming the first wrong field).
+    """
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise InvalidPromptError(f"'tools' must be a list of tool objects (or null), not {_json_name(tools)}")
+    dumped = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict):
+            raise InvalidPromptError(
+                f'tools[{i}] must be an object like {{"type": "function", "function": {{"name": ...}}}}'
+            )
+        if tool.get("type", "function") != "function":
+            raise InvalidPromptError(f'tools[{i}].type must be "function", not {_json_name(tool["type"])}')
+        for name, kind, said in _FUNCTION_FIELDS:
+            if not isinstance(function.get(name), kind):
+                raise InvalidPromptError(
+                    f"tools[{i}].function.{name} must be {said}, not {_json_name(function.get(name))}"
+                )
+        spec = {name: function.get(name) for name, _, _ in _FUNCTION_FIELDS}
+        others = {key: value for key, value in tool.items() if key not in ("type", "function")}
+        dumped.append({"type": "function", "function": {**spec, **function}, **others})
+    return dumped
+
+
+_FUNCTION_FIELDS = (
+    ("name", str, "a string"),
+    ("description", (str, type(None)), "a string or null"),
+    ("parameters", (dict, type(None)), "an object or null"),
+)
+"""vLLM's ``FunctionDefinition``: its declared fields in order, what each takes, and how to say it."""
+
+
+def _json_name(value: object) -> str:
+    """What ``value`` is, in JSON's words (for error messages)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
 
 
 def _model_vocab_size(folder: Path) -> int | None:
@@ -136,16 +372,6 @@ def _json_object(file: Path) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ConfigurationError(f"{str(file)!r} must hold a JSON object, not {type(value).__name__}")
     return value
-
-
-def _flattened(message: Mapping[str, Any]) -> Mapping[str, Any]:
-    """``message`` with a list content (OpenAI's content parts) as one string of its text parts joined by newlines,
-    as vLLM renders them for a template that expects string contents (most do); other messages unchanged."""
-    content = message.get("content")
-    if not isinstance(content, list):
-        return message
-    texts = (part.get("text") for part in content if isinstance(part, Mapping) and part.get("type", "text") == "text")
-    return {**message, "content": "\n".join(text for text in texts if isinstance(text, str))}
 
 
 def _load_template(folder: Path) -> Callable[..., str] | None:
@@ -252,21 +478,64 @@ def _load_template(folder: Path) -> Callable[..., str] | None:
         raise ConfigurationError(f"the chat template in {str(folder)!r} does not compile: {exc}") from exc
     specials = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
 
-    def render(**variables: Any) -> str:
-        """The rendered text, refused once it grows past ``_MAX_TEMPLATE_CHARS`` (a runaway template)."""
+    def render(
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool | str = False,
+        tools: Any = None,
+        documents: Any = None,
+        **variables: Any,
+    ) -> str:
+        """The rendered text (transformers' ``render_jinja_template``), refused once it grows past
+        ``_MAX_TEMPLATE_CHARS`` (a runaway template).
+
+        Raises:
+            ValueError: the template raised, or the final message to continue is not in its output.
+        """
+        final = ""
+        if continue_final_message:  # as transformers does it: mark the end of the final message, cut there
+            field = continue_final_message if isinstance(continue_final_message, str) else "content"
+            value = messages[-1].get(field) if messages else None
+            if not isinstance(value, str):
+                raise ValueError(f'continue_final_message is set but the final message has no "{field}" to continue')
+            final = value
+            if field not in source:
+                raise ValueError(
+                    f'continue_final_message is set to "{field}" but this is not an accepted field in the chat_template'
+                )
+            messages = [*messages[:-1], {**messages[-1], field: final + _CONTINUE_TAG}]
         parts: list[str] = []
         size = 0
-        for part in compiled.generate(**specials, tools=None, documents=None, **variables):
+        chunks = compiled.generate(
+            messages=messages,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            **{**specials, **variables},
+        )
+        for part in chunks:
             size += len(part)
             if size > _MAX_TEMPLATE_CHARS:
                 raise ValueError(f"the chat template's output is over {_MAX_TEMPLATE_CHARS:,} characters")
             parts.append(part)
-        return "".join(parts)
+        text = "".join(parts)
+        if continue_final_message:
+            if final.strip() not in text or _CONTINUE_TAG.strip() not in text:
+                raise ValueError(
+                    "continue_final_message is set but the final message does not appear in the chat after applying "
+                    "the chat template"
+                )
+            at = text.rindex(_CONTINUE_TAG.strip())
+            text = text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()
+        return text
 
     _check_renders(render, folder)
     return render
 
 
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+"""What transformers appends to the final message to find where it ends in the output (its own marker)."""
 _MAX_TEMPLATE_CHARS = 64 << 20
 """A rendered conversation longer than this (64 Mi characters, far past any model's context) is a runaway template."""
 _MAX_EXPONENT = 4096
@@ -302,7 +571,7 @@ def _check_renders(render: Callable[..., str], folder: Path) -> None:
     def probe() -> None:
         sys.settrace(stopping)  # this thread only
         try:
-            render(messages=[dict(m) for m in _PROBE_CONVERSATION], add_generation_prompt=True)
+            render([dict(m) for m in _PROBE_CONVERSATION])
         except Exception:  # a template may reject the probe: only its time matters here
             pass
         finally:
