@@ -313,3 +313,54 @@ def test_litellm_hands_the_encoder_the_calls_tools_and_vllm_options() -> None:
     deployments = [{"model_name": "g", "litellm_params": {"model": "hosted_vllm/m"}, "model_info": {"id": "d1"}}]
     asyncio.run(hook.async_filter_deployments("g", deployments, messages, request))
     assert seen == [{"messages": messages, "tools": [WEATHER], "chat_template_kwargs": {"a": 1}}]
+
+
+# A template that takes OpenAI content parts (as vision models' do): it writes its own placeholder for an image.
+PARTS_TEMPLATE = """{% for message in messages %}<|{{ message.role }}|>
+{%- if message.content is string %}{{ message.content }}{% else %}{% for part in message.content %}
+{%- if part.type == 'text' %}{{ part.text }}{% elif part.type == 'image' %}<image>{% endif %}
+{%- endfor %}{% endif %}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"""
+
+
+def test_a_template_that_loops_over_content_gets_parts_and_writes_its_media_placeholders(tmp_path: Path) -> None:
+    encoder = byte_tokenizer(tmp_path / "model", PARTS_TEMPLATE)
+    content = [{"type": "text", "text": "Look:"}, {"type": "image_url", "image_url": {"url": "x"}}, "plain",
+               {"image_url": "y"}, {"type": "text", "text": None}, {"type": "refusal", "refusal": "no"}]  # fmt: skip
+    body = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": content},
+                         {"role": "assistant", "content": None}]}  # fmt: skip
+    expected = {"conversation": [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image"}, "plain", {"type": "image"},
+                                     {"type": "text", "text": "no"}]},
+        {"role": "assistant", "content": []},
+    ], "add_generation_prompt": True}  # fmt: skip
+    ours = encoder.encode_chat_request(body)
+    assert ours == encoder.encode(transformers_text(PARTS_TEMPLATE, expected))
+    assert "<image>" in _decoded(encoder, ours)
+
+
+@pytest.mark.parametrize(
+    ("template", "parts"),
+    [
+        ("{% for m in messages %}{% for c in m['content'] %}{{ c }}{% endfor %}{% endfor %}", True),
+        ("{% for m in messages %}{% for c in m.content | selectattr('type') %}{% endfor %}{% endfor %}", True),
+        ("{% set rest = messages[1:] %}{% for m in rest %}{% for c in m.content %}{% endfor %}{% endfor %}", True),
+        ("{% set a = messages %}{% set b = a %}{% set a = b %}{% for m in b %}{% for c in m.content %}{% endfor %}"
+         "{% endfor %}", True),
+        ("{% for m in messages if m.role != 'system' %}{% for c in m.content %}{% endfor %}{% endfor %}", True),
+        ("{% for m in messages %}{{ m.content }}{% endfor %}", False),
+        ("{% for c in messages[0].content %}{{ c }}{% endfor %}", False),
+        ("{% for m in messages %}{% if false %}{% for k, v in m.content %}{% endfor %}{% endif %}{% endfor %}", False),
+        ("{% for i, m in messages %}{% endfor %}{% for m in messages %}{% for c in m.content %}{% endfor %}"
+         "{% endfor %}", False),
+        ("{% for m in messages %}{% for c in (m | first).content %}{% endfor %}{% endfor %}", False),
+    ],
+)  # fmt: skip
+def test_a_template_takes_parts_when_vllms_auto_content_format_would_say_openai(
+    tmp_path: Path, template: str, parts: bool
+) -> None:
+    """vLLM's detection: a loop over a message's ``content``, the message from a loop over ``messages`` or a name
+    set from it (through filters, tests and slices); a loop target that is no plain name makes it give up."""
+    encoder = byte_tokenizer(tmp_path / "model", template + "{{ messages[0].content }}")
+    rendered = _decoded(encoder, encoder.encode_chat([{"role": "user", "content": "hi"}]))
+    assert rendered.endswith("[{'type': 'text', 'text': 'hi'}]" if parts else "hi"), rendered

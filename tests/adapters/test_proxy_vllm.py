@@ -229,25 +229,37 @@ def chat_ids(folder: Path) -> list[int]:
     return PromptEncoder(folder).encode_chat([{"role": "user", "content": "w3"}])
 
 
-def test_the_template_is_the_configs_default_one_else_the_jinja_files(tmp_path: Path) -> None:
-    """tokenizer_config.json's ``chat_template`` (a str, or a list of named templates: the "default" one), else
-    chat_template.jinja beside it, as the module docstring says; the special tokens of the config reach the template
-    as their text ({"content": ...} in older files; any other value is no text)."""
+def test_the_templates_are_found_where_transformers_finds_them(tmp_path: Path) -> None:
+    """chat_template.jinja and additional_chat_templates/NAME.jinja, which take priority; else tokenizer_config.json's
+    ``chat_template`` (a str, or a list of named templates); else a processor's chat_template.json (vLLM's
+    fallback). The "default" one renders a chat, the "tool_use" one (when there is one) a chat with tools, as
+    transformers chooses; the special tokens of the config reach the template as their text ({"content": ...} in
+    older files; any other value is no text)."""
     folder = make_tokenizer(tmp_path / "named")
+    chat = [{"role": "user", "content": "w3"}]
+
+    def with_tools() -> list[int]:
+        return PromptEncoder(folder).encode_chat(chat, tools=[])  # an empty list is tools all the same
+
     named = [{"name": "tool_use", "template": "w1"}, {"name": "default", "template": "w2 {{ messages[0].content }}"}]
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
-    assert chat_ids(folder) == [2, 3]
+    assert (chat_ids(folder), with_tools()) == ([2, 3], [1])
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": named[:1]}))  # no default one
-    assert not PromptEncoder(folder).has_chat_template
+    assert not PromptEncoder(folder).has_chat_template and with_tools() == [1]
     (folder / "chat_template.jinja").write_text("w4 {{ messages[0].content }}")
-    assert chat_ids(folder) == [4, 3]
+    assert (chat_ids(folder), with_tools()) == ([4, 3], [4, 3])  # the file, over every template of the config
+    (folder / "additional_chat_templates").mkdir()
+    (folder / "additional_chat_templates" / "tool_use.jinja").write_text("w5")
+    assert (chat_ids(folder), with_tools()) == ([4, 3], [5])
+    (folder / "chat_template.jinja").unlink()
+    (folder / "additional_chat_templates" / "tool_use.jinja").unlink()
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": 5}))
-    assert chat_ids(folder) == [4, 3]  # a template that is no str is none: the file's
-    (folder / "tokenizer_config.json").unlink()
-    assert chat_ids(folder) == [4, 3]  # the file alone
+    assert not PromptEncoder(folder).has_chat_template  # a template that is no str is none
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": "w8 {{ messages[0].content }}"}))
+    assert chat_ids(folder) == [8, 3]  # the processor's
     specials = {"chat_template": "{{ bos_token }} {{ eos_token }}w6", "bos_token": {"content": "w7"}, "eos_token": 5}
     (folder / "tokenizer_config.json").write_text(json.dumps(specials))
-    assert chat_ids(folder) == [7, 6]
+    assert chat_ids(folder) == [7, 6]  # the tokenizer's, over the processor's
 
 
 def test_a_text_gets_the_tokenizers_special_tokens_and_a_chat_only_those_its_template_writes(tmp_path: Path) -> None:
@@ -312,7 +324,8 @@ def test_the_template_renders_as_transformers_renders_chat_templates(tmp_path: P
         encoder.encode_chat([{"role": "user", "content": "w1"}] * 2)
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% if %}"}))
     with pytest.raises(
-        ConfigurationError, match=f"the chat template in {re.escape(repr(str(folder)))} does not compile"
+        ConfigurationError,
+        match=f"the chat template in {re.escape(repr(str(folder / 'tokenizer_config.json')))} does not compile",
     ):
         PromptEncoder(folder)
 
@@ -379,12 +392,16 @@ def test_token_ids_past_the_models_vocabulary_are_vllms_400_before_any_decision(
         ("tokenizer_config.json", b"[1, 2]"),
         ("tokenizer_config.json", b'{"chat_template": ["x", 1]}'),
         ("chat_template.jinja", b"\xff\xfe not utf-8"),
+        ("additional_chat_templates/tool_use.jinja", b"\xff\xfe not utf-8"),
+        ("additional_chat_templates/tool_use.jinja", b"{% if %}"),
+        ("chat_template.json", b'"a str"'),
     ],
 )
 def test_a_model_folder_with_a_malformed_template_file_is_a_configuration_error(
     tmp_path: Path, name: str, content: bytes
 ) -> None:
     folder = make_tokenizer(tmp_path / "model")
+    (folder / name).parent.mkdir(exist_ok=True)
     (folder / name).write_bytes(content)
     with pytest.raises(ConfigurationError, match=name):  # the CLI's one line (exit 2)
         proxy_from_command_line("--backends", "http://127.0.0.1:9", "--tokenizer", str(folder))
@@ -419,7 +436,7 @@ def test_a_runaway_chat_template_is_refused_at_load_or_bounded_when_it_renders(t
     assert [t.daemon for t in threading.enumerate() if t.name == "prefixroute-template-probe"] == [True]
     loader.join()
     assert len(refusals) == 1 and "did not render a four-message conversation" in str(refusals[0])
-    assert repr(str(looping)) in str(refusals[0])
+    assert repr(str(looping / "tokenizer_config.json")) in str(refusals[0])
     assert set(threading.enumerate()) <= threads  # the probe was stopped, not left running
     huge = make_tokenizer(tmp_path / "huge")
     (huge / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ 'x' * 10**9 }}"}))

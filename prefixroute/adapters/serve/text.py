@@ -1,12 +1,14 @@
 """Text and chat prompts to token ids, as the engine will see them: the model's tokenizer and chat template.
 
 :class:`PromptEncoder` loads a local ``tokenizer.json`` (a file, or a model folder holding one). Chat messages are
-rendered with the model's chat template when the folder has one (``chat_template`` in ``tokenizer_config.json``, or
-``chat_template.jinja``), as vLLM's OpenAI server renders them, then tokenized without adding special tokens (the
-template writes them):
+rendered with the model's chat template when the folder has one (found as transformers finds it:
+``chat_template.jinja`` and ``additional_chat_templates/NAME.jinja`` first, else ``chat_template`` in
+``tokenizer_config.json``, else a processor's ``chat_template.json``; the ``tool_use`` one for a chat with tools),
+as vLLM's OpenAI server renders them, then tokenized without adding special tokens (the template writes them):
 
-- each message becomes what vLLM passes a template that expects string contents (most do): its ``role``; its
-  ``content`` as one string (a list of parts becomes its text parts joined by newlines, a null content ``""``); an
+- each message becomes what vLLM passes the template: its ``role``; its ``content`` as content parts when the
+  template loops over a message's content (vLLM's ``auto`` content format: text parts, and media as ``{"type":
+  "image"}`` and the like), else as one string (text parts joined by newlines, a null content ``""``); an
   assistant's ``tool_calls`` with their JSON ``arguments`` parsed to objects (an empty list dropped) and its
   ``reasoning``; a tool message's ``tool_call_id``; a string ``name``; other keys dropped;
 - the template sees ``tools`` and ``documents`` (none unless given), ``add_generation_prompt`` (true unless given),
@@ -35,7 +37,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from tokenizers import Tokenizer
 
@@ -76,7 +78,9 @@ class PromptEncoder:
         """The largest token id the engine takes in a prompt, as vLLM checks it: the larger of the tokenizer's largest
         id and the model's ``vocab_size`` - 1 (from ``config.json`` beside ``tokenizer.json``, its ``text_config``'s
         first; a model's vocabulary may be padded past its tokenizer's, as Qwen's is)."""
-        self._template = _load_template(file.parent)
+        templates = _load_templates(file.parent)
+        self._template = templates.get("default")
+        self._tool_template = templates.get("tool_use", self._template)
 
     @property
     def has_chat_template(self) -> bool:
@@ -126,8 +130,6 @@ class PromptEncoder:
             raise InvalidPromptError(
                 f"chat_template_kwargs must be an object, not {type(chat_template_kwargs).__name__}"
             )
-        if self._template is None:
-            return self._chat.encode(serialise_chat(messages))
         variables = {
             "add_generation_prompt": add_generation_prompt,
             "continue_final_message": continue_final_message,
@@ -135,6 +137,9 @@ class PromptEncoder:
             "documents": documents,
             **(chat_template_kwargs or {}),
         }
+        template = self._template if variables["tools"] is None else self._tool_template  # transformers' choice
+        if template is None:
+            return self._chat.encode(serialise_chat(messages))
         refused = sorted({"chat_template", "tokenize"} & variables.keys())
         if refused:  # vLLM's check and words
             raise InvalidPromptError(f"Found unexpected chat template kwargs from request: {set(refused)}")
@@ -143,9 +148,9 @@ class PromptEncoder:
                 "continue_final_message and add_generation_prompt are not compatible: continue the final message, "
                 "or add a header that prompts a new assistant message"
             )
-        conversation = _conversation(messages)
+        conversation = _conversation(messages, parts=template.content_parts)
         try:
-            text = self._template(conversation, **variables)
+            text = template.render(conversation, **variables)
         except Exception as exc:  # the template's own raise_exception(), or a jinja error on odd messages
             detail = str(exc) or type(exc).__name__  # a MemoryError says nothing else
             raise InvalidPromptError(f"the model's chat template rejected the messages: {detail}") from exc
@@ -218,9 +223,10 @@ _TEXT_PARTS = {
 """The content parts vLLM joins into a string content, and the key holding each one's text."""
 
 
-def _conversation(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The messages as vLLM's ``parse_chat_messages`` hands them to a string-content template (the module docstring
-    lists what it keeps), with transformers' reasoning aliases (``thinking`` and ``reasoning_content``).
+def _conversation(messages: Sequence[Mapping[str, Any]], *, parts: bool) -> list[dict[str, Any]]:
+    """The messages as vLLM's ``parse_chat_messages`` hands them to the template (the module docstring lists what it
+    keeps), their contents as parts when the template loops over them (``parts``), else as strings; with
+    transformers' reasoning aliases (``thinking`` and ``reasoning_content``).
 
     Raises:
         InvalidPromptError: an assistant's tool call has ``arguments`` that are not JSON (vLLM's 400 too).
@@ -228,7 +234,8 @@ def _conversation(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
     conversation = []
     for message in messages:
         role = message["role"]
-        turn: dict[str, Any] = {"role": role, "content": _text(message.get("content"))}
+        content = message.get("content")
+        turn: dict[str, Any] = {"role": role, "content": _parts(content) if parts else _text(content)}
         if role == "assistant":
             calls = message.get("tool_calls")
             if isinstance(calls, list) and not calls:
@@ -265,6 +272,91 @@ def _text(content: object) -> object:
         if isinstance(part, str) and part:
             texts.append(part)
     return "\n".join(texts)
+
+
+def _parts(content: object) -> object:
+    """A message's content as vLLM passes it to a template that loops over content parts: a string as one text
+    part, null as no part, each part of a list as ``{"type": "text", "text": ...}`` (text, input/output text, refusal
+    and thinking parts; a null text or refusal left out) or ``{"type": "image" | "audio" | "video"}`` (a media part,
+    whose placeholder the template writes); a plain string part as is; anything else as is."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        return content
+    result: list[object] = []
+    for part in content:
+        if not isinstance(part, Mapping):
+            if isinstance(part, str):
+                result.append(part)
+            continue
+        kind = part.get("type")
+        if kind is None:  # vLLM's simple media forms name the medium by their key
+            kind = next((key for key in _MEDIA if key in part), "text")
+        if not isinstance(kind, str):
+            continue
+        if kind in _TEXT_PARTS:
+            text = part.get(_TEXT_PARTS[kind])
+            if text is not None or kind == "thinking":
+                result.append({"type": "text", "text": text})
+        elif kind in _MEDIA:
+            result.append({"type": _MEDIA[kind]})
+    return result
+
+
+_MEDIA = {
+    **dict.fromkeys(("image_url", "input_image", "image_pil", "image_embeds"), "image"),
+    **dict.fromkeys(("audio_url", "input_audio", "audio_embeds"), "audio"),
+    "video_url": "video",
+}
+"""vLLM's media parts, and the medium each stands for in a template's content parts."""
+
+
+def _loops_over_content(tree: Any) -> bool:
+    """Whether a template (its parsed tree) loops over a message's content, as vLLM's ``auto`` content format
+    detects it: a ``for`` over ``messages`` (or a name set from it, through filters, tests and slices) gives a
+    message name, and a ``for`` over that name's ``content`` means the template takes parts. A loop over either
+    with a target that is no plain name makes vLLM give up and pass strings. O(size of the template)."""
+    import jinja2.nodes as nodes
+
+    def loads(node: Any, name: str) -> bool:
+        return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == name
+
+    def reaches(node: Any, name: str, key: str | None = None) -> bool:
+        while isinstance(node, (nodes.Filter, nodes.Test)) or (
+            isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)
+        ):
+            if node.node is None:  # a filter block
+                return False
+            node = node.node
+        if key is None:
+            return loads(node, name)
+        if isinstance(node, nodes.Getitem):
+            return loads(node.node, name) and isinstance(node.arg, nodes.Const) and node.arg.value == key
+        return isinstance(node, nodes.Getattr) and loads(node.node, name) and node.attr == key
+
+    lists, pending = ["messages"], ["messages"]
+    while pending:  # names set from messages, or from such a name
+        source = pending.pop(0)
+        for assign in tree.find_all(nodes.Assign):
+            if reaches(assign.node, source):
+                if not isinstance(assign.target, nodes.Name):
+                    return False
+                if assign.target.name not in lists:
+                    lists.append(assign.target.name)
+                    pending.append(assign.target.name)
+    loops = list(tree.find_all(nodes.For))
+    messages = []
+    for loop in loops:
+        if any(reaches(loop.iter, name) for name in lists):
+            if not isinstance(loop.target, nodes.Name):
+                return False
+            messages.append(loop.target.name)
+    for loop in loops:
+        if any(reaches(loop.iter, name, "content") for name in messages):
+            return isinstance(loop.target, nodes.Name)
+    return False
 
 
 def _parsed_call(call: object) -> object:
@@ -374,29 +466,79 @@ def _json_object(file: Path) -> dict[str, Any]:
     return value
 
 
-def _load_template(folder: Path) -> Callable[..., str] | None:
-    """The folder's chat template as a render function, or None when it has none."""
-    source: str | None = None
+def _template_sources(folder: Path) -> tuple[dict[str, tuple[str, str]], dict[str, Any]]:
+    """The folder's chat templates by name (each with where it comes from, for messages), as transformers loads
+    them for vLLM, and its ``tokenizer_config.json`` (``{}`` without one): ``chat_template.jinja`` (the default)
+    and ``additional_chat_templates/NAME.jinja`` when there are any, which take priority; else the config's
+    ``chat_template`` (a str, or a list of named ones); else a processor's ``chat_template.json``, which vLLM falls
+    back on.
+
+    Raises:
+        ConfigurationError: a file is not readable, or not of the form said.
+    """
     config: dict[str, Any] = {}
     config_file = folder / "tokenizer_config.json"
     if config_file.is_file():
         config = _json_object(config_file)
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: the "default" one
-            if not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in template):
-                raise ConfigurationError(
-                    f'{str(config_file)!r}: a chat_template list must hold {{"name", "template"}} objects'
-                )
-            template = next((t.get("template") for t in template if t["name"] == "default"), None)
-        source = template if isinstance(template, str) else None
-    jinja_file = folder / "chat_template.jinja"
-    if source is None and jinja_file.is_file():
-        try:
-            source = jinja_file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigurationError(f"{str(jinja_file)!r} is not readable UTF-8 text: {exc}") from exc
-    if source is None:
-        return None
+    files = [folder / "chat_template.jinja"]
+    if (folder / "additional_chat_templates").is_dir():
+        files += sorted((folder / "additional_chat_templates").glob("*.jinja"))
+    sources = {
+        "default" if file.parent == folder else file.stem: (_text_file(file), repr(str(file)))
+        for file in files
+        if file.is_file()
+    }
+    if sources:
+        return sources, config
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        if not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in template):
+            raise ConfigurationError(
+                f'{str(config_file)!r}: a chat_template list must hold {{"name", "template"}} objects'
+            )
+        return {
+            t["name"]: (t["template"], f"{str(config_file)!r} ({t['name']!r})")
+            for t in template
+            if isinstance(t.get("template"), str)
+        }, config
+    if isinstance(template, str):
+        return {"default": (template, repr(str(config_file)))}, config
+    processor_file = folder / "chat_template.json"
+    if processor_file.is_file():
+        template = _json_object(processor_file).get("chat_template")
+        if isinstance(template, str):
+            return {"default": (template, repr(str(processor_file)))}, config
+    return {}, config
+
+
+def _text_file(file: Path) -> str:
+    """The text of ``file``.
+
+    Raises:
+        ConfigurationError: it is not readable UTF-8 text.
+    """
+    try:
+        return file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigurationError(f"{str(file)!r} is not readable UTF-8 text: {exc}") from exc
+
+
+class _Template(NamedTuple):
+    """A compiled chat template: its render function, and whether it loops over a message's content parts."""
+
+    render: Callable[..., str]
+    content_parts: bool
+
+
+def _load_templates(folder: Path) -> dict[str, _Template]:
+    """The folder's chat templates by name (:func:`_template_sources`), each compiled and probed.
+
+    Raises:
+        ConfigurationError: as :func:`_template_sources`, or a template does not compile or render in time.
+    """
+    sources, config = _template_sources(folder)
+    if not sources:
+        return {}
     import jinja2
     import jinja2.ext
     import jinja2.nodes
@@ -472,11 +614,21 @@ def _load_template(folder: Path) -> Callable[..., str] | None:
     environment.globals["raise_exception"] = raise_exception
     environment.globals["strftime_now"] = strftime_now
     environment.filters["tojson"] = _tojson
-    try:
-        compiled = environment.from_string(source)
-    except jinja2.TemplateError as exc:
-        raise ConfigurationError(f"the chat template in {str(folder)!r} does not compile: {exc}") from exc
     specials = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    templates = {}
+    for name, (source, origin) in sources.items():
+        try:
+            compiled = environment.from_string(source)
+        except jinja2.TemplateError as exc:
+            raise ConfigurationError(f"the chat template in {origin} does not compile: {exc}") from exc
+        render = _renderer(compiled, source, specials)
+        _check_renders(render, origin)
+        templates[name] = _Template(render, _loops_over_content(environment.parse(source)))
+    return templates
+
+
+def _renderer(compiled: Any, source: str, specials: dict[str, str]) -> Callable[..., str]:
+    """The render function of one compiled template."""
 
     def render(
         messages: list[dict[str, Any]],
@@ -530,7 +682,6 @@ def _load_template(folder: Path) -> Callable[..., str] | None:
             text = text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()
         return text
 
-    _check_renders(render, folder)
     return render
 
 
@@ -556,7 +707,7 @@ class _Stopped(Exception):
     """Raised into a template probe that ran past its time."""
 
 
-def _check_renders(render: Callable[..., str], folder: Path) -> None:
+def _check_renders(render: Callable[..., str], origin: str) -> None:
     """Refuse a template that does not render a short conversation within ``_PROBE_SECONDS`` (a loop without end:
     Jinja has no step limit). It renders on a thread of its own under a trace function, which stops it at the next
     line once the time is up (so nothing is left running); whether it accepts or rejects the conversation does not
@@ -584,7 +735,7 @@ def _check_renders(render: Callable[..., str], folder: Path) -> None:
         stop.set()
         thread.join(_PROBE_SECONDS)
         raise ConfigurationError(
-            f"the chat template in {str(folder)!r} did not render a four-message conversation within "
+            f"the chat template in {origin} did not render a four-message conversation within "
             f"{_PROBE_SECONDS:g} s: it loops without end (fix the template, or remove it to use the default)"
         )
 
