@@ -52,7 +52,7 @@ from prefixroute.adapters.proxy.prompts import (
     check_encoder,
     request_tokens_async,
 )
-from prefixroute.adapters.serve.contract import is_refusal
+from prefixroute.adapters.serve.contract import CHAT_OPTIONS, is_refusal
 from prefixroute.errors import InvalidTypeError, PolicyError
 from prefixroute.router import Router, _check_lease
 
@@ -76,9 +76,6 @@ _MAX_PER_TASK = 1024
 _MAX_ATTEMPTS = 65_536
 _UNSEEN: Any = object()
 _ORDER = re.compile(r"[+-]?[0-9]+")  # an order spelled as a str, as LiteLLM takes it
-_CHAT_OPTIONS = ("tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
-"""What of a chat call, besides its messages, vLLM's chat template renders (LiteLLM sends vLLM's own ones in
-``extra_body``)."""
 
 
 class PrefixRouteHook(CustomLogger):
@@ -424,10 +421,11 @@ def _deployment_id(deployment: object) -> str | None:
 
 def _chat_body(messages: list[Any], request: Mapping[str, Any] | None) -> dict[str, Any]:
     """The chat completion request vLLM gets for a LiteLLM call: its messages, and its tools and template options
-    (from the call, or its ``extra_body``), for an encoder that renders them all. O(1) beside the messages."""
+    (from the call, or its ``extra_body``, where LiteLLM sends vLLM's own ones), for an encoder that renders them
+    all. O(1) beside the messages."""
     body: dict[str, Any] = {"messages": messages}
     if isinstance(request, Mapping):
         extra = request.get("extra_body")
         for source in (request, extra if isinstance(extra, Mapping) else {}):
-            body.update((name, source[name]) for name in _CHAT_OPTIONS if name in source)
+            body.update((name, source[name]) for name in CHAT_OPTIONS if name in source)
     return body

@@ -364,3 +364,18 @@ def test_a_template_takes_parts_when_vllms_auto_content_format_would_say_openai(
     encoder = byte_tokenizer(tmp_path / "model", template + "{{ messages[0].content }}")
     rendered = _decoded(encoder, encoder.encode_chat([{"role": "user", "content": "hi"}]))
     assert rendered.endswith("[{'type': 'text', 'text': 'hi'}]" if parts else "hi"), rendered
+
+
+def test_route_takes_a_chats_tools_and_options_with_its_messages(encoder: PromptEncoder) -> None:
+    sidecar = Sidecar(Router(block_size=16), backends=BACKENDS, encoder=encoder)
+    messages = [{"role": "user", "content": "Paris?"}]
+    body = {"messages": messages, "tools": [WEATHER], "add_generation_prompt": False}
+    answer = call(sidecar, "POST", "/route", body).json()
+    assert answer["prompt_tokens"] == len(encoder.encode_chat_request(body))
+    assert answer["prompt_tokens"] != len(encoder.encode_chat(messages, add_generation_prompt=False))
+    alone = call(sidecar, "POST", "/route", {"prompt": "Paris?", "tools": [WEATHER], "documents": []})
+    assert alone.status_code == 400
+    assert alone.json()["error"] == "'tools', 'documents' go with 'messages' only: send the chat's messages"
+    assert call(sidecar, "POST", "/route", {"messages": messages, "tools": 5}).status_code == 400
+    assert call(sidecar, "POST", "/route", {"messages": messages, "tools": [{"type": "custom"}]}).status_code == 400
+    assert sidecar.router.stats().in_flight == 1  # only the first was routed

@@ -2,8 +2,11 @@
 
 =====================================  ========================================================================
 ``POST /route``                        ``{"prompt_token_ids" | "prompt" | "messages", "model"?, "lease"?,
-                                       "backends"?}`` → 200 ``{"id", "backend", "matched_tokens",
-                                       "prompt_tokens", "reason"}``; the request counts in flight until finished
+                                       "backends"?}`` (with ``messages``, the chat's ``tools``, ``documents``,
+                                       ``add_generation_prompt``, ``continue_final_message`` and
+                                       ``chat_template_kwargs`` too) → 200 ``{"id", "backend",
+                                       "matched_tokens", "prompt_tokens", "reason"}``; the request counts in flight
+                                       until finished
 ``POST /first_token``, ``/finish``     ``{"id"}`` (``/finish``: and ``"refused"?``, true for an engine's 4xx) →
                                        200 ``{"id"}``, also when repeated or unknown (counted)
 ``POST /v1/completions``,              the client's own OpenAI request, forwarded by a proxy: 200 with the

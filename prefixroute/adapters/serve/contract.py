@@ -66,6 +66,16 @@ class RouteBody(msgspec.Struct):
     model: str | None = None
     lease: Annotated[float, msgspec.Meta(gt=0)] | None = None
     backends: list[str] | None = None
+    # With messages, what else of the chat request the engine renders: as in vLLM's chat completion request.
+    tools: list[dict[str, Any]] | msgspec.UnsetType = msgspec.UNSET
+    documents: list[dict[str, Any]] | msgspec.UnsetType = msgspec.UNSET
+    add_generation_prompt: bool | msgspec.UnsetType = msgspec.UNSET
+    continue_final_message: bool | msgspec.UnsetType = msgspec.UNSET
+    chat_template_kwargs: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
+
+
+CHAT_OPTIONS = ("tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+"""What of a chat completion request, besides its messages, vLLM's chat template renders."""
 
 
 class LifecycleBody(msgspec.Struct):
@@ -147,12 +157,13 @@ def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
 
 
 def route_prompt(body: RouteBody) -> Prompt:
-    """The one prompt of a ``/route`` body.
+    """The one prompt of a ``/route`` body: with ``messages`` and any of :data:`CHAT_OPTIONS`, the chat request
+    they make (a dict).
 
     Raises:
         BadRequest: 400 unless exactly one of ``prompt_token_ids``, ``prompt`` and ``messages`` is given and
-            non-empty, when ``backends`` is given empty or longer than :data:`MAX_REQUEST_BACKENDS`, or when a message
-            breaks :func:`check_messages`.
+            non-empty, when ``backends`` is given empty or longer than :data:`MAX_REQUEST_BACKENDS`, when a message
+            breaks :func:`check_messages`, or a chat option comes without ``messages``.
     """
     given = [
         name
@@ -181,9 +192,13 @@ def route_prompt(body: RouteBody) -> Prompt:
     assert prompt is not None
     if not prompt:
         raise BadRequest(400, f"'{given[0]}' is empty: send the prompt to route")
-    if body.messages is not None:
-        check_messages(body.messages)
-    return prompt
+    options = {name: getattr(body, name) for name in CHAT_OPTIONS if getattr(body, name) is not msgspec.UNSET}
+    if body.messages is None:
+        if options:
+            raise BadRequest(400, f"{', '.join(map(repr, options))} go with 'messages' only: send the chat's messages")
+        return prompt
+    check_messages(body.messages)
+    return {"messages": body.messages, **options} if options else prompt
 
 
 def check_messages(messages: list[dict[str, Any]]) -> None:
