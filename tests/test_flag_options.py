@@ -50,6 +50,11 @@ def _encoded_chat(flag: str, value: Any) -> list[int]:
     return PromptEncoder("tokenizer.json").encode_chat([{"role": "user", "content": "a"}], **options)
 
 
+def _encoded_text(add_special_tokens: Any) -> list[int]:
+    _tokenizer().save("tokenizer.json")  # in the test's own tmp_path
+    return PromptEncoder("tokenizer.json").encode("a", add_special_tokens=add_special_tokens)
+
+
 def _cache() -> FakeBlockCache:
     return FakeBlockCache(block_size=4, num_blocks=16, rng=random.Random(0))
 
@@ -80,7 +85,8 @@ FLAGS: dict[str, tuple[str, Callable[[Any], object]]] = {
        for flag in ("extra_group", "replay", "replay_topic", "legacy_metric_names")},
     **{f"FakeVLLM.complete({flag}=)": (flag, functools.partial(_completed, flag)) for flag in ("share", "hold")},
     **{f"PromptEncoder.encode_chat({flag}=)": (flag, functools.partial(_encoded_chat, flag))
-       for flag in ("add_generation_prompt", "continue_final_message")},
+       for flag in ("add_generation_prompt", "continue_final_message", "add_special_tokens")},
+    "PromptEncoder.encode(add_special_tokens=)": ("add_special_tokens", _encoded_text),
 }  # fmt: skip
 
 # Flags that are no option: what happened to one request, reported to finish() (an argument, as the decision is),

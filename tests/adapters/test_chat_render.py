@@ -15,8 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from prefixroute import InvalidPromptError, Router
@@ -68,6 +69,7 @@ BARE_DUMPED = {
     "function": {"name": "now", "description": None, "parameters": None, "strict": True},
     "x-tag": 1,
 }
+BOS = 256
 CALL = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
 CALL_PARSED = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}
 
@@ -126,12 +128,16 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }  # fmt: skip
 
 
-def byte_tokenizer(folder: Path, template: str) -> PromptEncoder:
-    """A model folder whose tokenizer maps each byte to one token (so equal ids are equal texts) and ``template``."""
+def byte_tokenizer(folder: Path, template: str, *, bos: bool = False) -> PromptEncoder:
+    """A model folder whose tokenizer maps each byte to one token (so equal ids are equal texts) and ``template``;
+    with ``bos``, the tokenizer adds a special token ``<s>`` (id 256) before a text, as Llama's does."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
+    if bos:
+        tokenizer.add_special_tokens(["<s>"])
+        tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(folder / "tokenizer.json"))
     config = {"chat_template": template, "bos_token": "<s>", "eos_token": "</s>"}
@@ -379,3 +385,33 @@ def test_route_takes_a_chats_tools_and_options_with_its_messages(encoder: Prompt
     assert call(sidecar, "POST", "/route", {"messages": messages, "tools": 5}).status_code == 400
     assert call(sidecar, "POST", "/route", {"messages": messages, "tools": [{"type": "custom"}]}).status_code == 400
     assert sidecar.router.stats().in_flight == 1  # only the first was routed
+
+
+def test_add_special_tokens_is_followed_as_vllm_follows_it(tmp_path: Path) -> None:
+    """vLLM's ``add_special_tokens``: true by default for a completion's text, false for a chat's rendered text; a
+    client that renders its own template sends false with a completion, or the engine's ids would start with two
+    BOS tokens and the proxy's with another block than the engine's."""
+    folder = tmp_path / "model"
+    encoder = byte_tokenizer(folder, TOOLS_TEMPLATE, bos=True)
+    text = "<s><|user|>Count the rows of every table in the schema, then sum them.<|end|>"
+    with_bos, without = encoder.encode(text), encoder.encode(text, add_special_tokens=False)
+    assert with_bos == [BOS, *without]
+    chat = {"messages": [{"role": "user", "content": "Hi"}]}
+    assert encoder.encode_chat_request({**chat, "add_special_tokens": True}) == [
+        BOS,
+        *encoder.encode_chat_request(chat),
+    ]
+    sidecar = Sidecar(Router(block_size=16), backends=BACKENDS, encoder=encoder)
+    for flag, ids in ((False, without), ("no", without), (True, with_bos)):
+        answer = call(sidecar, "POST", "/v1/completions", {"prompt": text, "add_special_tokens": flag}).json()
+        assert answer["prompt_tokens"] == len(ids), flag
+    assert call(sidecar, "POST", "/v1/completions", {"prompt": text, "add_special_tokens": None}).status_code == 400
+    with OpenAIEngine(max_tokens=2) as engine:
+        proxy, _ = proxy_from_command_line("--backends", engine.url, "--tokenizer", str(folder), "--block-size", "16")
+        with proxy:
+            assert post(proxy, {"prompt": text, "add_special_tokens": False}).status_code == 200
+            full = len(without) // 16 * 16
+            assert post(proxy, {"prompt": without}).headers["x-prefixroute-matched-tokens"] == str(full)
+            assert int(post(proxy, {"prompt": with_bos}).headers["x-prefixroute-matched-tokens"]) == 0
+            refused = httpx.post(proxy.url + "/v1/completions", json={"prompt": text, "add_special_tokens": "maybe"})
+            assert refused.status_code == 400 and "'add_special_tokens' must be true or false" in refused.text

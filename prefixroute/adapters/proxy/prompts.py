@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Mapping, Sequence
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, Protocol, runtime_checkable
 
 import msgspec
 
+from prefixroute.adapters.serve.contract import request_flag
 from prefixroute.adapters.tokenize import PromptTokenizer, serialise_chat
 from prefixroute.errors import InvalidTypeError
 
@@ -34,7 +36,11 @@ class PromptEncoding(Protocol):
     """What turns a request's text into the token ids it routes on (e.g. the model's tokenizer and template)."""
 
     def encode(self, text: str) -> list[int]:
-        """The token ids of a completion prompt."""
+        """The token ids of a completion prompt.
+
+        An encoder whose ``encode`` also takes ``add_special_tokens=False`` gets it for a completion that sets
+        vLLM's field of that name false, as :class:`~prefixroute.adapters.serve.PromptEncoder` does.
+        """
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """The token ids of a chat conversation, as rendered for the model.
@@ -104,6 +110,29 @@ def chat_tokens(encoder: PromptEncoding, body: dict[str, Any]) -> list[int]:
     return whole(body) if callable(whole) else encoder.encode_chat(body["messages"])
 
 
+def text_tokens(encoder: PromptEncoding, text: str, body: Mapping[str, Any]) -> list[int]:
+    """The token ids of a completion's text prompt: without the tokenizer's special tokens when the request sets
+    vLLM's ``add_special_tokens`` false (a prompt rendered by the client holds them already) and the encoder's
+    ``encode()`` takes that keyword (:class:`~prefixroute.adapters.serve.PromptEncoder`'s does); else ``encode(text)``.
+    O(len(text)).
+
+    Raises:
+        InvalidPromptError: ``add_special_tokens`` is not a boolean as vLLM reads one.
+    """
+    without = "add_special_tokens" in body and not request_flag(body, "add_special_tokens", default=True)
+    if without and _takes_keyword(encoder.encode, "add_special_tokens"):
+        return encoder.encode(text, add_special_tokens=False)  # type: ignore[call-arg]
+    return encoder.encode(text)
+
+
+def _takes_keyword(function: Callable[..., Any], name: str) -> bool:
+    """Whether ``function`` has a parameter ``name`` (False when Python cannot say, as for some builtins)."""
+    try:
+        return name in inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def request_tokens(body: object, *, chat: bool, encoder: PromptEncoding, max_token_id: int | None = None) -> list[int]:
     """The token ids ``body`` (a decoded OpenAI request) routes on. O(prompt); O(batch) for a batch of token ids.
 
@@ -134,7 +163,7 @@ def request_tokens(body: object, *, chat: bool, encoder: PromptEncoding, max_tok
                     _converted(other, max_token_id)  # not a list of ints: the engine's to answer
         prompt = prompt[0]  # a batch: route on its first prompt
     if isinstance(prompt, str):
-        return encoder.encode(prompt)
+        return text_tokens(encoder, prompt, body)
     if isinstance(prompt, list) and prompt:
         return _token_ids(prompt, max_token_id)
     raise BadRequest("'prompt' must be a string, a non-empty list of token ids, or a batch of those")

@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from prefixroute._numbers import as_int, shown
-from prefixroute.adapters.proxy.prompts import chat_tokens
+from prefixroute.adapters.proxy.prompts import chat_tokens, text_tokens
 from prefixroute.adapters.serve.contract import (
     MAX_REQUEST_BACKENDS,
     BadRequest,
@@ -391,7 +391,9 @@ class Sidecar:
             if isinstance(prompt, str):
                 return self._encoder.encode(prompt)
             if isinstance(prompt, dict):
-                return chat_tokens(self._encoder, prompt)
+                if "messages" in prompt:
+                    return chat_tokens(self._encoder, prompt)
+                return text_tokens(self._encoder, prompt["prompt"], prompt)
             return self._encoder.encode_chat(prompt)  # type: ignore[arg-type]
         except (ValueError, TypeError) as exc:
             raise BadRequest(400, str(exc)) from None

@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 import msgspec
 
 from prefixroute._numbers import as_int
-from prefixroute.errors import InvalidTypeError, PrefixRouteError
+from prefixroute.errors import InvalidPromptError, InvalidTypeError, PrefixRouteError
 
 __all__ = [
     "BadRequest",
+    "CHAT_OPTIONS",
     "base_model_names",
     "check_messages",
     "FinishBody",
@@ -34,7 +36,9 @@ __all__ = [
     "is_json_media_type",
     "is_refusal",
     "json_error",
+    "json_type",
     "openai_prompt",
+    "request_flag",
     "route_prompt",
     "without_bom",
 ]
@@ -124,7 +128,8 @@ def is_json_media_type(content_type: str | None) -> bool:
 
 Prompt = list[int] | str | list[dict[str, Any]] | dict[str, Any]
 """What a request asks to route: token ids, a text prompt, chat messages (to render with a chat template), or a
-whole chat completion request (its messages rendered with its tools and template options)."""
+request with its options: a chat (its messages rendered with its tools and template options) or a text prompt with
+``add_special_tokens``."""
 
 
 def without_bom(body: bytes) -> bytes:
@@ -211,37 +216,41 @@ def check_messages(messages: list[dict[str, Any]]) -> None:
     """
     for i, message in enumerate(messages):
         if not isinstance(message.get("role"), str):
-            raise BadRequest(400, f"$.messages[{i}].role must be a string, not {_json_type(message.get('role'))}")
+            raise BadRequest(400, f"$.messages[{i}].role must be a string, not {json_type(message.get('role'))}")
         content = message.get("content")
         if content is None or isinstance(content, str):
             continue
         if not isinstance(content, list):
             raise BadRequest(
                 400,
-                f"$.messages[{i}].content must be a string, a list of content parts or null, not {_json_type(content)}",
+                f"$.messages[{i}].content must be a string, a list of content parts or null, not {json_type(content)}",
             )
         for j, part in enumerate(content):
             if not isinstance(part, dict):
                 raise BadRequest(
                     400,
                     f'$.messages[{i}].content[{j}] must be a content part like {{"type": "text", "text": "..."}}, '
-                    f"not {_json_type(part)}",
+                    f"not {json_type(part)}",
                 )
             kind = part.get("type", "text")  # a part without a type is read as text
             if not isinstance(kind, str):
                 raise BadRequest(
                     400,
                     f'$.messages[{i}].content[{j}].type must be a string such as "text", not '
-                    f"{'null' if kind is None else _json_type(kind)}",
+                    f"{'null' if kind is None else json_type(kind)}",
                 )
             if kind == "text" and not isinstance(part.get("text"), str):
                 raise BadRequest(
-                    400, f"$.messages[{i}].content[{j}].text must be a string, not {_json_type(part.get('text'))}"
+                    400, f"$.messages[{i}].content[{j}].text must be a string, not {json_type(part.get('text'))}"
                 )
 
 
-def _json_type(value: object) -> str:
-    """What ``value`` is, in JSON's words (for error messages)."""
+def json_type(value: object) -> str:
+    """What ``value`` is, in JSON's words (for error messages). O(1).
+
+    >>> json_type(None), json_type(True), json_type(2.5), json_type("x"), json_type([]), json_type({})
+    ('null (or missing)', 'a boolean', 'a number', 'a string', 'an array', 'an object')
+    """
     if value is None:
         return "null (or missing)"
     if isinstance(value, bool):
@@ -257,7 +266,8 @@ def openai_prompt(path: str, body: bytes) -> tuple[Prompt, str | None]:
     """The prompt and model of an OpenAI ``/v1/completions`` or ``/v1/chat/completions`` request body.
 
     A batch of prompts is routed by its first one; a chat by the whole request (its ``tools`` and template options
-    render with its messages). O(len(body)).
+    render with its messages); a text prompt with vLLM's ``add_special_tokens`` as ``{"prompt", "add_special_tokens"}``.
+    O(len(body)).
 
     Raises:
         BadRequest: 400 when the body is not such a request (no usable ``prompt`` or ``messages``, or a message
@@ -285,6 +295,8 @@ def openai_prompt(path: str, body: bytes) -> tuple[Prompt, str | None]:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
         prompt = prompt[0]  # a batch: its first prompt decides
     if isinstance(prompt, str) and prompt:
+        if "add_special_tokens" in request:  # vLLM's field, which the encoder follows
+            return {"prompt": prompt, "add_special_tokens": request["add_special_tokens"]}, model
         return prompt, model
     if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < 2**32 for t in prompt):
         return prompt, model
@@ -335,3 +347,32 @@ def base_model_names(cards: object) -> frozenset[str]:
         for card in cards
         if isinstance(card, dict) and isinstance(card.get("id"), str) and card.get("parent") is None
     )
+
+
+def request_flag(body: Mapping[str, Any], name: str, *, default: bool) -> bool:
+    """A request's boolean field, ``default`` when absent, read as vLLM's request models (pydantic, lax) read it:
+    ``true``/``false``, ``0``/``1`` (also ``0.0``/``1.0``), or a string such as ``"yes"``, ``"off"``, ``"t"`` in any
+    case. O(1).
+
+    >>> [request_flag({"f": v}, "f", default=True) for v in (False, 0, "no", "OFF", 1.0, "t")]
+    [False, False, False, False, True, True]
+    >>> request_flag({}, "f", default=True)
+    True
+
+    Raises:
+        InvalidPromptError: it is none of these (null included: vLLM's flags are not optional).
+    """
+    value = body.get(name, default)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _BOOLEAN_WORDS:
+        return _BOOLEAN_WORDS[value.lower()]
+    raise InvalidPromptError(f"'{name}' must be true or false, not {json_type(value)}")
+
+
+_BOOLEAN_WORDS = {
+    **dict.fromkeys(("1", "on", "t", "true", "y", "yes"), True),
+    **dict.fromkeys(("0", "off", "f", "false", "n", "no"), False),
+}

@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 from tokenizers import Tokenizer
 
 from prefixroute._numbers import check_flag
+from prefixroute.adapters.serve.contract import json_type, request_flag
 from prefixroute.adapters.tokenize import PromptTokenizer, check_chat, is_folder, serialise_chat, tokenizer_path
 from prefixroute.errors import ConfigurationError, InvalidPromptError, InvalidTypeError
 
@@ -87,9 +88,14 @@ class PromptEncoder:
         """Whether chat messages are rendered with the model's own template."""
         return self._template is not None
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a text prompt (special tokens added as the tokenizer defines). O(len(text))."""
-        return self._text.encode(text)
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt, special tokens added as the tokenizer defines unless ``add_special_tokens``
+        is False (a completion request's field in vLLM, for a prompt that already holds them). O(len(text)).
+
+        Raises:
+            ConfigurationError: ``add_special_tokens`` is not True or False.
+        """
+        return (self._text if check_flag(add_special_tokens, "add_special_tokens") else self._chat).encode(text)
 
     def encode_chat(
         self,
@@ -100,13 +106,15 @@ class PromptEncoder:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """Token ids of chat messages, rendered as vLLM renders them (the module docstring says how). O(total length).
 
         ``tools`` and ``documents`` reach the template as given (JSON-like objects); ``chat_template_kwargs`` are
         more variables for it, which override the four options before them as vLLM's request field does (except
         ``chat_template`` and ``tokenize``, which vLLM refuses there). Without a chat template only ``messages``
-        count.
+        count. ``add_special_tokens``: the tokenizer's own special tokens (a BOS) are added to the rendered text,
+        as vLLM's chat request field asks (the template usually writes them already).
 
         Raises:
             ConfigurationError: a flag is not True or False.
@@ -126,6 +134,7 @@ class PromptEncoder:
                 )
         check_flag(add_generation_prompt, "add_generation_prompt")
         check_flag(continue_final_message, "continue_final_message")
+        tokenizer = self._text if check_flag(add_special_tokens, "add_special_tokens") else self._chat
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
             raise InvalidPromptError(
                 f"chat_template_kwargs must be an object, not {type(chat_template_kwargs).__name__}"
@@ -139,7 +148,7 @@ class PromptEncoder:
         }
         template = self._template if variables["tools"] is None else self._tool_template  # transformers' choice
         if template is None:
-            return self._chat.encode(serialise_chat(messages))
+            return tokenizer.encode(serialise_chat(messages))
         refused = sorted({"chat_template", "tokenize"} & variables.keys())
         if refused:  # vLLM's check and words
             raise InvalidPromptError(f"Found unexpected chat template kwargs from request: {set(refused)}")
@@ -154,15 +163,15 @@ class PromptEncoder:
         except Exception as exc:  # the template's own raise_exception(), or a jinja error on odd messages
             detail = str(exc) or type(exc).__name__  # a MemoryError says nothing else
             raise InvalidPromptError(f"the model's chat template rejected the messages: {detail}") from exc
-        return self._chat.encode(text)
+        return tokenizer.encode(text)
 
     def encode_chat_request(self, body: Mapping[str, Any]) -> list[int]:
         """Token ids of an OpenAI chat completion request, rendered as vLLM's server renders it. O(body).
 
         Reads ``messages``, ``tools`` (each checked and dumped as vLLM's request model does: ``{"type":
         "function", "function": {"name", "description", "parameters", ...}, ...}`` with absent fields null),
-        ``documents``, ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs`` (both
-        flags true is vLLM's 400), then calls :meth:`encode_chat`.
+        ``documents``, ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs`` and
+        ``add_special_tokens`` (both of the first two flags true is vLLM's 400), then calls :meth:`encode_chat`.
 
         Raises:
             InvalidPromptError: a field is not as vLLM's server takes it (the message names it), or as
@@ -171,8 +180,8 @@ class PromptEncoder:
         """
         if not isinstance(body, Mapping):
             raise InvalidTypeError(f"a chat request body must be an object, not {type(body).__name__}")
-        add_generation_prompt = _flag(body, "add_generation_prompt", default=True)
-        continue_final_message = _flag(body, "continue_final_message", default=False)
+        add_generation_prompt = request_flag(body, "add_generation_prompt", default=True)
+        continue_final_message = request_flag(body, "continue_final_message", default=False)
         if add_generation_prompt and continue_final_message:
             raise InvalidPromptError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
         documents = body.get("documents")
@@ -187,30 +196,8 @@ class PromptEncoder:
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template_kwargs=body.get("chat_template_kwargs"),
+            add_special_tokens=request_flag(body, "add_special_tokens", default=False),
         )
-
-
-def _flag(body: Mapping[str, Any], name: str, *, default: bool) -> bool:
-    """A request's boolean field, ``default`` when absent, read as vLLM's request model (pydantic, lax) reads it:
-    ``true``/``false``, ``0``/``1`` (also ``0.0``/``1.0``), or a string such as ``"yes"``, ``"off"``, ``"t"``.
-
-    Raises:
-        InvalidPromptError: it is none of these (null included: the field is not optional).
-    """
-    value = body.get(name, default)
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, (int, float)) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.lower() in _BOOLEAN_WORDS:
-        return _BOOLEAN_WORDS[value.lower()]
-    raise InvalidPromptError(f"'{name}' must be true or false, not {_json_name(value)}")
-
-
-_BOOLEAN_WORDS = {
-    **dict.fromkeys(("1", "on", "t", "true", "y", "yes"), True),
-    **dict.fromkeys(("0", "off", "f", "false", "n", "no"), False),
-}
 
 
 _TEXT_PARTS = {
@@ -390,7 +377,7 @@ def _dumped_tools(tools: object) -> list[dict[str, Any]] | None:
     if tools is None:
         return None
     if not isinstance(tools, list):
-        raise InvalidPromptError(f"'tools' must be a list of tool objects (or null), not {_json_name(tools)}")
+        raise InvalidPromptError(f"'tools' must be a list of tool objects (or null), not {json_type(tools)}")
     dumped = []
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
@@ -399,11 +386,11 @@ def _dumped_tools(tools: object) -> list[dict[str, Any]] | None:
                 f'tools[{i}] must be an object like {{"type": "function", "function": {{"name": ...}}}}'
             )
         if tool.get("type", "function") != "function":
-            raise InvalidPromptError(f'tools[{i}].type must be "function", not {_json_name(tool["type"])}')
+            raise InvalidPromptError(f'tools[{i}].type must be "function", not {json_type(tool["type"])}')
         for name, kind, said in _FUNCTION_FIELDS:
             if not isinstance(function.get(name), kind):
                 raise InvalidPromptError(
-                    f"tools[{i}].function.{name} must be {said}, not {_json_name(function.get(name))}"
+                    f"tools[{i}].function.{name} must be {said}, not {json_type(function.get(name))}"
                 )
         spec = {name: function.get(name) for name, _, _ in _FUNCTION_FIELDS}
         others = {key: value for key, value in tool.items() if key not in ("type", "function")}
@@ -417,19 +404,6 @@ _FUNCTION_FIELDS = (
     ("parameters", (dict, type(None)), "an object or null"),
 )
 """vLLM's ``FunctionDefinition``: its declared fields in order, what each takes, and how to say it."""
-
-
-def _json_name(value: object) -> str:
-    """What ``value`` is, in JSON's words (for error messages)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    return "an array" if isinstance(value, list) else "an object"
 
 
 def _model_vocab_size(folder: Path) -> int | None:
