@@ -190,7 +190,7 @@ class PrefixRouteHook(CustomLogger):
         candidates = [i for i in by_id if i not in failed] or list(by_id)
         if not candidates:
             return healthy_deployments, None
-        body = _chat_body(messages, request) if messages else {"prompt": request.get("prompt")} if request else {}
+        body = _request_body(messages, request)
         stream = bool(request.get("stream")) if request else False  # before start(): nothing to undo if it raises
         try:
             tokens = await request_tokens_async(body, chat=bool(messages), encoder=self._encoder)
@@ -419,13 +419,14 @@ def _deployment_id(deployment: object) -> str | None:
     return identifier if isinstance(identifier, str) else None
 
 
-def _chat_body(messages: list[Any], request: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The chat completion request vLLM gets for a LiteLLM call: its messages, and its tools and template options
-    (from the call, or its ``extra_body``, where LiteLLM sends vLLM's own ones), for an encoder that renders them
-    all. O(1) beside the messages."""
-    body: dict[str, Any] = {"messages": messages}
-    if isinstance(request, Mapping):
-        extra = request.get("extra_body")
-        for source in (request, extra if isinstance(extra, Mapping) else {}):
-            body.update((name, source[name]) for name in CHAT_OPTIONS if name in source)
+def _request_body(messages: list[Any] | None, request: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The request vLLM gets for a LiteLLM call: a chat's messages, else the call's ``prompt``; with what else of it
+    vLLM's tokenizing follows (a chat's tools and template options, ``add_special_tokens``), from the call or its
+    ``extra_body`` (where LiteLLM sends vLLM's own fields). O(1) beside the messages."""
+    request = request if isinstance(request, Mapping) else {}
+    body: dict[str, Any] = {"messages": messages} if messages else {"prompt": request.get("prompt")}
+    names = (*CHAT_OPTIONS, "add_special_tokens") if messages else ("add_special_tokens",)
+    extra = request.get("extra_body")
+    for source in (request, extra if isinstance(extra, Mapping) else {}):
+        body.update((name, source[name]) for name in names if name in source)
     return body

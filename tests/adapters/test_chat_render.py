@@ -299,11 +299,13 @@ def test_the_sidecar_routes_an_openai_chat_on_its_tools(encoder: PromptEncoder) 
 
 
 def test_litellm_hands_the_encoder_the_calls_tools_and_vllm_options() -> None:
-    """LiteLLM passes tools as a call's own argument and vLLM's options in ``extra_body``: both reach the encoder."""
+    """LiteLLM passes tools as a call's own argument and vLLM's fields in ``extra_body``: both reach the encoder."""
     seen: list[dict[str, Any]] = []
+    texts: list[tuple[str, bool]] = []
 
     class Noting:
-        def encode(self, text: str) -> list[int]:
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            texts.append((text, add_special_tokens))
             return [1]
 
         def encode_chat(self, messages: object) -> list[int]:
@@ -319,6 +321,9 @@ def test_litellm_hands_the_encoder_the_calls_tools_and_vllm_options() -> None:
     deployments = [{"model_name": "g", "litellm_params": {"model": "hosted_vllm/m"}, "model_info": {"id": "d1"}}]
     asyncio.run(hook.async_filter_deployments("g", deployments, messages, request))
     assert seen == [{"messages": messages, "tools": [WEATHER], "chat_template_kwargs": {"a": 1}}]
+    completion = {"metadata": {}, "prompt": "hi", "tools": [WEATHER], "extra_body": {"add_special_tokens": False}}
+    asyncio.run(hook.async_filter_deployments("g", deployments, None, completion))
+    assert texts == [("hi", False)]  # the tools of a completion are no part of its prompt
 
 
 # A template that takes OpenAI content parts (as vision models' do): it writes its own placeholder for an image.
