@@ -36,6 +36,14 @@ def test_quickstart_reuses_cached_prefixes(capsys: pytest.CaptureFixture[str]) -
     assert rate > 50  # round-robin over 4 backends would land near a quarter of that
 
 
+def test_agent_tools_match_each_agents_tool_block_after_its_first_request(capsys: pytest.CaptureFixture[str]) -> None:
+    load("agent_tools").main()
+    lines = capsys.readouterr().out.splitlines()
+    cached = [int(line.split(", ")[-1].split("/")[0]) for line in lines[:-1]]
+    added = int(lines[-1].split(" add ")[1].split()[0])
+    assert cached[0] == 0 and all(matched >= added for matched in cached[2:])  # the system turn and the tools
+
+
 def test_custom_policy_caps_in_flight_and_skips_full_caches() -> None:
     policy = load("custom_policy").CacheAwareCapped(max_in_flight=2, max_kv_usage=0.9)
     full = Candidate("full", 512, 512, 0, kv_usage=0.97)
