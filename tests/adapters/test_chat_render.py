@@ -62,12 +62,13 @@ WEATHER = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
-# As vLLM's ChatCompletionToolsParam dumps it: declared fields first, absent ones null, then the others as sent.
-BARE = {"function": {"name": "now", "strict": True}, "x-tag": 1}
+# As vLLM 0.33's ChatCompletionToolsParam dumps it: its declared fields only, absent ones null (strict and
+# defer_loading only when given; a tool's defer_loading also its function's).
+BARE = {"function": {"name": "now", "strict": "yes", "x-note": 1}, "x-tag": 1, "defer_loading": False}
 BARE_DUMPED = {
     "type": "function",
-    "function": {"name": "now", "description": None, "parameters": None, "strict": True},
-    "x-tag": 1,
+    "function": {"name": "now", "description": None, "parameters": None, "strict": True, "defer_loading": False},
+    "defer_loading": False,
 }
 BOS = 256
 CALL = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
@@ -119,11 +120,53 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"conversation": [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "one, two, "}],
          "add_generation_prompt": False, "continue_final_message": True},
     ),
-    "template kwargs override the request's own": (
-        {"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"add_generation_prompt": False,
-         "bos_token": "<BOS>", "tools": [{"raw": True}]}},
-        {"conversation": [{"role": "user", "content": "Hi"}], "add_generation_prompt": False,
-         "bos_token": "<BOS>", "tools": [{"raw": True}]},
+    "template kwargs: theirs over tools and special tokens, the request's flags over theirs": (
+        {"messages": [{"role": "user", "content": "Hi"}], "tools": [WEATHER], "chat_template_kwargs": {
+         "add_generation_prompt": False, "continue_final_message": True, "bos_token": "<BOS>", "tools": [{"raw": 1}],
+         "enable_thinking": "auto", "documents": None, "tokenize": True}},
+        {"conversation": [{"role": "user", "content": "Hi"}], "add_generation_prompt": True,
+         "bos_token": "<BOS>", "tools": [{"raw": 1}]},
+    ),
+    "reasoning effort": (
+        {"messages": [{"role": "user", "content": "Hi"}], "reasoning_effort": "none"},
+        {"conversation": [{"role": "user", "content": "Hi"}], "add_generation_prompt": True,
+         "reasoning_effort": "none", "enable_thinking": False},
+    ),
+    "reasoning effort beside the kwargs' own switch": (
+        {"messages": [{"role": "user", "content": "Hi"}], "reasoning_effort": "high",
+         "chat_template_kwargs": {"enable_thinking": False, "reasoning_effort": "low"}},
+        {"conversation": [{"role": "user", "content": "Hi"}], "add_generation_prompt": True,
+         "reasoning_effort": "high", "enable_thinking": False},
+    ),
+    "Claude Code's billing header, reasoning under its older name, odd tool-call arguments": (
+        {"messages": [
+            {"role": "system", "content": "x-anthropic-billing-header: cc_version=2.1; cch=9a\nYou are Claude Code."},
+            {"role": "system", "content": [{"type": "text", "text": "x-anthropic-billing-header: cch=1"},
+                                           {"type": "text", "text": "Be terse."}]},
+            {"role": "user", "content": "Hi", "task": "t1"},
+            {"role": "assistant", "content": "", "reasoning_content": "think", "tool_calls": [
+                {**CALL, "function": {"name": "f", "arguments": "{not json"}},
+                {**CALL, "function": {"name": "g", "arguments": "[1, 2]"}},
+                {**CALL, "function": {"name": "h", "arguments": {"x": 1}}}]},
+            {"role": "tool", "content": "done"},
+         ]},
+        {"conversation": [
+            {"role": "system", "content": "You are Claude Code."},
+            {"role": "system", "content": "Be terse."},
+            {"role": "user", "content": "Hi", "task": "t1"},
+            {"thinking": "think", "role": "assistant", "content": "", "tool_calls": [
+                {**CALL, "function": {"name": "f", "arguments": {}}},
+                {**CALL, "function": {"name": "g", "arguments": {}}},
+                {**CALL, "function": {"name": "h", "arguments": {"x": 1}}}],
+             "reasoning": "think", "reasoning_content": "think"},
+            {"role": "tool", "content": "done"},
+         ], "add_generation_prompt": True},
+    ),
+    "developer messages, for a template that never names the role": (
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                      {"role": "developer", "content": [{"type": "text", "text": "Use"}, "metric"], "tools": []}]},
+        {"conversation": [{"role": "system", "content": "Be brief.\n\nUse\nmetric"}, {"role": "user", "content": "Hi"}],
+         "add_generation_prompt": True},
     ),
 }  # fmt: skip
 
@@ -205,12 +248,16 @@ def test_tools_and_options_change_the_prefix_a_request_routes_on(encoder: Prompt
         ({"continue_final_message": "yes"}, "Cannot set both `continue_final_message` and `add_generation_prompt`"),
         ({"continue_final_message": True}, "Cannot set both `continue_final_message` and `add_generation_prompt`"),
         ({"chat_template_kwargs": [1]}, "chat_template_kwargs must be an object, not list"),
-        ({"chat_template_kwargs": {"continue_final_message": True}}, "continue_final_message and add_generation_pro"),
-        ({"chat_template_kwargs": {"tokenize": True}}, "Found unexpected chat template kwargs from request: {'tok"),
-        ({"chat_template_kwargs": {"chat_template": "x"}}, "unexpected chat template kwargs from request: {'chat_t"),
+        ({"chat_template_kwargs": {"chat_template": "x"}}, "Chat template is passed with request, but --trust-req"),
+        ({"tools": []}, "`tools` must not be an empty array. Either provide at least one tool or omit the field"),
+        ({"tools": [{"function": {"name": "f", "strict": "maybe"}}]}, "tools[0].function.strict must be true, false"),
+        ({"tools": [{"function": {"name": "f"}, "defer_loading": 2}]}, "tools[0].defer_loading must be true, false or"),
+        ({"reasoning_effort": "extreme"}, "'reasoning_effort' must be one of none, minimal, low, medium, high, xhigh"),
+        ({"messages": [{"role": "assistant", "content": "", "tool_calls": ["f()"]}]},
+         "assistant tool_calls entries must be objects."),
+        ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"type": "custom", "function": {}}]}]},
+         "chat completions only support assistant tool_calls of type 'function'."),
         ({"chat_template_kwargs": {"messages": []}}, "the model's chat template rejected the messages: "),
-        ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{**CALL, "function": {"name": "f",
-          "arguments": "{not json"}}]}]}, "a tool call's arguments must be JSON text: Expecting property name"),
     ],
 )  # fmt: skip
 def test_a_request_vllm_refuses_is_refused_naming_the_field(
@@ -341,7 +388,8 @@ def test_a_template_that_loops_over_content_gets_parts_and_writes_its_media_plac
                          {"role": "assistant", "content": None}]}  # fmt: skip
     expected = {"conversation": [
         {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
-        {"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image"}, "plain", {"type": "image"},
+        {"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image"},
+                                     {"type": "text", "text": "plain"}, {"type": "image"},
                                      {"type": "text", "text": "no"}]},
         {"role": "assistant", "content": []},
     ], "add_generation_prompt": True}  # fmt: skip
@@ -359,6 +407,16 @@ def test_a_template_that_loops_over_content_gets_parts_and_writes_its_media_plac
         ("{% set a = messages %}{% set b = a %}{% set a = b %}{% for m in b %}{% for c in m.content %}{% endfor %}"
          "{% endfor %}", True),
         ("{% for m in messages if m.role != 'system' %}{% for c in m.content %}{% endfor %}{% endfor %}", True),
+        ("{% macro show(c) %}{% for p in c %}{{ p }}{% endfor %}{% endmacro %}{% for m in messages %}"
+         "{{ show(m.content) }}{% endfor %}", True),
+        ("{% macro show(x, c=none) %}{% for p in c %}{% endfor %}{% endmacro %}{% for m in messages %}"
+         "{{ show(1, c=m['content']) }}{% endfor %}", True),
+        ("{% macro show(c) %}{% for p in c %}{% endfor %}{% endmacro %}{{ show(messages) }}", False),
+        ("{% for m in messages %}{% set content = m.content %}{% for p in content %}{% endfor %}{% endfor %}", True),
+        ("{% set ns = namespace(rest=messages) %}{% for m in ns.rest %}{% for p in m.content %}{% endfor %}"
+         "{% endfor %}", True),
+        ("{% set ns = namespace(rest=[]) %}{% set ns.rest = messages %}{% for m in ns.rest %}{% for p in m.content %}"
+         "{% endfor %}{% endfor %}", True),
         ("{% for m in messages %}{{ m.content }}{% endfor %}", False),
         ("{% for c in messages[0].content %}{{ c }}{% endfor %}", False),
         ("{% for m in messages %}{% if false %}{% for k, v in m.content %}{% endfor %}{% endif %}{% endfor %}", False),
@@ -420,3 +478,22 @@ def test_add_special_tokens_is_followed_as_vllm_follows_it(tmp_path: Path) -> No
             assert int(post(proxy, {"prompt": with_bos}).headers["x-prefixroute-matched-tokens"]) == 0
             refused = httpx.post(proxy.url + "/v1/completions", json={"prompt": text, "add_special_tokens": "maybe"})
             assert refused.status_code == 400 and "'add_special_tokens' must be true or false" in refused.text
+
+
+def test_continuing_a_final_message_of_content_parts_continues_its_last_text(tmp_path: Path) -> None:
+    """transformers marks the last part with a text, for a template that takes parts."""
+    encoder = byte_tokenizer(tmp_path / "model", PARTS_TEMPLATE)
+    parts = [{"type": "text", "text": "one,"}, {"type": "image_url", "image_url": {"url": "x"}}, "two,"]
+    body = {"messages": [{"role": "user", "content": "Count"}, {"role": "assistant", "content": parts}],
+            "add_generation_prompt": False, "continue_final_message": True}  # fmt: skip
+    expected = {"conversation": [
+        {"role": "user", "content": [{"type": "text", "text": "Count"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "one,"}, {"type": "image"},
+                                          {"type": "text", "text": "two,"}]},
+    ], "add_generation_prompt": False, "continue_final_message": True}  # fmt: skip
+    ours = encoder.encode_chat_request(body)
+    assert ours == encoder.encode(transformers_text(PARTS_TEMPLATE, expected))
+    assert _decoded(encoder, ours).endswith("<image>two,")
+    images_only = {**body, "messages": [{"role": "assistant", "content": [{"type": "image_url", "image_url": "x"}]}]}
+    with pytest.raises(InvalidPromptError, match="the final message has no text to continue"):
+        encoder.encode_chat_request(images_only)

@@ -4,20 +4,26 @@
 rendered with the model's chat template when the folder has one (found as transformers finds it:
 ``chat_template.jinja`` and ``additional_chat_templates/NAME.jinja`` first, else ``chat_template`` in
 ``tokenizer_config.json``, else a processor's ``chat_template.json``; the ``tool_use`` one for a chat with tools),
-as vLLM's OpenAI server renders them, then tokenized without adding special tokens (the template writes them):
+as vLLM's OpenAI server (0.33, with transformers 5) renders them, then tokenized without adding special tokens (the
+template writes them):
 
 - each message becomes what vLLM passes the template: its ``role``; its ``content`` as content parts when the
-  template loops over a message's content (vLLM's ``auto`` content format: text parts, and media as ``{"type":
-  "image"}`` and the like), else as one string (text parts joined by newlines, a null content ``""``); an
-  assistant's ``tool_calls`` with their JSON ``arguments`` parsed to objects (an empty list dropped) and its
-  ``reasoning``; a tool message's ``tool_call_id``; a string ``name``; other keys dropped;
+  template loops over a message's content (vLLM's ``auto`` content format: text parts, media as ``{"type":
+  "image"}`` and the like), else as one string (text parts joined by newlines, a null content ``""``); a system
+  message without Claude Code's billing header line (it differs in every request); an assistant's ``tool_calls``
+  with their ``arguments`` as objects (JSON text parsed; anything else ``{}``; an empty list dropped) and its
+  ``reasoning`` (or ``reasoning_content``); a tool message's ``tool_call_id``, its text parts joined; a string
+  ``name`` and ``task``; other keys, and null values, dropped; ``developer`` messages made system ones, merged at the
+  start, for a template that never names that role;
 - the template sees ``tools`` and ``documents`` (none unless given), ``add_generation_prompt`` (true unless given),
-  the chat template kwargs a request gives, and ``continue_final_message`` cuts the output after the final message;
+  the chat template kwargs a request gives (merged as vLLM merges them), and ``continue_final_message`` cuts the
+  output after the final message;
 - it renders as transformers renders it for vLLM: loop controls, ``{% generation %}`` blocks, ``raise_exception()``,
   ``strftime_now()``, ``tojson`` with its arguments.
 
 :meth:`PromptEncoder.encode_chat_request` reads these from an OpenAI chat completion body (its ``tools`` as vLLM
-validates and dumps them). Without a template, messages are serialised as::
+validates and dumps them, its ``reasoning_effort`` as a template variable). Without a template, messages are
+serialised as::
 
     <|role|>
     content
@@ -111,16 +117,18 @@ class PromptEncoder:
         """Token ids of chat messages, rendered as vLLM renders them (the module docstring says how). O(total length).
 
         ``tools`` and ``documents`` reach the template as given (JSON-like objects); ``chat_template_kwargs`` are
-        more variables for it, which override the four options before them as vLLM's request field does (except
-        ``chat_template`` and ``tokenize``, which vLLM refuses there). Without a chat template only ``messages``
-        count. ``add_special_tokens``: the tokenizer's own special tokens (a BOS) are added to the rendered text,
-        as vLLM's chat request field asks (the template usually writes them already).
+        more variables for it, merged as vLLM 0.33 merges its request field: one that is null or ``"auto"`` is
+        dropped, ``tokenize`` is not the template's, ``chat_template`` is refused (vLLM's default: request
+        templates are not trusted), ``tools`` there wins over ``tools``, while ``add_generation_prompt``,
+        ``continue_final_message`` and a non-null ``documents`` win over theirs. Without a chat template only
+        ``messages`` count. ``add_special_tokens``: the tokenizer's own special tokens (a BOS) are added to the
+        rendered text, as vLLM's chat request field asks (the template usually writes them already).
 
         Raises:
             ConfigurationError: a flag is not True or False.
-            InvalidPromptError: a message is not an object with a string ``role``, an assistant's tool call has
-                arguments that are not JSON, ``chat_template_kwargs`` is not a mapping or names ``chat_template``
-                or ``tokenize``, both flags end up true, or the template rejects the messages (a ValueError).
+            InvalidPromptError: a message is not an object with a string ``role``, an assistant's tool call is not
+                a function call object, ``chat_template_kwargs`` is not a mapping or names ``chat_template``, both
+                flags are true, or the template rejects the messages (a ValueError).
             TypeError: ``messages`` is not a sequence of messages.
         """
         check_chat(messages)
@@ -139,25 +147,27 @@ class PromptEncoder:
             raise InvalidPromptError(
                 f"chat_template_kwargs must be an object, not {type(chat_template_kwargs).__name__}"
             )
-        variables = {
-            "add_generation_prompt": add_generation_prompt,
-            "continue_final_message": continue_final_message,
-            "tools": tools,
-            "documents": documents,
-            **(chat_template_kwargs or {}),
-        }
-        template = self._template if variables["tools"] is None else self._tool_template  # transformers' choice
+        given = {key: value for key, value in (chat_template_kwargs or {}).items() if not _unset(value)}
+        if "chat_template" in given:  # vLLM's default: --trust-request-chat-template unset
+            raise InvalidPromptError(
+                "Chat template is passed with request, but --trust-request-chat-template is not set. Refused request "
+                "with untrusted chat template."
+            )
+        given.pop("tokenize", None)  # apply_chat_template's own argument, never the template's
+        variables: dict[str, Any] = {"tools": tools} if tools is not None else {}
+        variables |= given
+        variables |= {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
+        if documents is not None:
+            variables["documents"] = documents
+        template = self._template if variables.get("tools") is None else self._tool_template  # transformers' choice
         if template is None:
             return tokenizer.encode(serialise_chat(messages))
-        refused = sorted({"chat_template", "tokenize"} & variables.keys())
-        if refused:  # vLLM's check and words
-            raise InvalidPromptError(f"Found unexpected chat template kwargs from request: {set(refused)}")
-        if variables["add_generation_prompt"] and variables["continue_final_message"]:  # transformers' check
+        if add_generation_prompt and continue_final_message:  # transformers' check
             raise InvalidPromptError(
                 "continue_final_message and add_generation_prompt are not compatible: continue the final message, "
                 "or add a header that prompts a new assistant message"
             )
-        conversation = _conversation(messages, parts=template.content_parts)
+        conversation = _conversation(messages, parts=template.content_parts, developer=template.developer)
         try:
             text = template.render(conversation, **variables)
         except Exception as exc:  # the template's own raise_exception(), or a jinja error on odd messages
@@ -169,9 +179,10 @@ class PromptEncoder:
         """Token ids of an OpenAI chat completion request, rendered as vLLM's server renders it. O(body).
 
         Reads ``messages``, ``tools`` (each checked and dumped as vLLM's request model does: ``{"type":
-        "function", "function": {"name", "description", "parameters", ...}, ...}`` with absent fields null),
-        ``documents``, ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs`` and
-        ``add_special_tokens`` (both of the first two flags true is vLLM's 400), then calls :meth:`encode_chat`.
+        "function", "function": {"name", "description", "parameters"}}`` with absent fields null),
+        ``documents``, ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``,
+        ``reasoning_effort`` (a template variable, and ``enable_thinking`` = not "none" unless the kwargs set it)
+        and ``add_special_tokens`` (both of the first two flags true is vLLM's 400), then calls :meth:`encode_chat`.
 
         Raises:
             InvalidPromptError: a field is not as vLLM's server takes it (the message names it), or as
@@ -189,17 +200,37 @@ class PromptEncoder:
             isinstance(documents, list) and all(isinstance(document, dict) for document in documents)
         ):
             raise InvalidPromptError("'documents' must be a list of objects (or null)")
+        given = body.get("chat_template_kwargs")
+        if given is not None and not isinstance(given, Mapping):
+            raise InvalidPromptError(f"chat_template_kwargs must be an object, not {type(given).__name__}")
+        effort = body.get("reasoning_effort")
+        if effort is not None and effort not in _EFFORTS:
+            raise InvalidPromptError(
+                f"'reasoning_effort' must be one of {', '.join(_EFFORTS)} (or null), not {effort!r}"
+            )
+        kwargs = dict(given or {})
+        if effort is not None:  # vLLM 0.33: the template sees it, and it switches thinking unless the kwargs do
+            kwargs["reasoning_effort"] = effort
+            if "enable_thinking" not in (given or {}):
+                kwargs["enable_thinking"] = effort != "none"
         return self.encode_chat(
             body.get("messages"),  # type: ignore[arg-type]  # check_chat's TypeError names what it is
             tools=_dumped_tools(body.get("tools")),
             documents=documents,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-            chat_template_kwargs=body.get("chat_template_kwargs"),
+            chat_template_kwargs=kwargs,
             add_special_tokens=request_flag(body, "add_special_tokens", default=False),
         )
 
 
+def _unset(value: object) -> bool:
+    """Whether vLLM drops a request's template kwarg as not set: null or ``"auto"``."""
+    return value is None or isinstance(value, str) and value == "auto"
+
+
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+"""vLLM's ``reasoning_effort`` values."""
 _TEXT_PARTS = {
     "text": "text",
     "input_text": "text",
@@ -207,21 +238,33 @@ _TEXT_PARTS = {
     "refusal": "refusal",
     "thinking": "thinking",
 }
-"""The content parts vLLM joins into a string content, and the key holding each one's text."""
+"""The content parts vLLM takes as text, and the key holding each one's text."""
+_MEDIA = {
+    **dict.fromkeys(("image_url", "input_image", "image_pil", "image_embeds"), "image"),
+    **dict.fromkeys(("audio_url", "input_audio", "audio_embeds"), "audio"),
+    **dict.fromkeys(("video_url", "video_embeds"), "video"),
+}
+"""vLLM's media parts, and the medium each stands for in a template's content parts."""
+_BILLING_HEADER = "x-anthropic-billing-header"
+"""The first line of Claude Code's system prompt, different in every request, which vLLM drops (its cache would
+miss from there on)."""
 
 
-def _conversation(messages: Sequence[Mapping[str, Any]], *, parts: bool) -> list[dict[str, Any]]:
-    """The messages as vLLM's ``parse_chat_messages`` hands them to the template (the module docstring lists what it
-    keeps), their contents as parts when the template loops over them (``parts``), else as strings; with
-    transformers' reasoning aliases (``thinking`` and ``reasoning_content``).
+def _conversation(messages: Sequence[Mapping[str, Any]], *, parts: bool, developer: bool) -> list[dict[str, Any]]:
+    """The messages as vLLM 0.33 hands them to the template (the module docstring lists what it keeps), their
+    contents as parts when the template loops over them (``parts``), else as strings; ``developer`` messages made
+    ``system`` ones and merged at the start when the template never names that role (``developer`` false); keys
+    whose value is null dropped and transformers' reasoning aliases added, as transformers does.
 
     Raises:
-        InvalidPromptError: an assistant's tool call has ``arguments`` that are not JSON (vLLM's 400 too).
+        InvalidPromptError: an assistant's tool call is not an object with a ``function``, as vLLM refuses it.
     """
     conversation = []
     for message in messages:
         role = message["role"]
         content = message.get("content")
+        if role == "system":
+            content = _without_billing_header(content)
         turn: dict[str, Any] = {"role": role, "content": _parts(content) if parts else _text(content)}
         if role == "assistant":
             calls = message.get("tool_calls")
@@ -230,23 +273,78 @@ def _conversation(messages: Sequence[Mapping[str, Any]], *, parts: bool) -> list
             elif calls is not None:
                 turn["tool_calls"] = [_parsed_call(call) for call in calls] if isinstance(calls, list) else calls
             reasoning = message.get("reasoning")
+            if reasoning is None:
+                reasoning = message.get("reasoning_content")  # the older name, which vLLM renames
             if reasoning is not None:
-                turn["reasoning"] = reasoning
-                turn = {"thinking": reasoning, **turn, "reasoning_content": reasoning}
-        elif role == "tool" and "tool_call_id" in message:
-            turn["tool_call_id"] = message["tool_call_id"]
-        if isinstance(message.get("name"), str):
-            turn["name"] = message["name"]
+                turn = {"thinking": reasoning, **turn, "reasoning": reasoning, "reasoning_content": reasoning}
+        elif role == "tool":
+            turn["tool_call_id"] = message.get("tool_call_id")
+            if isinstance(turn["content"], list) and all(_is_text_part(part) for part in turn["content"]):
+                turn["content"] = "\n".join(str(part.get("text") or "") for part in turn["content"])
+        for key in ("name", "task"):
+            if isinstance(message.get(key), str):
+                turn[key] = message[key]
         if role == "developer":
             turn["tools"] = message.get("tools")
-        conversation.append(turn)
+        conversation.append({key: value for key, value in turn.items() if value is not None})
+    if not developer and any(turn["role"] == "developer" for turn in conversation):
+        conversation = _developer_as_system(conversation)
     return conversation
+
+
+def _is_text_part(part: object) -> bool:
+    return isinstance(part, Mapping) and part.get("type") == "text"
+
+
+def _without_billing_header(content: object) -> object:
+    """A system message's content without Claude Code's billing header line (a text that starts with it loses its
+    first line, and goes when nothing is left), as vLLM parses it."""
+    if isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        return content
+    kept: list[object] = []
+    for part in content:
+        text = part if isinstance(part, str) else part.get("text") if _is_text_part(part) else None
+        if not (isinstance(text, str) and text.startswith(_BILLING_HEADER)):
+            kept.append(part)
+        elif rest := text.partition("\n")[2]:
+            kept.append(rest if isinstance(part, str) else {**part, "text": rest})
+    return kept
+
+
+def _developer_as_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM's rewrite for a template that never names the ``developer`` role: developer messages become system ones
+    (their ``tools`` dropped), and when that leaves a system message past the first, every system message's text is
+    merged into one at the start (joined by blank lines; list contents by newlines)."""
+    turns = [
+        {key: value for key, value in turn.items() if key != "tools"} | {"role": "system"}
+        if turn["role"] == "developer"
+        else turn
+        for turn in conversation
+    ]
+    systems = [i for i, turn in enumerate(turns) if turn["role"] == "system"]
+    if systems in ([], [0]):
+        return turns
+    texts = []
+    for i in systems:
+        content = turns[i].get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(
+                part["text"] if isinstance(part, Mapping) else part
+                for part in content
+                if isinstance(part, str) or isinstance(part, Mapping) and "text" in part
+            )
+        if content:
+            texts.append(content)
+    merged = {"role": "system", "content": "\n\n".join(texts)}
+    return [merged, *(turn for turn in turns if turn["role"] != "system")]
 
 
 def _text(content: object) -> object:
     """A message's content as vLLM passes it to a string-content template: a string as is, null as ``""``, a list
-    of parts as its non-empty text parts (plain strings, or text, input/output text, refusal and thinking parts)
-    joined by newlines; anything else as is (the engine refuses it)."""
+    of parts as its non-empty text parts (plain strings, text, input/output text, refusal and thinking parts, a tool
+    reference's name) joined by newlines; anything else as is (the engine refuses it)."""
     if content is None:
         return ""
     if not isinstance(content, list):
@@ -254,8 +352,14 @@ def _text(content: object) -> object:
     texts = []
     for part in content:
         if isinstance(part, Mapping):
-            kind = part.get("type", "text")
-            part = part.get(_TEXT_PARTS[kind]) if isinstance(kind, str) and kind in _TEXT_PARTS else None
+            kind = _kind(part)
+            part = (
+                part.get(_TEXT_PARTS[kind])
+                if kind in _TEXT_PARTS
+                else part.get("name")
+                if kind == "tool_reference"
+                else None
+            )
         if isinstance(part, str) and part:
             texts.append(part)
     return "\n".join(texts)
@@ -263,9 +367,10 @@ def _text(content: object) -> object:
 
 def _parts(content: object) -> object:
     """A message's content as vLLM passes it to a template that loops over content parts: a string as one text
-    part, null as no part, each part of a list as ``{"type": "text", "text": ...}`` (text, input/output text, refusal
-    and thinking parts; a null text or refusal left out) or ``{"type": "image" | "audio" | "video"}`` (a media part,
-    whose placeholder the template writes); a plain string part as is; anything else as is."""
+    part, null as no part, each part of a list as ``{"type": "text", "text": ...}`` (a plain string, or a text,
+    input/output text, refusal or thinking part; a null text or refusal left out), ``{"type": "image" | "audio" |
+    "video"}`` (a media part, whose placeholder the template writes) or ``{"type": "tool_reference", "name": ...}``;
+    anything else as is."""
     if content is None:
         return []
     if isinstance(content, str):
@@ -274,41 +379,45 @@ def _parts(content: object) -> object:
         return content
     result: list[object] = []
     for part in content:
-        if not isinstance(part, Mapping):
-            if isinstance(part, str):
-                result.append(part)
-            continue
-        kind = part.get("type")
-        if kind is None:  # vLLM's simple media forms name the medium by their key
-            kind = next((key for key in _MEDIA if key in part), "text")
-        if not isinstance(kind, str):
-            continue
-        if kind in _TEXT_PARTS:
-            text = part.get(_TEXT_PARTS[kind])
-            if text is not None or kind == "thinking":
-                result.append({"type": "text", "text": text})
-        elif kind in _MEDIA:
-            result.append({"type": _MEDIA[kind]})
+        if isinstance(part, str):
+            result.append({"type": "text", "text": part})
+        elif isinstance(part, Mapping):
+            kind = _kind(part)
+            if kind in _TEXT_PARTS:
+                text = part.get(_TEXT_PARTS[kind])
+                if text is not None or kind not in ("text", "refusal"):
+                    result.append({"type": "text", "text": text})
+            elif kind in _MEDIA:
+                result.append({"type": _MEDIA[kind]})
+            elif kind == "tool_reference":
+                result.append({"type": "tool_reference", "name": part.get("name")})
     return result
 
 
-_MEDIA = {
-    **dict.fromkeys(("image_url", "input_image", "image_pil", "image_embeds"), "image"),
-    **dict.fromkeys(("audio_url", "input_audio", "audio_embeds"), "audio"),
-    "video_url": "video",
-}
-"""vLLM's media parts, and the medium each stands for in a template's content parts."""
+def _kind(part: Mapping[str, Any]) -> str | None:
+    """A content part's type; without one (vLLM's simple forms), the medium its key names, a tool reference, or
+    text (vLLM refuses that; routing takes it as text)."""
+    kind = part.get("type")
+    if kind is None:
+        return next((key for key in (*_MEDIA, "tool_reference") if key in part), "text")
+    return kind if isinstance(kind, str) else None
 
 
 def _loops_over_content(tree: Any) -> bool:
-    """Whether a template (its parsed tree) loops over a message's content, as vLLM's ``auto`` content format
-    detects it: a ``for`` over ``messages`` (or a name set from it, through filters, tests and slices) gives a
-    message name, and a ``for`` over that name's ``content`` means the template takes parts. A loop over either
-    with a target that is no plain name makes vLLM give up and pass strings. O(size of the template)."""
+    """Whether a template (its parsed tree) loops over a message's content, as vLLM 0.33's ``auto`` content format
+    detects it. A ``for`` over ``messages`` gives a message name; so does one over a name set from ``messages``, a
+    namespace attribute holding it (``namespace(rest=messages)``, ``ns.rest = messages``) or such a name in turn,
+    through filters, tests and slices. Content is looped over by a ``for`` over a message name's ``content``; by one,
+    inside a macro, over a parameter the macro is called with a message's content for; or by one outside macros over
+    a name ``content``. A loop over messages or content with a target that is no plain name makes vLLM give up and
+    pass strings. O(size of the template)."""
     import jinja2.nodes as nodes
 
     def loads(node: Any, name: str) -> bool:
-        return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == name
+        if isinstance(node, nodes.Name):
+            return node.ctx == "load" and node.name == name
+        base, _, attribute = name.rpartition(".")  # a namespace attribute: "ns.rest"
+        return bool(base) and isinstance(node, nodes.Getattr) and node.attr == attribute and loads(node.node, base)
 
     def reaches(node: Any, name: str, key: str | None = None) -> bool:
         while isinstance(node, (nodes.Filter, nodes.Test)) or (
@@ -323,16 +432,32 @@ def _loops_over_content(tree: Any) -> bool:
             return loads(node.node, name) and isinstance(node.arg, nodes.Const) and node.arg.value == key
         return isinstance(node, nodes.Getattr) and loads(node.node, name) and node.attr == key
 
+    def dotted(node: Any) -> str | None:
+        if isinstance(node, nodes.NSRef):
+            return f"{node.name}.{node.attr}"
+        attributes = []
+        while isinstance(node, nodes.Getattr):
+            attributes.append(node.attr)
+            node = node.node
+        return ".".join([node.name, *reversed(attributes)]) if isinstance(node, nodes.Name) else None
+
     lists, pending = ["messages"], ["messages"]
-    while pending:  # names set from messages, or from such a name
+    while pending:  # names and namespace attributes set from messages, or from such a name
         source = pending.pop(0)
         for assign in tree.find_all(nodes.Assign):
-            if reaches(assign.node, source):
-                if not isinstance(assign.target, nodes.Name):
-                    return False
-                if assign.target.name not in lists:
-                    lists.append(assign.target.name)
-                    pending.append(assign.target.name)
+            target, value = assign.target, assign.node
+            names: list[str | None] = []
+            if isinstance(target, nodes.Name) and reaches(value, source):
+                names.append(target.name)
+            if isinstance(target, nodes.Name) and isinstance(value, nodes.Call):
+                if isinstance(value.node, nodes.Name) and value.node.name == "namespace":
+                    names += [f"{target.name}.{kw.key}" for kw in value.kwargs if reaches(kw.value, source)]
+            elif isinstance(target, (nodes.Getattr, nodes.NSRef)) and reaches(value, source):
+                names.append(dotted(target))
+            for name in names:
+                if name is not None and name not in lists:
+                    lists.append(name)
+                    pending.append(name)
     loops = list(tree.find_all(nodes.For))
     messages = []
     for loop in loops:
@@ -340,44 +465,74 @@ def _loops_over_content(tree: Any) -> bool:
             if not isinstance(loop.target, nodes.Name):
                 return False
             messages.append(loop.target.name)
+
+    def takes_content(argument: Any) -> bool:
+        return any(reaches(argument, name, "content") for name in messages)
+
+    content_parameters: dict[int, set[str]] = {}  # loops inside a macro -> its parameters given a content
+    for macro in tree.find_all(nodes.Macro):
+        parameters = {argument.name for argument in macro.args}
+        given = set()
+        for call in tree.find_all(nodes.Call):
+            if isinstance(call.node, nodes.Name) and call.node.name == macro.name:
+                given |= {macro.args[i].name for i, a in enumerate(call.args[: len(macro.args)]) if takes_content(a)}
+                given |= {kw.key for kw in call.kwargs if kw.key in parameters and takes_content(kw.value)}
+        for loop in macro.find_all(nodes.For):
+            content_parameters[id(loop)] = given
     for loop in loops:
-        if any(reaches(loop.iter, name, "content") for name in messages):
+        over = loop.iter
+        if (
+            takes_content(over)
+            or isinstance(over, nodes.Name)
+            and (
+                over.name in content_parameters.get(id(loop), ())
+                if id(loop) in content_parameters
+                else over.name == "content"
+            )
+        ):
             return isinstance(loop.target, nodes.Name)
     return False
 
 
-def _parsed_call(call: object) -> object:
-    """A tool call with its ``function.arguments`` as vLLM hands it to templates: JSON text parsed, an empty or
-    absent one ``{}``; an object or list kept. A copy: the request is left as it came.
+def _parsed_call(call: object) -> dict[str, Any]:
+    """A tool call with its ``function.arguments`` as vLLM 0.33 hands it to templates: an object kept, JSON text
+    that holds an object parsed, anything else (empty, absent, not JSON, not an object) ``{}``. A copy: the request
+    is left as it came.
 
     Raises:
-        InvalidPromptError: the arguments are text that is not JSON.
+        InvalidPromptError: the call is not an object with a ``function`` object, or its type is not "function".
     """
-    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
-        return call
-    function = call["function"]
+    if not isinstance(call, Mapping):
+        raise InvalidPromptError("assistant tool_calls entries must be objects.")
+    function = call.get("function")
+    if call.get("type", "function") != "function" or not isinstance(function, Mapping):
+        raise InvalidPromptError("chat completions only support assistant tool_calls of type 'function'.")
     arguments = function.get("arguments")
-    if not arguments:
-        arguments = {}
-    elif not isinstance(arguments, (dict, list)):
+    if arguments and isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except (TypeError, ValueError, RecursionError) as exc:
-            raise InvalidPromptError(f"a tool call's arguments must be JSON text: {exc}") from None
-    return {**call, "function": {**function, "arguments": arguments}}
+        except (ValueError, RecursionError):
+            arguments = None
+    return {**call, "function": {**function, "arguments": arguments if isinstance(arguments, dict) else {}}}
 
 
 def _dumped_tools(tools: object) -> list[dict[str, Any]] | None:
-    """A request's ``tools`` as vLLM hands them to the template: each validated as its ``ChatCompletionToolsParam``
-    and dumped, declared fields first (absent ones null), then the others as sent.
+    """A request's ``tools`` as vLLM 0.33 hands them to the template: each validated as its
+    ``ChatCompletionToolsParam`` and dumped with its declared fields only: ``{"type": "function", "function":
+    {"name", "description", "parameters"[, "strict"][, "defer_loading"]}[, "defer_loading"]}``, the optional ones
+    when given (a tool's ``defer_loading`` also its function's, unless that has its own).
 
     Raises:
-        InvalidPromptError: ``tools`` is not a list of such objects (naming the first wrong field).
+        InvalidPromptError: ``tools`` is not a non-empty list of such objects (naming the first wrong field).
     """
     if tools is None:
         return None
     if not isinstance(tools, list):
         raise InvalidPromptError(f"'tools' must be a list of tool objects (or null), not {json_type(tools)}")
+    if not tools:  # vLLM's check and words
+        raise InvalidPromptError(
+            "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely."
+        )
     dumped = []
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
@@ -392,10 +547,32 @@ def _dumped_tools(tools: object) -> list[dict[str, Any]] | None:
                 raise InvalidPromptError(
                     f"tools[{i}].function.{name} must be {said}, not {json_type(function.get(name))}"
                 )
-        spec = {name: function.get(name) for name, _, _ in _FUNCTION_FIELDS}
-        others = {key: value for key, value in tool.items() if key not in ("type", "function")}
-        dumped.append({"type": "function", "function": {**spec, **function}, **others})
+        spec = {name: function.get(name) for name, _, _ in _FUNCTION_FIELDS[:3]}
+        deferred = _optional_flag(tool, "defer_loading", f"tools[{i}]")
+        for name in ("strict", "defer_loading"):
+            value = _optional_flag(function, name, f"tools[{i}].function")
+            if value is None and name == "defer_loading":
+                value = deferred
+            if value is not None:
+                spec[name] = value
+        dumped.append(
+            {"type": "function", "function": spec} | ({} if deferred is None else {"defer_loading": deferred})
+        )
     return dumped
+
+
+def _optional_flag(holder: Mapping[str, Any], name: str, where: str) -> bool | None:
+    """An optional boolean field of a tool, read as pydantic reads one (None when absent or null).
+
+    Raises:
+        InvalidPromptError: it is no boolean.
+    """
+    if holder.get(name) is None:
+        return None
+    try:
+        return request_flag(holder, name, default=False)
+    except InvalidPromptError:
+        raise InvalidPromptError(f"{where}.{name} must be true, false or null, not {json_type(holder[name])}") from None
 
 
 _FUNCTION_FIELDS = (
@@ -403,7 +580,8 @@ _FUNCTION_FIELDS = (
     ("description", (str, type(None)), "a string or null"),
     ("parameters", (dict, type(None)), "an object or null"),
 )
-"""vLLM's ``FunctionDefinition``: its declared fields in order, what each takes, and how to say it."""
+"""vLLM's ``FunctionDefinition``: its declared fields in order (``strict`` and ``defer_loading`` apart), what each
+takes, and how to say it."""
 
 
 def _model_vocab_size(folder: Path) -> int | None:
@@ -498,10 +676,12 @@ def _text_file(file: Path) -> str:
 
 
 class _Template(NamedTuple):
-    """A compiled chat template: its render function, and whether it loops over a message's content parts."""
+    """A compiled chat template: its render function, whether it loops over a message's content parts, and whether
+    it names the ``developer`` role (vLLM's test: the quoted word in its source)."""
 
     render: Callable[..., str]
     content_parts: bool
+    developer: bool
 
 
 def _load_templates(folder: Path) -> dict[str, _Template]:
@@ -597,7 +777,8 @@ def _load_templates(folder: Path) -> dict[str, _Template]:
             raise ConfigurationError(f"the chat template in {origin} does not compile: {exc}") from exc
         render = _renderer(compiled, source, specials)
         _check_renders(render, origin)
-        templates[name] = _Template(render, _loops_over_content(environment.parse(source)))
+        developer = '"developer"' in source or "'developer'" in source
+        templates[name] = _Template(render, _loops_over_content(environment.parse(source)), developer)
     return templates
 
 
@@ -623,14 +804,22 @@ def _renderer(compiled: Any, source: str, specials: dict[str, str]) -> Callable[
         if continue_final_message:  # as transformers does it: mark the end of the final message, cut there
             field = continue_final_message if isinstance(continue_final_message, str) else "content"
             value = messages[-1].get(field) if messages else None
-            if not isinstance(value, str):
+            if value is None:
                 raise ValueError(f'continue_final_message is set but the final message has no "{field}" to continue')
-            final = value
             if field not in source:
                 raise ValueError(
                     f'continue_final_message is set to "{field}" but this is not an accepted field in the chat_template'
                 )
-            messages = [*messages[:-1], {**messages[-1], field: final + _CONTINUE_TAG}]
+            if isinstance(value, list):  # content parts: the last one with a text
+                at = next((i for i in reversed(range(len(value))) if _has_text(value[i])), None)
+                if at is None:
+                    raise ValueError("continue_final_message is set but the final message has no text to continue")
+                final = str(value[at]["text"])
+                value = [*value[:at], {**value[at], "text": final + _CONTINUE_TAG}, *value[at + 1 :]]
+            else:
+                final = str(value)
+                value = final + _CONTINUE_TAG
+            messages = [*messages[:-1], {**messages[-1], field: value}]
         parts: list[str] = []
         size = 0
         chunks = compiled.generate(
@@ -657,6 +846,10 @@ def _renderer(compiled: Any, source: str, specials: dict[str, str]) -> Callable[
         return text
 
     return render
+
+
+def _has_text(part: object) -> bool:
+    return isinstance(part, Mapping) and "text" in part
 
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
