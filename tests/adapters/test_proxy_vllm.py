@@ -260,6 +260,13 @@ def test_the_templates_are_found_where_transformers_finds_them(tmp_path: Path) -
     specials = {"chat_template": "{{ bos_token }} {{ eos_token }}w6", "bos_token": {"content": "w7"}, "eos_token": 5}
     (folder / "tokenizer_config.json").write_text(json.dumps(specials))
     assert chat_ids(folder) == [7, 6]  # the tokenizer's, over the processor's
+    # transformers' special_tokens_map: the seven named tokens, from special_tokens_map.json where the config has
+    # none; one without a text is undefined.
+    template = "{% if eos_token is defined %}w9{% endif %}{{ bos_token }} {{ sep_token }} {{ mask_token }}"
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "w1"}))
+    (folder / "special_tokens_map.json").write_text(json.dumps({"bos_token": "w2", "sep_token": {"content": "w3"},
+                                                                "mask_token": "w4"}))  # fmt: skip
+    assert chat_ids(folder) == [1, 3, 4]
 
 
 def test_a_text_gets_the_tokenizers_special_tokens_and_a_chat_only_those_its_template_writes(tmp_path: Path) -> None:

@@ -768,7 +768,7 @@ def _load_templates(folder: Path) -> dict[str, _Template]:
     environment.globals["raise_exception"] = raise_exception
     environment.globals["strftime_now"] = strftime_now
     environment.filters["tojson"] = _tojson
-    specials = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    specials = _special_tokens(folder, config)
     templates = {}
     for name, (source, origin) in sources.items():
         try:
@@ -930,7 +930,24 @@ def _tojson(
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _token_text(token: object) -> str:
-    if isinstance(token, dict):  # {"content": "<s>", ...} in older tokenizer_config.json files
-        token = token.get("content")
-    return token if isinstance(token, str) else ""
+def _special_tokens(folder: Path, config: dict[str, Any]) -> dict[str, str]:
+    """The named special tokens transformers passes a template (its ``special_tokens_map``): each of bos, eos, unk,
+    sep, pad, cls and mask that ``tokenizer_config.json``, else ``special_tokens_map.json``, gives a text for (a str,
+    or ``{"content": ...}`` in older files); one without a text is not passed (undefined in the template).
+
+    Raises:
+        ConfigurationError: ``special_tokens_map.json`` is not a readable JSON object.
+    """
+    file = folder / "special_tokens_map.json"
+    fallback = _json_object(file) if file.is_file() else {}
+    specials = {}
+    for name in _SPECIAL_TOKENS:
+        token = config[name] if name in config else fallback.get(name)
+        if isinstance(token, dict):
+            token = token.get("content")
+        if isinstance(token, str):
+            specials[name] = token
+    return specials
+
+
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
