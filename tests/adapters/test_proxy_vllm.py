@@ -230,11 +230,12 @@ def chat_ids(folder: Path) -> list[int]:
 
 
 def test_the_templates_are_found_where_transformers_finds_them(tmp_path: Path) -> None:
-    """chat_template.jinja and additional_chat_templates/NAME.jinja, which take priority; else tokenizer_config.json's
-    ``chat_template`` (a str, or a list of named templates); else a processor's chat_template.json (vLLM's
-    fallback). The "default" one renders a chat, the "tool_use" one (when there is one) a chat with tools, as
-    transformers chooses; the special tokens of the config reach the template as their text ({"content": ...} in
-    older files; any other value is no text)."""
+    """chat_template.jinja and additional_chat_templates/NAME.jinja, which take priority; else
+    tokenizer_config.json's ``chat_template`` (a str, or a list of named templates). The "default" one renders a chat,
+    the "tool_use" one (when there is one) a chat with tools, as transformers chooses; a multimodal processor's own
+    (processor_config.json's key, else chat_template.json) a chat without tools, as vLLM prefers it. The special
+    tokens of the config reach the template as their text ({"content": ...} in older files; any other value is no
+    text)."""
     folder = make_tokenizer(tmp_path / "named")
     chat = [{"role": "user", "content": "w3"}]
 
@@ -256,10 +257,17 @@ def test_the_templates_are_found_where_transformers_finds_them(tmp_path: Path) -
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": 5}))
     assert not PromptEncoder(folder).has_chat_template  # a template that is no str is none
     (folder / "chat_template.json").write_text(json.dumps({"chat_template": "w8 {{ messages[0].content }}"}))
+    assert not PromptEncoder(folder).has_chat_template  # a processor's file, without a processor
+    (folder / "preprocessor_config.json").write_text("{}")
     assert chat_ids(folder) == [8, 3]  # the processor's
     specials = {"chat_template": "{{ bos_token }} {{ eos_token }}w6", "bos_token": {"content": "w7"}, "eos_token": 5}
     (folder / "tokenizer_config.json").write_text(json.dumps(specials))
-    assert chat_ids(folder) == [7, 6]  # the tokenizer's, over the processor's
+    assert (chat_ids(folder), with_tools()) == ([8, 3], [7, 6])  # vLLM: the processor's first, unless with tools
+    (folder / "processor_config.json").write_text(json.dumps({"chat_template": "w9"}))
+    assert chat_ids(folder) == [9]  # its config's key over chat_template.json
+    for name in ("chat_template.json", "preprocessor_config.json", "processor_config.json"):
+        (folder / name).unlink()
+    assert chat_ids(folder) == [7, 6]
     # transformers' special_tokens_map: the seven named tokens, from special_tokens_map.json where the config has
     # none; one without a text is undefined.
     template = "{% if eos_token is defined %}w9{% endif %}{{ bos_token }} {{ sep_token }} {{ mask_token }}"
@@ -402,12 +410,14 @@ def test_token_ids_past_the_models_vocabulary_are_vllms_400_before_any_decision(
         ("additional_chat_templates/tool_use.jinja", b"\xff\xfe not utf-8"),
         ("additional_chat_templates/tool_use.jinja", b"{% if %}"),
         ("chat_template.json", b'"a str"'),
+        ("processor_config.json", b"[1]"),
     ],
 )
 def test_a_model_folder_with_a_malformed_template_file_is_a_configuration_error(
     tmp_path: Path, name: str, content: bytes
 ) -> None:
     folder = make_tokenizer(tmp_path / "model")
+    (folder / "preprocessor_config.json").write_text("{}")  # a multimodal model's: its processor's files are read
     (folder / name).parent.mkdir(exist_ok=True)
     (folder / name).write_bytes(content)
     with pytest.raises(ConfigurationError, match=name):  # the CLI's one line (exit 2)

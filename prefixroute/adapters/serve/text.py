@@ -3,7 +3,8 @@
 :class:`PromptEncoder` loads a local ``tokenizer.json`` (a file, or a model folder holding one). Chat messages are
 rendered with the model's chat template when the folder has one (found as transformers finds it:
 ``chat_template.jinja`` and ``additional_chat_templates/NAME.jinja`` first, else ``chat_template`` in
-``tokenizer_config.json``, else a processor's ``chat_template.json``; the ``tool_use`` one for a chat with tools),
+``tokenizer_config.json``; a multimodal processor's own for a chat without tools, the ``tool_use`` one for a chat
+with tools),
 as vLLM's OpenAI server (0.33, with transformers 5) renders them, then tokenized without adding special tokens (the
 template writes them):
 
@@ -86,8 +87,8 @@ class PromptEncoder:
         id and the model's ``vocab_size`` - 1 (from ``config.json`` beside ``tokenizer.json``, its ``text_config``'s
         first; a model's vocabulary may be padded past its tokenizer's, as Qwen's is)."""
         templates = _load_templates(file.parent)
-        self._template = templates.get("default")
-        self._tool_template = templates.get("tool_use", self._template)
+        self._template = templates.get("processor", templates.get("default"))  # vLLM's choice for a chat without tools
+        self._tool_template = templates.get("tool_use", templates.get("default"))  # transformers' for one with tools
 
     @property
     def has_chat_template(self) -> bool:
@@ -620,10 +621,11 @@ def _json_object(file: Path) -> dict[str, Any]:
 
 def _template_sources(folder: Path) -> tuple[dict[str, tuple[str, str]], dict[str, Any]]:
     """The folder's chat templates by name (each with where it comes from, for messages), as transformers loads
-    them for vLLM, and its ``tokenizer_config.json`` (``{}`` without one): ``chat_template.jinja`` (the default)
-    and ``additional_chat_templates/NAME.jinja`` when there are any, which take priority; else the config's
-    ``chat_template`` (a str, or a list of named ones); else a processor's ``chat_template.json``, which vLLM falls
-    back on.
+    them for vLLM, and its ``tokenizer_config.json`` (``{}`` without one). The tokenizer's: ``chat_template.jinja``
+    (the default) and ``additional_chat_templates/NAME.jinja`` when there are any, which take priority; else the
+    config's ``chat_template`` (a str, or a list of named ones). A multimodal model's processor (the folder has a
+    ``preprocessor_config.json`` or ``processor_config.json``) may have its own, named "processor" here, which vLLM
+    prefers for a chat without tools: ``processor_config.json``'s ``chat_template``, else ``chat_template.json``'s.
 
     Raises:
         ConfigurationError: a file is not readable, or not of the form said.
@@ -640,27 +642,28 @@ def _template_sources(folder: Path) -> tuple[dict[str, tuple[str, str]], dict[st
         for file in files
         if file.is_file()
     }
-    if sources:
-        return sources, config
     template = config.get("chat_template")
-    if isinstance(template, list):
+    if sources:
+        pass
+    elif isinstance(template, list):
         if not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in template):
             raise ConfigurationError(
                 f'{str(config_file)!r}: a chat_template list must hold {{"name", "template"}} objects'
             )
-        return {
+        sources = {
             t["name"]: (t["template"], f"{str(config_file)!r} ({t['name']!r})")
             for t in template
             if isinstance(t.get("template"), str)
-        }, config
-    if isinstance(template, str):
-        return {"default": (template, repr(str(config_file)))}, config
-    processor_file = folder / "chat_template.json"
-    if processor_file.is_file():
-        template = _json_object(processor_file).get("chat_template")
-        if isinstance(template, str):
-            return {"default": (template, repr(str(processor_file)))}, config
-    return {}, config
+        }
+    elif isinstance(template, str):
+        sources = {"default": (template, repr(str(config_file)))}
+    if any((folder / name).is_file() for name in ("preprocessor_config.json", "processor_config.json")):
+        for file in (folder / "processor_config.json", folder / "chat_template.json"):
+            template = _json_object(file).get("chat_template") if file.is_file() else None
+            if isinstance(template, str):
+                sources["processor"] = (template, repr(str(file)))
+                break
+    return sources, config
 
 
 def _text_file(file: Path) -> str:
