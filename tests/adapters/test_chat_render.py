@@ -364,10 +364,13 @@ def test_litellm_hands_the_encoder_the_calls_tools_and_vllm_options() -> None:
 
     hook = PrefixRouteHook(Router(), encoder=Noting())
     messages = [{"role": "user", "content": "hi"}]
-    request = {"metadata": {}, "tools": [WEATHER], "temperature": 0, "extra_body": {"chat_template_kwargs": {"a": 1}}}
+    request = {"metadata": {}, "tools": [WEATHER], "temperature": 0, "reasoning_effort": "low",
+               "extra_body": {"chat_template_kwargs": {"a": 1}}}  # fmt: skip
     deployments = [{"model_name": "g", "litellm_params": {"model": "hosted_vllm/m"}, "model_info": {"id": "d1"}}]
     asyncio.run(hook.async_filter_deployments("g", deployments, messages, request))
-    assert seen == [{"messages": messages, "tools": [WEATHER], "chat_template_kwargs": {"a": 1}}]
+    assert seen == [
+        {"messages": messages, "tools": [WEATHER], "chat_template_kwargs": {"a": 1}, "reasoning_effort": "low"}
+    ]
     completion = {"metadata": {}, "prompt": "hi", "tools": [WEATHER], "extra_body": {"add_special_tokens": False}}
     asyncio.run(hook.async_filter_deployments("g", deployments, None, completion))
     assert texts == [("hi", False)]  # the tools of a completion are no part of its prompt
@@ -438,7 +441,7 @@ def test_a_template_takes_parts_when_vllms_auto_content_format_would_say_openai(
 def test_route_takes_a_chats_tools_and_options_with_its_messages(encoder: PromptEncoder) -> None:
     sidecar = Sidecar(Router(block_size=16), backends=BACKENDS, encoder=encoder)
     messages = [{"role": "user", "content": "Paris?"}]
-    body = {"messages": messages, "tools": [WEATHER], "add_generation_prompt": False}
+    body = {"messages": messages, "tools": [WEATHER], "add_generation_prompt": False, "reasoning_effort": "low"}
     answer = call(sidecar, "POST", "/route", body).json()
     assert answer["prompt_tokens"] == len(encoder.encode_chat_request(body))
     assert answer["prompt_tokens"] != len(encoder.encode_chat(messages, add_generation_prompt=False))

@@ -3,8 +3,8 @@
 =====================================  ========================================================================
 ``POST /route``                        ``{"prompt_token_ids" | "prompt" | "messages", "model"?, "lease"?,
                                        "backends"?}`` (with ``messages``, the chat's ``tools``, ``documents``,
-                                       ``add_generation_prompt``, ``continue_final_message`` and
-                                       ``chat_template_kwargs`` too) → 200 ``{"id", "backend",
+                                       ``add_generation_prompt``, ``continue_final_message``,
+                                       ``chat_template_kwargs`` and ``reasoning_effort`` too) → 200 ``{"id", "backend",
                                        "matched_tokens", "prompt_tokens", "reason"}``; the request counts in flight
                                        until finished
 ``POST /first_token``, ``/finish``     ``{"id"}`` (``/finish``: and ``"refused"?``, true for an engine's 4xx) →

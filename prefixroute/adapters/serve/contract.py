@@ -76,9 +76,17 @@ class RouteBody(msgspec.Struct):
     add_generation_prompt: bool | msgspec.UnsetType = msgspec.UNSET
     continue_final_message: bool | msgspec.UnsetType = msgspec.UNSET
     chat_template_kwargs: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
+    reasoning_effort: str | None | msgspec.UnsetType = msgspec.UNSET
 
 
-CHAT_OPTIONS = ("tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+CHAT_OPTIONS = (
+    "tools",
+    "documents",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+    "reasoning_effort",
+)
 """What of a chat completion request, besides its messages, vLLM's chat template renders."""
 
 
