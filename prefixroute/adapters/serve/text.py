@@ -127,9 +127,9 @@ class PromptEncoder:
 
         Raises:
             ConfigurationError: a flag is not True or False.
-            InvalidPromptError: a message is not an object with a string ``role``, an assistant's tool call is not
-                a function call object, ``chat_template_kwargs`` is not a mapping or names ``chat_template``, both
-                flags are true, or the template rejects the messages (a ValueError).
+            InvalidPromptError: a message is not an object with a string ``role``, ``chat_template_kwargs`` is not
+                a mapping or names ``chat_template``, both flags are true, or the template rejects the messages (a
+                ValueError).
             TypeError: ``messages`` is not a sequence of messages.
         """
         check_chat(messages)
@@ -255,11 +255,7 @@ def _conversation(messages: Sequence[Mapping[str, Any]], *, parts: bool, develop
     """The messages as vLLM 0.33 hands them to the template (the module docstring lists what it keeps), their
     contents as parts when the template loops over them (``parts``), else as strings; ``developer`` messages made
     ``system`` ones and merged at the start when the template never names that role (``developer`` false); keys
-    whose value is null dropped and transformers' reasoning aliases added, as transformers does.
-
-    Raises:
-        InvalidPromptError: an assistant's tool call is not an object with a ``function``, as vLLM refuses it.
-    """
+    whose value is null dropped and transformers' reasoning aliases added, as transformers does."""
     conversation = []
     for message in messages:
         role = message["role"]
@@ -495,19 +491,14 @@ def _loops_over_content(tree: Any) -> bool:
     return False
 
 
-def _parsed_call(call: object) -> dict[str, Any]:
+def _parsed_call(call: object) -> object:
     """A tool call with its ``function.arguments`` as vLLM 0.33 hands it to templates: an object kept, JSON text
     that holds an object parsed, anything else (empty, absent, not JSON, not an object) ``{}``. A copy: the request
-    is left as it came.
-
-    Raises:
-        InvalidPromptError: the call is not an object with a ``function`` object, or its type is not "function".
-    """
-    if not isinstance(call, Mapping):
-        raise InvalidPromptError("assistant tool_calls entries must be objects.")
-    function = call.get("function")
-    if call.get("type", "function") != "function" or not isinstance(function, Mapping):
-        raise InvalidPromptError("chat completions only support assistant tool_calls of type 'function'.")
+    is left as it came. A call that is no function call object is kept as it is: vLLM refuses it, and routing it
+    costs nothing (the sidecar's contract routes every message a client may send)."""
+    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+        return call
+    function = call["function"]
     arguments = function.get("arguments")
     if arguments and isinstance(arguments, str):
         try:
