@@ -1,0 +1,305 @@
+"""More of what a chat request renders to and is refused with, as vLLM and transformers do it: the cases mutation
+testing of the chat-rendering code found unchecked (content parts of each kind, tool calls vLLM's parser cannot
+read, vLLM's content-format detection, exact refusals, and what the proxy encodes off its event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prefixroute import InvalidPromptError, InvalidTypeError
+from prefixroute.adapters.proxy.prompts import INLINE_TEXT, ByteEncoder, request_tokens, request_tokens_async
+from prefixroute.adapters.serve.text import PromptEncoder
+
+from .conftest import LoopNoting
+from .test_chat_render import CALL, CALL_PARSED, TOOLS_TEMPLATE, _decoded, byte_tokenizer, transformers_text
+
+# A template that loops over content parts and writes each kind its own way: a plain string part in brackets, a
+# text part's text (a null one as Jinja writes it, "None"), a media part as its type.
+EVERY_PART_TEMPLATE = """{% for m in messages %}<|{{ m.role }}|>{% for part in m.content %}
+{%- if part is string %}[{{ part }}]{% elif part.type == 'text' %}{{ part.text }}{% else %}<{{ part.type }}>{% endif %}
+{%- endfor %}<|end|>{% endfor %}"""
+
+# A template that writes each message's tool calls as JSON, as they reach it.
+CALLS_TEMPLATE = """{% for m in messages %}<|{{ m.role }}|>{{ m.content }}
+{%- if m.tool_calls is defined %} {{ m.tool_calls | tojson }}{% endif %}<|end|>{% endfor %}"""
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory: pytest.TempPathFactory) -> PromptEncoder:
+    return byte_tokenizer(tmp_path_factory.mktemp("model"), TOOLS_TEMPLATE)
+
+
+def _renders_as_transformers(
+    encoder: PromptEncoder, template: str, body: dict[str, Any], expected: dict[str, Any]
+) -> None:
+    ours = encoder.encode_chat_request(body)
+    theirs = encoder.encode(transformers_text(template, expected))
+    assert ours == theirs, (_decoded(encoder, ours), _decoded(encoder, theirs))
+
+
+def test_each_kind_of_content_part_reaches_a_parts_template_as_vllm_passes_it(tmp_path: Path) -> None:
+    """vLLM's ``_parse_chat_message_content_part`` for the ``openai`` content format: a plain string part as is, a
+    thinking part as a text part even without its text (only a null text or refusal is left out), each medium as
+    its placeholder part. A part of a type vLLM does not know (its request model refuses it, the engine answers
+    400) is dropped by the router, not the parts after it."""
+    encoder = byte_tokenizer(tmp_path / "model", EVERY_PART_TEMPLATE)
+    content = [
+        "plain",
+        {"type": "thinking", "thinking": "hmm"},
+        {"type": "thinking"},
+        {"type": "text", "text": None},
+        {"type": 5, "text": "numbered"},
+        {"type": "custom", "text": "unknown"},
+        {"type": "input_text", "text": "after"},
+        {"type": "video_url", "video_url": {"url": "v"}},
+        {"input_audio": {"data": "a"}},
+        {"type": "output_text", "text": "last"},
+    ]
+    parts = [
+        "plain",
+        {"type": "text", "text": "hmm"},
+        {"type": "text", "text": None},
+        {"type": "text", "text": "after"},
+        {"type": "video"},
+        {"type": "audio"},
+        {"type": "text", "text": "last"},
+    ]
+    body = {"messages": [{"role": "user", "content": content}]}
+    _renders_as_transformers(encoder, EVERY_PART_TEMPLATE, body, {"conversation": [{"role": "user", "content": parts}]})
+    assert "[plain]" in _decoded(encoder, encoder.encode_chat_request(body))
+
+
+def test_a_part_without_a_type_reads_as_text_in_either_content_format(tmp_path: Path) -> None:
+    """vLLM's request model refuses a part with neither a ``type`` nor a media key (the engine answers 400); the
+    router reads it as a text part in both content formats alike, rather than fail on a request it only routes."""
+    part_encoder = byte_tokenizer(tmp_path / "parts", EVERY_PART_TEMPLATE)
+    string_encoder = byte_tokenizer(tmp_path / "string", TOOLS_TEMPLATE)
+    body = {"messages": [{"role": "user", "content": [{"text": "untyped"}, {"image_url": "x"}]}]}
+    expected = {"role": "user", "content": [{"type": "text", "text": "untyped"}, {"type": "image"}]}
+    _renders_as_transformers(part_encoder, EVERY_PART_TEMPLATE, body, {"conversation": [expected]})
+    _renders_as_transformers(
+        string_encoder,
+        TOOLS_TEMPLATE,
+        body,
+        {"conversation": [{"role": "user", "content": "untyped"}], "add_generation_prompt": True},
+    )
+
+
+def test_tool_calls_vllms_parser_cannot_read_reach_the_template_as_sent(tmp_path: Path) -> None:
+    """Only a call with a ``function`` object has its arguments parsed; a call without one, or one that is no object,
+    is the template's to take or refuse (vLLM's request model refuses it), not a crash of the router."""
+    encoder = byte_tokenizer(tmp_path / "model", CALLS_TEMPLATE)
+    odd = [{"id": "c0", "type": "function"}, {"id": "c2", "function": "now"}, "raw"]
+    body = {"messages": [{"role": "assistant", "content": "", "tool_calls": [*odd, CALL]},
+                         {"role": "assistant", "content": "", "tool_calls": "weather(Paris)"}]}  # fmt: skip
+    conversation = [{"role": "assistant", "content": "", "tool_calls": [*odd, CALL_PARSED]},
+                    {"role": "assistant", "content": "", "tool_calls": "weather(Paris)"}]  # fmt: skip
+    _renders_as_transformers(encoder, CALLS_TEMPLATE, body, {"conversation": conversation})
+
+
+def test_an_assistants_reasoning_reaches_the_template_under_each_of_its_names(tmp_path: Path) -> None:
+    """vLLM passes an assistant's ``reasoning``; transformers copies it to ``thinking`` and ``reasoning_content`` (the
+    names templates read it by) before it renders."""
+    template = (
+        "{% for m in messages %}{{ m.role }}:{{ m.reasoning }}|{{ m.thinking }}|{{ m.reasoning_content }};{% endfor %}"
+    )
+    encoder = byte_tokenizer(tmp_path / "model", template)
+    body = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "reasoning": "hm"}]}
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "reasoning": "hm"}]
+    _renders_as_transformers(encoder, template, body, {"conversation": conversation})
+    assert _decoded(encoder, encoder.encode_chat_request(body)).endswith("assistant:hm|hm|hm;")
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{% for m in messages %}{% for c in m['tool_calls'] %}{% endfor %}{% endfor %}",
+        "{% for m in messages %}{% for c in m.tool_calls %}{% endfor %}{% endfor %}",
+        "{% set other = {'content': ''} %}{% for m in messages %}{% for c in other['content'] %}{% endfor %}"
+        "{% endfor %}",
+        "{% for m in messages %}{% for c in m[key] %}{% endfor %}{% endfor %}",
+        # a name set from messages that is no plain name makes vLLM give up, as a loop target does
+        "{% if false %}{% set first, rest = messages %}{% endif %}{% for m in messages %}{% for c in m.content %}"
+        "{% endfor %}{% endfor %}",
+    ],
+)
+def test_a_loop_over_another_field_or_another_name_leaves_string_contents(tmp_path: Path, template: str) -> None:
+    """vLLM's ``auto`` content format looks for a loop over the message's ``content`` only: by attribute or by a
+    constant key, of the message name itself."""
+    encoder = byte_tokenizer(tmp_path / "model", template + "{{ messages[0].content }}")
+    rendered = _decoded(encoder, encoder.encode_chat([{"role": "user", "content": "hi"}]))
+    assert rendered == "hi"
+
+
+def test_the_final_message_continued_may_be_a_field_a_request_names(encoder: PromptEncoder) -> None:
+    """vLLM passes ``chat_template_kwargs`` over its own options, and transformers takes a field name for
+    ``continue_final_message``: the output is cut after that field, here the reasoning, not after the content."""
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Count"},
+        {"role": "assistant", "content": "", "reasoning": "let me"},
+    ]
+    body = {"messages": messages, "add_generation_prompt": False,
+            "chat_template_kwargs": {"continue_final_message": "reasoning_content"}}  # fmt: skip
+    final = {
+        "thinking": "let me",
+        "role": "assistant",
+        "content": "",
+        "reasoning": "let me",
+        "reasoning_content": "let me",
+    }
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count"}, final]
+    expected = {
+        "conversation": conversation,
+        "add_generation_prompt": False,
+        "continue_final_message": "reasoning_content",
+    }
+    _renders_as_transformers(encoder, TOOLS_TEMPLATE, body, expected)
+    assert _decoded(encoder, encoder.encode_chat_request(body)).endswith("<think>let me")
+
+
+@pytest.mark.parametrize(
+    ("messages", "field", "message"),
+    [
+        ([], True, 'the final message has no "content" to continue'),
+        ([{"role": "user", "content": "Count"}], "name", 'the final message has no "name" to continue'),
+        # the final message's text is in the output (the user's), but the template does not write the final message
+        ([{"role": "user", "content": "Count"}, {"role": "assistant", "content": "Count"}], True,
+         "the final message does not appear in the chat after applying the chat template"),
+    ],
+)  # fmt: skip
+def test_continuing_a_final_message_that_is_not_there_is_refused(
+    tmp_path: Path, messages: list[dict[str, Any]], field: bool | str, message: str
+) -> None:
+    """transformers' checks (vLLM's 400): a final message with the field continued, written by the template."""
+    template = (
+        "{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% else %}{{ m.content | length }}{% endif %}"
+        "{% endfor %}{{ messages[0].name }}"
+    )
+    encoder = byte_tokenizer(tmp_path / "model", template)
+    expected = {"conversation": messages, "continue_final_message": field}
+    with pytest.raises(ValueError):
+        transformers_text(template, expected)
+    with pytest.raises(InvalidPromptError) as refused:
+        encoder.encode_chat(
+            messages, add_generation_prompt=False, chat_template_kwargs={"continue_final_message": field}
+        )
+    assert str(refused.value).startswith("the model's chat template rejected the messages: continue_final_message is")
+    assert message in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"continue_final_message": True}, "Cannot set both `continue_final_message` and `add_generation_prompt` to "
+         "True."),
+        ({"documents": [["text"]]}, "'documents' must be a list of objects (or null)"),
+        ({"tools": [{"function": {"name": True}}]}, "tools[0].function.name must be a string, not a boolean"),
+        ({"tools": [{"function": {"name": "f", "description": []}}]},
+         "tools[0].function.description must be a string or null, not an array"),
+        ({"tools": [{"type": None, "function": {"name": "f"}}]},
+         'tools[0].type must be "function", not null (or missing)'),
+        ({"add_generation_prompt": {}}, "'add_generation_prompt' must be true or false, not an object"),
+        ({"add_special_tokens": ["yes"]}, "'add_special_tokens' must be true or false, not an array"),
+    ],
+)  # fmt: skip
+def test_a_refusal_says_exactly_what_is_wrong(encoder: PromptEncoder, body: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidPromptError) as refused:
+        encoder.encode_chat_request({"messages": [{"role": "user", "content": "Hi"}], **body})
+    assert str(refused.value) == message
+
+
+@pytest.mark.parametrize(("body", "kind"), [([], "list"), (None, "NoneType"), ("Hi", "str")])
+def test_a_body_that_is_no_object_is_refused_naming_its_type(encoder: PromptEncoder, body: object, kind: str) -> None:
+    with pytest.raises(InvalidTypeError) as refused:
+        encoder.encode_chat_request(body)  # type: ignore[arg-type]
+    assert str(refused.value) == f"a chat request body must be an object, not {kind}"
+
+
+class OpaqueEncode:
+    """An ``encode`` whose parameters Python cannot read (as for some compiled callables): it takes the text alone."""
+
+    __signature__ = "opaque"
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def __call__(self, text: str) -> list[int]:
+        self.texts.append(text)
+        return list(text.encode())
+
+
+def test_an_encoder_whose_encode_cannot_be_inspected_gets_the_text_alone() -> None:
+    """``add_special_tokens`` false reaches only an ``encode`` known to take it; one Python cannot inspect gets the
+    text alone, as an encoder without the keyword does."""
+    encoder = ByteEncoder()
+    opaque = OpaqueEncode()
+    encoder.encode = opaque  # type: ignore[method-assign]
+    body = {"prompt": "Hi", "add_special_tokens": False}
+    assert request_tokens(body, chat=False, encoder=encoder) == list(b"Hi")
+    assert opaque.texts == ["Hi"]
+
+
+LONG = "y" * INLINE_TEXT
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tools": [{"type": "function", "function": {"name": "f", "description": LONG}}]},
+        {"documents": [{"title": "a", "text": LONG}]},
+        {"chat_template_kwargs": {"system_note": LONG}},
+    ],
+)
+def test_a_chats_long_tools_documents_or_template_kwargs_are_encoded_on_a_worker_thread(extra: dict[str, Any]) -> None:
+    """A chat template renders them with the messages, so their text counts towards the inline limit."""
+    short = {"messages": [{"role": "user", "content": "hi"}]}
+    for body, on_loop in ((short, True), ({**short, **extra}, False)):
+        encoder = LoopNoting()
+        asyncio.run(request_tokens_async(body, chat=True, encoder=encoder))
+        assert encoder.on_loop == [on_loop]
+
+
+@pytest.mark.parametrize(
+    ("messages", "had"),
+    [
+        ([{"content": "Hi"}], "chat message 0 has no 'role'"),
+        ([{"role": "user", "content": "Hi"}, {"role": 5, "content": "Hi"}], "chat message 1 has a 'role' of type int"),
+    ],
+)
+def test_a_message_without_a_string_role_is_refused_saying_what_it_has(
+    encoder: PromptEncoder, messages: list[dict[str, Any]], had: str
+) -> None:
+    with pytest.raises(InvalidPromptError) as refused:
+        encoder.encode_chat(messages)
+    assert str(refused.value).startswith(had + ": each chat message must be an object with a string 'role'")
+
+
+def test_a_tool_call_id_and_tools_reach_the_template_on_the_roles_vllm_keeps_them_for(tmp_path: Path) -> None:
+    """vLLM's ``parse_chat_messages`` keeps ``tool_call_id`` on a tool message only (one without it has none), and
+    gives a developer message its ``tools`` (null when it has none); other roles' such keys are dropped."""
+    template = (
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}{% if m.tool_call_id is defined %} [{{ m.tool_call_id }}]"
+        "{% endif %}{% if m.tools is defined %} tools={{ m.tools | tojson }}{% endif %};{% endfor %}"
+    )
+    encoder = byte_tokenizer(tmp_path / "model", template)
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    body = {"messages": [
+        {"role": "developer", "content": "Use f.", "tools": tools},
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "Hi", "tool_call_id": "c0", "tools": tools},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+        {"role": "tool", "content": "rainy"},
+    ]}  # fmt: skip
+    conversation = [
+        {"role": "developer", "content": "Use f.", "tools": tools},
+        {"role": "developer", "content": "Be brief.", "tools": None},
+        {"role": "user", "content": "Hi"},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+        {"role": "tool", "content": "rainy"},
+    ]
+    _renders_as_transformers(encoder, template, body, {"conversation": conversation})
