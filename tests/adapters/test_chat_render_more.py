@@ -5,12 +5,13 @@ read, vLLM's content-format detection, exact refusals, and what the proxy encode
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from prefixroute import InvalidPromptError, InvalidTypeError
+from prefixroute import ConfigurationError, InvalidPromptError, InvalidTypeError
 from prefixroute.adapters.proxy.prompts import INLINE_TEXT, ByteEncoder, request_tokens, request_tokens_async
 from prefixroute.adapters.serve.text import PromptEncoder
 
@@ -198,6 +199,9 @@ def test_continuing_a_final_message_that_is_not_there_is_refused(
         ({"continue_final_message": True}, "Cannot set both `continue_final_message` and `add_generation_prompt` to "
          "True."),
         ({"documents": [["text"]]}, "'documents' must be a list of objects (or null)"),
+        ({"add_generation_prompt": True, "chat_template_kwargs": {"continue_final_message": True}},
+         "continue_final_message and add_generation_prompt are not compatible: continue the final message, or add a "
+         "header that prompts a new assistant message"),
         ({"tools": [{"function": {"name": True}}]}, "tools[0].function.name must be a string, not a boolean"),
         ({"tools": [{"function": {"name": "f", "description": []}}]},
          "tools[0].function.description must be a string or null, not an array"),
@@ -276,7 +280,7 @@ def test_a_message_without_a_string_role_is_refused_saying_what_it_has(
 ) -> None:
     with pytest.raises(InvalidPromptError) as refused:
         encoder.encode_chat(messages)
-    assert str(refused.value).startswith(had + ": each chat message must be an object with a string 'role'")
+    assert str(refused.value) == had + ": each chat message must be an object with a string 'role' and a 'content'"
 
 
 def test_a_tool_call_id_and_tools_reach_the_template_on_the_roles_vllm_keeps_them_for(tmp_path: Path) -> None:
@@ -303,3 +307,61 @@ def test_a_tool_call_id_and_tools_reach_the_template_on_the_roles_vllm_keeps_the
         {"role": "tool", "content": "rainy"},
     ]
     _renders_as_transformers(encoder, template, body, {"conversation": conversation})
+
+
+def test_a_template_that_does_not_compile_is_refused_naming_where_it_is(tmp_path: Path) -> None:
+    """One of a ``tokenizer_config.json``'s named templates, or a processor's ``chat_template.json``."""
+    folder = tmp_path / "model"
+    byte_tokenizer(folder, "")
+    config_file, processor_file = folder / "tokenizer_config.json", folder / "chat_template.json"
+    config_file.write_text(json.dumps({"chat_template": [{"name": "tool_use", "template": "{% for %}"}]}))
+    with pytest.raises(ConfigurationError) as refused:
+        PromptEncoder(folder)
+    assert str(refused.value).startswith(f"the chat template in {str(config_file)!r} ('tool_use') does not compile: ")
+    config_file.write_text("{}")
+    processor_file.write_text(json.dumps({"chat_template": "{% for %}"}))
+    with pytest.raises(ConfigurationError) as refused:
+        PromptEncoder(folder)
+    assert str(refused.value).startswith(f"the chat template in {str(processor_file)!r} does not compile: ")
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        # the final message written twice: the output is cut at its last copy, as transformers cuts it
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<last>{{ messages[-1].content }}",
+        # trimmed, the marker loses its space: the output is cut there, and the spaces before it dropped
+        "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}<|end|>{% endfor %}",
+    ],
+)
+def test_continuing_the_final_message_cuts_where_transformers_cuts(tmp_path: Path, template: str) -> None:
+    encoder = byte_tokenizer(tmp_path / "model", template)
+    messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "one, two, "}]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    _renders_as_transformers(encoder, template, body, {"conversation": messages, "continue_final_message": True})
+
+
+def test_a_template_renders_with_transformers_globals_blocks_and_operators(tmp_path: Path) -> None:
+    """``strftime_now`` (``%%`` keeps it independent of the clock), ``{% generation %}`` rendered as its body, and
+    the ``+``, ``*`` and ``**`` the sandbox checks before it computes them."""
+    template = (
+        "{{ strftime_now('%%') }}{% for m in messages %}{{ '<' + m.role + '>' }}{% generation %}{{ m.content }}"
+        "{% endgeneration %}{{ '-' * 2 }}{{ 2 ** 3 }}{{ loop.index * 10 + 1 }}{% endfor %}"
+    )
+    encoder = byte_tokenizer(tmp_path / "model", template)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    _renders_as_transformers(encoder, template, {"messages": messages}, {"conversation": messages})
+    assert _decoded(encoder, encoder.encode_chat(messages)) == "%<user>Hi--811<assistant>Hello--821"
+
+
+def test_a_templates_raise_exception_refuses_the_messages_with_its_words(tmp_path: Path) -> None:
+    template = (
+        "{% if messages[0].role != 'user' %}{{ raise_exception('Conversations must start with a user') }}{% endif %}"
+    )
+    encoder = byte_tokenizer(tmp_path / "model", template)
+    messages = [{"role": "assistant", "content": "Hi"}]
+    with pytest.raises(Exception, match="^Conversations must start with a user$"):
+        transformers_text(template, {"conversation": messages})
+    with pytest.raises(InvalidPromptError) as refused:
+        encoder.encode_chat(messages)
+    assert str(refused.value) == "the model's chat template rejected the messages: Conversations must start with a user"
