@@ -365,3 +365,36 @@ def test_a_templates_raise_exception_refuses_the_messages_with_its_words(tmp_pat
     with pytest.raises(InvalidPromptError) as refused:
         encoder.encode_chat(messages)
     assert str(refused.value) == "the model's chat template rejected the messages: Conversations must start with a user"
+
+
+def test_block_tags_on_lines_of_their_own_leave_no_whitespace_as_transformers_renders_them(tmp_path: Path) -> None:
+    """transformers' environment trims the newline after a block tag and the indent before one (``trim_blocks``,
+    ``lstrip_blocks``): a template laid out on indented lines renders without that layout."""
+    template = """{% for m in messages %}
+    {% if m.role == 'user' %}
+U: {{ m.content }}
+    {% else %}
+A: {{ m.content }}
+    {% endif %}
+{% endfor %}"""
+    encoder = byte_tokenizer(tmp_path / "model", template)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    _renders_as_transformers(encoder, template, {"messages": messages}, {"conversation": messages})
+    assert _decoded(encoder, encoder.encode_chat(messages)) == "U: Hi\nA: Hello\n"
+
+
+def test_a_template_sees_the_tokenizers_special_tokens(tmp_path: Path) -> None:
+    """transformers passes the tokenizer's special tokens to the template (from ``tokenizer_config.json``, a token
+    written as ``{"content": ...}`` in older files); a template writes them around the messages."""
+    template = (
+        "{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}{{ pad_token }}{{ unk_token }}"
+    )
+    folder = tmp_path / "model"
+    byte_tokenizer(folder, template)
+    specials = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
+    config = {**specials, "unk_token": {"content": "<unk>", "special": True}, "chat_template": template}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    encoder = PromptEncoder(folder)
+    messages = [{"role": "user", "content": "Hi"}]
+    _renders_as_transformers(encoder, template, {"messages": messages}, {"conversation": messages, **specials})
+    assert _decoded(encoder, encoder.encode_chat(messages)) == "<s>Hi</s><pad><unk>"
