@@ -783,7 +783,7 @@ def _renderer(compiled: Any, source: str, specials: dict[str, str]) -> Callable[
         messages: list[dict[str, Any]],
         *,
         add_generation_prompt: bool = True,
-        continue_final_message: bool | str = False,
+        continue_final_message: bool = False,
         tools: Any = None,
         documents: Any = None,
         **variables: Any,
@@ -796,13 +796,12 @@ def _renderer(compiled: Any, source: str, specials: dict[str, str]) -> Callable[
         """
         final = ""
         if continue_final_message:  # as transformers does it: mark the end of the final message, cut there
-            field = continue_final_message if isinstance(continue_final_message, str) else "content"
-            value = messages[-1].get(field) if messages else None
+            value = messages[-1].get("content") if messages else None
             if value is None:
-                raise ValueError(f'continue_final_message is set but the final message has no "{field}" to continue')
-            if field not in source:
+                raise ValueError('continue_final_message is set but the final message has no "content" to continue')
+            if "content" not in source:
                 raise ValueError(
-                    f'continue_final_message is set to "{field}" but this is not an accepted field in the chat_template'
+                    'continue_final_message is set to "content" but this is not an accepted field in the chat_template'
                 )
             if isinstance(value, list):  # content parts: the last one with a text
                 at = next((i for i in reversed(range(len(value))) if _has_text(value[i])), None)
@@ -813,7 +812,7 @@ def _renderer(compiled: Any, source: str, specials: dict[str, str]) -> Callable[
             else:
                 final = str(value)
                 value = final + _CONTINUE_TAG
-            messages = [*messages[:-1], {**messages[-1], field: value}]
+            messages = [*messages[:-1], {**messages[-1], "content": value}]
         parts: list[str] = []
         size = 0
         chunks = compiled.generate(
