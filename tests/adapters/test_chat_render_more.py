@@ -388,3 +388,17 @@ def test_a_template_sees_the_tokenizers_special_tokens(tmp_path: Path) -> None:
     messages = [{"role": "user", "content": "Hi"}]
     _renders_as_transformers(encoder, template, {"messages": messages}, {"conversation": messages, **specials})
     assert _decoded(encoder, encoder.encode_chat(messages)) == "<s>Hi</s><pad><unk>"
+
+
+def test_continuing_a_string_final_message_with_a_template_that_loops_over_content(tmp_path: Path) -> None:
+    """For such a template vLLM passes even a string content as one text part, and transformers continues that
+    part (was refused: the continuation took only a string)."""
+    encoder = byte_tokenizer(tmp_path / "model", EVERY_PART_TEMPLATE)
+    body = {"messages": [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "one, two,"}],
+            "add_generation_prompt": False, "continue_final_message": True}  # fmt: skip
+    expected = {"conversation": [{"role": "user", "content": [{"type": "text", "text": "Count"}]},
+                                 {"role": "assistant", "content": [{"type": "text", "text": "one, two,"}]}],
+                "continue_final_message": True}  # fmt: skip
+    theirs = transformers_text(EVERY_PART_TEMPLATE, expected)
+    assert theirs == "<|user|>Count<|end|><|assistant|>one, two,"
+    assert _decoded(encoder, encoder.encode_chat_request(body)) == theirs
