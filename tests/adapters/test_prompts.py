@@ -257,3 +257,38 @@ def test_the_encoders_name_the_type_they_refuse() -> None:
         ByteEncoder().encode(b"text")  # type: ignore[arg-type]
     with pytest.raises(InvalidTypeError, match="must be a PromptTokenizer, not str$"):
         TokenizerEncoder("tokenizer.json")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("options", "kept"),
+    [
+        ({"truncate_prompt_tokens": 3}, b"def"),
+        ({"truncate_prompt_tokens": 3, "truncation_side": "left"}, b"def"),
+        ({"truncate_prompt_tokens": 3, "truncation_side": "right"}, b"abc"),
+        ({"truncate_prompt_tokens": 3, "truncation_side": None}, b"def"),
+        ({"truncate_prompt_tokens": 6}, b"abcdef"),
+        ({"truncate_prompt_tokens": 60}, b"abcdef"),
+        # left for the engine to answer: the model's context (-1), unknown here; null; values vLLM refuses
+        ({"truncate_prompt_tokens": -1}, b"abcdef"),
+        ({"truncate_prompt_tokens": None}, b"abcdef"),
+        ({"truncate_prompt_tokens": 0}, b"abcdef"),
+        ({"truncate_prompt_tokens": True}, b"abcdef"),
+        ({"truncate_prompt_tokens": "3"}, b"abcdef"),
+        ({"truncate_prompt_tokens": 3, "truncation_side": "middle"}, b"abcdef"),
+    ],
+)
+def test_a_prompt_is_truncated_as_vllm_truncates_it(options: dict[str, object], kept: bytes) -> None:
+    """vLLM 0.33 keeps the last N tokens of a prompt given ``truncate_prompt_tokens`` N (the first N with
+    ``truncation_side`` "right"): the engine caches those, so the router routes on them, text or token ids."""
+    encoder = ByteEncoder()
+    assert request_tokens({"prompt": "abcdef", **options}, chat=False, encoder=encoder) == list(kept)
+    assert request_tokens({"prompt": list(b"abcdef"), **options}, chat=False, encoder=encoder) == list(kept)
+
+
+@pytest.mark.parametrize(("side", "kept"), [("left", slice(-4, None)), ("right", slice(0, 4))])
+def test_a_chat_is_truncated_after_its_template(side: str, kept: slice) -> None:
+    encoder = ByteEncoder()
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "abcdef"}]}
+    whole = request_tokens(body, chat=True, encoder=encoder)
+    cut = request_tokens({**body, "truncate_prompt_tokens": 4, "truncation_side": side}, chat=True, encoder=encoder)
+    assert cut == whole[kept] and len(whole) > 4

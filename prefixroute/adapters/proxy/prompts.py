@@ -10,6 +10,7 @@ from typing import Annotated, Any, Protocol, runtime_checkable
 
 import msgspec
 
+from prefixroute._numbers import as_int
 from prefixroute.adapters.serve.contract import request_flag
 from prefixroute.adapters.tokenize import PromptTokenizer, serialise_chat
 from prefixroute.errors import InvalidTypeError
@@ -137,9 +138,10 @@ def request_tokens(body: object, *, chat: bool, encoder: PromptEncoding, max_tok
     """The token ids ``body`` (a decoded OpenAI request) routes on. O(prompt); O(batch) for a batch of token ids.
 
     Completions: ``prompt`` as token ids is used as sent; as text it is encoded; a batch routes on its first
-    prompt. Chat: the request is encoded by :func:`chat_tokens`. ``max_token_id``: the largest id the
-    engine takes (:attr:`PromptEncoder.max_token_id <prefixroute.adapters.serve.PromptEncoder.max_token_id>`), to
-    refuse a prompt of token ids past it, every prompt of a batch, as vLLM does; None: not checked.
+    prompt. Chat: the request is encoded by :func:`chat_tokens`. Then :func:`truncated`, as the request asks.
+    ``max_token_id``: the largest id the engine takes (:attr:`PromptEncoder.max_token_id
+    <prefixroute.adapters.serve.PromptEncoder.max_token_id>`), to refuse a prompt of token ids past it, every prompt
+    of a batch, as vLLM does; None: not checked.
 
     Raises:
         BadRequest: the body is not an object, or has no usable ``prompt`` / ``messages`` (a ``prompt`` absent, null
@@ -148,6 +150,30 @@ def request_tokens(body: object, *, chat: bool, encoder: PromptEncoding, max_tok
     """
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    return truncated(_request_tokens(body, chat=chat, encoder=encoder, max_token_id=max_token_id), body)
+
+
+def truncated(tokens: list[int], body: Mapping[str, Any]) -> list[int]:
+    """``tokens`` as vLLM 0.33 truncates a request's prompt: with ``truncate_prompt_tokens`` N (an int of at least
+    1), the last N tokens (``truncation_side`` "left", vLLM's default for a generating model) or the first N
+    ("right"). Anything else is left as it is, for the engine to answer: ``-1`` (the model's context, unknown here),
+    null, a value vLLM refuses. O(N).
+
+    >>> truncated([1, 2, 3, 4], {"truncate_prompt_tokens": 2}), truncated([1, 2, 3, 4], {"truncate_prompt_tokens": 2,
+    ... "truncation_side": "right"}), truncated([1, 2], {"truncate_prompt_tokens": 5})
+    ([3, 4], [1, 2], [1, 2])
+    """
+    keep = as_int(body.get("truncate_prompt_tokens"))
+    side = body.get("truncation_side", "left")
+    if keep is None or keep < 1 or keep >= len(tokens) or side not in ("left", "right", None):
+        return tokens
+    return tokens[:keep] if side == "right" else tokens[-keep:]
+
+
+def _request_tokens(
+    body: dict[str, Any], *, chat: bool, encoder: PromptEncoding, max_token_id: int | None
+) -> list[int]:
+    """:func:`request_tokens` before truncation."""
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
