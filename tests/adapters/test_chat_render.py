@@ -499,3 +499,29 @@ def test_continuing_a_final_message_of_content_parts_continues_its_last_text(tmp
     images_only = {**body, "messages": [{"role": "assistant", "content": [{"type": "image_url", "image_url": "x"}]}]}
     with pytest.raises(InvalidPromptError, match="the final message has no text to continue"):
         encoder.encode_chat_request(images_only)
+
+
+def test_the_sidecar_truncates_as_the_proxy_does(encoder: PromptEncoder) -> None:
+    """The OpenAI paths of the sidecar route on the tokens vLLM keeps for ``truncate_prompt_tokens``, text, ids and
+    chats alike (the proxy's ``truncated``); the options go with the prompt, not instead of its checks."""
+    sidecar = Sidecar(Router(block_size=16), backends=BACKENDS, encoder=encoder)
+    chat = {"messages": [{"role": "user", "content": "Paris?"}], "tools": [WEATHER]}
+    for path, body in (("/v1/completions", {"prompt": "Count the rows of every table."}),
+                       ("/v1/completions", {"prompt": list(range(40))}),
+                       ("/v1/chat/completions", chat)):  # fmt: skip
+        whole = call(sidecar, "POST", path, body).json()["prompt_tokens"]
+        assert whole > 20
+        for side in ("left", "right"):
+            cut = call(sidecar, "POST", path, {**body, "truncate_prompt_tokens": 20, "truncation_side": side})
+            assert cut.json()["prompt_tokens"] == 20, (path, cut.text)
+        assert call(sidecar, "POST", path, {**body, "truncate_prompt_tokens": -1}).json()["prompt_tokens"] == whole
+    bare = Sidecar(Router(block_size=16), backends=BACKENDS)  # no tokenizer: ids still route, text is a 400
+    assert (
+        call(bare, "POST", "/v1/completions", {"prompt": [1, 2, 3], "truncate_prompt_tokens": 2}).json()[
+            "prompt_tokens"
+        ]
+        == 2
+    )
+    assert call(bare, "POST", "/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 2}).status_code == 400
+    past = call(sidecar, "POST", "/v1/completions", {"prompt": [10**6], "truncate_prompt_tokens": 2})
+    assert past.status_code == 400 and "out of vocabulary" in past.json()["error"]

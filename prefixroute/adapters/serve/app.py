@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from prefixroute._numbers import as_int, shown
-from prefixroute.adapters.proxy.prompts import chat_tokens, text_tokens
+from prefixroute.adapters.proxy.prompts import chat_tokens, text_tokens, truncated
 from prefixroute.adapters.serve.contract import (
     MAX_REQUEST_BACKENDS,
     BadRequest,
@@ -379,6 +379,8 @@ class Sidecar:
         return None if model == self._models[0] else model
 
     def _tokens(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, dict):  # a request with its options: tokens as vLLM keeps them (truncated)
+            return truncated(self._request_tokens(prompt), prompt)
         if _is_token_ids(prompt):
             tokens = prompt
             if self._max_token_id is not None and max(tokens) > self._max_token_id:
@@ -390,11 +392,22 @@ class Sidecar:
         try:
             if isinstance(prompt, str):
                 return self._encoder.encode(prompt)
-            if isinstance(prompt, dict):
-                if "messages" in prompt:
-                    return chat_tokens(self._encoder, prompt)
-                return text_tokens(self._encoder, prompt["prompt"], prompt)
             return self._encoder.encode_chat(prompt)  # type: ignore[arg-type]
+        except (ValueError, TypeError) as exc:
+            raise BadRequest(400, str(exc)) from None
+
+    def _request_tokens(self, request: dict[str, Any]) -> list[int]:
+        """The tokens of a request with options: a chat's (:func:`chat_tokens`), a text's (:func:`text_tokens`),
+        or token ids as :meth:`_tokens` takes them."""
+        prompt: Any = request.get("prompt")  # openai_prompt's: text or token ids, with a chat none
+        if "messages" not in request and not isinstance(prompt, str):
+            return self._tokens(prompt)
+        if self._encoder is None:
+            raise BadRequest(400, "text prompts need a tokenizer: send 'prompt_token_ids', or start with --tokenizer")
+        try:
+            if "messages" in request:
+                return chat_tokens(self._encoder, request)
+            return text_tokens(self._encoder, prompt, request)
         except (ValueError, TypeError) as exc:
             raise BadRequest(400, str(exc)) from None
 

@@ -79,6 +79,8 @@ class RouteBody(msgspec.Struct):
     reasoning_effort: str | None | msgspec.UnsetType = msgspec.UNSET
 
 
+_PROMPT_OPTIONS = ("add_special_tokens", "truncate_prompt_tokens", "truncation_side")
+"""What of a completion request, besides its prompt, vLLM's tokenizing follows."""
 CHAT_OPTIONS = (
     "tools",
     "documents",
@@ -274,8 +276,8 @@ def openai_prompt(path: str, body: bytes) -> tuple[Prompt, str | None]:
     """The prompt and model of an OpenAI ``/v1/completions`` or ``/v1/chat/completions`` request body.
 
     A batch of prompts is routed by its first one; a chat by the whole request (its ``tools`` and template options
-    render with its messages); a text prompt with vLLM's ``add_special_tokens`` as ``{"prompt", "add_special_tokens"}``.
-    O(len(body)).
+    render with its messages, its ``truncate_prompt_tokens`` cuts them); a prompt with vLLM's ``add_special_tokens``,
+    ``truncate_prompt_tokens`` or ``truncation_side`` as ``{"prompt", ...those}``. O(len(body)).
 
     Raises:
         BadRequest: 400 when the body is not such a request (no usable ``prompt`` or ``messages``, or a message
@@ -302,12 +304,11 @@ def openai_prompt(path: str, body: bytes) -> tuple[Prompt, str | None]:
     prompt = request.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
         prompt = prompt[0]  # a batch: its first prompt decides
+    options = {name: request[name] for name in _PROMPT_OPTIONS if name in request}
     if isinstance(prompt, str) and prompt:
-        if "add_special_tokens" in request:  # vLLM's field, which the encoder follows
-            return {"prompt": prompt, "add_special_tokens": request["add_special_tokens"]}, model
-        return prompt, model
+        return ({"prompt": prompt, **options} if options else prompt), model
     if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < 2**32 for t in prompt):
-        return prompt, model
+        return ({"prompt": prompt, **options} if options else prompt), model
     raise BadRequest(400, "a completion needs 'prompt': a non-empty string or list of token ids in [0, 2**32)")
 
 
