@@ -304,12 +304,14 @@ def test_continuing_a_message_the_template_does_not_write_is_refused(
 
 
 def test_without_a_template_the_options_change_nothing(tmp_path: Path) -> None:
-    encoder = byte_tokenizer(tmp_path / "model", "")
-    (tmp_path / "model" / "tokenizer_config.json").write_text("{}")
+    """Messages are serialised role by role then (serialise_chat): the template's options have nowhere to go."""
+    byte_tokenizer(tmp_path / "model", "")
+    (tmp_path / "model" / "tokenizer_config.json").write_text("{}")  # no template
     encoder = PromptEncoder(tmp_path / "model")
     chat = [{"role": "user", "content": "Hi"}]
     assert not encoder.has_chat_template
-    assert encoder.encode_chat_request({"messages": chat, "tools": [WEATHER]}) == encoder.encode_chat(chat)
+    options = {"tools": [WEATHER], "documents": [{"title": "a", "text": "b"}], "reasoning_effort": "low"}
+    assert encoder.encode_chat_request({"messages": chat, **options}) == encoder.encode_chat(chat)
 
 
 def test_the_proxy_routes_a_chat_on_its_tools_as_the_engine_computes_it(encoder: PromptEncoder, tmp_path: Path) -> None:
