@@ -379,37 +379,29 @@ class Sidecar:
         return None if model == self._models[0] else model
 
     def _tokens(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, dict):  # a request with its options: tokens as vLLM keeps them (truncated)
-            return truncated(self._request_tokens(prompt), prompt)
+        """The token ids of a prompt; of a request with its options (a dict: a chat, or a prompt with vLLM's
+        tokenizing fields), as vLLM keeps them (:func:`truncated`)."""
+        request = prompt if isinstance(prompt, dict) else None
+        if request is not None and "messages" not in request:
+            prompt = request["prompt"]  # openai_prompt's: text or token ids
         if _is_token_ids(prompt):
             tokens = prompt
             if self._max_token_id is not None and max(tokens) > self._max_token_id:
                 raise BadRequest(400, f"Token id {max(tokens)} is out of vocabulary (the model's largest is "
                                       f"{self._max_token_id})")  # fmt: skip
-            return tokens
-        if self._encoder is None:
+        elif self._encoder is None:
             raise BadRequest(400, "text prompts need a tokenizer: send 'prompt_token_ids', or start with --tokenizer")
-        try:
-            if isinstance(prompt, str):
-                return self._encoder.encode(prompt)
-            return self._encoder.encode_chat(prompt)  # type: ignore[arg-type]
-        except (ValueError, TypeError) as exc:
-            raise BadRequest(400, str(exc)) from None
-
-    def _request_tokens(self, request: dict[str, Any]) -> list[int]:
-        """The tokens of a request with options: a chat's (:func:`chat_tokens`), a text's (:func:`text_tokens`),
-        or token ids as :meth:`_tokens` takes them."""
-        prompt: Any = request.get("prompt")  # openai_prompt's: text or token ids, with a chat none
-        if "messages" not in request and not isinstance(prompt, str):
-            return self._tokens(prompt)
-        if self._encoder is None:
-            raise BadRequest(400, "text prompts need a tokenizer: send 'prompt_token_ids', or start with --tokenizer")
-        try:
-            if "messages" in request:
-                return chat_tokens(self._encoder, request)
-            return text_tokens(self._encoder, prompt, request)
-        except (ValueError, TypeError) as exc:
-            raise BadRequest(400, str(exc)) from None
+        else:
+            try:
+                if request is not None and "messages" in request:
+                    tokens = chat_tokens(self._encoder, request)
+                elif isinstance(prompt, str):
+                    tokens = text_tokens(self._encoder, prompt, request or {})
+                else:
+                    tokens = self._encoder.encode_chat(prompt)  # type: ignore[arg-type]
+            except (ValueError, TypeError) as exc:
+                raise BadRequest(400, str(exc)) from None
+        return tokens if request is None else truncated(tokens, request)
 
     @property
     def _seen(self) -> list[str]:

@@ -478,15 +478,9 @@ def _loops_over_content(tree: Any) -> bool:
             content_parameters[id(loop)] = given
     for loop in loops:
         over = loop.iter
-        if (
-            takes_content(over)
-            or isinstance(over, nodes.Name)
-            and (
-                over.name in content_parameters.get(id(loop), ())
-                if id(loop) in content_parameters
-                else over.name == "content"
-            )
-        ):
+        # inside a macro: over a parameter given a content; outside: over a name "content"
+        contents = content_parameters.get(id(loop), {"content"})
+        if takes_content(over) or isinstance(over, nodes.Name) and over.name in contents:
             return isinstance(loop.target, nodes.Name)
     return False
 
