@@ -138,8 +138,8 @@ def is_json_media_type(content_type: str | None) -> bool:
 
 Prompt = list[int] | str | list[dict[str, Any]] | dict[str, Any]
 """What a request asks to route: token ids, a text prompt, chat messages (to render with a chat template), or a
-request with its options: a chat (its messages rendered with its tools and template options) or a text prompt with
-``add_special_tokens``."""
+request with its options: a chat (its messages rendered with its tools and template options) or a prompt (text or
+token ids) with vLLM's tokenizing fields (:data:`_PROMPT_OPTIONS`)."""
 
 
 def without_bom(body: bytes) -> bytes:
