@@ -24,10 +24,12 @@ import pickle
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from _args import Parser, check_output, positive_int
 
 from prefixroute import Candidate, PredictedTTFT, kv_fraction
+from prefixroute.policies import _overflows
 from prefixroute.sim.compare import compared_policies, default_policy_name, run_grid
 from prefixroute.sim.metrics import PolicyResult
 from prefixroute.sim.suite import judge, suite_workloads
@@ -261,6 +263,35 @@ class EngineUsageFloor(PredictedTTFT):
         return cost * (1.0 - min(own, self.kv_cap)) / (1.0 - min(usage, self.kv_cap))
 
 
+class WithoutAttention(PredictedTTFT):
+    """The default before 2026-12-07: prefill counted in tokens only, ``attention_tokens`` ignored (as every
+    ``_Variant`` and ``_FitVariant`` above, written before it). On the Mooncake synthetic trace at its own rate on 4 ×
+    llama-3-8b/h100-80gb, an overload, it serves 1.67 req/s at a P99 TTFT of 1,223 s where the default serves
+    2.20 req/s at 722 s: it balanced tokens, and the backends that took the long prompts queued more seconds per
+    token (docs/policies.md, "Attention")."""
+
+    label = "tokens only (no attention fit)"
+
+    def cost(self, candidate: Candidate, *, speed: float = 1.0, **cap_terms: Any) -> float:
+        return super().cost(candidate._replace(attention_tokens=None), speed=speed, **cap_terms)
+
+
+class HarmInTokens(PredictedTTFT):
+    """Attention counted in the prefill queued and the request's own (:attr:`~prefixroute.Candidate.prefill_work`),
+    but the requests its prefill holds up counted as waiting for its tokens only. The first form tried (2026-12-07):
+    the same overload gain, but on the suite's Mooncake trace a P99 of 38,322 ms (the default 13,209): the requests
+    held up weigh less than the queue, so the backends streaming many answers took the long prefills."""
+
+    label = "attention, harm in tokens"
+
+    def cost(self, candidate: Candidate, *, speed: float = 1.0, **cap_terms: Any) -> float:
+        plain = candidate._replace(attention_tokens=None)
+        tokens_only = super().cost(plain, speed=speed, **cap_terms)
+        fraction = 1.0 if _overflows(candidate) else kv_fraction(candidate)
+        added = candidate.prefill_work - plain.prefill_work  # the attention of the queued and the own prefill
+        return tokens_only + added / speed / (1.0 - min(fraction, self.kv_cap))
+
+
 class LearnedSpeeds(PredictedTTFT):
     """The default with ``use_speed=True``, by name for ``prefixroute simulate --policy default_variants:LearnedSpeeds``
     (run from this folder); not one of the variants judged below."""
@@ -286,6 +317,8 @@ VARIANTS = (
     CapInPrefillToo,
     HarmOnAllInFlight,
     OvercommitWait,
+    WithoutAttention,
+    HarmInTokens,
 )
 
 

@@ -61,6 +61,12 @@ class Candidate(NamedTuple):
     reads); ``in_prefill`` how many of its requests there have no first token yet; ``block_size`` the router's
     tokens per block, the unit of the block figures. Where the gateway reports no first tokens, the engine's
     waiting queue (:meth:`Router.set_engine_load`) tells which requests are past their prefill instead.
+    ``pending_prefill_context`` is the attention of that pending prefill work: for each of those requests, its
+    uncached tokens times the context each token attends to (``u × m + u × (u + 1) / 2`` for ``u`` uncached tokens
+    after ``m`` cached ones, the token × context pairs its prefill computes). ``attention_tokens`` is the context
+    length at which a prefill token's attention costs as much as the rest of its compute, fitted over the fleet from
+    first-token times (see :attr:`Candidate.prefill_work`); None until the fit holds (no first tokens reported, or
+    waits that do not grow with context), and the same for every candidate of a choice.
 
     A ``NamedTuple``: built once per backend per request, it costs a quarter of a frozen dataclass. Its fields are
     not checked when it is built; a built-in policy whose rule fails on one of the wrong type or an impossible value
@@ -81,6 +87,8 @@ class Candidate(NamedTuple):
     active_blocks: int = 0
     in_prefill: int = 0
     block_size: int = 16
+    pending_prefill_context: int = 0
+    attention_tokens: float | None = None
 
     @property
     def load(self) -> int:
@@ -91,6 +99,18 @@ class Candidate(NamedTuple):
     def uncached_tokens(self) -> int:
         """This request's prompt tokens that this backend would have to prefill."""
         return self.prompt_tokens - self.matched_tokens
+
+    @property
+    def prefill_work(self) -> float:
+        """The prefill queued here plus this request's own, in tokens of prefill work: ``pending_prefill_tokens +
+        uncached_tokens``, and, once ``attention_tokens`` is known, their token × context pairs over it (a token
+        late in a long prompt costs more than one early in a short one)."""
+        uncached = self.prompt_tokens - self.matched_tokens
+        work: float = self.pending_prefill_tokens + uncached
+        if self.attention_tokens:
+            pairs = uncached * self.matched_tokens + uncached * (uncached + 1) / 2
+            work += (self.pending_prefill_context + pairs) / self.attention_tokens
+        return work
 
 
 class LoadPolicy(ABC):
@@ -139,7 +159,7 @@ def _require_candidates(candidates: Sequence[Candidate]) -> None:
 
 _CANDIDATE = frozenset({Candidate})
 _NOT_CANDIDATES = (str, bytes, bytearray, memoryview)
-_OPTIONAL_REALS = frozenset({"kv_usage", "prefill_tokens_per_s"})
+_OPTIONAL_REALS = frozenset({"kv_usage", "prefill_tokens_per_s", "attention_tokens"})
 _OPTIONAL = _OPTIONAL_REALS | {"queue_len", "capacity_blocks"}
 
 _Policy = TypeVar("_Policy", bound=LoadPolicy)
@@ -187,9 +207,9 @@ def _check_fields(candidates: Sequence[Candidate], error: Exception | None) -> N
 
 def _field_fault(name: str, value: object) -> tuple[type[PrefixRouteError], str] | None:
     """What is wrong with the value of a :class:`Candidate`'s field ``name``: the error to raise and what the value
-    must be; None if nothing. ``backend`` a str; ``kv_usage`` a finite real ≥ 0 and ``prefill_tokens_per_s`` one
-    > 0; ``block_size`` an int ≥ 1, every other field an int ≥ 0; ``queue_len``, ``capacity_blocks`` and the two
-    reals may be None."""
+    must be; None if nothing. ``backend`` a str; ``kv_usage`` a finite real ≥ 0, ``prefill_tokens_per_s`` and
+    ``attention_tokens`` ones > 0; ``block_size`` an int ≥ 1, every other field an int ≥ 0; ``queue_len``,
+    ``capacity_blocks`` and the three reals may be None."""
     if name == "backend":
         return None if isinstance(value, str) else (InvalidTypeError, "a str")
     if value is None and name in _OPTIONAL:
@@ -199,7 +219,7 @@ def _field_fault(name: str, value: object) -> tuple[type[PrefixRouteError], str]
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             return InvalidTypeError, f"a real number{either}"
         number = as_float(value)
-        if name == "prefill_tokens_per_s":
+        if name != "kv_usage":
             return None if number is not None and number > 0 else (ConfigurationError, "finite and above 0")
         return None if number is not None and number >= 0 else (ConfigurationError, "finite and at least 0")
     integer = as_int(value)
@@ -416,7 +436,9 @@ class PredictedTTFT(LoadPolicy):
 
         per_request = min(common, typical) + uncached_tokens - common      # = uncached_tokens, short prompts
         harm = per_request × in_flight + uncached_tokens × in_prefill
-        cost = (pending_prefill_tokens + uncached_tokens + harm × runnable) / (1 - min(kv_fraction, kv_cap))
+        cost = (prefill_work + harm × runnable) / (1 - min(kv_fraction, kv_cap))
+        prefill_work = pending_prefill_tokens + uncached_tokens            # until attention_tokens is known, then
+                     + (pending_prefill_context + own pairs) / attention_tokens
         runnable = min(1, capacity_blocks / active_blocks)                 # 1 when the capacity is unknown
 
     (``common`` and ``typical`` from :meth:`cap_terms`), where a backend whose known capacity cannot take this
@@ -427,7 +449,12 @@ class PredictedTTFT(LoadPolicy):
 
     That is, in tokens of prefill work, the wait the request adds to every request's; no constant depends on the
     model or the GPU: tokens compare the backends of one fleet without knowing their speed, the factors are
-    counts, and the cap is read from the requests in flight. ``kv_fraction`` (:func:`kv_fraction`) is the router's
+    counts, and the cap is read from the requests in flight. The prefill queued ahead and the request's own
+    (:attr:`Candidate.prefill_work`) count what attention adds once the router has learned it: a token late in a
+    long prompt attends to all before it, so where first-token waits grow with the context queued
+    (:attr:`Candidate.attention_tokens`, fitted from first tokens), each token × context pair of that prefill adds
+    ``1 / attention_tokens`` of a token, and a backend holding long prompts is not taken for one holding as many
+    tokens of short ones. ``kv_fraction`` (:func:`kv_fraction`) is the router's
     distinct in-flight blocks over the backend's capacity when that is known (a shared prefix counted once; requests
     still waiting for memory included), else the engine's ``kv_usage`` from metrics, else 0. ``kv_cap`` (0.95)
     bounds the stretch at 20×, so a full backend is a poor choice but never an impossible one. With
@@ -495,8 +522,8 @@ class PredictedTTFT(LoadPolicy):
             uncached = candidate.uncached_tokens
             common = min(common_tokens, uncached)
             per_request = min(common, typical_prompt) + uncached - common
-            harm = (per_request * in_flight + uncached * in_prefill) * _runnable(candidate)
-            work = candidate.pending_prefill_tokens + uncached + harm
+            harm = (per_request * in_flight + uncached * in_prefill) * _runnable(candidate) * _token_work(candidate)
+            work = candidate.prefill_work + harm
             fraction = 1.0 if _overflows(candidate) else kv_fraction(candidate)
             return work / speed / (1.0 - min(fraction, self.kv_cap))
         except PrefixRouteError:
@@ -529,7 +556,7 @@ class PredictedTTFT(LoadPolicy):
         common = -1
         flying = held = 0
         try:
-            for _, matched, prompt, in_flight, _, _, _, blocks, _, _, _, _, size in candidates:
+            for _, matched, prompt, in_flight, _, _, _, blocks, _, _, _, _, size, _, _ in candidates:
                 if common < 0 or prompt - matched < common:
                     common = prompt - matched
                 if blocks > 0:  # a hand-built candidate may count requests in flight without their blocks
@@ -571,8 +598,14 @@ class PredictedTTFT(LoadPolicy):
         best = candidates[0]
         best_cost = math.inf
         for candidate in candidates:
-            _, matched, prompt, in_flight, queued, usage, pending, _, capacity, _, active, in_prefill, size = candidate
+            (_, matched, prompt, in_flight, queued, usage, pending, _, capacity, _, active, in_prefill, size,
+             context, attention) = candidate  # fmt: skip
             uncached = prompt - matched
+            per_token = 1.0
+            work: float = pending + uncached
+            if attention:  # Candidate.prefill_work and _token_work(), inlined
+                per_token += (matched + (uncached + 1) / 2) / attention  # as computed there, to the last bit
+                work += (context + uncached * matched + uncached * (uncached + 1) / 2) / attention
             runnable = 1.0
             if capacity:
                 fraction = active / capacity  # kv_fraction(), _overflows() and _runnable(), inlined
@@ -590,8 +623,8 @@ class PredictedTTFT(LoadPolicy):
                 if in_flight < queued:
                     in_flight = queued
             per_request = capped + uncached - common
-            harm = (per_request * in_flight + uncached * in_prefill) * runnable
-            predicted = (pending + uncached + harm) / (1.0 - fraction)
+            harm = (per_request * in_flight + uncached * in_prefill) * runnable * per_token
+            predicted = (work + harm) / (1.0 - fraction)
             if predicted < best_cost:
                 best, best_cost = candidate, predicted
         return best
@@ -624,6 +657,15 @@ def kv_fraction(candidate: Candidate) -> float:
         _check_fields((candidate,), None)
         return float(usage)
     return usage
+
+
+def _token_work(candidate: Candidate) -> float:
+    """What one of the request's uncached tokens costs on ``candidate`` in tokens of prefill work: 1, plus the mean
+    context it attends to over :attr:`Candidate.attention_tokens` once that is known."""
+    attention = candidate.attention_tokens
+    if not attention:
+        return 1.0
+    return 1.0 + (candidate.matched_tokens + (candidate.uncached_tokens + 1) / 2) / attention
 
 
 def _require_candidate(candidate: object, what: str = "the cost model") -> None:

@@ -51,6 +51,51 @@ _QUEUE_LIMIT = 2**63
 # A prefill-speed estimate follows observed first tokens with this weight per observation (unit-free).
 _SPEED_WEIGHT = 0.2
 
+# The attention fit weighs each earlier first token this much less than the next one (unit-free: about the last 50
+# count), and takes no fit whose two figures are this close to proportional (a squared correlation over 1 - this).
+_FIT_MEMORY = 0.98
+_FIT_COLLINEAR = 1e-6
+_FIT_SIGNIFICANCE = 3.0
+
+
+class _AttentionFit:
+    """A fleet-wide least-squares fit, with forgetting, of each request's wait for its first token on the prefill
+    queued ahead of it (its own included) in tokens and in token × context pairs: ``wait ≈ a × tokens + b × pairs``.
+    ``tokens`` is ``a / b``, the context length at which a prefill token's attention costs as much as the rest of its
+    compute: None until both figures are positive and ``b`` is :data:`_FIT_SIGNIFICANCE` standard errors from 0 (where
+    waits do not grow with context, or noise hides how, nothing is fitted). O(1) a first token."""
+
+    __slots__ = ("_sums", "tokens")
+
+    def __init__(self) -> None:
+        # Σ x1², Σ x1·x2, Σ x2², Σ x1·y, Σ x2·y, Σ y², Σ 1, each observation weighed by its age
+        self._sums = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        self.tokens: float | None = None
+
+    def add(self, tokens: int, pairs: int, seconds: float) -> None:
+        x1, x2, y, f = float(tokens), float(pairs), seconds, _FIT_MEMORY
+        s11, s12, s22, s1y, s2y, syy, n = self._sums
+        sums = (
+            f * s11 + x1 * x1,
+            f * s12 + x1 * x2,
+            f * s22 + x2 * x2,
+            f * s1y + x1 * y,
+            f * s2y + x2 * y,
+            f * syy + y * y,
+            f * n + 1.0,
+        )
+        if not all(map(math.isfinite, sums)):  # a prompt of billions of tokens, or a clock gone wrong: not learned
+            return
+        self._sums = s11, s12, s22, s1y, s2y, syy, n = sums
+        self.tokens = None
+        det = s11 * s22 - s12 * s12
+        if n <= 2.0 or not det > _FIT_COLLINEAR * s11 * s22:  # too few, or the two figures move together
+            return
+        a, b = (s22 * s1y - s12 * s2y) / det, (s11 * s2y - s12 * s1y) / det
+        residual = max(0.0, syy - a * s1y - b * s2y) / (n - 2.0)
+        if a > 0.0 and b > 0.0 and b * b * det > _FIT_SIGNIFICANCE**2 * residual * s11:
+            self.tokens = a / b if math.isfinite(a / b) else None
+
 
 def _anchor_depths(limit: int = 1 << 26) -> tuple[int, ...]:
     """Block positions where :class:`_Footprint` samples prompts: every block up to 8, then 1/4 further each."""
@@ -121,8 +166,8 @@ class _Footprint:
         self.blocks -= removed
 
 
-_Figures: TypeAlias = "tuple[int, int | None, float | None, int, int, int | None, float | None, int, int, int]"
-"""A backend's :class:`Candidate` fields from ``in_flight`` on, in field order."""
+_Figures: TypeAlias = "tuple[int, int | None, float | None, int, int, int | None, float | None, int, int, int, int]"
+"""A backend's :class:`Candidate` fields from ``in_flight`` to ``pending_prefill_context``, in field order."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +220,8 @@ class _Request:
     __slots__ = (
         "backend",
         "blocks",
+        "context",
+        "context_before",
         "deadline",
         "footprint",
         "hashes",
@@ -196,9 +243,13 @@ class _Request:
         footprint: tuple[tuple[int, ...], int],
         hashes: Sequence[int],
         held: int,
+        context: int,
+        context_before: int,
     ) -> None:
         self.backend = backend
         self.uncached = uncached
+        self.context = context  # its prefill's token × context pairs (see Candidate.pending_prefill_context)
+        self.context_before = context_before
         self.blocks = blocks
         self.pending_before = pending_before
         self.started_at = started_at
@@ -291,6 +342,7 @@ class Router:
         # Per backend: requests in flight, uncached prompt tokens still in prefill, prompt blocks in flight.
         self._in_flight: dict[str, int] = {}
         self._pending: dict[str, int] = {}
+        self._context: dict[str, int] = {}  # the same prefill work's token x context pairs
         self._held: dict[str, int] = {}
         self._prefilling: dict[str, int] = {}  # requests in flight without a first token
         # The same requests per backend, oldest start first (an ordered set), for _infer_prefilled; and what tells
@@ -302,6 +354,7 @@ class Router:
         self._footprints: dict[str, _Footprint] = {}
         self._active: dict[str, int] = {}  # distinct KV blocks in flight: each footprint's figure, for _candidates
         self._speed: dict[str, float] = {}  # observed prefill tokens/s
+        self._attention = _AttentionFit()  # fleet-wide, from first tokens: Candidate.attention_tokens
         self._queue_len: dict[str, int | None] = {}  # engine figures from set_engine_load()
         self._kv_usage: dict[str, float | None] = {}
         # Each backend's Candidate fields after the first three, built when a route needs them and dropped when
@@ -498,9 +551,10 @@ class Router:
         # Candidate._make is the NamedTuple's documented constructor from an iterable; it builds exactly what
         # Candidate(...) does (a NamedTuple has no __init__ or checks to run) at about half the cost per backend.
         make = Candidate._make
+        fleet = (self._attention.tokens,)
         return tuple(
             [
-                make((backend, matched[backend] * block_size, prompt_len) + (cached(backend) or build(backend)))
+                make((backend, matched[backend] * block_size, prompt_len) + (cached(backend) or build(backend)) + fleet)
                 for backend in order
             ]
         )
@@ -517,6 +571,7 @@ class Router:
             self._active.get(backend, 0),
             self._prefilling.get(backend, 0),
             self._hasher.block_size,
+            self._context.get(backend, 0),
         )
         return figures
 
@@ -544,6 +599,7 @@ class Router:
         lease = self._lease if lease is None else _check_lease(lease)
         backend = decision.backend
         uncached = decision.prompt_tokens - decision.matched_tokens
+        context = uncached * decision.matched_tokens + uncached * (uncached + 1) // 2
         blocks = -(-decision.prompt_tokens // self._hasher.block_size)
         with self._lock:
             now = self._clock()
@@ -558,17 +614,29 @@ class Router:
                 del self._live[decision.id]  # committed elsewhere since it started: the count moves with it
                 self._release(live)
             pending = self._pending.get(backend, 0)
+            queued_context = self._context.get(backend, 0)
             footprint = self._footprints.get(backend)
             if footprint is None:
                 footprint = self._footprints[backend] = _Footprint()
             taken = footprint.add(decision._hashes, blocks, decision.matched_tokens // self._hasher.block_size)
             self._active[backend] = footprint.blocks
             request = self._live[decision.id] = _Request(
-                backend, uncached, blocks, pending, now, deadline, taken, decision._hashes, decision._held
+                backend,
+                uncached,
+                blocks,
+                pending,
+                now,
+                deadline,
+                taken,
+                decision._hashes,
+                decision._held,
+                context,
+                queued_context,
             )
             self._unprefilled.setdefault(backend, {})[request] = None
             self._in_flight[backend] = self._in_flight.get(backend, 0) + 1
             self._pending[backend] = pending + uncached
+            self._context[backend] = queued_context + context
             self._held[backend] = self._held.get(backend, 0) + blocks
             self._prefilling[backend] = self._prefilling.get(backend, 0) + 1
             self._figures.pop(backend, None)
@@ -601,6 +669,7 @@ class Router:
                 self._speed[backend] = (
                     observed if previous is None else previous + _SPEED_WEIGHT * (observed - previous)
                 )
+                self._attention.add(work, request.context_before + request.context, elapsed)
 
     def finish(self, decision: Decision | str, *, refused: bool = False) -> None:
         """Stop counting the request (its response ended, or it failed). Idempotent by id; never raises for an id.
@@ -710,6 +779,7 @@ class Router:
         backend = request.backend
         request.prefilling = False
         self._pending[backend] -= request.uncached
+        self._context[backend] -= request.context
         self._prefilling[backend] -= 1
         del self._unprefilled[backend][request]
         self._figures.pop(backend, None)
@@ -852,6 +922,7 @@ class Router:
             for figures in (
                 self._in_flight,
                 self._pending,
+                self._context,
                 self._held,
                 self._prefilling,
                 self._unprefilled,
@@ -929,29 +1000,32 @@ class Router:
             holders: dict[str, dict[int, int]] = {}
             for request in self._live.values():
                 backend = request.backend
-                figures = expected.setdefault(backend, [0, 0, 0, 0])
+                figures = expected.setdefault(backend, [0, 0, 0, 0, 0])
                 figures[0] += 1
                 figures[1] += request.blocks
                 if request.prefilling:
                     figures[2] += request.uncached
                     figures[3] += 1
+                    figures[4] += request.context
                 keys, blocks = request.footprint
                 own[backend] = own.get(backend, 0) + blocks
                 counts = holders.setdefault(backend, {})
                 for key in keys:
                     counts[key] = counts.get(key, 0) + 1
-            counters = (self._in_flight, self._held, self._pending, self._prefilling)
+            counters = (self._in_flight, self._held, self._pending, self._prefilling, self._context)
             prefilling = {r for r in self._live.values() if r.prefilling}
             assert prefilling == {r for queue in self._unprefilled.values() for r in queue}
             assert all(r.backend == backend for backend, queue in self._unprefilled.items() for r in queue)
             for backend in set(expected).union(*counters, self._footprints, self._active):
                 got = [counter.get(backend, 0) for counter in counters]
-                assert got == expected.get(backend, [0, 0, 0, 0]), (backend, got, expected.get(backend))
+                assert got == expected.get(backend, [0, 0, 0, 0, 0]), (backend, got, expected.get(backend))
                 footprint = self._footprints.get(backend)
                 groups = footprint._groups if footprint is not None else {}
                 assert {key: group[1] for key, group in groups.items()} == holders.get(backend, {}), backend
                 distinct = own.get(backend, 0) + sum(group[0] for group in groups.values())
                 assert (footprint.blocks if footprint else 0) == distinct == self._active.get(backend, 0), backend
+            tokens = self._attention.tokens
+            assert tokens is None or 0.0 < tokens < math.inf, tokens
             check = getattr(self._index, "_check", None)
             if check is not None:  # under the lock: a route() on another thread may be inserting
                 check()

@@ -64,7 +64,7 @@ def test_bench_tokenize_prints_both_prompt_kinds_per_tokenizer() -> None:
 
 def test_default_variants_prints_a_row_per_variant() -> None:
     rows = [line for line in run("default_variants.py", "--quick", "--jobs", "1").splitlines() if line[-1:].isdigit()]
-    assert len(rows) == 17 and rows[0].startswith("predicted-ttft (the default)")  # the default and 16 variants
+    assert len(rows) == 19 and rows[0].startswith("predicted-ttft (the default)")  # the default and 18 variants
     quick = ("--quick", "--jobs", "1", "--metrics", "--only", "EngineUsageFloor")
     rows = [line for line in run("default_variants.py", *quick).splitlines() if line[-1:].isdigit()]
     assert len(rows) == 2 and rows[1].startswith("engine kv_usage as a floor")  # judged on the runs with metrics

@@ -68,6 +68,8 @@ candidate_lists = st.lists(
         active_blocks=st.integers(0, 5000),
         in_prefill=st.integers(0, 50),
         block_size=st.integers(1, 256),  # the router's block size: never below 1
+        pending_prefill_context=st.integers(0, 10**10),
+        attention_tokens=st.none() | st.floats(1.0, 1e6),
     ),
     min_size=1,
     max_size=12,
