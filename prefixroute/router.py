@@ -646,8 +646,9 @@ class Router:
     def first_token(self, decision: Decision | str) -> None:
         """Note that the request's prefill is done (its first token came back); optional, idempotent. O(1).
 
-        Its uncached tokens leave the backend's pending prefill work, and the time since :meth:`start` updates the
-        backend's observed prefill speed. A request that is not in flight is ignored and counted. Once called, the
+        Its uncached tokens (and their token × context pairs) leave the backend's pending prefill work, and the time
+        since :meth:`start` updates the backend's observed prefill speed and the fleet's fit of what attention costs
+        (:attr:`Candidate.attention_tokens`). A request that is not in flight is ignored and counted. Once called, the
         router stops inferring prefills from the engines' queues (see :meth:`set_engine_load`).
         """
         decision_id = _id_of(decision)
