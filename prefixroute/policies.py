@@ -436,9 +436,10 @@ class PredictedTTFT(LoadPolicy):
 
         per_request = min(common, typical) + uncached_tokens - common      # = uncached_tokens, short prompts
         harm = per_request × in_flight + uncached_tokens × in_prefill
-        cost = (prefill_work + harm × runnable) / (1 - min(kv_fraction, kv_cap))
+        cost = (prefill_work + harm × runnable × per_token) / (1 - min(kv_fraction, kv_cap))
         prefill_work = pending_prefill_tokens + uncached_tokens            # until attention_tokens is known, then
                      + (pending_prefill_context + own pairs) / attention_tokens
+        per_token = 1 + (matched_tokens + (uncached_tokens + 1) / 2) / attention_tokens   # 1 until it is known
         runnable = min(1, capacity_blocks / active_blocks)                 # 1 when the capacity is unknown
 
     (``common`` and ``typical`` from :meth:`cap_terms`), where a backend whose known capacity cannot take this
@@ -454,7 +455,9 @@ class PredictedTTFT(LoadPolicy):
     long prompt attends to all before it, so where first-token waits grow with the context queued
     (:attr:`Candidate.attention_tokens`, fitted from first tokens), each token × context pair of that prefill adds
     ``1 / attention_tokens`` of a token, and a backend holding long prompts is not taken for one holding as many
-    tokens of short ones. ``kv_fraction`` (:func:`kv_fraction`) is the router's
+    tokens of short ones; the requests the prefill holds up wait as long as it takes, ``per_token`` for each of its
+    tokens (``own pairs`` are ``uncached_tokens × matched_tokens + uncached_tokens × (uncached_tokens + 1) / 2``).
+    ``kv_fraction`` (:func:`kv_fraction`) is the router's
     distinct in-flight blocks over the backend's capacity when that is known (a shared prefix counted once; requests
     still waiting for memory included), else the engine's ``kv_usage`` from metrics, else 0. ``kv_cap`` (0.95)
     bounds the stretch at 20×, so a full backend is a poor choice but never an impossible one. With

@@ -52,7 +52,8 @@ _QUEUE_LIMIT = 2**63
 _SPEED_WEIGHT = 0.2
 
 # The attention fit weighs each earlier first token this much less than the next one (unit-free: about the last 50
-# count), and takes no fit whose two figures are this close to proportional (a squared correlation over 1 - this).
+# count), takes no fit whose two figures are this close to proportional (a squared correlation over 1 - this), and
+# none whose pairs' coefficient is fewer standard errors than this from 0.
 _FIT_MEMORY = 0.98
 _FIT_COLLINEAR = 1e-6
 _FIT_SIGNIFICANCE = 3.0

@@ -530,7 +530,8 @@ def test_concurrent_routes_namespaces_removals_capacity_changes_and_clears_leave
     router.expire()
     assert router.stats().in_flight == 0
     assert [counters(router, b) for b in backends] == [(0, 0, 0)] * len(backends)
-    router._check()
+    assert [router.decide([1], [b]).candidates[0].pending_prefill_context for b in backends] == [0] * len(backends)
+    router._check()  # every counter, the distinct blocks and the attention fit's figure (None or above 0)
 
 
 def test_many_namespaces_from_many_threads(switchy: None) -> None:
