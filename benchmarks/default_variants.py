@@ -279,7 +279,7 @@ class WithoutAttention(PredictedTTFT):
 class HarmInTokens(PredictedTTFT):
     """Attention counted in the prefill queued and the request's own (:attr:`~prefixroute.Candidate.prefill_work`),
     but the requests its prefill holds up counted as waiting for its tokens only. The first form tried (2026-12-07):
-    the same overload gain, but on the suite's Mooncake trace a P99 of 38,322 ms (the default 13,209): the requests
+    the same overload gain, but on the suite's Mooncake trace a P99 of 32,426 ms (the default 13,209): the requests
     held up weigh less than the queue, so the backends streaming many answers took the long prefills."""
 
     label = "attention, harm in tokens"
