@@ -3,9 +3,14 @@ first-token waits that gives ``Candidate.attention_tokens``, and how the default
 
 from __future__ import annotations
 
+import math
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from prefixroute import Candidate, PredictedTTFT, Router
+from prefixroute.router import _AttentionFit
 
 from ..conftest import FakeClock
 
@@ -129,3 +134,42 @@ def test_the_requests_a_prefill_holds_up_wait_as_long_as_its_attention_takes() -
     assert policy.cost(fitted[0]) == pytest.approx(2000 * 16.5 * 11, rel=1e-3)
     assert policy.cost(fitted[1]) == pytest.approx(32_000 + pairs(32_000) / 2000)
     assert policy.choose(fitted).backend == "idle"
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2**63), st.integers(0, 2**126), st.floats(1e-300, 1e300)),
+        max_size=40,
+    )
+)
+def test_the_fit_takes_any_observation_and_gives_none_or_a_positive_finite_figure(
+    observations: list[tuple[int, int, float]],
+) -> None:
+    fit = _AttentionFit()
+    for tokens, pairs, seconds in observations:
+        fit.add(tokens, pairs, seconds)
+        assert fit.tokens is None or 0.0 < fit.tokens < math.inf
+
+
+def test_one_wild_wait_leaves_the_cost_in_tokens_until_it_fades_and_never_gives_a_wrong_figure() -> None:
+    clock = FakeClock()
+    router = Router(block_size=16, clock=clock)
+    lengths = [100, 3000, 700, 12000, 40, 6000, 1500, 300]
+    for n, length in enumerate(lengths):
+        serve_alone(router, clock, [n * 100_000 + t for t in range(length)], (1e-4, 1e-4 / 2000))
+    assert figures(router)[2] == pytest.approx(2000, rel=1e-6)
+    stuck = router.route(list(range(900_000, 905_000)), ["a"])  # a request that waited a day for its first token
+    router.start(stuck)
+    clock.tick(86_400.0)
+    router.first_token(stuck)
+    router.finish(stuck)
+    assert figures(router)[2] is None  # its residual makes nothing significant
+    fitted = []
+    for n in range(1200):  # its weight fades by 0.98 a first token: under the others' after about 950
+        length = lengths[n % len(lengths)]
+        serve_alone(router, clock, [(n + 10) * 100_000 + t for t in range(length)], (1e-4, 1e-4 / 2000))
+        attention = figures(router)[2]
+        assert attention is None or attention == pytest.approx(2000, rel=0.05), n
+        fitted.append(attention is not None)
+    assert fitted[-1] and not fitted[500]
+    assert figures(router)[2] == pytest.approx(2000, rel=1e-3)
