@@ -26,12 +26,12 @@ from prefixroute import (
     policy_from_name,
     policy_names,
 )
-from prefixroute.policies import kv_fraction
+from prefixroute.policies import _field_fault, kv_fraction
 
 # -- the fields' checks (_field_fault's docstring: kv_usage a finite real >= 0, prefill_tokens_per_s one > 0) --------
 
-# PredictedTTFT.cost() fails on this candidate's in_prefill (the last but one field), so it checks every field
-# before it, in order, and names the first that is not as Candidate documents it.
+# PredictedTTFT.cost() fails on this candidate's in_prefill (after every field these tests replace), so it checks
+# every field before it, in order, and names the first that is not as Candidate documents it.
 FAILS_LATE = Candidate("a", 0, 64, 1, in_prefill="x")  # type: ignore[arg-type]
 
 
@@ -66,6 +66,23 @@ def test_a_prefill_speed_above_zero_is_well_formed_int_or_float(speed: float) ->
 def test_a_prefill_speed_of_zero_or_less_or_not_finite_is_named(speed: float) -> None:
     expected = f"Candidate 'a': prefill_tokens_per_s must be finite and above 0, not {speed!r}"
     assert _first_fault(prefill_tokens_per_s=speed) == expected
+
+
+@pytest.mark.parametrize("attention", [None, 1, 2000, 2000.0])
+def test_attention_tokens_above_zero_or_none_are_well_formed(attention: float | None) -> None:
+    assert _field_fault("attention_tokens", attention) is None
+
+
+@pytest.mark.parametrize("attention", [0, 0.0, -1.0, math.nan, math.inf])
+def test_attention_tokens_of_zero_or_less_or_not_finite_are_faults(attention: float) -> None:
+    assert _field_fault("attention_tokens", attention) == (ConfigurationError, "finite and above 0")
+
+
+def test_the_attention_figures_of_a_wrong_type_are_named_where_the_cost_fails_on_them() -> None:
+    with pytest.raises(InvalidTypeError, match=r"^Candidate 'a': attention_tokens must be a real number or None, not"):
+        PredictedTTFT().choose([Candidate("a", 0, 64, 1, attention_tokens="x")])  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match=r"^Candidate 'a': pending_prefill_context must be an int, not None"):
+        PredictedTTFT().cost(Candidate("a", 0, 64, 1, pending_prefill_context=None, attention_tokens=2e3))  # type: ignore[arg-type]
 
 
 def test_a_whole_prompt_matched_is_well_formed_and_more_than_the_prompt_is_named() -> None:
