@@ -63,8 +63,10 @@ def test_the_fit_finds_the_context_where_attention_costs_what_the_rest_of_a_toke
         serve_alone(router, clock, [n * 100_000 + t for t in range(length)], (per_token, per_token / attention))
         assert router._attention.tokens is None or n > 0  # one first token fits nothing
     assert figures(router)[2] == pytest.approx(attention, rel=1e-6)
-    # and a continuation, which prefills after its cached prefix, fits the same
-    serve_alone(router, clock, list(range(700_000, 712_000)) + list(range(5000)), (per_token, per_token / attention))
+    # and a continuation of the 12,000-token prompt, which prefills 5,000 tokens after its cached prefix, fits the same
+    continuation = list(range(300_000, 312_000)) + list(range(5000))
+    assert router.decide(continuation, ["a"]).matched_tokens == 12_000
+    serve_alone(router, clock, continuation, (per_token, per_token / attention))
     assert figures(router)[2] == pytest.approx(attention, rel=1e-6)
 
 
