@@ -226,8 +226,9 @@ def test_a_slow_engine_never_makes_the_others_stale() -> None:
 def test_unknown_is_healthy_until_the_stale_window_passes() -> None:
     clock = FakeClock()
     # No scrape ends during the test: the first one's answer comes after 5 s and it waits 2 s for it (a real 0.5 s
-    # timeout could pass on a loaded machine before the asserts, and a failed scrape is rightly unhealthy).
-    with FakeVLLM() as engine, Fleet(Router(), interval=0.05, timeout=2.0, stale_after=5.0, clock=clock) as fleet:
+    # timeout could pass on a loaded machine before the asserts, and a failed scrape is rightly unhealthy). The
+    # window is the default stale_after, 5 s (Fleet.__init__'s keyword default).
+    with FakeVLLM() as engine, Fleet(Router(), interval=0.05, timeout=2.0, clock=clock) as fleet:
         engine.set_metrics_fault(delay=5.0)
         fleet.add_backend("gpu0", metrics_url=engine.url)
         fleet.add_backend("events-only")
