@@ -18,6 +18,7 @@ import zmq
 from prefixroute import BlockHasher, ConfigurationError, InvalidTypeError, LeastLoaded, Router
 from prefixroute.testing import FakeVLLM
 from prefixroute.vllm import BackendStats, EventIndex, Fleet, KVEventSubscriber
+from prefixroute.vllm.fleet import _Gate
 
 from ..conftest import FakeClock, returns, wait_until
 from .conftest import SMALL_BODY, answer, events_router, fresh, http_server, settle
@@ -877,3 +878,32 @@ def test_a_backend_removed_or_closed_while_add_backend_starts_its_threads_leaves
         wait_until(lambda: not threads_of("gpu0"), what="no thread of the removed backend left running")
     finally:
         fleet.close()
+
+
+def test_a_closed_gate_lets_no_write_through_and_waits_for_the_one_in_progress() -> None:
+    router = Router(block_size=4)
+    gate = _Gate(router)
+    gate.write("gpu0", [(True, [11, 12], None)])
+    assert router.index.match([11, 12], ["gpu0"])["gpu0"] == 2
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_action(target: Router) -> None:  # a write the engine's thread is in the middle of
+        entered.set()
+        release.wait(5.0)
+        target.store("gpu0", [21])
+
+    writer = threading.Thread(target=gate.run, args=(slow_action,))
+    writer.start()
+    assert entered.wait(5.0)
+    closer = threading.Thread(target=gate.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive()  # close() waits for the write in progress
+    release.set()
+    writer.join(5.0)
+    closer.join(5.0)
+    assert not closer.is_alive() and router.index.match([21], ["gpu0"])["gpu0"] == 1
+    called: list[Router] = []
+    gate.write("gpu0", [(True, [31], None)])
+    gate.run(called.append)
+    assert router.index.match([31], ["gpu0"])["gpu0"] == 0 and called == []  # after close(): nothing goes through
