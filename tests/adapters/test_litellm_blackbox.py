@@ -69,10 +69,14 @@ def chat(text: str, system: str = SYSTEM) -> list[dict[str, Any]]:
 
 
 async def settled(hook: PrefixRouteHook, backends: list[str] = IDS) -> None:
-    """Every counter back to exactly 0 (LiteLLM runs its callbacks on a logging worker, a moment later)."""
-    for _ in range(500):
+    """Every counter back to exactly 0 (LiteLLM runs its callbacks on a logging worker, a moment later; a stream the
+    caller stopped reading ends when the collector finalizes it, which a loaded machine may leave for a while, so the
+    wait collects now and then, up to 30 s, before it asserts)."""
+    for attempt in range(3000):
         if hook.router.stats().in_flight == 0:
             break
+        if attempt % 100 == 99:
+            gc.collect()
         await asyncio.sleep(0.01)
     assert hook.router.stats().in_flight == 0
     for candidate in hook.router.decide([1] * 64, backends).candidates:
