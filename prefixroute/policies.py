@@ -65,8 +65,9 @@ class Candidate(NamedTuple):
     uncached tokens times the context each token attends to (``u × m + u × (u + 1) / 2`` for ``u`` uncached tokens
     after ``m`` cached ones, the token × context pairs its prefill computes). ``attention_tokens`` is the context
     length at which a prefill token's attention costs as much as the rest of its compute, fitted over the fleet from
-    first-token times (see :attr:`Candidate.prefill_work`); None until the fit holds (no first tokens reported, or
-    waits that do not grow with context), and the same for every candidate of a choice.
+    first-token times (:meth:`Router.first_token`; how the default counts it: :attr:`Candidate.prefill_work`);
+    None until the fit holds (no first tokens reported, or waits that do not grow with context), and the same for
+    every candidate of a choice.
 
     A ``NamedTuple``: built once per backend per request, it costs a quarter of a frozen dataclass. Its fields are
     not checked when it is built; a built-in policy whose rule fails on one of the wrong type or an impossible value

@@ -358,8 +358,9 @@ class Router:
         self._attention = _AttentionFit()  # fleet-wide, from first tokens: Candidate.attention_tokens
         self._queue_len: dict[str, int | None] = {}  # engine figures from set_engine_load()
         self._kv_usage: dict[str, float | None] = {}
-        # Each backend's Candidate fields after the first three, built when a route needs them and dropped when
-        # one changes: with 64 backends, a third less time building candidates than reading the figures anew.
+        # Each backend's Candidate fields after the first three but the last (the fleet's attention_tokens, added per
+        # route), built when a route needs them and dropped when one changes: with 64 backends, a third less time
+        # building candidates than reading the figures anew.
         self._figures: dict[str, _Figures] = {}
         self._capacity_changes = index._capacity_changes
         self._live: dict[str, _Request] = {}
