@@ -26,7 +26,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.payload import TOO_LARGE_BYTES_BODY
 from aiohttp.web_protocol import RequestPayloadError
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from prefixroute._numbers import as_float, as_int, shown
 from prefixroute.adapters._listening import close_listener
@@ -77,7 +77,8 @@ class _Relayed:
 
 _BROKE_OFF = (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 _OUTCOMES = ("ok", "backend_error", "unreachable", "client_disconnect", "bad_request", "internal_error")
-# Headers that belong to one connection (RFC 9110 7.6.1), or that the proxy sets itself: not relayed either way.
+# Headers that belong to one connection (RFC 9110 7.6.1), or that the proxy sets itself: not relayed either way; nor
+# are those a message's own Connection header names (see _end_to_end).
 _HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
                          "te", "trailer", "transfer-encoding", "upgrade", "host", "content-length"))  # fmt: skip
 # The client's headers not forwarded with its body: aiohttp has already decoded a compressed body (gzip, deflate),
@@ -429,7 +430,7 @@ class Proxy:
             return error_response(500, f"the proxy failed to route the request: {exc}", "InternalServerError")
         # The client's own headers go on (Authorization, request ids, tracing), but not an encoding the client did
         # not ask for: the answer is relayed as it comes.
-        headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED)
+        headers = _end_to_end(request.headers, _NOT_FORWARDED)
         headers.setdefault("Accept-Encoding", "identity")
         session = self._session
         assert session is not None, "serve() opens the session"
@@ -500,7 +501,7 @@ class Proxy:
         ``relayed`` notes when the client has its whole answer, for a cancellation after that (a client gone)."""
         content_type = upstream.headers.get("Content-Type", "application/json")
         # A multidict: a header the engine repeats (Set-Cookie) is relayed as many times.
-        headers = CIMultiDict((k, v) for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP)
+        headers = _end_to_end(upstream.headers, _HOP_BY_HOP)
         headers.update(_decision_headers(decision))
         if upstream.status >= 500:
             self._failed(decision.backend)
@@ -739,6 +740,16 @@ def _payload(raw: bytes) -> bytes | io.BytesIO:
     BytesIO shares the bytes it starts with, so this copies nothing. A new one for each attempt: it is closed once
     sent."""
     return raw if len(raw) <= TOO_LARGE_BYTES_BODY else io.BytesIO(raw)
+
+
+def _end_to_end(headers: CIMultiDictProxy[str], dropped: frozenset[str]) -> CIMultiDict[str]:
+    """``headers`` to relay, each as many times as it came: all but those in ``dropped`` (lowercase names) and those
+    the message's own ``Connection`` header names (``Connection: keep-alive, X-Hop``), which RFC 9110 7.6.1 makes
+    fields of one connection that a proxy removes. O(headers)."""
+    if "Connection" in headers:
+        named = {name.strip().lower() for value in headers.getall("Connection") for name in value.split(",")}
+        dropped = dropped | named
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in dropped)
 
 
 def _auth(request: web.Request) -> dict[str, str]:
