@@ -3,7 +3,13 @@ their HTTP contracts (each test failed before its fix)."""
 
 from __future__ import annotations
 
+import socketserver
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import httpx
+import pytest
 from aiohttp import web
 
 from prefixroute import Router
@@ -33,3 +39,43 @@ def test_headers_the_connection_header_names_are_of_one_connection_and_not_relay
         assert "X-Internal" not in seen[0].headers and "X-Other" not in seen[0].headers
         assert seen[0].headers["X-Request-Id"] == "r1"
         wait_until(lambda: proxy.router.stats().in_flight == 0, what="no request in flight")
+
+
+@contextmanager
+def answering(raw: bytes) -> Iterator[str]:
+    """A backend that reads a request and answers the bytes ``raw``, then closes; yields its URL."""
+
+    class Answer(socketserver.BaseRequestHandler):
+        def handle(self) -> None:
+            self.request.recv(65536)
+            self.request.sendall(raw)
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Answer)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize(
+    "status_line",
+    [b"101 Switching Protocols", b"600 Beyond", b"999 Library Error"],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_status_that_is_no_final_http_answer_is_a_502_and_a_failure_not_relayed(
+    status_line: bytes, stream: bool
+) -> None:
+    """A 101 relayed without an upgrade left the client waiting for ever; a code past 599 is invalid HTTP, which RFC
+    9110 15 has a client treat as a 5xx."""
+    raw = b"HTTP/1.1 " + status_line + b"\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+    with answering(raw) as url, Proxy(Router(), [url], base_models=[], max_failures=1) as proxy:
+        reply = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x", "stream": stream}, timeout=10)
+        assert reply.status_code == 502, reply.text
+        error = reply.json()["error"]
+        assert error["type"] == "BadGatewayError" and status_line.split()[0].decode() in error["message"]
+        wait_until(lambda: proxy.router.stats().in_flight == 0, what="no request in flight")
+        stats = proxy.stats()
+        assert (stats.ok, stats.backend_error, stats.unhealthy) == (0, 1, (url,))

@@ -100,7 +100,8 @@ class ProxyStats:
     ok: int
     """Answered by a backend (any status below 500), relayed in full."""
     backend_error: int
-    """A backend answered 5xx or broke off mid-answer."""
+    """A backend answered 5xx or broke off mid-answer, or its status was no final answer (a 1xx such as 101, or
+    past 599: the client got 502)."""
     unreachable: int
     """No backend could be reached, retry included (the client got 502)."""
     client_disconnect: int
@@ -499,6 +500,12 @@ class Proxy:
     ) -> tuple[web.StreamResponse, str]:
         """Send ``upstream``'s answer to the client as it comes; return the response and the request's outcome.
         ``relayed`` notes when the client has its whole answer, for a cancellation after that (a client gone)."""
+        if not 200 <= upstream.status <= 599:
+            # A 1xx as the final answer (a 101 relayed without its upgrade leaves the client waiting for ever), or a
+            # code HTTP does not have, which RFC 9110 15 has a client take for a 5xx: the engine's fault either way.
+            self._failed(decision.backend)
+            message = f"backend {decision.backend} answered HTTP status {upstream.status}, which is no final answer"
+            return error_response(502, message, "BadGatewayError"), "backend_error"
         content_type = upstream.headers.get("Content-Type", "application/json")
         # A multidict: a header the engine repeats (Set-Cookie) is relayed as many times.
         headers = _end_to_end(upstream.headers, _HOP_BY_HOP)
