@@ -268,12 +268,22 @@ def test_the_encoders_name_the_type_they_refuse() -> None:
         ({"truncate_prompt_tokens": 3, "truncation_side": None}, b"def"),
         ({"truncate_prompt_tokens": 6}, b"abcdef"),
         ({"truncate_prompt_tokens": 60}, b"abcdef"),
-        # left for the engine to answer: the model's context (-1), unknown here; null; values vLLM refuses
+        # as vLLM's pydantic models read an int (lax)
+        ({"truncate_prompt_tokens": True}, b"f"),
+        ({"truncate_prompt_tokens": "3"}, b"def"),
+        ({"truncate_prompt_tokens": 3.0}, b"def"),
+        ({"truncate_prompt_tokens": " 2.00\n"}, b"ef"),
+        # left for the engine to answer: the model's context (-1), unknown here; 0; null; values vLLM refuses
         ({"truncate_prompt_tokens": -1}, b"abcdef"),
+        ({"truncate_prompt_tokens": "-1"}, b"abcdef"),
         ({"truncate_prompt_tokens": None}, b"abcdef"),
         ({"truncate_prompt_tokens": 0}, b"abcdef"),
-        ({"truncate_prompt_tokens": True}, b"abcdef"),
-        ({"truncate_prompt_tokens": "3"}, b"abcdef"),
+        ({"truncate_prompt_tokens": False}, b"abcdef"),
+        ({"truncate_prompt_tokens": 2.5}, b"abcdef"),
+        ({"truncate_prompt_tokens": "2.5"}, b"abcdef"),
+        ({"truncate_prompt_tokens": "1e2"}, b"abcdef"),
+        ({"truncate_prompt_tokens": "٣"}, b"abcdef"),
+        ({"truncate_prompt_tokens": [3]}, b"abcdef"),
         ({"truncate_prompt_tokens": 3, "truncation_side": "middle"}, b"abcdef"),
     ],
 )

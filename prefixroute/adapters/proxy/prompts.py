@@ -10,8 +10,7 @@ from typing import Annotated, Any, Protocol, runtime_checkable
 
 import msgspec
 
-from prefixroute._numbers import as_int
-from prefixroute.adapters.serve.contract import request_flag
+from prefixroute.adapters.serve.contract import request_flag, request_int
 from prefixroute.adapters.tokenize import PromptTokenizer, serialise_chat
 from prefixroute.errors import InvalidTypeError
 
@@ -154,16 +153,17 @@ def request_tokens(body: object, *, chat: bool, encoder: PromptEncoding, max_tok
 
 
 def truncated(tokens: list[int], body: Mapping[str, Any]) -> list[int]:
-    """``tokens`` as vLLM 0.33 truncates a request's prompt: with ``truncate_prompt_tokens`` N (an int of at least
-    1), the last N tokens (``truncation_side`` "left", vLLM's default for a generating model) or the first N
-    ("right"). Anything else is left as it is, for the engine to answer: ``-1`` (the model's context, unknown here),
-    null, a value vLLM refuses. O(N).
+    """``tokens`` as vLLM 0.33 truncates a request's prompt: with ``truncate_prompt_tokens`` N (at least 1, read as
+    vLLM reads an int: :func:`~prefixroute.adapters.serve.contract.request_int`), the last N tokens
+    (``truncation_side`` "left", vLLM's default for a generating model) or the first N ("right"). Anything else is
+    left as it is, for the engine to answer: ``-1`` (the model's context, unknown here), 0, null, a value vLLM
+    refuses. O(N).
 
     >>> truncated([1, 2, 3, 4], {"truncate_prompt_tokens": 2}), truncated([1, 2, 3, 4], {"truncate_prompt_tokens": 2,
     ... "truncation_side": "right"}), truncated([1, 2], {"truncate_prompt_tokens": 5})
     ([3, 4], [1, 2], [1, 2])
     """
-    keep = as_int(body.get("truncate_prompt_tokens"))
+    keep = request_int(body.get("truncate_prompt_tokens"))
     side = body.get("truncation_side", "left")
     if keep is None or keep < 1 or keep >= len(tokens) or side not in ("left", "right", None):
         return tokens
