@@ -171,12 +171,14 @@ BAD_MESSAGES: list[tuple[list[Any], str]] = [
         "$.messages[0].content must be a string, a list of content parts or null, not an object",
     ),
     (
-        [{"role": "user", "content": ["x"]}],
-        '$.messages[0].content[0] must be a content part like {"type": "text", "text": "..."}, not a string',
+        [{"role": "user", "content": [{"type": "text", "text": "a"}, ["x"]]}],
+        '$.messages[0].content[1] must be a content part like {"type": "text", "text": "..."} or a string, not an '
+        "array",
     ),
     (
-        [{"role": "user", "content": [{"type": "text", "text": "a"}, ["x"]]}],
-        '$.messages[0].content[1] must be a content part like {"type": "text", "text": "..."}, not an array',
+        [{"role": "user", "content": ["a", 7]}],
+        '$.messages[0].content[1] must be a content part like {"type": "text", "text": "..."} or a string, not a '
+        "number",
     ),
     (
         [{"role": "user", "content": [{"type": None, "text": "x"}]}],
@@ -186,12 +188,11 @@ BAD_MESSAGES: list[tuple[list[Any], str]] = [
         [{"role": "user", "content": [{"type": 5, "text": "x"}]}],
         '$.messages[0].content[0].type must be a string such as "text", not a number',
     ),
-    (
-        [{"role": "user", "content": [{"type": "text", "text": None}]}],
-        "$.messages[0].content[0].text must be a string, not null (or missing)",
-    ),
     ([{"role": "user", "content": [{"text": 1.5}]}], "$.messages[0].content[0].text must be a string, not a number"),
-    ([{"role": "user", "content": [{"type": "image_url"}, {}]}], "$.messages[0].content[1].text must be a string"),
+    (
+        [{"role": "user", "content": [{"type": "image_url"}, {"text": ["x"]}]}],
+        "$.messages[0].content[1].text must be a string, not an array",
+    ),
 ]
 
 
@@ -215,13 +216,15 @@ def test_a_content_parts_type_sent_as_null_is_named_null_not_missing_as_a_missin
 
 
 @pytest.mark.parametrize("path", ["/route", "/v1/chat/completions"])
-def test_every_content_openai_allows_is_routed_in_process(path: str, model_dir: Path) -> None:
+def test_every_content_vllm_takes_is_routed_in_process(path: str, model_dir: Path) -> None:
     sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, encoder=PromptEncoder(model_dir))
     contents: list[Any] = [
         "count the rows",
         None,
         [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "x"}}],
         [{"text": "a part without a type is text"}],
+        ["vLLM takes a plain string as a text part", {"type": "text", "text": "and"}],
+        [{"type": "text", "text": None}, {"type": "text"}, {}, {"type": "text", "text": "leaves out null texts"}],
     ]
     for content in contents:
         reply = call(sidecar, "POST", path, {"messages": [USER, {"role": "assistant", "content": content}]})
@@ -229,6 +232,20 @@ def test_every_content_openai_allows_is_routed_in_process(path: str, model_dir: 
     reply = call(sidecar, "POST", path, {"messages": [USER, {"role": "assistant", "tool_calls": []}]})
     assert reply.status_code == 200, reply.text
     assert sidecar.router.stats().decisions == len(contents) + 1
+
+
+def test_a_plain_string_part_routes_as_its_text_part_and_a_null_text_as_no_part(model_dir: Path) -> None:
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, encoder=PromptEncoder(model_dir))
+
+    def tokens(content: list[Any]) -> int:
+        reply = call(sidecar, "POST", "/route", {"messages": [{"role": "user", "content": content}]})
+        assert reply.status_code == 200, reply.text
+        return int(reply.json()["prompt_tokens"])
+
+    parts = [{"type": "text", "text": "count the rows"}, {"type": "text", "text": "of the table"}]
+    assert tokens(["count the rows", "of the table"]) == tokens(parts)
+    assert tokens([{"type": "text", "text": None}, *parts, {"text": None}]) == tokens(parts)
+    assert tokens(parts) != tokens(parts[:1])
 
 
 def test_lifecycle_and_endpoint_errors() -> None:

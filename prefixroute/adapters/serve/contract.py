@@ -218,9 +218,10 @@ def route_prompt(body: RouteBody) -> Prompt:
 
 
 def check_messages(messages: list[dict[str, Any]]) -> None:
-    """Check chat messages as OpenAI types them: a string ``role``, and a ``content`` that is a string, a list of
-    content part objects (a str ``type``, ``text`` when absent; a text part's ``text`` a string) or null / absent (an
-    assistant's tool calls). O(parts).
+    """Check chat messages as vLLM takes them: a string ``role``, and a ``content`` that is a string, a list of
+    content parts or null / absent (an assistant's tool calls). A part is a string (vLLM's simple text part) or an
+    object with a str ``type`` (``text`` when absent) whose ``text``, for a text part, is a string or null / absent
+    (a part vLLM leaves out). O(parts).
 
     Raises:
         BadRequest: 400 naming the first wrong field, e.g. ``$.messages[2].content``.
@@ -237,11 +238,13 @@ def check_messages(messages: list[dict[str, Any]]) -> None:
                 f"$.messages[{i}].content must be a string, a list of content parts or null, not {json_type(content)}",
             )
         for j, part in enumerate(content):
+            if isinstance(part, str):
+                continue
             if not isinstance(part, dict):
                 raise BadRequest(
                     400,
-                    f'$.messages[{i}].content[{j}] must be a content part like {{"type": "text", "text": "..."}}, '
-                    f"not {json_type(part)}",
+                    f'$.messages[{i}].content[{j}] must be a content part like {{"type": "text", "text": "..."}} or '
+                    f"a string, not {json_type(part)}",
                 )
             kind = part.get("type", "text")  # a part without a type is read as text
             if not isinstance(kind, str):
@@ -250,10 +253,9 @@ def check_messages(messages: list[dict[str, Any]]) -> None:
                     f'$.messages[{i}].content[{j}].type must be a string such as "text", not '
                     f"{'null' if kind is None else json_type(kind)}",
                 )
-            if kind == "text" and not isinstance(part.get("text"), str):
-                raise BadRequest(
-                    400, f"$.messages[{i}].content[{j}].text must be a string, not {json_type(part.get('text'))}"
-                )
+            text = part.get("text")
+            if kind == "text" and text is not None and not isinstance(text, str):
+                raise BadRequest(400, f"$.messages[{i}].content[{j}].text must be a string, not {json_type(text)}")
 
 
 def json_type(value: object) -> str:
