@@ -537,19 +537,20 @@ class PrefixIndex:
         engine whose KV cache holds that many refuses it, and recording it would evict every block the backend holds,
         its own included.
         ``held`` (from :meth:`match`) saves a search; a stale value costs one. O(len(hashes)). The hashes are
-        checked as :meth:`insert` checks them, except those a :class:`~prefixroute.Router` computed itself (its
-        hot path, whose hashes come from its own hasher).
+        checked as :meth:`insert` checks them (a chain that contradicts the store included), except those a
+        :class:`~prefixroute.Router` computed itself (its hot path, whose hashes come from its own hasher).
 
         Raises:
             TypeError: ``hashes`` is not a sequence of ints, ``backend`` not a str or ``held`` not an int (nothing
                 is recorded).
             InvalidEventError: a hash is outside [0, 2**64) (nothing is recorded).
         """
+        routed = type(hashes) is _RoutedHashes  # the router's own chains contradict no store: not looked for
         hashes, backend, held = _check_prediction(hashes, backend, held)
         if hashes:
             capacity = self._limit(backend)
             if capacity is None or len(hashes) <= capacity:
-                self._put(hashes, backend, None, held)
+                self._put(hashes, backend, None, held, checked=not routed)
 
     def retract(self, hashes: Sequence[int], backend: str, start: int) -> None:
         """Undo a routing decision's :meth:`predict`: ``backend`` refused the prompt, so it never cached ``hashes``
