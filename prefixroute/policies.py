@@ -209,8 +209,8 @@ def _check_fields(candidates: Sequence[Candidate], error: Exception | None) -> N
 def _field_fault(name: str, value: object) -> tuple[type[PrefixRouteError], str] | None:
     """What is wrong with the value of a :class:`Candidate`'s field ``name``: the error to raise and what the value
     must be; None if nothing. ``backend`` a str; ``kv_usage`` a finite real ≥ 0, ``prefill_tokens_per_s`` and
-    ``attention_tokens`` ones > 0; ``block_size`` an int ≥ 1, every other field an int ≥ 0; ``queue_len``,
-    ``capacity_blocks`` and the three reals may be None."""
+    ``attention_tokens`` ones > 0; ``block_size`` an int ≥ 1, every other field an int ≥ 0, each int below 2**63
+    (the rules do float arithmetic); ``queue_len``, ``capacity_blocks`` and the three reals may be None."""
     if name == "backend":
         return None if isinstance(value, str) else (InvalidTypeError, "a str")
     if value is None and name in _OPTIONAL:
@@ -227,7 +227,12 @@ def _field_fault(name: str, value: object) -> tuple[type[PrefixRouteError], str]
     low = 1 if name == "block_size" else 0
     if integer is None:
         return InvalidTypeError, f"an int{either}"
+    if integer >= _INT_LIMIT:  # too large for a float (the router refuses such an engine queue too)
+        return ConfigurationError, "below 2**63"
     return None if integer >= low else (ConfigurationError, f"at least {low}")
+
+
+_INT_LIMIT = 2**63
 
 
 class RoundRobin(LoadPolicy):
@@ -378,7 +383,8 @@ class LinearTTFT:
         """Predicted seconds to first token on ``candidate``. O(1).
 
         Raises:
-            TypeError: ``candidate`` is not a :class:`Candidate`.
+            TypeError: ``candidate`` is not a :class:`Candidate`, or one of its fields has the wrong type.
+            ConfigurationError: the arithmetic failed on a field with an impossible value (an int of 2**63 or more).
         """
         try:
             uncached = candidate.prompt_tokens - candidate.matched_tokens
@@ -387,7 +393,7 @@ class LinearTTFT:
                 + uncached * self.per_token_s
                 + uncached * candidate.matched_tokens * self.per_token_pair_s
             )
-        except (AttributeError, TypeError) as error:
+        except (AttributeError, TypeError, OverflowError) as error:
             _require_candidate(candidate)
             _check_fields((candidate,), error)
             raise
@@ -651,7 +657,7 @@ def kv_fraction(candidate: Candidate) -> float:
     try:
         if candidate.capacity_blocks:
             return min(1.0, candidate.active_blocks / candidate.capacity_blocks)
-    except TypeError as error:
+    except (TypeError, OverflowError) as error:
         _check_fields((candidate,), error)
         raise
     usage = candidate.kv_usage

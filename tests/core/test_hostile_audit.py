@@ -3,9 +3,22 @@ errors under inputs the earlier hostile suites did not generate."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 
-from prefixroute import PrefixIndex
+from prefixroute import (
+    BoundedLoad,
+    Candidate,
+    ConfigurationError,
+    CostAware,
+    LinearTTFT,
+    LoadPolicy,
+    PredictedTTFT,
+    PrefixIndex,
+    kv_fraction,
+)
 
 
 @pytest.mark.parametrize("capacity", [None, 5])
@@ -22,3 +35,56 @@ def test_predict_of_a_chain_that_contradicts_the_store_keeps_its_count_exact(cap
     index._check()
     assert index.match([11, 10], ["a"]) == {"a": 1}
     assert index.match([10, 12], ["a"]) == {"a": 0}
+
+
+_HUGE = 2**1100  # an int too large for a float
+
+
+_FAILS_ON = {  # the fields each policy's arithmetic overflowed on
+    BoundedLoad(): ("in_flight", "queue_len"),
+    CostAware(): ("in_flight", "queue_len"),
+    PredictedTTFT(): (
+        "in_flight",
+        "queue_len",
+        "pending_prefill_tokens",
+        "in_prefill",
+        "pending_prefill_context",
+        "active_blocks",
+    ),  # fmt: skip
+    PredictedTTFT(use_speed=True): (
+        "in_flight",
+        "queue_len",
+        "pending_prefill_tokens",
+        "in_prefill",
+        "pending_prefill_context",
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize(
+    ("policy", "field"), [(policy, field) for policy, fields in _FAILS_ON.items() for field in fields], ids=repr
+)
+def test_a_hand_built_candidate_with_an_int_too_large_for_a_float_is_named(policy: LoadPolicy, field: str) -> None:
+    # Was: the policies' float arithmetic raised a bare OverflowError ("int too large to convert to float"), and the
+    # field check behind it found nothing wrong with an int >= 0, so the error left the exception tree.
+    extra: dict[str, Any] = {"capacity_blocks": 5} if field == "active_blocks" else {"attention_tokens": 1.0}
+    candidate = Candidate("a", 0, 64, 0, **extra)._replace(**{field: _HUGE})  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=rf"^Candidate 'a': {field} must be below 2\*\*63, not an int of 1101"):
+        policy.choose([candidate, Candidate("b", 0, 64, 0)])
+    largest = candidate._replace(**{field: 2**63 - 1})  # type: ignore[arg-type]
+    assert policy.choose([largest]).backend == "a"  # well formed
+
+
+@pytest.mark.parametrize(
+    ("model", "candidate"),
+    [
+        (LinearTTFT(), Candidate("a", 0, 64, _HUGE)),
+        (LinearTTFT(), Candidate("a", 0, _HUGE, 0)),
+        (kv_fraction, Candidate("a", 0, 64, 0, active_blocks=_HUGE, capacity_blocks=5)),
+    ],
+)
+def test_the_cost_models_name_a_field_too_large_for_a_float(
+    model: Callable[[Candidate], float], candidate: Candidate
+) -> None:
+    with pytest.raises(ConfigurationError, match=r"must be below 2\*\*63, not an int of 1101 bits"):
+        model(candidate)

@@ -128,13 +128,11 @@ def test_cost_blames_its_cap_terms_only_where_they_are_wrong() -> None:
     policy = PredictedTTFT()
     with pytest.raises(ConfigurationError, match=r"typical_prompt must be a number above 0 or math.inf, not 'x'$"):
         policy.cost(Candidate("a", 16, 64, 1), common_tokens=0, typical_prompt="x")  # type: ignore[arg-type]
-    # A count too large for a float is an int >= 0, as Candidate documents it: the OverflowError is no term's fault.
+    # A count too large for a float is the candidate's fault (Candidate's ints are below 2**63), named before a term.
     overflowing = Candidate("a", 0, 64, 10**400)
-    for typical in (math.inf, 1, 0.5):
-        with pytest.raises(OverflowError):
+    for typical in (math.inf, 1, 0.5, 0):
+        with pytest.raises(ConfigurationError, match=r"^Candidate 'a': in_flight must be below 2\*\*63, not an int"):
             policy.cost(overflowing, typical_prompt=typical)
-    with pytest.raises(ConfigurationError, match=r"typical_prompt must be a number above 0 or math.inf, not 0$"):
-        policy.cost(overflowing, typical_prompt=0)
 
 
 # -- choices ----------------------------------------------------------------------------------------------------------
