@@ -499,7 +499,7 @@ class Router:
         index = self._index
         with self._lock:
             now = self._clock()
-            if self._leases and self._leases[0][0] <= now:
+            if self._leases:
                 self._expire(now)
             matched = index.match(hashes, order)
             candidates = self._candidates(order, matched, prompt_len)
@@ -606,7 +606,7 @@ class Router:
         with self._lock:
             now = self._clock()
             deadline = None if lease is None else _deadline(now, lease)
-            if self._leases and self._leases[0][0] <= now:
+            if self._leases:
                 self._expire(now)
             live = self._live.get(decision.id)
             if live is not None:
@@ -790,14 +790,17 @@ class Router:
     def _expire_due(self) -> None:
         """End the requests whose lease has run out, if any (call under the lock)."""
         if self._leases:
-            now = self._clock()
-            if self._leases[0][0] <= now:
-                self._expire(now)
+            self._expire(self._clock())
 
-    def _expire(self, now: float) -> int:
+    def _expire(self, now: object) -> int:
+        """End the requests whose lease has run out at the clock reading ``now`` (call under the lock); none at a
+        reading that is no number (None, a str, NaN): a broken clock keeps the leases waiting, it fails no call."""
+        reading = now if type(now) is float else as_float(now, infinite=True)
+        if reading is None:
+            return 0
         expired = 0
         leases = self._leases
-        while leases and leases[0][0] <= now:
+        while leases and leases[0][0] <= reading:
             deadline, decision_id = heapq.heappop(leases)
             request = self._live.get(decision_id)
             if request is not None and request.deadline == deadline:

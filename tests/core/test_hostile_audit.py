@@ -3,6 +3,7 @@ errors under inputs the earlier hostile suites did not generate."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -17,8 +18,11 @@ from prefixroute import (
     LoadPolicy,
     PredictedTTFT,
     PrefixIndex,
+    Router,
     kv_fraction,
 )
+
+from ..conftest import FakeClock
 
 
 @pytest.mark.parametrize("capacity", [None, 5])
@@ -88,3 +92,24 @@ def test_the_cost_models_name_a_field_too_large_for_a_float(
 ) -> None:
     with pytest.raises(ConfigurationError, match=r"must be below 2\*\*63, not an int of 1101 bits"):
         model(candidate)
+
+
+@pytest.mark.parametrize("reading", [None, "12:00", math.nan])
+def test_a_clock_that_stops_returning_numbers_while_a_lease_runs_fails_no_call(reading: object) -> None:
+    # Was: with a lease running, a reading that is no number (None, a str) made route(), start(), in_flight(),
+    # stats() and expire() raise a bare TypeError ("'<=' not supported") from the lease check, where a NaN reading
+    # only keeps the leases waiting: every call of the router failed until the clock recovered.
+    clock = FakeClock()
+    router = Router(block_size=4, clock=clock)
+    router.start(router.route([1, 2, 3, 4], ["a"]), lease=1.0)
+    clock.now = reading  # type: ignore[assignment]
+    decision = router.route([5, 6, 7, 8], ["a"])
+    router.start(decision)
+    assert router.in_flight("a") == 2
+    assert router.expire() == 0
+    assert router.stats().in_flight == 2
+    router.finish(decision)
+    clock.now = 200.0  # the clock recovers: the lease ends
+    assert router.in_flight("a") == 0
+    assert router.stats().leases_expired == 1
+    router._check()
