@@ -63,7 +63,7 @@ class EventIndex(PrefixIndex):
         self._clock = clock
         self._current = PrefixIndex(block_size)
         self._previous = PrefixIndex(block_size)
-        self._rotated_at = clock() if self._ttl else 0.0
+        self._rotated_at = self._now() if self._ttl else 0.0
 
     @property
     def speculative_ttl(self) -> float:
@@ -141,9 +141,10 @@ class EventIndex(PrefixIndex):
     def _rotate(self) -> None:
         if not self._ttl:
             return
-        now = self._clock()
+        now = self._now()
         elapsed = now - self._rotated_at
-        # A clock that went back, or a NaN or infinite reading: start over rather than trust forever (or overflow).
+        # A clock that went back, or a NaN, infinite or no number's reading: start over rather than trust forever
+        # (or overflow).
         sane = 0 <= elapsed < math.inf
         if elapsed >= self._ttl or not sane:
             # Generations turn on whole periods from the first, however late this call comes, so an entry made in
@@ -152,6 +153,12 @@ class EventIndex(PrefixIndex):
             self._previous = self._current if periods == 1 else PrefixIndex(self.block_size)
             self._current = PrefixIndex(self.block_size)
             self._rotated_at = self._rotated_at + periods * self._ttl if sane else now
+
+    def _now(self) -> float:
+        """The clock's reading as a float; NaN for one that is no number (None, a str), which _rotate() takes as
+        it takes a NaN one: a broken clock makes the index trust no prediction, it fails no route."""
+        now = as_float(self._clock(), infinite=True)
+        return math.nan if now is None else now
 
     def _check(self, *, chains: Iterable[Sequence[int]] = ()) -> None:
         """Assert the invariants of both parts (for tests; ``chains`` as :meth:`PrefixIndex._check`, for the

@@ -113,3 +113,26 @@ def test_a_clock_that_stops_returning_numbers_while_a_lease_runs_fails_no_call(r
     assert router.in_flight("a") == 0
     assert router.stats().leases_expired == 1
     router._check()
+
+
+@pytest.mark.parametrize("reading", [None, "12:00", math.nan])
+def test_an_event_index_whose_clock_returns_no_number_routes_and_trusts_no_prediction(reading: object) -> None:
+    # Was: EventIndex's clock returning None or a str made every route() through it raise a bare TypeError (from
+    # the speculative generations' rotation), also from the first reading at construction; a NaN reading already
+    # started the speculative part over. Now any reading that is no number does that, and nothing fails.
+    from prefixroute.vllm import EventIndex
+
+    clock = FakeClock()
+    router = Router(block_size=4, index=EventIndex(4, speculative_ttl=3.0, clock=clock))
+    router.route([1, 2, 3, 4, 5, 6, 7, 8], ["a", "b"])
+    clock.now = reading  # type: ignore[assignment]
+    decision = router.route([1, 2, 3, 4, 5, 6, 7, 8], ["a", "b"])
+    assert decision.matched_tokens == 0  # the prediction is no longer trusted
+    clock.now = 100.0  # the clock recovers: predictions are trusted again
+    first = router.route([1, 2, 3, 4, 5, 6, 7, 8], ["a", "b"])
+    again = router.route([1, 2, 3, 4, 5, 6, 7, 8], ["a", "b"])
+    assert (again.backend, again.matched_tokens) == (first.backend, 8)
+    router._check()
+    late = EventIndex(4, clock=lambda: reading)  # type: ignore[arg-type, return-value]
+    late.predict([1, 2], "a", 0)
+    assert late.match([1, 2], ["a"]) == {"a": 0}
