@@ -336,6 +336,7 @@ class Router:
             )
         self._index = index
         self._policy: LoadPolicy = policy if policy is not None else PredictedTTFT()
+        self._prefix_aware = _prefix_aware(self._policy)
         self._clock = clock
         self._placement_blocks = placement
         self._lease = _check_lease(lease)
@@ -474,7 +475,7 @@ class Router:
             decision,
             backend=target,
             matched_tokens=chosen.matched_tokens,
-            reason=_reason(self._policy, chosen.matched_tokens, best),
+            reason=_reason(self._prefix_aware, chosen.matched_tokens, best),
             confirmed_tokens=_tokens(confirmed, self.block_size),
             _held=held,
         )
@@ -534,7 +535,7 @@ class Router:
             backend,
             chosen.matched_tokens,
             prompt_len,
-            _reason(self._policy, chosen.matched_tokens, best),
+            _reason(self._prefix_aware, chosen.matched_tokens, best),
             candidates,
             now,
             _tokens(confirmed, block_size),
@@ -1202,8 +1203,23 @@ def _order_key(backends: Sequence[str], key: int) -> tuple[int, tuple[str, ...]]
     return key, tuple(backends)
 
 
-def _reason(policy: LoadPolicy, matched_tokens: int, best: int) -> Reason:
-    if not policy.prefix_aware:
+def _prefix_aware(policy: LoadPolicy) -> bool:
+    """``policy.prefix_aware``, read once when the router takes the policy (a class attribute, by the contract).
+
+    Raises:
+        ConfigurationError: reading it, or its truth, raised (a property of a user's policy that fails).
+    """
+    try:
+        return bool(policy.prefix_aware)
+    except Exception as exc:  # noqa: BLE001 - whatever a user's property raised, named with the policy
+        raise ConfigurationError(
+            f"policy {shown(policy)}'s prefix_aware raised {type(exc).__name__}: {_text(exc)}; make it a bool class "
+            "attribute"
+        ) from exc
+
+
+def _reason(prefix_aware: bool, matched_tokens: int, best: int) -> Reason:
+    if not prefix_aware:
         return "policy"
     if best == 0:
         return "miss"

@@ -18,6 +18,7 @@ from prefixroute import (
     LoadPolicy,
     PredictedTTFT,
     PrefixIndex,
+    RoundRobin,
     Router,
     kv_fraction,
 )
@@ -136,3 +137,20 @@ def test_an_event_index_whose_clock_returns_no_number_routes_and_trusts_no_predi
     late = EventIndex(4, clock=lambda: reading)  # type: ignore[arg-type, return-value]
     late.predict([1, 2], "a", 0)
     assert late.match([1, 2], ["a"]) == {"a": 0}
+
+
+def test_a_policy_whose_prefix_aware_fails_is_refused_when_the_router_takes_it_not_after_a_route_recorded() -> None:
+    class Broken(RoundRobin):
+        @property
+        def prefix_aware(self) -> bool:  # type: ignore[override]
+            raise RuntimeError("no")
+
+    with pytest.raises(ConfigurationError, match=r"prefix_aware raised RuntimeError: no; make it a bool"):
+        Router(policy=Broken())
+
+    class Truthy(RoundRobin):
+        prefix_aware = 1  # type: ignore[assignment]
+
+    router = Router(block_size=4, policy=Truthy())
+    router.route(list(range(8)), ["a", "b"])
+    assert router.route(list(range(8)), ["a", "b"]).reason in ("prefix", "load-fallback")
