@@ -83,8 +83,8 @@ HOSTILE: list[tuple[str, bytes]] = [
     ("/route", b'{"prompt": ""}'), ("/route", b'{"prompt_token_ids": [[1]]}'), ("/route", b'{"prompt_token_ids": {}}'),
     ("/route", b'{"prompt_token_ids": [200]}'), ("/route", b'{"messages": [1]}'), ("/route", b'{"messages": [[]]}'),
     ("/route", b'{"messages": [{"role": null, "content": "x"}]}'), ("/route", b'{"messages": {"role": "user"}}'),
-    ("/route", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": null}]}]}'),
-    ("/route", b'{"messages": [{"role": "user", "content": ["x"]}]}'),
+    ("/route", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}'),
+    ("/route", b'{"messages": [{"role": "user", "content": ["x", 7]}]}'),
     # options of the wrong type
     ("/route", b'{"prompt_token_ids": [1], "model": ["m"]}'), ("/route", b'{"prompt_token_ids": [1], "lease": "5"}'),
     ("/route", b'{"prompt_token_ids": [1], "backends": [null]}'),
