@@ -142,6 +142,10 @@ class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
         # the replica that future named, once it did).
         self._decided: dict[str, _Attempt] = {}
         self._started: dict[str, Decision] = {}  # by internal request id: committed and in flight
+        # By internal request id: the replicas its earlier attempts were sent to (and rejected there) whose completion
+        # notices have not come yet; Ray sends each from a worker thread, a moment after its retry may have gone to
+        # that same replica, and such a notice is the rejected attempt's, not the retry's.
+        self._owed: dict[str, list[str]] = {}
         self._listed: set[str] = set()  # the replicas of Ray's latest update_replicas
         self._max_pending = _MAX_PENDING
 
@@ -187,6 +191,10 @@ class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
         earlier = self._decided.pop(request_id, None)
         if earlier is not None:  # an earlier attempt for this request led nowhere
             self.router.finish(earlier.decision)
+            if earlier.replica is not None:  # sent there and rejected: its completion notice is still to come
+                self._owed.setdefault(request_id, []).append(earlier.replica)
+                if len(self._owed) > self._max_pending:
+                    del self._owed[next(iter(self._owed))]
         if len(self._decided) >= self._max_pending:
             self.router.finish(self._decided.pop(next(iter(self._decided))).decision)
         # Counted at once: Ray routes many requests concurrently, before it reports any of them routed.
@@ -270,6 +278,12 @@ class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
         """A request ended on ``replica_id``: finish it if it is the one started there (else a rejected attempt)."""
         super().on_request_completed(replica_id, internal_request_id)
         try:
+            owed = self._owed.get(internal_request_id)
+            if owed is not None and replica_id.unique_id in owed:  # an earlier, rejected attempt's notice
+                owed.remove(replica_id.unique_id)
+                if not owed:
+                    del self._owed[internal_request_id]
+                return
             decision = self._started.get(internal_request_id)
             if decision is not None and decision.backend == replica_id.unique_id:
                 del self._started[internal_request_id]
