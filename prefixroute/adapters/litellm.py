@@ -11,7 +11,8 @@
   stream's decision when the stream ends, also when the proxy closes it for a client gone (no callback comes then);
 * ``async_pre_call_deployment_hook``, run as each attempt is sent: it ties the decision to the call's logging object,
   which lives as long as the call and its stream, so a call whose callbacks never come (a stream its caller closed
-  early or dropped) ends when that object is gone.
+  early or dropped) ends when that object is gone. A filter's decision that no attempt was sent for (LiteLLM failed
+  the call after the filters, with no callback) ends, refused, at the task's next filter.
 
 Each model group routes in a namespace of its own, its name, so a group serving a LoRA adapter never shares prefixes
 with the base model's group or another adapter's, even where their deployments share ``model_info.id`` (to share
@@ -149,6 +150,7 @@ class PrefixRouteHook(CustomLogger):
         Never raises: a request it cannot route keeps ``healthy_deployments`` as given."""
         decision_id = None
         try:
+            self._end_unsent()
             kept, decision_id = await self._filter(model, healthy_deployments, messages, request_kwargs)
             return kept
         except Exception:  # an encoder or policy that raises, garbage LiteLLM never sends: keep LiteLLM's choice
@@ -160,6 +162,17 @@ class PrefixRouteHook(CustomLogger):
             if task is not None:  # for async_pre_call_deployment_hook, next in this task: this attempt's decision
                 with self._tasks_lock:
                     self._filtered[task] = decision_id
+
+    def _end_unsent(self) -> None:
+        """End the decision of this task's previous filter if no attempt was sent for it: LiteLLM failed that call
+        after the filters (a later filter left nothing, every deployment over its rpm) and calls no callback then.
+        Refused: it reached no engine, so none cached the blocks its commit predicted."""
+        task = asyncio.current_task()
+        with self._tasks_lock:
+            unsent = self._filtered.pop(task, None) if task is not None else None
+        if unsent is not None:
+            self._unwatch(unsent)
+            self.router.finish(unsent, refused=True)
 
     async def _filter(
         self, model: str, healthy_deployments: list[Any], messages: list[Any] | None, request: dict[str, Any] | None

@@ -2,8 +2,25 @@
 
 from __future__ import annotations
 
-import asyncio
+import os
 
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before litellm is imported: no network
+
+import asyncio  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from typing import Any  # noqa: E402
+
+import litellm  # noqa: E402
+import pytest  # noqa: E402
+from litellm.integrations.custom_logger import CustomLogger  # noqa: E402
+from litellm.router import Router as LiteLLMRouter  # noqa: E402
+
+from prefixroute import Router  # noqa: E402
+from prefixroute.adapters.litellm import PrefixRouteHook  # noqa: E402
+from prefixroute.testing.openai_engine import OpenAIEngine  # noqa: E402
+
+from ..conftest import running_engines
+from .test_litellm import ask, model_list, settled
 from .test_ray import PREFIX, REPLICAS, FakeResult, bare, pending, zero
 
 
@@ -38,3 +55,54 @@ def test_a_rejected_attempts_late_notice_never_ends_a_retry_sent_to_the_same_rep
     asyncio.run(run())
     assert router.errors == 0 and not router._owed
     zero(router)
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[list[OpenAIEngine]]:
+    yield from running_engines(3, max_tokens=3)
+
+
+class Emptying(CustomLogger):
+    """A deployment filter that runs after prefixroute's and, when told to, leaves nothing: as LiteLLM's budget limiter
+    does to a deployment over its budget (LiteLLM's rpm / tpm limits fail a call after the filters the same way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.empty = False
+
+    async def async_filter_deployments(
+        self,
+        model: str,
+        healthy_deployments: list[Any],
+        messages: list[Any] | None,
+        request_kwargs: dict[str, Any] | None = None,
+        parent_otel_span: Any = None,
+    ) -> list[Any]:
+        return [] if self.empty else healthy_deployments
+
+
+def test_a_call_litellm_fails_after_the_filter_stops_counting_by_the_next_call_of_its_task(
+    engines: list[OpenAIEngine],
+) -> None:
+    """LiteLLM sends nothing and calls no callback when it fails a call after the filters chose (no deployment left,
+    every one over its rpm): the decision was never sent, and the next routing in the same task ends it."""
+    hook = PrefixRouteHook(Router())
+    emptying = Emptying()
+    for callback in (hook, emptying):
+        litellm.logging_callback_manager.add_litellm_callback(callback)
+    router = LiteLLMRouter(model_list=model_list(engines), num_retries=0)
+
+    async def run() -> None:
+        emptying.empty = True
+        with pytest.raises(ValueError, match="No deployments available"):
+            await ask(router, "q")
+        emptying.empty = False
+        await ask(router, "q")
+        await settled(hook)
+
+    try:
+        asyncio.run(run())
+    finally:
+        for callback in (hook, emptying):
+            litellm.logging_callback_manager.remove_callback_from_all_lists(callback)
+    assert hook.errors == 0
