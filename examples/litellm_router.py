@@ -24,7 +24,6 @@ SYSTEMS = ["You answer questions about SQL. " * 30, "You write short poems. " * 
 async def main() -> None:
     engines = [OpenAIEngine(seed=i, max_tokens=4).start() for i in range(3)]
     hook = PrefixRouteHook(Router())
-    litellm.logging_callback_manager.add_litellm_callback(hook)
     try:
         router = LiteLLMRouter(
             model_list=[
@@ -37,6 +36,8 @@ async def main() -> None:
             ],  # fmt: skip
             num_retries=1,
         )
+        # After the LiteLLM Router: its own filters (a budget limiter) narrow the deployments before the hook picks.
+        litellm.logging_callback_manager.add_litellm_callback(hook)
         placed: Counter[tuple[int, str]] = Counter()
         for turn in range(4):
             for i, system in enumerate(SYSTEMS):

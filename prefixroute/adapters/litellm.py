@@ -29,8 +29,8 @@ this request are passed over while others remain, so the retry lands elsewhere a
 
 >>> import litellm                                                                     # doctest: +SKIP
 >>> hook = PrefixRouteHook(Router())                                                   # doctest: +SKIP
->>> litellm.logging_callback_manager.add_litellm_callback(hook)                        # doctest: +SKIP
 >>> router = litellm.Router(model_list=[...])  # one model group, several vLLM servers  # doctest: +SKIP
+>>> litellm.logging_callback_manager.add_litellm_callback(hook)  # after it: its filters go first  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -106,3 +106,35 @@ def test_a_call_litellm_fails_after_the_filter_stops_counting_by_the_next_call_o
         for callback in (hook, emptying):
             litellm.logging_callback_manager.remove_callback_from_all_lists(callback)
     assert hook.errors == 0
+
+
+def test_registered_after_litellms_router_the_hook_picks_among_the_deployments_its_budget_leaves(
+    engines: list[OpenAIEngine],
+) -> None:
+    """LiteLLM runs deployment filters in the order they were registered, and its Router registers its budget
+    limiter as it is built: the hook registered after it (as docs/adapters.md says) picks among the deployments
+    still within budget, so a prompt that prefers a spent deployment is served by another one."""
+    spent = [
+        {**deployment, "litellm_params": {**deployment["litellm_params"], "max_budget": 1e-9, "budget_duration": "1d",
+                                          "input_cost_per_token": 1.0, "output_cost_per_token": 1.0}}
+        for deployment in model_list(engines)
+    ]  # fmt: skip
+    hook = PrefixRouteHook(Router())
+
+    async def run() -> list[str]:
+        router = LiteLLMRouter(model_list=spent, num_retries=0)  # its budget limiter starts a task on this loop
+        litellm.logging_callback_manager.add_litellm_callback(hook)
+        served = []
+        for _ in range(3):  # the same prompt: without budgets, all three would go to one deployment
+            served.append((await ask(router, "the same question"))._hidden_params["model_id"])
+            await settled(hook)  # LiteLLM books the spend in its success callback
+        with pytest.raises(ValueError, match="No deployments available"):
+            await ask(router, "the same question")
+        return served
+
+    try:
+        served = asyncio.run(run())
+    finally:
+        litellm.logging_callback_manager.remove_callback_from_all_lists(hook)
+    assert sorted(served) == ["gpu0", "gpu1", "gpu2"]
+    assert hook.errors == 0
