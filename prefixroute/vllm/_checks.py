@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 
 from prefixroute._numbers import as_float, as_int, shown
@@ -75,13 +76,27 @@ def check_callable(value: object, name: str, what: str, *, optional: bool = Fals
         )
 
 
+# The characters libzmq's connect() takes in a tcp:// address (socket_base.cpp's check): a host name or address, an
+# IPv6 one with its zone, an optional "source;" part. Any other (a "," or "/" of two addresses run together) is EINVAL
+# there, which a subscriber's thread would retry for ever.
+_TCP_ADDRESS = re.compile(r"[A-Za-z0-9\[:][A-Za-z0-9.\-:%;\[\]_*]*")
+
+
 def check_endpoint(value: object, name: str, example: str) -> str:
     """Return ``value`` if it is a ZMQ address a socket can connect to, else raise ConfigurationError: ``tcp://``
-    with a host and a port in 1-65535 (``*`` binds, it does not connect), or a named ``ipc://`` or ``inproc://``."""
+    with a host and a port in 1-65535 (``*`` binds, it does not connect) in the characters libzmq takes, or a
+    named ``ipc://`` or ``inproc://``."""
     if isinstance(value, str) and value.isprintable() and " " not in value:
         scheme, _, address = value.partition("://")
         host, _, port = address.rpartition(":")
-        if scheme == "tcp" and host not in ("", "*") and port.isdigit() and 0 < int(port) < 65536:
+        if (
+            scheme == "tcp"
+            and _TCP_ADDRESS.fullmatch(address)
+            and host not in ("", "*")
+            and port.isascii()
+            and port.isdigit()
+            and 0 < int(port) < 65536
+        ):
             return value
         if scheme in ("ipc", "inproc") and address:
             return value

@@ -1,0 +1,38 @@
+"""Findings of a live audit of the ``proxy``, ``serve`` and ``fake-engines`` command lines: each bad option is exit
+status 2 and one line on stderr, found before anything runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from prefixroute.cli import main
+
+
+def _one_line(err: str, expected: str) -> None:
+    assert err.endswith("\n") and err.count("\n") == 1, f"not one line: {err!r}"
+    assert "Traceback" not in err and expected in err, err
+
+
+THREE_ENDPOINTS = "tcp://127.0.0.1:5557,tcp://127.0.0.1:5558,tcp://127.0.0.1:5559"
+
+
+def test_proxy_refuses_a_kv_events_spec_of_three_endpoints(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Was: the replay endpoint 'tcp://127.0.0.1:5558,tcp://127.0.0.1:5559' taken, the proxy started, and its KV-event
+    # thread warned "Invalid argument; reconnecting" for ever.
+    argv = ["proxy", "--backends", "http://127.0.0.1:1", "--port", "1", "--tokenizer", str(model_dir),
+            "--kv-events", THREE_ENDPOINTS]  # fmt: skip
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    _one_line(err, "replay must be a ZMQ address to connect to")
+    assert out == ""
+
+
+def test_serve_refuses_a_kv_events_spec_of_three_endpoints(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["serve", "--backends", "http://127.0.0.1:1", "--port", "0",
+            "--kv-events", f"http://127.0.0.1:1={THREE_ENDPOINTS}"]  # fmt: skip
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    _one_line(err, "replay must be a ZMQ address to connect to")
+    assert out == ""
