@@ -223,6 +223,16 @@ def test_a_frame_zmq_cannot_send_is_refused_and_the_publisher_thread_goes_on() -
         engine.flush(timeout=10)  # every batch sent: the thread lives
 
 
+def test_a_message_of_no_frames_is_refused_and_the_publisher_thread_goes_on() -> None:
+    # Was: publish_raw([]) queued it; the publisher thread died sending it (IndexError in pyzmq's send_multipart)
+    # and every later batch was lost (found by a live audit).
+    with FakeVLLM() as engine:
+        with pytest.raises(ConfigurationError, match="a message needs at least one frame"):
+            engine.publish_raw([])
+        assert engine.complete(list(range(64))).prompt_tokens == 64
+        engine.flush(timeout=10)  # every batch sent: the thread lives
+
+
 def test_a_prompt_that_is_no_token_ids_and_a_request_from_elsewhere_change_nothing() -> None:
     cache, other = _cache(block_size=4), _cache(block_size=4)
     kept = cache.allocate(list(range(8)))

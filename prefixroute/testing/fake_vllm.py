@@ -407,9 +407,12 @@ class FakeVLLM:
 
         Raises:
             InvalidTypeError: ``frames`` is not a list of bytes (nothing is sent).
+            ConfigurationError: ``frames`` is empty (nothing is sent).
         """
         if not isinstance(frames, (list, tuple)):
             raise InvalidTypeError(f"frames must be a list of bytes frames, not {type(frames).__name__}")
+        if not frames:  # ZMQ has no message of no frames: sending one would end the publisher thread
+            raise ConfigurationError("frames is empty: a message needs at least one frame, e.g. [b'']")
         message = [_frame(frame, f"frames[{i}]") for i, frame in enumerate(frames)]
         with self._lock:
             self._queued += 1
