@@ -3,6 +3,9 @@ status 2 and one line on stderr, found before anything runs."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,3 +39,16 @@ def test_serve_refuses_a_kv_events_spec_of_three_endpoints(capsys: pytest.Captur
     out, err = capsys.readouterr()
     _one_line(err, "replay must be a ZMQ address to connect to")
     assert out == ""
+
+
+def test_proxy_on_a_busy_port_says_so_in_one_line_before_polling_any_backend() -> None:
+    # Was: with --metrics-from-backends the fleet polled the backends before the port was bound, so a backend that
+    # was down added a warning line ("metrics of ...: cannot read ...") before the error.
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        argv = [sys.executable, "-m", "prefixroute", "proxy", "--backends", "http://127.0.0.1:1", "--port", str(port),
+                "--metrics-from-backends"]  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    _one_line(done.stderr, f"cannot listen on 127.0.0.1:{port}")
+    assert done.stdout == ""

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import math
 import signal
+import socket
 from typing import Any
 
 from prefixroute._numbers import shown
@@ -81,11 +82,16 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def build(args: argparse.Namespace) -> tuple[Proxy, Any]:
+def build(args: argparse.Namespace, *, check_port: bool = False) -> tuple[Proxy, Any]:
     """The proxy the options describe, and the :class:`~prefixroute.vllm.Fleet` it needs (None without one).
 
+    With ``check_port``, ``--host`` and ``--port`` are tried before the fleet starts polling (the other options
+    checked first): a busy port is then the command's one line on stderr, not one after the warnings of a backend
+    down.
+
     Raises:
-        ConfigurationError: options that do not fit together (the message says which).
+        ConfigurationError: options that do not fit together (the message says which), or, with ``check_port``, an
+            address that cannot be listened on.
     """
     if not 0 <= args.retries <= MAX_RETRIES:  # before a tokenizer is read or a fleet started
         raise ConfigurationError(f"--retries must be an int in [0, {MAX_RETRIES}], not {shown(args.retries)}")
@@ -126,6 +132,12 @@ def build(args: argparse.Namespace) -> tuple[Proxy, Any]:
     router = Router(block_size=args.block_size, policy=policy, index=index)
     fleet = Fleet(router)
     try:
+        proxy = Proxy(router, backends, fleet=fleet, **options)  # checks its options before the fleet starts
+        if check_port:
+            try:
+                _try_listen(args.host, args.port)
+            except OSError as exc:
+                raise ConfigurationError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from exc
         for i, backend in enumerate(backends):
             publisher, _, replay = kv_events[i].partition(",") if kv_events else ("", "", "")
             if kv_events and not publisher:
@@ -140,7 +152,7 @@ def build(args: argparse.Namespace) -> tuple[Proxy, Any]:
     except BaseException:
         fleet.close()
         raise
-    return Proxy(router, backends, fleet=fleet, **options), fleet
+    return proxy, fleet
 
 
 def run(args: argparse.Namespace) -> int:
@@ -149,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigurationError(f"--port must be a port number, not {args.port}")
     logging.basicConfig(format="prefixroute proxy: %(levelname)s %(message)s")
     logging.getLogger("prefixroute").setLevel(args.log_level.upper())
-    proxy, fleet = build(args)
+    proxy, fleet = build(args, check_port=True)
 
     async def serve() -> None:
         url = await proxy.serve(host=args.host, port=args.port)
@@ -181,6 +193,20 @@ def run(args: argparse.Namespace) -> int:
         if fleet is not None:
             fleet.close()
     return 0
+
+
+def _try_listen(host: str, port: int) -> None:
+    """Bind every address of ``host`` on ``port`` as the proxy's server will, and let go (a busy port, a host that does
+    not resolve or is not this machine's raise OSError). Port 0 is any free port: nothing to try."""
+    if port == 0:
+        return
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE):  # fmt: skip
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's create_server(reuse_address)
+            if family == socket.AF_INET6:  # as asyncio binds each family apart
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
 
 
 def _run(main: Any) -> None:
