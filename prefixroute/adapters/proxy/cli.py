@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import math
 import signal
@@ -206,7 +207,11 @@ def _try_listen(host: str, port: int) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's create_server(reuse_address)
             if family == socket.AF_INET6:  # as asyncio binds each family apart
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(address)
+            try:
+                sock.bind(address)
+            except OSError as exc:  # an address family the machine lacks: newer asyncio skips it, so here too
+                if exc.errno != errno.EADDRNOTAVAIL:
+                    raise
 
 
 def _run(main: Any) -> None:
