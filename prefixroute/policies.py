@@ -402,16 +402,21 @@ class LinearTTFT:
 class CostAware(LoadPolicy):
     """The candidate with the lowest predicted time to first token, from a pluggable cost function.
 
-    ``cost`` maps a :class:`Candidate` to predicted seconds; the default is :class:`LinearTTFT`.
+    ``cost`` maps a :class:`Candidate` to predicted seconds; the default is :class:`LinearTTFT`, or a subclass's own
+    ``cost(candidate)`` method when it defines one (a ``cost`` given to the constructor wins over both).
     """
 
     name = "cost-aware"
     prefix_aware = True
+    cost: Callable[[Candidate], float]
 
     def __init__(self, *, cost: Callable[[Candidate], float] | None = None) -> None:
         if cost is not None and not callable(cost):
             raise InvalidTypeError(f"CostAware cost must be a callable from a Candidate to seconds, not {shown(cost)}")
-        self.cost: Callable[[Candidate], float] = cost if cost is not None else LinearTTFT()
+        if cost is not None:
+            self.cost = cost
+        elif not callable(getattr(type(self), "cost", None)):  # a subclass's cost() method is not to be shadowed
+            self.cost = LinearTTFT()
 
     @_names_bad_fields
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:

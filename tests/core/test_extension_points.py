@@ -109,3 +109,18 @@ def test_a_predicted_ttft_subclass_cost_and_cap_terms_are_used() -> None:
 def test_a_cost_aware_cost_function_is_used() -> None:
     chosen = Router(policy=CostAware(cost=lambda c: -c.backend.count("1"))).route(PROMPT, BACKENDS)
     assert chosen.backend == "gpu1"
+
+
+def test_a_cost_aware_subclass_cost_method_is_used() -> None:
+    """A subclass that defines ``cost()`` as a method, as :class:`PredictedTTFT`'s subclasses do, is choosing by it:
+    the default cost function must not shadow it; a ``cost=`` given to the constructor still wins."""
+
+    class LastIsCheapest(CostAware):
+        def cost(self, candidate: Candidate) -> float:
+            return -float(candidate.backend[-1])
+
+    candidates = [Candidate(b, 0, 64, 0) for b in BACKENDS]
+    assert CostAware().choose(candidates).backend == "gpu0"  # all equal under LinearTTFT: the first
+    assert LastIsCheapest().choose(candidates).backend == "gpu2"
+    assert Router(policy=LastIsCheapest()).route(PROMPT, BACKENDS).backend == "gpu2"
+    assert LastIsCheapest(cost=lambda c: -c.backend.count("1")).choose(candidates).backend == "gpu1"
