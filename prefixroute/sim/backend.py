@@ -16,7 +16,7 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Protocol
 
 from prefixroute._numbers import as_int, shown
-from prefixroute.errors import ConfigurationError
+from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.router import Decision
 from prefixroute.sim.kvcache import BlockCache
 from prefixroute.sim.request import RequestRecord
@@ -98,6 +98,10 @@ class SimBackend:
     Drive it with :meth:`enqueue`, :meth:`schedule` (plan a step; returns its duration or None when idle) and
     :meth:`complete` (apply the planned step at its end time; returns the requests that finished).
     ``on_first_token(active)`` is called in :meth:`complete` when a request's first token is sampled.
+
+    Raises:
+        TypeError: ``name`` is not a str, ``config`` not a :class:`BackendConfig`, ``cost`` not a :class:`CostModel`,
+            or ``fleet_match`` or ``on_first_token`` not a callable or None.
     """
 
     __slots__ = (
@@ -124,6 +128,7 @@ class SimBackend:
         fleet_match: FleetMatch | None = None,
         on_first_token: Callable[[Active], None] | None = None,
     ) -> None:
+        _check_parts(name, config, cost, fleet_match, on_first_token)
         self.name = name
         self.on_first_token = on_first_token
         self.config = config
@@ -325,3 +330,18 @@ def _price(active: Active, n: int, prefill: list[tuple[int, int]], decode: list[
         decode.append(active.computed + 1)
     else:
         prefill.append((n, active.computed))
+
+
+def _check_parts(name: object, config: object, cost: object, fleet_match: object, on_first_token: object) -> None:
+    """Raise InvalidTypeError for a :class:`SimBackend` part of the wrong type (when given, not at the first step)."""
+    if not isinstance(name, str):
+        raise InvalidTypeError(f"SimBackend name must be a str, not {type(name).__name__}")
+    if not isinstance(config, BackendConfig):
+        raise InvalidTypeError(f"SimBackend config must be a BackendConfig, not {type(config).__name__}")
+    if not (callable(getattr(cost, "step_seconds", None)) and callable(getattr(cost, "prefill_seconds", None))):
+        raise InvalidTypeError(
+            f"SimBackend cost must be a CostModel (step_seconds, prefill_seconds), not {type(cost).__name__}"
+        )
+    for option, hook in (("fleet_match", fleet_match), ("on_first_token", on_first_token)):
+        if hook is not None and not callable(hook):
+            raise InvalidTypeError(f"SimBackend {option} must be a callable or None, not {type(hook).__name__}")

@@ -6,7 +6,7 @@ from typing import cast
 
 import pytest
 
-from prefixroute.errors import ConfigurationError
+from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.hashing import BlockHasher
 from prefixroute.router import Decision
 from prefixroute.sim.backend import Active, BackendConfig, SimBackend
@@ -187,3 +187,21 @@ def test_engine_settings_allow_a_one_block_cache_and_name_what_does_not_fit() ->
         ConfigurationError, match=r"^block_size, max_num_seqs and max_num_batched_tokens must be ints >= 1$"
     ):
         BackendConfig(capacity_blocks=4, block_size=0)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("name", 0),
+        ("config", None),
+        ("cost", "linear"),
+        ("fleet_match", 1),
+        ("on_first_token", "print"),
+    ],
+)
+def test_a_part_of_the_wrong_type_is_refused_when_the_backend_is_made(option: str, value: object) -> None:
+    """Not when the first step calls it: a ``SimBackend`` made by hand names the option at once."""
+    options: dict[str, object] = {"name": "gpu0", "config": BackendConfig(100), "cost": LinearCost()}
+    options[option] = value
+    with pytest.raises(InvalidTypeError, match=rf"^SimBackend {option} must be "):
+        SimBackend(**options)  # type: ignore[arg-type]
