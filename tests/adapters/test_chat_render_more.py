@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -402,3 +403,16 @@ def test_continuing_a_string_final_message_with_a_template_that_loops_over_conte
     theirs = transformers_text(EVERY_PART_TEMPLATE, expected)
     assert theirs == "<|user|>Count<|end|><|assistant|>one, two,"
     assert _decoded(encoder, encoder.encode_chat_request(body)) == theirs
+
+
+def test_strftime_now_reads_the_encoders_injected_clock(tmp_path: Path) -> None:
+    """A template that dates its system prompt (Llama 3's ``strftime_now``) renders from the encoder's ``clock``
+    (seconds since the epoch, local time as ``datetime.now()``), so a routing test's tokens do not change at midnight;
+    a clock that is no callable is refused when the encoder is made."""
+    template = "{{ strftime_now('%Y-%m-%d %H:%M') }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    byte_tokenizer(tmp_path / "model", template)
+    instant = datetime(2024, 7, 26, 13, 5).timestamp()
+    encoder = PromptEncoder(tmp_path / "model", clock=lambda: instant)
+    assert _decoded(encoder, encoder.encode_chat([{"role": "user", "content": "Hi"}])) == "2024-07-26 13:05Hi"
+    with pytest.raises(InvalidTypeError, match="^PromptEncoder clock must be a callable"):
+        PromptEncoder(tmp_path / "model", clock=instant)  # type: ignore[arg-type]

@@ -41,6 +41,7 @@ import json
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -59,13 +60,21 @@ __all__ = ["PromptEncoder"]
 class PromptEncoder:
     """Encode text prompts and chat messages with one model's tokenizer (thread-safe).
 
+    ``clock`` is what a chat template's ``strftime_now()`` reads: seconds since the epoch, shown in local time as
+    transformers' ``datetime.now()`` is (default :func:`time.time`; a fixed one keeps a dated template's tokens, and a
+    test's routing, the same across midnight).
+
     Raises:
         ConfigurationError: the path holds no tokenizer.json, the file is not one or has an empty vocabulary, or the
             chat template does not compile.
-        TypeError: ``path`` is not a str or path.
+        TypeError: ``path`` is not a str or path, or ``clock`` is not a callable.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, clock: Callable[[], float] = time.time) -> None:
+        if not callable(clock):
+            raise InvalidTypeError(
+                f"PromptEncoder clock must be a callable returning seconds since the epoch, not {type(clock).__name__}"
+            )
         location = tokenizer_path(path)
         file = location / "tokenizer.json" if is_folder(location) else location
         PromptTokenizer.from_file(file)  # its checks and messages for a missing or malformed file
@@ -86,7 +95,7 @@ class PromptEncoder:
         """The largest token id the engine takes in a prompt, as vLLM checks it: the larger of the tokenizer's largest
         id and the model's ``vocab_size`` - 1 (from ``config.json`` beside ``tokenizer.json``, its ``text_config``'s
         first; a model's vocabulary may be padded past its tokenizer's, as Qwen's is)."""
-        templates = _load_templates(file.parent)
+        templates = _load_templates(file.parent, clock=clock)
         self._template = templates.get("processor", templates.get("default"))  # vLLM's choice for a chat without tools
         self._tool_template = templates.get("tool_use", templates.get("default"))  # transformers' for one with tools
 
@@ -672,8 +681,9 @@ class _Template(NamedTuple):
     developer: bool
 
 
-def _load_templates(folder: Path) -> dict[str, _Template]:
-    """The folder's chat templates by name (:func:`_template_sources`), each compiled and probed.
+def _load_templates(folder: Path, *, clock: Callable[[], float] = time.time) -> dict[str, _Template]:
+    """The folder's chat templates by name (:func:`_template_sources`), each compiled and probed; their
+    ``strftime_now()`` reads ``clock``.
 
     Raises:
         ConfigurationError: as :func:`_template_sources`, or a template does not compile or render in time.
@@ -736,7 +746,7 @@ def _load_templates(folder: Path) -> dict[str, _Template]:
         raise ValueError(message)
 
     def strftime_now(format: str) -> str:
-        return datetime.now().strftime(format)
+        return datetime.fromtimestamp(clock()).strftime(format)  # local time, as transformers' datetime.now()
 
     class Generation(jinja2.ext.Extension):
         """transformers' ``{% generation %}`` block (it marks the assistant's tokens), rendered as its body."""
