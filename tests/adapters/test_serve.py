@@ -812,6 +812,12 @@ def test_the_release_listener_logs_an_icmp_error_at_debug_and_goes_on(caplog: py
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [(logging.DEBUG, "release listener: port closed")]
 
 
+def test_a_release_listener_for_something_else_than_a_sidecar_is_refused_when_made() -> None:
+    """Not in the event loop at each datagram (logged there, and every request released over UDP left in flight)."""
+    with pytest.raises(InvalidTypeError, match="^ReleaseProtocol takes a Sidecar, not Router$"):
+        ReleaseProtocol(Router())  # type: ignore[arg-type]
+
+
 def test_release_lines_are_parsed_from_any_syslog_format() -> None:
     line = b"<190>Dec  1 08:13:13 haproxy[1]: prefixroute_finish=ab-1 status=200 prefixroute_first_token=cd-2"
     assert release_ids(line) == [("finish", "ab-1"), ("first_token", "cd-2")]

@@ -57,9 +57,15 @@ def refused(line: bytes) -> bool:
 
 
 class ReleaseProtocol(asyncio.DatagramProtocol):
-    """Apply every release token of every datagram to ``sidecar`` (a ``-`` id, nginx's empty value, is skipped)."""
+    """Apply every release token of every datagram to ``sidecar`` (a ``-`` id, nginx's empty value, is skipped).
+
+    Raises:
+        TypeError: ``sidecar`` is not a :class:`~prefixroute.adapters.serve.Sidecar`.
+    """
 
     def __init__(self, sidecar: Sidecar) -> None:
+        if not isinstance(sidecar, Sidecar):
+            raise InvalidTypeError(f"ReleaseProtocol takes a Sidecar, not {type(sidecar).__name__}")
         self._sidecar = sidecar
 
     def datagram_received(self, data: bytes, addr: tuple[str | object, int]) -> None:
