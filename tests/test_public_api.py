@@ -169,3 +169,14 @@ def test_every_subpackage_name_is_used_by_some_test(package: str) -> None:
     sources = "\n".join(path.read_text() for path in (ROOT / "tests").rglob("*.py") if path.name != Path(__file__).name)
     unused = [name for name in importlib.import_module(package).__all__ if not re.search(rf"\b{name}\b", sources)]
     assert unused == [], f"{package} exports names no test uses"
+
+
+def test_the_types_an_advertised_hook_hands_a_subclass_are_in_the_api_reference() -> None:
+    """``PrefixIndex.evict`` (docs/internals.md's extension point) hands its override a store to evict from, through
+    that store's methods: the store's class is part of the public API, documented where the hook is."""
+    import typing
+
+    reference = (ROOT / "docs" / "api.md").read_text()
+    store = typing.get_type_hints(prefixroute.PrefixIndex.evict)["store"]
+    assert f"::: {store.__module__}.{store.__qualname__}\n" in reference
+    assert store.__qualname__ in importlib.import_module(store.__module__).__all__
