@@ -115,14 +115,17 @@ def test_registered_after_litellms_router_the_hook_picks_among_the_deployments_i
     limiter as it is built: the hook registered after it (as docs/adapters.md says) picks among the deployments
     still within budget, so a prompt that prefers a spent deployment is served by another one."""
     spent = [
-        {**deployment, "litellm_params": {**deployment["litellm_params"], "max_budget": 1e-9, "budget_duration": "1d",
-                                          "input_cost_per_token": 1.0, "output_cost_per_token": 1.0}}
-        for deployment in model_list(engines)
+        {"model_name": "fake", "model_info": {"id": f"spent{i}"},
+         "litellm_params": {**deployment["litellm_params"], "max_budget": 1e-9, "budget_duration": "1d",
+                            "input_cost_per_token": 1.0, "output_cost_per_token": 1.0}}
+        for i, deployment in enumerate(model_list(engines))
     ]  # fmt: skip
     hook = PrefixRouteHook(Router())
+    routers: list[LiteLLMRouter] = []
 
     async def run() -> list[str]:
         router = LiteLLMRouter(model_list=spent, num_retries=0)  # its budget limiter starts a task on this loop
+        routers.append(router)
         litellm.logging_callback_manager.add_litellm_callback(hook)
         served = []
         for _ in range(3):  # the same prompt: without budgets, all three would go to one deployment
@@ -136,5 +139,7 @@ def test_registered_after_litellms_router_the_hook_picks_among_the_deployments_i
         served = asyncio.run(run())
     finally:
         litellm.logging_callback_manager.remove_callback_from_all_lists(hook)
-    assert sorted(served) == ["gpu0", "gpu1", "gpu2"]
+        for router in routers:
+            router.retire()  # its budget limiter is a process-wide callback: later tests must not meet it
+    assert sorted(served) == ["spent0", "spent1", "spent2"]
     assert hook.errors == 0
