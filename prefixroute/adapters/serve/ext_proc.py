@@ -23,9 +23,11 @@ Needs the ``prefixroute[serve]`` extra (grpcio and the generated Envoy protos of
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -187,10 +189,21 @@ async def start_ext_proc(
     the streams of an Envoy that vanished without closing them (a host gone, a silent network partition) end then,
     and so release their decisions, instead of counting them in flight until their lease.
 
+    Each of the sidecar's backends must name its host by IP address: the picker names the engine to Envoy as
+    ``ip:port`` (the contract's form), and an ``ORIGINAL_DST`` cluster connects to an address, not a name (a host
+    name failed every routed request with Envoy's 503, not even falling back to the pool).
+
     Raises:
-        ConfigurationError: ``keepalive_s`` or ``keepalive_timeout_s`` is not a positive, finite number of seconds.
+        ConfigurationError: ``keepalive_s`` or ``keepalive_timeout_s`` is not a positive, finite number of seconds, or
+            a backend's host is a name, not an IP address.
         OSError: the port cannot be bound.
     """
+    named = next((backend for backend in sidecar.backends if not _is_ip(urlsplit(backend).hostname)), None)
+    if named is not None:
+        raise ConfigurationError(
+            f"the endpoint picker names each engine to Envoy as ip:port (its ORIGINAL_DST cluster connects to an "
+            f"address, not a name): give the backend {named!r} by its IP address, like http://10.0.0.1:8000"
+        )
     time_ms = _milliseconds("keepalive_s", keepalive_s)
     timeout_ms = _milliseconds("keepalive_timeout_s", keepalive_timeout_s)
     # A buffered body comes in one message: let it be as long as the sidecar reads (gRPC's default stops at 4 MiB,
@@ -218,6 +231,14 @@ async def start_ext_proc(
         raise OSError(f"cannot bind the ext_proc port {address}")
     await server.start()
     return server, bound
+
+
+def _is_ip(host: str | None) -> bool:
+    try:
+        ipaddress.ip_address(host or "")
+    except ValueError:
+        return False
+    return True
 
 
 def _milliseconds(name: str, value: object) -> int:
