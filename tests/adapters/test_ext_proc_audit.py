@@ -4,13 +4,29 @@ independent client reads it (found by an audit; the message-by-message rules are
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from google.protobuf import json_format
 
 from prefixroute import Router
 from prefixroute.adapters.serve import Sidecar
-from prefixroute.adapters.serve.ext_proc import start_ext_proc
+from prefixroute.adapters.serve.ext_proc import DESTINATION_HEADER, start_ext_proc
+from prefixroute.adapters.serve.loopback import start_envoy
 from prefixroute.errors import ConfigurationError
+
+from .test_ext_proc import BACKENDS, PROMPT, body, headers, request_trailers, response_body, response_headers, run
+from .test_serve_scenarios import (
+    Stack,
+    check_release_after_error_and_abort,
+    check_same_prefix_same_upstream,
+    check_sse_is_not_buffered,
+    make_stack,
+    need_binary,
+)
 
 
 @pytest.mark.parametrize("backend", ["http://localhost:8000", "http://gpu0:8000", "https://vllm.example.com"])
@@ -33,3 +49,108 @@ def test_backends_named_by_ipv4_or_ipv6_address_are_served() -> None:
         await server.stop(None)
 
     asyncio.run(go())
+
+
+DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
+
+
+def duplex_headers(path: str = "/v1/completions", *, end: bool = False) -> Any:
+    """The first message of an Envoy whose request and response body modes are FULL_DUPLEX_STREAMED (the Gateway
+    API Inference Extension's own Envoy set-up): it says so in ``protocol_config``."""
+    message = headers(path, end=end, body_mode=DUPLEX)
+    message.protocol_config.response_body_mode = DUPLEX
+    return message
+
+
+def streamed(answer: Any, phase: str) -> tuple[bytes, bool]:
+    """The body a full-duplex body answer sends on, and its end_of_stream."""
+    assert answer.WhichOneof("response") == phase
+    sent = getattr(answer, phase).response.body_mutation.streamed_response
+    return sent.body, sent.end_of_stream
+
+
+def test_a_full_duplex_request_is_answered_headers_first_with_the_destination_and_its_body_sent_back() -> None:
+    """In FULL_DUPLEX_STREAMED mode Envoy sends the body without waiting for the headers' answer and takes each body
+    answer as the body to send on (``streamed_response``): the picker answered each message as in the other modes, so
+    Envoy 1.40 failed every request with a 500 ("Spurious response message"), even with failure_mode_allow. Now the
+    headers' answer waits for the body and carries the destination, then the body goes back whole, and each response
+    chunk is sent back as it came."""
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    chunks = [PROMPT[:10], PROMPT[10:30], PROMPT[30:]]
+    messages = [duplex_headers(), *(body(c, end=i == 2) for i, c in enumerate(chunks))]
+    answers = run(sidecar, *messages, response_headers("200"), response_body(end=False), response_body(end=True))
+    assert [answer.WhichOneof("response") for answer in answers] == [
+        "request_headers", "request_body", "response_headers", "response_body", "response_body"
+    ]  # fmt: skip
+    first = answers[0]
+    mutation = first.request_headers.response.header_mutation
+    endpoint = {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}[DESTINATION_HEADER]
+    assert endpoint in ("10.0.0.1:8000", "10.0.0.2:8000") and first.request_headers.response.clear_route_cache
+    assert json_format.MessageToDict(first.dynamic_metadata) == {"envoy.lb": {DESTINATION_HEADER: endpoint}}
+    assert streamed(answers[1], "request_body") == (PROMPT, True)
+    assert streamed(answers[3], "response_body") == (b"data: {}\n\n", False)
+    assert streamed(answers[4], "response_body") == (b"data: {}\n\n", True)
+    stats = sidecar.router.stats()
+    assert (stats.decisions, stats.in_flight, stats.ignored) == (1, 0, 0)
+    assert sidecar.stats()["releases"] == {"ext_proc": 2}
+
+
+def test_a_full_duplex_body_ended_by_trailers_is_routed_there_and_sent_back_before_the_trailers() -> None:
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    answers = run(sidecar, duplex_headers(), body(PROMPT[:10], end=False), body(PROMPT[10:], end=False),
+                  request_trailers(), response_body(end=True))  # fmt: skip
+    assert [answer.WhichOneof("response") for answer in answers] == [
+        "request_headers", "request_body", "request_trailers", "response_body"
+    ]  # fmt: skip
+    assert answers[0].request_headers.response.header_mutation.set_headers[0].header.key == DESTINATION_HEADER
+    assert streamed(answers[1], "request_body") == (PROMPT, False)
+    assert sidecar.router.stats().in_flight == 0 and sidecar.router.stats().decisions == 1
+
+
+def test_a_full_duplex_body_the_picker_does_not_route_still_goes_back_whole_unrouted() -> None:
+    """Over the limit, not JSON, or on a path the picker does not route: the headers are answered without a
+    destination (Envoy's pool serves it), and every byte of the body is sent back, in order."""
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, max_body_bytes=len(PROMPT) // 2)
+    third = len(PROMPT) // 3 + 1
+    chunks = [PROMPT[:third], PROMPT[third : 2 * third], PROMPT[2 * third :]]
+    over = run(sidecar, duplex_headers(), *(body(c, end=i == 2) for i, c in enumerate(chunks)))
+    assert [a.WhichOneof("response") for a in over] == ["request_headers", "request_body", "request_body"]
+    assert not over[0].request_headers.response.header_mutation.set_headers
+    assert streamed(over[1], "request_body") == (PROMPT[: 2 * third], False)
+    assert streamed(over[2], "request_body") == (chunks[2], True)
+    not_json = run(sidecar, duplex_headers(), body(b"{not", end=False), body(b" json", end=True))
+    assert [a.WhichOneof("response") for a in not_json] == ["request_headers", "request_body"]
+    assert streamed(not_json[1], "request_body") == (b"{not json", True)
+    models = run(sidecar, duplex_headers("/v1/models"), body(b"{}", end=True))
+    assert [a.WhichOneof("response") for a in models] == ["request_headers", "request_body"]
+    assert streamed(models[1], "request_body") == (b"{}", True)
+    assert sidecar.stats()["bad_requests"] == {"413": 1, "400": 1} and sidecar.router.stats().decisions == 0
+
+
+def full_duplex(config: str) -> str:
+    """The example's Envoy configuration with the Gateway API Inference Extension's body modes."""
+    for old, new in (
+        ("request_body_mode: BUFFERED", "request_body_mode: FULL_DUPLEX_STREAMED"),
+        ("response_body_mode: STREAMED", "response_body_mode: FULL_DUPLEX_STREAMED"),
+        ("request_trailer_mode: SKIP", "request_trailer_mode: SEND"),  # Envoy requires it for full duplex
+        ("response_trailer_mode: SKIP", "response_trailer_mode: SEND"),
+    ):
+        assert config.count(old + "\n") == 1, old  # the setting's line, not a comment naming it
+        config = config.replace(old + "\n", new + "\n")
+    return config
+
+
+@pytest.fixture(scope="module")
+def duplex_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    need_binary("envoy")
+    start = functools.partial(start_envoy, edit=full_duplex)
+    yield from make_stack(tmp_path_factory.mktemp("envoy-duplex"), start, "ext_proc")
+
+
+@pytest.mark.parametrize(
+    "check", [check_same_prefix_same_upstream, check_release_after_error_and_abort, check_sse_is_not_buffered],
+    ids=lambda check: check.__name__.removeprefix("check_"),
+)  # fmt: skip
+def test_envoy_in_full_duplex_mode_routes_streams_and_releases(duplex_stack: Stack, check: Any) -> None:
+    """On the real Envoy: before, every request through a full-duplex Envoy failed with a 500."""
+    check(duplex_stack)

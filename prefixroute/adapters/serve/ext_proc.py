@@ -9,7 +9,11 @@ trailers (HTTP/2) comes as one body message without ``end_of_stream``: it is rou
 its request body mode is ``BUFFERED`` (``protocol_config`` in its first message; newer Envoys, 1.40 included, send
 it), as that answer is the last one that can change the request headers (a ``TrailersResponse`` mutates only the
 trailers). From an Envoy that does not say its mode, such a body looks like the first chunk of a stream: it is not
-routed, and falls back to Envoy's pool. The first response body chunk reports the first token (of a 200 answer, or
+routed, and falls back to Envoy's pool. In ``FULL_DUPLEX_STREAMED`` mode (the Gateway API Inference Extension's own
+Envoy set-up; said in ``protocol_config``) Envoy sends the body without waiting for the headers' answer and sends on
+only the body the answers carry: the picker answers the request headers once the body has ended (or its trailers
+came), with the destination, then sends the body back whole, and sends each response chunk back as it came (when
+the response body mode is full duplex too). The first response body chunk reports the first token (of a 200 answer, or
 one whose ``:status`` the picker is not sent: an error's body is no first token); the last one, or the stream's end
 for any other reason (upstream error, client abort: Envoy resets the stream), finishes the request, exactly once;
 refused when the response headers' ``:status`` is a 4xx (the engine computed nothing). A body the picker cannot route
@@ -70,17 +74,43 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         status = ""  # the response's :status ("": not seen, the response headers not sent to the picker)
         refused = False
         whole = False  # Envoy said its request body mode is BUFFERED: its one body message is the whole body
+        duplex = False  # FULL_DUPLEX_STREAMED: Envoy sends the body on as the picker's body answers carry it
+        duplex_response = False  # the same, for the response body
+        held = False  # duplex: the request headers' answer waits for the body, which the picker then sends back
         try:
             async for request in requests:
                 if request.HasField("protocol_config"):  # newer Envoys (1.40 is tested) say it in the first message
                     whole = request.protocol_config.request_body_mode == ProcessingMode.BUFFERED
+                    duplex = request.protocol_config.request_body_mode == ProcessingMode.FULL_DUPLEX_STREAMED
+                    duplex_response = request.protocol_config.response_body_mode == ProcessingMode.FULL_DUPLEX_STREAMED
                 kind = request.WhichOneof("request")
                 if kind == "request_headers":
                     path = _header(request.request_headers.headers, ":path").split("?", 1)[0]
                     if request.request_headers.end_of_stream and path in PICK_PATHS and not picked:
                         picked = True  # no body will come: HTTP's empty body, a 400 (Envoy's pool serves it)
                         self._sidecar.metrics.refused(400)
+                    if duplex and path in PICK_PATHS and not (picked or held):
+                        held = True  # only the headers' answer can set the destination, and the body comes first
+                        continue
                     yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+                elif kind == "request_body" and held:  # duplex: keep the body, answer once it ends
+                    body.append(request.request_body.body)
+                    size += len(request.request_body.body)
+                    ended = request.request_body.end_of_stream
+                    if size > self._sidecar.max_body_bytes:  # as the other modes: 413, not routed
+                        held, picked = False, True
+                        self._sidecar.metrics.refused(413)
+                        yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+                        yield _sent_on("request_body", b"".join(body), ended)
+                        body.clear()
+                    elif ended:
+                        held, picked = False, True
+                        decision_id, response = await self._pick(path, b"".join(body))
+                        yield _as_headers_answer(response)
+                        yield _sent_on("request_body", b"".join(body), True)
+                        body.clear()
+                elif kind == "request_body" and duplex:  # the headers were answered: each chunk goes on as it came
+                    yield _sent_on("request_body", request.request_body.body, request.request_body.end_of_stream)
                 elif kind == "request_body":
                     if not picked:
                         size += len(request.request_body.body)
@@ -105,15 +135,27 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     refused = status.isascii() and status.isdigit() and is_refusal(int(status))  # "²": not a digit
                     yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
                 elif kind == "response_body":
+                    chunk = request.response_body
                     if decision_id is not None:
                         if not answered_first:
                             answered_first = True
                             if status in ("", "200"):  # an error's body is no first token: it would teach a speed
                                 self._sidecar.first_token(decision_id, via="ext_proc")
-                        if request.response_body.end_of_stream:
+                        if chunk.end_of_stream:
                             self._sidecar.finish(decision_id, via="ext_proc", refused=refused)
                             decision_id = None
-                    yield pb.ProcessingResponse(response_body=pb.BodyResponse())
+                    if duplex_response:
+                        yield _sent_on("response_body", chunk.body, chunk.end_of_stream)
+                    else:
+                        yield pb.ProcessingResponse(response_body=pb.BodyResponse())
+                elif kind == "request_trailers" and held:  # duplex: a body ended by trailers, routed now
+                    held, picked = False, True
+                    decision_id, response = await self._pick(path, b"".join(body))
+                    yield _as_headers_answer(response)
+                    if body:
+                        yield _sent_on("request_body", b"".join(body), False)
+                        body.clear()
+                    yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
                 elif kind == "request_trailers":
                     if not picked and path in PICK_PATHS:  # too late: Envoy no longer holds the request headers
                         picked = True
@@ -168,6 +210,21 @@ _NO_PHASE = (
     "a ProcessingRequest sets no phase: send one of request_headers, request_body, request_trailers, "
     "response_headers, response_body or response_trailers"
 )
+
+
+def _as_headers_answer(body_answer: Any) -> Any:
+    """The request headers' answer that carries what ``body_answer`` (from :meth:`EndpointPicker._pick`) says."""
+    answer = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=body_answer.request_body.response))
+    if body_answer.HasField("dynamic_metadata"):
+        answer.dynamic_metadata.CopyFrom(body_answer.dynamic_metadata)
+    return answer
+
+
+def _sent_on(phase: str, data: bytes, end: bool) -> Any:
+    """A full-duplex body answer: Envoy sends ``data`` on (``end``: the body's last part)."""
+    sent = pb.StreamedBodyResponse(body=data, end_of_stream=end)
+    answer = pb.BodyResponse(response=pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=sent)))
+    return pb.ProcessingResponse(**{phase: answer})
 
 
 def _header(headers: Any, name: str) -> str:
