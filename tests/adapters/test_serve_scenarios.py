@@ -58,8 +58,13 @@ class Stack:
             "ext_proc": free_port(),
         }
         self.sidecar: Process | None = None
-        self.start_sidecar()
-        self.proxy = start_proxy(workdir, self.ports)
+        self.proxy: Process | None = None
+        try:
+            self.start_sidecar()
+            self.proxy = start_proxy(workdir, self.ports)
+        except BaseException:  # a proxy that would not start: what started before it stops too
+            self.close()
+            raise
         self.url = f"http://127.0.0.1:{self.ports['proxy']}"
 
     def start_sidecar(self) -> None:
