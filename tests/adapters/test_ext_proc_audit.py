@@ -154,3 +154,62 @@ def duplex_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 def test_envoy_in_full_duplex_mode_routes_streams_and_releases(duplex_stack: Stack, check: Any) -> None:
     """On the real Envoy: before, every request through a full-duplex Envoy failed with a 500."""
     check(duplex_stack)
+
+
+def with_subset(message: Any, endpoints: Any) -> Any:
+    """``message`` with the Inference Extension's subset hint: the endpoints the picker may choose from."""
+    message.metadata_context.filter_metadata["envoy.lb.subset_hint"].update(
+        {"x-gateway-destination-endpoint-subset": endpoints}
+    )
+    return message
+
+
+@pytest.mark.parametrize("mode", [None, ProcessingMode.BUFFERED, DUPLEX])
+def test_the_picker_chooses_only_among_the_endpoints_of_the_subset_hint(mode: int | None) -> None:
+    """The protocol: a proxy may list the endpoints the picker MUST choose from in the request's filter metadata
+    (``envoy.lb.subset_hint``, key ``x-gateway-destination-endpoint-subset``); before, the hint was not read and a
+    request went to any backend. Every request of one prompt, whose affinity would keep it on one backend, goes to
+    the one endpoint its hint allows."""
+    sidecar = Sidecar(Router(block_size=4), backends=["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://[::1]:9"])
+    first = duplex_headers() if mode == DUPLEX else headers("/v1/completions", body_mode=mode)
+    chosen = set()
+    for allowed in ("10.0.0.2:8000", "10.0.0.1:8000", "[::1]:9", "10.0.0.2:8000"):
+        start = type(first)()
+        start.CopyFrom(first)
+        answers = run(sidecar, with_subset(start, [allowed, "10.9.9.9:1"]), body(PROMPT, end=True))
+        answer = answers[0] if mode == DUPLEX else answers[1]
+        phase = "request_headers" if mode == DUPLEX else "request_body"
+        mutation = getattr(answer, phase).response.header_mutation
+        (endpoint,) = [h.header.raw_value.decode() for h in mutation.set_headers if h.header.key == DESTINATION_HEADER]
+        assert (
+            endpoint
+            == allowed
+            == answer.dynamic_metadata.fields["envoy.lb"].struct_value.fields[DESTINATION_HEADER].string_value
+        )
+        chosen.add(endpoint)
+    assert len(chosen) == 3
+    assert sidecar.router.stats().in_flight == 0  # each stream ended: released
+
+
+@pytest.mark.parametrize("endpoints", [[], ["10.9.9.9:1"], "10.0.0.1:8000", [1, None]])
+@pytest.mark.parametrize("mode", [None, DUPLEX])
+def test_a_subset_hint_that_names_none_of_the_backends_is_an_immediate_503(endpoints: Any, mode: int | None) -> None:
+    """The protocol: none of the listed endpoints eligible, or an empty list, is an ImmediateResponse 503; no
+    decision is made, so nothing stays in flight (a value that is no list of strings lists none)."""
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    first = duplex_headers() if mode == DUPLEX else headers("/v1/completions")
+    answers = run(sidecar, with_subset(first, endpoints), body(PROMPT, end=True), response_body(end=True))
+    immediate = [a for a in answers if a.WhichOneof("response") == "immediate_response"]
+    assert len(immediate) == 1 and answers[-1] is immediate[0]  # the last answer: Envoy ends the request there
+    assert immediate[0].immediate_response.status.code == 503
+    stats = sidecar.router.stats()
+    assert (stats.decisions, stats.in_flight) == (0, 0)
+
+
+def test_without_a_subset_key_the_hint_namespace_leaves_every_backend() -> None:
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    first = headers("/v1/completions")
+    first.metadata_context.filter_metadata["envoy.lb.subset_hint"].update({"other": ["10.9.9.9:1"]})
+    answers = run(sidecar, first, body(PROMPT, end=True))
+    mutation = answers[1].request_body.response.header_mutation
+    assert [h.header.raw_value.decode() for h in mutation.set_headers if h.header.key == DESTINATION_HEADER]

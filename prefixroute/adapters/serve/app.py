@@ -74,6 +74,13 @@ _MAX_SEEN_BACKENDS = MAX_REQUEST_BACKENDS
 _INLINE_TEXT_BYTES = 64 * 2**10  # a text or chat body over this is tokenized on a worker thread, off the event loop
 
 
+class _Subset(tuple[str, ...]):
+    """Fixed backends a request may go to (an Envoy's subset hint): routed as the fixed list is (the health filter
+    applies), not listed as a request's own backends."""
+
+    __slots__ = ()
+
+
 class Sidecar:
     """The HTTP face of a router: decode a request, route it, count it in flight, answer.
 
@@ -230,19 +237,21 @@ class Sidecar:
         self.metrics.decided(decision, self._clock() - started)
         return decision
 
-    def pick(self, path: str, body: bytes) -> Decision:
-        """Decide for a client's OpenAI request body (``path`` says which kind) and count it in flight.
+    def pick(self, path: str, body: bytes, *, within: Collection[str] | None = None) -> Decision:
+        """Decide for a client's OpenAI request body (``path`` says which kind) and count it in flight; with
+        ``within`` (``host:port`` endpoints, an Envoy's subset hint), only among the backends that are one of them.
 
         Raises:
-            BadRequest: the body is not a completion or chat completion request, or as :meth:`route`.
+            BadRequest: the body is not a completion or chat completion request, or as :meth:`route`; 503 when no
+                backend is ``within``.
         """
         started = self._clock()
         prompt, model = openai_prompt(path, body)
-        decision = self.decide(prompt, model=model, backends=None, lease=None)
+        decision = self.decide(prompt, model=model, backends=self._within(within), lease=None)
         self.metrics.decided(decision, self._clock() - started)
         return decision
 
-    async def pick_async(self, path: str, body: bytes) -> Decision:
+    async def pick_async(self, path: str, body: bytes, *, within: Collection[str] | None = None) -> Decision:
         """:meth:`pick` for the event loop, tokenizing a long prompt on a worker thread as :meth:`route_async`.
 
         Raises:
@@ -250,9 +259,20 @@ class Sidecar:
         """
         started = self._clock()
         prompt, model = openai_prompt(path, body)
-        decision = await self._decide_async(prompt, len(body), model=model, backends=None, lease=None)
+        decision = await self._decide_async(prompt, len(body), model=model, backends=self._within(within), lease=None)
         self.metrics.decided(decision, self._clock() - started)
         return decision
+
+    def _within(self, endpoints: Collection[str] | None) -> _Subset | None:
+        """The fixed backends whose ``host:port`` is one of ``endpoints`` (None: no subset asked for)."""
+        if endpoints is None:
+            return None
+        subset = _Subset(backend for backend in self.backends if self.upstream(backend).decode("latin-1") in endpoints)
+        if not subset:
+            raise BadRequest(
+                503, f"none of the endpoints the request may go to ({len(endpoints)}) is one of the sidecar's backends"
+            )
+        return subset
 
     def decide(
         self, prompt: Prompt, *, model: str | None, backends: Sequence[str] | None, lease: float | None
@@ -282,9 +302,9 @@ class Sidecar:
     def _start(
         self, tokens: list[int], namespace: str | None, backends: Sequence[str] | None, lease: float | None
     ) -> Decision:
-        given = backends is not None
-        if backends is None:
-            backends = self.backends
+        given = backends is not None and not isinstance(backends, _Subset)
+        if backends is None or not given:
+            backends = self.backends if backends is None else backends
             if not backends:
                 raise BadRequest(  # the pick mode's body is the client's OpenAI request: it cannot name backends
                     400,

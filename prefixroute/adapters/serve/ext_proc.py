@@ -38,6 +38,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from google.protobuf.message import DecodeError
 
@@ -53,6 +54,10 @@ _log = logging.getLogger(__name__)
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 """Where the picked endpoint (``host:port``) goes: a request header and a key of the ``envoy.lb`` metadata."""
+# Where a proxy lists the endpoints (ip:port) the picker may choose from: a key of the request's filter metadata under
+# this namespace; none of the sidecar's backends among them is an ImmediateResponse 503 (the protocol's answer).
+_SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+_SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 
 
 class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -77,8 +82,11 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         duplex = False  # FULL_DUPLEX_STREAMED: Envoy sends the body on as the picker's body answers carry it
         duplex_response = False  # the same, for the response body
         held = False  # duplex: the request headers' answer waits for the body, which the picker then sends back
+        subset: frozenset[str] | None = None  # the endpoints the proxy lets the picker choose from (None: all)
         try:
             async for request in requests:
+                if subset is None and request.HasField("metadata_context"):
+                    subset = _subset_hint(request.metadata_context)
                 if request.HasField("protocol_config"):  # newer Envoys (1.40 is tested) say it in the first message
                     whole = request.protocol_config.request_body_mode == ProcessingMode.BUFFERED
                     duplex = request.protocol_config.request_body_mode == ProcessingMode.FULL_DUPLEX_STREAMED
@@ -105,7 +113,10 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                         body.clear()
                     elif ended:
                         held, picked = False, True
-                        decision_id, response = await self._pick(path, b"".join(body))
+                        decision_id, response = await self._pick(path, b"".join(body), subset)
+                        if response.HasField("immediate_response"):
+                            yield response
+                            return
                         yield _as_headers_answer(response)
                         yield _sent_on("request_body", b"".join(body), True)
                         body.clear()
@@ -128,8 +139,10 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                         yield pb.ProcessingResponse(request_body=pb.BodyResponse())
                         continue
                     picked = True  # one pick a stream: a second decision would leave the first in flight
-                    decision_id, response = await self._pick(path, b"".join(body))
+                    decision_id, response = await self._pick(path, b"".join(body), subset)
                     yield response
+                    if response.HasField("immediate_response"):
+                        return
                 elif kind == "response_headers":
                     status = _header(request.response_headers.headers, ":status")
                     refused = status.isascii() and status.isdigit() and is_refusal(int(status))  # "²": not a digit
@@ -150,7 +163,10 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                         yield pb.ProcessingResponse(response_body=pb.BodyResponse())
                 elif kind == "request_trailers" and held:  # duplex: a body ended by trailers, routed now
                     held, picked = False, True
-                    decision_id, response = await self._pick(path, b"".join(body))
+                    decision_id, response = await self._pick(path, b"".join(body), subset)
+                    if response.HasField("immediate_response"):
+                        yield response
+                        return
                     yield _as_headers_answer(response)
                     if body:
                         yield _sent_on("request_body", b"".join(body), False)
@@ -177,14 +193,24 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             if decision_id is not None:  # the stream ended before the response did: error, reset or abort
                 self._sidecar.finish(decision_id, via="ext_proc", refused=refused)
 
-    async def _pick(self, path: str, body: bytes) -> tuple[str | None, Any]:
+    async def _pick(self, path: str, body: bytes, subset: frozenset[str] | None) -> tuple[str | None, Any]:
+        """The decision for a request body and the answer that names its endpoint; no decision and an answer that
+        leaves the request to Envoy's own route for a body not routed, or an ``ImmediateResponse`` 503 when the
+        ``subset`` hint names none of the sidecar's backends (the protocol's answer then)."""
         if path not in PICK_PATHS:
             return None, pb.ProcessingResponse(request_body=pb.BodyResponse())
-        try:
-            decision = await self._sidecar.pick_async(path, body)  # a long prompt is tokenized off the event loop
+        try:  # a long prompt is tokenized off the event loop
+            decision = await self._sidecar.pick_async(path, body, within=subset)
         except BadRequest as exc:  # not routable: no header, so Envoy's route falls back to its plain balancer
             self._sidecar.metrics.refused(exc.status)
             _log.debug("ext_proc: not routed (%s)", exc.message)
+            if subset is not None and exc.status == 503:
+                unavailable = pb.ImmediateResponse(
+                    status=http_status_pb2.HttpStatus(code=http_status_pb2.ServiceUnavailable),
+                    body=exc.message.encode(),
+                    details="prefixroute: no endpoint of the subset hint",
+                )
+                return None, pb.ProcessingResponse(immediate_response=unavailable)
             return None, pb.ProcessingResponse(request_body=pb.BodyResponse())
         endpoint = self._sidecar.upstream(decision.backend)
         # Each replaces a client's own header of that name, whatever an Envoy makes of an unset append action.
@@ -210,6 +236,19 @@ _NO_PHASE = (
     "a ProcessingRequest sets no phase: send one of request_headers, request_body, request_trailers, "
     "response_headers, response_body or response_trailers"
 )
+
+
+def _subset_hint(metadata: Any) -> frozenset[str] | None:
+    """The endpoints (``ip:port``) a request's ``envoy.lb.subset_hint`` filter metadata lets the picker choose from,
+    None when it sets no ``x-gateway-destination-endpoint-subset``; a value that is not a list of strings names
+    none (the protocol's 503)."""
+    hint = metadata.filter_metadata.get(_SUBSET_NAMESPACE)
+    if hint is None or _SUBSET_KEY not in hint.fields:
+        return None
+    value = hint.fields[_SUBSET_KEY]
+    if value.WhichOneof("kind") != "list_value":
+        return frozenset()
+    return frozenset(item.string_value for item in value.list_value.values if item.WhichOneof("kind") == "string_value")
 
 
 def _as_headers_answer(body_answer: Any) -> Any:
