@@ -45,7 +45,7 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "serve",
         help="run the HTTP decision sidecar for nginx, HAProxy and Envoy",
-        description=__doc__,
+        description=(__doc__ or "").replace("``", "`"),  # the module docstring, without its reST markup
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--backends", nargs="+", default=[], metavar="URL", help="engine URLs, http://host:port")
