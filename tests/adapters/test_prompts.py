@@ -19,6 +19,7 @@ from prefixroute.adapters.proxy.prompts import (
     request_tokens,
     request_tokens_async,
 )
+from prefixroute.adapters.serve.contract import request_int
 from prefixroute.adapters.tokenize import PromptTokenizer, serialise_chat
 
 from .conftest import LoopNoting, tool_call_conversation
@@ -273,15 +274,20 @@ def test_the_encoders_name_the_type_they_refuse() -> None:
         ({"truncate_prompt_tokens": "3"}, b"def"),
         ({"truncate_prompt_tokens": 3.0}, b"def"),
         ({"truncate_prompt_tokens": " 2.00\n"}, b"ef"),
+        ({"truncate_prompt_tokens": "+3"}, b"def"),
+        ({"truncate_prompt_tokens": "0_3"}, b"def"),
         # left for the engine to answer: the model's context (-1), unknown here; 0; null; values vLLM refuses
         ({"truncate_prompt_tokens": -1}, b"abcdef"),
         ({"truncate_prompt_tokens": "-1"}, b"abcdef"),
         ({"truncate_prompt_tokens": None}, b"abcdef"),
         ({"truncate_prompt_tokens": 0}, b"abcdef"),
+        ({"truncate_prompt_tokens": 0, "truncation_side": "right"}, b"abcdef"),
         ({"truncate_prompt_tokens": False}, b"abcdef"),
         ({"truncate_prompt_tokens": 2.5}, b"abcdef"),
         ({"truncate_prompt_tokens": "2.5"}, b"abcdef"),
         ({"truncate_prompt_tokens": "1e2"}, b"abcdef"),
+        ({"truncate_prompt_tokens": "2."}, b"abcdef"),
+        ({"truncate_prompt_tokens": "1__0"}, b"abcdef"),
         ({"truncate_prompt_tokens": "٣"}, b"abcdef"),
         ({"truncate_prompt_tokens": [3]}, b"abcdef"),
         ({"truncate_prompt_tokens": 3, "truncation_side": "middle"}, b"abcdef"),
@@ -293,6 +299,12 @@ def test_a_prompt_is_truncated_as_vllm_truncates_it(options: dict[str, object], 
     encoder = ByteEncoder()
     assert request_tokens({"prompt": "abcdef", **options}, chat=False, encoder=encoder) == list(kept)
     assert request_tokens({"prompt": list(b"abcdef"), **options}, chat=False, encoder=encoder) == list(kept)
+
+
+def test_an_int_string_is_read_up_to_the_digits_python_and_pydantic_read() -> None:
+    assert request_int("9" * 4300) == int("9" * 4300)
+    assert request_int("9" * 4301) is None  # int() would raise: pydantic refuses it too
+    assert request_tokens({"prompt": "abc", "truncate_prompt_tokens": "9" * 4301}, chat=False, encoder=ByteEncoder())
 
 
 @pytest.mark.parametrize(("side", "kept"), [("left", slice(-4, None)), ("right", slice(0, 4))])
