@@ -225,6 +225,7 @@ def test_every_content_vllm_takes_is_routed_in_process(path: str, model_dir: Pat
         [{"text": "a part without a type is text"}],
         ["vLLM takes a plain string as a text part", {"type": "text", "text": "and"}],
         [{"type": "text", "text": None}, {"type": "text"}, {}, {"type": "text", "text": "leaves out null texts"}],
+        [{"type": "image_url", "image_url": {"url": "x"}, "text": 5}],  # only a text part's text is read
     ]
     for content in contents:
         reply = call(sidecar, "POST", path, {"messages": [USER, {"role": "assistant", "content": content}]})
