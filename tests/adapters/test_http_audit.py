@@ -3,6 +3,7 @@ their HTTP contracts (each test failed before its fix)."""
 
 from __future__ import annotations
 
+import gzip
 import socketserver
 import threading
 from collections.abc import Iterator
@@ -26,19 +27,62 @@ def test_headers_the_connection_header_names_are_of_one_connection_and_not_relay
 
     async def naming(request: web.Request) -> web.StreamResponse:
         seen.append(request)
-        headers = {"Connection": "keep-alive, X-Hop", "X-Hop": "the engine's", "X-Kept": "1"}
+        headers = {"Connection": "keep-alive, X-Hop", "X-Hop": "the engine's", "X-Kept": "1",
+                   "Proxy-Authenticate": "Basic"}  # fmt: skip
         return web.json_response({"choices": [{"text": "hi"}]}, headers=headers)
 
     with backend_serving(naming) as url, Proxy(Router(), [url], base_models=[]) as proxy:
         headers = {**JSON_BODY, "Connection": "keep-alive, X-Internal,x-other", "X-Internal": "the client's",
-                   "X-Other": "2", "X-Request-Id": "r1"}  # fmt: skip
+                   "X-Other": "2", "X-Request-Id": "r1", "Proxy-Authorization": "Basic c2VjcmV0"}  # fmt: skip
         reply = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x"}, headers=headers)
         assert reply.status_code == 200 and reply.json() == {"choices": [{"text": "hi"}]}
         # RFC 9110 7.6.1: a proxy removes the fields its Connection header names, both ways; the others go on.
         assert "x-hop" not in reply.headers and reply.headers["x-kept"] == "1"
         assert "X-Internal" not in seen[0].headers and "X-Other" not in seen[0].headers
+        # the fixed hop-by-hop fields stay dropped beside those the Connection header names
+        assert "Proxy-Authenticate" not in reply.headers and "Proxy-Authorization" not in seen[0].headers
         assert seen[0].headers["X-Request-Id"] == "r1"
         wait_until(lambda: proxy.router.stats().in_flight == 0, what="no request in flight")
+
+
+def test_every_connection_header_of_a_message_names_fields_not_relayed() -> None:
+    seen: list[web.Request] = []
+
+    async def ok(request: web.Request) -> web.StreamResponse:
+        seen.append(request)
+        return web.json_response({"choices": [{"text": "hi"}]})
+
+    with backend_serving(ok) as url, Proxy(Router(), [url], base_models=[]) as proxy:
+        headers = [("Content-Type", "application/json"), ("Connection", "keep-alive"), ("Connection", "X-Second"),
+                   ("X-Second", "the client's")]  # fmt: skip
+        reply = httpx.post(proxy.url + "/v1/completions", content=b'{"prompt": "x"}', headers=headers)
+        assert reply.status_code == 200 and "X-Second" not in seen[0].headers
+        wait_until(lambda: proxy.router.stats().in_flight == 0, what="no request in flight")
+
+
+def test_a_compressed_request_body_goes_on_decoded_without_its_content_encoding() -> None:
+    seen: list[tuple[str | None, bytes]] = []
+
+    async def ok(request: web.Request) -> web.StreamResponse:
+        seen.append((request.headers.get("Content-Encoding"), await request.read()))
+        return web.json_response({"choices": [{"text": "hi"}]})
+
+    with backend_serving(ok) as url, Proxy(Router(), [url], base_models=[]) as proxy:
+        body = gzip.compress(b'{"prompt": "x"}')
+        headers = {**JSON_BODY, "Content-Encoding": "gzip"}
+        reply = httpx.post(proxy.url + "/v1/completions", content=body, headers=headers)
+        assert reply.status_code == 200, reply.text
+        assert seen == [(None, b'{"prompt": "x"}')]
+        wait_until(lambda: proxy.router.stats().in_flight == 0, what="no request in flight")
+
+
+def test_a_599_is_relayed_as_the_backends_5xx() -> None:
+    raw = b"HTTP/1.1 599 Custom\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+    with answering(raw) as url, Proxy(Router(), [url], base_models=[], max_failures=1) as proxy:
+        reply = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+        assert reply.status_code == 599 and reply.json() == {}
+        wait_until(lambda: proxy.router.stats().in_flight == 0, what="no request in flight")
+        assert proxy.stats().backend_error == 1
 
 
 @contextmanager
