@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -213,3 +214,79 @@ def test_without_a_subset_key_the_hint_namespace_leaves_every_backend() -> None:
     answers = run(sidecar, first, body(PROMPT, end=True))
     mutation = answers[1].request_body.response.header_mutation
     assert [h.header.raw_value.decode() for h in mutation.set_headers if h.header.key == DESTINATION_HEADER]
+
+
+def test_a_later_message_without_the_hint_keeps_the_first_messages_subset() -> None:
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    for allowed in ("10.0.0.1:8000", "10.0.0.2:8000"):
+        later = body(PROMPT, end=True)
+        later.metadata_context.filter_metadata["other"].update({"key": "value"})
+        answers = run(sidecar, with_subset(headers("/v1/completions"), [allowed]), later)
+        mutation = answers[1].request_body.response.header_mutation
+        assert [h.header.raw_value.decode() for h in mutation.set_headers if h.header.key == DESTINATION_HEADER] == [
+            allowed
+        ]
+
+
+def test_a_body_the_picker_cannot_read_falls_back_to_the_pool_under_a_subset_hint_too() -> None:
+    """Only "none of the subset is a backend" is the protocol's 503; a body not routed is left to Envoy's pool."""
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    answers = run(sidecar, with_subset(headers("/v1/completions"), ["10.0.0.1:8000"]), body(b"{not json", end=True))
+    assert [a.WhichOneof("response") for a in answers] == ["request_headers", "request_body"]
+    assert not answers[1].request_body.response.header_mutation.set_headers
+    assert sidecar.stats()["bad_requests"] == {"400": 1}
+
+
+def test_a_full_duplex_body_ended_by_trailers_under_a_hint_naming_no_backend_is_an_immediate_503() -> None:
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    answers = run(sidecar, with_subset(duplex_headers(), ["10.9.9.9:1"]), body(PROMPT, end=False), request_trailers())
+    assert [a.WhichOneof("response") for a in answers] == ["immediate_response"]
+    assert answers[0].immediate_response.status.code == 503 and sidecar.router.stats().decisions == 0
+
+
+def test_a_full_duplex_request_without_a_body_is_answered_at_once_as_a_bad_request() -> None:
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    answers = run(sidecar, duplex_headers(end=True))
+    assert [a.WhichOneof("response") for a in answers] == ["request_headers"]
+    assert sidecar.stats()["bad_requests"] == {"400": 1}
+
+
+def test_a_full_duplex_body_the_picker_does_not_route_goes_back_chunk_by_chunk_as_it_came() -> None:
+    """Not held (nor counted) on a path the picker does not route; each chunk keeps its end_of_stream."""
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, max_body_bytes=4)
+    chunks = [b'{"a"', b": 1", b"}"]
+    answers = run(sidecar, duplex_headers("/v1/models"), *(body(c, end=i == 2) for i, c in enumerate(chunks)))
+    assert [a.WhichOneof("response") for a in answers] == ["request_headers", *["request_body"] * 3]
+    assert [streamed(a, "request_body") for a in answers[1:]] == [(chunks[0], False), (chunks[1], False), (b"}", True)]
+    assert sidecar.stats()["bad_requests"] == {}
+
+
+@pytest.mark.parametrize(("limit", "routed"), [(len(PROMPT), True), (len(PROMPT) - 1, False)])
+def test_a_full_duplex_body_exactly_at_the_limit_is_routed_and_one_byte_over_goes_back_whole(
+    limit: int, routed: bool
+) -> None:
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, max_body_bytes=limit)
+    answers = run(sidecar, duplex_headers(), body(PROMPT, end=True))
+    assert [a.WhichOneof("response") for a in answers] == ["request_headers", "request_body"]
+    assert bool(answers[0].request_headers.response.header_mutation.set_headers) is routed
+    assert streamed(answers[1], "request_body") == (PROMPT, True)
+
+
+def test_a_full_duplex_request_with_a_streamed_response_body_mode_answers_the_response_as_streamed() -> None:
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    first = headers("/v1/completions", body_mode=DUPLEX)
+    first.protocol_config.response_body_mode = ProcessingMode.STREAMED
+    answers = run(sidecar, first, body(PROMPT, end=True), response_body(end=True))
+    assert answers[-1].WhichOneof("response") == "response_body"
+    assert not answers[-1].response_body.response.HasField("body_mutation")
+
+
+def test_pick_and_its_health_filter_keep_to_the_subset() -> None:
+    down = "http://10.0.0.1:8000"
+    sidecar = Sidecar(Router(block_size=4), backends=[*BACKENDS, "http://10.0.0.3:8000"],
+                      healthy=lambda backends: [b for b in backends if b != down])  # fmt: skip
+    for i in range(8):
+        prompt = json.dumps({"prompt": list(range(i * 40, i * 40 + 40))}).encode()
+        decision = sidecar.pick("/v1/completions", prompt, within={"10.0.0.1:8000", "10.0.0.2:8000"})
+        assert decision.backend == "http://10.0.0.2:8000"
+        sidecar.finish(decision.id)
