@@ -154,3 +154,31 @@ def test_a_policy_whose_prefix_aware_fails_is_refused_when_the_router_takes_it_n
     router = Router(block_size=4, policy=Truthy())
     router.route(list(range(8)), ["a", "b"])
     assert router.route(list(range(8)), ["a", "b"]).reason in ("prefix", "load-fallback")
+
+
+def test_a_policy_whose_prefix_aware_has_no_truth_is_refused_when_the_router_takes_it() -> None:
+    class NoTruth:
+        def __bool__(self) -> bool:
+            raise ValueError("ambiguous")
+
+    class Broken(RoundRobin):
+        prefix_aware = NoTruth()  # type: ignore[assignment]
+
+    with pytest.raises(ConfigurationError, match=r"prefix_aware raised ValueError: ambiguous"):
+        Router(policy=Broken())
+
+
+def test_a_commit_elsewhere_under_a_policy_that_ignores_prefixes_says_policy() -> None:
+    router = Router(block_size=4, policy=RoundRobin())
+    router.commit(router.route(list(range(8)), ["a", "b"]))
+    decision = router.route(list(range(8)), ["a", "b"])
+    other = next(c.backend for c in decision.candidates if c.backend != decision.backend)
+    assert router.commit(decision, other).reason == "policy"
+
+
+def test_a_lease_ends_at_its_deadline_exactly() -> None:
+    clock = FakeClock()
+    router = Router(block_size=4, clock=clock)
+    router.start(router.route([1, 2, 3, 4], ["a"]), lease=1.0)
+    clock.now = 101.0
+    assert router.in_flight("a") == 0
