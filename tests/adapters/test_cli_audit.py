@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from prefixroute.adapters.proxy.cli import _try_listen
 from prefixroute.cli import main
 
 
@@ -52,3 +53,11 @@ def test_proxy_on_a_busy_port_says_so_in_one_line_before_polling_any_backend() -
     assert done.returncode == 2
     _one_line(done.stderr, f"cannot listen on 127.0.0.1:{port}")
     assert done.stdout == ""
+
+
+def test_the_port_check_binds_ipv6_apart_as_asyncio_does() -> None:
+    """An IPv4 listener on the port does not make ``--host ::`` fail the check: the server binds IPv6 only there."""
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    with socket.create_server(("0.0.0.0", 0)) as v4:
+        _try_listen("::", v4.getsockname()[1])

@@ -25,9 +25,11 @@ ZMQ_REFUSES = [
     "tcp://gpü0:5557",
     "tcp://;gpu0:5557",
     "tcp://gpu0\\x:5557",
+    "tcp://gpu0,gpu1:5557",
 ]
 ZMQ_TAKES = ["tcp://gpu0:5557", "tcp://[::1]:5557", "tcp://10.0.0.1:5557", "tcp://gpu_0.local:5557",
-             "tcp://eth0;gpu0:5557", "tcp://fe80::1%eth0:5557", "ipc:///tmp/kv", "inproc://kv"]  # fmt: skip
+             "tcp://eth0;gpu0:5557", "tcp://fe80::1%eth0:5557", "ipc:///tmp/kv", "inproc://kv",
+             "tcp://::1:5557", "tcp://gpu-0:5557", "tcp://gpu0;*:5557"]  # fmt: skip
 
 
 @pytest.mark.parametrize("endpoint", ZMQ_REFUSES)
