@@ -3,6 +3,7 @@ status 2 and one line on stderr, found before anything runs."""
 
 from __future__ import annotations
 
+import errno
 import socket
 import subprocess
 import sys
@@ -61,3 +62,10 @@ def test_the_port_check_binds_ipv6_apart_as_asyncio_does() -> None:
         pytest.skip("no IPv6")
     with socket.create_server(("0.0.0.0", 0)) as v4:
         _try_listen("::", v4.getsockname()[1])
+
+
+def test_the_port_check_refuses_an_address_that_is_not_this_machines() -> None:
+    # Was: it skipped EADDRNOTAVAIL for every address, so the fleet polled (a warning line) before the server failed.
+    with pytest.raises(OSError) as raised:
+        _try_listen("192.0.2.1", 8000)  # TEST-NET-1: no machine's own address
+    assert raised.value.errno == errno.EADDRNOTAVAIL

@@ -201,6 +201,8 @@ def _try_listen(host: str, port: int) -> None:
     not resolve or is not this machine's raise OSError). Port 0 is any free port: nothing to try."""
     if port == 0:
         return
+    unavailable: OSError | None = None
+    bound = False
     for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                               flags=socket.AI_PASSIVE):  # fmt: skip
         with socket.socket(family, kind, proto) as sock:
@@ -212,6 +214,11 @@ def _try_listen(host: str, port: int) -> None:
             except OSError as exc:  # an address family the machine lacks: newer asyncio skips it, so here too
                 if exc.errno != errno.EADDRNOTAVAIL:
                     raise
+                unavailable = exc
+            else:
+                bound = True
+    if unavailable is not None and not bound:  # no address is this machine's: asyncio fails too, so say it now
+        raise unavailable
 
 
 def _run(main: Any) -> None:
