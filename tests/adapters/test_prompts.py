@@ -274,6 +274,7 @@ def test_the_encoders_name_the_type_they_refuse() -> None:
         ({"truncate_prompt_tokens": "3"}, b"def"),
         ({"truncate_prompt_tokens": 3.0}, b"def"),
         ({"truncate_prompt_tokens": " 2.00\n"}, b"ef"),
+        ({"truncate_prompt_tokens": "\u00a02\u3000"}, b"ef"),
         ({"truncate_prompt_tokens": "+3"}, b"def"),
         ({"truncate_prompt_tokens": "0_3"}, b"def"),
         # left for the engine to answer: the model's context (-1), unknown here; 0; null; values vLLM refuses

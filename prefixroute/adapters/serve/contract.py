@@ -404,8 +404,9 @@ def request_int(value: object) -> int | None:
     return None
 
 
-# pydantic's integer strings: ASCII digits, single underscores between them, a fraction of zeros, blanks around.
-_INT_TEXT = re.compile(r"\s*([+-]?[0-9]+(?:_[0-9]+)*)(?:\.0+)?\s*", re.ASCII)
+# pydantic's integer strings: ASCII digits, single underscores between them, a fraction of zeros, any Unicode
+# whitespace around (a no-break space too).
+_INT_TEXT = re.compile(r"\s*([+-]?[0-9]+(?:_[0-9]+)*)(?:\.0+)?\s*")
 _MAX_INT_TEXT = 4300  # digits Python's int() reads from a string; pydantic refuses longer ones too
 
 
