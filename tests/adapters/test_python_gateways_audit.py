@@ -57,6 +57,38 @@ def test_a_rejected_attempts_late_notice_never_ends_a_retry_sent_to_the_same_rep
     zero(router)
 
 
+def test_two_rejected_attempts_on_one_replica_owe_two_notices_and_the_retry_still_counts() -> None:
+    """Each attempt Ray sent and the replica rejected owes its own late notice: two rejections on one replica, then
+    a retry sent there; both late notices come after the retry was sent, before Ray reports it accepted, and the
+    retry counts until its result is done."""
+    router = bare(policy="bounded-load")
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        request = pending("a", {"prompt": PREFIX})
+        request.future = loop.create_future()
+        ((first,), _rest) = await router.choose_replicas(REPLICAS, request)
+        for _ in range(2):  # sent to `first` and rejected, twice
+            request.future.set_result(first)
+            await asyncio.sleep(0)
+            request.future = loop.create_future()
+            await router.choose_replicas(REPLICAS, request)
+        request.future.set_result(first)  # the retry, sent there
+        await asyncio.sleep(0)
+        for _ in range(2):
+            router.on_request_completed(first.replica_id, "a")  # the two rejected attempts' notices, late
+            assert router.router.in_flight(first.replica_id.unique_id) == 1
+        result = FakeResult()
+        router.on_request_routed(request, first.replica_id, result)  # the retry accepted
+        assert router.router.in_flight(first.replica_id.unique_id) == 1
+        router.on_request_completed(first.replica_id, "a")  # the retry's own notice: its result decides
+        result.done()
+
+    asyncio.run(run())
+    assert router.errors == 0 and not router._owed
+    zero(router)
+
+
 @pytest.fixture(scope="module")
 def engines() -> Iterator[list[OpenAIEngine]]:
     yield from running_engines(3, max_tokens=3)
