@@ -17,7 +17,7 @@ from prefixroute import Router
 from prefixroute.adapters.serve import Sidecar
 from prefixroute.adapters.serve.ext_proc import DESTINATION_HEADER, start_ext_proc
 from prefixroute.adapters.serve.loopback import start_envoy
-from prefixroute.errors import ConfigurationError
+from prefixroute.errors import ConfigurationError, InvalidTypeError
 
 from .test_ext_proc import BACKENDS, PROMPT, body, headers, request_trailers, response_body, response_headers, run
 from .test_serve_scenarios import (
@@ -290,3 +290,12 @@ def test_pick_and_its_health_filter_keep_to_the_subset() -> None:
         decision = sidecar.pick("/v1/completions", prompt, within={"10.0.0.1:8000", "10.0.0.2:8000"})
         assert decision.backend == "http://10.0.0.2:8000"
         sidecar.finish(decision.id)
+
+
+@pytest.mark.parametrize("within", ["10.0.0.1:8000", b"10.0.0.1:8000", 5, iter(["10.0.0.1:8000"])])
+def test_pick_refuses_a_within_that_is_no_collection_of_endpoints(within: Any) -> None:
+    """A str would be searched for substrings (``"0.1:8000"`` would match); a generator has no ``in`` to trust."""
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    with pytest.raises(InvalidTypeError, match="^within must be a collection of host:port strs, not "):
+        sidecar.pick("/v1/completions", PROMPT, within=within)
+    assert sidecar.router.stats().decisions == 0

@@ -244,6 +244,7 @@ class Sidecar:
         Raises:
             BadRequest: the body is not a completion or chat completion request, or as :meth:`route`; 503 when no
                 backend is ``within``.
+            TypeError: ``within`` is a str or no collection (nothing is decided).
         """
         started = self._clock()
         prompt, model = openai_prompt(path, body)
@@ -267,6 +268,8 @@ class Sidecar:
         """The fixed backends whose ``host:port`` is one of ``endpoints`` (None: no subset asked for)."""
         if endpoints is None:
             return None
+        if isinstance(endpoints, (str, bytes)) or not isinstance(endpoints, Collection):  # "in" a str: a substring
+            raise InvalidTypeError(f"within must be a collection of host:port strs, not {type(endpoints).__name__}")
         subset = _Subset(backend for backend in self.backends if self.upstream(backend).decode("latin-1") in endpoints)
         if not subset:
             raise BadRequest(
