@@ -140,6 +140,37 @@ def test_a_call_litellm_fails_after_the_filter_stops_counting_by_the_next_call_o
     assert hook.errors == 0
 
 
+def test_a_call_litellm_never_sent_leaves_no_prediction_in_the_index(engines: list[OpenAIEngine]) -> None:
+    """The decision of a call LiteLLM failed after the filters is ended refused: it reached no engine, so the blocks
+    its commit predicted are forgotten, and the index holds what it would hold had the call never been made."""
+
+    def blocks_after(fail_first: bool) -> int:
+        hook = PrefixRouteHook(Router())
+        emptying = Emptying()
+        for callback in (hook, emptying):
+            litellm.logging_callback_manager.add_litellm_callback(callback)
+        router = LiteLLMRouter(model_list=model_list(engines), num_retries=0)
+
+        async def run() -> None:
+            if fail_first:
+                emptying.empty = True
+                with pytest.raises(ValueError, match="No deployments available"):
+                    await router.acompletion(model="fake", messages=[{"role": "user", "content": "never sent " * 40}])
+                emptying.empty = False
+            await router.acompletion(model="fake", messages=[{"role": "user", "content": "answered " * 40}])
+            await settled(hook)
+
+        try:
+            asyncio.run(run())
+        finally:
+            for callback in (hook, emptying):
+                litellm.logging_callback_manager.remove_callback_from_all_lists(callback)
+        assert hook.errors == 0
+        return sum(hook.router.index.blocks(f"gpu{i}") for i in range(3))
+
+    assert blocks_after(fail_first=True) == blocks_after(fail_first=False) > 0
+
+
 def test_registered_after_litellms_router_the_hook_picks_among_the_deployments_its_budget_leaves(
     engines: list[OpenAIEngine],
 ) -> None:
