@@ -113,36 +113,13 @@ class Emptying(CustomLogger):
         return [] if self.empty else healthy_deployments
 
 
-def test_a_call_litellm_fails_after_the_filter_stops_counting_by_the_next_call_of_its_task(
+def test_a_call_litellm_never_sent_stops_counting_at_its_tasks_next_call_and_leaves_no_prediction(
     engines: list[OpenAIEngine],
 ) -> None:
     """LiteLLM sends nothing and calls no callback when it fails a call after the filters chose (no deployment left,
-    every one over its rpm): the decision was never sent, and the next routing in the same task ends it."""
-    hook = PrefixRouteHook(Router())
-    emptying = Emptying()
-    for callback in (hook, emptying):
-        litellm.logging_callback_manager.add_litellm_callback(callback)
-    router = LiteLLMRouter(model_list=model_list(engines), num_retries=0)
-
-    async def run() -> None:
-        emptying.empty = True
-        with pytest.raises(ValueError, match="No deployments available"):
-            await ask(router, "q")
-        emptying.empty = False
-        await ask(router, "q")
-        await settled(hook)
-
-    try:
-        asyncio.run(run())
-    finally:
-        for callback in (hook, emptying):
-            litellm.logging_callback_manager.remove_callback_from_all_lists(callback)
-    assert hook.errors == 0
-
-
-def test_a_call_litellm_never_sent_leaves_no_prediction_in_the_index(engines: list[OpenAIEngine]) -> None:
-    """The decision of a call LiteLLM failed after the filters is ended refused: it reached no engine, so the blocks
-    its commit predicted are forgotten, and the index holds what it would hold had the call never been made."""
+    every one over its rpm): the next routing in the same task ends that decision (every count back to 0), refused,
+    as it reached no engine, so the blocks its commit predicted are forgotten and the index holds what it would hold
+    had the call never been made."""
 
     def blocks_after(fail_first: bool) -> int:
         hook = PrefixRouteHook(Router())
