@@ -67,7 +67,13 @@ class Candidate(NamedTuple):
     length at which a prefill token's attention costs as much as the rest of its compute, fitted over the fleet from
     first-token times (:meth:`Router.first_token`; how the default counts it: :attr:`Candidate.prefill_work`);
     None until the fit holds (no first tokens reported, or waits that do not grow with context), and the same for
-    every candidate of a choice.
+    every candidate of a choice. ``memory_wait_s`` is how long this request would wait there for KV memory: 0 while
+    its uncached blocks fit beside ``active_blocks`` in ``capacity_blocks`` (or the capacity is unknown), else the
+    seconds until enough blocks are predicted free, walking the router's requests in flight there oldest first, each
+    freeing its prompt's blocks once it has been in flight as long as requests live on average (the mean time from
+    :meth:`Router.start` to :meth:`~Router.finish`, learned over the fleet; 0 until a request finished). Requests
+    that live about alike make it exact; it says which full backend frees its memory first, which ``kv_usage`` and
+    ``active_blocks`` cannot.
 
     A ``NamedTuple``: built once per backend per request, it costs a quarter of a frozen dataclass. Its fields are
     not checked when it is built; a built-in policy whose rule fails on one of the wrong type or an impossible value
@@ -90,6 +96,7 @@ class Candidate(NamedTuple):
     block_size: int = 16
     pending_prefill_context: int = 0
     attention_tokens: float | None = None
+    memory_wait_s: float = 0.0
 
     @property
     def load(self) -> int:
@@ -162,6 +169,8 @@ _CANDIDATE = frozenset({Candidate})
 _NOT_CANDIDATES = (str, bytes, bytearray, memoryview)
 _OPTIONAL_REALS = frozenset({"kv_usage", "prefill_tokens_per_s", "attention_tokens"})
 _OPTIONAL = _OPTIONAL_REALS | {"queue_len", "capacity_blocks"}
+_REALS = _OPTIONAL_REALS | {"memory_wait_s"}
+_AT_LEAST_0 = frozenset({"kv_usage", "memory_wait_s"})
 
 _Policy = TypeVar("_Policy", bound=LoadPolicy)
 
@@ -208,19 +217,20 @@ def _check_fields(candidates: Sequence[Candidate], error: Exception | None) -> N
 
 def _field_fault(name: str, value: object) -> tuple[type[PrefixRouteError], str] | None:
     """What is wrong with the value of a :class:`Candidate`'s field ``name``: the error to raise and what the value
-    must be; None if nothing. ``backend`` a str; ``kv_usage`` a finite real ≥ 0, ``prefill_tokens_per_s`` and
-    ``attention_tokens`` ones > 0; ``block_size`` an int ≥ 1, every other field an int ≥ 0, each int below 2**63
-    (the rules do float arithmetic); ``queue_len``, ``capacity_blocks`` and the three reals may be None."""
+    must be; None if nothing. ``backend`` a str; ``kv_usage`` and ``memory_wait_s`` finite reals ≥ 0,
+    ``prefill_tokens_per_s`` and ``attention_tokens`` ones > 0; ``block_size`` an int ≥ 1, every other field an int
+    ≥ 0, each int below 2**63 (the rules do float arithmetic); ``queue_len``, ``capacity_blocks``, ``kv_usage``,
+    ``prefill_tokens_per_s`` and ``attention_tokens`` may be None."""
     if name == "backend":
         return None if isinstance(value, str) else (InvalidTypeError, "a str")
     if value is None and name in _OPTIONAL:
         return None
     either = " or None" if name in _OPTIONAL else ""
-    if name in _OPTIONAL_REALS:
+    if name in _REALS:
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             return InvalidTypeError, f"a real number{either}"
         number = as_float(value)
-        if name != "kv_usage":
+        if name not in _AT_LEAST_0:
             return None if number is not None and number > 0 else (ConfigurationError, "finite and above 0")
         return None if number is not None and number >= 0 else (ConfigurationError, "finite and at least 0")
     integer = as_int(value)
@@ -448,7 +458,8 @@ class PredictedTTFT(LoadPolicy):
 
         per_request = min(common, typical) + uncached_tokens - common      # = uncached_tokens, short prompts
         harm = per_request × in_flight + uncached_tokens × in_prefill
-        cost = (prefill_work + harm × runnable × per_token) / (1 - min(kv_fraction, kv_cap))
+        wait = memory_wait_s × prefill_tokens_per_s                        # 0 while either is unknown
+        cost = (prefill_work + harm × runnable × per_token + wait) / (1 - min(kv_fraction, kv_cap))
         prefill_work = pending_prefill_tokens + uncached_tokens            # until attention_tokens is known, then
                      + (pending_prefill_context + own pairs) / attention_tokens
         per_token = 1 + (matched_tokens + (uncached_tokens + 1) / 2) / attention_tokens   # 1 until it is known
@@ -458,7 +469,9 @@ class PredictedTTFT(LoadPolicy):
     request's uncached blocks beside its active ones (``active_blocks + ⌈uncached_tokens / block_size⌉ >
     capacity_blocks``) counts as full (``kv_fraction`` 1): the request would wait there for memory, or be preempted
     and computed again (vLLM takes blocks back from the newest request), for as long as the requests there take to
-    finish.
+    finish. Which full backend frees its memory first is :attr:`Candidate.memory_wait_s` (from the ages of the
+    router's requests in flight there and how long requests live), counted at the backend's prefill speed as tokens
+    of the same work (``wait``).
 
     That is, in tokens of prefill work, the wait the request adds to every request's; no constant depends on the
     model or the GPU: tokens compare the backends of one fleet without knowing their speed, the factors are
@@ -538,7 +551,7 @@ class PredictedTTFT(LoadPolicy):
             common = min(common_tokens, uncached)
             per_request = min(common, typical_prompt) + uncached - common
             harm = (per_request * in_flight + uncached * in_prefill) * _runnable(candidate) * _token_work(candidate)
-            work = candidate.prefill_work + harm
+            work = candidate.prefill_work + harm + _memory_wait_work(candidate)
             fraction = 1.0 if _overflows(candidate) else kv_fraction(candidate)
             return work / speed / (1.0 - min(fraction, self.kv_cap))
         except PrefixRouteError:
@@ -571,7 +584,7 @@ class PredictedTTFT(LoadPolicy):
         common = -1
         flying = held = 0
         try:
-            for _, matched, prompt, in_flight, _, _, _, blocks, _, _, _, _, size, _, _ in candidates:
+            for _, matched, prompt, in_flight, _, _, _, blocks, _, _, _, _, size, _, _, _ in candidates:
                 if common < 0 or prompt - matched < common:
                     common = prompt - matched
                 if blocks > 0:  # a hand-built candidate may count requests in flight without their blocks
@@ -613,8 +626,8 @@ class PredictedTTFT(LoadPolicy):
         best = candidates[0]
         best_cost = math.inf
         for candidate in candidates:
-            (_, matched, prompt, in_flight, queued, usage, pending, _, capacity, _, active, in_prefill, size,
-             context, attention) = candidate  # fmt: skip
+            (_, matched, prompt, in_flight, queued, usage, pending, _, capacity, speed, active, in_prefill, size,
+             context, attention, memory_wait) = candidate  # fmt: skip
             uncached = prompt - matched
             per_token = 1.0
             work: float = pending + uncached
@@ -639,7 +652,10 @@ class PredictedTTFT(LoadPolicy):
                     in_flight = queued
             per_request = capped + uncached - common
             harm = (per_request * in_flight + uncached * in_prefill) * runnable * per_token
-            predicted = (work + harm) / (1.0 - fraction)
+            if memory_wait and speed:  # _memory_wait_work(), inlined
+                predicted = (work + harm + memory_wait * speed) / (1.0 - fraction)
+            else:
+                predicted = (work + harm) / (1.0 - fraction)
             if predicted < best_cost:
                 best, best_cost = candidate, predicted
         return best
@@ -681,6 +697,13 @@ def _token_work(candidate: Candidate) -> float:
     if not attention:
         return 1.0
     return 1.0 + (candidate.matched_tokens + (candidate.uncached_tokens + 1) / 2) / attention
+
+
+def _memory_wait_work(candidate: Candidate) -> float:
+    """The request's wait for KV memory on ``candidate`` in tokens of prefill work: :attr:`Candidate.memory_wait_s`
+    at the backend's observed prefill speed (0 until a first token there taught one)."""
+    wait, speed = candidate.memory_wait_s, candidate.prefill_tokens_per_s
+    return wait * speed if wait and speed else 0.0
 
 
 def _require_candidate(candidate: object, what: str = "the cost model") -> None:

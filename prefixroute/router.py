@@ -51,6 +51,10 @@ _QUEUE_LIMIT = 2**63
 # A prefill-speed estimate follows observed first tokens with this weight per observation (unit-free).
 _SPEED_WEIGHT = 0.2
 
+# The mean lifetime of a request (start() to finish(), Candidate.memory_wait_s) is the plain mean of the first
+# finishes, then follows later ones with this weight each (unit-free: about the last 50 count).
+_LIFETIME_WEIGHT = 0.02
+
 # The attention fit weighs each earlier first token this much less than the next one (unit-free: about the last 50
 # count), takes no fit whose two figures are this close to proportional (a squared correlation over 1 - this), and
 # none whose pairs' coefficient is fewer standard errors than this from 0.
@@ -350,6 +354,9 @@ class Router:
         # The same requests per backend, oldest start first (an ordered set), for _infer_prefilled; and what tells
         # that the gateway reports no first tokens: a request finished without one, and first_token() never called.
         self._unprefilled: dict[str, dict[_Request, None]] = {}
+        self._flying: dict[str, dict[_Request, None]] = {}  # per backend: its requests in flight, oldest first
+        self._lifetime: float | None = None  # mean seconds from start() to finish(), over the fleet
+        self._finished = 0  # finishes that taught the lifetime
         self._first_tokens_reported = False
         self._first_tokens_missing = False
         self._polled: dict[str, float] = {}  # per backend: when set_engine_load() last brought its queue (the clock)
@@ -408,8 +415,9 @@ class Router:
     ) -> Decision:
         """Choose a backend for a prompt and record that it will cache the prompt's blocks (decide + commit).
 
-        O(n/block_size + B log B + H log n) for a prompt of n tokens, B backends and H backends holding its first
-        block (see :meth:`PrefixIndex.match`).
+        O(n/block_size + B log B + H log n + W) for a prompt of n tokens, B backends, H backends holding its first
+        block (see :meth:`PrefixIndex.match`) and W requests in flight walked for the backends whose KV memory cannot
+        take its blocks (:attr:`Candidate.memory_wait_s`: the oldest few, until enough blocks are free).
 
         Raises:
             NoBackendError: ``backends`` is empty.
@@ -503,7 +511,7 @@ class Router:
             if self._leases:
                 self._expire(now)
             matched = index.match(hashes, order)
-            candidates = self._candidates(order, matched, prompt_len)
+            candidates = self._candidates(order, matched, prompt_len, now)
             try:
                 chosen = self._policy.choose(candidates)
             except Exception as exc:  # a bug in the policy: one error a gateway can tell from a bad request
@@ -543,7 +551,9 @@ class Router:
             matched[backend] if commit else -1,
         )
 
-    def _candidates(self, order: Sequence[str], matched: dict[str, int], prompt_len: int) -> tuple[Candidate, ...]:
+    def _candidates(
+        self, order: Sequence[str], matched: dict[str, int], prompt_len: int, now: object
+    ) -> tuple[Candidate, ...]:
         """One Candidate per backend, in placement order (call under the lock)."""
         if self._capacity_changes != self._index._capacity_changes:
             self._capacity_changes = self._index._capacity_changes
@@ -554,13 +564,28 @@ class Router:
         # Candidate._make is the NamedTuple's documented constructor from an iterable; it builds exactly what
         # Candidate(...) does (a NamedTuple has no __init__ or checks to run) at about half the cost per backend.
         make = Candidate._make
-        fleet = (self._attention.tokens,)
-        return tuple(
-            [
-                make((backend, matched[backend] * block_size, prompt_len) + (cached(backend) or build(backend)) + fleet)
-                for backend in order
-            ]
-        )
+        attention = self._attention.tokens
+        reading = now if type(now) is float else as_float(now)
+        if self._lifetime is None or reading is None:  # no request finished yet: no memory wait is predicted
+            fleet = (attention, 0.0)
+            return tuple(
+                [
+                    make(
+                        (backend, matched[backend] * block_size, prompt_len)
+                        + (cached(backend) or build(backend))
+                        + fleet
+                    )
+                    for backend in order
+                ]
+            )
+        blocks = -(-prompt_len // block_size)
+        candidates = []
+        for backend in order:
+            figures = cached(backend) or build(backend)
+            capacity, over = figures[5], figures[7] + blocks - matched[backend]  # active + its uncached blocks
+            wait = self._memory_wait(backend, over - capacity, reading) if capacity and over > capacity else 0.0
+            candidates.append(make((backend, matched[backend] * block_size, prompt_len) + figures + (attention, wait)))
+        return tuple(candidates)
 
     def _build_figures(self, backend: str) -> _Figures:
         figures = self._figures[backend] = (
@@ -637,6 +662,7 @@ class Router:
                 queued_context,
             )
             self._unprefilled.setdefault(backend, {})[request] = None
+            self._flying.setdefault(backend, {})[request] = None
             self._in_flight[backend] = self._in_flight.get(backend, 0) + 1
             self._pending[backend] = pending + uncached
             self._context[backend] = queued_context + context
@@ -677,7 +703,8 @@ class Router:
 
     def finish(self, decision: Decision | str, *, refused: bool = False) -> None:
         """Stop counting the request (its response ended, or it failed). Idempotent by id; never raises for an id.
-        O(log n).
+        O(log n). Its time since :meth:`start` joins the fleet's mean lifetime of a request, which
+        :attr:`Candidate.memory_wait_s` predicts with (not for ``refused=True``).
 
         A finish that matches no request in flight — a second finish, an expired lease, a request whose backend
         was removed, a decision of another router, an unknown id — is ignored and counted in
@@ -712,8 +739,36 @@ class Router:
             if request.prefilling and not refused:
                 self._first_tokens_missing = True
             self._release(request)
+            if not refused:
+                self._learn_lifetime(request)
             if refused and request.held >= 0:
                 self._retract(request)
+
+    def _learn_lifetime(self, request: _Request) -> None:
+        """Fold a finished request's time in flight into the fleet's mean lifetime (call under the lock)."""
+        now, started = as_float(self._clock()), as_float(request.started_at)
+        if now is None or started is None or not 0.0 <= now - started < math.inf:
+            return  # a clock that returns no number, or went back: nothing learned
+        self._finished += 1
+        lifetime = self._lifetime
+        weight = max(_LIFETIME_WEIGHT, 1.0 / self._finished)
+        self._lifetime = now - started if lifetime is None else lifetime + weight * (now - started - lifetime)
+
+    def _memory_wait(self, backend: str, over: int, now: float) -> float:
+        """Seconds until ``over`` of ``backend``'s KV blocks are predicted free (call under the lock; the mean
+        lifetime known): its requests in flight, oldest first, each freeing its blocks once it has been in flight
+        as long as requests live on average (see :attr:`Candidate.memory_wait_s`). O(requests walked)."""
+        lifetime = self._lifetime
+        assert lifetime is not None
+        freed = 0
+        wait = 0.0
+        for request in self._flying.get(backend, ()):
+            freed += request.blocks
+            started = request.started_at if type(request.started_at) is float else as_float(request.started_at)
+            wait = (now if started is None else started) + lifetime - now
+            if freed >= over:
+                break
+        return wait if 0.0 < wait < math.inf else 0.0
 
     def _retract(self, request: _Request) -> None:
         """Forget what a refused request's commit predicted on its backend (call under the lock, after
@@ -770,6 +825,10 @@ class Router:
     def _release(self, request: _Request) -> None:
         backend = request.backend
         self._in_flight[backend] -= 1
+        flying = self._flying[backend]
+        del flying[request]
+        if not flying:
+            del self._flying[backend]
         self._held[backend] -= request.blocks
         footprint = self._footprints[backend]
         footprint.remove(request.footprint)
@@ -933,6 +992,7 @@ class Router:
                 self._held,
                 self._prefilling,
                 self._unprefilled,
+                self._flying,
                 self._footprints,
                 self._active,
                 self._speed,
@@ -1023,6 +1083,10 @@ class Router:
             prefilling = {r for r in self._live.values() if r.prefilling}
             assert prefilling == {r for queue in self._unprefilled.values() for r in queue}
             assert all(r.backend == backend for backend, queue in self._unprefilled.items() for r in queue)
+            flying = [r for queue in self._flying.values() for r in queue]
+            assert len(flying) == len(self._live) and set(flying) == set(self._live.values())
+            assert all(r.backend == backend and queue for backend, queue in self._flying.items() for r in queue)
+            assert self._lifetime is None or 0.0 <= self._lifetime < math.inf, self._lifetime
             for backend in set(expected).union(*counters, self._footprints, self._active):
                 got = [counter.get(backend, 0) for counter in counters]
                 assert got == expected.get(backend, [0, 0, 0, 0, 0]), (backend, got, expected.get(backend))

@@ -47,6 +47,15 @@ class Faulty(LoadPolicy):
         return chosen._replace() if self.fault == "copy" else chosen
 
 
+def _waits_checked(decision: Decision) -> Decision:
+    """Every candidate's memory wait is a finite float >= 0, and 0 where the prompt's uncached blocks fit."""
+    for c in decision.candidates:
+        assert type(c.memory_wait_s) is float and 0.0 <= c.memory_wait_s < float("inf"), c
+        fits = c.capacity_blocks is None or c.active_blocks + -(-c.uncached_tokens // c.block_size) <= c.capacity_blocks
+        assert c.memory_wait_s == 0.0 or not fits, c
+    return decision
+
+
 class RouterMachine(RuleBasedStateMachine):
     """Route, decide, commit (also elsewhere), start (again, elsewhere), first token, finish (twice, or refused),
     leases running out, backends removed, cleared and resized, engine figures, the public write path (stores from
@@ -76,7 +85,7 @@ class RouterMachine(RuleBasedStateMachine):
         namespace=st.none() | st.sampled_from(["lora"]),
     )
     def decide(self, prefix: list[int], tail: list[int], backends: list[str], namespace: str | None) -> Decision:
-        return self.router.decide(prefix + tail, backends, namespace=namespace)
+        return _waits_checked(self.router.decide(prefix + tail, backends, namespace=namespace))
 
     @rule(
         target=decisions,
@@ -85,7 +94,7 @@ class RouterMachine(RuleBasedStateMachine):
         backends=st.lists(st.sampled_from(BACKENDS), min_size=1, max_size=3, unique=True),
     )
     def route(self, prefix: list[int], tail: list[int], backends: list[str]) -> Decision:
-        return self.router.route(prefix + tail, backends)
+        return _waits_checked(self.router.route(prefix + tail, backends))
 
     @rule(
         target=decisions,
