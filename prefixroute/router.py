@@ -746,7 +746,11 @@ class Router:
 
     def _learn_lifetime(self, request: _Request) -> None:
         """Fold a finished request's time in flight into the fleet's mean lifetime (call under the lock)."""
-        now, started = as_float(self._clock()), as_float(request.started_at)
+        try:
+            now, started = as_float(self._clock()), as_float(request.started_at)
+        except Exception:  # a user's clock that raises: finish() runs in finally blocks and must not raise
+            _log.exception("the router's clock raised in finish(); the request's lifetime is not learned")
+            return
         if now is None or started is None or not 0.0 <= now - started < math.inf:
             return  # a clock that returns no number, or went back: nothing learned
         self._finished += 1

@@ -160,3 +160,24 @@ def test_an_impossible_memory_wait_is_a_configuration_error(value: float) -> Non
     assert _field_fault("memory_wait_s", value) == (ConfigurationError, "finite and at least 0")
     assert _field_fault("memory_wait_s", 0) is None and _field_fault("memory_wait_s", 2.5) is None
     assert _field_fault("memory_wait_s", None) == (InvalidTypeError, "a real number")
+
+
+def test_finish_never_raises_for_a_clock_that_raises_and_learns_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    clock = FakeClock(0.0)
+    broken = False
+
+    def reading() -> float:
+        if broken:
+            raise RuntimeError("the clock's source is gone")
+        return clock()
+
+    r = Router(block_size=4, capacity_blocks=10, clock=reading)
+    decision = run(r, 0, "a")
+    broken = True
+    r.finish(decision)  # counted out, nothing learned, the error logged
+    assert "clock raised in finish()" in caplog.text
+    broken = False
+    assert r.stats().in_flight == 0
+    run(r, 1, "a")
+    assert waits(r, 2, ["a"]) == {"a": 0.0}
+    r._check()
