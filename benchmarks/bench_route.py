@@ -17,6 +17,11 @@ and the floor.
 (as behind one shared instruction), against matching each backend's store alone without the previous backend's
 answer as a guess (interleaved, fresh prompts), unbounded and bounded.
 
+``--full-fleet`` prints, instead, decide() on 1K-token prompts when this router has requests in flight on every
+backend and has seen others finish, with room in every backend's KV memory and with none (a capacity of 64 blocks, one
+such prompt), so that every candidate walks the backend's requests for ``Candidate.memory_wait_s``: the ratio of the
+two is what that walk costs.
+
 ``--bounded`` also prints the hit rate of the bounded store (generations of sets) against an exact LRU on a Zipf
 prefix workload, at several capacities: the cost of its approximation, in percentage points.
 
@@ -235,6 +240,11 @@ def main() -> None:
         help="time match() when every backend holds one system prompt, with and without the guess",
     )
     parser.add_argument(
+        "--full-fleet",
+        action="store_true",
+        help="time decide() with every backend's KV memory full (memory_wait_s walked) against one with room",
+    )
+    parser.add_argument(
         "--zipf-only", action="store_true", help="print only the hit-rate comparison with an exact LRU (Zipf workload)"
     )
     parser.add_argument(
@@ -248,6 +258,9 @@ def main() -> None:
         return
     if args.shared_match:
         print_shared_match(args.backends, args.calls * args.runs)
+        return
+    if args.full_fleet:
+        print_full_fleet(args.backends, args.calls, args.runs)
         return
 
     rng = random.Random(0)
@@ -291,6 +304,47 @@ def main() -> None:
             )
     if args.bounded and not args.steps:
         print_hit_rates(args.zipf_requests)
+
+
+class _ManualClock:
+    """A router clock this benchmark moves by hand, so requests have ages and lifetimes without waiting."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def print_full_fleet(fleets: list[int], calls: int, runs: int) -> None:
+    """decide() with every backend full of this router's requests in flight against the same with room, interleaved
+    passes of fresh 1K-token prompts; 8 requests started per backend, every other one finished (a lifetime learned)."""
+    rng = random.Random(3)
+    print(f"decide(), 1K-token prompts, median us of {runs} interleaved passes x {calls} calls")
+    print(f"{'backends':>8} {'room us':>9} {'full us':>9} {'ratio':>6}")
+    for count in fleets:
+        backends = [f"http://gpu{i}:8000" for i in range(count)]
+        routers = {}
+        for label, capacity in (("room", 1 << 20), ("full", 64)):  # 64 blocks of 16 tokens: one 1K-token prompt
+            clock = _ManualClock()
+            router = Router(block_size=16, capacity_blocks=capacity, clock=clock)
+            for k in range(8 * count):
+                decision = router.route([rng.randrange(VOCAB) for _ in range(1024)], backends)
+                router.start(decision)
+                clock.now += 0.01
+                if k % 2:
+                    router.finish(decision)
+            routers[label] = router
+        passes: dict[str, list[float]] = {"room": [], "full": []}
+        for _ in range(runs):
+            for label, router in routers.items():
+                prompts = [[rng.randrange(VOCAB) for _ in range(1024)] for _ in range(calls)]
+                start = time.perf_counter()
+                for prompt in prompts:
+                    router.decide(prompt, backends)
+                passes[label].append((time.perf_counter() - start) / calls)
+        room, full = (statistics.median(passes[label]) * 1e6 for label in ("room", "full"))
+        print(f"{count:>8} {room:>9.1f} {full:>9.1f} {full / room:>6.2f}")
 
 
 def print_shared_match(fleets: list[int], calls: int) -> None:

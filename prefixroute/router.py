@@ -582,9 +582,10 @@ class Router:
         candidates = []
         for backend in order:
             figures = cached(backend) or build(backend)
-            capacity, over = figures[5], figures[7] + blocks - matched[backend]  # active + its uncached blocks
+            held = matched[backend]
+            capacity, over = figures[5], figures[7] + blocks - held  # active + its uncached blocks
             wait = self._memory_wait(backend, over - capacity, reading) if capacity and over > capacity else 0.0
-            candidates.append(make((backend, matched[backend] * block_size, prompt_len) + figures + (attention, wait)))
+            candidates.append(make((backend, held * block_size, prompt_len) + figures + (attention, wait)))
         return tuple(candidates)
 
     def _build_figures(self, backend: str) -> _Figures:
@@ -762,16 +763,18 @@ class Router:
         """Seconds until ``over`` of ``backend``'s KV blocks are predicted free (call under the lock; the mean
         lifetime known): its requests in flight, oldest first, each freeing its blocks once it has been in flight
         as long as requests live on average (see :attr:`Candidate.memory_wait_s`). O(requests walked)."""
-        lifetime = self._lifetime
-        assert lifetime is not None
+        flying = self._flying.get(backend)
+        if not flying:  # none in flight: the prompt alone is more than the backend holds, and waiting frees nothing
+            return 0.0
         freed = 0
-        wait = 0.0
-        for request in self._flying.get(backend, ()):
+        for request in flying:
             freed += request.blocks
-            started = request.started_at if type(request.started_at) is float else as_float(request.started_at)
-            wait = (now if started is None else started) + lifetime - now
             if freed >= over:
                 break
+        started = request.started_at if type(request.started_at) is float else as_float(request.started_at)
+        lifetime = self._lifetime
+        assert lifetime is not None
+        wait = (now if started is None else started) + lifetime - now
         return wait if 0.0 < wait < math.inf else 0.0
 
     def _retract(self, request: _Request) -> None:

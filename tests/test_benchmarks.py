@@ -34,6 +34,15 @@ def test_bench_route_steps_prints_each_step_for_both_fleets() -> None:
     assert [row[0] for row in rows if len(row) == 11 and row[0].isdigit()] == ["8", "64"]
 
 
+def test_bench_route_full_fleet_prints_room_full_and_their_ratio_per_fleet() -> None:
+    rows = [line.split() for line in run("bench_route.py", "--quick", "--full-fleet").splitlines()]
+    figures = [row for row in rows if row and row[0].isdigit()]
+    assert [row[0] for row in figures] == ["8", "64"]
+    for _, room, full, ratio in figures:
+        assert float(room) > 0 and float(full) > 0
+        assert float(ratio) == pytest.approx(float(full) / float(room), abs=0.01)
+
+
 def test_bench_route_shared_match_prints_both_stores_per_fleet() -> None:
     rows = [line.split() for line in run("bench_route.py", "--quick", "--shared-match").splitlines()]
     assert [row[:2] for row in rows if len(row) == 5 and row[0].isdigit()] == [
