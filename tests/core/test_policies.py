@@ -70,6 +70,7 @@ candidate_lists = st.lists(
         block_size=st.integers(1, 256),  # the router's block size: never below 1
         pending_prefill_context=st.integers(0, 10**10),
         attention_tokens=st.none() | st.floats(1.0, 1e6),
+        memory_wait_s=st.just(0.0) | st.floats(0.0, 1e4),
     ),
     min_size=1,
     max_size=12,
