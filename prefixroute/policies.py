@@ -71,9 +71,9 @@ class Candidate(NamedTuple):
     its uncached blocks fit beside ``active_blocks`` in ``capacity_blocks`` (or the capacity is unknown), else the
     seconds until enough blocks are predicted free, walking the router's requests in flight there oldest first, each
     freeing its prompt's blocks once it has been in flight as long as requests live on average (the mean time from
-    :meth:`Router.start` to :meth:`~Router.finish`, learned over the fleet; 0 until a request finished). Requests
-    that live about alike make it exact; it says which full backend frees its memory first, which ``kv_usage`` and
-    ``active_blocks`` cannot.
+    :meth:`Router.start` to :meth:`~Router.finish`, learned over the fleet; 0 until a request finished). An
+    estimate, closest where requests live about alike; it says which full backend frees its memory first, which
+    ``kv_usage`` and ``active_blocks`` cannot.
 
     A ``NamedTuple``: built once per backend per request, it costs a quarter of a frozen dataclass. Its fields are
     not checked when it is built; a built-in policy whose rule fails on one of the wrong type or an impossible value
