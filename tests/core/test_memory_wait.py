@@ -181,3 +181,17 @@ def test_finish_never_raises_for_a_clock_that_raises_and_learns_nothing(caplog: 
     run(r, 1, "a")
     assert waits(r, 2, ["a"]) == {"a": 0.0}
     r._check()
+
+
+def test_the_mean_lifetime_follows_later_finishes_with_a_weight_of_a_fiftieth() -> None:
+    r, clock = router()
+    for k in range(60):  # 60 lifetimes of 1 s: the plain mean of the first 50, then a fiftieth each
+        decision = run(r, k, "a")
+        clock.tick(1.0)
+        r.finish(decision)
+    slow = run(r, 60, "a")
+    clock.tick(51.0)
+    r.finish(slow)  # 1 + (51 - 1) / 50 = 2 s
+    run(r, 61, "a")  # started now: its wait is the whole mean lifetime
+    assert waits(r, 62, ["a"]) == {"a": pytest.approx(2.0)}
+    r._check()
