@@ -582,10 +582,10 @@ class Router:
         candidates = []
         for backend in order:
             figures = cached(backend) or build(backend)
-            held = matched[backend]
-            capacity, over = figures[5], figures[7] + blocks - held  # active + its uncached blocks
+            cached_blocks = matched[backend]
+            capacity, over = figures[5], figures[7] + blocks - cached_blocks  # active + its uncached blocks
             wait = self._memory_wait(backend, over - capacity, reading) if capacity and over > capacity else 0.0
-            candidates.append(make((backend, held * block_size, prompt_len) + figures + (attention, wait)))
+            candidates.append(make((backend, cached_blocks * block_size, prompt_len) + figures + (attention, wait)))
         return tuple(candidates)
 
     def _build_figures(self, backend: str) -> _Figures:
