@@ -161,16 +161,31 @@ def test_fake_engines_refuse_values_that_would_hang_or_name_nothing(
     _one_line(capsys.readouterr().err, option)
 
 
+def _free_port_then_bound_one() -> tuple[int, socket.socket]:
+    """A loopback port P that was free a moment ago, and a socket bound to P + 1 (tried again where another process
+    holds P + 1: a fresh-clone CI run once found it taken)."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = int(probe.getsockname()[1])
+        if base >= 65535:
+            continue
+        busy = socket.socket()
+        try:
+            busy.bind(("127.0.0.1", base + 1))
+        except OSError:
+            busy.close()
+            continue
+        return base, busy
+
+
 def test_fake_engines_whose_later_port_is_busy_close_the_earlier_and_announce_none(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     # Was: the first engine announced on stdout, then the one line for the busy second port, and the first engine's
     # listening socket left open (ResourceWarning; its port held) in a process that goes on.
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        base = probe.getsockname()[1]
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", base + 1))
+    base, busy = _free_port_then_bound_one()
+    with busy:
         busy.listen()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ResourceWarning)
