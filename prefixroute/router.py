@@ -566,25 +566,18 @@ class Router:
         make = Candidate._make
         attention = self._attention.tokens
         reading = now if type(now) is float else as_float(now)
-        if self._lifetime is None or reading is None:  # no request finished yet: no memory wait is predicted
-            fleet = (attention, 0.0)
-            return tuple(
-                [
-                    make(
-                        (backend, matched[backend] * block_size, prompt_len)
-                        + (cached(backend) or build(backend))
-                        + fleet
-                    )
-                    for backend in order
-                ]
-            )
+        waits = self._lifetime is not None and reading is not None  # else no request finished: no wait predicted
+        at = reading or 0.0
         blocks = -(-prompt_len // block_size)
         candidates = []
         for backend in order:
             figures = cached(backend) or build(backend)
             cached_blocks = matched[backend]
-            capacity, over = figures[5], figures[7] + blocks - cached_blocks  # active + its uncached blocks
-            wait = self._memory_wait(backend, over - capacity, reading) if capacity and over > capacity else 0.0
+            wait = 0.0
+            if waits:
+                capacity, over = figures[5], figures[7] + blocks - cached_blocks  # active + its uncached blocks
+                if capacity and over > capacity:
+                    wait = self._memory_wait(backend, over - capacity, at)
             candidates.append(make((backend, cached_blocks * block_size, prompt_len) + figures + (attention, wait)))
         return tuple(candidates)
 
