@@ -223,6 +223,7 @@ class FakeVLLM:
         self.endpoint = ""
         self.replay_endpoint = ""
         self.url = ""
+        self._started_at = 0.0  # process_start_time_seconds: each restart a later one
         self._new_metrics()
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
@@ -538,6 +539,11 @@ class FakeVLLM:
         self._m_ttft = Histogram(
             "vllm:time_to_first_token_seconds", "TTFT.", labels, buckets=TTFT_BUCKETS, registry=registry
         )
+        # What prometheus_client's process collector exports on vLLM's default registry: a restart changes it.
+        started = Gauge("process_start_time_seconds", "Start time of the process since unix epoch in seconds.",
+                        registry=registry)  # fmt: skip
+        self._started_at = max(time.time(), self._started_at + 0.01)
+        started.set(self._started_at)
         config_labels = ["block_size", "num_gpu_blocks", "enable_prefix_caching", "engine"]  # vLLM's log_metrics_info:
         info = Gauge("vllm:cache_config_info", "Cache config.", config_labels, registry=registry)  # config and engine
         info.labels(str(self.cache.block_size), str(self.cache.num_blocks), "True", "0").set(1)

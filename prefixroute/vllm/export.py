@@ -48,7 +48,8 @@ class RouterMetrics:
     ``_index_blocks{backend}``, ``_event_lag_seconds{backend}``, ``_event_batches_total{backend}``,
     ``_event_gaps_total{backend}``, ``_event_unrecovered_gaps_total{backend}``,
     ``_event_failed_replays_total{backend}``, ``_event_handshake_failures_total{backend}``,
-    ``_engine_restarts_total{backend}``.
+    ``_engine_restarts_total{backend}`` (seen in the KV events' sequence numbers; for a fleet's backend without
+    events, in its ``/metrics``).
 
     >>> from prometheus_client import CollectorRegistry
     >>> from prefixroute import Router
@@ -203,7 +204,11 @@ class RouterMetrics:
             for backend, count in counts:
                 blocks.add_metric([backend], count)
         streams = [subscriber.stats() for subscriber in subscribers]
-        streams += [b.events for fleet in fleets for b in fleet.stats().backends if b.events is not None]
+        polled = [b for fleet in fleets for b in fleet.stats().backends]
+        streams += [b.events for b in polled if b.events is not None]
+        for seen in polled:  # without events, the restarts its /metrics showed
+            if seen.events is None and seen.metrics_url is not None:
+                restarts.add_metric([seen.backend], seen.engine_restarts)
         for stats in streams:
             label = [stats.backend]
             if stats.last_lag_s is not None:

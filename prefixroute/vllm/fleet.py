@@ -67,6 +67,10 @@ class BackendStats:
     ranks: tuple[SubscriberStats, ...] = ()
     """Each KV-event subscriber's counters, one per endpoint in the order given (one per data-parallel rank);
     empty without ``kv_events``."""
+    engine_restarts: int = 0
+    """Engine restarts seen in ``/metrics`` between two successful scrapes (:meth:`EngineMetrics.restarted_since
+    <prefixroute.vllm.EngineMetrics.restarted_since>`): each one drops the backend's blocks from the router's
+    index (the engine's prefix cache died with its process), by resetting its KV-event subscribers if it has any."""
 
 
 @dataclass(frozen=True)
@@ -479,6 +483,8 @@ class _Poller:
         self._failures = 0
         self._reported: bool | None = None  # the health last passed to on_health
         self._configured: tuple[int | None, int | None] = (None, None)  # the cache config last acted on
+        self._restarts = 0
+        self._previous: EngineMetrics | None = None  # the scrape before, to tell a restart by
 
     def start(self) -> None:
         self._thread.start()
@@ -516,6 +522,7 @@ class _Poller:
                 None if self._metrics is None else self._metrics.num_gpu_blocks,
                 events,
                 ranks,
+                self._restarts,
             )
 
     def _run(self) -> None:
@@ -541,6 +548,9 @@ class _Poller:
         except MetricsError as exc:
             self._failed(str(exc))
         else:
+            previous, self._previous = self._previous, metrics
+            if previous is not None and metrics.restarted_since(previous):
+                self._engine_restarted()
             # Figures the router refuses raise here, before the scrape counts as a success (see _run).
             self._gate.run(lambda router: self._apply(router, metrics))
             with self._lock:
@@ -549,6 +559,19 @@ class _Poller:
                 self._ok_at = self._fleet._clock()
                 self._scrapes += 1
         self._report_health()
+
+    def _engine_restarted(self) -> None:
+        """The engine's prefix cache died with its process: its blocks leave the router's index. With KV events each
+        subscriber is reset (outside the gate: it writes through it), so a restart its sequence numbers hid (the new
+        engine published past the old one's last number) is caught too, and the new engine's batches are replayed."""
+        _log.warning("metrics of %s: the engine restarted; its prefix cache is empty", self._backend)
+        with self._lock:
+            self._restarts += 1
+        subscribers = self._fleet.subscribers(self._backend)
+        for subscriber in subscribers:
+            subscriber.reset()
+        if not subscribers:
+            self._gate.run(lambda router: router.clear_backend(self._backend))
 
     def _failed(self, error: str, *, logged: bool = False) -> None:
         """Count a failed scrape, keep why, and drop the backend's figures from the router."""

@@ -41,6 +41,7 @@ _QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_to
 _HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 _CACHE_INFO = "vllm:cache_config_info"
 _TTFT = "vllm:time_to_first_token_seconds"
+_START_TIME = "process_start_time_seconds"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 """vLLM's bucket bounds of ``vllm:time_to_first_token_seconds``, seconds (what the fake engines serve)."""
@@ -55,6 +56,8 @@ class EngineMetrics:
     ``num_gpu_blocks`` the sum of the engines' (data-parallel engines behind one server each report theirs).
     ``ttft_buckets`` holds ``(upper bound in seconds, cumulative count)`` pairs, sorted, ending with ``+inf``;
     ``ttft_count`` is the histogram's ``_count``, or its last bucket's count when the text has no ``_count``.
+    ``process_start_time`` is the server process's ``process_start_time_seconds`` (Unix time), which Prometheus'
+    client library exports unless the server runs in its multiprocess mode: it changes when the engine restarts.
     Every figure is finite and non-negative; ``block_size`` and ``num_gpu_blocks`` are positive.
     """
 
@@ -68,6 +71,25 @@ class EngineMetrics:
     ttft_buckets: tuple[tuple[float, float], ...] = ()
     ttft_count: float = 0.0
     ttft_sum: float = 0.0
+    process_start_time: float | None = None
+
+    def restarted_since(self, earlier: EngineMetrics) -> bool:
+        """Whether the engine restarted between the scrape ``earlier`` and this one: its process start time changed,
+        or a counter went back (vLLM's counters only grow while its process lives: Prometheus takes a fall for a
+        reset too). O(1).
+
+        Raises:
+            TypeError: ``earlier`` is not an :class:`EngineMetrics`.
+        """
+        if not isinstance(earlier, EngineMetrics):
+            raise InvalidTypeError(f"earlier must be an EngineMetrics, not {type(earlier).__name__}")
+        started, was = self.process_start_time, earlier.process_start_time
+        if started is not None and was is not None and started != was:
+            return True
+        for now, before in ((self.prefix_queries, earlier.prefix_queries), (self.ttft_count, earlier.ttft_count)):
+            if now is not None and before is not None and now < before:
+                return True
+        return False
 
     @property
     def hit_rate(self) -> float | None:
@@ -167,7 +189,16 @@ def parse_metrics(text: str, *, deadline: float | None = None) -> EngineMetrics:
         ttft_buckets=tuple(buckets.items()),
         ttft_count=sums.get(_TTFT + "_count", buckets.peekitem(-1)[1] if buckets else 0.0),
         ttft_sum=sums.get(_TTFT + "_sum", 0.0),
+        process_start_time=_start_time(sums.get(_START_TIME), counts.get(_START_TIME, 0)),
     )
+
+
+def _start_time(value: float | None, series: int) -> float | None:
+    """The process start time if the text holds one sane figure for it (a wrong one is no reason to fail a scrape:
+    it only goes unused)."""
+    if value is None or series != 1 or not math.isfinite(value) or value < 0:
+        return None
+    return value
 
 
 class _Overdue(MetricsError):

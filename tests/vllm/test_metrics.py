@@ -50,7 +50,8 @@ def test_the_fake_engines_metrics_are_vllms_families_types_and_label_sets(legacy
     # What a Prometheus scraper of vLLM reads (vllm/v1/metrics/loggers.py): each family's name and type, and every
     # series labelled model_name and engine, vllm:cache_config_info by the cache config and its engine
     # (log_metrics_info adds "engine" to the config's labels); prometheus_client's registry adds a _created gauge
-    # to each counter and histogram, as vLLM's single-process one does. Was: the info gauge without its engine.
+    # to each counter and histogram, and its process collector process_start_time_seconds (no labels), as vLLM's
+    # single-process one does. Was: the info gauge without its engine; no process start time.
     with FakeVLLM(num_blocks=333, model="m", legacy_metric_names=legacy) as engine:
         engine.complete(list(range(40)))
         families = {family.name: family for family in text_string_to_metric_families(engine.metrics_text())}
@@ -58,12 +59,14 @@ def test_the_fake_engines_metrics_are_vllms_families_types_and_label_sets(legacy
     assert {name: family.type for name, family in families.items() if not name.endswith("_created")} == {
         "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge", usage: "gauge",
         f"{prefix}prefix_cache_queries": "counter", f"{prefix}prefix_cache_hits": "counter",
-        "vllm:time_to_first_token_seconds": "histogram", "vllm:cache_config_info": "gauge"}  # fmt: skip
+        "vllm:time_to_first_token_seconds": "histogram", "vllm:cache_config_info": "gauge",
+        "process_start_time_seconds": "gauge"}  # fmt: skip
     info = {"block_size": "16", "num_gpu_blocks": "333", "enable_prefix_caching": "True", "engine": "0"}
     for name, family in families.items():
         for sample in family.samples:
             labels = {key: value for key, value in sample.labels.items() if key != "le"}
-            assert labels == (info if name == "vllm:cache_config_info" else {"engine": "0", "model_name": "m"})
+            expected = {"vllm:cache_config_info": info, "process_start_time_seconds": {}}
+            assert labels == expected.get(name, {"engine": "0", "model_name": "m"})
     values = {sample.name: sample.value for family in families.values() for sample in family.samples}
     assert (values[f"{prefix}prefix_cache_queries_total"], values[f"{prefix}prefix_cache_hits_total"]) == (40, 0)
     assert values["vllm:cache_config_info"] == 1 and values["vllm:time_to_first_token_seconds_count"] == 1
