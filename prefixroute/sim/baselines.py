@@ -328,17 +328,27 @@ class AIBrixPrefixCache(LoadPolicy):
     all. Of the matched pods (a matched block, even one under 1 %), by decreasing match percentage
     (``matched × 100 // total`` full blocks) then increasing requests, the first whose requests are at most
     ``mean + 1 × σ`` over *all* pods (σ the sample standard deviation, 0 for one pod) wins; with no match or none
-    within, the pod with the fewest requests. Ties go to placement order where AIBrix shuffles or draws at random.
-    AIBrix hashes 4-character blocks of the text by default; this matches the router's blocks (the candidate's
-    ``block_size``). O(B log B) for B candidates.
+    within, the pod with the fewest requests. Ties are drawn from ``rng``, as AIBrix draws them: it shuffles the
+    matched pods before its stable sort, and takes ``rand.Intn`` among the pods at the fewest requests (placement
+    order, the same for every request sharing a prefix, would add an affinity AIBrix does not have). AIBrix hashes
+    4-character blocks of the text by default; this matches the router's blocks (the candidate's ``block_size``).
+    Checked against aibrix e3e10f9e (2026-08-23). O(len(candidates)).
     """
 
     name = "aibrix"
     prefix_aware = True
 
-    def __init__(self, *, imbalance_abs_count: int = 8, standard_deviation_factor: float = 1.0) -> None:
+    def __init__(
+        self,
+        *,
+        imbalance_abs_count: int = 8,
+        standard_deviation_factor: float = 1.0,
+        seed: int | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
         self.imbalance_abs_count = _count("imbalance_abs_count", imbalance_abs_count)
         self.standard_deviation_factor = _number("standard_deviation_factor", standard_deviation_factor)
+        self._rng = seeded_rng(seed, rng, "AIBrixPrefixCache")
 
     @_names_bad_fields
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
@@ -352,18 +362,24 @@ class AIBrixPrefixCache(LoadPolicy):
         spread = sum((n - mean) ** 2 for n in counts)
         sigma = math.sqrt(spread / (len(counts) - 1)) if len(counts) > 1 else 0.0
         limit = mean + self.standard_deviation_factor * sigma
-        matched = sorted(
-            (c for c in searched if c.matched_tokens >= c.block_size),
-            key=lambda c: (-_match_percent(c), c.in_flight),
-        )
-        least = next(c for c in candidates if c.in_flight == fewest)
-        return next((c for c in matched if c.in_flight <= limit), least)
+        # The first of the matched pods, by decreasing match percentage then increasing requests, that is within the
+        # limit: the lowest (-percent, requests) among those within it, drawn among equals (AIBrix shuffles first).
+        within = [c for c in searched if c.matched_tokens >= c.block_size and c.in_flight <= limit]
+        if within:
+            best = min(map(_aibrix_order, within))
+            return self._rng.choice([c for c in within if _aibrix_order(c) == best])
+        return self._rng.choice([c for c in candidates if c.in_flight == fewest])
 
     def __repr__(self) -> str:
         return (
             f"AIBrixPrefixCache(imbalance_abs_count={self.imbalance_abs_count}, "
             f"standard_deviation_factor={self.standard_deviation_factor})"
         )
+
+
+def _aibrix_order(candidate: Candidate) -> tuple[int, int]:
+    """AIBrix's order of matched pods: decreasing match percentage, then increasing requests."""
+    return -_match_percent(candidate), candidate.in_flight
 
 
 def _match_percent(candidate: Candidate) -> int:

@@ -285,9 +285,9 @@ def test_aibrix_when_imbalanced_matches_only_among_the_least_loaded() -> None:
     pods.append(Candidate("mid", 800, 1000, 11))
     # 20 - 5 = 15 > 8: only "cold" and "warm" (5 requests) are matched against; "warm" matches, so it wins.
     assert AIBrixPrefixCache().choose(pods).backend == "warm"
-    # With no match among the least loaded: the fewest requests (the first of them).
+    # With no match among the least loaded: the fewest requests (one of them at random, as least_request.go draws).
     unmatched = [p._replace(matched_tokens=0) if p.backend == "warm" else p for p in pods]
-    assert AIBrixPrefixCache().choose(unmatched).backend == "cold"
+    assert {AIBrixPrefixCache(seed=s).choose(unmatched).backend for s in range(40)} == {"cold", "warm"}
 
 
 def test_aibrix_least_requests_when_nothing_matches_within_the_limit() -> None:
@@ -300,6 +300,24 @@ def test_aibrix_least_requests_when_nothing_matches_within_the_limit() -> None:
     assert AIBrixPrefixCache().choose(misses).backend == "b"
     # A count of 0 is a count: 2 - 1 > 0, so only "b" (the fewest) is matched against.
     assert AIBrixPrefixCache(imbalance_abs_count=0).choose([hot._replace(in_flight=2), misses[1]]).backend == "b"
+
+
+def test_aibrix_draws_its_ties_at_random() -> None:
+    # vllm-project/aibrix e3e10f9e, pkg/plugins/gateway/algorithms/least_request.go, the fallback
+    # selectTargetPodWithLeastRequestCount: every pod at the fewest requests, then targetPods[rand.Intn(len)].
+    misses = [Candidate("a", 0, 1000, 1), Candidate("b", 0, 1000, 3), Candidate("c", 0, 1000, 1)]
+    assert {AIBrixPrefixCache(seed=s).choose(misses).backend for s in range(40)} == {"a", "c"}
+    # The same when the matched pod is left out: 9 - 0 > 8 is imbalanced, and neither least-loaded pod matches.
+    over = [Candidate("hot", 1000, 1000, 9), Candidate("x", 0, 1000, 0), Candidate("y", 0, 1000, 0)]
+    assert {AIBrixPrefixCache(seed=s).choose(over).backend for s in range(40)} == {"x", "y"}
+    # prefix_cache.go getTargetPodFromMatchedPods: rand.Shuffle, then a stable sort by (-match %, requests), so the
+    # matched pods equal on both keys are drawn among at random.
+    equal = [Candidate("p", 512, 1000, 2), Candidate("q", 256, 1000, 1), Candidate("r", 512, 1000, 2)]
+    assert {AIBrixPrefixCache(seed=s).choose(equal).backend for s in range(40)} == {"p", "r"}
+    # Seeded: the same seed, the same draws; an rng is taken too.
+    assert [AIBrixPrefixCache(seed=3).choose(equal).backend for _ in range(5)] == [
+        AIBrixPrefixCache(rng=random.Random(3)).choose(equal).backend for _ in range(5)
+    ]
 
 
 # -- Ray Serve PrefixCacheAffinityRouter ---------------------------------------------------------------------------
@@ -431,7 +449,7 @@ def test_baseline_options_are_checked_when_given(cls: type, option: str, bad: ob
         cls(**{option: bad})
 
 
-RANDOMISED = [SGLangCacheAware, DynamoKvRouter, RayServePrefixAware, ProductionStackPrefixAware]
+RANDOMISED = [SGLangCacheAware, DynamoKvRouter, AIBrixPrefixCache, RayServePrefixAware, ProductionStackPrefixAware]
 
 
 @pytest.mark.parametrize("cls", RANDOMISED)
