@@ -174,10 +174,12 @@ class DynamoKvRouter(LoadPolicy):
     duration it counts the oldest prefill down linearly over it (``sequences/prefill_tracker.rs``,
     ``active_tokens_at``); the router counts a prefill in full until its first token.
 
-    At temperature 0 the lowest logit wins; Dynamo draws among equal logits at random (``minimum_cost_index``),
-    this takes the first in placement order (the older ``scheduler.rs`` broke such ties by the smallest indexer
-    tree first, which the current selector no longer does). Above 0 a worker is drawn from ``rng`` with probability
-    ``softmax(-logit / ((max - min) × temperature))``, uniform when all logits are equal. O(len(candidates)).
+    At temperature 0 the lowest logit wins, drawn from ``rng`` among equal logits as Dynamo draws
+    (``minimum_cost_index``, reservoir sampling: uniform among them; placement order, the same for every request
+    sharing a prefix, would add an affinity Dynamo does not have; the older ``scheduler.rs`` broke such ties by the
+    smallest indexer tree first, which the current selector no longer does). Above 0 a worker is drawn from ``rng``
+    with probability ``softmax(-logit / ((max - min) × temperature))``, uniform when all logits are equal. Checked
+    against dynamo 07a6c9ce (``selector/default.rs``, ``selector/mod.rs``). O(len(candidates)).
     """
 
     name = "dynamo"
@@ -209,8 +211,9 @@ class DynamoKvRouter(LoadPolicy):
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         _require_candidates(candidates)
         logits = [self.logit(c) for c in candidates]
-        if self.temperature == 0.0:
-            return candidates[logits.index(min(logits))]
+        if self.temperature == 0.0:  # uniform among the lowest, as minimum_cost_index's reservoir sampling
+            lowest = min(logits)
+            return self._rng.choice([c for c, value in zip(candidates, logits, strict=True) if value == lowest])
         low, high = min(logits), max(logits)
         if high == low:
             weights = [1.0] * len(candidates)

@@ -105,15 +105,18 @@ def test_dynamo_counts_a_shared_prefix_in_flight_once() -> None:
     assert DynamoKvRouter().choose([spread, shared]) is shared
 
 
-def test_dynamo_picks_the_lowest_logit_and_breaks_ties_by_placement_order() -> None:
+def test_dynamo_picks_the_lowest_logit_and_draws_among_equal_ones() -> None:
     cached = Candidate("cached", 480, 480, 1, active_blocks=30)  # 0 + 30 + 0 = 30
     busy_cold = Candidate("cold", 0, 480, 0, active_blocks=5)  # 30 + 5 + 30 = 65
     assert DynamoKvRouter().choose([busy_cold, cached]) is cached
-    # lib/kv-router/src/scheduling/selector/default.rs (minimum_cost_index) draws among equal costs at random, with
-    # no tree-size step: placement order here, whatever each worker has been routed before.
-    policy = DynamoKvRouter()
-    tied = [Candidate("a", 0, 160, 0), Candidate("b", 0, 160, 0)]
-    assert [policy.choose(tied).backend for _ in range(3)] == ["a", "a", "a"]
+    # ai-dynamo/dynamo lib/kv-router/src/scheduling/selector/default.rs (07a6c9ce) minimum_cost_index: reservoir
+    # sampling over the rows at the lowest cost (random_index(tie_count) == 0 replaces the pick), so uniform among
+    # them, with no tree-size step: whatever each worker has been routed before, from the seeded rng.
+    tied = [Candidate("a", 0, 160, 0), Candidate("b", 0, 160, 0), Candidate("c", 0, 160, 1, active_blocks=1)]
+    assert {DynamoKvRouter(seed=s).choose(tied).backend for s in range(40)} == {"a", "b"}
+    assert [DynamoKvRouter(seed=3).choose(tied).backend for _ in range(5)] == [
+        DynamoKvRouter(rng=random.Random(3)).choose(tied).backend for _ in range(5)
+    ]
 
 
 def test_dynamo_samples_by_softmax_above_temperature_zero() -> None:
