@@ -5,8 +5,10 @@ the constants it took), on the information a :class:`~prefixroute.Candidate` car
 sources' logic, not copied. What every one of them keeps in its own index (a radix tree of request text, a hash
 table of blocks) is the router's :class:`~prefixroute.PrefixIndex` here, so ``matched_tokens`` stands for their
 match; where a rule needs a figure the candidate lacks, the docstring says what stands in for it. Randomised rules
-take ``seed`` or ``rng`` (the simulator seeds them from ``--seed``); where the source breaks a tie at random or by
-hash-map order, these break it by placement order, so runs are reproducible.
+take ``seed`` or ``rng`` (the simulator seeds them from ``--seed``, so runs are reproducible); where the source breaks
+a tie at random, these draw it from that ``rng``, and where it breaks one by hash-map or replica-set order (fixed but
+arbitrary), by placement order. Placement order is the same for every request sharing a prefix, so in place of a
+random draw it would add an affinity the source does not have.
 
 Select them by name (:data:`BASELINES`) or by path, e.g.
 ``prefixroute simulate --policy prefixroute.sim.baselines:SGLangCacheAware``.
@@ -245,13 +247,15 @@ class LlmdDefaultProfile(LoadPolicy):
     more (a longer earlier prompt sharing those blocks does too, where llm-d's partial block would differ). Queue =
     ``(max - q) / (max - min)`` over the endpoints' waiting queues, 1 for all when equal; KV = ``1 - kv_usage``;
     each clamped to [0, 1] before weighting (``enforceScoreRange`` in
-    ``pkg/epp/scheduling/scheduler_profile.go``). The highest weighted sum wins (ties: placement order, where the
-    picker shuffles). The queue is the engine's ``queue_len`` (vLLM's waiting requests) when metrics supply it, else
-    the router's ``in_prefill`` (its requests without a first token yet: waiting, or in prefill), the nearest it
-    knows to a waiting queue (``in_flight`` would count every decoding request too, which llm-d's queue scorer
-    never sees); KV use is the engine's ``kv_usage``, else ``active_blocks / capacity_blocks`` (the KV memory its
-    requests hold), else 0. The block size below 64 is the candidate's ``block_size``; llm-d hashes the tokens of
-    its default ``estimate`` tokenizer (4 bytes each), for which the prompt's tokens stand in. O(len(candidates)).
+    ``pkg/epp/scheduling/scheduler_profile.go``). The highest weighted sum wins, drawn from ``rng`` among equal sums
+    as the picker's shuffle draws (placement order, the same for every request sharing a prefix, would add an
+    affinity llm-d does not have). The queue is the engine's ``queue_len`` (vLLM's waiting requests) when metrics
+    supply it, else the router's ``in_prefill`` (its requests without a first token yet: waiting, or in prefill),
+    the nearest it knows to a waiting queue (``in_flight`` would count every decoding request too, which llm-d's
+    queue scorer never sees); KV use is the engine's ``kv_usage``, else ``active_blocks / capacity_blocks`` (the KV
+    memory its requests hold), else 0. The block size below 64 is the candidate's ``block_size``; llm-d hashes the
+    tokens of its default ``estimate`` tokenizer (4 bytes each), for which the prompt's tokens stand in. Checked
+    against llm-d-router ebab6879 (2026-08-21). O(len(candidates)).
     """
 
     name = "llm-d"
@@ -265,12 +269,15 @@ class LlmdDefaultProfile(LoadPolicy):
         kv_weight: float = 2.0,
         max_prefix_tokens: int = 131072,
         min_block_tokens: int = 64,
+        seed: int | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         self.prefix_weight = _number("prefix_weight", prefix_weight)
         self.queue_weight = _number("queue_weight", queue_weight)
         self.kv_weight = _number("kv_weight", kv_weight)
         self.max_prefix_tokens = _count("max_prefix_tokens", max_prefix_tokens, minimum=1)
         self.min_block_tokens = _count("min_block_tokens", min_block_tokens, minimum=1)
+        self._rng = seeded_rng(seed, rng, "LlmdDefaultProfile")
 
     def prefix_score(self, candidate: Candidate) -> float:
         """The prefix-cache scorer's value: matched blocks over the request's blocks, both capped. O(1).
@@ -309,7 +316,8 @@ class LlmdDefaultProfile(LoadPolicy):
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         _require_candidates(candidates)
         scores = self.scores(candidates)
-        return candidates[scores.index(max(scores))]
+        best = max(scores)  # the max-score picker shuffles before its stable sort: uniform among the highest
+        return self._rng.choice([c for c, score in zip(candidates, scores, strict=True) if score == best])
 
     def __repr__(self) -> str:
         return (

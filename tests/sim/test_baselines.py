@@ -251,6 +251,16 @@ def test_llmd_without_metrics_uses_the_router_accounting() -> None:
     assert LlmdDefaultProfile().scores(equal) == [4.0, 4.0]
 
 
+def test_llmd_draws_among_equal_scores() -> None:
+    # llm-d/llm-d-router ebab6879 pkg/epp/framework/plugins/scheduling/picker/maxscore/picker.go Pick: the endpoints
+    # are shuffled (ShuffleScoredEndpoints) before a stable sort by score, so the highest scores tie at random.
+    tied = [Candidate("a", 0, 1000, 3), Candidate("b", 0, 1000, 3), Candidate("c", 0, 1000, 5, in_prefill=2)]
+    assert {LlmdDefaultProfile(seed=s).choose(tied).backend for s in range(40)} == {"a", "b"}
+    assert [LlmdDefaultProfile(seed=3).choose(tied).backend for _ in range(5)] == [
+        LlmdDefaultProfile(rng=random.Random(3)).choose(tied).backend for _ in range(5)
+    ]
+
+
 # -- AIBrix prefix-cache -------------------------------------------------------------------------------------------
 
 
@@ -452,7 +462,14 @@ def test_baseline_options_are_checked_when_given(cls: type, option: str, bad: ob
         cls(**{option: bad})
 
 
-RANDOMISED = [SGLangCacheAware, DynamoKvRouter, AIBrixPrefixCache, RayServePrefixAware, ProductionStackPrefixAware]
+RANDOMISED = [
+    SGLangCacheAware,
+    DynamoKvRouter,
+    LlmdDefaultProfile,
+    AIBrixPrefixCache,
+    RayServePrefixAware,
+    ProductionStackPrefixAware,
+]
 
 
 @pytest.mark.parametrize("cls", RANDOMISED)
