@@ -109,7 +109,10 @@ class SGLangCacheAware(LoadPolicy):
     the least loaded: sglang PR #14650 made it the least loaded rather than the smallest tree of the older
     ``sgl-router/src/policies/cache_aware.rs``, and PR #33138 draws among equals at random, so idle workers share the
     misses. SGLang matches characters of the request text; this matches the router's whole blocks, so a match ending
-    within a block counts only its whole blocks (which matters near the threshold on short prompts). O(len(candidates)).
+    within a block counts only its whole blocks (which matters near the threshold on short prompts). This follows the
+    model gateway (``sgl-model-gateway``), not the separate slim ``sgl-router`` added to the repository in 2026,
+    whose cache-aware policy reads the engines' KV events and differs (``cache_threshold = 0.5`` of blocks, ``32`` /
+    ``1.1``, a power-of-two draw on a miss), nor the gateway's spin-off ``smg``. O(len(candidates)).
     """
 
     name = "sglang"
