@@ -10,7 +10,7 @@ import stat
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixroute.errors import ConfigurationError
 from prefixroute.sim.compare import THROUGHPUT_TOLERANCE
@@ -18,6 +18,10 @@ from prefixroute.sim.engine import Workload
 from prefixroute.sim.metrics import PolicyResult
 from prefixroute.sim.runner import SimSpec, backend_config, build_policy, run_policy
 from prefixroute.sim.workloads import scenario_names
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 __all__ = [
     "add_workload_arguments",
@@ -165,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     _check_served(results, spec)
     from prefixroute.sim.report import rich_table, write_json, write_plot
 
-    console.print(rich_table(results, title=f"{header['scenario']}: ratios against {policies[0]}"))
+    _print_table(console, rich_table(results, title=f"{header['scenario']}: ratios against {policies[0]}"))
     for result in results:
         if result.rejected:
             console.print(
@@ -179,6 +183,22 @@ def run(args: argparse.Namespace) -> int:
         write_plot(args.plot, results, title=f"{header['scenario']} · {profile.name} × {spec.backends}")
         console.print(f"wrote {args.plot}")
     return 0
+
+
+_TABLE_MAX_WIDTH = 1000  # the widest a table is measured at: far past any policy name's row
+
+
+def _print_table(console: Console, table: Table) -> None:
+    """Print ``table`` whole: at the console's width, or at the table's own where that is wider (a long policy name
+    such as a module:Class, a terminal under the table's 126 columns), so that rich shrinks no column and elides no
+    figure ("83.…", "1.…") to fit it; a narrow terminal wraps the lines instead."""
+    width = console.measure(table, options=console.options.update_width(_TABLE_MAX_WIDTH)).maximum
+    narrower = console.width
+    console.width = max(narrower, width)  # print(width=) would not do: rich caps it at the console's width
+    try:
+        console.print(table)
+    finally:
+        console.width = narrower
 
 
 def _check_before_running(
@@ -459,7 +479,7 @@ def run_compare(args: argparse.Namespace, *, defaults: argparse.ArgumentParser) 
     ranking = rank(results)
     default = default_policy_name()
     header = _header(spec)
-    console.print(rich_table(ranking, default=default, title=f"{header['scenario']}: policies ranked"))
+    _print_table(console, rich_table(ranking, default=default, title=f"{header['scenario']}: policies ranked"))
     console.print(
         "Rank in parentheses: more than "
         f"{100 * ranking.tolerance:g} % below the best throughput, ranked after the others."

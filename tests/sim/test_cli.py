@@ -84,6 +84,24 @@ def test_no_first_token_changes_only_what_the_router_is_told(
     assert told_results[1] != untold_results[1]  # the default does
 
 
+@pytest.mark.parametrize("command", ["simulate", "compare"])
+@pytest.mark.parametrize("tty_columns", [None, 80])
+def test_the_table_elides_no_figure_when_it_is_wider_than_the_console(
+    command: str, tty_columns: int | None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A long policy name (module:Class), or a terminal narrower than the table (80 columns), made rich shrink every
+    column to fit: figures came out as "83.…" and "1.…". The table is printed at its own width instead."""
+    if tty_columns is not None:
+        monkeypatch.setenv("COLUMNS", str(tty_columns))
+        monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    policy = "prefixroute.sim.baselines:SGLangCacheAware"
+    extra = ["--jobs", "1"] if command == "compare" else []
+    argv = [command, "--requests", "10", "--users", "4", "--policy", "round-robin", "--policy", policy, *extra]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "…" not in printed and policy in printed
+
+
 def test_gateways_run_replicas_and_say_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     one = _simulate(tmp_path, "a", "--policy", "predicted-ttft")
     assert "gateway replicas" not in capsys.readouterr().out
