@@ -611,7 +611,8 @@ def test_the_command_stops_gracefully_on_sigterm_as_on_ctrl_c(stop: signal.Signa
     with subprocess.Popen([*command, *level], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
         try:
             assert process.stdout is not None
-            assert process.stdout.readline().startswith("prefixroute proxy at ")
+            # Was "routing to 1 backends".
+            assert process.stdout.readline() == f"prefixroute proxy at http://127.0.0.1:{port}, routing to 1 backend\n"
             assert httpx.get(f"http://127.0.0.1:{port}/metrics").status_code == 200
             process.send_signal(stop)
             _, err = process.communicate(timeout=20)

@@ -176,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
             except (ValueError, RuntimeError):  # not the main thread: left to the caller
                 continue
             handled.append(sig)
-        print(f"prefixroute proxy at {url}, routing to {len(proxy.backends)} backends", flush=True)
+        count = len(proxy.backends)
+        print(f"prefixroute proxy at {url}, routing to {count} backend{'' if count == 1 else 's'}", flush=True)
         try:
             await stop.wait()
         finally:
