@@ -1080,6 +1080,17 @@ def test_sigterm_or_sigint_stops_every_listener_and_exits_0(
     assert process.output().count("prefixroute serve: ") == len(listeners.split(", ")), process.output()
 
 
+@pytest.mark.parametrize("count", [0, 1, 2])
+def test_the_http_announcement_counts_the_backends_in_words(count: int, tmp_path: Path) -> None:
+    """Was "(1 backends, policy ...)" for one."""
+    port = free_port()
+    with start_sidecar(tmp_path, BACKENDS[:count], port=port) as process:
+        process.popen.send_signal(signal.SIGTERM)
+        assert process.popen.wait(20) == 0, process.output()
+    said = f"prefixroute serve: http://127.0.0.1:{port} ({count} backend{'' if count == 1 else 's'}, policy "
+    assert said in process.output(), process.output()
+
+
 def test_an_ipv6_host_serves_every_listener_and_announces_it_bracketed() -> None:
     """``--host ::1`` (an example of ``--host``'s own message): before, gRPC took ext_proc's ``::1:0`` for the
     address ::0.1.0.0, port 443, and the command ended with exit status 2 and two lines on stderr. Each listener is

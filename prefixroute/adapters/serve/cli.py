@@ -352,7 +352,9 @@ async def _serve(sidecar: Any, http_socket: socket.socket, udp_socket: socket.so
             _say(f"release listener on udp://{_address(udp_socket)}")
         if grpc_server is not None:
             _say(f"ext_proc endpoint picker on {host_port(args.host, port)}")
-        _say(f"http://{_address(http_socket)} ({len(sidecar.backends)} backends, policy {sidecar.router.policy!r})")
+        count = len(sidecar.backends)
+        backends = f"{count} backend{'' if count == 1 else 's'}"
+        _say(f"http://{_address(http_socket)} ({backends}, policy {sidecar.router.policy!r})")
         # What start-up made (modules, the tokenizer, gRPC) lives as long as the process: move it out of the
         # collector's reach, so a full collection under load walks only what serving made (ms less per pause).
         gc.collect()
