@@ -13,8 +13,13 @@ Runs are independent simulations, each built from the spec's seed, so running th
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing
+import os
+import signal
+import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -165,21 +170,54 @@ def run_grid(
                 on_done(i, results[i])  # type: ignore[arg-type]
         return [r for r in results if r is not None]
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(jobs, len(runs)), mp_context=context) as pool:
+    pool = ProcessPoolExecutor(
+        max_workers=min(jobs, len(runs)), mp_context=context, initializer=_start_worker, initargs=(os.getpid(),)
+    )
+    try:
         futures: dict[Future[PolicyResult], int] = {
             pool.submit(run_policy, spec, name, workload=workload): i for i, (spec, name) in enumerate(runs)
         }
-        try:
-            for future in as_completed(futures):
-                index = futures[future]
-                results[index] = future.result()
-                if on_done is not None:
-                    on_done(index, results[index])  # type: ignore[arg-type]
-        except BaseException:
-            for future in futures:
-                future.cancel()
-            raise
+        for future in as_completed(futures):
+            index = futures[future]
+            results[index] = future.result()
+            if on_done is not None:
+                on_done(index, results[index])  # type: ignore[arg-type]
+    except BaseException:
+        _stop_workers(pool)
+        raise
+    pool.shutdown()
     return [r for r in results if r is not None]
+
+
+_ORPHAN_POLL_S = 0.5  # how often a worker checks that the process that started it is still there
+
+
+def _start_worker(parent: int) -> None:
+    """Each pool process's initializer: Ctrl-C, which the terminal sends to every process of the command, is the
+    parent's to handle (it stops the pool, see :func:`_stop_workers`), and a worker ends once its parent is gone
+    (SIGTERM or SIGKILL to the parent alone) instead of simulating on as an orphan."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_when_orphaned, args=(parent,), name="prefixroute-orphan-watch", daemon=True).start()
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(_ORPHAN_POLL_S)
+    os._exit(1)
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Stop ``pool`` now: no queued run starts and the running ones are terminated (a pool's shutdown would wait for
+    every run already handed to a worker; ``terminate_workers()`` does this from Python 3.14)."""
+    processes = list((pool._processes or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        with contextlib.suppress(ValueError, ProcessLookupError):  # closed, or gone already
+            if process.is_alive():
+                process.terminate()
+    for process in processes:
+        with contextlib.suppress(ValueError):
+            process.join(timeout=5)
 
 
 _HEADERS = (

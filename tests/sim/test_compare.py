@@ -6,7 +6,12 @@ import contextlib
 import functools
 import json
 import math
+import multiprocessing
+import os
 import re
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -41,6 +46,8 @@ from prefixroute.sim.runner import SimSpec, build_policy, run_policy
 from prefixroute.sim.suite import SuiteWorkload, judge, render, run_suite, suite_workloads, write_suite_plot
 from prefixroute.sim.traces import read_mooncake, read_splitwise
 from prefixroute.sim.workloads import make_workload, scenario_names
+
+from ..conftest import wait_until
 
 TINY = ["--requests", "24", "--users", "4", "--jobs", "1"]
 
@@ -337,6 +344,57 @@ def test_run_grid_runs_in_this_process_unless_several_jobs_have_several_runs(mon
     assert pools == [(2, "spawn"), (3, "spawn")]
     with pytest.raises(ConfigurationError, match="^--jobs must be a positive int, not 0$"):
         run_grid([run], jobs=0)
+
+
+def test_run_grid_interrupted_stops_its_workers_at_once() -> None:
+    """Was: an exception in this process (Ctrl-C's KeyboardInterrupt, here from on_done) waited, in the pool's
+    shutdown, for every run already handed to a worker to end, the queued ones too: minutes for long runs."""
+    short, long = SimSpec(requests=10, users=3), SimSpec(requests=50_000, users=30)
+    runs = [(short, "round-robin"), (long, "round-robin"), (long, "random"), (long, "least-loaded")]
+
+    def interrupt(_index: int, _result: PolicyResult) -> None:
+        raise KeyboardInterrupt
+
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run_grid(runs, jobs=2, on_done=interrupt)
+    assert time.monotonic() - started < 20, "the interrupted runs went on"
+    assert multiprocessing.active_children() == []
+
+
+def _descendants_left(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("signal_to", ["group", "parent"])
+def test_compare_stopped_by_ctrl_c_or_sigterm_leaves_no_worker_running(signal_to: str) -> None:
+    """Ctrl-C (SIGINT to the whole process group) ended nothing for a minute and more: each worker took its
+    KeyboardInterrupt as its run's result and went on with the next run queued for it, while the parent waited for
+    them. SIGTERM to the parent alone (a supervisor, ``timeout``) ended it and left its workers simulating, orphans."""
+    command = [sys.executable, "-m", "prefixroute", "compare", "--requests", "100000", "--jobs", "2"]
+    pipes: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    with subprocess.Popen(command, start_new_session=True, **pipes) as process:
+        try:
+            assert process.stdout is not None
+            for line in process.stdout:
+                if "at a time" in line:
+                    break
+            time.sleep(2)  # the workers are simulating
+            if signal_to == "group":
+                os.killpg(process.pid, signal.SIGINT)
+            else:
+                process.send_signal(signal.SIGTERM)
+            _, err = process.communicate(timeout=20)
+            if signal_to == "group":
+                assert process.returncode == 130 and err == "prefixroute compare: interrupted\n", err
+            wait_until(lambda: not _descendants_left(process.pid), what="the workers' end", timeout=20)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
 
 
 def test_compare_command_ranks_recommends_and_writes_json_and_plot(
