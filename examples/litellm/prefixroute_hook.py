@@ -1,7 +1,8 @@
 """The prefixroute hook that examples/litellm/config.yaml loads into the LiteLLM Proxy (``callbacks``).
 
-LiteLLM imports this file and takes its ``hook``. To count real tokens, pass the model's tokenizer:
-``encoder=TokenizerEncoder(PromptTokenizer.from_file("/models/llama/tokenizer.json"))``.
+LiteLLM imports this file and takes its ``hook``. To route on the tokens the engine caches, pass the model's local
+folder (its tokenizer.json and chat template): ``encoder=PromptEncoder("/models/llama")``, with
+``from prefixroute.adapters.serve.text import PromptEncoder``.
 """
 
 from __future__ import annotations
