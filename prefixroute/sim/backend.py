@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Protocol
 
-from prefixroute._numbers import as_int, shown
+from prefixroute._numbers import as_int, check_flag, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.router import Decision
 from prefixroute.sim.kvcache import BlockCache
@@ -45,6 +45,15 @@ class BackendConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    reserve_full_isl: bool = True
+    """vLLM's ``scheduler_reserve_full_isl`` (on by default): a waiting request is admitted only when the blocks of
+    its whole sequence so far (its prompt, and the output it had generated before a preemption) fit beside the
+    cached ones it reuses, not only its first chunk's (``allocate_slots(full_sequence_must_fit=...)``)."""
+    async_scheduling: bool = True
+    """vLLM's async scheduling (on by default, ``--no-async-scheduling`` turns it off): step k+1 is planned as step
+    k starts, before step k's output is processed, so a request that arrives while the engine is busy waits one
+    step more, and the blocks of the requests that finish in step k are free for step k+2's plan. An engine with
+    nothing to plan waits for the step in flight and plans again, as vLLM's batch queue does."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -52,6 +61,8 @@ class BackendConfig:
             if count is None or count < 1:
                 raise ConfigurationError("block_size, max_num_seqs and max_num_batched_tokens must be ints >= 1")
             object.__setattr__(self, name, count)  # a numpy int kept as the Python int it stands for (frozen)
+        for name in ("reserve_full_isl", "async_scheduling"):
+            check_flag(getattr(self, name), name)
         if self.capacity_blocks is not None:
             capacity = as_int(self.capacity_blocks)
             if capacity is None or capacity < 1:
@@ -105,7 +116,9 @@ class SimBackend:
     """
 
     __slots__ = (
+        "_deferred",
         "_plan",
+        "_started",
         "block_size",
         "cache",
         "config",
@@ -139,6 +152,8 @@ class SimBackend:
         self.waiting: deque[Active] = deque()
         self.running: list[Active] = []
         self._plan: list[tuple[Active, int]] = []
+        self._started: float | None = None  # start of the step in flight (async: when the next one was planned)
+        self._deferred: list[Active] = []  # finished, blocks not yet freed (async scheduling)
         self.steps = 0
         self.prefill_tokens = 0  # prompt tokens computed, summed over steps (conservation checks)
 
@@ -192,12 +207,25 @@ class SimBackend:
                 budget -= n
                 _price(active, n, prefill, decode)
                 index += 1
+        # async scheduling: this step was planned when the previous one started, so only what had arrived by then
+        cutoff = self._started if self.config.async_scheduling else None
         if not preempted:
-            self._admit(now, budget, plan, prefill, decode)
+            self._admit(now, budget, plan, prefill, decode, cutoff)
+        if not plan and (self._deferred or cutoff is not None) and not preempted:
+            # vLLM plans an empty step, blocks on the one in flight, frees its finished requests and plans again
+            self._release_deferred()
+            self._admit(now, budget, plan, prefill, decode, None)
+        self._release_deferred()  # finished in the step that just ended: free for the next plan
+        self._started = now if plan else None
         if not plan:
             return None
         self.steps += 1
         return self.cost.step_seconds(prefill, decode)
+
+    def _release_deferred(self) -> None:
+        for active in self._deferred:
+            self.cache._release(active.held, active.private)
+        self._deferred.clear()
 
     def _admit(
         self,
@@ -206,6 +234,7 @@ class SimBackend:
         plan: list[tuple[Active, int]],
         prefill: list[tuple[int, int]],
         decode: list[int],
+        cutoff: float | None = None,
     ) -> None:
         size = self.block_size
         cache = self.cache
@@ -213,12 +242,17 @@ class SimBackend:
         running = self.running
         while waiting and budget > 0 and len(running) < self.config.max_num_seqs:
             active = waiting[0]
+            if cutoff is not None and active.record.arrival > cutoff:
+                break  # arrived after this step was planned (async scheduling)
             hashes = active.hashes
             hit = cache.match(hashes, limit=(active.tokens - 1) // size)
             n = min(active.tokens - hit * size, budget)
             need = -(-(hit * size + n) // size) - hit
+            # vLLM's admission gate (allocate_slots(full_sequence_must_fit=scheduler_reserve_full_isl)): the blocks
+            # of the whole sequence known so far (prompt, plus output generated before a preemption), not the chunk's
+            gate = -(-active.tokens // size) - hit if self.config.reserve_full_isl else need
             available = cache.available()
-            if available is not None and available - cache._unreferenced(hashes[:hit]) < need:
+            if available is not None and available - cache._unreferenced(hashes[:hit]) < gate:
                 break  # first come first served: the head of the queue waits for memory
             held = hashes[:hit]
             cache._acquire(held)
@@ -289,8 +323,11 @@ class SimBackend:
         if finished:
             done = set(map(id, finished))
             self.running = [a for a in self.running if id(a) not in done]
-            for active in finished:
-                cache._release(active.held, active.private)
+            if self.config.async_scheduling:
+                self._deferred.extend(finished)  # freed once the next step is planned
+            else:
+                for active in finished:
+                    cache._release(active.held, active.private)
         return finished
 
     def _check(self) -> None:
@@ -299,7 +336,7 @@ class SimBackend:
         cache._check()
         refs: dict[int, int] = {}
         private = 0
-        for active in self.running:
+        for active in self.running + self._deferred:
             for h in active.held:
                 refs[h] = refs.get(h, 0) + 1
             private += active.private

@@ -17,18 +17,22 @@ from .conftest import LinearCost, StepLog
 HASHER = BlockHasher(16)
 
 
-def _active(request_id: int, tokens: bytes, output: int = 1, answer: bytes = b"") -> Active:
+def _active(request_id: int, tokens: bytes, output: int = 1, answer: bytes = b"", arrival: float = 0.0) -> Active:
     """A request of prompt ``tokens``; ``answer``: the output token ids when known (hashed with the prompt)."""
     record = RequestRecord(
-        request_id=request_id, user=0, tag="", arrival=0.0, prompt_tokens=len(tokens) // 4, output_tokens=output
+        request_id=request_id, user=0, tag="", arrival=arrival, prompt_tokens=len(tokens) // 4, output_tokens=output
     )
     return Active(record, list(HASHER.hash(tokens + answer)), cast(Decision, None))  # the backend only hands it back
 
 
 def _backend(
-    capacity: int | None = None, budget: int = 256, seqs: int = 256, cost: LinearCost | None = None
+    capacity: int | None = None,
+    budget: int = 256,
+    seqs: int = 256,
+    cost: LinearCost | None = None,
+    **options: bool,
 ) -> SimBackend:
-    config = BackendConfig(capacity_blocks=capacity, max_num_batched_tokens=budget, max_num_seqs=seqs)
+    config = BackendConfig(capacity_blocks=capacity, max_num_batched_tokens=budget, max_num_seqs=seqs, **options)
     return SimBackend("gpu0", config=config, cost=cost or LinearCost())
 
 
@@ -134,8 +138,10 @@ def test_a_request_needing_every_block_is_admitted() -> None:
 def test_a_step_that_preempts_admits_nobody_and_preempts_the_newest_request() -> None:
     # Four blocks for two growing requests: the second is admitted a step later (the first prompt takes the whole
     # budget), so it is the newest; whenever the older one needs a block, or the newer one does, the newer one is
-    # preempted, and vLLM admits nothing in a step that preempted, although a small first chunk would fit.
-    backend = _backend(capacity=4, budget=8)
+    # preempted, and vLLM admits nothing in a step that preempted, although a small first chunk would fit. With
+    # the chunk's blocks as the admission gate (scheduler_reserve_full_isl=False): vLLM's default gate, the whole
+    # prompt's blocks, readmits the newer one only once they fit, which leaves it one preemption.
+    backend = _backend(capacity=4, budget=8, reserve_full_isl=False)
     older, newer = _active(0, token_bytes(0, 8), output=30), _active(1, token_bytes(1000, 9), output=30)
     backend.enqueue(older)
     backend.enqueue(newer)
@@ -173,6 +179,86 @@ def test_a_recomputed_request_s_last_two_tokens_are_prefill_counted_as_computed(
     assert log.steps[-1] == ([(2, 32)], [])
     assert newer.record.computed_prompt_tokens == 31 + 2
     assert backend.prefill_tokens == sum(new for prefill, _decode in log.steps for new, _cached in prefill)
+
+
+@pytest.mark.parametrize("reserve_full_isl", [True, False])
+def test_admission_waits_for_the_whole_prompt_s_blocks_as_vllm_s_default_gate_does(reserve_full_isl: bool) -> None:
+    # Five blocks of 16 tokens, 16 tokens a step: a 32-token prompt decoding 20 tokens (three blocks once it
+    # decodes, four at the end), then a 40-token prompt (three blocks). When the first starts decoding, two blocks
+    # are free: the second's first chunk fits, its whole prompt does not. vLLM's default (allocate_slots with
+    # full_sequence_must_fit) keeps it waiting until the first has finished; the chunk gate admits it at once, and
+    # it is preempted when its third block is not there.
+    backend = _backend(capacity=5, budget=16, reserve_full_isl=reserve_full_isl, async_scheduling=False)
+    first, second = _active(0, token_bytes(0, 32), output=20), _active(1, token_bytes(1000, 40), output=1)
+    backend.enqueue(first)
+    backend.enqueue(second)
+    _drain(backend)
+    assert first.record.finished is not None and second.record.scheduled is not None
+    if reserve_full_isl:
+        assert second.record.scheduled >= first.record.finished and second.record.preemptions == 0
+    else:
+        assert second.record.scheduled < first.record.finished and second.record.preemptions >= 1
+
+
+def _step_until(backend: SimBackend, waiting: list[Active], until: float) -> tuple[float, list[float]]:
+    """Run ``backend`` step by step, enqueueing each of ``waiting`` once the clock reaches its arrival (as the
+    simulator does between steps), until ``until``; return the clock and the steps' start times."""
+    now, starts = 0.0, []
+    pending = sorted(waiting, key=lambda a: a.record.arrival)
+    while now < until:
+        while pending and pending[0].record.arrival <= now:
+            backend.enqueue(pending.pop(0))
+        seconds = backend.schedule(now)
+        if seconds is None:
+            if not pending:
+                break
+            now = pending[0].record.arrival
+            continue
+        starts.append(now)
+        now += seconds
+        backend.complete(now)
+        backend._check()
+    return now, starts
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_with_async_scheduling_a_request_arriving_during_a_step_waits_one_step_more(async_scheduling: bool) -> None:
+    # A long decode keeps the engine busy in steps of 1 ms; a request arriving in the middle of a step is in the
+    # next plan without async scheduling, and in the one after with it (that plan was made as the step began).
+    backend = _backend(async_scheduling=async_scheduling)
+    busy = _active(0, token_bytes(0, 8), output=100)
+    late = _active(1, token_bytes(1000, 8), arrival=0.0105)
+    _now, starts = _step_until(backend, [busy, late], until=0.05)
+    assert late.record.scheduled is not None
+    after = [start for start in starts if start >= late.record.arrival]
+    assert late.record.scheduled == after[1 if async_scheduling else 0]
+
+
+def test_with_async_scheduling_an_idle_engine_admits_an_arrival_at_once() -> None:
+    backend = _backend()
+    first = _active(0, token_bytes(0, 8))
+    later = _active(1, token_bytes(1000, 8), arrival=1.0)  # long after the first has finished: the engine is idle
+    _step_until(backend, [first, later], until=2.0)
+    assert later.record.scheduled == 1.0
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_with_async_scheduling_a_finished_request_s_blocks_free_one_plan_later(async_scheduling: bool) -> None:
+    # Two blocks: a one-block request decoding its last token holds one, a two-block prompt waits. Synchronous,
+    # the step after the last decode admits it; async, that step was planned before the blocks came free, so the
+    # engine plans an empty step, waits for the one in flight, frees the blocks and admits it then: the same
+    # instant here, as nothing else runs.
+    backend = _backend(capacity=2, async_scheduling=async_scheduling, reserve_full_isl=True)
+    short, big = _active(0, token_bytes(0, 8), output=3), _active(1, token_bytes(1000, 31))
+    _now, starts = _step_until(backend, [short, big], until=1.0)
+    assert short.record.finished is not None and big.record.scheduled == short.record.finished
+    assert big.record.finished is not None and backend.cache.used_blocks == 0
+
+
+def test_engine_flags_are_true_or_false() -> None:
+    for option in ("reserve_full_isl", "async_scheduling"):
+        with pytest.raises(ConfigurationError, match=rf"^{option} must be True or False, not 1$"):
+            BackendConfig(capacity_blocks=4, **{option: 1})  # type: ignore[arg-type]
 
 
 def test_engine_settings_allow_a_one_block_cache_and_name_what_does_not_fit() -> None:
