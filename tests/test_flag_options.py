@@ -63,6 +63,10 @@ def _fake_vllm(flag: str, value: Any) -> FakeVLLM:
     return FakeVLLM(**{flag: value})  # built, never started
 
 
+def _backend_config(flag: str, value: Any) -> BackendConfig:
+    return BackendConfig(capacity_blocks=4, **{flag: value})
+
+
 def _completed(flag: str, value: Any) -> object:
     return FakeVLLM().complete(list(range(32)), **{flag: value})  # not started: complete() works on the cache alone
 
@@ -87,6 +91,8 @@ FLAGS: dict[str, tuple[str, Callable[[Any], object]]] = {
     **{f"PromptEncoder.encode_chat({flag}=)": (flag, functools.partial(_encoded_chat, flag))
        for flag in ("add_generation_prompt", "continue_final_message", "add_special_tokens")},
     "PromptEncoder.encode(add_special_tokens=)": ("add_special_tokens", _encoded_text),
+    **{f"BackendConfig({flag}=)": (flag, functools.partial(_backend_config, flag))
+       for flag in ("reserve_full_isl", "async_scheduling")},
 }  # fmt: skip
 
 # Flags that are no option: what happened to one request, reported to finish() (an argument, as the decision is),
