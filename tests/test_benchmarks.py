@@ -73,7 +73,7 @@ def test_bench_tokenize_prints_both_prompt_kinds_per_tokenizer() -> None:
 
 def test_default_variants_prints_a_row_per_variant() -> None:
     rows = [line for line in run("default_variants.py", "--quick", "--jobs", "1").splitlines() if line[-1:].isdigit()]
-    assert len(rows) == 19 and rows[0].startswith("predicted-ttft (the default)")  # the default and 18 variants
+    assert len(rows) == 21 and rows[0].startswith("predicted-ttft (the default)")  # the default and 20 variants
     quick = ("--quick", "--jobs", "1", "--metrics", "--only", "EngineUsageFloor")
     rows = [line for line in run("default_variants.py", *quick).splitlines() if line[-1:].isdigit()]
     assert len(rows) == 2 and rows[1].startswith("engine kv_usage as a floor")  # judged on the runs with metrics
@@ -93,6 +93,14 @@ def test_default_variants_classes_are_policies_the_simulator_can_name(monkeypatc
     assert isinstance(uncapped, PredictedTTFT)
     assert uncapped.cost(long, common_tokens=100_000, typical_prompt=8192.0) == 100_000 * 6
     assert PredictedTTFT().cost(long, common_tokens=100_000, typical_prompt=8192.0) == 100_000 + 8192 * 3 + 100_000 * 2
+    # Other memory stretches: a quarter of the memory in use where the request fits, and a backend it does not fit.
+    roomy = Candidate("a", 0, 160, 0, active_blocks=5, capacity_blocks=20)
+    full = roomy._replace(active_blocks=15)
+    square, step = policy_from_name("default_variants:SquareStretch"), policy_from_name("default_variants:StepStretch")
+    assert isinstance(square, PredictedTTFT) and isinstance(step, PredictedTTFT)
+    assert PredictedTTFT().cost(roomy) == pytest.approx(160 / 0.75)
+    assert square.cost(roomy) == pytest.approx(160 / (1 - 0.25**2)) and step.cost(roomy) == pytest.approx(160)
+    assert square.cost(full) == pytest.approx(160 / (1 - 0.95**2)) and step.cost(full) == pytest.approx(160 / 0.05)
     # Memory overcommitted: 12 blocks active and 10 more needed in a capacity of 10, 2.2 times over.
     over = Candidate("a", 0, 160, 3, pending_prefill_tokens=40, active_blocks=12, capacity_blocks=10)
     wait = policy_from_name("default_variants:OvercommitWait")
