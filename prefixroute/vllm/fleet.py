@@ -242,7 +242,7 @@ class Fleet:
             for endpoint, replay_endpoint in streams
         ]
         if metrics_url is not None:
-            member.poller = _Poller(self, backend, _metrics_endpoint(metrics_url), gate)
+            member.poller = _Poller(self, backend, _metrics_endpoint(metrics_url), gate, member.subscribers)
         refusal = None
         with self._lock:
             if self._closed:
@@ -463,8 +463,11 @@ class _Member:
 class _Poller:
     """One backend's ``/metrics`` poller thread."""
 
-    def __init__(self, fleet: Fleet, backend: str, url: str, gate: _Gate) -> None:
+    def __init__(
+        self, fleet: Fleet, backend: str, url: str, gate: _Gate, subscribers: Sequence[KVEventSubscriber]
+    ) -> None:
         self._fleet = fleet
+        self._subscribers = tuple(subscribers)  # the backend's own, reset when its engine restarts
         self._backend = backend
         self._url = url
         self._gate = gate
@@ -567,10 +570,9 @@ class _Poller:
         _log.warning("metrics of %s: the engine restarted; its prefix cache is empty", self._backend)
         with self._lock:
             self._restarts += 1
-        subscribers = self._fleet.subscribers(self._backend)
-        for subscriber in subscribers:
+        for subscriber in self._subscribers:
             subscriber.reset()
-        if not subscribers:
+        if not self._subscribers:
             self._gate.run(lambda router: router.clear_backend(self._backend))
 
     def _failed(self, error: str, *, logged: bool = False) -> None:
