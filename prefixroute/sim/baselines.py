@@ -177,14 +177,19 @@ class DynamoKvRouter(LoadPolicy):
     ``active_blocks`` also counts each in-flight prompt's partial last block (as vLLM allocates it), where Dynamo
     counts whole blocks: about one block more per request in flight. Where Dynamo knows a prefill's expected
     duration it counts the oldest prefill down linearly over it (``sequences/prefill_tracker.rs``,
-    ``active_tokens_at``); the router counts a prefill in full until its first token.
+    ``active_tokens_at``), which it knows only with ``router_prefill_load_model = "aic"`` (default ``"none"``); the
+    router, like Dynamo's default, counts a prefill in full until its first token. The engine's waiting queue
+    (``queue_len``) plays no part: Dynamo's decode cost is ``potential_decode_blocks()`` alone (a July 2026
+    branch that added each worker's backend-reported ``waiting_requests`` to it never reached main).
 
     At temperature 0 the lowest logit wins, drawn from ``rng`` among equal logits as Dynamo draws
     (``minimum_cost_index``, reservoir sampling: uniform among them; placement order, the same for every request
     sharing a prefix, would add an affinity Dynamo does not have; the older ``scheduler.rs`` broke such ties by the
     smallest indexer tree first, which the current selector no longer does). Above 0 a worker is drawn from ``rng``
     with probability ``softmax(-logit / ((max - min) × temperature))``, uniform when all logits are equal. Checked
-    against dynamo 07a6c9ce (``selector/default.rs``, ``selector/mod.rs``). O(len(candidates)).
+    against dynamo 07a6c9ce (``selector/default.rs``, ``selector/mod.rs``) and again against main as of
+    2026-08-21 (#13625; ``selector/default.rs``, ``selector/mod.rs``, ``sequences/prompt_registry.rs``,
+    ``scheduling/config.rs``): the same rule and defaults. O(len(candidates)).
     """
 
     name = "dynamo"
