@@ -41,7 +41,7 @@ pytest: $(BIN)/.installed-test
 	$(BIN)/pytest -q
 
 docs: $(BIN)/.installed-test
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir $(VENV)/site
 
 test: lint typecheck pytest docs
 

@@ -50,8 +50,8 @@ class SimRequest:
     def __post_init__(self) -> None:
         """Raises InvalidTypeError for a field of the wrong type (``prompt`` and ``output`` are bytes, ``tag`` a
         str), InvalidPromptError for an empty prompt or one that is not whole uint32 ids, ConfigurationError for
-        ``output_tokens`` below 1, an ``output`` of another length or an ``arrival`` that is not a finite number
-        >= 0."""
+        ``output_tokens`` below 1, an ``output`` of another length or an ``arrival`` that is not a finite number of
+        seconds, 0 or more."""
         for name in ("prompt", "output"):
             value = getattr(self, name)
             if not isinstance(value, bytes) and (name == "prompt" or value is not None):
