@@ -1,19 +1,40 @@
-"""A griffe extension for the API reference: a docstring's doctest examples render as ``pycon`` code.
+"""A griffe extension for the API reference: docstrings written for Python's own tools render as Markdown.
 
 mkdocstrings reads ``>>>`` lines as code only inside an ``Examples:`` section; elsewhere Markdown takes them for
 nested block quotes and runs their lines together (``[(True, 2, None)]`` even became a broken cross-reference).
 The library's docstrings keep their examples where they explain something, so this fences each run of them
-(a ``>>>`` line up to the next blank line) before griffe parses the docstring. Loaded from mkdocs.yml; the
-doctests themselves run in the test suite unchanged.
+(a ``>>>`` line up to the next blank line) before griffe parses the docstring. Their Sphinx roles
+(``:meth:`~Router.finish```, which IDEs and ``help()`` readers know) render as the code they name, as Sphinx shows
+them, instead of the role's raw text. Loaded from mkdocs.yml; the doctests themselves run in the test suite
+unchanged.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import griffe
 
 _FENCE = "```"
+_ROLE = re.compile(r":(?:py:)?(?:meth|class|attr|func|mod|exc|data|obj|const):`(?P<target>[^`]+)`")
+
+
+def _shown(match: re.Match[str]) -> str:
+    """What Sphinx shows for a role's target: an explicit title (``title <target>``), else the target, cut to its
+    last part when it starts with ``~``."""
+    target = match["target"].strip()
+    title = re.fullmatch(r"(?P<title>.+?)\s*<[^<>]+>", target, re.DOTALL)
+    if title:
+        return f"`{title['title']}`"
+    if target.startswith("~"):
+        target = target[1:].rsplit(".", 1)[-1]
+    return f"`{target.lstrip('.!')}`"
+
+
+def plain_roles(text: str) -> str:
+    """``text`` with each Sphinx cross-reference role (``:meth:`x```) replaced by the code it names."""
+    return _ROLE.sub(_shown, text)
 
 
 def fence_examples(text: str) -> str:
@@ -40,9 +61,9 @@ def fence_examples(text: str) -> str:
 
 
 class PyconExamples(griffe.Extension):
-    """Fence the doctest examples of every docstring griffe loads."""
+    """Fence the doctest examples and plain the Sphinx roles of every docstring griffe loads."""
 
     def on_instance(self, **kwargs: Any) -> None:
         docstring = kwargs["obj"].docstring
-        if docstring is not None and ">>>" in docstring.value:
-            docstring.value = fence_examples(docstring.value)
+        if docstring is not None:
+            docstring.value = plain_roles(fence_examples(docstring.value))
