@@ -251,7 +251,7 @@ def encode_batch(batch: EventBatch, *, encoding: Literal["array", "map"] = "arra
         ConfigurationError: ``encoding`` is neither ``"array"`` nor ``"map"``.
         TypeError: ``batch`` is not an :class:`EventBatch`, or one of its events is not a :class:`BlockStored`,
             :class:`BlockRemoved` or :class:`AllBlocksCleared`.
-        InvalidEventError: a field cannot be encoded, such as an int outside msgpack's [-2**63, 2**64).
+        InvalidEventError: a field cannot be encoded, such as an int outside msgpack's ``[-2**63, 2**64)``.
     """
     if not isinstance(batch, EventBatch):
         raise InvalidTypeError(f"batch must be an EventBatch, not {type(batch).__name__}")
