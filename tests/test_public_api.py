@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import re
@@ -180,3 +181,45 @@ def test_the_types_an_advertised_hook_hands_a_subclass_are_in_the_api_reference(
     store = typing.get_type_hints(prefixroute.PrefixIndex.evict)["store"]
     assert f"::: {store.__module__}.{store.__qualname__}\n" in reference
     assert store.__qualname__ in importlib.import_module(store.__module__).__all__
+
+
+_MUTABLE_BUILDERS = {"dict", "list", "set", "bytearray", "defaultdict", "OrderedDict", "Counter", "deque"}
+
+
+def _mutable_module_globals(source: str) -> list[str]:
+    """The module-level names ``source`` binds to a new dict, list, set or other mutable container (``__all__``
+    aside): state every user of the module would share."""
+    found = []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        names = [target.id for target in targets if isinstance(target, ast.Name) and target.id != "__all__"]
+        mutable = isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)) or (
+            isinstance(value, ast.Call)
+            and (value.func.id if isinstance(value.func, ast.Name) else getattr(value.func, "attr", None))
+            in _MUTABLE_BUILDERS
+        )
+        if mutable:
+            found.extend(names)
+    return found
+
+
+def test_the_rule_sees_each_kind_of_mutable_global() -> None:
+    source = "__all__ = ['a']\na = {}\nb: list[int] = []\nc = collections.defaultdict(int)\nd = (1,)\ne = frozenset()\n"
+    assert _mutable_module_globals(source) == ["a", "b", "c"]
+
+
+def test_no_module_holds_mutable_state() -> None:
+    """Module-level tables are read-only (``MappingProxyType``, ``frozenset``, tuples), so two routers, proxies or
+    simulations in one process share nothing a caller could change."""
+    root = Path(prefixroute.__file__).parent
+    found = {
+        f"{path.relative_to(root)}: {name}"
+        for path in sorted(root.rglob("*.py"))
+        for name in _mutable_module_globals(path.read_text())
+    }
+    assert not found

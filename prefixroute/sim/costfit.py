@@ -35,6 +35,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 import numpy.typing as npt
@@ -48,12 +49,14 @@ from prefixroute.sim.profiles import GPUS, MODELS, TP_DEGREES
 
 __all__ = ["LinearFit", "Measurement", "compare_files", "fit_linear", "fit_profiles", "main"]
 
-_VIDUR_FILES = {
-    "llama-2-7b": "Llama-2-7b-hf__mlp.csv",
-    "llama-3-8b": "Meta-Llama-3-8B__mlp.csv",
-    "codellama-34b": "CodeLlama-34b-Instruct-hf__mlp.csv",
-    "llama-2-70b": "Llama-2-70b-hf__mlp.csv",
-}
+_VIDUR_FILES = MappingProxyType(
+    {
+        "llama-2-7b": "Llama-2-7b-hf__mlp.csv",
+        "llama-3-8b": "Meta-Llama-3-8B__mlp.csv",
+        "codellama-34b": "CodeLlama-34b-Instruct-hf__mlp.csv",
+        "llama-2-70b": "Llama-2-70b-hf__mlp.csv",
+    }
+)
 _VIDUR_OPS = (
     "input_layernorm",
     "attn_pre_proj",
@@ -65,7 +68,7 @@ _VIDUR_OPS = (
     "mlp_down_proj",
     "add",
 )
-_FAMILY_OF = {"a100-80gb": "a100", "a100-40gb": "a100", "h100-80gb": "h100"}
+_FAMILY_OF = MappingProxyType({"a100-80gb": "a100", "a100-40gb": "a100", "h100-80gb": "h100"})
 _FLOOR_MAX_TOKENS = 16  # tokens at or below this are memory-bound: weight reads dominate
 _SLOPE_MIN_TOKENS = 512  # tokens at or above this are compute-bound
 _OUTLIER = 0.5  # SplitwiseSim rows the first fit misses by more than 50 % are dropped (and reported)

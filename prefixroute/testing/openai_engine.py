@@ -38,7 +38,7 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import TracebackType
+from types import MappingProxyType, TracebackType
 from typing import Any
 
 from aiohttp import web
@@ -81,7 +81,7 @@ MAX_ENGINES = 256
 clients' connections and its cache, so more would run out of file descriptors (1,024 by default) long before ports,
 and a larger count is a typo, not a test."""
 
-_SSE_HEADERS = {"Content-Type": SSE}
+_SSE_HEADERS = MappingProxyType({"Content-Type": SSE})
 _POLL_S = 0.005  # how often a stalled request looks for resume() or its client leaving
 _MAX_BODY_BYTES = 256 * 2**20  # the largest request body served (the proxy in front of it takes 64 MiB by default)
 _MAX_CHOICES = 1 << 16  # the most answers per request (prompts times ``n``) served
@@ -134,8 +134,8 @@ def render_chat(messages: object) -> str:
 
 # The content-part types vLLM's chat_utils parses (MM_PARSER_MAP): those it renders as text, each with the key its
 # text is read from (a tool reference renders its name), and the media ones, which a text template renders as none.
-_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
-               "thinking": "thinking", "tool_reference": "name"}  # fmt: skip
+_TEXT_PARTS = MappingProxyType({"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+               "thinking": "thinking", "tool_reference": "name"})  # fmt: skip
 _MEDIA_PARTS = ("image_url", "input_image", "image_pil", "image_embeds", "audio_url", "input_audio", "audio_embeds",
                 "video_url", "video_embeds", "prompt_embeds")  # fmt: skip
 _SUPPORTED_PARTS = ", ".join(sorted((*_TEXT_PARTS, *_MEDIA_PARTS)))
@@ -227,8 +227,8 @@ def _choices(body: dict[str, Any], prompts: int) -> int:
     return n
 
 
-_FLAGS = {"1": True, "on": True, "t": True, "true": True, "y": True, "yes": True,
-          "0": False, "off": False, "f": False, "false": False, "n": False, "no": False}  # fmt: skip
+_FLAGS = MappingProxyType({"1": True, "on": True, "t": True, "true": True, "y": True, "yes": True,
+          "0": False, "off": False, "f": False, "false": False, "n": False, "no": False})  # fmt: skip
 
 
 def _stream_flag(value: object) -> bool:

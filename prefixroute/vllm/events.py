@@ -17,6 +17,8 @@ Events of a type this module does not know are skipped, so a newer vLLM does not
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Literal, TypeAlias
 
 import msgspec
@@ -285,15 +287,17 @@ def _as_map(event: Event) -> Event:
     return event
 
 
-def _convert(event: Event, table: dict[type, type]) -> Event:
+def _convert(event: Event, table: Mapping[type, type]) -> Event:
     target = table[type(event)]
     result: Event = target(**{name: getattr(event, name) for name in event.__struct_fields__})
     return result
 
 
-_ARRAY_TO_MAP: dict[type, type] = {
-    BlockStored: _MapBlockStored,
-    BlockRemoved: _MapBlockRemoved,
-    AllBlocksCleared: _MapAllBlocksCleared,
-}
-_MAP_TO_ARRAY: dict[type, type] = {value: key for key, value in _ARRAY_TO_MAP.items()}
+_ARRAY_TO_MAP: Mapping[type, type] = MappingProxyType(
+    {
+        BlockStored: _MapBlockStored,
+        BlockRemoved: _MapBlockRemoved,
+        AllBlocksCleared: _MapAllBlocksCleared,
+    }
+)
+_MAP_TO_ARRAY: Mapping[type, type] = MappingProxyType({value: key for key, value in _ARRAY_TO_MAP.items()})

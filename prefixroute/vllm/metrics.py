@@ -16,6 +16,7 @@ import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import httpx
@@ -431,7 +432,7 @@ class _Body:
         self._chunks.append(piece)
 
 
-_WBITS = {"gzip": zlib.MAX_WBITS | 16, "x-gzip": zlib.MAX_WBITS | 16, "deflate": zlib.MAX_WBITS}
+_WBITS = MappingProxyType({"gzip": zlib.MAX_WBITS | 16, "x-gzip": zlib.MAX_WBITS | 16, "deflate": zlib.MAX_WBITS})
 """zlib's window bits for each content coding read (HTTP's "deflate" is zlib-wrapped; a raw one is tried as well)."""
 
 

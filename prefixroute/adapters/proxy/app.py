@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -785,11 +786,13 @@ def error_response(status: int, message: str, kind: str) -> web.Response:
 
 # CORS as vLLM's OpenAI server allows it by default (Starlette's CORSMiddleware, every origin, method and header, no
 # credentials), so a browser client that called vLLM directly still works through the proxy.
-_PREFLIGHT_HEADERS = {
-    "Access-Control-Allow-Origin": "*",
-    "Access-Control-Allow-Methods": "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT",
-    "Access-Control-Max-Age": "600",
-}
+_PREFLIGHT_HEADERS = MappingProxyType(
+    {
+        "Access-Control-Allow-Origin": "*",
+        "Access-Control-Allow-Methods": "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT",
+        "Access-Control-Max-Age": "600",
+    }
+)
 
 
 @web.middleware

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Annotated, Any
 
 import msgspec
@@ -410,7 +411,9 @@ _INT_TEXT = re.compile(r"\s*([+-]?[0-9]+(?:_[0-9]+)*)(?:\.0+)?\s*")
 _MAX_INT_TEXT = 4300  # digits Python's int() reads from a string; pydantic refuses longer ones too
 
 
-_BOOLEAN_WORDS = {
-    **dict.fromkeys(("1", "on", "t", "true", "y", "yes"), True),
-    **dict.fromkeys(("0", "off", "f", "false", "n", "no"), False),
-}
+_BOOLEAN_WORDS = MappingProxyType(
+    {
+        **dict.fromkeys(("1", "on", "t", "true", "y", "yes"), True),
+        **dict.fromkeys(("0", "off", "f", "false", "n", "no"), False),
+    }
+)

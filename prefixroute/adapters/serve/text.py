@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from tokenizers import Tokenizer
@@ -241,19 +242,23 @@ def _unset(value: object) -> bool:
 
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 """vLLM's ``reasoning_effort`` values."""
-_TEXT_PARTS = {
-    "text": "text",
-    "input_text": "text",
-    "output_text": "text",
-    "refusal": "refusal",
-    "thinking": "thinking",
-}
+_TEXT_PARTS = MappingProxyType(
+    {
+        "text": "text",
+        "input_text": "text",
+        "output_text": "text",
+        "refusal": "refusal",
+        "thinking": "thinking",
+    }
+)
 """The content parts vLLM takes as text, and the key holding each one's text."""
-_MEDIA = {
-    **dict.fromkeys(("image_url", "input_image", "image_pil", "image_embeds"), "image"),
-    **dict.fromkeys(("audio_url", "input_audio", "audio_embeds"), "audio"),
-    **dict.fromkeys(("video_url", "video_embeds"), "video"),
-}
+_MEDIA = MappingProxyType(
+    {
+        **dict.fromkeys(("image_url", "input_image", "image_pil", "image_embeds"), "image"),
+        **dict.fromkeys(("audio_url", "input_audio", "audio_embeds"), "audio"),
+        **dict.fromkeys(("video_url", "video_embeds"), "video"),
+    }
+)
 """vLLM's media parts, and the medium each stands for in a template's content parts."""
 _BILLING_HEADER = "x-anthropic-billing-header"
 """The first line of Claude Code's system prompt, different in every request, which vLLM drops (its cache would
@@ -361,7 +366,7 @@ def _text(content: object) -> object:
             kind = _kind(part)
             part = (
                 part.get(_TEXT_PARTS[kind])
-                if kind in _TEXT_PARTS
+                if kind is not None and kind in _TEXT_PARTS
                 else part.get("name")
                 if kind == "tool_reference"
                 else None
@@ -389,6 +394,8 @@ def _parts(content: object) -> object:
             result.append({"type": "text", "text": part})
         elif isinstance(part, Mapping):
             kind = _kind(part)
+            if kind is None:
+                continue
             if kind in _TEXT_PARTS:
                 text = part.get(_TEXT_PARTS[kind])
                 if text is not None or kind not in ("text", "refusal"):
