@@ -123,3 +123,22 @@ def test_a_status_that_is_no_final_http_answer_is_a_502_and_a_failure_not_relaye
         wait_until(lambda: proxy.router.stats().in_flight == 0, what="no request in flight")
         stats = proxy.stats()
         assert (stats.ok, stats.backend_error, stats.unhealthy) == (0, 1, (url,))
+
+
+def test_a_completion_of_prompt_embeds_alone_is_routed_and_relayed() -> None:
+    """vLLM run with --enable-prompt-embeds serves ``prompt_embeds`` without a ``prompt``; the proxy refused it 400
+    with vLLM's message for a body with neither."""
+    seen: list[bytes] = []
+
+    async def ok(request: web.Request) -> web.StreamResponse:
+        seen.append(await request.read())
+        return web.json_response({"choices": [{"text": "hi"}]})
+
+    with backend_serving(ok) as url, Proxy(Router(), [url], base_models=[]) as proxy:
+        body = b'{"model": "m", "prompt_embeds": "UEsDBAAAAAAAAA==", "max_tokens": 2}'
+        reply = httpx.post(proxy.url + "/v1/completions", content=body, headers=JSON_BODY)
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["X-Prefixroute-Matched-Tokens"] == "0"
+        assert seen == [body]
+        wait_until(lambda: proxy.router.stats().in_flight == 0, what="no request in flight")
+        assert (proxy.stats().ok, proxy.stats().bad_request) == (1, 0)

@@ -167,9 +167,21 @@ def test_ids_of_another_kind_go_on_for_the_router_to_refuse_naming_the_id(prompt
         Router().route(tokens, ["a", "b"])
 
 
-@pytest.mark.parametrize("body", [{}, {"prompt": None}, {"prompt": ""}, {"prompt": "", "messages": "x"}])
+@pytest.mark.parametrize(
+    "body",
+    [{}, {"prompt": None}, {"prompt": ""}, {"prompt": "", "messages": "x"}, {"prompt_embeds": None},
+     {"prompt": "", "prompt_embeds": []}],
+)  # fmt: skip
 def test_a_body_without_a_prompt_is_refused_in_vllm_s_words(body: dict[str, Any]) -> None:
     assert _refusal(body) == VLLM_NO_PROMPT
+
+
+@pytest.mark.parametrize("body", [{"prompt_embeds": "UEsDBA=="}, {"prompt": None, "prompt_embeds": ["UEsDBA=="]},
+                                  {"prompt": "", "prompt_embeds": "UEsDBA=="}])  # fmt: skip
+def test_prompt_embeds_without_a_prompt_route_on_no_token_ids(body: dict[str, Any]) -> None:
+    """vLLM run with --enable-prompt-embeds serves a completion of embeddings alone (base64 tensors): nothing to
+    match in the index, but no reason to refuse it either (vLLM's own check wants a prompt or embeddings)."""
+    assert request_tokens(body, chat=False, encoder=ByteEncoder(), max_token_id=8) == []
 
 
 @pytest.mark.parametrize("prompt", [5, True, {"text": "a"}, [], [[]], [[], [1]]])

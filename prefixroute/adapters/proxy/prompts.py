@@ -137,15 +137,16 @@ def request_tokens(body: object, *, chat: bool, encoder: PromptEncoding, max_tok
     """The token ids ``body`` (a decoded OpenAI request) routes on. O(prompt); O(batch) for a batch of token ids.
 
     Completions: ``prompt`` as token ids is used as sent; as text it is encoded; a batch routes on its first
-    prompt. Chat: the request is encoded by :func:`chat_tokens`. Then :func:`truncated`, as the request asks.
-    ``max_token_id``: the largest id the engine takes (:attr:`PromptEncoder.max_token_id
+    prompt; ``prompt_embeds`` without a prompt (vLLM's ``--enable-prompt-embeds``) has no token ids, ``[]``, and so
+    routes on load alone. Chat: the request is encoded by :func:`chat_tokens`. Then :func:`truncated`, as the
+    request asks. ``max_token_id``: the largest id the engine takes (:attr:`PromptEncoder.max_token_id
     <prefixroute.adapters.serve.PromptEncoder.max_token_id>`), to refuse a prompt of token ids past it, every prompt
     of a batch, as vLLM does; None: not checked.
 
     Raises:
         BadRequest: the body is not an object, or has no usable ``prompt`` / ``messages`` (a ``prompt`` absent, null
-            or ``""`` in vLLM's words), or a prompt's token id is past ``max_token_id`` (vLLM's message: ``Token id
-            N is out of vocabulary``).
+            or ``""`` without ``prompt_embeds``, in vLLM's words), or a prompt's token id is past ``max_token_id``
+            (vLLM's message: ``Token id N is out of vocabulary``).
     """
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
@@ -181,7 +182,10 @@ def _request_tokens(
         return chat_tokens(encoder, body)
     prompt = body.get("prompt")
     if prompt is None or prompt == "":  # vLLM's check and words: no prompt to route on, nor for the engine
-        raise BadRequest("Either prompt or prompt_embeds must be provided and non-empty.")
+        embeds = body.get("prompt_embeds")
+        if embeds is None or embeds == []:
+            raise BadRequest("Either prompt or prompt_embeds must be provided and non-empty.")
+        return []  # embeddings alone (vLLM's --enable-prompt-embeds): no token ids to match, routed on load
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if max_token_id is not None:  # the engine refuses the whole batch for one prompt's id
             for other in prompt[1:]:
