@@ -142,3 +142,24 @@ def test_a_completion_of_prompt_embeds_alone_is_routed_and_relayed() -> None:
         assert seen == [body]
         wait_until(lambda: proxy.router.stats().in_flight == 0, what="no request in flight")
         assert (proxy.stats().ok, proxy.stats().bad_request) == (1, 0)
+
+
+@pytest.mark.parametrize("ids", ["[1.0, 2.0, 3.0]", '[1, true, "3"]', "[[1.0, 2.0], [3]]"])
+def test_token_ids_that_vllm_reads_as_ints_are_routed_on_them_and_sent_on_as_sent(ids: str) -> None:
+    """vLLM's request model (pydantic, lax) serves a prompt of 2.0, true or "3" as token ids 2, 1 and 3 (a client
+    whose ids come from a float array sends 2.0); the proxy answered such a prompt 400."""
+    seen: list[bytes] = []
+
+    async def ok(request: web.Request) -> web.StreamResponse:
+        seen.append(await request.read())
+        return web.json_response({"choices": [{"text": "hi"}]})
+
+    with backend_serving(ok) as url, Proxy(Router(block_size=2), [url], base_models=[]) as proxy:
+        body = b'{"prompt": %s, "max_tokens": 2}' % ids.encode()
+        for _ in range(2):
+            reply = httpx.post(proxy.url + "/v1/completions", content=body, headers=JSON_BODY)
+            assert reply.status_code == 200, reply.text
+        assert reply.headers["X-Prefixroute-Matched-Tokens"] == "2"  # the second matched the first's whole block
+        assert seen == [body, body]
+        wait_until(lambda: proxy.router.stats().in_flight == 0, what="no request in flight")
+        assert (proxy.stats().ok, proxy.stats().bad_request) == (2, 0)

@@ -39,7 +39,7 @@ HOSTILE: list[tuple[bytes, dict[str, str]]] = [
     (b"[1, 2]", {}),
     (b'{"prompt": ""}', {}),
     (b'{"prompt": null}', {}),
-    (b'{"prompt": [1, true, 3]}', {}),
+    (b'{"prompt": [1, 1.5, 3]}', {}),
     (b'{"prompt": "x", "model": 5}', {}),
     (b'{"prompt": "\\ud800"}', {}),
     (b"[" * 5000 + b"]" * 5000, {}),

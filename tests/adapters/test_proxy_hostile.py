@@ -528,12 +528,18 @@ def test_a_model_that_is_not_a_string_is_a_bad_request_routed_nowhere(
         assert httpx.post(proxy.url + "/v1/completions", json={"model": None, "prompt": "a"}).status_code == 502
 
 
-def test_json_booleans_are_not_token_ids(refused_port: Callable[[], int]) -> None:
+def test_token_ids_that_are_no_ints_as_vllm_reads_them_are_refused(refused_port: Callable[[], int]) -> None:
     with Proxy(Router(), [f"http://127.0.0.1:{refused_port()}"], base_models=[]) as proxy:
-        for prompt in ([5, True, 7], [[False, 1]]):
+        refused: list[list[Any]] = [[5, 1.5, 7], [[None, 1]], [5, "1e2"]]
+        for prompt in refused:
             reply = httpx.post(proxy.url + "/v1/completions", json={"prompt": prompt})
-            assert reply.status_code == 400 and "token ids are integers" in reply.json()["error"]["message"]
-        assert proxy.stats().bad_request == 2 and proxy.router.stats().decisions == 0
+            assert reply.status_code == 400 and "position" in reply.json()["error"]["message"], reply.text
+        assert proxy.stats().bad_request == 3 and proxy.router.stats().decisions == 0
+        # vLLM reads JSON's true as 1 and 2.0 as 2 (pydantic, lax): routed, here to a backend that is down
+        lax: list[list[Any]] = [[5, True, 7], [[False, 1]], [2.0]]
+        for prompt in lax:
+            assert httpx.post(proxy.url + "/v1/completions", json={"prompt": prompt}).status_code == 502
+        assert proxy.router.stats().decisions == 3
 
 
 @pytest.mark.parametrize("policy", [BuggyPolicy(), StrangerPolicy()])

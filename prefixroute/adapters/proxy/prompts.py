@@ -252,21 +252,19 @@ def _strings_length(value: object) -> int:
 
 
 def _token_ids(prompt: list[Any], max_token_id: int | None) -> list[Any]:
-    """``prompt`` as token ids, refusing JSON's ``true`` and ``false`` (Python's bools are ints, which the router
-    would take for ids 1 and 0) and an id past ``max_token_id`` (:func:`_converted`); the router checks the rest and
-    says which id is bad. O(n), in C."""
+    """``prompt`` as the token ids vLLM reads from it (:func:`_converted`), refusing an id past ``max_token_id``; a
+    list vLLM does not read as ids goes on as it is, and the router refuses it naming the bad id. O(n), in C for a
+    list of ints."""
     ids = _converted(prompt, max_token_id)
-    if ids is not None:
-        return ids
-    position = next((i for i, token in enumerate(prompt) if isinstance(token, bool)), None)
-    if position is not None:
-        raise BadRequest(f"'prompt' has {str(prompt[position]).lower()} at position {position}: token ids are integers")
-    return prompt
+    return prompt if ids is None else ids
 
 
 def _converted(prompt: list[Any], max_token_id: int | None) -> list[int] | None:
-    """``prompt`` as a list of ints, None when it is not one (JSON's ``true`` and ``false`` are no ints here). O(n):
-    msgspec checks the bound as it converts, in C (a third of the cost of a ``max()`` after, measured on 2K ids).
+    """``prompt`` as a list of ints, as vLLM's request model (pydantic, lax) reads a ``list[int]`` prompt: ints, and
+    also ``true``/``false`` (1 and 0), floats without a fraction (``2.0``) and strings of an int (``"2"``), each read
+    by :func:`~prefixroute.adapters.serve.contract.request_int`; None when an item is none of these (``1.5``, null).
+    O(n): msgspec converts a list of plain ints and checks the bound as it goes, in C (a third of the cost of a
+    ``max()`` after, measured on 2K ids); only a list holding another kind of item is read item by item.
 
     Raises:
         BadRequest: an id is past ``max_token_id``, in vLLM's words (naming the prompt's largest id) and with its
@@ -277,10 +275,27 @@ def _converted(prompt: list[Any], max_token_id: int | None) -> list[int] | None:
     except msgspec.ValidationError:
         pass
     try:
-        ids = msgspec.convert(prompt, list[int])
+        ids = msgspec.convert(prompt, list[int])  # plain ints: only the bound failed
     except msgspec.ValidationError:
-        return None
-    raise BadRequest(f"Token id {max(ids)} is out of vocabulary")  # only the bound failed
+        lax = _lax_ids(prompt)
+        if lax is None:
+            return None
+        ids = lax
+    if max_token_id is not None and max(ids) > max_token_id:
+        raise BadRequest(f"Token id {max(ids)} is out of vocabulary")
+    return ids
+
+
+def _lax_ids(prompt: list[Any]) -> list[int] | None:
+    """Each item of ``prompt`` as pydantic's lax ``int`` reads it (:func:`request_int`: ``true``, ``2.0``, ``"2"``),
+    None when one is no such int. O(n), in Python: only for a list that is not all plain ints."""
+    ids: list[int] = []
+    for token in prompt:
+        number = request_int(token)
+        if number is None:
+            return None
+        ids.append(number)
+    return ids
 
 
 @functools.lru_cache(maxsize=16)
