@@ -163,3 +163,27 @@ def test_token_ids_that_vllm_reads_as_ints_are_routed_on_them_and_sent_on_as_sen
         assert seen == [body, body]
         wait_until(lambda: proxy.router.stats().in_flight == 0, what="no request in flight")
         assert (proxy.stats().ok, proxy.stats().bad_request) == (2, 0)
+
+
+def test_a_request_with_a_cache_salt_shares_prefixes_only_with_requests_of_that_salt() -> None:
+    """vLLM puts a request's ``cache_salt`` in its first block's hash: salted blocks are hit only by requests of the
+    same salt (a tenant's), never by unsalted ones or another salt's. The proxy routed them all in one namespace, so
+    it predicted hits (and sent requests after them) that the engine's cache does not have."""
+
+    async def ok(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"choices": [{"text": "hi"}]})
+
+    def matched(proxy: Proxy, **salt: str) -> int:
+        body = {"model": "m", "prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 1, **salt}
+        reply = httpx.post(proxy.url + "/v1/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        wait_until(lambda: proxy.router.stats().in_flight == 0, what="no request in flight")
+        return int(reply.headers["X-Prefixroute-Matched-Tokens"])
+
+    with backend_serving(ok) as url, Proxy(Router(block_size=2), [url], base_models=["m"]) as proxy:
+        assert matched(proxy) == 0
+        assert matched(proxy, cache_salt="tenant-a") == 0  # unsalted blocks are no hit for a salted request
+        assert matched(proxy, cache_salt="tenant-a") > 0  # the same salt's are
+        assert matched(proxy, cache_salt="tenant-b") == 0
+        assert matched(proxy) > 0  # and the unsalted ones are still there for unsalted requests
+        assert matched(proxy, cache_salt="") > 0  # an empty salt is no salt (vLLM refuses it: the engine answers)

@@ -1,13 +1,13 @@
 """The OpenAI-compatible proxy: route each completion to a vLLM backend with a :class:`~prefixroute.Router`, relay it.
 
 One request's life: decode the body, take its token ids (:func:`~prefixroute.adapters.proxy.prompts.request_tokens`)
-and its namespace (:meth:`Proxy.namespace`: the model it names), :meth:`Router.route` among the healthy backends
-that list that model (decide and commit under one lock) and :meth:`Router.start`, forward the body unmodified,
-relay the answer unmodified (SSE chunk by chunk), :meth:`Router.first_token` on the first streamed chunk, and
-:meth:`Router.finish` in a ``finally`` whatever happens: success, an error answer, a failed connection, or the
-client leaving (the handler is cancelled, which also closes the upstream request so the engine stops generating).
-A 4xx answer, or an attempt on a backend that could not be reached, is finished ``refused=True``: the engine
-computed nothing, so the router forgets what it predicted there.
+and its namespace (:meth:`Proxy.namespace`: the model it names, and its ``cache_salt``), :meth:`Router.route` among
+the healthy backends that list that model (decide and commit under one lock) and :meth:`Router.start`, forward the
+body unmodified, relay the answer unmodified (SSE chunk by chunk), :meth:`Router.first_token` on the first streamed
+chunk, and :meth:`Router.finish` in a ``finally`` whatever happens: success, an error answer, a failed connection,
+or the client leaving (the handler is cancelled, which also closes the upstream request so the engine stops
+generating). A 4xx answer, or an attempt on a backend that could not be reached, is finished ``refused=True``: the
+engine computed nothing, so the router forgets what it predicted there.
 """
 
 from __future__ import annotations
@@ -333,17 +333,36 @@ class Proxy:
         )
 
     def namespace(self, body: dict[str, Any]) -> str | None:
-        """The router namespace of a request: None for the base model (or no ``model``), else the model's name.
+        """The router namespace of a request: None for the base model (or no ``model``), else the model's name; with
+        vLLM's ``cache_salt`` S (a non-empty string), that namespace (``""`` for None), a NUL, ``cache_salt:`` and S.
 
         A LoRA adapter's requests thus hash apart from the base model's and from other adapters', as vLLM caches
         them; and the name is what :func:`~prefixroute.vllm.lora_namespace` gives the adapter's KV events (the
-        router's own namespace being None), so ``--kv-events`` confirm them too. O(1).
+        router's own namespace being None), so ``--kv-events`` confirm them too. A salted request's blocks are
+        apart from every other salt's and from unsalted ones in vLLM's cache (the salt is in its first block's hash),
+        so they are here too; KV events do not confirm them (vLLM publishes such blocks with ``extra_keys``, which
+        the index skips). O(1).
+
+        >>> from prefixroute import Router
+        >>> proxy = Proxy(Router(), ["http://127.0.0.1:8000"], base_models=["llama"])
+        >>> proxy.namespace({"model": "llama"}), proxy.namespace({"model": "sql"})
+        (None, 'sql')
+        >>> proxy.namespace({"model": "llama", "cache_salt": "u1"}), proxy.namespace({"model": "sql", "cache_salt": ""})
+        ('\\x00cache_salt:u1', 'sql')
 
         Raises:
             InvalidTypeError: ``body`` is not a mapping (a request body decoded from JSON).
         """
         if type(body) is not dict and not isinstance(body, Mapping):  # a JSON body is a dict: no ABC check
             raise InvalidTypeError(f"body must be a request body decoded from JSON (a dict), not {type(body).__name__}")
+        namespace = self._model_namespace(body)
+        salt = body.get("cache_salt")
+        if not isinstance(salt, str) or not salt:  # none, or one vLLM refuses (the engine answers it)
+            return namespace
+        return f"{namespace or ''}\x00cache_salt:{salt}"  # no model name holds a NUL
+
+    def _model_namespace(self, body: Mapping[str, Any]) -> str | None:
+        """The namespace of the model ``body`` names: None for the base model (or no ``model``), else its name."""
         model = body.get("model")
         return None if not isinstance(model, str) or model in self._base_models else model
 
@@ -405,7 +424,7 @@ class Proxy:
             if model is not None and not isinstance(model, str):  # as vLLM's request model and the sidecar refuse it
                 raise BadRequest(f"'model' must be a string, the model's name, not {type(model).__name__}")
             namespace = self.namespace(body)
-            if isinstance(model, str) and self._unlearned(namespace):
+            if isinstance(model, str) and self._unlearned(self._model_namespace(body)):
                 self._learn_later(_auth(request))
             backends = self._backends_for(model)
             decision = self.router.route(tokens, backends, namespace=namespace)  # decide and commit, one lock
