@@ -87,6 +87,10 @@ _HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "prox
 # and read the whole body, so there is nothing left to expect (sent on, aiohttp's client would hold the body until
 # the engine sent a 100, which a server need not send: with no read timeout, for ever).
 _NOT_FORWARDED = _HOP_BY_HOP | {"content-encoding", "expect"}
+_UPSTREAM_KEEPALIVE_S = 4.0
+"""How long an idle connection to an engine is kept for the next request: under the 5 s after which vLLM's server
+(uvicorn, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``) closes it. Kept longer, a request could be sent just as the engine closes
+the connection, a request that may have gone out and is not resent: the client got a 502 and the engine a failure."""
 MAX_RETRIES = 16
 """The most resends of a request whose connection failed: more would only hold a client while a fleet is down."""
 MAX_BODY_BYTES = 64 * 2**20
@@ -260,7 +264,7 @@ class Proxy:
     async def serve(self, *, host: str = "127.0.0.1", port: int = 0) -> str:
         """Listen on the running loop; return the proxy's URL (port 0: one the OS picks). Stop with :meth:`aclose`."""
         self._loop = asyncio.get_running_loop()
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=_UPSTREAM_KEEPALIVE_S)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout)
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
         # handler_cancellation: a client that leaves cancels its handler, wherever it waits (also non-streaming).
