@@ -229,7 +229,7 @@ def test_an_empty_prompt_is_vllms_400_before_any_decision(proxy: Proxy, client: 
 # -- hostile bodies ------------------------------------------------------------------------------------------------
 
 HOSTILE: list[tuple[str, bytes]] = [
-    ("/v1/completions", b'{"prompt": [[5, 6], [7, true]]}'),  # a bool deep in a batch
+    ("/v1/completions", b'{"prompt": [[5, 6], [7, 1.5]]}'),  # a fraction deep in a batch (vLLM takes true, 2.0)
     ("/v1/completions", b'{"prompt": ["a", [5]]}'),  # a batch of mixed kinds
     ("/v1/completions", b'{"prompt": "a", "model": "\\udfff"}'),  # a lone surrogate outside the prompt
     ("/v1/completions", b'{"\\ud800": 1, "prompt": "a"}'),  # and in a key
