@@ -96,8 +96,8 @@ HOSTILE: list[tuple[str, bytes]] = [
     # prompts that are no prompt
     (COMPLETIONS, b"{}"), (COMPLETIONS, b'{"prompt": null}'), (COMPLETIONS, b'{"prompt": []}'),
     (COMPLETIONS, b'{"prompt": [[]]}'), (COMPLETIONS, b'{"prompt": {"text": "a"}}'), (COMPLETIONS, b'{"prompt": 7}'),
-    (COMPLETIONS, b'{"prompt": [1.5, 2]}'), (COMPLETIONS, b'{"prompt": [false]}'), (COMPLETIONS, b'{"prompt": [-3]}'),
-    (COMPLETIONS, b'{"prompt": [4294967296]}'), (COMPLETIONS, b'{"prompt": [1, "2"]}'),
+    (COMPLETIONS, b'{"prompt": [1.5, 2]}'), (COMPLETIONS, b'{"prompt": [null]}'), (COMPLETIONS, b'{"prompt": [-3]}'),
+    (COMPLETIONS, b'{"prompt": [4294967296]}'), (COMPLETIONS, b'{"prompt": [1, "2x"]}'),
     (COMPLETIONS, b'{"prompt": [5, 6, 100000]}'), (COMPLETIONS, b'{"prompt": [[5, 6], [7, 100000]]}'),  # past the vocab
     (COMPLETIONS, b'{"prompt": [[1, null]]}'), (COMPLETIONS, b'{"prompt": [{"a": 1}]}'),
     # chat messages that are no conversation
