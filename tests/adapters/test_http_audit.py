@@ -7,7 +7,7 @@ import gzip
 import socketserver
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import httpx
@@ -214,3 +214,41 @@ def test_a_connection_idle_for_nearly_vllms_keep_alive_is_not_sent_another_reque
         assert httpx.post(proxy.url + "/v1/completions", json={"prompt": "x"}).status_code == 200
         assert peers[2] != peers[1]
         wait_until(lambda: proxy.router.stats().in_flight == 0, what="no request in flight")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b'{"prompt": "x", "logit_bias": {"50256": -Infinity}, "max_tokens": 1}',
+     b'{"prompt": "x", "temperature": NaN, "top_p": Infinity}', '{"prompt": "x"}'.encode("utf-16"),
+     '{"prompt": "x"}'.encode("utf-32")],
+    ids=["-Infinity", "NaN", "utf-16", "utf-32"],
+)  # fmt: skip
+def test_a_body_that_vllm_decodes_with_python_s_json_is_routed_and_sent_on_as_sent(body: bytes) -> None:
+    """vLLM's server decodes a body with Python's json.loads (FastAPI's request.json()), which reads NaN and
+    Infinity (Python's json.dumps and aiohttp's json= write them for a logit_bias of -inf) and UTF-16 or UTF-32; the
+    proxy's msgspec reads neither, and it answered such a body 400 'not valid JSON'."""
+    seen: list[bytes] = []
+
+    async def ok(request: web.Request) -> web.StreamResponse:
+        seen.append(await request.read())
+        return web.json_response({"choices": [{"text": "hi"}]})
+
+    with backend_serving(ok) as url, Proxy(Router(block_size=1), [url], base_models=[]) as proxy:
+        for _ in range(2):
+            reply = httpx.post(proxy.url + "/v1/completions", content=body, headers=JSON_BODY)
+            assert reply.status_code == 200, reply.text
+        assert reply.headers["X-Prefixroute-Matched-Tokens"] == "1"  # routed on its prompt, "x"
+        assert seen == [body, body]
+        wait_until(lambda: proxy.router.stats().in_flight == 0, what="no request in flight")
+
+
+@pytest.mark.parametrize(
+    "body", [b'{"prompt": "a\\ud800"}', b'{"prompt": NaN', b'{"prompt": nan}', "{'prompt': 'x'}".encode("utf-16")]
+)
+def test_a_body_python_s_json_refuses_too_or_with_a_lone_surrogate_is_still_refused(
+    body: bytes, refused_port: Callable[[], int]
+) -> None:
+    with Proxy(Router(), [f"http://127.0.0.1:{refused_port()}"], base_models=[]) as proxy:
+        reply = httpx.post(proxy.url + "/v1/completions", content=body, headers=JSON_BODY)
+        assert reply.status_code == 400 and reply.json()["error"]["type"] == "BadRequestError", reply.text
+        assert proxy.router.stats().decisions == 0

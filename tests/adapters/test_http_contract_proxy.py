@@ -88,8 +88,9 @@ HOSTILE: list[tuple[str, bytes]] = [
     # bodies that are not a JSON object
     (COMPLETIONS, b""), (COMPLETIONS, b"null"), (COMPLETIONS, b"3.5"), (COMPLETIONS, b'"a prompt"'), (CHAT, b"[]"),
     (CHAT, b"true"), (COMPLETIONS, b"\xff\xfe{}"), (COMPLETIONS, b'{"prompt": "a"} trailing'),
-    # JSON's non-numbers, out-of-range numbers, lone surrogates, nesting
-    (COMPLETIONS, b'{"prompt": "a", "temperature": NaN}'), (COMPLETIONS, b'{"prompt": "a", "top_p": -Infinity}'),
+    # JSON that Python's json does not read either (vLLM's server decodes with it), out-of-range numbers, lone
+    # surrogates, nesting
+    (COMPLETIONS, b'{"prompt": "a", "temperature": nan}'), (COMPLETIONS, b'{"prompt": "a", "top_p": -inf}'),
     (COMPLETIONS, b'{"prompt": [1' + b"0" * 400 + b"]}"), (COMPLETIONS, b'{"prompt": [18446744073709551616]}'),
     (CHAT, b'{"messages": [{"role": "user", "content": "\\ud83d"}]}'),
     (CHAT, b'{"messages": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"),
