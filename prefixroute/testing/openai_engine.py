@@ -45,7 +45,7 @@ from aiohttp import web
 
 from prefixroute._numbers import as_float, as_int, shown
 from prefixroute.adapters._listening import close_listener
-from prefixroute.adapters.serve.contract import UNSUPPORTED_MEDIA_TYPE, is_json_media_type
+from prefixroute.adapters.serve.contract import UNSUPPORTED_MEDIA_TYPE, is_json_media_type, request_int
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.adapters.urls import host_port, listen_host
 from prefixroute.errors import ConfigurationError, InvalidTypeError, StateError
@@ -628,8 +628,8 @@ class OpenAIEngine:
         for one in batch:
             if texts and isinstance(one, str):
                 prompts.append(self._tokenizer(one))
-            elif isinstance(one, list) and one and all(type(t) is int and 0 <= t < 2**32 for t in one):
-                prompts.append(list(one))
+            elif isinstance(one, list) and one and (ids := _token_ids(one)) is not None:
+                prompts.append(ids)
             else:
                 message = "'prompt' must be a string, a non-empty list of token ids, or a list of strings or of those"
                 if isinstance(one, list) and all(type(t) is int for t in one):  # pydantic's type: a later 400
@@ -774,13 +774,27 @@ async def _cors_header(request: web.Request, response: web.StreamResponse) -> No
     response.headers.update(cors_headers(request.headers))
 
 
+def _token_ids(prompt: list[Any]) -> list[int] | None:
+    """``prompt`` as the token ids vLLM's request model (pydantic, lax) reads from a ``list[int]``: ints, ``true`` and
+    ``false``, floats without a fraction and strings of an int (:func:`request_int`), each in [0, 2**32); None when
+    an item is none of these. O(len(prompt))."""
+    ids = []
+    for token in prompt:
+        number = token if type(token) is int else request_int(token)
+        if number is None or not 0 <= number < 2**32:
+            return None
+        ids.append(number)
+    return ids
+
+
 def _prompt_param(prompt: object) -> str:
     """Where pydantic locates the first error of a ``prompt`` that none of vLLM's types (``list[int] |
     list[list[int]] | str | list[str]``) takes, as vLLM's handler cleans it: the list[int] branch's first item that
-    is no int (``body.prompt.0``), else the prompt (``body.prompt``). O(len(prompt))."""
+    pydantic reads as no int (``body.prompt.0``; ``true`` and ``2.0`` are ints to it), else the prompt
+    (``body.prompt``). O(len(prompt))."""
     if isinstance(prompt, list):
         for index, item in enumerate(prompt):
-            if type(item) is not int:
+            if request_int(item) is None:
                 return f"body.prompt.{index}"
     return "body.prompt"
 

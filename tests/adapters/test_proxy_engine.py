@@ -356,6 +356,22 @@ def test_bad_requests_get_openai_errors(engine: OpenAIEngine) -> None:
         assert reply.status_code == 400 and reply.json()["error"]["type"] == "BadRequestError", (messages, reply.text)
 
 
+def test_token_ids_are_read_as_vllms_request_model_reads_them(engine: OpenAIEngine) -> None:
+    """pydantic's lax ``list[int]``: ``false``/``true``, ``2.0`` and ``"3"`` are the ids 0, 1, 2 and 3, the same
+    prompt as the ints (its blocks are cached from the first request); ``1.5`` and null are no ids."""
+    ids = list(range(64))
+    lax: list[object] = [False, True, 2.0, "3", *ids[4:]]
+    first = httpx.post(f"{engine.url}/v1/completions", json={"prompt": ids, "max_tokens": 1})
+    second = httpx.post(f"{engine.url}/v1/completions", json={"prompt": lax, "max_tokens": 1})
+    assert first.status_code == second.status_code == 200, second.text
+    usage = second.json()["usage"]
+    assert usage["prompt_tokens"] == 64 and usage["prompt_tokens_details"]["cached_tokens"] >= 48
+    for prompt, where in (([1, 1.5], "body.prompt.1"), ([True, None], "body.prompt.1"), ([[1], [2.0, "x"]], None)):
+        reply = httpx.post(f"{engine.url}/v1/completions", json={"prompt": prompt})
+        assert reply.status_code == 400, prompt
+        assert where is None or reply.json()["error"]["param"] == where, reply.text
+
+
 @pytest.mark.parametrize("model", [5, 1.5, True, ["fake-model"], {"id": "fake-model"}])
 def test_a_model_that_is_not_a_string_is_a_400_as_vllm_answers_it(engine: OpenAIEngine, model: object) -> None:
     """vLLM's request model types ``model`` as an optional str (pydantic does not take a number for a str): 400, not
