@@ -18,7 +18,9 @@ def check_backend_url(url: object, *, path: bool = True) -> str:
 
     Refused: anything but printable ASCII (a CR or LF from a file with Windows line endings, which ``urlsplit`` would
     silently drop, or a host not yet in its ``xn--`` form), credentials (``user:pass@``: they would leak into the
-    decision headers and metrics labels), a query or fragment, and a port outside 1-65535 (no engine listens on 0).
+    decision headers and metrics labels), a query or fragment, a port outside 1-65535 (no engine listens on 0), and
+    a path ending in ``/v1`` (an OpenAI client's ``base_url``: the requests go to the engine's ``/v1/...`` paths, so
+    every one would have been a 404 from ``/v1/v1/...``).
 
     Raises:
         ConfigurationError: the message says what is wrong with the URL.
@@ -51,7 +53,13 @@ def check_backend_url(url: object, *, path: bool = True) -> str:
         raise ConfigurationError(
             f"backend {url!r} has a path: give each engine's scheme, host and port only, like {example}"
         )
-    return url.rstrip("/")
+    trimmed = url.rstrip("/")
+    if trimmed.lower().endswith("/v1"):  # an OpenAI client's base_url: every request would go to /v1/v1/...
+        raise ConfigurationError(
+            f"backend URL {url!r} ends in /v1: give the engine's own URL, {trimmed[:-3]!r}; requests go to its "
+            "/v1/completions and /v1/chat/completions"
+        )
+    return trimmed
 
 
 def engine_of(url: str) -> str:

@@ -280,12 +280,25 @@ def test_backend_urls_that_cannot_go_in_a_request_line_are_refused(url: str) -> 
         Proxy(Router(), [url])
 
 
+@pytest.mark.parametrize("url", ["http://gpu0:8000/v1", "http://gpu0:8000/v1/", "https://gw/engine0/V1"])
+def test_an_openai_base_url_is_refused_with_the_engines_own(url: str) -> None:
+    """Requests go to the backend's /v1/... paths: a base URL ending in /v1 made every one a 404 from /v1/v1/..."""
+    with pytest.raises(ConfigurationError) as refused:
+        Proxy(Router(), [url])
+    own = url.rstrip("/")[:-3]
+    assert str(refused.value) == (
+        f"backend URL {url!r} ends in /v1: give the engine's own URL, {own!r}; requests go to its /v1/completions "
+        "and /v1/chat/completions"
+    )
+    Proxy(Router(), [own, f"{own}/v1x"])
+
+
 @pytest.mark.parametrize(
     "twice",
     [
         ["http://gpu0", "http://gpu0:80"],
         ["http://gpu0:8000/", "http://GPU0:08000"],
-        ["https://g:443/v1", "https://g/v1/"],
+        ["https://g:443/engine", "https://g/engine/"],
     ],
 )
 def test_one_engine_named_twice_however_it_is_spelt_is_refused(twice: list[str]) -> None:
