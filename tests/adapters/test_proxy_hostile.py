@@ -231,6 +231,28 @@ def test_a_clients_expect_100_continue_is_answered_by_the_proxy_not_sent_on() ->
         server.server_close()
 
 
+@pytest.mark.parametrize("expect", [True, False])
+def test_a_body_declared_over_the_limit_is_refused_before_it_is_sent(
+    refused_port: Callable[[], int], expect: bool
+) -> None:
+    """A Content-Length over ``max_body_bytes`` is answered 413 from the head alone: with ``Expect: 100-continue``
+    instead of a 100 (the client never sends the body), without it before the body is read."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2000\r\n"
+    with Proxy(Router(), [f"http://127.0.0.1:{refused_port()}"], base_models=[], max_body_bytes=1000) as proxy:
+        host, port = proxy.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as client:
+            client.sendall(head + (b"Expect: 100-continue\r\n" if expect else b"") + b"\r\n")
+            answer = b""
+            while b"}}" not in answer:
+                chunk = client.recv(65536)
+                assert chunk, answer
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 413 "), answer
+        error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error["type"] == "RequestEntityTooLargeError" and "1000 bytes" in error["message"]
+        assert proxy.stats().bad_request == 1 and idle(proxy)
+
+
 def test_a_request_no_backend_could_take_is_finished_once(refused_port: Callable[[], int]) -> None:
     dead = [f"http://127.0.0.1:{refused_port()}" for _ in range(2)]
     with Proxy(Router(), dead, base_models=[]) as proxy:

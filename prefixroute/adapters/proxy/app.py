@@ -254,8 +254,8 @@ class Proxy:
         """The aiohttp application (routes and error middleware)."""
         app = web.Application(middlewares=[_cors_preflight, _json_errors], client_max_size=self._max_body)
         app.on_response_prepare.append(_allow_any_origin)
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions, expect_handler=self._expect)
+        app.router.add_post("/v1/chat/completions", self._chat, expect_handler=self._expect)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._healthz)
@@ -410,6 +410,26 @@ class Proxy:
         body = _decode(raw)
         return body, request_tokens(body, chat=chat, encoder=self._encoder, max_token_id=self._max_token_id)
 
+    def _too_large(self) -> web.Response:
+        self._counts["bad_request"] += 1
+        message = f"the request body is over the proxy's limit of {self._max_body} bytes (max_body_bytes)"
+        return error_response(413, message, "RequestEntityTooLargeError")
+
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue`` (curl sends it before a large body): a body over the limit is answered 413 before
+        the client sends it, not once it has; else aiohttp's own handling (a ``100 Continue``; 417 for another
+        expectation)."""
+        expect = request.headers.get("Expect", "")
+        if request.version != aiohttp.HttpVersion11:
+            return None
+        if expect.lower() != "100-continue":
+            raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expect}")
+        if (request.content_length or 0) > self._max_body:
+            return self._too_large()
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the answer's own bytes start after the interim one
+        return None
+
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._proxy(request, chat=False)
 
@@ -420,6 +440,8 @@ class Proxy:
         try:
             if not is_json_media_type(request.headers.get("Content-Type")):  # as vLLM: before the body is read
                 raise BadRequest(UNSUPPORTED_MEDIA_TYPE)
+            if (request.content_length or 0) > self._max_body:  # refused before a byte of it is read
+                return self._too_large()
             raw = await request.read()
             if len(raw) > INLINE_TEXT:  # decoding and tokenizing a long prompt on the loop would hold every stream up
                 body, tokens = await asyncio.to_thread(self._tokens, raw, chat)
@@ -444,9 +466,7 @@ class Proxy:
             self._counts["bad_request"] += 1
             return error_response(400, f"the request body could not be read: {exc}", "BadRequestError")
         except web.HTTPRequestEntityTooLarge:
-            self._counts["bad_request"] += 1
-            message = f"the request body is over the proxy's limit of {self._max_body} bytes (max_body_bytes)"
-            return error_response(413, message, "RequestEntityTooLargeError")
+            return self._too_large()
         except (asyncio.CancelledError, ConnectionError):  # the client left before its whole body came
             self._counts["client_disconnect"] += 1
             raise
