@@ -377,7 +377,8 @@ def test_compare_stopped_by_ctrl_c_or_sigterm_leaves_no_worker_running(signal_to
     them. SIGTERM to the parent alone (a supervisor, ``timeout``) ended it and left its workers simulating, orphans."""
     command = [sys.executable, "-m", "prefixroute", "compare", "--requests", "100000", "--jobs", "2"]
     pipes: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
-    with subprocess.Popen(command, start_new_session=True, **pipes) as process:
+    faulthandler = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # SIGABRT dumps every thread's stack to stderr
+    with subprocess.Popen(command, start_new_session=True, env=faulthandler, **pipes) as process:
         try:
             assert process.stdout is not None
             for line in process.stdout:
@@ -388,7 +389,12 @@ def test_compare_stopped_by_ctrl_c_or_sigterm_leaves_no_worker_running(signal_to
                 os.killpg(process.pid, signal.SIGINT)
             else:
                 process.send_signal(signal.SIGTERM)
-            _, err = process.communicate(timeout=20)
+            try:  # it ends within a second alone; the whole suite on two cores once took over 20 s
+                _, err = process.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.send_signal(signal.SIGABRT)
+                _, err = process.communicate(timeout=20)
+                pytest.fail(f"compare did not end within 60 s of the signal; where it was:\n{err}")
             if signal_to == "group":
                 assert process.returncode == 130 and err == "prefixroute compare: interrupted\n", err
             wait_until(lambda: not _descendants_left(process.pid), what="the workers' end", timeout=20)
