@@ -529,12 +529,17 @@ class Sidecar:
         """Await ``deciding``; for a body long enough to be tokenized on a worker thread, race it against the client
         leaving (after its whole body, the next ASGI message is the disconnect). A client that left gets no decision:
         one not made yet is not made, one made is finished as refused (it never reaches an engine), and None is
-        returned. Without this, the decision would stay in flight until its lease."""
+        returned; a leaving seen in the loop turn that ends the decision counts too. Without this, the decision would
+        stay in flight until its lease (the server drops an answer to a client gone)."""
         if body_bytes <= _INLINE_TEXT_BYTES:
             return await deciding
         decided = asyncio.ensure_future(deciding)
         gone = asyncio.ensure_future(receive())
         await asyncio.wait((decided, gone), return_when=asyncio.FIRST_COMPLETED)
+        if not gone.done():
+            # A tokenizer that held the GIL kept the loop from the client's FIN until the decision was made; both are
+            # then handled in one turn, and the server's disconnect may reach ``gone`` after it woke us: one turn more.
+            await asyncio.sleep(0)
         if not gone.done():
             gone.cancel()
             return decided.result()
