@@ -459,6 +459,21 @@ def test_without_models_the_base_models_route_in_the_routers_own_namespace() -> 
     assert call(sidecar, "POST", "/route", {"prompt_token_ids": ids(8), "model": "llama"}).json()["reason"] == "miss"
 
 
+@pytest.mark.parametrize("models", [None, ["llama", "qwen"]])
+@pytest.mark.parametrize(("path", "prompt"), [("/route", "prompt_token_ids"), ("/v1/completions", "prompt")])
+def test_an_empty_model_routes_as_the_base_model_as_vllm_serves_it(models: list[str] | None, path: str,
+                                                                    prompt: str) -> None:  # fmt: skip
+    """vLLM serves a request whose model is "" with its base model (its _is_model_supported: no name), whose KV
+    events land in the router's own namespace. The sidecar routed it in a namespace "" of its own, where nothing is
+    ever cached (a miss each time), and with --models refused it (404, so the gateway sent it unrouted)."""
+    router = Router(block_size=4)
+    sidecar = Sidecar(router, backends=BACKENDS[:2], models=models, base_models=["llama"])
+    router.store(BACKENDS[1], router.hasher.hash(ids(8)))  # as the base model's KV events write it
+    reply = call(sidecar, "POST", path, {prompt: ids(8), "model": ""})
+    assert reply.status_code == 200, reply.text
+    assert (reply.json()["backend"], reply.json()["reason"]) == (BACKENDS[1], "prefix")
+
+
 def test_the_base_model_learner_reads_cards_without_a_parent_and_skips_bad_backends(
     refused_port: Callable[[], int],
 ) -> None:

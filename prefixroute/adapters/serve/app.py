@@ -87,7 +87,8 @@ class Sidecar:
     ``backends`` is the fixed backend list, kept without a trailing ``/`` (each request may give its own ``backends``
     instead). ``encoder`` tokenizes text and chat prompts (without it they are refused with 400). ``models``, when
     given, are the only ``model`` values accepted; the first is the router's own namespace (so KV events hashed
-    without a namespace match it), any other is its own namespace. Without ``models`` any model is accepted: those in
+    without a namespace match it), any other is its own namespace; a ``model`` of ``""`` is none, as vLLM serves it
+    (with its base model). Without ``models`` any model is accepted: those in
     :attr:`base_models` (the backends' base model, which ``prefixroute serve`` learns from their ``/v1/models``)
     route in the router's own namespace, any other (a LoRA adapter) in its own. ``lease`` is the lease of every
     request in seconds (None: counted until finished), and the longest a ``/route`` body may ask for (a longer one is
@@ -393,7 +394,7 @@ class Sidecar:
         return min(lease, self._lease)
 
     def _namespace(self, model: str | None) -> str | None:
-        if model is None:
+        if not model:  # none, or "": vLLM serves a request naming no model with its base model
             return None
         if self._models is None:
             return None if model in self.base_models else model

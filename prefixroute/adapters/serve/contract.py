@@ -2,9 +2,10 @@
 
 ``POST /route`` takes exactly one of ``prompt_token_ids`` (a list of ints in [0, 2**32)), ``prompt`` (a str) or
 ``messages`` (OpenAI chat messages: a str ``role``; a ``content`` that is a str, a list of content parts or null),
-and optionally ``model`` (a str: the hash namespace), ``lease`` (seconds, > 0; the sidecar cuts it to its own lease)
-and ``backends`` (a non-empty list of at most 4096 str). ``POST /first_token`` takes ``{"id": str}``, ``POST
-/finish`` ``{"id": str}`` and optionally ``refused`` (a bool: the engine answered 4xx, so it cached nothing).
+and optionally ``model`` (a str: the hash namespace; ``""`` is none, as vLLM reads it), ``lease`` (seconds, > 0;
+the sidecar cuts it to its own lease) and ``backends`` (a non-empty list of at most 4096 str). ``POST /first_token``
+takes ``{"id": str}``, ``POST /finish`` ``{"id": str}`` and optionally ``refused`` (a bool: the engine answered 4xx,
+so it cached nothing).
 Unknown fields are ignored, so a client may send more than the contract names. Any violation becomes
 :class:`BadRequest`: an HTTP status (4xx) and one message that says what to fix.
 """
