@@ -828,6 +828,11 @@ def test_a_release_datagram_reports_first_tokens_and_finishes_via_udp_skipping_n
     stats = sidecar.router.stats()
     assert (stats.in_flight, stats.ignored) == (0, 0)  # the "-" ids never reached the router
     assert sidecar.metrics.releases == {"udp": 2}
+    assert sidecar.stats()["release_datagrams_unread"] == 0  # each datagram held a token
+    for junk in (b"", b"\xff\xfe", b"<190>nginx: status=200", b"prefixroute_finish= status=200", b"\n\n"):
+        ReleaseProtocol(sidecar).datagram_received(junk, ("127.0.0.1", 1))
+    assert sidecar.stats()["release_datagrams_unread"] == 5 and sidecar.metrics.releases == {"udp": 2}
+    assert "prefixroute_release_datagrams_unread_total 5\n" in call(sidecar, "GET", "/metrics").text
 
 
 def test_the_release_listener_logs_an_icmp_error_at_debug_and_goes_on(caplog: pytest.LogCaptureFixture) -> None:

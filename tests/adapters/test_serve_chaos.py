@@ -502,7 +502,8 @@ class Client:
             elif story.path == "/stats":
                 stats = json.loads(answer.body)
                 assert set(stats) == {"decisions", "in_flight", "in_flight_total", "leases_expired",
-                                      "unknown_finishes", "releases", "bad_requests"}, stats  # fmt: skip
+                                      "unknown_finishes", "releases", "release_datagrams_unread",
+                                      "bad_requests"}, stats  # fmt: skip
                 assert stats["in_flight_total"] >= 0 and min(stats["in_flight"].values()) >= 0, stats
             else:
                 assert json.loads(answer.body) == {"status": "ok", "backends": FIXED}

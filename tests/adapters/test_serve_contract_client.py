@@ -109,7 +109,9 @@ def test_the_answer_has_exactly_the_contracts_fields_with_their_types(client: Cl
         assert client.http.post("/finish", json={"id": answer["id"]}).json() == {"id": answer["id"]}
 
 
-def test_nginx_and_haproxy_release_lines_release_and_junk_datagrams_change_nothing(client: Client) -> None:
+def test_nginx_and_haproxy_release_lines_release_and_junk_datagrams_are_counted_and_change_nothing(
+    client: Client,
+) -> None:
     before = client.metrics()
     decisions = [client.route(prompt_token_ids=[7, 7, 7, i])["id"] for i in range(4)]
     assert client.in_flight() == sum(before["prefixroute_in_flight"].values()) + 4
@@ -126,6 +128,9 @@ def test_nginx_and_haproxy_release_lines_release_and_junk_datagrams_change_nothi
     released = after["prefixroute_releases_total"][(("path", "udp"),)]
     assert released - before["prefixroute_releases_total"][(("path", "udp"),)] == 4  # the junk released nothing
     assert after["prefixroute_unknown_finishes_total"] == before["prefixroute_unknown_finishes_total"]
+    # Each junk datagram without a token is counted (nginx's "-", an unrouted request's line, is read: not junk).
+    unread = "prefixroute_release_datagrams_unread_total"
+    assert after[unread][()] - before[unread][()] == 7
 
 
 def test_metrics_parse_as_prometheus_with_every_family_the_issue_lists(client: Client) -> None:

@@ -107,7 +107,8 @@ def test_lifecycle_and_get_answers_are_exactly_the_documented_bodies_and_headers
     status, headers, answered = answer(asgi(sidecar, "GET", "/stats"))
     assert (status, headers) == (200, [JSON, length(answered)])
     assert set(json.loads(answered)) == {"decisions", "in_flight", "in_flight_total", "leases_expired",
-                                         "unknown_finishes", "releases", "bad_requests"}  # fmt: skip
+                                         "unknown_finishes", "releases", "release_datagrams_unread",
+                                         "bad_requests"}  # fmt: skip
     status, headers, answered = answer(asgi(sidecar, "GET", "/metrics"))
     assert status == 200 and answered.startswith(b"# HELP ")
     assert headers == [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8"), length(answered)]

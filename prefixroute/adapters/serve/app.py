@@ -383,6 +383,7 @@ class Sidecar:
             "leases_expired": stats.leases_expired,
             "unknown_finishes": stats.ignored,
             "releases": dict(self.metrics.releases),
+            "release_datagrams_unread": self.metrics.unread_datagrams,
             "bad_requests": {str(k): v for k, v in self.metrics.bad_requests.items()},
         }
 

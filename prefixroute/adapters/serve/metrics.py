@@ -23,10 +23,11 @@ RELEASE_PATHS = ("http", "udp", "ext_proc")
 
 
 class SidecarMetrics:
-    """Counters of one sidecar: decisions by reason, prompt and hit tokens, bad requests, decision latency."""
+    """Counters of one sidecar: decisions by reason, prompt and hit tokens, releases, release datagrams unread, bad
+    requests, decision latency."""
 
     __slots__ = ("_bucket_counts", "_latency_count", "_latency_sum", "bad_requests", "decisions", "hit_tokens",
-                 "prompt_tokens", "releases")  # fmt: skip
+                 "prompt_tokens", "releases", "unread_datagrams")  # fmt: skip
 
     def __init__(self) -> None:
         self.decisions: dict[str, int] = {}
@@ -34,6 +35,7 @@ class SidecarMetrics:
         self.prompt_tokens = 0
         self.bad_requests: dict[int, int] = {}
         self.releases: dict[str, int] = {}
+        self.unread_datagrams = 0
         self._bucket_counts = [0] * (len(LATENCY_BUCKETS) + 1)
         self._latency_sum = 0.0
         self._latency_count = 0
@@ -54,6 +56,10 @@ class SidecarMetrics:
     def released(self, path: str) -> None:
         """Count one finish or first-token report, by the path it came on (one of :data:`RELEASE_PATHS`)."""
         self.releases[path] = self.releases.get(path, 0) + 1
+
+    def unread(self) -> None:
+        """Count one datagram on the release port that held no release token."""
+        self.unread_datagrams += 1
 
     def render(self, router: Router, backends: Iterable[str]) -> str:
         """The Prometheus text exposition (format 0.0.4). O(backends + buckets)."""
@@ -90,6 +96,10 @@ class SidecarMetrics:
         for path in RELEASE_PATHS:
             lines.append(f'prefixroute_releases_total{{path="{path}"}} {self.releases.get(path, 0)}')
         lines += [
+            "# HELP prefixroute_release_datagrams_unread_total Datagrams on the UDP release port that held no release "
+            "token (a log format without prefixroute_finish=<id>, or other traffic).",
+            "# TYPE prefixroute_release_datagrams_unread_total counter",
+            f"prefixroute_release_datagrams_unread_total {self.unread_datagrams}",
             "# HELP prefixroute_bad_requests_total Requests refused, by HTTP status.",
             "# TYPE prefixroute_bad_requests_total counter",
         ]

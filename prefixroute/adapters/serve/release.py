@@ -6,8 +6,9 @@ release of the decision: exactly at the end of the stream, with nothing on the r
 surround the token (syslog headers, other fields); ``prefixroute_first_token=<id>`` is read too. A ``status=<code>``
 field on the same line that is a refusal (:func:`~prefixroute.adapters.serve.contract.is_refusal`: a 4xx but a
 timeout or nginx's 499) finishes the request refused, so the router forgets the blocks it predicted there; the
-example configurations log it. A lost datagram is covered by the request's lease. The listener trusts whoever can
-reach it: bind it to loopback.
+example configurations log it. A lost datagram is covered by the request's lease; one that holds no token (junk, or
+a log format that lacks it) is counted in ``prefixroute_release_datagrams_unread_total``. The listener trusts
+whoever can reach it: bind it to loopback.
 
 >>> release_ids(b"<190>nginx: prefixroute_finish=ab12-3f status=200")
 [('finish', 'ab12-3f')]
@@ -57,7 +58,8 @@ def refused(line: bytes) -> bool:
 
 
 class ReleaseProtocol(asyncio.DatagramProtocol):
-    """Apply every release token of every datagram to ``sidecar`` (a ``-`` id, nginx's empty value, is skipped).
+    """Apply every release token of every datagram to ``sidecar`` (a ``-`` id, nginx's empty value, is skipped); count
+    a datagram without any in the sidecar's metrics (``prefixroute_release_datagrams_unread_total``).
 
     Raises:
         TypeError: ``sidecar`` is not a :class:`~prefixroute.adapters.serve.Sidecar`.
@@ -69,14 +71,18 @@ class ReleaseProtocol(asyncio.DatagramProtocol):
         self._sidecar = sidecar
 
     def datagram_received(self, data: bytes, addr: tuple[str | object, int]) -> None:
+        read = False
         for line in data.splitlines():  # one log line a datagram as syslog sends it; several are read line by line
             for what, decision_id in release_ids(line):
+                read = True
                 if decision_id == "-":
                     continue
                 if what == "finish":
                     self._sidecar.finish(decision_id, via="udp", refused=refused(line))
                 else:
                     self._sidecar.first_token(decision_id, via="udp")
+        if not read:  # junk, or a log format without the token: counted, so it shows before the leases expire
+            self._sidecar.metrics.unread()
 
     def error_received(self, exc: Exception) -> None:  # ICMP noise on a UDP socket (a port unreachable)
         _log.debug("release listener: %s", exc)
