@@ -1186,6 +1186,56 @@ def test_shutdown_answers_or_drops_a_connection_accepted_just_before(turns: int)
     asyncio.run(scenario())
 
 
+def test_a_request_the_http_parser_refuses_is_a_counted_400_in_json() -> None:
+    """Bad framing (a chunk size that is no hex number, a Content-Length beside chunked or given twice, a TLS hello)
+    was answered by uvicorn's own 400, a line of text/plain, uncounted; the contract answers bad input in JSON."""
+    from prefixroute.adapters.serve.cli import _http_server
+
+    sidecar = Sidecar(Router(block_size=16), backends=BACKENDS)
+    body = b'{"prompt_token_ids": [1, 2, 3]}'
+    malformed = [
+        b"POST /route HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n" + body + b"\r\n0\r\n\r\n",
+        b"POST /route HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n1f\r\n" + body,
+        b"POST /route HTTP/1.1\r\nHost: x\r\nContent-Length: 31\r\nContent-Length: 32\r\n\r\n" + body,
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(64),
+    ]
+    answers: list[bytes] = []
+
+    async def exchange(loop: asyncio.AbstractEventLoop, address: Any, request: bytes) -> bytes:
+        with socket.create_connection(address) as client:
+            client.setblocking(False)
+            await loop.sock_sendall(client, request)
+            received = b""
+            while chunk := await asyncio.wait_for(loop.sock_recv(client, 65536), 5):  # each is closed after its answer
+                received += chunk
+            return received
+
+    async def scenario() -> None:
+        server = _http_server(sidecar)
+        with socket.create_server(("127.0.0.1", 0)) as listening:
+            listening.setblocking(False)
+            serving = asyncio.ensure_future(server.serve(sockets=[listening]))
+            while not server.started:
+                await asyncio.sleep(0.01)
+            loop = asyncio.get_running_loop()
+            try:
+                for request in malformed:
+                    answers.append(await exchange(loop, listening.getsockname(), request))
+                good = b"POST /route HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
+                answers.append(await exchange(loop, listening.getsockname(), good + body))
+            finally:
+                server.should_exit = True
+                await asyncio.wait_for(serving, 10)
+
+    asyncio.run(scenario())
+    for answer in answers[:-1]:
+        head, _, payload = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head.lower(), answer
+        assert json.loads(payload)["error"].startswith("the request is not valid HTTP/1.1"), payload
+    assert answers[-1].startswith(b"HTTP/1.1 200 ") and json.loads(answers[-1].partition(b"\r\n\r\n")[2])["id"]
+    assert sidecar.stats()["bad_requests"] == {"400": len(malformed)}
+
+
 class _WaitsForHealthz:
     """A PromptEncoder whose ``encode`` tells that it started, then does not finish until /healthz has been
     answered (at most DEADLINE_S): run on the event loop, it would hold the loop, so /healthz could never be."""

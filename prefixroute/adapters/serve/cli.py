@@ -323,7 +323,7 @@ def _http_server(sidecar: Any) -> Any:
 
     # No proxy-headers middleware, Server or Date header: each costs every request and a proxy needs none.
     config = uvicorn.Config(
-        sidecar, http=_http_impl(), lifespan="off", access_log=False, log_level="warning", ws="none",
+        sidecar, http=_http_protocol(sidecar), lifespan="off", access_log=False, log_level="warning", ws="none",
         timeout_keep_alive=75, backlog=4096, proxy_headers=False, server_header=False, date_header=False,
     )  # fmt: skip
     return Server(config)
@@ -374,6 +374,38 @@ def _run_loop(main: Coroutine[Any, Any, None]) -> None:
         asyncio.run(main)
         return
     uvloop.run(main)
+
+
+def _http_protocol(sidecar: Any) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP/1.1 protocol (httptools, else h11), except that a request its parser refuses (a malformed chunk
+    size, a Content-Length given twice or beside chunked, no HTTP at all) is answered as the sidecar answers bad
+    input: a 400 with ``{"error": ...}`` in JSON, counted in ``prefixroute_bad_requests_total``, where uvicorn
+    answers a line of text/plain. The connection is closed after it, as uvicorn does: its framing is lost."""
+    base: Any
+    if _http_impl() == "httptools":
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        base = HttpToolsProtocol
+    else:  # pragma: no cover - httptools is in the serve extra
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        base = H11Protocol
+
+    class Protocol(base):  # type: ignore[misc]
+        def send_400_response(self, msg: str) -> None:
+            sidecar.metrics.refused(400)
+            error = ("the request is not valid HTTP/1.1: send one request line, headers, and a body framed by one "
+                     "Content-Length or by well-formed chunks")  # fmt: skip
+            body = json.dumps({"error": error}, separators=(",", ":")).encode()  # as the sidecar's own answers
+            head = [b"HTTP/1.1 400 Bad Request\r\n"]
+            head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
+            head.append(
+                b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+            )
+            self.transport.write(b"".join(head) + body)
+            self.transport.close()
+
+    return Protocol
 
 
 def _http_impl() -> str:
