@@ -454,6 +454,25 @@ def test_route_takes_a_chats_tools_and_options_with_its_messages(encoder: Prompt
     assert sidecar.router.stats().in_flight == 1  # only the first was routed
 
 
+def test_route_takes_null_for_the_chat_options_vllm_takes_null_for(encoder: PromptEncoder) -> None:
+    """vLLM's chat request has tools, documents and chat_template_kwargs default to null, and a client may send them
+    so; the pick mode routed such a chat, /route refused it (400: "Expected `array`, got `null`"), so a gateway that
+    passes the client's fields on sent it unrouted. Null is now absent there, as in the pick mode; with a prompt,
+    too (not an option sent without messages)."""
+    sidecar = Sidecar(Router(block_size=16), backends=BACKENDS, encoder=encoder)
+    messages = [{"role": "user", "content": "Paris?"}]
+    nulls = {"tools": None, "documents": None, "chat_template_kwargs": None}
+    for name, value in nulls.items():
+        reply = call(sidecar, "POST", "/route", {"messages": messages, name: value})
+        assert reply.status_code == 200, (name, reply.text)
+        assert reply.json()["prompt_tokens"] == len(encoder.encode_chat(messages)), name
+        pick = call(sidecar, "POST", "/v1/chat/completions", {"messages": messages, name: value})
+        assert pick.json()["prompt_tokens"] == reply.json()["prompt_tokens"], name
+    prompt = call(sidecar, "POST", "/route", {"prompt": "Paris?", **nulls})
+    assert prompt.status_code == 200 and prompt.json()["prompt_tokens"] == len(encoder.encode("Paris?")), prompt.text
+    assert call(sidecar, "POST", "/route", {"messages": messages, "add_generation_prompt": None}).status_code == 400
+
+
 def test_add_special_tokens_is_followed_as_vllm_follows_it(tmp_path: Path) -> None:
     """vLLM's ``add_special_tokens``: true by default for a completion's text, false for a chat's rendered text; a
     client that renders its own template sends false with a completion, or the engine's ids would start with two

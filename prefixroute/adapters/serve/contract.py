@@ -73,12 +73,13 @@ class RouteBody(msgspec.Struct):
     model: str | None = None
     lease: Annotated[float, msgspec.Meta(gt=0)] | None = None
     backends: list[str] | None = None
-    # With messages, what else of the chat request the engine renders: as in vLLM's chat completion request.
-    tools: list[dict[str, Any]] | msgspec.UnsetType = msgspec.UNSET
-    documents: list[dict[str, Any]] | msgspec.UnsetType = msgspec.UNSET
+    # With messages, what else of the chat request the engine renders: as in vLLM's chat completion request, where
+    # null is the default of all but the two flags.
+    tools: list[dict[str, Any]] | None | msgspec.UnsetType = msgspec.UNSET
+    documents: list[dict[str, Any]] | None | msgspec.UnsetType = msgspec.UNSET
     add_generation_prompt: bool | msgspec.UnsetType = msgspec.UNSET
     continue_final_message: bool | msgspec.UnsetType = msgspec.UNSET
-    chat_template_kwargs: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
+    chat_template_kwargs: dict[str, Any] | None | msgspec.UnsetType = msgspec.UNSET
     reasoning_effort: str | None | msgspec.UnsetType = msgspec.UNSET
 
 
@@ -175,13 +176,13 @@ def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
 
 
 def route_prompt(body: RouteBody) -> Prompt:
-    """The one prompt of a ``/route`` body: with ``messages`` and any of :data:`CHAT_OPTIONS`, the chat request
-    they make (a dict).
+    """The one prompt of a ``/route`` body: with ``messages`` and any of :data:`CHAT_OPTIONS` not null, the chat
+    request they make (a dict). A null option is absent, as vLLM's default.
 
     Raises:
         BadRequest: 400 unless exactly one of ``prompt_token_ids``, ``prompt`` and ``messages`` is given and
             non-empty, when ``backends`` is given empty or longer than :data:`MAX_REQUEST_BACKENDS`, when a message
-            breaks :func:`check_messages`, or a chat option comes without ``messages``.
+            breaks :func:`check_messages`, or a chat option (not null) comes without ``messages``.
     """
     given = [
         name
@@ -210,7 +211,12 @@ def route_prompt(body: RouteBody) -> Prompt:
     assert prompt is not None
     if not prompt:
         raise BadRequest(400, f"'{given[0]}' is empty: send the prompt to route")
-    options = {name: getattr(body, name) for name in CHAT_OPTIONS if getattr(body, name) is not msgspec.UNSET}
+    # null is an option's default (vLLM's): as absent, with a prompt too
+    options = {
+        name: value
+        for name in CHAT_OPTIONS
+        if (value := getattr(body, name)) is not msgspec.UNSET and value is not None
+    }
     if body.messages is None:
         if options:
             raise BadRequest(400, f"{', '.join(map(repr, options))} go with 'messages' only: send the chat's messages")
