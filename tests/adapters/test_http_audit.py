@@ -190,6 +190,15 @@ def test_a_request_with_a_cache_salt_shares_prefixes_only_with_requests_of_that_
         assert matched(proxy, cache_salt="") > 0  # an empty salt is no salt (vLLM refuses it: the engine answers)
 
 
+def test_an_empty_model_routes_in_the_base_models_namespace_as_vllm_serves_it() -> None:
+    """vLLM serves a request whose ``model`` is "" with its base model (``_is_model_supported``: no name); the proxy
+    routed it in a namespace "" of its own, where no KV event or base-model request ever lands."""
+    proxy = Proxy(Router(), ["http://127.0.0.1:8000"], base_models=["llama"])
+    assert proxy.namespace({"model": ""}) is None and proxy.namespace({"model": "", "cache_salt": "t"}) == (
+        proxy.namespace({"model": "llama", "cache_salt": "t"})
+    )
+
+
 def test_a_connection_idle_for_nearly_vllms_keep_alive_is_not_sent_another_request(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

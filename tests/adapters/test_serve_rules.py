@@ -20,7 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
-from prefixroute import Router
+from prefixroute import Decision, Router
 from prefixroute.adapters.proxy.prompts import ByteEncoder
 from prefixroute.adapters.serve import BadRequest, Sidecar, upstream_of
 from prefixroute.adapters.serve.ext_proc import DESTINATION_HEADER, EndpointPicker, _milliseconds, start_ext_proc
@@ -395,6 +395,29 @@ def test_the_python_route_and_pick_apply_the_bodys_model_backends_and_lease() ->
     assert sidecar.stats()["decisions"] == {"miss": 2, "prefix": 1}
     sidecar.finish(picked.id)
     assert sidecar.stats()["releases"] == {"http": 2}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_the_pick_mode_routes_a_salted_request_apart_as_vllm_caches_it(path: str) -> None:
+    """vLLM hashes a request's ``cache_salt`` into its first block: its blocks are hit only by the same salt's
+    requests. The pick mode routed a salted request in its model's namespace, predicting hits the engine lacks."""
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, encoder=VocabularyBytes())  # type: ignore[arg-type]
+    chat = path.endswith("chat/completions")
+    body = {"messages": [{"role": "user", "content": "a shared question"}]} if chat else {"prompt": ids(8)}
+
+    def pick(**salt: object) -> Decision:
+        decision = sidecar.pick(path, json.dumps({**body, **salt}).encode())
+        sidecar.first_token(decision.id)
+        sidecar.finish(decision.id)
+        return decision
+
+    whole = pick().prompt_tokens // 4 * 4  # the blocks an identical unsalted request now finds
+    assert whole > 0
+    assert pick(cache_salt="tenant-a").matched_tokens == 0  # the unsalted blocks are no hit for it
+    assert pick(cache_salt="tenant-a").matched_tokens == whole  # its own salt's are
+    assert pick(cache_salt="tenant-b").matched_tokens == 0
+    assert pick().matched_tokens == whole and pick(cache_salt="").matched_tokens == whole  # "": no salt (vLLM refuses)
+    assert pick(cache_salt=5).matched_tokens == whole  # nor a number: the engine answers it
 
 
 def test_each_decision_is_timed_by_the_sidecars_clock_in_the_histogram() -> None:

@@ -47,6 +47,7 @@ from prefixroute.adapters.serve.contract import (
     is_json_media_type,
     is_refusal,
     json_error,
+    salted,
     without_bom,
 )
 from prefixroute.adapters.threaded import ServerThread
@@ -360,16 +361,13 @@ class Proxy:
         """
         if type(body) is not dict and not isinstance(body, Mapping):  # a JSON body is a dict: no ABC check
             raise InvalidTypeError(f"body must be a request body decoded from JSON (a dict), not {type(body).__name__}")
-        namespace = self._model_namespace(body)
-        salt = body.get("cache_salt")
-        if not isinstance(salt, str) or not salt:  # none, or one vLLM refuses (the engine answers it)
-            return namespace
-        return f"{namespace or ''}\x00cache_salt:{salt}"  # no model name holds a NUL
+        return salted(self._model_namespace(body), body.get("cache_salt"))
 
     def _model_namespace(self, body: Mapping[str, Any]) -> str | None:
-        """The namespace of the model ``body`` names: None for the base model (or no ``model``), else its name."""
+        """The namespace of the model ``body`` names: None for the base model (or no ``model``, or ``""``, which vLLM
+        serves with its base model), else its name."""
         model = body.get("model")
-        return None if not isinstance(model, str) or model in self._base_models else model
+        return None if not isinstance(model, str) or not model or model in self._base_models else model
 
     @property
     def max_body_bytes(self) -> int:

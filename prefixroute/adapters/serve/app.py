@@ -47,6 +47,7 @@ from prefixroute.adapters.serve.contract import (
     decode,
     openai_prompt,
     route_prompt,
+    salted,
 )
 from prefixroute.adapters.serve.metrics import RELEASE_PATHS, SidecarMetrics
 from prefixroute.adapters.serve.text import PromptEncoder
@@ -248,8 +249,8 @@ class Sidecar:
             TypeError: ``within`` is a str or no collection (nothing is decided).
         """
         started = self._clock()
-        prompt, model = openai_prompt(path, body)
-        decision = self.decide(prompt, model=model, backends=self._within(within), lease=None)
+        prompt, model, salt = openai_prompt(path, body)
+        decision = self.decide(prompt, model=model, backends=self._within(within), lease=None, cache_salt=salt)
         self.metrics.decided(decision, self._clock() - started)
         return decision
 
@@ -260,8 +261,10 @@ class Sidecar:
             BadRequest: as :meth:`pick`.
         """
         started = self._clock()
-        prompt, model = openai_prompt(path, body)
-        decision = await self._decide_async(prompt, len(body), model=model, backends=self._within(within), lease=None)
+        prompt, model, salt = openai_prompt(path, body)
+        decision = await self._decide_async(
+            prompt, len(body), model=model, backends=self._within(within), lease=None, cache_salt=salt
+        )
         self.metrics.decided(decision, self._clock() - started)
         return decision
 
@@ -279,27 +282,35 @@ class Sidecar:
         return subset
 
     def decide(
-        self, prompt: Prompt, *, model: str | None, backends: Sequence[str] | None, lease: float | None
+        self,
+        prompt: Prompt,
+        *,
+        model: str | None,
+        backends: Sequence[str] | None,
+        lease: float | None,
+        cache_salt: object = None,
     ) -> Decision:
-        """Tokenize ``prompt`` if needed, route it among ``backends`` (default: the fixed ones), start it.
+        """Tokenize ``prompt`` if needed, route it among ``backends`` (default: the fixed ones), start it; a request
+        with vLLM's ``cache_salt`` routes in its model's namespace salted (:func:`contract.salted
+        <prefixroute.adapters.serve.contract.salted>`), apart from every other salt's and the unsalted.
 
         Raises:
             BadRequest: 400 text without a tokenizer, token ids out of the tokenizer's range, no backend; 404 an
                 unknown model.
         """
-        namespace = self._namespace(model)
+        namespace = salted(self._namespace(model), cache_salt)
         return self._start(self._tokens(prompt), namespace, backends, lease)
 
     async def _decide_async(
         self, prompt: Prompt, body_bytes: int, *, model: str | None, backends: Sequence[str] | None,
-        lease: float | None,
+        lease: float | None, cache_salt: object = None,
     ) -> Decision:  # fmt: skip
         """:meth:`decide`, with a text or chat prompt from a body over ``_INLINE_TEXT_BYTES`` tokenized on a worker
         thread (the tokenizer releases the GIL) and a smaller one inline. The model is checked first: an unknown one
         costs no tokenizing."""
         if body_bytes <= _INLINE_TEXT_BYTES or self._encoder is None or _is_token_ids(prompt):
-            return self.decide(prompt, model=model, backends=backends, lease=lease)
-        namespace = self._namespace(model)
+            return self.decide(prompt, model=model, backends=backends, lease=lease, cache_salt=cache_salt)
+        namespace = salted(self._namespace(model), cache_salt)
         tokens = await asyncio.to_thread(self._tokens, prompt)
         return self._start(tokens, namespace, backends, lease)
 

@@ -43,6 +43,7 @@ __all__ = [
     "request_flag",
     "request_int",
     "route_prompt",
+    "salted",
     "without_bom",
 ]
 
@@ -283,8 +284,23 @@ def json_type(value: object) -> str:
     return "an array" if isinstance(value, list) else "an object"
 
 
-def openai_prompt(path: str, body: bytes) -> tuple[Prompt, str | None]:
-    """The prompt and model of an OpenAI ``/v1/completions`` or ``/v1/chat/completions`` request body.
+def salted(namespace: str | None, cache_salt: object) -> str | None:
+    """The router namespace of a request in ``namespace`` with vLLM's ``cache_salt``: ``namespace`` itself without a
+    salt (none, or one vLLM refuses: not a non-empty string, which the engine answers), else ``namespace`` (``""``
+    for None), a NUL, ``cache_salt:`` and the salt. vLLM hashes the salt into a request's first block, so its blocks
+    are shared only with requests of the same salt and model; no model name holds a NUL. O(len(cache_salt)).
+
+    >>> salted(None, "tenant-a"), salted("sql", "tenant-a"), salted("sql", None), salted(None, "")
+    ('\\x00cache_salt:tenant-a', 'sql\\x00cache_salt:tenant-a', 'sql', None)
+    """
+    if not isinstance(cache_salt, str) or not cache_salt:
+        return namespace
+    return f"{namespace or ''}\x00cache_salt:{cache_salt}"
+
+
+def openai_prompt(path: str, body: bytes) -> tuple[Prompt, str | None, object]:
+    """The prompt, model and ``cache_salt`` (None without one; see :func:`salted`) of an OpenAI ``/v1/completions``
+    or ``/v1/chat/completions`` request body.
 
     A batch of prompts is routed by its first one; a chat by the whole request (its ``tools`` and template options
     render with its messages, its ``truncate_prompt_tokens`` cuts them); a prompt with vLLM's ``add_special_tokens``,
@@ -311,15 +327,16 @@ def openai_prompt(path: str, body: bytes) -> tuple[Prompt, str | None]:
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise BadRequest(400, "a chat completion needs 'messages', a non-empty list of message objects")
         check_messages(messages)
-        return request, model
+        return request, model, request.get("cache_salt")
     prompt = request.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
         prompt = prompt[0]  # a batch: its first prompt decides
     options = {name: request[name] for name in _PROMPT_OPTIONS if name in request}
+    salt = request.get("cache_salt")
     if isinstance(prompt, str) and prompt:
-        return ({"prompt": prompt, **options} if options else prompt), model
+        return ({"prompt": prompt, **options} if options else prompt), model, salt
     if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < 2**32 for t in prompt):
-        return ({"prompt": prompt, **options} if options else prompt), model
+        return ({"prompt": prompt, **options} if options else prompt), model, salt
     raise BadRequest(400, "a completion needs 'prompt': a non-empty string or list of token ids in [0, 2**32)")
 
 
