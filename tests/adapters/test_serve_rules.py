@@ -35,9 +35,15 @@ from .test_serve import BACKENDS, call, ids
 JSON = (b"content-type", b"application/json")
 
 
-def asgi(sidecar: Sidecar, method: str, path: str, chunks: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
-    """What ``sidecar`` sends for one raw ASGI request whose ``receive()`` gives ``chunks``, then a disconnect (a
-    client that leaves as soon as its body is sent)."""
+def asgi(
+    sidecar: Sidecar,
+    method: str,
+    path: str,
+    chunks: Sequence[dict[str, Any]] = (),
+    headers: Sequence[tuple[bytes, bytes]] = (),
+) -> list[dict[str, Any]]:
+    """What ``sidecar`` sends for one raw ASGI request with ``headers`` whose ``receive()`` gives ``chunks``, then a
+    disconnect (a client that leaves as soon as its body is sent)."""
     sent: list[dict[str, Any]] = []
     waiting = list(chunks)
 
@@ -47,7 +53,7 @@ def asgi(sidecar: Sidecar, method: str, path: str, chunks: Sequence[dict[str, An
     async def send(message: Any) -> None:
         sent.append(dict(message))
 
-    scope = {"type": "http", "method": method, "path": path, "headers": []}
+    scope = {"type": "http", "method": method, "path": path, "headers": list(headers)}
     asyncio.run(asyncio.wait_for(sidecar(scope, receive, send), 10))
     return sent
 
@@ -208,9 +214,33 @@ def test_a_body_of_exactly_max_body_bytes_is_read_across_chunks_and_one_byte_mor
     status, headers, answered = answer(
         asgi(sidecar, "POST", "/route", [body(longer[:10], more=True), body(longer[10:])])
     )
-    assert (status, headers) == (413, [JSON, length(answered)])
+    assert (status, headers) == (413, [JSON, (b"connection", b"close"), length(answered)])  # the rest is not read
     assert json.loads(answered) == {"error": f"the request body is over {len(raw)} bytes"}
     assert sidecar.router.stats().decisions == 1 and sidecar.stats()["bad_requests"] == {"413": 1}
+
+
+def test_a_body_declared_over_max_body_bytes_is_refused_before_a_byte_of_it_is_read() -> None:
+    """A ``Content-Length`` over the limit is a 413 from the head alone: no ``receive()``, so with ``Expect:
+    100-continue`` (curl's, before a large body) the server sends no ``100`` and the client no body; the connection
+    closes after it, its body unread. Before, the sidecar read up to the limit (32 MiB by default) first."""
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, max_body_bytes=100)
+    read: list[str] = []
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        read.append("a chunk")
+        return {"type": "http.request", "body": b"{}"}  # read: a 400 for its missing prompt
+
+    async def send(message: Any) -> None:
+        sent.append(dict(message))
+
+    for declared, expect in ((b"101", 413), (b"100", 200)):
+        read.clear()
+        sent.clear()
+        scope = {"type": "http", "method": "POST", "path": "/route", "headers": [(b"content-length", declared)]}
+        asyncio.run(asyncio.wait_for(sidecar(scope, receive, send), 10))
+        assert sent[0]["status"] == (413 if expect == 413 else 400) and bool(read) == (expect != 413), sent
+    assert sidecar.stats()["bad_requests"]["413"] == 1
 
 
 def test_a_client_that_leaves_mid_body_gets_no_decision_and_no_answer() -> None:

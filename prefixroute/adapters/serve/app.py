@@ -483,7 +483,7 @@ class Sidecar:
         path: str = scope["path"]
         try:
             if method == "POST" and path in _POST_PATHS:
-                body = await self._body(receive)
+                body = await self._body(receive, scope)
                 if body is None:  # the client left before sending the whole body: decide nothing, answer no one
                     return
                 await self._post(path, body, send, receive)
@@ -503,6 +503,8 @@ class Sidecar:
             headers = [_JSON]
             if exc.status == 405:  # RFC 9110: a 405 names the methods the resource serves
                 headers.append((b"allow", b"POST" if path in _POST_PATHS else b"GET, HEAD"))
+            elif exc.status == 413:  # the body, or what is left of it, is not read: the connection cannot go on
+                headers.append((b"connection", b"close"))
             await _respond(send, exc.status, msgspec.json.encode({"error": exc.message}), headers)
         except Exception as exc:  # a fault of the sidecar itself: answered in JSON too, logged, counted
             _log.exception("serving %s %s failed", method, path)
@@ -573,12 +575,17 @@ class Sidecar:
         else:  # /stats
             await _respond(send, 200, msgspec.json.encode(self.stats()))
 
-    async def _body(self, receive: Receive) -> bytes | None:
+    async def _body(self, receive: Receive, scope: Scope) -> bytes | None:
         """The request body, or None when the client disconnected before sending all of it.
 
         Raises:
-            BadRequest: 413 once the body is over ``max_body_bytes`` (the first chunk too).
+            BadRequest: 413 once the body is over ``max_body_bytes`` (the first chunk too), or before a byte of it is
+                read when its ``Content-Length`` says so (with ``Expect: 100-continue``, which curl sends before a
+                large body, the server then sends no ``100`` and the client no body).
         """
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self._max_body:
+                raise BadRequest(413, f"the request body is over {self._max_body} bytes")
         chunks: list[bytes] = []
         size = 0
         while True:
