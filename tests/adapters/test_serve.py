@@ -249,6 +249,44 @@ def test_a_plain_string_part_routes_as_its_text_part_and_a_null_text_as_no_part(
     assert tokens(parts) != tokens(parts[:1])
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"truncate_prompt_tokens": 3},
+        {"truncate_prompt_tokens": 3, "truncation_side": "right"},
+        {"add_special_tokens": False},
+        {"add_special_tokens": True, "truncate_prompt_tokens": 100},
+        {"truncate_prompt_tokens": None, "truncation_side": None},
+    ],
+)
+def test_route_tokenizes_and_cuts_a_prompt_as_the_pick_mode_and_vllm_do(
+    options: dict[str, Any], model_dir: Path
+) -> None:
+    """``/route`` read vLLM's ``add_special_tokens``, ``truncate_prompt_tokens`` and ``truncation_side`` not at all
+    (they were unknown fields), so it routed on other tokens than the engine computes, and than the pick mode routes
+    on for the same request."""
+    encoder = PromptEncoder(model_dir)
+    text = "count the rows of the table where the name is long"
+    for prompt in ({"prompt": text}, {"prompt_token_ids": encoder.encode(text)}):
+        sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, encoder=encoder)
+        routed = call(sidecar, "POST", "/route", {**prompt, **options})
+        assert call(sidecar, "POST", "/finish", {"id": routed.json()["id"]}).status_code == 200
+        picked = call(sidecar, "POST", "/v1/completions", {"prompt": next(iter(prompt.values())), **options})
+        assert routed.status_code == picked.status_code == 200, routed.text
+        assert routed.json()["prompt_tokens"] == picked.json()["prompt_tokens"]
+        assert picked.json()["matched_tokens"] == routed.json()["prompt_tokens"] // 4 * 4  # the same tokens, cached
+        if options.get("truncate_prompt_tokens") == 3:
+            assert routed.json()["prompt_tokens"] == 3
+
+
+def test_route_refuses_a_tokenizing_field_of_the_wrong_type() -> None:
+    sidecar = Sidecar(Router(), backends=BACKENDS)
+    for field, value in (("add_special_tokens", "no"), ("truncate_prompt_tokens", 1.5), ("truncation_side", "middle")):
+        reply = call(sidecar, "POST", "/route", {"prompt_token_ids": [1, 2, 3], field: value})
+        assert reply.status_code == 400 and f"$.{field}" in reply.json()["error"], (field, reply.text)
+    assert sidecar.router.stats().decisions == 0
+
+
 def test_lifecycle_and_endpoint_errors() -> None:
     sidecar = Sidecar(Router(), backends=BACKENDS)
     assert call(sidecar, "POST", "/finish", raw=b'{"id": 7}').status_code == 400

@@ -3,7 +3,8 @@
 ``POST /route`` takes exactly one of ``prompt_token_ids`` (a list of ints in [0, 2**32)), ``prompt`` (a str) or
 ``messages`` (OpenAI chat messages: a str ``role``; a ``content`` that is a str, a list of content parts or null),
 and optionally ``model`` (a str: the hash namespace; ``""`` is none, as vLLM reads it), ``lease`` (seconds, > 0;
-the sidecar cuts it to its own lease) and ``backends`` (a non-empty list of at most 4096 str). ``POST /first_token``
+the sidecar cuts it to its own lease), ``backends`` (a non-empty list of at most 4096 str) and vLLM's tokenizing
+fields (``add_special_tokens``, ``truncate_prompt_tokens``, ``truncation_side``). ``POST /first_token``
 takes ``{"id": str}``, ``POST /finish`` ``{"id": str}`` and optionally ``refused`` (a bool: the engine answered 4xx,
 so it cached nothing).
 Unknown fields are ignored, so a client may send more than the contract names. Any violation becomes
@@ -16,7 +17,7 @@ import json
 import re
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -82,6 +83,10 @@ class RouteBody(msgspec.Struct):
     continue_final_message: bool | msgspec.UnsetType = msgspec.UNSET
     chat_template_kwargs: dict[str, Any] | None | msgspec.UnsetType = msgspec.UNSET
     reasoning_effort: str | None | msgspec.UnsetType = msgspec.UNSET
+    # With any prompt, how vLLM tokenizes and cuts it (a completion's and a chat's fields of those names).
+    add_special_tokens: bool | msgspec.UnsetType = msgspec.UNSET
+    truncate_prompt_tokens: int | None | msgspec.UnsetType = msgspec.UNSET
+    truncation_side: Literal["left", "right"] | None | msgspec.UnsetType = msgspec.UNSET
 
 
 _PROMPT_OPTIONS = ("add_special_tokens", "truncate_prompt_tokens", "truncation_side")
@@ -178,7 +183,9 @@ def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
 
 def route_prompt(body: RouteBody) -> Prompt:
     """The one prompt of a ``/route`` body: with ``messages`` and any of :data:`CHAT_OPTIONS` not null, the chat
-    request they make (a dict). A null option is absent, as vLLM's default.
+    request they make (a dict); with any prompt and vLLM's ``add_special_tokens``, ``truncate_prompt_tokens`` or
+    ``truncation_side``, the request those make (``{"prompt", ...}`` or the chat's), tokenized and cut as vLLM does,
+    as the pick mode reads them. A null option is absent, as vLLM's default.
 
     Raises:
         BadRequest: 400 unless exactly one of ``prompt_token_ids``, ``prompt`` and ``messages`` is given and
@@ -218,11 +225,17 @@ def route_prompt(body: RouteBody) -> Prompt:
         for name in CHAT_OPTIONS
         if (value := getattr(body, name)) is not msgspec.UNSET and value is not None
     }
+    tokenizing = {
+        name: value
+        for name in _PROMPT_OPTIONS
+        if (value := getattr(body, name)) is not msgspec.UNSET and value is not None
+    }
     if body.messages is None:
         if options:
             raise BadRequest(400, f"{', '.join(map(repr, options))} go with 'messages' only: send the chat's messages")
-        return prompt
+        return {"prompt": prompt, **tokenizing} if tokenizing else prompt
     check_messages(body.messages)
+    options.update(tokenizing)
     return {"messages": body.messages, **options} if options else prompt
 
 
