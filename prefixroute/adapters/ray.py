@@ -38,6 +38,7 @@ from typing import Any
 from ray.serve.request_router import MultiplexMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens_async
+from prefixroute.adapters.serve.contract import salted
 from prefixroute.errors import InvalidTypeError, PolicyError
 from prefixroute.policies import policy_from_name
 from prefixroute.router import Decision, Router, _check_lease
@@ -183,7 +184,7 @@ class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
             by_id: dict[str, RunningReplica] = {}
             for replica in candidate_replicas:
                 by_id.setdefault(replica.replica_id.unique_id, replica)
-            decision = self.router.decide(tokens, list(by_id), namespace=model)
+            decision = self.router.decide(tokens, list(by_id), namespace=salted(model, body.get("cache_salt")))
         except PolicyError:  # a bug in the policy (a TypeError too): logged by the caller, not taken for bad input
             raise
         except (BadRequest, ValueError, TypeError):  # ValueError: bad ids, messages a template refuses

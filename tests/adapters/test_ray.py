@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 from prefixroute import BoundedLoad, Candidate, LoadPolicy, PredictedTTFT
 from prefixroute.adapters.proxy.prompts import INLINE_TEXT
 from prefixroute.adapters.ray import PrefixRouteRequestRouter, request_body
+from prefixroute.adapters.serve.contract import salted
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 
 from .conftest import CORPUS, LoopNoting, tool_call_conversation
@@ -545,6 +546,27 @@ def test_a_multiplexed_model_routes_among_its_replicas_in_a_namespace_of_its_own
 
     asyncio.run(run())
     assert router.errors == 0
+    zero(router)
+
+
+def test_a_salted_request_routes_apart_as_vllm_caches_it() -> None:
+    """vLLM hashes a request's ``cache_salt`` into its first block: a salted prompt's blocks are hit only by the
+    same salt's requests (a tenant's), never by unsalted ones; the router ranked them all in one namespace."""
+    router = bare()
+    everywhere = [r.replica_id.unique_id for r in REPLICAS]
+
+    def matched(namespace: str | None) -> int:
+        return router.router.decide(PREFIX, everywhere, namespace=namespace).matched_tokens
+
+    async def send(request_id: str, body: dict[str, Any]) -> None:
+        ((chosen, *_), *_) = await router.choose_replicas(REPLICAS, pending(request_id, body))
+        router.on_request_routed(pending(request_id, {}), chosen.replica_id, None)
+        router.on_request_completed(chosen.replica_id, request_id)
+
+    asyncio.run(send("a", {"prompt": PREFIX, "cache_salt": "tenant-a"}))
+    assert matched(salted(None, "tenant-a")) > 0 and matched(None) == 0  # its blocks are the salt's alone
+    asyncio.run(send("b", {"prompt": PREFIX}))
+    assert matched(None) > 0 and matched(salted(None, "tenant-b")) == 0
     zero(router)
 
 
