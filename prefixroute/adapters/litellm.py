@@ -17,7 +17,8 @@
 Each model group routes in a namespace of its own, its name, so a group serving a LoRA adapter never shares prefixes
 with the base model's group or another adapter's, even where their deployments share ``model_info.id`` (to share
 in-flight counts per server). Groups named in ``base_groups`` route in the router's own namespace instead, where KV
-events of the base model land (:class:`~prefixroute.vllm.Fleet`).
+events of the base model land (:class:`~prefixroute.vllm.Fleet`). A call with vLLM's ``cache_salt`` (its own
+argument or in ``extra_body``) routes in a namespace of that salt within its group's, as vLLM caches it apart.
 
 The decision id travels in the request's ``metadata`` (``prefixroute_decision``, with its deployment in
 ``prefixroute_deployment``), which LiteLLM hands to both; a callback that names another deployment than the latest
@@ -53,7 +54,7 @@ from prefixroute.adapters.proxy.prompts import (
     check_encoder,
     request_tokens_async,
 )
-from prefixroute.adapters.serve.contract import CHAT_OPTIONS, is_refusal
+from prefixroute.adapters.serve.contract import CHAT_OPTIONS, is_refusal, salted
 from prefixroute.errors import InvalidTypeError, PolicyError
 from prefixroute.router import Router, _check_lease
 
@@ -207,7 +208,7 @@ class PrefixRouteHook(CustomLogger):
         stream = bool(request.get("stream")) if request else False  # before start(): nothing to undo if it raises
         try:
             tokens = await request_tokens_async(body, chat=bool(messages), encoder=self._encoder)
-            namespace = None if model in self._base_groups else model
+            namespace = salted(None if model in self._base_groups else model, body.get("cache_salt"))
             decision = self.router.route(tokens, candidates, namespace=namespace)
         except PolicyError:  # a bug in the policy (a TypeError too): logged by the caller, not taken for bad input
             raise
@@ -434,11 +435,12 @@ def _deployment_id(deployment: object) -> str | None:
 
 def _request_body(messages: list[Any] | None, request: Mapping[str, Any] | None) -> dict[str, Any]:
     """The request vLLM gets for a LiteLLM call: a chat's messages, else the call's ``prompt``; with what else of it
-    vLLM's tokenizing follows (a chat's tools and template options, ``add_special_tokens``), from the call or its
-    ``extra_body`` (where LiteLLM sends vLLM's own fields). O(1) beside the messages."""
+    vLLM's tokenizing and caching follow (a chat's tools and template options, ``add_special_tokens``,
+    ``cache_salt``), from the call or its ``extra_body`` (where LiteLLM sends vLLM's own fields). O(1) beside the
+    messages."""
     request = request if isinstance(request, Mapping) else {}
     body: dict[str, Any] = {"messages": messages} if messages else {"prompt": request.get("prompt")}
-    names = (*CHAT_OPTIONS, "add_special_tokens") if messages else ("add_special_tokens",)
+    names = (*CHAT_OPTIONS, "add_special_tokens", "cache_salt") if messages else ("add_special_tokens", "cache_salt")
     extra = request.get("extra_body")
     for source in (request, extra if isinstance(extra, Mapping) else {}):
         body.update((name, source[name]) for name in names if name in source)

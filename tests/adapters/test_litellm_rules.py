@@ -15,6 +15,7 @@ import pytest  # noqa: E402
 
 from prefixroute import Router  # noqa: E402
 from prefixroute.adapters.litellm import PrefixRouteHook  # noqa: E402
+from prefixroute.adapters.serve.contract import salted
 
 from ..conftest import FakeClock
 from .test_litellm import CHAT, _chunks, group
@@ -50,6 +51,31 @@ def places(hook: PrefixRouteHook, deployments: list[Any], **request: Any) -> set
         asyncio.run(hook.async_log_success_event({"litellm_params": {"metadata": metadata}}, None, None, None))
     assert hook.router.stats().in_flight == 0
     return where
+
+
+@pytest.mark.parametrize("where", ["call", "extra_body"])
+def test_a_salted_call_routes_apart_as_vllm_caches_it(where: str) -> None:
+    """vLLM hashes a request's ``cache_salt`` into its first block: a salted call's blocks are hit only by the same
+    salt's calls. LiteLLM passes it as the call's own argument or in ``extra_body``; both routed unsalted before."""
+    hook = PrefixRouteHook(Router(), base_groups=["fake"])
+    prompt = [{"role": "user", "content": "a long shared question " * 20}]
+
+    def call(salt: str | None) -> None:
+        metadata: dict[str, Any] = {}
+        request: dict[str, Any] = {"metadata": metadata}
+        if salt is not None:
+            request.update({"cache_salt": salt} if where == "call" else {"extra_body": {"cache_salt": salt}})
+        chosen(hook, request, prompt)
+        asyncio.run(hook.async_log_success_event({"litellm_params": {"metadata": metadata}}, None, None, None))
+
+    def matched(namespace: str | None) -> int:
+        tokens = hook._encoder.encode_chat(prompt)
+        return hook.router.decide(tokens, IDS, namespace=namespace).matched_tokens
+
+    call("tenant-a")
+    assert matched(salted(None, "tenant-a")) > 0 and matched(None) == 0
+    call(None)
+    assert matched(None) > 0 and matched(salted(None, "tenant-b")) == 0
 
 
 def test_bad_options_raise_a_type_error_that_names_the_option() -> None:
