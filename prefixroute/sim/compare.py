@@ -218,6 +218,9 @@ def _stop_workers(pool: ProcessPoolExecutor) -> None:
     for process in processes:
         with contextlib.suppress(ValueError):
             process.join(timeout=5)
+            if process.is_alive():  # SIGTERM not heeded in time (a machine under load): SIGKILL is
+                process.kill()
+                process.join(timeout=5)
 
 
 _HEADERS = (

@@ -355,11 +355,12 @@ def test_run_grid_interrupted_stops_its_workers_at_once() -> None:
     def interrupt(_index: int, _result: PolicyResult) -> None:
         raise KeyboardInterrupt
 
+    before = set(multiprocessing.active_children())  # another test's pool may still be winding down
     started = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         run_grid(runs, jobs=2, on_done=interrupt)
-    assert time.monotonic() - started < 20, "the interrupted runs went on"
-    assert multiprocessing.active_children() == []
+    assert time.monotonic() - started < 30, "the interrupted runs went on"
+    assert set(multiprocessing.active_children()) <= before
 
 
 def _descendants_left(pgid: int) -> bool:
