@@ -45,7 +45,7 @@ from aiohttp import web
 
 from prefixroute._numbers import as_float, as_int, shown
 from prefixroute.adapters._listening import close_listener
-from prefixroute.adapters.serve.contract import UNSUPPORTED_MEDIA_TYPE, is_json_media_type, request_int
+from prefixroute.adapters.serve.contract import UNSUPPORTED_MEDIA_TYPE, is_json_media_type, request_int, request_ints
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.adapters.urls import host_port, listen_host
 from prefixroute.errors import ConfigurationError, InvalidTypeError, StateError
@@ -775,16 +775,10 @@ async def _cors_header(request: web.Request, response: web.StreamResponse) -> No
 
 
 def _token_ids(prompt: list[Any]) -> list[int] | None:
-    """``prompt`` as the token ids vLLM's request model (pydantic, lax) reads from a ``list[int]``: ints, ``true`` and
-    ``false``, floats without a fraction and strings of an int (:func:`request_int`), each in [0, 2**32); None when
-    an item is none of these. O(len(prompt))."""
-    ids = []
-    for token in prompt:
-        number = token if type(token) is int else request_int(token)
-        if number is None or not 0 <= number < 2**32:
-            return None
-        ids.append(number)
-    return ids
+    """``prompt`` as the token ids vLLM's request model (pydantic, lax) reads from a ``list[int]``
+    (:func:`request_ints`: ``true``, ``2.0`` and ``"3"`` are ints), each in [0, 2**32); None otherwise. O(n)."""
+    ids = request_ints(prompt)
+    return ids if ids is not None and all(0 <= token < 2**32 for token in ids) else None
 
 
 def _prompt_param(prompt: object) -> str:

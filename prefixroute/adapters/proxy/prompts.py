@@ -10,7 +10,7 @@ from typing import Annotated, Any, Protocol, runtime_checkable
 
 import msgspec
 
-from prefixroute.adapters.serve.contract import request_flag, request_int
+from prefixroute.adapters.serve.contract import request_flag, request_int, request_ints
 from prefixroute.adapters.tokenize import PromptTokenizer, serialise_chat
 from prefixroute.errors import InvalidTypeError
 
@@ -262,7 +262,7 @@ def _token_ids(prompt: list[Any], max_token_id: int | None) -> list[Any]:
 def _converted(prompt: list[Any], max_token_id: int | None) -> list[int] | None:
     """``prompt`` as a list of ints, as vLLM's request model (pydantic, lax) reads a ``list[int]`` prompt: ints, and
     also ``true``/``false`` (1 and 0), floats without a fraction (``2.0``) and strings of an int (``"2"``), each read
-    by :func:`~prefixroute.adapters.serve.contract.request_int`; None when an item is none of these (``1.5``, null).
+    by :func:`~prefixroute.adapters.serve.contract.request_ints`; None when an item is none of these (``1.5``, null).
     O(n): msgspec converts a list of plain ints and checks the bound as it goes, in C (a third of the cost of a
     ``max()`` after, measured on 2K ids); only a list holding another kind of item is read item by item.
 
@@ -277,24 +277,12 @@ def _converted(prompt: list[Any], max_token_id: int | None) -> list[int] | None:
     try:
         ids = msgspec.convert(prompt, list[int])  # plain ints: only the bound failed
     except msgspec.ValidationError:
-        lax = _lax_ids(prompt)
+        lax = request_ints(prompt)
         if lax is None:
             return None
         ids = lax
     if max_token_id is not None and max(ids) > max_token_id:
         raise BadRequest(f"Token id {max(ids)} is out of vocabulary")
-    return ids
-
-
-def _lax_ids(prompt: list[Any]) -> list[int] | None:
-    """Each item of ``prompt`` as pydantic's lax ``int`` reads it (:func:`request_int`: ``true``, ``2.0``, ``"2"``),
-    None when one is no such int. O(n), in Python: only for a list that is not all plain ints."""
-    ids: list[int] = []
-    for token in prompt:
-        number = request_int(token)
-        if number is None:
-            return None
-        ids.append(number)
     return ids
 
 

@@ -43,6 +43,7 @@ __all__ = [
     "openai_prompt",
     "request_flag",
     "request_int",
+    "request_ints",
     "route_prompt",
     "salted",
     "without_bom",
@@ -440,6 +441,22 @@ def request_int(value: object) -> int | None:
     if isinstance(value, str) and len(value) <= _MAX_INT_TEXT and (match := _INT_TEXT.fullmatch(value)):
         return int(match[1])
     return None
+
+
+def request_ints(values: list[Any]) -> list[int] | None:
+    """A request's list of ints as vLLM's request models (pydantic, lax ``list[int]``) read it: each item by
+    :func:`request_int`; None when one is no such int. O(len(values)).
+
+    >>> request_ints([1, True, 2.0, "3"]), request_ints([1, 1.5])
+    ([1, 1, 2, 3], None)
+    """
+    ids: list[int] = []
+    for value in values:
+        number = request_int(value)
+        if number is None:
+            return None
+        ids.append(number)
+    return ids
 
 
 # pydantic's integer strings: ASCII digits, single underscores between them, a fraction of zeros, any Unicode
