@@ -39,6 +39,7 @@ from prefixroute.policies import Candidate, LoadPolicy, PredictedTTFT
 __all__ = ["Decision", "Reason", "Router", "RouterStats"]
 
 _log = logging.getLogger("prefixroute")
+_EXPIRY_WARNING_SECONDS = 60.0
 
 Reason = Literal["prefix", "load-fallback", "miss", "policy"]
 """Why a backend was chosen: it held the longest prefix (``"prefix"``); a prefix-aware policy passed over a longer
@@ -374,6 +375,7 @@ class Router:
         self._live: dict[str, _Request] = {}
         self._leases: list[tuple[float, str]] = []  # a heap of (deadline, id); stale entries are skipped
         self._counts = dict.fromkeys(("decisions", "commits", "ignored", "leases_expired"), 0)
+        self._expiries_told: tuple[float, int] | None = None  # the last expiry warning: when, and leases_expired then
         # Decision ids: a random per-router prefix and a counter, so ids of two routers never collide.
         self._id_prefix = f"{(rng if rng is not None else random.Random()).getrandbits(48):012x}-"
         self._next_id = 0
@@ -859,6 +861,7 @@ class Router:
         if reading is None:
             return 0
         expired = 0
+        backend = ""
         leases = self._leases
         while leases and leases[0][0] <= reading:
             deadline, decision_id = heapq.heappop(leases)
@@ -867,10 +870,26 @@ class Router:
                 del self._live[decision_id]
                 self._release(request)
                 expired += 1
-                _log.warning("request %s on %s: lease expired before finish(); no longer counted", decision_id,
-                             request.backend)  # fmt: skip
-        self._counts["leases_expired"] += expired
+                backend = request.backend
+                _log.debug("request %s on %s: lease expired before finish()", decision_id, backend)
+        if expired:
+            self._counts["leases_expired"] += expired
+            self._tell_expiries(reading, backend)
         return expired
+
+    def _tell_expiries(self, now: float, backend: str) -> None:
+        """Warn that leases expired, at most once a minute of the clock: a gateway whose releases never arrive
+        would otherwise log a line per request, thousands a second (each one is logged at DEBUG)."""
+        total = self._counts["leases_expired"]
+        told = self._expiries_told
+        if told is not None and 0 <= now - told[0] < _EXPIRY_WARNING_SECONDS:
+            return
+        self._expiries_told = (now, total)
+        _log.warning(
+            "%d request(s) reached their lease before finish() (the latest on %s; %d since the router started): check "
+            "that finish() is called (behind a gateway: its release path); this warning repeats at most once a minute",
+            total - (told[1] if told is not None else 0), backend, total,
+        )  # fmt: skip
 
     def _check_own(self, decision: Decision) -> None:
         """Raise unless ``decision`` is one this router made, as it made it: :meth:`start` and :meth:`commit` count

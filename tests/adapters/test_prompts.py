@@ -143,6 +143,19 @@ def test_a_token_id_past_the_vocabulary_is_refused_in_vllm_s_words_in_any_prompt
     assert request_tokens({"prompt": prompt}, chat=False, encoder=ByteEncoder())  # None: not checked
 
 
+@pytest.mark.parametrize(
+    ("body", "ids"),
+    [({"prompt": [9, 1, 2], "truncate_prompt_tokens": 2}, [1, 2]),
+     ({"prompt": [1, 2, 9], "truncate_prompt_tokens": 2, "truncation_side": "right"}, [1, 2]),
+     ({"prompt": [[9, 3], [9, 4]], "truncate_prompt_tokens": 1}, [3])],
+)  # fmt: skip
+def test_an_id_past_the_vocabulary_that_truncation_cuts_off_is_served(body: dict[str, Any], ids: list[int]) -> None:
+    """vLLM checks the ids it keeps after ``truncate_prompt_tokens`` (its input processor validates the rendered
+    prompt); the proxy refused these before truncating them."""
+    assert request_tokens(body, chat=False, encoder=ByteEncoder(), max_token_id=8) == ids
+    assert _refusal({**body, "truncate_prompt_tokens": 3}, max_token_id=8) == "Token id 9 is out of vocabulary"
+
+
 def test_the_refusal_names_the_prompt_s_largest_id() -> None:
     assert _refusal({"prompt": [3, 12, 10, 1]}, max_token_id=8) == "Token id 12 is out of vocabulary"
 

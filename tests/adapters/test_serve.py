@@ -453,6 +453,37 @@ def test_token_ids_of_a_padded_vocabulary_are_routed_as_vllm_serves_them(model_d
     assert past.status_code == 400 and f"Token id {tokenizer_size + 64} is out of vocabulary" in past.json()["error"]
 
 
+def test_token_ids_are_checked_against_the_vocabulary_on_every_path_of_a_route_body(model_dir: Path) -> None:
+    """The ids of a /route body are bounded while decoded (in C); a body that fails that decode is read again as
+    before, so each error keeps its own message, status and order, and ``route()`` and the ASGI path agree."""
+    encoder = PromptEncoder(model_dir)
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, encoder=encoder, models=["m"])
+    largest = encoder.max_token_id
+    bodies: list[tuple[dict[str, Any], int, str]] = [
+        ({"prompt_token_ids": [1, largest], "model": "m"}, 200, ""),
+        ({"prompt_token_ids": [1, largest + 1]}, 400, f"Token id {largest + 1} is out of vocabulary"),
+        ({"prompt_token_ids": [largest + 1, 1], "truncate_prompt_tokens": 1}, 200, ""),  # vLLM keeps the last one
+        ({"prompt_token_ids": [1, largest + 1], "truncate_prompt_tokens": 1}, 400, "out of vocabulary"),
+        ({"prompt_token_ids": [1, largest + 1], "lease": -1}, 400, "Expected `float` > 0.0 - at `$.lease`"),
+        ({"prompt_token_ids": [1, largest + 1], "model": "other"}, 404, "unknown model 'other'"),
+        ({"prompt_token_ids": [-1, 2]}, 400, "token id at position 0 is -1"),
+        ({"prompt_token_ids": [1, True]}, 400, "Expected `int`, got `bool` - at `$.prompt_token_ids[1]`"),
+    ]
+    for body, status, error in bodies:
+        answer = call(sidecar, "POST", "/route", body)
+        assert answer.status_code == status and error in answer.json().get("error", ""), (body, answer.json())
+        if status == 200:
+            sidecar.finish(answer.json()["id"])
+            direct = sidecar.route(json.dumps(body).encode())
+            assert direct.prompt_tokens == answer.json()["prompt_tokens"]
+            sidecar.finish(direct.id)
+        else:
+            with pytest.raises(BadRequest) as refused:
+                sidecar.route(json.dumps(body).encode())
+            assert refused.value.status == status and error in refused.value.message
+    assert sidecar.router.stats().in_flight == 0
+
+
 def test_chat_without_a_template_uses_the_documented_serialisation(model_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
     encoder = PromptEncoder(tmp_path / "tokenizer.json")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import random
 from collections.abc import Sequence
@@ -286,6 +287,37 @@ def test_leases_end_requests_that_are_never_finished() -> None:
     clock.tick(100)
     assert router.expire() == 1 and router.stats().leases_expired == 2
     assert counters(router, "a") == (0, 0, 0)
+
+
+def test_expired_leases_are_warned_of_at_most_once_a_minute_each_one_at_debug(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = FakeClock(now=0.0)
+    router = Router(block_size=4, clock=clock, lease=1.0)
+    caplog.set_level(logging.DEBUG, logger="prefixroute")
+
+    def expire(count: int) -> None:
+        for _ in range(count):
+            router.start(router.route([1, 2, 3, 4], ["a"]))
+        clock.tick(1.0)
+        assert router.expire() == count
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+    expire(3)
+    assert warnings() == [
+        "3 request(s) reached their lease before finish() (the latest on a; 3 since the router started): check that "
+        "finish() is called (behind a gateway: its release path); this warning repeats at most once a minute"
+    ]
+    for _ in range(59):
+        expire(2)  # 59 s more: each expiry at DEBUG only
+    assert len(warnings()) == 1
+    assert sum(r.levelno == logging.DEBUG and "lease expired" in r.getMessage() for r in caplog.records) == 121
+    expire(1)  # a minute after the first warning: the next says how many since
+    assert len(warnings()) == 2
+    assert warnings()[1].startswith("119 request(s) reached their lease before finish() (the latest on a; 122 since")
+    assert router.stats().leases_expired == 122 and router.in_flight("a") == 0
 
 
 def test_start_ends_due_leases_first_so_a_request_whose_lease_ran_out_starts_again() -> None:

@@ -190,12 +190,13 @@ def _request_tokens(
         if max_token_id is not None:  # the engine refuses the whole batch for one prompt's id
             for other in prompt[1:]:
                 if isinstance(other, list):
-                    _converted(other, max_token_id)  # not a list of ints: the engine's to answer
+                    _converted(truncated(other, body), max_token_id)  # not a list of ints: the engine's to answer
         prompt = prompt[0]  # a batch: route on its first prompt
     if isinstance(prompt, str):
         return text_tokens(encoder, prompt, body)
     if isinstance(prompt, list) and prompt:
-        return _token_ids(prompt, max_token_id)
+        # vLLM checks the ids it keeps: an id past the vocabulary that truncate_prompt_tokens cuts off is served.
+        return _token_ids(truncated(prompt, body), max_token_id)
     raise BadRequest("'prompt' must be a string, a non-empty list of token ids, or a batch of those")
 
 

@@ -30,7 +30,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Iterable, MutableMapping, Sequence
-from typing import Any, TypeGuard
+from typing import Annotated, Any, TypeGuard, cast
 from urllib.parse import urlsplit
 
 import msgspec
@@ -48,6 +48,7 @@ from prefixroute.adapters.serve.contract import (
     openai_prompt,
     route_prompt,
     salted,
+    without_bom,
 )
 from prefixroute.adapters.serve.metrics import RELEASE_PATHS, SidecarMetrics
 from prefixroute.adapters.serve.text import PromptEncoder
@@ -185,6 +186,15 @@ class Sidecar:
         # padded past its tokenizer's, and vLLM serves those ids.
         largest = getattr(encoder, "max_token_id", None)
         self._max_token_id = largest if type(largest) is int else None if encoder is None else encoder.vocab_size - 1
+        # A /route body's token ids checked against that while decoded, in C (a max() over a 2K prompt's ids costs
+        # as much as routing it takes hashing).
+        self._route_body = RouteBody
+        if self._max_token_id is not None:
+            bounded = list[Annotated[int, msgspec.Meta(le=self._max_token_id)]] | None
+            self._route_body = cast(
+                "type[RouteBody]",
+                msgspec.defstruct("RouteBody", [("prompt_token_ids", bounded, None)], bases=(RouteBody,)),
+            )
         self._models = tuple(models) if models is not None else None
         if (
             isinstance(base_models, (str, bytes))
@@ -217,9 +227,12 @@ class Sidecar:
             BadRequest: the body breaks the contract, the model is unknown, or there is no backend.
         """
         started = self._clock()
-        request: RouteBody = decode(body, RouteBody)
-        prompt = route_prompt(request)
-        decision = self.decide(prompt, model=request.model, backends=request.backends, lease=self._cut(request.lease))
+        request, prompt, ids_in_range = self._read_route(body)
+        lease = self._cut(request.lease)
+        if ids_in_range:
+            decision = self._start(prompt, self._namespace(request.model), request.backends, lease)  # type: ignore[arg-type]
+        else:
+            decision = self.decide(prompt, model=request.model, backends=request.backends, lease=lease)
         self.metrics.decided(decision, self._clock() - started)
         return decision
 
@@ -231,13 +244,32 @@ class Sidecar:
             BadRequest: as :meth:`route`.
         """
         started = self._clock()
-        request: RouteBody = decode(body, RouteBody)
-        prompt = route_prompt(request)
-        decision = await self._decide_async(
-            prompt, len(body), model=request.model, backends=request.backends, lease=self._cut(request.lease)
-        )
+        request, prompt, ids_in_range = self._read_route(body)
+        lease = self._cut(request.lease)
+        if ids_in_range:
+            decision = self._start(prompt, self._namespace(request.model), request.backends, lease)  # type: ignore[arg-type]
+        else:
+            decision = await self._decide_async(
+                prompt, len(body), model=request.model, backends=request.backends, lease=lease
+            )
         self.metrics.decided(decision, self._clock() - started)
         return decision
+
+    def _read_route(self, body: bytes) -> tuple[RouteBody, Prompt, bool]:
+        """A ``/route`` body, its prompt (:func:`route_prompt`), and whether that prompt is token ids alone that the
+        decode found within the model's vocabulary (nothing left for :meth:`_tokens` to do).
+
+        Raises:
+            BadRequest: as :func:`decode` and :func:`route_prompt`.
+        """
+        try:
+            request = msgspec.json.decode(without_bom(body), type=self._route_body)
+        except (msgspec.MsgspecError, RecursionError):
+            # decode() answers a malformed body; one whose id is out of range decodes, and _tokens names the id.
+            request = decode(body, RouteBody)
+            return request, route_prompt(request), False
+        prompt = route_prompt(request)
+        return request, prompt, self._route_body is not RouteBody and prompt is request.prompt_token_ids
 
     def pick(self, path: str, body: bytes, *, within: Collection[str] | None = None) -> Decision:
         """Decide for a client's OpenAI request body (``path`` says which kind) and count it in flight; with
@@ -421,22 +453,22 @@ class Sidecar:
         if request is not None and "messages" not in request:
             prompt = request["prompt"]  # openai_prompt's: text or token ids
         if _is_token_ids(prompt):
-            tokens = prompt
+            tokens = prompt if request is None else truncated(prompt, request)  # vLLM checks what it keeps
             if self._max_token_id is not None and max(tokens) > self._max_token_id:
                 raise BadRequest(400, f"Token id {max(tokens)} is out of vocabulary (the model's largest is "
                                       f"{self._max_token_id})")  # fmt: skip
-        elif self._encoder is None:
+            return tokens
+        if self._encoder is None:
             raise BadRequest(400, "text prompts need a tokenizer: send 'prompt_token_ids', or start with --tokenizer")
-        else:
-            try:
-                if request is not None and "messages" in request:
-                    tokens = chat_tokens(self._encoder, request)
-                elif isinstance(prompt, str):
-                    tokens = text_tokens(self._encoder, prompt, request or {})
-                else:
-                    tokens = self._encoder.encode_chat(prompt)  # type: ignore[arg-type]
-            except (ValueError, TypeError) as exc:
-                raise BadRequest(400, str(exc)) from None
+        try:
+            if request is not None and "messages" in request:
+                tokens = chat_tokens(self._encoder, request)
+            elif isinstance(prompt, str):
+                tokens = text_tokens(self._encoder, prompt, request or {})
+            else:
+                tokens = self._encoder.encode_chat(prompt)  # type: ignore[arg-type]
+        except (ValueError, TypeError) as exc:
+            raise BadRequest(400, str(exc)) from None
         return tokens if request is None else truncated(tokens, request)
 
     @property
