@@ -120,56 +120,83 @@ class _Footprint:
     """Distinct KV blocks of one backend's in-flight requests, a prefix they share counted once (an estimate).
 
     A request's blocks past its matched prefix are its own (the backend computes them for it). Its matched prefix is
-    cut at anchor blocks (:data:`_ANCHORS`) into segments, each keyed by the chained hash of its last block: requests
+    cut at anchor blocks (:data:`_ANCHORS`) into segments, each keyed by the chained hash of its last block: prefixes
     whose hash agrees there share that whole segment (and all before it), so it is counted once. The estimate never
     falls short of the exact count; it is exact for one request and for requests that share whole matched prefixes
     (one system prompt, one document), and counts twice the part of a segment before two matched prefixes part, and
-    a prefix that one request is still computing while another already matches it. ``add``/``remove`` are
-    O(log n) for a matched prefix of n blocks.
+    a prefix that one request is still computing while another already matches it. A matched prefix is cut into
+    segments once, when the first request in flight holds it; ``add``/``remove`` are O(1) for the requests that
+    share it then (the common case: a system prompt), O(log n) for one of n blocks held by no other.
     """
 
-    __slots__ = ("_groups", "blocks")
+    __slots__ = ("_groups", "_prefixes", "blocks")
 
     def __init__(self) -> None:
         self.blocks = 0
-        self._groups: dict[int, list[int]] = {}  # last block's hash -> [segment length, requests holding it]
+        self._groups: dict[int, list[int]] = {}  # segment key -> [segment length, matched prefixes holding it]
+        # A whole matched prefix's key (its last block's hash) -> [requests holding it, its segment keys].
+        self._prefixes: dict[int, list[Any]] = {}
 
-    def add(self, hashes: Sequence[int], total: int, matched: int) -> tuple[tuple[int, ...], int]:
+    def add(self, hashes: Sequence[int], total: int, matched: int) -> tuple[int | None, int]:
         """Count a request of ``total`` blocks whose first ``matched`` blocks are cached; ``hashes``: its full blocks.
 
-        Returns what :meth:`remove` needs to take exactly this request back: its segment keys and its own blocks.
+        Returns what :meth:`remove` needs to take exactly this request back: its matched prefix's key (None: it
+        matched nothing) and its own blocks.
         """
         end = min(matched, len(hashes))
-        groups, depths = self._groups, _ANCHORS
-        keys: list[int] = []
+        if end <= 0:
+            self.blocks += total
+            return None, total
+        prefix = hashes[end - 1]
+        held = self._prefixes.get(prefix)
+        if held is not None:
+            held[0] += 1
+            self.blocks += total - end
+            return prefix, total - end
+        keys = _anchor_keys(hashes, end)
+        groups = self._groups
         added = total - end
-        position = 0
-        while depths[position] < end:
-            depth = depths[position]
-            position += 1
-            stop = min(depths[position], end)
-            key = hashes[stop - 1]
+        for key, length in keys:
             group = groups.get(key)
             if group is None:
-                groups[key] = [stop - depth, 1]
-                added += stop - depth
+                groups[key] = [length, 1]
+                added += length
             else:
                 group[1] += 1
-            keys.append(key)
+        self._prefixes[prefix] = [1, keys]
         self.blocks += added
-        return tuple(keys), total - end
+        return prefix, total - end
 
-    def remove(self, taken: tuple[tuple[int, ...], int]) -> None:
+    def remove(self, taken: tuple[int | None, int]) -> None:
         """Stop counting a request: ``taken`` is what :meth:`add` returned for it."""
-        keys, removed = taken
-        groups = self._groups
-        for key in keys:
-            group = groups[key]
-            group[1] -= 1
-            if not group[1]:
-                removed += group[0]
-                del groups[key]
+        prefix, removed = taken
+        if prefix is not None:
+            held = self._prefixes[prefix]
+            held[0] -= 1
+            if not held[0]:
+                del self._prefixes[prefix]
+                groups = self._groups
+                for key, _ in held[1]:
+                    group = groups[key]
+                    group[1] -= 1
+                    if not group[1]:
+                        removed += group[0]
+                        del groups[key]
         self.blocks -= removed
+
+
+def _anchor_keys(hashes: Sequence[int], end: int) -> tuple[tuple[int, int], ...]:
+    """The segments of the matched prefix ``hashes[:end]`` (``end`` ≥ 1), cut at :data:`_ANCHORS`: each one's key
+    (the hash of its last block) and length in blocks. O(log end)."""
+    depths = _ANCHORS
+    keys = []
+    position = 0
+    while depths[position] < end:
+        depth = depths[position]
+        position += 1
+        stop = min(depths[position], end)
+        keys.append((hashes[stop - 1], stop - depth))
+    return tuple(keys)
 
 
 _Figures: TypeAlias = "tuple[int, int | None, float | None, int, int, int | None, float | None, int, int, int, int]"
@@ -246,7 +273,7 @@ class _Request:
         pending_before: int,
         started_at: float,
         deadline: float | None,
-        footprint: tuple[tuple[int, ...], int],
+        footprint: tuple[int | None, int],
         hashes: Sequence[int],
         held: int,
         context: int,
@@ -260,7 +287,7 @@ class _Request:
         self.pending_before = pending_before
         self.started_at = started_at
         self.deadline = deadline
-        self.footprint = footprint  # its anchors in the backend's _Footprint
+        self.footprint = footprint  # its matched prefix's key and own blocks in the backend's _Footprint
         self.hashes = hashes  # its prompt's block hashes (the decision's own, not a copy), for a refusal
         self.held = held  # blocks its backend held at commit: a refusal retracts the rest (-1: never committed)
         self.prefilling = True
@@ -1083,7 +1110,8 @@ class Router:
         with self._lock:
             expected: dict[str, list[int]] = {}
             own: dict[str, int] = {}
-            holders: dict[str, dict[int, int]] = {}
+            prefixes: dict[str, dict[int, int]] = {}  # per backend: requests in flight per matched prefix
+            segments: dict[str, dict[int, tuple[tuple[int, int], ...]]] = {}  # and each prefix's segments
             for request in self._live.values():
                 backend = request.backend
                 figures = expected.setdefault(backend, [0, 0, 0, 0, 0])
@@ -1093,11 +1121,14 @@ class Router:
                     figures[2] += request.uncached
                     figures[3] += 1
                     figures[4] += request.context
-                keys, blocks = request.footprint
+                prefix, blocks = request.footprint
                 own[backend] = own.get(backend, 0) + blocks
-                counts = holders.setdefault(backend, {})
-                for key in keys:
-                    counts[key] = counts.get(key, 0) + 1
+                end = request.blocks - blocks  # its matched prefix, recomputed from its hashes
+                assert prefix == (request.hashes[end - 1] if end > 0 else None), (backend, prefix)
+                if prefix is not None:
+                    counts = prefixes.setdefault(backend, {})
+                    counts[prefix] = counts.get(prefix, 0) + 1
+                    segments.setdefault(backend, {})[prefix] = _anchor_keys(request.hashes, end)
             counters = (self._in_flight, self._held, self._pending, self._prefilling, self._context)
             prefilling = {r for r in self._live.values() if r.prefilling}
             assert prefilling == {r for queue in self._unprefilled.values() for r in queue}
@@ -1111,7 +1142,14 @@ class Router:
                 assert got == expected.get(backend, [0, 0, 0, 0, 0]), (backend, got, expected.get(backend))
                 footprint = self._footprints.get(backend)
                 groups = footprint._groups if footprint is not None else {}
-                assert {key: group[1] for key, group in groups.items()} == holders.get(backend, {}), backend
+                held = footprint._prefixes if footprint is not None else {}
+                assert {key: entry[0] for key, entry in held.items()} == prefixes.get(backend, {}), backend
+                assert {key: entry[1] for key, entry in held.items()} == segments.get(backend, {}), backend
+                holders: dict[int, list[int]] = {}  # segment key -> [length, matched prefixes holding it]
+                for keys in segments.get(backend, {}).values():
+                    for key, length in keys:
+                        holders.setdefault(key, [length, 0])[1] += 1
+                assert groups == holders, backend
                 distinct = own.get(backend, 0) + sum(group[0] for group in groups.values())
                 assert (footprint.blocks if footprint else 0) == distinct == self._active.get(backend, 0), backend
             tokens = self._attention.tokens
