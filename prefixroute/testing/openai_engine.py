@@ -45,7 +45,13 @@ from aiohttp import web
 
 from prefixroute._numbers import as_float, as_int, shown
 from prefixroute.adapters._listening import close_listener
-from prefixroute.adapters.serve.contract import UNSUPPORTED_MEDIA_TYPE, is_json_media_type, request_int, request_ints
+from prefixroute.adapters.serve.contract import (
+    UNSUPPORTED_MEDIA_TYPE,
+    is_batch,
+    is_json_media_type,
+    request_int,
+    request_ints,
+)
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.adapters.urls import host_port, listen_host
 from prefixroute.errors import ConfigurationError, InvalidTypeError, StateError
@@ -622,7 +628,7 @@ class OpenAIEngine:
         prompt = body.get("prompt")
         if prompt is None or prompt == "":  # vLLM's model validator: a ValueError, located at the body
             raise Invalid("Either prompt or prompt_embeds must be provided and non-empty.", param="body")
-        batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        batch = prompt if isinstance(prompt, list) and prompt and is_batch(prompt) else [prompt]
         texts = all(isinstance(one, str) for one in batch)  # a batch is all texts or all token-id lists
         prompts = []
         for one in batch:

@@ -95,7 +95,7 @@ HOSTILE: list[tuple[str, bytes]] = [
     ("/finish", b'{"id": ["x"]}'), ("/finish", b'{"id": {"id": "x"}}'), ("/finish", b'{"id": "x", "refused": "yes"}'),
     ("/finish", b'{"id": "x", "refused": 1}'),
     # the pick mode: OpenAI requests that are not one
-    ("/v1/completions", b'{"prompt": [true, 1]}'), ("/v1/completions", b'{"prompt": [[]]}'),
+    ("/v1/completions", b'{"prompt": [null, 1]}'), ("/v1/completions", b'{"prompt": [[]]}'),
     ("/v1/completions", b'{"prompt": [1.5]}'), ("/v1/completions", b'{"prompt": {"text": "x"}}'),
     ("/v1/completions", b'{"prompt": [999]}'), ("/v1/completions", b'{"prompt": "x", "model": 7}'),
     ("/v1/chat/completions", b'{"messages": [null]}'), ("/v1/chat/completions", b'{"messages": [{"content": "x"}]}'),

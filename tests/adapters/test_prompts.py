@@ -178,6 +178,17 @@ def test_a_token_id_vllm_reads_past_the_vocabulary_is_refused_in_its_words(promp
     assert _refusal({"prompt": prompt}, max_token_id=8) == "Token id 9 is out of vocabulary"
 
 
+@pytest.mark.parametrize(
+    ("prompt", "tokens"),
+    [(["1", 2], [1, 2]), (["7", 2.0, True], [7, 2, 1]), (["1", "2"], list(b"1")), (["a", 2], list(b"a"))],
+)
+def test_a_list_that_starts_with_a_text_is_a_batch_only_as_vllm_reads_it(prompt: list[Any], tokens: list[int]) -> None:
+    """pydantic reads ``["1", 2]`` as the ids [1, 2] (its smart union: no member takes the list strictly, and
+    ``list[int]`` does laxly); a list of texts is a batch, routed on its first; ``["a", 2]`` is no prompt vLLM takes
+    (routed on its first text, for the engine to refuse). The proxy routed the first two on the text "1" and "7"."""
+    assert request_tokens({"prompt": prompt}, chat=False, encoder=ByteEncoder()) == tokens
+
+
 @pytest.mark.parametrize("prompt", [[1, 1.5], [[4, None]], [2, -1], [1, None], [1, "1e2"], [[2, "x"]]])
 def test_ids_of_another_kind_go_on_for_the_router_to_refuse_naming_the_id(prompt: list[Any]) -> None:
     tokens = request_tokens({"prompt": prompt}, chat=False, encoder=ByteEncoder())

@@ -366,6 +366,10 @@ def test_token_ids_are_read_as_vllms_request_model_reads_them(engine: OpenAIEngi
     assert first.status_code == second.status_code == 200, second.text
     usage = second.json()["usage"]
     assert usage["prompt_tokens"] == 64 and usage["prompt_tokens_details"]["cached_tokens"] >= 48
+    # A list that starts with a text is no batch when every item reads as an int: ["0", 1, ...] is ids too.
+    third = httpx.post(f"{engine.url}/v1/completions", json={"prompt": ["0", *ids[1:]], "max_tokens": 1})
+    assert third.status_code == 200, third.text
+    assert third.json()["usage"]["prompt_tokens"] == 64
     for prompt, where in (([1, 1.5], "body.prompt.1"), ([True, None], "body.prompt.1"), ([[1], [2.0, "x"]], None)):
         reply = httpx.post(f"{engine.url}/v1/completions", json={"prompt": prompt})
         assert reply.status_code == 400, prompt

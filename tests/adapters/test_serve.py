@@ -359,6 +359,25 @@ def test_pick_mode_answers_in_headers_for_nginx_and_haproxy(location: str) -> No
     assert call(sidecar, "POST", "/v1/completions", {"prompt": [1, -2]}).status_code == 400
 
 
+def test_pick_mode_reads_token_ids_as_vllm_does() -> None:
+    """vLLM's request model (pydantic, lax) reads ``true``, ``2.0`` and ``"3"`` in a list of ids as ints, and
+    ``["1", 2]`` as the ids [1, 2] (no batch: not every item is a text); the pick mode refused the first with 400
+    (so the proxy fell back to its plain balancer) and routed the second on the text "1"."""
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    plain = call(sidecar, "POST", "/v1/completions", {"prompt": [1, 2, 3, 4, 5, 6, 7, 8]}).json()
+    sidecar.finish(plain["id"])  # no load: the prefix alone decides
+    lax = call(sidecar, "POST", "/v1/completions", {"prompt": [True, 2.0, "3", 4, 5, 6, 7, 8, 9]})
+    assert lax.status_code == 200, lax.json()
+    assert (lax.json()["backend"], lax.json()["matched_tokens"], lax.json()["prompt_tokens"]) == (
+        plain["backend"], 8, 9,
+    )  # fmt: skip
+    sidecar.finish(lax.json()["id"])
+    mixed = call(sidecar, "POST", "/v1/completions", {"prompt": ["1", 2, 3, 4]}).json()
+    assert (mixed["backend"], mixed["matched_tokens"], mixed["prompt_tokens"]) == (plain["backend"], 4, 4)
+    with pytest.raises(BadRequest, match="text prompts need a tokenizer"):  # a batch of texts: its first decides
+        sidecar.pick("/v1/completions", json.dumps({"prompt": ["1", "2"]}).encode())
+
+
 BAD_OPENAI_BODIES: list[tuple[str, bytes, str]] = [
     ("/v1/completions", b"null", "an OpenAI request body is a JSON object"),
     ("/v1/chat/completions", b"[]", "an OpenAI request body is a JSON object"),
@@ -381,9 +400,9 @@ BAD_OPENAI_BODIES: list[tuple[str, bytes, str]] = [
     ("/v1/completions", b'{"prompt": {"text": "x"}}', "a completion needs 'prompt'"),
     ("/v1/completions", b'{"prompt": []}', "a completion needs 'prompt'"),
     ("/v1/completions", b'{"prompt": [[]]}', "a completion needs 'prompt'"),
-    ("/v1/completions", b'{"prompt": [1, true]}', "a completion needs 'prompt'"),
+    ("/v1/completions", b'{"prompt": [1, null]}', "a completion needs 'prompt'"),  # [1, true] is [1, 1] to vLLM
     ("/v1/completions", b'{"prompt": [1, -1]}', "a completion needs 'prompt'"),
-    ("/v1/completions", b'{"prompt": [1, 1.0]}', "a completion needs 'prompt'"),
+    ("/v1/completions", b'{"prompt": [1, 1.5]}', "a completion needs 'prompt'"),  # 1.0 is 1 to vLLM
     ("/v1/completions", b'{"prompt": [1, 4294967296]}', "a completion needs 'prompt'"),
 ]
 

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Protocol, runtime_checkable
 
 import msgspec
 
-from prefixroute.adapters.serve.contract import request_flag, request_int, request_ints
+from prefixroute.adapters.serve.contract import is_batch, request_flag, request_int, request_ints
 from prefixroute.adapters.tokenize import PromptTokenizer, serialise_chat
 from prefixroute.errors import InvalidTypeError
 
@@ -186,7 +186,7 @@ def _request_tokens(
         if embeds is None or embeds == []:
             raise BadRequest("Either prompt or prompt_embeds must be provided and non-empty.")
         return []  # embeddings alone (vLLM's --enable-prompt-embeds): no token ids to match, routed on load
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+    if isinstance(prompt, list) and prompt and is_batch(prompt):
         if max_token_id is not None:  # the engine refuses the whole batch for one prompt's id
             for other in prompt[1:]:
                 if isinstance(other, list):

@@ -37,6 +37,7 @@ __all__ = [
     "UNSUPPORTED_MEDIA_TYPE",
     "decode",
     "is_json_media_type",
+    "is_batch",
     "is_refusal",
     "json_error",
     "json_type",
@@ -343,14 +344,15 @@ def openai_prompt(path: str, body: bytes) -> tuple[Prompt, str | None, object]:
         check_messages(messages)
         return request, model, request.get("cache_salt")
     prompt = request.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+    if isinstance(prompt, list) and prompt and is_batch(prompt):
         prompt = prompt[0]  # a batch: its first prompt decides
     options = {name: request[name] for name in _PROMPT_OPTIONS if name in request}
     salt = request.get("cache_salt")
     if isinstance(prompt, str) and prompt:
         return ({"prompt": prompt, **options} if options else prompt), model, salt
-    if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < 2**32 for t in prompt):
-        return ({"prompt": prompt, **options} if options else prompt), model, salt
+    ids = request_ints(prompt) if isinstance(prompt, list) and prompt else None  # as vLLM reads them: "3" is 3
+    if ids is not None and all(0 <= t < 2**32 for t in ids):
+        return ({"prompt": ids, **options} if options else ids), model, salt
     raise BadRequest(400, "a completion needs 'prompt': a non-empty string or list of token ids in [0, 2**32)")
 
 
@@ -441,6 +443,24 @@ def request_int(value: object) -> int | None:
     if isinstance(value, str) and len(value) <= _MAX_INT_TEXT and (match := _INT_TEXT.fullmatch(value)):
         return int(match[1])
     return None
+
+
+def is_batch(prompt: list[Any]) -> bool:
+    """Whether vLLM reads a completion's non-empty list ``prompt`` as a batch of prompts, not one prompt of token ids,
+    as pydantic's smart union of vLLM's ``list[int] | list[list[int]] | str | list[str]`` reads it: a list of texts,
+    or one that starts with a list, is a batch (or refused); one that starts with a text and holds something else is
+    one prompt of ids when each item reads as an int (:func:`request_ints`: ``["1", 2]`` is ``[1, 2]``).
+    O(len(prompt)).
+
+    >>> is_batch(["a", "b"]), is_batch(["1", 2]), is_batch([[1], [2]]), is_batch([1, "2"]), is_batch(["a", 2])
+    (True, False, True, False, True)
+    """
+    first = prompt[0]
+    if isinstance(first, list):
+        return True
+    if not isinstance(first, str):
+        return False
+    return all(isinstance(item, str) for item in prompt) or request_ints(prompt) is None
 
 
 def request_ints(values: list[Any]) -> list[int] | None:
