@@ -22,6 +22,11 @@ backend and has seen others finish, with room in every backend's KV memory and w
 such prompt), so that every candidate walks the backend's requests for ``Candidate.memory_wait_s``: the ratio of the
 two is what that walk costs.
 
+``--lifecycle`` prints, instead, what one request costs from route() to finish() on a fleet (2K-token prompts, each one
+of 8 system prompts plus a new half): median microseconds of route(), start() and finish(), with no other request in
+flight and with ``--in-flight`` requests kept in flight (each finished that many requests later), as a gateway that
+routes every request through one router sees them.
+
 ``--bounded`` also prints the hit rate of the bounded store (generations of sets) against an exact LRU on a Zipf
 prefix workload, at several capacities: the cost of its approximation, in percentage points.
 
@@ -36,13 +41,13 @@ import random
 import statistics
 import time
 import tracemalloc
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
 import xxhash
 from _args import Parser, positive_int, unit_fraction
 
-from prefixroute import PrefixIndex, Router
+from prefixroute import Decision, PrefixIndex, Router
 from prefixroute.hashing import encode_tokens
 
 VOCAB = 32_000
@@ -245,6 +250,12 @@ def main() -> None:
         help="time decide() with every backend's KV memory full (memory_wait_s walked) against one with room",
     )
     parser.add_argument(
+        "--lifecycle", action="store_true", help="time route(), start() and finish() of one request on each fleet"
+    )
+    parser.add_argument(
+        "--in-flight", type=positive_int, default=2000, help="requests kept in flight by --lifecycle (2000)"
+    )
+    parser.add_argument(
         "--zipf-only", action="store_true", help="print only the hit-rate comparison with an exact LRU (Zipf workload)"
     )
     parser.add_argument(
@@ -253,6 +264,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.runs, args.calls, args.entries, args.zipf_requests = 2, 20, 20_000, 3_000
+        args.in_flight = min(args.in_flight, 50)
     if args.zipf_only:
         print_hit_rates(args.zipf_requests)
         return
@@ -261,6 +273,9 @@ def main() -> None:
         return
     if args.full_fleet:
         print_full_fleet(args.backends, args.calls, args.runs)
+        return
+    if args.lifecycle:
+        print_lifecycle(args.backends, args.calls * 10, args.runs, args.in_flight)
         return
 
     rng = random.Random(0)
@@ -345,6 +360,42 @@ def print_full_fleet(fleets: list[int], calls: int, runs: int) -> None:
                 passes[label].append((time.perf_counter() - start) / calls)
         room, full = (statistics.median(passes[label]) * 1e6 for label in ("room", "full"))
         print(f"{count:>8} {room:>9.1f} {full:>9.1f} {full / room:>6.2f}")
+
+
+def print_lifecycle(fleets: list[int], calls: int, runs: int, in_flight: int) -> None:
+    """route(), start() and finish() of each request timed apart, passes of ``calls`` requests on one router per
+    case: with none other in flight (each finished at once) and with ``in_flight`` kept in flight."""
+    rng = random.Random(4)
+    shared = [[rng.randrange(VOCAB) for _ in range(1024)] for _ in range(8)]
+    prompts = [shared[i % 8] + [rng.randrange(VOCAB) for _ in range(1024)] for i in range(64)]
+    print(f"2K-token prompts (8 system prompts), median us of {runs} passes x {calls} requests")
+    print(f"{'backends':>8} {'in flight':>9} {'route us':>9} {'start us':>9} {'finish us':>10} {'sum us':>8}")
+    clock = time.perf_counter
+    for count in fleets:
+        backends = [f"http://gpu{i}:8000" for i in range(count)]
+        for kept in (0, in_flight):
+            router = Router()
+            waiting: deque[Decision] = deque()
+            passes: list[tuple[float, float, float]] = []
+            for run in range(runs + 1):  # the first pass warms the index and fills the requests in flight
+                spent = [0.0, 0.0, 0.0]
+                for k in range(calls):
+                    t0 = clock()
+                    decision = router.route(prompts[k % 64], backends)
+                    t1 = clock()
+                    router.start(decision)
+                    t2 = clock()
+                    waiting.append(decision)
+                    if len(waiting) > kept:
+                        router.finish(waiting.popleft())
+                    t3 = clock()
+                    spent[0] += t1 - t0
+                    spent[1] += t2 - t1
+                    spent[2] += t3 - t2
+                if run:
+                    passes.append((spent[0] / calls, spent[1] / calls, spent[2] / calls))
+            route, start, finish = (statistics.median(p[i] for p in passes) * 1e6 for i in range(3))
+            print(f"{count:>8} {kept:>9} {route:>9.1f} {start:>9.1f} {finish:>10.1f} {route + start + finish:>8.1f}")
 
 
 def print_shared_match(fleets: list[int], calls: int) -> None:

@@ -43,6 +43,15 @@ def test_bench_route_full_fleet_prints_room_full_and_their_ratio_per_fleet() -> 
         assert float(ratio) == pytest.approx(float(full) / float(room), abs=0.01)
 
 
+def test_bench_route_lifecycle_prints_each_call_and_their_sum_per_fleet_and_load() -> None:
+    rows = [line.split() for line in run("bench_route.py", "--quick", "--lifecycle").splitlines()]
+    figures = [row for row in rows if len(row) == 6 and row[0].isdigit()]
+    assert [row[:2] for row in figures] == [["8", "0"], ["8", "50"], ["64", "0"], ["64", "50"]]
+    for *_, route, start, finish, total in figures:
+        assert float(route) > 0 and float(start) > 0 and float(finish) > 0
+        assert float(total) == pytest.approx(float(route) + float(start) + float(finish), abs=0.2)
+
+
 def test_bench_route_shared_match_prints_both_stores_per_fleet() -> None:
     rows = [line.split() for line in run("bench_route.py", "--quick", "--shared-match").splitlines()]
     assert [row[:2] for row in rows if len(row) == 5 and row[0].isdigit()] == [
