@@ -256,8 +256,9 @@ class Sidecar:
         return decision
 
     def _read_route(self, body: bytes) -> tuple[RouteBody, Prompt, list[int] | None]:
-        """A ``/route`` body, its prompt (:func:`route_prompt`), and that prompt's token ids when it is ids alone
-        that the decode found within the model's vocabulary (nothing left for :meth:`_tokens` to do), else None.
+        """A ``/route`` body, its prompt (:func:`route_prompt`), and that prompt's token ids when it is ids alone,
+        which the decode found within the model's vocabulary if there is one (nothing left for :meth:`_tokens` to
+        do), else None.
 
         Raises:
             BadRequest: as :func:`decode` and :func:`route_prompt`.
@@ -270,7 +271,7 @@ class Sidecar:
             return request, route_prompt(request), None
         prompt = route_prompt(request)
         ids = request.prompt_token_ids
-        return request, prompt, ids if self._route_body is not RouteBody and prompt is ids else None
+        return request, prompt, ids if prompt is ids else None
 
     def pick(self, path: str, body: bytes, *, within: Collection[str] | None = None) -> Decision:
         """Decide for a client's OpenAI request body (``path`` says which kind) and count it in flight; with
