@@ -11,17 +11,18 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, NoReturn, SupportsIndex, TypeAlias
+from typing import Literal, NoReturn, SupportsIndex, TypeAlias
 
 import cachetools
 import xxhash
 
+from prefixroute._accounting import AttentionFit, Footprint, StartedRequest
+from prefixroute._arguments import check_backend_id, check_backends, check_lease, id_of, iterable_of, lease_deadline
 from prefixroute._numbers import as_float, as_int, shown
 from prefixroute.errors import (
     ConfigurationError,
     DecisionError,
     InvalidTypeError,
-    NoBackendError,
     PolicyError,
     PrefixRouteError,
 )
@@ -55,149 +56,6 @@ _SPEED_WEIGHT = 0.2
 # The mean lifetime of a request (start() to finish(), Candidate.memory_wait_s) is the plain mean of the first
 # finishes, then follows later ones with this weight each (unit-free: about the last 50 count).
 _LIFETIME_WEIGHT = 0.02
-
-# The attention fit weighs each earlier first token this much less than the next one (unit-free: about the last 50
-# count), takes no fit whose two figures are this close to proportional (a squared correlation over 1 - this), and
-# none whose pairs' coefficient is fewer standard errors than this from 0.
-_FIT_MEMORY = 0.98
-_FIT_COLLINEAR = 1e-6
-_FIT_SIGNIFICANCE = 3.0
-
-
-class _AttentionFit:
-    """A fleet-wide least-squares fit, with forgetting, of each request's wait for its first token on the prefill
-    queued ahead of it (its own included) in tokens and in token × context pairs: ``wait ≈ a × tokens + b × pairs``.
-    ``tokens`` is ``a / b``, the context length at which a prefill token's attention costs as much as the rest of its
-    compute: None until both figures are positive and ``b`` is :data:`_FIT_SIGNIFICANCE` standard errors from 0 (where
-    waits do not grow with context, or noise hides how, nothing is fitted). O(1) a first token."""
-
-    __slots__ = ("_sums", "tokens")
-
-    def __init__(self) -> None:
-        # Σ x1², Σ x1·x2, Σ x2², Σ x1·y, Σ x2·y, Σ y², Σ 1, each observation weighed by its age
-        self._sums = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-        self.tokens: float | None = None
-
-    def add(self, tokens: int, pairs: int, seconds: float) -> None:
-        x1, x2, y, f = float(tokens), float(pairs), seconds, _FIT_MEMORY
-        s11, s12, s22, s1y, s2y, syy, n = self._sums
-        sums = (
-            f * s11 + x1 * x1,
-            f * s12 + x1 * x2,
-            f * s22 + x2 * x2,
-            f * s1y + x1 * y,
-            f * s2y + x2 * y,
-            f * syy + y * y,
-            f * n + 1.0,
-        )
-        if not all(map(math.isfinite, sums)):  # a prompt of billions of tokens, or a clock gone wrong: not learned
-            return
-        self._sums = s11, s12, s22, s1y, s2y, syy, n = sums
-        self.tokens = None
-        det = s11 * s22 - s12 * s12
-        if n <= 2.0 or not det > _FIT_COLLINEAR * s11 * s22:  # too few, or the two figures move together
-            return
-        a, b = (s22 * s1y - s12 * s2y) / det, (s11 * s2y - s12 * s1y) / det
-        residual = max(0.0, syy - a * s1y - b * s2y) / (n - 2.0)
-        if a > 0.0 and b > 0.0 and b * b * det > _FIT_SIGNIFICANCE**2 * residual * s11:
-            self.tokens = a / b if math.isfinite(a / b) else None
-
-
-def _anchor_depths(limit: int = 1 << 26) -> tuple[int, ...]:
-    """Block positions where :class:`_Footprint` samples prompts: every block up to 8, then 1/4 further each."""
-    depths = [0]
-    while depths[-1] < limit:
-        depths.append(depths[-1] + max(1, depths[-1] // 4))
-    return tuple(depths)
-
-
-# Anchors grow by a quarter, so a prompt of n blocks has O(log n) of them (28 at 512 blocks, 42 at 12K) and an
-# estimate counts twice at most the quarter of a prompt between the anchor before two prompts part and that block.
-_ANCHORS = _anchor_depths()
-
-
-class _Footprint:
-    """Distinct KV blocks of one backend's in-flight requests, a prefix they share counted once (an estimate).
-
-    A request's blocks past its matched prefix are its own (the backend computes them for it). Its matched prefix is
-    cut at anchor blocks (:data:`_ANCHORS`) into segments, each keyed by the chained hash of its last block: prefixes
-    whose hash agrees there share that whole segment (and all before it), so it is counted once. The estimate never
-    falls short of the exact count; it is exact for one request and for requests that share whole matched prefixes
-    (one system prompt, one document), and counts twice the part of a segment before two matched prefixes part, and
-    a prefix that one request is still computing while another already matches it. A matched prefix is cut into
-    segments once, when the first request in flight holds it; ``add``/``remove`` are O(1) for the requests that
-    share it then (the common case: a system prompt), O(log n) for one of n blocks held by no other.
-    """
-
-    __slots__ = ("_groups", "_prefixes", "blocks")
-
-    def __init__(self) -> None:
-        self.blocks = 0
-        self._groups: dict[int, list[int]] = {}  # segment key -> [segment length, matched prefixes holding it]
-        # A whole matched prefix's key (its last block's hash) -> [requests holding it, its segment keys].
-        self._prefixes: dict[int, list[Any]] = {}
-
-    def add(self, hashes: Sequence[int], total: int, matched: int) -> tuple[int | None, int]:
-        """Count a request of ``total`` blocks whose first ``matched`` blocks are cached; ``hashes``: its full blocks.
-
-        Returns what :meth:`remove` needs to take exactly this request back: its matched prefix's key (None: it
-        matched nothing) and its own blocks.
-        """
-        end = min(matched, len(hashes))
-        if end <= 0:
-            self.blocks += total
-            return None, total
-        prefix = hashes[end - 1]
-        held = self._prefixes.get(prefix)
-        if held is not None:
-            held[0] += 1
-            self.blocks += total - end
-            return prefix, total - end
-        keys = _anchor_keys(hashes, end)
-        groups = self._groups
-        added = total - end
-        for key, length in keys:
-            group = groups.get(key)
-            if group is None:
-                groups[key] = [length, 1]
-                added += length
-            else:
-                group[1] += 1
-        self._prefixes[prefix] = [1, keys]
-        self.blocks += added
-        return prefix, total - end
-
-    def remove(self, taken: tuple[int | None, int]) -> None:
-        """Stop counting a request: ``taken`` is what :meth:`add` returned for it."""
-        prefix, removed = taken
-        if prefix is not None:
-            held = self._prefixes[prefix]
-            held[0] -= 1
-            if not held[0]:
-                del self._prefixes[prefix]
-                groups = self._groups
-                for key, _ in held[1]:
-                    group = groups[key]
-                    group[1] -= 1
-                    if not group[1]:
-                        removed += group[0]
-                        del groups[key]
-        self.blocks -= removed
-
-
-def _anchor_keys(hashes: Sequence[int], end: int) -> tuple[tuple[int, int], ...]:
-    """The segments of the matched prefix ``hashes[:end]`` (``end`` ≥ 1), cut at :data:`_ANCHORS`: each one's key
-    (the hash of its last block) and length in blocks. O(log end)."""
-    depths = _ANCHORS
-    keys = []
-    position = 0
-    while depths[position] < end:
-        depth = depths[position]
-        position += 1
-        stop = min(depths[position], end)
-        keys.append((hashes[stop - 1], stop - depth))
-    return tuple(keys)
-
 
 _Figures: TypeAlias = "tuple[int, int | None, float | None, int, int, int | None, float | None, int, int, int, int]"
 """A backend's :class:`Candidate` fields from ``in_flight`` to ``pending_prefill_context``, in field order."""
@@ -245,52 +103,6 @@ class RouterStats:
     second finish, an expired or removed one, or a decision of another router)."""
     leases_expired: int
     """Requests that stopped counting because their lease ran out before :meth:`Router.finish`."""
-
-
-class _Request:
-    """One started request: what it adds to its backend's counters, so finish() takes exactly that back."""
-
-    __slots__ = (
-        "backend",
-        "blocks",
-        "context",
-        "context_before",
-        "deadline",
-        "footprint",
-        "hashes",
-        "held",
-        "pending_before",
-        "prefilling",
-        "started_at",
-        "uncached",
-    )
-
-    def __init__(
-        self,
-        backend: str,
-        uncached: int,
-        blocks: int,
-        pending_before: int,
-        started_at: float,
-        deadline: float | None,
-        footprint: tuple[int | None, int],
-        hashes: Sequence[int],
-        held: int,
-        context: int,
-        context_before: int,
-    ) -> None:
-        self.backend = backend
-        self.uncached = uncached
-        self.context = context  # its prefill's token × context pairs (see Candidate.pending_prefill_context)
-        self.context_before = context_before
-        self.blocks = blocks
-        self.pending_before = pending_before
-        self.started_at = started_at
-        self.deadline = deadline
-        self.footprint = footprint  # its matched prefix's key and own blocks in the backend's _Footprint
-        self.hashes = hashes  # its prompt's block hashes (the decision's own, not a copy), for a refusal
-        self.held = held  # blocks its backend held at commit: a refusal retracts the rest (-1: never committed)
-        self.prefilling = True
 
 
 class Router:
@@ -371,7 +183,7 @@ class Router:
         self._prefix_aware = _prefix_aware(self._policy)
         self._clock = clock
         self._placement_blocks = placement
-        self._lease = _check_lease(lease)
+        self._lease = check_lease(lease)
         self._lock = _Lock()
         # Per backend: requests in flight, uncached prompt tokens still in prefill, prompt blocks in flight.
         self._in_flight: dict[str, int] = {}
@@ -381,17 +193,17 @@ class Router:
         self._prefilling: dict[str, int] = {}  # requests in flight without a first token
         # The same requests per backend, oldest start first (an ordered set), for _infer_prefilled; and what tells
         # that the gateway reports no first tokens: a request finished without one, and first_token() never called.
-        self._unprefilled: dict[str, dict[_Request, None]] = {}
-        self._flying: dict[str, dict[_Request, None]] = {}  # per backend: its requests in flight, oldest first
+        self._unprefilled: dict[str, dict[StartedRequest, None]] = {}
+        self._flying: dict[str, dict[StartedRequest, None]] = {}  # per backend: its requests in flight, oldest first
         self._lifetime: float | None = None  # mean seconds from start() to finish(), over the fleet
         self._finished = 0  # finishes that taught the lifetime
         self._first_tokens_reported = False
         self._first_tokens_missing = False
         self._polled: dict[str, float] = {}  # per backend: when set_engine_load() last brought its queue (the clock)
-        self._footprints: dict[str, _Footprint] = {}
+        self._footprints: dict[str, Footprint] = {}
         self._active: dict[str, int] = {}  # distinct KV blocks in flight: each footprint's figure, for _candidates
         self._speed: dict[str, float] = {}  # observed prefill tokens/s
-        self._attention = _AttentionFit()  # fleet-wide, from first tokens: Candidate.attention_tokens
+        self._attention = AttentionFit()  # fleet-wide, from first tokens: Candidate.attention_tokens
         self._queue_len: dict[str, int | None] = {}  # engine figures from set_engine_load()
         self._kv_usage: dict[str, float | None] = {}
         # Each backend's Candidate fields after the first three but the last (the fleet's attention_tokens, added per
@@ -399,7 +211,7 @@ class Router:
         # building candidates than reading the figures anew.
         self._figures: dict[str, _Figures] = {}
         self._capacity_changes = index._capacity_changes
-        self._live: dict[str, _Request] = {}
+        self._live: dict[str, StartedRequest] = {}
         self._leases: list[tuple[float, str]] = []  # a heap of (deadline, id); stale entries are skipped
         self._counts = dict.fromkeys(("decisions", "commits", "ignored", "leases_expired"), 0)
         self._expiries_told: tuple[float, int] | None = None  # the last expiry warning: when, and leases_expired then
@@ -520,7 +332,7 @@ class Router:
     def _decide(
         self, prompt_tokens: Tokens, backends: Sequence[str], namespace: str | bytes | None, *, commit: bool
     ) -> Decision:
-        ids = _check_backends(backends)
+        ids = check_backends(backends)
         data = encode_tokens(prompt_tokens)
         if namespace is None:
             seed = self._hasher.seed
@@ -647,14 +459,14 @@ class Router:
                 finite number of seconds to start it from (nothing is recorded).
         """
         self._check_own(decision)
-        lease = self._lease if lease is None else _check_lease(lease)
+        lease = self._lease if lease is None else check_lease(lease)
         backend = decision.backend
         uncached = decision.prompt_tokens - decision.matched_tokens
         context = uncached * decision.matched_tokens + uncached * (uncached + 1) // 2
         blocks = -(-decision.prompt_tokens // self._hasher.block_size)
         with self._lock:
             now = self._clock()
-            deadline = None if lease is None else _deadline(now, lease)
+            deadline = None if lease is None else lease_deadline(now, lease)
             if self._leases:
                 self._expire(now)
             live = self._live.get(decision.id)
@@ -668,10 +480,10 @@ class Router:
             queued_context = self._context.get(backend, 0)
             footprint = self._footprints.get(backend)
             if footprint is None:
-                footprint = self._footprints[backend] = _Footprint()
+                footprint = self._footprints[backend] = Footprint()
             taken = footprint.add(decision._hashes, blocks, decision.matched_tokens // self._hasher.block_size)
             self._active[backend] = footprint.blocks
-            request = self._live[decision.id] = _Request(
+            request = self._live[decision.id] = StartedRequest(
                 backend,
                 uncached,
                 blocks,
@@ -703,7 +515,7 @@ class Router:
         (:attr:`Candidate.attention_tokens`). A request that is not in flight is ignored and counted. Once called, the
         router stops inferring prefills from the engines' queues (see :meth:`set_engine_load`).
         """
-        decision_id = _id_of(decision)
+        decision_id = id_of(decision)
         with self._lock:
             self._first_tokens_reported = True
             request = self._live.get(decision_id)
@@ -753,7 +565,7 @@ class Router:
         """
         if refused is not True and refused is not False:
             raise InvalidTypeError(f"finish(refused=...) takes True or False, not {type(refused).__name__}")
-        decision_id = _id_of(decision)
+        decision_id = id_of(decision)
         with self._lock:
             request = self._live.pop(decision_id, None)
             if request is None:
@@ -767,7 +579,7 @@ class Router:
             if refused and request.held >= 0:
                 self._retract(request)
 
-    def _learn_lifetime(self, request: _Request) -> None:
+    def _learn_lifetime(self, request: StartedRequest) -> None:
         """Fold a finished request's time in flight into the fleet's mean lifetime (call under the lock)."""
         try:
             now, started = as_float(self._clock()), as_float(request.started_at)
@@ -799,7 +611,7 @@ class Router:
         wait = (now if started is None else started) + lifetime - now
         return wait if 0.0 < wait < math.inf else 0.0
 
-    def _retract(self, request: _Request) -> None:
+    def _retract(self, request: StartedRequest) -> None:
         """Forget what a refused request's commit predicted on its backend (call under the lock, after
         :meth:`_release`): the blocks past ``request.held`` that no request in flight there shares."""
         hashes, backend = request.hashes, request.backend
@@ -838,7 +650,7 @@ class Router:
         Raises:
             TypeError: ``backend`` is not a str.
         """
-        backend = _check_backend_id(backend)
+        backend = check_backend_id(backend)
         with self._lock:
             self._expire_due()
             return self._in_flight.get(backend, 0)
@@ -851,7 +663,7 @@ class Router:
             c = self._counts
             return RouterStats(c["decisions"], c["commits"], len(self._live), c["ignored"], c["leases_expired"])
 
-    def _release(self, request: _Request) -> None:
+    def _release(self, request: StartedRequest) -> None:
         backend = request.backend
         self._in_flight[backend] -= 1
         flying = self._flying[backend]
@@ -866,7 +678,7 @@ class Router:
             self._prefilled(request)
         self._figures.pop(backend, None)
 
-    def _prefilled(self, request: _Request) -> None:
+    def _prefilled(self, request: StartedRequest) -> None:
         """Take a request out of its backend's prefill counts (call under the lock)."""
         backend = request.backend
         request.prefilling = False
@@ -966,7 +778,7 @@ class Router:
             ConfigurationError: ``queue_len`` is not an int in [0, 2**63) (policies do float arithmetic on loads) or
                 ``kv_usage`` is not a number in [0, 1].
         """
-        backend = _check_backend_id(backend)
+        backend = check_backend_id(backend)
         if queue_len is not None:
             queue = as_int(queue_len)
             if queue is None or not 0 <= queue < _QUEUE_LIMIT:
@@ -1001,7 +813,7 @@ class Router:
         kept = waiting + 1  # and the newest admitted, which a chunked prefill may be part-way through
         if before is None or not queue or len(queue) <= kept:
             return
-        older: list[_Request] = []  # oldest start first, up to the first that started since the previous call
+        older: list[StartedRequest] = []  # oldest start first, up to the first that started since the previous call
         for request in queue:
             started = as_float(request.started_at)
             if started is None or not started < before:
@@ -1016,7 +828,7 @@ class Router:
 
         See :meth:`PrefixIndex.set_capacity`. O(evicted).
         """
-        backend = _check_backend_id(backend)
+        backend = check_backend_id(backend)
         with self._lock:
             self._index.set_capacity(backend, capacity_blocks)
 
@@ -1026,7 +838,7 @@ class Router:
         A later :meth:`finish` of one of its requests is ignored. O(requests in flight) under the lock; the blocks
         are freed after it is released (a million take ~40 ms).
         """
-        backend = _check_backend_id(backend)
+        backend = check_backend_id(backend)
         with self._lock:
             blocks = self._index.remove_backend(backend)
             for decision_id in [i for i, r in self._live.items() if r.backend == backend]:
@@ -1067,7 +879,7 @@ class Router:
             InvalidEventError: a hash is not an int in [0, 2**64).
         """
         if not isinstance(hashes, Sequence):
-            hashes = list(_iterable(hashes, "evict() hashes", "block hashes"))
+            hashes = list(iterable_of(hashes, "evict() hashes", "block hashes"))
         self.write(backend, ((False, hashes, None),))
 
     def write(self, backend: str, updates: Iterable[IndexUpdate]) -> None:
@@ -1080,14 +892,14 @@ class Router:
             TypeError: ``updates`` is not iterable, or an update is not such a tuple.
             InvalidEventError: a hash or parent is not an int in [0, 2**64).
         """
-        backend = _check_backend_id(backend)
-        updates = [check_update(update) for update in _iterable(updates, "write() updates", "index updates")]
+        backend = check_backend_id(backend)
+        updates = [check_update(update) for update in iterable_of(updates, "write() updates", "index updates")]
         with self._lock:
             apply_updates(self._index, backend, updates)
 
     def clear_backend(self, backend: str) -> None:
         """Forget every block ``backend`` holds (its engine restarted or cleared its cache); counts stay. O(1)."""
-        backend = _check_backend_id(backend)
+        backend = check_backend_id(backend)
         with self._lock:
             blocks = self._index.remove_backend(backend)
         del blocks  # freed outside the lock
@@ -1109,11 +921,10 @@ class Router:
         while other threads route. For tests; O(requests + index)."""
         with self._lock:
             expected: dict[str, list[int]] = {}
-            own: dict[str, int] = {}
-            prefixes: dict[str, dict[int, int]] = {}  # per backend: requests in flight per matched prefix
-            segments: dict[str, dict[int, tuple[tuple[int, int], ...]]] = {}  # and each prefix's segments
+            requests: dict[str, list[StartedRequest]] = {}
             for request in self._live.values():
                 backend = request.backend
+                requests.setdefault(backend, []).append(request)
                 figures = expected.setdefault(backend, [0, 0, 0, 0, 0])
                 figures[0] += 1
                 figures[1] += request.blocks
@@ -1121,14 +932,6 @@ class Router:
                     figures[2] += request.uncached
                     figures[3] += 1
                     figures[4] += request.context
-                prefix, blocks = request.footprint
-                own[backend] = own.get(backend, 0) + blocks
-                end = request.blocks - blocks  # its matched prefix, recomputed from its hashes
-                assert prefix == (request.hashes[end - 1] if end > 0 else None), (backend, prefix)
-                if prefix is not None:
-                    counts = prefixes.setdefault(backend, {})
-                    counts[prefix] = counts.get(prefix, 0) + 1
-                    segments.setdefault(backend, {})[prefix] = _anchor_keys(request.hashes, end)
             counters = (self._in_flight, self._held, self._pending, self._prefilling, self._context)
             prefilling = {r for r in self._live.values() if r.prefilling}
             assert prefilling == {r for queue in self._unprefilled.values() for r in queue}
@@ -1140,18 +943,9 @@ class Router:
             for backend in set(expected).union(*counters, self._footprints, self._active):
                 got = [counter.get(backend, 0) for counter in counters]
                 assert got == expected.get(backend, [0, 0, 0, 0, 0]), (backend, got, expected.get(backend))
-                footprint = self._footprints.get(backend)
-                groups = footprint._groups if footprint is not None else {}
-                held = footprint._prefixes if footprint is not None else {}
-                assert {key: entry[0] for key, entry in held.items()} == prefixes.get(backend, {}), backend
-                assert {key: entry[1] for key, entry in held.items()} == segments.get(backend, {}), backend
-                holders: dict[int, list[int]] = {}  # segment key -> [length, matched prefixes holding it]
-                for keys in segments.get(backend, {}).values():
-                    for key, length in keys:
-                        holders.setdefault(key, [length, 0])[1] += 1
-                assert groups == holders, backend
-                distinct = own.get(backend, 0) + sum(group[0] for group in groups.values())
-                assert (footprint.blocks if footprint else 0) == distinct == self._active.get(backend, 0), backend
+                footprint = self._footprints.get(backend) or Footprint()
+                footprint._check([(r.hashes, r.blocks, r.footprint) for r in requests.get(backend, ())])
+                assert footprint.blocks == self._active.get(backend, 0), backend
             tokens = self._attention.tokens
             assert tokens is None or 0.0 < tokens < math.inf, tokens
             check = getattr(self._index, "_check", None)
@@ -1185,17 +979,6 @@ class _Lock:
         self._lock.release()
 
 
-def _iterable(value: object, what: str, items: str) -> Iterable[Any]:
-    """``value`` if it is iterable (a str is not), else a TypeError that says what ``what`` must be."""
-    if (
-        isinstance(value, (str, bytes))
-        or not isinstance(value, Iterable)
-        or (isinstance(value, memoryview) and value.ndim != 1)  # which raises NotImplementedError when iterated
-    ):
-        raise InvalidTypeError(f"{what} must be an iterable of {items}, not {type(value).__name__}")
-    return value
-
-
 def _text(exc: BaseException) -> str:
     """``str(exc)``, short, for a message about a faulty policy (whose exception's ``__str__`` may raise too)."""
     try:
@@ -1203,21 +986,6 @@ def _text(exc: BaseException) -> str:
     except Exception:  # noqa: BLE001 - the message must not fail on the exception it describes
         return "(its str() raised)"
     return text if len(text) <= 200 else text[:197] + "..."
-
-
-def _id_of(decision: Decision | str) -> str:
-    """The id a lifecycle call names, as a plain str (a subclass's own ``__hash__`` must not reach the live-request
-    table, where it could raise from finish()): "" (no request) for anything without a str id, also an object
-    whose ``id`` attribute raises."""
-    if type(decision) is str:
-        return decision
-    try:
-        decision_id = decision if isinstance(decision, str) else getattr(decision, "id", "")
-    except Exception:  # noqa: BLE001 - finish() is called in finally blocks and never raises for an id
-        return ""
-    if type(decision_id) is str:
-        return decision_id
-    return str.__str__(decision_id) if isinstance(decision_id, str) else ""
 
 
 def _shared(hashes: Sequence[int], other: Sequence[int]) -> int:
@@ -1239,70 +1007,6 @@ def _is_one_of(chosen: object, candidates: tuple[Candidate, ...]) -> bool:
 
 def _tokens(blocks: int | None, block_size: int) -> int | None:
     return None if blocks is None else blocks * block_size
-
-
-def _deadline(now: object, lease: float) -> float:
-    """When a lease that starts at the clock reading ``now`` ends; a clock that returns no finite number of seconds
-    is refused before anything is recorded (a NaN deadline would stop every later lease from expiring)."""
-    start = as_float(now)
-    deadline = None if start is None else start + lease
-    if deadline is None or not math.isfinite(deadline):
-        raise ConfigurationError(
-            f"the router's clock returned {shown(now)}: a clock must return a finite number of seconds for leases"
-        )
-    return deadline
-
-
-def _check_lease(lease: object) -> float | None:
-    if lease is None:
-        return None
-    seconds = as_float(lease)
-    if seconds is None or seconds <= 0:
-        raise ConfigurationError(f"lease must be a positive, finite number of seconds or None, not {shown(lease)}")
-    return seconds
-
-
-def _check_backend_id(backend: object) -> str:
-    """``backend`` as a plain str: a str subclass's own ``__hash__`` or ``__eq__`` must not reach the router's maps
-    and caches, where it would fail every later call that meets it."""
-    if not isinstance(backend, str):
-        raise InvalidTypeError(f"backend ids must be str, not {type(backend).__name__} ({shown(backend)})")
-    if not backend:
-        raise ConfigurationError(_EMPTY_ID)
-    return backend if type(backend) is str else str.__str__(backend)
-
-
-_EMPTY_ID = "a backend id is an empty str: give each backend a non-empty id, such as its URL"
-
-
-def _check_backends(backends: Sequence[str]) -> tuple[str, ...]:
-    """``backends`` as a tuple of plain str ids, read in one pass: the placement cache is keyed by that tuple and
-    sorts it, so a list that another thread changes, or a subclass whose ``__iter__`` yields something else on a
-    second pass, cannot store one list's order under another's key. (A list's tuple is the copy the cache key made
-    before, so the hot path does no more.)"""
-    if isinstance(backends, str):
-        raise InvalidTypeError("backends must be a sequence of backend ids, not a single str: wrap it in a list")
-    if type(backends) is not tuple:
-        try:
-            backends = tuple(backends)
-        except (TypeError, NotImplementedError):  # not iterable, or a 2-D memoryview
-            raise InvalidTypeError(
-                f"backends must be a sequence of backend ids, not {type(backends).__name__}"
-            ) from None
-    if not backends:
-        raise NoBackendError("route() needs at least one backend, but the backend list is empty")
-    if not set(map(type, backends)) <= {str}:  # C-level; before the duplicate check, which needs hashable ids
-        backends = tuple([_check_backend_id(backend) for backend in backends])
-    ids = set(backends)
-    if "" in ids:
-        raise ConfigurationError(_EMPTY_ID)
-    if len(ids) != len(backends):
-        seen: set[str] = set()
-        duplicate = next(b for b in backends if b in seen or seen.add(b))  # type: ignore[func-returns-value]
-        raise ConfigurationError(
-            f"backend {shown(duplicate)} appears more than once in backends; pass each backend once"
-        )
-    return backends
 
 
 def _placement_key(hashes: Sequence[int], data: bytes, seed: int, placement_blocks: int) -> int:

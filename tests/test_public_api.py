@@ -40,7 +40,7 @@ def test_package_ships_type_information() -> None:
     assert (Path(prefixroute.__file__).parent / "py.typed").exists()
 
 
-CORE = ("_numbers", "errors", "hashing", "index", "policies", "router")
+CORE = ("_accounting", "_arguments", "_numbers", "errors", "hashing", "index", "policies", "router")
 
 
 def test_core_modules_import_nothing_above_them() -> None:

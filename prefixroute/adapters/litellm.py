@@ -47,6 +47,7 @@ from typing import Any
 import cachetools
 from litellm.integrations.custom_logger import CustomLogger
 
+from prefixroute._arguments import check_lease
 from prefixroute.adapters.proxy.prompts import (
     BadRequest,
     ByteEncoder,
@@ -56,7 +57,7 @@ from prefixroute.adapters.proxy.prompts import (
 )
 from prefixroute.adapters.serve.contract import CHAT_OPTIONS, is_refusal, salted
 from prefixroute.errors import InvalidTypeError, PolicyError
-from prefixroute.router import Router, _check_lease
+from prefixroute.router import Router
 
 __all__ = ["DEPLOYMENT_KEY", "METADATA_KEY", "PrefixRouteHook"]
 
@@ -120,7 +121,7 @@ class PrefixRouteHook(CustomLogger):
         self._encoder: PromptEncoding = encoder if encoder is not None else ByteEncoder()
         self._groups = None if model_groups is None else _group_names(model_groups, "model_groups")
         self._base_groups = _group_names(base_groups, "base_groups")
-        self._lease = _check_lease(lease)
+        self._lease = check_lease(lease)
         self.errors = 0
         """Requests whose routing failed unexpectedly (logged; they kept LiteLLM's choice)."""
         # The decisions not yet finished by a callback, by the task that made the call: LiteLLM calls no callback

@@ -37,11 +37,12 @@ from typing import Any
 
 from ray.serve.request_router import MultiplexMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from prefixroute._arguments import check_lease
 from prefixroute.adapters.proxy.prompts import BadRequest, ByteEncoder, PromptEncoding, request_tokens_async
 from prefixroute.adapters.serve.contract import salted
 from prefixroute.errors import InvalidTypeError, PolicyError
 from prefixroute.policies import policy_from_name
-from prefixroute.router import Decision, Router, _check_lease
+from prefixroute.router import Decision, Router
 
 __all__ = ["PrefixRouteRequestRouter", "request_body"]
 
@@ -130,7 +131,7 @@ class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
         """
         if tokenizer is not None and not isinstance(tokenizer, str):
             raise InvalidTypeError(f"tokenizer must be a path (str) or None, not {type(tokenizer).__name__}")
-        self._lease = _check_lease(lease)
+        self._lease = check_lease(lease)
         self.router = Router(block_size=block_size, policy=policy_from_name(policy, **options), clock=clock)
         self._encoder: PromptEncoding = ByteEncoder()
         if tokenizer is not None:

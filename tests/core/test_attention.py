@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from prefixroute import Candidate, PredictedTTFT, Router
-from prefixroute.router import _AttentionFit
+from prefixroute._accounting import AttentionFit
 
 from ..conftest import FakeClock
 
@@ -147,7 +147,7 @@ def test_the_requests_a_prefill_holds_up_wait_as_long_as_its_attention_takes() -
 def test_the_fit_takes_any_observation_and_gives_none_or_a_positive_finite_figure(
     observations: list[tuple[int, int, float]],
 ) -> None:
-    fit = _AttentionFit()
+    fit = AttentionFit()
     for tokens, pairs, seconds in observations:
         fit.add(tokens, pairs, seconds)
         assert fit.tokens is None or 0.0 < fit.tokens < math.inf

@@ -21,7 +21,7 @@ from prefixroute import (
     RoundRobin,
     Router,
 )
-from prefixroute.router import _ANCHORS
+from prefixroute._accounting import ANCHORS
 
 BACKENDS = [f"http://gpu{i}:8000" for i in range(8)]
 
@@ -228,9 +228,9 @@ def test_a_library_error_from_a_policy_passes_through() -> None:
 
 def test_footprint_anchors_are_every_block_up_to_8_then_a_quarter_further_each() -> None:
     """Where a backend's distinct-block count cuts matched prefixes, which bounds its over-count to a quarter."""
-    assert _ANCHORS[:10] == (0, 1, 2, 3, 4, 5, 6, 7, 8, 10)
-    assert (sum(d < 512 for d in _ANCHORS), sum(d < 12_000 for d in _ANCHORS)) == (28, 42)  # router.py's figures
-    assert _ANCHORS[-1] >= 1 << 26
+    assert ANCHORS[:10] == (0, 1, 2, 3, 4, 5, 6, 7, 8, 10)
+    assert (sum(d < 512 for d in ANCHORS), sum(d < 12_000 for d in ANCHORS)) == (28, 42)  # _accounting.py's figures
+    assert ANCHORS[-1] >= 1 << 26
 
 
 def test_active_blocks_count_one_request_exactly_and_a_shared_matched_prefix_once() -> None:

@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from prefixroute._arguments import check_lease
 from prefixroute._numbers import as_int, shown
 from prefixroute.adapters.proxy.prompts import chat_tokens, text_tokens, truncated
 from prefixroute.adapters.serve.contract import (
@@ -54,7 +55,7 @@ from prefixroute.adapters.serve.metrics import RELEASE_PATHS, SidecarMetrics
 from prefixroute.adapters.serve.text import PromptEncoder
 from prefixroute.adapters.urls import check_backend_url, check_distinct
 from prefixroute.errors import ConfigurationError, InvalidTypeError, NoBackendError, PolicyError, PrefixRouteError
-from prefixroute.router import Decision, Router, _check_lease
+from prefixroute.router import Decision, Router
 
 _log = logging.getLogger("prefixroute.serve")
 
@@ -145,7 +146,7 @@ class Sidecar:
         # One engine, one backend, however its URL is spelt (http://gpu0 and http://gpu0:80, :8000 and :08000, case):
         # two would split its load and its cache, and share one X-Prefixroute-Upstream (HAProxy's map key).
         check_distinct(backends, [upstream_of(backend) for backend in backends])
-        lease = _check_lease(lease)
+        lease = check_lease(lease)
         if models is not None and (
             isinstance(models, (str, bytes))
             or not isinstance(models, Iterable)
