@@ -407,7 +407,9 @@ def profile(args: argparse.Namespace, proxy_port: int, proxy: Process, loop_runn
         return
     for kind, output in profile_outputs(args.profile).items():
         requests = make_requests(args, count=args.loop_requests, kind=kind, seed=999)
-        command = [spy, "record", "--pid", str(proxy.pid), "--output", str(output), "--rate", "1000", "--nonblocking",
+        # Blocking samples (py-spy pauses the proxy for each): non-blocking ones read frames the proxy is changing
+        # and put time on the wrong lines (7 % on one `+= 1` in the sidecar's profile).
+        command = [spy, "record", "--pid", str(proxy.pid), "--output", str(output), "--rate", "500",
                    "--format", "raw" if output.suffix == ".txt" else "flamegraph"]  # fmt: skip
         recorder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         time.sleep(1.0)
