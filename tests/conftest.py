@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 
 # Under CI the property tests and fuzz harnesses draw the same examples every run (derandomized), so a landing is
 # judged on the examples that passed before it; run locally, they explore new ones each time (and keep what failed).
+# The suite runs offline: any module that imports LiteLLM (a docs block, an example) uses its bundled price map
+# instead of fetching one (the LiteLLM test modules also set this themselves, for a run of one file).
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
 settings.register_profile("ci", derandomize=True, database=None)
 if os.environ.get("CI") == "true":
     settings.load_profile("ci")
