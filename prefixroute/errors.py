@@ -13,7 +13,8 @@
     ├── InvalidTraceError      a malformed line in a workload trace
     ├── MetricsError           unreadable Prometheus metrics text
     └── StateError             a call the object's state does not allow: a Simulation run twice, a figure of a
-                               request that never produced it, a fake engine's URL before it started
+                               request that never produced it, a fake engine's URL before it started, a second
+                               start() of a server that is serving
 
 The sidecar's refusals (:class:`prefixroute.adapters.serve.BadRequest`, with the HTTP status it answers) are
 ``PrefixRouteError`` too.
@@ -91,5 +92,6 @@ class MetricsError(PrefixRouteError, ValueError):
 class StateError(PrefixRouteError, RuntimeError):
     """A call that the object's present state does not allow, whatever its arguments: running a
     :class:`~prefixroute.sim.Simulation` a second time, asking a request record for a time to first token it never
-    had, restarting a KV-event subscriber whose previous thread has not ended. The message says what to do instead.
+    had, restarting a KV-event subscriber whose previous thread has not ended, starting a proxy or a fake engine that
+    is serving already. The message says what to do instead.
     A ``RuntimeError`` too, as Python's own state checks raise."""

@@ -8,13 +8,17 @@ import inspect
 import itertools
 import math
 import random
+import socket
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
+import zmq
 
-from prefixroute import ConfigurationError, InvalidPromptError, InvalidTypeError
+from prefixroute import ConfigurationError, InvalidPromptError, InvalidTypeError, StateError
 from prefixroute._numbers import shown
 from prefixroute.testing import FakeBlockCache, FakeVLLM
 from prefixroute.testing.openai_engine import OpenAIEngine
@@ -252,3 +256,48 @@ def test_a_prompt_that_is_no_token_ids_and_a_request_from_elsewhere_change_nothi
     )  # numpy token ids, as encode_tokens reads them (all but the last block)
     cache.free(kept)
     cache.free(kept)  # a second free does nothing
+
+
+def _receives_a_batch(engine: FakeVLLM) -> bool:
+    """Whether a subscriber connected to ``engine`` receives the next batch it publishes."""
+    context: zmq.Context[Any] = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(engine.endpoint)
+        time.sleep(0.2)  # the subscription reaches the publisher
+        engine.publish_payload(b"batch")
+        engine.flush(timeout=10)
+        return bool(sub.poll(2000))
+    finally:
+        sub.close(linger=0)
+        context.term()
+
+
+def test_a_fake_engine_stopped_before_it_started_still_publishes_once_started() -> None:
+    # Was: stop() woke the ZMQ thread with a None in the outbox; with no thread to take it, the next start's thread
+    # took it and ended at once, so nothing was ever published (flush() timed out).
+    engine = FakeVLLM()
+    engine.stop()
+    with engine:
+        assert _receives_a_batch(engine)
+    with engine:  # and after a stop and a start again
+        assert _receives_a_batch(engine)
+
+
+def test_a_second_start_of_a_fake_engine_is_refused_and_a_failed_one_can_be_retried() -> None:
+    before = set(threading.enumerate())
+    with FakeVLLM() as engine:
+        with pytest.raises(StateError, match=r"the fake engine is serving already, at http://127\.0\.0\.1:\d+: stop"):
+            engine.start()
+        assert _receives_a_batch(engine)
+    assert set(threading.enumerate()) <= before
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        engine = FakeVLLM(replay_port=port)
+        with pytest.raises(zmq.ZMQError):
+            engine.start()
+    assert set(threading.enumerate()) <= before  # nothing left running
+    with engine:  # the port is free now
+        assert _receives_a_batch(engine)

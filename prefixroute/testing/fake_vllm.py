@@ -30,7 +30,7 @@ import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from prefixroute._numbers import as_float, as_int, check_flag, shown
-from prefixroute.errors import ConfigurationError, InvalidTypeError
+from prefixroute.errors import ConfigurationError, InvalidTypeError, StateError
 from prefixroute.testing._http import (
     JSON,
     METHOD_NOT_ALLOWED,
@@ -207,7 +207,8 @@ class FakeVLLM:
         self._lock = threading.RLock()
         self._seq = 0
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=replay_buffer)
-        self._outbox: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
+        # Messages for the ZMQ thread to send; what is published while stopped goes out once started again.
+        self._outbox: queue.SimpleQueue[list[bytes]] = queue.SimpleQueue()
         self._queued = 0  # batches put in the outbox
         self._sent = threading.Semaphore(0)  # released once per batch the I/O thread has sent
         self._drop = 0
@@ -229,21 +230,33 @@ class FakeVLLM:
     # -- lifecycle -------------------------------------------------------------------------------------------------
 
     def start(self) -> FakeVLLM:
-        """Bind the sockets and the HTTP server on free ports and start serving; return self."""
-        self._context = zmq.Context()
-        pub = self._context.socket(zmq.PUB)
-        pub.setsockopt(zmq.SNDHWM, 1_000_000)
-        pub.setsockopt(zmq.LINGER, 0)
-        self.endpoint = _bind(pub, self._host, self._ports[0])
-        router = self._context.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        self.replay_endpoint = _bind(router, self._host, self._ports[1])
-        self._stop.clear()
-        self._io_thread = threading.Thread(
-            target=self._serve_zmq, args=(pub, router), name="fake-vllm-zmq", daemon=True
-        )
-        self._io_thread.start()
-        self._http = ThreadingHTTPServer((self._host, 0), _handler_for(self))
+        """Bind the sockets and the HTTP server on free ports and start serving; return self. A restart is
+        :meth:`stop`, then ``start()``.
+
+        Raises:
+            StateError: the engine is serving already (a second server would leave the first one's threads and
+                sockets with nothing to stop them).
+        """
+        if self._context is not None:
+            raise StateError(f"the fake engine is serving already, at {self.url}: stop() it first")
+        try:
+            self._context = zmq.Context()
+            pub = self._context.socket(zmq.PUB)
+            pub.setsockopt(zmq.SNDHWM, 1_000_000)
+            pub.setsockopt(zmq.LINGER, 0)
+            self.endpoint = _bind(pub, self._host, self._ports[0])
+            router = self._context.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            self.replay_endpoint = _bind(router, self._host, self._ports[1])
+            self._stop.clear()
+            self._io_thread = threading.Thread(
+                target=self._serve_zmq, args=(pub, router), name="fake-vllm-zmq", daemon=True
+            )
+            self._io_thread.start()
+            self._http = ThreadingHTTPServer((self._host, 0), _handler_for(self))
+        except BaseException:  # e.g. a port taken: nothing left running, so a later start() may try again
+            self.stop()
+            raise
         self._http.daemon_threads = True
         self.url = f"http://{self._host}:{self._http.server_address[1]}"
         self._http_thread = threading.Thread(target=self._http.serve_forever, name="fake-vllm-http", daemon=True)
@@ -252,8 +265,7 @@ class FakeVLLM:
 
     def stop(self) -> None:
         """Stop serving and close every socket. Idempotent."""
-        self._stop.set()
-        self._outbox.put(None)
+        self._stop.set()  # the ZMQ thread sees it within a millisecond
         if self._io_thread is not None:
             self._io_thread.join(5)
             self._io_thread = None
@@ -502,8 +514,6 @@ class FakeVLLM:
                         item = self._outbox.get_nowait()
                     except queue.Empty:
                         break
-                    if item is None:
-                        return
                     pub.send_multipart(item)
                     self._sent.release()
                 if poller.poll(1):

@@ -402,7 +402,12 @@ class OpenAIEngine:
         return f"http://{host_port(self._host, self._port)}"
 
     async def serve(self) -> None:
-        """Start listening on the running event loop and return (stop with :meth:`aclose`)."""
+        """Start listening on the running event loop and return (stop with :meth:`aclose`).
+
+        Raises:
+            StateError: the engine is serving already (:meth:`aclose` it first).
+        """
+        self._refuse_second_start(self._runner is not None)
         self._loop = asyncio.get_running_loop()
         self._slots = asyncio.Semaphore(self._max_running) if self._max_running else None
         # vLLM caps no request body; aiohttp's default of 1 MiB would refuse a long prompt (100k token ids)
@@ -416,8 +421,12 @@ class OpenAIEngine:
         app.router.add_get("/health", self._health, allow_head=False)
         app.on_response_prepare.append(_cors_header)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await self._runner.setup()
-        await self._listen()
+        try:
+            await self._runner.setup()
+            await self._listen()
+        except BaseException:  # e.g. the port is taken: not serving, so a later start() may try again
+            await self.aclose()
+            raise
 
     async def aclose(self) -> None:
         """Stop serving (open connections are dropped). Idempotent."""
@@ -430,10 +439,21 @@ class OpenAIEngine:
             await runner.cleanup()
 
     def start(self) -> OpenAIEngine:
-        """Serve on a thread of its own; return self once listening."""
-        self._serving = ServerThread(self.serve, self.aclose, name="fake-openai-engine")
-        self._serving.start()
+        """Serve on a thread of its own; return self once listening.
+
+        Raises:
+            StateError: the engine is serving already (:meth:`stop` it first).
+        """
+        self._refuse_second_start(self._serving is not None or self._runner is not None)
+        serving = ServerThread(self.serve, self.aclose, name="fake-openai-engine")
+        serving.start()  # raises what serve() raised
+        self._serving = serving
         return self
+
+    def _refuse_second_start(self, serving: bool) -> None:
+        """A second server would take the first one's place, and then nothing could stop the first."""
+        if serving:
+            raise StateError("the engine is serving already: stop it (stop() or aclose()) first")
 
     def stop(self) -> None:
         """Stop the thread :meth:`start` started. Idempotent."""

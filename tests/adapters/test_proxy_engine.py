@@ -1065,6 +1065,25 @@ def test_engine_options_of_the_wrong_type_are_refused_when_given(
         OpenAIEngine(**options)
 
 
+def test_a_second_start_of_an_engine_is_refused_and_a_failed_one_can_be_retried() -> None:
+    before = set(threading.enumerate())
+    engine = OpenAIEngine().start()
+    with pytest.raises(StateError, match=r"the engine is serving already: stop it \(stop\(\) or aclose\(\)\) first"):
+        engine.start()
+    assert httpx.get(engine.url + "/health").status_code == 200
+    engine.stop()
+    assert set(threading.enumerate()) <= before
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        engine = OpenAIEngine(port=port)
+        with pytest.raises(OSError):
+            engine.start()
+    with engine:  # the port is free now: the failed start left nothing behind
+        assert httpx.get(engine.url + "/health").status_code == 200
+
+
 def test_an_engine_not_started_says_so_in_the_exception_tree() -> None:
     engine = OpenAIEngine()
     for call in (lambda: engine.url, engine.refuse, engine.accept):

@@ -18,7 +18,7 @@ from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixroute import ConfigurationError, InvalidTypeError, RoundRobin, Router
+from prefixroute import ConfigurationError, InvalidTypeError, RoundRobin, Router, StateError
 from prefixroute.adapters.proxy import Proxy
 from prefixroute.adapters.proxy.app import _ServerLog
 from prefixroute.adapters.proxy.prompts import ByteEncoder
@@ -474,6 +474,44 @@ def test_stop_closes_the_proxys_port_and_is_idempotent(fine: OpenAIEngine) -> No
     with pytest.raises(httpx.ConnectError):
         httpx.get(url + "/healthz")
     proxy.stop()
+
+
+def test_a_second_start_is_refused_and_the_first_server_keeps_serving_until_stop(fine: OpenAIEngine) -> None:
+    """A second start() used to take over the first server's session and listener: the first kept listening on a
+    thread that stop() no longer reached."""
+    before = set(threading.enumerate())
+    proxy = Proxy(Router(), [fine.url], base_models=[]).start()
+    url = proxy.url
+    with pytest.raises(StateError, match=rf"the proxy is serving already, at {url}: stop it"):
+        proxy.start()
+
+    async def serve_too() -> None:
+        await proxy.serve()
+
+    with pytest.raises(StateError, match="the proxy is serving already"):
+        asyncio.run(serve_too())
+    assert httpx.get(url + "/healthz").status_code == 200
+    proxy.stop()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url + "/healthz")
+    assert set(threading.enumerate()) <= before
+    with proxy:  # stopped, it starts again
+        assert httpx.get(proxy.url + "/healthz").status_code == 200
+
+
+def test_a_start_that_failed_leaves_the_proxy_ready_to_start_again(fine: OpenAIEngine) -> None:
+    proxy = Proxy(Router(), [fine.url], base_models=[])
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError):
+            proxy.start(port=port)
+    proxy.start(port=port)  # the port is free now: the failed start left nothing behind
+    try:
+        assert httpx.get(proxy.url + "/healthz").status_code == 200
+    finally:
+        proxy.stop()
 
 
 def test_start_listens_on_the_port_given_or_else_on_one_the_os_picks(fine: OpenAIEngine) -> None:

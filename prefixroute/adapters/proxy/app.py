@@ -52,7 +52,7 @@ from prefixroute.adapters.serve.contract import (
 )
 from prefixroute.adapters.threaded import ServerThread
 from prefixroute.adapters.urls import check_backend_url, check_distinct, engine_of, host_port
-from prefixroute.errors import ConfigurationError, InvalidTypeError, PolicyError
+from prefixroute.errors import ConfigurationError, InvalidTypeError, PolicyError, StateError
 from prefixroute.router import Decision, Router
 
 if TYPE_CHECKING:
@@ -264,7 +264,12 @@ class Proxy:
         return app
 
     async def serve(self, *, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Listen on the running loop; return the proxy's URL (port 0: one the OS picks). Stop with :meth:`aclose`."""
+        """Listen on the running loop; return the proxy's URL (port 0: one the OS picks). Stop with :meth:`aclose`.
+
+        Raises:
+            StateError: the proxy is serving already (:meth:`aclose` it first).
+        """
+        self._refuse_second_start(self._runner is not None)
         self._loop = asyncio.get_running_loop()
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=_UPSTREAM_KEEPALIVE_S)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout)
@@ -304,10 +309,21 @@ class Proxy:
             await session.close()
 
     def start(self, *, host: str = "127.0.0.1", port: int = 0) -> Proxy:
-        """Serve on a thread of its own (with its own event loop); return self once listening (see :attr:`url`)."""
-        self._serving = ServerThread(lambda: self.serve(host=host, port=port), self.aclose, name="prefixroute-proxy")
-        self._serving.start()
+        """Serve on a thread of its own (with its own event loop); return self once listening (see :attr:`url`).
+
+        Raises:
+            StateError: the proxy is serving already (:meth:`stop` it first).
+        """
+        self._refuse_second_start(self._serving is not None or self._runner is not None)
+        serving = ServerThread(lambda: self.serve(host=host, port=port), self.aclose, name="prefixroute-proxy")
+        serving.start()  # raises what serve() raised
+        self._serving = serving
         return self
+
+    def _refuse_second_start(self, serving: bool) -> None:
+        """A second server would take over the first one's session and listener, which then nothing could stop."""
+        if serving:
+            raise StateError(f"the proxy is serving already, at {self.url}: stop it (stop() or aclose()) first")
 
     def stop(self) -> None:
         """Stop the thread :meth:`start` started. Idempotent."""
