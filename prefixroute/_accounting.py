@@ -1,7 +1,8 @@
 """The router's work accounting: per-backend figures that lifecycle calls keep in O(1) or O(log n) each.
 
-:class:`~prefixroute.Router` owns one of each per backend (or fleet) and the lock that guards them; nothing here
-locks, reads a clock or logs.
+:class:`~prefixroute.Router` owns them (a :class:`Footprint` per backend, one :class:`AttentionFit` for the fleet, a
+:class:`StartedRequest` per request in flight) and the lock that guards them; nothing here locks, reads a clock or
+logs.
 """
 
 from __future__ import annotations
