@@ -154,8 +154,11 @@ class Fleet:
         self._router = router
         self._on_health = on_health
         self._clock = clock
-        self._lock = threading.Lock()  # guards _members and _closed (never held while calling the router)
+        self._lock = threading.Lock()  # guards _members, _removing and _closed (never held while calling the router)
         self._members: dict[str, _Member] = {}
+        # Backends whose remove_backend() has not returned, and how many calls remove each: until then their name is
+        # not free, or a backend added again under it would have its first blocks wiped by the router's removal.
+        self._removing: dict[str, int] = {}
         self._closed = False
         self._callback_errors = 0
 
@@ -190,7 +193,8 @@ class Fleet:
         ``AllBlocksCleared`` or restart drops only what no other rank holds.
 
         Raises:
-            ConfigurationError: the backend is already in the fleet, the fleet is closed, an endpoint is malformed
+            ConfigurationError: the backend is already in the fleet or still being removed (a
+                :meth:`remove_backend` that has not returned), the fleet is closed, an endpoint is malformed
                 or is one that another backend of the fleet follows (in the other role, or under an overlapping
                 topic), ``replay`` comes without ``kv_events``, ``kv_events`` is given to a router whose index is not an
                 :class:`~prefixroute.vllm.EventIndex`, a list of endpoints is empty, repeats one, or its
@@ -249,6 +253,10 @@ class Fleet:
                 refusal = ConfigurationError("this Fleet is closed: make a new one")
             elif backend in self._members:
                 refusal = ConfigurationError(f"backend {backend!r} is already in the fleet: remove_backend() it first")
+            elif backend in self._removing:
+                refusal = ConfigurationError(
+                    f"backend {backend!r} is being removed from the fleet: add it again once remove_backend() returns"
+                )
             elif (claimed := self._claimed(streams, topic)) is not None:
                 refusal = ConfigurationError(
                     f"endpoint {claimed[0]!r} is already backend {claimed[1]!r}'s: each engine publishes its events "
@@ -287,7 +295,8 @@ class Fleet:
 
         Once this returns, nothing of the backend's is written to the router again (its threads write through a
         gate that is closed first). A backend the fleet does not have is still removed from the router.
-        Waits for the backend's threads to end, at most about ``timeout`` seconds.
+        Waits for the backend's threads to end, at most about ``timeout`` seconds; until it returns,
+        :meth:`add_backend` of the same id is refused (the router's removal would wipe what its events wrote).
 
         Raises:
             TypeError: ``backend`` is not a str (nothing is removed).
@@ -296,9 +305,17 @@ class Fleet:
             raise InvalidTypeError(f"backend must be a str id, not {type(backend).__name__}")
         with self._lock:
             member = self._members.pop(backend, None)
-        if member is not None:
-            member.stop()
-        self._router.remove_backend(backend)
+            self._removing[backend] = self._removing.get(backend, 0) + 1
+        try:
+            if member is not None:
+                member.stop()
+            self._router.remove_backend(backend)
+        finally:
+            with self._lock:
+                if self._removing[backend] == 1:
+                    del self._removing[backend]
+                else:
+                    self._removing[backend] -= 1
 
     def close(self) -> None:
         """Stop every thread; each backend's engine figures are dropped from the router (they would only go

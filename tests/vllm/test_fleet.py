@@ -162,6 +162,36 @@ def test_remove_backend_waits_for_a_stuck_poller_at_most_about_timeout(engine: F
         fleet.close()
 
 
+def test_a_backend_cannot_be_added_again_until_its_removal_returns(engine: FakeVLLM) -> None:
+    """Was: remove_backend() took the backend out of the fleet, stopped its threads, then removed it from the router;
+    an add_backend() of the same id in between was taken, and the router's removal wiped the blocks its events had
+    just written (the subscriber held them, the index had none, and nothing wrote them back)."""
+    entered, release = threading.Event(), threading.Event()
+
+    class SlowRemoval(Router):
+        def remove_backend(self, backend: str) -> None:
+            entered.set()
+            release.wait()
+            super().remove_backend(backend)
+
+    router = SlowRemoval(block_size=16, index=EventIndex(16))
+    with Fleet(router) as fleet:
+        fleet.add_backend("gpu0", kv_events=engine.endpoint, replay=engine.replay_endpoint)
+        remover = threading.Thread(target=fleet.remove_backend, args=("gpu0",))
+        remover.start()
+        try:
+            wait_until(entered.is_set, what="remove_backend() in the router's removal")
+            with pytest.raises(ConfigurationError, match="'gpu0' is being removed from the fleet: add it again once"):
+                fleet.add_backend("gpu0", kv_events=engine.endpoint, replay=engine.replay_endpoint)
+        finally:
+            release.set()
+            remover.join()
+        engine.complete(PROMPT)
+        fleet.add_backend("gpu0", kv_events=engine.endpoint, replay=engine.replay_endpoint)  # free again
+        wait_until(lambda: router.index.blocks("gpu0") > 0, what="the engine's blocks in the index")
+        assert router.route(PROMPT, ["gpu0", "gpu1"]).backend == "gpu0"
+
+
 def test_an_unknown_backend_is_still_removed_from_the_router() -> None:
     router = Router()
     router.route(PROMPT, ["gpu0"])
