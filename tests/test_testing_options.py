@@ -301,3 +301,43 @@ def test_a_second_start_of_a_fake_engine_is_refused_and_a_failed_one_can_be_retr
     assert set(threading.enumerate()) <= before  # nothing left running
     with engine:  # the port is free now
         assert _receives_a_batch(engine)
+
+
+def test_stop_from_several_threads_at_once_stops_the_fake_engine_once() -> None:
+    # Was: each thread passed the checks of stop() before another cleared the fields: an AttributeError on a field
+    # already None, or two zmq Context.destroy() calls, which can block for ever.
+    failures: list[BaseException] = []
+
+    def stop(engine: FakeVLLM, barrier: threading.Barrier) -> None:
+        barrier.wait()
+        try:
+            engine.stop()
+        except BaseException as exc:  # noqa: BLE001 - every failure is the finding
+            failures.append(exc)
+
+    for _ in range(8):
+        engine = FakeVLLM().start()
+        barrier = threading.Barrier(3)
+        stoppers = [threading.Thread(target=stop, args=(engine, barrier), daemon=True) for _ in range(3)]
+        for thread in stoppers:
+            thread.start()
+        for thread in stoppers:
+            thread.join(10)
+        assert not any(thread.is_alive() for thread in stoppers), "a stop() hung"
+        assert failures == []
+
+
+def test_a_flush_that_timed_out_leaves_no_credit_for_a_later_one() -> None:
+    # Was: a flush took the count of batches queued and waited on a semaphore per batch; one that timed out left the
+    # batches it had counted to release it later, and the next flush took those and returned before its own went out.
+    engine = FakeVLLM()
+    engine.complete(list(range(32)))  # not started: the batch waits
+    with pytest.raises(TimeoutError, match="did not send its batches within 0.1s"):
+        engine.flush(timeout=0.1)
+    with engine:
+        engine.flush(timeout=10)  # that batch goes out now
+    engine.complete(list(range(100, 132)))  # stopped again: this one waits
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        engine.flush(timeout=0.3)
+    assert time.monotonic() - started >= 0.3

@@ -209,8 +209,12 @@ class FakeVLLM:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=replay_buffer)
         # Messages for the ZMQ thread to send; what is published while stopped goes out once started again.
         self._outbox: queue.SimpleQueue[list[bytes]] = queue.SimpleQueue()
-        self._queued = 0  # batches put in the outbox
-        self._sent = threading.Semaphore(0)  # released once per batch the I/O thread has sent
+        # Messages put in the outbox and sent from it, counts that only grow: flush() waits for the second to reach
+        # what the first was (a flush that timed out, or two at once, cannot leave the other waiting on the wrong one).
+        self._queued = 0
+        self._sent = 0
+        self._sending = threading.Condition()  # guards _sent
+        self._lifecycle = threading.Lock()  # start() and stop(); not _lock, which the HTTP handlers take
         self._drop = 0
         self._running: list[FakeRequest] = []
         self._extra_running = 0
@@ -237,34 +241,42 @@ class FakeVLLM:
             StateError: the engine is serving already (a second server would leave the first one's threads and
                 sockets with nothing to stop them).
         """
-        if self._context is not None:
-            raise StateError(f"the fake engine is serving already, at {self.url}: stop() it first")
-        try:
-            self._context = zmq.Context()
-            pub = self._context.socket(zmq.PUB)
-            pub.setsockopt(zmq.SNDHWM, 1_000_000)
-            pub.setsockopt(zmq.LINGER, 0)
-            self.endpoint = _bind(pub, self._host, self._ports[0])
-            router = self._context.socket(zmq.ROUTER)
-            router.setsockopt(zmq.LINGER, 0)
-            self.replay_endpoint = _bind(router, self._host, self._ports[1])
-            self._stop.clear()
-            self._io_thread = threading.Thread(
-                target=self._serve_zmq, args=(pub, router), name="fake-vllm-zmq", daemon=True
-            )
-            self._io_thread.start()
-            self._http = ThreadingHTTPServer((self._host, 0), _handler_for(self))
-        except BaseException:  # e.g. a port taken: nothing left running, so a later start() may try again
-            self.stop()
-            raise
+        with self._lifecycle:
+            if self._context is not None:
+                raise StateError(f"the fake engine is serving already, at {self.url}: stop() it first")
+            try:
+                self._start()
+            except BaseException:  # e.g. a port taken: nothing left running, so a later start() may try again
+                self._shut()
+                raise
+        return self
+
+    def _start(self) -> None:
+        self._context = zmq.Context()
+        pub = self._context.socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, 1_000_000)
+        pub.setsockopt(zmq.LINGER, 0)
+        self.endpoint = _bind(pub, self._host, self._ports[0])
+        router = self._context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        self.replay_endpoint = _bind(router, self._host, self._ports[1])
+        self._stop.clear()
+        self._io_thread = threading.Thread(
+            target=self._serve_zmq, args=(pub, router), name="fake-vllm-zmq", daemon=True
+        )
+        self._io_thread.start()
+        self._http = ThreadingHTTPServer((self._host, 0), _handler_for(self))
         self._http.daemon_threads = True
         self.url = f"http://{self._host}:{self._http.server_address[1]}"
         self._http_thread = threading.Thread(target=self._http.serve_forever, name="fake-vllm-http", daemon=True)
         self._http_thread.start()
-        return self
 
     def stop(self) -> None:
-        """Stop serving and close every socket. Idempotent."""
+        """Stop serving and close every socket. Idempotent, also from several threads at once."""
+        with self._lifecycle:
+            self._shut()
+
+    def _shut(self) -> None:
         self._stop.set()  # the ZMQ thread sees it within a millisecond
         if self._io_thread is not None:
             self._io_thread.join(5)
@@ -352,10 +364,9 @@ class FakeVLLM:
         """
         timeout = _wait_seconds(timeout, "timeout")
         with self._lock:
-            pending, self._queued = self._queued, 0
-        deadline = time.monotonic() + timeout
-        for _ in range(pending):
-            if not self._sent.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            queued = self._queued
+        with self._sending:
+            if not self._sending.wait_for(lambda: self._sent >= queued, timeout):
                 raise TimeoutError(f"the fake engine did not send its batches within {timeout}s")
 
     def drop_next(self, count: int = 1) -> None:
@@ -515,7 +526,9 @@ class FakeVLLM:
                     except queue.Empty:
                         break
                     pub.send_multipart(item)
-                    self._sent.release()
+                    with self._sending:
+                        self._sent += 1
+                        self._sending.notify_all()
                 if poller.poll(1):
                     self._serve_replay(router)
         finally:
