@@ -502,11 +502,19 @@ class OpenAIEngine:
             self._stall_after = None
 
     def refuse(self) -> None:
-        """Stop listening and drop every open connection: new connections are refused, as from a dead engine."""
+        """Stop listening and drop every open connection: new connections are refused, as from a dead engine.
+
+        Raises:
+            StateError: the engine is not serving (never started, or stopped).
+        """
         self._call(self._unlisten())
 
     def accept(self) -> None:
-        """Listen again, on the same port, after :meth:`refuse`."""
+        """Listen again, on the same port, after :meth:`refuse`.
+
+        Raises:
+            StateError: the engine is not serving (never started, or stopped).
+        """
         self._call(self._listen())
 
     def stats(self) -> EngineStats:
@@ -550,7 +558,7 @@ class OpenAIEngine:
     # -- serving ---------------------------------------------------------------------------------------------------
 
     def _call(self, coroutine: Any) -> None:
-        if self._loop is None:
+        if self._loop is None or self._runner is None:  # never started, or stopped (its loop may be closed)
             coroutine.close()
             raise StateError("the engine is not started: call start() (or await serve()) first")
         if self._serving is not None and not self._serving.is_current():

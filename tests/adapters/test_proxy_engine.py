@@ -1089,3 +1089,22 @@ def test_an_engine_not_started_says_so_in_the_exception_tree() -> None:
     for call in (lambda: engine.url, engine.refuse, engine.accept):
         with pytest.raises(StateError, match=r"the engine is not started: call start\(\) \(or await serve\(\)\) first"):
             call()
+
+
+def test_an_engine_stopped_refuses_its_test_hooks_in_the_exception_tree() -> None:
+    """Was: after stop(), refuse() and accept() scheduled their coroutine on the closed loop (RuntimeError: Event loop
+    is closed); after aclose(), accept() scheduled a _listen() that failed in a task nobody awaited."""
+    engine = OpenAIEngine().start()
+    engine.stop()
+    for call in (engine.refuse, engine.accept):
+        with pytest.raises(StateError, match=r"the engine is not started: call start\(\)"):
+            call()
+
+    async def served_then_closed() -> None:
+        other = OpenAIEngine()
+        await other.serve()
+        await other.aclose()
+        with pytest.raises(StateError, match="the engine is not started"):
+            other.accept()
+
+    asyncio.run(served_then_closed())

@@ -31,7 +31,7 @@ from prefixroute.adapters.serve import BadRequest, PromptEncoder, Sidecar, relea
 from prefixroute.adapters.serve.contract import MAX_REQUEST_BACKENDS, is_refusal
 from prefixroute.adapters.serve.loopback import free_port, start_sidecar
 from prefixroute.adapters.serve.release import ReleaseProtocol, refused
-from prefixroute.errors import ConfigurationError, InvalidPromptError, InvalidTypeError, PrefixRouteError
+from prefixroute.errors import ConfigurationError, InvalidPromptError, InvalidTypeError, PrefixRouteError, StateError
 
 from ..conftest import DEADLINE_S, BuggyPolicy, StrangerPolicy, returns, wait_until
 from .conftest import CORPUS, request_during_close
@@ -582,6 +582,24 @@ def test_the_base_model_learner_reads_cards_without_a_parent_and_skips_bad_backe
         assert BaseModelLearner([dead], learned.append, timeout=1.0).ask() is None
     finally:
         engine.stop()
+
+
+def test_a_base_model_learner_runs_once_and_says_so_when_started_again(refused_port: Callable[[], int]) -> None:
+    """Was: a second start() raised Python's own RuntimeError, and a start() after stop() started a thread that ended
+    at once, so nothing was ever learned, silently."""
+    from prefixroute.adapters.serve.cli import BaseModelLearner
+
+    dead = f"http://127.0.0.1:{refused_port()}"
+    running = BaseModelLearner([dead], lambda names: None, interval=60.0, timeout=1.0)
+    running.start()
+    stopped = BaseModelLearner([dead], lambda names: None, timeout=1.0)
+    stopped.stop()
+    try:
+        for learner in (running, stopped):
+            with pytest.raises(StateError, match=r"a BaseModelLearner starts once, and not after stop\(\)"):
+                learner.start()
+    finally:
+        running.stop()
 
 
 def test_the_base_model_learner_asks_again_until_a_backend_answers_and_skips_a_silent_one() -> None:

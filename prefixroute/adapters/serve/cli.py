@@ -33,7 +33,7 @@ from typing import Any
 
 from prefixroute.adapters.urls import check_backend_url, host_port, listen_host
 from prefixroute.cli import MAX_BODY_MIB, body_mib, positive_int
-from prefixroute.errors import ConfigurationError
+from prefixroute.errors import ConfigurationError, StateError
 
 __all__ = ["BaseModelLearner", "register", "run"]
 
@@ -217,7 +217,15 @@ class BaseModelLearner:
         self._thread = threading.Thread(target=self._run, name="prefixroute-base-models", daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        """Start asking, on a thread of its own.
+
+        Raises:
+            StateError: it was started or stopped before (a learner runs once: make another).
+        """
+        with self._lock:
+            if self._thread.ident is not None or self._stopped.is_set():
+                raise StateError("a BaseModelLearner starts once, and not after stop(): make a new one")
+            self._thread.start()
 
     def stop(self) -> None:
         """Stop asking: cut a request in flight short, and wait (at most ``timeout`` s, a connection still being
