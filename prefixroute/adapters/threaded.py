@@ -26,6 +26,7 @@ class ServerThread:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
+        self._stopping = threading.Lock()  # stop() from several threads: one stops, the others wait for it
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -63,8 +64,9 @@ class ServerThread:
             raise failure[0]
 
     def stop(self) -> None:
-        """Await ``close()`` on the thread and join it (10 s at most). Idempotent."""
-        if self._thread is not None and self._loop is not None and self._stopped is not None:
-            self._loop.call_soon_threadsafe(self._stopped.set)
-            self._thread.join(10)
-        self._thread = self._loop = self._stopped = None
+        """Await ``close()`` on the thread and join it (10 s at most). Idempotent, also from several threads."""
+        with self._stopping:
+            if self._thread is not None and self._loop is not None and self._stopped is not None:
+                self._loop.call_soon_threadsafe(self._stopped.set)
+                self._thread.join(10)
+            self._thread = self._loop = self._stopped = None

@@ -499,6 +499,34 @@ def test_a_second_start_is_refused_and_the_first_server_keeps_serving_until_stop
         assert httpx.get(proxy.url + "/healthz").status_code == 200
 
 
+def test_stop_from_several_threads_at_once_stops_the_proxy_and_the_engine_once() -> None:
+    """Was: each stop() checked the server thread's fields before another cleared them: AttributeError ('NoneType'
+    object has no attribute 'join') in most rounds."""
+    failures: list[BaseException] = []
+
+    def stop(server: Proxy | OpenAIEngine, barrier: threading.Barrier) -> None:
+        barrier.wait()
+        try:
+            server.stop()
+        except BaseException as exc:  # noqa: BLE001 - every failure is the finding
+            failures.append(exc)
+
+    before = set(threading.enumerate())
+    for _ in range(20):
+        engine = OpenAIEngine().start()
+        proxy = Proxy(Router(), [engine.url], base_models=[]).start()
+        for server in (proxy, engine):
+            barrier = threading.Barrier(3)
+            stoppers = [threading.Thread(target=stop, args=(server, barrier)) for _ in range(3)]
+            for thread in stoppers:
+                thread.start()
+            for thread in stoppers:
+                thread.join(20)
+            assert not any(thread.is_alive() for thread in stoppers), "a stop() hung"
+    assert failures == []
+    assert set(threading.enumerate()) <= before
+
+
 def test_a_start_that_failed_leaves_the_proxy_ready_to_start_again(fine: OpenAIEngine) -> None:
     proxy = Proxy(Router(), [fine.url], base_models=[])
     with socket.socket() as taken:

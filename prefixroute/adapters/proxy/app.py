@@ -326,9 +326,10 @@ class Proxy:
             raise StateError(f"the proxy is serving already, at {self.url}: stop it (stop() or aclose()) first")
 
     def stop(self) -> None:
-        """Stop the thread :meth:`start` started. Idempotent."""
-        if self._serving is not None:
-            self._serving.stop()
+        """Stop the thread :meth:`start` started. Idempotent, also from several threads at once."""
+        serving = self._serving
+        if serving is not None:
+            serving.stop()  # locked and idempotent: a concurrent stop() waits for this one
             self._serving = None
 
     def __enter__(self) -> Proxy:
