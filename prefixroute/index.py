@@ -741,8 +741,12 @@ class PrefixIndex:
         self._roots.clear()
 
     def __len__(self) -> int:
-        """Return the number of (block, backend) entries. O(B)."""
-        return sum(store.size for store in self._stores.values())
+        """Return the number of (block, backend) entries. O(B).
+
+        Safe to read while the router that owns the index is used from other threads (a ``repr()`` in a log line, a
+        metrics scrape): it sums a copy of the stores, taken in one step.
+        """
+        return sum(store.size for store in list(self._stores.values()))
 
     def __repr__(self) -> str:
         return f"PrefixIndex(block_size={self._block_size}, backends={len(self._stores)}, entries={len(self)})"

@@ -142,17 +142,17 @@ class EventIndex(PrefixIndex):
         if not self._ttl:
             return
         now = self._now()
-        elapsed = now - self._rotated_at
-        # A clock that went back, or a NaN, infinite or no number's reading: start over rather than trust forever
-        # (or overflow).
-        sane = 0 <= elapsed < math.inf
-        if elapsed >= self._ttl or not sane:
+        periods = (now - self._rotated_at) / self._ttl
+        # A clock that went back, or a NaN, infinite or no number's reading, or a jump too far to count in periods
+        # of ttl (a huge one, or a ttl of 1e-320 s): start over rather than trust forever (or overflow).
+        sane = 0 <= periods < math.inf
+        if periods >= 1 or not sane:
             # Generations turn on whole periods from the first, however late this call comes, so an entry made in
             # one period is dropped at the end of the next: it lives at least ttl and less than 2 x ttl.
-            periods = math.floor(elapsed / self._ttl) if sane else 2
-            self._previous = self._current if periods == 1 else PrefixIndex(self.block_size)
+            whole = math.floor(periods) if sane else 2
+            self._previous = self._current if whole == 1 else PrefixIndex(self.block_size)
             self._current = PrefixIndex(self.block_size)
-            self._rotated_at = self._rotated_at + periods * self._ttl if sane else now
+            self._rotated_at = self._rotated_at + whole * self._ttl if sane else now
 
     def _now(self) -> float:
         """The clock's reading as a float; NaN for one that is no number (None, a str), which _rotate() takes as

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import replace
@@ -275,3 +276,31 @@ def test_check_may_run_while_another_thread_routes() -> None:
     finally:
         stop.set()
         worker.join()
+
+
+def test_repr_and_len_of_the_index_may_be_read_while_other_threads_route_and_remove_backends() -> None:
+    """Was: len(router.index), and so repr(router) (a log line), summed the index's stores while a route() or
+    remove_backend() on another thread added or removed one: RuntimeError (dictionary changed size during
+    iteration), dozens of times in 20,000 reads."""
+    router = Router(block_size=4)
+    stop = threading.Event()
+
+    def churn() -> None:
+        i = 0
+        while not stop.is_set():
+            backends = [f"pod-{i % 50}", f"pod-{(i + 1) % 50}"]
+            router.route(list(range(i % 7, i % 7 + 8)), backends)
+            router.remove_backend(backends[0])
+            i += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can, to meet the race at once
+    worker = threading.Thread(target=churn)
+    worker.start()
+    try:
+        for _ in range(20_000):
+            assert repr(router).startswith("Router(")
+    finally:
+        stop.set()
+        worker.join()
+        sys.setswitchinterval(interval)

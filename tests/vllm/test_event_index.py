@@ -233,6 +233,19 @@ def test_match_is_the_larger_of_confirmed_and_unexpired_speculative(steps: list[
             assert exact <= index.match(HASHES, [name])[name] <= at_most
 
 
+@pytest.mark.parametrize(("ttl", "jump"), [(0.5, 1e308), (1e-320, 0.01)])
+def test_a_jump_too_far_to_count_in_periods_starts_over_instead_of_failing_every_route(ttl: float, jump: float) -> None:
+    # Was: a finite clock jump whose number of periods of ttl is infinite (1e308 s against 0.5 s, or 10 ms against a
+    # ttl of 1e-320 s, which the index takes) raised OverflowError from route(), and from every later one.
+    clock = FakeClock()
+    router = hybrid(clock, ttl)
+    router.route(PROMPT, ["gpu0", "gpu1"])
+    clock.now += jump
+    assert router.route(PROMPT, ["gpu0", "gpu1"]).matched_tokens == 0  # what it predicted before has expired
+    assert router.route(PROMPT, ["gpu0", "gpu1"]).matched_tokens == len(PROMPT)  # and it predicts again from there
+    router.index._check()
+
+
 @pytest.mark.parametrize("reading", [float("inf"), float("nan"), -float("inf")])
 def test_a_clock_reading_that_is_not_finite_expires_the_speculation_instead_of_raising_or_keeping_it(
     reading: float,
