@@ -483,7 +483,9 @@ class Sidecar:
     def _see(self, backends: Sequence[str]) -> None:
         """Note a request's own ``backends`` as routed now. Past ``_MAX_SEEN_BACKENDS`` of them, the router forgets
         the least recently routed that have no request in flight (their blocks and figures), so clients that name
-        ever new backends do not grow the sidecar without end. O(len(backends)), amortised."""
+        ever new backends do not grow the sidecar without end: past the cap, it keeps only those with a request in
+        flight. A backend in use counts as routed now, so the next call does not look at it again (a scan that
+        stepped over the same busy backends each time grew with them, ever slower). O(len(backends)), amortised."""
         with self._given_lock:
             given = self._given
             for backend in backends:
@@ -494,7 +496,14 @@ class Sidecar:
             excess = len(given) - _MAX_SEEN_BACKENDS
             if excess <= 0:
                 return
-            idle = [b for b in itertools.islice(given, 2 * excess + 64) if not self.router.in_flight(b)][:excess]
+            idle: list[str] = []
+            for backend in list(itertools.islice(given, 2 * excess + 64)):
+                if len(idle) == excess:
+                    break
+                if self.router.in_flight(backend):
+                    given.move_to_end(backend)
+                else:
+                    idle.append(backend)
             for backend in idle:
                 del given[backend]
         for backend in idle:
