@@ -41,7 +41,8 @@ class PromptTokenizer:
     turns, few-shot examples) is encoded once: at the tokenizer's special tokens (``<|im_start|>``, ``[INST]``, ...),
     and, in a text or piece longer than 512 characters, at the first space between two ASCII letters after every 512
     characters (so texts that share a prefix are cut at the same places within it). The ids of each piece come from
-    an LRU of up to ``cache_tokens`` ids when it was seen before, the other pieces are encoded, and the
+    an LRU of up to ``cache_tokens`` ids when it was seen before (a piece of fewer ids than one per 64 characters,
+    such as whitespace that the pre-tokenizer drops, is not cached), the other pieces are encoded, and the
     special tokens' own ids go between. The result is exactly what one ``encode`` of the whole text gives: the
     ``tokenizers`` library itself cuts a text at its added tokens and encodes the pieces apart, and a tokenizer whose
     pre-tokenizer splits words at spaces encodes the words on either side of one apart too.
@@ -158,7 +159,10 @@ class PromptTokenizer:
             fresh = {part: self._encode([part], add_special_tokens=False)[0].ids for part in missing}
             with self._lock:
                 for part, ids in fresh.items():
-                    if len(ids) <= self._pieces.maxsize:  # cachetools refuses (raises for) a value over the size
+                    # Not a piece of few ids for its length (whitespace between two special tokens, which some
+                    # pre-tokenizers drop): weighed by its ids, it would hold its text for nothing, never evicted.
+                    # Nor one over the size, which cachetools refuses (raises for).
+                    if len(part) <= _CHARS_PER_CACHED_ID * len(ids) and len(ids) <= self._pieces.maxsize:
                         self._pieces[part] = ids
             known.update(fresh)
         out = list(self._before)
@@ -244,6 +248,9 @@ _LONG_TOKEN = 256
 """Added tokens longer than this (no real special token is) are never cuts."""
 _CHUNK_CHARS = 512
 """A text or piece longer than this is cut between words after about every this many characters."""
+_CHARS_PER_CACHED_ID = 64
+"""A piece is cached only with at least one id for every this many of its characters, so the cache's memory is
+bounded by ``cache_tokens`` (a token is 3 to 5 characters of text; no real one is 64)."""
 _WORD_GAP = re.compile(r"(?<=[A-Za-z]) (?=[A-Za-z])")
 """Where a text is cut between words: at a space between two ASCII letters, which ends a word in every pre-tokenizer
 that splits words at spaces (the space goes with the next word or on its own, never with the word before)."""

@@ -388,6 +388,20 @@ def test_a_shared_system_prompt_is_encoded_once() -> None:
     ]
 
 
+def test_pieces_of_few_ids_for_their_length_are_not_cached() -> None:
+    """Was: whitespace between two special tokens, which BERT's pre-tokenizer drops, was cached with no ids, so
+    weighed nothing and was never evicted: texts that differed only there grew the cache without bound (20,000
+    entries for a cache of 1,000 ids, and each 100 kB run of spaces kept its 100 kB)."""
+    tokenizer = _word_piece()
+    prompt_tokenizer = PromptTokenizer(tokenizer, cache_tokens=1000)
+    assert prompt_tokenizer.caches_pieces
+    for i in range(2000):
+        text = f"<|im_start|>{CORPUS[0]}<|im_end|>{' ' * (i + 1)}<|im_start|>{CORPUS[1]}<|im_end|>"
+        assert prompt_tokenizer.encode(text) == tokenizer.encode(text).ids
+    assert len(prompt_tokenizer._pieces) <= 3  # the two texts' pieces (and nothing for the runs of spaces)
+    assert all(len(piece) <= 64 * len(ids) for piece, ids in prompt_tokenizer._pieces.items())
+
+
 @pytest.mark.parametrize("cache_tokens", [-1, 1.5, True, "8"])
 def test_cache_size_is_checked(cache_tokens: object) -> None:
     with pytest.raises(ConfigurationError, match="cache_tokens must be a non-negative int") as refused:
