@@ -850,7 +850,8 @@ class Router:
             self._index.set_capacity(backend, capacity_blocks)
 
     def remove_backend(self, backend: str) -> None:
-        """Forget a backend (it left the fleet): its blocks, its requests in flight and its figures.
+        """Forget a backend (it left the fleet): its blocks, its requests in flight and its figures. Its capacity, a
+        setting, stays (``set_capacity(backend, None)`` forgets it too).
 
         A later :meth:`finish` of one of its requests is ignored. O(requests in flight) under the lock; the blocks
         are freed after it is released (a million take ~40 ms).

@@ -295,7 +295,8 @@ class Fleet:
 
         Once this returns, nothing of the backend's is written to the router again (its threads write through a
         gate that is closed first). A backend the fleet does not have is still removed from the router.
-        Waits for the backend's threads to end, at most about ``timeout`` seconds; until it returns,
+        A capacity that the fleet set from the engine's ``num_gpu_blocks`` is forgotten too (one given to the router
+        stays, a setting). Waits for the backend's threads to end, at most about ``timeout`` seconds; until it returns,
         :meth:`add_backend` of the same id is refused (the router's removal would wipe what its events wrote).
 
         Raises:
@@ -310,6 +311,10 @@ class Fleet:
             if member is not None:
                 member.stop()
             self._router.remove_backend(backend)
+            if member is not None and member.poller is not None and member.poller.set_capacity:
+                # The capacity it learned from the engine goes too: with pods that come and go it would pile up
+                # in the index, and a later engine under the same id would inherit it.
+                self._router.set_capacity(backend, None)
         finally:
             with self._lock:
                 if self._removing[backend] == 1:
@@ -503,6 +508,7 @@ class _Poller:
         self._failures = 0
         self._reported: bool | None = None  # the health last passed to on_health
         self._configured: tuple[int | None, int | None] = (None, None)  # the cache config last acted on
+        self.set_capacity = False  # whether it set the backend's capacity (from num_gpu_blocks), for its removal
         self._restarts = 0
         self._previous: EngineMetrics | None = None  # the scrape before, to tell a restart by
 
@@ -632,6 +638,7 @@ class _Poller:
                 )  # fmt: skip
             elif not isinstance(router.index, EventIndex):  # with events, the events carry the evictions
                 router.set_capacity(self._backend, num_gpu_blocks * (engine_block_size // block_size))
+                self.set_capacity = True
         # Only once acted on: a set_capacity() that raised (counted as a failed scrape by _run) is tried again at
         # the next scrape, not skipped for good as a config already applied.
         self._configured = config

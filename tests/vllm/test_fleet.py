@@ -144,6 +144,20 @@ def test_remove_backend_stops_its_subscriber_and_poller_and_nothing_is_written_b
         wait_until(lambda: seen(router, "gpu0")[0] == 9, what="figures after re-adding")
 
 
+def test_remove_backend_forgets_the_capacity_the_fleet_learned_and_keeps_one_given(engine: FakeVLLM) -> None:
+    """Was: the capacity a poller set from num_gpu_blocks outlived the backend: with pods that come and go, one
+    entry a pod for good, and a later engine under the same id inherited it."""
+    router = Router(capacity_blocks={"given": 50})
+    with Fleet(router, interval=0.02) as fleet:
+        fleet.add_backend("gpu0", metrics_url=engine.url)
+        fleet.add_backend("given")
+        wait_until(lambda: router.index.capacity("gpu0") == 64, what="the capacity from the engine's metrics")
+        fleet.remove_backend("gpu0")
+        fleet.remove_backend("given")
+        assert router.index.capacity("gpu0") is None  # learned from the engine: gone with it
+        assert router.index.capacity("given") == 50  # given to the router: a setting, it stays
+
+
 def test_remove_backend_waits_for_a_stuck_poller_at_most_about_timeout(engine: FakeVLLM) -> None:
     entered, release = threading.Event(), threading.Event()
 
