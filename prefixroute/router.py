@@ -83,6 +83,8 @@ class Decision:
     _hashes: Sequence[int] = field(default=(), repr=False, compare=False)
     # Blocks the backend held when the decision was committed (its prediction added the rest); -1: not committed.
     _held: int = field(default=-1, repr=False, compare=False)
+    # The router's hash of the fields start() and commit() count by: one changed since (dataclasses.replace) is seen.
+    _seal: int = field(default=0, repr=False, compare=False)
 
     @property
     def hit_ratio(self) -> float:
@@ -292,8 +294,9 @@ class Router:
         O(n/block_size) for a prompt of n tokens.
 
         Raises:
-            DecisionError: the decision comes from another router, was altered since it was made (a field changed
-                with ``dataclasses.replace``), or ``backend`` is not one of its candidates.
+            DecisionError: the decision comes from another router, was altered since it was made (its backend,
+                token counts, candidates or block hashes changed with ``dataclasses.replace``; a copy is fine), or
+                ``backend`` is not one of its candidates.
         """
         self._check_own(decision)
         if backend is None:
@@ -329,6 +332,7 @@ class Router:
             reason=_reason(self._prefix_aware, chosen.matched_tokens, best),
             confirmed_tokens=_tokens(confirmed, self.block_size),
             _held=held,
+            _seal=self._seal(decision.id, target, chosen.matched_tokens, decision.prompt_tokens, hashes),
         )
 
     def _decide(
@@ -392,7 +396,15 @@ class Router:
             _tokens(confirmed, block_size),
             hashes,
             matched[backend] if commit else -1,
+            self._seal(decision_id, backend, chosen.matched_tokens, prompt_len, hashes),
         )
+
+    def _seal(self, decision_id: str, backend: str, matched: int, prompt: int, hashes: Sequence[int]) -> int:
+        """The seal of a decision with these fields; of its block hashes, the last (it names the whole chain) and
+        their number. By value, so a copy of a decision (``copy.deepcopy``, as some frameworks copy what a request
+        carries) is still the router's. O(1)."""
+        last = hashes[-1] if len(hashes) else None
+        return hash((self._id_prefix, decision_id, backend, matched, prompt, len(hashes), last))
 
     def _candidates(
         self, order: Sequence[str], matched: dict[str, int], prompt_len: int, now: object
@@ -455,8 +467,8 @@ class Router:
         first token, if reported, is forgotten: the new backend has its prefill ahead of it).
 
         Raises:
-            DecisionError: the decision comes from another router, or was altered since it was made (nothing is
-                counted).
+            DecisionError: the decision comes from another router, or was altered since it was made (its backend,
+                token counts, candidates or block hashes changed; nothing is counted).
             ConfigurationError: ``lease`` is not a positive, finite number of seconds, or the clock returned no
                 finite number of seconds to start it from (nothing is recorded).
         """
@@ -767,6 +779,7 @@ class Router:
             or not 0 <= matched <= prompt
             or type(candidates) is not tuple
             or not any(type(c) is Candidate and c.backend == backend for c in candidates)
+            or decision._seal != self._seal(decision_id, backend, matched, prompt, decision._hashes)
         ):
             raise DecisionError(
                 f"decision {shown(decision_id)} was altered after the router made it (backend {shown(backend)}, "

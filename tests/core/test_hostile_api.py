@@ -4,6 +4,7 @@ numbers and every call from many threads at once. Each case below failed (or cra
 from __future__ import annotations
 
 import array
+import copy
 import functools
 import math
 import random
@@ -346,6 +347,32 @@ def test_a_decision_altered_after_the_router_made_it_is_refused_and_nothing_is_c
         router._check()
     assert (router.stats(), router.index.hashes("a"), router.index.hashes("b")) == before
     assert router.in_flight("a") == router.in_flight("b") == 0
+
+
+@pytest.mark.parametrize("field", ["backend", "matched_tokens", "prompt_tokens", "_hashes"])
+def test_a_decision_altered_into_another_consistent_one_is_refused_too(field: str) -> None:
+    """Was: only a change that left the fields inconsistent was seen; another candidate's backend, another match or
+    prompt length within bounds, other block hashes were counted as given (800 prompt tokens: 200 blocks held)."""
+    router = Router(block_size=4)
+    decision = router.route(TOKENS, ["a", "b"])
+    other = next(c.backend for c in decision.candidates if c.backend != decision.backend)
+    value = {
+        "backend": other,
+        "matched_tokens": (decision.matched_tokens + 4) % (decision.prompt_tokens + 1),
+        "prompt_tokens": decision.prompt_tokens * 100,
+        "_hashes": list(decision._hashes)[:-1],
+    }[field]
+    forged = replace(decision, **{field: value})  # type: ignore[arg-type]
+    for call in (router.start, router.commit):
+        with pytest.raises(DecisionError, match="altered"):
+            call(forged)
+    assert router.in_flight("a") == router.in_flight("b") == 0
+    router.start(copy.deepcopy(decision))  # a copy is the router's still (frameworks copy what requests carry)
+    router.finish(decision.id)
+    moved = router.commit(decision, other)  # the way to send it elsewhere
+    router.start(moved)
+    assert router.in_flight(other) == 1
+    router._check()
 
 
 class _RaisingRepr:
