@@ -815,7 +815,7 @@ def check_update(update: object) -> IndexUpdate:
     try:
         packed = array("Q", hashes)  # checks, in C, that every hash is an int in [0, 2**64)
     except (TypeError, OverflowError, NotImplementedError) as exc:  # NotImplementedError: a 2-D memoryview
-        raise InvalidEventError(f"block hashes must be ints in [0, 2**64): {exc}") from None
+        raise InvalidEventError(f"block hashes must be ints in [0, 2**64): {_first_bad(hashes) or exc}") from None
     if parent is not None:  # PrefixIndex.insert()'s check, written twice: one helper cost a write 2-4 % (a call)
         block = as_int(parent)
         if block is None or not 0 <= block < 2**64:
@@ -961,10 +961,27 @@ def _check_hashes(hashes: object) -> Sequence[int]:
     try:
         packed = array("Q", hashes)  # checks, in C, that every hash is an int in [0, 2**64)
     except (TypeError, NotImplementedError) as exc:  # NotImplementedError: a 2-D memoryview
-        raise InvalidTypeError(f"block hashes must be ints (as BlockHasher computes them): {exc}") from None
+        raise InvalidTypeError(
+            f"block hashes must be ints (as BlockHasher computes them): {_first_bad(hashes) or exc}"
+        ) from None
     except OverflowError as exc:
-        raise InvalidEventError(f"block hashes must be ints in [0, 2**64), as BlockHasher makes them: {exc}") from None
+        raise InvalidEventError(
+            f"block hashes must be ints in [0, 2**64), as BlockHasher makes them: {_first_bad(hashes) or exc}"
+        ) from None
     return _python_ints(hashes, packed, InvalidTypeError)
+
+
+def _first_bad(hashes: Iterable[object]) -> str:
+    """The first value of ``hashes`` that is no block hash and its position, for an error (called on failure
+    only); "" if none is found (a 2-D memoryview, which cannot be walked)."""
+    try:
+        for position, value in enumerate(hashes):
+            number = as_int(value)
+            if number is None or not 0 <= number < 2**64:
+                return f"{shown(value)} at position {position}"
+    except NotImplementedError:
+        pass
+    return ""
 
 
 def _python_ints(

@@ -8,7 +8,8 @@ import copy
 import functools
 import math
 import random
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -26,6 +27,7 @@ from prefixroute import (
     LoadPolicy,
     PolicyError,
     PrefixIndex,
+    PrefixRouteError,
     Router,
     encode_tokens,
     kv_fraction,
@@ -372,6 +374,30 @@ def test_a_decision_altered_into_another_consistent_one_is_refused_too(field: st
     moved = router.commit(decision, other)  # the way to send it elsewhere
     router.start(moved)
     assert router.in_flight(other) == 1
+    router._check()
+
+
+@pytest.mark.parametrize(
+    ("hashes", "named"),
+    [
+        ([1, 2, -3], "-3 at position 2"),
+        ([1, 2**64], "an int of 65 bits at position 1"),
+        ([7, "x"], "'x' at position 1"),
+    ],
+)
+def test_a_bad_block_hash_is_named_with_its_position(hashes: list[Any], named: str) -> None:
+    """Was: the message was array()'s own ("can't convert negative int to unsigned"), with no position, where
+    docs/index.md says a bad token id or block hash names its position."""
+    router = Router(block_size=4)
+    calls: list[Callable[[], object]] = [
+        lambda: router.store("a", hashes),
+        lambda: router.evict("a", hashes),
+        lambda: router.write("a", [(True, hashes, None)]),
+        lambda: PrefixIndex(4).insert(hashes, "a"),
+    ]
+    for call in calls:
+        with pytest.raises(PrefixRouteError, match=f"block hashes must be ints.*: {re.escape(named)}$"):
+            call()
     router._check()
 
 
