@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,8 @@ from prefixroute.adapters.proxy.prompts import (
     request_tokens,
     request_tokens_async,
 )
-from prefixroute.adapters.serve.contract import request_int
+from prefixroute.adapters.serve.contract import BadRequest as ServeBadRequest
+from prefixroute.adapters.serve.contract import openai_prompt, request_int
 from prefixroute.adapters.tokenize import PromptTokenizer, serialise_chat
 
 from .conftest import LoopNoting, tool_call_conversation
@@ -180,13 +182,24 @@ def test_a_token_id_vllm_reads_past_the_vocabulary_is_refused_in_its_words(promp
 
 @pytest.mark.parametrize(
     ("prompt", "tokens"),
-    [(["1", 2], [1, 2]), (["7", 2.0, True], [7, 2, 1]), (["1", "2"], list(b"1")), (["a", 2], list(b"a"))],
+    [(["1", 2], [1, 2]), (["7", 2.0, True], [7, 2, 1]), (["1", "2"], list(b"1"))],
 )
 def test_a_list_that_starts_with_a_text_is_a_batch_only_as_vllm_reads_it(prompt: list[Any], tokens: list[int]) -> None:
     """pydantic reads ``["1", 2]`` as the ids [1, 2] (its smart union: no member takes the list strictly, and
-    ``list[int]`` does laxly); a list of texts is a batch, routed on its first; ``["a", 2]`` is no prompt vLLM takes
-    (routed on its first text, for the engine to refuse). The proxy routed the first two on the text "1" and "7"."""
+    ``list[int]`` does laxly); a list of texts is a batch, routed on its first. The proxy routed the first two on
+    the text "1" and "7"."""
     assert request_tokens({"prompt": prompt}, chat=False, encoder=ByteEncoder()) == tokens
+
+
+@pytest.mark.parametrize("prompt", [["a", 2], ["1e2", 2, 3, 4], ["a", None], [[1, 2], 3], [[1], {"x": 1}]])
+def test_a_batch_holding_an_item_that_is_no_text_nor_list_is_refused_before_routing(prompt: list[Any]) -> None:
+    """No member of vLLM's union takes it (``list[str]`` no int, ``list[int]`` no "a" or "1e2", ``list[list[int]]``
+    no int): vLLM refuses it. Was: routed on its first prompt, for the engine to refuse, a decision made for
+    nothing (and the sidecar's pick mode picked a backend for it)."""
+    with pytest.raises(BadRequest, match="holds strings or lists of token ids, nothing else"):
+        request_tokens({"prompt": prompt}, chat=False, encoder=ByteEncoder())
+    with pytest.raises(ServeBadRequest, match="holds strings or lists of token ids, nothing else"):
+        openai_prompt("/v1/completions", json.dumps({"prompt": prompt}).encode())
 
 
 @pytest.mark.parametrize("prompt", [[1, 1.5], [[4, None]], [2, -1], [1, None], [1, "1e2"], [[2, "x"]]])

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Protocol, runtime_checkable
 
 import msgspec
 
-from prefixroute.adapters.serve.contract import is_batch, request_flag, request_int, request_ints
+from prefixroute.adapters.serve.contract import is_batch, mixed_batch, request_flag, request_int, request_ints
 from prefixroute.adapters.tokenize import PromptTokenizer, serialise_chat
 from prefixroute.errors import InvalidTypeError
 
@@ -187,6 +187,8 @@ def _request_tokens(
             raise BadRequest("Either prompt or prompt_embeds must be provided and non-empty.")
         return []  # embeddings alone (vLLM's --enable-prompt-embeds): no token ids to match, routed on load
     if isinstance(prompt, list) and prompt and is_batch(prompt):
+        if mixed_batch(prompt):  # vLLM refuses it: route nothing
+            raise BadRequest("'prompt' as a batch holds strings or lists of token ids, nothing else")
         if max_token_id is not None:  # the engine refuses the whole batch for one prompt's id
             for other in prompt[1:]:
                 if isinstance(other, list):

@@ -38,6 +38,7 @@ __all__ = [
     "decode",
     "is_json_media_type",
     "is_batch",
+    "mixed_batch",
     "is_refusal",
     "json_error",
     "json_type",
@@ -317,7 +318,8 @@ def openai_prompt(path: str, body: bytes) -> tuple[Prompt, str | None, object]:
     """The prompt, model and ``cache_salt`` (None without one; see :func:`salted`) of an OpenAI ``/v1/completions``
     or ``/v1/chat/completions`` request body.
 
-    A batch of prompts is routed by its first one; a chat by the whole request (its ``tools`` and template options
+    A batch of prompts is routed by its first one (one holding an item that is neither a text nor a list is
+    refused, as vLLM refuses it); a chat by the whole request (its ``tools`` and template options
     render with its messages, its ``truncate_prompt_tokens`` cuts them); a prompt with vLLM's ``add_special_tokens``,
     ``truncate_prompt_tokens`` or ``truncation_side`` as ``{"prompt", ...those}``. O(len(body)).
 
@@ -345,6 +347,8 @@ def openai_prompt(path: str, body: bytes) -> tuple[Prompt, str | None, object]:
         return request, model, request.get("cache_salt")
     prompt = request.get("prompt")
     if isinstance(prompt, list) and prompt and is_batch(prompt):
+        if mixed_batch(prompt):
+            raise BadRequest(400, "a batch 'prompt' holds strings or lists of token ids, nothing else")
         prompt = prompt[0]  # a batch: its first prompt decides
     options = {name: request[name] for name in _PROMPT_OPTIONS if name in request}
     salt = request.get("cache_salt")
@@ -461,6 +465,17 @@ def is_batch(prompt: list[Any]) -> bool:
     if not isinstance(first, str):
         return False
     return all(isinstance(item, str) for item in prompt) or request_ints(prompt) is None
+
+
+def mixed_batch(batch: list[Any]) -> bool:
+    """Whether a batch (:func:`is_batch`) holds an item that is neither a text nor a list of ids, which no member of
+    vLLM's union takes (``list[str]`` takes no int, ``list[int]`` no text that is no int, ``list[list[int]]`` no
+    int): vLLM refuses it. O(len(batch)).
+
+    >>> mixed_batch(["a", "b"]), mixed_batch([[1], [2]]), mixed_batch(["a", 2]), mixed_batch([[1], 3])
+    (False, False, True, True)
+    """
+    return not all(isinstance(item, (str, list)) for item in batch)
 
 
 def request_ints(values: list[Any]) -> list[int] | None:
