@@ -58,7 +58,10 @@ class InvalidTypeError(PrefixRouteError, TypeError):
     """An argument has the wrong type (a str where a list of backend ids is due, None where a Decision is); the
     message names the argument and the type it takes. A ``TypeError`` too, as Python's own type checks raise. An
     option given a value it cannot use, of whatever type (a float or a str for a size or a count, anything but True
-    or False for a flag), is a :class:`ConfigurationError`."""
+    or False for a flag), is a :class:`ConfigurationError`, with one exception: a ``seed`` of a type no seed has (a
+    float, None where a seed is due) is an ``InvalidTypeError`` in the policies and the simulator, as
+    :class:`random.Random`'s own check is a ``TypeError`` (the fake engines of :mod:`prefixroute.testing` check
+    theirs with their other options, a :class:`ConfigurationError`)."""
 
 
 class NoBackendError(PrefixRouteError, LookupError):

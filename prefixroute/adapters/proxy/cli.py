@@ -62,8 +62,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--retries", type=int, default=1,
                         help=f"resends after a refused connection, 0 to {MAX_RETRIES} (1)")  # fmt: skip
     parser.add_argument("--max-failures", type=int, default=3, metavar="N",
-                        help="connection failures in a row that take a backend out of rotation for --cooldown "
-                        "(3)")  # fmt: skip
+                        help="failures in a row (unreachable, or a 5xx answer) that take a backend out of rotation "
+                        "for --cooldown (3)")  # fmt: skip
     parser.add_argument("--cooldown", type=float, default=10.0, metavar="SECONDS",
                         help="how long a failing backend stays out of rotation (10)")  # fmt: skip
     parser.add_argument("--connect-timeout", type=float, default=2.0, metavar="SECONDS",
