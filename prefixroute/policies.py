@@ -24,7 +24,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from prefixroute._numbers import as_float, as_int, check_flag, shown
-from prefixroute.errors import ConfigurationError, InvalidTypeError, NoBackendError, PrefixRouteError
+from prefixroute.errors import ConfigurationError, InvalidTypeError, NoBackendError, PolicyError, PrefixRouteError
 
 __all__ = [
     "BoundedLoad",
@@ -413,7 +413,9 @@ class CostAware(LoadPolicy):
     """The candidate with the lowest predicted time to first token, from a pluggable cost function.
 
     ``cost`` maps a :class:`Candidate` to predicted seconds; the default is :class:`LinearTTFT`, or a subclass's own
-    ``cost(candidate)`` method when it defines one (a ``cost`` given to the constructor wins over both).
+    ``cost(candidate)`` method when it defines one (a ``cost`` given to the constructor wins over both). The first of
+    equal costs wins (placement order). A cost that is no number, or NaN, is a :class:`PolicyError` naming the
+    backend (it would win or lose by where its candidate stands: NaN compares false with everything).
     """
 
     name = "cost-aware"
@@ -431,7 +433,22 @@ class CostAware(LoadPolicy):
     @_names_bad_fields
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         _require_candidates(candidates)
-        return min(candidates, key=self.cost)
+        cost = self.cost
+        best = candidates[0]
+        lowest = math.inf
+        for position, candidate in enumerate(candidates):
+            value = cost(candidate)
+            if type(value) is not float or value != value:  # an int, a numpy float: a number; NaN or a str: not
+                number = as_float(value, infinite=True)
+                if number is None:
+                    raise PolicyError(
+                        f"CostAware cost returned {shown(value)} for backend {candidate.backend!r}: a cost must be a "
+                        "number of seconds (not NaN)"
+                    )
+                value = number
+            if value < lowest or not position:
+                best, lowest = candidate, value
+        return best
 
 
 class PredictedTTFT(LoadPolicy):

@@ -416,9 +416,6 @@ class Router:
         cached = self._figures.get
         build = self._build_figures
         block_size = self._hasher.block_size
-        # Candidate._make is the NamedTuple's documented constructor from an iterable; it builds exactly what
-        # Candidate(...) does (a NamedTuple has no __init__ or checks to run) at about half the cost per backend.
-        make = Candidate._make
         attention = self._attention.tokens
         reading = now if type(now) is float else as_float(now)
         waits = self._lifetime is not None and reading is not None  # else no request finished: no wait predicted
@@ -433,7 +430,7 @@ class Router:
                 capacity, over = figures[5], figures[7] + blocks - cached_blocks  # active + its uncached blocks
                 if capacity and over > capacity:
                     wait = self._memory_wait(backend, over - capacity, at)
-            candidates.append(make((backend, cached_blocks * block_size, prompt_len) + figures + (attention, wait)))
+            candidates.append(Candidate(backend, cached_blocks * block_size, prompt_len, *figures, attention, wait))
         return tuple(candidates)
 
     def _build_figures(self, backend: str) -> _Figures:

@@ -527,6 +527,42 @@ def test_stop_from_several_threads_at_once_stops_the_proxy_and_the_engine_once()
     assert set(threading.enumerate()) <= before
 
 
+@pytest.mark.parametrize(
+    ("where", "error", "message"),
+    [
+        (
+            {"port": 70000},
+            ConfigurationError,
+            r"port must be an int in \[0, 65535\] \(0: one the OS picks\), not 70000",
+        ),
+        ({"port": -1}, ConfigurationError, "port must be an int in"),
+        ({"port": "8080"}, ConfigurationError, "port must be an int in .*not '8080'"),
+        ({"port": 80.0}, ConfigurationError, "port must be an int in"),
+        ({"host": ""}, ConfigurationError, "host: expected a host name or address"),
+        ({"host": "gpu 0"}, ConfigurationError, "host: expected a host name or address"),
+        ({"host": None}, InvalidTypeError, "a host is a str, not NoneType"),
+    ],
+)
+def test_where_to_listen_is_checked_before_anything_starts(
+    fine: OpenAIEngine, where: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    """Was: a port past 65535 or below 0 raised OverflowError from inside asyncio, "8080" was taken, and a host of
+    None or "" listened on every interface without saying so."""
+    before = set(threading.enumerate())
+    proxy = Proxy(Router(), [fine.url], base_models=[])
+    with pytest.raises(error, match=message):
+        proxy.start(**where)
+
+    async def serve() -> None:
+        await proxy.serve(**where)
+
+    with pytest.raises(error, match=message):
+        asyncio.run(serve())
+    assert set(threading.enumerate()) <= before
+    with proxy:  # nothing was started: it starts as usual
+        assert httpx.get(proxy.url + "/healthz").status_code == 200
+
+
 def test_a_start_that_failed_leaves_the_proxy_ready_to_start_again(fine: OpenAIEngine) -> None:
     proxy = Proxy(Router(), [fine.url], base_models=[])
     with socket.socket() as taken:

@@ -486,6 +486,26 @@ def test_upstream_of_a_non_str_is_a_type_error_naming_its_type() -> None:
         upstream_of(b"http://gpu0:8000")  # type: ignore[arg-type]
 
 
+def test_the_sidecars_upstream_and_answer_refuse_what_is_no_backend_or_decision_with_type_errors() -> None:
+    """Was: upstream(["x"]) raised "unhashable type: 'list'" from its cache, answer(None) an AttributeError."""
+    sidecar = Sidecar(Router(), backends=["http://gpu0:8000"])
+    backends: list[object] = [["x"], None, b"http://gpu0:8000"]
+    for backend in backends:
+        with pytest.raises(InvalidTypeError, match="a backend is a URL str, not"):
+            sidecar.upstream(backend)  # type: ignore[arg-type]
+    decisions: list[object] = [None, "d-1", {"id": "d-1"}]
+    for decision in decisions:
+        with pytest.raises(InvalidTypeError, match="answer\\(\\) takes a Decision, not"):
+            sidecar.answer(decision)  # type: ignore[arg-type]
+
+    class Named(str):
+        def __hash__(self) -> int:
+            raise RuntimeError("a str subclass's own hash")
+
+    assert sidecar.upstream(Named("http://gpu1:8000")) == b"gpu1:8000"  # computed, not cached under its own hash
+    assert sidecar.upstream("http://gpu0:8000") == b"gpu0:8000"
+
+
 # -- long prompts, tokenized on a worker thread ------------------------------------------------------------------------
 
 INLINE_BYTES = 64 * 2**10

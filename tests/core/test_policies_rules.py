@@ -19,6 +19,7 @@ from prefixroute import (
     LinearTTFT,
     LoadPolicy,
     NoBackendError,
+    PolicyError,
     PowerOfTwo,
     PredictedTTFT,
     Random,
@@ -265,3 +266,17 @@ def test_policy_from_name_messages_list_the_names_and_refuse_what_cannot_be_buil
         policy_from_name(7)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match=r"is abstract: name a subclass that implements choose\(\)$"):
         policy_from_name("prefixroute.policies:LoadPolicy")
+
+
+@pytest.mark.parametrize("bad", [math.nan, "cheap", None, True])
+def test_a_cost_aware_cost_that_is_no_number_is_a_policy_error_wherever_its_candidate_stands(bad: object) -> None:
+    """Was: min() by cost, so a NaN cost won when its candidate came first and lost otherwise (NaN compares false
+    with everything), and costs of any type were compared (all str: the least str)."""
+    costs = {"sick": bad, "ok": 1.0}
+    policy = CostAware(cost=lambda c: costs[c.backend])  # type: ignore[arg-type, return-value]
+    for order in (["sick", "ok"], ["ok", "sick"]):
+        with pytest.raises(PolicyError, match=r"CostAware cost returned .* for backend 'sick': a cost must be"):
+            policy.choose([Candidate(b, 0, 64, 0) for b in order])
+    numbers = {"a": 2, "b": 1.5, "c": math.inf}  # an int, a float, infinity: numbers all
+    assert CostAware(cost=lambda c: numbers[c.backend]).choose([Candidate(b, 0, 64, 0) for b in "abc"]).backend == "b"
+    assert CostAware(cost=lambda c: 1.0).choose([Candidate(b, 0, 64, 0) for b in "abc"]).backend == "a"  # ties: first

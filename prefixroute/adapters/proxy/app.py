@@ -12,6 +12,7 @@ engine computed nothing, so the router forgets what it predicted there.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import io
 import json
@@ -51,7 +52,7 @@ from prefixroute.adapters.serve.contract import (
     without_bom,
 )
 from prefixroute.adapters.threaded import ServerThread
-from prefixroute.adapters.urls import check_backend_url, check_distinct, engine_of, host_port
+from prefixroute.adapters.urls import check_backend_url, check_distinct, engine_of, host_port, listen_host
 from prefixroute.errors import ConfigurationError, InvalidTypeError, PolicyError, StateError
 from prefixroute.router import Decision, Router
 
@@ -268,8 +269,12 @@ class Proxy:
 
         Raises:
             StateError: the proxy is serving already (:meth:`aclose` it first).
+            ConfigurationError: ``host`` is no host name or address (an empty one would listen on every interface:
+                say ``0.0.0.0``), or ``port`` no int in [0, 65535].
+            OSError: the port is taken, or the host does not resolve to an address of this machine.
         """
         self._refuse_second_start(self._runner is not None)
+        host, port = _listen_at(host, port)
         self._loop = asyncio.get_running_loop()
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=_UPSTREAM_KEEPALIVE_S)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout)
@@ -313,8 +318,10 @@ class Proxy:
 
         Raises:
             StateError: the proxy is serving already (:meth:`stop` it first).
+            ConfigurationError, OSError: as :meth:`serve`.
         """
         self._refuse_second_start(self._serving is not None or self._runner is not None)
+        host, port = _listen_at(host, port)
         serving = ServerThread(lambda: self.serve(host=host, port=port), self.aclose, name="prefixroute-proxy")
         serving.start()  # raises what serve() raised
         self._serving = serving
@@ -911,3 +918,16 @@ async def _json_errors(request: web.Request, handler: Callable[[web.Request], An
         if "Allow" in exc.headers:  # a 405 says which methods the path takes
             answer.headers["Allow"] = exc.headers["Allow"]
         return answer
+
+
+def _listen_at(host: object, port: object) -> tuple[str, int]:
+    """``host`` and ``port`` to listen at, checked before anything starts (asyncio's own errors would be an
+    OverflowError from deep inside, and None or "" would listen on every interface unsaid)."""
+    try:
+        name = listen_host(host)  # type: ignore[arg-type]
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigurationError(f"host: {exc}") from None
+    number = as_int(port)
+    if number is None or not 0 <= number <= 65535:
+        raise ConfigurationError(f"port must be an int in [0, 65535] (0: one the OS picks), not {shown(port)}")
+    return name, number

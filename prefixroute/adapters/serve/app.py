@@ -399,7 +399,13 @@ class Sidecar:
         self.metrics.released(via)
 
     def answer(self, decision: Decision) -> bytes:
-        """The JSON answer of ``/route`` for ``decision``."""
+        """The JSON answer of ``/route`` for ``decision``.
+
+        Raises:
+            TypeError: ``decision`` is not a :class:`~prefixroute.Decision`.
+        """
+        if not isinstance(decision, Decision):
+            raise InvalidTypeError(f"answer() takes a Decision, not {type(decision).__name__}")
         return msgspec.json.encode(
             {
                 "id": decision.id,
@@ -411,7 +417,15 @@ class Sidecar:
         )
 
     def upstream(self, backend: str) -> bytes:
-        """``host:port`` of a backend URL (what a proxy connects to), cached. O(1) after the first call."""
+        """``host:port`` of a backend URL (what a proxy connects to), cached. O(1) after the first call.
+
+        Raises:
+            TypeError: ``backend`` is not a str.
+        """
+        if type(backend) is not str:
+            if not isinstance(backend, str):
+                raise InvalidTypeError(f"a backend is a URL str, not {type(backend).__name__}")
+            backend = str.__str__(backend)  # a subclass's own __hash__ stays out of the cache
         upstream = self._upstreams.get(backend)
         if upstream is None:
             upstream = upstream_of(backend).encode("latin-1", "replace")
