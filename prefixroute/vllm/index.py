@@ -34,7 +34,8 @@ class EventIndex(PrefixIndex):
     the :class:`~prefixroute.Router` calls it under its lock.
 
     Raises:
-        ConfigurationError: ``speculative_ttl`` is not a finite number of seconds >= 0.
+        ConfigurationError: ``speculative_ttl`` is not a finite number of seconds >= 0, or ``clock``, read once here,
+            returns no finite number of seconds (later, a reading that is no number only distrusts the predictions).
 
     >>> clock = iter([0.0, 0.0, 1.0, 7.0]).__next__
     >>> index = EventIndex(4, speculative_ttl=3.0, clock=clock)
@@ -63,7 +64,15 @@ class EventIndex(PrefixIndex):
         self._clock = clock
         self._current = PrefixIndex(block_size)
         self._previous = PrefixIndex(block_size)
-        self._rotated_at = self._now() if self._ttl else 0.0
+        self._rotated_at = 0.0
+        if self._ttl:  # read when given: a clock that never returns seconds would distrust every prediction unsaid
+            reading = clock()
+            start = as_float(reading)
+            if start is None:
+                raise ConfigurationError(
+                    f"clock returned {shown(reading)}: it must return a finite number of seconds, as time.monotonic"
+                )
+            self._rotated_at = start
 
     @property
     def speculative_ttl(self) -> float:

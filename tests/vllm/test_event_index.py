@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import math
 import random
 import re
 
@@ -231,6 +233,14 @@ def test_match_is_the_larger_of_confirmed_and_unexpired_speculative(steps: list[
             at_most = next((i for i, h in enumerate(HASHES) if h not in held | alive), len(HASHES))
             assert index.match_confirmed(HASHES, name) == exact
             assert exact <= index.match(HASHES, [name])[name] <= at_most
+
+
+@pytest.mark.parametrize("reading", [None, "12:00", math.nan, math.inf, datetime.datetime(2026, 1, 1)])
+def test_a_clock_that_returns_no_seconds_when_given_is_refused_then(reading: object) -> None:
+    """Was: taken, and every prediction then distrusted (no match for a prompt routed a moment before), unsaid."""
+    with pytest.raises(ConfigurationError, match="clock returned .*: it must return a finite number of seconds"):
+        EventIndex(16, clock=lambda: reading)  # type: ignore[arg-type, return-value]
+    EventIndex(16, speculative_ttl=0, clock=lambda: reading)  # type: ignore[arg-type, return-value]  # never read
 
 
 @pytest.mark.parametrize(("ttl", "jump"), [(0.5, 1e308), (1e-320, 0.01)])
