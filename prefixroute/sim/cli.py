@@ -16,7 +16,7 @@ from prefixroute.errors import ConfigurationError
 from prefixroute.sim.compare import THROUGHPUT_TOLERANCE
 from prefixroute.sim.engine import Workload
 from prefixroute.sim.metrics import PolicyResult
-from prefixroute.sim.runner import SimSpec, backend_config, build_policy, run_policy
+from prefixroute.sim.runner import SimSpec, backend_config, build_policy, check_polls, run_policy
 from prefixroute.sim.workloads import scenario_names
 
 if TYPE_CHECKING:
@@ -223,6 +223,7 @@ def _check_before_running(
         read = load_trace(spec.trace, seed=spec.seed, output_tokens=spec.output_tokens, limit=spec.requests)
         if spec.users is None and spec.rate is None:  # replayed at its own timestamps
             check_speedup(read, spec.speedup)
+            check_polls(spec, max((entry.arrival for entry in read.entries), default=0.0) / spec.speedup)
         trace = functools.partial(
             TraceWorkload, read.entries, kind=read.kind, seed=spec.seed, output_tokens=spec.output_tokens
         )
@@ -489,7 +490,9 @@ def run_compare(args: argparse.Namespace, *, defaults: argparse.ArgumentParser) 
         if result.rejected:
             console.print(f"{result.policy}: {result.rejected} requests rejected, longer than one engine's KV cache")
     if args.json:
-        header |= {"default": default, "recommended": ranking.recommended.policy, "tolerance": ranking.tolerance}
+        best = ranking.recommended
+        recommended = best.policy if ranking.eligible(best) else None  # as the table says: none if none served
+        header |= {"default": default, "recommended": recommended, "tolerance": ranking.tolerance}
         write_json(args.json, header, ranking.results)
         console.print(f"wrote {args.json}")
     if args.plot:

@@ -296,7 +296,8 @@ def rich_table(ranking: Ranking, *, default: str | None = None, title: str = "")
     for i, header in enumerate(_HEADERS):
         table.add_column(header, justify="left" if i in (1, 2) else "right", no_wrap=True)
     for row in table_rows(ranking, default=default):
-        table.add_row(*row, style="bold" if row[1] == ranking.recommended.policy else None)
+        recommended = ranking.eligible(ranking.recommended) and row[1] == ranking.recommended.policy
+        table.add_row(*row, style="bold" if recommended else None)
     return table
 
 
@@ -328,7 +329,8 @@ def write_plot(path: str | Path, ranking: Ranking, *, default: str | None = None
         p50 = [r.ttft_ms["p50"] if _served(r) else 0.0 for r in results]
         ttft.barh(ys, p99, color=colors)
         ttft.scatter(p50, ys, color="black", marker="|", s=120, zorder=3)
-        ttft.set_xscale("log")
+        if any(value > 0 for value in p99):  # a log scale of nothing but zeros (no policy served) warns
+            ttft.set_xscale("log")
         ttft.set_xlabel("TTFT ms (log scale): bar P99, tick P50")
         ttft.set_yticks(list(ys), labels)
         ttft.invert_yaxis()

@@ -41,7 +41,7 @@ from prefixroute.sim.profiles import load_profile
 from prefixroute.sim.traces import TraceWorkload, check_speedup, load_trace
 from prefixroute.sim.workloads import make_workload, scenario_names
 
-__all__ = ["SimSpec", "backend_config", "build_policy", "run_policy", "vllm_defaults"]
+__all__ = ["SimSpec", "backend_config", "build_policy", "check_polls", "run_policy", "vllm_defaults"]
 
 _GIB = 2**30
 
@@ -151,6 +151,27 @@ def _name(field: str) -> str:
 _MAX_POLLS = 1e8  # engine-metrics polls in one run: ~15 minutes of polling alone
 
 
+def _stop_after(spec: SimSpec, source: Workload) -> int | None:
+    """The requests a run stops after: ``--requests``, or for a trace sent at ``--rate`` with no limit, the whole
+    trace (open-loop arrivals need a stop; a trace's prompts end)."""
+    if spec.requests is None and spec.duration is None and spec.rate is not None and isinstance(source, TraceWorkload):
+        return max(1, len(source))
+    return spec.requests
+
+
+def check_polls(spec: SimSpec, span: float) -> None:
+    """Refuse a ``--metrics-interval`` that polls over :data:`_MAX_POLLS` times in ``span`` simulated seconds.
+
+    Raises:
+        ConfigurationError: it does.
+    """
+    if spec.metrics_interval is not None and span / spec.metrics_interval > _MAX_POLLS:
+        raise ConfigurationError(
+            f"--metrics-interval {shown(spec.metrics_interval)} s over about {span:,.3g} simulated seconds is "
+            f"over {_MAX_POLLS:,.0f} polls (each costs real time): poll less often, or simulate a shorter span"
+        )
+
+
 def _span(spec: SimSpec) -> float:
     """The simulated seconds the arrivals take, as far as the spec says (0 when only the run will tell)."""
     if spec.duration is not None:
@@ -219,8 +240,13 @@ def _check_spec(spec: SimSpec) -> None:
         raise ConfigurationError(
             "--think-time is the pause of closed-loop users: give --users (and no --rate), or leave it out"
         )
-    if spec.rate is not None and spec.requests is None and spec.duration is None:
+    if spec.rate is not None and spec.requests is None and spec.duration is None and spec.trace is None:
         raise ConfigurationError("open-loop arrivals (--rate) never stop by themselves: give --requests or --duration")
+    if spec.speedup != 1 and (spec.trace is None or spec.users is not None or spec.rate is not None):
+        raise ConfigurationError(
+            "--speedup divides a trace's timestamps: it applies to a --trace replayed at them (no --users or --rate); "
+            "leave it out"
+        )
     if spec.metrics_interval is not None and spec.metrics_interval < _MIN_METRICS_INTERVAL:
         raise ConfigurationError(
             f"--metrics-interval must be at least {_MIN_METRICS_INTERVAL} s, not {shown(spec.metrics_interval)}"
@@ -240,11 +266,7 @@ def _check_spec(spec: SimSpec) -> None:
             f"--rate {shown(spec.rate)} takes {spec.requests / spec.rate:,.3g} s to send --requests "
             f"{spec.requests:,}, more than {_MAX_DURATION:,.0f} s: raise the rate, or send fewer requests"
         )
-    if spec.metrics_interval is not None and _span(spec) / spec.metrics_interval > _MAX_POLLS:
-        raise ConfigurationError(
-            f"--metrics-interval {shown(spec.metrics_interval)} s over about {_span(spec):,.3g} simulated seconds is "
-            f"over {_MAX_POLLS:,.0f} polls (each costs real time): poll less often, or simulate a shorter span"
-        )
+    check_polls(spec, _span(spec))
     arrivals = (spec.rate or 0) * (spec.duration or 0) if spec.requests is None else 0
     if arrivals > MAX_REQUESTS:
         raise ConfigurationError(
@@ -368,6 +390,7 @@ def _workload(spec: SimSpec, build: Callable[[], Workload] | None = None) -> tup
         arrivals = TraceTimes(speedup=spec.speedup)
         if isinstance(workload, TraceWorkload):
             check_speedup(workload, spec.speedup)
+            check_polls(spec, max((entry.arrival for entry in workload.entries), default=0.0) / spec.speedup)
     else:
         arrivals = ClosedLoop(spec.users, think_time=think)
     return workload, arrivals
@@ -427,7 +450,7 @@ def run_policy(
         cost=profile,
         config=config,
         backends=spec.backends,
-        max_requests=spec.requests,
+        max_requests=_stop_after(spec, source),
         duration=spec.duration,
         seed=spec.seed,
         gpus_per_backend=profile.tp,

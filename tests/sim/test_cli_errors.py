@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -264,3 +265,56 @@ def test_two_outputs_to_a_device_are_no_collision() -> None:
     from prefixroute.sim.cli import check_distinct
 
     check_distinct({"--json": os.devnull, "--plot": os.devnull}, {"the trace --trace reads": os.devnull})
+
+
+@pytest.mark.parametrize("command", ["simulate", "compare"])
+def test_a_metrics_interval_that_polls_a_long_trace_too_often_is_refused_before_running(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Was: a trace's span was not known to the check (0 without --duration), so --metrics-interval 0.001 over a
+    week-long trace started 600 million polls a policy and ran until killed."""
+    trace = tmp_path / "week.csv"
+    trace.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2024-05-10 00:00:00.000000+00:00,100,10\n"
+        "2024-05-17 00:00:00.000000+00:00,100,10\n",
+        encoding="utf-8",
+    )
+    argv = [command, "--trace", f"azure:{trace}", "--metrics-interval", "0.001"]
+    _fails_with_one_line(argv, capsys, "--metrics-interval 0.001 s over about 6.05e+05 simulated seconds is over")
+    argv[-1] = "0.1"  # 6 million polls, nearly all over idle time, which costs no poll: it runs, at once
+    assert main([*argv, "--policy", "round-robin", *(["--jobs", "1"] if command == "compare" else [])]) == 0
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["simulate", "--requests", "5", "--speedup", "10"],  # a scenario: no timestamps to divide
+        ["simulate", "--trace", "TRACE", "--users", "4", "--speedup", "10"],  # closed loop: the trace's times unused
+        ["simulate", "--trace", "TRACE", "--rate", "5", "--speedup", "10"],  # open loop: likewise
+    ],
+)
+def test_a_speedup_the_run_would_ignore_is_refused(
+    argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Was: taken and ignored (the same figures with or without it), where an option the run would ignore is an
+    error (as --sharing-ratio with a trace is)."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 100, "output_length": 5, "hash_ids": [1]}\n', encoding="utf-8")
+    argv = [f"mooncake:{trace}" if arg == "TRACE" else arg for arg in argv]
+    _fails_with_one_line(argv, capsys, "--speedup divides a trace's timestamps: it applies to a --trace replayed")
+
+
+def test_a_trace_sent_at_a_rate_stops_when_its_prompts_run_out(tmp_path: Path) -> None:
+    """Was: refused ("open-loop arrivals (--rate) never stop by themselves"), though a trace's prompts end."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        "".join(
+            f'{{"timestamp": {i}, "input_length": 100, "output_length": 5, "hash_ids": [{i}]}}\n' for i in range(7)
+        ),
+        encoding="utf-8",
+    )
+    out = tmp_path / "out.json"
+    argv = ["simulate", "--trace", f"mooncake:{trace}", "--rate", "50", "--policy", "round-robin", "--json", str(out)]
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["results"][0]["requests"] == 7

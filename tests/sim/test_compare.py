@@ -843,3 +843,21 @@ def _wall(page: str) -> float:
     found = re.search(r"\n4 simulations in (\d+) s wall time", page)
     assert found is not None, page[-200:]
     return float(found.group(1))
+
+
+def test_a_trace_no_policy_can_serve_recommends_nothing_in_the_json_either(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Was: the table said "No recommendation: no policy served a request." while --json named one, and --plot
+    warned (a log scale of nothing but zeros), which the suite's warnings-as-errors turns into a failure."""
+    trace = tmp_path / "huge.jsonl"
+    with trace.open("w", encoding="utf-8") as out:
+        for i in range(4):  # 40,000 tokens each: past one engine's whole KV cache (854 blocks of 16 tokens)
+            out.write(json.dumps({"timestamp": i, "input_length": 40_000, "output_length": 8,
+                                  "hash_ids": list(range(i * 100, i * 100 + 79))}) + "\n")  # fmt: skip
+    document, plot = tmp_path / "out.json", tmp_path / "out.png"
+    argv = ["compare", "--trace", f"mooncake:{trace}", "--policy", "round-robin", "--policy", "llm-d", "--jobs", "1"]
+    assert main([*argv, "--json", str(document), "--plot", str(plot)]) == 0
+    assert "No recommendation: no policy served a request." in capsys.readouterr().out
+    assert json.loads(document.read_text())["recommended"] is None
+    assert plot.stat().st_size > 0

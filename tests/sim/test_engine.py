@@ -343,6 +343,64 @@ def test_metrics_polling_shows_engine_load_to_the_policy() -> None:
     assert outcome.duration == max(r.finished for r in outcome.records if r.finished is not None)
 
 
+class _EveryPoll(Simulation):
+    """The engine as it polled before: every interval, idle or not (the reference the skipping one must equal)."""
+
+    polls = 0
+
+    def _poll(self) -> None:
+        _EveryPoll.polls += 1
+        for backend in self.backends:
+            capacity = backend.cache.capacity
+            usage = backend.cache.used_blocks / capacity if capacity else None
+            for router in self.routers:
+                router.set_engine_load(backend.name, queue_len=len(backend.waiting), kv_usage=usage)
+        if self._events and self.metrics_interval is not None:
+            self._push(self.now + self.metrics_interval, 3, None)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_metrics_polls_skipped_between_events_change_no_result(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Idle hours of a trace cost a poll each (a week at 0.1 s: 6 million, over a minute a policy). Only the last
+    poll before each event is made now, and every request's record is what polling at every interval gave, with
+    the router inferring prefill ends from the queues it is shown (no first tokens) and two gateways."""
+    rng = random.Random(seed)
+    arrival = 0.0
+    requests = []
+    for i in range(60):
+        arrival += rng.choice([0.01, 0.2, 30.0, 600.0])  # bursts, and gaps of minutes
+        request = _request(
+            rng.randrange(3), rng.randrange(50, 300), i, rng.randrange(5, 80), rng.randrange(1, 30), False
+        )
+        requests.append(dataclasses.replace(request, arrival=arrival))
+    calls = 0
+    set_engine_load = Router.set_engine_load
+
+    def counted(self: Router, backend: str, *, queue_len: int | None, kv_usage: float | None) -> None:
+        nonlocal calls
+        calls += 1
+        set_engine_load(self, backend, queue_len=queue_len, kv_usage=kv_usage)
+
+    def run(cls: type[Simulation]) -> list[tuple[object, ...]]:
+        simulation = cls(
+            router=[Router(policy=policy_from_name("predicted-ttft")) for _ in range(2)],
+            workload=ListWorkload(requests),
+            arrivals=TraceTimes(),
+            cost=LinearCost(),
+            config=BackendConfig(capacity_blocks=60, max_num_seqs=2),
+            backends=3,
+            metrics_interval=0.1,
+            first_token=False,
+        )
+        return [dataclasses.astuple(record) for record in simulation.run().records]
+
+    _EveryPoll.polls = 0
+    every = run(_EveryPoll)
+    monkeypatch.setattr(Router, "set_engine_load", counted)
+    assert run(Simulation) == every
+    assert calls < _EveryPoll.polls * 3 * 2 / 100  # 3 engines, 2 routers: a poll hands 6 figures
+
+
 def _gateways(routers: list[Router], requests: list[SimRequest], **options: object) -> tuple[Simulation, SimOutcome]:
     simulation = Simulation(
         router=routers,
