@@ -232,10 +232,14 @@ class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
             if not isinstance(used, str):
                 return
             attempt.replica = used
-            if used != attempt.decision.backend and any(c.backend == used for c in attempt.decision.candidates):
+            if any(c.backend == used for c in attempt.decision.candidates):
+                # Committed here, where it goes, also to the replica ranked first: a request Ray sends without
+                # on_request_routed would otherwise teach the index nothing (its completion notice only ends it).
+                moved = used != attempt.decision.backend
                 attempt.decision = self.router.commit(attempt.decision, used)
                 attempt.committed = True
-                self.router.start(attempt.decision, lease=self._lease)  # the count moves with it
+                if moved:
+                    self.router.start(attempt.decision, lease=self._lease)  # the count moves with it
         except Exception:
             self.errors += 1
             _log.exception("prefixroute could not follow a request's routing")
