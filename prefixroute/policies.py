@@ -415,7 +415,8 @@ class CostAware(LoadPolicy):
     ``cost`` maps a :class:`Candidate` to predicted seconds; the default is :class:`LinearTTFT`, or a subclass's own
     ``cost(candidate)`` method when it defines one (a ``cost`` given to the constructor wins over both). The first of
     equal costs wins (placement order). A cost that is no number, or NaN, is a :class:`PolicyError` naming the
-    backend (it would win or lose by where its candidate stands: NaN compares false with everything).
+    backend (it would win or lose by where its candidate stands: NaN compares false with everything), or, where a
+    field of that candidate is malformed (a NaN count), the error naming the field.
     """
 
     name = "cost-aware"
@@ -441,6 +442,7 @@ class CostAware(LoadPolicy):
             if type(value) is not float or value != value:  # an int, a numpy float: a number; NaN or a str: not
                 number = as_float(value, infinite=True)
                 if number is None:
+                    _check_fields((candidate,), None)  # a malformed field (a NaN count) is named as such first
                     raise PolicyError(
                         f"CostAware cost returned {shown(value)} for backend {candidate.backend!r}: a cost must be a "
                         "number of seconds (not NaN)"

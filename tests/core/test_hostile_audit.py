@@ -119,8 +119,9 @@ def test_a_clock_that_stops_returning_numbers_while_a_lease_runs_fails_no_call(r
 @pytest.mark.parametrize("reading", [None, "12:00", math.nan])
 def test_an_event_index_whose_clock_returns_no_number_routes_and_trusts_no_prediction(reading: object) -> None:
     # Was: EventIndex's clock returning None or a str made every route() through it raise a bare TypeError (from
-    # the speculative generations' rotation), also from the first reading at construction; a NaN reading already
-    # started the speculative part over. Now any reading that is no number does that, and nothing fails.
+    # the speculative generations' rotation); a NaN reading already started the speculative part over. Now any
+    # reading that is no number does that, and nothing fails. At construction, where the clock is given, such a
+    # reading is refused (taken, it distrusted every prediction from the start, unsaid).
     from prefixroute.vllm import EventIndex
 
     clock = FakeClock()
@@ -134,9 +135,8 @@ def test_an_event_index_whose_clock_returns_no_number_routes_and_trusts_no_predi
     again = router.route([1, 2, 3, 4, 5, 6, 7, 8], ["a", "b"])
     assert (again.backend, again.matched_tokens) == (first.backend, 8)
     router._check()
-    late = EventIndex(4, clock=lambda: reading)  # type: ignore[arg-type, return-value]
-    late.predict([1, 2], "a", 0)
-    assert late.match([1, 2], ["a"]) == {"a": 0}
+    with pytest.raises(ConfigurationError, match="clock returned .*: it must return a finite number of seconds"):
+        EventIndex(4, clock=lambda: reading)  # type: ignore[arg-type, return-value]
 
 
 def test_a_policy_whose_prefix_aware_fails_is_refused_when_the_router_takes_it_not_after_a_route_recorded() -> None:
