@@ -223,7 +223,7 @@ def _check_before_running(
         read = load_trace(spec.trace, seed=spec.seed, output_tokens=spec.output_tokens, limit=spec.requests)
         if spec.users is None and spec.rate is None:  # replayed at its own timestamps
             check_speedup(read, spec.speedup)
-            check_polls(spec, max((entry.arrival for entry in read.entries), default=0.0) / spec.speedup)
+            check_polls(spec, read.last_arrival / spec.speedup)
         trace = functools.partial(
             TraceWorkload, read.entries, kind=read.kind, seed=spec.seed, output_tokens=spec.output_tokens
         )

@@ -390,7 +390,7 @@ def _workload(spec: SimSpec, build: Callable[[], Workload] | None = None) -> tup
         arrivals = TraceTimes(speedup=spec.speedup)
         if isinstance(workload, TraceWorkload):
             check_speedup(workload, spec.speedup)
-            check_polls(spec, max((entry.arrival for entry in workload.entries), default=0.0) / spec.speedup)
+            check_polls(spec, workload.last_arrival / spec.speedup)
     else:
         arrivals = ClosedLoop(spec.users, think_time=think)
     return workload, arrivals

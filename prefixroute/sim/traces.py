@@ -151,6 +151,11 @@ class TraceWorkload:
         self._rng = random.Random(seed_int)
         self._output_tokens = output_tokens
 
+    @property
+    def last_arrival(self) -> float:
+        """The latest request's arrival, in the trace's seconds (0 for no request). O(requests)."""
+        return max((entry.arrival for entry in self.entries), default=0.0)
+
     def __len__(self) -> int:
         return len(self.entries)
 
@@ -484,7 +489,7 @@ def check_speedup(workload: TraceWorkload, speedup: float) -> None:
     if factor is None or factor <= 0:
         raise ConfigurationError(f"--speedup must be a finite number > 0, not {shown(speedup)}")
     speedup = factor
-    last = max((entry.arrival for entry in workload.entries), default=0.0)
+    last = workload.last_arrival
     if not last / speedup <= _MAX_ARRIVAL:
         raise ConfigurationError(
             f"--speedup {speedup:g} puts the trace's last request at {last / speedup:g} simulated s, past "
