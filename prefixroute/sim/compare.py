@@ -32,7 +32,7 @@ from prefixroute.policies import policy_names
 from prefixroute.router import Router
 from prefixroute.sim.baselines import BASELINES
 from prefixroute.sim.metrics import PolicyResult
-from prefixroute.sim.report import ratio_cell
+from prefixroute.sim.report import rate_cell, ratio_cell
 from prefixroute.sim.runner import SimSpec, run_policy
 
 if TYPE_CHECKING:
@@ -250,7 +250,7 @@ def table_rows(ranking: Ranking, *, default: str | None = None) -> list[list[str
                 kind,
                 ms_cell(r.ttft_ms["p50"]),
                 ms_cell(r.ttft_ms["p99"]),
-                f"{r.throughput_rps:.2f}",
+                rate_cell(r.throughput_rps),
                 f"{100 * r.hit_rate:.1f} %",
                 f"{100 * r.max_backend_share:.0f} %",
                 ratio_cell(r.ttft_ms["p99"], ranking.best_p99_ms),
@@ -273,7 +273,7 @@ def recommendation(ranking: Ranking, *, default: str | None = None) -> str:
     share = f"{100 * (1 - ranking.tolerance):.0f} %"
     text = (
         f"Recommended: {best.policy} — the lowest P99 TTFT ({ms_cell(best.ttft_ms['p99'])} ms) among the policies that "
-        f"keep {share} of the best throughput ({ranking.best_throughput:.2f} req/s)."
+        f"keep {share} of the best throughput ({rate_cell(ranking.best_throughput)} req/s)."
     )
     mine = ranking.of(default) if default is not None else None
     if default is not None and mine is not None and default != best.policy:

@@ -58,6 +58,12 @@ def ratio_cell(value: float, base: float) -> str:
     return f"{value / base:.2f}×"
 
 
+def rate_cell(value: float) -> str:
+    """A throughput in req/s as a table cell: two decimals, or three significant digits under 0.1 req/s (a sparse
+    trace serves a few requests an hour, which two decimals would show as 0.00). O(1)."""
+    return f"{value:.3g}" if 0 < value < 0.1 else f"{value:.2f}"
+
+
 def table_rows(results: Sequence[PolicyResult]) -> list[list[str]]:
     """One row of formatted cells per policy, in the terminal table's columns; the last three compare with the first
     policy. A figure no request produced (a policy that served none) is ``–``."""
@@ -73,7 +79,7 @@ def table_rows(results: Sequence[PolicyResult]) -> list[list[str]]:
                 _ms(r.ttft_ms["p50"]),
                 _ms(r.ttft_ms["p99"]),
                 _ms(r.e2e_ms["p99"]),
-                f"{r.throughput_rps:.2f}",
+                rate_cell(r.throughput_rps),
                 f"{100 * r.max_backend_share:.0f} %",
                 str(max(r.peak_in_flight.values(), default=0)),
                 f"{r.recompute_usd_per_month:,.0f}",

@@ -11,7 +11,7 @@ import pytest
 
 from prefixroute import ConfigurationError, InvalidTypeError
 from prefixroute.sim.metrics import PolicyResult
-from prefixroute.sim.report import plot_file, rich_table, table_rows, write_plot
+from prefixroute.sim.report import plot_file, rate_cell, rich_table, table_rows, write_plot
 
 
 def test_a_plot_is_saved_in_the_format_its_name_says_and_its_figure_closed(tmp_path: Path) -> None:
@@ -107,3 +107,16 @@ def test_the_simulate_table_shows_each_policy_s_figures_against_the_first_and_da
     ]
     assert all(c.no_wrap for c in table.columns)
     assert rich_table(results).title is None
+
+
+def test_a_sparse_trace_s_throughput_keeps_its_figures_where_two_decimals_would_show_zero() -> None:
+    assert [rate_cell(r) for r in (0.0, 0.000417, 0.0125, 0.5, 0.877, 44.449)] == [
+        "0.00",
+        "0.000417",
+        "0.0125",
+        "0.50",
+        "0.88",
+        "44.45",
+    ]
+    sparse = [simulated("round-robin", p99=900.0, rps=0.0021, hit=0.1)]
+    assert table_rows(sparse)[0][6] == "0.0021"
