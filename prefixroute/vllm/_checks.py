@@ -6,12 +6,14 @@ import logging
 import re
 import threading
 
+from prefixroute._arguments import EMPTY_ID
 from prefixroute._numbers import as_float, as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 
 __all__ = [
     "MAX_DATA_PARALLEL_SIZE",
     "MAX_SECONDS",
+    "check_backend",
     "check_callable",
     "check_count",
     "check_data_parallel_size",
@@ -34,6 +36,16 @@ def sparse_level(count: int) -> int:
     DEBUG in between, so an engine that keeps sending the same garbage (a misconfigured block size, say) is reported
     with its count without flooding the log. The counters keep the exact figures."""
     return logging.WARNING if count > 0 and count & (count - 1) == 0 else logging.DEBUG
+
+
+def check_backend(backend: object) -> str:
+    """``backend`` as the plain str id the router keys it by: a str subclass kept as a key of its own would hash
+    apart from the id that removes it, so a backend removed would go on being written."""
+    if not isinstance(backend, str):
+        raise InvalidTypeError(f"backend must be a str id, not {type(backend).__name__}")
+    if not backend:
+        raise ConfigurationError(EMPTY_ID)
+    return str.__str__(backend)
 
 
 def check_seconds(value: object, name: str) -> float:

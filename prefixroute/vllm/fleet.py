@@ -25,6 +25,7 @@ from prefixroute.index import IndexUpdate
 from prefixroute.router import Router
 from prefixroute.vllm._checks import (
     MAX_DATA_PARALLEL_SIZE,
+    check_backend,
     check_data_parallel_size,
     check_endpoint,
     check_seconds,
@@ -193,7 +194,7 @@ class Fleet:
         ``AllBlocksCleared`` or restart drops only what no other rank holds.
 
         Raises:
-            ConfigurationError: the backend is already in the fleet or still being removed (a
+            ConfigurationError: ``backend`` is an empty str, already in the fleet or still being removed (a
                 :meth:`remove_backend` that has not returned), the fleet is closed, an endpoint is malformed
                 or is one that another backend of the fleet follows (in the other role, or under an overlapping
                 topic), ``replay`` comes without ``kv_events``, ``kv_events`` is given to a router whose index is not an
@@ -204,8 +205,7 @@ class Fleet:
                 offset the endpoints.
             TypeError: ``backend`` is not a str, ``namespace`` not a str, bytes or None.
         """
-        if not isinstance(backend, str):
-            raise InvalidTypeError(f"backend must be a str id, not {type(backend).__name__}")
+        backend = check_backend(backend)  # a plain str: remove_backend() finds it by the router's id
         namespace_seed(namespace)  # a TypeError here, with or without kv_events, not in a thread later
         if replay is not None and kv_events is None:
             raise ConfigurationError(
@@ -301,9 +301,9 @@ class Fleet:
 
         Raises:
             TypeError: ``backend`` is not a str (nothing is removed).
+            ConfigurationError: ``backend`` is an empty str.
         """
-        if not isinstance(backend, str):  # before the lookup: an unhashable id would be a bare TypeError there
-            raise InvalidTypeError(f"backend must be a str id, not {type(backend).__name__}")
+        backend = check_backend(backend)  # before the lookup: an unhashable id would be a bare TypeError there
         with self._lock:
             member = self._members.pop(backend, None)
             self._removing[backend] = self._removing.get(backend, 0) + 1
@@ -389,9 +389,9 @@ class Fleet:
 
         Raises:
             TypeError: ``backend`` is not a str.
+            ConfigurationError: ``backend`` is an empty str.
         """
-        if not isinstance(backend, str):
-            raise InvalidTypeError(f"backend must be a str id, not {type(backend).__name__}")
+        backend = check_backend(backend)
         with self._lock:
             member = self._members.get(backend)
         return [] if member is None else list(member.subscribers)

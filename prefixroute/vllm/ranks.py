@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from prefixroute._numbers import as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.index import IndexUpdate, check_update
-from prefixroute.vllm._checks import MAX_DATA_PARALLEL_SIZE, check_endpoint
+from prefixroute.vllm._checks import MAX_DATA_PARALLEL_SIZE, check_backend, check_endpoint
 from prefixroute.vllm.tracker import IndexOps, IndexWriter, check_writer
 
 __all__ = ["RankMerge", "rank_endpoint"]
@@ -74,8 +74,9 @@ class RankMerge:
             TypeError: ``backend`` is not a str, or an update is not a ``(stored, hashes, parent)`` tuple
                 (nothing counted).
             InvalidEventError: a hash or parent is not an int in [0, 2**64) (nothing counted).
+            ConfigurationError: ``backend`` is an empty str (nothing counted).
         """
-        _check_backend(backend)
+        backend = check_backend(backend)
         if isinstance(updates, (str, bytes)) or not isinstance(updates, Iterable):
             raise InvalidTypeError(f"updates must be an iterable of index updates, not {type(updates).__name__}")
         # Checked whole before anything is counted: a count the writer never sees would keep a block for good.
@@ -109,8 +110,9 @@ class RankMerge:
 
         Raises:
             TypeError: ``backend`` is not a str or ``block_hash`` not an int.
+            ConfigurationError: ``backend`` is an empty str.
         """
-        _check_backend(backend)
+        backend = check_backend(backend)
         block = as_int(block_hash)
         if block is None:
             raise InvalidTypeError(f"block_hash must be an int, not {type(block_hash).__name__}")
@@ -122,8 +124,9 @@ class RankMerge:
 
         Raises:
             TypeError: ``backend`` is not a str.
+            ConfigurationError: ``backend`` is an empty str.
         """
-        _check_backend(backend)
+        backend = check_backend(backend)
         with self._lock:
             return len(self._holders.get(backend, ()))
 
@@ -131,11 +134,6 @@ class RankMerge:
         with self._lock:
             counts = {backend: len(held) for backend, held in self._holders.items()}
         return f"RankMerge(blocks={counts!r})"
-
-
-def _check_backend(backend: object) -> None:
-    if not isinstance(backend, str):
-        raise InvalidTypeError(f"backend must be a str id, not {type(backend).__name__}")
 
 
 def rank_endpoint(endpoint: str, rank: int) -> str:

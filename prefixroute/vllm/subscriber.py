@@ -26,6 +26,7 @@ from prefixroute._numbers import as_float, shown
 from prefixroute.errors import ConfigurationError, InvalidEventError, InvalidTypeError, StateError
 from prefixroute.vllm._checks import (
     MAX_SECONDS,
+    check_backend,
     check_callable,
     check_count,
     check_endpoint,
@@ -139,8 +140,8 @@ class KVEventSubscriber:
 
     Raises:
         ConfigurationError: an endpoint is not a ZMQ address, ``writer.block_size`` differs from the hasher's, an
-            option is not a finite positive number (an int where a count), ``topic`` holds a lone surrogate, or
-            ``replay_endpoint`` is ``endpoint``.
+            option is not a finite positive number (an int where a count), ``topic`` holds a lone surrogate,
+            ``replay_endpoint`` is ``endpoint``, or ``backend`` is an empty str.
         TypeError: ``writer`` has no ``write`` method or no int ``block_size``, ``backend`` or ``topic`` is not a
             str, ``namespace`` not a str, bytes or None, ``lag_observer`` not a callable or None, ``clock`` not a
             callable.
@@ -166,8 +167,7 @@ class KVEventSubscriber:
         clock: Callable[[], float] = time.time,
     ) -> None:
         check_writer(writer)
-        if not isinstance(backend, str):
-            raise InvalidTypeError(f"backend must be a str id, not {type(backend).__name__}")
+        backend = check_backend(backend)
         check_endpoint(endpoint, "endpoint", "tcp://gpu0:5557")
         if replay_endpoint is not None:
             check_endpoint(replay_endpoint, "replay_endpoint", "tcp://gpu0:5558")

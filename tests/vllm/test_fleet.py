@@ -17,7 +17,7 @@ import zmq
 
 from prefixroute import BlockHasher, ConfigurationError, InvalidTypeError, LeastLoaded, Router
 from prefixroute.testing import FakeVLLM
-from prefixroute.vllm import BackendStats, EventIndex, Fleet, KVEventSubscriber
+from prefixroute.vllm import BackendStats, EventIndex, Fleet, KVEventSubscriber, RankMerge
 from prefixroute.vllm.fleet import _Gate
 
 from ..conftest import FakeClock, returns, wait_until
@@ -951,3 +951,36 @@ def test_a_closed_gate_lets_no_write_through_and_waits_for_the_one_in_progress()
     gate.write("gpu0", [(True, [31], None)])
     gate.run(called.append)
     assert router.index.match([31], ["gpu0"])["gpu0"] == 0 and called == []  # after close(): nothing goes through
+
+
+class _OddHash(str):
+    """A str subclass equal to its plain text but hashed apart from it."""
+
+    def __hash__(self) -> int:
+        return 42
+
+
+def test_an_id_given_as_a_str_subclass_is_kept_as_the_plain_str_that_removes_it(engine: FakeVLLM) -> None:
+    # Was kept as given: remove_backend("gpu0") hashed apart from it, found nothing, and the poller went on writing
+    # the router the engine's figures after the removal returned.
+    router = Router()
+    with Fleet(router, interval=0.02) as fleet:
+        engine.set_load(waiting=7)
+        fleet.add_backend(_OddHash("gpu0"), metrics_url=engine.url)
+        wait_until(lambda: seen(router, "gpu0")[0] == 7, what="the first figures")
+        assert [type(b) for b in fleet.backends()] == [str]
+        fleet.remove_backend("gpu0")
+        assert fleet.backends() == [] and threads_of("gpu0") == []
+        assert seen(router, "gpu0") == (None, None)
+
+
+def test_an_empty_backend_id_is_refused_when_given_not_by_every_scrape_and_close() -> None:
+    with Fleet(Router()) as fleet:
+        for call in (fleet.add_backend, fleet.remove_backend, fleet.subscribers):
+            with pytest.raises(ConfigurationError, match="^a backend id is an empty str: give each backend a non-em"):
+                call("")
+        assert fleet.backends() == []
+    merge = RankMerge(Router(index=EventIndex(16)))
+    with pytest.raises(ConfigurationError, match="empty str"):
+        merge.write("", [(True, [1], None)])
+    assert repr(merge) == "RankMerge(blocks={})"

@@ -22,6 +22,11 @@ SECONDS = f"a finite positive number of seconds (at most {MAX_SECONDS:.0f})"
 
 REFUSALS: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
     "backend": ({"backend": 5}, InvalidTypeError, "backend must be a str id, not int"),
+    "backend-empty": (
+        {"backend": ""},
+        ConfigurationError,
+        "a backend id is an empty str: give each backend a non-empty id, such as its URL",
+    ),
     "endpoint": (
         {"endpoint": "localhost:5557"},
         ConfigurationError,
