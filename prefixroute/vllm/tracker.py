@@ -58,8 +58,8 @@ def lora_namespace(namespace: str | bytes | None, lora_name: str | None) -> str 
         return namespace
     if namespace is None:
         return lora_name
-    if isinstance(namespace, bytes):
-        return namespace + b":" + lora_name.encode()
+    if isinstance(namespace, bytes):  # as a str namespace is hashed (any str, a lone surrogate too)
+        return namespace + b":" + lora_name.encode("utf-8", "surrogatepass")
     return f"{namespace}:{lora_name}"
 
 

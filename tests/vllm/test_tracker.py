@@ -169,6 +169,22 @@ def test_a_lora_adapter_goes_into_the_namespace() -> None:
     assert tracker.held().isdisjoint(own(TOKENS[:16], namespace="llama"))
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_an_adapter_name_with_a_lone_surrogate_hashes_under_a_bytes_namespace_as_under_a_str_one(strict: bool) -> None:
+    # Was a bare UnicodeEncodeError from the middle of apply(): the events before it were in the tracker, and the
+    # updates that would have given them to the index were lost (apply_strict is documented all-or-nothing).
+    odd = "sql\ud800"
+    tracker = BlockTracker(namespace=b"llama")
+    apply = tracker.apply_strict if strict else tracker.apply
+    ops = apply([BlockStored([11], None, TOKENS[:16], 16), BlockStored([12], None, TOKENS[16:32], 16, lora_name=odd)])
+    assert lora_namespace(b"llama", odd) == b"llama:sql\xed\xa0\x80"
+    assert ops == [
+        (True, own(TOKENS[:16], namespace="llama"), None),
+        (True, own(TOKENS[16:32], namespace=f"llama:{odd}"), None),
+    ]
+    assert tracker.held() == {h for _, hashes, _ in ops for h in hashes} and tracker.stats.invalid_events == 0
+
+
 def test_ever_new_lora_names_keep_a_bounded_set_of_hashers_and_hash_alike() -> None:
     tracker = BlockTracker(namespace="llama")
     for n in range(2000):
