@@ -19,8 +19,10 @@ import copy
 import sys
 from array import array
 from collections.abc import Collection, Container, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from itertools import chain, islice, takewhile
 
+from prefixroute._arguments import EMPTY_ID
 from prefixroute._numbers import as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidEventError, InvalidTypeError, PrefixRouteError
 from prefixroute.hashing import check_block_size
@@ -359,7 +361,8 @@ class PrefixIndex:
     ``capacity_blocks`` is an int (the default for every backend), a mapping backend → int (the other backends have
     none), or None. ``bound_blocks`` keeps a backend whose capacity is not known to that many blocks all the same
     (least recently used first out), so an index of predictions cannot grow without end while no capacity is known;
-    it is not a capacity (:meth:`capacity` stays None, and policies see none). None (the default) leaves such a
+    it is not a capacity (:meth:`capacity` stays None, and policies see none). Backend ids are non-empty str (an
+    empty one is a :class:`~prefixroute.ConfigurationError`, as in the router). None (the default) leaves such a
     backend unbounded, as an index fed by KV events wants (the engine's removals bound it); :class:`~prefixroute.Router`
     gives its own index :data:`DEFAULT_BOUND_BLOCKS`. A backend without a capacity or a bound keeps an
     :class:`UnboundedStore`; one with either an :class:`LRUStore`, and when it is over that limit the index calls
@@ -592,6 +595,7 @@ class PrefixIndex:
             TypeError: a hash or ``parent`` is not an int, or ``backend`` is not a str (nothing is stored).
             InvalidEventError: a hash or ``parent`` is outside [0, 2**64) (nothing is stored).
         """
+        _check_chain(hashes)
         hashes = _check_hashes(hashes)
         backend = _check_backend(backend)
         if parent is not None:
@@ -806,6 +810,8 @@ def check_update(update: object) -> IndexUpdate:
         raise InvalidTypeError(
             f"an index update's first item says stored (True) or removed (False), not {shown(stored)}"
         )
+    if stored:
+        _check_chain(hashes)
     if isinstance(hashes, _NOT_HASHES) or not isinstance(hashes, Iterable):
         raise InvalidTypeError(
             f"an index update's hashes must be a sequence of block hashes, not {type(hashes).__name__}"
@@ -952,6 +958,16 @@ def _not_a_sequence(hashes: object) -> bool:
     )
 
 
+def _check_chain(hashes: object) -> None:
+    """Refuse a set as a chain to store: its order is not the prompt's, so its first item would be filed as the
+    chain's root and none of it would ever match (a set of hashes to remove is fine)."""
+    if type(hashes) is not list and isinstance(hashes, AbstractSet):
+        raise InvalidTypeError(
+            f"a chain of block hashes to store must be ordered as the prompt's blocks (a list or tuple), "
+            f"not a {type(hashes).__name__}"
+        )
+
+
 def _check_hashes(hashes: object) -> Sequence[int]:
     """Validate block hashes before anything is written (a bad one must not leave a chain half stored). O(n)."""
     if isinstance(hashes, _NOT_HASHES) or not isinstance(hashes, Iterable):
@@ -1000,11 +1016,14 @@ def _python_ints(
 
 
 def _check_backend(backend: object) -> str:
-    """``backend`` as a plain str: a str subclass's own ``__hash__`` or ``__eq__`` must not reach the index's maps."""
-    if type(backend) is str:
+    """``backend`` as a plain str: a str subclass's own ``__hash__`` or ``__eq__`` must not reach the index's maps;
+    an empty one is refused, as the router refuses it."""
+    if type(backend) is str and backend:
         return backend
     if not isinstance(backend, str):
         raise InvalidTypeError(f"a backend id is a str, not {type(backend).__name__}")
+    if not backend:
+        raise ConfigurationError(EMPTY_ID)
     return str.__str__(backend)
 
 

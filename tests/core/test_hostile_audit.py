@@ -14,6 +14,7 @@ from prefixroute import (
     Candidate,
     ConfigurationError,
     CostAware,
+    InvalidTypeError,
     LinearTTFT,
     LoadPolicy,
     PredictedTTFT,
@@ -182,3 +183,41 @@ def test_a_lease_ends_at_its_deadline_exactly() -> None:
     router.start(router.route([1, 2, 3, 4], ["a"]), lease=1.0)
     clock.now = 101.0
     assert router.in_flight("a") == 0
+
+
+def test_a_set_is_refused_as_a_chain_to_store_and_taken_as_blocks_to_remove() -> None:
+    # Was: Router.store()/write() and PrefixIndex.insert() took a set, filing its first item (in set order) as the
+    # chain's root, so none of the blocks stored ever matched; predict() refused the same set.
+    router = Router(block_size=4)
+    prompt = list(range(16))
+    chain = router.hasher.hash(prompt)
+    stores: list[Callable[[], object]] = [
+        lambda: router.store("gpu0", set(chain)),  # type: ignore[arg-type]
+        lambda: router.write("gpu0", [(True, frozenset(chain), None)]),  # type: ignore[list-item]
+        lambda: router.index.insert(set(chain), "gpu0"),  # type: ignore[arg-type]
+    ]
+    for store in stores:
+        with pytest.raises(InvalidTypeError, match="^a chain of block hashes to store must be ordered as the prompt"):
+            store()
+    assert router.index.blocks("gpu0") == 0
+    router.store("gpu0", tuple(chain))
+    assert router.decide(prompt, ["gpu0"]).matched_tokens == 16
+    router.evict("gpu0", set(chain[2:]))  # removals have no order
+    router.write("gpu0", [(False, frozenset(chain[1:2]), None)])  # type: ignore[list-item]
+    router._check()
+    assert router.decide(prompt, ["gpu0"]).matched_tokens == 4
+
+
+def test_an_empty_backend_id_is_refused_by_the_index_as_by_the_router() -> None:
+    # Was: PrefixIndex filed blocks and capacities under "" (Router.set_capacity("") refused it).
+    index = PrefixIndex(4)
+    calls: list[Callable[[], object]] = [
+        lambda: index.insert([1, 2], ""),
+        lambda: index.set_capacity("", 8),
+        lambda: PrefixIndex(4, capacity_blocks={"": 8}),
+        lambda: Router(capacity_blocks={"gpu0": 4, "": 8}),
+    ]
+    for call in calls:
+        with pytest.raises(ConfigurationError, match="^a backend id is an empty str: give each backend a non-empty id"):
+            call()
+    assert index.backends() == [] and len(index) == 0
