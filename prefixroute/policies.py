@@ -694,16 +694,20 @@ def kv_fraction(candidate: Candidate) -> float:
     requests (see docs/policies.md).
     """
     _require_candidate(candidate, "kv_fraction()")
+    capacity, active = candidate.capacity_blocks, candidate.active_blocks
     try:
-        if candidate.capacity_blocks:
-            return min(1.0, candidate.active_blocks / candidate.capacity_blocks)
+        if capacity and (capacity < 0 or active < 0):  # a hand-built candidate's: refused, naming the field
+            _check_fields((candidate,), None)
+        if capacity:
+            return min(1.0, active / capacity)
     except (TypeError, OverflowError) as error:
         _check_fields((candidate,), error)
         raise
     usage = candidate.kv_usage
     if usage is None:
         return 0.0
-    if type(usage) is not float:  # a hand-built candidate's: a numpy float, an int, or something else to refuse
+    if type(usage) is not float or not 0.0 <= usage < math.inf:
+        # a hand-built candidate's: a numpy float or an int to take, a negative or NaN usage to refuse
         _check_fields((candidate,), None)
         return float(usage)
     return usage

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from collections.abc import Sequence
 
 import pytest
@@ -56,6 +57,24 @@ def test_a_kv_usage_from_zero_up_is_well_formed_int_or_float(usage: float) -> No
 @pytest.mark.parametrize("usage", [-0.5, -1, math.nan, math.inf])
 def test_a_kv_usage_below_zero_or_not_finite_is_named(usage: float) -> None:
     assert _first_fault(kv_usage=usage) == f"Candidate 'a': kv_usage must be finite and at least 0, not {usage!r}"
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"kv_usage": -0.5}, "kv_usage must be finite and at least 0, not -0.5"),
+        ({"kv_usage": math.nan}, "kv_usage must be finite and at least 0, not nan"),
+        ({"capacity_blocks": -2, "active_blocks": 3}, "capacity_blocks must be at least 0, not -2"),
+        ({"capacity_blocks": 4, "active_blocks": -3}, "active_blocks must be at least 0, not -3"),
+    ],
+)
+def test_kv_fraction_names_a_negative_or_nan_figure_instead_of_returning_it(
+    fields: dict[str, float], named: str
+) -> None:
+    # Was: a float kv_usage skipped the check an int got (-0.5 and NaN came back as "fractions"), and a negative
+    # capacity gave a negative fraction.
+    with pytest.raises(ConfigurationError, match=f"^Candidate 'a': {re.escape(named)}$"):
+        kv_fraction(Candidate("a", 0, 16, 0, **fields))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("speed", [0.5, 1, 1.0, 8000.0])
