@@ -23,7 +23,7 @@ import httpx
 from prometheus_client.parser import text_fd_to_metric_families
 from sortedcontainers import SortedDict
 
-from prefixroute.errors import InvalidTypeError, MetricsError
+from prefixroute.errors import ConfigurationError, InvalidTypeError, MetricsError
 from prefixroute.vllm._checks import check_seconds
 
 __all__ = ["MAX_METRICS_BYTES", "EngineMetrics", "fetch_metrics", "metrics_url", "parse_metrics"]
@@ -114,6 +114,7 @@ def parse_metrics(text: str, *, deadline: float | None = None) -> EngineMetrics:
             cumulative counts fall or with a negative bucket bound, a ``block_size`` or ``num_gpu_blocks`` that is
             not a positive int (or is absurdly large); or ``deadline`` passed before the text was parsed.
         TypeError: ``text`` is not a str (decode a body first), or ``deadline`` not a number or None.
+        ConfigurationError: ``deadline`` is NaN.
     """
     if not isinstance(text, str):
         raise InvalidTypeError(
@@ -121,6 +122,8 @@ def parse_metrics(text: str, *, deadline: float | None = None) -> EngineMetrics:
         )
     if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))):
         raise InvalidTypeError(f"deadline must be a time.monotonic() instant or None, not {type(deadline).__name__}")
+    if deadline is not None and math.isnan(deadline):  # no instant is past NaN: it would never stop the parse
+        raise ConfigurationError("deadline must be a time.monotonic() instant or None, not nan")
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     # Bucket bound → cumulative count, summed over every series (engines, data-parallel ranks), kept in bound order.
