@@ -4,7 +4,7 @@ out, a clear error from the exception tree for anything else."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from prefixroute._numbers import as_float, shown
@@ -43,12 +43,36 @@ def lease_deadline(now: object, lease: float) -> float:
     """When a lease that starts at the clock reading ``now`` ends; a clock that returns no finite number of seconds
     is refused before anything is recorded (a NaN deadline would stop every later lease from expiring)."""
     start = as_float(now)
-    deadline = None if start is None else start + lease
-    if deadline is None or not math.isfinite(deadline):
+    if start is None:
         raise ConfigurationError(
             f"the router's clock returned {shown(now)}: a clock must return a finite number of seconds for leases"
         )
+    deadline = start + lease
+    if not math.isfinite(deadline):
+        raise ConfigurationError(
+            f"a lease of {shown(lease)} s from the clock's reading {shown(now)} ends past the largest float: "
+            "give a shorter lease"
+        )
     return deadline
+
+
+def read_clock(clock: Callable[[], object]) -> float:
+    """A clock option read once when it is given: its reading as a float, or a ConfigurationError (from what it
+    raised) for a clock that raises or returns no finite number of seconds, so it fails at construction rather than
+    at every later call that reads it."""
+    try:
+        reading = clock()
+    except Exception as exc:
+        raise ConfigurationError(
+            f"clock raised {type(exc).__name__} ({exc}) when read: give a callable that returns seconds, "
+            "as time.monotonic"
+        ) from exc
+    start = as_float(reading)
+    if start is None:
+        raise ConfigurationError(
+            f"clock returned {shown(reading)}: it must return a finite number of seconds, as time.monotonic"
+        )
+    return start
 
 
 def check_lease(lease: object) -> float | None:

@@ -17,7 +17,15 @@ import cachetools
 import xxhash
 
 from prefixroute._accounting import AttentionFit, Footprint, StartedRequest
-from prefixroute._arguments import check_backend_id, check_backends, check_lease, id_of, iterable_of, lease_deadline
+from prefixroute._arguments import (
+    check_backend_id,
+    check_backends,
+    check_lease,
+    id_of,
+    iterable_of,
+    lease_deadline,
+    read_clock,
+)
 from prefixroute._numbers import as_float, as_int, shown
 from prefixroute.errors import (
     ConfigurationError,
@@ -120,7 +128,9 @@ class Router:
     ``namespace`` seeds the block hashes (model or adapter name); :meth:`route` can override it per request.
     ``placement_blocks`` is how many leading blocks decide where a never-seen prefix goes (rendezvous hashing), so
     gateway replicas that share no state still agree. ``lease`` is the default lease of :meth:`start` in seconds
-    (None: requests count until finished). ``clock`` and ``rng`` (which draws the decision ids) are injectable.
+    (None: requests count until finished). ``clock`` and ``rng`` (which draws the decision ids) are injectable;
+    with a ``lease``, the clock is read once here, and one that raises or returns no finite number of seconds is a
+    :class:`ConfigurationError`.
 
     A request's life: :meth:`route` (or :meth:`decide`, then :meth:`commit` to the backend actually used) →
     :meth:`start` → :meth:`first_token` (optional: without it, engine figures from :meth:`set_engine_load` tell
@@ -188,6 +198,8 @@ class Router:
         self._clock = clock
         self._placement_blocks = placement
         self._lease = check_lease(lease)
+        if self._lease is not None:  # leases read the clock at every start: one that cannot serve them fails here
+            lease_deadline(read_clock(clock), self._lease)
         self._lock = _Lock()
         # Per backend: requests in flight, uncached prompt tokens still in prefill, prompt blocks in flight.
         self._in_flight: dict[str, int] = {}
@@ -535,7 +547,11 @@ class Router:
                 return
             self._prefilled(request)
             backend = request.backend
-            now, started = as_float(self._clock()), as_float(request.started_at)
+            try:
+                now, started = as_float(self._clock()), as_float(request.started_at)
+            except Exception:  # a user's clock that raises: first_token() runs in a stream's path, as finish()
+                _log.exception("the router's clock raised in first_token(); no prefill speed is learned from it")
+                return
             # A clock that returns no number (it need not, without leases) teaches no speed rather than raising.
             elapsed = now - started if now is not None and started is not None else 0.0
             work = request.pending_before + request.uncached

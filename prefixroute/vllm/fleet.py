@@ -18,6 +18,7 @@ from types import TracebackType
 
 import httpx
 
+from prefixroute._arguments import read_clock
 from prefixroute._numbers import shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError, MetricsError
 from prefixroute.hashing import namespace_seed
@@ -115,8 +116,9 @@ class Fleet:
     backend or batch bad, are logged and counted (:meth:`stats`), and the rest goes on.
 
     Raises:
-        ConfigurationError: an interval or timeout is not a finite positive number of seconds, or ``stale_after``
-            is not longer than both ``interval`` and ``timeout`` (figures would turn stale between two scrapes).
+        ConfigurationError: an interval or timeout is not a finite positive number of seconds, ``stale_after`` is
+            not longer than both ``interval`` and ``timeout`` (figures would turn stale between two scrapes), or
+            ``clock``, read once here, raises or returns no finite number of seconds.
 
     >>> from prefixroute.vllm import EventIndex
     >>> router = Router(index=EventIndex(16))
@@ -152,6 +154,7 @@ class Fleet:
             )
         if not callable(clock):
             raise InvalidTypeError(f"clock must be a callable returning seconds, not {type(clock).__name__}")
+        read_clock(clock)  # read when given: one that returns no seconds would fail every scrape and health check
         self._router = router
         self._on_health = on_health
         self._clock = clock

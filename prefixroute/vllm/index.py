@@ -6,6 +6,7 @@ import math
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 
+from prefixroute._arguments import read_clock
 from prefixroute._numbers import as_float, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 from prefixroute.index import PrefixIndex, _check_hashes, _check_prediction, _check_retraction
@@ -35,7 +36,8 @@ class EventIndex(PrefixIndex):
 
     Raises:
         ConfigurationError: ``speculative_ttl`` is not a finite number of seconds >= 0, or ``clock``, read once here,
-            returns no finite number of seconds (later, a reading that is no number only distrusts the predictions).
+            raises or returns no finite number of seconds (later, a reading that is no number only distrusts the
+            predictions).
 
     >>> clock = iter([0.0, 0.0, 1.0, 7.0]).__next__
     >>> index = EventIndex(4, speculative_ttl=3.0, clock=clock)
@@ -66,13 +68,7 @@ class EventIndex(PrefixIndex):
         self._previous = PrefixIndex(block_size)
         self._rotated_at = 0.0
         if self._ttl:  # read when given: a clock that never returns seconds would distrust every prediction unsaid
-            reading = clock()
-            start = as_float(reading)
-            if start is None:
-                raise ConfigurationError(
-                    f"clock returned {shown(reading)}: it must return a finite number of seconds, as time.monotonic"
-                )
-            self._rotated_at = start
+            self._rotated_at = read_clock(clock)
 
     @property
     def speculative_ttl(self) -> float:

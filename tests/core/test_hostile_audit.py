@@ -221,3 +221,46 @@ def test_an_empty_backend_id_is_refused_by_the_index_as_by_the_router() -> None:
         with pytest.raises(ConfigurationError, match="^a backend id is an empty str: give each backend a non-empty id"):
             call()
     assert index.backends() == [] and len(index) == 0
+
+
+def _gone() -> float:
+    raise OSError("clock source gone")
+
+
+@pytest.mark.parametrize("clock", [lambda: None, lambda: math.nan, _gone], ids=["none", "nan", "raises"])
+def test_a_router_with_leases_reads_its_clock_when_given(clock: Callable[[], float]) -> None:
+    # Was accepted, then every start() refused (or raised the clock's own OSError) for the router's whole life.
+    with pytest.raises(ConfigurationError, match="^clock (returned|raised) .*as time.monotonic$"):
+        Router(clock=clock, lease=30.0)
+    Router(clock=clock)  # without leases the clock need not return seconds
+
+
+def test_a_lease_that_ends_past_the_largest_float_names_the_lease_not_the_clock() -> None:
+    with pytest.raises(ConfigurationError, match="^a lease of 1e\\+308 s from the clock's reading 1e\\+308 ends past"):
+        Router(clock=lambda: 1e308, lease=1e308)
+
+
+def test_a_clock_that_raises_in_first_token_costs_only_the_speed_it_would_teach(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Was the clock's own OSError out of first_token(), which a streaming proxy calls mid-stream.
+    broken = False
+
+    def clock() -> float:
+        if broken:
+            raise OSError("clock source gone")
+        return 0.0
+
+    router = Router(block_size=4, clock=clock)
+    decision = router.route(list(range(16)), ["gpu0", "gpu1"])
+    router.start(decision)
+    broken = True
+    router.first_token(decision)
+    broken = False
+    assert "clock raised in first_token()" in caplog.text
+    candidate = next(c for c in router.decide([9] * 8, ["gpu0", "gpu1"]).candidates if c.backend == decision.backend)
+    assert candidate.in_prefill == 0 and candidate.pending_prefill_tokens == 0
+    assert candidate.in_flight == 1 and candidate.prefill_tokens_per_s is None
+    router.finish(decision)
+    router._check()
+    assert router.stats().in_flight == 0

@@ -243,6 +243,15 @@ def test_a_clock_that_returns_no_seconds_when_given_is_refused_then(reading: obj
     EventIndex(16, speculative_ttl=0, clock=lambda: reading)  # type: ignore[arg-type, return-value]  # never read
 
 
+def test_a_clock_that_raises_when_given_is_a_configuration_error_that_keeps_what_it_raised() -> None:
+    def gone() -> float:
+        raise OSError("clock source gone")
+
+    with pytest.raises(ConfigurationError, match=r"^clock raised OSError \(clock source gone\) when read") as refused:
+        EventIndex(16, clock=gone)
+    assert isinstance(refused.value.__cause__, OSError)
+
+
 @pytest.mark.parametrize(("ttl", "jump"), [(0.5, 1e308), (1e-320, 0.01)])
 def test_a_jump_too_far_to_count_in_periods_starts_over_instead_of_failing_every_route(ttl: float, jump: float) -> None:
     # Was: a finite clock jump whose number of periods of ttl is infinite (1e308 s against 0.5 s, or 10 ms against a

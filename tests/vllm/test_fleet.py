@@ -866,6 +866,11 @@ def test_options_of_the_wrong_type_are_type_errors_when_given() -> None:
         Fleet(Router(), on_health=5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="^clock must be a callable returning seconds, not int$"):
         Fleet(Router(), clock=5)  # type: ignore[arg-type]
+    # Read when given: was taken, and then failed every scrape and health check (stats() raised a bare TypeError).
+    with pytest.raises(ConfigurationError, match="^clock returned None: it must return a finite number of seconds"):
+        Fleet(Router(), clock=lambda: None)  # type: ignore[arg-type, return-value]
+    with pytest.raises(ConfigurationError, match=r"^clock raised ZeroDivisionError \(division by zero\) when read"):
+        Fleet(Router(), clock=lambda: 1 / 0)
     with Fleet(Router(index=EventIndex(16))) as fleet:
         for namespace in (5, ["model"]):
             with pytest.raises(TypeError, match="namespace"):
