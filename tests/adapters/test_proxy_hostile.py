@@ -236,7 +236,9 @@ def test_a_body_declared_over_the_limit_is_refused_before_it_is_sent(
     refused_port: Callable[[], int], expect: bool
 ) -> None:
     """A Content-Length over ``max_body_bytes`` is answered 413 from the head alone: with ``Expect: 100-continue``
-    instead of a 100 (the client never sends the body), without it before the body is read."""
+    instead of a 100 (the client never sends the body), without it before the body is read. The answer says that
+    the connection closes: the body the client declared is never read, so it cannot carry another request (was kept
+    alive, unsaid: a client's next request on it was read as that body's bytes, and unanswered for ~10 s)."""
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2000\r\n"
     with Proxy(Router(), [f"http://127.0.0.1:{refused_port()}"], base_models=[], max_body_bytes=1000) as proxy:
         host, port = proxy.url.removeprefix("http://").split(":")
@@ -248,6 +250,7 @@ def test_a_body_declared_over_the_limit_is_refused_before_it_is_sent(
                 assert chunk, answer
                 answer += chunk
         assert answer.startswith(b"HTTP/1.1 413 "), answer
+        assert b"\r\nconnection: close\r\n" in answer.split(b"\r\n\r\n", 1)[0].lower() + b"\r\n"
         error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
         assert error["type"] == "RequestEntityTooLargeError" and "1000 bytes" in error["message"]
         assert proxy.stats().bad_request == 1 and idle(proxy)

@@ -435,7 +435,9 @@ class Proxy:
     def _too_large(self) -> web.Response:
         self._counts["bad_request"] += 1
         message = f"the request body is over the proxy's limit of {self._max_body} bytes (max_body_bytes)"
-        return error_response(413, message, "RequestEntityTooLargeError")
+        response = error_response(413, message, "RequestEntityTooLargeError")
+        response.force_close()  # "Connection: close": the body is not read, so the connection carries no other request
+        return response
 
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
         """``Expect: 100-continue`` (curl sends it before a large body): a body over the limit is answered 413 before
