@@ -231,6 +231,7 @@ def test_an_empty_prompt_is_vllms_400_before_any_decision(proxy: Proxy, client: 
 HOSTILE: list[tuple[str, bytes]] = [
     ("/v1/completions", b'{"prompt": [[5, 6], [7, 1.5]]}'),  # a fraction deep in a batch (vLLM takes true, 2.0)
     ("/v1/completions", b'{"prompt": ["a", [5]]}'),  # a batch of mixed kinds
+    ("/v1/completions", b'{"prompt": [[5, 6], "a"]}'),  # and led by a list (was routed and sent on)
     ("/v1/completions", b'{"prompt": "a", "model": "\\udfff"}'),  # a lone surrogate outside the prompt
     ("/v1/completions", b'{"\\ud800": 1, "prompt": "a"}'),  # and in a key
     ("/v1/completions", b'{"prompt": "a", "n": 0}'),  # vLLM: n must be at least 1
@@ -258,6 +259,15 @@ def test_a_hostile_body_is_an_openai_400_and_leaves_nothing_behind(proxy: Proxy,
     # vLLM's two 400s: its request model's (pydantic's, "Bad Request") and its serving code's ("BadRequestError")
     assert body["error"]["type"] in ("BadRequestError", "Bad Request") and body["error"]["message"]
     assert_idle(proxy)
+
+
+@pytest.mark.parametrize("prompt", [["a", [5]], [[5, 6], "a"]])
+def test_a_batch_mixing_texts_and_lists_is_refused_before_it_is_routed(proxy: Proxy, prompt: list[object]) -> None:
+    # Was routed (a decision committed, its blocks predicted) and sent on, for the engine to refuse.
+    decisions = proxy.router.stats().decisions
+    status, _, answer = request(proxy, "POST", "/v1/completions", json.dumps({"prompt": prompt}).encode())
+    assert status == 400 and "holds strings or lists of token ids" in json.loads(answer)["error"]["message"]
+    assert proxy.router.stats().decisions == decisions
 
 
 # -- /v1/models ----------------------------------------------------------------------------------------------------

@@ -211,7 +211,8 @@ def plan_stories(rng: random.Random, encoder: PromptEncoder, models: list[str] |
             else:
                 path = "/v1/completions"
                 prompt: Any = ids if form == "ids" else text
-                body_fields["prompt"] = [prompt, [1, 2, 3]] if rng.random() < 0.15 else prompt  # a batch: the first
+                other = [1, 2, 3] if form == "ids" else "and a second"  # a batch is all ids or all texts, as in vLLM
+                body_fields["prompt"] = [prompt, other] if rng.random() < 0.15 else prompt  # a batch: the first
             body_fields.update(max_tokens=16, stream=rng.random() < 0.6, n=rng.choice([1, 1, 2]))
         body = json.dumps(body_fields).encode()
         if rng.random() < 0.05:

@@ -332,6 +332,24 @@ def test_without_max_token_id_the_largest_token_id_is_the_vocabulary_size_less_o
     assert past.json() == {"error": "Token id 256 is out of vocabulary (the model's largest is 255)"}
 
 
+def test_pick_refuses_a_batch_that_vllm_refuses_whole_not_only_for_its_first_prompt() -> None:
+    # Was: a batch was checked by its first prompt alone, so one whose later prompt held an id past the vocabulary,
+    # or that mixed texts and lists, was routed and counted in flight (the proxy refused both, as vLLM does).
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, encoder=VocabularyBytes())  # type: ignore[arg-type]
+    refused = [
+        ({"prompt": [[1, 2], [3, 256]]}, "Token id 256 is out of vocabulary (the model's largest is 255)"),
+        ({"prompt": [[1, 2], [256, 3]], "truncate_prompt_tokens": 1, "truncation_side": "right"}, "Token id 256"),
+        ({"prompt": [[1, 2], "a"]}, "a batch 'prompt' holds strings or lists of token ids, nothing else"),
+        ({"prompt": ["a", [1, 2]]}, "a batch 'prompt' holds strings or lists of token ids, nothing else"),
+    ]
+    for request, message in refused:
+        answered = call(sidecar, "POST", "/v1/completions", request)
+        assert answered.status_code == 400 and answered.json()["error"].startswith(message), (request, answered.text)
+    assert sidecar.router.stats().decisions == 0
+    kept = {"prompt": [[1, 2], [256, 3]], "truncate_prompt_tokens": 1}  # vLLM checks the ids it keeps: [3]
+    assert call(sidecar, "POST", "/v1/completions", kept).status_code == 200
+
+
 def test_the_default_lease_is_600_seconds_and_bounds_a_route_bodys_own() -> None:
     clock = [0.0]
     sidecar = Sidecar(Router(block_size=4, clock=lambda: clock[0]), backends=BACKENDS)

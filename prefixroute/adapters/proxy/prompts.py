@@ -10,7 +10,13 @@ from typing import Annotated, Any, Protocol, runtime_checkable
 
 import msgspec
 
-from prefixroute.adapters.serve.contract import is_batch, mixed_batch, request_flag, request_int, request_ints
+from prefixroute.adapters.serve.contract import (
+    is_batch,
+    mixed_batch,
+    request_flag,
+    request_ints,
+    truncated,
+)
 from prefixroute.adapters.tokenize import PromptTokenizer, serialise_chat
 from prefixroute.errors import InvalidTypeError
 
@@ -151,24 +157,6 @@ def request_tokens(body: object, *, chat: bool, encoder: PromptEncoding, max_tok
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     return truncated(_request_tokens(body, chat=chat, encoder=encoder, max_token_id=max_token_id), body)
-
-
-def truncated(tokens: list[int], body: Mapping[str, Any]) -> list[int]:
-    """``tokens`` as vLLM 0.33 truncates a request's prompt: with ``truncate_prompt_tokens`` N (at least 1, read as
-    vLLM reads an int: :func:`~prefixroute.adapters.serve.contract.request_int`), the last N tokens
-    (``truncation_side`` "left", vLLM's default for a generating model) or the first N ("right"). Anything else is
-    left as it is, for the engine to answer: ``-1`` (the model's context, unknown here), 0, null, a value vLLM
-    refuses. O(N).
-
-    >>> truncated([1, 2, 3, 4], {"truncate_prompt_tokens": 2}), truncated([1, 2, 3, 4], {"truncate_prompt_tokens": 2,
-    ... "truncation_side": "right"}), truncated([1, 2], {"truncate_prompt_tokens": 5})
-    ([3, 4], [1, 2], [1, 2])
-    """
-    keep = request_int(body.get("truncate_prompt_tokens"))
-    side = body.get("truncation_side", "left")
-    if keep is None or keep < 1 or keep >= len(tokens) or side not in ("left", "right", None):
-        return tokens
-    return tokens[:keep] if side == "right" else tokens[-keep:]
 
 
 def _request_tokens(

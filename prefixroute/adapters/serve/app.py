@@ -37,7 +37,7 @@ import msgspec
 
 from prefixroute._arguments import check_lease
 from prefixroute._numbers import as_int, shown
-from prefixroute.adapters.proxy.prompts import chat_tokens, text_tokens, truncated
+from prefixroute.adapters.proxy.prompts import chat_tokens, text_tokens
 from prefixroute.adapters.serve.contract import (
     MAX_REQUEST_BACKENDS,
     BadRequest,
@@ -47,8 +47,10 @@ from prefixroute.adapters.serve.contract import (
     RouteBody,
     decode,
     openai_prompt,
+    out_of_vocabulary,
     route_prompt,
     salted,
+    truncated,
     without_bom,
 )
 from prefixroute.adapters.serve.metrics import RELEASE_PATHS, SidecarMetrics
@@ -284,7 +286,7 @@ class Sidecar:
             TypeError: ``within`` is a str or no collection (nothing is decided).
         """
         started = self._clock()
-        prompt, model, salt = openai_prompt(path, body)
+        prompt, model, salt = openai_prompt(path, body, max_token_id=self._max_token_id)
         decision = self.decide(prompt, model=model, backends=self._within(within), lease=None, cache_salt=salt)
         self.metrics.decided(decision, self._clock() - started)
         return decision
@@ -296,7 +298,7 @@ class Sidecar:
             BadRequest: as :meth:`pick`.
         """
         started = self._clock()
-        prompt, model, salt = openai_prompt(path, body)
+        prompt, model, salt = openai_prompt(path, body, max_token_id=self._max_token_id)
         decision = await self._decide_async(
             prompt, len(body), model=model, backends=self._within(within), lease=None, cache_salt=salt
         )
@@ -472,8 +474,7 @@ class Sidecar:
         if _is_token_ids(prompt):
             tokens = prompt if request is None else truncated(prompt, request)  # vLLM checks what it keeps
             if self._max_token_id is not None and max(tokens) > self._max_token_id:
-                raise BadRequest(400, f"Token id {max(tokens)} is out of vocabulary (the model's largest is "
-                                      f"{self._max_token_id})")  # fmt: skip
+                raise BadRequest(400, out_of_vocabulary(max(tokens), self._max_token_id))
             return tokens
         if self._encoder is None:
             raise BadRequest(400, "text prompts need a tokenizer: send 'prompt_token_ids', or start with --tokenizer")

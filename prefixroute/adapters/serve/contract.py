@@ -43,11 +43,13 @@ __all__ = [
     "json_error",
     "json_type",
     "openai_prompt",
+    "out_of_vocabulary",
     "request_flag",
     "request_int",
     "request_ints",
     "route_prompt",
     "salted",
+    "truncated",
     "without_bom",
 ]
 
@@ -314,12 +316,14 @@ def salted(namespace: str | None, cache_salt: object) -> str | None:
     return f"{namespace or ''}\x00cache_salt:{cache_salt}"
 
 
-def openai_prompt(path: str, body: bytes) -> tuple[Prompt, str | None, object]:
+def openai_prompt(path: str, body: bytes, *, max_token_id: int | None = None) -> tuple[Prompt, str | None, object]:
     """The prompt, model and ``cache_salt`` (None without one; see :func:`salted`) of an OpenAI ``/v1/completions``
     or ``/v1/chat/completions`` request body.
 
-    A batch of prompts is routed by its first one (one holding an item that is neither a text nor a list is
-    refused, as vLLM refuses it); a chat by the whole request (its ``tools`` and template options
+    A batch of prompts is routed by its first one (one that mixes texts and lists, or holds an item that is
+    neither, is refused, as vLLM refuses it; with ``max_token_id``, so is one whose other prompts of token ids hold
+    an id past it, as vLLM refuses the whole batch for one: the first prompt's ids are the caller's to check); a chat
+    by the whole request (its ``tools`` and template options
     render with its messages, its ``truncate_prompt_tokens`` cuts them); a prompt with vLLM's ``add_special_tokens``,
     ``truncate_prompt_tokens`` or ``truncation_side`` as ``{"prompt", ...those}``. O(len(body)).
 
@@ -349,6 +353,11 @@ def openai_prompt(path: str, body: bytes) -> tuple[Prompt, str | None, object]:
     if isinstance(prompt, list) and prompt and is_batch(prompt):
         if mixed_batch(prompt):
             raise BadRequest(400, "a batch 'prompt' holds strings or lists of token ids, nothing else")
+        if max_token_id is not None:
+            for other in prompt[1:]:
+                ids = request_ints(truncated(other, request)) if isinstance(other, list) else None
+                if ids and max(ids) > max_token_id:  # as vLLM checks the ids it keeps
+                    raise BadRequest(400, out_of_vocabulary(max(ids), max_token_id))
         prompt = prompt[0]  # a batch: its first prompt decides
     options = {name: request[name] for name in _PROMPT_OPTIONS if name in request}
     salt = request.get("cache_salt")
@@ -358,6 +367,24 @@ def openai_prompt(path: str, body: bytes) -> tuple[Prompt, str | None, object]:
     if ids is not None and all(0 <= t < 2**32 for t in ids):
         return ({"prompt": ids, **options} if options else ids), model, salt
     raise BadRequest(400, "a completion needs 'prompt': a non-empty string or list of token ids in [0, 2**32)")
+
+
+def truncated(tokens: list[int], body: Mapping[str, Any]) -> list[int]:
+    """``tokens`` as vLLM 0.33 truncates a request's prompt: with ``truncate_prompt_tokens`` N (at least 1, read as
+    vLLM reads an int: :func:`request_int`), the last N tokens
+    (``truncation_side`` "left", vLLM's default for a generating model) or the first N ("right"). Anything else is
+    left as it is, for the engine to answer: ``-1`` (the model's context, unknown here), 0, null, a value vLLM
+    refuses. O(N).
+
+    >>> truncated([1, 2, 3, 4], {"truncate_prompt_tokens": 2}), truncated([1, 2, 3, 4], {"truncate_prompt_tokens": 2,
+    ... "truncation_side": "right"}), truncated([1, 2], {"truncate_prompt_tokens": 5})
+    ([3, 4], [1, 2], [1, 2])
+    """
+    keep = request_int(body.get("truncate_prompt_tokens"))
+    side = body.get("truncation_side", "left")
+    if keep is None or keep < 1 or keep >= len(tokens) or side not in ("left", "right", None):
+        return tokens
+    return tokens[:keep] if side == "right" else tokens[-keep:]
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -468,14 +495,22 @@ def is_batch(prompt: list[Any]) -> bool:
 
 
 def mixed_batch(batch: list[Any]) -> bool:
-    """Whether a batch (:func:`is_batch`) holds an item that is neither a text nor a list of ids, which no member of
-    vLLM's union takes (``list[str]`` takes no int, ``list[int]`` no text that is no int, ``list[list[int]]`` no
-    int): vLLM refuses it. O(len(batch)).
+    """Whether a batch (:func:`is_batch`) is not all texts or all lists, which no member of vLLM's union takes
+    (``list[str]`` takes no int and no list, ``list[int]`` no text that is no int, ``list[list[int]]`` no int and no
+    text): vLLM refuses it. O(len(batch)).
 
     >>> mixed_batch(["a", "b"]), mixed_batch([[1], [2]]), mixed_batch(["a", 2]), mixed_batch([[1], 3])
     (False, False, True, True)
+    >>> mixed_batch([[1], "a"]), mixed_batch(["a", [1]])
+    (True, True)
     """
-    return not all(isinstance(item, (str, list)) for item in batch)
+    kind = str if isinstance(batch[0], str) else list
+    return not all(isinstance(item, kind) for item in batch)
+
+
+def out_of_vocabulary(token_id: int, max_token_id: int) -> str:
+    """What a prompt with ``token_id`` past the model's largest id ``max_token_id`` is told (vLLM's words first)."""
+    return f"Token id {token_id} is out of vocabulary (the model's largest is {max_token_id})"
 
 
 def request_ints(values: list[Any]) -> list[int] | None:
