@@ -8,9 +8,14 @@ stderr, ``prefixroute COMMAND: error: what to fix``, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
+import io
+import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NoReturn
@@ -102,7 +107,25 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; return the process exit status (2, with one line on stderr, for any bad input)."""
+    """Run the CLI; return the process exit status (2, with one line on stderr, for any bad input; 130 after Ctrl-C,
+    143 after SIGTERM, each with one line; 1, silently, when stdout's reader has gone, as ``| head`` does)."""
+    _sturdy_streams()
+    previous = _on_sigterm()
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # before a command ran: while the parser imported the commands' modules
+        return fail("prefixroute: interrupted", status=130)
+    except _Terminated:
+        return fail("prefixroute: terminated (SIGTERM)", status=143)
+    except BrokenPipeError:  # stdout's reader went away (`| head -1`): nothing more to say, and nowhere to say it
+        _discard(sys.stdout)
+        return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         args, unknown = parser.parse_known_args(argv)
@@ -119,12 +142,63 @@ def main(argv: Sequence[str] | None = None) -> int:
         status: int = func(args)
     except PrefixRouteError as exc:
         return fail(f"{command}: error: {exc}")
+    except BrokenPipeError:
+        raise
     except OSError as exc:  # a path that cannot be read or written
         where = f": {exc.filename}" if exc.filename is not None else ""
         return fail(f"{command}: error: {exc.strerror or exc}{where}")
     except KeyboardInterrupt:
         return fail(f"{command}: interrupted", status=130)
+    except _Terminated:
+        return fail(f"{command}: terminated (SIGTERM)", status=143)
     return status
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that a command unwinds as after Ctrl-C (a compare's worker processes
+    stopped, files closed) instead of dying where it stands. The servers handle SIGTERM themselves (exit 0)."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
+def _on_sigterm() -> Any:
+    """Raise :class:`_Terminated` on SIGTERM while the CLI runs; the handler it replaces (None: none was replaced,
+    off the main thread or where another than the default is set)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        return None
+    return signal.signal(signal.SIGTERM, _terminate)
+
+
+def _sturdy_streams() -> None:
+    """Streams a command can always print to: one the caller closed (``>&-``, which Python shows as None) writes to
+    os.devnull, and a path that is not UTF-8 (argv keeps its bytes as lone surrogates) prints as those bytes, not as
+    a UnicodeEncodeError after the work is done."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is None:
+            setattr(sys, name, open(os.devnull, "w"))  # noqa: SIM115  # the process's own, for its whole life
+        elif isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
+            stream.reconfigure(errors="surrogateescape")
+
+
+def announce(line: str) -> None:
+    """Print a server's announcement line on stdout; a reader that has gone (``| true``) costs the line, not the
+    server (its stdout then writes to os.devnull)."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        _discard(sys.stdout)
+
+
+def _discard(stream: Any) -> None:
+    """Point ``stream``'s file descriptor at os.devnull, so that the interpreter's last flush at exit, into a pipe
+    whose reader is gone, raises nothing more."""
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
 
 
 def positive_int(text: str) -> int:

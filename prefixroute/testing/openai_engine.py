@@ -984,8 +984,10 @@ def run(args: argparse.Namespace) -> int:
         try:  # a busy port closes the engines started before it (aclose: a no-op for the others); none announced
             for engine in engines:
                 await engine.serve()
+            from prefixroute.cli import announce  # here: prefixroute.cli loads this module on demand
+
             for engine in engines:
-                print(f"fake vLLM engine serving {engine.model!r} at {engine.url}", flush=True)
+                announce(f"fake vLLM engine serving {engine.model!r} at {engine.url}")
             await stop.wait()
         finally:
             for sig, previous in handled.items():  # the caller's handlers back (main() may run in a test process)

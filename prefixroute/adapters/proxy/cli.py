@@ -16,7 +16,7 @@ from prefixroute.adapters.proxy.app import MAX_BODY_BYTES, MAX_RETRIES, Proxy
 from prefixroute.adapters.proxy.prompts import PromptEncoding
 from prefixroute.adapters.serve.text import PromptEncoder
 from prefixroute.adapters.urls import listen_host
-from prefixroute.cli import MAX_BODY_MIB, body_mib
+from prefixroute.cli import MAX_BODY_MIB, announce, body_mib
 from prefixroute.errors import ConfigurationError
 from prefixroute.policies import policy_from_name, policy_names
 from prefixroute.router import Router
@@ -177,8 +177,8 @@ def run(args: argparse.Namespace) -> int:
                 continue
             handled.append(sig)
         count = len(proxy.backends)
-        print(f"prefixroute proxy at {url}, routing to {count} backend{'' if count == 1 else 's'}", flush=True)
         try:
+            announce(f"prefixroute proxy at {url}, routing to {count} backend{'' if count == 1 else 's'}")
             await stop.wait()
         finally:
             for sig in handled:

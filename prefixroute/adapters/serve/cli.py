@@ -32,7 +32,7 @@ from types import MappingProxyType
 from typing import Any
 
 from prefixroute.adapters.urls import check_backend_url, host_port, listen_host
-from prefixroute.cli import MAX_BODY_MIB, body_mib, positive_int
+from prefixroute.cli import MAX_BODY_MIB, announce, body_mib, positive_int
 from prefixroute.errors import ConfigurationError, StateError
 
 __all__ = ["BaseModelLearner", "register", "run"]
@@ -447,7 +447,7 @@ def _address(sock: socket.socket) -> str:
 
 
 def _say(line: str) -> None:
-    print(f"prefixroute serve: {line}", flush=True)
+    announce(f"prefixroute serve: {line}")
 
 
 def _kv_events(spec: str, backends: list[str]) -> tuple[str, tuple[str, str | None]]:
