@@ -26,7 +26,14 @@ from typing import Any, Literal
 from prefixroute._numbers import as_float, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError, MetricsError
 from prefixroute.vllm._checks import check_seconds
-from prefixroute.vllm.metrics import MAX_METRICS_BYTES, EngineMetrics, fetch_metrics, metrics_url, parse_metrics
+from prefixroute.vllm.metrics import (
+    MAX_METRICS_BYTES,
+    EngineMetrics,
+    check_metrics_url,
+    fetch_metrics,
+    metrics_url,
+    parse_metrics,
+)
 
 __all__ = ["Diagnosis", "diagnose", "histogram_quantile", "register", "run"]
 
@@ -274,6 +281,8 @@ def _options(args: argparse.Namespace) -> tuple[float, float, float]:
             raise ConfigurationError(
                 f"a source must be an http:// or https:// URL, a saved /metrics file or - for stdin, not {source!r}"
             )
+        if _is_url(source):
+            check_metrics_url(source, "the source")
     timeout = check_seconds(_number(args.timeout, "--timeout"), "--timeout")
     ratio = _number(args.ratio_threshold, "--ratio-threshold")
     if not (math.isfinite(ratio) and ratio >= 1):

@@ -32,7 +32,7 @@ from prefixroute.vllm._checks import (
     check_seconds,
 )
 from prefixroute.vllm.index import EventIndex
-from prefixroute.vllm.metrics import EngineMetrics, fetch_metrics
+from prefixroute.vllm.metrics import EngineMetrics, check_metrics_url, fetch_metrics
 from prefixroute.vllm.metrics import metrics_url as _metrics_endpoint
 from prefixroute.vllm.ranks import RankMerge, rank_endpoint
 from prefixroute.vllm.subscriber import KVEventSubscriber, SubscriberStats
@@ -226,12 +226,8 @@ class Fleet:
                 "Router(index=prefixroute.vllm.EventIndex(block_size)), not a prediction index"
             )
         streams = [] if kv_events is None else _rank_streams(kv_events, replay, data_parallel_size)
-        if metrics_url is not None and (
-            not isinstance(metrics_url, str) or not metrics_url.startswith(("http://", "https://"))
-        ):
-            raise ConfigurationError(
-                f"metrics_url must be an http(s):// URL like 'http://gpu0:8000', not {metrics_url!r}"
-            )
+        if metrics_url is not None:
+            check_metrics_url(metrics_url, "metrics_url")
         gate = _Gate(self._router)
         member = _Member(backend, gate)
         writer: IndexWriter = gate

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from prometheus_client.parser import text_fd_to_metric_families
@@ -252,6 +253,29 @@ def _int_label(labels: Mapping[str, str], key: str, default: int | None) -> int 
     return int(value)
 
 
+def check_metrics_url(url: object, name: str = "url") -> str:
+    """``url`` if it is an http(s) URL (the scheme in any case) with a host, and a port in [1, 65535] or none; else a
+    ConfigurationError naming ``name``. Checked before any request: httpx takes a port past 65535 and connects to it
+    modulo 65536, which may be another engine's. O(len(url)).
+
+    Raises:
+        ConfigurationError: it is not.
+    """
+    example = "like 'http://gpu0:8000'"
+    if not isinstance(url, str):
+        raise ConfigurationError(f"{name} must be an http(s):// URL {example}, not {url!r}")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:  # a port past 65535 or not a number, a malformed IPv6 host
+        raise ConfigurationError(f"{name} {url!r} is not a URL that can be reached: {exc}") from None
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        raise ConfigurationError(f"{name} must be an http(s):// URL {example}, not {url!r}")
+    if port == 0:
+        raise ConfigurationError(f"{name} {url!r} names port 0, which no server listens on: give the engine's port")
+    return url
+
+
 def fetch_metrics(url: str, *, timeout: float = 2.0, client: httpx.Client | None = None) -> EngineMetrics:
     """GET ``url`` and parse it, all within ``timeout`` seconds: connecting, the headers, the whole body and parsing it.
 
@@ -273,9 +297,15 @@ def fetch_metrics(url: str, *, timeout: float = 2.0, client: httpx.Client | None
         MetricsError: every failure: no answer or a body not parsed within ``timeout``, network, HTTP status, a body
             over :data:`MAX_METRICS_BYTES` (inflated), a ``Content-Encoding`` other than gzip, deflate or none, a
             compressed body that is corrupt or cut short, format or nonsense figures (see :func:`parse_metrics`).
+            Also a ``url`` that is no http(s) URL that can be reached (:func:`check_metrics_url`), before any
+            request.
         ConfigurationError: ``timeout`` is not a finite positive number of seconds.
     """
     timeout = check_seconds(timeout, "timeout")
+    try:
+        check_metrics_url(url)
+    except ConfigurationError as exc:
+        raise MetricsError(f"cannot read {url}: {exc}") from None
     deadline = time.monotonic() + timeout
     done = threading.Event()
     abandoned = threading.Event()

@@ -628,6 +628,11 @@ def test_bad_backends_and_endpoints_are_clear_errors() -> None:
             fleet.add_backend("gpu0", kv_events="tcp://127.0.0.1:1")
         with pytest.raises(ConfigurationError, match="http"):
             fleet.add_backend("gpu0", metrics_url="gpu0:8000")
+        # Was taken: httpx connects to a port past 65535 modulo 65536, another engine's, whose figures it then fed
+        with pytest.raises(ConfigurationError, match="^metrics_url 'http://gpu0:99999' is not a URL that can be reac"):
+            fleet.add_backend("gpu0", metrics_url="http://gpu0:99999")
+        fleet.add_backend("upper", metrics_url="HTTP://127.0.0.1:1")  # a scheme in any case, as URLs allow
+        fleet.remove_backend("upper")
         fleet.add_backend("tls", metrics_url="https://127.0.0.1:1")  # an engine behind TLS is polled too
         assert fleet.stats()["tls"].metrics_url == "https://127.0.0.1:1/metrics"
         fleet.remove_backend("tls")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import math
+import re
 import threading
 import time
 import tracemalloc
@@ -540,6 +541,12 @@ def test_without_a_count_the_histogram_counts_its_samples_by_its_last_bucket() -
 def many_engines_text(engines: int) -> str:
     lines = "".join(f'vllm:num_requests_waiting{{engine="{i}"}} 1\n' for i in range(engines))
     return "# TYPE vllm:num_requests_waiting gauge\n" + lines
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:65537/metrics", "http://127.0.0.1:0", "ftp://gpu0", "http://"])
+def test_fetch_metrics_refuses_a_url_it_cannot_reach_before_any_request(url: str) -> None:
+    with pytest.raises(MetricsError, match=f"^cannot read {re.escape(url)}: .*{re.escape(repr(url))}"):
+        fetch_metrics(url, timeout=1.0)
 
 
 def test_parsing_stops_at_its_deadline() -> None:
