@@ -69,6 +69,19 @@ def test_json_and_plot_naming_one_file_are_refused(
     assert out == "" and not Path(both).exists()
 
 
+def test_a_refused_command_leaves_no_folder_its_output_checks_made(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Was: --json's check made nd/sub/ (to see that the file could be written), then --plot was refused: the folders
+    # stayed.
+    outputs = [("--json", str(tmp_path / "nd" / "sub" / "run.json")), ("--plot", str(tmp_path / "nd2" / "plot.txt"))]
+    assert main(["simulate", *TINY, *(word for pair in outputs for word in pair)]) == 2
+    _one_line(capsys.readouterr().err, "matplotlib writes no 'txt' files")
+    assert list(tmp_path.iterdir()) == []
+    assert main(["simulate", *TINY, "--json", outputs[0][1]]) == 0  # and a run makes them, to write its file
+    assert Path(outputs[0][1]).stat().st_size > 0
+
+
 def test_an_output_to_a_device_or_a_pipe_is_not_a_collision(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # /dev/null is no file an output destroys: it is written as asked, whatever else names it.
     assert main(["simulate", *TINY, "--trace", f"mooncake:{trace}", "--json", os.devnull]) == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import functools
 import os
@@ -241,11 +242,11 @@ def _check_before_running(
 
 
 def check_writable(path: str | Path, option: str) -> None:
-    """Fail now, not after the run, if a file cannot be written at ``path`` (its folder is created).
+    """Fail now, not after the run, if a file cannot be written at ``path`` (its folder can be created).
 
-    The file is opened for append (which leaves an existing file as it is) and removed again if it did not exist,
-    so what the OS refuses (a read-only mount, /proc, permissions even root lacks) is found now; ``os.access`` alone
-    says yes to root everywhere.
+    The file is opened for append (which leaves an existing file as it is), and it and the folders made for it are
+    removed again if they did not exist, so what the OS refuses (a read-only mount, /proc, permissions even root
+    lacks) is found now and nothing is left behind; ``os.access`` alone says yes to root everywhere.
 
     Raises:
         ConfigurationError: ``path`` is empty or blank, holds a NUL byte, cannot be looked up, is a folder, or its
@@ -263,6 +264,7 @@ def check_writable(path: str | Path, option: str) -> None:
         raise ConfigurationError(f"{option} {path}: {exc.strerror or exc}") from exc
     if folder:
         raise ConfigurationError(f"{option} {path} is a folder: give a file path")
+    made = [parent for parent in target.parents if not parent.exists()]  # deepest first; the writer makes them again
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -273,8 +275,12 @@ def check_writable(path: str | Path, option: str) -> None:
     except OSError as exc:
         if exc.errno != errno.ENXIO:
             raise ConfigurationError(f"{option} {path}: not writable ({exc.strerror or exc})") from exc
-    if not existed:
-        target.unlink(missing_ok=True)
+    finally:  # a check leaves nothing behind: a command refused by a later check must not have made folders
+        if not existed:
+            target.unlink(missing_ok=True)
+        for parent in made:
+            with contextlib.suppress(OSError):  # another process put something there meanwhile: it stays
+                parent.rmdir()
 
 
 def check_distinct(outputs: Mapping[str, str | Path], inputs: Mapping[str, str | Path]) -> None:
