@@ -69,6 +69,17 @@ def test_json_and_plot_naming_one_file_are_refused(
     assert out == "" and not Path(both).exists()
 
 
+@pytest.mark.parametrize("command", [["simulate"], ["compare", "--jobs", "1", "--policy", "random"]])
+def test_the_header_says_how_many_requests_a_short_trace_replays(
+    command: list[str], trace: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Was "100 requests per policy" for a trace of 2.
+    assert main([*command, "--backends", "2", "--trace", f"mooncake:{trace}", "--requests", "100"]) == 0
+    assert "· 2 requests (all the trace holds) per policy ·" in capsys.readouterr().out
+    assert main([*command, "--backends", "2", "--trace", f"mooncake:{trace}", "--requests", "1"]) == 0
+    assert "· 1 request per policy ·" in capsys.readouterr().out
+
+
 def test_a_refused_command_leaves_no_folder_its_output_checks_made(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -163,9 +163,9 @@ def run(args: argparse.Namespace) -> int:
     policies = list(dict.fromkeys(args.policy or DEFAULT_POLICIES))  # each once, as compare runs them
     spec = spec_from_args(args)
     config, profile = backend_config(spec)
-    trace = _check_before_running(spec, policies, args)
+    trace, length = _check_before_running(spec, policies, args)
     header = _header(spec)
-    console.print(_describe(spec, profile.name, config.capacity_blocks))
+    console.print(_describe(spec, profile.name, config.capacity_blocks, length))
     results = _run_all(spec, policies, console, trace)
     _check_served(results, spec)
     from prefixroute.sim.report import rich_table, write_json, write_plot
@@ -204,13 +204,13 @@ def _print_table(console: Console, table: Table) -> None:
 
 def _check_before_running(
     spec: SimSpec, policies: Sequence[str], args: argparse.Namespace
-) -> Callable[[], Workload] | None:
+) -> tuple[Callable[[], Workload] | None, int | None]:
     """Build every policy once, read the trace, and check ``--json``/``--plot`` can be written (``--plot`` by
     matplotlib, in a format it knows): bad input fails now, before anything is printed or simulated (and not once in
     every worker).
 
     Returns what builds the trace's workload for each run (the file is read and checked once, and only the
-    ``--requests`` a run replays are kept), or None without ``--trace``.
+    ``--requests`` a run replays are kept) and how many requests it holds; (None, None) without ``--trace``.
 
     Raises:
         PrefixRouteError: a policy, trace or output path that will not do (the message says which and why).
@@ -218,6 +218,7 @@ def _check_before_running(
     for name in policies:
         build_policy(name, seed=spec.seed)
     trace: Callable[[], Workload] | None = None
+    length = None
     if spec.trace is not None:
         from prefixroute.sim.traces import TraceWorkload, check_speedup, load_trace
 
@@ -228,6 +229,7 @@ def _check_before_running(
         trace = functools.partial(
             TraceWorkload, read.entries, kind=read.kind, seed=spec.seed, output_tokens=spec.output_tokens
         )
+        length = len(read.entries)
     outputs = {option: path for option, path in (("--json", args.json), ("--plot", args.plot)) if path is not None}
     for option, path in outputs.items():
         check_writable(path, option)
@@ -238,7 +240,7 @@ def _check_before_running(
         from prefixroute.sim.report import check_plot_path
 
         check_plot_path(args.plot, "--plot")
-    return trace
+    return trace, length
 
 
 def check_writable(path: str | Path, option: str) -> None:
@@ -371,7 +373,12 @@ def _header(spec: SimSpec) -> dict[str, object]:
     }
 
 
-def _describe(spec: SimSpec, profile: str, capacity: int | None) -> str:
+def _requests(count: int) -> str:
+    return f"{count} request{'' if count == 1 else 's'}"
+
+
+def _describe(spec: SimSpec, profile: str, capacity: int | None, trace_length: int | None) -> str:
+    """The run's header; ``trace_length``: the requests the trace holds (up to ``--requests``), None without one."""
     source = f"trace {spec.trace}" if spec.trace else f"scenario {spec.scenario}"
     if spec.rate is not None:
         load = f"Poisson {spec.rate:g} req/s"
@@ -379,7 +386,11 @@ def _describe(spec: SimSpec, profile: str, capacity: int | None) -> str:
         load = f"trace arrival times (speedup {spec.speedup:g})"
     else:
         load = f"{spec.users} closed-loop users"
-    stop = f"{spec.requests} requests" if spec.requests else (f"{spec.duration:g} s" if spec.duration else "all")
+    stop = _requests(spec.requests) if spec.requests else (f"{spec.duration:g} s" if spec.duration else "all")
+    if trace_length is not None and (spec.requests is None or trace_length < spec.requests):
+        stop = f"{_requests(trace_length)} (all the trace holds)" + (
+            f" or {spec.duration:g} s" if spec.duration else ""
+        )
     lifecycle = "" if spec.first_token else " · no first tokens reported"
     if spec.gateways > 1:
         lifecycle += f" · {spec.gateways} gateway replicas"
@@ -470,9 +481,9 @@ def run_compare(args: argparse.Namespace, *, defaults: argparse.ArgumentParser) 
         for one in compared_policies() if name == "all" else [name]:
             if one not in names:
                 names.append(one)
-    trace = _check_before_running(spec, names, args)
+    trace, length = _check_before_running(spec, names, args)
     config, _ = backend_config(spec)
-    console.print(_describe(spec, profile.name, config.capacity_blocks))
+    console.print(_describe(spec, profile.name, config.capacity_blocks, length))
     jobs = min(args.jobs, len(names))
     console.print(f"{len(names)} policies, {jobs} at a time")
     done = [0]
