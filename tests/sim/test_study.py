@@ -196,6 +196,20 @@ def test_cli_an_output_file_that_cannot_be_written_is_one_line(
     )
 
 
+def test_cli_an_output_folder_that_cannot_be_created_names_the_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Was "prefixroute study: error: Not a directory: ..." from the generic handler, naming no option.
+    (tmp_path / "file").write_text("")
+    folder = tmp_path / "file" / "study"
+    assert main(["study", "--output", str(folder), "--requests", "3"]) == 2
+    out, err = capsys.readouterr()
+    assert (
+        out == ""
+        and err == f"prefixroute study: error: --output {folder}: cannot create the folder (Not a directory)\n"
+    )
+
+
 def test_each_run_is_announced_and_labelled_by_section(heard_and_runs: tuple[list[str], StudyRuns]) -> None:
     heard, runs = heard_and_runs
     labels = [f"{section}: {result.policy}" for section, result in runs.all]

@@ -32,10 +32,9 @@ def run_study(
     Raises:
         InvalidTypeError: ``out`` is not a str or a path, or ``progress`` is not callable.
         ConfigurationError: ``requests`` is not an int in [1, ``MAX_REQUESTS``], ``out`` is a blank name (which
-            would be the current folder) or holds a NUL byte, or exists and is not a folder, a file of the page
-            cannot be written there (checked before the runs, and when written), or matplotlib cannot write the
-            plots. The message names the argument as passed here (``requests``, ``out``).
-        OSError: ``out`` cannot be created.
+            would be the current folder) or holds a NUL byte, or exists and is not a folder, or cannot be created,
+            a file of the page cannot be written there (checked before the runs, and when written), or matplotlib
+            cannot write the plots. The message names the argument as passed here (``requests``, ``out``).
     """
     return _run_study(out, requests=requests, progress=progress, names=("out", "requests"))
 
@@ -61,7 +60,10 @@ def _run_study(
     folder = Path(out)
     if folder.exists() and not folder.is_dir():
         raise ConfigurationError(f"{out_name} {folder} is not a folder")
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # /proc, /sys, a read-only mount
+        raise ConfigurationError(f"{out_name} {folder}: cannot create the folder ({exc.strerror or exc})") from exc
     # The runs take minutes at the default requests: find a file that cannot be written (or no matplotlib) now.
     from prefixroute.sim.cli import check_writable
     from prefixroute.sim.report import check_plot_path, write_text
