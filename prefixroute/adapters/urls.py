@@ -4,6 +4,7 @@ and of the address their commands listen on."""
 from __future__ import annotations
 
 import argparse
+import ipaddress
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
@@ -109,7 +110,8 @@ def listen_host(text: str) -> str:
     """``--host`` of the commands that listen: a host name or address, not empty (which would listen on every
     interface, as ``0.0.0.0`` says openly) nor holding a blank, a control or a non-ASCII character, nor a name the
     resolver refuses before looking it up (an empty label or one over 63 characters: ``getaddrinfo`` raises
-    UnicodeError, not OSError, for those). O(len(text)).
+    UnicodeError, not OSError, for those). An IPv6 address in brackets, as a URL writes it (``[::1]``), is the
+    address. O(len(text)).
 
     Raises:
         argparse.ArgumentTypeError: what is wrong (argparse prints it as one line and exits 2).
@@ -117,6 +119,11 @@ def listen_host(text: str) -> str:
     """
     if not isinstance(text, str):
         raise InvalidTypeError(f"a host is a str, not {type(text).__name__}")
+    if text.startswith("[") and text.endswith("]"):  # an IPv6 address as a URL writes it, copied from one
+        try:
+            return str(ipaddress.IPv6Address(text[1:-1]))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an IPv6 address between the brackets, not {text!r}") from None
     try:
         encodable = bool(text) and text.isascii() and text.isprintable() and " " not in text and text.encode("idna")
     except UnicodeError:  # "gpu0..lan", ".gpu0", a label of 64 characters

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 from pathlib import Path
 
@@ -143,3 +144,11 @@ def test_release_ids_and_listen_host_refuse_the_wrong_type_with_errors_of_the_tr
             release_ids(datagram)  # type: ignore[arg-type]
     with pytest.raises(InvalidTypeError, match="host"):
         listen_host(True)  # type: ignore[arg-type]
+
+
+def test_an_ipv6_address_in_brackets_as_a_url_writes_it_is_the_address() -> None:
+    # Was passed on as "[::1]": "cannot listen on [::1]:P: Name or service not known", or [[::1]]:P in a message.
+    assert listen_host("[::1]") == "::1" and listen_host("[0:0::1]") == "::1" and listen_host("::1") == "::1"
+    for text in ("[gpu0]", "[127.0.0.1]", "[]"):
+        with pytest.raises(argparse.ArgumentTypeError, match="an IPv6 address between the brackets"):
+            listen_host(text)

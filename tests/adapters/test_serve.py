@@ -1171,6 +1171,22 @@ def test_a_kv_events_spec_missing_a_part_is_refused_with_one_line(
     assert f"--kv-events takes BACKEND=ENDPOINT[,REPLAY], like http://gpu0:8000=tcp://gpu0:5557, not {spec!r}" in err
 
 
+@pytest.mark.parametrize("named", ["http://127.0.0.1:80", "HTTP://127.0.0.1/", "http://LOCALHOST:80"])
+def test_kv_events_find_their_backend_however_the_url_is_spelt(named: str) -> None:
+    # Was refused: "--kv-events names backend 'http://127.0.0.1:80', which is not one of --backends
+    # ['http://127.0.0.1']", where --backends itself takes the two for one engine.
+    from prefixroute.adapters.serve.cli import _kv_events
+
+    backends = ["http://127.0.0.1", "http://localhost:8001", "http://localhost"]
+    expected = "http://localhost" if "LOCALHOST" in named else "http://127.0.0.1"
+    assert _kv_events(f"{named}=tcp://127.0.0.1:5557,tcp://127.0.0.1:5558", backends) == (
+        expected,
+        ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"),
+    )
+    with pytest.raises(ConfigurationError, match="^--kv-events names backend 'http://127.0.0.1:81', which is not"):
+        _kv_events("http://127.0.0.1:81=tcp://127.0.0.1:5557", backends)
+
+
 @pytest.mark.parametrize("late", ["release-port", "ext-proc", "kv-events"])
 def test_a_command_refused_after_binding_leaves_no_socket_open(late: str, capsys: pytest.CaptureFixture[str]) -> None:
     """``main()`` run in a process that goes on (a supervisor, a test): the listeners bound before a busy release or

@@ -31,7 +31,7 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from prefixroute.adapters.urls import check_backend_url, host_port, listen_host
+from prefixroute.adapters.urls import check_backend_url, engine_of, host_port, listen_host
 from prefixroute.cli import MAX_BODY_MIB, announce, body_mib, positive_int
 from prefixroute.errors import ConfigurationError, StateError
 
@@ -455,9 +455,14 @@ def _kv_events(spec: str, backends: list[str]) -> tuple[str, tuple[str, str | No
     if not sep or not backend or not endpoints:
         raise ConfigurationError(f"--kv-events takes BACKEND=ENDPOINT[,REPLAY], like "
                                  f"http://gpu0:8000=tcp://gpu0:5557, not {spec!r}")  # fmt: skip
-    backend = backend.rstrip("/")  # as check_backend_url reads --backends
-    if backend not in backends:
-        raise ConfigurationError(f"--kv-events names backend {backend!r}, which is not one of --backends {backends}")
+    named = backend.rstrip("/")  # as check_backend_url reads --backends
+    try:  # one engine however it is spelt (HTTP://GPU0, gpu0:80), as --backends finds one listed twice
+        engine = engine_of(check_backend_url(named))
+        backend = next(b for b in backends if engine_of(b) == engine)
+    except (ConfigurationError, StopIteration):
+        raise ConfigurationError(
+            f"--kv-events names backend {named!r}, which is not one of --backends {backends}"
+        ) from None
     publisher, _, replay = endpoints.partition(",")
     return backend, (publisher, replay or None)
 
