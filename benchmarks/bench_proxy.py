@@ -43,7 +43,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from _args import Parser, check_output, non_negative_float, positive_int
 
@@ -243,10 +243,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--loop-requests", type=positive_int, default=1000, help="requests per closed-loop run (1000)")
     parser.add_argument("--concurrency", type=positive_int, default=32, help="closed-loop connections (32)")
     parser.add_argument("--prompt-tokens", type=positive_int, default=2048, help="tokens per prompt (2048)")
-    parser.add_argument("--answer-tokens", type=positive_int, default=16, help="streamed tokens per answer (16)")
-    parser.add_argument(
-        "--token-delay-ms", type=non_negative_float, default=1.0, help="engine time between tokens (1 ms)"
-    )
+    parser.add_argument("--answer-tokens", type=at_most(positive_int, MAX_ANSWER_TOKENS), default=16,
+                        help=f"streamed tokens per answer (16; at most {MAX_ANSWER_TOKENS:,})")  # fmt: skip
+    parser.add_argument("--token-delay-ms", type=at_most(non_negative_float, MAX_TOKEN_DELAY_MS), default=1.0,
+                        help=f"engine time between tokens (1 ms; at most {MAX_TOKEN_DELAY_MS:,})")  # fmt: skip
     parser.add_argument("--profile", metavar="FILE",
                         help="py-spy profiles of the proxy under the closed loop: FILE's stem + -ids / -text / -chat; "
                         "a .txt suffix writes collapsed stacks, others a flame graph")  # fmt: skip
@@ -260,7 +260,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     for output in outputs.values():  # checked now, not after the benchmark's minutes
         check_output(parser, output, "--profile")
     if args.bare_relay:
-        bare_relay(int(args.bare_relay[0]), args.bare_relay[1:])
+        port = args.bare_relay[0]
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            parser.error(f"argument --bare-relay: expected PORT URL..., a port in [1, 65535] first, not {port!r}")
+        bare_relay(int(port), args.bare_relay[1:])
         return
     if args.quick:
         args.runs, args.requests, args.loop_requests, args.concurrency = 1, 20, 60, 4
@@ -384,6 +387,23 @@ def bare_relay(port: int, backends: list[str]) -> None:
     _runner()(serve())
 
 
+_N = TypeVar("_N", int, float)
+MAX_ANSWER_TOKENS = 1_000_000  # what the fake engines take (prefixroute fake-engines --max-tokens)
+MAX_TOKEN_DELAY_MS = 60_000  # and --token-delay-ms
+
+
+def at_most(kind: Callable[[str], _N], limit: _N) -> Callable[[str], _N]:
+    """An argparse type: ``kind``'s value, refused past ``limit`` (what the fake engines it starts would refuse)."""
+
+    def read(text: str) -> _N:
+        value = kind(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"expected at most {limit:,}, not {text!r}")
+        return value
+
+    return read
+
+
 def profile_outputs(profile: str | None) -> dict[str, Path]:
     """The file of each prompt kind's profile: ``--profile``'s stem + ``-ids`` (``-text``, ``-chat``), its suffix kept
     (``out/proxy.svg``: ``out/proxy-ids.svg``; ``prof``: ``prof-ids``); none without ``--profile``.
@@ -396,6 +416,8 @@ def profile_outputs(profile: str | None) -> dict[str, Path]:
     path = Path(profile)
     if not profile.strip() or not path.stem.strip():
         raise ValueError(f"give a file name, not {profile!r}")
+    if path.is_dir():  # its stem would name files beside it: /tmp gave /tmp-ids
+        raise ValueError(f"{profile!r} is a folder: give a file path, such as {str(path / 'proxy.svg')!r}")
     return {kind: path.with_name(f"{path.stem}-{kind}{path.suffix}") for kind in KINDS}
 
 

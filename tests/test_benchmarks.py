@@ -133,6 +133,9 @@ def test_default_variants_classes_are_policies_the_simulator_can_name(monkeypatc
         ("bench_events.py", ["--rate", "nan"]),
         ("bench_proxy.py", ["--answer-tokens", "-1"]),
         ("bench_proxy.py", ["--token-delay-ms", "inf"]),
+        ("bench_proxy.py", ["--token-delay-ms", "70000"]),  # was: the engines it starts refused it, a traceback
+        ("bench_proxy.py", ["--answer-tokens", "2000000"]),
+        ("bench_proxy.py", ["--bare-relay", "abc"]),  # was: a ValueError traceback
         ("bench_route.py", ["--new-fraction", "2"]),
         ("bench_sidecar.py", ["--seconds", "0"]),
         ("bench_sim.py", ["--trace", "no/such/trace.jsonl"]),
@@ -188,6 +191,7 @@ def test_a_benchmark_refuses_a_malformed_input_file_before_it_runs(
         ("default_variants.py", ["--cache", "{file}/cache.pickle"], "cannot create its folder"),  # was: the same
         ("bench_proxy.py", ["--profile", "{file}/proxy.svg"], "cannot create its folder"),  # was: py-spy failed, late
         ("bench_proxy.py", ["--profile", ""], "give a file name"),
+        ("bench_proxy.py", ["--profile", "{folder}"], "is a folder: give a file path"),  # was: wrote beside it
     ],
 )
 def test_a_benchmark_refuses_a_path_it_cannot_use_before_it_runs(
