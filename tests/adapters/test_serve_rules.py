@@ -350,6 +350,20 @@ def test_pick_refuses_a_batch_that_vllm_refuses_whole_not_only_for_its_first_pro
     assert call(sidecar, "POST", "/v1/completions", kept).status_code == 200
 
 
+def test_pick_reads_a_client_s_body_as_vllm_does_nan_and_utf16_included() -> None:
+    # Was 400 "not valid JSON" where vLLM (Python's json.loads) and the proxy take them: such requests fell back to
+    # the plain pool in the nginx, HAProxy and Envoy set-ups, never prefix-routed.
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
+    text = '{"prompt": [1, 2, 3, 4, 5], "temperature": NaN, "logit_bias": {"7": -Infinity}}'
+    for raw in (text.encode(), text.encode("utf-16"), text.encode("utf-32")):
+        assert call(sidecar, "POST", "/v1/completions", raw=raw).status_code == 200, raw[:8]
+    assert sidecar.router.stats().decisions == 3
+    for raw in (b'{"prompt": [1, 2], "temperature": nan}', b'{"prompt": "\\ud800"}', b"\xff\xfe{"):
+        assert call(sidecar, "POST", "/v1/completions", raw=raw).status_code == 400, raw
+    refused = call(sidecar, "POST", "/route", raw=b'{"prompt_token_ids": [1, 2], "lease": NaN}')
+    assert refused.status_code == 400  # /route is the sidecar's own contract: strict JSON
+
+
 def test_the_default_lease_is_600_seconds_and_bounds_a_route_bodys_own() -> None:
     clock = [0.0]
     sidecar = Sidecar(Router(block_size=4, clock=lambda: clock[0]), backends=BACKENDS)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
-import json
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -43,8 +42,10 @@ from prefixroute.adapters.proxy.prompts import (
     request_tokens,
 )
 from prefixroute.adapters.serve.contract import (
+    UNDECODED,
     UNSUPPORTED_MEDIA_TYPE,
     base_model_names,
+    decoded_as_vllm_does,
     is_json_media_type,
     is_refusal,
     json_error,
@@ -753,27 +754,10 @@ def _decode(raw: bytes) -> Any:
     try:
         return _decoder.decode(without_bom(raw))
     except (msgspec.DecodeError, RecursionError) as exc:
-        body = _decoded_as_vllm_does(raw)
-        if body is _UNDECODED:
+        body = decoded_as_vllm_does(raw)
+        if body is UNDECODED:
             raise BadRequest(json_error(raw, exc)) from None
         return body
-
-
-_UNDECODED = object()
-
-
-def _decoded_as_vllm_does(raw: bytes) -> Any:
-    """``raw`` as Python's ``json.loads`` reads it, as vLLM's server does (FastAPI calls it), where msgspec could
-    not: the literals ``NaN``, ``Infinity`` and ``-Infinity`` (Python's ``json.dumps`` and aiohttp's ``json=`` write
-    them for a float such as a ``logit_bias`` of ``-inf``), a body in UTF-16 or UTF-32. :data:`_UNDECODED` where
-    Python's json refuses it too or nests too deep, and where a string holds a lone surrogate (refused as before, in
-    :func:`json_error`'s words). Only on msgspec's error path: O(len(raw)) in Python's C decoder."""
-    try:
-        body = json.loads(raw)
-        msgspec.json.encode(body)  # UnicodeEncodeError for a lone surrogate
-    except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError and UnicodeEncodeError are ValueErrors
-        return _UNDECODED
-    return body
 
 
 class _ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]  # generic only from Python 3.11

@@ -35,7 +35,9 @@ __all__ = [
     "Prompt",
     "RouteBody",
     "UNSUPPORTED_MEDIA_TYPE",
+    "UNDECODED",
     "decode",
+    "decoded_as_vllm_does",
     "is_json_media_type",
     "is_batch",
     "mixed_batch",
@@ -336,8 +338,10 @@ def openai_prompt(path: str, body: bytes, *, max_token_id: int | None = None) ->
         raise InvalidTypeError(f"path must be the request's URL path (a str), not {type(path).__name__}")
     try:
         request = msgspec.json.decode(without_bom(body))
-    except (msgspec.DecodeError, RecursionError) as exc:
-        raise BadRequest(400, json_error(body, exc)) from None
+    except (msgspec.DecodeError, RecursionError) as exc:  # a client's own body: read as vLLM reads it, NaN and all
+        request = decoded_as_vllm_does(body)
+        if request is UNDECODED:
+            raise BadRequest(400, json_error(body, exc)) from None
     if not isinstance(request, dict):
         raise BadRequest(400, "an OpenAI request body is a JSON object")
     model = request.get("model")
@@ -385,6 +389,24 @@ def truncated(tokens: list[int], body: Mapping[str, Any]) -> list[int]:
     if keep is None or keep < 1 or keep >= len(tokens) or side not in ("left", "right", None):
         return tokens
     return tokens[:keep] if side == "right" else tokens[-keep:]
+
+
+UNDECODED = object()
+"""What :func:`decoded_as_vllm_does` returns for a body that no JSON reader takes (a JSON ``null`` is None)."""
+
+
+def decoded_as_vllm_does(raw: bytes) -> Any:
+    """``raw`` as Python's ``json.loads`` reads it, as vLLM's server does (FastAPI calls it), where msgspec could
+    not: the literals ``NaN``, ``Infinity`` and ``-Infinity`` (Python's ``json.dumps`` and aiohttp's ``json=`` write
+    them for a float such as a ``logit_bias`` of ``-inf``), a body in UTF-16 or UTF-32. :data:`UNDECODED` where
+    Python's json refuses it too or nests too deep, and where a string holds a lone surrogate (refused as before, in
+    :func:`json_error`'s words). Only on msgspec's error path: O(len(raw)) in Python's C decoder."""
+    try:
+        body = json.loads(raw)
+        msgspec.json.encode(body)  # UnicodeEncodeError for a lone surrogate
+    except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError and UnicodeEncodeError are ValueErrors
+        return UNDECODED
+    return body
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
