@@ -211,8 +211,10 @@ class SimBackend:
         cutoff = self._started if self.config.async_scheduling else None
         if not preempted:
             self._admit(now, budget, plan, prefill, decode, cutoff)
-        if not plan and (self._deferred or cutoff is not None) and not preempted:
-            # vLLM plans an empty step, blocks on the one in flight, frees its finished requests and plans again
+        if not plan and (self._deferred or cutoff is not None):
+            # vLLM plans an empty step, blocks on the one in flight, frees its finished requests and plans again; also
+            # when this plan preempted every running request (the blocks it lacked may be a finished request's, freed
+            # now): vLLM's loop steps on while a request waits, where returning None here left the engine idle
             self._release_deferred()
             self._admit(now, budget, plan, prefill, decode, None)
         self._release_deferred()  # finished in the step that just ended: free for the next plan

@@ -218,6 +218,32 @@ def test_a_request_larger_than_the_cache_is_rejected_not_stuck() -> None:
         _ = unfinished.e2e
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_an_engine_that_preempts_every_running_request_plans_again_instead_of_idling(async_scheduling: bool) -> None:
+    # Was (async scheduling): the second request, needing a block held by the first (finished in the step that had
+    # just ended, its blocks freed only after the next plan), preempted itself; the plan came out empty and the engine
+    # went idle with it waiting, until an arrival that never came: it never finished (a trace replay failed "request 1
+    # did not finish", or its e2e took the time to the next, unrelated arrival). vLLM steps on while a request waits.
+    requests = [
+        SimRequest(token_bytes(0, 47), 2, arrival=0.0),
+        SimRequest(token_bytes(1000, 32), 20, arrival=0.0),
+    ]
+    config = BackendConfig(capacity_blocks=5, async_scheduling=async_scheduling)
+    simulation = Simulation(
+        router=Router(policy=policy_from_name("round-robin"), capacity_blocks=5),
+        workload=ListWorkload(requests),
+        arrivals=TraceTimes(),
+        cost=LinearCost(overhead=0.01, per_token=1e-3, per_sequence=1e-4),
+        config=config,
+        backends=1,
+        check=True,
+    )
+    outcome = simulation.run()
+    assert [r.finished is not None for r in outcome.records] == [True, True]
+    assert max(r.e2e for r in outcome.records) < 1.0  # 20 decode steps of about 11 ms, not a stall
+    assert simulation.router.in_flight("gpu0") == 0 and simulation.router.stats().in_flight == 0
+
+
 def test_a_rejected_request_leaves_no_predicted_blocks_in_the_router() -> None:
     served = _request(0, 0, 1, 160, 5, False)  # 10 blocks
     rejected = _request(0, 0, 2, 480, 300, False)  # 30 blocks of prompt fit the index, 49 of sequence not the engine
