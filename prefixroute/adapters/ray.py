@@ -213,6 +213,33 @@ class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
         chosen = by_id[decision.backend]
         return [[chosen], [replica for replica in candidate_replicas if replica is not chosen]]
 
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata: Any = None) -> None:
+        """Give ``replica`` to the request it was chosen for, as Ray's base router does, matched by internal request
+        id; among requests sharing that id, to the oldest still pending.
+
+        Ray's base router finds the request through an index that holds one request per id, dropped once that request
+        is fulfilled: every call a replica makes downstream carries the replica's own id, so of several such calls at
+        once the first was answered and the others routed on for ever (Ray's FIFO routers hand a replica to whichever
+        request is first, which would undo the prefix routing). O(1); O(pending) only when the index lost the id.
+        """
+        pending = self._get_pending_request_matching_internal_request_id(request_metadata)
+        if pending is None and request_metadata is not None:
+            wanted = request_metadata.internal_request_id
+            pending = next(
+                (
+                    queued
+                    for queued in self._pending_requests_to_fulfill
+                    if not queued.future.done() and queued.metadata.internal_request_id == wanted
+                ),
+                None,
+            )
+        if pending is None:
+            return
+        self._cancel_routing_task_for_pending_request(pending)
+        self._record_queue_wait_time(pending)
+        pending.future.set_result(replica)
+        self._remove_pending_request_from_indices(pending)
+
     def _future_done(self, request_id: str, future: Any) -> None:
         """The request's routing future is done. Cancelled: its caller gave up before a replica took it. Else it
         names the replica Ray sends this attempt to: the count moves there, and should Ray send it without the

@@ -75,6 +75,18 @@ class Engine:
         return str(serve.get_replica_context().replica_id.unique_id)
 
 
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+class FanOut:
+    """Calls ``down`` ``n`` times at once, each with a prompt of its own (every call carries this replica's id)."""
+
+    def __init__(self, down: Handle) -> None:
+        self.down = down
+
+    async def __call__(self, n: int) -> list[str]:
+        calls = [self.down.remote({"prompt": list(range(10_000 * k, 10_000 * k + 64)), "sleep": 0.2}) for k in range(n)]
+        return list(await asyncio.wait_for(asyncio.gather(*calls), timeout=30))
+
+
 @pytest.fixture(scope="module")
 def serving() -> Iterator[None]:
     """One local Ray and Serve for the module, both applications in it: starting Ray is most of the cost, and Ray
@@ -182,6 +194,17 @@ def test_streams_and_requests_the_caller_cancels_are_finished(handle: Handle) ->
     assert all(response.result() for response in busy)
     router = settled(handle)
     assert not router._decided and router.errors == 0
+
+
+def test_concurrent_calls_a_replica_makes_downstream_are_each_answered(serving: None) -> None:
+    # Was: Ray's base router finds the request a replica was chosen for by its internal id, in an index of one request
+    # per id; calls a replica makes at once share its id, so the first was answered and the others routed for ever.
+    fan_out = serve.run(FanOut.bind(Replica.bind()), name="prefixroute-fan-out", route_prefix=None)  # type: ignore[attr-defined]
+    try:
+        answers = fan_out.remote(4).result(timeout_s=60)
+        assert len(answers) == 4 and all(isinstance(answer, str) for answer in answers)
+    finally:
+        serve.delete("prefixroute-fan-out")
 
 
 def test_requests_without_a_prompt_are_ranked_by_ray_alone(handle: Handle) -> None:
