@@ -140,7 +140,7 @@ class LRUStore:
     make :meth:`match` walk block by block until every generation that existed then has been evicted.
     """
 
-    __slots__ = ("roots", "size", "_first", "_gens", "_generations", "_open_until", "_span")
+    __slots__ = ("roots", "size", "_capacity", "_first", "_gens", "_generations", "_open_until", "_span")
 
     def __init__(
         self,
@@ -153,6 +153,7 @@ class LRUStore:
     ) -> None:
         generations = _check_generations(generations)
         self._generations = generations
+        self._capacity = capacity
         self._span = max(1, capacity // generations)
         self._gens: list[set[int]] = [set(blocks)]  # oldest first; the last one is the newest
         self._first = 0  # the id of _gens[0]; ids only grow
@@ -174,6 +175,7 @@ class LRUStore:
 
     def resize(self, capacity: int) -> None:
         """Size new generations for ``capacity`` (the caller evicts any excess). O(1)."""
+        self._capacity = capacity
         self._span = max(1, capacity // self._generations)
 
     def __len__(self) -> int:
@@ -240,16 +242,22 @@ class LRUStore:
                 target -= 1
             if target < 0:
                 return False
-        contradicts = checked and self._contradicts(hashes, target)
+        contradicts = checked and (self._misplaced_head(hashes[0], parent, target) or self._contradicts(hashes, target))
         if parent is None:
             self.roots.add(hashes[0])
             newest = gens[-1]
             # Start a new generation at twice the target size, or from half of it when this chain could make
             # CPython grow the set's table (x4 below 50K blocks, x2 above): as the window spans a factor of 4, every
             # generation ends near a 3/5-full table, not a 3/20-full one.
-            if len(newest) >= 2 * self._span or (
-                len(newest) * 2 >= self._span
-                and count - (_run(newest, hashes, 0) if hashes[0] in newest else 0) > _room(newest)
+            # And whenever the chain would take the newest past the capacity: evicting down to the capacity drops
+            # whole generations, oldest first, so a chain that fits must not share one with blocks it could outlive.
+            if (
+                len(newest) >= 2 * self._span
+                or (newest and len(newest) + count > self._capacity)
+                or (
+                    len(newest) * 2 >= self._span
+                    and count - (_run(newest, hashes, 0) if hashes[0] in newest else 0) > _room(newest)
+                )
             ):
                 gens.append(set())
                 target += 1
@@ -285,6 +293,17 @@ class LRUStore:
                 into.update(hashes[position:])
         self.size += len(into) - before
         return True
+
+    def _misplaced_head(self, head: int, parent: int | None, target: int) -> bool:
+        """Whether the chain's first block may be held under another parent, which :meth:`_contradicts` (it trusts a
+        leading run) cannot see: a held block that is no root sent as a root, a root sent as a continuation, or a
+        continuation's first block held in a generation older than its parent's (``target``). Moved into the chain's
+        generation, such a block could end up newer than its own parent, and the binary search of :meth:`match`
+        count blocks the store lacks. The last case may be a consistent chain sent again: the store then walks for
+        nothing until its generations are evicted, slower but exact (KV events store a block once). O(G)."""
+        if parent is None:
+            return head not in self.roots and head in self
+        return head in self.roots or any(head in gen for gen in self._gens[:target])
 
     def _contradicts(self, hashes: Sequence[int], target: int) -> bool:
         """Whether a block of ``hashes`` is held but not in the chain's leading run (from generation ``target`` down,

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from prefixroute import (
+    BlockHasher,
     BoundedLoad,
     Candidate,
     ConfigurationError,
@@ -264,3 +265,37 @@ def test_a_clock_that_raises_in_first_token_costs_only_the_speed_it_would_teach(
     router.finish(decision)
     router._check()
     assert router.stats().in_flight == 0
+
+
+def test_a_prompt_that_fits_the_capacity_is_kept_whole_not_evicted_with_the_rest() -> None:
+    # Was: the prompt joined a newest generation holding a few blocks, the store went past its capacity, and evicting
+    # whole generations, oldest first, dropped the newest too: every block gone, the prompt's included.
+    capacity = 1600  # 16 generations of 100 blocks
+    for blocks in (capacity, capacity - 39, 1561):
+        router = Router(block_size=4, capacity_blocks=capacity)
+        for i in range(40):
+            router.route([10_000 + i] * 4, ["gpu0"])
+        prompt = list(range(4 * blocks))
+        router.route(prompt, ["gpu0"])
+        router._check()
+        assert router.index.blocks("gpu0") >= blocks
+        assert router.decide(prompt, ["gpu0"]).matched_tokens == 4 * blocks
+
+
+def test_a_chain_whose_first_block_is_held_under_another_parent_makes_the_store_walk() -> None:
+    # Was: only blocks after the chain's leading held run were looked at, so a root chain of a block held as a child
+    # (or a continuation of one held under another parent) moved it to a newer generation than its parent, left the
+    # store on its binary search, and match() counted blocks it did not hold.
+    h0, h1, h2, h3 = BlockHasher(1).hash([1, 2, 3, 4])
+    (p,) = BlockHasher(1).hash([7])
+    for contradiction in ([h2], None), ([h2], p):
+        index = PrefixIndex(1, capacity_blocks=5)
+        index.insert([h0, h1, h2, h3], "a")
+        index.insert([p], "a")
+        index.insert(contradiction[0], "a", parent=contradiction[1])
+        index._check(chains=[[h0, h1, h2, h3]])
+        store = index.store("a")
+        assert store is not None and store.open
+        index.remove([h1], "a")  # a hole under h2: the match ends at it whatever the generations say
+        assert index.match([h0, h1, h2, h3], ["a"]) == {"a": 1}
+        index._check()
