@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from prefixroute.cli import announce
-
 
 def simulate(requests: int) -> list[str]:
     return [sys.executable, "-m", "prefixroute", "simulate", "--requests", str(requests), "--backends", "2"] + [
@@ -68,6 +66,8 @@ def test_a_reader_that_goes_away_ends_a_command_quietly(command: str, tmp_path: 
 def test_a_server_s_announcement_to_a_reader_that_has_gone_costs_only_the_line(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from prefixroute.cli import announce
+
     # Was: the proxy's announcement raised BrokenPipeError, which its listen error handler took for a port it
     # could not bind ("cannot listen on 127.0.0.1:P: Broken pipe", exit 2), and its session was never closed.
     read, write = os.pipe()
