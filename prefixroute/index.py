@@ -128,7 +128,8 @@ class LRUStore:
     A routed prompt's blocks all move to the newest generation; a chain that continues a block (a KV event) joins
     its parent's generation; a new generation starts when the newest holds twice ``capacity // generations``
     blocks, or from half that when the next prompt would make its set grow its table (so generations stay densely
-    packed: between ``generations / 2`` and ``2 * generations`` of them fill the capacity); and
+    packed: between ``generations / 2`` and ``2 * generations`` of them fill the capacity), or when the next prompt
+    would take it past the capacity (so a prompt that fits outlives the blocks evicted for it); and
     :meth:`drop_oldest` evicts the oldest generations whole. The invariant that makes this safe: a held block's
     parent is held and in the same or a newer generation, so dropping the oldest generation never leaves a child
     without its parent, and the blocks of a prompt that one generation holds are a contiguous run, found by binary
