@@ -243,24 +243,6 @@ def test_doctor_source_that_names_no_file_or_url_is_a_bad_option(
     assert out == ""
 
 
-@pytest.mark.parametrize(
-    ("source", "why"),
-    [
-        ("http://127.0.0.1:99999", "is not a URL that can be reached: Port out of range 0-65535"),
-        ("http://127.0.0.1:0", "names port 0, which no server listens on"),
-        ("http://[::1", "is not a URL that can be reached: Invalid IPv6 URL"),
-    ],
-)
-def test_doctor_refuses_a_url_whose_port_no_engine_has(
-    source: str, why: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    # Was: httpx took port 99999 and connected to 99999 - 65536 = 34463: another engine's figures, reported HEALTHY.
-    assert main(["doctor", source]) == 2
-    out, err = capsys.readouterr()
-    _one_line(err, f"the source {source!r} {why}")
-    assert out == ""
-
-
 def test_doctor_reads_a_url_whose_scheme_is_upper_case(capsys: pytest.CaptureFixture[str]) -> None:
     # URL schemes are case-insensitive: HTTP://host is a URL (here one that refuses the connection), not a file.
     with socket.socket() as free:

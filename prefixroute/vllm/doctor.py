@@ -29,7 +29,6 @@ from prefixroute.vllm._checks import check_seconds
 from prefixroute.vllm.metrics import (
     MAX_METRICS_BYTES,
     EngineMetrics,
-    check_metrics_url,
     fetch_metrics,
     metrics_url,
     parse_metrics,
@@ -281,8 +280,6 @@ def _options(args: argparse.Namespace) -> tuple[float, float, float]:
             raise ConfigurationError(
                 f"a source must be an http:// or https:// URL, a saved /metrics file or - for stdin, not {source!r}"
             )
-        if _is_url(source):
-            check_metrics_url(source, "the source")
     timeout = check_seconds(_number(args.timeout, "--timeout"), "--timeout")
     ratio = _number(args.ratio_threshold, "--ratio-threshold")
     if not (math.isfinite(ratio) and ratio >= 1):

@@ -892,6 +892,16 @@ def test_doctor_reads_engines_of_every_version_and_judges_each() -> None:
     assert report["targets"][0]["prefix_hit_rate"] == pytest.approx(0.5)
 
 
+def test_doctor_reads_no_engine_through_a_port_past_65535() -> None:
+    # Was HEALTHY, exit 0: httpx took the port and connected to it modulo 65536, here an engine's that answers.
+    with http_engine({"/metrics": ok(V1_DP_TEXT)}) as url:
+        port = int(url.rsplit(":", 1)[1])
+        assert doctor_run(url)[0] == 0  # the engine is there, on its own port
+        status, out, err = doctor_run(f"http://127.0.0.1:{port + 65536}")
+    assert status == 2 and out.splitlines()[0].endswith(": UNREADABLE"), out + err
+    assert "Port out of range 0-65535" in out + err
+
+
 @pytest.mark.parametrize(
     "target",
     [
