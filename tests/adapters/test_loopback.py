@@ -63,6 +63,14 @@ def test_free_port_is_free_on_loopback_for_its_kind(kind: int) -> None:
         sock.bind(("127.0.0.1", port))  # without SO_REUSEADDR: nothing holds it
 
 
+def test_free_ports_are_drawn_below_the_ephemeral_range_that_outgoing_connections_take() -> None:
+    # Was a port from bind(0), inside that range: bench_proxy's proxy once lost its port, between the draw and its
+    # bind, to an outgoing connection (CI at 32d1744).
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(10_000 <= port < low for port in ports) and len(ports) > 1
+
+
 def test_find_binary_looks_on_path_then_beside_the_interpreter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     beside = tmp_path / "bin" / "prefixroute-test-tool"
     beside.parent.mkdir()

