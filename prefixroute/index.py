@@ -22,7 +22,7 @@ from collections.abc import Collection, Container, Iterable, Iterator, Mapping, 
 from collections.abc import Set as AbstractSet
 from itertools import chain, islice, takewhile
 
-from prefixroute._arguments import EMPTY_ID
+from prefixroute._arguments import check_backend_id
 from prefixroute._numbers import as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidEventError, InvalidTypeError, PrefixRouteError
 from prefixroute.hashing import check_block_size
@@ -1042,9 +1042,7 @@ def _check_backend(backend: object) -> str:
         return backend
     if not isinstance(backend, str):
         raise InvalidTypeError(f"a backend id is a str, not {type(backend).__name__}")
-    if not backend:
-        raise ConfigurationError(EMPTY_ID)
-    return str.__str__(backend)
+    return check_backend_id(backend)
 
 
 def _check_generations(value: object) -> int:

@@ -6,7 +6,7 @@ import logging
 import re
 import threading
 
-from prefixroute._arguments import EMPTY_ID
+from prefixroute._arguments import check_backend_id
 from prefixroute._numbers import as_float, as_int, shown
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 
@@ -43,9 +43,7 @@ def check_backend(backend: object) -> str:
     apart from the id that removes it, so a backend removed would go on being written."""
     if not isinstance(backend, str):
         raise InvalidTypeError(f"backend must be a str id, not {type(backend).__name__}")
-    if not backend:
-        raise ConfigurationError(EMPTY_ID)
-    return str.__str__(backend)
+    return check_backend_id(backend)
 
 
 def check_seconds(value: object, name: str) -> float:
