@@ -1,7 +1,9 @@
 """The discrete-event loop: requests arrive, go through the real :class:`~prefixroute.Router`, run on backends.
 
 Time is simulated (no wall clock anywhere); events sit in one heap ordered by (time, sequence number), and every
-random draw comes from one seeded ``random.Random``, so a seed reproduces a run exactly.
+random draw comes from one seeded ``random.Random``, so a seed reproduces a run exactly. An engine plans its next
+step after every other event of the same instant (an engine drains its input queue before it steps, so requests that
+arrive together are planned together).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from prefixroute.sim.workloads import Scenario
 
 __all__ = ["Arrivals", "ClosedLoop", "OpenLoop", "SimOutcome", "Simulation", "TraceTimes", "Workload"]
 
-_ARRIVAL, _STEP_END, _WAKE, _POLL = 0, 1, 2, 3
+_ARRIVAL, _STEP_END, _WAKE, _POLL, _PLAN = 0, 1, 2, 3, 4
 
 
 class Workload(Protocol):
@@ -230,12 +232,13 @@ class Simulation:
         self.check = check
         self.on_progress = on_progress
         self.now = 0.0
-        self._events: list[tuple[float, int, int, object]] = []
+        self._events: list[tuple[float, bool, int, int, object]] = []  # (time, is a plan, seq, kind, payload)
         self._seq = 0
         self._issued = 0
         self._done = 0
         self.records: list[RequestRecord] = []
         self._in_flight = [0] * len(names)
+        self._planning = [False] * len(names)  # a _PLAN event is on the heap for that backend
         self._peak = [0] * len(names)
         self._hasher = self.router.hasher
         if metrics_interval is not None:
@@ -252,7 +255,7 @@ class Simulation:
 
     def _push(self, time: float, kind: int, payload: object) -> None:
         self._seq += 1
-        heapq.heappush(self._events, (time, self._seq, kind, payload))
+        heapq.heappush(self._events, (time, kind == _PLAN, self._seq, kind, payload))
 
     def _may_issue(self, at: float) -> bool:
         if self.max_requests is not None and self._issued >= self.max_requests:
@@ -269,9 +272,11 @@ class Simulation:
             self._push(0.0, _POLL, None)
         events = self._events
         while events:
-            time, _seq, kind, payload = heapq.heappop(events)
+            time, _late, _seq, kind, payload = heapq.heappop(events)
             self.now = time
-            if kind == _STEP_END:
+            if kind == _PLAN:
+                self._plan(payload)  # type: ignore[arg-type]
+            elif kind == _STEP_END:
                 self._step_end(payload)  # type: ignore[arg-type]
             elif kind == _ARRIVAL:
                 assert isinstance(payload, tuple)
@@ -362,9 +367,16 @@ class Simulation:
         hashes: list[int] = list(self._hasher.hash(data))
         backend.enqueue(Active(record, hashes, decision))
         if not backend.busy:
-            self._start_step(index)
+            self._plan_later(index)
 
-    def _start_step(self, index: int) -> None:
+    def _plan_later(self, index: int) -> None:
+        """Plan the backend's next step at this instant, once every other event of it has happened."""
+        if not self._planning[index]:
+            self._planning[index] = True
+            self._push(self.now, _PLAN, index)
+
+    def _plan(self, index: int) -> None:
+        self._planning[index] = False
         backend = self.backends[index]
         seconds = backend.schedule(self.now)
         if seconds is not None:
@@ -381,7 +393,7 @@ class Simulation:
             self._finish(index, active.decision, record)
         if self.check:
             backend._check()
-        self._start_step(index)
+        self._plan_later(index)
 
     def _first_token(self, active: Active) -> None:
         self._gateway_of[id(active.decision)].first_token(active.decision)
