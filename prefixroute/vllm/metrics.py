@@ -55,7 +55,8 @@ class EngineMetrics:
     """One scrape of a vLLM engine, summed over its label sets (models, engines, data-parallel ranks).
 
     A figure the text does not expose is None. ``kv_usage`` is the mean over engines (a fraction, 1 = full);
-    ``num_gpu_blocks`` the sum of the engines' (data-parallel engines behind one server each report theirs).
+    ``num_gpu_blocks`` the server's (data-parallel engines behind one server each report the server's total: vLLM
+    sums their blocks at start-up; the largest reported is kept).
     ``ttft_buckets`` holds ``(upper bound in seconds, cumulative count)`` pairs, sorted, ending with ``+inf``;
     ``ttft_count`` is the histogram's ``_count``, or its last bucket's count when the text has no ``_count``.
     ``process_start_time`` is the server process's ``process_start_time_seconds`` (Unix time), which Prometheus'
@@ -151,12 +152,11 @@ def parse_metrics(text: str, *, deadline: float | None = None) -> EngineMetrics:
                     continue
                 if name in (_CACHE_INFO, _CACHE_INFO[: -len("_info")]):
                     block_size = _int_label(sample.labels, "block_size", block_size)
-                    engine_blocks = _int_label(sample.labels, "num_gpu_blocks", None)
-                    if engine_blocks is not None:  # one series per engine: a server's capacity is their sum
-                        num_gpu_blocks = engine_blocks + (num_gpu_blocks or 0)
-                        if num_gpu_blocks > _MAX_GPU_BLOCKS:
-                            raise MetricsError(f"{_CACHE_INFO}'s num_gpu_blocks sum to {num_gpu_blocks}, over "
-                                               f"{_MAX_GPU_BLOCKS}")  # fmt: skip
+                    # one series per engine, each with the server's total (vLLM sums its data-parallel engines'
+                    # blocks into the one cache config at start-up, then labels it with every engine index)
+                    blocks = _int_label(sample.labels, "num_gpu_blocks", None)
+                    if blocks is not None and (num_gpu_blocks is None or blocks > num_gpu_blocks):
+                        num_gpu_blocks = blocks
                     continue
                 total = sums.get(name, 0.0)
                 sums[name] = _add(total, value, name) if name.startswith("vllm:") else total + value

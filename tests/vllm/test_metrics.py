@@ -109,11 +109,16 @@ vllm:time_to_first_token_seconds_count{engine="1"} 3
     metrics = parse_metrics(text)
     assert metrics.waiting == 5 and metrics.kv_usage == pytest.approx(0.4) and metrics.running is None
     assert metrics.num_gpu_blocks is None
-    # Data-parallel engines behind one server each report their KV cache: the server holds the sum.
+    # Was 4 x 1000 blocks, four times the server's: vLLM sums its data-parallel engines' blocks into the one cache
+    # config at start-up (wait_for_engine_startup, "Sum values from all engines in DP case") and its metrics logger
+    # labels that config with every engine index, so each series carries the server's total.
     info = 'vllm:cache_config_info{{block_size="16",engine="{}",num_gpu_blocks="{}"}} 1\n'
-    lines = [info.format(0, 1000), info.format(1, 1200), info.format(1, 1200)]
+    lines = [info.format(engine, 1000) for engine in range(4)]
     both = parse_metrics(text + "# TYPE vllm:cache_config_info gauge\n" + "".join(lines))
-    assert (both.block_size, both.num_gpu_blocks) == (16, 2200)  # a repeated series counts once
+    assert (both.block_size, both.num_gpu_blocks) == (16, 1000)
+    # Series that disagree (not what vLLM writes): the largest, not a sum.
+    lines[2] = info.format(2, 1200)
+    assert parse_metrics(text + "".join(lines)).num_gpu_blocks == 1200
     assert metrics.ttft_buckets == ((0.1, 4.0), (math.inf, 5.0)) and metrics.ttft_count == 5
     assert metrics.hit_rate is None
 
