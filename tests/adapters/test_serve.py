@@ -1040,6 +1040,33 @@ def test_the_body_limit_is_the_operators_to_set(tmp_path: Path) -> None:
             assert sum(decisions.values()) == (status == 200)
 
 
+def test_requests_whose_gateway_gave_up_on_a_stalled_sidecar_are_not_left_in_flight(tmp_path: Path) -> None:
+    """Was: each stayed in flight until its lease (600 s by default), load that skewed routing for the whole lease.
+    While the sidecar is stopped (a pause, a starved CPU) a gateway sends requests and gives up on them (nginx's
+    proxy_read_timeout, HAProxy's Lua socket timeout: it closes the connection); resumed, the sidecar read each one
+    and its close together, decided them, and answered no one. Real loopback sockets, as a gateway's."""
+    port = free_port()
+    raw = json.dumps({"prompt_token_ids": ids(64)}).encode()
+    head = b"POST /route HTTP/1.1\r\nhost: sidecar\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+    with start_sidecar(tmp_path, BACKENDS, port=port, options=["--lease", "60"]) as process:
+        os.kill(process.pid, signal.SIGSTOP)
+        try:
+            clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+            for client in clients:
+                client.sendall(head % len(raw) + raw)
+            clients[0].shutdown(socket.SHUT_WR)  # its FIN alone: the sidecar could not answer it either
+            for client in clients[1:]:
+                client.close()
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: sum(httpx.get(f"{url}/stats").json()["decisions"].values()) == 4)
+        assert httpx.get(f"{url}/stats").json()["in_flight_total"] == 0
+        clients[0].close()
+        answer = httpx.post(f"{url}/route", content=raw).json()  # a client that waits is answered, as a first
+        assert (answer["reason"], httpx.get(f"{url}/stats").json()["in_flight_total"]) == ("miss", 1)
+
+
 @pytest.mark.parametrize("level", ["info", "error"])
 def test_the_log_level_says_what_is_logged(level: str, tmp_path: Path) -> None:
     """``--log-level`` sets prefixroute's level: at ``info`` the base model learned from the backends is logged, one

@@ -22,7 +22,7 @@ from google.protobuf.message import DecodeError
 
 from prefixroute import Decision, Router
 from prefixroute.adapters.proxy.prompts import ByteEncoder
-from prefixroute.adapters.serve import BadRequest, Sidecar, upstream_of
+from prefixroute.adapters.serve import CLIENT_LEFT, BadRequest, Sidecar, upstream_of
 from prefixroute.adapters.serve.ext_proc import DESTINATION_HEADER, EndpointPicker, _milliseconds, start_ext_proc
 from prefixroute.errors import ConfigurationError, InvalidTypeError
 
@@ -41,19 +41,27 @@ def asgi(
     path: str,
     chunks: Sequence[dict[str, Any]] = (),
     headers: Sequence[tuple[bytes, bytes]] = (),
+    *,
+    leaves: bool = False,
 ) -> list[dict[str, Any]]:
-    """What ``sidecar`` sends for one raw ASGI request with ``headers`` whose ``receive()`` gives ``chunks``, then a
-    disconnect (a client that leaves as soon as its body is sent)."""
+    """What ``sidecar`` sends for one raw ASGI request with ``headers`` whose ``receive()`` gives ``chunks``, then
+    waits for the answer, or (``leaves``) a disconnect: a client that leaves as soon as its body is sent, which the
+    scope's ``CLIENT_LEFT`` extension, as ``prefixroute serve`` gives it, reports."""
     sent: list[dict[str, Any]] = []
     waiting = list(chunks)
 
     async def receive() -> dict[str, Any]:
-        return waiting.pop(0) if waiting else {"type": "http.disconnect"}
+        if waiting:
+            return waiting.pop(0)
+        if not leaves:
+            await asyncio.Event().wait()  # until the sidecar stops listening (it answers, then cancels)
+        return {"type": "http.disconnect"}
 
     async def send(message: Any) -> None:
         sent.append(dict(message))
 
-    scope = {"type": "http", "method": method, "path": path, "headers": list(headers)}
+    scope: dict[str, Any] = {"type": "http", "method": method, "path": path, "headers": list(headers)}
+    scope["extensions"] = {CLIENT_LEFT: lambda: leaves and not waiting}
     asyncio.run(asyncio.wait_for(sidecar(scope, receive, send), 10))
     return sent
 
@@ -246,7 +254,7 @@ def test_a_body_declared_over_max_body_bytes_is_refused_before_a_byte_of_it_is_r
 def test_a_client_that_leaves_mid_body_gets_no_decision_and_no_answer() -> None:
     sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
     whole_json = json.dumps({"prompt_token_ids": ids(8)}).encode()  # valid JSON, but more was announced
-    assert asgi(sidecar, "POST", "/route", [body(whole_json, more=True)]) == []
+    assert asgi(sidecar, "POST", "/route", [body(whole_json, more=True)], leaves=True) == []
     assert (sidecar.router.stats().decisions, sidecar.stats()["bad_requests"]) == (0, {})
 
 
@@ -598,17 +606,25 @@ def test_a_decision_made_as_its_client_left_is_finished_refused_forgetting_its_p
     monkeypatch.setattr("prefixroute.adapters.serve.app.asyncio.to_thread", to_thread)
     sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, encoder=VocabularyBytes())  # type: ignore[arg-type]
     raw = json.dumps({"prompt": "SELECT 1; " * 7000}).encode()  # over 64 KiB
-    assert asgi(sidecar, "POST", "/route", [body(raw)]) == []
+    assert asgi(sidecar, "POST", "/route", [body(raw)], leaves=True) == []
     assert (sidecar.router.stats().decisions, sidecar.router.stats().in_flight) == (1, 0)
     again = call(sidecar, "POST", "/route", raw=raw).json()
     assert (again["reason"], again["matched_tokens"]) == ("miss", 0)
 
 
-def test_a_body_of_64_kib_is_decided_inline_and_answered_without_watching_for_its_client_leaving() -> None:
+@pytest.mark.parametrize("path", ["/route", "/v1/completions"])
+def test_a_short_body_whose_client_left_is_decided_inline_then_finished_refused_unanswered(path: str) -> None:
+    # Was answered to no one and kept in flight until its lease: a gateway that gave up on a sidecar stalled for a
+    # moment (nginx's proxy_read_timeout, HAProxy's Lua socket timeout) has closed the connection of every request
+    # queued meanwhile, and the sidecar, resumed, decided them all (only a body over 64 KiB was watched).
     sidecar = Sidecar(Router(block_size=4), backends=BACKENDS)
-    raw = padded({"prompt_token_ids": [7] * 20_000}, INLINE_BYTES)
-    status, _, answered = answer(asgi(sidecar, "POST", "/route", [body(raw)]))
+    field = "prompt_token_ids" if path == "/route" else "prompt"
+    raw = padded({field: [7] * 20_000}, INLINE_BYTES)
+    assert asgi(sidecar, "POST", path, [body(raw)], leaves=True) == []
+    assert (sidecar.router.stats().decisions, sidecar.router.stats().in_flight) == (1, 0)
+    status, _, answered = answer(asgi(sidecar, "POST", path, [body(raw)]))  # a client that waits is answered
     assert status == 200 and sidecar.router.in_flight(json.loads(answered)["backend"]) == 1
+    assert json.loads(answered)["matched_tokens"] == 0  # the refused decision's prediction is forgotten
 
 
 # -- the ext_proc endpoint picker --------------------------------------------------------------------------------------

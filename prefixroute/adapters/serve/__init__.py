@@ -13,18 +13,19 @@ from typing import TYPE_CHECKING
 from prefixroute.adapters import lazy_names
 
 if TYPE_CHECKING:
-    from prefixroute.adapters.serve.app import Sidecar, upstream_of
+    from prefixroute.adapters.serve.app import CLIENT_LEFT, Sidecar, upstream_of
     from prefixroute.adapters.serve.contract import BadRequest
     from prefixroute.adapters.serve.release import ReleaseProtocol, release_ids
     from prefixroute.adapters.serve.text import PromptEncoder
 
-__all__ = ["BadRequest", "PromptEncoder", "ReleaseProtocol", "Sidecar", "release_ids", "upstream_of"]
+__all__ = ["CLIENT_LEFT", "BadRequest", "PromptEncoder", "ReleaseProtocol", "Sidecar", "release_ids", "upstream_of"]
 
 # Imported on first use: the LiteLLM and Ray adapters use contract.py without this package's own extra (uvicorn,
 # grpcio).
 __getattr__ = lazy_names(
     __name__,
     {
+        "CLIENT_LEFT": "app",
         "Sidecar": "app",
         "upstream_of": "app",
         "BadRequest": "contract",

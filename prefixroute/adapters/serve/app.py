@@ -76,6 +76,10 @@ _JSON = (b"content-type", b"application/json")
 # Per-request backend ids kept (in /metrics too); past this the router forgets idle ones. As many as one body may
 # list, so one request never makes the sidecar forget backends it just named.
 _MAX_SEEN_BACKENDS = MAX_REQUEST_BACKENDS
+CLIENT_LEFT = "prefixroute.client_left"
+"""The ASGI scope extension (``scope["extensions"][CLIENT_LEFT]``) by which a server tells the sidecar whether a
+request's client has closed its connection: a callable of no arguments that returns True once it has, without reading
+from it. ``prefixroute serve`` sets it; the sidecar then finishes, unanswered, a decision whose client left."""
 _INLINE_TEXT_BYTES = 64 * 2**10  # a text or chat body over this is tokenized on a worker thread, off the event loop
 
 
@@ -545,7 +549,7 @@ class Sidecar:
                 body = await self._body(receive, scope)
                 if body is None:  # the client left before sending the whole body: decide nothing, answer no one
                     return
-                await self._post(path, body, send, receive)
+                await self._post(path, body, send, receive, scope)
             elif method in ("GET", "HEAD") and path in _GET_PATHS:
                 await self._get(path, send)
             elif path in _POST_PATHS or path in _GET_PATHS:
@@ -570,9 +574,10 @@ class Sidecar:
             self.metrics.refused(500)
             await _respond(send, 500, msgspec.json.encode({"error": f"the sidecar failed: {exc}"}), [_JSON])
 
-    async def _post(self, path: str, body: bytes, send: Send, receive: Receive) -> None:
+    async def _post(self, path: str, body: bytes, send: Send, receive: Receive, scope: Scope) -> None:
+        left: Callable[[], bool] | None = (scope.get("extensions") or {}).get(CLIENT_LEFT)
         if path == "/route":
-            decision = await self._unless_gone(self.route_async(body), len(body), receive)
+            decision = await self._unless_gone(self.route_async(body), len(body), receive, left)
             if decision is not None:
                 await _respond(send, 200, self.answer(decision))
         elif path == "/finish":
@@ -584,7 +589,7 @@ class Sidecar:
             self.first_token(request.id)
             await _respond(send, 200, msgspec.json.encode({"id": request.id}))
         else:  # PICK_PATHS
-            decision = await self._unless_gone(self.pick_async(path, body), len(body), receive)
+            decision = await self._unless_gone(self.pick_async(path, body), len(body), receive, left)
             if decision is None:
                 return
             answer = self.answer(decision)
@@ -599,16 +604,28 @@ class Sidecar:
             ]
             await _respond(send, 200, answer, headers)
 
-    async def _unless_gone(self, deciding: Awaitable[Decision], body_bytes: int, receive: Receive) -> Decision | None:
-        """Await ``deciding``; for a body long enough to be tokenized on a worker thread, race it against the client
-        leaving (after its whole body, the next ASGI message is the disconnect). A client that left gets no decision:
-        one not made yet is not made, one made is finished as refused (it never reaches an engine), and None is
-        returned; a leaving seen in the loop turn that ends the decision counts too. Without this, the decision would
-        stay in flight until its lease (the server drops an answer to a client gone)."""
+    async def _unless_gone(
+        self, deciding: Awaitable[Decision], body_bytes: int, receive: Receive, left: Callable[[], bool] | None
+    ) -> Decision | None:
+        """Await ``deciding``, and see whether the client left meanwhile. A client that left gets no decision: one
+        not made yet is not made, one made is finished as refused (it never reaches an engine), and None is returned.
+        Without this, the decision would stay in flight until its lease (the server drops an answer to a client
+        gone): a gateway that gave up on a sidecar stalled for a moment (a pause, a starved CPU) has closed the
+        connection of every request queued meanwhile, and the sidecar, resumed, decides them all.
+
+        A body long enough to be tokenized on a worker thread races its decision against the leaving (after its whole
+        body, the next ASGI message is the disconnect); a short one is decided inline, then ``left()`` is asked, the
+        server's :data:`CLIENT_LEFT` scope extension (``prefixroute serve`` gives it: a poll of the socket, under a
+        microsecond; a leaving seen through ``receive()`` takes the loop three turns). Under a server without it, a
+        short body's client is not watched."""
         if body_bytes <= _INLINE_TEXT_BYTES:
-            return await deciding
-        decided = asyncio.ensure_future(deciding)
+            decision = await deciding
+            if left is None or not left():
+                return decision
+            self.router.finish(decision.id, refused=True)
+            return None
         gone = asyncio.ensure_future(receive())
+        decided = asyncio.ensure_future(deciding)
         await asyncio.wait((decided, gone), return_when=asyncio.FIRST_COMPLETED)
         if not gone.done():
             # A tokenizer that held the GIL kept the loop from the client's FIN until the decision was made; both are
