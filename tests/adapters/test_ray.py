@@ -16,7 +16,10 @@ from typing import Any, cast
 import pytest
 import ray
 from ray import serve
+from ray.serve import context as serve_context
+from ray.serve._private.common import ReplicaQueueLengthInfo
 from ray.serve._private.request_router.common import RequestRoutingContext
+from ray.serve._private.request_router.replica_wrapper import RunningReplica
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import RequestRouter
@@ -205,6 +208,78 @@ def test_concurrent_calls_a_replica_makes_downstream_are_each_answered(serving: 
         assert len(answers) == 4 and all(isinstance(answer, str) for answer in answers)
     finally:
         serve.delete("prefixroute-fan-out")
+
+
+def reject_first_reservation(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The first ``reserve_slot`` answers as a full replica does (not accepted), as when another router took its last
+    slot between Ray's probe and the reservation; the replicas it was asked of are listed."""
+    asked: list[str] = []
+    reserve = RunningReplica.reserve_slot
+
+    async def once_full(self: Any, request_metadata: Any) -> Any:
+        asked.append(self.replica_id.unique_id)
+        if len(asked) == 1:
+            return "never-reserved", ReplicaQueueLengthInfo(accepted=False, num_ongoing_requests=0)
+        return await reserve(self, request_metadata)
+
+    monkeypatch.setattr(RunningReplica, "reserve_slot", once_full)
+    return asked
+
+
+def test_a_reservation_ray_retried_after_a_rejection_ends_with_its_dispatched_request(
+    handle: Handle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Was: a rejected reserve_slot sends no completion notice, but the router took one to be owed to it, so the
+    # dispatched request's own notice was swallowed and it counted in flight until its 600 s lease.
+    handle.remote({"sleep": 0}).result()  # the handle has its request router once it has sent a request
+    settled(handle)
+    asked = reject_first_reservation(monkeypatch)
+    body = {"prompt": [*PREFIX, 31]}
+
+    async def reserve_and_dispatch() -> Any:
+        async with handle.choose_replica(body) as selection:
+            return await handle.dispatch(selection, body)
+
+    assert asyncio.run(reserve_and_dispatch())
+    assert len(asked) == 2 and asked[0] == asked[1]  # rejected, then reserved on the same replica
+    assert settled(handle).errors == 0
+
+
+def test_a_pick_only_selection_counts_nothing_once_made(handle: Handle) -> None:
+    # Was: Ray asks a pick-only selection's ranking once and sends it nowhere it reports (no routing future, no
+    # notice), so it counted in flight until its lease.
+    handle.remote({"sleep": 0}).result()
+    router = settled(handle)
+    commits = router.router.stats().commits
+    body = {"prompt": [*PREFIX, 32]}
+
+    async def pick() -> str:
+        async with handle.choose_replica(body, _reserve=False) as selection:
+            return selection.replica_id
+
+    picked = asyncio.run(pick())
+    router = settled(handle)
+    assert router.router.stats().commits == commits + 1  # committed where Ray's caller sends it
+    assert router.router.decide(body["prompt"], [picked]).matched_tokens > 0
+    assert router.errors == 0
+
+
+def test_concurrent_calls_sharing_a_request_id_each_count(handle: Handle) -> None:
+    # Was: the router kept one decision per request id until Ray reported it routed, so each call a replica makes
+    # downstream at once (all carry its id) replaced the previous one's count, and only one was counted.
+    handle.remote({"sleep": 0}).result()
+    router = settled(handle)
+    token = serve_context._serve_request_context.set(serve_context._RequestContext(_internal_request_id="shared"))
+    try:
+        calls = [handle.remote({"prompt": [*PREFIX, 40, i], "sleep": 1.5}) for i in range(6)]
+    finally:
+        serve_context._serve_request_context.reset(token)
+    deadline = time.monotonic() + 5
+    while router.router.stats().in_flight < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert router.router.stats().in_flight == 6
+    assert all(call.result() for call in calls)
+    assert settled(handle).errors == 0
 
 
 def test_requests_without_a_prompt_are_ranked_by_ray_alone(handle: Handle) -> None:
