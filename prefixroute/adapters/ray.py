@@ -11,27 +11,32 @@ plugs in through the deployment's ``request_router_config``::
         request_router_kwargs={"policy": "bounded-load", "tokenizer": "/models/llama/tokenizer.json"}))
     class LLMServer: ...
 
-How it pairs Ray's callbacks: :meth:`choose_replicas` may run several times for one request (every routing attempt
-after replicas reject it); each run :meth:`Router.decide` s afresh, counts the request in flight at once (Ray routes
-many requests concurrently before it reports any of them routed) and keeps the latest decision by request id,
-finishing the earlier attempt's. :meth:`on_request_routed` names the replica Ray actually used: the decision is
-committed there (:meth:`Router.commit`; it may differ from prefixroute's first choice, and the count moves with it)
-and counts until that request's own result is done (its done callback), so requests sharing an id (calls a replica
-makes downstream inherit its request id) and notices of rejected attempts never finish another; without such a
-result, :meth:`on_request_completed` finishes it only when it names that same request *and* replica. The routing
-future Ray resolves for each attempt names the replica it sends that attempt to: the count moves there at once, and a
-request Ray sends without its rejection protocol (no :meth:`on_request_routed`: a Ray Client driver's handle, Java
-replicas, a handle's ``_choose_replica`` then ``_dispatch``) ends with that replica's completion notice. A request its
-caller cancels before it is routed stops counting when its routing future is cancelled. Each process that holds a
-handle (every Serve proxy, every upstream replica) has its
-own router; they share no state but place new prefixes alike (rendezvous hashing).
+How it pairs Ray's callbacks: each routing attempt is kept by itself, by its routing future (Ray gives every
+retry of a request a fresh one): :meth:`choose_replicas` :meth:`Router.decide` s and counts the attempt in flight at
+once (Ray routes many requests concurrently before it reports any of them routed); Ray asking again for the same
+attempt replaces its decision, and a new attempt of the same request (Ray's retry after a rejection) ends the earlier
+one. Calls that share a request id (a replica's downstream calls inherit its id) are apart attempts, each handed the
+replica ranked for it. The routing future names the replica Ray sends the attempt to: the decision is committed
+there (:meth:`Router.commit`; it may differ from prefixroute's first choice, and the count moves with it).
+:meth:`on_request_routed` hands the count to that request's own result (its done callback); without such a result,
+:meth:`on_request_completed` finishes it only when it names that same request *and* replica. A request Ray sends
+without its rejection protocol (no :meth:`on_request_routed`: a Ray Client driver's handle, Java replicas, a
+handle's ``choose_replica`` then ``dispatch``) ends with a completion notice of that request id from that replica. A
+rejected attempt's notice (Ray sends one after a rejected send, none after a rejected reservation) ends the attempt
+it names if it is still there; should it land once the retry went to the same replica, it ends the retry's count
+until :meth:`on_request_routed` counts it again. A request its caller cancels before it is routed stops counting
+when its routing future is cancelled; one that Ray stops ranking before handing it a replica (a pick-only
+``choose_replica(..., _reserve=False)``) is committed to the replica ranked first and counts nothing. A reservation
+never dispatched tells the request router nothing and counts until its lease (see docs/adapters.md).
+Each process that holds a handle (every Serve proxy, every upstream replica) has its own router; they share no state
+but place new prefixes alike (rendezvous hashing).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -62,16 +67,28 @@ def _finish_quietly(router: Router, decision_id: str, _result: object) -> None:
 
 
 class _Attempt:
-    """A request's latest routing attempt not yet routed: its decision, its routing future, and the replica that
-    future named (None until it did) with whether the decision was committed there."""
+    """One routing attempt of one request (Ray's PendingRequest, again after each rejection with a fresh routing
+    future), not yet routed: its decision, and the replica its routing future named (None until it did)."""
 
-    __slots__ = ("committed", "decision", "future", "replica")
+    __slots__ = ("committed", "decision", "future", "replica", "request", "request_id")
 
-    def __init__(self, decision: Decision, future: Any) -> None:
+    def __init__(self, decision: Decision, request: PendingRequest, future: Any) -> None:
         self.decision = decision
+        self.request = request  # held, so the ids the tables key it by stay its own
         self.future = future
+        self.request_id: str = request.metadata.internal_request_id
         self.replica: str | None = None
         self.committed = False
+
+    @property
+    def key(self) -> int:
+        return id(self.request if self.future is None else self.future)
+
+
+def _attempt_key(request: PendingRequest) -> int:
+    """The attempt a request is at: its routing future (Ray's ``reset_future`` gives each retry its own)."""
+    future = getattr(request, "future", None)
+    return id(request if future is None else future)
 
 
 def request_body(pending_request: PendingRequest | None) -> Mapping[str, Any] | None:
@@ -140,14 +157,16 @@ class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
             self._encoder = PromptEncoder(tokenizer)
         self.errors = 0
         """Callbacks that failed unexpectedly (logged; the request kept Ray's ranking or stopped counting)."""
-        # By internal request id: the latest attempt, not yet routed (its decision, the routing future it watches, and
-        # the replica that future named, once it did).
-        self._decided: dict[str, _Attempt] = {}
-        self._started: dict[str, Decision] = {}  # by internal request id: committed and in flight
-        # By internal request id: the replicas its earlier attempts were sent to (and rejected there) whose completion
-        # notices have not come yet; Ray sends each from a worker thread, a moment after its retry may have gone to
-        # that same replica, and such a notice is the rejected attempt's, not the retry's.
-        self._owed: dict[str, list[str]] = {}
+        # Routing attempts not yet routed, by _attempt_key; and each request's latest (by id of its PendingRequest).
+        self._attempts: dict[int, _Attempt] = {}
+        self._latest: dict[int, _Attempt] = {}
+        # Attempts whose routing future named a replica, by internal request id (oldest first): a completion notice
+        # from that replica for that id ends one (requests Ray sends without on_request_routed).
+        self._sent: dict[str, dict[int, _Attempt]] = {}
+        # Attempts a completion notice ended before Ray reported them routed (the notice was an earlier, rejected
+        # attempt's, or another request's that shares the id): on_request_routed counts them again.
+        self._noticed: dict[int, _Attempt] = {}
+        self._started: dict[str, Decision] = {}  # by internal request id: routed with no result to watch
         self._listed: set[str] = set()  # the replicas of Ray's latest update_replicas
         self._max_pending = _MAX_PENDING
 
@@ -179,7 +198,13 @@ class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
         body = request_body(pending_request)
         if body is None or pending_request is None:
             return [candidate_replicas]
-        request_id = pending_request.metadata.internal_request_id
+        future: Any = getattr(pending_request, "future", None)
+        key = _attempt_key(pending_request)
+        again = self._attempts.get(key)
+        if again is not None:  # the same attempt asked again (Ray backs off and asks while every replica is busy)
+            self._end(again)
+        elif (earlier := self._latest.get(id(pending_request))) is not None:
+            self._end(earlier)  # a new attempt of the request (Ray's retry): the earlier one led nowhere
         try:
             tokens = await request_tokens_async(dict(body), chat="messages" in body, encoder=self._encoder)
             by_id: dict[str, RunningReplica] = {}
@@ -190,39 +215,59 @@ class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
             raise
         except (BadRequest, ValueError, TypeError):  # ValueError: bad ids, messages a template refuses
             return [candidate_replicas]
-        earlier = self._decided.pop(request_id, None)
-        if earlier is not None:  # an earlier attempt for this request led nowhere
-            self.router.finish(earlier.decision)
-            if earlier.replica is not None:  # sent there and rejected: its completion notice is still to come
-                self._owed.setdefault(request_id, []).append(earlier.replica)
-                if len(self._owed) > self._max_pending:
-                    del self._owed[next(iter(self._owed))]
-        if len(self._decided) >= self._max_pending:
-            self.router.finish(self._decided.pop(next(iter(self._decided))).decision)
+        if len(self._attempts) >= self._max_pending:
+            self._end(next(iter(self._attempts.values())))
         # Counted at once: Ray routes many requests concurrently, before it reports any of them routed.
         self.router.start(decision, lease=self._lease)
-        future: Any = getattr(pending_request, "future", None)
-        self._decided[request_id] = _Attempt(decision, future)
-        if (earlier is None or earlier.future is not future) and callable(getattr(future, "add_done_callback", None)):
+        attempt = self._attempts[key] = self._latest[id(pending_request)] = _Attempt(decision, pending_request, future)
+        if again is None and callable(getattr(future, "add_done_callback", None)):
             try:
-                future.add_done_callback(partial(self._future_done, request_id))
+                future.add_done_callback(partial(self._future_done, key))
             except BaseException:  # garbage Ray never sends: count nothing that no notice would end
-                self._decided.pop(request_id, None)
-                self.router.finish(decision)
+                self._end(attempt)
                 raise
         chosen = by_id[decision.backend]
         return [[chosen], [replica for replica in candidate_replicas if replica is not chosen]]
 
+    def _end(self, attempt: _Attempt, *, keep: bool = False) -> None:
+        """Stop counting ``attempt`` and forget it (``keep``: among the noticed, should Ray still report it routed)."""
+        self.router.finish(attempt.decision)
+        self._drop(attempt)
+        if keep:
+            self._noticed[attempt.key] = attempt
+            if len(self._noticed) > self._max_pending:
+                del self._noticed[next(iter(self._noticed))]
+
+    def _drop(self, attempt: _Attempt) -> None:
+        """Forget ``attempt`` as not yet routed (its count is left as it is)."""
+        self._attempts.pop(attempt.key, None)
+        if self._latest.get(id(attempt.request)) is attempt:
+            del self._latest[id(attempt.request)]
+        sent = self._sent.get(attempt.request_id)
+        if sent is not None and sent.pop(attempt.key, None) is not None and not sent:
+            del self._sent[attempt.request_id]
+
     def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata: Any = None) -> None:
-        """Give ``replica`` to the request it was chosen for, as Ray's base router does, matched by internal request
-        id; among requests sharing that id, to the oldest still pending.
+        """Give ``replica`` to the request it was chosen for, as Ray's base router does: the pending request whose
+        metadata this is; else, as Ray's, the one its index holds for that internal request id, or the oldest pending
+        with that id.
 
         Ray's base router finds the request through an index that holds one request per id, dropped once that request
         is fulfilled: every call a replica makes downstream carries the replica's own id, so of several such calls at
-        once the first was answered and the others routed on for ever (Ray's FIFO routers hand a replica to whichever
-        request is first, which would undo the prefix routing). O(1); O(pending) only when the index lost the id.
+        once the first was answered and the others routed on for ever, and a replica ranked for one call went to
+        another (Ray's FIFO routers hand a replica to whichever request is first, which would undo the prefix
+        routing). O(1) for a request the index holds; else O(pending).
         """
         pending = self._get_pending_request_matching_internal_request_id(request_metadata)
+        if pending is not None and pending.metadata is not request_metadata:
+            pending = next(
+                (
+                    queued
+                    for queued in self._pending_requests_to_fulfill
+                    if not queued.future.done() and queued.metadata is request_metadata
+                ),
+                pending,
+            )
         if pending is None and request_metadata is not None:
             wanted = request_metadata.internal_request_id
             pending = next(
@@ -240,18 +285,44 @@ class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
         pending.future.set_result(replica)
         self._remove_pending_request_from_indices(pending)
 
-    def _future_done(self, request_id: str, future: Any) -> None:
-        """The request's routing future is done. Cancelled: its caller gave up before a replica took it. Else it
-        names the replica Ray sends this attempt to: the count moves there, and should Ray send it without the
-        rejection protocol (no :meth:`on_request_routed`: a Ray Client driver, Java replicas, a handle's
-        ``_choose_replica`` / ``_dispatch``), that replica's completion notice ends it."""
+    async def _choose_replicas_with_backoff(
+        self, pending_request: PendingRequest | None = None
+    ) -> AsyncGenerator[list[RunningReplica], None]:
+        """Ray's ranking loop for one request, as Ray runs it; when Ray stops asking before a replica was handed to the
+        request, its attempt ends: committed to the replica ranked first (a pick-only selection, ``_reserve=False``:
+        Ray's caller sends it there itself, and no notice will come), counting nothing."""
+        key = None if pending_request is None else _attempt_key(pending_request)  # the attempt Ray asks for
+        ranks = super()._choose_replicas_with_backoff(pending_request)
         try:
-            attempt = self._decided.get(request_id)
+            async for rank in ranks:
+                yield rank
+        finally:
+            await ranks.aclose()
+            if key is not None:
+                self._asked(key)
+
+    def _asked(self, key: int) -> None:
+        try:
+            attempt = self._attempts.get(key)
+            if attempt is None or (attempt.future is not None and attempt.future.done()):
+                return
+            self.router.commit(attempt.decision)
+            self._end(attempt)
+        except Exception:
+            self.errors += 1
+            _log.exception("prefixroute could not end a request Ray stopped routing")
+
+    def _future_done(self, key: int, future: Any) -> None:
+        """An attempt's routing future is done. Cancelled: its caller gave up before a replica took it. Else it names
+        the replica Ray sends this attempt to: the count moves there, and should Ray send it without the rejection
+        protocol (no :meth:`on_request_routed`: a Ray Client driver, Java replicas, a handle's ``choose_replica`` /
+        ``dispatch``), that replica's completion notice ends it."""
+        try:
+            attempt = self._attempts.get(key)
             if attempt is None or attempt.future is not future:
                 return
             if future.cancelled():
-                del self._decided[request_id]
-                self.router.finish(attempt.decision)
+                self._end(attempt)
                 return
             if future.exception() is not None:
                 return
@@ -259,6 +330,7 @@ class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
             if not isinstance(used, str):
                 return
             attempt.replica = used
+            self._sent.setdefault(attempt.request_id, {})[key] = attempt
             if any(c.backend == used for c in attempt.decision.candidates):
                 # Committed here, where it goes, also to the replica ranked first: a request Ray sends without
                 # on_request_routed would otherwise teach the index nothing (its completion notice only ends it).
@@ -276,15 +348,20 @@ class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
         is done (or, for a result without ``add_done_callback``, until Ray's completion notice)."""
         super().on_request_routed(pending_request, replica_id, result)
         try:
-            self._routed(pending_request.metadata.internal_request_id, replica_id.unique_id, result)
+            self._routed(pending_request, replica_id.unique_id, result)
         except Exception:
             self.errors += 1
             _log.exception("prefixroute could not record a routed request")
 
-    def _routed(self, request_id: str, used: str, result: Any = None) -> None:
-        attempt = self._decided.pop(request_id, None)
-        if attempt is None:
-            return
+    def _routed(self, pending_request: PendingRequest, used: str, result: Any = None) -> None:
+        key = _attempt_key(pending_request)
+        attempt = self._attempts.get(key)
+        if attempt is not None:
+            self._drop(attempt)  # its count goes on below, as the routed request's
+        else:
+            attempt = self._noticed.pop(key, None)  # a notice not its own ended it: it counts again
+            if attempt is None:
+                return
         decision = attempt.decision
         if not any(c.backend == used for c in decision.candidates):  # a replica Ray added since: not counted
             self.router.finish(decision)
@@ -302,30 +379,29 @@ class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
                 self.router.finish(decision)
                 raise
             return
+        request_id = attempt.request_id
         replaced = self._started.pop(request_id, None)
         if replaced is not None and replaced.id != decision.id:  # routed again, no completion notice between
             self.router.finish(replaced)
         self._started[request_id] = decision
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        """A request ended on ``replica_id``: finish it if it is the one started there (else a rejected attempt)."""
+        """A request ended on ``replica_id``: finish the one started there with that id (routed with no result to
+        watch), else one sent there with that id and not reported routed (see :meth:`_future_done`)."""
         super().on_request_completed(replica_id, internal_request_id)
         try:
-            owed = self._owed.get(internal_request_id)
-            if owed is not None and replica_id.unique_id in owed:  # an earlier, rejected attempt's notice
-                owed.remove(replica_id.unique_id)
-                if not owed:
-                    del self._owed[internal_request_id]
-                return
+            used = replica_id.unique_id
             decision = self._started.get(internal_request_id)
-            if decision is not None and decision.backend == replica_id.unique_id:
+            if decision is not None and decision.backend == used:
                 del self._started[internal_request_id]
                 self.router.finish(decision)
                 return
-            attempt = self._decided.get(internal_request_id)
-            if attempt is not None and attempt.replica is not None and attempt.replica == replica_id.unique_id:
-                del self._decided[internal_request_id]  # sent with no on_request_routed (see _future_done)
-                self.router.finish(attempt.decision)
+            sent = self._sent.get(internal_request_id, {})
+            attempt = next((a for a in sent.values() if a.replica == used), None)
+            if attempt is not None:
+                # Ray reports a rejected attempt's end too, a moment later, perhaps once its retry went to the same
+                # replica: kept, so that on_request_routed, should it come, counts the request again.
+                self._end(attempt, keep=True)
         except Exception:  # an unhashable id, a replica id without unique_id: garbage Ray never sends
             self.errors += 1
             _log.exception("prefixroute could not finish a completed request")

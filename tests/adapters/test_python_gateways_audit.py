@@ -24,10 +24,11 @@ from .test_litellm import ask, model_list, settled
 from .test_ray import PREFIX, REPLICAS, FakeResult, bare, pending, zero
 
 
-def test_a_rejected_attempts_late_notice_never_ends_a_retry_sent_to_the_same_replica() -> None:
+def test_a_rejected_attempts_late_notice_pauses_a_retry_sent_to_the_same_replica_until_it_is_routed() -> None:
     """Ray retries a rejected request at once, and the rejected attempt's completion notice comes from a worker
     thread, a moment later: the retry may have been sent to that same replica by then (its queue freed meanwhile).
-    The late notice is the rejected attempt's; the retry counts until its own result is done."""
+    Ray's notice names no attempt, and a rejected reservation sends none, so it is owed by none: it ends the retry's
+    count until Ray reports the retry routed, which counts it again, until its own result is done."""
     router = bare(policy="bounded-load")
 
     async def run() -> None:
@@ -44,7 +45,7 @@ def test_a_rejected_attempts_late_notice_never_ends_a_retry_sent_to_the_same_rep
         request.future.set_result(again)
         await asyncio.sleep(0)
         router.on_request_completed(first.replica_id, "a")  # the rejected attempt's notice, late
-        assert router.router.in_flight(first.replica_id.unique_id) == 1
+        assert router.router.in_flight(first.replica_id.unique_id) == 0
         result = FakeResult()
         router.on_request_routed(request, again.replica_id, result)
         assert router.router.in_flight(first.replica_id.unique_id) == 1
@@ -53,14 +54,14 @@ def test_a_rejected_attempts_late_notice_never_ends_a_retry_sent_to_the_same_rep
         result.done()
 
     asyncio.run(run())
-    assert router.errors == 0 and not router._owed
+    assert router.errors == 0 and not router._attempts
     zero(router)
 
 
-def test_two_rejected_attempts_on_one_replica_owe_two_notices_and_the_retry_still_counts() -> None:
-    """Each attempt Ray sent and the replica rejected owes its own late notice: two rejections on one replica, then
-    a retry sent there; both late notices come after the retry was sent, before Ray reports it accepted, and the
-    retry counts until its result is done."""
+def test_two_rejected_attempts_late_notices_on_one_replica_leave_the_retry_counted_once_routed() -> None:
+    """Two rejections on one replica, then a retry sent there; both late notices come after the retry was sent,
+    before Ray reports it accepted: the first ends the retry's count, the second finds nothing, and the retry counts
+    from Ray's report that it was routed until its result is done."""
     router = bare(policy="bounded-load")
 
     async def run() -> None:
@@ -77,7 +78,7 @@ def test_two_rejected_attempts_on_one_replica_owe_two_notices_and_the_retry_stil
         await asyncio.sleep(0)
         for _ in range(2):
             router.on_request_completed(first.replica_id, "a")  # the two rejected attempts' notices, late
-            assert router.router.in_flight(first.replica_id.unique_id) == 1
+            assert router.router.in_flight(first.replica_id.unique_id) == 0
         result = FakeResult()
         router.on_request_routed(request, first.replica_id, result)  # the retry accepted
         assert router.router.in_flight(first.replica_id.unique_id) == 1
@@ -85,7 +86,7 @@ def test_two_rejected_attempts_on_one_replica_owe_two_notices_and_the_retry_stil
         result.done()
 
     asyncio.run(run())
-    assert router.errors == 0 and not router._owed
+    assert router.errors == 0 and not router._attempts
     zero(router)
 
 

@@ -196,7 +196,7 @@ def test_streams_and_requests_the_caller_cancels_are_finished(handle: Handle) ->
             response.result()
     assert all(response.result() for response in busy)
     router = settled(handle)
-    assert not router._decided and router.errors == 0
+    assert not router._attempts and router.errors == 0
 
 
 def test_concurrent_calls_a_replica_makes_downstream_are_each_answered(serving: None) -> None:
@@ -269,7 +269,9 @@ def test_concurrent_calls_sharing_a_request_id_each_count(handle: Handle) -> Non
     # downstream at once (all carry its id) replaced the previous one's count, and only one was counted.
     handle.remote({"sleep": 0}).result()
     router = settled(handle)
-    token = serve_context._serve_request_context.set(serve_context._RequestContext(_internal_request_id="shared"))
+    token = serve_context._serve_request_context.set(
+        cast(Any, serve_context._RequestContext(_internal_request_id="shared"))  # typed as None only
+    )
     try:
         calls = [handle.remote({"prompt": [*PREFIX, 40, i], "sleep": 1.5}) for i in range(6)]
     finally:
@@ -315,8 +317,18 @@ def replica(name: str) -> Any:
     return SimpleNamespace(replica_id=FakeReplicaID(name))
 
 
+PENDING: dict[str, Any] = {}
+
+
 def pending(request_id: str, body: Any) -> Any:
-    return SimpleNamespace(args=[body], kwargs={}, metadata=SimpleNamespace(internal_request_id=request_id))
+    made = SimpleNamespace(args=[body], kwargs={}, metadata=SimpleNamespace(internal_request_id=request_id))
+    PENDING[request_id] = made
+    return made
+
+
+def asked_for(request_id: str) -> Any:
+    """The request last made with ``request_id`` (Ray hands back the very PendingRequest it asked to rank)."""
+    return PENDING.get(request_id) or pending(request_id, {})
 
 
 REPLICAS = [replica(f"r{i}") for i in range(3)]
@@ -408,9 +420,9 @@ def test_request_router_kwargs_reach_the_router_as_documented(model_dir: Path) -
     router = bare(policy="prefix-affinity", tokenizer=str(model_dir))
     text = " ".join(CORPUS[:4])
     ((chosen,), _rest) = asyncio.run(router.choose_replicas(REPLICAS, pending("a", {"prompt": text})))
-    decision = router._decided["a"].decision
+    decision = next(iter(router._attempts.values())).decision
     assert decision.prompt_tokens == len(Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(text).ids)
-    router.on_request_routed(pending("a", {}), chosen.replica_id, None)
+    router.on_request_routed(asked_for("a"), chosen.replica_id, None)
     router.on_request_completed(chosen.replica_id, "a")
     zero(router)
 
@@ -419,7 +431,7 @@ def test_a_policy_that_raises_keeps_rays_ranking() -> None:
     router = bare(policy=f"{__name__}:Exploding")
     ranks = asyncio.run(router.choose_replicas(REPLICAS, pending("a", {"prompt": PREFIX})))
     assert ranks == [REPLICAS] and router.errors == 1
-    assert router.router.stats().in_flight == 0 and not router._decided
+    assert router.router.stats().in_flight == 0 and not router._attempts
 
 
 class Refusing:
@@ -434,19 +446,22 @@ def test_a_callback_that_cannot_be_registered_leaves_nothing_counted() -> None:
     request = pending("a", {"prompt": PREFIX})
     request.future = Refusing()
     assert asyncio.run(router.choose_replicas(REPLICAS, request)) == [REPLICAS] and router.errors == 1
-    assert not router._decided
+    assert not router._attempts
     zero(router)
     asyncio.run(router.choose_replicas(REPLICAS, pending("b", {"prompt": PREFIX})))
-    router.on_request_routed(pending("b", {}), replica("r1").replica_id, Refusing())
+    router.on_request_routed(asked_for("b"), replica("r1").replica_id, Refusing())
     assert router.errors == 2
     zero(router)
 
 
 def test_hostile_callbacks_leave_every_count_at_zero() -> None:
+    PENDING.clear()
     router = bare(policy="bounded-load")
 
     async def choose(request_id: str, body: Any = None, replicas: Any = REPLICAS) -> Any:
-        return await router.choose_replicas(replicas, pending(request_id, {"prompt": PREFIX} if body is None else body))
+        request = PENDING.get(request_id) if body is None else None  # Ray asks again with the same request
+        request = request or pending(request_id, {"prompt": PREFIX} if body is None else body)
+        return await router.choose_replicas(replicas, request)
 
     async def run() -> None:
         assert await router.choose_replicas([], pending("a", {"prompt": PREFIX})) == []
@@ -461,20 +476,20 @@ def test_hostile_callbacks_leave_every_count_at_zero() -> None:
         router.on_request_completed(first.replica_id, "never-seen")  # unknown ids are ignored
         router.on_request_completed(replica("r9").replica_id, "a")  # a rejected attempt's notice, never routed
         other = next(r for r in REPLICAS if r is not first)
-        router.on_request_routed(pending("a", {}), other.replica_id, None)  # Ray used another replica
+        router.on_request_routed(asked_for("a"), other.replica_id, None)  # Ray used another replica
         assert router.router.in_flight(other.replica_id.unique_id) == 1 and router.router.stats().in_flight == 1
         # routed again (Ray retried it) with no completion notice in between: the first routing stops counting
         await choose("a")
-        router.on_request_routed(pending("a", {}), first.replica_id, None)
+        router.on_request_routed(asked_for("a"), first.replica_id, None)
         assert router.router.stats().in_flight == 1
         router.on_request_completed(other.replica_id, "a")  # the earlier attempt's notice: ignored
         assert router.router.stats().in_flight == 1
         for _ in range(2):  # twice: idempotent
             router.on_request_completed(first.replica_id, "a")
-        router.on_request_routed(pending("zzz", {}), first.replica_id, None)  # never chosen
+        router.on_request_routed(asked_for("zzz"), first.replica_id, None)  # never chosen
         # a replica removed while a request is in flight there
         ((doomed,), _rest) = await choose("b")
-        router.on_request_routed(pending("b", {}), doomed.replica_id, None)
+        router.on_request_routed(asked_for("b"), doomed.replica_id, None)
         router.on_replica_actor_died(doomed.replica_id)
         router.on_request_completed(doomed.replica_id, "b")
 
@@ -504,7 +519,7 @@ def test_requests_sharing_an_id_each_count_until_their_own_result_is_done() -> N
         for replica_used in REPLICAS[:2] * 2:  # four requests, one id, two on each replica
             await router.choose_replicas(REPLICAS, pending("shared", {"prompt": PREFIX}))
             result = FakeResult()
-            router.on_request_routed(pending("shared", {}), replica_used.replica_id, result)
+            router.on_request_routed(asked_for("shared"), replica_used.replica_id, result)
             results.append(result)
         assert router.router.stats().in_flight == 4
         for replica_used in REPLICAS:  # notices, of rejected attempts or not, change nothing: the results decide
@@ -530,7 +545,7 @@ def test_a_request_cancelled_before_it_is_routed_stops_counting() -> None:
         assert router.router.stats().in_flight == 1
         request.future.cancel()
         await asyncio.sleep(0)
-        assert router.router.stats().in_flight == 0 and not router._decided
+        assert router.router.stats().in_flight == 0 and not router._attempts
         routed = pending("b", {"prompt": PREFIX})  # a future that is fulfilled changes nothing
         routed.future = asyncio.get_running_loop().create_future()
         ((chosen,), _rest) = await router.choose_replicas(REPLICAS, routed)
@@ -562,7 +577,7 @@ def test_a_request_sent_without_on_request_routed_is_finished_by_its_completion_
         router.on_request_completed(chosen.replica_id, "a")  # not the replica it went to: ignored
         assert router.router.stats().in_flight == 1
         router.on_request_completed(used.replica_id, "a")
-        assert router.router.stats().in_flight == 0 and not router._decided
+        assert router.router.stats().in_flight == 0 and not router._attempts
         # with the rejection protocol: a rejected attempt's late notice never ends the retry
         retried = pending("b", {"prompt": PREFIX})
         retried.future = loop.create_future()
@@ -579,6 +594,24 @@ def test_a_request_sent_without_on_request_routed_is_finished_by_its_completion_
         router.on_request_routed(retried, again.replica_id, result)
         router.on_request_completed(again.replica_id, "b")  # the result decides, not the notice
         assert router.router.stats().in_flight == 1
+        result.done()
+        # a rejected attempt's notice that comes once its retry went to the same replica ends the retry's count until
+        # Ray reports the retry routed; then it counts again, until its own result is done
+        late = pending("c", {"prompt": PREFIX})
+        late.future = loop.create_future()
+        ((first,), _rest) = await router.choose_replicas(REPLICAS, late)
+        late.future.set_result(first)
+        await asyncio.sleep(0)
+        late.future = loop.create_future()
+        await router.choose_replicas(REPLICAS, late)
+        late.future.set_result(first)
+        await asyncio.sleep(0)
+        assert router.router.in_flight(first.replica_id.unique_id) == 1
+        router.on_request_completed(first.replica_id, "c")  # the rejected attempt's, late
+        assert router.router.stats().in_flight == 0
+        result = FakeResult()
+        router.on_request_routed(late, first.replica_id, result)
+        assert router.router.in_flight(first.replica_id.unique_id) == 1
         result.done()
 
     asyncio.run(run())
@@ -597,7 +630,7 @@ def test_replicas_ray_stops_listing_are_forgotten(monkeypatch: pytest.MonkeyPatc
         router.update_replicas(REPLICAS)
         for i, used in enumerate(REPLICAS):
             await router.choose_replicas(REPLICAS, pending(str(i), {"prompt": [*PREFIX, i]}))
-            router.on_request_routed(pending(str(i), {}), used.replica_id, None)
+            router.on_request_routed(asked_for(str(i)), used.replica_id, None)
         router.update_replicas(REPLICAS[:2])  # r2 scaled down while its request runs
         assert listed == [REPLICAS, REPLICAS[:2]]  # Ray's own bookkeeping ran
         assert "r2" not in router.router.index.backends() and router.router.in_flight("r2") == 0
@@ -626,15 +659,17 @@ def test_a_multiplexed_model_routes_among_its_replicas_in_a_namespace_of_its_own
         return made
 
     async def run() -> None:
-        ((base,), _rest) = await router.choose_replicas(REPLICAS, request("a", "", {"prompt": PREFIX}))
-        router.on_request_routed(request("a", "", {}), base.replica_id, None)
+        first = request("a", "", {"prompt": PREFIX})
+        ((base,), _rest) = await router.choose_replicas(REPLICAS, first)
+        router.on_request_routed(first, base.replica_id, None)
         router.on_request_completed(base.replica_id, "a")
         if base is REPLICAS[1]:  # the base model's prefix on the lora replica: it must not count as the lora's
             assert router.router.decide(PREFIX, ["r1"], namespace="lora").matched_tokens == 0
         for i in range(3):
-            ranks = await router.choose_replicas(REPLICAS, request(f"m{i}", "lora", {"prompt": PREFIX}))
+            lora = request(f"m{i}", "lora", {"prompt": PREFIX})
+            ranks = await router.choose_replicas(REPLICAS, lora)
             assert ranks[0] == [REPLICAS[1]] and all(r is REPLICAS[1] for rank in ranks for r in rank)
-            router.on_request_routed(request(f"m{i}", "lora", {}), REPLICAS[1].replica_id, None)
+            router.on_request_routed(lora, REPLICAS[1].replica_id, None)
             router.on_request_completed(REPLICAS[1].replica_id, f"m{i}")
         assert router.router.decide(PREFIX, ["r1"], namespace="lora").matched_tokens > 0
         # no replica of the deployment's list holds it yet: none of those is ranked, Ray asks again
@@ -658,7 +693,7 @@ def test_a_salted_request_routes_apart_as_vllm_caches_it() -> None:
 
     async def send(request_id: str, body: dict[str, Any]) -> None:
         ((chosen, *_), *_) = await router.choose_replicas(REPLICAS, pending(request_id, body))
-        router.on_request_routed(pending(request_id, {}), chosen.replica_id, None)
+        router.on_request_routed(asked_for(request_id), chosen.replica_id, None)
         router.on_request_completed(chosen.replica_id, request_id)
 
     asyncio.run(send("a", {"prompt": PREFIX, "cache_salt": "tenant-a"}))
@@ -716,7 +751,7 @@ def test_every_way_a_request_counts_ends_with_its_lease() -> None:
         await asyncio.sleep(0)
         assert router.router.in_flight(rest[0].replica_id.unique_id) >= 1
         ((first,), rest) = await router.choose_replicas(REPLICAS, pending("routed", {"prompt": [*PREFIX, 2]}))
-        router.on_request_routed(pending("routed", {}), rest[0].replica_id, FakeResult())  # never done
+        router.on_request_routed(asked_for("routed"), rest[0].replica_id, FakeResult())  # never done
         assert router.router.stats().in_flight == 3
         clock.now = 4.9
         assert router.router.stats().in_flight == 3
@@ -738,10 +773,10 @@ def test_requests_ray_abandons_before_routing_are_dropped_oldest_first_past_the_
             await router.choose_replicas(REPLICAS, pending(str(i), {"prompt": [*PREFIX, i]}))
             assert router.router.stats().in_flight == min(i + 1, 3)
         for dropped in ("0", "1"):  # their late notices find nothing
-            router.on_request_routed(pending(dropped, {}), REPLICAS[0].replica_id, None)
+            router.on_request_routed(asked_for(dropped), REPLICAS[0].replica_id, None)
         assert router.router.stats().in_flight == 3
         for kept in ("2", "3", "4"):
-            router.on_request_routed(pending(kept, {}), REPLICAS[0].replica_id, None)
+            router.on_request_routed(asked_for(kept), REPLICAS[0].replica_id, None)
             router.on_request_completed(REPLICAS[0].replica_id, kept)
 
     asyncio.run(run())
@@ -813,7 +848,7 @@ def test_chat_messages_route_on_their_rendered_prefix() -> None:
         ranks = await router.choose_replicas(REPLICAS, pending(request_id, body))
         assert ranks != [REPLICAS]  # ranked by prefixroute, not left in Ray's order
         ((chosen,), _rest) = ranks
-        router.on_request_routed(pending(request_id, {}), chosen.replica_id, None)
+        router.on_request_routed(asked_for(request_id), chosen.replica_id, None)
         router.on_request_completed(chosen.replica_id, request_id)
         return chosen.replica_id.unique_id
 
@@ -873,7 +908,7 @@ def test_a_dead_replica_takes_only_its_own_requests_and_rays_bookkeeping_runs() 
     async def run() -> None:
         for i, used in enumerate(REPLICAS):
             await router.choose_replicas(REPLICAS, pending(str(i), {"prompt": [*PREFIX, i]}))
-            router.on_request_routed(pending(str(i), {}), used.replica_id, None)
+            router.on_request_routed(asked_for(str(i)), used.replica_id, None)
         router.on_replica_actor_died(REPLICAS[0].replica_id)
         assert REPLICAS[0].replica_id not in router._replica_id_set  # Ray's own bookkeeping ran
         assert router.router.stats().in_flight == 2
@@ -888,6 +923,6 @@ def test_a_dead_replica_takes_only_its_own_requests_and_rays_bookkeeping_runs() 
 def test_a_request_ray_sends_to_a_replica_that_was_no_candidate_stops_counting() -> None:
     router = bare(policy="bounded-load")
     asyncio.run(router.choose_replicas(REPLICAS, pending("a", {"prompt": PREFIX})))
-    router.on_request_routed(pending("a", {}), replica("r9").replica_id, FakeResult())
+    router.on_request_routed(asked_for("a"), replica("r9").replica_id, FakeResult())
     assert router.errors == 0
     zero(router)
