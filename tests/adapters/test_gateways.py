@@ -20,8 +20,11 @@ from ..conftest import wait_until
 from .test_serve_scenarios import (
     SHARED,
     Stack,
+    check_a_dead_engine_s_prefix_is_served_elsewhere,
     check_a_long_context_prompt_is_routed,
     check_a_prompt_of_megabytes_is_served,
+    check_a_request_an_engine_took_is_never_run_by_another,
+    check_an_http_1_0_client_is_routed_and_answered,
     check_chat_routes_by_prefix,
     check_fail_open,
     check_load_fallback,
@@ -48,6 +51,9 @@ CHECKS = [
     check_chat_routes_by_prefix,
     check_a_long_context_prompt_is_routed,
     check_a_prompt_of_megabytes_is_served,
+    check_a_dead_engine_s_prefix_is_served_elsewhere,
+    check_a_request_an_engine_took_is_never_run_by_another,
+    check_an_http_1_0_client_is_routed_and_answered,
     check_fail_open,
 ]
 

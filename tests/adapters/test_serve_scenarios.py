@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import statistics
 import threading
 import time
@@ -77,6 +78,7 @@ class Stack:
             "factor=1.0",
             "--release-port",
             str(self.ports["release"]),
+            "--metrics-from-backends",  # as the examples' commands: an engine it cannot scrape is not chosen
         ]
         if self.mode == "ext_proc":
             options += ["--ext-proc", str(self.ports["ext_proc"])]
@@ -315,6 +317,76 @@ def timed_stream(url: str, payload: dict[str, object]) -> float:
     status, lines = stream_request(url, payload)
     assert status == 200 and lines[-1] == "[DONE]"
     return time.perf_counter() - started
+
+
+def check_a_dead_engine_s_prefix_is_served_elsewhere(stack: Stack) -> None:
+    """The engine that holds a prefix refuses connections (it died). nginx and HAProxy serve its requests from the
+    other engine at once (a refused connection fails over); Envoy answers 503 until the sidecar's next scrape of the
+    engines' /metrics fails and it stops choosing that engine (was: HAProxy answered 503 after 3 s to every request
+    of the prefix, and Envoy 503 for as long as the engine was down, as the example commands had no
+    --metrics-from-backends). Every decision is released all the same."""
+    before = stack.served()
+    assert stream_request(stack.url, body(9000))[0] == 200
+    wait_until(lambda: sum(stack.served()) == sum(before) + 1 and stack.in_flight() == 0, what="the first request")
+    dead = next(i for i, (after, start) in enumerate(zip(stack.served(), before, strict=True)) if after > start)
+    stack.engines[dead].refuse()
+    try:
+        if stack.mode == "ext_proc":
+            wait_until(lambda: stream_request(stack.url, body(9001))[0] == 200, what="the dead engine left out")
+        statuses = [stream_request(stack.url, body(9002 + i))[0] for i in range(4)]
+        assert statuses == [200] * 4
+    finally:
+        stack.engines[dead].accept()
+    wait_until(lambda: stack.in_flight() == 0, what="every release")
+    status, _ = stream_request(stack.url, body(9010))
+    assert status == 200
+
+
+def check_a_request_an_engine_took_is_never_run_by_another(stack: Stack) -> None:
+    """The engine dies holding a request it has read (a crash mid-prefill): its client gets an error, and no other
+    engine runs the request a second time (was: nginx's error_page sent it to the pool, which generated it again:
+    a generation duplicated, and a prompt that crashes an engine sent on to the next)."""
+    before = stack.served()
+    assert stream_request(stack.url, body(9100))[0] == 200
+    wait_until(lambda: sum(stack.served()) == sum(before) + 1 and stack.in_flight() == 0, what="the first request")
+    chosen = next(i for i, (after, start) in enumerate(zip(stack.served(), before, strict=True)) if after > start)
+    engine, taken = stack.engines[chosen], stack.served()
+    engine.stall(after_tokens=0)  # a whole answer (not streamed): the engine sends nothing before it is done
+    outcome: list[int] = []
+
+    def ask() -> None:
+        payload = body(9101, stream=False)
+        outcome.append(httpx.post(stack.url + "/v1/completions", json=payload, timeout=DEADLINE_S).status_code)
+
+    client = threading.Thread(target=ask)
+    client.start()
+    try:
+        wait_until(lambda: engine.stats().requests > taken[chosen], what="the engine reading the request")
+        engine.refuse()  # drops the connection it holds the request on
+        client.join(DEADLINE_S)
+    finally:
+        engine.resume()
+        engine.accept()
+    assert outcome and outcome[0] >= 500, outcome
+    assert stack.served()[1 - chosen] == taken[1 - chosen], "another engine ran the request again"
+    wait_until(lambda: stack.in_flight() == 0, what="the release of the request")
+
+
+def check_an_http_1_0_client_is_routed_and_answered(stack: Stack) -> None:
+    """An HTTP/1.0 client (no keep-alive, no chunked answer) is routed and answered, as vLLM answers it (was, with
+    Envoy: its 426 refusal, which reached the client as an empty reply once the picker's stream timed out)."""
+    raw = json.dumps(body(9200, stream=False)).encode()
+    host, port = stack.url.removeprefix("http://").rsplit(":", 1)
+    head = (f"POST /v1/completions HTTP/1.0\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(raw)}\r\n\r\n")  # fmt: skip
+    decisions = stack.decisions()
+    with socket.create_connection((host, int(port)), timeout=DEADLINE_S) as client:
+        client.sendall(head.encode() + raw)
+        answer = b"".join(iter(lambda: client.recv(65536), b""))  # HTTP/1.0: the answer ends with the connection
+    assert answer.split(b" ", 2)[1] == b"200", answer[:200]
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["choices"]
+    assert stack.decisions() == decisions + 1
+    wait_until(lambda: stack.in_flight() == 0, what="the release of the request")
 
 
 def check_fail_open(stack: Stack) -> None:
