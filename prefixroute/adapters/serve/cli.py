@@ -413,7 +413,7 @@ def _http_protocol(sidecar: Any) -> type[asyncio.Protocol]:
 
         def client_left(self) -> bool:
             """Whether the client has closed its connection (its FIN or a reset waits in the socket, or the server
-            has read it), without reading from it: a poll, under a microsecond."""
+            has read it), without reading from it: one poll(2), ~1.6 us."""
             if self.transport.is_closing():
                 return True
             sock = self.transport.get_extra_info("socket")
