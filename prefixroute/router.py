@@ -8,6 +8,7 @@ import math
 import random
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -51,6 +52,7 @@ _log = logging.getLogger("prefixroute")
 _EXPIRY_WARNING_SECONDS = 60.0
 # Lease heap entries beyond twice the requests in flight before finish() drops those of finished requests.
 _LEASE_SLACK = 1024
+_ENDED_KEPT = 4096  # ids of the latest requests that ended (finish or lease), so a late start() is not a new one
 
 Reason = Literal["prefix", "load-fallback", "miss", "policy"]
 """Why a backend was chosen: it held the longest prefix (``"prefix"``); a prefix-aware policy passed over a longer
@@ -228,6 +230,7 @@ class Router:
         self._figures: dict[str, _Figures] = {}
         self._capacity_changes = index._capacity_changes
         self._live: dict[str, StartedRequest] = {}
+        self._ended: OrderedDict[str, str] = OrderedDict()  # the last _ENDED_KEPT ids that ended -> their backend
         self._leases: list[tuple[float, str]] = []  # a heap of (deadline, id); stale entries are skipped
         self._counts = dict.fromkeys(("decisions", "commits", "ignored", "leases_expired"), 0)
         self._expiries_told: tuple[float, int] | None = None  # the last expiry warning: when, and leases_expired then
@@ -473,7 +476,11 @@ class Router:
         gateways that may never release (a client that aborts before the gateway acts): an expired request stops
         counting and is counted in :attr:`RouterStats.leases_expired`. A second start of the same id is ignored,
         unless the decision was committed to another backend since: then the request's count moves there (its
-        first token, if reported, is forgotten: the new backend has its prefill ahead of it).
+        first token, if reported, is forgotten: the new backend has its prefill ahead of it). So is a start that
+        comes after the request ended (its :meth:`finish` or its lease; of the last 4,096 requests that ended), a
+        callback that came late: counted in :attr:`RouterStats.ignored`, unless the decision was committed to
+        another backend since it ended (a retry, such as the proxy's after a refused connection): then it counts
+        anew.
 
         Raises:
             DecisionError: the decision comes from another router, or was altered since it was made (its backend,
@@ -499,6 +506,11 @@ class Router:
                     return
                 del self._live[decision.id]  # committed elsewhere since it started: the count moves with it
                 self._release(live)
+            elif (ended := self._ended.get(decision.id)) is not None:
+                if ended == backend:  # a start() that came late, or again: the request is over
+                    self._counts["ignored"] += 1
+                    return
+                del self._ended[decision.id]  # committed elsewhere since it ended: a retry, counted anew
             pending = self._pending.get(backend, 0)
             queued_context = self._context.get(backend, 0)
             footprint = self._footprints.get(backend)
@@ -598,6 +610,7 @@ class Router:
             if request is None:
                 self._counts["ignored"] += 1
                 return
+            self._ended_on(decision_id, request.backend)
             if request.prefilling and not refused:
                 self._first_tokens_missing = True
             self._release(request)
@@ -749,6 +762,7 @@ class Router:
             request = self._live.get(decision_id)
             if request is not None and request.deadline == deadline:
                 del self._live[decision_id]
+                self._ended_on(decision_id, request.backend)
                 self._release(request)
                 expired += 1
                 backend = request.backend
@@ -771,6 +785,13 @@ class Router:
             "that finish() is called (behind a gateway: its release path); this warning repeats at most once a minute",
             total - (told[1] if told is not None else 0), backend, total,
         )  # fmt: skip
+
+    def _ended_on(self, decision_id: str, backend: str) -> None:
+        """Remember that ``decision_id`` ended on ``backend``, among the last :data:`_ENDED_KEPT`. O(1)."""
+        ended = self._ended
+        ended[decision_id] = backend
+        if len(ended) > _ENDED_KEPT:
+            ended.popitem(last=False)
 
     def _check_own(self, decision: Decision) -> None:
         """Raise unless ``decision`` is one this router made, as it made it: :meth:`start` and :meth:`commit` count

@@ -378,14 +378,40 @@ def test_expired_leases_are_warned_of_at_most_once_a_minute_each_one_at_debug(
     assert router.stats().leases_expired == 122 and router.in_flight("a") == 0
 
 
-def test_start_ends_due_leases_first_so_a_request_whose_lease_ran_out_starts_again() -> None:
+def test_start_ends_due_leases_first_and_a_request_whose_lease_ran_out_is_not_started_again() -> None:
     clock = FakeClock(now=0.0)
     router = Router(clock=clock)
-    decision = router.route([1], ["a"])
+    decision = router.route([1], ["a", "b"])
     router.start(decision, lease=1.0)
     clock.tick(1.0)
-    router.start(decision, lease=5.0)  # not a repeat: the request it named is no longer counted
-    assert router.stats() == RouterStats(decisions=1, commits=1, in_flight=1, ignored=0, leases_expired=1)
+    router.start(decision, lease=5.0)  # late: its lease ran out, so the request is over
+    assert router.stats() == RouterStats(decisions=1, commits=1, in_flight=0, ignored=1, leases_expired=1)
+    retried = router.commit(decision, "b" if decision.backend == "a" else "a")
+    router.start(retried, lease=5.0)  # a retry elsewhere: counted anew
+    assert router.stats().in_flight == 1 and router.in_flight(retried.backend) == 1
+
+
+@pytest.mark.parametrize("end", ["finish", "refused", "lease"])
+def test_a_start_that_comes_after_its_request_ended_is_ignored(end: str) -> None:
+    # Was counted again, as a new prefill, and without a lease never left: a start() callback that lands after the
+    # finish() of its request (a gateway's racing callbacks) brought 1,000 such requests back into the counts.
+    clock = FakeClock(now=0.0)
+    router = Router(block_size=4, clock=clock)
+    decisions = [router.route(list(range(i, i + 64)), ["a", "b"]) for i in range(0, 3000, 100)]
+    for decision in decisions:
+        router.start(decision, lease=1.0)
+        if end in ("finish", "refused"):
+            router.finish(decision, refused=end == "refused")
+    if end == "lease":
+        clock.tick(1.0)
+        router.expire()
+    for decision in decisions:
+        router.start(decision)
+        router._check()
+    stats = router.stats()
+    assert (stats.in_flight, stats.ignored) == (0, len(decisions))
+    candidates = router.decide([1], ["a", "b"]).candidates
+    assert all((c.in_flight, c.pending_prefill_tokens, c.active_blocks) == (0, 0, 0) for c in candidates)
 
 
 def test_a_lease_has_run_out_once_its_seconds_have_passed() -> None:
@@ -424,8 +450,9 @@ def test_a_decision_whose_id_or_backend_became_a_str_subclass_is_refused_but_a_b
                 call(altered)
     router.start(decision)
     router.finish(Sly(decision.id))  # a lifecycle call reads a str subclass's id as the plain str
-    router.start(decision)
-    router.finish(replace(decision, id=Sly(decision.id)))  # also as an object's id
+    second = router.route(list(range(8)), ["a"])
+    router.start(second)
+    router.finish(replace(second, id=Sly(second.id)))  # also as an object's id
     assert router.stats().in_flight == 0 and router.stats().ignored == 0
 
 

@@ -77,6 +77,7 @@ class RouterMachine(RuleBasedStateMachine):
         self.router = Router(block_size=4, capacity_blocks=40, clock=self.clock, lease=10.0, policy=self.policy)
         self.live: dict[str, tuple[str, float]] = {}  # id -> (backend, deadline)
         self.started: dict[str, Decision] = {}  # id -> the decision counted in flight (what a refusal retracts)
+        self.ended: dict[str, str] = {}  # id -> the backend it ended on (finish or lease): a start there is late
 
     @rule(
         target=decisions,
@@ -168,7 +169,10 @@ class RouterMachine(RuleBasedStateMachine):
     def start(self, decision: Decision, lease: float | None) -> None:
         self.router.start(decision, lease=lease)
         held = self.live.get(decision.id)
+        if held is None and self.ended.get(decision.id) == decision.backend:
+            return  # a start after the request ended there: ignored
         if held is None or held[0] != decision.backend:  # new, or committed elsewhere since: counted there now
+            self.ended.pop(decision.id, None)
             self.live[decision.id] = (decision.backend, self.clock.now + (10.0 if lease is None else lease))
             self.started[decision.id] = decision
 
@@ -179,7 +183,8 @@ class RouterMachine(RuleBasedStateMachine):
     @rule(decision=decisions)
     def finish(self, decision: Decision) -> None:
         self.router.finish(decision)
-        self.live.pop(decision.id, None)
+        if (held := self.live.pop(decision.id, None)) is not None:
+            self.ended[decision.id] = held[0]
 
     @rule(decision=decisions)
     def finish_later(self, decision: Decision) -> None:
@@ -194,6 +199,8 @@ class RouterMachine(RuleBasedStateMachine):
         """The engine refused it: what its commit predicted past the held prefix goes, unless a request in flight
         on that backend shares it (a decision never committed, or not in flight, retracts nothing)."""
         in_flight = self.live.pop(decision.id, None)
+        if in_flight is not None:
+            self.ended[decision.id] = in_flight[0]
         before = {b: self.router.index.hashes(b) for b in BACKENDS}
         self.router.finish(decision, refused=True)
         after = {b: self.router.index.hashes(b) for b in BACKENDS}
@@ -216,6 +223,7 @@ class RouterMachine(RuleBasedStateMachine):
     def time_passes(self, seconds: float) -> None:
         self.clock.now += seconds
         self.router.expire()
+        self.ended |= {i: held[0] for i, held in self.live.items() if held[1] <= self.clock.now}
         self.live = {i: held for i, held in self.live.items() if held[1] > self.clock.now}
 
     @rule(backend=st.sampled_from(BACKENDS))
