@@ -548,7 +548,10 @@ class PredictedTTFT(LoadPolicy):
 
         ``common_tokens`` and ``typical_prompt`` are the choice's :meth:`cap_terms` (what :meth:`choose` passes): of
         the request's uncached tokens, the ``common_tokens`` that every candidate must prefill count at most
-        ``typical_prompt`` for each request in flight. Left out, nothing is capped.
+        ``typical_prompt`` for each request in flight. Left out, nothing is capped. :attr:`Candidate.memory_wait_s`
+        counts as prefill work at the candidate's ``prefill_tokens_per_s`` (none while that is unknown);
+        :meth:`choose` counts every candidate's at one speed, :meth:`wait_speed` (with ``use_speed``, each at the
+        speed it divides by): ``cost(candidate._replace(prefill_tokens_per_s=...))`` is what it compares.
 
         Raises:
             TypeError: ``candidate`` is not a :class:`Candidate`, or one of its fields has the wrong type.
@@ -614,22 +617,35 @@ class PredictedTTFT(LoadPolicy):
             raise
         return common, held / flying if flying else math.inf
 
+    @staticmethod
+    def wait_speed(candidates: Sequence[Candidate]) -> float | None:
+        """The prefill speed at which a choice among ``candidates`` counts each one's
+        :attr:`~Candidate.memory_wait_s` as work: the median of their known ``prefill_tokens_per_s`` (the upper one
+        of an even count), None when none is known. One speed for all, so the full backend whose memory frees first
+        costs least: each backend's own estimate, on a fleet of equal GPUs, is noise (it includes the time requests
+        waited for memory, and the prompts' mix), and a backend without one would count no wait at all.
+        O(n log n) in the candidates with a speed."""
+        known = sorted(c.prefill_tokens_per_s for c in candidates if c.prefill_tokens_per_s)
+        return known[len(known) // 2] if known else None
+
     @_names_bad_fields
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         common, typical = self.cap_terms(candidates)  # raises for no candidates
-        if not self.use_speed and type(self).cost is PredictedTTFT.cost:
+        own_cost = type(self).cost is PredictedTTFT.cost
+        if not self.use_speed and own_cost:
             return self._choose_fast(candidates, min(common, typical), common)
         speeds: list[float] = []
         default_speed = 1.0
         if self.use_speed:
-            known = sorted(c.prefill_tokens_per_s for c in candidates if c.prefill_tokens_per_s)
-            default_speed = known[len(known) // 2] if known else 1.0
+            default_speed = self.wait_speed(candidates) or 1.0
             speeds = [c.prefill_tokens_per_s or default_speed for c in candidates]
         cost = self.cost
         best = candidates[0]
         best_cost = math.inf
         for position, candidate in enumerate(candidates):  # strict < keeps the first of equals (placement order)
             speed = speeds[position] if speeds else default_speed
+            if own_cost and candidate.memory_wait_s and candidate.prefill_tokens_per_s != speed:
+                candidate = candidate._replace(prefill_tokens_per_s=speed)  # its wait, counted as the seconds it is
             predicted = cost(candidate, speed=speed, common_tokens=common, typical_prompt=typical)
             if predicted < best_cost:
                 best, best_cost = candidate, predicted
@@ -644,8 +660,9 @@ class PredictedTTFT(LoadPolicy):
         cap = self.kv_cap
         best = candidates[0]
         best_cost = math.inf
+        waits_at = -1.0  # wait_speed(), once a candidate has a wait for memory (most choices have none)
         for candidate in candidates:
-            (_, matched, prompt, in_flight, queued, usage, pending, _, capacity, speed, active, in_prefill, size,
+            (_, matched, prompt, in_flight, queued, usage, pending, _, capacity, _, active, in_prefill, size,
              context, attention, memory_wait) = candidate  # fmt: skip
             uncached = prompt - matched
             per_token = 1.0
@@ -671,8 +688,10 @@ class PredictedTTFT(LoadPolicy):
                     in_flight = queued
             per_request = capped + uncached - common
             harm = (per_request * in_flight + uncached * in_prefill) * runnable * per_token
-            if memory_wait and speed:  # _memory_wait_work(), inlined
-                predicted = (work + harm + memory_wait * speed) / (1.0 - fraction)
+            if memory_wait:  # _memory_wait_work(), inlined, at the choice's wait_speed()
+                if waits_at < 0:
+                    waits_at = self.wait_speed(candidates) or 0.0
+                predicted = (work + harm + memory_wait * waits_at) / (1.0 - fraction)
             else:
                 predicted = (work + harm) / (1.0 - fraction)
             if predicted < best_cost:

@@ -138,6 +138,22 @@ def test_without_a_prefill_speed_the_wait_counts_nothing() -> None:
     assert PredictedTTFT().choose([late, soon]).backend == "late"  # a tie: the first in placement order
 
 
+@pytest.mark.parametrize("use_speed", [False, True])
+def test_the_full_backend_whose_memory_frees_first_wins_whatever_the_speed_estimates(use_speed: bool) -> None:
+    # Was: each wait counted at its backend's own speed estimate, so on equal GPUs the one that had last served
+    # short prompts (a tenth of the other's estimate) looked cheaper with 11 s to wait than the other with 3 s; and a
+    # backend without an estimate yet (new, or re-added) counted no wait at all, and took every request (789 in a
+    # row) until a first token there taught it one. The choice counts every wait at one speed, the median known.
+    noisy = FULL._replace(backend="noisy", prefill_tokens_per_s=903.0, memory_wait_s=11.0)
+    steady = FULL._replace(backend="steady", prefill_tokens_per_s=9360.0, memory_wait_s=3.0)
+    new = FULL._replace(backend="new", memory_wait_s=11.9)
+    policy = PredictedTTFT(use_speed=use_speed)
+    assert policy.choose([noisy, steady]).backend == "steady"
+    assert policy.choose([new, steady]).backend == "steady"
+    assert policy.choose([new, steady._replace(memory_wait_s=12.0)]).backend == "new"
+    assert PredictedTTFT.wait_speed([noisy, steady, new]) == 9360.0 and PredictedTTFT.wait_speed([new]) is None
+
+
 def test_a_wait_weighs_against_queued_prefill_in_the_same_tokens() -> None:
     # "queued" has 20,000 tokens of prefill ahead (2.5 s at 8,000/s), "full" a 2 s wait for memory: "full" wins
     queued = FULL._replace(backend="queued", pending_prefill_tokens=20000, prefill_tokens_per_s=8000.0, memory_wait_s=0)

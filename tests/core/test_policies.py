@@ -573,8 +573,12 @@ def test_predicted_ttft_chooses_a_lowest_cost_candidate(candidates: list[Candida
     policy = PredictedTTFT()
     chosen = policy.choose(candidates)
     common, typical = policy.cap_terms(candidates)
-    costs = [policy.cost(c, common_tokens=common, typical_prompt=typical) for c in candidates]
-    assert policy.cost(chosen, common_tokens=common, typical_prompt=typical) == min(costs)
+    # every candidate's wait for memory counts at the choice's one speed (wait_speed()), as choose() counts it
+    at = policy.wait_speed(candidates)
+    costs = [
+        policy.cost(c._replace(prefill_tokens_per_s=at), common_tokens=common, typical_prompt=typical)
+        for c in candidates
+    ]
     assert candidates.index(chosen) == costs.index(min(costs))
 
 
