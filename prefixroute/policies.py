@@ -477,7 +477,7 @@ class PredictedTTFT(LoadPolicy):
 
         per_request = min(common, typical) + uncached_tokens - common      # = uncached_tokens, short prompts
         harm = per_request × in_flight + uncached_tokens × in_prefill
-        wait = memory_wait_s × prefill_tokens_per_s                        # 0 while either is unknown
+        wait = memory_wait_s × wait_speed(candidates)                      # 0 while no speed is known
         cost = (prefill_work + harm × runnable × per_token + wait) / (1 - min(kv_fraction, kv_cap))
         prefill_work = pending_prefill_tokens + uncached_tokens            # until attention_tokens is known, then
                      + (pending_prefill_context + own pairs) / attention_tokens
@@ -489,8 +489,8 @@ class PredictedTTFT(LoadPolicy):
     capacity_blocks``) counts as full (``kv_fraction`` 1): the request would wait there for memory, or be preempted
     and computed again (vLLM takes blocks back from the newest request), for as long as the requests there take to
     finish. Which full backend frees its memory first is :attr:`Candidate.memory_wait_s` (from the ages of the
-    router's requests in flight there and how long requests live), counted at the backend's prefill speed as tokens
-    of the same work (``wait``).
+    router's requests in flight there and how long requests live), counted at one prefill speed for every candidate
+    (:meth:`wait_speed`) as tokens of the same work (``wait``).
 
     That is, in tokens of prefill work, the wait the request adds to every request's; no constant depends on the
     model or the GPU: tokens compare the backends of one fleet without knowing their speed, the factors are
