@@ -4,10 +4,12 @@ what counts as a backend failure, the error answers' statuses and types, and the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -827,3 +829,104 @@ def test_by_default_a_refused_request_is_retried_once_not_on_every_backend(refus
         assert reply.status_code == 502 and "is unreachable" in reply.json()["error"]["message"]
         stats = proxy.stats()
         assert (stats.retries, stats.unreachable) == (1, 1)  # two of the three tried
+
+
+# -- upstream answers a reverse proxy must not act on ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_answers_that_keep_breaking_off_take_their_backend_out_after_max_failures(stream: bool) -> None:
+    # Was never out: the failure streak was reset when the 200's headers came, before the body broke off, so it stood
+    # at 1 after every request (6 broken answers in a row, still in rotation).
+    async def breaking(request: web.Request) -> web.StreamResponse:
+        kind = "text/event-stream" if stream else "application/json"
+        answer = web.StreamResponse(status=200, headers={"Content-Type": kind})
+        if not stream:
+            answer.content_length = 100
+        await answer.prepare(request)
+        await answer.write(b'data: {"choices": [' if stream else b'{"choices": [')
+        assert request.transport is not None
+        request.transport.abort()
+        return answer
+
+    with (
+        backend_serving(breaking) as url,
+        Proxy(Router(), [url], max_failures=3, clock=Clock(), base_models=[]) as proxy,
+    ):
+        for i in range(3):
+            with contextlib.suppress(httpx.HTTPError):  # a stream's client sees its connection broken
+                post(proxy, {"prompt": f"x{i}", "stream": stream})
+            settled(proxy, i + 1)
+        assert proxy.stats().backend_error == 3 and proxy.stats().unhealthy == (url,)
+
+
+def test_a_redirect_is_relayed_to_the_client_not_followed() -> None:
+    # Was followed: a 302 turned the POST into a GET (the client got the target's 405), a 307 re-posted the prompt to
+    # another server while the router counted it on the routed backend, and /v1/models merged the other server's list.
+    other: list[str] = []
+
+    async def elsewhere(request: web.Request) -> web.Response:
+        other.append(request.method)
+        return web.json_response({"object": "list", "data": [{"id": "not-ours", "object": "model"}]})
+
+    with backend_serving(elsewhere, elsewhere) as target:
+
+        async def redirecting(request: web.Request) -> web.Response:
+            raise web.HTTPTemporaryRedirect(target + request.path)
+
+        async def models(request: web.Request) -> web.Response:
+            raise web.HTTPFound(target + request.path)
+
+        with (
+            backend_serving(redirecting, models) as url,
+            Proxy(Router(), [url], clock=Clock(), base_models=[]) as proxy,
+        ):
+            reply = post(proxy, {"prompt": "x"})
+            assert (reply.status_code, reply.headers["Location"]) == (307, target + "/v1/completions")
+            assert httpx.get(proxy.url + "/v1/models", timeout=10).status_code == 502
+            settled(proxy, 1)
+            assert other == [] and proxy.router.stats().in_flight == 0
+
+
+def test_a_cookie_one_clients_answer_set_is_not_sent_with_anothers_requests() -> None:
+    # Was: aiohttp's cookie jar kept it (for a backend named by host, as in production) and sent it with every later
+    # request to that backend, whoever's: one user's session with everyone's prompts.
+    cookies: list[str | None] = []
+
+    async def setting(request: web.Request) -> web.Response:
+        cookies.append(request.headers.get("Cookie"))
+        answer = web.json_response({"choices": [{"text": "ok"}]})
+        answer.set_cookie("session", f"secret-{len(cookies)}")
+        return answer
+
+    with backend_serving(setting) as url:
+        named = url.replace("127.0.0.1", "localhost")
+        with Proxy(Router(), [named], clock=Clock(), base_models=[]) as proxy:
+            first = post(proxy, {"prompt": "alice"})
+            assert first.status_code == 200 and "secret-1" in first.headers["Set-Cookie"]
+            assert post(proxy, {"prompt": "bob"}).status_code == 200
+    assert cookies == [None, None]
+
+
+def test_stop_cuts_off_a_request_an_engine_holds_within_seconds_and_ends_its_count(fine: OpenAIEngine) -> None:
+    # Was: stop() gave up joining after 10 s with the request still counted (aiohttp's 60 s shutdown timeout, taken
+    # twice), and `prefixroute proxy` took 120 s to exit on SIGTERM, past any supervisor's patience.
+    fine.stall()
+    proxy = Proxy(Router(), [fine.url], clock=Clock(), base_models=[]).start()
+    outcome: list[object] = []
+
+    def ask() -> None:
+        try:
+            outcome.append(post(proxy, {"prompt": "held", "stream": True}).status_code)
+        except httpx.HTTPError as exc:
+            outcome.append(type(exc))
+
+    client = threading.Thread(target=ask)
+    client.start()
+    wait_until(lambda: proxy.router.stats().in_flight == 1, what="the request in flight")
+    started = time.monotonic()
+    proxy.stop()
+    took = time.monotonic() - started
+    client.join(10)
+    assert took < 8.0, took
+    assert proxy.router.stats().in_flight == 0 and outcome

@@ -92,6 +92,7 @@ _HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "prox
 # the engine sent a 100, which a server need not send: with no read timeout, for ever).
 _NOT_FORWARDED = _HOP_BY_HOP | {"content-encoding", "expect"}
 _UPSTREAM_KEEPALIVE_S = 4.0
+_SHUTDOWN_GRACE_S = 2.5  # how long a stop lets running requests finish before it cuts them off
 """How long an idle connection to an engine is kept for the next request: under the 5 s after which vLLM's server
 (uvicorn, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``) closes it. Kept longer, a request could be sent just as the engine closes
 the connection, a request that may have gone out and is not resent: the client got a 502 and the engine a failure."""
@@ -279,9 +280,16 @@ class Proxy:
         self._loop = asyncio.get_running_loop()
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=_UPSTREAM_KEEPALIVE_S)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout)
-        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+        # No cookie jar: a reverse proxy keeps no client's state (aiohttp's default jar sent a cookie one client's
+        # answer set with every later client's requests to that backend).
+        self._session = aiohttp.ClientSession(
+            connector=connector, timeout=timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
+        )
         # handler_cancellation: a client that leaves cancels its handler, wherever it waits (also non-streaming).
+        # shutdown_timeout: a stop waits that long for the requests running (aiohttp waits it twice), then cuts them
+        # off, their counts ended in their finally blocks; aiohttp's 60 s outlasted every supervisor's patience.
         self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, handler_cancellation=True,
+                                     shutdown_timeout=_SHUTDOWN_GRACE_S,
                                      logger=_ServerLog(logging.getLogger("aiohttp.server")))  # fmt: skip
         try:
             await self._runner.setup()
@@ -515,8 +523,8 @@ class Proxy:
                 self.router.start(decision)
                 started = True
                 try:
-                    upstream = await session.post(
-                        decision.backend + request.path_qs, data=_payload(raw), headers=headers
+                    upstream = await session.post(  # a redirect is the engine's answer, relayed (as nginx does)
+                        decision.backend + request.path_qs, data=_payload(raw), headers=headers, allow_redirects=False
                     )
                 except _UNREACHED as exc:
                     self.router.finish(decision, refused=True)  # never reached the engine: it cached nothing there
@@ -582,8 +590,6 @@ class Proxy:
         headers.update(_decision_headers(decision))
         if upstream.status >= 500:
             self._failed(decision.backend)
-        else:
-            self._failures[decision.backend] = 0
         # A stream is what the engine streams: it may read a "stream" that is not the JSON true as true (vLLM does).
         if upstream.status != 200 or not (stream or content_type.startswith("text/event-stream")):
             try:
@@ -594,7 +600,10 @@ class Proxy:
                 message = f"backend {decision.backend} broke off its answer: {exc}"
                 return error_response(502, message, "BadGatewayError"), "backend_error"
             answer = web.Response(status=upstream.status, body=body, headers=headers)
-            return answer, "ok" if upstream.status < 500 else "backend_error"
+            if upstream.status >= 500:
+                return answer, "backend_error"
+            self._failures[decision.backend] = 0  # a whole answer: the backend's streak of failures ends
+            return answer, "ok"
         response = web.StreamResponse(status=200, headers=headers)
         first = True
         try:
@@ -609,6 +618,7 @@ class Proxy:
                 if chunk.endswith(_SSE_DONE):  # OpenAI's last event: its clients may close now, before the end
                     relayed.whole = True
             relayed.whole = True
+            self._failures[decision.backend] = 0  # a whole answer (not when it broke off: above 1 again for ever)
             await response.write_eof()
         except _BROKE_OFF as exc:
             _log.warning("backend %s broke off a streamed answer: %s", decision.backend, exc)
@@ -673,7 +683,9 @@ class Proxy:
         timeout = aiohttp.ClientTimeout(total=self._models_timeout)
 
         async def models(backend: str) -> list[dict[str, Any]]:
-            async with session.get(f"{backend}/v1/models", timeout=timeout, headers=headers) as reply:
+            async with session.get(
+                f"{backend}/v1/models", timeout=timeout, headers=headers, allow_redirects=False
+            ) as reply:
                 raw = await _read_at_most(reply, MAX_MODELS_BYTES)
                 if reply.status >= 400:
                     raise _Refused(reply.status, raw, reply.content_type)
