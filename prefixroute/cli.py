@@ -44,7 +44,7 @@ EXTRA_MODULES: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
         "sim": ("matplotlib", "rich"),
         "vllm": _VLLM_MODULES,
-        "serve": ("uvicorn", "httptools", "msgspec", "jinja2", "grpc", "envoy"),
+        "serve": (*_VLLM_MODULES, "uvicorn", "httptools", "jinja2", "grpc", "envoy"),  # includes prefixroute[vllm]
         "proxy": (*_VLLM_MODULES, "aiohttp", "multidict", "jinja2"),  # the proxy extra includes prefixroute[vllm]
     }
 )
@@ -68,7 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
             module = importlib.import_module(module_name)
         except ImportError as exc:
             for command in commands:
-                unavailable = subparsers.add_parser(command, help=f"(needs: pip install 'prefixroute[{extra}]')")
+                needs = f"needs: pip install 'prefixroute[{extra}]'"
+                unavailable = subparsers.add_parser(
+                    command, help=f"({needs})", description=f"prefixroute {command} {needs} ({exc})"
+                )
                 unavailable.add_argument("ignored", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
                 unavailable.set_defaults(func=_missing_extra(command, extra, exc), unavailable=True)
             continue

@@ -36,6 +36,10 @@ def test_a_command_whose_extra_is_missing_says_what_to_install(
     assert cli.main(["doctor", "http://gpu0:8000"]) == 2
     assert "pip install 'prefixroute[vllm]'" in capsys.readouterr().err
     assert "prefixroute.sim.cli" in sys.modules  # the other commands still load
+    # Its own --help says so too (was: a usage line with no option and no word of the extra).
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["doctor", "--help"])
+    assert exited.value.code == 0 and "needs: pip install 'prefixroute[vllm]'" in capsys.readouterr().out
 
 
 def test_a_command_whose_extra_is_partly_missing_says_what_to_install(

@@ -223,8 +223,8 @@ def pyplot() -> Any:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ConfigurationError("plots need matplotlib: pip install 'prefixroute[sim]'") from exc
+    except ImportError as exc:  # missing, or installed but broken (a matplotlib built for NumPy 1 on NumPy 2)
+        raise ConfigurationError(f"plots need matplotlib: pip install 'prefixroute[sim]' ({exc})") from exc
     except ValueError as exc:  # MPLBACKEND=nonsense
         raise ConfigurationError(f"matplotlib cannot start ({exc}): fix or unset MPLBACKEND") from exc
     return plt

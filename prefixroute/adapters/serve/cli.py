@@ -135,11 +135,7 @@ def run(args: argparse.Namespace) -> int:
     policy = policy_from_name(args.policy, **dict(options))
     fleet: Any = None
     if events or args.metrics_from_backends:
-        try:
-            from prefixroute.vllm import EventIndex, Fleet
-        except ImportError as exc:
-            raise ConfigurationError(f"--kv-events and --metrics-from-backends need: pip install 'prefixroute[vllm]' "
-                                     f"({exc})") from None  # fmt: skip
+        from prefixroute.vllm import EventIndex, Fleet  # the serve extra includes the vllm one
         from prefixroute.vllm._checks import check_data_parallel_size
 
         if args.data_parallel_size is not None:  # before any port is bound: each rank is a thread and a socket
