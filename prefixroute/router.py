@@ -230,7 +230,7 @@ class Router:
         self._figures: dict[str, _Figures] = {}
         self._capacity_changes = index._capacity_changes
         self._live: dict[str, StartedRequest] = {}
-        self._ended: OrderedDict[str, str] = OrderedDict()  # the last _ENDED_KEPT ids that ended -> their backend
+        self._ended: OrderedDict[str, None] = OrderedDict()  # the last _ENDED_KEPT ids that ended, not committed since
         self._leases: list[tuple[float, str]] = []  # a heap of (deadline, id); stale entries are skipped
         self._counts = dict.fromkeys(("decisions", "commits", "ignored", "leases_expired"), 0)
         self._expiries_told: tuple[float, int] | None = None  # the last expiry warning: when, and leases_expired then
@@ -305,7 +305,8 @@ class Router:
         """Record that ``decision``'s request went to ``backend`` (default: the chosen one); return that decision.
 
         ``backend`` must be one of the decision's candidates; the returned :class:`Decision` keeps the id and
-        describes that backend (its match, reason and confirmed tokens). Committing again only refreshes recency.
+        describes that backend (its match, reason and confirmed tokens). Committing again only refreshes recency;
+        after the request ended, it marks a retry: the next :meth:`start` counts it anew.
         O(n/block_size) for a prompt of n tokens.
 
         Raises:
@@ -335,6 +336,8 @@ class Router:
             if hashes:
                 self._index.predict(hashes, target, held)
             self._counts["commits"] += 1
+            if self._ended:
+                self._ended.pop(decision.id, None)  # sent again (a retry): its next start() counts
         if target == decision.backend:
             # Committed there before: its first prediction added the blocks past what the backend held then.
             held = held if decision._held < 0 else min(held, decision._held)
@@ -478,9 +481,9 @@ class Router:
         unless the decision was committed to another backend since: then the request's count moves there (its
         first token, if reported, is forgotten: the new backend has its prefill ahead of it). So is a start that
         comes after the request ended (its :meth:`finish` or its lease; of the last 4,096 requests that ended), a
-        callback that came late: counted in :attr:`RouterStats.ignored`, unless the decision was committed to
-        another backend since it ended (a retry, such as the proxy's after a refused connection): then it counts
-        anew.
+        callback that came late: counted in :attr:`RouterStats.ignored`, unless the decision was committed again
+        since it ended (a retry, such as the proxy's after a refused connection, on another backend or the same):
+        then it counts anew.
 
         Raises:
             DecisionError: the decision comes from another router, or was altered since it was made (its backend,
@@ -506,11 +509,9 @@ class Router:
                     return
                 del self._live[decision.id]  # committed elsewhere since it started: the count moves with it
                 self._release(live)
-            elif (ended := self._ended.get(decision.id)) is not None:
-                if ended == backend:  # a start() that came late, or again: the request is over
-                    self._counts["ignored"] += 1
-                    return
-                del self._ended[decision.id]  # committed elsewhere since it ended: a retry, counted anew
+            elif decision.id in self._ended:  # a start() that came late, or again: the request is over
+                self._counts["ignored"] += 1
+                return
             pending = self._pending.get(backend, 0)
             queued_context = self._context.get(backend, 0)
             footprint = self._footprints.get(backend)
@@ -610,7 +611,7 @@ class Router:
             if request is None:
                 self._counts["ignored"] += 1
                 return
-            self._ended_on(decision_id, request.backend)
+            self._ended_on(decision_id)
             if request.prefilling and not refused:
                 self._first_tokens_missing = True
             self._release(request)
@@ -762,7 +763,7 @@ class Router:
             request = self._live.get(decision_id)
             if request is not None and request.deadline == deadline:
                 del self._live[decision_id]
-                self._ended_on(decision_id, request.backend)
+                self._ended_on(decision_id)
                 self._release(request)
                 expired += 1
                 backend = request.backend
@@ -786,10 +787,10 @@ class Router:
             total - (told[1] if told is not None else 0), backend, total,
         )  # fmt: skip
 
-    def _ended_on(self, decision_id: str, backend: str) -> None:
-        """Remember that ``decision_id`` ended on ``backend``, among the last :data:`_ENDED_KEPT`. O(1)."""
+    def _ended_on(self, decision_id: str) -> None:
+        """Remember that ``decision_id`` ended (the last :data:`_ENDED_KEPT`), until it is committed again. O(1)."""
         ended = self._ended
-        ended[decision_id] = backend
+        ended[decision_id] = None
         if len(ended) > _ENDED_KEPT:
             ended.popitem(last=False)
 

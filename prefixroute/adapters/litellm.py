@@ -137,6 +137,11 @@ class PrefixRouteHook(CustomLogger):
         self._attempts: cachetools.LRUCache[str, str] = cachetools.LRUCache(maxsize=_MAX_ATTEMPTS)
         # task -> the decision its latest filter made (None: it kept LiteLLM's choice), read by the deployment hook.
         self._filtered: weakref.WeakKeyDictionary[asyncio.Task[Any], str | None] = weakref.WeakKeyDictionary()
+        # decision id -> the LiteLLM trace id of its call: a call's retries and fallbacks keep it, a new call of the
+        # same task gets its own (and may share the earlier call's metadata dict, with its decision in it).
+        self._traces: cachetools.LRUCache[str, str] = cachetools.LRUCache(maxsize=_MAX_ATTEMPTS)
+        # The decisions ended already (a failure callback ends an attempt before its retry's filter finds its id).
+        self._ended: cachetools.LRUCache[str, None] = cachetools.LRUCache(maxsize=_MAX_ATTEMPTS)
         self._tasks_lock = threading.Lock()
 
     async def async_filter_deployments(
@@ -184,9 +189,10 @@ class PrefixRouteHook(CustomLogger):
             return healthy_deployments, None
         earlier = metadata.pop(METADATA_KEY, None)
         metadata.pop(DEPLOYMENT_KEY, None)
-        if isinstance(earlier, str) and self._of_this_task(earlier):
-            # a retry (or a fallback to another group): the earlier attempt is over. Another task's decision is
-            # another call's, whose metadata dict this one shares: its own callback ends it.
+        trace = request.get("litellm_trace_id") if isinstance(request, Mapping) else None
+        if isinstance(earlier, str) and self._retried(earlier, trace):
+            # a retry (or a fallback to another group): the earlier attempt is over. Another call's decision (its
+            # metadata dict shared with this one) is left to its own callback.
             self._unwatch(earlier)
             self.router.finish(earlier)
         if not healthy_deployments or (self._groups is not None and model not in self._groups):
@@ -218,6 +224,9 @@ class PrefixRouteHook(CustomLogger):
         self.router.start(decision, lease=self._lease)
         metadata[METADATA_KEY] = decision.id
         metadata[DEPLOYMENT_KEY] = decision.backend
+        if isinstance(trace, str):
+            with self._tasks_lock:
+                self._traces[decision.id] = trace
         self._watch(decision.id, stream=stream)
         return [by_id[decision.backend]], decision.id
 
@@ -241,6 +250,18 @@ class PrefixRouteHook(CustomLogger):
                 self._task_of.pop(next(iter(held)), None)
                 del held[next(iter(held))]
 
+    def _retried(self, decision_id: str, trace: object) -> bool:
+        """Whether the call being routed is a retry (or fallback) of the one ``decision_id`` was made for, whose
+        attempt is not ended yet: made in this task, for the same LiteLLM trace id when both are known (a task's
+        later call may pass the same metadata dict, with that decision in it, while the earlier call streams on)."""
+        with self._tasks_lock:
+            if decision_id in self._ended:
+                return False  # its failure callback ended it before this retry's filter
+            made_for = self._traces.get(decision_id)
+        if isinstance(trace, str) and made_for is not None and trace != made_for:
+            return False
+        return self._of_this_task(decision_id)
+
     def _of_this_task(self, decision_id: str) -> bool:
         """Whether ``decision_id`` was made for a call of the running task (or no task watches it: a filter run by
         hand, as before)."""
@@ -250,7 +271,9 @@ class PrefixRouteHook(CustomLogger):
             return held is None or task is None or held is self._by_task.get(task)
 
     def _unwatch(self, decision_id: str) -> None:
+        """Forget ``decision_id`` as watched, as it ends (every end calls this, then the router's finish)."""
         with self._tasks_lock:
+            self._ended[decision_id] = None
             held = self._task_of.pop(decision_id, None)
             if held is not None:
                 held.pop(decision_id, None)
@@ -313,12 +336,18 @@ class PrefixRouteHook(CustomLogger):
         ends, or the end of its logging object, or else its lease. The task's result is not read, so an exception
         nobody retrieved is still reported by asyncio as usual."""
         try:
+            with self._tasks_lock:
+                unsent = self._filtered.pop(task, None)
+            if unsent is not None:  # filtered, never sent: LiteLLM failed the call after the filters (over its rpm,
+                self._unwatch(unsent)  # its parallel requests) and calls no callback; a stream too, the task over
+                self.router.finish(unsent, refused=True)
             cancelled = task.cancelled()
             with self._tasks_lock:
                 held = self._by_task.pop(task, None) or {}
                 ended = [decision_id for decision_id, stream in held.items() if cancelled or not stream]
                 for decision_id in ended:
                     self._task_of.pop(decision_id, None)
+                    self._ended[decision_id] = None
                     del held[decision_id]
                 # A stream it returned stays in ``held``, no running task's now: a call that finds it in a shared
                 # metadata dict leaves it to its own callback (_of_this_task); _unwatch forgets it then.

@@ -356,6 +356,7 @@ class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
     def _routed(self, pending_request: PendingRequest, used: str, result: Any = None) -> None:
         key = _attempt_key(pending_request)
         attempt = self._attempts.get(key)
+        noticed = attempt is None
         if attempt is not None:
             self._drop(attempt)  # its count goes on below, as the routed request's
         else:
@@ -366,7 +367,8 @@ class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
         if not any(c.backend == used for c in decision.candidates):  # a replica Ray added since: not counted
             self.router.finish(decision)
             return
-        if not (attempt.committed and decision.backend == used):
+        # Committed again where it ended (a notice not its own): the router counts a start after an end only then.
+        if noticed or not (attempt.committed and decision.backend == used):
             decision = self.router.commit(decision, used)
         # Ignored when already counted there; where Ray used another replica than the first ranked, the count moves.
         self.router.start(decision, lease=self._lease)

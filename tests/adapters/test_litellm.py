@@ -530,3 +530,67 @@ def test_a_long_prompt_is_encoded_off_the_event_loop() -> None:
     asyncio.run(run())
     assert encoder.on_loop == [False, False, True]
     assert hook.router.stats().commits == 3 and hook.router.stats().in_flight == 0
+
+
+def test_streams_litellm_refuses_after_the_filter_stop_counting_when_their_tasks_end(
+    hook: PrefixRouteHook, engines: list[OpenAIEngine]
+) -> None:
+    """Was: counted (with their prefill and blocks) until their 600 s lease. A call LiteLLM fails after the filters
+    (each deployment over its max_parallel_requests: RateLimitError) was never sent and gets no callback; a stream's
+    task that ends normally (it caught the error, or gather() holds it) ended only a non-stream's decision."""
+    deployments = model_list(engines)
+    for deployment in deployments:
+        deployment["litellm_params"]["max_parallel_requests"] = 1
+    router = LiteLLMRouter(model_list=deployments, num_retries=0)
+    for engine in engines:
+        engine.stall(after_tokens=1)
+
+    async def one(i: int) -> str:
+        stream = await ask(router, "over the limit", stream=True)
+        async for _chunk in stream:
+            pass
+        return "served"
+
+    async def run() -> None:
+        calls = [asyncio.ensure_future(one(i)) for i in range(6)]
+        for _ in range(500):
+            if sum(c.done() for c in calls) >= 3:  # three served at most, one per deployment: the rest refused
+                break
+            await asyncio.sleep(0.01)
+        for engine in engines:
+            engine.resume()
+        ends = await asyncio.gather(*calls, return_exceptions=True)
+        assert any(type(end).__name__ == "RateLimitError" for end in ends), ends
+        await settled(hook)
+        assert hook.router.stats().ignored == 0 and hook.errors == 0
+
+    asyncio.run(run())
+
+
+def test_a_task_s_later_call_sharing_its_metadata_leaves_its_open_stream_counted(
+    hook: PrefixRouteHook, engines: list[OpenAIEngine]
+) -> None:
+    """Was: the later call's filter took the open stream's decision, found in the shared dict, for an earlier attempt
+    of its own and ended it: the stream counted 0 for the rest of its life, and its own end was ignored. A call's
+    retries keep its LiteLLM trace id; a new call gets its own."""
+    router = LiteLLMRouter(model_list=model_list(engines), num_retries=0)
+    shared: dict[str, Any] = {"team": "search"}
+
+    async def run() -> None:
+        stream = await ask(router, "the open stream", stream=True, metadata=shared)
+        chunks = aiter(stream)
+        await anext(chunks)
+        assert hook.router.stats().in_flight == 1
+        for i in range(3):
+            await ask(router, f"a later call {i}", metadata=shared)
+            for _ in range(100):  # its success callback, on LiteLLM's logging worker
+                if hook.router.stats().in_flight == 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert hook.router.stats().in_flight == 1  # the stream, still
+        async for _chunk in chunks:
+            pass
+        await settled(hook)
+        assert hook.router.stats().ignored == 0 and hook.errors == 0
+
+    asyncio.run(run())

@@ -328,6 +328,7 @@ def test_a_stream_that_outlives_its_task_is_not_ended_by_another_call_sharing_it
     async def call(text: str, stream: bool) -> None:
         messages = [{"role": "system", "content": f"{text} " * 40}, {"role": "user", "content": "x"}]
         await hook.async_filter_deployments("fake", group(), messages, {"metadata": shared, "stream": stream})
+        await hook.async_pre_call_deployment_hook({}, None)  # LiteLLM sends the attempt, in the same task
         if not stream:
             await done.wait()
 
@@ -358,6 +359,7 @@ def test_streams_kept_past_their_tasks_end_are_remembered_within_a_bound(monkeyp
     async def call(i: int) -> None:
         messages = [{"role": "system", "content": f"stream {i} " * 40}, {"role": "user", "content": "x"}]
         await hook.async_filter_deployments("fake", group(), messages, {"metadata": {}, "stream": True})
+        await hook.async_pre_call_deployment_hook({}, None)  # sent (a call filtered, never sent, ends with its task)
 
     async def run() -> None:
         for i in range(10):

@@ -389,6 +389,9 @@ def test_start_ends_due_leases_first_and_a_request_whose_lease_ran_out_is_not_st
     retried = router.commit(decision, "b" if decision.backend == "a" else "a")
     router.start(retried, lease=5.0)  # a retry elsewhere: counted anew
     assert router.stats().in_flight == 1 and router.in_flight(retried.backend) == 1
+    router.finish(retried)
+    router.start(router.commit(retried), lease=5.0)  # sent again to the same backend: counted anew too
+    assert router.in_flight(retried.backend) == 1
 
 
 @pytest.mark.parametrize("end", ["finish", "refused", "lease"])

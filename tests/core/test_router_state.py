@@ -77,7 +77,7 @@ class RouterMachine(RuleBasedStateMachine):
         self.router = Router(block_size=4, capacity_blocks=40, clock=self.clock, lease=10.0, policy=self.policy)
         self.live: dict[str, tuple[str, float]] = {}  # id -> (backend, deadline)
         self.started: dict[str, Decision] = {}  # id -> the decision counted in flight (what a refusal retracts)
-        self.ended: dict[str, str] = {}  # id -> the backend it ended on (finish or lease): a start there is late
+        self.ended: dict[str, str] = {}  # id -> the backend it ended on (finish or lease), until committed again
 
     @rule(
         target=decisions,
@@ -163,14 +163,15 @@ class RouterMachine(RuleBasedStateMachine):
     @rule(target=decisions, decision=decisions, elsewhere=st.booleans())
     def commit(self, decision: Decision, elsewhere: bool) -> Decision:
         backends = [c.backend for c in decision.candidates]
+        self.ended.pop(decision.id, None)  # sent again: its next start counts
         return self.router.commit(decision, backends[-1] if elsewhere else None)
 
     @rule(decision=decisions, lease=st.none() | st.sampled_from([0.5, 3.0]))
     def start(self, decision: Decision, lease: float | None) -> None:
         self.router.start(decision, lease=lease)
         held = self.live.get(decision.id)
-        if held is None and self.ended.get(decision.id) == decision.backend:
-            return  # a start after the request ended there: ignored
+        if held is None and decision.id in self.ended:
+            return  # a start after the request ended, not committed since: ignored
         if held is None or held[0] != decision.backend:  # new, or committed elsewhere since: counted there now
             self.ended.pop(decision.id, None)
             self.live[decision.id] = (decision.backend, self.clock.now + (10.0 if lease is None else lease))
