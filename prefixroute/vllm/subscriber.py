@@ -78,9 +78,15 @@ class SubscriberStats:
     backend: str
     last_seq: int
     batches: int
+    """The engine's batches applied to the index, live or from a replay, each counted once: one that a replay after
+    :meth:`~KVEventSubscriber.reset` applies again (numbered at most the last one counted before the reset) is
+    counted in ``replayed_batches`` only."""
     events: int
+    """The events of the batches counted in ``batches``."""
     gaps: int
     replayed_batches: int
+    """Batches applied from the replay endpoint: a gap filled, a catch-up at start or after a reconnect, or the
+    replay after :meth:`~KVEventSubscriber.reset`."""
     unrecovered_gaps: int
     failed_replays: int
     """Replays that did not end as the protocol says within ``replay_timeout`` (no answer, no end-of-replay, or
@@ -210,6 +216,8 @@ class KVEventSubscriber:
         self._state_lock = threading.RLock()
         self._writing = False  # inside writer.write() (under the state lock): a reset() now waits for it to return
         self._reset_due = False
+        # A catch-up replay to run at the thread's next quiet moment: asked for by reset(), which forgot every block.
+        self._catch_up_due = False
         self._decoder = EventDecoder()
         self._replay_timeout = replay_timeout
         self._max_batches = max_batches_per_apply
@@ -221,6 +229,9 @@ class KVEventSubscriber:
         self._thread: threading.Thread | None = None
         self._last_seq = -1  # last sequence number received and decoded (the thread writes it, and reset())
         self._applied_seq = -1  # last sequence number whose updates are in the index
+        # The highest sequence number counted in "batches" in this stream: reset() forgets the sequence, not the
+        # count, so the batches its replay applies again are not counted twice (a restart seen starts a new stream).
+        self._counted_seq = -1
         self._pending: tuple[int, bytes] | None = None  # an out-of-line message, until the next one says
         # The batches the last catch-up replay applied, by sequence number: the digest of each payload. Those
         # published while it ran are also queued on the SUB socket, and arrive live after it, first.
@@ -312,8 +323,12 @@ class KVEventSubscriber:
 
     def reset(self) -> None:
         """Drop the backend's blocks from the index and forget its sequence, e.g. when a health check sees the
-        engine restart: the next batch is taken as a new stream's, and what came before it is replayed from the
-        engine's buffer (so a restart whose first batches were missed is recovered too).
+        engine restart: the thread then replays the engine's buffer from sequence 0 (at its next quiet moment,
+        about 50 ms, without waiting for a batch, which an idle engine may not publish for long) and follows on from
+        the last batch replayed; a batch that arrives first is taken as a new stream's and what came before it is
+        replayed. So a restart whose first batches were missed is recovered too. The batches replayed again are
+        counted in ``stats().replayed_batches``, not twice in ``batches``. Without ``replay_endpoint`` nothing can be
+        replayed: the backend's blocks come back as the engine publishes again.
 
         Called by ``writer`` from inside its own ``write()`` (in the subscriber's thread), it takes effect as that
         write returns: the updates being written are the tracker's, so they reach the index first and the reset
@@ -330,6 +345,7 @@ class KVEventSubscriber:
         self._write(self._tracker.reset())
         self._last_seq = self._applied_seq = -1
         self._pending = None
+        self._catch_up_due = self.replay_endpoint is not None
 
     def stats(self) -> SubscriberStats:
         """Return a snapshot of the counters. Each is exact, but they are read without waiting for the thread (a
@@ -419,8 +435,11 @@ class KVEventSubscriber:
                         # Quiet since connecting: batches published before the subscription took effect (ZMQ's
                         # slow joiner) would only be noticed at the next batch; fetch them from the replay now.
                         caught_up = True
-                        with self._state_lock:
-                            self._catch_up(context)
+                        self._catch_up_due = True
+                    if not ready and self._catch_up_due:  # at start, or after a reset(): an idle engine may not
+                        with self._state_lock:  # publish for long, and until then the index would miss its blocks
+                            if self._catch_up_due:  # not taken by a batch meanwhile (reset() runs under the lock)
+                                self._catch_up(context)
                     continue
                 caught_up = True
                 messages = [sub.recv_multipart(copy=True)]
@@ -554,12 +573,13 @@ class KVEventSubscriber:
     def _accept(
         self, seq: int, payload: bytes, ops: IndexOps, timestamps: list[float], context: zmq.Context[Any]
     ) -> None:
+        self._catch_up_due = False  # what came before this batch is replayed here, as a gap
         last = self._last_seq
         if last >= 0 and seq <= last:
             self._counts["restarts"] += 1
             _log.warning("KV events from %s: sequence went back %d -> %d: engine restart", self.backend, last, seq)
             ops.extend(self._tracker.reset())
-            last = self._last_seq = -1
+            last = self._last_seq = self._counted_seq = -1
         if seq > last + 1:
             if last >= 0:
                 self._counts["gaps"] += 1
@@ -580,14 +600,17 @@ class KVEventSubscriber:
             _log.log(sparse_level(invalid), "KV events from %s: skipping batch %d (%d invalid so far): %s",
                      self.backend, seq, invalid, exc)  # fmt: skip
             return
-        self._counts["batches"] += 1
-        self._counts["events"] += len(batch.events)
+        if seq > self._counted_seq:  # not one that a replay after reset() applies again
+            self._counted_seq = seq
+            self._counts["batches"] += 1
+            self._counts["events"] += len(batch.events)
         ops.extend(self._tracker.apply(batch.events))
         if math.isfinite(batch.ts):
             timestamps.append(batch.ts)
 
     def _catch_up(self, context: zmq.Context[Any]) -> None:
         """Apply every batch the engine's replay buffer holds after the last one seen."""
+        self._catch_up_due = False
         ops: IndexOps = []
         timestamps: list[float] = []
         replayed = self._replay(context, self._last_seq + 1, _LATEST)

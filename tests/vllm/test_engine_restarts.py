@@ -154,3 +154,34 @@ def test_the_restarts_of_a_backend_without_events_are_exported() -> None:
         wait_until(lambda: fleet.stats()["gpu0"].engine_restarts == 1, what="the restart seen in /metrics")
         assert registry.get_sample_value("prefixroute_engine_restarts_total", {"backend": "gpu0"}) == 1
         assert registry.get_sample_value("prefixroute_engine_restarts_total", {"backend": "gpu1"}) is None
+
+
+def test_with_events_a_restart_the_events_followed_first_is_replayed_at_once_when_metrics_reset_them() -> None:
+    """Was: the events followed the new engine, then the poller's reset() dropped its blocks and nothing replayed
+    them until the engine published again: an idle restarted engine's blocks were missing from the index (and once
+    it published, ``batches`` counted the replayed ones a second time)."""
+    router = events_router()
+    with FakeVLLM(num_blocks=64) as engine, Fleet(router, interval=0.02, timeout=1.0, stale_after=3.0) as fleet:
+        engine.set_metrics_fault(text=metrics_text(queries=1, started="100"))  # the restart hidden from /metrics
+        fleet.add_backend("gpu0", kv_events=engine.endpoint, replay=engine.replay_endpoint, metrics_url=engine.url)
+        sub = fleet.subscriber("gpu0")
+        assert sub is not None
+        settle(engine, sub)
+        engine.restart()
+        for _ in range(3):
+            engine.complete(fresh())
+        settle(engine, sub)  # the events saw the sequence go back and follow the new engine, which then goes quiet
+        assert sub.stats().restarts == 1 and router.index.hashes("gpu0") == engine.own_hashes() != set()
+        before = sub.stats()
+        engine.set_metrics_fault(text=metrics_text(queries=1, started="200"))  # now /metrics shows the new process
+        wait_until(lambda: fleet.stats()["gpu0"].engine_restarts == 1, what="the restart seen in /metrics")
+        wait_until(
+            lambda: sub.stats().replayed_batches - before.replayed_batches == before.last_seq + 1,
+            what="the reset's replay of the new engine's batches, with the engine quiet",
+        )
+        assert router.index.hashes("gpu0") == engine.own_hashes() and sub.last_seq == before.last_seq
+        after = sub.stats()
+        assert (after.batches, after.events, after.failed_replays, after.restarts) == (
+            before.batches, before.events, before.failed_replays, before.restarts,
+        )  # fmt: skip
+        router._check()

@@ -44,8 +44,8 @@ from .test_vllm_blackbox import (
 def test_a_repeated_0_is_held_back_not_skipped_and_the_next_batch_makes_it_a_restart() -> None:
     """0 is where a restarted engine begins: a 0 after a 0 is the new stream's first batch once 1 follows it."""
     with publisher() as pub, subscribed(pub) as (router, sub):
+        pub.buffer.clear()  # first: the reset's replay would apply the batches it holds again
         sub.reset()  # the next batch starts a new stream: 0 is then the last number seen
-        pub.buffer.clear()
         first = pub.publish(stored_batch(100, 1, first_hash=1), seq=0)
         wait_until(applied(sub, first))
         before = sub.stats()
@@ -61,8 +61,8 @@ def test_a_repeated_0_is_held_back_not_skipped_and_the_next_batch_makes_it_a_res
 def test_a_repeated_0_that_the_next_batch_does_not_continue_costs_only_itself() -> None:
     """Held back, a corrupt 0 is skipped when the next number does not follow it: the blocks stay, no restart."""
     with publisher() as pub, subscribed(pub) as (router, sub):
-        sub.reset()
         pub.buffer.clear()
+        sub.reset()
         first = pub.publish(stored_batch(100, 1, first_hash=1), seq=0)
         wait_until(applied(sub, first))
         before = sub.stats()
@@ -372,8 +372,8 @@ def test_stop_takes_any_timeout_from_zero_to_the_largest_a_thread_can_wait(timeo
 
 def test_every_gap_and_every_restart_is_counted_once_including_a_gap_right_after_batch_0() -> None:
     with publisher() as pub, subscribed(pub) as (router, sub):
+        pub.buffer.clear()  # first: the reset's replay would apply the batches it holds again
         sub.reset()  # a new stream from 0
-        pub.buffer.clear()
         before = sub.stats()
         pub.publish(stored_batch(100, 1, first_hash=1), seq=0)
         for lost, last in ((1, 2), (3, 4)):  # a gap after 0, another after 2: each filled from the replay
@@ -416,8 +416,8 @@ def test_negative_sequence_numbers_are_skipped_even_when_one_continues_the_other
 def test_a_repeat_of_1_is_skipped_and_counted_not_held_back_for_a_restart() -> None:
     """Only 0 is exempt from the repeat rule: a repeated 1 that 2 then follows is no new stream."""
     with publisher() as pub, subscribed(pub) as (router, sub):
-        sub.reset()
         pub.buffer.clear()
+        sub.reset()
         pub.publish(stored_batch(100, 1, first_hash=1), seq=0)
         first = pub.publish(stored_batch(116, 1, parent=1, first_hash=2), seq=1)
         wait_until(applied(sub, first))
