@@ -67,6 +67,7 @@ class _Link:
 
     def __init__(self) -> None:
         self.handshaking = False  # connected, the ZMQ handshake not yet done
+        self.up = False  # a ZMQ session with the publisher: handshake done, not disconnected since
         self.failed_in_a_row = 0  # handshakes failed since the last that succeeded
         self.dropped_at: float | None = None  # dropped, and no reconnect scheduled since
 
@@ -125,7 +126,9 @@ class KVEventSubscriber:
     Sequence handling: a gap triggers a replay request; a sequence that goes backwards means the engine restarted,
     and the backend's blocks are dropped before the new stream applies; a subscriber that starts late replays from
     sequence 0 (as far back as the engine's replay buffer reaches), and the batches published while that replay
-    ran, heard live after it with the same numbers and bytes, are skipped as duplicates. A sequence number that is
+    ran, heard live after it with the same numbers and bytes, are skipped as duplicates. That catch-up runs once
+    the publisher is there (its ZMQ handshake done: a subscriber may start before its engine), and again after each
+    reconnect, from the batch after the last one applied. A sequence number that is
     negative, or repeats the last one (but 0, or one that continues a number held back), is skipped; one that goes
     backwards or jumps more than ``max_sequence_jump`` ahead, live or in a replay, is believed only when the next
     message continues from it (so a restart is acted on one batch late, and one corrupt number costs one batch, not
@@ -418,12 +421,16 @@ class KVEventSubscriber:
             poller.register(sub, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
             sub.connect(self.endpoint)
-            caught_up = self.replay_endpoint is None
             link = _Link()
             while not self._stop.is_set():
-                ready = dict(poller.poll(50))
-                if monitor in ready:
-                    self._watch(monitor, link)
+                ready = dict(poller.poll(_STOP_POLL_MS))
+                if monitor in ready and self._watch(monitor, link) and self.replay_endpoint is not None:
+                    # A session with the publisher began, the first or one after a drop: the batches published
+                    # before its subscription took effect (ZMQ's slow joiner), or while it was down, would only be
+                    # noticed at the next batch, which an idle engine may not send for long. They are fetched from
+                    # the replay at the next quiet poll: once the publisher is there, not at connect() (a subscriber
+                    # started before its engine would find nothing to ask, and miss the engine's first batches).
+                    self._catch_up_due = True
                 if link.dropped_at is not None and time.monotonic() - link.dropped_at > _ABANDONED_S:
                     raise _Abandoned(
                         "the connection was dropped and libzmq will not reconnect (a peer that broke ZMQ's protocol, "
@@ -431,17 +438,13 @@ class KVEventSubscriber:
                         "such as vLLM's replay endpoint)"
                     )
                 if sub not in ready:
-                    if not ready and not caught_up:
-                        # Quiet since connecting: batches published before the subscription took effect (ZMQ's
-                        # slow joiner) would only be noticed at the next batch; fetch them from the replay now.
-                        caught_up = True
-                        self._catch_up_due = True
-                    if not ready and self._catch_up_due:  # at start, or after a reset(): an idle engine may not
-                        with self._state_lock:  # publish for long, and until then the index would miss its blocks
+                    # Due after a session began or a reset(); with no session (the engine not there yet, or gone
+                    # and reconnecting) it waits for the next: the handshake asks for it anyway.
+                    if not ready and self._catch_up_due and link.up:
+                        with self._state_lock:
                             if self._catch_up_due:  # not taken by a batch meanwhile (reset() runs under the lock)
                                 self._catch_up(context)
                     continue
-                caught_up = True
                 messages = [sub.recv_multipart(copy=True)]
                 while len(messages) < self._max_batches:
                     try:
@@ -456,17 +459,20 @@ class KVEventSubscriber:
                 monitor.close(linger=0)
             sub.close(linger=0)
 
-    def _watch(self, monitor: zmq.Socket[bytes], link: _Link) -> None:
-        """Follow the SUB socket's monitor in ``link``; count and log the handshakes that fail."""
+    def _watch(self, monitor: zmq.Socket[bytes], link: _Link) -> bool:
+        """Follow the SUB socket's monitor in ``link``; count and log the handshakes that fail. Return whether a
+        session with the publisher began (a handshake succeeded)."""
+        began = False
         while True:
             try:
                 event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))["event"]
             except zmq.Again:
-                return
+                return began
             if event in (zmq.EVENT_CONNECTED, zmq.EVENT_CONNECT_RETRIED):
                 link.handshaking, link.dropped_at = event == zmq.EVENT_CONNECTED, None
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 link.handshaking, link.failed_in_a_row = False, 0
+                link.up = began = True
             elif event & _HANDSHAKE_FAILED or (event == zmq.EVENT_DISCONNECTED and link.handshaking):
                 link.handshaking = False
                 link.failed_in_a_row += 1
@@ -478,6 +484,7 @@ class KVEventSubscriber:
                          link.failed_in_a_row)  # fmt: skip
             if event == zmq.EVENT_DISCONNECTED:
                 link.dropped_at = time.monotonic()
+                link.up = False
 
     def _handle(self, messages: list[list[bytes]], context: zmq.Context[Any]) -> None:
         ops: IndexOps = []

@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import zmq
 
+from prefixroute.testing import FakeVLLM
 from prefixroute.vllm import KVEventSubscriber
 from prefixroute.vllm import subscriber as subscriber_module
 
 from ..conftest import DEADLINE_S, wait_until
+from .conftest import fresh
 from .test_subscriber import NotZMQ
 from .test_vllm_blackbox import (
     Publisher,
@@ -339,3 +343,53 @@ def test_a_replay_whose_connection_is_dropped_for_an_oversized_frame_says_so(
         "replay within 0.5s: the connection was dropped, by a frame over MAX_MESSAGE_BYTES or an engine gone); 0 "
         "batches kept, live events go on"
     ]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_a_subscriber_started_before_its_engine_replays_the_engines_first_batches_once_it_connects() -> None:
+    """Was: the catch-up replay ran at the first quiet poll after connect(), with no engine there yet: it failed
+    (a failed replay, a warning) and was not tried again, so the batches the engine published before the subscription
+    took effect were missing until it published once more."""
+    port, replay_port = _free_port(), _free_port()
+    router = events_router()
+    with KVEventSubscriber(
+        router, "gpu0", f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+        replay_timeout=0.2,
+    ) as sub:  # fmt: skip
+        time.sleep(0.5)  # the engine is not there yet: longer than a replay would wait for it
+        engine = FakeVLLM(num_blocks=64, port=port, replay_port=replay_port)
+        engine.drop_next(2)  # published before anyone subscribed: only its replay buffer has them
+        engine.complete(fresh())
+        engine.complete(fresh())
+        with engine:  # and then it goes quiet
+            wait_until(lambda: router.index.hashes("gpu0") == engine.own_hashes() != set(), what="the catch-up")
+            stats = sub.stats()
+            assert (stats.last_seq, stats.replayed_batches, stats.failed_replays) == (1, 2, 0)
+            sound(router, sub)
+
+
+def test_the_batches_published_while_the_connection_was_down_are_replayed_as_it_comes_back() -> None:
+    """Was: libzmq reconnected the SUB socket by itself, and what the engine published meanwhile was replayed only
+    when its next batch showed the gap; now the new session's handshake asks for a catch-up."""
+    with publisher() as pub, subscribed(pub) as (router, sub):
+        first = pub.publish(stored_batch(100, 1, first_hash=1))
+        wait_until(applied(sub, first))
+        before = sub.stats()
+        pub.pub.close(0)  # the publisher's socket goes away: the subscriber's connection drops
+        lost = [pub.publish(stored_batch(200 + 16 * i, 1, first_hash=2 + i), send=False) for i in range(3)]
+        with pub._lock:
+            pub.pub = pub.ctx.socket(zmq.PUB)
+            pub.pub.setsockopt(zmq.LINGER, 0)
+            pub.pub.bind(pub.endpoint)  # back on the same address: libzmq reconnects
+        wait_until(applied(sub, lost[-1]), what="the batches published while down, with no batch after them")
+        assert router.index.hashes("gpu0") == own(tokens(100, 1)).union(
+            *(own(tokens(200 + 16 * i, 1)) for i in range(3))
+        )
+        after = sub.stats()
+        assert (after.replayed_batches - before.replayed_batches, after.failed_replays) == (3, before.failed_replays)
+        sound(router, sub)
