@@ -301,6 +301,11 @@ class KVEventSubscriber:
             return
         self._thread = None
 
+    def _signal_stop(self) -> None:
+        """Tell the thread to stop without waiting for it (within its 50 ms poll it does): the fleet signals a
+        backend's subscribers together, then :meth:`stop` joins each, so stopping N takes one poll, not N."""
+        self._stop.set()
+
     def __enter__(self) -> KVEventSubscriber:
         return self.start()
 
