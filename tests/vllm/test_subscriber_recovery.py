@@ -7,6 +7,7 @@ docs/vllm.md, "Lost messages, restarts, late start", says what these check.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import socket
 import time
@@ -373,6 +374,17 @@ def test_a_subscriber_started_before_its_engine_replays_the_engines_first_batche
             sound(router, sub)
 
 
+def _bound(pub_socket: zmq.Socket[Any], endpoint: str) -> bool:
+    """Bind ``pub_socket`` to ``endpoint``; False while the socket closed there still holds it (libzmq closes later)."""
+    try:
+        pub_socket.bind(endpoint)
+    except zmq.ZMQError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        return False
+    return True
+
+
 def test_the_batches_published_while_the_connection_was_down_are_replayed_as_it_comes_back() -> None:
     """Was: libzmq reconnected the SUB socket by itself, and what the engine published meanwhile was replayed only
     when its next batch showed the gap; now the new session's handshake asks for a catch-up."""
@@ -385,7 +397,7 @@ def test_the_batches_published_while_the_connection_was_down_are_replayed_as_it_
         with pub._lock:
             pub.pub = pub.ctx.socket(zmq.PUB)
             pub.pub.setsockopt(zmq.LINGER, 0)
-            pub.pub.bind(pub.endpoint)  # back on the same address: libzmq reconnects
+            wait_until(lambda: _bound(pub.pub, pub.endpoint), what="the address free again")  # libzmq reconnects
         wait_until(applied(sub, lost[-1]), what="the batches published while down, with no batch after them")
         assert router.index.hashes("gpu0") == own(tokens(100, 1)).union(
             *(own(tokens(200 + 16 * i, 1)) for i in range(3))
