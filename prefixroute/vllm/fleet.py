@@ -206,7 +206,9 @@ class Fleet:
                 ``replay`` list differs in length, a list or ``data_parallel_size`` has more than
                 :data:`~prefixroute.vllm._checks.MAX_DATA_PARALLEL_SIZE` (1024) ranks, or ``data_parallel_size`` is
                 not an int in [1, 1024], differs from the list's length, comes without ``kv_events``, or cannot
-                offset the endpoints.
+                offset the endpoints; or a thread could not be started (out of file descriptors or threads: the
+                error says which; each KV-event subscriber holds about 8 descriptors and 3 libzmq threads): the
+                backend is then not added, and what it had started is stopped.
             TypeError: ``backend`` is not a str, ``namespace`` not a str, bytes or None.
         """
         backend = check_backend(backend)  # a plain str: remove_backend() finds it by the router's id
@@ -267,10 +269,19 @@ class Fleet:
         if refusal is not None:
             member.stop()  # nothing was started; this closes the poller's HTTP client
             raise refusal
-        for subscriber in member.subscribers:
-            subscriber.start()
-        if member.poller is not None:
-            member.poller.start()
+        try:
+            for subscriber in member.subscribers:
+                subscriber.start()
+            if member.poller is not None:
+                member.poller.start()
+        except BaseException:
+            # Undone: a backend left in the fleet with some of its threads running and the others never started
+            # would follow some ranks for good, and its id could not be added again once the cause is fixed.
+            with self._lock:
+                if self._members.get(backend) is member:
+                    del self._members[backend]
+            member.stop()
+            raise
         with self._lock:
             gone = self._members.get(backend) is not member
         if gone:  # remove_backend() or close() took it before its threads started: they found nothing to stop
@@ -520,7 +531,12 @@ class _Poller:
         self._previous: EngineMetrics | None = None  # the scrape before, to tell a restart by
 
     def start(self) -> None:
-        self._thread.start()
+        try:
+            self._thread.start()
+        except RuntimeError as exc:  # "can't start new thread"
+            raise ConfigurationError(
+                f"the /metrics poller of {self._backend} could not start ({exc}): the process is out of threads"
+            ) from exc
 
     def signal_stop(self) -> None:
         self._stop.set()

@@ -257,6 +257,9 @@ class KVEventSubscriber:
 
         Raises:
             StateError: the thread of an earlier :meth:`stop` is still running after that wait.
+            ConfigurationError: the process could not give the subscriber its ZMQ context or its thread (out of
+                file descriptors or threads: each subscriber holds about 8 descriptors and 3 libzmq threads); nothing
+                is left running.
         """
         old = self._thread
         if old is not None and old.is_alive():
@@ -266,11 +269,21 @@ class KVEventSubscriber:
             if old.is_alive():
                 raise StateError(f"the KV-event thread of {self.backend} has not ended since stop(): try again")
         self._stop.clear()
-        context: zmq.Context[Any] = zmq.Context()
-        thread = threading.Thread(
-            target=self._run, args=(context,), name=f"prefixroute-kv-events[{self.backend}]", daemon=True
-        )
-        thread.start()
+        context: zmq.Context[Any] | None = None
+        try:
+            context = zmq.Context()
+            thread = threading.Thread(
+                target=self._run, args=(context,), name=f"prefixroute-kv-events[{self.backend}]", daemon=True
+            )
+            thread.start()
+        except (zmq.ZMQError, OSError, RuntimeError) as exc:  # EMFILE, or "can't start new thread"
+            if context is not None:
+                context.destroy(linger=0)
+            raise ConfigurationError(
+                f"the KV-event subscriber of {self.backend} could not start ({exc}): each one holds a ZMQ context "
+                "(about 8 file descriptors and 3 threads); raise the open-files limit (ulimit -n) or follow fewer "
+                "endpoints in this process"
+            ) from exc
         self._thread = thread  # only once started: a stop() from another thread cannot join it before (RuntimeError)
         return self
 

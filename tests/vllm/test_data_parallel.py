@@ -3,6 +3,7 @@ so the backend's index holds a block while any rank holds it; the endpoints' che
 
 from __future__ import annotations
 
+import errno
 import random
 import threading
 import time
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import zmq
 
 from prefixroute import BlockHasher, ConfigurationError, InvalidEventError, InvalidTypeError, Router
 from prefixroute.testing import FakeVLLM
@@ -398,3 +400,29 @@ def test_a_backends_rank_subscribers_are_all_told_to_stop_before_any_is_waited_f
             fleet.remove_backend("dp")
         assert told_at_each_wait == [[True] * 8] * 8
     assert not any(s.running for s in subscribers)
+
+
+def test_a_rank_whose_subscriber_cannot_start_undoes_the_add_and_says_what_to_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Was: a process out of file descriptors (each subscriber's ZMQ context holds about 8) failed add_backend() with
+    a bare ZMQError after the backend had joined the fleet: its first ranks' subscribers ran for good, the rest never
+    started, and its id could not be added again."""
+    made = {"contexts": 0}
+    real_context = zmq.Context
+
+    def context_until_out_of_descriptors() -> zmq.Context[Any]:
+        made["contexts"] += 1
+        if made["contexts"] == 3:
+            raise zmq.ZMQError(errno.EMFILE)
+        return real_context()
+
+    with Fleet(events_router()) as fleet:
+        monkeypatch.setattr(zmq, "Context", context_until_out_of_descriptors)
+        with pytest.raises(ConfigurationError, match=r"could not start \(Too many open files\).*ulimit -n"):
+            fleet.add_backend("dp", kv_events="tcp://127.0.0.1:41100", data_parallel_size=4)
+        monkeypatch.undo()
+        assert fleet.backends() == [] and fleet.subscribers("dp") == []
+        assert not [t for t in threading.enumerate() if t.name == "prefixroute-kv-events[dp]"]
+        fleet.add_backend("dp", kv_events="tcp://127.0.0.1:41100", data_parallel_size=4)  # once fixed, as new
+        assert [s.running for s in fleet.subscribers("dp")] == [True] * 4
