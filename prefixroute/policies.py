@@ -551,7 +551,8 @@ class PredictedTTFT(LoadPolicy):
         ``typical_prompt`` for each request in flight. Left out, nothing is capped. :attr:`Candidate.memory_wait_s`
         counts as prefill work at the candidate's ``prefill_tokens_per_s`` (none while that is unknown);
         :meth:`choose` counts every candidate's at one speed, :meth:`wait_speed` (with ``use_speed``, each at the
-        speed it divides by): ``cost(candidate._replace(prefill_tokens_per_s=...))`` is what it compares.
+        speed it divides by): it hands ``cost()``, a subclass's too, a candidate with a wait for memory as
+        ``candidate._replace(prefill_tokens_per_s=...)`` at that speed, and returns the candidate it was given.
 
         Raises:
             TypeError: ``candidate`` is not a :class:`Candidate`, or one of its fields has the wrong type.
@@ -631,22 +632,24 @@ class PredictedTTFT(LoadPolicy):
     @_names_bad_fields
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         common, typical = self.cap_terms(candidates)  # raises for no candidates
-        own_cost = type(self).cost is PredictedTTFT.cost
-        if not self.use_speed and own_cost:
+        if not self.use_speed and type(self).cost is PredictedTTFT.cost:
             return self._choose_fast(candidates, min(common, typical), common)
         speeds: list[float] = []
         default_speed = 1.0
+        waits_at = self.wait_speed(candidates)
         if self.use_speed:
-            default_speed = self.wait_speed(candidates) or 1.0
+            default_speed = waits_at or 1.0
             speeds = [c.prefill_tokens_per_s or default_speed for c in candidates]
         cost = self.cost
         best = candidates[0]
         best_cost = math.inf
         for position, candidate in enumerate(candidates):  # strict < keeps the first of equals (placement order)
             speed = speeds[position] if speeds else default_speed
-            if own_cost and candidate.memory_wait_s and candidate.prefill_tokens_per_s != speed:
-                candidate = candidate._replace(prefill_tokens_per_s=speed)  # its wait, counted as the seconds it is
-            predicted = cost(candidate, speed=speed, common_tokens=common, typical_prompt=typical)
+            scored = candidate
+            wait_speed = speed if self.use_speed else waits_at  # with use_speed, the wait counts as its seconds
+            if candidate.memory_wait_s and wait_speed and candidate.prefill_tokens_per_s != wait_speed:
+                scored = candidate._replace(prefill_tokens_per_s=wait_speed)  # a subclass's cost() too
+            predicted = cost(scored, speed=speed, common_tokens=common, typical_prompt=typical)
             if predicted < best_cost:
                 best, best_cost = candidate, predicted
         return best

@@ -901,7 +901,8 @@ class Router:
         """Forget a backend (it left the fleet): its blocks, its requests in flight and its figures. Its capacity, a
         setting, stays (``set_capacity(backend, None)`` forgets it too).
 
-        A later :meth:`finish` of one of its requests is ignored. O(requests in flight) under the lock; the blocks
+        A later :meth:`finish` of one of its requests is ignored, and so is a :meth:`start` but after a
+        :meth:`commit` (the backend back in the fleet). O(requests in flight) under the lock; the blocks
         are freed after it is released (a million take ~40 ms).
         """
         backend = check_backend_id(backend)
@@ -909,6 +910,7 @@ class Router:
             blocks = self._index.remove_backend(backend)
             for decision_id in [i for i, r in self._live.items() if r.backend == backend]:
                 del self._live[decision_id]
+                self._ended_on(decision_id)  # a late start() is ignored; one committed again (it came back) counts
             for figures in (
                 self._in_flight,
                 self._pending,

@@ -70,19 +70,17 @@ class _Attempt:
     """One routing attempt of one request (Ray's PendingRequest, again after each rejection with a fresh routing
     future), not yet routed: its decision, and the replica its routing future named (None until it did)."""
 
-    __slots__ = ("committed", "decision", "future", "replica", "request", "request_id")
+    __slots__ = ("committed", "decision", "future", "key", "replica", "request", "request_id")
 
     def __init__(self, decision: Decision, request: PendingRequest, future: Any) -> None:
         self.decision = decision
-        self.request = request  # held, so the ids the tables key it by stay its own
+        # held while routing, so the ids the tables key it by stay its own (None once only a late notice may come)
+        self.request: PendingRequest | None = request
         self.future = future
+        self.key = id(request if future is None else future)  # see _attempt_key()
         self.request_id: str = request.metadata.internal_request_id
         self.replica: str | None = None
         self.committed = False
-
-    @property
-    def key(self) -> int:
-        return id(self.request if self.future is None else self.future)
 
 
 def _attempt_key(request: PendingRequest) -> int:
@@ -229,11 +227,14 @@ class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
         chosen = by_id[decision.backend]
         return [[chosen], [replica for replica in candidate_replicas if replica is not chosen]]
 
-    def _end(self, attempt: _Attempt, *, keep: bool = False) -> None:
-        """Stop counting ``attempt`` and forget it (``keep``: among the noticed, should Ray still report it routed)."""
-        self.router.finish(attempt.decision)
+    def _end(self, attempt: _Attempt, *, keep: bool = False, refused: bool = False) -> None:
+        """Stop counting ``attempt`` and forget it (``keep``: among the noticed, should Ray still report it routed;
+        ``refused``: as :meth:`Router.finish` takes it)."""
+        self.router.finish(attempt.decision, refused=refused)
         self._drop(attempt)
         if keep:
+            if attempt.future is not None:  # its key (the future's id) stays its own without the request
+                attempt.request = None  # whose arguments (the prompt) are not held for a report that may never come
             self._noticed[attempt.key] = attempt
             if len(self._noticed) > self._max_pending:
                 del self._noticed[next(iter(self._noticed))]
@@ -241,7 +242,7 @@ class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
     def _drop(self, attempt: _Attempt) -> None:
         """Forget ``attempt`` as not yet routed (its count is left as it is)."""
         self._attempts.pop(attempt.key, None)
-        if self._latest.get(id(attempt.request)) is attempt:
+        if attempt.request is not None and self._latest.get(id(attempt.request)) is attempt:
             del self._latest[id(attempt.request)]
         sent = self._sent.get(attempt.request_id)
         if sent is not None and sent.pop(attempt.key, None) is not None and not sent:
@@ -306,8 +307,10 @@ class PrefixRouteRequestRouter(MultiplexMixin, RequestRouter):
             attempt = self._attempts.get(key)
             if attempt is None or (attempt.future is not None and attempt.future.done()):
                 return
+            # Ended as refused (it ran nowhere yet: no lifetime of milliseconds is learned, nothing is forgotten of a
+            # decision never committed), then committed where the caller sends it.
+            self._end(attempt, refused=True)
             self.router.commit(attempt.decision)
-            self._end(attempt)
         except Exception:
             self.errors += 1
             _log.exception("prefixroute could not end a request Ray stopped routing")

@@ -281,6 +281,7 @@ class Fleet:
                 if self._members.get(backend) is member:
                     del self._members[backend]
             member.stop()
+            self._router.clear_backend(backend)  # what a rank that did start wrote (its requests in flight stay)
             raise
         with self._lock:
             gone = self._members.get(backend) is not member

@@ -580,6 +580,7 @@ def test_a_task_s_later_call_sharing_its_metadata_leaves_its_open_stream_counted
         stream = await ask(router, "the open stream", stream=True, metadata=shared)
         chunks = aiter(stream)
         await anext(chunks)
+        streaming = shared[DEPLOYMENT_KEY]
         assert hook.router.stats().in_flight == 1
         for i in range(3):
             await ask(router, f"a later call {i}", metadata=shared)
@@ -587,7 +588,7 @@ def test_a_task_s_later_call_sharing_its_metadata_leaves_its_open_stream_counted
                 if hook.router.stats().in_flight == 1:
                     break
                 await asyncio.sleep(0.01)
-            assert hook.router.stats().in_flight == 1  # the stream, still
+            assert hook.router.in_flight(streaming) == 1 and hook.router.stats().in_flight == 1  # the stream
         async for _chunk in chunks:
             pass
         await settled(hook)

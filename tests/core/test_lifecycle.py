@@ -394,7 +394,7 @@ def test_start_ends_due_leases_first_and_a_request_whose_lease_ran_out_is_not_st
     assert router.in_flight(retried.backend) == 1
 
 
-@pytest.mark.parametrize("end", ["finish", "refused", "lease"])
+@pytest.mark.parametrize("end", ["finish", "refused", "lease", "remove_backend"])
 def test_a_start_that_comes_after_its_request_ended_is_ignored(end: str) -> None:
     # Was counted again, as a new prefill, and without a lease never left: a start() callback that lands after the
     # finish() of its request (a gateway's racing callbacks) brought 1,000 such requests back into the counts.
@@ -408,6 +408,9 @@ def test_a_start_that_comes_after_its_request_ended_is_ignored(end: str) -> None
     if end == "lease":
         clock.tick(1.0)
         router.expire()
+    elif end == "remove_backend":
+        router.remove_backend("a")
+        router.remove_backend("b")
     for decision in decisions:
         router.start(decision)
         router._check()

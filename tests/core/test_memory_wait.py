@@ -4,6 +4,7 @@ router's requests in flight there and the mean time requests live; and how the d
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -148,10 +149,49 @@ def test_the_full_backend_whose_memory_frees_first_wins_whatever_the_speed_estim
     steady = FULL._replace(backend="steady", prefill_tokens_per_s=9360.0, memory_wait_s=3.0)
     new = FULL._replace(backend="new", memory_wait_s=11.9)
     policy = PredictedTTFT(use_speed=use_speed)
-    assert policy.choose([noisy, steady]).backend == "steady"
-    assert policy.choose([new, steady]).backend == "steady"
-    assert policy.choose([new, steady._replace(memory_wait_s=12.0)]).backend == "new"
+    assert policy.choose([noisy, steady]) is steady
+    assert policy.choose([new, steady]) is steady
+    later = steady._replace(memory_wait_s=12.0)
+    assert policy.choose([new, later]) is new  # the candidate given, not the one scored at another speed
+
+    class Logged(PredictedTTFT):  # a subclass's own cost(), calling the default's: the same waits, the same choice
+        def cost(self, candidate: Candidate, *, speed: float = 1.0, **cap: Any) -> float:
+            return super().cost(candidate, speed=speed, **cap)
+
+    assert Logged(use_speed=use_speed).choose([noisy, steady]) is steady
+    assert Logged(use_speed=use_speed).choose([new, steady]) is steady
     assert PredictedTTFT.wait_speed([noisy, steady, new]) == 9360.0 and PredictedTTFT.wait_speed([new]) is None
+
+
+def test_with_use_speed_a_full_backend_without_a_speed_estimate_is_routed_to_without_a_policy_error() -> None:
+    # Was a PolicyError on every route: choose() returned the candidate it had scored at the median speed, a copy the
+    # router did not hand it ("not one of the candidates it was given").
+    clock = FakeClock()
+    router = Router(policy=PredictedTTFT(use_speed=True), capacity_blocks=8, clock=clock)
+    prompts = iter(list(range(1000 * i, 1000 * i + 64)) for i in range(100))
+    for backend in ("a", "b"):  # each learns a lifetime; only "a" a prefill speed
+        decision = router.commit(router.decide(next(prompts), ["a", "b"]), backend)
+        router.start(decision)
+        clock.tick(1.0)
+        if backend == "a":
+            router.first_token(decision)
+        clock.tick(20.0)
+        router.finish(decision)
+    for backend, count in (("b", 3), ("a", 6)):  # both full: "b" waits for memory with no speed estimate
+        for _ in range(count):
+            decision = router.commit(router.decide(next(prompts), ["a", "b"]), backend)
+            router.start(decision)
+            if backend == "a":
+                clock.tick(0.01)
+                router.first_token(decision)
+            clock.tick(0.5)
+    candidates = router.decide(next(prompts), ["a", "b"]).candidates
+    assert all(c.memory_wait_s > 0 for c in candidates) and [c.prefill_tokens_per_s is None for c in candidates] == [
+        False,
+        True,
+    ]
+    for _ in range(5):
+        router.decide(next(prompts), ["a", "b"])
 
 
 def test_a_wait_weighs_against_queued_prefill_in_the_same_tokens() -> None:

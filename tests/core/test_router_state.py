@@ -230,6 +230,7 @@ class RouterMachine(RuleBasedStateMachine):
     @rule(backend=st.sampled_from(BACKENDS))
     def remove_backend(self, backend: str) -> None:
         self.router.remove_backend(backend)
+        self.ended |= {i: held[0] for i, held in self.live.items() if held[0] == backend}
         self.live = {i: held for i, held in self.live.items() if held[0] != backend}
 
     @rule(backend=st.sampled_from(BACKENDS))

@@ -92,10 +92,10 @@ _HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "prox
 # the engine sent a 100, which a server need not send: with no read timeout, for ever).
 _NOT_FORWARDED = _HOP_BY_HOP | {"content-encoding", "expect"}
 _UPSTREAM_KEEPALIVE_S = 4.0
-_SHUTDOWN_GRACE_S = 2.5  # how long a stop lets running requests finish before it cuts them off
 """How long an idle connection to an engine is kept for the next request: under the 5 s after which vLLM's server
 (uvicorn, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``) closes it. Kept longer, a request could be sent just as the engine closes
 the connection, a request that may have gone out and is not resent: the client got a 502 and the engine a failure."""
+_SHUTDOWN_GRACE_S = 2.5  # how long a stop lets running requests finish before it cuts them off
 MAX_RETRIES = 16
 """The most resends of a request whose connection failed: more would only hold a client while a fleet is down."""
 MAX_BODY_BYTES = 64 * 2**20
