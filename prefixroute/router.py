@@ -52,7 +52,7 @@ _log = logging.getLogger("prefixroute")
 _EXPIRY_WARNING_SECONDS = 60.0
 # Lease heap entries beyond twice the requests in flight before finish() drops those of finished requests.
 _LEASE_SLACK = 1024
-_ENDED_KEPT = 4096  # ids of the latest requests that ended (finish or lease), so a late start() is not a new one
+_ENDED_KEPT = 4096  # ids of the latest requests that ended (finish, lease, removal), so a late start() is not a new one
 
 Reason = Literal["prefix", "load-fallback", "miss", "policy"]
 """Why a backend was chosen: it held the longest prefix (``"prefix"``); a prefix-aware policy passed over a longer
@@ -480,7 +480,7 @@ class Router:
         counting and is counted in :attr:`RouterStats.leases_expired`. A second start of the same id is ignored,
         unless the decision was committed to another backend since: then the request's count moves there (its
         first token, if reported, is forgotten: the new backend has its prefill ahead of it). So is a start that
-        comes after the request ended (its :meth:`finish` or its lease; of the last 4,096 requests that ended), a
+        comes after the request ended (its :meth:`finish`, its lease or its backend's removal; of the last 4,096), a
         callback that came late: counted in :attr:`RouterStats.ignored`, unless the decision was committed again
         since it ended (a retry, such as the proxy's after a refused connection, on another backend or the same):
         then it counts anew.
