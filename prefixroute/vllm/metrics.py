@@ -124,7 +124,7 @@ def parse_metrics(text: str, *, deadline: float | None = None) -> EngineMetrics:
         )
     if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))):
         raise InvalidTypeError(f"deadline must be a time.monotonic() instant or None, not {type(deadline).__name__}")
-    if deadline is not None and math.isnan(deadline):  # no instant is past NaN: it would never stop the parse
+    if isinstance(deadline, float) and math.isnan(deadline):  # no instant is past NaN: it would never stop the parse
         raise ConfigurationError("deadline must be a time.monotonic() instant or None, not nan")
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}

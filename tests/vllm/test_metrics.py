@@ -562,6 +562,7 @@ def test_parsing_stops_at_its_deadline() -> None:
     assert parse_metrics(text).waiting == 10_000  # no deadline: 430 KB read without a look at the clock
     with pytest.raises(ConfigurationError, match="^deadline must be a time.monotonic"):
         parse_metrics(text, deadline=math.nan)  # was taken as no deadline: no instant is past NaN
+    assert parse_metrics(text, deadline=10**400).waiting == 10_000  # an int past any float: was an OverflowError
 
 
 def test_the_timeout_bounds_the_parsing_of_a_huge_valid_body_too() -> None:
