@@ -1095,6 +1095,25 @@ def test_the_log_level_says_what_is_logged(level: str, tmp_path: Path) -> None:
         engine.stop()
 
 
+@pytest.mark.parametrize("level", ["warning", "error"])
+def test_uvicorns_lines_follow_the_log_level_and_say_whose_they_are(level: str, tmp_path: Path) -> None:
+    """uvicorn's loggers were set to ``warning`` whatever ``--log-level`` said: at the default, ``error``, any client
+    could write a ``WARNING:  Invalid HTTP request received.`` line per malformed request, without the sidecar's
+    prefix. They follow ``--log-level`` now, in the sidecar's format."""
+    port = free_port()
+    with start_sidecar(tmp_path, BACKENDS, port=port, options=["--log-level", level]) as process:
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            client.sendall(b"POST /route HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
+            assert client.recv(65536).startswith(b"HTTP/1.1 400 ")
+        # A request answered after the bad one: its warning, if any, was written before.
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200
+        line = "prefixroute serve: WARNING Invalid HTTP request received."
+        if level == "warning":
+            wait_until(lambda: line in process.output().splitlines(), what="the warning")
+        else:
+            assert "Invalid HTTP request" not in process.output(), process.output()
+
+
 def test_policy_options_reach_the_policy_as_numbers_and_flags(tmp_path: Path) -> None:
     """``--policy-option`` values are ints, floats, ``true``/``false`` (a flag, such as PredictedTTFT's
     ``use_speed``: before, no value reached it as True) or else text; the announcement shows the policy built."""
@@ -1383,6 +1402,63 @@ def test_a_request_the_http_parser_refuses_is_a_counted_400_in_json() -> None:
         assert json.loads(payload)["error"].startswith("the request is not valid HTTP/1.1"), payload
     assert answers[-1].startswith(b"HTTP/1.1 200 ") and json.loads(answers[-1].partition(b"\r\n\r\n")[2])["id"]
     assert sidecar.stats()["bad_requests"] == {"400": len(malformed)}
+
+
+def test_a_request_that_asks_to_upgrade_is_served_as_http_1_1(caplog: pytest.LogCaptureFixture) -> None:
+    """``Upgrade: h2c`` (``curl --http2``, Java's HttpClient) or ``websocket`` asks to switch protocols, which RFC
+    9110 §7.8 lets a server ignore. httptools ended such a request at its head: uvicorn answered it without its body
+    (400, "not valid JSON: Input data was truncated") and logged two warnings. Each is served as HTTP/1.1 now, its
+    body whole whether it came with the head, after it, or in chunks, and a request pipelined after it is answered."""
+    from prefixroute.adapters.serve.cli import _http_server
+
+    sidecar = Sidecar(Router(block_size=16), backends=BACKENDS)
+    body = b'{"prompt_token_ids": [1, 2, 3]}'
+    h2c = b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA\r\n"
+    websocket = b"Connection: keep-alive, Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+    head = b"POST /route HTTP/1.1\r\nHost: x\r\n%sContent-Length: %d\r\n\r\n"
+    chunked = b"POST /route HTTP/1.1\r\nHost: x\r\n%sTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+    last = b"POST /route HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    # Each connection: the pieces sent one after the other, the last request plain and closing the connection.
+    connections = [
+        [head % (h2c, len(body)) + body + last],
+        [head % (h2c, len(body)), body[:10], body[10:] + last],
+        [chunked % (h2c, len(body), body) + last],
+        [head % (websocket, len(body)) + body + last],
+    ]
+    answers: list[bytes] = []
+
+    async def exchange(loop: asyncio.AbstractEventLoop, address: Any, pieces: list[bytes]) -> bytes:
+        with socket.create_connection(address) as client:
+            client.setblocking(False)
+            for piece in pieces:
+                await loop.sock_sendall(client, piece)
+                await asyncio.sleep(0.05)  # each piece read on its own
+            received = b""
+            while chunk := await asyncio.wait_for(loop.sock_recv(client, 65536), 5):
+                received += chunk
+            return received
+
+    async def scenario() -> None:
+        server = _http_server(sidecar)
+        with socket.create_server(("127.0.0.1", 0)) as listening:
+            listening.setblocking(False)
+            serving = asyncio.ensure_future(server.serve(sockets=[listening]))
+            while not server.started:
+                await asyncio.sleep(0.01)
+            loop = asyncio.get_running_loop()
+            try:
+                for pieces in connections:
+                    answers.append(await exchange(loop, listening.getsockname(), pieces))
+            finally:
+                server.should_exit = True
+                await asyncio.wait_for(serving, 10)
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(scenario())
+    for answer in answers:
+        assert answer.count(b"HTTP/1.1 200 ") == 2 and b"HTTP/1.1 101" not in answer, answer
+    assert sidecar.stats()["decisions"] == {"miss": 2 * len(connections)}  # shorter than a block: never matched
+    assert not [r for r in caplog.records if r.name.startswith("uvicorn")], caplog.text
 
 
 class _WaitsForHealthz:

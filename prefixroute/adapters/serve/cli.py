@@ -116,7 +116,9 @@ def run(args: argparse.Namespace) -> int:
     from prefixroute.adapters.serve.text import PromptEncoder
 
     logging.basicConfig(format="prefixroute serve: %(levelname)s %(message)s")
-    logging.getLogger("prefixroute").setLevel(args.log_level.upper())
+    # uvicorn's loggers too (a malformed request's warning): its lines are the sidecar's, at the level asked for.
+    for name in ("prefixroute", "uvicorn"):
+        logging.getLogger(name).setLevel(args.log_level.upper())
     encoder = PromptEncoder(args.tokenizer) if args.tokenizer is not None else None
     # Each engine in the one spelling the sidecar routes with (a trailing "/" dropped), for --kv-events to match.
     backends = [check_backend_url(url, path=False) for url in args.backends]
@@ -326,10 +328,11 @@ def _http_server(sidecar: Any) -> Any:
                 await close_listener(listener)
             await super().shutdown(sockets)
 
-    # No proxy-headers middleware, Server or Date header: each costs every request and a proxy needs none.
+    # No proxy-headers middleware, Server or Date header: each costs every request and a proxy needs none. No logging
+    # configuration of uvicorn's own: its loggers go where the sidecar's go, at the level run() sets.
     config = uvicorn.Config(
-        sidecar, http=_http_protocol(sidecar), lifespan="off", access_log=False, log_level="warning", ws="none",
-        timeout_keep_alive=75, backlog=4096, proxy_headers=False, server_header=False, date_header=False,
+        sidecar, http=_http_protocol(sidecar), lifespan="off", access_log=False, log_config=None, log_level=None,
+        ws="none", timeout_keep_alive=75, backlog=4096, proxy_headers=False, server_header=False, date_header=False,
     )  # fmt: skip
     return Server(config)
 
@@ -389,11 +392,18 @@ def _http_protocol(sidecar: Any) -> type[asyncio.Protocol]:
     """uvicorn's HTTP/1.1 protocol (httptools, else h11), except that a request its parser refuses (a malformed chunk
     size, a Content-Length given twice or beside chunked, no HTTP at all) is answered as the sidecar answers bad
     input: a 400 with ``{"error": ...}`` in JSON, counted in ``prefixroute_bad_requests_total``, where uvicorn
-    answers a line of text/plain. The connection is closed after it, as uvicorn does: its framing is lost."""
+    answers a line of text/plain. The connection is closed after it, as uvicorn does: its framing is lost.
+
+    A request that asks to upgrade its connection (``Upgrade: h2c``, as ``curl --http2`` and Java's HttpClient send
+    by default; ``websocket``) is served as plain HTTP/1.1, as RFC 9110 §7.8 lets a server do: httptools ends such a
+    request at its head and uvicorn answered it without its body (a 400 "truncated" for every request of those
+    clients) and logged two warnings."""
     from prefixroute.adapters.serve.app import CLIENT_LEFT
 
     base: Any
-    if _http_impl() == "httptools":
+    use_httptools = _http_impl() == "httptools"
+    if use_httptools:
+        import httptools
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
         base = HttpToolsProtocol
@@ -403,6 +413,41 @@ def _http_protocol(sidecar: Any) -> type[asyncio.Protocol]:
         base = H11Protocol
 
     class Protocol(base):  # type: ignore[misc]
+        if use_httptools:
+            parser: Any
+
+            def _should_upgrade(self) -> bool:
+                # Any upgrade asked for, so that uvicorn starts nothing for its head (see data_received); not a CONNECT.
+                return bool(self._get_upgrade())
+
+            def data_received(self, data: bytes) -> None:  # uvicorn's, but for an upgrade
+                self._unset_keepalive_if_required()
+                try:
+                    self.parser.feed_data(data)
+                except httptools.HttpParserError:
+                    self.logger.warning("Invalid HTTP request received.")
+                    self.send_400_response("")
+                except httptools.HttpParserUpgrade as upgrade:
+                    if not self._should_upgrade():  # a CONNECT: answered by the app, the rest ignored, as uvicorn
+                        self._unsupported_upgrade_warning()
+                        return
+                    # Parse the request again from a head without the upgrade, then what followed it (its body).
+                    head = [
+                        self.parser.get_method(),
+                        b" ",
+                        self.url,
+                        b" HTTP/",
+                        self.parser.get_http_version().encode(),
+                    ]
+                    for name, value in self.headers:
+                        if name == b"connection":
+                            value = b",".join(t for t in value.split(b",") if t.strip().lower() != b"upgrade")
+                        if name != b"upgrade" and (name != b"connection" or value.strip()):
+                            head += [b"\r\n", name, b": ", value]
+                    self.parser = httptools.HttpRequestParser(self)
+                    self.parser.set_dangerous_leniencies(lenient_data_after_close=True)  # as uvicorn makes its own
+                    self.data_received(b"".join(head) + b"\r\n\r\n" + data[upgrade.args[0] :])
+
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self.scope["extensions"] = {**(self.scope.get("extensions") or {}), CLIENT_LEFT: self.client_left}
