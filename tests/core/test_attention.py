@@ -70,6 +70,40 @@ def test_the_fit_finds_the_context_where_attention_costs_what_the_rest_of_a_toke
     assert figures(router)[2] == pytest.approx(attention, rel=1e-6)
 
 
+@pytest.mark.parametrize("attention", [2000.0, 50000.0])
+@pytest.mark.parametrize("late_s", [3.0, 30.0])
+def test_one_late_first_token_on_a_long_prompt_barely_moves_the_fit(attention: float, late_s: float) -> None:
+    """A 40K-token prompt whose first token is reported seconds late (a pause of the gateway's): plain least squares
+    weighed it thousands of times more than a short prompt and took the figure 1.5 to 4.6 times off, for 330 to 440
+    first tokens; weighed by its relative error, it leaves the figure under 2.2 times off (a weak attention term,
+    50K, is the harder to fit), or None, and right again within 160 first tokens."""
+    clock = FakeClock()
+    router = Router(block_size=16, clock=clock)
+    lengths = [100, 3000, 700, 12000, 40, 6000, 1500, 300]
+    seconds_per = (1e-4, 1e-4 / attention)
+    served = iter(range(1, 10**6))
+
+    def serve(length: int, late: float = 0.0) -> None:
+        first = next(served) * 100_000
+        decision = router.route([first + t for t in range(length)], ["a"])
+        uncached = decision.prompt_tokens - decision.matched_tokens
+        router.start(decision)
+        clock.tick(seconds_per[0] * uncached + seconds_per[1] * pairs(uncached) + late)
+        router.first_token(decision)
+        router.finish(decision)
+
+    for n in range(40):
+        serve(lengths[n % 8])
+    assert figures(router)[2] == pytest.approx(attention, rel=1e-6)
+    serve(40_000, late=late_s)
+    after = figures(router)[2]
+    assert after is None or 1 / 2.2 < after / attention < 2.2, after
+    for n in range(160):
+        serve(lengths[n % 8])
+    assert figures(router)[2] == pytest.approx(attention, rel=0.05)
+    router._check()
+
+
 def test_no_fit_from_prompts_of_one_length_nor_from_waits_that_shrink_with_context() -> None:
     clock = FakeClock()
     router = Router(block_size=16, clock=clock)
@@ -153,7 +187,7 @@ def test_the_fit_takes_any_observation_and_gives_none_or_a_positive_finite_figur
         assert fit.tokens is None or 0.0 < fit.tokens < math.inf
 
 
-def test_one_wild_wait_leaves_the_cost_in_tokens_until_it_fades_and_never_gives_a_wrong_figure() -> None:
+def test_one_wild_wait_leaves_the_cost_in_tokens_for_a_few_first_tokens_and_never_gives_a_wrong_figure() -> None:
     clock = FakeClock()
     router = Router(block_size=16, clock=clock)
     lengths = [100, 3000, 700, 12000, 40, 6000, 1500, 300]
@@ -167,11 +201,13 @@ def test_one_wild_wait_leaves_the_cost_in_tokens_until_it_fades_and_never_gives_
     router.finish(stuck)
     assert figures(router)[2] is None  # its residual makes nothing significant
     fitted = []
-    for n in range(1200):  # its weight fades by 0.98 a first token: under the others' after about 950
+    # Its relative error is under 1 (weighed by its own wait): a few first tokens make the fit significant again
+    # (with plain least squares, its weight had to fade under the others', by 0.98 a first token: about 950).
+    for n in range(100):
         length = lengths[n % len(lengths)]
         serve_alone(router, clock, [(n + 10) * 100_000 + t for t in range(length)], (1e-4, 1e-4 / 2000))
         attention = figures(router)[2]
         assert attention is None or attention == pytest.approx(2000, rel=0.05), n
         fitted.append(attention is not None)
-    assert fitted[-1] and not fitted[500]
+    assert all(fitted[10:]) and not fitted[0]
     assert figures(router)[2] == pytest.approx(2000, rel=1e-3)
