@@ -26,7 +26,9 @@ attempt's is a failed attempt's, already finished by the retry, and is ignored. 
 also ties its decision to LiteLLM's id for the attempt (``litellm_call_id``, which its callbacks carry), so calls
 that pass one shared ``metadata`` dict, which LiteLLM writes into, still each end their own decision.
 A retry runs the filter again: the failed attempt's decision is finished, and the deployments that already failed
-this request are passed over while others remain, so the retry lands elsewhere and every count is balanced.
+this request are passed over while others remain, so the retry lands elsewhere and every count is balanced. A hook
+listed twice in ``litellm.callbacks`` (registered and appended by hand too) runs its filter twice in each filter pass:
+the second run keeps the deployment the first chose, so an attempt is routed and committed once.
 
 >>> import litellm                                                                     # doctest: +SKIP
 >>> hook = PrefixRouteHook(Router())                                                   # doctest: +SKIP
@@ -137,6 +139,9 @@ class PrefixRouteHook(CustomLogger):
         self._attempts: cachetools.LRUCache[str, str] = cachetools.LRUCache(maxsize=_MAX_ATTEMPTS)
         # task -> the decision its latest filter made (None: it kept LiteLLM's choice), read by the deployment hook.
         self._filtered: weakref.WeakKeyDictionary[asyncio.Task[Any], str | None] = weakref.WeakKeyDictionary()
+        # task -> the request dict its latest filter was given: LiteLLM hands one dict to every filter of a pass, so
+        # a hook listed twice in litellm.callbacks knows its second run in a pass (_same_pass).
+        self._passes: weakref.WeakKeyDictionary[asyncio.Task[Any], object] = weakref.WeakKeyDictionary()
         # decision id -> the LiteLLM trace id of its call: a call's retries and fallbacks keep it, a new call of the
         # same task gets its own (and may share the earlier call's metadata dict, with its decision in it).
         self._traces: cachetools.LRUCache[str, str] = cachetools.LRUCache(maxsize=_MAX_ATTEMPTS)
@@ -157,6 +162,10 @@ class PrefixRouteHook(CustomLogger):
         Never raises: a request it cannot route keeps ``healthy_deployments`` as given."""
         decision_id = None
         try:
+            again = self._same_pass(healthy_deployments, request_kwargs)
+            if again is not None:
+                kept, decision_id = again
+                return kept
             self._end_unsent()
             kept, decision_id = await self._filter(model, healthy_deployments, messages, request_kwargs)
             return kept
@@ -169,6 +178,29 @@ class PrefixRouteHook(CustomLogger):
             if task is not None:  # for async_pre_call_deployment_hook, next in this task: this attempt's decision
                 with self._tasks_lock:
                     self._filtered[task] = decision_id
+                    self._passes[task] = request_kwargs
+
+    def _same_pass(
+        self, healthy_deployments: list[Any], request: dict[str, Any] | None
+    ) -> tuple[list[Any], str] | None:
+        """The deployment this task's previous filter kept, and its decision, if this is a second run of the filter
+        in the same filter pass (the hook listed twice in ``litellm.callbacks``: LiteLLM hands every filter of a
+        pass one request dict, and this run the deployments the first one kept); else None: route. O(deployments).
+
+        A retry, or a call LiteLLM failed after the filters, is a pass of its own, with a request dict of its own."""
+        task = asyncio.current_task()
+        if task is None or request is None:
+            return None
+        with self._tasks_lock:
+            decision_id = self._filtered.get(task)
+            same = self._passes.get(task) is request
+        metadata = request.get("metadata") if same else None
+        if decision_id is None or not isinstance(metadata, Mapping) or metadata.get(METADATA_KEY) != decision_id:
+            return None
+        backend = metadata.get(DEPLOYMENT_KEY)
+        if not healthy_deployments or any(_deployment_id(each) != backend for each in healthy_deployments):
+            return None  # not what the first run kept (a filter between took it away): route among these
+        return healthy_deployments[:1], decision_id
 
     def _end_unsent(self) -> None:
         """End the decision of this task's previous filter if no attempt was sent for it: LiteLLM failed that call
@@ -291,6 +323,8 @@ class PrefixRouteHook(CustomLogger):
             task = asyncio.current_task()
             with self._tasks_lock:  # the filter ran in this task just before, for this attempt
                 decision_id = self._filtered.pop(task, _UNSEEN) if task is not None else _UNSEEN
+                if task is not None:
+                    self._passes.pop(task, None)
             if decision_id is _UNSEEN:  # sent without the filter in this task: the request's metadata says
                 metadata = kwargs.get("metadata")
                 decision_id = metadata.get(METADATA_KEY) if isinstance(metadata, Mapping) else None
@@ -338,6 +372,7 @@ class PrefixRouteHook(CustomLogger):
         try:
             with self._tasks_lock:
                 unsent = self._filtered.pop(task, None)
+                self._passes.pop(task, None)
             if unsent is not None:  # filtered, never sent: LiteLLM failed the call after the filters (over its rpm,
                 self._unwatch(unsent)  # its parallel requests) and calls no callback; a stream too, the task over
                 self.router.finish(unsent, refused=True)

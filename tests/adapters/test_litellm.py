@@ -595,3 +595,33 @@ def test_a_task_s_later_call_sharing_its_metadata_leaves_its_open_stream_counted
         assert hook.router.stats().ignored == 0 and hook.errors == 0
 
     asyncio.run(run())
+
+
+def test_a_hook_registered_twice_routes_each_attempt_once(hook: PrefixRouteHook, engines: list[OpenAIEngine]) -> None:
+    """Was: two commits per call, the first decision ended refused by the second filter run (which took it for a
+    call LiteLLM failed after the filters). A hook listed twice in ``litellm.callbacks`` (registered by the API and
+    appended by hand too) has its filter run twice in one filter pass, with the same request dict: the second run
+    keeps the first's deployment. A retry is a new pass and routes again."""
+    litellm.callbacks.append(hook)  # the fixture registered it already
+    try:
+        router = LiteLLMRouter(model_list=model_list(engines), num_retries=1, retry_after=0)
+
+        async def run() -> None:
+            before = requests(engines)
+            for question in ("first question", "second question", "third question"):
+                await ask(router, question)
+                await settled(hook)
+            served = [after - b for after, b in zip(requests(engines), before, strict=True)]
+            assert sorted(served) == [0, 0, 3] and hook.router.stats().commits == 3
+            first = (await ask(router, "fails once"))._hidden_params["model_id"]
+            await settled(hook)
+            engines[int(first[-1])].fail_next(1)
+            reply = await ask(router, "fails once")
+            assert reply._hidden_params["model_id"] != first  # the retry was routed again, elsewhere
+            await settled(hook)
+            assert hook.router.stats().commits == 6  # 3 + the first call + the second's two attempts
+            assert hook.router.stats().ignored == 0 and hook.errors == 0
+
+        asyncio.run(run())
+    finally:
+        litellm.callbacks.remove(hook)
