@@ -157,7 +157,7 @@ def test_a_body_is_json_only_under_vllms_content_type(client: Client, path: str,
     [("HEAD", COMPLETIONS, 405, "POST"), ("OPTIONS", CHAT, 405, "POST"), ("PUT", COMPLETIONS, 405, "POST"),
      ("DELETE", CHAT, 405, "POST"), ("POST", "/v1/models", 405, "GET"), ("POST", "/healthz", 405, "GET"),
      ("POST", "/metrics", 405, "GET"), ("POST", "/v1/embeddings", 404, None), ("GET", "/", 404, None),
-     ("HEAD", "/v1/nowhere", 404, None), ("POST", "/v1/completions/", 404, None)],
+     ("HEAD", "/v1/nowhere", 404, None), ("POST", "/v1/nowhere/", 404, None), ("POST", "//", 404, None)],
 )  # fmt: skip
 def test_wrong_methods_and_unknown_paths_are_openai_errors(
     client: Client, method: str, path: str, status: int, allow: str | None
@@ -168,6 +168,36 @@ def test_wrong_methods_and_unknown_paths_are_openai_errors(
         assert_openai_error(reply, status)
     if allow is not None:
         assert allow in reply.headers["allow"]
+    client.still_serves()
+
+
+@pytest.mark.parametrize(
+    ("method", "target", "host", "location"),
+    [("POST", "/v1/completions/", None, "/v1/completions"),
+     ("POST", "/v1/chat/completions//?a=b&c=%20d", None, "/v1/chat/completions?a=b&c=%20d"),
+     ("GET", "/v1/completions/", None, "/v1/completions"),  # a method the route does not take: redirected too
+     ("GET", "/v1/models/", "gateway.example:9", "http://gateway.example:9/v1/models"),
+     ("HEAD", "/health/", "bad host", "/health"),  # an invalid Host: the address the proxy listens at
+     ("POST", "/v1/completions/", "gateway.example:65536", "/v1/completions"),
+     ("POST", "/v1/completions/", "[1:2:3]:80", "/v1/completions"),
+     ("POST", "/v1/completions%2F", "[::1]:8000", "http://[::1]:8000/v1/completions")],
+)  # fmt: skip
+def test_a_trailing_slash_is_redirected_as_vllm_redirects_it(
+    client: Client, method: str, target: str, host: str | None, location: str
+) -> None:
+    """vLLM's FastAPI app (Starlette's ``redirect_slashes``) answers a path that one of its routes serves without
+    its trailing slashes with a 307 to that path, any method, the query string kept, at the request's Host (else
+    the address it listens at); the proxy answered 404."""
+    headers = {} if host is None else {"Host": host}
+    decisions = client.decisions()
+    reply = client.http.request(method, target, json=None if method == "HEAD" else {"prompt": "a"}, headers=headers)
+    assert reply.status_code == 307, reply.text
+    assert reply.headers["location"] == (client.url + location if location.startswith("/") else location)
+    assert reply.content == b"" and client.decisions() == decisions
+    followed = client.http.post("/v1/completions/?x=1", json={"prompt": [5, 6, 7], "max_tokens": 2},
+                                follow_redirects=True)  # fmt: skip
+    assert followed.status_code == 200 and [r.status_code for r in followed.history] == [307]
+    assert followed.url == client.url + "/v1/completions?x=1" and client.decisions() == decisions + 1
     client.still_serves()
 
 
