@@ -274,7 +274,15 @@ class Random(LoadPolicy):
     @_names_bad_fields
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         _require_candidates(candidates)
-        return candidates[self._rng.randrange(len(candidates))]
+        count = len(candidates)
+        drawn: object = _NOT_DRAWN
+        try:
+            drawn = self._rng.randrange(count)
+            return candidates[drawn]  # its own bounds check: a draw past the end raises
+        except Exception as exc:
+            if type(drawn) is int and 0 <= drawn < count:
+                raise  # not the rng's fault: a Sequence of candidates whose indexing raised
+            raise _rng_fault(self, self._rng, f"randrange({count})", drawn, f"an int in [0, {count})", exc) from exc
 
 
 class LeastLoaded(LoadPolicy):
@@ -301,8 +309,19 @@ class PowerOfTwo(LoadPolicy):
         _require_candidates(candidates)
         if len(candidates) == 1:
             return candidates[0]
-        first, second = self._rng.sample(range(len(candidates)), 2)
-        return min(candidates[min(first, second)], candidates[max(first, second)], key=_load)
+        count = len(candidates)
+        drawn: object = _NOT_DRAWN
+        try:
+            drawn = self._rng.sample(range(count), 2)
+            first, second = drawn
+            pair = candidates[min(first, second)], candidates[max(first, second)]  # a draw past the end raises
+        except Exception as exc:
+            if type(drawn) is list and len(drawn) == 2 and all(type(i) is int and 0 <= i < count for i in drawn):
+                raise  # not the rng's fault: a Sequence of candidates whose indexing raised
+            raise _rng_fault(
+                self, self._rng, f"sample(range({count}), 2)", drawn, f"two ints in [0, {count})", exc
+            ) from exc
+        return min(pair, key=_load)
 
 
 class PrefixAffinity(LoadPolicy):
@@ -769,6 +788,26 @@ def _runnable(candidate: Candidate) -> float:
     active_blocks`` when they claim more than it has, else 1 (also when the capacity is unknown)."""
     capacity, active = candidate.capacity_blocks, candidate.active_blocks
     return capacity / active if capacity and active > capacity else 1.0
+
+
+_NOT_DRAWN: Any = object()
+
+
+def _rng_fault(
+    policy: LoadPolicy, rng: random.Random, call: str, drawn: object, due: str, exc: Exception
+) -> PolicyError:
+    """The error for a draw from a policy's rng that raised, or returned what ``choose()`` could not index
+    ``candidates`` with: a ``random.Random`` subclass given as ``rng=`` is at fault, not the policy's rule."""
+    what = f"{type(policy).__name__}'s rng ({type(rng).__name__})"
+    if drawn is _NOT_DRAWN:
+        try:
+            said = str(exc)
+        except Exception:  # noqa: BLE001 - the message must not fail on the exception it describes
+            said = "(its str() raised)"
+        fault = f"raised {type(exc).__name__}: {said[:200]} in {call}"
+    else:
+        fault = f"returned {shown(drawn)} from {call}, not {due}"
+    return PolicyError(f"{what} {fault}: fix the rng (the random.Random given as rng=), not the policy")
 
 
 def _rng(seed: object, rng: object, policy: str) -> random.Random:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
@@ -20,6 +21,7 @@ from prefixroute import (
     InvalidTraceError,
     InvalidTypeError,
     LinearTTFT,
+    LoadPolicy,
     MetricsError,
     NoBackendError,
     PolicyError,
@@ -173,6 +175,55 @@ def test_a_block_size_beyond_the_hashers_limit_is_refused_by_the_index_too() -> 
 def test_policy_options_are_checked_when_given(build: object, error: type[Exception]) -> None:
     with pytest.raises(error):
         build()  # type: ignore[operator]
+
+
+class _FarRng(random.Random):
+    """Draws past the end: randrange(3) is 7, sample(range(3), 2) is [5, 9]."""
+
+    def randrange(self, *args: object, **kwargs: object) -> int:
+        return 7
+
+    def sample(self, *args: object, **kwargs: object) -> list[int]:  # type: ignore[override]
+        return [5, 9]
+
+
+class _FloatRng(random.Random):
+    def randrange(self, *args: object, **kwargs: object) -> float:  # type: ignore[override]
+        return 0.5
+
+    def sample(self, *args: object, **kwargs: object) -> list[int]:  # type: ignore[override]
+        return [0]
+
+
+class _BrokenRng(random.Random):
+    def randrange(self, *args: object, **kwargs: object) -> int:
+        raise RuntimeError("entropy gone")
+
+    def sample(self, *args: object, **kwargs: object) -> list[int]:  # type: ignore[override]
+        raise RuntimeError("entropy gone")
+
+
+@pytest.mark.parametrize(
+    ("policy", "message"),
+    [(Random(rng=_FarRng()), r"Random's rng \(_FarRng\) returned 7 from randrange\(3\), not an int in \[0, 3\)"),
+     (Random(rng=_FloatRng()), r"Random's rng \(_FloatRng\) returned 0.5 from randrange\(3\), not an int in \[0, 3\)"),
+     (Random(rng=_BrokenRng()), r"Random's rng \(_BrokenRng\) raised RuntimeError: entropy gone in randrange\(3\)"),
+     (PowerOfTwo(rng=_FarRng()),
+      r"PowerOfTwo's rng \(_FarRng\) returned \[5, 9\] from sample\(range\(3\), 2\), not two ints in \[0, 3\)"),
+     (PowerOfTwo(rng=_FloatRng()),
+      r"PowerOfTwo's rng \(_FloatRng\) returned \[0\] from sample\(range\(3\), 2\), not two ints in \[0, 3\)"),
+     (PowerOfTwo(rng=_BrokenRng()),
+      r"PowerOfTwo's rng \(_BrokenRng\) raised RuntimeError: entropy gone in sample\(range\(3\), 2\)")],
+)  # fmt: skip
+def test_an_injected_rng_that_draws_out_of_range_or_raises_is_named(policy: LoadPolicy, message: str) -> None:
+    """Was: an IndexError (or TypeError, ValueError, the rng's own error) inside choose(), which the router wrapped
+    as 'policy Random() raised IndexError: tuple index out of range (...; fix the policy)': the policy is right,
+    the rng given to it is at fault."""
+    router = Router(policy=policy)
+    with pytest.raises(PolicyError, match=message) as caught:
+        router.route(list(range(40)), ["a", "b", "c"])
+    assert "fix the rng" in str(caught.value) and "fix the policy" not in str(caught.value)
+    assert router.stats().commits == 0
 
 
 @pytest.mark.parametrize(
