@@ -860,6 +860,118 @@ def test_answers_that_keep_breaking_off_take_their_backend_out_after_max_failure
         assert proxy.stats().backend_error == 3 and proxy.stats().unhealthy == (url,)
 
 
+_FIRST = bytes(range(256)) * 1024  # 256 KiB: more than the proxy holds before it relays a non-streamed answer
+_REST = b"r" * 2**20
+
+
+def large_answer(
+    gate: threading.Event, *, length: bool, breaks_off: bool = False, closed: threading.Event | None = None
+) -> Handler:
+    """A backend's non-streamed answer of ``_FIRST + _REST`` (with its ``Content-Length`` when ``length``, else
+    chunked): it sends ``_FIRST``, waits for ``gate``, then sends the rest, or ``breaks_off`` instead; ``closed`` is
+    set when the rest could not be sent, the connection closed."""
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        reply = web.StreamResponse(headers=JSON_BODY)
+        if length:
+            reply.content_length = len(_FIRST) + len(_REST)
+        await reply.prepare(request)
+        await reply.write(_FIRST)
+        await asyncio.to_thread(gate.wait)
+        if breaks_off:
+            assert request.transport is not None
+            request.transport.abort()
+            return reply
+        try:
+            for start in range(0, len(_REST), 2**16):
+                await reply.write(_REST[start : start + 2**16])
+        except ConnectionError:
+            if closed is not None:
+                closed.set()
+            return reply
+        await reply.write_eof()
+        return reply
+
+    return answer
+
+
+def first_part(reply: httpx.Response) -> tuple[bytes, Iterator[bytes]]:
+    """The body's bytes of ``reply`` up to ``_FIRST``'s length (maybe a little past it), and the rest to read."""
+    chunks = reply.iter_raw()
+    got = b""
+    while len(got) < len(_FIRST):
+        got += next(chunks)
+    return got, chunks
+
+
+@pytest.mark.parametrize("length", [True, False], ids=["content-length", "chunked"])
+def test_a_large_answer_is_relayed_as_it_comes_with_the_engines_length(length: bool) -> None:
+    # Was read whole into memory before a byte of it went on: a 300 MiB answer took the proxy's RSS to ~960 MiB, and
+    # the client had nothing (not even the status) until the engine had sent the last byte.
+    gate = threading.Event()
+    with (
+        backend_serving(large_answer(gate, length=length)) as url,
+        Proxy(Router(), [url], clock=Clock(), base_models=[]) as proxy,
+    ):
+        try:
+            with httpx.stream("POST", proxy.url + "/v1/completions", json={"prompt": "x"}, timeout=10) as reply:
+                assert reply.status_code == 200 and reply.headers["x-prefixroute-backend"] == url
+                total = str(len(_FIRST) + len(_REST))
+                assert reply.headers.get("content-length") == (total if length else None)
+                assert reply.headers.get("transfer-encoding") == (None if length else "chunked")
+                got, rest = first_part(reply)  # while the engine holds the rest back
+                assert got == _FIRST
+                gate.set()
+                got += b"".join(rest)
+        finally:
+            gate.set()
+        assert got == _FIRST + _REST
+        settled(proxy, 1)
+        assert proxy.stats().ok == 1 and proxy.router.stats().in_flight == 0
+
+
+@pytest.mark.parametrize("length", [True, False], ids=["content-length", "chunked"])
+def test_a_large_answer_that_breaks_off_after_its_first_bytes_breaks_the_clients_connection(length: bool) -> None:
+    # Relayed as it comes, its status and first bytes are the client's before it breaks off: the client must see an
+    # incomplete answer (short of its length, or chunks without their end), and the streak of failures goes on.
+    gate = threading.Event()
+    with (
+        backend_serving(large_answer(gate, length=length, breaks_off=True)) as url,
+        Proxy(Router(), [url], max_failures=2, clock=Clock(), base_models=[]) as proxy,
+    ):
+        try:
+            for i in range(2):
+                gate.clear()
+                with httpx.stream("POST", proxy.url + "/v1/completions", json={"prompt": "x"}, timeout=10) as reply:
+                    assert reply.status_code == 200
+                    _, rest = first_part(reply)
+                    gate.set()
+                    with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
+                        b"".join(rest)
+                settled(proxy, i + 1)
+                assert proxy.stats().unhealthy == (() if i == 0 else (url,))  # two in a row: out
+        finally:
+            gate.set()
+        assert proxy.stats().backend_error == 2 and proxy.router.stats().in_flight == 0
+
+
+def test_a_client_that_leaves_a_large_answer_midway_ends_its_count_and_the_engines_request() -> None:
+    gate, closed = threading.Event(), threading.Event()
+    with (
+        backend_serving(large_answer(gate, length=True, closed=closed)) as url,
+        Proxy(Router(), [url], clock=Clock(), base_models=[]) as proxy,
+    ):
+        try:
+            with httpx.stream("POST", proxy.url + "/v1/completions", json={"prompt": "x"}, timeout=10) as reply:
+                first_part(reply)
+            settled(proxy, 1)  # the client closed its connection mid-answer
+            assert proxy.stats().client_disconnect == 1 and proxy.router.stats().in_flight == 0
+        finally:
+            gate.set()
+        assert closed.wait(10), "the engine's connection was not closed: it would go on generating"
+
+
 def test_a_redirect_is_relayed_to_the_client_not_followed() -> None:
     # Was followed: a 302 turned the POST into a GET (the client got the target's 405), a 307 re-posted the prompt to
     # another server while the router counted it on the routed backend, and /v1/models merged the other server's list.

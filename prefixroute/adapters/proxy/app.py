@@ -3,11 +3,12 @@
 One request's life: decode the body, take its token ids (:func:`~prefixroute.adapters.proxy.prompts.request_tokens`)
 and its namespace (:meth:`Proxy.namespace`: the model it names, and its ``cache_salt``), :meth:`Router.route` among
 the healthy backends that list that model (decide and commit under one lock) and :meth:`Router.start`, forward the
-body unmodified, relay the answer unmodified (SSE chunk by chunk), :meth:`Router.first_token` on the first streamed
-chunk, and :meth:`Router.finish` in a ``finally`` whatever happens: success, an error answer, a failed connection,
-or the client leaving (the handler is cancelled, which also closes the upstream request so the engine stops
-generating). A 4xx answer, or an attempt on a backend that could not be reached, is finished ``refused=True``: the
-engine computed nothing, so the router forgets what it predicted there.
+body unmodified, relay the answer unmodified as it comes (SSE chunk by chunk; any other answer once its first 64 KiB
+have come, in bounded memory), :meth:`Router.first_token` on the first streamed chunk, and :meth:`Router.finish` in
+a ``finally`` whatever happens: success, an error answer, a failed connection, or the client leaving (the handler is
+cancelled, which also closes the upstream request so the engine stops generating). A 4xx answer, or an attempt on a
+backend that could not be reached, is finished ``refused=True``: the engine computed nothing, so the router forgets
+what it predicted there.
 """
 
 from __future__ import annotations
@@ -69,7 +70,6 @@ _log = logging.getLogger("prefixroute.proxy")
 # Failures to connect: the request never reached the engine, so sending it elsewhere is safe. (A connection that
 # breaks after the request was sent is not retried: the engine may be generating it already.)
 _UNREACHED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
-# A backend that breaks off its answer midway (closes, or sends less than it announced).
 _SSE_DONE = b"data: [DONE]\n\n"
 """The event that ends an OpenAI stream; vLLM sends it last."""
 
@@ -82,7 +82,12 @@ class _Relayed:
     whole: bool = False
 
 
+# A backend that breaks off its answer midway (closes, or sends less than it announced).
 _BROKE_OFF = (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+_HELD_BYTES = 2**16
+"""How much of a non-streamed answer is held before any of it goes to the client (the rest is relayed as it comes):
+an answer that ends by then goes out whole, with its length, and one that breaks off by then is a 502 in JSON. A
+relay holds about this much and aiohttp's buffers (some 64 KiB each way) however long the answer."""
 _OUTCOMES = ("ok", "backend_error", "unreachable", "client_disconnect", "bad_request", "internal_error")
 # Headers that belong to one connection (RFC 9110 7.6.1), or that the proxy sets itself: not relayed either way; nor
 # are those a message's own Connection header names (see _end_to_end).
@@ -564,7 +569,8 @@ class Proxy:
                 refused = upstream is not None and is_refusal(upstream.status)
                 self.router.finish(decision, refused=refused)
             if outcome == "client_disconnect" and relayed.whole:
-                outcome = "ok"  # the client left once its answer was whole (OpenAI's client closes at [DONE])
+                # The client left once its answer was whole (OpenAI's client closes at [DONE]).
+                outcome = _whole_outcome(upstream)
             if upstream is not None:
                 upstream.close()  # a half-read answer closes its connection (the engine stops); a read one is free
             self._counts[outcome] += 1
@@ -593,45 +599,82 @@ class Proxy:
         if upstream.status >= 500:
             self._failed(decision.backend)
         # A stream is what the engine streams: it may read a "stream" that is not the JSON true as true (vLLM does).
-        if upstream.status != 200 or not (stream or content_type.startswith("text/event-stream")):
-            try:
-                body = await upstream.read()
-            except _BROKE_OFF as exc:
-                if upstream.status < 500:  # a 5xx has counted as a failure already
-                    self._failed(decision.backend)
-                message = f"backend {decision.backend} broke off its answer: {exc}"
-                return error_response(502, message, "BadGatewayError"), "backend_error"
-            answer = web.Response(status=upstream.status, body=body, headers=headers)
-            if upstream.status >= 500:
-                return answer, "backend_error"
-            self._failures[decision.backend] = 0  # a whole answer: the backend's streak of failures ends
-            return answer, "ok"
-        response = web.StreamResponse(status=200, headers=headers)
-        first = True
+        if upstream.status == 200 and (stream or content_type.startswith("text/event-stream")):
+            response = web.StreamResponse(status=200, headers=headers)
+            return response, await self._pipe(request, response, upstream, decision, relayed=relayed, stream=True)
+        # Any other answer: held until _HELD_BYTES have come, so that one that ends by then (most do) goes out whole,
+        # with its length, and one that breaks off by then is a 502 in JSON, nothing having gone to the client yet.
+        held = bytearray()
+        try:
+            while len(held) < _HELD_BYTES:
+                chunk = await upstream.content.readany()
+                if not chunk:  # the end of the answer
+                    answer = web.Response(status=upstream.status, body=bytes(held), headers=headers)
+                    if upstream.status >= 500:
+                        return answer, "backend_error"
+                    self._answered_whole(decision.backend)
+                    return answer, "ok"
+                held += chunk
+        except _BROKE_OFF as exc:
+            if upstream.status < 500:  # a 5xx has counted as a failure already
+                self._failed(decision.backend)
+            message = f"backend {decision.backend} broke off its answer: {exc}"
+            return error_response(502, message, "BadGatewayError"), "backend_error"
+        # A larger answer is relayed as it comes, in bounded memory (as nginx does), with the engine's length if it
+        # gave one: the proxy never holds a whole answer of hundreds of MB.
+        response = web.StreamResponse(status=upstream.status, headers=headers)
+        if upstream.content_length is not None:
+            response.content_length = upstream.content_length
+        outcome = await self._pipe(request, response, upstream, decision, relayed=relayed, head=bytes(held))
+        return response, outcome
+
+    async def _pipe(
+        self,
+        request: web.Request,
+        response: web.StreamResponse,
+        upstream: aiohttp.ClientResponse,
+        decision: Decision,
+        *,
+        relayed: _Relayed,
+        head: bytes = b"",
+        stream: bool = False,
+    ) -> str:
+        """Send ``response``'s head, then ``head`` and the rest of ``upstream``'s answer as it comes; return the
+        request's outcome. A ``stream`` (SSE) reports its first chunk as the first token and is whole at its
+        ``[DONE]`` event too. Only an answer relayed to its end ends the backend's streak of failures; one that breaks
+        off is a failure."""
+        failed = upstream.status >= 500  # counted as a failure when it answered
+        first = stream
         try:
             # A client that leaves closes its transport at once but cancels this handler a loop turn later: the
             # headers or the end written in between raise ConnectionResetError too, a client gone (not an error).
             await response.prepare(request)
+            if head:
+                await response.write(head)
             async for chunk in upstream.content.iter_any():
                 if first:
                     self.router.first_token(decision)
                     first = False
                 await response.write(chunk)
-                if chunk.endswith(_SSE_DONE):  # OpenAI's last event: its clients may close now, before the end
+                if stream and chunk.endswith(_SSE_DONE):  # OpenAI's last event: its clients may close now
                     relayed.whole = True
             relayed.whole = True
-            self._failures[decision.backend] = 0  # a whole answer (not when it broke off: above 1 again for ever)
+            if not failed:
+                self._answered_whole(decision.backend)  # not when it broke off: above 1 again for ever
             await response.write_eof()
         except _BROKE_OFF as exc:
-            _log.warning("backend %s broke off a streamed answer: %s", decision.backend, exc)
-            self._failed(decision.backend)
-            # Break the client's connection too, before the last chunk: it sees an incomplete answer, not a whole one.
+            what = "a streamed answer" if stream else f"an answer ({upstream.status}) after its first bytes"
+            _log.warning("backend %s broke off %s: %s", decision.backend, what, exc)
+            if not failed:
+                self._failed(decision.backend)
+            # Break the client's connection too, before the end (short of the Content-Length, or without the last
+            # chunk): it sees an incomplete answer, never a whole one.
             if request.transport is not None:
                 request.transport.abort()
-            return response, "backend_error"
+            return "backend_error"
         except ConnectionError:  # writing to a client that has gone
-            return response, "ok" if relayed.whole else "client_disconnect"
-        return response, "ok"
+            return _whole_outcome(upstream) if relayed.whole else "client_disconnect"
+        return _whole_outcome(upstream)
 
     def _unlearned(self, namespace: str | None) -> bool:
         """Whether a backend has not listed its models yet, or (learning them) no base model is known."""
@@ -644,6 +687,10 @@ class Proxy:
         if self._clock() >= self._next_learning:
             self._next_learning = self._clock() + 10.0
             self._learning = asyncio.get_running_loop().create_task(self._backend_models(headers))
+
+    def _answered_whole(self, backend: str) -> None:
+        """``backend`` gave a whole answer (below 500): its streak of failures ends. O(1)."""
+        self._failures[backend] = 0
 
     def _failed(self, backend: str) -> None:
         failures = self._failures[backend] = self._failures.get(backend, 0) + 1
@@ -808,6 +855,11 @@ class _Refused(Exception):
         self.status = status
         self.body = body
         self.content_type = content_type
+
+
+def _whole_outcome(upstream: aiohttp.ClientResponse | None) -> str:
+    """The outcome of a request whose answer was relayed whole: a 5xx is the backend's error, any other ``ok``."""
+    return "backend_error" if upstream is not None and upstream.status >= 500 else "ok"
 
 
 def _names(values: object, name: str, what: str) -> list[str]:
