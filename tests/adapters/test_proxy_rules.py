@@ -146,6 +146,33 @@ def test_a_single_5xx_takes_a_backend_out_when_max_failures_is_one(fine: OpenAIE
         assert proxy.stats().unhealthy == (fine.url,)
 
 
+def test_a_backend_that_answers_whole_while_every_backend_is_out_is_back_in_rotation_at_once(
+    fine: OpenAIEngine, refused_port: Callable[[], int]
+) -> None:
+    # Was: with every backend cooling down, all are tried, and one answered whole; its streak of failures ended, but
+    # its cooldown ran on, so /healthz answered 503 and /metrics had it down while it served every request.
+    clock = Clock()
+    dead = f"http://127.0.0.1:{refused_port()}"
+    with Proxy(Router(), [dead, fine.url], max_failures=1, cooldown=10, clock=clock, base_models=[]) as proxy:
+        fine.fail_next(1, status=500)
+        for prompt in ("a", "b"):  # one request may take both out (the dead one, then its retry's 500)
+            if len(proxy.stats().unhealthy) < 2:
+                post(proxy, {"prompt": prompt})
+        assert sorted(proxy.stats().unhealthy) == sorted([dead, fine.url])
+        assert httpx.get(proxy.url + "/healthz").status_code == 503
+        clock.now += 1
+        assert post(proxy, {"prompt": "c"}).status_code == 200  # every backend tried: the live one answers
+        health = httpx.get(proxy.url + "/healthz")
+        assert (health.status_code, health.json()) == (200, {"status": "ok", "healthy_backends": [fine.url]})
+        assert proxy.stats().unhealthy == (dead,)
+        up = metric_samples(httpx.get(proxy.url + "/metrics"))["prefixroute_proxy_backend_up"]
+        assert up == {(("backend", dead),): 0, (("backend", fine.url),): 1}
+        retries = proxy.stats().retries
+        reply = post(proxy, {"prompt": "d"})  # routed as /healthz says: to the live one only, never to the dead one
+        assert (reply.status_code, reply.headers["x-prefixroute-backend"]) == (200, fine.url)
+        assert proxy.stats().retries == retries
+
+
 def test_metrics_count_each_outcome_retry_skip_and_backend_state_by_name(
     fine: OpenAIEngine, refused_port: Callable[[], int]
 ) -> None:

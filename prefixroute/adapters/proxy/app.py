@@ -132,7 +132,8 @@ class ProxyStats:
     retries: int
     """Requests sent to another backend after the chosen one refused the connection."""
     unhealthy: tuple[str, ...]
-    """Backends taken out of rotation now, after failing ``max_failures`` times in a row."""
+    """Backends taken out of rotation now, after failing ``max_failures`` times in a row: until their cooldown has
+    run out, or they answer a request whole (tried while every backend is out)."""
     models_skipped: int = 0
     """Times a backend was left out of a ``/v1/models`` listing because it failed to list (unreachable, no answer
     within ``models_timeout``, a 5xx, an answer that is no model list); a 4xx refusal of the client is not one."""
@@ -155,7 +156,8 @@ class Proxy:
         retries: how many times a request whose connection failed goes to another backend, 0 to
             :data:`MAX_RETRIES` (16).
         max_failures: consecutive failures (unreachable, or a 5xx answer) that take a backend out of rotation for
-            ``cooldown`` seconds. While every backend is out, all are tried.
+            ``cooldown`` seconds. While every backend is out, all are tried, and one that answers a request whole
+            is back in rotation at once.
         connect_timeout: seconds to open a connection to a backend.
         models_timeout: seconds a backend has to answer ``/v1/models`` (connection included) before that listing
             skips it, so one backend that takes the connection and never answers holds neither the proxy's start
@@ -641,8 +643,8 @@ class Proxy:
     ) -> str:
         """Send ``response``'s head, then ``head`` and the rest of ``upstream``'s answer as it comes; return the
         request's outcome. A ``stream`` (SSE) reports its first chunk as the first token and is whole at its
-        ``[DONE]`` event too. Only an answer relayed to its end ends the backend's streak of failures; one that breaks
-        off is a failure."""
+        ``[DONE]`` event too. Only an answer relayed to its end ends the backend's streak of failures (and its
+        cooldown); one that breaks off is a failure."""
         failed = upstream.status >= 500  # counted as a failure when it answered
         first = stream
         try:
@@ -689,8 +691,11 @@ class Proxy:
             self._learning = asyncio.get_running_loop().create_task(self._backend_models(headers))
 
     def _answered_whole(self, backend: str) -> None:
-        """``backend`` gave a whole answer (below 500): its streak of failures ends. O(1)."""
+        """``backend`` gave a whole answer (below 500): its streak of failures ends, and so does a cooldown it is in
+        (it was tried because every backend was out), so that routing, ``/healthz`` and ``/metrics`` count it in
+        rotation again at once, not only once its cooldown has run out. O(1)."""
         self._failures[backend] = 0
+        self._down_until.pop(backend, None)
 
     def _failed(self, backend: str) -> None:
         failures = self._failures[backend] = self._failures.get(backend, 0) + 1

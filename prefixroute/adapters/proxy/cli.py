@@ -65,7 +65,8 @@ def register(subparsers: Any) -> None:
                         help="failures in a row (unreachable, or a 5xx answer) that take a backend out of rotation "
                         "for --cooldown (3)")  # fmt: skip
     parser.add_argument("--cooldown", type=float, default=10.0, metavar="SECONDS",
-                        help="how long a failing backend stays out of rotation (10)")  # fmt: skip
+                        help="how long a failing backend stays out of rotation, unless it answers a request whole "
+                        "(tried while every backend is out) (10)")  # fmt: skip
     parser.add_argument("--connect-timeout", type=float, default=2.0, metavar="SECONDS",
                         help="the longest wait to open a connection to a backend before the request is committed "
                         "to the next (2)")  # fmt: skip
