@@ -9,6 +9,7 @@ payload]`` from vLLM >= 0.26) until ``seq == -1``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -142,6 +143,13 @@ class KVEventSubscriber:
     swapped) is not waited on in silence: each failed handshake is counted in ``stats().handshake_failures`` and,
     from the second in a row, logged; where libzmq gives up on the connection, a new socket retries it.
 
+    ZMQ context: by default each :meth:`start` makes one of the subscriber's own (about 5 file descriptors and 2 libzmq
+    threads of its own, besides the subscriber's thread and about 4 descriptors for its sockets and connection), which
+    its thread terminates as it ends. Many subscribers in one process (a :class:`~prefixroute.vllm.Fleet` of
+    data-parallel ranks) should share one: ``context=`` a ``zmq.Context`` (not a ``zmq.asyncio.Context``), which the
+    subscriber only makes its sockets in, and never terminates (its owner does, after stopping the subscribers that
+    use it; a termination while one still runs ends its thread). A :class:`~prefixroute.vllm.Fleet` does so.
+
     Nothing kills the thread: a malformed message, a bad sequence number, a failing write or a ``clock`` or
     ``lag_observer`` that raises is logged, counted in :meth:`stats` and skipped; a socket error reconnects with
     exponential backoff (``reconnect_backoff=(low, high)``, seconds: ``low`` doubled after each failure in a row, up
@@ -150,10 +158,11 @@ class KVEventSubscriber:
     Raises:
         ConfigurationError: an endpoint is not a ZMQ address, ``writer.block_size`` differs from the hasher's, an
             option is not a finite positive number (an int where a count), ``topic`` holds a lone surrogate,
-            ``replay_endpoint`` is ``endpoint``, or ``backend`` is an empty str.
+            ``replay_endpoint`` is ``endpoint``, ``backend`` is an empty str, or ``context`` is terminated.
         TypeError: ``writer`` has no ``write`` method or no int ``block_size``, ``backend`` or ``topic`` is not a
             str, ``namespace`` not a str, bytes or None, ``lag_observer`` not a callable or None, ``clock`` not a
-            callable.
+            callable, ``context`` not a ``zmq.Context`` or None (or a ``zmq.asyncio.Context``, whose sockets do not
+            block).
 
     >>> with KVEventSubscriber(router, "gpu0", "tcp://127.0.0.1:5557") as sub:   # doctest: +SKIP
     ...     ...
@@ -174,6 +183,7 @@ class KVEventSubscriber:
         reconnect_backoff: tuple[float, float] = (0.1, 5.0),
         lag_observer: Callable[[float], None] | None = None,
         clock: Callable[[], float] = time.time,
+        context: zmq.Context[Any] | None = None,
     ) -> None:
         check_writer(writer)
         backend = check_backend(backend)
@@ -208,6 +218,8 @@ class KVEventSubscriber:
             raise ConfigurationError(f"reconnect_backoff must be (low, high) with low <= high, not {reconnect_backoff}")
         check_callable(lag_observer, "lag_observer", "taking a lag in seconds", optional=True)
         check_callable(clock, "clock", "returning seconds since the epoch")
+        if context is not None:
+            _check_context(context)
         self._tracker = BlockTracker(block_size=writer.block_size, namespace=namespace)  # validates the block size
         self.writer = writer
         self.backend = backend
@@ -228,6 +240,7 @@ class KVEventSubscriber:
         self._backoff = (low, high)
         self._lag_observer = lag_observer
         self._clock = clock
+        self._context = context  # shared, never terminated here; None: each start() makes one, its thread ends it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_seq = -1  # last sequence number received and decoded (the thread writes it, and reset())
@@ -256,10 +269,11 @@ class KVEventSubscriber:
         After a :meth:`stop` whose wait timed out, first waits (up to 5 s) for that thread to end.
 
         Raises:
-            StateError: the thread of an earlier :meth:`stop` is still running after that wait.
+            StateError: the thread of an earlier :meth:`stop` is still running after that wait, or the ``context``
+                given has been terminated since.
             ConfigurationError: the process could not give the subscriber its ZMQ context or its thread (out of
-                file descriptors or threads: each subscriber holds about 8 descriptors and 3 libzmq threads); nothing
-                is left running.
+                file descriptors or threads: a subscriber with a context of its own holds about 9 descriptors and 3
+                threads, one sharing a ``context`` about 4 and 1); nothing is left running.
         """
         old = self._thread
         if old is not None and old.is_alive():
@@ -268,21 +282,36 @@ class KVEventSubscriber:
             old.join(5.0)
             if old.is_alive():
                 raise StateError(f"the KV-event thread of {self.backend} has not ended since stop(): try again")
+        shared = self._context
+        if shared is not None and shared.closed:
+            raise StateError(
+                f"the ZMQ context given to the KV-event subscriber of {self.backend} has been terminated: make the "
+                "subscriber again with a live context (or none, to have one of its own)"
+            )
         self._stop.clear()
-        context: zmq.Context[Any] | None = None
+        context = shared
         try:
-            context = zmq.Context()
+            if context is None:
+                context = zmq.Context()
             thread = threading.Thread(
-                target=self._run, args=(context,), name=f"prefixroute-kv-events[{self.backend}]", daemon=True
+                target=self._run,
+                args=(context, shared is None),
+                name=f"prefixroute-kv-events[{self.backend}]",
+                daemon=True,
             )
             thread.start()
         except (zmq.ZMQError, OSError, RuntimeError) as exc:  # EMFILE, or "can't start new thread"
-            if context is not None:
+            if context is not None and shared is None:
                 context.destroy(linger=0)
+            if shared is not None:
+                raise ConfigurationError(
+                    f"the KV-event subscriber of {self.backend} could not start its thread ({exc}): the process is "
+                    "out of threads; follow fewer endpoints in this process"
+                ) from exc
             raise ConfigurationError(
-                f"the KV-event subscriber of {self.backend} could not start ({exc}): each one holds a ZMQ context "
-                "(about 8 file descriptors and 3 threads); raise the open-files limit (ulimit -n) or follow fewer "
-                "endpoints in this process"
+                f"the KV-event subscriber of {self.backend} could not start ({exc}): each one with a ZMQ context of "
+                "its own holds about 9 file descriptors and 3 threads; share one context (context=, as a Fleet "
+                "does), raise the open-files limit (ulimit -n) or follow fewer endpoints in this process"
             ) from exc
         self._thread = thread  # only once started: a stop() from another thread cannot join it before (RuntimeError)
         return self
@@ -396,7 +425,7 @@ class KVEventSubscriber:
 
     # -- the thread ------------------------------------------------------------------------------------------------
 
-    def _run(self, context: zmq.Context[Any]) -> None:
+    def _run(self, context: zmq.Context[Any], owned: bool) -> None:
         try:
             delay = self._backoff[0]
             while not self._stop.is_set():
@@ -405,6 +434,10 @@ class KVEventSubscriber:
                     self._session(context)  # returns only once stopped
                 except Exception as exc:  # noqa: BLE001 - the thread must outlive any one bad moment
                     if self._stop.is_set():
+                        return
+                    if isinstance(exc, zmq.ContextTerminated) or context.closed:  # by its owner: for good
+                        _log.warning("KV events from %s: the ZMQ context was terminated; the subscriber stops",
+                                     self.endpoint)  # fmt: skip
                         return
                     if self._messages() != received:  # that session worked: its failure starts a new series
                         delay = self._backoff[0]
@@ -418,7 +451,8 @@ class KVEventSubscriber:
                     self._stop.wait(delay)
                     delay = min(delay * 2, self._backoff[1])
         finally:
-            context.destroy(linger=0)  # by the thread that used its sockets, which ZMQ requires
+            if owned:  # a shared context is its owner's to terminate, once every subscriber using it has stopped
+                context.destroy(linger=0)  # by the thread that used its sockets, which ZMQ requires
 
     def _session(self, context: zmq.Context[Any]) -> None:
         sub = context.socket(zmq.SUB)
@@ -472,10 +506,7 @@ class KVEventSubscriber:
                 with self._state_lock:
                     self._handle(messages, context)
         finally:
-            if monitor is not None:
-                sub.disable_monitor()
-                monitor.close(linger=0)
-            sub.close(linger=0)
+            _close(sub, monitor)
 
     def _watch(self, monitor: zmq.Socket[bytes], link: _Link) -> bool:
         """Follow the SUB socket's monitor in ``link``; count and log the handshakes that fail. Return whether a
@@ -507,13 +538,17 @@ class KVEventSubscriber:
     def _handle(self, messages: list[list[bytes]], context: zmq.Context[Any]) -> None:
         ops: IndexOps = []
         timestamps: list[float] = []
-        for frames in messages:
-            try:
-                self._handle_message(frames, ops, timestamps, context)
-            except Exception:  # noqa: BLE001 - one bad message must not cost the others
-                self._counts["invalid"] += 1
-                _log.exception("KV events from %s: skipping a message that could not be handled", self.backend)
-        self._finish(ops, timestamps)
+        try:
+            for frames in messages:
+                try:
+                    self._handle_message(frames, ops, timestamps, context)
+                except zmq.ContextTerminated:
+                    raise  # a replay that could not begin: the thread ends, no message is at fault
+                except Exception:  # noqa: BLE001 - one bad message must not cost the others
+                    self._counts["invalid"] += 1
+                    _log.exception("KV events from %s: skipping a message that could not be handled", self.backend)
+        finally:
+            self._finish(ops, timestamps)  # what the tracker took in reaches the index, even as the thread ends
 
     def _finish(self, ops: IndexOps, timestamps: list[float]) -> None:
         """Write what a round of messages produced, then note how far the index is and how late it is."""
@@ -737,10 +772,7 @@ class KVEventSubscriber:
                     failure = f"over {MAX_REPLAY_BATCHES} batches"
                     break
         finally:
-            if monitor is not None:
-                dealer.disable_monitor()
-                monitor.close(linger=0)
-            dealer.close(linger=0)
+            _close(dealer, monitor)
         if failure is not None:
             self._counts["failed_replays"] += 1
             _log.warning(
@@ -769,6 +801,29 @@ class KVEventSubscriber:
         if failed and not session:
             return f": {self.replay_endpoint} does not answer as a ZMQ replay socket: is it vLLM's replay_endpoint?"
         return "" if connected else ": no connection could be made to it"
+
+
+def _check_context(context: object) -> None:
+    """Refuse a ``context=`` the thread could not use: not a blocking ``zmq.Context``, or one terminated already."""
+    import zmq.asyncio  # here: the asyncio machinery only when a context is given
+
+    if not isinstance(context, zmq.Context) or isinstance(context, zmq.asyncio.Context):
+        raise InvalidTypeError(
+            f"context must be a zmq.Context (not a zmq.asyncio.Context: the thread blocks on its sockets) or None, "
+            f"not {type(context).__name__}"
+        )
+    if context.closed:
+        raise ConfigurationError("context is a terminated zmq.Context: pass a live one, or None for one of its own")
+
+
+def _close(socket: zmq.Socket[Any], monitor: zmq.Socket[bytes] | None) -> None:
+    """Close ``socket`` and its monitor with linger 0, as a context's termination needs them closed."""
+    if monitor is not None:
+        # Refused (ETERM) once the context's termination began: closing the socket then stops its monitor itself.
+        with contextlib.suppress(zmq.ZMQError):
+            socket.disable_monitor()
+        monitor.close(linger=0)
+    socket.close(linger=0)
 
 
 def _socket_ms(seconds: float) -> int:

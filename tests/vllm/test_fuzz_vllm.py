@@ -80,7 +80,7 @@ _CONSTRUCTORS: dict[str, Callable[[Any], object]] = {
     "KVEventSubscriber endpoint": lambda v: KVEventSubscriber(_router(), "gpu0", v),
     **{f"KVEventSubscriber {o}": _subscriber_option(o)
        for o in ("replay_endpoint", "topic", "namespace", "replay_timeout", "max_batches_per_apply",
-                 "max_sequence_jump", "reconnect_backoff", "lag_observer", "clock")},
+                 "max_sequence_jump", "reconnect_backoff", "lag_observer", "clock", "context")},
     "RouterMetrics registry": lambda v: RouterMetrics(v),
     "RouterMetrics prefix": lambda v: RouterMetrics(CollectorRegistry(), prefix=v),
     "EventDecoder.decode": lambda v: EventDecoder().decode(v),
