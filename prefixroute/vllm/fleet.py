@@ -17,10 +17,11 @@ from dataclasses import dataclass, fields
 from types import TracebackType
 
 import httpx
+import zmq
 
 from prefixroute._arguments import read_clock
 from prefixroute._numbers import shown
-from prefixroute.errors import ConfigurationError, InvalidTypeError, MetricsError
+from prefixroute.errors import ConfigurationError, InvalidTypeError, MetricsError, StateError
 from prefixroute.hashing import namespace_seed
 from prefixroute.index import IndexUpdate
 from prefixroute.router import Router
@@ -112,6 +113,10 @@ class Fleet:
     ``metrics_url`` is always healthy. ``on_health(backend, healthy)`` is called from the poller thread when a
     backend's health changes (and after its first scrape).
 
+    The KV-event subscribers of all backends share one ZMQ context, made by the first :meth:`add_backend` with
+    ``kv_events`` and terminated by :meth:`close` once they have stopped: each subscriber costs its thread and about 4
+    file descriptors (its sockets and connection), the context about 5 descriptors and 2 libzmq threads once.
+
     Nothing stops a thread but :meth:`remove_backend` and :meth:`close`: nonsense ``/metrics`` (NaN, negative or
     zero figures), a slow or trickling endpoint, malformed KV-event messages or sequence numbers mark only that
     backend or batch bad, are logged and counted (:meth:`stats`), and the rest goes on.
@@ -166,6 +171,12 @@ class Fleet:
         self._removing: dict[str, int] = {}
         self._closed = False
         self._callback_errors = 0
+        # The ZMQ context every subscriber of the fleet makes its sockets in: made by the first add_backend() that
+        # needs it, terminated by close() (not before: a backend removed does not end it for the others).
+        self._context: zmq.Context[zmq.Socket[bytes]] | None = None
+        # Backends removed whose threads may still hold sockets in the context (a remove_backend() under way, or one
+        # whose wait for a thread ran out): close() must not block on terminating the context while they run.
+        self._leaving: list[_Member] = []
 
     @property
     def router(self) -> Router:
@@ -206,9 +217,9 @@ class Fleet:
                 ``replay`` list differs in length, a list or ``data_parallel_size`` has more than
                 :data:`~prefixroute.vllm._checks.MAX_DATA_PARALLEL_SIZE` (1024) ranks, or ``data_parallel_size`` is
                 not an int in [1, 1024], differs from the list's length, comes without ``kv_events``, or cannot
-                offset the endpoints; or a thread could not be started (out of file descriptors or threads: the
-                error says which; each KV-event subscriber holds about 8 descriptors and 3 libzmq threads): the
-                backend is then not added, and what it had started is stopped.
+                offset the endpoints; or a thread could not be started, or the fleet's ZMQ context made (out of
+                file descriptors or threads: the error says which; each KV-event subscriber holds its thread and
+                about 4 descriptors): the backend is then not added, and what it had started is stopped.
             TypeError: ``backend`` is not a str, ``namespace`` not a str, bytes or None.
         """
         backend = check_backend(backend)  # a plain str: remove_backend() finds it by the router's id
@@ -236,6 +247,7 @@ class Fleet:
         writer: IndexWriter = gate
         if len(streams) > 1:
             writer = member.merge = RankMerge(gate)
+        context = self._zmq_context() if streams else None
         member.subscribers = [
             KVEventSubscriber(
                 writer,
@@ -244,6 +256,7 @@ class Fleet:
                 replay_endpoint=replay_endpoint,
                 topic=topic,
                 namespace=namespace if namespace is not None else self._router.hasher.namespace,
+                context=context,
             )
             for endpoint, replay_endpoint in streams
         ]
@@ -274,19 +287,42 @@ class Fleet:
                 subscriber.start()
             if member.poller is not None:
                 member.poller.start()
-        except BaseException:
+        except BaseException as exc:
             # Undone: a backend left in the fleet with some of its threads running and the others never started
             # would follow some ranks for good, and its id could not be added again once the cause is fixed.
             with self._lock:
-                if self._members.get(backend) is member:
+                taken = self._members.get(backend) is not member
+                if not taken:
                     del self._members[backend]
+                closed = self._closed
             member.stop()
+            if taken and closed and isinstance(exc, StateError):
+                return  # close() took the backend and ended the fleet's ZMQ context before its threads started
             self._router.clear_backend(backend)  # what a rank that did start wrote (its requests in flight stay)
             raise
         with self._lock:
             gone = self._members.get(backend) is not member
         if gone:  # remove_backend() or close() took it before its threads started: they found nothing to stop
             member.stop()
+
+    def _zmq_context(self) -> zmq.Context[zmq.Socket[bytes]]:
+        """The fleet's ZMQ context, made the first time a backend needs one.
+
+        Raises:
+            ConfigurationError: the fleet is closed, or the process is out of file descriptors.
+        """
+        with self._lock:
+            if self._closed:  # close() terminated it, or will: a new one would never be
+                raise ConfigurationError("this Fleet is closed: make a new one")
+            if self._context is None:
+                try:
+                    self._context = zmq.Context()
+                except zmq.ZMQError as exc:  # EMFILE
+                    raise ConfigurationError(
+                        f"the fleet's ZMQ context could not be made ({exc}): raise the open-files limit (ulimit -n) "
+                        "or follow fewer endpoints in this process"
+                    ) from exc
+            return self._context
 
     def _claimed(self, streams: list[tuple[str, str | None]], topic: str) -> tuple[str, str] | None:
         """An endpoint of ``streams`` that a backend of the fleet already follows, and that backend; the caller
@@ -321,9 +357,11 @@ class Fleet:
         with self._lock:
             member = self._members.pop(backend, None)
             self._removing[backend] = self._removing.get(backend, 0) + 1
+            if member is not None:
+                self._leaving.append(member)
         try:
             if member is not None:
-                member.stop()
+                member.stop()  # its sockets closed; the fleet's context stays, the other backends' are in it
             self._router.remove_backend(backend)
             if member is not None and member.poller is not None and member.poller.set_capacity:
                 # The capacity it learned from the engine goes too: with pods that come and go it would pile up
@@ -331,6 +369,7 @@ class Fleet:
                 self._router.set_capacity(backend, None)
         finally:
             with self._lock:
+                self._leaving = [m for m in self._leaving if any(s.running for s in m.subscribers)]
                 if self._removing[backend] == 1:
                     del self._removing[backend]
                 else:
@@ -338,20 +377,46 @@ class Fleet:
 
     def close(self) -> None:
         """Stop every thread; each backend's engine figures are dropped from the router (they would only go
-        stale), its blocks stay (the router keeps routing on what it knows). Idempotent."""
+        stale), its blocks stay (the router keeps routing on what it knows). Idempotent.
+
+        The subscribers' ZMQ context is terminated once they have stopped (each closed its sockets, with linger 0,
+        as it ended). A subscriber thread that has not ended within the 5 s its backend's stop waits for (busy with
+        a huge batch, say) does not hold close() up: a warning says so, and the context is terminated in a thread of
+        its own, once that subscriber has closed its sockets."""
         with self._lock:
             self._closed = True
             members = list(self._members.values())
             self._members.clear()
+            context, self._context = self._context, None
         for member in members:
             member.gate.close()
             member.signal_stop()
         for member in members:
             member.stop()
+        if context is not None:
+            self._terminate(context, members)
         # Only once every thread has ended: a router that raises here must not leave a backend running unreachable.
         for member in members:
             if member.poller is not None:
                 self._router.set_engine_load(member.backend, queue_len=None, kv_usage=None)
+
+    def _terminate(self, context: zmq.Context[zmq.Socket[bytes]], stopped: list[_Member]) -> None:
+        """Terminate the subscribers' context once none of them can hold a socket in it: at once when every thread
+        has ended (their sockets closed with linger 0, so it returns at once), else in a thread of its own."""
+        with self._lock:
+            subscribers = [s for m in (*stopped, *self._leaving) for s in m.subscribers]
+        running = [s.backend for s in subscribers if s.running]
+        if not running:
+            context.term()
+            return
+        _log.warning(
+            "Fleet.close(): KV-event threads of %s have not ended; their ZMQ context is terminated once they do",
+            sorted(set(running)),
+        )
+        try:
+            threading.Thread(target=context.term, name="prefixroute-zmq-term", daemon=True).start()
+        except RuntimeError:  # "can't start new thread": the context is left to the process's end
+            _log.exception("Fleet.close(): could not start a thread to terminate the ZMQ context")
 
     def __enter__(self) -> Fleet:
         return self

@@ -405,24 +405,41 @@ def test_a_backends_rank_subscribers_are_all_told_to_stop_before_any_is_waited_f
 def test_a_rank_whose_subscriber_cannot_start_undoes_the_add_and_says_what_to_fix(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Was: a process out of file descriptors (each subscriber's ZMQ context holds about 8) failed add_backend() with
-    a bare ZMQError after the backend had joined the fleet: its first ranks' subscribers ran for good, the rest never
-    started, and its id could not be added again."""
-    made = {"contexts": 0}
-    real_context = zmq.Context
+    """Was: a process out of file descriptors failed add_backend() with a bare ZMQError after the backend had joined
+    the fleet: its first ranks' subscribers ran for good, the rest never started, and its id could not be added
+    again. The subscribers share the fleet's context now: what can fail as a rank starts is its thread."""
+    started = {"threads": 0}
+    real_start = threading.Thread.start
 
-    def context_until_out_of_descriptors() -> zmq.Context[Any]:
-        made["contexts"] += 1
-        if made["contexts"] == 3:
-            raise zmq.ZMQError(errno.EMFILE)
-        return real_context()
+    def start_until_out_of_threads(thread: threading.Thread) -> None:
+        if thread.name == "prefixroute-kv-events[dp]":
+            started["threads"] += 1
+            if started["threads"] == 3:
+                raise RuntimeError("can't start new thread")
+        real_start(thread)
 
     with Fleet(events_router()) as fleet:
-        monkeypatch.setattr(zmq, "Context", context_until_out_of_descriptors)
-        with pytest.raises(ConfigurationError, match=r"could not start \(Too many open files\).*ulimit -n"):
+        monkeypatch.setattr(threading.Thread, "start", start_until_out_of_threads)
+        with pytest.raises(ConfigurationError, match=r"could not start its thread \(can't start new thread\)"):
             fleet.add_backend("dp", kv_events="tcp://127.0.0.1:41100", data_parallel_size=4)
         monkeypatch.undo()
         assert fleet.backends() == [] and fleet.subscribers("dp") == []
         assert not [t for t in threading.enumerate() if t.name == "prefixroute-kv-events[dp]"]
         fleet.add_backend("dp", kv_events="tcp://127.0.0.1:41100", data_parallel_size=4)  # once fixed, as new
         assert [s.running for s in fleet.subscribers("dp")] == [True] * 4
+
+
+def test_a_fleet_whose_zmq_context_cannot_be_made_refuses_the_backend_and_says_what_to_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def out_of_descriptors() -> zmq.Context[Any]:
+        raise zmq.ZMQError(errno.EMFILE)
+
+    with Fleet(events_router()) as fleet:
+        monkeypatch.setattr(zmq, "Context", out_of_descriptors)
+        with pytest.raises(ConfigurationError, match=r"ZMQ context could not be made \(Too many open files\).*ulimit"):
+            fleet.add_backend("dp", kv_events="tcp://127.0.0.1:41150", data_parallel_size=2)
+        monkeypatch.undo()
+        assert fleet.backends() == []
+        fleet.add_backend("dp", kv_events="tcp://127.0.0.1:41150", data_parallel_size=2)  # once fixed, as new
+        assert [s.running for s in fleet.subscribers("dp")] == [True] * 2
