@@ -1,7 +1,8 @@
 """Close a listening asyncio server without losing a connection it accepted just before: every server here uses it.
 
 The proxy, the sidecar (under uvicorn) and the fake OpenAI engine close their listening sockets while clients may
-still connect; :func:`close_listener` is the one way they do it.
+still connect; :func:`close_listener` is the one way they do it. :func:`raise_open_files_limit` is what the servers'
+commands do first, as vLLM's does.
 """
 
 from __future__ import annotations
@@ -9,7 +10,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-__all__ = ["close_listener"]
+__all__ = ["close_listener", "raise_open_files_limit"]
+
+_OPEN_FILES_WANTED = 65536
+
+
+def raise_open_files_limit() -> None:
+    """Raise this process's soft limit of open files to its hard limit, at most 65,536, as vLLM's server does at start
+    (``set_ulimit``): each connection a server holds is a descriptor (two for a proxied one), and a common soft
+    limit of 1,024 would stop a proxy at about 500 streams. For the commands only: a library leaves its host's limits
+    alone. Where the limit cannot be read or raised (no ``resource`` module, a container's seccomp), it stays."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = _OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else min(hard, _OPEN_FILES_WANTED)
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    except (ImportError, OSError, ValueError):  # pragma: no cover - Windows, or a limit this process may not change
+        return
 
 
 async def close_listener(server: asyncio.Server) -> None:

@@ -9,7 +9,9 @@ import gzip
 import inspect
 import json
 import logging
+import os
 import random
+import resource
 import signal
 import socket
 import socketserver
@@ -35,7 +37,7 @@ from prefixroute.adapters.threaded import ServerThread
 from prefixroute.cli import build_parser
 from prefixroute.testing.openai_engine import OpenAIEngine
 
-from ..conftest import BuggyPolicy, StrangerPolicy, returns, running_engines, wait_until
+from ..conftest import DEADLINE_S, BuggyPolicy, StrangerPolicy, returns, running_engines, wait_until
 from .conftest import metric_samples
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -625,14 +627,31 @@ def test_a_json_body_with_a_byte_order_mark_is_routed_as_vllm_reads_it(good: Ope
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: two\r\n\r\n{}",
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Encoding: deflate\r\nContent-Length: 2000\r\n\r\n"
         + b"x" * 2000,
+        b"POST /v1/completions HTTP/1.1\nHost: x\nAuthorization: Bearer sk-SECRET\nContent-Length: 24\n\n"
+        + b'{"prompt": "SSN 123-45"}',
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-SECRET\r\nX-Bad : 1\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n18\n"
+        + b'{"prompt": "SSN 123-45"}\r\n0\r\n\r\n',
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
     ],
-    ids=["control-character", "header-too-long", "bad-content-length", "body-that-does-not-decompress"],
+    ids=[
+        "control-character",
+        "header-too-long",
+        "bad-content-length",
+        "body-that-does-not-decompress",
+        "bare-lf-after-a-key",
+        "bad-header-after-a-key",
+        "bad-chunk-of-a-prompt",
+        "http2-preface",
+    ],
 )
 def test_a_malformed_request_is_a_warning_line_not_a_traceback(
     request_bytes: bytes, caplog: pytest.LogCaptureFixture, refused_port: Callable[[], int]
 ) -> None:
     """Any client can send broken HTTP or a body that does not decode: aiohttp logged each as an error with a
-    traceback (a log anyone could flood); now one warning line, and the client still gets its 400."""
+    traceback (a log anyone could flood); now one warning line, and the client still gets its 400. The line says what
+    was wrong and never quotes the request (it quoted its bytes: the client's API key, its prompt), and it is
+    prefixroute's, at prefixroute's level (it was aiohttp's logger, which the proxy's --log-level did not reach)."""
     with Proxy(Router(), [f"http://127.0.0.1:{refused_port()}"], base_models=[]) as proxy:
         host, port = proxy.url.removeprefix("http://").split(":")
         with caplog.at_level(logging.DEBUG), socket.create_connection((host, int(port))) as client:
@@ -642,9 +661,12 @@ def test_a_malformed_request_is_a_warning_line_not_a_traceback(
             assert answer.startswith(b"HTTP/1.1 400") or answer.startswith(b"HTTP/1.0 400"), answer
             wait_until(lambda: any(r.levelno >= logging.WARNING for r in caplog.records), what="a log record")
         assert proxy.router.stats().decisions == 0
-    server = [r for r in caplog.records if r.name == "aiohttp.server" and r.levelno >= logging.WARNING]
+    server = [r for r in caplog.records if r.name.startswith("prefixroute.") and r.levelno >= logging.WARNING]
     assert server and all(r.levelno == logging.WARNING and r.exc_info is None for r in server), server
     assert all("\n" not in r.getMessage() for r in server)
+    assert not [r for r in caplog.records if b"SECRET" in request_bytes and "SECRET" in r.getMessage()]
+    assert not [r for r in caplog.records if b"SSN" in request_bytes and "SSN" in r.getMessage()]
+    assert all(len(r.getMessage()) < 300 for r in server), server
 
 
 @pytest.mark.parametrize(("stop", "level"), [(signal.SIGTERM, []), (signal.SIGINT, ["--log-level", "error"])])
@@ -745,3 +767,105 @@ def test_namespace_refuses_a_body_that_is_no_json_object(body: object, refused_p
     with pytest.raises(InvalidTypeError, match="body must be a request body decoded from JSON"):
         proxy.namespace(body)  # type: ignore[arg-type]
     assert proxy.namespace({"model": "base"}) is None and proxy.namespace({"model": "lora"}) == "lora"
+
+
+def test_an_idle_client_connection_is_closed_after_the_keepalive(
+    good: OpenAIEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """aiohttp kept an idle client's connection an hour (its default), so idle clients could hold every descriptor
+    the proxy had; it is closed after the proxy's keep-alive (75 s, as nginx; shortened here)."""
+    from prefixroute.adapters.proxy import app
+
+    monkeypatch.setattr(app, "_CLIENT_KEEPALIVE_S", 0.3)
+    with Proxy(Router(), [good.url], base_models=[]) as proxy:
+        host, port = proxy.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as client:
+            client.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            client.settimeout(DEADLINE_S)
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                answer += client.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200")
+            while client.recv(65536):  # the rest of the answer, then the close: b"" (a timeout fails the test)
+                pass
+
+
+def _descriptors_of(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_proxy_out_of_descriptors_answers_503_and_does_not_blame_the_engine(good: OpenAIEngine) -> None:
+    """Out of file descriptors, the proxy cannot open a connection to any engine: it answered 502 "backend ... is
+    unreachable: [Too many open files]", counted the engine's failure and took a healthy engine out of rotation. It
+    is the proxy's own fault: 503, counted as an internal error, the engine left in rotation."""
+    port = free_port()
+    limit = 64
+
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))  # the hard limit too: the command cannot raise it
+
+    command = [sys.executable, "-m", "prefixroute", "proxy", "--backends", good.url, "--port", str(port)]
+    clients: list[socket.socket] = []
+    with subprocess.Popen(
+        # --base-model: no /v1/models learned at start, so no connection to the engine is pooled for the request
+        [*command, "--max-failures", "1", "--base-model", "m"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=low_limit,
+    ) as process:  # fmt: skip
+        try:
+            assert process.stdout is not None and process.stdout.readline().startswith("prefixroute proxy at ")
+            first = socket.create_connection(("127.0.0.1", port))
+            clients.append(first)
+            # Idle clients until the proxy holds every descriptor it may (those past it wait in the backlog).
+            while _descriptors_of(process.pid) < limit:
+                clients.append(socket.create_connection(("127.0.0.1", port)))
+                if len(clients) > 4 * limit:
+                    pytest.fail("the proxy never ran out of descriptors")
+            body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 2}).encode()
+            first.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            first.settimeout(DEADLINE_S)
+            answer = first.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 503 "), answer
+            assert b"out of file descriptors" in answer, answer
+            for client in clients[1:]:
+                client.close()
+            wait_until(lambda: _descriptors_of(process.pid) < limit - 8, what="the idle clients' descriptors freed")
+            metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+            assert f'prefixroute_proxy_backend_up{{backend="{good.url}"}} 1' in metrics, metrics
+            assert 'outcome="internal_error"} 1' in metrics, metrics
+            reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+            assert reply.status_code == 200, reply.text
+        finally:
+            for client in clients:
+                client.close()
+            process.kill()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_command_raises_its_soft_limit_of_open_files_as_vllm_does() -> None:
+    """A soft limit of 1,024 (systemd's) stopped the proxy at about 500 streams; the command raises it to its hard
+    limit (at most 65,536), as vLLM's server does at start. The sidecar's command does the same."""
+
+    def limits(soft: int, hard: int) -> Callable[[], None]:
+        return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    hard = min(resource.getrlimit(resource.RLIMIT_NOFILE)[1], 4096)
+    for name, options in [
+        ("proxy", ["--backends", "http://127.0.0.1:9"]),
+        ("serve", ["--backends", "http://127.0.0.1:9"]),
+    ]:
+        port = free_port()
+        command = [sys.executable, "-m", "prefixroute", name, *options, "--port", str(port)]
+        with subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, preexec_fn=limits(256, hard)
+        ) as process:
+            try:
+                assert process.stdout is not None and process.stdout.readline(), name
+                with open(f"/proc/{process.pid}/limits") as file:
+                    line = next(row for row in file if row.startswith("Max open files"))
+                assert line.split()[3:5] == [str(hard), str(hard)], (name, line)
+            finally:
+                process.kill()

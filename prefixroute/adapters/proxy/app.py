@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import io
 import ipaddress
 import logging
@@ -103,6 +104,11 @@ _UPSTREAM_KEEPALIVE_S = 4.0
 (uvicorn, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``) closes it. Kept longer, a request could be sent just as the engine closes
 the connection, a request that may have gone out and is not resent: the client got a 502 and the engine a failure."""
 _SHUTDOWN_GRACE_S = 2.5  # how long a stop lets running requests finish before it cuts them off
+_CLIENT_KEEPALIVE_S = 75.0
+"""How long a client's idle connection is kept open for its next request, as nginx keeps one (aiohttp's default, an
+hour, let idle clients hold every file descriptor)."""
+_OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
+_QUOTED = re.compile(r"""\s*:?\s*(?:b|bytearray\()?['"]""")  # where aiohttp's message starts quoting the request
 MAX_RETRIES = 16
 """The most resends of a request whose connection failed: more would only hold a client while a fleet is down."""
 MAX_BODY_BYTES = 64 * 2**20
@@ -297,9 +303,10 @@ class Proxy:
         # handler_cancellation: a client that leaves cancels its handler, wherever it waits (also non-streaming).
         # shutdown_timeout: a stop waits that long for the requests running (aiohttp waits it twice), then cuts them
         # off, their counts ended in their finally blocks; aiohttp's 60 s outlasted every supervisor's patience.
+        # The server's log is prefixroute's (its level), and says what a malformed request did wrong, not what it held.
         self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, handler_cancellation=True,
-                                     shutdown_timeout=_SHUTDOWN_GRACE_S,
-                                     logger=_ServerLog(logging.getLogger("aiohttp.server")))  # fmt: skip
+                                     shutdown_timeout=_SHUTDOWN_GRACE_S, keepalive_timeout=_CLIENT_KEEPALIVE_S,
+                                     logger=_ServerLog(logging.getLogger(f"{__name__}.server")))  # fmt: skip
         try:
             await self._runner.setup()
             assert self._runner.server is not None
@@ -538,6 +545,12 @@ class Proxy:
                 except _UNREACHED as exc:
                     self.router.finish(decision, refused=True)  # never reached the engine: it cached nothing there
                     started = False
+                    if getattr(getattr(exc, "os_error", None), "errno", None) in _OUT_OF_DESCRIPTORS:
+                        # The proxy's own fault, not the engine's: no socket to reach it with.
+                        outcome = "internal_error"
+                        _log.error("out of file descriptors: raise the proxy's limit (ulimit -n) or its clients' reuse")
+                        message = "the proxy is out of file descriptors; retry later"
+                        return error_response(503, message, "ServiceUnavailableError")
                     self._failed(decision.backend)
                     tried.append(decision.backend)
                     remaining = [b for b in backends if b not in tried]
@@ -829,13 +842,25 @@ def _decode(raw: bytes) -> Any:
 class _ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]  # generic only from Python 3.11
     """aiohttp's server log, but a request the client malformed (broken HTTP, a body that does not decode as its
     ``Content-Encoding`` says) is one warning line instead of an error with a traceback: any client can send one, and
-    the proxy has done nothing wrong (aiohttp answers it 400). The proxy's own faults keep their traceback."""
+    the proxy has done nothing wrong (aiohttp answers it 400). The line says what was wrong, never the bytes aiohttp's
+    message quotes (they hold the client's headers and prompt: its API key, its data). The proxy's own faults keep
+    their traceback."""
 
     def log(self, level: int, msg: object, *args: object, exc_info: Any = None, **kwargs: Any) -> None:
         if level >= logging.ERROR and isinstance(exc_info, (HttpProcessingError, RequestPayloadError)):
             what = str(msg) % args if args else str(msg)
-            level, msg, args, exc_info = logging.WARNING, "%s: %s", (what, " ".join(str(exc_info).split())), None
+            level, msg, args, exc_info = logging.WARNING, "%s: %s", (what, _reason(exc_info)), None
         super().log(level, msg, *args, exc_info=exc_info, **kwargs)
+
+
+def _reason(exc: Exception) -> str:
+    """What a client's malformed request did wrong, from aiohttp's error, without the bytes it quotes: its message
+    is ``reason:\n\n  detail: b'<the request's bytes>' ^`` (the C parser's), ``reason '<bytes>'`` (the Python
+    parser's) or a reason alone (a payload's): cut at its first quote."""
+    text = " ".join(str(getattr(exc, "message", "") or exc).split())
+    text = _QUOTED.split(text, maxsplit=1)[0]
+    code = getattr(exc, "code", None)
+    return f"{code} {text[:200]}" if isinstance(code, int) else text[:200]
 
 
 async def _read_at_most(reply: aiohttp.ClientResponse, limit: int) -> bytes:

@@ -12,6 +12,7 @@ import socket
 from typing import Any
 
 from prefixroute._numbers import shown
+from prefixroute.adapters._listening import raise_open_files_limit
 from prefixroute.adapters.proxy.app import MAX_BODY_BYTES, MAX_RETRIES, Proxy
 from prefixroute.adapters.proxy.prompts import PromptEncoding
 from prefixroute.adapters.serve.text import PromptEncoder
@@ -163,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigurationError(f"--port must be a port number, not {args.port}")
     logging.basicConfig(format="prefixroute proxy: %(levelname)s %(message)s")
     logging.getLogger("prefixroute").setLevel(args.log_level.upper())
+    raise_open_files_limit()
     proxy, fleet = build(args, check_port=True)
 
     async def serve() -> None:

@@ -32,6 +32,7 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
+from prefixroute.adapters._listening import raise_open_files_limit
 from prefixroute.adapters.urls import check_backend_url, engine_of, host_port, listen_host
 from prefixroute.cli import MAX_BODY_MIB, announce, body_mib, positive_int
 from prefixroute.errors import ConfigurationError, StateError
@@ -119,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
     # uvicorn's loggers too (a malformed request's warning): its lines are the sidecar's, at the level asked for.
     for name in ("prefixroute", "uvicorn"):
         logging.getLogger(name).setLevel(args.log_level.upper())
+    raise_open_files_limit()
     encoder = PromptEncoder(args.tokenizer) if args.tokenizer is not None else None
     # Each engine in the one spelling the sidecar routes with (a trailing "/" dropped), for --kv-events to match.
     backends = [check_backend_url(url, path=False) for url in args.backends]
