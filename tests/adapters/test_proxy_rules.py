@@ -348,7 +348,10 @@ def test_a_malformed_request_is_one_warning_line_and_the_proxys_own_errors_keep_
     malformed = BadHttpMessage("Invalid header value char")
     [record] = _server_log_records(caplog, logging.ERROR, "Error handling request", exc_info=malformed)
     assert (record.levelno, record.exc_info) == (logging.WARNING, None)
-    assert record.getMessage() == "Error handling request: 400, message: Invalid header value char"
+    assert record.getMessage() == "Error handling request: 400 Invalid header value char"
+    quoting = BadHttpMessage("Invalid header value char:\n\n  b'Authorization: Bearer sk-key\\x01'\n     ^")
+    [record] = _server_log_records(caplog, logging.ERROR, "Error handling request", exc_info=quoting)
+    assert record.getMessage() == "Error handling request: 400 Invalid header value char"  # not the request's bytes
     corrupt = RequestPayloadError("bad gzip\n  data")
     [record] = _server_log_records(caplog, logging.ERROR, "Error handling request from %s", "10.0.0.1",
                                    exc_info=corrupt)  # fmt: skip
