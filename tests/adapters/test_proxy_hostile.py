@@ -258,6 +258,46 @@ def test_a_body_declared_over_the_limit_is_refused_before_it_is_sent(
         assert proxy.stats().bad_request == 1 and idle(proxy)
 
 
+def test_a_body_not_labelled_json_is_refused_before_the_client_sends_it(refused_port: Callable[[], int]) -> None:
+    """A body that is not labelled JSON is refused from the head (as vLLM's validate_json_request): with ``Expect:
+    100-continue`` the answer is the 400, not a 100 after which the client uploaded its whole body to be refused
+    (curl labels ``--data-binary`` form-encoded)."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\n"
+    with Proxy(Router(), [f"http://127.0.0.1:{refused_port()}"], base_models=[]) as proxy:
+        host, port = proxy.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as client:
+            client.sendall(head + b"Content-Length: 2000\r\nExpect: 100-continue\r\n\r\n")
+            answer = b""
+            while b"}}" not in answer:
+                chunk = client.recv(65536)
+                assert chunk, answer
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 400 "), answer
+        assert b"\r\nconnection: close\r\n" in answer.split(b"\r\n\r\n", 1)[0].lower() + b"\r\n"
+        error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+        assert "application/json" in error["message"], error
+        assert proxy.stats().bad_request == 1 and idle(proxy)
+
+
+def test_a_model_list_gzipped_by_a_hop_between_is_read(backend: Backend) -> None:
+    """The proxy relays answers as the engines send them, so it does not decompress; it asked for /v1/models with
+    aiohttp's default ``Accept-Encoding: gzip, deflate``, and a hop between that compresses JSON (an ingress) gave it
+    a list it could not read: 502 "no backend answered", the base models never learned. It asks for identity."""
+
+    async def gzipping(request: web.Request) -> web.StreamResponse:
+        body = json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode()
+        if "gzip" in request.headers.get("Accept-Encoding", ""):
+            return web.Response(body=gzip.compress(body), headers={"Content-Encoding": "gzip"},
+                                content_type="application/json")  # fmt: skip
+        return web.Response(body=body, content_type="application/json")
+
+    url, _ = backend
+    with Proxy(Router(), [url(gzipping)]) as proxy:
+        reply = httpx.get(proxy.url + "/v1/models")
+        assert reply.status_code == 200 and [card["id"] for card in reply.json()["data"]] == ["m"], reply.text
+        assert proxy.base_models == frozenset({"m"})
+
+
 def test_a_request_no_backend_could_take_is_finished_once(refused_port: Callable[[], int]) -> None:
     dead = [f"http://127.0.0.1:{refused_port()}" for _ in range(2)]
     with Proxy(Router(), dead, base_models=[]) as proxy:
@@ -807,11 +847,11 @@ def test_a_proxy_out_of_descriptors_answers_503_and_does_not_blame_the_engine(go
 
     command = [sys.executable, "-m", "prefixroute", "proxy", "--backends", good.url, "--port", str(port)]
     clients: list[socket.socket] = []
+    # --base-model: no /v1/models learned at start, so no connection to the engine is pooled for the request
+    command += ["--max-failures", "1", "--base-model", "m"]
     with subprocess.Popen(
-        # --base-model: no /v1/models learned at start, so no connection to the engine is pooled for the request
-        [*command, "--max-failures", "1", "--base-model", "m"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=low_limit,
-    ) as process:  # fmt: skip
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=low_limit
+    ) as process:
         try:
             assert process.stdout is not None and process.stdout.readline().startswith("prefixroute proxy at ")
             first = socket.create_connection(("127.0.0.1", port))

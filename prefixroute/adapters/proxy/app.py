@@ -465,9 +465,9 @@ class Proxy:
         return response
 
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
-        """``Expect: 100-continue`` (curl sends it before a large body): a body over the limit is answered 413 before
-        the client sends it, not once it has; else aiohttp's own handling (a ``100 Continue``; 417 for another
-        expectation)."""
+        """``Expect: 100-continue`` (curl sends it before a large body): a request refused from its head alone (a
+        body over the limit, one not labelled JSON) is answered before the client sends the body, not once it has;
+        else aiohttp's own handling (a ``100 Continue``; 417 for another expectation)."""
         expect = request.headers.get("Expect", "")
         if request.version != aiohttp.HttpVersion11:
             return None
@@ -475,6 +475,12 @@ class Proxy:
             raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expect}")
         if (request.content_length or 0) > self._max_body:
             return self._too_large()
+        if not is_json_media_type(request.headers.get("Content-Type")):
+            self._counts["bad_request"] += 1
+            refusal = BadRequest(UNSUPPORTED_MEDIA_TYPE)  # as _proxy() answers it
+            response = error_response(refusal.status, str(refusal), refusal.kind)
+            response.force_close()  # the body is not read: the connection carries no other request
+            return response
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # the answer's own bytes start after the interim one
         return None
@@ -749,9 +755,13 @@ class Proxy:
         # Per request, so only these: the session's own timeout (none after connecting) stays the completions'.
         timeout = aiohttp.ClientTimeout(total=self._models_timeout)
 
+        # identity: the session does not decompress (an answer is relayed as the engine sent it), so a list gzipped
+        # by a hop between (an ingress's gzip_types application/json) was no JSON, and a refusal lost its encoding.
+        asked = {**(headers or {}), "Accept-Encoding": "identity"}
+
         async def models(backend: str) -> list[dict[str, Any]]:
             async with session.get(
-                f"{backend}/v1/models", timeout=timeout, headers=headers, allow_redirects=False
+                f"{backend}/v1/models", timeout=timeout, headers=asked, allow_redirects=False
             ) as reply:
                 raw = await _read_at_most(reply, MAX_MODELS_BYTES)
                 if reply.status >= 400:
