@@ -1461,6 +1461,53 @@ def test_a_request_that_asks_to_upgrade_is_served_as_http_1_1(caplog: pytest.Log
     assert not [r for r in caplog.records if r.name.startswith("uvicorn")], caplog.text
 
 
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_body_over_the_limit_sent_whole_before_reading_gets_its_413(framing: str) -> None:
+    """A client that writes its whole body before it reads (Node's http, Java's HttpClient; no ``Expect``) got a
+    connection reset instead of the 413: the sidecar closed the connection with the body unread (7 to 11 in 12 such
+    requests of 70 MB failed). It reads and drops the rest first, as aiohttp and nginx linger."""
+    from prefixroute.adapters.serve.cli import _http_server
+
+    sidecar = Sidecar(Router(block_size=16), backends=BACKENDS, max_body_bytes=1000)
+    body = b'{"prompt_token_ids": [' + b"1, " * (3 << 20) + b"1]}"  # 9 MiB: more than the sockets' buffers hold
+    if framing == "chunked":
+        head = b"POST /route HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        request = head + b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in _pieces(body, 1 << 16))
+        request += b"0\r\n\r\n"
+    else:
+        request = b"POST /route HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    answers: list[bytes] = []
+
+    async def scenario() -> None:
+        server = _http_server(sidecar)
+        with socket.create_server(("127.0.0.1", 0)) as listening:
+            listening.setblocking(False)
+            serving = asyncio.ensure_future(server.serve(sockets=[listening]))
+            while not server.started:
+                await asyncio.sleep(0.01)
+            loop = asyncio.get_running_loop()
+            try:
+                with socket.create_connection(listening.getsockname()) as client:
+                    client.setblocking(False)
+                    await asyncio.wait_for(loop.sock_sendall(client, request), DEADLINE_S)  # all of it, then read
+                    received = b""
+                    while chunk := await asyncio.wait_for(loop.sock_recv(client, 65536), DEADLINE_S):
+                        received += chunk
+                    answers.append(received)
+            finally:
+                server.should_exit = True
+                await asyncio.wait_for(serving, 10)
+
+    asyncio.run(scenario())
+    [answer] = answers
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"] == "the request body is over 1000 bytes"
+
+
+def _pieces(data: bytes, size: int) -> list[bytes]:
+    return [data[i : i + size] for i in range(0, len(data), size)]
+
+
 class _WaitsForHealthz:
     """A PromptEncoder whose ``encode`` tells that it started, then does not finish until /healthz has been
     answered (at most DEADLINE_S): run on the event loop, it would hold the loop, so /healthz could never be."""

@@ -80,6 +80,11 @@ CLIENT_LEFT = "prefixroute.client_left"
 """The ASGI scope extension (``scope["extensions"][CLIENT_LEFT]``) by which a server tells the sidecar whether a
 request's client has closed its connection: a callable of no arguments that returns True once it has, without reading
 from it. ``prefixroute serve`` sets it; the sidecar then finishes, unanswered, a decision whose client left."""
+_LINGER_S = 10.0
+"""How long a refused body is read and dropped before its 413 (aiohttp's lingering time): a client that writes its
+whole body before it reads (Node's http, Java's HttpClient) got a reset, not the answer, when the connection was
+closed with its body unread."""
+_LINGER_BYTES = 1 << 30  # the most of a refused body read and dropped
 _INLINE_TEXT_BYTES = 64 * 2**10  # a text or chat body over this is tokenized on a worker thread, off the event loop
 
 
@@ -656,11 +661,14 @@ class Sidecar:
 
         Raises:
             BadRequest: 413 once the body is over ``max_body_bytes`` (the first chunk too), or before a byte of it is
-                read when its ``Content-Length`` says so (with ``Expect: 100-continue``, which curl sends before a
-                large body, the server then sends no ``100`` and the client no body).
+                kept when its ``Content-Length`` says so (with ``Expect: 100-continue``, which curl sends before a
+                large body, before a byte of it is read: the server then sends no ``100`` and the client no body).
+                The rest of a refused body that is on its way is read and dropped first (:func:`_linger`).
         """
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > self._max_body:
+                if not _expects_continue(scope):  # the client is sending it: let it finish, so it reads the answer
+                    await _linger(receive)
                 raise BadRequest(413, f"the request body is over {self._max_body} bytes")
         chunks: list[bytes] = []
         size = 0
@@ -671,10 +679,34 @@ class Sidecar:
             chunk: bytes = message.get("body", b"")
             size += len(chunk)
             if size > self._max_body:
+                if message.get("more_body", False):
+                    await _linger(receive)
                 raise BadRequest(413, f"the request body is over {self._max_body} bytes")
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return chunk if len(chunks) == 1 else b"".join(chunks)
+
+
+def _expects_continue(scope: Scope) -> bool:
+    """Whether the request waits for a ``100 Continue`` before its body (none is sent for a refusal)."""
+    return any(name == b"expect" and value.lower() == b"100-continue" for name, value in scope["headers"])
+
+
+async def _linger(receive: Receive) -> None:
+    """Read and drop what is left of a refused request's body, for :data:`_LINGER_S` and :data:`_LINGER_BYTES` at
+    most, as aiohttp and nginx linger before they close: a connection closed with data unread is reset, and a client
+    still writing its body loses the answer."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + _LINGER_S
+    read = 0
+    while read < _LINGER_BYTES:
+        try:
+            message = await asyncio.wait_for(receive(), deadline - loop.time())
+        except asyncio.TimeoutError:  # not the builtin before Python 3.11
+            return
+        if message["type"] == "http.disconnect" or not message.get("more_body", False):
+            return
+        read += len(message.get("body", b""))
 
 
 def _check_via(via: object) -> None:
