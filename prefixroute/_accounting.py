@@ -28,24 +28,36 @@ class AttentionFit:
     compute: None until both figures are positive and ``b`` is :data:`_FIT_SIGNIFICANCE` standard errors from 0 (where
     waits do not grow with context, or noise hides how, nothing is fitted). O(1) a first token.
 
-    Errors are relative: each wait is weighed by ``1 / max(wait, predicted wait)²``, the prediction that of the fit so
-    far, so that no first token moves the fit by more than a relative error of 1. Plain least squares let one late
-    first token on a long prompt (a 40K-token prompt 3 s late: a pause of the gateway's) make the figure confidently
-    wrong (1.5 to 4.6 times off) for 330 to 440 first tokens, long prompts weighing thousands of times more than
-    short ones; a first token reported early (at the response's headers) weighs at most as much as one on time."""
+    Errors are relative: each wait is weighed by ``1 / max(wait, predicted wait)²``, so that no first token moves the
+    fit by more than a relative error of 1, late or early. The prediction is the fit's so far; without one (before
+    the first fit, or coefficients not both positive) the fleet's mean seconds a token (forgetting as the fit does)
+    times the tokens; the very first wait only seeds that mean, as nothing yet says whether it is early or late.
+    Plain least squares let one late first token on a long prompt (a 40K-token prompt 3 s late: a pause of the
+    gateway's) make the figure confidently wrong (1.5 to 4.6 times off) for 330 to 440 first tokens, long prompts
+    weighing thousands of times more than short ones; weighed by the wait alone, a first token reported early (at the
+    response's headers) as the very first one weighed so much that the figure stayed None for 800 first tokens."""
 
-    __slots__ = ("_coefficients", "_sums", "tokens")
+    __slots__ = ("_coefficients", "_rate", "_sums", "tokens")
 
     def __init__(self) -> None:
         # Σ w·x1², Σ w·x1·x2, Σ w·x2², Σ w·x1·y, Σ w·x2·y, Σ w·y², Σ 1, each observation weighed by its age
         self._sums = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         self._coefficients = (0.0, 0.0)
+        self._rate = (0.0, 0.0)  # Σ y, Σ x1 weighed by age: their ratio is the mean seconds a token
         self.tokens: float | None = None
 
     def add(self, tokens: int, pairs: int, seconds: float) -> None:
         x1, x2, y, f = float(tokens), float(pairs), seconds, _FIT_MEMORY
         a, b = self._coefficients
-        scale = max(y, a * x1 + b * x2)
+        waited, worked = self._rate
+        predicted = a * x1 + b * x2 if a > 0.0 and b > 0.0 else waited / worked * x1 if worked > 0.0 else math.nan
+        rate = f * waited + y, f * worked + x1
+        if not (math.isfinite(rate[0]) and math.isfinite(rate[1])):  # a clock gone wrong: not learned
+            return
+        self._rate = rate
+        if math.isnan(predicted):  # the first wait: nothing says yet whether it came early or late
+            return
+        scale = max(y, predicted)
         w = 1.0 / scale / scale if scale > 0.0 else math.inf  # an infinite weight (a wait of ~0 s): not learned
         s11, s12, s22, s1y, s2y, syy, n = self._sums
         sums = (

@@ -4,13 +4,14 @@ what counts as a backend failure, the error answers' statuses and types, and the
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import httpx
@@ -20,7 +21,7 @@ from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixroute import ConfigurationError, InvalidTypeError, RoundRobin, Router, StateError
+from prefixroute import Candidate, ConfigurationError, InvalidTypeError, LoadPolicy, RoundRobin, Router, StateError
 from prefixroute.adapters.proxy import Proxy
 from prefixroute.adapters.proxy.app import _ServerLog
 from prefixroute.adapters.proxy.prompts import ByteEncoder
@@ -171,6 +172,40 @@ def test_a_backend_that_answers_whole_while_every_backend_is_out_is_back_in_rota
         reply = post(proxy, {"prompt": "d"})  # routed as /healthz says: to the live one only, never to the dead one
         assert (reply.status_code, reply.headers["x-prefixroute-backend"]) == (200, fine.url)
         assert proxy.stats().retries == retries
+
+
+def test_a_request_sent_before_a_backends_cooldown_does_not_end_it(fine: OpenAIEngine) -> None:
+    """Only a whole answer to a request sent while a backend was out brings it back early. A stream still finishing
+    on an engine that has begun to fail (a rolling restart: its listener gone, old streams ending) put it back in
+    rotation, and each new request paid a refused connection and a retry."""
+    release = threading.Event()
+    calls: list[int] = []
+
+    async def answered(request: web.Request) -> web.Response:
+        calls.append(1)
+        if len(calls) == 1:  # the first, in flight while the backend fails the second
+            await asyncio.get_running_loop().run_in_executor(None, release.wait, 30)
+            return web.json_response({"choices": [{"text": "ok"}]})
+        return web.json_response({"error": "down"}, status=500)
+
+    class Prefers(LoadPolicy):  # the failing backend while it is in rotation
+        def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+            return next((c for c in candidates if c.backend == failing), candidates[0])
+
+    with (
+        backend_serving(answered) as failing,
+        Proxy(Router(policy=Prefers()), [failing, fine.url], max_failures=1, base_models=[]) as proxy,
+    ):
+        body = {"prompt": "x" * 64, "max_tokens": 1}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first = pool.submit(post, proxy, body)
+            wait_until(lambda: len(calls) == 1, what="the first request at the engine")
+            assert post(proxy, body).status_code == 500
+            assert proxy.stats().unhealthy == (failing,)
+            release.set()
+            assert first.result(timeout=30).status_code == 200
+        assert proxy.stats().unhealthy == (failing,)  # its cooldown runs on
+        assert httpx.get(proxy.url + "/healthz").json()["healthy_backends"] == [fine.url]
 
 
 def test_metrics_count_each_outcome_retry_skip_and_backend_state_by_name(
@@ -352,6 +387,9 @@ def test_a_malformed_request_is_one_warning_line_and_the_proxys_own_errors_keep_
     quoting = BadHttpMessage("Invalid header value char:\n\n  b'Authorization: Bearer sk-key\\x01'\n     ^")
     [record] = _server_log_records(caplog, logging.ERROR, "Error handling request", exc_info=quoting)
     assert record.getMessage() == "Error handling request: 400 Invalid header value char"  # not the request's bytes
+    apostrophe = BadHttpMessage("Transfer-Encoding can't be present with Content-Length: b'POST / HTTP/1.1'")
+    [record] = _server_log_records(caplog, logging.ERROR, "Error handling request", exc_info=apostrophe)
+    assert record.getMessage() == "Error handling request: 400 Transfer-Encoding can't be present with Content-Length"
     corrupt = RequestPayloadError("bad gzip\n  data")
     [record] = _server_log_records(caplog, logging.ERROR, "Error handling request from %s", "10.0.0.1",
                                    exc_info=corrupt)  # fmt: skip

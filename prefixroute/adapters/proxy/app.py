@@ -19,6 +19,7 @@ import errno
 import io
 import ipaddress
 import logging
+import math
 import re
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -78,9 +79,11 @@ _SSE_DONE = b"data: [DONE]\n\n"
 @dataclass(slots=True)
 class _Relayed:
     """How far a relay got: ``whole`` once the client has been sent its whole answer (the engine's end of stream, or
-    its ``[DONE]`` event), so a client that leaves after that was served, not cut off."""
+    its ``[DONE]`` event), so a client that leaves after that was served, not cut off; ``sent_at``, the proxy's clock
+    when the request went to the engine."""
 
     whole: bool = False
+    sent_at: float = 0.0
 
 
 # A backend that breaks off its answer midway (closes, or sends less than it announced).
@@ -108,7 +111,8 @@ _CLIENT_KEEPALIVE_S = 75.0
 """How long a client's idle connection is kept open for its next request, as nginx keeps one (aiohttp's default, an
 hour, let idle clients hold every file descriptor)."""
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
-_QUOTED = re.compile(r"""\s*:?\s*(?:b|bytearray\()?['"]""")  # where aiohttp's message starts quoting the request
+# Where aiohttp's message starts quoting the request: a quote that opens a literal, not an apostrophe ("can't").
+_QUOTED = re.compile(r"""\s*(?:^|(?<=[\s:]))(?:b|bytearray\()?['"]""")
 MAX_RETRIES = 16
 """The most resends of a request whose connection failed: more would only hold a client while a fleet is down."""
 MAX_BODY_BYTES = 64 * 2**20
@@ -162,8 +166,8 @@ class Proxy:
         retries: how many times a request whose connection failed goes to another backend, 0 to
             :data:`MAX_RETRIES` (16).
         max_failures: consecutive failures (unreachable, or a 5xx answer) that take a backend out of rotation for
-            ``cooldown`` seconds. While every backend is out, all are tried, and one that answers a request whole
-            is back in rotation at once.
+            ``cooldown`` seconds. While every backend is out, all are tried, and one that answers whole a request
+            sent to it while it was out is back in rotation at once.
         connect_timeout: seconds to open a connection to a backend.
         models_timeout: seconds a backend has to answer ``/v1/models`` (connection included) before that listing
             skips it, so one backend that takes the connection and never answers holds neither the proxy's start
@@ -260,6 +264,8 @@ class Proxy:
         self._counts = dict.fromkeys((*_OUTCOMES, "retries"), 0)
         self._failures = dict.fromkeys(self.backends, 0)
         self._down_until: dict[str, float] = {}
+        self._down_since: dict[str, float] = {}  # when each backend's cooldown began
+        self._quiet_until = -math.inf  # until when running out of descriptors is not logged again
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
@@ -306,7 +312,7 @@ class Proxy:
         # The server's log is prefixroute's (its level), and says what a malformed request did wrong, not what it held.
         self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, handler_cancellation=True,
                                      shutdown_timeout=_SHUTDOWN_GRACE_S, keepalive_timeout=_CLIENT_KEEPALIVE_S,
-                                     logger=_ServerLog(logging.getLogger(f"{__name__}.server")))  # fmt: skip
+                                     logger=_ServerLog(logging.getLogger(f"{_log.name}.server")))  # fmt: skip
         try:
             await self._runner.setup()
             assert self._runner.server is not None
@@ -473,14 +479,14 @@ class Proxy:
             return None
         if expect.lower() != "100-continue":
             raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expect}")
-        if (request.content_length or 0) > self._max_body:
-            return self._too_large()
-        if not is_json_media_type(request.headers.get("Content-Type")):
+        if not is_json_media_type(request.headers.get("Content-Type")):  # first, as _proxy() checks
             self._counts["bad_request"] += 1
-            refusal = BadRequest(UNSUPPORTED_MEDIA_TYPE)  # as _proxy() answers it
+            refusal = BadRequest(UNSUPPORTED_MEDIA_TYPE)
             response = error_response(refusal.status, str(refusal), refusal.kind)
             response.force_close()  # the body is not read: the connection carries no other request
             return response
+        if (request.content_length or 0) > self._max_body:
+            return self._too_large()
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # the answer's own bytes start after the interim one
         return None
@@ -544,6 +550,7 @@ class Proxy:
             while upstream is None:
                 self.router.start(decision)
                 started = True
+                relayed.sent_at = self._clock()
                 try:
                     upstream = await session.post(  # a redirect is the engine's answer, relayed (as nginx does)
                         decision.backend + request.path_qs, data=_payload(raw), headers=headers, allow_redirects=False
@@ -554,9 +561,13 @@ class Proxy:
                     if getattr(getattr(exc, "os_error", None), "errno", None) in _OUT_OF_DESCRIPTORS:
                         # The proxy's own fault, not the engine's: no socket to reach it with.
                         outcome = "internal_error"
-                        _log.error("out of file descriptors: raise the proxy's limit (ulimit -n) or its clients' reuse")
+                        if self._clock() >= self._quiet_until:  # a line every 10 s at most, not one a request
+                            self._quiet_until = self._clock() + 10.0
+                            _log.error("out of file descriptors: raise the proxy's limit (ulimit -n)")
                         message = "the proxy is out of file descriptors; retry later"
-                        return error_response(503, message, "ServiceUnavailableError")
+                        answer = error_response(503, message, "ServiceUnavailableError")
+                        answer.headers["Retry-After"] = "1"
+                        return answer
                     self._failed(decision.backend)
                     tried.append(decision.backend)
                     remaining = [b for b in backends if b not in tried]
@@ -633,7 +644,7 @@ class Proxy:
                     answer = web.Response(status=upstream.status, body=bytes(held), headers=headers)
                     if upstream.status >= 500:
                         return answer, "backend_error"
-                    self._answered_whole(decision.backend)
+                    self._answered_whole(decision.backend, relayed.sent_at)
                     return answer, "ok"
                 held += chunk
         except _BROKE_OFF as exc:
@@ -681,7 +692,7 @@ class Proxy:
                     relayed.whole = True
             relayed.whole = True
             if not failed:
-                self._answered_whole(decision.backend)  # not when it broke off: above 1 again for ever
+                self._answered_whole(decision.backend, relayed.sent_at)  # not when it broke off: above 1 for ever
             await response.write_eof()
         except _BROKE_OFF as exc:
             what = "a streamed answer" if stream else f"an answer ({upstream.status}) after its first bytes"
@@ -709,17 +720,23 @@ class Proxy:
             self._next_learning = self._clock() + 10.0
             self._learning = asyncio.get_running_loop().create_task(self._backend_models(headers))
 
-    def _answered_whole(self, backend: str) -> None:
-        """``backend`` gave a whole answer (below 500): its streak of failures ends, and so does a cooldown it is in
-        (it was tried because every backend was out), so that routing, ``/healthz`` and ``/metrics`` count it in
-        rotation again at once, not only once its cooldown has run out. O(1)."""
+    def _answered_whole(self, backend: str, sent_at: float) -> None:
+        """``backend`` gave a whole answer (below 500) to a request sent at ``sent_at``: its streak of failures ends;
+        so does a cooldown it went into before that request was sent (it was tried because every backend was out),
+        so that routing, ``/healthz`` and ``/metrics`` count it in rotation again at once, not only once its cooldown
+        has run out. A request sent before the cooldown (a stream still finishing on an engine whose listener is
+        gone, as in a rolling restart) does not end it. O(1)."""
         self._failures[backend] = 0
-        self._down_until.pop(backend, None)
+        since = self._down_since.get(backend)
+        if since is not None and sent_at >= since:
+            del self._down_since[backend]
+            self._down_until.pop(backend, None)
 
     def _failed(self, backend: str) -> None:
         failures = self._failures[backend] = self._failures.get(backend, 0) + 1
         if failures >= self._max_failures:
-            self._down_until[backend] = self._clock() + self._cooldown
+            self._down_since[backend] = now = self._clock()
+            self._down_until[backend] = now + self._cooldown
             self._failures[backend] = 0
             _log.warning("backend %s failed %d times in a row: out of rotation for %.0f s", backend, failures,
                          self._cooldown)  # fmt: skip
@@ -868,7 +885,7 @@ def _reason(exc: Exception) -> str:
     is ``reason:\n\n  detail: b'<the request's bytes>' ^`` (the C parser's), ``reason '<bytes>'`` (the Python
     parser's) or a reason alone (a payload's): cut at its first quote."""
     text = " ".join(str(getattr(exc, "message", "") or exc).split())
-    text = _QUOTED.split(text, maxsplit=1)[0]
+    text = _QUOTED.split(text, maxsplit=1)[0].rstrip(" :")
     code = getattr(exc, "code", None)
     return f"{code} {text[:200]}" if isinstance(code, int) else text[:200]
 
