@@ -279,6 +279,25 @@ def test_a_body_not_labelled_json_is_refused_before_the_client_sends_it(refused_
         assert proxy.stats().bad_request == 1 and idle(proxy)
 
 
+def test_an_unknown_expectation_is_a_417_in_error_json(refused_port: Callable[[], int]) -> None:
+    """Every refusal of the proxy is OpenAI's error JSON; an ``Expect`` other than ``100-continue`` was aiohttp's
+    text/plain "Unknown Expect", uncounted."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n"
+    with Proxy(Router(), [f"http://127.0.0.1:{refused_port()}"], base_models=[]) as proxy:
+        host, port = proxy.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as client:
+            client.sendall(head + b"Expect: foo\r\n\r\n")
+            answer = b""
+            while b"}}" not in answer:
+                chunk = client.recv(65536)
+                assert chunk, answer
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 417 "), answer
+        error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error["type"] == "ExpectationFailedError" and "100-continue" in error["message"], error
+        assert proxy.stats().bad_request == 1 and idle(proxy)
+
+
 def test_a_model_list_gzipped_by_a_hop_between_is_read(backend: Backend) -> None:
     """The proxy relays answers as the engines send them, so it does not decompress; it asked for /v1/models with
     aiohttp's default ``Accept-Encoding: gzip, deflate``, and a hop between that compresses JSON (an ingress) gave it

@@ -165,9 +165,9 @@ class Proxy:
             its owner starts and closes it.
         retries: how many times a request whose connection failed goes to another backend, 0 to
             :data:`MAX_RETRIES` (16).
-        max_failures: consecutive failures (unreachable, or a 5xx answer) that take a backend out of rotation for
-            ``cooldown`` seconds. While every backend is out, all are tried, and one that answers whole a request
-            sent to it while it was out is back in rotation at once.
+        max_failures: consecutive failures (unreachable, a 5xx answer, an answer broken off midway) that take a
+            backend out of rotation for ``cooldown`` seconds. While every backend is out, all are tried, and one
+            that answers whole a request sent to it while it was out is back in rotation at once.
         connect_timeout: seconds to open a connection to a backend.
         models_timeout: seconds a backend has to answer ``/v1/models`` (connection included) before that listing
             skips it, so one backend that takes the connection and never answers holds neither the proxy's start
@@ -473,12 +473,16 @@ class Proxy:
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
         """``Expect: 100-continue`` (curl sends it before a large body): a request refused from its head alone (a
         body over the limit, one not labelled JSON) is answered before the client sends the body, not once it has;
-        else aiohttp's own handling (a ``100 Continue``; 417 for another expectation)."""
+        else a ``100 Continue``; another expectation is a 417 in the proxy's error JSON."""
         expect = request.headers.get("Expect", "")
         if request.version != aiohttp.HttpVersion11:
             return None
         if expect.lower() != "100-continue":
-            raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expect}")
+            self._counts["bad_request"] += 1
+            message = f"unknown expectation Expect: {expect}: send Expect: 100-continue, or no Expect"
+            response = error_response(417, message, "ExpectationFailedError")
+            response.force_close()  # the body is not read: the connection carries no other request
+            return response
         if not is_json_media_type(request.headers.get("Content-Type")):  # first, as _proxy() checks
             self._counts["bad_request"] += 1
             refusal = BadRequest(UNSUPPORTED_MEDIA_TYPE)

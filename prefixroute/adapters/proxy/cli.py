@@ -63,11 +63,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--retries", type=int, default=1,
                         help=f"resends after a refused connection, 0 to {MAX_RETRIES} (1)")  # fmt: skip
     parser.add_argument("--max-failures", type=int, default=3, metavar="N",
-                        help="failures in a row (unreachable, or a 5xx answer) that take a backend out of rotation "
-                        "for --cooldown (3)")  # fmt: skip
+                        help="failures in a row (unreachable, a 5xx answer, an answer broken off) that take a "
+                        "backend out of rotation for --cooldown (3)")  # fmt: skip
     parser.add_argument("--cooldown", type=float, default=10.0, metavar="SECONDS",
-                        help="how long a failing backend stays out of rotation, unless it answers a request whole "
-                        "(tried while every backend is out) (10)")  # fmt: skip
+                        help="how long a failing backend stays out of rotation, unless it answers whole a request "
+                        "sent while it was out (every backend out: all are tried) (10)")  # fmt: skip
     parser.add_argument("--connect-timeout", type=float, default=2.0, metavar="SECONDS",
                         help="the longest wait to open a connection to a backend before the request is committed "
                         "to the next (2)")  # fmt: skip
