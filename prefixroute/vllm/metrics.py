@@ -1,7 +1,7 @@
 """Read vLLM's Prometheus ``/metrics``: load figures for routing, cache configuration, TTFT histogram.
 
 :func:`fetch_metrics` reads one engine's ``/metrics`` within a deadline and :func:`parse_metrics` turns the text into
-:class:`EngineMetrics`, rejecting figures no engine can report (NaN, infinite, negative, a block size of 0). The
+:class:`EngineMetrics`, rejecting read figures no engine can report (NaN, infinite, negative, a block size of 0). The
 :class:`~prefixroute.vllm.Fleet` polls every engine with them.
 """
 
@@ -42,8 +42,17 @@ _KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 _QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
 _HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 _CACHE_INFO = "vllm:cache_config_info"
+_CACHE_NAMES = (_CACHE_INFO, _CACHE_INFO.removesuffix("_info"))  # as prometheus_client exposes an Info, and without
 _TTFT = "vllm:time_to_first_token_seconds"
 _START_TIME = "process_start_time_seconds"
+# The vLLM figures read, as exposed (a counter with or without its _total): only these are checked and summed. Any
+# other may hold what an engine does report: V0's prefix-cache hit rate is -1 with prefix caching off, its speculative
+# decoding acceptance rate NaN before a draft token.
+_READ = frozenset(
+    spelling
+    for name in (*_RUNNING, *_WAITING, *_KV_USAGE, *_QUERIES, *_HITS, _TTFT + "_count", _TTFT + "_sum")
+    for spelling in (name, name.removesuffix("_total"))
+)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 """vLLM's bucket bounds of ``vllm:time_to_first_token_seconds``, seconds (what the fake engines serve)."""
@@ -111,8 +120,9 @@ def parse_metrics(text: str, *, deadline: float | None = None) -> EngineMetrics:
 
     Raises:
         MetricsError: the text is not Prometheus exposition format, holds no ``vllm:`` metric at all, or holds a
-            figure no engine can report (the message names it): NaN, infinite or negative values (or finite
-            ones whose sum over the series overflows to infinity), a KV usage above 1, a TTFT histogram whose
+            figure no engine can report (the message names it): NaN, infinite or negative values of a figure it
+            reads (or finite ones whose sum over the series overflows to infinity; another ``vllm:`` figure may
+            hold anything: vLLM V0 reports some as -1 or NaN), a KV usage above 1, a TTFT histogram whose
             cumulative counts fall or with a negative bucket bound, a ``block_size`` or ``num_gpu_blocks`` that is
             not a positive int (or is absurdly large); or ``deadline`` passed before the text was parsed.
         TypeError: ``text`` is not a str (decode a body first), or ``deadline`` not a number or None.
@@ -133,6 +143,7 @@ def parse_metrics(text: str, *, deadline: float | None = None) -> EngineMetrics:
     block_size: int | None = None
     num_gpu_blocks: int | None = None
     seen: set[tuple[str, frozenset[tuple[str, str]]]] = set()
+    vllm = False  # whether any vllm: figure was seen, read or not
     try:
         for family in text_fd_to_metric_families(_Lines(text.removeprefix("\ufeff"), deadline)):
             for sample in family.samples:
@@ -141,6 +152,9 @@ def parse_metrics(text: str, *, deadline: float | None = None) -> EngineMetrics:
                     continue
                 seen.add(series)
                 name, value = sample.name, float(sample.value)
+                vllm = vllm or name.startswith("vllm:")
+                if name.startswith("vllm:") and name not in _READ and name not in (_TTFT + "_bucket", *_CACHE_NAMES):
+                    continue  # a figure the router does not read: whatever it holds
                 if name.startswith("vllm:") and not (math.isfinite(value) and value >= 0):
                     raise MetricsError(f"{name} is {value}: an engine reports finite, non-negative figures")
                 if name == _TTFT + "_bucket":
@@ -150,7 +164,7 @@ def parse_metrics(text: str, *, deadline: float | None = None) -> EngineMetrics:
                     if not math.isnan(bound):
                         buckets[bound] = _add(buckets.get(bound, 0.0), value, f"{name}{{le={bound:g}}}")
                     continue
-                if name in (_CACHE_INFO, _CACHE_INFO[: -len("_info")]):
+                if name in _CACHE_NAMES:
                     block_size = _int_label(sample.labels, "block_size", block_size)
                     # one series per engine, each with the server's total (vLLM sums its data-parallel engines'
                     # blocks into the one cache config at start-up, then labels it with every engine index)
@@ -165,7 +179,7 @@ def parse_metrics(text: str, *, deadline: float | None = None) -> EngineMetrics:
         raise
     except (ValueError, TypeError, IndexError, KeyError, OverflowError) as exc:
         raise MetricsError(f"not Prometheus text exposition format: {exc}") from exc
-    if not buckets and block_size is None and not any(name.startswith("vllm:") for name in sums):
+    if not vllm:
         raise MetricsError("no vLLM metrics found (expected vllm:num_requests_running and others): is this vLLM?")
 
     def first(names: Sequence[str], *, mean: bool = False) -> float | None:

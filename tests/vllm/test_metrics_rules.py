@@ -320,3 +320,23 @@ def test_a_raw_deflate_body_is_inflated_a_byte_past_the_cap_at_most_too(monkeypa
     with pytest.raises(MetricsError, match=f"the body is over {cap} bytes"):
         metrics_module._Body(URL, "deflate").add(packer.compress(bytes(10 * cap)) + packer.flush())
     assert kept == [cap + 1]
+
+
+def test_figures_the_router_does_not_read_may_hold_what_an_engine_reports() -> None:
+    """vLLM V0 reports its prefix-cache hit rate as -1 with prefix caching off ("not supported or disabled") and its
+    speculative decoding acceptance rate as NaN before a draft token: every scrape of such an engine failed, so a
+    Fleet marked it unhealthy for good (the proxy's /healthz answered 503). Only the figures read are checked."""
+    text = (
+        "vllm:num_requests_running 2\n"
+        "vllm:num_requests_waiting 1\n"
+        "vllm:gpu_cache_usage_perc 0.25\n"
+        "vllm:gpu_prefix_cache_hit_rate -1.0\n"
+        "vllm:cpu_prefix_cache_hit_rate -1.0\n"
+        "vllm:spec_decode_draft_acceptance_rate NaN\n"
+        "vllm:spec_decode_efficiency NaN\n"
+    )
+    figures = parse_metrics(text)
+    assert (figures.running, figures.waiting, figures.kv_usage) == (2.0, 1.0, 0.25)
+    for read in ("vllm:num_requests_waiting -1\n", "vllm:gpu_cache_usage_perc NaN\n"):  # still refused
+        with pytest.raises(MetricsError, match="finite, non-negative"):
+            parse_metrics(read + text)
