@@ -48,8 +48,8 @@ class RouterMetrics:
     ``_index_blocks{backend}``, ``_event_lag_seconds{backend}``, ``_event_batches_total{backend}``,
     ``_event_gaps_total{backend}``, ``_event_unrecovered_gaps_total{backend}``,
     ``_event_failed_replays_total{backend}``, ``_event_handshake_failures_total{backend}``,
-    ``_engine_restarts_total{backend}`` (seen in the KV events' sequence numbers; for a fleet's backend without
-    events, in its ``/metrics``).
+    ``_engine_restarts_total{backend}`` (seen in the KV events' sequence numbers or in a fleet backend's
+    ``/metrics``: the larger of the two counts where there are both).
 
     >>> from prometheus_client import CollectorRegistry
     >>> from prefixroute import Router
@@ -206,7 +206,10 @@ class RouterMetrics:
         streams = [subscriber.stats() for subscriber in subscribers]
         polled = [b for fleet in fleets for b in fleet.stats().backends]
         streams += [b.events for b in polled if b.events is not None]
-        for seen in polled:  # without events, the restarts its /metrics showed
+        # The restarts a fleet's /metrics showed: the only count without events; beside them, the larger of the two
+        # (a restart the sequence numbers hid, which the poller caught first, is in the fleet's count alone).
+        shown = {seen.backend: seen.engine_restarts for seen in polled if seen.metrics_url is not None}
+        for seen in polled:
             if seen.events is None and seen.metrics_url is not None:
                 restarts.add_metric([seen.backend], seen.engine_restarts)
         for stats in streams:
@@ -218,7 +221,7 @@ class RouterMetrics:
             lost.add_metric(label, stats.unrecovered_gaps)
             failed.add_metric(label, stats.failed_replays)
             handshakes.add_metric(label, stats.handshake_failures)
-            restarts.add_metric(label, stats.restarts)
+            restarts.add_metric(label, max(stats.restarts, shown.get(stats.backend, 0)))
         yield from (blocks, lag, batches, gaps, lost, failed, handshakes, restarts)
 
 

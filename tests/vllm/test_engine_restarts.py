@@ -119,8 +119,10 @@ def test_with_events_a_restart_the_sequence_numbers_hid_is_caught_by_metrics_and
     test_reset_forgets_the_sequence_...): the poller sees the new process and resets it, and the index ends up
     exactly what the new engine holds."""
     router = events_router()
+    registry = CollectorRegistry()
     with FakeVLLM(num_blocks=64) as engine, Fleet(router, interval=0.05, timeout=1.0, stale_after=3.0) as fleet:
         fleet.add_backend("gpu0", kv_events=engine.endpoint, replay=engine.replay_endpoint, metrics_url=engine.url)
+        RouterMetrics(registry).watch_fleet(fleet)
         sub = fleet.subscriber("gpu0")
         assert sub is not None
         for _ in range(9):
@@ -138,6 +140,8 @@ def test_with_events_a_restart_the_sequence_numbers_hid_is_caught_by_metrics_and
         held = router.index.hashes("gpu0")
         assert held == engine.own_hashes() and not held & old
         assert sub.stats().tracker.orphan_blocks == 0
+        # Exported: the subscriber saw no restart in its numbers (the poller's reset came first), the fleet did.
+        assert registry.get_sample_value("prefixroute_engine_restarts_total", {"backend": "gpu0"}) == 1
 
 
 def test_the_restarts_of_a_backend_without_events_are_exported() -> None:
