@@ -208,6 +208,13 @@ def test_a_request_sent_before_a_backends_cooldown_does_not_end_it(fine: OpenAIE
         assert httpx.get(proxy.url + "/healthz").json()["healthy_backends"] == [fine.url]
 
 
+def test_every_metric_family_says_what_it_counts(fine: OpenAIEngine) -> None:
+    """Each family has its HELP line as well as its TYPE (promtool warns of a family without; it had none)."""
+    with Proxy(Router(), [fine.url], base_models=[]) as proxy:
+        families = list(text_string_to_metric_families(httpx.get(proxy.url + "/metrics").text))
+    assert len(families) == 6 and all(family.documentation for family in families), families
+
+
 def test_metrics_count_each_outcome_retry_skip_and_backend_state_by_name(
     fine: OpenAIEngine, refused_port: Callable[[], int]
 ) -> None:

@@ -841,19 +841,26 @@ class Proxy:
         up = set(self._in_rotation())
         # Backend URLs are printable ASCII (check_backend_url): only a backslash or a quote needs escaping.
         labels = {b: b.replace("\\", "\\\\").replace('"', '\\"') for b in self.backends}
-        lines = ["# TYPE prefixroute_proxy_requests_total counter"]
+        lines = _head("prefixroute_proxy_requests_total", "counter", "Completion requests by outcome.")
         lines += [f'prefixroute_proxy_requests_total{{outcome="{o}"}} {getattr(stats, o)}' for o in _OUTCOMES]
-        lines += ["# TYPE prefixroute_proxy_retries_total counter", f"prefixroute_proxy_retries_total {stats.retries}"]
-        lines += ["# TYPE prefixroute_router_decisions_total counter",
-                  f"prefixroute_router_decisions_total {router.decisions}"]  # fmt: skip
-        lines.append("# TYPE prefixroute_router_in_flight gauge")
+        lines += _head("prefixroute_proxy_retries_total", "counter", "Requests resent after a refused connection.")
+        lines.append(f"prefixroute_proxy_retries_total {stats.retries}")
+        lines += _head("prefixroute_router_decisions_total", "counter", "Routing decisions made.")
+        lines.append(f"prefixroute_router_decisions_total {router.decisions}")
+        lines += _head("prefixroute_router_in_flight", "gauge", "Requests in flight, by backend.")
         lines += [f'prefixroute_router_in_flight{{backend="{labels[b]}"}} {self.router.in_flight(b)}' for b in labels]
-        lines.append("# TYPE prefixroute_proxy_backend_up gauge")
+        lines += _head("prefixroute_proxy_backend_up", "gauge", "1 while a backend is in rotation, else 0.")
         lines += [f'prefixroute_proxy_backend_up{{backend="{labels[b]}"}} {int(b in up)}' for b in labels]
-        lines.append("# TYPE prefixroute_proxy_models_skipped_total counter")
+        lines += _head("prefixroute_proxy_models_skipped_total", "counter", "Model listings a backend failed to give.")
         skipped = self._models_skipped
         lines += [f'prefixroute_proxy_models_skipped_total{{backend="{labels[b]}"}} {skipped[b]}' for b in labels]
         return "\n".join(lines) + "\n"
+
+
+def _head(name: str, kind: str, help_text: str) -> list[str]:
+    """A metric family's HELP and TYPE lines, named as its samples are (a counter with ``_total``, as
+    prometheus_client writes the text format)."""
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
 
 
 _decoder = msgspec.json.Decoder()
