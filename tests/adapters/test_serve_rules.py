@@ -414,6 +414,21 @@ def test_healthy_filters_the_fixed_backends_and_failing_open_uses_all_when_it_le
     assert chosen == set(BACKENDS)
 
 
+def test_healthz_and_metrics_say_which_fixed_backends_are_healthy() -> None:
+    """With a health filter (``--metrics-from-backends``), /healthz listed every backend and /metrics nothing of
+    their health; /healthz stays 200 (the sidecar's liveness, which gateways check) and says which are healthy."""
+    healthy_now = [BACKENDS[1]]
+    sidecar = Sidecar(Router(block_size=4), backends=BACKENDS, healthy=lambda backends: list(healthy_now))
+    reply = call(sidecar, "GET", "/healthz")
+    assert (reply.status_code, reply.json()) == (
+        200,
+        {"status": "ok", "backends": BACKENDS, "healthy_backends": [BACKENDS[1]]},
+    )
+    up = metric_samples(call(sidecar, "GET", "/metrics"))["prefixroute_backend_up"]
+    assert up == {(("backend", backend),): float(backend == BACKENDS[1]) for backend in BACKENDS}
+    assert "healthy_backends" not in call(Sidecar(Router(), backends=BACKENDS), "GET", "/healthz").json()
+
+
 def test_without_fixed_backends_the_pick_mode_is_a_400_saying_how_to_give_them() -> None:
     reply = call(Sidecar(Router()), "POST", "/v1/completions", {"prompt": ids(4)})
     assert reply.status_code == 400

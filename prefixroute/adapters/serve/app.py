@@ -647,12 +647,28 @@ class Sidecar:
         self.router.finish(decision.id, refused=True)
         return None
 
+    def _health_now(self) -> set[str] | None:
+        """The fixed backends ``healthy`` says are healthy, for /healthz and /metrics; None without ``healthy``, or
+        when it fails (logged: the sidecar's liveness does not hang on it)."""
+        if self._healthy is None:
+            return None
+        try:
+            return set(self._healthy(list(self.backends)))
+        except Exception:
+            _log.exception("the health filter failed: /healthz and /metrics say nothing of the backends' health")
+            return None
+
     async def _get(self, path: str, send: Send) -> None:
+        healthy = self._health_now()
         if path == "/metrics":
-            text = self.metrics.render(self.router, self._seen).encode()
+            up = None if healthy is None else {backend: backend in healthy for backend in self.backends}
+            text = self.metrics.render(self.router, self._seen, up=up).encode()
             await _respond(send, 200, text, [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")])
-        elif path == "/healthz":
-            await _respond(send, 200, msgspec.json.encode({"status": "ok", "backends": list(self.backends)}))
+        elif path == "/healthz":  # the sidecar's liveness: 200 whatever the engines' health, which it also says
+            answer: dict[str, object] = {"status": "ok", "backends": list(self.backends)}
+            if healthy is not None:
+                answer["healthy_backends"] = [backend for backend in self.backends if backend in healthy]
+            await _respond(send, 200, msgspec.json.encode(answer))
         else:  # /stats
             await _respond(send, 200, msgspec.json.encode(self.stats()))
 

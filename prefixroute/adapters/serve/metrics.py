@@ -9,7 +9,7 @@ request stops counting at the next scrape even when no request arrives.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from prefixroute.router import Decision, Router
 
@@ -61,8 +61,9 @@ class SidecarMetrics:
         """Count one datagram on the release port that held no release token."""
         self.unread_datagrams += 1
 
-    def render(self, router: Router, backends: Iterable[str]) -> str:
-        """The Prometheus text exposition (format 0.0.4). O(backends + buckets)."""
+    def render(self, router: Router, backends: Iterable[str], *, up: Mapping[str, bool] | None = None) -> str:
+        """The Prometheus text exposition (format 0.0.4). O(backends + buckets). ``up``: whether each of the
+        sidecar's own backends is healthy, when something tells (``--metrics-from-backends``)."""
         stats = router.stats()
         lines = [
             "# HELP prefixroute_decisions_total Routing decisions, by why the backend was chosen.",
@@ -118,6 +119,12 @@ class SidecarMetrics:
             f"prefixroute_decision_seconds_sum {self._latency_sum}",
             f"prefixroute_decision_seconds_count {self._latency_count}",
         ]
+        if up is not None:
+            lines += [
+                "# HELP prefixroute_backend_up 1 while a backend is healthy (its /metrics scraped), else 0.",
+                "# TYPE prefixroute_backend_up gauge",
+            ]
+            lines += [f'prefixroute_backend_up{{backend="{_label(b)}"}} {int(healthy)}' for b, healthy in up.items()]
         return "\n".join(lines) + "\n"
 
 
