@@ -941,6 +941,26 @@ def test_a_release_datagram_reports_first_tokens_and_finishes_via_udp_skipping_n
     assert "prefixroute_release_datagrams_unread_total 5\n" in call(sidecar, "GET", "/metrics").text
 
 
+def test_a_release_line_of_thousands_of_tokens_reads_its_status_once_and_its_first_tokens_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Anyone who reaches the release port can send a 64 KB line of 2,800 tokens: the line's status was searched once
+    per token (3.4 s of the sidecar's loop for one datagram, no decision made meanwhile). It is read once a line, and
+    a line's first 16 tokens only (a gateway's carries one or two)."""
+    from prefixroute.adapters.serve import release
+
+    searches: list[bytes] = []
+    monkeypatch.setattr(release, "refused", lambda line: searches.append(line) or False)
+    sidecar = Sidecar(Router(block_size=16), backends=BACKENDS)
+    decisions = [
+        call(sidecar, "POST", "/route", {"prompt_token_ids": ids(64, start=100 * i)}).json() for i in range(20)
+    ]
+    line = b"<190>nginx: " + b" ".join(f"prefixroute_finish={d['id']}".encode() for d in decisions) + b" status=200"
+    ReleaseProtocol(sidecar).datagram_received(line, ("127.0.0.1", 1))
+    assert len(searches) == 1 and sidecar.router.stats().in_flight == 4  # 16 of the 20 finished
+    assert sidecar.metrics.releases == {"udp": 16}
+
+
 def test_the_release_listener_logs_an_icmp_error_at_debug_and_goes_on(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.DEBUG, logger="prefixroute.adapters.serve.release"):
         ReleaseProtocol(Sidecar(Router(), backends=BACKENDS)).error_received(ConnectionRefusedError("port closed"))

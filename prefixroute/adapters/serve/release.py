@@ -7,7 +7,8 @@ surround the token (syslog headers, other fields); ``prefixroute_first_token=<id
 field on the same line that is a refusal (:func:`~prefixroute.adapters.serve.contract.is_refusal`: a 4xx but a
 timeout or nginx's 499) finishes the request refused, so the router forgets the blocks it predicted there; the
 example configurations log it. A lost datagram is covered by the request's lease; one that holds no token (junk, or
-a log format that lacks it) is counted in ``prefixroute_release_datagrams_unread_total``. The listener trusts
+a log format that lacks it) is counted in ``prefixroute_release_datagrams_unread_total``. A line's first 16 tokens
+are read (a log line carries one or two). The listener trusts
 whoever can reach it: bind it to loopback.
 
 >>> release_ids(b"<190>nginx: prefixroute_finish=ab12-3f status=200")
@@ -28,6 +29,7 @@ __all__ = ["ReleaseProtocol", "refused", "release_ids"]
 
 _log = logging.getLogger(__name__)
 _TOKEN = re.compile(rb"prefixroute_(finish|first_token)=([0-9A-Za-z_.:-]+)")
+_TOKENS_PER_LINE = 16  # a gateway's log line carries one or two; the rest of a line holding more is not read
 _STATUS = re.compile(rb"(?<![0-9A-Za-z_])status=([0-9]{3})(?![0-9])")
 
 
@@ -73,12 +75,16 @@ class ReleaseProtocol(asyncio.DatagramProtocol):
     def datagram_received(self, data: bytes, addr: tuple[str | object, int]) -> None:
         read = False
         for line in data.splitlines():  # one log line a datagram as syslog sends it; several are read line by line
-            for what, decision_id in release_ids(line):
+            was_refused: bool | None = None  # the line's status, read once (it was once per token: a line of
+            # thousands of tokens, anyone's datagram, held the sidecar's loop for seconds)
+            for what, decision_id in release_ids(line)[:_TOKENS_PER_LINE]:
                 read = True
                 if decision_id == "-":
                     continue
                 if what == "finish":
-                    self._sidecar.finish(decision_id, via="udp", refused=refused(line))
+                    if was_refused is None:
+                        was_refused = refused(line)
+                    self._sidecar.finish(decision_id, via="udp", refused=was_refused)
                 else:
                     self._sidecar.first_token(decision_id, via="udp")
         if not read:  # junk, or a log format without the token: counted, so it shows before the leases expire
