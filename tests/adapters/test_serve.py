@@ -950,7 +950,12 @@ def test_a_release_line_of_thousands_of_tokens_reads_its_status_once_and_its_fir
     from prefixroute.adapters.serve import release
 
     searches: list[bytes] = []
-    monkeypatch.setattr(release, "refused", lambda line: searches.append(line) or False)
+
+    def searched(line: bytes) -> bool:
+        searches.append(line)
+        return False
+
+    monkeypatch.setattr(release, "refused", searched)
     sidecar = Sidecar(Router(block_size=16), backends=BACKENDS)
     decisions = [
         call(sidecar, "POST", "/route", {"prompt_token_ids": ids(64, start=100 * i)}).json() for i in range(20)
@@ -1526,6 +1531,92 @@ def test_a_body_over_the_limit_sent_whole_before_reading_gets_its_413(framing: s
 
 def _pieces(data: bytes, size: int) -> list[bytes]:
     return [data[i : i + size] for i in range(0, len(data), size)]
+
+
+def _serving(sidecar: Sidecar, scenario: Callable[[asyncio.AbstractEventLoop, Any], Any]) -> None:
+    """Run ``scenario(loop, address)`` against ``sidecar`` served as ``prefixroute serve`` serves it (uvicorn with
+    the sidecar's HTTP protocol) on a loopback socket."""
+    from prefixroute.adapters.serve.cli import _http_server
+
+    async def main() -> None:
+        server = _http_server(sidecar)
+        with socket.create_server(("127.0.0.1", 0)) as listening:
+            listening.setblocking(False)
+            serving = asyncio.ensure_future(server.serve(sockets=[listening]))
+            while not server.started:
+                await asyncio.sleep(0.01)
+            try:
+                await scenario(asyncio.get_running_loop(), listening.getsockname())
+            finally:
+                server.should_exit = True
+                await asyncio.wait_for(serving, 10)
+
+    asyncio.run(main())
+
+
+def test_a_request_head_over_64_kib_is_a_431_before_it_is_all_read() -> None:
+    """httptools takes a head of any size, at a cost that grows faster than it (a 64 MiB header: 2.8 s of CPU, and
+    held while the client holds it back); nginx refuses one over 32 KiB. The sidecar answers 431 past 64 KiB."""
+    sidecar = Sidecar(Router(block_size=16), backends=BACKENDS)
+    answers: list[bytes] = []
+
+    async def scenario(loop: asyncio.AbstractEventLoop, address: Any) -> None:
+        with socket.create_connection(address) as client:
+            client.setblocking(False)
+            await loop.sock_sendall(client, b"POST /route HTTP/1.1\r\nHost: x\r\nX-Big: ")
+            received = b""
+            for _ in range(64):  # up to 1 MiB, 16 KiB at a time, until the sidecar answers
+                with contextlib.suppress(ConnectionError):
+                    await loop.sock_sendall(client, b"a" * (16 << 10))
+                with contextlib.suppress(asyncio.TimeoutError):
+                    received = await asyncio.wait_for(loop.sock_recv(client, 65536), 0.05)
+                if received:
+                    break
+            while chunk := await asyncio.wait_for(loop.sock_recv(client, 65536), DEADLINE_S):
+                received += chunk
+            answers.append(received)
+
+    _serving(sidecar, scenario)
+    [answer] = answers
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:100]
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"].startswith("the request's head is over 65536")
+    assert sidecar.stats()["bad_requests"] == {"431": 1}
+
+
+def test_a_connection_whose_request_stalls_is_closed_after_the_read_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """uvicorn times out only a connection idle after an answer: one that never sent a byte, a head or a body left
+    unfinished held its connection (a descriptor) for ever. Each is closed once nothing has come for the read
+    timeout (60 s, nginx's client_header_timeout; shortened here); a request answered meanwhile is not."""
+    from prefixroute.adapters.serve import cli
+
+    monkeypatch.setattr(cli, "_READ_TIMEOUT_S", 0.3)
+    sidecar = Sidecar(Router(block_size=16), backends=BACKENDS)
+    body = b'{"prompt_token_ids": [1, 2, 3]}'
+    stalls = [
+        b"",
+        b"POST /route HTTP/1.1\r\nHost: x\r\nContent-Le",
+        b"POST /route HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body) + 10, body),
+    ]
+    closed: list[bytes] = []
+
+    async def scenario(loop: asyncio.AbstractEventLoop, address: Any) -> None:
+        for sent in stalls:
+            with socket.create_connection(address) as client:
+                client.setblocking(False)
+                await loop.sock_sendall(client, sent)
+                closed.append(await asyncio.wait_for(loop.sock_recv(client, 65536), DEADLINE_S))
+        with socket.create_connection(address) as client:  # a slow request that finishes within the timeout
+            client.setblocking(False)
+            whole = b"POST /route HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+            for piece in (whole[:20], whole[20:60], whole[60:]):
+                await loop.sock_sendall(client, piece)
+                await asyncio.sleep(0.2)  # under the timeout between pieces
+            closed.append(await asyncio.wait_for(loop.sock_recv(client, 65536), DEADLINE_S))
+
+    _serving(sidecar, scenario)
+    assert closed[:3] == [b"", b"", b""]  # closed, unanswered
+    assert closed[3].startswith(b"HTTP/1.1 200 "), closed[3]
+    assert sidecar.router.stats().decisions == 1
 
 
 class _WaitsForHealthz:

@@ -386,6 +386,13 @@ def _run_loop(main: Coroutine[Any, Any, None]) -> None:
     uvloop.run(main)
 
 
+_MAX_HEAD_BYTES = 64 * 2**10
+"""The largest request head (its line and headers) the sidecar reads; past it, a 431 (nginx takes 32 KiB, aiohttp
+8 KiB a line)."""
+_READ_TIMEOUT_S = 60.0
+"""How long a request may go without a byte before its connection is closed (nginx's client_header_timeout and
+client_body_timeout)."""
+
 # poll() events that say the peer closed: its FIN (POLLRDHUP, Linux), both directions shut, or an error (a reset)
 _CLOSED = (getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR) if hasattr(select, "poll") else None
 
@@ -417,41 +424,87 @@ def _http_protocol(sidecar: Any) -> type[asyncio.Protocol]:
     class Protocol(base):  # type: ignore[misc]
         if use_httptools:
             parser: Any
+            _head = -1  # bytes received of a request head still incomplete; -1 outside a head
+            _reading = True  # a request is incomplete (or none has begun since the connection opened)
+            _last_read = 0.0  # the loop's time of the last bytes received
+            _watch: asyncio.TimerHandle | None = None
+
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                super().connection_made(transport)
+                self._last_read = self.loop.time()
+                self._watch = self.loop.call_later(_READ_TIMEOUT_S, self._check_reading)
+
+            def connection_lost(self, exc: Exception | None) -> None:
+                if self._watch is not None:
+                    self._watch.cancel()
+                super().connection_lost(exc)
+
+            def _check_reading(self) -> None:
+                """Close a connection whose request has not come whole, with nothing received for
+                :data:`_READ_TIMEOUT_S` (nginx's client_header_timeout and client_body_timeout): uvicorn times out
+                only a connection idle after an answer, so a client that never finished its head or body held its
+                connection for ever."""
+                if self.transport.is_closing():
+                    return
+                idle = self.loop.time() - self._last_read
+                if self._reading and idle >= _READ_TIMEOUT_S:
+                    self.transport.close()
+                    return
+                delay = _READ_TIMEOUT_S - idle if self._reading else _READ_TIMEOUT_S  # idle after an answer: uvicorn's
+                self._watch = self.loop.call_later(max(delay, 0.01), self._check_reading)
+
+            def on_headers_complete(self) -> None:
+                self._head = -1
+                super().on_headers_complete()
+
+            def on_message_complete(self) -> None:
+                self._reading = False
+                super().on_message_complete()
 
             def _should_upgrade(self) -> bool:
                 # Any upgrade asked for, so that uvicorn starts nothing for its head (see data_received); not a CONNECT.
                 return bool(self._get_upgrade())
 
-            def data_received(self, data: bytes) -> None:  # uvicorn's, but for an upgrade
+            def data_received(self, data: bytes) -> None:  # uvicorn's, but for an upgrade and a head's size
                 self._unset_keepalive_if_required()
+                self._last_read = self.loop.time()
+                in_head = self._head >= 0  # this chunk's bytes are the head's, unless it completes it
                 try:
                     self.parser.feed_data(data)
                 except httptools.HttpParserError:
                     self.logger.warning("Invalid HTTP request received.")
                     self.send_400_response("")
+                    return
                 except httptools.HttpParserUpgrade as upgrade:
-                    if not self._should_upgrade():  # a CONNECT: answered by the app, the rest ignored, as uvicorn
-                        self._unsupported_upgrade_warning()
-                        return
-                    # Parse the request again from a head without the upgrade, then what followed it (its body).
-                    head = [
-                        self.parser.get_method(),
-                        b" ",
-                        self.url,
-                        b" HTTP/",
-                        self.parser.get_http_version().encode(),
-                    ]
-                    for name, value in self.headers:
-                        if name == b"connection":
-                            value = b",".join(t for t in value.split(b",") if t.strip().lower() != b"upgrade")
-                        if name != b"upgrade" and (name != b"connection" or value.strip()):
-                            head += [b"\r\n", name, b": ", value]
-                    self.parser = httptools.HttpRequestParser(self)
-                    self.parser.set_dangerous_leniencies(lenient_data_after_close=True)  # as uvicorn makes its own
-                    self.data_received(b"".join(head) + b"\r\n\r\n" + data[upgrade.args[0] :])
+                    self._upgrade(data, upgrade.args[0])
+                    return
+                if in_head and self._head >= 0:  # httptools takes a head of any size (64 MiB: 2.8 s of CPU)
+                    self._head += len(data)
+                    if self._head > _MAX_HEAD_BYTES:
+                        self._refuse(431, b"Request Header Fields Too Large",
+                                     f"the request's head is over {_MAX_HEAD_BYTES} bytes: send fewer or "
+                                     "shorter headers")  # fmt: skip
+
+            def _upgrade(self, data: bytes, offset: int) -> None:
+                """A request that asks to upgrade (its head ends at ``offset`` of ``data``): served as HTTP/1.1."""
+                if not self._should_upgrade():  # a CONNECT: answered by the app, the rest ignored, as uvicorn
+                    self._unsupported_upgrade_warning()
+                    return
+                # Parse the request again from a head without the upgrade, then what followed it (its body).
+                head = [self.parser.get_method(), b" ", self.url, b" HTTP/", self.parser.get_http_version().encode()]
+                for name, value in self.headers:
+                    if name == b"connection":
+                        value = b",".join(t for t in value.split(b",") if t.strip().lower() != b"upgrade")
+                    if name != b"upgrade" and (name != b"connection" or value.strip()):
+                        head += [b"\r\n", name, b": ", value]
+                self.parser = httptools.HttpRequestParser(self)
+                self.parser.set_dangerous_leniencies(lenient_data_after_close=True)  # as uvicorn makes its own
+                self.data_received(b"".join(head) + b"\r\n\r\n" + data[offset:])
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
+            self._head = 0
+            self._reading = True
             self.scope["extensions"] = {**(self.scope.get("extensions") or {}), CLIENT_LEFT: self.client_left}
 
         def client_left(self) -> bool:
@@ -467,11 +520,16 @@ def _http_protocol(sidecar: Any) -> type[asyncio.Protocol]:
             return any(events & _CLOSED for _fd, events in poller.poll(0))
 
         def send_400_response(self, msg: str) -> None:
-            sidecar.metrics.refused(400)
             error = ("the request is not valid HTTP/1.1: send one request line, headers, and a body framed by one "
                      "Content-Length or by well-formed chunks")  # fmt: skip
+            self._refuse(400, b"Bad Request", error)
+
+        def _refuse(self, status: int, reason: bytes, error: str) -> None:
+            """Answer a request refused before the app saw it, in the sidecar's JSON, counted; close: its framing is
+            lost."""
+            sidecar.metrics.refused(status)
             body = json.dumps({"error": error}, separators=(",", ":")).encode()  # as the sidecar's own answers
-            head = [b"HTTP/1.1 400 Bad Request\r\n"]
+            head = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
             head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
             head.append(
                 b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body)
