@@ -23,13 +23,15 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import TracebackType
+from types import MappingProxyType, TracebackType
 from typing import Any, Literal
+from urllib.parse import unquote
 
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from prefixroute._numbers import as_float, as_int, check_flag, shown
+from prefixroute.adapters._slashes import slash_redirect
 from prefixroute.errors import ConfigurationError, InvalidTypeError, StateError
 from prefixroute.testing._http import (
     JSON,
@@ -58,6 +60,7 @@ from prefixroute.vllm.metrics import TTFT_BUCKETS
 __all__ = ["Completion", "FakeVLLM"]
 
 _END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+_ROUTES = MappingProxyType({"/v1/models": "GET", "/health": "GET", "/v1/completions": "POST"})  # each one's method
 _MAX_LINE = 65_536  # the longest chunk-size or trailer line read
 
 
@@ -138,7 +141,9 @@ def _check_options(
 class FakeVLLM:
     """A fake engine: KV events on a ZMQ PUB socket and a replay ROUTER, HTTP ``/metrics``, ``/v1/completions`` and
     ``/v1/models`` (and vLLM's ``/health``). ``/v1/completions`` serves ``model``, and a request that names none
-    (absent, null or ``""``); one naming another model gets vLLM's 404 (``NotFoundError``, ``param`` "model").
+    (absent, null or ``""``); one naming another model gets vLLM's 404 (``NotFoundError``, ``param`` "model"). A
+    route's path with trailing slashes (``/v1/completions/``) is Starlette's empty 307 to the route, as vLLM's app
+    answers it.
 
     Every cache-changing call publishes one ``EventBatch`` (as a vLLM scheduler step does) with the next sequence
     number, in ``encoding`` (``"array"``, ``"map"`` or ``"alternate"``, which switches per batch), stamped with
@@ -706,12 +711,24 @@ def _handler_for(engine: FakeVLLM) -> type[BaseHTTPRequestHandler]:
         do_HEAD = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _other  # noqa: N815 - http.server's naming
 
         def _refuse(self, path: str) -> None:
-            """FastAPI's answer to a path vLLM does not serve (404), or serves with another method (405)."""
-            allowed = {"/v1/models": "GET", "/health": "GET", "/v1/completions": "POST"}.get(path)
-            if allowed is None:
+            """FastAPI's answer to a path vLLM does not serve (404), or serves with another method (405), and
+            Starlette's (``redirect_slashes``) to a path it serves without trailing slashes: an empty 307 there."""
+            allowed = _ROUTES.get(path)
+            if allowed is not None:
+                self._reply(405, METHOD_NOT_ALLOWED, JSON, {"Allow": allowed})
+                return
+            location = slash_redirect(
+                unquote(path),  # as Starlette routes it, percent-decoded
+                routes=_ROUTES,
+                scheme="http",
+                host=self.headers.get("Host", ""),
+                local=self.connection.getsockname(),
+                query=self.path.partition("?")[2],
+            )
+            if location is None:
                 self._reply(404, NOT_FOUND, JSON)
             else:
-                self._reply(405, METHOD_NOT_ALLOWED, JSON, {"Allow": allowed})
+                self._reply(307, b"", None, {"Location": location})
 
         def _reply(
             self, status: int, body: bytes, content_type: str | None, headers: Mapping[str, str] | None = None

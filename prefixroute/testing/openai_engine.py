@@ -8,7 +8,8 @@ when no prompt token came from the cache), ``GET /v1/models``, ``/metrics`` (vLL
 request hits the longest cached prefix of full blocks and its time to first token grows with its *uncached*
 tokens, so a router that keeps prefixes together measurably wins. Prompts are token ids or text (a completion's
 ``prompt`` may be a batch of either, and ``n`` asks for that many answers per prompt, as vLLM takes them); text is
-split on whitespace, each word one token (or pass ``tokenizer=``).
+split on whitespace, each word one token (or pass ``tokenizer=``). A route's path with trailing slashes is
+Starlette's 307 to the route, as vLLM's app answers it.
 
 ::
 
@@ -45,6 +46,7 @@ from aiohttp import web
 
 from prefixroute._numbers import as_float, as_int, shown
 from prefixroute.adapters._listening import close_listener
+from prefixroute.adapters._slashes import request_redirect
 from prefixroute.adapters.serve.contract import (
     UNSUPPORTED_MEDIA_TYPE,
     is_batch,
@@ -788,7 +790,8 @@ class OpenAIEngine:
 @web.middleware
 async def _as_vllms_app(request: web.Request, handler: Any) -> web.StreamResponse:
     """Answer as vLLM's FastAPI app does what no route serves: CORSMiddleware's 200 to a preflight on any path,
-    FastAPI's JSON 404 and 405 (with ``Allow``) where aiohttp would answer text."""
+    Starlette's empty 307 to a route's path asked with trailing slashes, FastAPI's JSON 404 and 405 (with ``Allow``)
+    where aiohttp would answer text."""
     if is_preflight(request.method, request.headers):
         requested = request.headers.get("Access-Control-Request-Headers")
         headers = preflight_headers(requested)
@@ -800,6 +803,9 @@ async def _as_vllms_app(request: web.Request, handler: Any) -> web.StreamRespons
         return web.Response(status=405, body=METHOD_NOT_ALLOWED, content_type=JSON,
                             headers={"Allow": allowed})  # fmt: skip
     except web.HTTPNotFound:
+        location = request_redirect(request)  # Starlette's redirect_slashes: a route's path with trailing slashes
+        if location is not None:
+            return web.Response(status=307, headers={"Location": location})
         return web.Response(status=404, body=NOT_FOUND, content_type=JSON)
     return response
 

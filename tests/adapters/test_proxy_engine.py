@@ -745,6 +745,40 @@ def test_health_is_vllms_empty_200(fake: type[OpenAIEngine | FakeVLLM]) -> None:
         assert refused.status_code == 405 and refused.headers["allow"] == "GET"
 
 
+@pytest.mark.parametrize("fake", [OpenAIEngine, FakeVLLM])
+@pytest.mark.parametrize(
+    ("method", "target", "host", "location"),
+    [("POST", "/v1/completions/", None, "/v1/completions"),
+     ("POST", "/v1/completions//?a=b&c=%20d", None, "/v1/completions?a=b&c=%20d"),
+     ("GET", "/v1/completions/", None, "/v1/completions"),  # a method the route does not take: redirected too
+     ("GET", "/v1/models/", "gateway.example:9", "http://gateway.example:9/v1/models"),
+     ("HEAD", "/health/", "bad host", "/health"),  # an invalid Host: the address the engine listens at
+     ("POST", "/v1/completions/", "[1:2:3]:80", "/v1/completions"),
+     ("POST", "/v1/completions%2F", "[::1]:8000", "http://[::1]:8000/v1/completions")],
+)  # fmt: skip
+def test_a_trailing_slash_is_redirected_as_vllms_app_redirects_it(
+    fake: type[OpenAIEngine | FakeVLLM], method: str, target: str, host: str | None, location: str
+) -> None:
+    """vLLM's FastAPI app (Starlette's ``redirect_slashes``) answers a path that one of its routes serves without
+    its trailing slashes with an empty 307 to that path, any method, the query string kept, at the request's Host
+    (else the address it listens at); a path no route serves is still a 404. Was: both fakes answered 404."""
+    headers = {} if host is None else {"Host": host}
+    with fake() as engine, httpx.Client(base_url=engine.url, timeout=5) as client:
+        reply = client.request(method, target, json=None if method == "HEAD" else {"prompt": [1, 2]}, headers=headers)
+        assert reply.status_code == 307, reply.text
+        assert reply.headers["location"] == (engine.url + location if location.startswith("/") else location)
+        assert reply.content == b""
+        if isinstance(engine, OpenAIEngine):  # its chat route too; nothing was generated
+            chat = client.post("/v1/chat/completions/", json={"messages": [{"role": "user", "content": "a"}]})
+            assert (chat.status_code, chat.headers["location"]) == (307, engine.url + "/v1/chat/completions")
+            assert engine.stats().requests == 0
+        followed = client.post("/v1/completions/?x=1", json={"prompt": [5, 6, 7], "max_tokens": 2},
+                               follow_redirects=True)  # fmt: skip
+        assert followed.status_code == 200 and [r.status_code for r in followed.history] == [307]
+        assert followed.url == engine.url + "/v1/completions?x=1"
+        assert client.post("/v1/nowhere/", json={"prompt": [1]}).status_code == 404
+
+
 def test_an_adapters_answer_names_the_adapter_as_vllms_does() -> None:
     with OpenAIEngine(model="base", lora_adapters=["sql"], max_tokens=1) as engine:
         for model in ("sql", "base", None):

@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import errno
 import io
-import ipaddress
 import logging
 import math
 import re
@@ -37,6 +36,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from prefixroute._numbers import as_float, as_int, shown
 from prefixroute.adapters._listening import close_listener
+from prefixroute.adapters._slashes import request_redirect
 from prefixroute.adapters.proxy.models import MAX_MODELS_BYTES, UnreadableModels, merge_cards, model_cards
 from prefixroute.adapters.proxy.prompts import (
     INLINE_TEXT,
@@ -1027,57 +1027,21 @@ async def _allow_any_origin(request: web.Request, response: web.StreamResponse) 
 @web.middleware
 async def _json_errors(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
     """aiohttp's own refusals (404, 405, 413) as OpenAI-style JSON errors too; a 404 for a route's path with
-    trailing slashes is a redirect to the route (:func:`_slash_redirect`)."""
+    trailing slashes is a redirect to the route, as vLLM's app answers it
+    (:func:`~prefixroute.adapters._slashes.request_redirect`)."""
     try:
         response: web.StreamResponse = await handler(request)
         return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        if exc.status == 404 and (location := _slash_redirect(request)) is not None:
+        if exc.status == 404 and (location := request_redirect(request)) is not None:
             return web.Response(status=307, headers={"Location": location})
         answer = error_response(exc.status, f"{exc.reason}: {request.method} {request.path}",
                                 exc.reason.replace(" ", "") + "Error")  # fmt: skip
         if "Allow" in exc.headers:  # a 405 says which methods the path takes
             answer.headers["Allow"] = exc.headers["Allow"]
         return answer
-
-
-# A Host header as Starlette's URL accepts one (starlette/_utils.py: a reg-name, an IPv4 or a bracketed IPv6 address,
-# and a port of at most 65535); another is not written into a Location.
-_HOST_HEADER = re.compile(r"(?:[a-z0-9._~%!$&'()*+,;=-]+|\[(?P<ipv6>[a-f0-9]*:[a-f0-9.:]+)\])(?::0*(?P<port>[0-9]+))?",
-                          re.IGNORECASE)  # fmt: skip
-_DEFAULT_PORTS = MappingProxyType({"http": 80, "https": 443})
-
-
-def _slash_redirect(request: web.Request) -> str | None:
-    """Where vLLM's FastAPI app (Starlette's ``redirect_slashes``) sends a request whose path one of the routes
-    serves without its trailing slashes, whatever the method (with a 307): ``http://{Host}{route}?{query}``, the
-    query as sent, at the Host header if valid, else at the address the proxy listens at. None for another path."""
-    path = request.path.rstrip("/")
-    if path == request.path or not path or all(r.canonical != path for r in request.app.router.resources()):
-        return None
-    scheme, host = request.scheme, request.headers.get("Host", "")
-    if not _valid_host(host):
-        local = request.transport.get_extra_info("sockname") if request.transport is not None else None
-        if not isinstance(local, tuple):
-            return None
-        address = f"[{local[0]}]" if ":" in local[0] else local[0]
-        host = address if local[1] == _DEFAULT_PORTS.get(scheme) else f"{address}:{local[1]}"
-    query = request.raw_path.partition("?")[2]
-    return f"{scheme}://{host}{path}?{query}" if query else f"{scheme}://{host}{path}"
-
-
-def _valid_host(host: str) -> bool:
-    valid = _HOST_HEADER.fullmatch(host)
-    if valid is None or (valid["port"] is not None and (len(valid["port"]) > 5 or int(valid["port"]) > 65535)):
-        return False
-    if valid["ipv6"] is not None:
-        try:
-            ipaddress.IPv6Address(valid["ipv6"])
-        except ValueError:  # [1:2:3]
-            return False
-    return True
 
 
 def _listen_at(host: object, port: object) -> tuple[str, int]:
