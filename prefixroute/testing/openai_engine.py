@@ -9,7 +9,8 @@ request hits the longest cached prefix of full blocks and its time to first toke
 tokens, so a router that keeps prefixes together measurably wins. Prompts are token ids or text (a completion's
 ``prompt`` may be a batch of either, and ``n`` asks for that many answers per prompt, as vLLM takes them); text is
 split on whitespace, each word one token (or pass ``tokenizer=``). A route's path with trailing slashes is
-Starlette's 307 to the route, as vLLM's app answers it.
+Starlette's 307 to the route, as vLLM's app answers it. A request whose client disconnects is aborted at once,
+queued or running, as vLLM aborts it.
 
 ::
 
@@ -281,7 +282,8 @@ class EngineStats:
     failed: int
     """Requests answered with an injected error (:meth:`OpenAIEngine.fail_next`)."""
     disconnected: int
-    """Requests whose client went away before the answer was complete."""
+    """Requests whose client went away before the answer was complete: each aborted at once, queued, in prefill or
+    generating (its slot and blocks freed), as vLLM aborts it."""
     running: int
     """Requests being answered now."""
     waiting: int
@@ -422,7 +424,9 @@ class OpenAIEngine:
         app.router.add_route("*", "/metrics{tail:.*}", self._metrics)
         app.router.add_get("/health", self._health, allow_head=False)
         app.on_response_prepare.append(_cors_header)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # vLLM aborts a request the moment its client disconnects (with_cancellation, and a StreamingResponse's own
+        # listener), in prefill or queued too, freeing its slot and blocks: aiohttp cancels the handler so.
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
         try:
             await self._runner.setup()
             await self._listen()
@@ -640,6 +644,10 @@ class OpenAIEngine:
                 self._waiting += 1
             try:
                 await self._slots.acquire()
+            except asyncio.CancelledError:  # its client left while it queued: aborted, never scheduled
+                with self._lock:
+                    self._counts["disconnected"] += 1
+                raise
             finally:
                 with self._lock:
                     self._waiting -= 1

@@ -915,6 +915,60 @@ def test_a_client_that_leaves_during_a_streamed_prefill_is_counted_not_logged_as
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_during_prefill_is_aborted_at_once_as_vllm_aborts_it(stream: bool) -> None:
+    """vLLM (``with_cancellation``, and a StreamingResponse's own disconnect listener) aborts a request as soon as its
+    client disconnects, streamed or not: its slot and KV blocks are freed, so ``vllm:num_requests_running`` and
+    ``vllm:kv_cache_usage_perc`` drop at once, and it never reaches a first token. Was: the fake held it until its
+    prefill had run out (here ten minutes), counted running with its blocks held."""
+    body = {"prompt": list(range(64)), "stream": stream}
+
+    async def scenario(engine: OpenAIEngine) -> None:
+        async with httpx.AsyncClient(base_url=engine.url, timeout=DEADLINE_S * 60) as client:
+            asking = asyncio.create_task(client.post("/v1/completions", json=body))
+            await asyncio.to_thread(wait_until, lambda: engine.stats().running == 1, what="the request to run")
+            assert parse_metrics(engine.metrics_text()).kv_usage == 4 / 64
+            asking.cancel()  # httpx closes the connection of a request it gives up
+            with contextlib.suppress(asyncio.CancelledError):
+                await asking
+            await asyncio.to_thread(wait_until, lambda: engine.stats().running == 0, what="the request's abort")
+
+    with OpenAIEngine(block_size=16, num_blocks=64, prefill_s=600) as engine:
+        asyncio.run(scenario(engine))
+        metrics = parse_metrics(engine.metrics_text())
+        stats = engine.stats()
+    assert (metrics.running, metrics.waiting, metrics.kv_usage, metrics.ttft_count) == (0, 0, 0, 0)
+    assert (stats.disconnected, stats.completed) == (1, 0)
+
+
+def test_a_client_that_leaves_while_queued_is_dropped_from_the_queue_at_once() -> None:
+    """A request queued behind ``max_running`` whose client disconnects leaves the queue at once (vLLM aborts a
+    waiting request too), never runs and never queries the prefix cache. Was: it stayed in
+    ``vllm:num_requests_waiting`` until a slot freed, then ran for nobody."""
+
+    async def scenario(engine: OpenAIEngine) -> None:
+        async with httpx.AsyncClient(base_url=engine.url, timeout=DEADLINE_S * 60) as client:
+            running = asyncio.create_task(client.post("/v1/completions", json={"prompt": list(range(8))}))
+            await asyncio.to_thread(wait_until, lambda: engine.stats().running == 1, what="the first to run")
+            queued = asyncio.create_task(client.post("/v1/completions", json={"prompt": list(range(100, 132))}))
+            await asyncio.to_thread(wait_until, lambda: engine.stats().waiting == 1, what="the second to queue")
+            queued.cancel()
+            await asyncio.to_thread(wait_until, lambda: engine.stats().waiting == 0, what="the queued one to leave")
+            assert parse_metrics(engine.metrics_text()).waiting == 0 and engine.stats().running == 1
+            running.cancel()
+            await asyncio.to_thread(wait_until, lambda: engine.stats().running == 0, what="the running one's abort")
+            for task in (running, queued):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    with OpenAIEngine(max_running=1, prefill_s=600) as engine:
+        asyncio.run(scenario(engine))
+        metrics = parse_metrics(engine.metrics_text())
+        stats = engine.stats()
+    assert (metrics.running, metrics.waiting, metrics.prefix_queries) == (0, 0, 8)  # the second never scheduled
+    assert (stats.disconnected, stats.completed, stats.prompt_tokens) == (2, 0, 8)
+
+
 def test_a_body_over_a_mebibyte_is_served_as_vllm_serves_it(engine: OpenAIEngine) -> None:
     words = [f"{i:04d}" + "x" * 1000 for i in range(2000)]  # 2 MB of text, 2000 tokens (aiohttp's default cap: 1 MiB)
     reply = httpx.post(f"{engine.url}/v1/completions", json={"prompt": " ".join(words), "max_tokens": 1}, timeout=30)
