@@ -695,6 +695,7 @@ class OpenAIEngine:
         lora_name = body["model"] if body.get("model") in self.lora_adapters else None
         with self._lock:
             held = [self.cache.allocate(prompt, lora_name=lora_name) for prompt in prompts]
+            self.cache.take_events()  # this engine publishes no KV events: kept, they grew for as long as it served
             prompt_tokens = sum(one.prompt_tokens for one in held)
             cached_tokens = sum(one.cached_tokens for one in held)
             self._running += 1

@@ -1196,3 +1196,16 @@ def test_an_engine_stopped_refuses_its_test_hooks_in_the_exception_tree() -> Non
             other.accept()
 
     asyncio.run(served_then_closed())
+
+
+def test_the_engine_keeps_no_kv_events_it_never_publishes() -> None:
+    """OpenAIEngine publishes no KV events; its cache's were kept, one BlockStored (with its tokens) a new block, so a
+    long-running ``prefixroute fake-engines`` grew without bound."""
+    engine = OpenAIEngine(model="m").start()
+    try:
+        for i in range(3):
+            body = {"model": "m", "prompt": list(range(100 * i, 100 * i + 64)), "max_tokens": 1}
+            assert httpx.post(engine.url + "/v1/completions", json=body).status_code == 200
+        assert engine.cache.events == []
+    finally:
+        engine.stop()
