@@ -928,3 +928,32 @@ def test_the_command_raises_its_soft_limit_of_open_files_as_vllm_does() -> None:
                 assert line.split()[3:5] == [str(hard), str(hard)], (name, line)
             finally:
                 process.kill()
+
+
+def test_a_body_that_stops_coming_is_a_408(refused_port: Callable[[], int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A body that stopped coming held its request, and what it had sent (up to 64 MiB), for ever; nginx answers 408
+    after client_body_timeout. The proxy does after 60 s without a byte (shortened here); a slow body that keeps
+    coming is read whole."""
+    from prefixroute.adapters.proxy import app
+
+    monkeypatch.setattr(app, "_BODY_STALL_S", 0.3)
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    with Proxy(Router(), [f"http://127.0.0.1:{refused_port()}"], base_models=[]) as proxy:
+        host, port = proxy.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=DEADLINE_S) as client:
+            client.sendall(head + b'{"prompt": ')
+            answer = b""
+            while b"}}" not in answer:
+                chunk = client.recv(65536)
+                assert chunk, answer
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408 "), answer
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["type"] == "RequestTimeoutError"
+        assert proxy.stats().bad_request == 1 and idle(proxy)
+        body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 1}).encode().ljust(100)
+        with socket.create_connection((host, int(port)), timeout=DEADLINE_S) as client:
+            for piece in (head, body[:30], body[30:60], body[60:]):
+                client.sendall(piece)
+                time.sleep(0.2)  # under the stall timeout between pieces
+            answer = client.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 502 "), answer  # read whole and routed (to a backend that is not there)

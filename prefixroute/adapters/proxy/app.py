@@ -507,7 +507,7 @@ class Proxy:
                 raise BadRequest(UNSUPPORTED_MEDIA_TYPE)
             if (request.content_length or 0) > self._max_body:  # refused before a byte of it is read
                 return self._too_large()
-            raw = await request.read()
+            raw = await request.read() if request.content.is_eof() else await _read_unless_stalled(request)
             if len(raw) > INLINE_TEXT:  # decoding and tokenizing a long prompt on the loop would hold every stream up
                 body, tokens = await asyncio.to_thread(self._tokens, raw, chat)
             else:
@@ -532,6 +532,12 @@ class Proxy:
             return error_response(400, f"the request body could not be read: {exc}", "BadRequestError")
         except web.HTTPRequestEntityTooLarge:
             return self._too_large()
+        except _Stalled:
+            self._counts["bad_request"] += 1
+            message = f"the request body stopped coming: nothing for {_BODY_STALL_S:g} s"
+            timed_out = error_response(408, message, "RequestTimeoutError")
+            timed_out.force_close()  # what is left of the body is not read
+            return timed_out
         except (asyncio.CancelledError, ConnectionError):  # the client left before its whole body came
             self._counts["client_disconnect"] += 1
             raise
@@ -923,6 +929,33 @@ class _Refused(Exception):
         self.status = status
         self.body = body
         self.content_type = content_type
+
+
+class _Stalled(Exception):
+    """A request body that stopped coming (see :func:`_read_unless_stalled`)."""
+
+
+_BODY_STALL_S = 60.0
+"""How long a request body may go without a byte before it is answered 408 (nginx's client_body_timeout): a body
+that stopped coming held its request, and the up to 64 MiB it had sent, for ever."""
+
+
+async def _read_unless_stalled(request: web.Request) -> bytes:
+    """``request.read()``, unless nothing of the body comes for :data:`_BODY_STALL_S` (then :class:`_Stalled`).
+
+    Only for a body not already whole when the handler starts (most are): a watch costs a task."""
+    reading = asyncio.ensure_future(request.read())
+    seen = -1
+    try:
+        while True:
+            done, _ = await asyncio.wait({reading}, timeout=_BODY_STALL_S)
+            if done:
+                return reading.result()
+            if request.content.total_bytes == seen:
+                raise _Stalled
+            seen = request.content.total_bytes
+    finally:
+        reading.cancel()
 
 
 def _whole_outcome(upstream: aiohttp.ClientResponse | None) -> str:
