@@ -498,7 +498,8 @@ def _http_protocol(sidecar: Any) -> type[asyncio.Protocol]:
                     if name != b"upgrade" and (name != b"connection" or value.strip()):
                         head += [b"\r\n", name, b": ", value]
                 self.parser = httptools.HttpRequestParser(self)
-                self.parser.set_dangerous_leniencies(lenient_data_after_close=True)  # as uvicorn makes its own
+                with contextlib.suppress(AttributeError):  # as uvicorn makes its own (httptools 0.6.3 and later)
+                    self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
                 self.data_received(b"".join(head) + b"\r\n\r\n" + data[offset:])
 
         def on_message_begin(self) -> None:
