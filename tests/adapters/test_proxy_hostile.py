@@ -225,6 +225,10 @@ def test_a_clients_expect_100_continue_is_answered_by_the_proxy_not_sent_on() ->
                 assert client.recv(1024) == b"HTTP/1.1 100 Continue\r\n\r\n"
                 client.sendall(body)
                 answer = client.recv(65536)
+                while not answer.endswith(b"}"):  # the head and the body may come apart (aiohttp 3.10 sends them so)
+                    chunk = client.recv(65536)
+                    assert chunk, answer
+                    answer += chunk
             assert answer.startswith(b"HTTP/1.1 200 OK") and answer.endswith(b'"read": %d}' % len(body)), answer
             assert b"expect" not in heads[0].lower()
             assert idle(proxy)

@@ -277,7 +277,9 @@ class Proxy:
 
     def app(self) -> web.Application:
         """The aiohttp application (routes and error middleware)."""
-        app = web.Application(middlewares=[_cors_preflight, _json_errors], client_max_size=self._max_body)
+        # One byte over: aiohttp before 3.14 refuses a body of exactly client_max_size (>=), later ones one over it;
+        # the handler refuses one over max_body itself, so a body of max_body bytes is read with either.
+        app = web.Application(middlewares=[_cors_preflight, _json_errors], client_max_size=self._max_body + 1)
         app.on_response_prepare.append(_allow_any_origin)
         app.router.add_post("/v1/completions", self._completions, expect_handler=self._expect)
         app.router.add_post("/v1/chat/completions", self._chat, expect_handler=self._expect)
@@ -508,6 +510,8 @@ class Proxy:
             if (request.content_length or 0) > self._max_body:  # refused before a byte of it is read
                 return self._too_large()
             raw = await request.read() if request.content.is_eof() else await _read_unless_stalled(request)
+            if len(raw) > self._max_body:  # a chunked body (no Content-Length) one byte over: see app()
+                return self._too_large()
             if len(raw) > INLINE_TEXT:  # decoding and tokenizing a long prompt on the loop would hold every stream up
                 body, tokens = await asyncio.to_thread(self._tokens, raw, chat)
             else:
