@@ -644,10 +644,12 @@ def test_the_routes_answer_as_vllms_fastapi_app_does() -> None:
             assert metrics.status_code == 200, metrics.request.url
             assert metrics.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
             assert "vllm:prefix_cache_queries_total" in metrics.text
-        for unknown in (client.get("/nothing"), client.get("/v1/models/"), client.post("/v1/chat/nothing")):
+        for unknown in (client.get("/nothing"), client.get("/v1/nothing/"), client.post("/v1/chat/nothing")):
             assert unknown.status_code == 404, unknown.request.url
             assert unknown.headers["content-type"] == "application/json"
             assert unknown.json() == {"detail": "Not Found"}
+        slashed = client.get("/v1/models/")  # a served path with a trailing slash: Starlette redirects it
+        assert slashed.status_code == 307 and slashed.headers["location"].endswith("/v1/models"), slashed.headers
         for wrong, allowed in ((client.get("/v1/completions"), "POST"), (client.post("/v1/models?x=1"), "GET")):
             assert wrong.status_code == 405 and wrong.headers["allow"] == allowed, wrong.request.url
             assert wrong.headers["content-type"] == "application/json"
