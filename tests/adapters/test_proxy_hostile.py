@@ -940,7 +940,7 @@ def test_a_body_that_stops_coming_is_a_408(refused_port: Callable[[], int], monk
     coming is read whole."""
     from prefixroute.adapters.proxy import app
 
-    monkeypatch.setattr(app, "_BODY_STALL_S", 0.3)
+    monkeypatch.setattr(app, "_BODY_STALL_S", 1.0)
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
     with Proxy(Router(), [f"http://127.0.0.1:{refused_port()}"], base_models=[]) as proxy:
         host, port = proxy.url.removeprefix("http://").split(":")
@@ -958,6 +958,6 @@ def test_a_body_that_stops_coming_is_a_408(refused_port: Callable[[], int], monk
         with socket.create_connection((host, int(port)), timeout=DEADLINE_S) as client:
             for piece in (head, body[:30], body[30:60], body[60:]):
                 client.sendall(piece)
-                time.sleep(0.2)  # under the stall timeout between pieces
+                time.sleep(0.1)  # well under the stall timeout between pieces
             answer = client.recv(65536)
         assert answer.startswith(b"HTTP/1.1 502 "), answer  # read whole and routed (to a backend that is not there)

@@ -1576,11 +1576,38 @@ def test_a_request_head_over_64_kib_is_a_431_before_it_is_all_read() -> None:
                 received += chunk
             answers.append(received)
 
-    _serving(sidecar, scenario)
-    [answer] = answers
-    assert answer.startswith(b"HTTP/1.1 431 "), answer[:100]
-    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"].startswith("the request's head is over 65536")
-    assert sidecar.stats()["bad_requests"] == {"431": 1}
+    async def whole(loop: asyncio.AbstractEventLoop, address: Any) -> None:  # the head in one write: one read
+        with socket.create_connection(address) as client:
+            client.setblocking(False)
+            with contextlib.suppress(ConnectionError):
+                await loop.sock_sendall(client, b"POST /route HTTP/1.1\r\nX-Big: " + b"a" * (100 << 10) + b"\r\n")
+            received = b""
+            while chunk := await asyncio.wait_for(loop.sock_recv(client, 65536), DEADLINE_S):
+                received += chunk
+            answers.append(received)
+
+    async def pipelined(loop: asyncio.AbstractEventLoop, address: Any) -> None:  # heads small, bodies large
+        body = b'{"prompt_token_ids": [' + b"1, " * (16 << 10) + b"1]}"
+        one = b"POST /route HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        with socket.create_connection(address) as client:
+            client.setblocking(False)
+            await loop.sock_sendall(client, one[:20])
+            await asyncio.sleep(0.05)  # the first head begun alone, the rest in one write
+            await loop.sock_sendall(
+                client, one[20:] + one + b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            )
+            received = b""
+            while chunk := await asyncio.wait_for(loop.sock_recv(client, 65536), DEADLINE_S):
+                received += chunk
+            answers.append(received)
+
+    for run in (scenario, whole, pipelined):
+        _serving(sidecar, run)
+    for answer in answers[:2]:
+        assert answer.startswith(b"HTTP/1.1 431 "), answer[:100]
+        assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"].startswith("the request's head is over 65536")
+    assert answers[2].count(b"HTTP/1.1 200 ") == 3, answers[2][:300]  # the pipelined requests: no head too large
+    assert sidecar.stats()["bad_requests"] == {"431": 2}
 
 
 def test_a_connection_whose_request_stalls_is_closed_after_the_read_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1589,7 +1616,7 @@ def test_a_connection_whose_request_stalls_is_closed_after_the_read_timeout(monk
     timeout (60 s, nginx's client_header_timeout; shortened here); a request answered meanwhile is not."""
     from prefixroute.adapters.serve import cli
 
-    monkeypatch.setattr(cli, "_READ_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(cli, "_READ_TIMEOUT_S", 1.0)
     sidecar = Sidecar(Router(block_size=16), backends=BACKENDS)
     body = b'{"prompt_token_ids": [1, 2, 3]}'
     stalls = [
@@ -1610,7 +1637,7 @@ def test_a_connection_whose_request_stalls_is_closed_after_the_read_timeout(monk
             whole = b"POST /route HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
             for piece in (whole[:20], whole[20:60], whole[60:]):
                 await loop.sock_sendall(client, piece)
-                await asyncio.sleep(0.2)  # under the timeout between pieces
+                await asyncio.sleep(0.1)  # well under the timeout between pieces
             closed.append(await asyncio.wait_for(loop.sock_recv(client, 65536), DEADLINE_S))
 
     _serving(sidecar, scenario)

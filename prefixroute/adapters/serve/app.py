@@ -659,7 +659,7 @@ class Sidecar:
             return None
 
     async def _get(self, path: str, send: Send) -> None:
-        healthy = self._health_now()
+        healthy = self._health_now() if path != "/stats" else None
         if path == "/metrics":
             up = None if healthy is None else {backend: backend in healthy for backend in self.backends}
             text = self.metrics.render(self.router, self._seen, up=up).encode()

@@ -406,7 +406,10 @@ def _http_protocol(sidecar: Any) -> type[asyncio.Protocol]:
     A request that asks to upgrade its connection (``Upgrade: h2c``, as ``curl --http2`` and Java's HttpClient send
     by default; ``websocket``) is served as plain HTTP/1.1, as RFC 9110 §7.8 lets a server do: httptools ends such a
     request at its head and uvicorn answered it without its body (a 400 "truncated" for every request of those
-    clients) and logged two warnings."""
+    clients) and logged two warnings. A head over :data:`_MAX_HEAD_BYTES` is a 431 (counted in chunks read whole
+    within one head: a pipelining client's head that shares a chunk with the request before it is counted from the
+    next chunk on), and a connection whose request goes :data:`_READ_TIMEOUT_S` without a byte is closed (not while
+    the server holds it back). With h11 (no httptools) neither: h11 caps a head at 16 KiB itself."""
     from prefixroute.adapters.serve.app import CLIENT_LEFT
 
     base: Any
@@ -424,13 +427,15 @@ def _http_protocol(sidecar: Any) -> type[asyncio.Protocol]:
     class Protocol(base):  # type: ignore[misc]
         if use_httptools:
             parser: Any
-            _head = -1  # bytes received of a request head still incomplete; -1 outside a head
+            _head = 0  # bytes received of a request head still incomplete; -1 while a body is read
+            _headed = False  # a head was completed by the chunk being fed
             _reading = True  # a request is incomplete (or none has begun since the connection opened)
             _last_read = 0.0  # the loop's time of the last bytes received
             _watch: asyncio.TimerHandle | None = None
 
             def connection_made(self, transport: asyncio.BaseTransport) -> None:
                 super().connection_made(transport)
+                self._head = 0
                 self._last_read = self.loop.time()
                 self._watch = self.loop.call_later(_READ_TIMEOUT_S, self._check_reading)
 
@@ -446,6 +451,8 @@ def _http_protocol(sidecar: Any) -> type[asyncio.Protocol]:
                 connection for ever."""
                 if self.transport.is_closing():
                     return
+                if self.flow.read_paused:  # the server holds the client back (a pipelined request waits): not idle
+                    self._last_read = self.loop.time()
                 idle = self.loop.time() - self._last_read
                 if self._reading and idle >= _READ_TIMEOUT_S:
                     self.transport.close()
@@ -455,10 +462,12 @@ def _http_protocol(sidecar: Any) -> type[asyncio.Protocol]:
 
             def on_headers_complete(self) -> None:
                 self._head = -1
+                self._headed = True
                 super().on_headers_complete()
 
             def on_message_complete(self) -> None:
                 self._reading = False
+                self._head = 0  # what comes next is the next request's head
                 super().on_message_complete()
 
             def _should_upgrade(self) -> bool:
@@ -468,7 +477,7 @@ def _http_protocol(sidecar: Any) -> type[asyncio.Protocol]:
             def data_received(self, data: bytes) -> None:  # uvicorn's, but for an upgrade and a head's size
                 self._unset_keepalive_if_required()
                 self._last_read = self.loop.time()
-                in_head = self._head >= 0  # this chunk's bytes are the head's, unless it completes it
+                in_head, self._headed = self._head >= 0, False  # a chunk all head: in one before, none completed
                 try:
                     self.parser.feed_data(data)
                 except httptools.HttpParserError:
@@ -478,7 +487,7 @@ def _http_protocol(sidecar: Any) -> type[asyncio.Protocol]:
                 except httptools.HttpParserUpgrade as upgrade:
                     self._upgrade(data, upgrade.args[0])
                     return
-                if in_head and self._head >= 0:  # httptools takes a head of any size (64 MiB: 2.8 s of CPU)
+                if in_head and not self._headed:  # httptools takes a head of any size (64 MiB: 2.8 s of CPU)
                     self._head += len(data)
                     if self._head > _MAX_HEAD_BYTES:
                         self._refuse(431, b"Request Header Fields Too Large",
@@ -504,7 +513,6 @@ def _http_protocol(sidecar: Any) -> type[asyncio.Protocol]:
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._head = 0
             self._reading = True
             self.scope["extensions"] = {**(self.scope.get("extensions") or {}), CLIENT_LEFT: self.client_left}
 
