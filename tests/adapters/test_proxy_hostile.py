@@ -54,6 +54,19 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def error_answer(proxy: Proxy, sent: bytes) -> bytes:
+    """The proxy's whole answer, an error in JSON, to ``sent`` on a connection of its own."""
+    host, port = proxy.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=DEADLINE_S) as client:
+        client.sendall(sent)
+        answer = b""
+        while b"}}" not in answer:
+            chunk = client.recv(65536)
+            assert chunk, answer
+            answer += chunk
+    return answer
+
+
 @pytest.fixture
 def backend() -> Iterator[Backend]:
     """Start an aiohttp backend whose POST /v1/completions and GET /v1/models are the given handler; return its URL.
@@ -247,14 +260,7 @@ def test_a_body_declared_over_the_limit_is_refused_before_it_is_sent(
     alive, unsaid: a client's next request on it was read as that body's bytes, and unanswered for ~10 s)."""
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2000\r\n"
     with Proxy(Router(), [f"http://127.0.0.1:{refused_port()}"], base_models=[], max_body_bytes=1000) as proxy:
-        host, port = proxy.url.removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port)), timeout=10) as client:
-            client.sendall(head + (b"Expect: 100-continue\r\n" if expect else b"") + b"\r\n")
-            answer = b""
-            while b"}}" not in answer:
-                chunk = client.recv(65536)
-                assert chunk, answer
-                answer += chunk
+        answer = error_answer(proxy, head + (b"Expect: 100-continue\r\n" if expect else b"") + b"\r\n")
         assert answer.startswith(b"HTTP/1.1 413 "), answer
         assert b"\r\nconnection: close\r\n" in answer.split(b"\r\n\r\n", 1)[0].lower() + b"\r\n"
         error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
@@ -268,14 +274,7 @@ def test_a_body_not_labelled_json_is_refused_before_the_client_sends_it(refused_
     (curl labels ``--data-binary`` form-encoded)."""
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\n"
     with Proxy(Router(), [f"http://127.0.0.1:{refused_port()}"], base_models=[]) as proxy:
-        host, port = proxy.url.removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port)), timeout=10) as client:
-            client.sendall(head + b"Content-Length: 2000\r\nExpect: 100-continue\r\n\r\n")
-            answer = b""
-            while b"}}" not in answer:
-                chunk = client.recv(65536)
-                assert chunk, answer
-                answer += chunk
+        answer = error_answer(proxy, head + b"Content-Length: 2000\r\nExpect: 100-continue\r\n\r\n")
         assert answer.startswith(b"HTTP/1.1 400 "), answer
         assert b"\r\nconnection: close\r\n" in answer.split(b"\r\n\r\n", 1)[0].lower() + b"\r\n"
         error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
@@ -288,14 +287,7 @@ def test_an_unknown_expectation_is_a_417_in_error_json(refused_port: Callable[[]
     text/plain "Unknown Expect", uncounted."""
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n"
     with Proxy(Router(), [f"http://127.0.0.1:{refused_port()}"], base_models=[]) as proxy:
-        host, port = proxy.url.removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port)), timeout=10) as client:
-            client.sendall(head + b"Expect: foo\r\n\r\n")
-            answer = b""
-            while b"}}" not in answer:
-                chunk = client.recv(65536)
-                assert chunk, answer
-                answer += chunk
+        answer = error_answer(proxy, head + b"Expect: foo\r\n\r\n")
         assert answer.startswith(b"HTTP/1.1 417 "), answer
         error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
         assert error["type"] == "ExpectationFailedError" and "100-continue" in error["message"], error
@@ -943,18 +935,12 @@ def test_a_body_that_stops_coming_is_a_408(refused_port: Callable[[], int], monk
     monkeypatch.setattr(app, "_BODY_STALL_S", 1.0)
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
     with Proxy(Router(), [f"http://127.0.0.1:{refused_port()}"], base_models=[]) as proxy:
-        host, port = proxy.url.removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port)), timeout=DEADLINE_S) as client:
-            client.sendall(head + b'{"prompt": ')
-            answer = b""
-            while b"}}" not in answer:
-                chunk = client.recv(65536)
-                assert chunk, answer
-                answer += chunk
+        answer = error_answer(proxy, head + b'{"prompt": ')
         assert answer.startswith(b"HTTP/1.1 408 "), answer
         assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["type"] == "RequestTimeoutError"
         assert proxy.stats().bad_request == 1 and idle(proxy)
         body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 1}).encode().ljust(100)
+        host, port = proxy.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=DEADLINE_S) as client:
             for piece in (head, body[:30], body[30:60], body[60:]):
                 client.sendall(piece)

@@ -1382,7 +1382,6 @@ def test_shutdown_answers_or_drops_a_connection_accepted_just_before(turns: int)
 def test_a_request_the_http_parser_refuses_is_a_counted_400_in_json() -> None:
     """Bad framing (a chunk size that is no hex number, a Content-Length beside chunked or given twice, a TLS hello)
     was answered by uvicorn's own 400, a line of text/plain, uncounted; the contract answers bad input in JSON."""
-    from prefixroute.adapters.serve.cli import _http_server
 
     sidecar = Sidecar(Router(block_size=16), backends=BACKENDS)
     body = b'{"prompt_token_ids": [1, 2, 3]}'
@@ -1403,24 +1402,13 @@ def test_a_request_the_http_parser_refuses_is_a_counted_400_in_json() -> None:
                 received += chunk
             return received
 
-    async def scenario() -> None:
-        server = _http_server(sidecar)
-        with socket.create_server(("127.0.0.1", 0)) as listening:
-            listening.setblocking(False)
-            serving = asyncio.ensure_future(server.serve(sockets=[listening]))
-            while not server.started:
-                await asyncio.sleep(0.01)
-            loop = asyncio.get_running_loop()
-            try:
-                for request in malformed:
-                    answers.append(await exchange(loop, listening.getsockname(), request))
-                good = b"POST /route HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
-                answers.append(await exchange(loop, listening.getsockname(), good + body))
-            finally:
-                server.should_exit = True
-                await asyncio.wait_for(serving, 10)
+    async def scenario(loop: asyncio.AbstractEventLoop, address: Any) -> None:
+        for request in malformed:
+            answers.append(await exchange(loop, address, request))
+        good = b"POST /route HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
+        answers.append(await exchange(loop, address, good + body))
 
-    asyncio.run(scenario())
+    _serving(sidecar, scenario)
     for answer in answers[:-1]:
         head, _, payload = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head.lower(), answer
@@ -1434,7 +1422,6 @@ def test_a_request_that_asks_to_upgrade_is_served_as_http_1_1(caplog: pytest.Log
     9110 §7.8 lets a server ignore. httptools ended such a request at its head: uvicorn answered it without its body
     (400, "not valid JSON: Input data was truncated") and logged two warnings. Each is served as HTTP/1.1 now, its
     body whole whether it came with the head, after it, or in chunks, and a request pipelined after it is answered."""
-    from prefixroute.adapters.serve.cli import _http_server
 
     sidecar = Sidecar(Router(block_size=16), backends=BACKENDS)
     body = b'{"prompt_token_ids": [1, 2, 3]}'
@@ -1463,23 +1450,12 @@ def test_a_request_that_asks_to_upgrade_is_served_as_http_1_1(caplog: pytest.Log
                 received += chunk
             return received
 
-    async def scenario() -> None:
-        server = _http_server(sidecar)
-        with socket.create_server(("127.0.0.1", 0)) as listening:
-            listening.setblocking(False)
-            serving = asyncio.ensure_future(server.serve(sockets=[listening]))
-            while not server.started:
-                await asyncio.sleep(0.01)
-            loop = asyncio.get_running_loop()
-            try:
-                for pieces in connections:
-                    answers.append(await exchange(loop, listening.getsockname(), pieces))
-            finally:
-                server.should_exit = True
-                await asyncio.wait_for(serving, 10)
+    async def scenario(loop: asyncio.AbstractEventLoop, address: Any) -> None:
+        for pieces in connections:
+            answers.append(await exchange(loop, address, pieces))
 
     with caplog.at_level(logging.WARNING):
-        asyncio.run(scenario())
+        _serving(sidecar, scenario)
     for answer in answers:
         assert answer.count(b"HTTP/1.1 200 ") == 2 and b"HTTP/1.1 101" not in answer, answer
     assert sidecar.stats()["decisions"] == {"miss": 2 * len(connections)}  # shorter than a block: never matched
@@ -1491,7 +1467,6 @@ def test_a_body_over_the_limit_sent_whole_before_reading_gets_its_413(framing: s
     """A client that writes its whole body before it reads (Node's http, Java's HttpClient; no ``Expect``) got a
     connection reset instead of the 413: the sidecar closed the connection with the body unread (7 to 11 in 12 such
     requests of 70 MB failed). It reads and drops the rest first, as aiohttp and nginx linger."""
-    from prefixroute.adapters.serve.cli import _http_server
 
     sidecar = Sidecar(Router(block_size=16), backends=BACKENDS, max_body_bytes=1000)
     body = b'{"prompt_token_ids": [' + b"1, " * (3 << 20) + b"1]}"  # 9 MiB: more than the sockets' buffers hold
@@ -1503,27 +1478,16 @@ def test_a_body_over_the_limit_sent_whole_before_reading_gets_its_413(framing: s
         request = b"POST /route HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
     answers: list[bytes] = []
 
-    async def scenario() -> None:
-        server = _http_server(sidecar)
-        with socket.create_server(("127.0.0.1", 0)) as listening:
-            listening.setblocking(False)
-            serving = asyncio.ensure_future(server.serve(sockets=[listening]))
-            while not server.started:
-                await asyncio.sleep(0.01)
-            loop = asyncio.get_running_loop()
-            try:
-                with socket.create_connection(listening.getsockname()) as client:
-                    client.setblocking(False)
-                    await asyncio.wait_for(loop.sock_sendall(client, request), DEADLINE_S)  # all of it, then read
-                    received = b""
-                    while chunk := await asyncio.wait_for(loop.sock_recv(client, 65536), DEADLINE_S):
-                        received += chunk
-                    answers.append(received)
-            finally:
-                server.should_exit = True
-                await asyncio.wait_for(serving, 10)
+    async def scenario(loop: asyncio.AbstractEventLoop, address: Any) -> None:
+        with socket.create_connection(address) as client:
+            client.setblocking(False)
+            await asyncio.wait_for(loop.sock_sendall(client, request), DEADLINE_S)  # all of it, then read
+            received = b""
+            while chunk := await asyncio.wait_for(loop.sock_recv(client, 65536), DEADLINE_S):
+                received += chunk
+            answers.append(received)
 
-    asyncio.run(scenario())
+    _serving(sidecar, scenario)
     [answer] = answers
     assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
     assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"] == "the request body is over 1000 bytes"
