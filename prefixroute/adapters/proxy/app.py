@@ -466,10 +466,15 @@ class Proxy:
         return body, request_tokens(body, chat=chat, encoder=self._encoder, max_token_id=self._max_token_id)
 
     def _too_large(self) -> web.Response:
-        self._counts["bad_request"] += 1
         message = f"the request body is over the proxy's limit of {self._max_body} bytes (max_body_bytes)"
-        response = error_response(413, message, "RequestEntityTooLargeError")
-        response.force_close()  # "Connection: close": the body is not read, so the connection carries no other request
+        return self._refused_unread(413, message, "RequestEntityTooLargeError")
+
+    def _refused_unread(self, status: int, message: str, kind: str) -> web.Response:
+        """A client's request refused with its body (or the rest of it) unread, counted: the answer says
+        ``Connection: close``, since the connection then carries no other request."""
+        self._counts["bad_request"] += 1
+        response = error_response(status, message, kind)
+        response.force_close()
         return response
 
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
@@ -480,17 +485,11 @@ class Proxy:
         if request.version != aiohttp.HttpVersion11:
             return None
         if expect.lower() != "100-continue":
-            self._counts["bad_request"] += 1
             message = f"unknown expectation Expect: {expect}: send Expect: 100-continue, or no Expect"
-            response = error_response(417, message, "ExpectationFailedError")
-            response.force_close()  # the body is not read: the connection carries no other request
-            return response
+            return self._refused_unread(417, message, "ExpectationFailedError")
         if not is_json_media_type(request.headers.get("Content-Type")):  # first, as _proxy() checks
-            self._counts["bad_request"] += 1
             refusal = BadRequest(UNSUPPORTED_MEDIA_TYPE)
-            response = error_response(refusal.status, str(refusal), refusal.kind)
-            response.force_close()  # the body is not read: the connection carries no other request
-            return response
+            return self._refused_unread(refusal.status, str(refusal), refusal.kind)
         if (request.content_length or 0) > self._max_body:
             return self._too_large()
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -537,11 +536,8 @@ class Proxy:
         except web.HTTPRequestEntityTooLarge:
             return self._too_large()
         except _Stalled:
-            self._counts["bad_request"] += 1
             message = f"the request body stopped coming: nothing for {_BODY_STALL_S:g} s"
-            timed_out = error_response(408, message, "RequestTimeoutError")
-            timed_out.force_close()  # what is left of the body is not read
-            return timed_out
+            return self._refused_unread(408, message, "RequestTimeoutError")
         except (asyncio.CancelledError, ConnectionError):  # the client left before its whole body came
             self._counts["client_disconnect"] += 1
             raise

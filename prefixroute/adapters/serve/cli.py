@@ -435,7 +435,6 @@ def _http_protocol(sidecar: Any) -> type[asyncio.Protocol]:
 
             def connection_made(self, transport: asyncio.BaseTransport) -> None:
                 super().connection_made(transport)
-                self._head = 0
                 self._last_read = self.loop.time()
                 self._watch = self.loop.call_later(_READ_TIMEOUT_S, self._check_reading)
 
